@@ -1,0 +1,115 @@
+"""The child process: results, real crashes, timeouts, bounded output, both start methods."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_gpucase.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
+
+from . import isolation_targets as targets
+
+METHODS = ["fork", "spawn"]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_value_and_output_come_back(method: str) -> None:
+    result = run_in_child(targets.echo, 21, timeout=30, start_method=method)
+    assert result.returned and result.value == 42
+    assert result.problem is None
+    assert result.stdout == "to stdout\n"
+    assert result.stderr == "to fd 2\n"
+    assert result.exitcode == 0 and result.signal is None
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_environment_reaches_the_child_only(method: str) -> None:
+    result = run_in_child(targets.read_env, "GPUCASE_PROBE", timeout=30,
+                          env={"GPUCASE_PROBE": "1"}, start_method=method)
+    assert result.value == "1"
+    assert "GPUCASE_PROBE" not in os.environ
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_segfault_is_named_with_the_python_stack(method: str) -> None:
+    result = run_in_child(targets.segfault, timeout=30, start_method=method)
+    assert not result.returned
+    assert result.signal == signal.SIGSEGV
+    assert result.problem == "crashed with signal 11 (SIGSEGV)"
+    assert "Fatal Python error: Segmentation fault" in result.stderr
+    assert "in segfault" in result.stderr
+
+
+def test_abort_is_named() -> None:
+    result = run_in_child(targets.abort, timeout=30)
+    assert result.problem == "crashed with signal 6 (SIGABRT)"
+
+
+@pytest.mark.parametrize("code", [0, 3])
+def test_exit_without_result(code: int) -> None:
+    result = run_in_child(targets.exit_now, code, timeout=30)
+    assert not result.returned
+    assert result.problem == f"exited with code {code} without returning a result"
+
+
+def test_exception_in_child_comes_back_as_traceback() -> None:
+    result = run_in_child(targets.raise_value_error, timeout=30)
+    assert result.problem == "raised in the child"
+    assert result.child_error is not None
+    assert "ValueError: boom" in result.child_error
+
+
+def test_unpicklable_result_is_reported() -> None:
+    result = run_in_child(targets.unpicklable, timeout=30)
+    assert not result.returned
+    assert result.child_error is not None and "pickle" in result.child_error.lower()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_hang_is_killed_after_dumping_stacks(method: str) -> None:
+    start = time.monotonic()
+    result = run_in_child(targets.hang, timeout=1.0, start_method=method)
+    assert result.timed_out and not result.returned
+    assert result.problem == "timed out"
+    assert time.monotonic() - start < 10
+    assert "in hang" in result.stderr  # faulthandler's dump of every thread
+
+
+def test_grandchildren_are_killed_with_the_group(tmp_path: Path) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    result = run_in_child(targets.fork_grandchild_and_hang, str(pid_file), timeout=1.0)
+    assert result.timed_out
+    grandchild = int(pid_file.read_text())
+    for _ in range(50):
+        try:
+            os.kill(grandchild, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"grandchild {grandchild} survived the timeout")
+
+
+def test_sigterm_ignoring_child_is_still_killed() -> None:
+    result = run_in_child(targets.ignore_sigterm_and_hang, timeout=1.0)
+    assert result.timed_out and result.signal == signal.SIGKILL
+
+
+def test_megabytes_of_output_are_bounded_keeping_head_and_tail() -> None:
+    result = run_in_child(targets.flood, 20 * 2**20, timeout=60)
+    assert result.returned
+    assert result.stdout.startswith("BEGIN")
+    assert result.stdout.rstrip().endswith("END")
+    assert "bytes omitted" in result.stdout
+    assert len(result.stdout) < CAPTURE_HEAD + CAPTURE_TAIL + 200
+
+
+def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]) -> None:
+    result = run_in_child(targets.echo, 1, timeout=30)
+    assert result.stdout == "to stdout\n"
+    out, err = capfd.readouterr()
+    assert "to stdout" not in out and "to fd 2" not in err
