@@ -1,0 +1,467 @@
+"""Atomic checkpoint save, manifest, and validation before a restart."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import pytest_gpucase
+from pytest_gpucase.checkpoint import (
+    NO_MANIFEST,
+    Manifest,
+    main_checkpoint,
+    manifest_path,
+    newest_valid,
+    save,
+    scan,
+    validate,
+)
+
+ROOT = Path(pytest_gpucase.__file__).resolve().parents[1]
+TRUNCATED = re.compile(r"size (\d+) bytes but manifest says (\d+) \(truncated write\?\)")
+CANNOT_LOAD_ZIP = (
+    "cannot load: RuntimeError: PytorchStreamReader failed reading zip archive: "
+    "failed finding central directory"
+)
+posix_only = pytest.mark.skipif(sys.platform == "win32", reason="needs SIGKILL and select()")
+
+# The writer a training loop would run, in a child we kill. It writes the first
+# half of a 4 MiB checkpoint to whatever path it is given, then hangs as a slow
+# disk would, so SIGKILL lands mid-write every time instead of by luck of timing.
+# "plain": straight to the final path, as torch.save(state, path) does.
+# "atomic": through checkpoint.save, which hands the writer a temporary path.
+WRITER = r"""
+import io, sys, time
+import torch
+
+real_save = torch.save
+
+def stalled_save(obj, path):
+    buffer = io.BytesIO()
+    real_save(obj, buffer)
+    data = buffer.getbuffer()
+    with open(path, "wb") as out:
+        out.write(data[: len(data) // 2])
+        out.flush()
+        print("half written", flush=True)
+        time.sleep(600)
+        out.write(data[len(data) // 2 :])
+
+mode, path = sys.argv[1:]
+torch.manual_seed(1)
+state = {"model": {"layer1.weight": torch.randn(1024, 1024)}, "step": 2}
+if mode == "atomic":
+    from pytest_gpucase import checkpoint
+
+    torch.save = stalled_save
+    checkpoint.save(state, path)
+else:
+    stalled_save(state, path)
+"""
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 8) -> None:
+        super().__init__()
+        self.layer1 = nn.Linear(4, hidden)
+        self.fc = nn.Linear(hidden, 10)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden: torch.Tensor = self.layer1(x)
+        out: torch.Tensor = self.fc(hidden)
+        return out
+
+
+class Renamed(nn.Module):
+    """Net after a refactor: layer1 became encoder, and fc takes 16 features."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = nn.Linear(4, 16)
+        self.fc = nn.Linear(16, 10)
+
+
+def training_state(model: nn.Module, step: int = 10) -> dict[str, object]:
+    """A checkpoint as a training loop writes it: model, Adam-shaped optimizer state, step."""
+    # Built by hand in Adam's state_dict layout: importing torch.optim costs seconds.
+    params = list(model.parameters())
+    optimizer = {
+        "state": {
+            i: {
+                "step": torch.tensor(3.0),
+                "exp_avg": torch.randn_like(p),
+                "exp_avg_sq": torch.rand_like(p),
+            }
+            for i, p in enumerate(params)
+        },
+        "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": list(range(len(params)))}],
+    }
+    return {"model": model.state_dict(), "optimizer": optimizer, "step": step}
+
+
+def kill_writer_midway(mode: str, path: Path) -> None:
+    """Run WRITER in a child and SIGKILL it once half the checkpoint is on disk."""
+    # The child imports this checkout of pytest_gpucase, installed or not.
+    pythonpath = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
+    with subprocess.Popen(
+        [sys.executable, "-c", WRITER, mode, str(path)], stdout=subprocess.PIPE, env=env
+    ) as child:
+        assert child.stdout is not None
+        try:
+            ready, _, _ = select.select([child.stdout], [], [], 60)
+            assert ready, "the writer never reported its first half"
+            assert child.stdout.readline() == b"half written\n"
+        finally:
+            os.kill(child.pid, signal.SIGKILL)
+    assert child.returncode == -signal.SIGKILL
+
+
+def test_round_trip_is_valid(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = Net()
+    path = tmp_path / "step-10.pt"
+
+    manifest = save(training_state(model), path)
+
+    data = path.read_bytes()
+    assert manifest.size == len(data)
+    assert manifest.sha256 == hashlib.sha256(data).hexdigest()
+    assert manifest.format == 1 and manifest.finite
+    records = {r.name: r for r in manifest.tensors}
+    assert records["model.layer1.weight"].shape == (8, 4)
+    assert records["model.layer1.weight"].dtype == "float32"
+    assert records["optimizer.state.0.exp_avg"].shape == (8, 4)
+    assert Manifest.from_json(json.loads(manifest_path(path).read_text())) == manifest
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-10.pt", "step-10.pt.manifest.json"]
+
+    result = validate(path, model)
+    assert result, result.problems
+    assert result.problems == ()
+    assert result.verdict == "VALID"
+    assert result.layout == "under 'model'"
+    loaded = torch.load(path, weights_only=True)
+    assert torch.equal(loaded["model"]["fc.weight"], model.state_dict()["fc.weight"])
+
+
+def test_safetensors_round_trip(tmp_path: Path) -> None:
+    model = Net()
+    path = tmp_path / "model.safetensors"
+
+    manifest = save(model.state_dict(), path)
+
+    assert {r.name for r in manifest.tensors} == set(model.state_dict())
+    result = validate(path, model)
+    assert result, result.problems
+    assert result.layout == "at top level"
+
+
+def test_safetensors_refuses_nested_objects(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"flat mapping of names to tensors.*at 'model'"):
+        save(training_state(Net()), tmp_path / "state.safetensors")
+    assert list(tmp_path.iterdir()) == []
+
+
+@posix_only
+def test_plain_write_killed_midway_is_detected(tmp_path: Path) -> None:
+    path = tmp_path / "latest.pt"
+    torch.manual_seed(0)
+    save({"model": {"layer1.weight": torch.randn(1024, 1024)}, "step": 1}, path)
+
+    kill_writer_midway("plain", path)
+
+    result = validate(path)
+    assert not result
+    match = TRUNCATED.fullmatch(result.problems[0])
+    assert match, result.problems
+    assert int(match[1]) == path.stat().st_size < int(match[2])
+    assert result.problems[1:] == (CANNOT_LOAD_ZIP,)
+
+    manifest_path(path).unlink()
+    assert validate(path).problems == (CANNOT_LOAD_ZIP, NO_MANIFEST)
+
+
+@posix_only
+def test_atomic_save_killed_midway_keeps_previous_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "latest.pt"
+    torch.manual_seed(0)
+    save({"model": {"layer1.weight": torch.randn(1024, 1024)}, "step": 1}, path)
+    before = path.read_bytes()
+
+    kill_writer_midway("atomic", path)
+
+    assert path.read_bytes() == before
+    result = validate(path)
+    assert result, result.problems
+    assert torch.load(path, weights_only=True)["step"] == 1
+    # The half-written bytes exist, but only under a hidden temporary name that scans skip.
+    (partial,) = tmp_path.glob(".latest.pt.*.tmp")
+    assert 0 < partial.stat().st_size < len(before)
+    assert [r.path for r in scan(tmp_path)] == [path]
+
+
+def test_nan_weights_are_recorded_and_invalid(tmp_path: Path) -> None:
+    model = Net()
+    with torch.no_grad():
+        model.layer1.weight[0, :3] = float("nan")
+        model.fc.bias[2] = float("-inf")
+    path = tmp_path / "diverged.pt"
+
+    manifest = save({"model": model.state_dict(), "step": 1834}, path)
+
+    assert not manifest.finite
+    records = {r.name: (r.nan, r.inf) for r in manifest.tensors}
+    assert records["model.layer1.weight"] == (3, 0)
+    assert records["model.fc.bias"] == (0, 1)
+    assert validate(path, model).problems == (
+        "model.layer1.weight: 3 NaN, 0 inf",
+        "model.fc.bias: 0 NaN, 1 inf",
+    )
+
+
+def test_keys_that_no_longer_match_the_model(tmp_path: Path) -> None:
+    path = tmp_path / "old.pt"
+    save(training_state(Net()), path)
+
+    result = validate(path, Renamed())
+
+    assert not result
+    assert result.layout == "under 'model'"
+    assert result.problems == (
+        "missing keys: encoder.weight, encoder.bias",
+        "unexpected keys: layer1.weight, layer1.bias",
+        "model.fc.weight: shape (10, 8) but model has (10, 16)",
+    )
+
+
+@pytest.mark.parametrize(
+    ("wrap", "layout"),
+    [
+        (lambda sd: sd, "at top level"),
+        (lambda sd: {"state_dict": sd, "epoch": 3}, "under 'state_dict'"),
+        (
+            lambda sd: {"model_state_dict": sd, "optimizer_state_dict": {}},
+            "under 'model_state_dict'",
+        ),
+        (lambda sd: {"module": sd, "global_steps": 7}, "under 'module'"),
+    ],
+    ids=["plain", "lightning", "tutorial", "deepspeed"],
+)
+def test_common_layouts_are_found_and_named(
+    tmp_path: Path, wrap: Callable[[dict[str, torch.Tensor]], object], layout: str
+) -> None:
+    model = Net()
+    path = tmp_path / "ckpt.pt"
+    save(wrap(model.state_dict()), path)
+
+    result = validate(path, model.state_dict())
+
+    assert result, result.problems
+    assert result.layout == layout
+
+
+def test_ddp_prefix_is_named(tmp_path: Path) -> None:
+    model = Net()
+    path = tmp_path / "ddp.pt"
+    save({"model": {f"module.{k}": v for k, v in model.state_dict().items()}}, path)
+
+    assert validate(path, model).problems == (
+        (
+            "keys carry the 'module.' prefix of DistributedDataParallel: "
+            "save model.module.state_dict(), or strip the prefix before loading"
+        ),
+    )
+
+
+def test_no_state_dict_found(tmp_path: Path) -> None:
+    path = tmp_path / "odd.pt"
+    save({"weights": [torch.ones(2)], "step": 1}, path)
+
+    assert validate(path, Net()).problems == (
+        (
+            "no model state dict found: expected tensors at top level or a mapping under "
+            "'model', 'state_dict', 'model_state_dict', 'module'; found weights, step"
+        ),
+    )
+
+
+def test_same_size_corruption_fails_the_hash(tmp_path: Path) -> None:
+    path = tmp_path / "flipped.pt"
+    save({"model": Net().state_dict()}, path)
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+    assert validate(path).problems[0] == "sha256 differs from manifest"
+
+
+def test_unreadable_manifest(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    save({"step": 1}, path)
+    manifest = json.loads(manifest_path(path).read_text())
+
+    manifest_path(path).write_text(json.dumps({**manifest, "format": 2}))
+    assert validate(path).problems == (
+        "manifest unreadable: format 2 is newer than this gpucase understands (1)",
+    )
+    manifest_path(path).write_text(json.dumps({**manifest, "size": "big"}))
+    assert validate(path).problems == ("manifest unreadable: size: expected int, got 'big'",)
+    manifest_path(path).write_text("{")
+    assert validate(path).problems[0].startswith("manifest unreadable: Expecting property name")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert validate(tmp_path / "nope.pt").problems == ("file not found",)
+
+
+class Exploit:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[object, tuple[str]]:
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def test_malicious_pickle_is_refused_without_running_it(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    path = tmp_path / "evil.pt"
+    # A genuine manifest: integrity checks alone would pass this file.
+    save({"model": {"w": torch.ones(1)}, "payload": Exploit(marker)}, path)
+
+    result = validate(path)
+
+    assert result.problems == (
+        (
+            "cannot load: refused by torch.load(weights_only=True): "
+            "Unsupported global: GLOBAL exec was not an allowed global by default"
+        ),
+    )
+    assert not marker.exists()
+    # Control: the payload is live, so the check above is not vacuous.
+    torch.load(path, weights_only=False)
+    assert marker.exists()
+
+
+def make_checkpoints(directory: Path) -> dict[str, Path]:
+    """step-100 valid, step-200 with NaN weights, step-300 truncated; mtimes in that order."""
+    directory.mkdir()
+    paths = {name: directory / f"{name}.pt" for name in ("step-100", "step-200", "step-300")}
+    model = Net()
+    save(training_state(model, 100), paths["step-100"])
+    with torch.no_grad():
+        model.layer1.weight[1, 1:4] = float("nan")
+    save({"model": model.state_dict(), "step": 200}, paths["step-200"])
+    save(training_state(Net(), 300), paths["step-300"])
+    with paths["step-300"].open("r+b") as f:
+        f.truncate(1000)
+    for i, path in enumerate(paths.values()):
+        os.utime(path, (1_700_000_000 + 60 * i, 1_700_000_000 + 60 * i))
+    # Neither a manifest, nor a hidden temporary, nor an unrelated file is a checkpoint.
+    (directory / "notes.txt").write_text("lr 3e-4")
+    (directory / ".step-400.pt.123.abcd.tmp").write_bytes(b"PK\x03\x04")
+    return paths
+
+
+def test_scan_newest_first_and_newest_valid(tmp_path: Path) -> None:
+    paths = make_checkpoints(tmp_path / "ckpts")
+
+    results = scan(tmp_path / "ckpts")
+
+    assert [r.path for r in results] == [paths["step-300"], paths["step-200"], paths["step-100"]]
+    assert [r.verdict for r in results] == ["INVALID", "INVALID", "VALID"]
+    assert newest_valid(tmp_path / "ckpts") == paths["step-100"]
+    assert newest_valid([paths["step-200"], paths["step-300"]]) is None
+
+
+def local(timestamp: int) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
+
+
+def test_main_checkpoint_table(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    paths = make_checkpoints(Path("ckpts"))
+    size = json.loads(manifest_path(paths["step-300"]).read_text())["size"]
+
+    assert main_checkpoint(["ckpts"]) == 0
+
+    truncated = f"size 1000 bytes but manifest says {size} (truncated write?) (+1 more)"
+    s = os.sep
+    assert capsys.readouterr().out.splitlines() == [
+        "TIME                 FILE               VERDICT  PROBLEM",
+        f"{local(1_700_000_120)}  ckpts{s}step-300.pt  INVALID  {truncated}",
+        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  model.layer1.weight: 3 NaN, 0 inf",
+        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  VALID",
+        f"restart from: ckpts{s}step-100.pt (2 newer checkpoints invalid)",
+    ]
+
+
+def test_main_checkpoint_with_reference_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    paths = make_checkpoints(Path("ckpts"))
+    paths["step-300"].unlink()
+    save(Renamed().state_dict(), "renamed.safetensors")
+
+    assert main_checkpoint(["ckpts"], model="renamed.safetensors") == 1
+
+    # The reference comes from a safetensors file, which lists its keys sorted.
+    missing = "missing keys: encoder.bias, encoder.weight (+2 more)"
+    nan = "model.layer1.weight: 3 NaN, 0 inf (+3 more)"
+    s = os.sep
+    assert capsys.readouterr().out.splitlines() == [
+        "TIME                 FILE               VERDICT  PROBLEM",
+        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  {nan}",
+        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  INVALID  {missing}",
+        "no valid checkpoint: nothing to restart from",
+    ]
+
+
+def test_main_checkpoint_model_from_import_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "refmodel.py").write_text(
+        "from torch import nn\n\n\ndef build():\n    return nn.Linear(4, 8)\n"
+    )
+    save({"model": nn.Linear(4, 8).state_dict(), "step": 5}, "lin.pt")
+    os.utime("lin.pt", (1_700_000_000, 1_700_000_000))
+
+    assert main_checkpoint(["lin.pt"], model="refmodel:build") == 0
+
+    assert capsys.readouterr().out.splitlines() == [
+        "TIME                 FILE    VERDICT  PROBLEM",
+        f"{local(1_700_000_000)}  lin.pt  VALID",
+        "restart from: lin.pt (model state dict under 'model')",
+    ]
+
+
+def test_main_checkpoint_usage_errors(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.chdir(tmp_path)
+
+    assert main_checkpoint(["empty"], model="no_such_module_xyz:Net") == 2
+    assert capsys.readouterr().err == (
+        "gpucase checkpoint: --model no_such_module_xyz:Net: "
+        "ModuleNotFoundError: No module named 'no_such_module_xyz'\n"
+    )
+    Path("empty").mkdir()
+    assert main_checkpoint(["empty"]) == 1
+    assert capsys.readouterr().out == "no checkpoint found in empty\n"
