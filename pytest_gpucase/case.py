@@ -1,0 +1,477 @@
+"""The ``Case`` model: load and validate a case directory's ``case.toml`` (format 1).
+
+Nothing here imports torch or reads tensor data: collection of thousands of
+cases must stay cheap, and a broken case must be reported before anything runs.
+"""
+
+from __future__ import annotations
+
+import difflib
+import json
+import math
+import re
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+from packaging.version import InvalidVersion, Version
+
+from .errors import CaseFormatError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+CASE_FILE = "case.toml"
+INPUTS_FILE = "inputs.safetensors"
+EXPECTED_FILE = "expected.safetensors"
+FORMATS = (1,)
+DEFAULT_TIMEOUT = 120.0
+
+DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
+BACKENDS = ("cuda", "rocm", "cpu", "mps", "xpu")
+FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+OUTCOMES = ("matches", "raises")
+VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
+
+_TOP_KEYS = (
+    "format", "summary", "call", "reference", "timeout", "launch_blocking", "xfail",
+    "inputs", "expect", "matrix", "variants", "ablate", "origin",
+)
+_EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tolerance")
+_TOLERANCE_KEYS = ("rtol", "atol", "ulps")
+_MATRIX_KEYS = ("devices", "dtypes", "backends", *VERSION_KEYS, "packages")
+_VARIANT_KEYS = ("batch", "length", "boundaries", "reject")
+_AXIS_KEYS = ("axis", "sizes")
+_BOUNDARY_KEYS = ("input", "classes", "ignore_index")
+_REJECT_KEYS = ("exception", "match")
+_ABLATE_KEYS = ("env",)
+_CALL_RE = re.compile(r"^(?P<target>[^:]+):(?P<func>[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*)$")
+_DOTTED_NAME_RE = re.compile(r"^[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)*$")
+
+
+@dataclass(frozen=True)
+class ToleranceOverride:
+    """An ``[expect.tolerance.<dtype>]`` override: rtol and atol together, and/or ulps."""
+
+    rtol: float | None = None
+    atol: float | None = None
+    ulps: float | None = None
+
+
+@dataclass(frozen=True)
+class Expectation:
+    """What a run must produce: outputs matching the reference, or a given exception."""
+
+    outcome: Literal["matches", "raises"] = "matches"
+    exception: str | None = None
+    match: str | None = None
+    gradients: bool = False
+    equal_nan: bool = False
+    tolerance: Mapping[str, ToleranceOverride] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Requirements:
+    """The ``[matrix]`` table: where the case runs and what it requires."""
+
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    backends: tuple[str, ...] | None = None
+    versions: Mapping[str, str] = field(default_factory=dict)  # key in VERSION_KEYS -> specifier
+    packages: Mapping[str, str] = field(default_factory=dict)  # distribution -> specifier
+
+
+@dataclass(frozen=True)
+class AxisSizes:
+    """A ``batch`` or ``length`` variant table: an axis and the sizes to try on it."""
+
+    axis: int
+    sizes: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Boundaries:
+    """A ``boundaries`` variant table: a class-index input and its valid range."""
+
+    input: str
+    classes: int
+    ignore_index: int | None = None
+
+
+@dataclass(frozen=True)
+class VariantTables:
+    """The ``[variants]`` table as written in the case."""
+
+    batch: AxisSizes | None = None
+    length: AxisSizes | None = None
+    boundaries: Boundaries | None = None
+    reject: Expectation | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """One case directory, validated; tensors stay on disk until a child loads them."""
+
+    name: str
+    path: Path
+    summary: str
+    call: str
+    reference: str | None
+    timeout: float
+    launch_blocking: bool
+    xfail: str | None
+    literals: Mapping[str, Any]
+    expect: Expectation
+    matrix: Requirements
+    variants: VariantTables
+    ablate_env: Mapping[str, str]
+    origin: Mapping[str, Any]
+
+    @property
+    def case_file(self) -> Path:
+        return self.path / CASE_FILE
+
+    @property
+    def inputs_file(self) -> Path:
+        return self.path / INPUTS_FILE
+
+    @property
+    def expected_file(self) -> Path:
+        return self.path / EXPECTED_FILE
+
+
+def is_case_dir(path: Path) -> bool:
+    """Whether a directory holds a case (a ``case.toml``)."""
+    return (path / CASE_FILE).is_file()
+
+
+def load_case(path: Path) -> Case:
+    """Read and validate the case directory at ``path``; raise ``CaseFormatError`` if wrong."""
+    path = Path(path)
+    file = path / CASE_FILE
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise CaseFormatError(file, f"invalid TOML: {exc}") from None
+    return _parse(doc, path, file)
+
+
+def _toml(value: Any) -> str:
+    """A value written as in TOML, so that a message quotes what the user wrote."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value, ensure_ascii=False)
+    if isinstance(value, list):
+        return f"[{', '.join(_toml(item) for item in value)}]"
+    if isinstance(value, dict):
+        return f"{{{', '.join(f'{key} = {_toml(item)}' for key, item in value.items())}}}"
+    return str(value)
+
+
+def _fits(value: Any, kind: type | tuple[type, ...]) -> bool:
+    # bool is an int in Python, but `timeout = true` is a mistake, not one second.
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    return isinstance(value, kind) and (bool in kinds or not isinstance(value, bool))
+
+
+class _Reader:
+    """Typed access to one TOML table, with errors that name the file and key."""
+
+    def __init__(self, file: Path, table: Mapping[str, Any], section: str) -> None:
+        self.file = file
+        self.table = table
+        self.section = section  # dotted table name, "" for the top level
+
+    def key(self, name: str) -> str:
+        if not self.section:
+            return name
+        return f"[{self.section}] {name}" if name else f"[{self.section}]"
+
+    def error(self, name: str, message: str) -> CaseFormatError:
+        return CaseFormatError(self.file, message, key=self.key(name))
+
+    def only(self, allowed: tuple[str, ...]) -> None:
+        for name in self.table:
+            if name not in allowed:
+                guess = difflib.get_close_matches(name, allowed, n=1)
+                hint = (f"did you mean '{guess[0]}'?" if guess
+                        else f"expected one of {', '.join(allowed)}")
+                raise self.error(name, f"unknown key; {hint}")
+
+    def get(self, name: str, kind: type | tuple[type, ...], what: str, default: Any = None) -> Any:
+        if name not in self.table:
+            return default
+        value = self.table[name]
+        if _fits(value, kind):
+            return value
+        fix = ""
+        if isinstance(value, str) and kind is list:
+            fix = f"; write {name} = [{_toml(value)}]"
+        elif isinstance(value, str):
+            try:
+                unquoted = tomllib.loads(f"v = {value}")["v"]
+            except tomllib.TOMLDecodeError:
+                unquoted = None
+            if unquoted is not None and _fits(unquoted, kind):
+                fix = "; write it without quotes"
+        raise self.error(name, f"expected {what}, got {_toml(value)}{fix}")
+
+    def table_at(self, name: str) -> _Reader:
+        section = f"{self.section}.{name}" if self.section else name
+        value = self.get(name, dict, f"a table [{section}]", default={})
+        return _Reader(self.file, value, section)
+
+    def strings(self, name: str, allowed: tuple[str, ...] | None = None) -> tuple[str, ...] | None:
+        values = self.get(name, list, "a list of strings")
+        if values is None:
+            return None
+        for index, value in enumerate(values):
+            if not isinstance(value, str):
+                raise self.error(name, f"expected a list of strings, found {_toml(value)}")
+            if allowed is not None and value not in allowed:
+                raise self.error(name, f"unknown '{value}'; expected one of {', '.join(allowed)}")
+            if value in values[:index]:
+                # Each entry is a run with its own id; a repeat would collide.
+                raise self.error(name, f"'{value}' is listed twice; list it once")
+        if not values:
+            raise self.error(name, "is empty; remove the key to use the default")
+        return tuple(values)
+
+    def specifier(self, name: str, value: Any) -> str:
+        if not isinstance(value, str):
+            raise self.error(name, f"expected a version specifier string like \">=2.1\", "
+                             f"got {_toml(value)}")
+        try:
+            SpecifierSet(value)
+        except InvalidSpecifier:
+            try:
+                Version(value)
+            except InvalidVersion:
+                fix = "write it like \">=2.1\" or \">=2.1,<3\""
+            else:
+                fix = f"a bare version needs an operator: write \">={value}\" or \"=={value}.*\""
+            raise self.error(name, f"'{value}' is not a PEP 440 specifier; {fix}") from None
+        return value
+
+
+def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
+    top = _Reader(file, doc, "")
+    # The format decides which keys are valid, so it is checked first: a newer
+    # case must read as "newer format", not as a list of unknown keys.
+    fmt = top.get("format", int, "an integer")
+    if fmt is None:
+        raise top.error("format", "missing; add `format = 1` as the first line")
+    if fmt not in FORMATS:
+        supported = ", ".join(str(f) for f in FORMATS)
+        raise top.error("format", f"unsupported format {fmt}; this pytest-gpucase reads format "
+                        f"{supported}: upgrade pytest-gpucase, or write the case in format "
+                        f"{supported}")
+    top.only(_TOP_KEYS)
+    call = top.get("call", str, "a string 'FILE.py:func' or 'package.module:func'")
+    if call is None:
+        raise top.error("call", "missing; name the function to run, e.g. call = \"case.py:run\"")
+    _check_target(top, "call", call, path)
+    reference = top.get("reference", str, "a string 'FILE.py:func' or 'package.module:func'")
+    if reference is not None:
+        _check_target(top, "reference", reference, path)
+    timeout = float(top.get("timeout", (int, float), "a number of seconds", DEFAULT_TIMEOUT))
+    if not (timeout > 0 and math.isfinite(timeout)):
+        raise top.error("timeout", f"must be a positive number of seconds, got {timeout:g}")
+    xfail = top.get("xfail", str, "a string giving the reason")
+    if xfail is not None and not xfail.strip():
+        raise top.error("xfail", "is empty; give the reason the case is known to fail")
+
+    literals = top.get("inputs", dict, "a table [inputs]", default={})
+    expect = _parse_expectation(top.table_at("expect"), with_extras=True)
+    return Case(
+        name=path.name or path.resolve().name,
+        path=path,
+        summary=top.get("summary", str, "a string", ""),
+        call=call,
+        reference=reference,
+        timeout=timeout,
+        launch_blocking=top.get("launch_blocking", bool, "true or false", False),
+        xfail=xfail,
+        literals=literals,
+        expect=expect,
+        matrix=_parse_matrix(top.table_at("matrix")),
+        variants=_parse_variants(top.table_at("variants")),
+        ablate_env=_parse_ablate(top.table_at("ablate")),
+        origin=top.get("origin", dict, "a table [origin]", default={}),
+    )
+
+
+def _check_target(top: _Reader, name: str, value: str, case_dir: Path) -> None:
+    """A ``call``/``reference`` is ``FILE.py:func`` inside the case dir, or ``pkg.mod:func``."""
+    found = _CALL_RE.match(value)
+    if not found:
+        raise top.error(name, f"'{value}' is not 'FILE.py:func' or 'package.module:func'; "
+                        "write it like \"case.py:run\"")
+    target = found["target"]
+    if not target.endswith(".py"):
+        if not all(part.isidentifier() for part in target.split(".")):
+            raise top.error(name, f"'{target}' is not an importable module name")
+        return
+    file = Path(target)
+    if file.is_absolute() or ".." in file.parts:
+        raise top.error(name, f"'{target}' escapes the case directory; put the file inside "
+                        f"{case_dir.name}/")
+    resolved = (case_dir / file).resolve()
+    if not resolved.is_relative_to(case_dir.resolve()):
+        raise top.error(name, f"'{target}' resolves outside the case directory (a symlink?); "
+                        f"put the file inside {case_dir.name}/")
+    if not resolved.is_file():
+        raise top.error(name, f"'{target}' not found in {case_dir.name}/; create it or correct "
+                        "the file name")
+
+
+def _parse_tolerance(reader: _Reader) -> ToleranceOverride:
+    reader.only(_TOLERANCE_KEYS)
+    rtol = reader.get("rtol", (int, float), "a number")
+    atol = reader.get("atol", (int, float), "a number")
+    ulps = reader.get("ulps", (int, float), "a number of units in the last place")
+    if (rtol is None) != (atol is None):
+        given, missing = ("rtol", "atol") if atol is None else ("atol", "rtol")
+        raise reader.error(given, f"given without {missing}; give both rtol and atol, or neither")
+    for name, value in (("rtol", rtol), ("atol", atol), ("ulps", ulps)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise reader.error(name, f"must be a finite number >= 0, got {value}")
+    if rtol is None and ulps is None:
+        raise reader.error("", "is empty; give rtol and atol, or ulps")
+    return ToleranceOverride(
+        rtol=None if rtol is None else float(rtol),
+        atol=None if atol is None else float(atol),
+        ulps=None if ulps is None else float(ulps),
+    )
+
+
+def _parse_expectation(reader: _Reader, *, with_extras: bool) -> Expectation:
+    reader.only(_EXPECT_KEYS if with_extras else _REJECT_KEYS)
+    outcome = reader.get("outcome", str, "\"matches\" or \"raises\"", "raises" if not with_extras
+                         else "matches")
+    if outcome not in OUTCOMES:
+        raise reader.error("outcome", f"unknown '{outcome}'; expected one of {', '.join(OUTCOMES)}")
+    exception = reader.get("exception", str, "an exception type name like \"ValueError\"")
+    if exception is not None and not _DOTTED_NAME_RE.match(exception):
+        raise reader.error("exception", f"'{exception}' is not an exception type name; write it "
+                           "like \"ValueError\" or \"torch.OutOfMemoryError\"")
+    match = reader.get("match", str, "a regular expression")
+    if match is not None:
+        try:
+            re.compile(match)
+        except re.error as exc:
+            raise reader.error("match", f"invalid regular expression: {exc}; to match a special "
+                               "character literally, escape it with a backslash") from None
+    if outcome == "raises" and exception is None:
+        fix = ("name the exception type, e.g. exception = \"ValueError\"" if with_extras else
+               "name the exception out-of-range values must raise, e.g. exception = \"ValueError\"")
+        raise reader.error("exception", f"missing; {fix}")
+    if outcome == "matches" and (exception is not None or match is not None):
+        key = "exception" if exception is not None else "match"
+        raise reader.error(key, "only applies with outcome = \"raises\"; add outcome = "
+                           f"\"raises\" or remove {key}")
+    tolerance: dict[str, ToleranceOverride] = {}
+    if with_extras:
+        tables = reader.table_at("tolerance")
+        for dtype in tables.table:
+            if dtype not in FLOAT_DTYPES + ("complex64", "complex128"):
+                guess = difflib.get_close_matches(dtype, FLOAT_DTYPES, n=1)
+                hint = f"did you mean '{guess[0]}'?" if guess else "expected a floating dtype name"
+                raise tables.error(dtype, f"unknown dtype; {hint}")
+            tolerance[dtype] = _parse_tolerance(tables.table_at(dtype))
+    return Expectation(
+        outcome=outcome,
+        exception=exception,
+        match=match,
+        gradients=reader.get("gradients", bool, "true or false", False) if with_extras else False,
+        equal_nan=reader.get("equal_nan", bool, "true or false", False) if with_extras else False,
+        tolerance=tolerance,
+    )
+
+
+def _parse_matrix(reader: _Reader) -> Requirements:
+    reader.only(_MATRIX_KEYS)
+    versions = {
+        name: reader.specifier(name, reader.table[name])
+        for name in VERSION_KEYS
+        if name in reader.table
+    }
+    packages_reader = reader.table_at("packages")
+    packages = {
+        name: packages_reader.specifier(name, value) if value != "" else ""
+        for name, value in packages_reader.table.items()
+    }
+    return Requirements(
+        devices=reader.strings("devices", DEVICE_TYPES),
+        dtypes=reader.strings("dtypes", FLOAT_DTYPES),
+        backends=reader.strings("backends", BACKENDS),
+        versions=versions,
+        packages=packages,
+    )
+
+
+def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
+    reader.only(_AXIS_KEYS)
+    axis = reader.get("axis", int, "an integer axis", 0)
+    if axis < 0:
+        # Inputs differ in rank, so an axis counted from the end names different axes.
+        raise reader.error("axis", f"must be >= 0, got {axis}; count axes from the front")
+    sizes = reader.get("sizes", list, "a list of positive integers")
+    if not sizes:
+        raise reader.error("sizes", "missing or empty; list the sizes to try, e.g. sizes = [1, 2]")
+    for index, size in enumerate(sizes):
+        if not _fits(size, int) or size < 1:
+            raise reader.error("sizes", f"expected positive integers, found {_toml(size)}")
+        if size in sizes[:index]:
+            raise reader.error("sizes", f"{size} is listed twice; list it once")
+    return AxisSizes(axis=axis, sizes=tuple(sizes))
+
+
+def _parse_variants(reader: _Reader) -> VariantTables:
+    reader.only(_VARIANT_KEYS)
+    batch = _parse_axis_sizes(reader.table_at("batch")) if "batch" in reader.table else None
+    length = _parse_axis_sizes(reader.table_at("length")) if "length" in reader.table else None
+    boundaries = None
+    if "boundaries" in reader.table:
+        table = reader.table_at("boundaries")
+        table.only(_BOUNDARY_KEYS)
+        name = table.get("input", str, "the name of a class-index input")
+        if name is None:
+            raise table.error("input", "missing; name the class-index input, e.g. "
+                              "input = \"target\"")
+        classes = table.get("classes", int, "the number of classes")
+        if classes is None or classes < 1:
+            raise table.error("classes", "missing or < 1; give the number of classes of the head")
+        boundaries = Boundaries(name, classes, table.get("ignore_index", int, "an integer"))
+    reject = None
+    if "reject" in reader.table:
+        if boundaries is None:
+            raise reader.error("reject", "only applies with boundaries; add boundaries = { input "
+                               "= ..., classes = ... } or remove [variants.reject]")
+        reject = _parse_expectation(reader.table_at("reject"), with_extras=False)
+    elif boundaries is not None:
+        raise reader.error("reject", "missing; boundaries need [variants.reject] with the "
+                           "exception that out-of-range values must raise")
+    return VariantTables(batch=batch, length=length, boundaries=boundaries, reject=reject)
+
+
+def _parse_ablate(reader: _Reader) -> dict[str, str]:
+    reader.only(_ABLATE_KEYS)
+    env = reader.get("env", dict, "a table of environment variables", default={})
+    for name, value in env.items():
+        if not isinstance(value, str):
+            raise reader.error("env", f"{name}: expected a string, got {_toml(value)}; write "
+                               f"{name} = {_toml(_toml(value))}")
+    return dict(env)

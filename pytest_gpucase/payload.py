@@ -1,0 +1,380 @@
+"""Tensors on disk with their exact layout: dtype, shape, stride, storage offset and values.
+
+A payload is a plain ``safetensors`` file. safetensors stores contiguous
+tensors only, so each tensor is stored as the flat run of its storage that it
+reads, ``[storage_offset, storage_offset + extent)``, and its view (shape,
+stride, storage offset) is kept in the file's metadata under
+``gpucase.layout``, with ``stored_from`` saying where the stored run begins in
+the original storage. Loading rebuilds the very same view with ``as_strided``
+over a storage whose first ``stored_from`` elements are zeros: the offset (and
+so the alignment kernels see) is exact, and the file holds nothing the view
+does not read, so a slice of a batch never carries the other samples. A payload written by plain
+``safetensors.torch.save_file`` (no layout) loads as the contiguous tensors it
+holds. Nothing here goes through pickle.
+
+The file is written here rather than by ``safetensors.torch.save_file``, whose
+metadata map is written in a random order: the same tensors must give the same
+bytes, so that ``content_hash`` is stable and a regenerated case does not show
+up as changed. safetensors itself reads the files back (``load``).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import secrets
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .errors import CaseFormatError
+
+if TYPE_CHECKING:
+    import torch
+
+LAYOUT_KEY = "gpucase.layout"
+# A declared tensor larger than this is refused before anything is allocated;
+# a case is a minimal reproduction, not a dataset.
+MAX_ELEMENTS = 2**34
+MAX_HEADER_BYTES = 100 * 2**20
+# safetensors dtype code -> (torch dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
+    "F8_E5M2": ("float8_e5m2", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
+    "I64": ("int64", 8), "U64": ("uint64", 8), "F64": ("float64", 8), "C64": ("complex64", 8),
+}
+_RESAVE = "save the tensors again with pytest_gpucase.payload.save"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the header says of one tensor, readable without loading any data."""
+
+    name: str
+    dtype: str  # the safetensors code: "F32", "BF16", "I64", ...
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    stored_from: int = 0  # where the stored run begins in the original storage
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the view is C-contiguous, as ``torch.Tensor.is_contiguous`` judges it."""
+        if any(size == 0 for size in self.shape):
+            return True
+        expected = 1
+        for size, step in zip(reversed(self.shape), reversed(self.stride)):
+            if size != 1 and step != expected:
+                return False
+            expected *= size
+        return True
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a view reaches past its offset (0 for an empty view)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _reached(tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The run of storage a view reads, ``[start, offset + extent)``, as a flat plain tensor.
+
+    A conjugate or negative view reads its storage through a lazy bit, which a
+    flat run over the storage does not carry: the run is conjugated (negated)
+    instead, so that the same view over it reads the same values.
+    """
+    import torch
+
+    span = tensor.storage_offset() + _extent(tuple(tensor.shape), tuple(tensor.stride()))
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    flat.set_(tensor.untyped_storage(), start, (max(span - start, 0),), (1,))
+    if tensor.is_conj():
+        flat = flat.conj_physical()
+    if tensor.is_neg():
+        flat = flat.neg()
+    return flat
+
+
+def save(path: Path, tensors: Mapping[str, torch.Tensor],
+         metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``path`` atomically, each with its exact layout."""
+    import torch
+
+    codes = {getattr(torch, name): code for code, (name, _) in DTYPES.items()
+             if hasattr(torch, name)}
+    runs: list[tuple[str, str, torch.Tensor]] = []
+    layout: dict[str, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{name!r}: tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{name}: only strided (dense) tensors can be saved, "
+                            f"not {tensor.layout}")
+        code = codes.get(tensor.dtype)
+        if code is None:
+            raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
+        tensor = tensor.detach()
+        offset = tensor.storage_offset()
+        runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
+        layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
+                        "storage_offset": offset, "stored_from": offset}
+    header_meta = dict(metadata or {})
+    for key, value in header_meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata {key!r}: keys and values must be strings")
+    header_meta[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
+    # Widest elements first, as safetensors does, so that every tensor is aligned.
+    runs.sort(key=lambda run: (-DTYPES[run[1]][1], run[0]))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(header_meta.items()))}
+    begin = 0
+    for name, code, flat in runs:
+        end = begin + flat.numel() * flat.element_size()
+        header[name] = {"dtype": code, "shape": list(flat.shape), "data_offsets": [begin, end]}
+        begin = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
+                               *(_bytes_of(flat) for _, _, flat in runs)])
+
+
+def _bytes_of(flat: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+
+
+def _write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
+    """Write to a temporary file beside ``path`` and rename it over ``path``.
+
+    The temporary file is created with mode 0o666 so that the umask applies as
+    to any new file (``mkstemp`` makes it private, and reading the umask means
+    setting it, which races with other threads).
+    """
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
+    try:
+        with open(fd, "wb") as handle:
+            handle.writelines(chunks)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse and check a safetensors header (tensor entries, metadata) without reading data.
+
+    Every entry is checked against the file: a known dtype, a shape of at most
+    ``MAX_ELEMENTS`` elements, and data offsets inside the file that hold
+    exactly that many bytes. A file that is not safetensors (a ``torch.save``
+    pickle, say) is refused from its first bytes and never unpickled.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as handle:
+            start = handle.read(8)
+            if len(start) < 8:
+                raise _not_safetensors(path, start, f"is {size} bytes, too short for a "
+                                       f"safetensors file; {_RESAVE}")
+            length = int.from_bytes(start, "little")
+            if length > size - 8:
+                raise _not_safetensors(path, start, f"header declares {length} bytes but the "
+                                       f"file holds {size - 8} after its length field "
+                                       "(truncated or not safetensors)")
+            if length > MAX_HEADER_BYTES:
+                raise _not_safetensors(path, start, f"header of {length} bytes is over the "
+                                       f"limit of {MAX_HEADER_BYTES}; not a case payload")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise CaseFormatError(path, f"cannot be read: {exc}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise _not_safetensors(path, start, f"header is not JSON ({exc}); not a safetensors "
+                               "file") from None
+    if not isinstance(header, dict):
+        raise CaseFormatError(path, "header is not a JSON object; not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()):
+        raise CaseFormatError(path, "header __metadata__ is not a map of strings to strings")
+    data_size = size - 8 - length
+    for name, entry in header.items():
+        _check_entry(path, name, entry, data_size)
+    return header, metadata
+
+
+def _not_safetensors(path: Path, start: bytes, problem: str) -> CaseFormatError:
+    """The error for a file that fails to parse, naming a pickle when it starts like one."""
+    # A zip archive is what torch.save writes; a pickle starts with PROTO 2..5.
+    if start.startswith((b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")):
+        problem = ("is a torch.save (pickle) file, not safetensors; it is not loaded, since "
+                   f"unpickling runs code: {_RESAVE}")
+    return CaseFormatError(path, problem)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
+    """Refuse a header entry whose dtype, shape or data offsets do not fit the file."""
+    if not isinstance(entry, dict):
+        raise CaseFormatError(path, f"tensor '{name}': header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CaseFormatError(path, f"tensor '{name}': unsupported dtype {json.dumps(dtype)}; "
+                              f"expected one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise CaseFormatError(path, f"tensor '{name}': shape {json.dumps(shape)} is not a list "
+                              "of sizes >= 0")
+    numel = _numel(shape)
+    if numel > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': declared shape {shape} has {numel} "
+                              f"elements, over the limit of {MAX_ELEMENTS}; refusing to allocate")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise CaseFormatError(path, f"tensor '{name}': data_offsets {json.dumps(offsets)} is not "
+                              "[begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise CaseFormatError(path, f"tensor '{name}' declares bytes {begin}..{end} but the "
+                              f"file holds {data_size} bytes of data (truncated?)")
+    if end - begin != numel * DTYPES[dtype][1]:
+        raise CaseFormatError(path, f"tensor '{name}': {end - begin} bytes of data for shape "
+                              f"{shape} of {dtype}, which needs {numel * DTYPES[dtype][1]}")
+
+
+def describe(path: Path) -> list[TensorInfo]:
+    """List the tensors of a payload with their saved layout, reading only its header."""
+    header, metadata = read_header(path)
+    return _infos(path, header, metadata)
+
+
+def _infos(path: Path, header: Mapping[str, Any], metadata: Mapping[str, str]) -> list[TensorInfo]:
+    """Each tensor's view: from the layout metadata, checked against the header, else contiguous."""
+    layout: Any = {}
+    if LAYOUT_KEY in metadata:
+        try:
+            layout = json.loads(metadata[LAYOUT_KEY])
+        except (ValueError, RecursionError) as exc:
+            raise CaseFormatError(path, f"metadata '{LAYOUT_KEY}' is not JSON ({exc}); "
+                                  f"{_RESAVE}") from None
+        if not isinstance(layout, dict):
+            raise CaseFormatError(path, f"metadata '{LAYOUT_KEY}' is not a JSON object; {_RESAVE}")
+    for name in layout:
+        if name not in header:
+            raise CaseFormatError(path, f"layout names tensor '{name}' that the file does not "
+                                  f"hold; {_RESAVE}")
+    infos = []
+    for name, entry in header.items():
+        stored = tuple(entry["shape"])
+        if name not in layout:
+            infos.append(TensorInfo(name, entry["dtype"], stored, _contiguous_stride(stored), 0))
+            continue
+        info = _view(path, name, entry["dtype"], layout[name])
+        needed = info.storage_offset - info.stored_from + _extent(info.shape, info.stride)
+        if needed > _numel(stored):
+            raise CaseFormatError(path, f"tensor '{name}': its view (shape {list(info.shape)}, "
+                                  f"stride {list(info.stride)}, offset {info.storage_offset}) "
+                                  f"reaches {needed} elements but only {_numel(stored)} are "
+                                  "stored")
+        infos.append(info)
+    return infos
+
+
+def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
+    """One layout entry, checked: integer sizes, strides and offset, none negative."""
+    def bad(problem: str) -> CaseFormatError:
+        return CaseFormatError(path, f"tensor '{name}': layout {problem}; {_RESAVE}")
+
+    if not isinstance(view, dict) or not {"shape", "stride", "storage_offset"} <= view.keys():
+        raise bad("entry needs shape, stride and storage_offset")
+    shape, stride, offset = view["shape"], view["stride"], view["storage_offset"]
+    for key, values in (("shape", shape), ("stride", stride)):
+        if not isinstance(values, list) or not all(map(_is_int, values)):
+            raise bad(f"{key} {json.dumps(values)} is not a list of integers")
+        if any(n < 0 for n in values):
+            raise bad(f"{key} {values} has a negative entry")
+    if not _is_int(offset) or offset < 0:
+        raise bad(f"storage_offset {json.dumps(offset)} is not an integer >= 0")
+    stored_from = view.get("stored_from", 0)
+    if not _is_int(stored_from) or not 0 <= stored_from <= offset:
+        raise bad(f"stored_from {json.dumps(stored_from)} is not an integer in [0, {offset}]")
+    if len(shape) != len(stride):
+        raise bad(f"shape {shape} and stride {stride} differ in length")
+    if _numel(shape) > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': declared shape {shape} has "
+                              f"{_numel(shape)} elements, over the limit of {MAX_ELEMENTS}; "
+                              "refusing to allocate")
+    return TensorInfo(name, dtype, tuple(shape), tuple(stride), offset, stored_from)
+
+
+def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Load every tensor of a payload with its exact saved layout, on ``device``."""
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    header, metadata = read_header(path)
+    infos = _infos(path, header, metadata)  # every check runs before any data is read
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with safe_open(str(path), framework="pt", device="cpu") as handle:
+            for info in infos:
+                stored = handle.get_tensor(info.name)
+                if info.stored_from:  # zeros stand for the part of the storage not read
+                    full = torch.zeros(info.stored_from + stored.numel(), dtype=stored.dtype)
+                    full[info.stored_from:] = stored
+                    stored = full
+                elif stored.storage_offset() != 0:  # as_strided counts from the storage's start
+                    stored = stored.clone()
+                tensors[info.name] = stored.as_strided(info.shape, info.stride,
+                                                       info.storage_offset)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CaseFormatError(path, f"cannot load tensors: {exc}") from None
+    if device != "cpu":
+        tensors = {name: to_device(t, device) for name, t in tensors.items()}
+    return tensors
+
+
+def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+    """Move a tensor keeping its exact strides and storage offset."""
+    moved = _reached(tensor.detach()).to(device)
+    return moved.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def content_hash(path: Path) -> str:
+    """The sha256 of a file's bytes, as ``sha256:<hex>``."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"
