@@ -1,0 +1,336 @@
+"""What a child does for one ``RunSpec``: load inputs, build the variant, cast and move,
+call, compute the reference, compare; and return a picklable ``Outcome``.
+
+Runs in the isolated child only: it imports torch and may touch the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import importlib.util
+import re
+import sys
+import traceback
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+# Imported at module level on purpose: the parent imports this module before
+# forking, so every child inherits torch, safetensors and the comparator
+# already loaded instead of importing them again per run.
+import safetensors.torch  # noqa: F401
+import torch
+
+from . import golden, payload
+from .case import Case, Expectation
+from .compare import Comparison, Tolerance, compare
+from .errors import CaseFormatError
+from .matrix import RunSpec
+from .variants import VariantNotApplicable, apply as apply_variant
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verdict of one run, as plain data that crosses the process boundary."""
+
+    status: Literal["passed", "failed", "skipped"]
+    summary: str                       # one line a person reads first
+    details: str = ""                  # the mismatch report or traceback
+    error_type: str | None = None      # the exception raised by the call, if any
+    error_message: str | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+
+class _Failed(Exception):
+    """Ends a run early with a failed outcome."""
+
+    def __init__(self, outcome: Outcome) -> None:
+        super().__init__(outcome.summary)
+        self.outcome = outcome
+
+
+def run(spec: RunSpec) -> Outcome:
+    """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
+    try:
+        return _run(spec)
+    except _Failed as failed:
+        return failed.outcome
+    except CaseFormatError as exc:
+        return Outcome("failed", str(exc), error_type="CaseFormatError", error_message=str(exc))
+    except VariantNotApplicable as exc:
+        return Outcome("skipped", str(exc))
+
+
+def _run(spec: RunSpec) -> Outcome:
+    case = spec.case
+    inputs = load_inputs(case)
+    expect = case.expect
+    if spec.variant is not None:
+        inputs = apply_variant(spec.variant, inputs)
+        if spec.variant.reject is not None:
+            expect = spec.variant.reject
+        elif spec.variant.kind == "boundary":
+            # An in-range class index must be accepted and give the reference's outputs.
+            expect = dataclasses.replace(expect, outcome="matches", exception=None, match=None)
+    apply_settings(spec.settings)
+    func = resolve(case, case.call, "call")
+    if spec.use_reference and case.reference:
+        func = resolve(case, case.reference, "reference")
+    run_inputs = prepare(inputs, spec.device, spec.dtype if spec.cast else None)
+    if expect.outcome == "raises":
+        return _check_raises(func, run_inputs, expect, spec.device)
+    try:
+        actual = _call(func, run_inputs, expect.gradients, spec.device)
+    except Exception as exc:
+        return _raised("the call", exc)
+    reference = resolve(case, case.reference, "reference") if case.reference else func
+    try:
+        expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
+    except Exception as exc:
+        return _raised("the reference (on CPU in float64)", exc)
+    comparison = _compare(actual, expected, expect)
+    if not comparison.ok:
+        return Outcome("failed", "outputs differ from the reference", details=comparison.report(),
+                       max_abs=comparison.max_abs, max_rel=comparison.max_rel)
+    if spec.variant is None and case.expected_file.exists():
+        against_golden = _compare(actual, golden.load(case.expected_file), expect)
+        if not against_golden.ok:
+            return Outcome(
+                "failed", f"outputs match the reference but differ from the golden "
+                f"{case.expected_file.name}; if the change is intended, rewrite it with "
+                "--gpu-cases-regen", details=against_golden.report(),
+                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel)
+        return Outcome("passed", f"outputs match the reference and {case.expected_file.name}",
+                       max_abs=comparison.max_abs, max_rel=comparison.max_rel)
+    return Outcome("passed", "outputs match the reference",
+                   max_abs=comparison.max_abs, max_rel=comparison.max_rel)
+
+
+def write_golden(case: Case) -> str:
+    """Compute the reference results on the saved inputs and write them as the case's golden."""
+    inputs = load_inputs(case)
+    reference = resolve(case, case.reference or case.call, "reference" if case.reference else "call")
+    results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
+    golden.save(case.expected_file, results)
+    return str(case.expected_file)
+
+
+def _tf32_off() -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    torch.set_float32_matmul_precision("highest")
+
+
+def _cudnn_off() -> None:
+    torch.backends.cudnn.enabled = False
+
+
+def _deterministic() -> None:
+    import os
+
+    # cuBLAS needs a fixed workspace for deterministic results (CUDA >= 10.2).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+
+
+def _compile_off() -> None:
+    torch._dynamo.config.disable = True
+
+
+# Switches a run can turn before the call (one change at a time, for ablation).
+SETTINGS: dict[str, Callable[[], None]] = {
+    "tf32_off": _tf32_off,
+    "cudnn_off": _cudnn_off,
+    "deterministic": _deterministic,
+    "compile_off": _compile_off,
+}
+
+
+def apply_settings(names: tuple[str, ...]) -> None:
+    """Turn the named switches in this (child) process."""
+    for name in names:
+        SETTINGS[name]()
+
+
+def load_inputs(case: Case) -> dict[str, Any]:
+    """The case's keyword arguments: ``[inputs]`` literals and the saved tensors."""
+    tensors = payload.load(case.inputs_file) if case.inputs_file.exists() else {}
+    clash = sorted(set(tensors) & set(case.literals))
+    if clash:
+        raise CaseFormatError(case.case_file, f"{', '.join(clash)} given both here and in "
+                              f"{case.inputs_file.name}; keep one", key="[inputs]")
+    return {**case.literals, **tensors}
+
+
+_MISSING = object()
+
+
+def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
+    """Import ``FILE.py:func`` (inside the case dir) or ``package.module:func``."""
+    where, _, qualname = target.partition(":")
+    try:
+        if where.endswith(".py"):
+            file = case.path / where
+            name = f"gpucase_case_{re.sub(r'[^0-9A-Za-z_]', '_', case.name)}_{Path(where).stem}"
+            module = sys.modules.get(name)
+            if module is None:
+                module_spec = importlib.util.spec_from_file_location(name, file)
+                if module_spec is None or module_spec.loader is None:
+                    raise ImportError(f"cannot import {file}")
+                module = importlib.util.module_from_spec(module_spec)
+                sys.modules[name] = module
+                module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except Exception:
+        detail = traceback.format_exc()
+        raise _Failed(Outcome("failed", f"{case.case_file}: {key}: importing '{where}' failed",
+                              details=detail, error_type="ImportError")) from None
+    obj: Any = module
+    for part in qualname.split("."):
+        obj = getattr(obj, part, _MISSING)
+        if obj is _MISSING:
+            raise _Failed(Outcome("failed", f"{case.case_file}: {key}: '{where}' has no "
+                                  f"'{qualname}'; check the name after the colon",
+                                  error_type="AttributeError"))
+    if not callable(obj):
+        raise _Failed(Outcome("failed", f"{case.case_file}: {key}: '{target}' is a "
+                              f"{type(obj).__name__}, not a function", error_type="TypeError"))
+    return obj  # type: ignore[no-any-return]
+
+
+def prepare(inputs: Mapping[str, Any], device: str, dtype: str | None) -> dict[str, Any]:
+    """Move tensors to ``device`` keeping their layout; cast floating ones to ``dtype`` if given."""
+    target = getattr(torch, dtype) if dtype else None
+    prepared: dict[str, Any] = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            if device != "cpu":
+                value = payload.to_device(value, device)
+            if target is not None and value.is_floating_point() and value.dtype != target:
+                value = value.to(target)
+        prepared[name] = value
+    return prepared
+
+
+def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The reference's inputs: on the CPU, floating tensors in float64 (complex in complex128)."""
+    result: dict[str, Any] = {}
+    for name, value in inputs.items():
+        if isinstance(value, torch.Tensor):
+            value = value.detach().cpu()
+            if value.is_floating_point():
+                value = value.to(torch.float64)
+            elif value.is_complex():
+                value = value.to(torch.complex128)
+        result[name] = value
+    return result
+
+
+def _sync(device: str) -> None:
+    """Wait for queued kernels, so an asynchronous error is raised here and not later."""
+    module = getattr(torch, device.split(":")[0], None)
+    synchronize = getattr(module, "synchronize", None)
+    if device != "cpu" and synchronize is not None:
+        synchronize()
+
+
+def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
+          device: str) -> dict[str, Any]:
+    """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs)."""
+    if not gradients:
+        with torch.no_grad():
+            out = func(**inputs)
+        _sync(device)
+        return {"out": out}
+    leaves = {name: value.detach().requires_grad_()
+              for name, value in inputs.items()
+              if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())}
+    out = func(**{**inputs, **leaves})
+    total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
+                for t in _tensors(out) if t.requires_grad)
+    grads: dict[str, Any] = dict.fromkeys(leaves)
+    if isinstance(total, torch.Tensor):
+        found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+        grads = dict(zip(leaves, found))
+    _sync(device)
+    return {"out": _detach(out), "grad": grads}
+
+
+def _tensors(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _tensors(v)]
+    return []
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, Mapping):
+        return {k: _detach(v) for k, v in value.items()}
+    if isinstance(value, tuple) and hasattr(value, "_fields"):
+        return type(value)(*(_detach(v) for v in value))
+    if isinstance(value, (list, tuple)):
+        return type(value)(_detach(v) for v in value)
+    return value
+
+
+def _compare(actual: dict[str, Any], expected: dict[str, Any], expect: Expectation) -> Comparison:
+    tolerances = {}
+    for name, override in expect.tolerance.items():
+        tolerances[getattr(torch, name)] = Tolerance(
+            rtol=override.rtol or 0.0, atol=override.atol or 0.0, ulps=override.ulps)
+    parts = [compare(actual[key], expected[key], tolerances=tolerances, equal_nan=expect.equal_nan,
+                     check_dtype=False, path=key)
+             for key in actual]
+    maxima = [(p.max_abs, p.max_rel) for p in parts if p.max_abs is not None]
+    return Comparison(
+        mismatches=tuple(m for p in parts for m in p.mismatches),
+        max_abs=max((a for a, _ in maxima), default=None),
+        max_rel=max((r for _, r in maxima if r is not None), default=None),
+    )
+
+
+def _exception_matches(exc: BaseException, name: str) -> bool:
+    """Whether ``exc`` is of the type named ``name`` (bare or dotted), subclasses included."""
+    for cls in type(exc).__mro__:
+        if name in (cls.__name__, cls.__qualname__, f"{cls.__module__}.{cls.__qualname__}"):
+            return True
+    return False
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _raised(what: str, exc: BaseException) -> Outcome:
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,
+                   error_type=type(exc).__name__, error_message=str(exc))
+
+
+def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
+                  device: str) -> Outcome:
+    wanted = expect.exception or "Exception"
+    if expect.match:
+        wanted += f" matching {expect.match!r}"
+    try:
+        func(**inputs)
+        _sync(device)
+    except Exception as exc:
+        name_ok = _exception_matches(exc, expect.exception or "Exception")
+        text_ok = expect.match is None or re.search(expect.match, str(exc)) is not None
+        if name_ok and text_ok:
+            return Outcome("passed", f"raised {_describe(exc).splitlines()[0]}",
+                           error_type=type(exc).__name__, error_message=str(exc))
+        outcome = _raised("the call", exc)
+        return dataclasses.replace(outcome, summary=f"expected {wanted}; {outcome.summary}")
+    return Outcome("failed", f"expected {wanted}, but the call returned normally; if the fix "
+                   "has landed, set [expect] outcome = \"matches\" in case.toml")
