@@ -1,0 +1,100 @@
+"""Per-item cost of running a case in a fresh child, against a bare ``os.fork`` in the same run.
+
+    python benchmarks/bench_isolation.py [--runs 200]
+
+Measured in one process that has imported torch (as the plugin's pytest
+process has), so every child is a fork of the same image:
+
+- bare fork: ``os.fork`` + ``os._exit(0)`` + ``waitpid``, nothing else (the floor)
+- run_in_child: gpucase's child with its pipes, fd capture, process group and
+  result pickling, calling ``os.getpid``
+- run_spec: a whole trivial case (load the case's payload in the child, call,
+  reference in float64, compare) as each pytest item runs it
+- run_spec, spawn: the same case in a fresh interpreter that imports torch
+  again (what each run costs when CUDA was initialized in the pytest process)
+
+Printed as milliseconds per item (median of the runs) and as ratios to the bare
+fork measured in the same run: these machines are noisy, ratios travel better.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from pytest_gpucase import payload
+from pytest_gpucase.case import load_case
+from pytest_gpucase.isolation import ChildResult, run_in_child
+from pytest_gpucase.matrix import RunSpec
+from pytest_gpucase.runner import Verdict, run_spec
+
+
+def bare_fork() -> None:
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+
+
+def checked(result: ChildResult) -> None:
+    assert result.returned, result.problem
+
+
+def passed(verdict: Verdict) -> None:
+    assert verdict.outcome.status == "passed", verdict.outcome
+
+
+def timed(action: Callable[[], object], runs: int) -> list[float]:
+    action()  # warm up: first-touch page faults, imports in the child
+    samples = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        action()
+        samples.append(time.perf_counter() - start)
+    return samples
+
+
+def trivial_case(root: Path) -> RunSpec:
+    case_dir = root / "trivial"
+    case_dir.mkdir()
+    (case_dir / "case.toml").write_text('format = 1\ncall = "case.py:run"\n')
+    (case_dir / "case.py").write_text("def run(x):\n    return x + 1\n")
+    payload.save(case_dir / "inputs.safetensors", {"x": torch.ones(4)})
+    return RunSpec(load_case(case_dir), "cpu", "float32", cast=False)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=200)
+    args = parser.parse_args()
+    runs = args.runs
+    with tempfile.TemporaryDirectory() as tmp:
+        spec = trivial_case(Path(tmp))
+        rows = [
+            ("bare os.fork", timed(bare_fork, runs)),
+            ("run_in_child (fork)", timed(lambda: checked(run_in_child(os.getpid, timeout=60)),
+                                          runs)),
+            ("run_spec, trivial case", timed(
+                lambda: passed(run_spec(spec, start_method="fork", backend="cpu")), runs)),
+            ("run_spec, spawn", timed(
+                lambda: passed(run_spec(spec, start_method="spawn", backend="cpu")),
+                max(5, runs // 20))),
+        ]
+    floor = statistics.median(rows[0][1])
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {runs} runs each "
+          "(spawn: fewer), median per item")
+    print(f"{'what':<26}{'ms/item':>10}{'x bare fork':>14}")
+    for name, samples in rows:
+        median = statistics.median(samples)
+        print(f"{name:<26}{median * 1000:>10.2f}{median / floor:>14.2f}")
+
+
+if __name__ == "__main__":
+    main()

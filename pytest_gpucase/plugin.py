@@ -1,0 +1,453 @@
+"""pytest hooks for gpucase: options, markers, collection of case directories, fixtures.
+
+Kept thin and light: nothing here imports torch at module level, so a plain
+``pytest`` run that uses no case pays nothing. The engine is imported lazily.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .case import Case
+    from .environment import Environment
+    from .execute import Outcome
+    from .isolation import StartMethod
+    from .matrix import RunSpec
+    from .runner import Verdict
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("gpucase", "saved GPU failure cases")
+    group.addoption("--gpu-cases", action="store_true",
+                    help="collect case directories (with a case.toml) and replay each run "
+                         "in a fresh child process")
+    group.addoption("--gpu-launch-blocking", action="store_true",
+                    help="run device items with the backend's launch-blocking variable "
+                         "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing")
+    group.addoption("--gpu-devices", metavar="TYPES", type=_csv,
+                    help="only these device types, e.g. cuda,cpu (narrows each case's list)")
+    group.addoption("--gpu-dtypes", metavar="DTYPES", type=_csv,
+                    help="only these dtypes, e.g. float32,bfloat16 (narrows each case's list)")
+    group.addoption("--gpu-no-localize", action="store_true",
+                    help="do not rerun an asynchronous device error with launch blocking")
+    group.addoption("--gpu-cases-regen", action="store_true",
+                    help="write or rewrite each case's expected.safetensors from its reference "
+                         "run, and list the files written")
+    group.addoption("--gpu-cases-report", metavar="PATH", type=Path,
+                    help="write the run's results (environment and every item) as JSON here")
+    group.addoption("--gpu-start-method", choices=("auto", "fork", "spawn"), default="auto",
+                    help="how each run's child starts: auto (fork, or spawn when CUDA is "
+                         "already initialized in the pytest process), fork, spawn")
+
+
+def _csv(value: str) -> tuple[str, ...]:
+    return tuple(part.strip() for part in value.split(",") if part.strip())
+
+
+@dataclass
+class GpuCaseSession:
+    """The plugin's state for one pytest session."""
+
+    config: pytest.Config
+    _env: Environment | None = None
+    notes: list[str] = field(default_factory=list)
+    regenerated: dict[Path, str | None] = field(default_factory=dict)  # case dir -> file or None
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
+    _written_at: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.config.getoption("gpu_cases"))
+
+    def environment(self, packages: tuple[str, ...] = ()) -> Environment:
+        """The session's environment snapshot, probed in a child on first use."""
+        from .environment import package_version, probe
+
+        if self._env is None:
+            import torch  # noqa: F401 - imported once here so that every forked child shares it
+
+            self._env = probe(rootdir=str(self.config.rootpath))
+        missing = [name for name in packages if name not in self._env.packages]
+        if missing:
+            found = {name: package_version(name) for name in missing}
+            self._env = replace(self._env, packages={**self._env.packages, **found})
+        return self._env
+
+    def regenerate(self, case: Case) -> None:
+        """Write the case's golden once per session (the first of its items asks)."""
+        from .runner import regenerate_golden
+
+        if case.path in self.regenerated:
+            return
+        self.regenerated[case.path] = None
+        child = regenerate_golden(case, start_method=self.start_method())
+        if not child.returned:
+            detail = child.child_error or child.stderr[-2000:]
+            pytest.fail(f"{case.case_file}: writing {case.expected_file.name} failed: "
+                        f"{child.problem}\n{detail}", pytrace=False)
+        self.regenerated[case.path] = child.value
+
+    def record(self, report: pytest.TestReport) -> None:
+        """Keep the JSON record of a finished item; rewrite the report file now and then."""
+        import time
+
+        record = result_record(report)
+        if record is None:
+            return
+        self.results[report.nodeid] = record
+        if time.monotonic() - self._written_at > REPORT_EVERY:
+            self.write_report(complete=False)
+
+    def build_report(self, *, complete: bool) -> dict[str, Any]:
+        """The JSON report of what has finished so far."""
+        from .report import new_report
+
+        report = new_report(self.environment().to_dict())
+        report["results"] = list(self.results.values())
+        report["complete"] = complete
+        return report
+
+    def write_report(self, *, complete: bool) -> None:
+        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished."""
+        import time
+
+        path: Path | None = self.config.getoption("gpu_cases_report")
+        if path is not None:
+            from .report import write_report
+
+            write_report(path, self.build_report(complete=complete))
+            self._written_at = time.monotonic()
+
+    def start_method(self) -> StartMethod:
+        from .isolation import default_start_method
+
+        chosen: str = self.config.getoption("gpu_start_method")
+        if chosen != "auto":
+            return chosen  # type: ignore[return-value]
+        method = default_start_method()
+        note = ("CUDA was initialized in the pytest process, so each run starts a fresh "
+                "interpreter (spawn) instead of a fork: every run pays for importing torch again")
+        if method == "spawn" and note not in self.notes:
+            self.notes.append(note)
+        return method
+
+
+REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+session_key = pytest.StashKey[GpuCaseSession]()
+verdict_key = pytest.StashKey["Verdict"]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    state = GpuCaseSession(config)
+    config.stash[session_key] = state
+    if state.enabled and not hasattr(config, "workerinput"):
+        config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
+    config.addinivalue_line(
+        "markers", "gpu_case(path): give the gpu_case fixture the case directory at path")
+    for device in ("cpu", "cuda", "mps", "xpu"):
+        config.addinivalue_line("markers", f"device_{device}: a gpucase run on {device}")
+    for dtype in ("float16", "bfloat16", "float32", "float64"):
+        config.addinivalue_line("markers", f"dtype_{dtype}: a gpucase run in {dtype}")
+    for kind in ("batch", "length", "boundary"):
+        config.addinivalue_line("markers", f"variant_{kind}: a gpucase {kind} edge variant")
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    state = config.stash[session_key]
+    if not state.enabled:
+        return None
+    return state.environment().header()
+
+
+def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
+    if not parent.config.stash[session_key].enabled:
+        return None
+    from .case import is_case_dir
+
+    if is_case_dir(path):
+        return CaseDirectory.from_parent(parent, path=path)
+    return None
+
+
+class CaseDirectory(pytest.Directory):
+    """A case directory: one item per run (device x dtype x variant)."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        from .case import load_case
+        from .errors import CaseFormatError
+        from .matrix import expand
+
+        state = self.config.stash[session_key]
+        try:
+            case = load_case(self.path)
+            specs = expand(
+                case, state.environment(tuple(case.matrix.packages)),
+                saved_dtype=_saved_dtype(case),
+                devices=self.config.getoption("gpu_devices"),
+                dtypes=self.config.getoption("gpu_dtypes"),
+                launch_blocking=self.config.getoption("gpu_launch_blocking"),
+            )
+        except CaseFormatError as exc:
+            yield BrokenCaseItem.from_parent(self, name=self.path.name, problem=str(exc))
+            return
+        for spec in specs:
+            yield CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
+
+
+def _saved_dtype(case: Case) -> str | None:
+    """The floating dtype of the saved inputs, read from the payload's header only."""
+    from .matrix import saved_float_dtype
+    from .payload import describe
+
+    if not case.inputs_file.exists():
+        return None
+    return saved_float_dtype(describe(case.inputs_file))
+
+
+class BrokenCaseItem(pytest.Item):
+    """A case that cannot be loaded: one failing item, so that the other cases still run."""
+
+    def __init__(self, *, problem: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.problem = problem
+
+    def runtest(self) -> None:
+        raise CaseFileError(self.problem)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str:
+        if isinstance(excinfo.value, CaseFileError):
+            return str(excinfo.value)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path / "case.toml", 0, f"{self.name} (broken case)"
+
+
+class CaseFileError(Exception):
+    """A case file that cannot be loaded (shown without a traceback)."""
+
+
+class CaseRunFailed(Exception):
+    """A run of a case whose verdict is failed."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.outcome.summary)
+        self.verdict = verdict
+
+
+class CaseItem(pytest.Item):
+    """One run of a case, executed in a fresh child process."""
+
+    def __init__(self, *, spec: RunSpec, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.add_marker(f"device_{spec.device}")
+        if spec.dtype in ("float16", "bfloat16", "float32", "float64"):
+            self.add_marker(f"dtype_{spec.dtype}")
+        if spec.variant is not None:
+            self.add_marker(f"variant_{spec.variant.kind}")
+        self.user_properties.append(("gpucase", spec_fields(spec)))
+        if spec.skip is not None:
+            self.add_marker(pytest.mark.skip(reason=spec.skip))
+        elif spec.case.xfail is not None:
+            self.add_marker(pytest.mark.xfail(reason=spec.case.xfail, strict=True))
+
+    def runtest(self) -> None:
+        from .runner import run_spec
+
+        state = self.config.stash[session_key]
+        if self.config.getoption("gpu_cases_regen") and self.spec.variant is None:
+            if self.spec.case.expect.outcome == "matches":
+                state.regenerate(self.spec.case)
+        verdict = run_spec(self.spec, start_method=state.start_method(),
+                           backend=state.environment().backend,
+                           localize=not self.config.getoption("gpu_no_localize"))
+        self.stash[verdict_key] = verdict
+        self.user_properties.append(("gpucase_result", verdict_fields(verdict)))
+        _add_sections(self, verdict)
+        if verdict.outcome.status == "skipped":
+            pytest.skip(verdict.outcome.summary)
+        if verdict.failed:
+            raise CaseRunFailed(verdict)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str:
+        if isinstance(excinfo.value, CaseRunFailed):
+            return _failure_text(excinfo.value.verdict.outcome)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.spec.case.case_file, 0, self.name
+
+
+def _failure_text(outcome: Outcome) -> str:
+    text = outcome.summary
+    if outcome.details:
+        text += "\n\n" + outcome.details.rstrip()
+    return text
+
+
+def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
+    from .runner import describe_rerun
+
+    child = verdict.child
+    if child.stdout:
+        item.add_report_section("call", "stdout (child)", child.stdout)
+    if child.stderr:
+        item.add_report_section("call", "stderr (child)", child.stderr)
+    if verdict.triage is not None:
+        item.add_report_section("call", "gpucase triage", verdict.triage.render())
+    if verdict.localized is not None:
+        item.add_report_section("call", "gpucase launch-blocking rerun", describe_rerun(verdict))
+
+
+def spec_fields(spec: RunSpec) -> dict[str, Any]:
+    """What the JSON report says of an item before it runs (set at collection)."""
+    return {
+        "case": spec.case.name,
+        "case_path": _relative(spec.case.path),
+        "device": spec.device,
+        "dtype": spec.dtype,
+        "variant": spec.variant.label if spec.variant is not None else None,
+        "launch_blocking": spec.launch_blocking,
+    }
+
+
+def verdict_fields(verdict: Verdict) -> dict[str, Any]:
+    """What the JSON report says of a run's verdict (plain data: it crosses xdist)."""
+    outcome = verdict.outcome
+    return {
+        "error_type": outcome.error_type,
+        "message": outcome.summary,
+        "max_abs": outcome.max_abs,
+        "max_rel": outcome.max_rel,
+        "triage": verdict.triage.to_dict() if verdict.triage is not None else None,
+        "localized": verdict.localized.outcome.summary if verdict.localized is not None else None,
+    }
+
+
+def _relative(path: Path) -> str:
+    try:
+        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
+    except ValueError:
+        return path.as_posix()
+
+
+def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
+    """The JSON record of an item once its outcome is known, from its pytest report."""
+    props = dict(report.user_properties)
+    if "gpucase" not in props:
+        return None
+    if report.when == "setup" and report.passed:
+        return None  # the call phase will say
+    if report.when == "teardown" and not report.failed:
+        return None
+    xfail = hasattr(report, "wasxfail")
+    if report.when != "call":
+        outcome = "skipped" if report.skipped else "error"
+    elif report.skipped:
+        outcome = "xfailed" if xfail else "skipped"
+    elif report.passed:
+        outcome = "xpassed" if xfail else "passed"
+    else:
+        strict_xpass = "XPASS(strict)" in str(report.longrepr)
+        outcome = "xpassed" if strict_xpass else "failed"
+    skip_reason = None
+    if report.skipped and isinstance(report.longrepr, tuple):
+        skip_reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    record: dict[str, Any] = {"nodeid": report.nodeid, **props["gpucase"]}
+    record.update({"outcome": outcome, "error_type": None, "message": None, "max_abs": None,
+                   "max_rel": None, "duration": round(report.duration, 6),
+                   "skip_reason": skip_reason, "triage": None, "localized": None})
+    record.update(props.get("gpucase_result", {}))
+    if xfail and outcome == "xfailed":
+        record["message"] = record["message"] or str(report.wasxfail)
+    return record
+
+
+class _Recorder:
+    """Collects results on the process that writes the report (the controller under xdist)."""
+
+    def __init__(self, state: GpuCaseSession) -> None:
+        self.state = state
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.state.record(report)
+
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import os
+
+        self.state.write_report(complete=True)
+        if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
+            from .report import append_step_summary
+
+            append_step_summary(self.state.build_report(complete=True))
+
+
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    state = config.stash[session_key]
+    for note in state.notes:
+        terminalreporter.write_line(f"gpucase: {note}", yellow=True)
+    written = [path for path in state.regenerated.values() if path]
+    if written:
+        terminalreporter.write_sep("-", "gpucase: golden files written")
+        for path in written:
+            terminalreporter.write_line(_relative(Path(path)))
+    report_path = config.getoption("gpu_cases_report", None)
+    if report_path is not None and state.enabled and not hasattr(config, "workerinput"):
+        terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
+
+
+class GpuCaseHandle:
+    """What the ``gpu_case`` fixture gives a hand-written test: the case, its inputs, its runs."""
+
+    def __init__(self, case: Case, state: GpuCaseSession) -> None:
+        self.case = case
+        self._state = state
+
+    def inputs(self, device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
+        """The case's keyword arguments in this process, on ``device``, floats cast to ``dtype``."""
+        from .execute import load_inputs, prepare
+
+        return prepare(load_inputs(self.case), device, dtype)
+
+    def run(self, device: str = "cpu", dtype: str | None = None,
+            launch_blocking: bool = False) -> Verdict:
+        """Run the case once in a fresh child and return the verdict (it does not raise)."""
+        from .environment import launch_blocking_env
+        from .matrix import RunSpec
+        from .runner import run_spec
+
+        backend = self._state.environment().backend
+        env = launch_blocking_env(backend) if launch_blocking and device != "cpu" else {}
+        spec = RunSpec(self.case, device, dtype or _saved_dtype(self.case) or "float32",
+                       cast=dtype is not None, env=env, launch_blocking=bool(env))
+        return run_spec(spec, start_method=self._state.start_method(), backend=backend,
+                        localize=False)
+
+
+@pytest.fixture
+def gpu_case(request: pytest.FixtureRequest) -> GpuCaseHandle:
+    """The case named by ``@pytest.mark.gpu_case("path/to/case")``, relative to the rootdir."""
+    from .case import load_case
+    from .errors import CaseFormatError
+
+    marker = request.node.get_closest_marker("gpu_case")
+    if marker is None or not marker.args:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: the gpu_case fixture needs @pytest.mark.gpu_case(\"cases/NAME\")")
+    path = Path(marker.args[0])
+    if not path.is_absolute():
+        path = request.config.rootpath / path
+    try:
+        case = load_case(path)
+    except CaseFormatError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return GpuCaseHandle(case, request.config.stash[session_key])

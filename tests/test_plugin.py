@@ -1,0 +1,273 @@
+"""End to end: `pytest --gpu-cases` in a subprocess, as a user runs it."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpucase import payload
+
+CE_CASE_PY = """
+import torch
+import torch.nn.functional as F
+
+def run(logits, target, num_classes, ignore_index):
+    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
+    if bad.any():
+        raise ValueError(f"target out of range: {target[bad].tolist()}")
+    return F.cross_entropy(logits, target, ignore_index=ignore_index)
+"""
+
+
+def write_case(root: Path, name: str, toml: str, case_py: str | None = None,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write a case directory as a user would by hand."""
+    path = root / "cases" / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
+    if case_py is not None:
+        (path / "case.py").write_text(textwrap.dedent(case_py).lstrip())
+    if tensors is not None:
+        payload.save(path / "inputs.safetensors", tensors)
+    return path
+
+
+def ce_case(root: Path, name: str, target: list[int], expect: str, top: str = "") -> Path:
+    logits = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
+    toml = f"""
+        format = 1
+        call = "case.py:run"
+        timeout = 60
+        {top}
+        [inputs]
+        num_classes = 4
+        ignore_index = -100
+        {expect}
+    """
+    return write_case(root, name, toml, CE_CASE_PY,
+                      {"logits": logits, "target": torch.tensor(target)})
+
+
+RAISES = """
+        [expect]
+        outcome = "raises"
+        exception = "ValueError"
+        match = "out of range"
+"""
+
+
+@pytest.fixture
+def cases(pytester: pytest.Pytester) -> Path:
+    return pytester.path
+
+
+def test_collects_ids_like_device_type_tests(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "cases")
+    result.stdout.fnmatch_lines([
+        "cases/ce_class4::ce_class4[[]cpu-float32[]]",
+        "cases/ce_class4::ce_class4[[]cuda-float32[]]",
+    ])
+
+
+def test_plain_pytest_ignores_cases(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("cases")
+    assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+
+
+def test_raises_case_passes_and_cuda_is_skipped_with_reason(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "-rs", "-v", "cases")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "gpucase: cpu backend · torch * · Python * · no accelerator*",
+        "cases/ce_class4::ce_class4[[]cpu-float32[]] PASSED*",
+        "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (cpu backend): the CPU "
+        "pass of this case is a hint, not CUDA validation; run it on a GPU runner",
+    ])
+
+
+def test_select_with_k(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    ce_case(cases, "ce_valid", [0, 2, 3], "")
+    result = pytester.runpytest_subprocess("--gpu-cases", "-k", "cpu and valid", "cases")
+    result.assert_outcomes(passed=1, deselected=3)
+
+
+def test_case_that_no_longer_raises_fails_clearly(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "fixed", [0, 2, 3], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*_ fixed[[]cpu-float32[]] _*",
+        "expected ValueError matching 'out of range', but the call returned normally; if the fix "
+        "has landed, set [[]expect[]] outcome = \"matches\" in case.toml",
+    ])
+
+
+def test_wrong_exception_type_fails_with_both_named(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "wrongtype", [0, 2, 4], RAISES.replace("ValueError", "IndexError"))
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "expected IndexError matching 'out of range'; the call raised ValueError: target out of "
+        "range: [[]4[]]",
+    ])
+
+
+def test_xfail_is_strict(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "known", [0, 2, 4], "", top='xfail = "labels not remapped yet"')
+    ce_case(cases, "fixed", [0, 2, 3], "", top='xfail = "labels not remapped yet"')
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rxX", "cases")
+    result.assert_outcomes(xfailed=1, failed=1)
+    result.stdout.fnmatch_lines(["*[[]XPASS(strict)[]] labels not remapped yet*"])
+
+
+def test_mismatch_names_count_difference_and_tolerance(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    write_case(cases, "drift", """
+        format = 1
+        call = "case.py:run"
+        reference = "case.py:reference"
+    """, """
+        def run(x):
+            y = x * 2
+            y[1, 2] += 0.5
+            return {"logits": y}
+
+        def reference(x):
+            return {"logits": x * 2}
+    """, {"x": torch.ones(4, 8)})
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "outputs differ from the reference",
+        "*out[[]'logits'[]]*",
+        "*1 / 32 (3.1%)*",
+        "*0.5*(1, 2)*",
+    ])
+
+
+def test_broken_case_is_one_failure_and_the_rest_still_run(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "good", [0, 2, 4], RAISES)
+    write_case(cases, "typo", """
+        format = 1
+        calll = "case.py:run"
+    """)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=1, failed=1)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([
+        "cases/typo/case.toml: calll: unknown key; did you mean 'call'?",
+        "FAILED cases/typo::typo*",
+    ])
+    result.stdout.no_fnmatch_line("*Traceback*")
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ("import os, signal\n\ndef run():\n    os.kill(os.getpid(), signal.SIGSEGV)\n",
+     "*cases/crash/case.toml: run crashed with signal 11 (SIGSEGV)"),
+    ("import os\n\ndef run():\n    os._exit(3)\n",
+     "*cases/crash/case.toml: run exited with code 3 without returning a result"),
+    ("import time\n\ndef run():\n    time.sleep(600)\n",
+     "*cases/crash/case.toml: run timed out after 1 s and was killed with its process group*"),
+])
+def test_crashing_child_fails_one_item_and_session_goes_on(
+        pytester: pytest.Pytester, cases: Path, body: str, message: str) -> None:
+    write_case(cases, "crash", 'format = 1\ncall = "case.py:run"\ntimeout = 1\n', body)
+    ce_case(cases, "good", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines([message])
+
+
+def test_hang_shows_where_it_hung(pytester: pytest.Pytester, cases: Path) -> None:
+    write_case(cases, "hang", 'format = 1\ncall = "case.py:run"\ntimeout = 1\n',
+               "import time\n\ndef wait_forever():\n    time.sleep(600)\n\n"
+               "def run():\n    wait_forever()\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*stderr (child)*", "*case.py\", line 4 in wait_forever*"])
+
+
+def test_child_output_is_shown_in_sections(pytester: pytest.Pytester, cases: Path) -> None:
+    write_case(cases, "loud", 'format = 1\ncall = "case.py:run"\n',
+               "import os\n\ndef run():\n    print('hello from the child')\n"
+               "    os.write(2, b'Loss.cu:250: Assertion `t >= 0 && t < n_classes` failed.\\n')\n"
+               "    raise RuntimeError('CUDA error: device-side assert triggered')\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*Captured stdout (child) call*", "hello from the child",
+        "*Captured stderr (child) call*", "Loss.cu:250: Assertion*",
+        "*Captured gpucase triage call*", "clue: device-side assert*",
+    ])
+
+
+def test_launch_blocking_reaches_the_child_only_on_gpu_backends(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    write_case(cases, "env", """
+        format = 1
+        call = "case.py:run"
+        launch_blocking = true
+        [expect]
+        outcome = "raises"
+        exception = "LookupError"
+    """, "import os\n\ndef run():\n    raise LookupError(os.environ.get('CUDA_LAUNCH_BLOCKING'))\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=1)
+
+
+def test_forked_plugin_gives_the_same_results(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "good", [0, 2, 4], RAISES)
+    ce_case(cases, "fixed", [0, 2, 3], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "--forked",
+                                           "cases")
+    result.assert_outcomes(passed=1, failed=1)
+
+
+def test_spawn_start_method_gives_the_same_results(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "good", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--gpu-start-method", "spawn", "cases")
+    result.assert_outcomes(passed=1)
+
+
+def test_plain_run_does_not_import_torch(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_plain="""
+        import sys
+
+        def test_no_torch():
+            assert "torch" not in sys.modules
+    """)
+    result = pytester.runpytest_subprocess("-p", "gpucase")
+    result.assert_outcomes(passed=1)
+
+
+def test_gpu_case_fixture(pytester: pytest.Pytester, cases: Path) -> None:
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    pytester.makepyfile(test_fixture="""
+        import pytest
+
+        @pytest.mark.gpu_case("cases/ce_class4")
+        def test_inputs_and_run(gpu_case):
+            inputs = gpu_case.inputs(dtype="float64")
+            assert inputs["logits"].dtype.is_floating_point
+            assert str(inputs["logits"].dtype) == "torch.float64"
+            assert inputs["target"].tolist() == [0, 2, 4]
+            verdict = gpu_case.run(device="cpu")
+            assert verdict.outcome.status == "passed"
+            assert verdict.outcome.error_type == "ValueError"
+
+        def test_fixture_without_marker(gpu_case):
+            pass
+    """)
+    result = pytester.runpytest_subprocess("test_fixture.py")
+    result.assert_outcomes(passed=1, errors=1)
+    result.stdout.fnmatch_lines(["*the gpu_case fixture needs @pytest.mark.gpu_case*"])
