@@ -310,8 +310,20 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+# The machinery that calls the user's code; its frames only add noise to a traceback.
+_MACHINERY = {str(Path(__file__)), str(Path(__file__).with_name("isolation.py"))}
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without the frames of gpucase's own calling machinery."""
+    tb = traceback.TracebackException.from_exception(exc)
+    tb.stack = traceback.StackSummary.from_list(
+        [frame for frame in tb.stack if frame.filename not in _MACHINERY])
+    return "".join(tb.format())
+
+
 def _raised(what: str, exc: BaseException) -> Outcome:
-    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    text = user_traceback(exc)
     return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,
                    error_type=type(exc).__name__, error_message=str(exc))
 

@@ -43,8 +43,7 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
                        child.stderr)
     verdict = Verdict(spec, outcome, child, found)
     blocking = launch_blocking_env(backend)
-    if (localize and found is not None and found.asynchronous and not spec.launch_blocking
-            and blocking and spec.device != "cpu"):
+    if localize and found is not None and found.asynchronous and blocking and not spec.launch_blocking:
         rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
         verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
                                                       backend=backend, localize=False))

@@ -1,0 +1,106 @@
+"""The parent's side of a run: verdicts from real children, triage, launch-blocking rerun."""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+from pytest_gpucase.case import load_case
+from pytest_gpucase.matrix import RunSpec
+from pytest_gpucase.runner import describe_rerun, run_spec
+
+# A test double, honest about being one: this machine has no GPU, so the case
+# fakes what CUDA does. Without CUDA_LAUNCH_BLOCKING the "kernel" error surfaces
+# late, at a later call, as the asynchronous message; with it, the error is
+# raised where the bad index is used, with the kernel's assertion line on fd 2.
+ASYNC_DOUBLE = '''
+import os
+
+def gather(index):
+    if os.environ.get("CUDA_LAUNCH_BLOCKING") == "1":
+        os.write(2, b"IndexKernel.cu:92: operator(): block: [0,0,0], thread: [6,0,0] "
+                    b"Assertion `index out of bounds` failed.\\n")
+        raise RuntimeError("CUDA error: device-side assert triggered (at gather, index 7)")
+    return index
+
+def run(index):
+    gather(index)
+    raise RuntimeError("CUDA error: device-side assert triggered\\nCUDA kernel errors might be "
+                       "asynchronously reported at some other API call, so the stacktrace "
+                       "below might be incorrect.")
+'''
+
+
+def make_case(root: Path, toml: str, code: str) -> RunSpec:
+    path = root / "double"
+    path.mkdir()
+    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
+    (path / "case.py").write_text(textwrap.dedent(code).lstrip())
+    return RunSpec(load_case(path), "cpu", "float32", cast=False)
+
+
+TOML = """
+    format = 1
+    call = "case.py:run"
+    timeout = 30
+    [inputs]
+    index = 7
+"""
+
+
+def test_asynchronous_error_is_rerun_with_launch_blocking(tmp_path: Path) -> None:
+    spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
+    verdict = run_spec(spec, start_method="fork", backend="cuda")  # pretend: a CUDA build
+    assert verdict.failed
+    assert verdict.triage is not None and verdict.triage.asynchronous
+    rerun = verdict.localized
+    assert rerun is not None
+    assert dict(rerun.spec.env) == {"CUDA_LAUNCH_BLOCKING": "1"}
+    assert "at gather, index 7" in rerun.outcome.summary
+    text = describe_rerun(verdict)
+    assert text.splitlines()[:3] == [
+        "rerun in a new child with CUDA_LAUNCH_BLOCKING=1:",
+        "  first error as seen: the call raised RuntimeError: CUDA error: device-side assert "
+        "triggered",
+        "  with launch blocking: the call raised RuntimeError: CUDA error: device-side assert "
+        "triggered (at gather, index 7)",
+    ]
+    assert "kernel assertion: IndexKernel.cu:92: operator(): block: [0,0,0], thread: [6,0,0] " \
+        "Assertion `index out of bounds` failed." in text
+    assert 'line 7, in gather' in rerun.outcome.details
+    assert 'execute.py' not in rerun.outcome.details  # our own frames are hidden
+
+
+def test_rocm_rerun_uses_its_own_variable(tmp_path: Path) -> None:
+    spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
+    verdict = run_spec(spec, start_method="fork", backend="rocm")
+    assert verdict.localized is not None
+    assert dict(verdict.localized.spec.env) == {"AMD_SERIALIZE_KERNEL": "3"}
+
+
+def test_no_rerun_on_cpu_backend_or_when_disabled(tmp_path: Path) -> None:
+    spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
+    assert run_spec(spec, start_method="fork", backend="cpu").localized is None
+    assert run_spec(spec, start_method="fork", backend="cuda", localize=False).localized is None
+
+
+def test_synchronous_error_is_not_rerun(tmp_path: Path) -> None:
+    spec = make_case(tmp_path, TOML, "def run(index):\n    raise ValueError('bad label')\n")
+    verdict = run_spec(spec, start_method="fork", backend="cuda")
+    assert verdict.failed and verdict.localized is None
+
+
+def test_crash_outcome_names_the_signal_and_keeps_the_assertion_line(tmp_path: Path) -> None:
+    code = """
+        import os, signal
+
+        def run(index):
+            os.write(2, b"Loss.cu:250: block: [0,0,0] Assertion `t >= 0 && t < n_classes` failed.\\n")
+            os.kill(os.getpid(), signal.SIGABRT)
+    """
+    spec = make_case(tmp_path, TOML, code)
+    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    assert verdict.outcome.summary.endswith("run crashed with signal 6 (SIGABRT)")
+    assert verdict.outcome.error_message == (
+        "Loss.cu:250: block: [0,0,0] Assertion `t >= 0 && t < n_classes` failed.")
+    assert verdict.triage is not None and verdict.triage.clue.startswith("device-side assert")
