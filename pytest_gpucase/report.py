@@ -1,0 +1,775 @@
+"""JSON results of a run, the compatibility matrix across runs, and GitHub step summaries.
+
+The JSON report (schema in docs/report-schema.md) is the one file a run leaves
+behind; ``gpucase matrix`` reads several of them, one per runner, and shows
+which cases pass where. Everything here is pure data in, text out: no torch,
+no pytest, so the command stays fast and the functions are tested directly.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+from .environment import Device, Environment
+
+SCHEMA = "pytest-gpucase/report"
+VERSION = 1
+MATRIX_SCHEMA = "pytest-gpucase/matrix"
+MATRIX_VERSION = 1
+
+OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+FAILING = ("failed", "error", "xpassed")  # a strict xfail that passed fails the run too
+
+Status = Literal["pass", "fail", "skip", "xfail", "not run"]
+STATUSES: tuple[Status, ...] = ("pass", "fail", "xfail", "skip", "not run")
+STATUS_MEANINGS: Mapping[Status, str] = {
+    "pass": "every run that ran passed",
+    "fail": "a run failed, errored, or passed although marked as a known failure",
+    "xfail": "a known failure (xfail in case.toml) still fails here",
+    "skip": "every run was skipped; the note says why",
+    "not run": "no report holds a run of this case here",
+}
+_MARKDOWN_SYMBOLS: Mapping[Status, str] = {
+    "pass": "✅", "fail": "❌", "xfail": "⚠️", "skip": "⏭️", "not run": "—",
+}
+# The HTML page must read well without an emoji font (CI images rarely have one).
+_HTML_SYMBOLS: Mapping[Status, str] = {
+    "pass": "✓", "fail": "✗", "xfail": "⚠", "skip": "↷", "not run": "—",
+}
+_REASON_WORDS = {
+    "failed": "failed", "error": "error", "xpassed": "passed although marked xfail (strict)",
+    "xfailed": "xfail", "skipped": "skipped",
+}
+_MAX_RUNS_NAMED = 6
+_MAX_FAILURES_LISTED = 20
+_NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
+
+# What a version-1 file must hold; readers ignore keys they do not know, so that a
+# writer may add a key without breaking older readers (removing or changing one bumps VERSION).
+_TOP_KEYS = {"schema": "string", "version": "integer", "created": "string",
+             "environment": "object", "results": "list", "complete": "boolean"}
+_ENVIRONMENT_KEYS = {
+    "backend": "string", "device_types": "list of strings", "devices": "list",
+    "torch": "string or null", "cuda": "string or null", "hip": "string or null",
+    "cudnn": "string or null", "python": "string", "platform": "string",
+    "packages": "object", "revision": "string or null",
+}
+_DEVICE_KEYS = {"index": "integer", "name": "string", "capability": "string or null",
+                "memory_gib": "number or null"}
+_RESULT_KEYS = {
+    "nodeid": "string", "case": "string", "case_path": "string", "device": "string",
+    "dtype": "string", "variant": "string or null", "outcome": "string",
+    "error_type": "string or null", "message": "string or null",
+    "max_abs": "measure", "max_rel": "measure", "duration": "number",
+    "skip_reason": "string or null", "triage": "object or null", "launch_blocking": "boolean",
+}
+
+
+class ReportError(ValueError):
+    """A JSON report that cannot be read as written; the message names the file and the problem."""
+
+    def __init__(self, path: Path | str, problem: str) -> None:
+        self.path = Path(path)
+        self.problem = problem
+        super().__init__(f"{path}: {problem}")
+
+
+# ----------------------------------------------------------------------------- the JSON report
+
+
+def new_report(environment: Mapping[str, Any]) -> dict[str, Any]:
+    """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty."""
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "environment": dict(environment),
+        "results": [],
+        "complete": False,
+    }
+
+
+def write_report(path: Path | str, report: Mapping[str, Any]) -> None:
+    """Write ``report`` to ``path`` atomically, so a reader or a crash never sees half a file."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Strict JSON (jq, JavaScript) has no NaN or Infinity; a max_abs of inf is spelled "inf".
+    text = json.dumps(_finite(report), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    # The temporary file lies in the target's directory: os.replace is atomic only within one
+    # file system.
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+            # mkstemp makes the file private (0600); a report is read by people and CI uploaders.
+            os.chmod(temporary, _file_mode(target))
+            stream.write(text)
+            stream.flush()
+            os.fsync(stream.fileno())
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+
+
+def _file_mode(target: Path) -> int:
+    try:
+        return target.stat().st_mode & 0o777
+    except OSError:
+        umask = os.umask(0)   # there is no way to read the umask without setting it
+        os.umask(umask)
+        return 0o666 & ~umask
+
+
+def _finite(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, Mapping):
+        return {key: _finite(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(item) for item in value]
+    return value
+
+
+def load_report(path: Path | str) -> dict[str, Any]:
+    """Read and validate one JSON report; ``ReportError`` names the file and what is wrong."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
+        raise ReportError(path, f"cannot read: {reason}") from None
+    try:
+        report = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ReportError(path, f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+                          ) from None
+    if not isinstance(report, dict):
+        raise ReportError(path, f"not a pytest-gpucase report: the top level is {_kind(report)}, "
+                                "expected an object")
+    if report.get("schema") != SCHEMA:
+        found = "missing" if "schema" not in report else json.dumps(report["schema"])
+        raise ReportError(path, f"not a pytest-gpucase report: \"schema\" is {found}, "
+                                f"expected \"{SCHEMA}\"")
+    version = report.get("version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
+        raise ReportError(path, f"report version {version} is newer than this pytest-gpucase "
+                                f"reads (up to {VERSION}); upgrade pytest-gpucase")
+    _check_keys(path, report, _TOP_KEYS, "")
+    if version != VERSION:
+        raise ReportError(path, f"version: {json.dumps(version)} is not a report version "
+                                f"this pytest-gpucase reads (1 to {VERSION})")
+    _check_created(path, report["created"])
+    environment = report["environment"]
+    _check_keys(path, environment, _ENVIRONMENT_KEYS, "environment")
+    for index, device in enumerate(environment["devices"]):
+        _check_keys(path, device, _DEVICE_KEYS, f"environment.devices[{index}]")
+    for name, version_found in environment["packages"].items():
+        if not _is(version_found, "string or null"):
+            raise ReportError(path, f"environment.packages.{name}: expected a string or null, "
+                                    f"found {_kind(version_found)}")
+    for index, result in enumerate(report["results"]):
+        where = f"results[{index}]"
+        _check_keys(path, result, _RESULT_KEYS, where)
+        if result["outcome"] not in OUTCOMES:
+            raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} is not "
+                                    f"one of {', '.join(OUTCOMES)}")
+        for key in ("max_abs", "max_rel"):
+            if isinstance(result[key], str):
+                result[key] = _NON_FINITE[result[key]]
+    return report
+
+
+def _check_keys(path: Path | str, value: Any, spec: Mapping[str, str], where: str) -> None:
+    if not isinstance(value, dict):
+        raise ReportError(path, f"{where}: expected an object, found {_kind(value)}")
+    prefix = f"{where}." if where else ""
+    for key, kind in spec.items():
+        if key not in value:
+            raise ReportError(path, f"{where + ': ' if where else ''}missing key \"{key}\"")
+        if not _is(value[key], kind):
+            expected = ('a number, null, or one of "nan", "inf", "-inf"' if kind == "measure"
+                        else f"{'an' if kind[0] in 'aeiou' else 'a'} {kind}")
+            raise ReportError(path, f"{prefix}{key}: expected {expected}, "
+                                    f"found {_kind(value[key])}")
+
+
+def _is(value: Any, kind: str) -> bool:
+    if value is None:
+        return kind.endswith("or null") or kind == "measure"
+    if isinstance(value, bool):
+        return kind == "boolean"
+    base = kind.removesuffix(" or null")
+    if base == "measure":
+        return isinstance(value, (int, float)) or value in _NON_FINITE
+    if base == "list of strings":
+        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+    types: Mapping[str, type | tuple[type, ...]] = {
+        "string": str, "integer": int, "number": (int, float), "object": dict, "list": list,
+        "boolean": bool,
+    }
+    return isinstance(value, types[base])
+
+
+def _kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    if isinstance(value, str):
+        return "a string"
+    if isinstance(value, list):
+        return "a list"
+    return "an object"
+
+
+def _check_created(path: Path | str, created: str) -> None:
+    try:
+        moment = datetime.fromisoformat(created)
+    except ValueError:
+        raise ReportError(path, f"created: {json.dumps(created)} is not an ISO 8601 time"
+                          ) from None
+    # Reports of one environment are ordered by this time; a naive time cannot be compared.
+    if moment.tzinfo is None:
+        raise ReportError(path, f"created: {json.dumps(created)} has no UTC offset")
+
+
+def describe_environment(environment: Mapping[str, Any]) -> str:
+    """One line naming an environment as a PyTorch engineer reads it, with its extensions."""
+    env = Environment(
+        backend=environment["backend"],
+        device_types=tuple(environment["device_types"]),
+        devices=tuple(Device(d["index"], d["name"], d.get("capability"), d.get("memory_gib"))
+                      for d in environment["devices"]),
+        torch=environment["torch"], cuda=environment["cuda"], hip=environment["hip"],
+        cudnn=environment["cudnn"], python=environment["python"],
+        platform=environment["platform"], packages=environment["packages"],
+        revision=environment["revision"],
+    )
+    line = env.header().removeprefix("gpucase: ")
+    for name, version in sorted(env.packages.items()):
+        line += f" · {name} {version}" if version else f" · {name} not installed"
+    return line
+
+
+# ----------------------------------------------------------------------------- step summary
+
+
+def step_summary(report: Mapping[str, Any]) -> str:
+    """A short Markdown summary of one run, for GitHub's job summary page."""
+    results: list[Mapping[str, Any]] = report["results"]
+    counts = Counter(result["outcome"] for result in results)
+    order = ("failed", "error", "xpassed", "xfailed", "passed", "skipped")
+    tally = ", ".join(f"{counts[outcome]} {outcome}" for outcome in order if counts[outcome])
+    failures = [result for result in results if result["outcome"] in FAILING]
+    symbol = "❌" if failures else ("⚠️" if not report["complete"] else "✅")
+    lines = [f"### pytest-gpucase: {symbol} {tally or 'no items ran'}", ""]
+    if not report["complete"]:
+        lines += ["⚠️ The run did not finish: these are the items recorded before it stopped.", ""]
+    lines += [_md(describe_environment(report["environment"])), ""]
+    if failures:
+        lines += ["**Failed**", ""]
+        for result in failures[:_MAX_FAILURES_LISTED]:
+            # "failed" is the heading already; an error or a strict xpass says what it is.
+            said = [] if result["outcome"] == "failed" else [_REASON_WORDS[result["outcome"]]]
+            said += [text] if (text := _reason_text(result)) else []
+            line = f"- `{result['nodeid']}`: {_md(': '.join(said) or 'failed')}"
+            clue = (result["triage"] or {}).get("clue")
+            lines.append(line + (f" (clue: {_md(str(clue))})" if clue else ""))
+        if len(failures) > _MAX_FAILURES_LISTED:
+            lines.append(f"- … and {len(failures) - _MAX_FAILURES_LISTED} more in the JSON report")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def append_step_summary(report: Mapping[str, Any],
+                        env: Mapping[str, str] = os.environ) -> Path | None:
+    """Append ``step_summary(report)`` to the file GitHub names in GITHUB_STEP_SUMMARY, if any."""
+    name = env.get("GITHUB_STEP_SUMMARY")
+    if not name:
+        return None
+    path = Path(name)
+    # Other steps write to the same file; a blank line keeps our heading out of their paragraph.
+    separator = "\n" if path.exists() and path.stat().st_size else ""
+    with path.open("a", encoding="utf-8") as stream:
+        stream.write(separator + step_summary(report))
+    return path
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+@dataclass(frozen=True)
+class Column:
+    """One environment: the label says what differs from the other columns."""
+
+    label: str
+    description: str                 # the whole environment in one line
+    environment: Mapping[str, Any]
+    sources: tuple[str, ...]         # the report files merged into this column, oldest first
+    created: str                     # when the newest of them was started
+    complete: bool                   # False when any of them comes from an unfinished run
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one case (or case variant) did in one environment, over its devices and dtypes."""
+
+    status: Status
+    counts: Mapping[str, int]        # outcome -> number of runs
+    reasons: tuple[str, ...]         # why runs did not pass: failure messages, skip reasons
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case, or one case variant in detail mode."""
+
+    label: str
+    case: str
+    case_path: str
+    variant: str | None
+    cells: tuple[Cell, ...]          # one per column
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """Cases against environments, built from the JSON reports of several runs."""
+
+    columns: tuple[Column, ...]
+    rows: tuple[Row, ...]
+    detail: bool
+    notes: tuple[str, ...] = ()      # what the reader should know about how reports were merged
+
+
+def build_matrix(reports: Sequence[Mapping[str, Any]], *, detail: bool,
+                 names: Sequence[str] | None = None) -> Matrix:
+    """Merge loaded reports into a matrix: one column per environment, one row per case.
+
+    ``names`` name the reports (their file names) in notes and in labels that
+    would otherwise be equal; reports of one environment share a column, and
+    for an item in both, the report created later wins.
+    """
+    names = list(names) if names is not None else [f"report {n + 1}" for n in range(len(reports))]
+    groups: dict[str, list[int]] = {}
+    for index, report in enumerate(reports):
+        groups.setdefault(_identity(report["environment"]), []).append(index)
+
+    notes: list[str] = []
+    merged: list[dict[str, Mapping[str, Any]]] = []
+    members: list[list[int]] = []
+    for indexes in groups.values():
+        indexes.sort(key=lambda i: (datetime.fromisoformat(reports[i]["created"]), i))
+        items: dict[str, Mapping[str, Any]] = {}
+        replaced = 0
+        for index in indexes:
+            for result in reports[index]["results"]:
+                replaced += result["nodeid"] in items
+                items[result["nodeid"]] = result
+        if len(indexes) > 1:
+            note = (f"{', '.join(names[i] for i in indexes)} come from one environment and "
+                    "share a column")
+            if replaced:
+                note += (f"; {replaced} {'item' if replaced == 1 else 'items'} ran in more than "
+                         "one of them: the result of the report created later is shown")
+            notes.append(note + ".")
+        merged.append(items)
+        members.append(indexes)
+
+    environments = [reports[indexes[0]]["environment"] for indexes in members]
+    sources = [tuple(names[i] for i in indexes) for indexes in members]
+    labels = _labels(environments, sources)
+    columns = tuple(
+        Column(label=label, description=describe_environment(environment),
+               environment=environment, sources=source,
+               created=reports[indexes[-1]]["created"],
+               complete=all(reports[i]["complete"] for i in indexes))
+        for label, environment, source, indexes in zip(labels, environments, sources, members,
+                                                         strict=True)
+    )
+    return Matrix(columns=columns, rows=_rows(merged, detail), detail=detail, notes=tuple(notes))
+
+
+def _identity(environment: Mapping[str, Any]) -> str:
+    return json.dumps(environment, sort_keys=True)
+
+
+def _rows(columns: list[dict[str, Mapping[str, Any]]], detail: bool) -> tuple[Row, ...]:
+    keys: dict[tuple[str, str | None], str] = {}   # (case_path, variant) -> case name
+    # Each column's results by row once, so that a large suite is not scanned once per cell.
+    by_row: list[dict[tuple[str, str | None], list[Mapping[str, Any]]]] = []
+    for items in columns:
+        grouped: dict[tuple[str, str | None], list[Mapping[str, Any]]] = {}
+        for result in items.values():
+            key = (result["case_path"], result["variant"] if detail else None)
+            keys.setdefault(key, result["case"])
+            grouped.setdefault(key, []).append(result)
+        by_row.append(grouped)
+    # Cases by path; a case's variants in the order its items ran (batch=1 before batch=16).
+    first_seen = {key: order for order, key in enumerate(keys)}
+    ordered = sorted(keys, key=lambda key: (key[0], key[1] is not None, first_seen[key]))
+    paths: dict[str, set[str]] = {}
+    for (path, _), case in keys.items():
+        paths.setdefault(case, set()).add(path)
+    rows = []
+    for key in ordered:
+        path, variant = key
+        case = keys[key]
+        shown = path if len(paths[case]) > 1 else case   # two cases of one name: show paths
+        label = f"{shown} ({variant})" if variant is not None else shown
+        cells = tuple(_cell(grouped.get(key, [])) for grouped in by_row)
+        rows.append(Row(label=label, case=case, case_path=path, variant=variant, cells=cells))
+    return tuple(rows)
+
+
+def _cell(results: Sequence[Mapping[str, Any]]) -> Cell:
+    counts = Counter(result["outcome"] for result in results)
+    status: Status
+    if any(counts[outcome] for outcome in FAILING):
+        status = "fail"
+    elif counts["xfailed"]:
+        # A known failure that still fails here is what the reader looks for, even next to
+        # runs of the same case that pass (on another device or dtype).
+        status = "xfail"
+    elif counts["passed"]:
+        status = "pass"
+    elif counts["skipped"]:
+        status = "skip"
+    else:
+        status = "not run"
+    ordered = {outcome: n for outcome in OUTCOMES if (n := counts[outcome])}
+    return Cell(status=status, counts=ordered, reasons=_reasons(results))
+
+
+def _reasons(results: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Why the runs of one cell did not pass, one line per distinct reason."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    rank = {outcome: order for order, outcome in enumerate(
+        ("failed", "error", "xpassed", "xfailed", "skipped"))}
+    for result in sorted(results, key=lambda r: rank.get(r["outcome"], len(rank))):
+        if result["outcome"] == "passed":
+            continue
+        key = (_REASON_WORDS[result["outcome"]], _reason_text(result))
+        groups.setdefault(key, []).append(result)
+    runs_on = Counter(result["device"] for result in results)
+    reasons = []
+    for (word, text), group in groups.items():
+        said = f"{word}: {text}" if text else word
+        # A reason shared by every run of the cell, or by every run on a device, is said
+        # without a list of runs: it then reads the same in every cell it applies to, and
+        # becomes one footnote.
+        if len(group) < len(results):
+            named = _named_runs(group, runs_on)
+            said = f"{named}: {said}"
+        reasons.append(said)
+    return tuple(reasons)
+
+
+def _named_runs(group: Sequence[Mapping[str, Any]], runs_on: Mapping[str, int]) -> str:
+    """Name the runs that share a reason: ``all cuda runs`` where it covers a whole device."""
+    in_group = Counter(result["device"] for result in group)
+    names = [f"all {device} runs" for device, n in in_group.items() if n == runs_on[device]]
+    names += [_run_id(result) for result in group if in_group[result["device"]]
+              != runs_on[result["device"]]]
+    shown = ", ".join(names[:_MAX_RUNS_NAMED])
+    if len(names) > _MAX_RUNS_NAMED:
+        shown += f" and {len(names) - _MAX_RUNS_NAMED} more"
+    return shown
+
+
+def _reason_text(result: Mapping[str, Any]) -> str:
+    if result["outcome"] == "skipped":
+        text = result["skip_reason"] or result["message"]
+    else:
+        text = result["message"] or result["error_type"]
+    return " ".join(str(text or "").split())
+
+
+def _run_id(result: Mapping[str, Any]) -> str:
+    found = re.search(r"\[(.+)\]$", result["nodeid"])
+    if found:
+        return found.group(1)
+    parts = [result["device"], result["dtype"]] + ([result["variant"]] if result["variant"] else [])
+    return "-".join(parts)
+
+
+# ----------------------------------------------------------------------------- column labels
+
+
+def _labels(environments: Sequence[Mapping[str, Any]],
+            sources: Sequence[tuple[str, ...]]) -> list[str]:
+    """Label each column by what differs between the environments, falling back to file names."""
+    packages = sorted({name for env in environments for name in env["packages"]})
+    fields = [_fields(env, packages) for env in environments]
+    keys = list(fields[0]) if fields else []
+    differing = [key for key in keys if len({f[key] for f in fields}) > 1]
+    if "arch" in differing and "gpu" in differing:
+        differing.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
+    labels = [" · ".join(token for key in differing if (token := f[key])) for f in fields]
+    counts = Counter(labels)
+    return [
+        label if label and counts[label] == 1
+        else f"{label} ({', '.join(source)})" if label else ", ".join(source)
+        for label, source in zip(labels, sources, strict=True)
+    ]
+
+
+def _fields(env: Mapping[str, Any], packages: Iterable[str]) -> dict[str, str | None]:
+    """The label token of every field of an environment, in label order; None shows nothing."""
+    fields: dict[str, str | None] = {
+        "backend": env["backend"],
+        "torch": f"torch {env['torch'].split('+')[0]}" if env["torch"] else "no torch",
+        "cuda": _cuda_token(env["cuda"]),
+        "hip": f"rocm{'.'.join(env['hip'].split('.')[:2])}" if env["hip"] else None,
+        "cudnn": f"cuDNN {env['cudnn']}" if env["cudnn"] else None,
+    }
+    for name in packages:
+        if name not in env["packages"]:
+            fields[f"package {name}"] = None   # not probed there: nothing is known
+        else:
+            version = env["packages"][name]
+            fields[f"package {name}"] = f"{name} {version}" if version else f"no {name}"
+    devices = env["devices"]
+    arches = sorted({_arch(d["capability"]) for d in devices if d["capability"]})
+    fields["arch"] = "+".join(arches) or None
+    gpus = Counter(d["name"] for d in devices)
+    fields["gpu"] = " + ".join(f"{n} × {name}" if n > 1 else name
+                               for name, n in sorted(gpus.items())) or None
+    fields["python"] = f"Python {env['python']}"
+    fields["platform"] = env["platform"]
+    fields["revision"] = f"rev {env['revision']}" if env["revision"] else None
+    return fields
+
+
+def _cuda_token(version: str | None) -> str | None:
+    if not version:
+        return None
+    parts = version.split(".")
+    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+        return f"cu{parts[0]}{parts[1]}"   # the name of PyTorch's wheel index: cu121
+    return f"CUDA {version}"
+
+
+def _arch(capability: str) -> str:
+    if re.fullmatch(r"\d+\.\d+", capability):
+        return "sm_" + capability.replace(".", "")
+    return capability.split(":")[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def _footnotes(matrix: Matrix) -> dict[str, int]:
+    """Number each distinct reason in reading order; one reason shared by many cells is one note."""
+    numbers: dict[str, int] = {}
+    for row in matrix.rows:
+        for cell in row.cells:
+            for reason in cell.reasons:
+                numbers.setdefault(reason, len(numbers) + 1)
+    return numbers
+
+
+def _md(text: str) -> str:
+    """Text as literal Markdown on one line (error messages hold ``*``, ``|``, ``__init__``)."""
+    # An underscore inside a word (sm_80, ce_class4) cannot start emphasis in GitHub Markdown.
+    return re.sub(r"[\\`*\[\]<|]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])",
+                  lambda found: "\\" + found.group(0), " ".join(text.split()))
+
+
+def _counts_text(cell: Cell) -> str:
+    return ", ".join(f"{n} {outcome}" for outcome, n in cell.counts.items()) or "no runs"
+
+
+def render_markdown(matrix: Matrix) -> str:
+    """The matrix as a GitHub Markdown table, with reasons as footnotes."""
+    numbers = _footnotes(matrix)
+    head = ["case (variant)" if matrix.detail else "case"]
+    head += [_md(c.label) + ("" if c.complete else " (incomplete run)") for c in matrix.columns]
+    lines = ["| " + " | ".join(head) + " |",
+             "| :--- |" + " :---: |" * len(matrix.columns)]
+    for row in matrix.rows:
+        cells = [_md(row.label)]
+        for cell in row.cells:
+            notes = "".join(f"[^{numbers[reason]}]" for reason in cell.reasons)
+            cells.append(f"{_MARKDOWN_SYMBOLS[cell.status]} {cell.status}{notes}")
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", " · ".join(f"{_MARKDOWN_SYMBOLS[s]} {s}: {STATUS_MEANINGS[s]}"
+                             for s in STATUSES)]
+    if matrix.notes:
+        lines += [""] + [f"Note: {_md(note)}" for note in matrix.notes]
+    if numbers:
+        lines.append("")
+        lines += [f"[^{n}]: {_md(reason)}" for reason, n in numbers.items()]
+    return "\n".join(lines) + "\n"
+
+
+def render_json(matrix: Matrix) -> str:
+    """The matrix as JSON (schema ``pytest-gpucase/matrix``), for dashboards and scripts."""
+    data = {
+        "schema": MATRIX_SCHEMA,
+        "version": MATRIX_VERSION,
+        "detail": matrix.detail,
+        "columns": [{"label": c.label, "description": c.description, "sources": list(c.sources),
+                     "created": c.created, "complete": c.complete,
+                     "environment": dict(c.environment)} for c in matrix.columns],
+        "rows": [{"label": r.label, "case": r.case, "case_path": r.case_path,
+                  "variant": r.variant,
+                  "cells": [{"status": cell.status, "counts": dict(cell.counts),
+                             "reasons": list(cell.reasons)} for cell in r.cells]}
+                 for r in matrix.rows],
+        "notes": list(matrix.notes),
+    }
+    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+
+
+_CSS = """
+:root { color-scheme: light; font-family: system-ui, "Segoe UI", "DejaVu Sans", sans-serif;
+  color: #1f2328; background: #fff; }
+body { margin: 2rem; line-height: 1.45; }
+h1 { font-size: 1.5rem; margin: 0 0 .25rem; }
+h2 { font-size: 1.15rem; margin: 2rem 0 .5rem; }
+.scroll { overflow-x: auto; max-width: 100%; }
+table { border-collapse: collapse; margin: 1rem 0; }
+caption { text-align: left; font-weight: 600; padding-bottom: .5rem; }
+th, td { border: 1px solid #d0d7de; padding: .4rem .7rem; }
+thead th { background: #f6f8fa; vertical-align: bottom; max-width: 16rem; font-size: .9rem; }
+tbody th { text-align: left; font-weight: 600; font-family: ui-monospace, "DejaVu Sans Mono",
+  monospace; font-size: .9rem; white-space: nowrap; }
+td { text-align: center; white-space: nowrap; }
+.status { font-weight: 600; }
+.pass { background: #dafbe1; color: #116329; }
+.fail { background: #ffebe9; color: #a40e26; }
+.xfail { background: #fff8c5; color: #7d4e00; }
+.skip { background: #eef1f4; color: #424a53; }
+.not-run { background: #fff; color: #59636e; }
+.incomplete { display: block; font-weight: 400; color: #7d4e00; }
+sup a { color: inherit; text-decoration: underline; font-size: .75rem; }
+dl.legend { display: grid; grid-template-columns: max-content 1fr; gap: .3rem 1rem; }
+dl.legend dt { padding: .1rem .5rem; border-radius: .25rem; text-align: center; }
+dl.legend dd { margin: 0; }
+ol.reasons li, ul.notes li { margin-bottom: .3rem; }
+ol.reasons li:target { background: #fff8c5; }
+dl.environments dt { font-weight: 600; margin-top: .5rem; }
+dl.environments dd { margin-left: 1.5rem; }
+"""
+
+
+def render_html(matrix: Matrix) -> str:
+    """The matrix as one self-contained HTML page: inline CSS, reasons on hover and listed below."""
+    esc = html.escape
+    numbers = _footnotes(matrix)
+    cases = len({row.case_path for row in matrix.rows})
+    title = "pytest-gpucase compatibility matrix"
+    out = [
+        "<!DOCTYPE html>", '<html lang="en">', "<head>", '<meta charset="utf-8">',
+        '<meta name="viewport" content="width=device-width, initial-scale=1">',
+        f"<title>{title}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>",
+        f"<h1>{title}</h1>",
+        (f"<p>{cases} {'case' if cases == 1 else 'cases'} in {len(matrix.columns)} "
+         f"{'environment' if len(matrix.columns) == 1 else 'environments'}. A cell sums up "
+         "the runs of a case over its devices and dtypes; hover over it, or follow its note, "
+         "to see why a run did not pass.</p>"),
+        '<div class="scroll" role="region" aria-labelledby="matrix-caption" tabindex="0">',
+        "<table>", '<caption id="matrix-caption">Cases (rows) by environment (columns)</caption>',
+        "<thead>", "<tr>",
+        f'<th scope="col">{"case (variant)" if matrix.detail else "case"}</th>',
+    ]
+    for column in matrix.columns:
+        sources = ", ".join(column.sources)
+        hover = f"{column.description}\nfrom {sources}"
+        flag = "" if column.complete else '<span class="incomplete">(incomplete run)</span>'
+        out.append(f'<th scope="col" title="{esc(hover)}">{esc(column.label)}{flag}</th>')
+    out += ["</tr>", "</thead>", "<tbody>"]
+    for row in matrix.rows:
+        out.append(f'<tr><th scope="row" title="{esc(row.case_path)}">{esc(row.label)}</th>')
+        for column, cell in zip(matrix.columns, row.cells, strict=True):
+            hover = "\n".join([f"{row.label} on {column.label}: {cell.status}",
+                               _counts_text(cell), *cell.reasons])
+            refs = "".join(
+                f'<sup><a href="#reason-{numbers[r]}" aria-label="note {numbers[r]}">'
+                f"{numbers[r]}</a></sup>" for r in cell.reasons)
+            css = cell.status.replace(" ", "-")
+            out.append(f'<td class="{css}" title="{esc(hover)}"><span class="status">'
+                       f"{_HTML_SYMBOLS[cell.status]} {cell.status}</span>{refs}</td>")
+        out.append("</tr>")
+    out += ["</tbody>", "</table>", "</div>", "<h2>Legend</h2>", '<dl class="legend">']
+    for status in STATUSES:
+        out.append(f'<dt class="{status.replace(" ", "-")}">{_HTML_SYMBOLS[status]} {status}</dt>'
+                   f"<dd>{esc(STATUS_MEANINGS[status])}</dd>")
+    out.append("</dl>")
+    if numbers:
+        out += ["<h2>Why runs did not pass</h2>", '<ol class="reasons">']
+        out += [f'<li id="reason-{n}" value="{n}">{esc(reason)}</li>'
+                for reason, n in numbers.items()]
+        out.append("</ol>")
+    if matrix.notes:
+        out += ["<h2>Notes</h2>", '<ul class="notes">']
+        out += [f"<li>{esc(note)}</li>" for note in matrix.notes]
+        out.append("</ul>")
+    out += ["<h2>Environments</h2>", '<dl class="environments">']
+    for column in matrix.columns:
+        state = "" if column.complete else " The run did not finish."
+        out.append(f"<dt>{esc(column.label)}</dt><dd>{esc(column.description)}<br>"
+                   f"from {esc(', '.join(column.sources))}, started {esc(column.created)}."
+                   f"{state}</dd>")
+    out += ["</dl>", "</main>", "</body>", "</html>"]
+    return "\n".join(out) + "\n"
+
+
+RENDERERS: Mapping[str, Callable[[Matrix], str]] = {
+    "markdown": render_markdown, "html": render_html, "json": render_json,
+}
+
+
+# ----------------------------------------------------------------------------- the command
+
+
+def short_names(paths: Sequence[Path]) -> list[str]:
+    """The shortest trailing parts of each path that tell the paths apart (runner-a/report.json)."""
+    parts = [Path(path).parts or (str(path),) for path in paths]
+    depth = 1
+    while True:
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names) or depth >= max(len(p) for p in parts):
+            return names
+        depth += 1
+
+
+def matrix_command(reports: Sequence[Path], *, fmt: str, output: Path | None,
+                   detail: bool) -> int:
+    """``gpucase matrix``: merge JSON reports into a matrix and print or write it."""
+    loaded = []
+    problems = []
+    for path in reports:
+        try:
+            loaded.append(load_report(path))
+        except ReportError as exc:
+            problems.append(str(exc))
+    if problems:
+        for problem in problems:
+            print(f"gpucase: {problem}", file=sys.stderr)
+        return 2
+    matrix = build_matrix(loaded, detail=detail, names=short_names(reports))
+    text = RENDERERS[fmt](matrix)
+    if output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        print(f"gpucase: {output}: cannot write: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    print(f"gpucase: wrote {output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
+          f"environments)")
+    return 0

@@ -1,0 +1,585 @@
+"""JSON report files, the compatibility matrix across them, and GitHub step summaries."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from html.parser import HTMLParser
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pytest_gpucase.cli import main
+from pytest_gpucase.environment import Device, Environment
+from pytest_gpucase.report import (
+    SCHEMA,
+    VERSION,
+    ReportError,
+    append_step_summary,
+    build_matrix,
+    describe_environment,
+    load_report,
+    new_report,
+    render_html,
+    render_json,
+    render_markdown,
+    short_names,
+    step_summary,
+    write_report,
+)
+
+A100_LABEL = "torch 2.3.1 · cu121 · flash-attn 2.5.8 · sm_80"
+H100_LABEL = "torch 2.4.0 · cu124 · flash-attn 2.6.3 · sm_90"
+ASSERT = "CUDA error: device-side assert triggered"
+LEGEND = (
+    "✅ pass: every run that ran passed · "
+    "❌ fail: a run failed, errored, or passed although marked as a known failure · "
+    "⚠️ xfail: a known failure (xfail in case.toml) still fails here · "
+    "⏭️ skip: every run was skipped; the note says why · "
+    "— not run: no report holds a run of this case here"
+)
+
+
+def environment(torch: str, cuda: str | None, flash_attn: str | None, gpu: str, capability: str,
+                **changes: Any) -> dict[str, Any]:
+    """A CUDA runner's environment, as the plugin probes it."""
+    fields: dict[str, Any] = {
+        "backend": "cuda", "device_types": ("cuda", "cpu"),
+        "devices": (Device(0, gpu, capability, 79.1),), "torch": torch, "cuda": cuda,
+        "cudnn": "90100", "python": "3.11.9", "platform": "Linux-x86_64",
+        "packages": {"flash-attn": flash_attn}, "revision": "3f2c1ab",
+    }
+    fields.update(changes)
+    return Environment(**fields).to_dict()
+
+
+A100 = environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A100-SXM4-80GB", "8.0")
+H100 = environment("2.4.0+cu124", "12.4", "2.6.3", "NVIDIA H100 80GB HBM3", "9.0")
+
+
+def result(case: str, device: str, dtype: str, outcome: str, variant: str | None = None,
+           **fields: Any) -> dict[str, Any]:
+    """One item's record, as the plugin writes it."""
+    token = "-".join([device, dtype] + ([variant] if variant else []))
+    record: dict[str, Any] = {
+        "nodeid": f"cases/{case}::{case}[{token}]", "case": case, "case_path": f"cases/{case}",
+        "device": device, "dtype": dtype, "variant": variant, "outcome": outcome,
+        "error_type": None, "message": None, "max_abs": None, "max_rel": None,
+        "duration": 0.25, "skip_reason": None, "triage": None, "launch_blocking": False,
+    }
+    record.update(fields)
+    return record
+
+
+def report_file(path: Path, env: dict[str, Any], results: list[dict[str, Any]], *,
+                created: str = "2026-12-02T16:00:00+00:00", complete: bool = True) -> Path:
+    report = new_report(env)
+    report.update(created=created, results=results, complete=complete)
+    write_report(path, report)
+    return path
+
+
+A100_RESULTS = [
+    result("ce_class4", "cpu", "float32", "passed", max_abs=0.0, max_rel=0.0),
+    result("ce_class4", "cuda", "float32", "passed", max_abs=1e-7, max_rel=2e-7),
+    result("ce_class4", "cuda", "float32", "passed", "batch=1"),
+    result("flash_attn_mask", "cuda", "bfloat16", "skipped",
+           skip_reason="requires flash-attn>=2.6; found 2.5.8"),
+    result("label_map", "cpu", "float32", "xfailed", message="label mapping not fixed yet"),
+]
+H100_RESULTS = [
+    result("ce_class4", "cpu", "float32", "passed"),
+    result("ce_class4", "cuda", "float32", "failed", error_type="RuntimeError", message=ASSERT,
+           triage={"clue": "device-side assert", "first_check": "indices, targets"}),
+    result("ce_class4", "cuda", "float32", "failed", "batch=1", error_type="RuntimeError",
+           message=ASSERT),
+    result("ce_class4", "cuda", "bfloat16", "passed"),
+    result("flash_attn_mask", "cuda", "bfloat16", "passed", max_abs=math.inf, max_rel=math.nan),
+    result("label_map", "cpu", "float32", "xfailed", message="label mapping not fixed yet"),
+    result("oom_case", "cuda", "float16", "error",
+           message="run crashed with signal 11 (SIGSEGV)"),
+]
+
+
+@pytest.fixture
+def two_runners(tmp_path: Path) -> list[Path]:
+    """The reports of two CI runners: an A100 with older torch, an H100 with newer."""
+    return [
+        report_file(tmp_path / "a100" / "report.json", A100, A100_RESULTS),
+        report_file(tmp_path / "h100" / "report.json", H100, H100_RESULTS,
+                    created="2026-12-02T16:05:00+00:00"),
+    ]
+
+
+# ----------------------------------------------------------------------------- the JSON file
+
+
+def test_new_report_starts_an_unfinished_run_in_the_environment() -> None:
+    report = new_report(A100)
+    assert report["schema"] == SCHEMA == "pytest-gpucase/report"
+    assert report["version"] == VERSION == 1
+    assert report["created"].endswith("+00:00")
+    assert report["environment"] == A100
+    assert report["results"] == []
+    assert report["complete"] is False
+
+
+def test_write_then_load_round_trips_in_strict_json(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "out" / "run.json", H100, H100_RESULTS)
+
+    def no_constants(name: str) -> None:
+        raise AssertionError(f"{name} is not JSON")
+
+    def flash(report: dict[str, Any]) -> dict[str, Any]:
+        return next(r for r in report["results"] if r["case"] == "flash_attn_mask")
+
+    on_disk = json.loads(path.read_text(encoding="utf-8"), parse_constant=no_constants)
+    assert (flash(on_disk)["max_abs"], flash(on_disk)["max_rel"]) == ("inf", "nan")
+    loaded = load_report(path)
+    assert flash(loaded)["max_abs"] == math.inf
+    assert math.isnan(flash(loaded)["max_rel"])
+    assert loaded["results"][0] == H100_RESULTS[0]
+    assert loaded["environment"] == json.loads(json.dumps(H100))
+    assert sorted(p.name for p in path.parent.iterdir()) == ["run.json"]
+
+
+def test_write_report_leaves_the_old_file_whole_when_writing_fails(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "run.json", A100, A100_RESULTS[:1])
+    before = path.read_bytes()
+    broken = new_report(A100)
+    broken["results"] = [{"nodeid": object()}]
+    with pytest.raises(TypeError):
+        write_report(path, broken)
+    assert path.read_bytes() == before
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_write_report_keeps_the_mode_a_person_expects(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "run.json", A100, [])
+    umask = os.umask(0)
+    os.umask(umask)
+    assert path.stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def _valid() -> dict[str, Any]:
+    report = new_report(A100)
+    report["results"] = [result("ce_class4", "cpu", "float32", "passed"),
+                         result("ce_class4", "cuda", "float32", "passed")]
+    return report
+
+
+def _edit(change: Callable[[dict[str, Any]], object]) -> Callable[[], str]:
+    """The file text of a valid report after ``change``."""
+    def text() -> str:
+        report = json.loads(json.dumps(_valid()))
+        change(report)
+        return json.dumps(report)
+    return text
+
+
+def _set(key: str, value: Any) -> Callable[[], str]:
+    return _edit(lambda report: report.update({key: value}))
+
+
+@pytest.mark.parametrize(("text", "problem"), [
+    (lambda: "{not json", ("not JSON: Expecting property name enclosed in double quotes "
+                          "at line 1 column 2")),
+    (lambda: "", "not JSON: Expecting value at line 1 column 1"),
+    (lambda: json.dumps([_valid()]),
+     "not a pytest-gpucase report: the top level is a list, expected an object"),
+    (lambda: '{"testsuites": []}',
+     'not a pytest-gpucase report: "schema" is missing, expected "pytest-gpucase/report"'),
+    (_set("schema", "junit"),
+     'not a pytest-gpucase report: "schema" is "junit", expected "pytest-gpucase/report"'),
+    (_set("version", 2),
+     ("report version 2 is newer than this pytest-gpucase reads (up to 1); "
+     "upgrade pytest-gpucase")),
+    (_set("version", 0), "version: 0 is not a report version this pytest-gpucase reads (1 to 1)"),
+    (_set("version", "1"), "version: expected an integer, found a string"),
+    (_edit(lambda r: r.pop("results")), 'missing key "results"'),
+    (_edit(lambda r: r.pop("complete")), 'missing key "complete"'),
+    (_set("created", "yesterday"), 'created: "yesterday" is not an ISO 8601 time'),
+    (_set("created", "2026-12-02T16:00:00"), 'created: "2026-12-02T16:00:00" has no UTC offset'),
+    (_edit(lambda r: r["environment"].pop("torch")), 'environment: missing key "torch"'),
+    (_edit(lambda r: r["environment"]["devices"][0].pop("name")),
+     'environment.devices[0]: missing key "name"'),
+    (_edit(lambda r: r["environment"]["packages"].update({"flash-attn": 2.5})),
+     "environment.packages.flash-attn: expected a string or null, found a number"),
+    (_edit(lambda r: r["results"][1].pop("outcome")), 'results[1]: missing key "outcome"'),
+    (_edit(lambda r: r["results"][1].update(outcome="broken")),
+     ('results[1].outcome: "broken" is not one of passed, failed, skipped, xfailed, xpassed, '
+     "error")),
+    (_edit(lambda r: r["results"][0].update(duration="fast")),
+     "results[0].duration: expected a number, found a string"),
+    (_edit(lambda r: r["results"][0].update(max_abs="big")),
+     ('results[0].max_abs: expected a number, null, or one of "nan", "inf", "-inf", '
+     "found a string")),
+    (_edit(lambda r: r["results"][0].update(launch_blocking=None)),
+     "results[0].launch_blocking: expected a boolean, found null"),
+    (_edit(lambda r: r["results"].append("passed")),
+     "results[2]: expected an object, found a string"),
+])
+def test_load_report_names_the_file_and_what_is_wrong(
+        tmp_path: Path, text: Callable[[], str], problem: str) -> None:
+    path = tmp_path / "report.json"
+    path.write_text(text(), encoding="utf-8")
+    with pytest.raises(ReportError) as raised:
+        load_report(path)
+    assert str(raised.value) == f"{path}: {problem}"
+    assert raised.value.path == path
+    assert isinstance(raised.value, ValueError)
+
+
+def test_load_report_of_a_missing_file(tmp_path: Path) -> None:
+    path = tmp_path / "nowhere.json"
+    with pytest.raises(ReportError) as raised:
+        load_report(path)
+    assert str(raised.value) == f"{path}: cannot read: No such file or directory"
+
+
+def test_load_report_ignores_keys_it_does_not_know(tmp_path: Path) -> None:
+    report = _valid()
+    report["results"][0]["localized"] = "CUDA error at Loss.cu:245"
+    report["runner"] = "gpu-a100-3"
+    write_report(tmp_path / "r.json", report)
+    loaded = load_report(tmp_path / "r.json")
+    assert loaded["results"][0]["localized"] == "CUDA error at Loss.cu:245"
+
+
+# ----------------------------------------------------------------------------- the matrix
+
+
+def test_columns_are_labelled_by_what_differs(two_runners: list[Path]) -> None:
+    matrix = build_matrix([load_report(p) for p in two_runners], detail=False)
+    assert [c.label for c in matrix.columns] == [A100_LABEL, H100_LABEL]
+    assert matrix.columns[0].description == (
+        "cuda backend · torch 2.3.1+cu121 · CUDA 12.1 · cuDNN 90100 · Python 3.11.9 · "
+        "1 × NVIDIA A100-SXM4-80GB (8.0) · rev 3f2c1ab · flash-attn 2.5.8")
+    assert [c.complete for c in matrix.columns] == [True, True]
+
+
+@pytest.mark.parametrize(("second", "labels"), [
+    (environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A100-SXM4-80GB", "8.0",
+                 revision="9e0d4b2"), ["rev 3f2c1ab", "rev 9e0d4b2"]),
+    (environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A30", "8.0"),
+     ["NVIDIA A100-SXM4-80GB", "NVIDIA A30"]),
+    (environment("2.3.1+cu121", "12.1", None, "NVIDIA A100-SXM4-80GB", "8.0"),
+     ["flash-attn 2.5.8", "no flash-attn"]),
+    (environment("2.3.1", None, "2.5.8", "", "", backend="cpu", device_types=("cpu",),
+                 devices=(), cudnn=None), ["cuda · cu121 · cuDNN 90100 · sm_80", "cpu"]),
+    (environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A100-SXM4-80GB", "8.0",
+                 devices=(Device(0, "NVIDIA A100-SXM4-80GB", "8.0", 39.4),)),
+     ["a.json", "b.json"]),
+])
+def test_labels_show_only_the_fields_that_differ(second: dict[str, Any],
+                                                 labels: list[str]) -> None:
+    first, other = new_report(A100), new_report(second)
+    matrix = build_matrix([first, other], detail=False, names=["a.json", "b.json"])
+    assert [c.label for c in matrix.columns] == labels
+
+
+def test_reports_of_one_environment_share_a_column_and_the_later_wins(tmp_path: Path) -> None:
+    early = report_file(tmp_path / "shard1.json", A100, [
+        result("ce_class4", "cuda", "float32", "failed", message="flaky"),
+        result("label_map", "cpu", "float32", "xfailed", message="label mapping not fixed yet"),
+    ], created="2026-12-02T16:00:00+00:00")
+    late = report_file(tmp_path / "shard2.json", A100, [
+        result("ce_class4", "cuda", "float32", "passed"),
+    ], created="2026-12-02T17:00:00+00:00", complete=False)
+    # Given out of order on purpose: the later report wins by its time, not by its place.
+    matrix = build_matrix([load_report(late), load_report(early)], detail=False,
+                          names=["shard2.json", "shard1.json"])
+    (column,) = matrix.columns
+    assert column.label == "shard1.json, shard2.json"
+    assert column.sources == ("shard1.json", "shard2.json")
+    assert column.created == "2026-12-02T17:00:00+00:00"
+    assert column.complete is False
+    assert [(row.label, row.cells[0].status) for row in matrix.rows] == [
+        ("ce_class4", "pass"), ("label_map", "xfail")]
+    assert matrix.notes == (
+        ("shard1.json, shard2.json come from one environment and share a column; 1 item ran in "
+        "more than one of them: the result of the report created later is shown."),)
+
+
+def test_markdown_table_cells_and_footnotes(two_runners: list[Path]) -> None:
+    matrix = build_matrix([load_report(p) for p in two_runners], detail=False,
+                          names=short_names(two_runners))
+    assert render_markdown(matrix) == "\n".join([
+        f"| case | {A100_LABEL} | {H100_LABEL} |",
+        "| :--- | :---: | :---: |",
+        "| ce_class4 | ✅ pass | ❌ fail[^1] |",
+        "| flash_attn_mask | ⏭️ skip[^2] | ✅ pass |",
+        "| label_map | ⚠️ xfail[^3] | ⚠️ xfail[^3] |",
+        "| oom_case | — not run | ❌ fail[^4] |",
+        "",
+        LEGEND,
+        "",
+        f"[^1]: cuda-float32, cuda-float32-batch=1: failed: {ASSERT}",
+        "[^2]: skipped: requires flash-attn>=2.6; found 2.5.8",
+        "[^3]: xfail: label mapping not fixed yet",
+        "[^4]: error: run crashed with signal 11 (SIGSEGV)",
+        "",
+    ])
+
+
+def test_detail_mode_has_a_row_per_variant(two_runners: list[Path]) -> None:
+    matrix = build_matrix([load_report(p) for p in two_runners], detail=True)
+    text = render_markdown(matrix)
+    assert text.splitlines()[:8] == [
+        f"| case (variant) | {A100_LABEL} | {H100_LABEL} |",
+        "| :--- | :---: | :---: |",
+        "| ce_class4 | ✅ pass | ❌ fail[^1] |",
+        "| ce_class4 (batch=1) | ✅ pass | ❌ fail[^2] |",
+        "| flash_attn_mask | ⏭️ skip[^3] | ✅ pass |",
+        "| label_map | ⚠️ xfail[^4] | ⚠️ xfail[^4] |",
+        "| oom_case | — not run | ❌ fail[^5] |",
+        "",
+    ]
+    # In the row of the case as saved, one of two CUDA runs failed; in the variant's row, all did.
+    assert "[^1]: cuda-float32: failed: CUDA error: device-side assert triggered" in text
+    assert "[^2]: failed: CUDA error: device-side assert triggered" in text
+    base = matrix.rows[0]
+    assert (base.case, base.variant, dict(base.cells[1].counts)) == (
+        "ce_class4", None, {"passed": 2, "failed": 1})
+
+
+def test_markdown_escapes_what_github_would_read_as_markup(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "r.json", A100, [
+        result("masks", "cpu", "float32", "failed",
+               message="TypeError: __init__() got x | y <class 'int'> [^1] *args"),
+    ])
+    text = render_markdown(build_matrix([load_report(path)], detail=False))
+    assert r"[^1]: failed: TypeError: \_\_init\_\_() got x \| y \<class 'int'> \[^1\] \*args" \
+        in text.splitlines()
+
+
+def test_cells_say_xfail_and_incomplete_distinctly(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "r.json", A100, [
+        result("label_map", "cpu", "float32", "xfailed", message="known"),
+        result("label_map", "cuda", "float32", "passed"),
+        result("strict", "cpu", "float32", "xpassed", message="outputs match"),
+    ], complete=False)
+    matrix = build_matrix([load_report(path)], detail=False)
+    assert [(row.label, row.cells[0].status, row.cells[0].reasons) for row in matrix.rows] == [
+        ("label_map", "xfail", ("all cpu runs: xfail: known",)),
+        ("strict", "fail", ("passed although marked xfail (strict): outputs match",)),
+    ]
+    assert render_markdown(matrix).splitlines()[0] == "| case | report 1 (incomplete run) |"
+
+
+def test_json_render(two_runners: list[Path]) -> None:
+    matrix = build_matrix([load_report(p) for p in two_runners], detail=False,
+                          names=short_names(two_runners))
+    data = json.loads(render_json(matrix))
+    assert (data["schema"], data["version"], data["detail"]) == ("pytest-gpucase/matrix", 1, False)
+    assert [c["label"] for c in data["columns"]] == [A100_LABEL, H100_LABEL]
+    assert [c["sources"] for c in data["columns"]] == [["a100/report.json"], ["h100/report.json"]]
+    assert data["columns"][1]["environment"]["torch"] == "2.4.0+cu124"
+    assert data["rows"][0] == {
+        "label": "ce_class4", "case": "ce_class4", "case_path": "cases/ce_class4",
+        "variant": None,
+        "cells": [
+            {"status": "pass", "counts": {"passed": 3}, "reasons": []},
+            {"status": "fail", "counts": {"passed": 2, "failed": 2},
+             "reasons": [f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"]},
+        ],
+    }
+    assert data["rows"][3]["cells"][0] == {"status": "not run", "counts": {}, "reasons": []}
+    assert data["notes"] == []
+
+
+def test_short_names_tell_the_files_apart() -> None:
+    assert short_names([Path("dl/a100/report.json"), Path("dl/h100/report.json")]) == [
+        "a100/report.json", "h100/report.json"]
+    assert short_names([Path("x/a.json"), Path("y/b.json")]) == ["a.json", "b.json"]
+
+
+# ----------------------------------------------------------------------------- step summary
+
+
+STEP_SUMMARY = "\n".join([
+    "### pytest-gpucase: ❌ 2 failed, 1 error, 1 xfailed, 3 passed",
+    "",
+    ("cuda backend · torch 2.4.0+cu124 · CUDA 12.4 · cuDNN 90100 · Python 3.11.9 · "
+    "1 × NVIDIA H100 80GB HBM3 (9.0) · rev 3f2c1ab · flash-attn 2.6.3"),
+    "",
+    "**Failed**",
+    "",
+    f"- `cases/ce_class4::ce_class4[cuda-float32]`: {ASSERT} (clue: device-side assert)",
+    f"- `cases/ce_class4::ce_class4[cuda-float32-batch=1]`: {ASSERT}",
+    "- `cases/oom_case::oom_case[cuda-float16]`: error: run crashed with signal 11 (SIGSEGV)",
+    "",
+])
+
+
+def test_step_summary_counts_outcomes_and_lists_failures(two_runners: list[Path]) -> None:
+    assert step_summary(load_report(two_runners[1])) == STEP_SUMMARY
+
+
+def test_step_summary_of_a_clean_unfinished_run(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "r.json", A100, A100_RESULTS[:1], complete=False)
+    assert step_summary(load_report(path)).splitlines()[:4] == [
+        "### pytest-gpucase: ⚠️ 1 passed",
+        "",
+        "⚠️ The run did not finish: these are the items recorded before it stopped.",
+        "",
+    ]
+
+
+def test_append_step_summary_appends_to_githubs_file(
+        two_runners: list[Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    summary = tmp_path / "step_summary.md"
+    summary.write_text("## Build\nok", encoding="utf-8")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    report = load_report(two_runners[1])
+    assert append_step_summary(report) == summary
+    assert summary.read_text(encoding="utf-8") == "## Build\nok\n" + STEP_SUMMARY
+
+    monkeypatch.delenv("GITHUB_STEP_SUMMARY")
+    assert append_step_summary(report) is None
+    assert append_step_summary(report, env={"GITHUB_STEP_SUMMARY": str(tmp_path / "new.md")}) \
+        == tmp_path / "new.md"
+    assert (tmp_path / "new.md").read_text(encoding="utf-8") == STEP_SUMMARY
+
+
+# ----------------------------------------------------------------------------- gpucase matrix
+
+
+def test_gpucase_matrix_prints_markdown(two_runners: list[Path],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["matrix", *map(str, two_runners)]) == 0
+    out = capsys.readouterr().out
+    expected = build_matrix([load_report(p) for p in two_runners], detail=False,
+                            names=short_names(two_runners))
+    assert out == render_markdown(expected)
+    assert out.startswith(f"| case | {A100_LABEL} | {H100_LABEL} |\n")
+
+
+def test_gpucase_matrix_writes_html_with_detail(two_runners: list[Path], tmp_path: Path,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    output = tmp_path / "matrix.html"
+    assert main(["matrix", *map(str, two_runners), "--format", "html", "--detail",
+                 "-o", str(output)]) == 0
+    assert capsys.readouterr().out == f"gpucase: wrote {output} (5 rows × 2 environments)\n"
+    assert "ce_class4 (batch=1)" in output.read_text(encoding="utf-8")
+
+
+def test_gpucase_matrix_prints_json(two_runners: list[Path],
+                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["matrix", *map(str, two_runners), "--format", "json"]) == 0
+    assert json.loads(capsys.readouterr().out)["schema"] == "pytest-gpucase/matrix"
+
+
+def test_gpucase_matrix_names_every_bad_file_and_exits_2(
+        two_runners: list[Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    junit = tmp_path / "junit.json"
+    junit.write_text('{"schema": "junit"}', encoding="utf-8")
+    missing = tmp_path / "missing.json"
+    assert main(["matrix", str(two_runners[0]), str(junit), str(missing)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.splitlines() == [
+        (f'gpucase: {junit}: not a pytest-gpucase report: "schema" is "junit", '
+        'expected "pytest-gpucase/report"'),
+        f"gpucase: {missing}: cannot read: No such file or directory",
+    ]
+
+
+def test_report_module_imports_neither_torch_nor_pytest() -> None:
+    code = ("import sys, pytest_gpucase.report; "
+            "print(sorted({'torch', 'pytest'} & set(sys.modules)))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True, timeout=60)
+    assert done.stdout.strip() == "[]"
+
+
+# ----------------------------------------------------------------------------- HTML, as seen
+
+
+class _Page(HTMLParser):
+    """What a reader of the rendered DOM finds: header cells, row headers, cells with hovers."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stack: list[tuple[str, dict[str, str | None]]] = []
+        self.cells: list[tuple[str, dict[str, str | None], str]] = []
+        self.text: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("th", "td", "li", "dt"):
+            self.stack.append((tag, dict(attrs)))
+            self.text = []
+
+    def handle_endtag(self, tag: str) -> None:
+        if self.stack and self.stack[-1][0] == tag:
+            name, attrs = self.stack.pop()
+            self.cells.append((name, attrs, " ".join("".join(self.text).split())))
+
+    def handle_data(self, data: str) -> None:
+        self.text.append(data)
+
+
+def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
+    binary = shutil.which("chromium")
+    if binary is None:
+        pytest.skip("needs Debian's chromium for a headless render: apt-get install -y chromium")
+    return subprocess.run(
+        [binary, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+         "--disable-component-update", "--disable-sync", "--no-first-run",
+         f"--user-data-dir={profile}", *args],
+        capture_output=True, text=True, timeout=120, check=True)
+
+
+def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: Path) -> None:
+    page = tmp_path / "matrix.html"
+    matrix = build_matrix([load_report(p) for p in two_runners], detail=False,
+                          names=short_names(two_runners))
+    page.write_text(render_html(matrix), encoding="utf-8")
+    # One file: no stylesheet, script or image to fetch, and every link stays on the page.
+    assert not re.search(r'<(link|script|img)\b|(src|href)="(?!#)', page.read_text("utf-8"))
+
+    dom = _chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
+    seen = _Page()
+    seen.feed(dom)
+    headers = [(attrs.get("scope"), text) for tag, attrs, text in seen.cells if tag == "th"]
+    assert headers == [
+        ("col", "case"), ("col", A100_LABEL), ("col", H100_LABEL),
+        ("row", "ce_class4"), ("row", "flash_attn_mask"), ("row", "label_map"),
+        ("row", "oom_case"),
+    ]
+    cells = [(attrs["class"], text) for tag, attrs, text in seen.cells if tag == "td"]
+    assert cells == [
+        ("pass", "✓ pass"), ("fail", "✗ fail1"),
+        ("skip", "↷ skip2"), ("pass", "✓ pass"),
+        ("xfail", "⚠ xfail3"), ("xfail", "⚠ xfail3"),
+        ("not-run", "— not run"), ("fail", "✗ fail4"),
+    ]
+    hovers = [attrs["title"] for tag, attrs, text in seen.cells if tag == "td"]
+    assert hovers[1] == (f"ce_class4 on {H100_LABEL}: fail\n2 passed, 2 failed\n"
+                         f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}")
+    assert hovers[2] == (f"flash_attn_mask on {A100_LABEL}: skip\n1 skipped\n"
+                         "skipped: requires flash-attn>=2.6; found 2.5.8")
+    column_hover = next(attrs["title"] for tag, attrs, text in seen.cells
+                        if tag == "th" and text == H100_LABEL)
+    assert column_hover == (f"{describe_environment(H100)}\nfrom h100/report.json")
+    notes = [(attrs.get("id"), text) for tag, attrs, text in seen.cells if tag == "li"]
+    assert notes == [
+        ("reason-1", f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"),
+        ("reason-2", "skipped: requires flash-attn>=2.6; found 2.5.8"),
+        ("reason-3", "xfail: label mapping not fixed yet"),
+        ("reason-4", "error: run crashed with signal 11 (SIGSEGV)"),
+    ]
+    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:5]
+    assert legend == ["✓ pass", "✗ fail", "⚠ xfail", "↷ skip", "— not run"]
+
+    shot = tmp_path / "matrix.png"
+    _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
+              profile=tmp_path / "profile")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
