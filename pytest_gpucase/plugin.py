@@ -41,6 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "run, and list the files written")
     group.addoption("--gpu-cases-report", metavar="PATH", type=Path,
                     help="write the run's results (environment and every item) as JSON here")
+    group.addoption("--gpu-per-worker", action="store_true",
+                    help="under pytest-xdist, give each worker's runs one device of the visible "
+                         "ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
     group.addoption("--gpu-start-method", choices=("auto", "fork", "spawn"), default="auto",
                     help="how each run's child starts: auto (fork, or spawn when CUDA is "
                          "already initialized in the pytest process), fork, spawn")
@@ -124,6 +127,18 @@ class GpuCaseSession:
             write_report(path, self.build_report(complete=complete))
             self._written_at = time.monotonic()
 
+    def worker_env(self) -> dict[str, str]:
+        """The device pin of this xdist worker's children (``--gpu-per-worker``), or {}."""
+        import os
+
+        from .pinning import pin_env
+
+        if not self.config.getoption("gpu_per_worker"):
+            return {}
+        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        env = self.environment()
+        return pin_env(worker, env.backend, len(env.devices), os.environ)
+
     def start_method(self) -> StartMethod:
         from .isolation import default_start_method
 
@@ -156,6 +171,13 @@ def pytest_configure(config: pytest.Config) -> None:
         config.addinivalue_line("markers", f"dtype_{dtype}: a gpucase run in {dtype}")
     for kind in ("batch", "length", "boundary"):
         config.addinivalue_line("markers", f"variant_{kind}: a gpucase {kind} edge variant")
+    for backend in ("cuda", "rocm", "cpu", "mps", "xpu"):
+        config.addinivalue_line("markers", f"backend_{backend}: a gpucase run on the {backend} "
+                                "backend")
+    config.addinivalue_line(
+        "markers", "gpu_requires(backends=None, torch=None, python=None, cuda=None, hip=None, "
+        "capability=None, packages=None): skip unless this environment meets the requirements, "
+        "written as in a case's [matrix]")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
@@ -196,8 +218,15 @@ class CaseDirectory(pytest.Directory):
         except CaseFormatError as exc:
             yield BrokenCaseItem.from_parent(self, name=self.path.name, problem=str(exc))
             return
+        pin = state.worker_env()
+        # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds.
+        cuda_backend = "rocm" if state.environment().backend == "rocm" else "cuda"
         for spec in specs:
-            yield CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
+            if pin and spec.device != "cpu":
+                spec = replace(spec, env={**spec.env, **pin})
+            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
+            item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
+            yield item
 
 
 def _saved_dtype(case: Case) -> str | None:
@@ -384,11 +413,13 @@ class _Recorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         import os
 
-        self.state.write_report(complete=True)
+        # An interrupted run (Ctrl-C) still leaves a valid report of what finished.
+        complete = session.exitstatus != pytest.ExitCode.INTERRUPTED
+        self.state.write_report(complete=complete)
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
             from .report import append_step_summary
 
-            append_step_summary(self.state.build_report(complete=True))
+            append_step_summary(self.state.build_report(complete=complete))
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
@@ -403,6 +434,90 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
     report_path = config.getoption("gpu_cases_report", None)
     if report_path is not None and state.enabled and not hasattr(config, "workerinput"):
         terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    marked = [item for item in items if item.get_closest_marker("gpu_requires")]
+    if not marked:
+        return
+    from .matrix import evaluate
+
+    state = config.stash[session_key]
+    for item in marked:
+        marker = item.get_closest_marker("gpu_requires")
+        assert marker is not None
+        requirements = requirements_from_marker(item.nodeid, marker.kwargs)
+        reason = evaluate(requirements, state.environment(tuple(requirements.packages)))
+        if reason is not None:
+            item.add_marker(pytest.mark.skip(reason=reason))
+
+
+def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
+    """``@pytest.mark.gpu_requires(...)`` as ``Requirements``; a mistake is a usage error."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    from .case import BACKENDS, VERSION_KEYS, Requirements
+
+    unknown = sorted(set(kwargs) - {"backends", "packages", *VERSION_KEYS})
+    if unknown:
+        raise pytest.UsageError(f"{where}: gpu_requires: unknown argument {unknown[0]!r}; "
+                                f"expected backends, packages, {', '.join(VERSION_KEYS)}")
+    specs = {key: kwargs[key] for key in VERSION_KEYS if kwargs.get(key) is not None}
+    packages = dict(kwargs.get("packages") or {})
+    for key, value in [*specs.items(), *packages.items()]:
+        try:
+            if value:
+                SpecifierSet(value)
+        except (InvalidSpecifier, TypeError):
+            raise pytest.UsageError(f"{where}: gpu_requires: {key}={value!r} is not a PEP 440 "
+                                    "specifier; write it like '>=2.1'") from None
+    backends = kwargs.get("backends")
+    if backends is not None:
+        backends = (backends,) if isinstance(backends, str) else tuple(backends)
+        for backend in backends:
+            if backend not in BACKENDS:
+                raise pytest.UsageError(f"{where}: gpu_requires: unknown backend {backend!r}; "
+                                        f"expected one of {', '.join(BACKENDS)}")
+    return Requirements(backends=backends, versions=specs, packages=packages)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    wants_device = "gpu_device" in metafunc.fixturenames
+    if wants_device:
+        from .matrix import DEFAULT_DEVICES, device_skip
+
+        env = metafunc.config.stash[session_key].environment()
+        asked = metafunc.config.getoption("gpu_devices")
+        devices = [*DEFAULT_DEVICES, *(t for t in env.device_types if t not in DEFAULT_DEVICES)]
+        params = []
+        for device in devices:
+            if asked is not None and device not in asked:
+                continue
+            reason = device_skip(device, env)
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
+            params.append(pytest.param(device, marks=marks, id=device))
+        metafunc.parametrize("gpu_device", params, indirect=True)
+    if "gpu_dtype" in metafunc.fixturenames:
+        dtypes = metafunc.config.getoption("gpu_dtypes") or ("float32",)
+        metafunc.parametrize("gpu_dtype", list(dtypes), indirect=True)
+
+
+@pytest.fixture
+def gpu_device(request: pytest.FixtureRequest) -> str:
+    """A device type this test runs on: each available type (others skipped with a reason).
+
+    The test runs in the pytest process: a CUDA test initializes CUDA here, and
+    later case runs then start fresh interpreters instead of forks.
+    """
+    return str(request.param)
+
+
+@pytest.fixture
+def gpu_dtype(request: pytest.FixtureRequest) -> Any:
+    """A ``torch.dtype`` from ``--gpu-dtypes`` (default float32)."""
+    import torch
+
+    return getattr(torch, request.param)
 
 
 class GpuCaseHandle:
