@@ -40,7 +40,7 @@ VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
 
 _TOP_KEYS = (
     "format", "summary", "call", "reference", "timeout", "launch_blocking", "xfail",
-    "inputs", "expect", "matrix", "variants", "ablate", "origin",
+    "inputs_sha256", "inputs", "expect", "matrix", "variants", "ablate", "origin",
 )
 _EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tolerance")
 _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
@@ -131,6 +131,7 @@ class Case:
     variants: VariantTables
     ablate_env: Mapping[str, str]
     origin: Mapping[str, Any]
+    inputs_sha256: str | None = None  # "sha256:<hex>" of inputs.safetensors, checked before use
 
     @property
     def case_file(self) -> Path:
@@ -310,7 +311,16 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
         variants=_parse_variants(top.table_at("variants")),
         ablate_env=_parse_ablate(top.table_at("ablate")),
         origin=top.get("origin", dict, "a table [origin]", default={}),
+        inputs_sha256=_parse_hash(top),
     )
+
+
+def _parse_hash(top: _Reader) -> str | None:
+    value = top.get("inputs_sha256", str, 'a string "sha256:<64 hex digits>"')
+    if value is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
+        raise top.error("inputs_sha256", f"'{value}' is not \"sha256:\" followed by 64 "
+                        "lowercase hex digits; write what `gpucase show` prints for the payload")
+    return value
 
 
 def _check_target(top: _Reader, name: str, value: str, case_dir: Path) -> None:

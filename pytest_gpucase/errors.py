@@ -19,7 +19,7 @@ class CaseFormatError(Exception):
         self.key = key
         self.problem = message
         where = f"{key}: " if key else ""
-        super().__init__(f"{_display(self.path)}: {where}{message}")
+        super().__init__(f"{display(self.path)}: {where}{message}")
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The default rebuilds from ``args`` (the whole message), which does not fit __init__;
@@ -27,7 +27,7 @@ class CaseFormatError(Exception):
         return (type(self), (self.path, self.problem, self.key))
 
 
-def _display(path: Path) -> str:
+def display(path: Path) -> str:
     """Show a path relative to the working directory when it lies below it.
 
     Symlinks are resolved only as a last resort: the user sees the path they

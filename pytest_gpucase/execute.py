@@ -26,7 +26,7 @@ import torch
 from . import golden, payload
 from .case import Case, Expectation
 from .compare import Comparison, Tolerance, compare
-from .errors import CaseFormatError
+from .errors import CaseFormatError, display
 from .matrix import RunSpec
 from .variants import VariantNotApplicable, apply as apply_variant
 
@@ -157,6 +157,17 @@ def apply_settings(names: tuple[str, ...]) -> None:
 
 def load_inputs(case: Case) -> dict[str, Any]:
     """The case's keyword arguments: ``[inputs]`` literals and the saved tensors."""
+    if case.inputs_sha256 is not None:
+        if not case.inputs_file.exists():
+            raise CaseFormatError(case.case_file, f"names a hash but {case.inputs_file.name} is "
+                                  "missing; restore the file or remove the key",
+                                  key="inputs_sha256")
+        found = payload.content_hash(case.inputs_file)
+        if found != case.inputs_sha256:
+            raise CaseFormatError(case.inputs_file, f"content hash {found} differs from "
+                                  f"inputs_sha256 in {case.case_file.name} (changed or corrupted "
+                                  "since the case was saved); restore it, or if the change is "
+                                  f"intended set inputs_sha256 = \"{found}\"")
     tensors = payload.load(case.inputs_file) if case.inputs_file.exists() else {}
     clash = sorted(set(tensors) & set(case.literals))
     if clash:
@@ -187,17 +198,17 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
     except Exception:
         detail = traceback.format_exc()
-        raise _Failed(Outcome("failed", f"{case.case_file}: {key}: importing '{where}' failed",
+        raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: importing '{where}' failed",
                               details=detail, error_type="ImportError")) from None
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, _MISSING)
         if obj is _MISSING:
-            raise _Failed(Outcome("failed", f"{case.case_file}: {key}: '{where}' has no "
+            raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{where}' has no "
                                   f"'{qualname}'; check the name after the colon",
                                   error_type="AttributeError"))
     if not callable(obj):
-        raise _Failed(Outcome("failed", f"{case.case_file}: {key}: '{target}' is a "
+        raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{target}' is a "
                               f"{type(obj).__name__}, not a function", error_type="TypeError"))
     return obj  # type: ignore[no-any-return]
 

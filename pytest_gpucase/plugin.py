@@ -92,7 +92,9 @@ class GpuCaseSession:
         child = regenerate_golden(case, start_method=self.start_method())
         if not child.returned:
             detail = child.child_error or child.stderr[-2000:]
-            pytest.fail(f"{case.case_file}: writing {case.expected_file.name} failed: "
+            from .errors import display
+
+            pytest.fail(f"{display(case.case_file)}: writing {case.expected_file.name} failed: "
                         f"{child.problem}\n{detail}", pytrace=False)
         self.regenerated[case.path] = child.value
 
@@ -363,10 +365,9 @@ def verdict_fields(verdict: Verdict) -> dict[str, Any]:
 
 
 def _relative(path: Path) -> str:
-    try:
-        return path.resolve().relative_to(Path.cwd().resolve()).as_posix()
-    except ValueError:
-        return path.as_posix()
+    from .errors import display
+
+    return Path(display(path)).as_posix()
 
 
 def result_record(report: pytest.TestReport) -> dict[str, Any] | None:

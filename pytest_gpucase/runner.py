@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from .environment import launch_blocking_env
+from .errors import display
 from .case import Case
 from .execute import Outcome, run, write_golden
 from .isolation import ChildResult, StartMethod, run_in_child
@@ -57,7 +58,7 @@ def regenerate_golden(case: Case, *, start_method: StartMethod) -> ChildResult:
 
 def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     """A child that returned nothing becomes a failure naming why, with its last words."""
-    where = spec.case.case_file
+    where = display(spec.case.case_file)
     if child.timed_out:
         summary = (f"{where}: run timed out after {spec.case.timeout:g} s and was killed with its "
                    "process group; the stack of every thread at the timeout is in the "

@@ -1,0 +1,201 @@
+"""Hostile and broken cases, all in one session: each fails alone, with its own message.
+
+Cases arrive from many people, in pull requests, on shared CI runners. One
+session below holds a good case and dozens of broken or hostile ones; every
+broken one must be exactly one failed item whose message names the file, what
+is wrong and the fix, and the good case must still pass.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import pickle
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpucase import payload
+
+from .test_plugin import RAISES, ce_case
+
+GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
+RUN_X = "def run(x):\n    return x + 1\n"
+
+
+class Marker:
+    """A pickle that would leave a file behind if anything ever unpickled it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Callable[..., object], tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def build(root: Path, name: str, toml: str, code: str | None = RUN_X,
+          tensors: dict[str, torch.Tensor] | None = None,
+          extra: Callable[[Path], None] | None = None) -> None:
+    path = root / "cases" / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
+    if code is not None:
+        (path / "case.py").write_text(textwrap.dedent(code).lstrip())
+    if tensors is not None:
+        payload.save(path / "inputs.safetensors", tensors)
+    if extra is not None:
+        extra(path)
+
+
+def corrupt_payload(path: Path) -> None:
+    data = (path / "inputs.safetensors").read_bytes()
+    (path / "inputs.safetensors").write_bytes(data[:-8])
+
+
+def pickle_payload(path: Path) -> None:
+    with open(path / "inputs.safetensors", "wb") as handle:
+        pickle.dump({"x": Marker(str(path / "unpickled"))}, handle)
+
+
+def header_too_long(path: Path) -> None:
+    (path / "inputs.safetensors").write_bytes((10**6).to_bytes(8, "little") + b"{}")
+
+
+def escaping_symlink(path: Path) -> None:
+    outside = path.parent.parent / "outside.py"
+    outside.write_text(RUN_X)
+    (path / "link.py").symlink_to(outside)
+
+
+def huge_view(path: Path) -> None:
+    import json
+
+    header = {"__metadata__": {"gpucase.layout": json.dumps(
+        {"x": {"shape": [2**20, 2**20], "stride": [0, 0], "storage_offset": 0}})},
+        "x": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (path / "inputs.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(4))
+
+
+def strides_outside(path: Path) -> None:
+    import json
+
+    header = {"__metadata__": {"gpucase.layout": json.dumps(
+        {"x": {"shape": [4, 4], "stride": [4, 1], "storage_offset": 0}})},
+        "x": {"dtype": "F32", "shape": [8], "data_offsets": [0, 32]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (path / "inputs.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(32))
+
+
+ONE = {"x": torch.ones(3)}
+# name -> (case.toml, case.py, tensors, extra step, the line the user must see)
+BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
+                        Callable[[Path], None] | None, str]] = {
+    "toml_invalid": ("format = 1\ncall = \n", None, None, None,
+                     "cases/toml_invalid/case.toml: invalid TOML: *"),
+    "key_unknown": ('format = 1\ncalll = "case.py:run"\n', None, None, None,
+                    "cases/key_unknown/case.toml: calll: unknown key; did you mean 'call'?"),
+    "format_missing": ('call = "case.py:run"\n', None, None, None,
+                       "cases/format_missing/case.toml: format: missing; *"),
+    "format_future": ('format = 2\ncall = "case.py:run"\n', None, None, None,
+                      "cases/format_future/case.toml: format: unsupported format 2*"),
+    "call_missing": ("format = 1\n", None, None, None,
+                     "cases/call_missing/case.toml: call: missing; *"),
+    "call_malformed": ('format = 1\ncall = "case.py"\n', None, None, None,
+                       "cases/call_malformed/case.toml: call: 'case.py' is not *"),
+    "call_parent": ('format = 1\ncall = "../x.py:run"\n', None, None, None,
+                    "cases/call_parent/case.toml: call: '../x.py' escapes the case directory*"),
+    "call_absolute": ('format = 1\ncall = "/etc/x.py:run"\n', None, None, None,
+                      "cases/call_absolute/case.toml: call: '/etc/x.py' escapes the case *"),
+    "call_symlink": ('format = 1\ncall = "link.py:run"\n', None, None, escaping_symlink,
+                     "cases/call_symlink/case.toml: call: 'link.py' resolves outside the case*"),
+    "call_file_missing": ('format = 1\ncall = "nope.py:run"\n', None, None, None,
+                          "cases/call_file_missing/case.toml: call: 'nope.py' not found*"),
+    "timeout_string": ('format = 1\ncall = "case.py:run"\ntimeout = "10"\n', RUN_X, None, None,
+                       "cases/timeout_string/case.toml: timeout: expected a number of seconds*"),
+    "backend_unknown": (GOOD_CALL + '[matrix]\nbackends = ["rocm7"]\n', RUN_X, None, None,
+                        "cases/backend_unknown/case.toml: [[]matrix[]] backends: unknown 'rocm7'; "
+                        "expected one of cuda, rocm, cpu, mps, xpu"),
+    "specifier_bad": (GOOD_CALL + '[matrix]\ntorch = ">=two"\n', RUN_X, None, None,
+                      "cases/specifier_bad/case.toml: [[]matrix[]] torch: *PEP 440*"),
+    "rtol_alone": (GOOD_CALL + "[expect.tolerance.bfloat16]\nrtol = 0.1\n", RUN_X, None, None,
+                   "cases/rtol_alone/case.toml: [[]expect.tolerance.bfloat16[]] rtol: given "
+                   "without atol; give both rtol and atol, or neither"),
+    "raises_no_type": (GOOD_CALL + '[expect]\noutcome = "raises"\n', RUN_X, None, None,
+                       "cases/raises_no_type/case.toml: [[]expect[]] exception: missing*"),
+    "regex_bad": (GOOD_CALL + '[expect]\noutcome = "raises"\nexception = "E"\nmatch = "("\n',
+                  RUN_X, None, None,
+                  "cases/regex_bad/case.toml: [[]expect[]] match: invalid regular expression*"),
+    "payload_empty": (GOOD_CALL, RUN_X, None,
+                      lambda p: (p / "inputs.safetensors").write_bytes(b""),
+                      "cases/payload_empty/inputs.safetensors: *"),
+    "payload_truncated": (GOOD_CALL, RUN_X, ONE, corrupt_payload,
+                          "cases/payload_truncated/inputs.safetensors: *"),
+    "payload_header_long": (GOOD_CALL, RUN_X, None, header_too_long,
+                            "cases/payload_header_long/inputs.safetensors: *"),
+    "payload_pickle": (GOOD_CALL, RUN_X, None, pickle_payload,
+                       "cases/payload_pickle/inputs.safetensors: *pickle*"),
+    "payload_huge": (GOOD_CALL, RUN_X, None, huge_view,
+                     "cases/payload_huge/inputs.safetensors: *refusing to allocate*"),
+    "payload_strides": (GOOD_CALL, RUN_X, None, strides_outside,
+                        "cases/payload_strides/inputs.safetensors: tensor 'x': its view *"),
+    "hash_mismatch": (GOOD_CALL + 'inputs_sha256 = "sha256:' + "0" * 64 + '"\n', RUN_X, ONE, None,
+                      "cases/hash_mismatch/inputs.safetensors: content hash sha256:* differs "
+                      "from inputs_sha256 in case.toml*"),
+    "import_fails": (GOOD_CALL, "import not_a_module_anywhere\n", ONE, None,
+                     "cases/import_fails/case.toml: call: importing 'case.py' failed"),
+    "target_missing": ('format = 1\ncall = "case.py:nope"\n', RUN_X, ONE, None,
+                       "cases/target_missing/case.toml: call: 'case.py' has no 'nope'; *"),
+    "target_not_callable": ('format = 1\ncall = "case.py:VALUE"\n', "VALUE = 3\n", ONE, None,
+                            "cases/target_not_callable/case.toml: call: 'case.py:VALUE' is a "
+                            "int, not a function"),
+    "literal_clash": (GOOD_CALL + "[inputs]\nx = 3\n", RUN_X, ONE, None,
+                      "cases/literal_clash/case.toml: [[]inputs[]]: x given both here and in "
+                      "inputs.safetensors; keep one"),
+    "signature_wrong": (GOOD_CALL, "def run(y):\n    return y\n", ONE, None,
+                        "the call raised TypeError: run() got an unexpected keyword argument 'x'"),
+    "exits_zero": (GOOD_CALL, "import os\n\ndef run(x):\n    os._exit(0)\n", ONE, None,
+                   "cases/exits_zero/case.toml: run exited with code 0 without returning a "
+                   "result"),
+    "segfaults": (GOOD_CALL, "import os, signal\n\ndef run(x):\n"
+                  "    os.kill(os.getpid(), signal.SIGSEGV)\n", ONE, None,
+                  "cases/segfaults/case.toml: run crashed with signal 11 (SIGSEGV)"),
+    "ignores_sigterm": ('format = 1\ncall = "case.py:run"\ntimeout = 1\n',
+                        "import signal, time\n\ndef run(x):\n"
+                        "    signal.signal(signal.SIGTERM, signal.SIG_IGN)\n    time.sleep(600)\n",
+                        ONE, None, "cases/ignores_sigterm/case.toml: run timed out after 1 s*"),
+    "grandchildren_hang": ('format = 1\ncall = "case.py:run"\ntimeout = 1\n',
+                           "import os, time\n\ndef run(x):\n    os.fork()\n    time.sleep(600)\n",
+                           ONE, None, "cases/grandchildren_hang/case.toml: run timed out after 1 s*"),
+    "floods_output": (GOOD_CALL, "import sys\n\ndef run(x):\n    for _ in range(200000):\n"
+                      "        sys.stdout.write('y' * 1000 + '\\n')\n    raise ValueError('after "
+                      "the flood')\n", ONE, None,
+                      "the call raised ValueError: after the flood"),
+    "output_unpicklable_type": (GOOD_CALL + 'reference = "case.py:ref"\n',
+                                "def run(x):\n    return lambda: x\n\ndef ref(x):\n"
+                                "    return x\n", ONE, None,
+                                "outputs differ from the reference"),
+}
+
+
+def test_each_broken_case_fails_alone_with_its_message(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    for name, (toml, code, tensors, extra, _) in BROKEN.items():
+        build(pytester.path, name, toml, code, tensors, extra)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
+                                           "no:cacheprovider", "cases")
+    result.assert_outcomes(passed=1, failed=len(BROKEN))
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    text = result.stdout.str()
+    for name, (*_, message) in BROKEN.items():
+        section = text.split(f"_ {name}")[1].split("\n____")[0]
+        assert any(fnmatch.fnmatch(line, message) for line in section.splitlines()), (
+            name, section[:2000])
+    assert not (pytester.path / "cases" / "payload_pickle" / "unpickled").exists()
+    # The flood was bounded: its captured stdout kept the head and the tail only.
+    flood = text.split("_ floods_output")[1].split("\n____")[0]
+    assert "bytes omitted" in flood and len(flood) < 200_000
