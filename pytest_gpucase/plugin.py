@@ -210,9 +210,11 @@ class CaseDirectory(pytest.Directory):
         state = self.config.stash[session_key]
         try:
             case = load_case(self.path)
+            # The saved dtype names the items only when [matrix] dtypes does not.
+            saved = None if case.matrix.dtypes else _saved_dtype(case)
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
-                saved_dtype=_saved_dtype(case),
+                saved_dtype=saved,
                 devices=self.config.getoption("gpu_devices"),
                 dtypes=self.config.getoption("gpu_dtypes"),
                 launch_blocking=self.config.getoption("gpu_launch_blocking"),

@@ -1,0 +1,176 @@
+"""Scale: isolation per item inside pytest, collection of many cases, parent memory, payload I/O.
+
+    python benchmarks/bench_scale.py [--items 200] [--cases 5000] [--gib 1]
+
+Every figure is printed next to a baseline measured in the same run, as a ratio
+(these machines are noisy; ratios travel better than seconds):
+
+1. isolation per trivial item, whole pytest runs: ``pytest --gpu-cases`` on N
+   trivial cases vs N trivial Python tests under ``--forked`` (pytest-forked)
+   vs the same N tests without isolation; per item = (run of N - run of 1) / (N - 1),
+   so the one-off start-up (torch import, environment probe) is left out.
+2. collection of ``--cases`` case directories (4 items each) vs the same
+   number of Python test files with one test parametrized 4 ways.
+3. the pytest process's peak RSS as the number of cases grows: payloads are
+   loaded in the children only, so it must stay flat.
+4. loading a ``--gib`` GiB payload and one pass over its values (``max``) vs
+   reading the file into memory and the same pass (warm page cache for both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from pytest_gpucase import payload
+
+TRIVIAL_CASE_PY = "def run(x):\n    return x + 1\n"
+RSS_CONFTEST = textwrap.dedent("""
+    import resource
+
+    def pytest_sessionfinish(session):
+        peak_kib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        with open("peak_rss_kib", "w") as handle:
+            handle.write(str(peak_kib))
+""")
+
+
+def pytest_seconds(root: Path, *args: str) -> float:
+    start = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "-p", "no:benchmark", *args], cwd=root, capture_output=True,
+                          text=True, check=False)
+    elapsed = time.perf_counter() - start
+    if done.returncode not in (0, 5):
+        raise RuntimeError(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
+    return elapsed
+
+
+def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4) -> None:
+    x = torch.ones(tensor_numel)
+    first = root / "cases" / "c0"
+    first.mkdir(parents=True)
+    (first / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\n{matrix}')
+    (first / "case.py").write_text(TRIVIAL_CASE_PY)
+    payload.save(first / "inputs.safetensors", {"x": x})
+    data = {name: (first / name).read_bytes()
+            for name in ("case.toml", "case.py", "inputs.safetensors")}
+    for index in range(1, count):
+        path = root / "cases" / f"c{index}"
+        path.mkdir()
+        for name, content in data.items():
+            (path / name).write_bytes(content)
+
+
+def write_python_tests(root: Path, count: int, params: int = 1) -> None:
+    tests = root / "tests"
+    tests.mkdir()
+    body = ("import pytest\n\n@pytest.mark.parametrize('p', range({n}))\n"
+            "def test_trivial(p):\n    assert p + 1 > 0\n").format(n=params)
+    for index in range(count):
+        (tests / f"test_t{index}.py").write_text(body)
+
+
+def isolation(items: int) -> None:
+    print(f"\n1. isolation per trivial item, whole pytest runs ({items} items, CPU)")
+    rows: dict[str, list[float]] = {}
+    for count in (1, items):
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n')
+            write_python_tests(root, count)
+            rows.setdefault("plain pytest, no isolation", []).append(pytest_seconds(root, "tests"))
+            rows.setdefault("pytest-forked --forked", []).append(
+                pytest_seconds(root, "--forked", "tests"))
+            rows.setdefault("pytest --gpu-cases", []).append(
+                pytest_seconds(root, "--gpu-cases", "cases"))
+    per_item = {name: (many - one) / (items - 1) for name, (one, many) in rows.items()}
+    forked = per_item["pytest-forked --forked"]
+    print(f"   {'what':<32}{'run of 1 s':>11}{'ms/item':>10}{'x --forked':>12}")
+    for name, seconds in per_item.items():
+        print(f"   {name:<32}{rows[name][0]:>11.2f}{seconds * 1000:>10.1f}"
+              f"{seconds / forked:>12.2f}")
+
+
+def collection(count: int) -> None:
+    print(f"\n2. collection: {count} case directories x 4 items vs {count} Python test files x 4")
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, count, matrix='[matrix]\ndtypes = ["float32", "bfloat16"]\n')
+        write_python_tests(root, count, params=4)
+        python_tests = pytest_seconds(root, "--collect-only", "tests")
+        cases = pytest_seconds(root, "--collect-only", "--gpu-cases", "cases")
+    print(f"   Python tests {python_tests:.2f} s, cases {cases:.2f} s, "
+          f"ratio cases / tests {cases / python_tests:.2f}")
+
+
+def memory(counts: list[int]) -> None:
+    print("\n3. peak RSS of the pytest process as cases grow (64 KiB payload each)")
+    print(f"   {'cases':>8}{'peak RSS MiB':>15}{'x smallest':>12}")
+    first = None
+    for count in counts:
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp)
+            write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n',
+                        tensor_numel=16 * 1024)
+            (root / "conftest.py").write_text(RSS_CONFTEST)
+            pytest_seconds(root, "--gpu-cases", "cases")
+            peak = int((root / "peak_rss_kib").read_text()) / 1024
+        first = first or peak
+        print(f"   {count:>8}{peak:>15.0f}{peak / first:>12.2f}")
+
+
+def payload_io(gib: float) -> None:
+    numel = int(gib * 2**30) // 4
+    print(f"\n4. payload of {numel * 4 / 2**30:.2f} GiB (float32)")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "big.safetensors"
+        payload.save(path, {"x": torch.randn(numel)})
+        reads, loads = [], []
+        for _ in range(3):
+            start = time.perf_counter()
+            data = bytearray(path.stat().st_size)
+            with open(path, "rb", buffering=0) as handle:
+                handle.readinto(data)
+            float(torch.frombuffer(data, dtype=torch.float32).max())
+            reads.append(time.perf_counter() - start)
+            del data
+            start = time.perf_counter()
+            loaded = payload.load(path)["x"]
+            float(loaded.max())  # safetensors maps the file: this pass pulls every page in
+            loads.append(time.perf_counter() - start)
+            assert loaded.numel() == numel
+            del loaded
+    read, load = min(reads), min(loads)
+    print(f"   read the file + one pass over the values {read:.2f} s, payload.load + the same "
+          f"pass {load:.2f} s, ratio {load / read:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=200)
+    parser.add_argument("--cases", type=int, default=5000)
+    parser.add_argument("--gib", type=float, default=1.0)
+    parser.add_argument("--only", choices=("isolation", "collection", "memory", "payload"))
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    if args.only in (None, "isolation"):
+        isolation(args.items)
+    if args.only in (None, "collection"):
+        collection(args.cases)
+    if args.only in (None, "memory"):
+        memory([50, 200, 800])
+    if args.only in (None, "payload"):
+        payload_io(args.gib)
+
+
+if __name__ == "__main__":
+    main()
