@@ -73,8 +73,8 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
 def write_python_tests(root: Path, count: int, params: int = 1) -> None:
     tests = root / "tests"
     tests.mkdir()
-    body = ("import pytest\n\n@pytest.mark.parametrize('p', range({n}))\n"
-            "def test_trivial(p):\n    assert p + 1 > 0\n").format(n=params)
+    body = (f"import pytest\n\n@pytest.mark.parametrize('p', range({params}))\n"
+            "def test_trivial(p):\n    assert p + 1 > 0\n")
     for index in range(count):
         (tests / f"test_t{index}.py").write_text(body)
 

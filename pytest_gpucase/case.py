@@ -316,7 +316,7 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
 
 
 def _parse_hash(top: _Reader) -> str | None:
-    value = top.get("inputs_sha256", str, 'a string "sha256:<64 hex digits>"')
+    value: str | None = top.get("inputs_sha256", str, 'a string "sha256:<64 hex digits>"')
     if value is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
         raise top.error("inputs_sha256", f"'{value}' is not \"sha256:\" followed by 64 "
                         "lowercase hex digits; write what `gpucase show` prints for the payload")
@@ -396,7 +396,7 @@ def _parse_expectation(reader: _Reader, *, with_extras: bool) -> Expectation:
     if with_extras:
         tables = reader.table_at("tolerance")
         for dtype in tables.table:
-            if dtype not in FLOAT_DTYPES + ("complex64", "complex128"):
+            if dtype not in (*FLOAT_DTYPES, "complex64", "complex128"):
                 guess = difflib.get_close_matches(dtype, FLOAT_DTYPES, n=1)
                 hint = f"did you mean '{guess[0]}'?" if guess else "expected a floating dtype name"
                 raise tables.error(dtype, f"unknown dtype; {hint}")

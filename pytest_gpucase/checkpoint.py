@@ -266,7 +266,7 @@ def validate(path: PathLike, model: ModelLike | None = None) -> Validation:
     try:
         loaded = _load(path)
     # Any failure to load (corrupt zip, refused global, bad header) is a verdict, not a crash.
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:
         problems.append(f"cannot load: {_load_error(exc)}")
     else:
         problems.extend(_nonfinite_problems(loaded))
@@ -320,7 +320,7 @@ def main_checkpoint(paths: list[str], model: str | None = None) -> int:
         try:
             reference = _resolve_model(model)
         # User code and user files can fail in any way; report it as a usage error.
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:
             print(f"gpucase checkpoint: --model {model}: {_load_error(exc)}", file=sys.stderr)
             return 2
 

@@ -112,7 +112,8 @@ def _run(spec: RunSpec) -> Outcome:
 def write_golden(case: Case) -> str:
     """Compute the reference results on the saved inputs and write them as the case's golden."""
     inputs = load_inputs(case)
-    reference = resolve(case, case.reference or case.call, "reference" if case.reference else "call")
+    key = "reference" if case.reference else "call"
+    reference = resolve(case, case.reference or case.call, key)
     results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     golden.save(case.expected_file, results)
     return str(case.expected_file)
@@ -198,8 +199,9 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
             module = importlib.import_module(where)
     except Exception:
         detail = traceback.format_exc()
-        raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: importing '{where}' failed",
-                              details=detail, error_type="ImportError")) from None
+        summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
+        raise _Failed(Outcome("failed", summary, details=detail,
+                              error_type="ImportError")) from None
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, _MISSING)
@@ -259,14 +261,15 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
         return {"out": out}
     leaves = {name: value.detach().requires_grad_()
               for name, value in inputs.items()
-              if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())}
+              if isinstance(value, torch.Tensor)
+              and (value.is_floating_point() or value.is_complex())}
     out = func(**{**inputs, **leaves})
     total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
                 for t in _tensors(out) if t.requires_grad)
     grads: dict[str, Any] = dict.fromkeys(leaves)
     if isinstance(total, torch.Tensor):
         found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
-        grads = dict(zip(leaves, found))
+        grads = dict(zip(leaves, found, strict=True))
     _sync(device)
     return {"out": _detach(out), "grad": grads}
 

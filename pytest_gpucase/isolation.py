@@ -17,6 +17,7 @@ moment for it, then kills the process group.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
 import select
@@ -133,10 +134,8 @@ def run_in_child(
         else:
             job_file = _write_job(func, args)
             pid = _spawn(job_file, out_w, err_w, res_w, env)
-        try:
-            os.setpgid(pid, pid)  # also done by the child; whoever runs first wins the race
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):  # the child does it too; the first one wins
+            os.setpgid(pid, pid)
         for fd in (out_w, err_w, res_w):
             os.close(fd)
         out_w = err_w = res_w = -1
@@ -156,18 +155,15 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
         os.setpgid(0, 0)
         for fd in parent_ends:
             os.close(fd)
-        for stream in (sys.stdout, sys.stderr):
-            try:
-                stream.flush()
-            except Exception:
-                pass
+        _flush_std_streams()
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)
         os.close(out_w)
         os.close(err_w)
         # pytest's capture may have replaced sys.stdout/err: write to the real fds again.
-        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")
-        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")
+        # Left open on purpose: they live as long as the child.
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
         if env:
             os.environ.update(env)
     except BaseException:
@@ -175,7 +171,14 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
     _child_main(res_w, func, args)
 
 
-def _child_main(res_w: int, func: Callable[..., Any], args: tuple[Any, ...]) -> None:  # pragma: no cover
+def _flush_std_streams() -> None:  # pragma: no cover - child side
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or replaced stream: nothing to flush
+            stream.flush()
+
+
+def _child_main(res_w: int, func: Callable[..., Any],
+                args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -190,11 +193,7 @@ def _child_main(res_w: int, func: Callable[..., Any], args: tuple[Any, ...]) -> 
         _write_all(res_w, payload)
     except BaseException:
         code = 71
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:
-            pass
+    _flush_std_streams()
     os._exit(code)
 
 
@@ -222,8 +221,8 @@ def _spawn(job_file: str, out_w: int, err_w: int, res_w: int,
         (os.POSIX_SPAWN_DUP2, err_w, 2),
         (os.POSIX_SPAWN_DUP2, res_w, _RESULT_FD),
     ]
-    argv = [sys.executable, "-c", "from pytest_gpucase.isolation import spawned_main; spawned_main()",
-            job_file]
+    entry = "from pytest_gpucase.isolation import spawned_main; spawned_main()"
+    argv = [sys.executable, "-c", entry, job_file]
     return os.posix_spawn(sys.executable, argv, child_env, file_actions=actions, setpgroup=0)
 
 
@@ -243,8 +242,9 @@ def _supervise(pid: int, out_r: int, err_r: int, res_r: int, timeout: float, sta
     poller = select.poll()
     for fd in open_fds:
         poller.register(fd, select.POLLIN)
+    pidfd: int | None = None
     try:
-        pidfd: int | None = os.pidfd_open(pid)
+        pidfd = os.pidfd_open(pid)
         poller.register(pidfd, select.POLLIN)
     except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
         pidfd = None
@@ -309,10 +309,8 @@ def _supervise(pid: int, out_r: int, err_r: int, res_r: int, timeout: float, sta
 
 
 def _signal_group(pid: int, signum: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
         os.killpg(pid, signum)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def _result(status: int, raw: bytes, out: _Capture, err: _Capture, timed_out: bool,

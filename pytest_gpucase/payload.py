@@ -69,7 +69,7 @@ class TensorInfo:
         if any(size == 0 for size in self.shape):
             return True
         expected = 1
-        for size, step in zip(reversed(self.shape), reversed(self.stride)):
+        for size, step in zip(reversed(self.shape), reversed(self.stride), strict=True):
             if size != 1 and step != expected:
                 return False
             expected *= size
@@ -88,7 +88,7 @@ def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
     """Elements of storage a view reaches past its offset (0 for an empty view)."""
     if any(size == 0 for size in shape):
         return 0
-    return 1 + sum((size - 1) * step for size, step in zip(shape, stride))
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -138,7 +138,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         if code is None:
             raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
         tensor = tensor.detach()
-        offset = tensor.storage_offset()
+        offset = int(tensor.storage_offset())
         runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
         layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
                         "storage_offset": offset, "stored_from": offset}

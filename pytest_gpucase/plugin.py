@@ -296,9 +296,9 @@ class CaseItem(pytest.Item):
         from .runner import run_spec
 
         state = self.config.stash[session_key]
-        if self.config.getoption("gpu_cases_regen") and self.spec.variant is None:
-            if self.spec.case.expect.outcome == "matches":
-                state.regenerate(self.spec.case)
+        if (self.config.getoption("gpu_cases_regen") and self.spec.variant is None
+                and self.spec.case.expect.outcome == "matches"):
+            state.regenerate(self.spec.case)
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
                            localize=not self.config.getoption("gpu_no_localize"))
@@ -374,7 +374,7 @@ def _relative(path: Path) -> str:
 
 def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     """The JSON record of an item once its outcome is known, from its pytest report."""
-    props = dict(report.user_properties)
+    props: dict[str, Any] = dict(report.user_properties)
     if "gpucase" not in props:
         return None
     if report.when == "setup" and report.passed:
@@ -449,7 +449,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in marked:
         marker = item.get_closest_marker("gpu_requires")
         assert marker is not None
-        requirements = requirements_from_marker(item.nodeid, marker.kwargs)
+        requirements = requirements_from_marker(item.nodeid, dict(marker.kwargs))
         reason = evaluate(requirements, state.environment(tuple(requirements.packages)))
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
@@ -560,7 +560,8 @@ def gpu_case(request: pytest.FixtureRequest) -> GpuCaseHandle:
     marker = request.node.get_closest_marker("gpu_case")
     if marker is None or not marker.args:
         raise pytest.UsageError(
-            f"{request.node.nodeid}: the gpu_case fixture needs @pytest.mark.gpu_case(\"cases/NAME\")")
+            f"{request.node.nodeid}: the gpu_case fixture needs "
+            "@pytest.mark.gpu_case(\"cases/NAME\")")
     path = Path(marker.args[0])
     if not path.is_absolute():
         path = request.config.rootpath / path

@@ -44,7 +44,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
                        child.stderr)
     verdict = Verdict(spec, outcome, child, found)
     blocking = launch_blocking_env(backend)
-    if localize and found is not None and found.asynchronous and blocking and not spec.launch_blocking:
+    asynchronous = found is not None and found.asynchronous
+    if localize and asynchronous and blocking and not spec.launch_blocking:
         rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
         verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
                                                       backend=backend, localize=False))
@@ -81,7 +82,8 @@ def describe_rerun(verdict: Verdict) -> str:
     if rerun is None:
         return ""
     names = ", ".join(f"{k}={v}" for k, v in rerun.spec.env.items())
-    lines = [f"rerun in a new child with {names}:", f"  first error as seen: {verdict.outcome.summary}",
+    lines = [f"rerun in a new child with {names}:",
+             f"  first error as seen: {verdict.outcome.summary}",
              f"  with launch blocking: {rerun.outcome.summary}"]
     if rerun.outcome.details:
         lines += ["", rerun.outcome.details.rstrip()]

@@ -49,9 +49,10 @@ class Triage:
             f"avoid: {self.avoid}",
         ]
         if self.asynchronous:
+            rerun = _LAUNCH_BLOCKING.get(self.backend, _LAUNCH_BLOCKING[None])
             lines.append(
                 "asynchronous: reported at a later call, so the traceback may point past the "
-                f"cause; rerun with {_LAUNCH_BLOCKING.get(self.backend, _LAUNCH_BLOCKING[None])} to stop at the failing kernel"
+                f"cause; rerun with {rerun} to stop at the failing kernel"
             )
         if self.sticky:
             lines.append(f"restart: {_RESTART}")

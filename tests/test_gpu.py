@@ -70,7 +70,8 @@ def test_launch_blocking_reaches_the_child(pytester: pytest.Pytester) -> None:
         outcome = "raises"
         exception = "LookupError"
         match = "^1$"
-    """, "import os\n\ndef run(x):\n    raise LookupError(os.environ.get('CUDA_LAUNCH_BLOCKING'))\n",
+    """, "import os\n\ndef run(x):\n"
+         "    raise LookupError(os.environ.get('CUDA_LAUNCH_BLOCKING'))\n",
         {"x": torch.ones(2)})
     plain = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cuda", "cases")
     plain.assert_outcomes(failed=1)

@@ -170,7 +170,8 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                         ONE, None, "cases/ignores_sigterm/case.toml: run timed out after 1 s*"),
     "grandchildren_hang": ('format = 1\ncall = "case.py:run"\ntimeout = 1\n',
                            "import os, time\n\ndef run(x):\n    os.fork()\n    time.sleep(600)\n",
-                           ONE, None, "cases/grandchildren_hang/case.toml: run timed out after 1 s*"),
+                           ONE, None,
+                           "cases/grandchildren_hang/case.toml: run timed out after 1 s*"),
     "floods_output": (GOOD_CALL, "import sys\n\ndef run(x):\n    for _ in range(200000):\n"
                       "        sys.stdout.write('y' * 1000 + '\\n')\n    raise ValueError('after "
                       "the flood')\n", ONE, None,

@@ -95,7 +95,8 @@ def test_crash_outcome_names_the_signal_and_keeps_the_assertion_line(tmp_path: P
         import os, signal
 
         def run(index):
-            os.write(2, b"Loss.cu:250: block: [0,0,0] Assertion `t >= 0 && t < n_classes` failed.\\n")
+            os.write(2, b"Loss.cu:250: block: [0,0,0] "
+                        b"Assertion `t >= 0 && t < n_classes` failed.\\n")
             os.kill(os.getpid(), signal.SIGABRT)
     """
     spec = make_case(tmp_path, TOML, code)
