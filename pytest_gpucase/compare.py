@@ -32,13 +32,13 @@ __all__ = [
 # Elements per chunk on the CPU: small enough that a chunk's scratch rows stay
 # in cache between the few elementwise passes, large enough that per-op
 # dispatch overhead stays small (measured by benchmarks/bench_compare.py).
-CHUNK_ELEMENTS = 1 << 18
-# Elements per screening block on the CPU: a block that is bitwise equal is
-# done after one fused read (few parallel regions, which matters when other
-# processes compete for the cores); only differing blocks are cut into chunks.
+CHUNK_ELEMENTS = 1 << 19
+# Elements per screening block on the CPU: a bitwise-equal block costs one
+# torch.equal and one NaN check (few parallel regions, which matters when
+# other processes compete for the cores); only differing blocks are chunked.
 BLOCK_ELEMENTS = 1 << 21
-# Elements per chunk (and block) on accelerators, where bandwidth is high and every chunk
-# costs kernel launches and a host synchronization.
+# Elements per chunk (and block) on accelerators, where bandwidth is high and
+# every chunk costs kernel launches and a host synchronization.
 DEVICE_CHUNK_ELEMENTS = 1 << 22
 
 
@@ -50,6 +50,12 @@ class Tolerance:
     atol: float = 0.0
     # When set, also pass when |a - e| <= ulps * spacing(e) in the actual dtype.
     ulps: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in ("rtol", "atol", "ulps"):
+            value = getattr(self, name)
+            if value is not None and not value >= 0:  # also refuses NaN
+                raise ValueError(f"Tolerance.{name} must be >= 0, got {value!r}")
 
 
 # torch.testing.assert_close's table; integer and bool dtypes compare exactly.
@@ -212,7 +218,7 @@ class _Walk:
                 f"length differs: actual {len(actual)} vs expected {len(expected)}",
             )
             return
-        for i, (a, e) in enumerate(zip(actual, expected)):
+        for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
             sub = f"{path}.{fields[i]}" if fields is not None else f"{path}[{i}]"
             self.value(a, e, sub)
 
@@ -241,13 +247,13 @@ class _Walk:
             return
         if kind_a in ("bool", "int"):
             assert isinstance(actual, int) and isinstance(expected, int)
+            gap = float(abs(actual - expected))
+            rel = _rel(gap, float(abs(expected)))
             if kind_a == "int":
-                gap = float(abs(actual - expected))
-                self.note(gap, _rel(gap, float(abs(expected))))
+                self.note(gap, rel)
             if actual != expected:
-                self.fail(
-                    path, "values", f"values differ: actual {actual!r} vs expected {expected!r}"
-                )
+                message = f"{path}: values differ: actual {actual!r} vs expected {expected!r}"
+                self.mismatches.append(Mismatch(path, "values", message, 1, 1, gap, rel))
             return
         assert isinstance(actual, (float, complex)) and isinstance(expected, (float, complex))
         dtype = torch.float64 if kind_a == "float" else torch.complex128
@@ -407,7 +413,10 @@ def _scalar_message(
             f"vs expected {_fmt_value(expected, expected_dtype)}"
         ),
         f"  Absolute difference: {_num(diff)} (up to {_num(tol.atol)} allowed)",
-        f"  Relative difference: {_num(_rel(diff, abs(expected)))} (up to {_num(tol.rtol)} allowed)",
+        (
+            f"  Relative difference: {_num(_rel(diff, abs(expected)))} "
+            f"(up to {_num(tol.rtol)} allowed)"
+        ),
     ]
     if tol.ulps is not None:
         lines.append(f"  Also accepted: within {_num(tol.ulps)} ULP in {_dtype_name(actual_dtype)}")
@@ -549,10 +558,11 @@ def _compare_values(
     scratch: _Scratch,
     stats: _TensorStats,
 ) -> None:
-    device = actual.device
     floating = actual.dtype.is_floating_point or actual.dtype.is_complex
-    cdt = _compute_dtype(actual.dtype, expected.dtype, device) if floating else actual.dtype
-    chunk, block = _chunk_elements(device)
+    chunk, block = _chunk_elements(actual.device)
+    if floating:
+        size = min(chunk, actual.numel())
+        float_chunk = _FloatChunks(actual, expected, size, tol, equal_nan, keep, scratch, stats)
     # Bitwise-equal data (the common case for a fixed bug) is recognised by
     # one read of large blocks; only blocks that differ are cut into chunks.
     screen = actual.dtype == expected.dtype and actual.device == expected.device
@@ -570,65 +580,84 @@ def _compare_values(
             if screen and same(a, e):
                 stats.note(0.0, 0.0)
             elif floating:
-                _float_chunk(
-                    a, e, offset + start, cdt, actual.dtype, tol, equal_nan, keep, scratch, stats
-                )
+                float_chunk(a, e, offset + start)
             else:
                 _exact_chunk(a, e, offset + start, keep, stats)
 
 
-def _float_chunk(
-    a: torch.Tensor,
-    e: torch.Tensor,
-    offset: int,
-    cdt: torch.dtype,
-    actual_dtype: torch.dtype,
-    tol: Tolerance,
-    equal_nan: bool,
-    keep: int,
-    scratch: _Scratch,
-    stats: _TensorStats,
-) -> None:
-    n, device = a.numel(), a.device
-    real = cdt.to_real()
-    a = scratch.load("a", a, cdt, device)
-    e = scratch.load("e", e, cdt, device)
-    # Two rows reduced by one kernel: |a - e| and |a - e| / |e|. Every pass
-    # after the first reads cache-resident rows; a passing chunk costs five.
-    rows = scratch.get("rows", 2 * n, real, device).view(2, n)
-    diff, rel = rows[0], rows[1]
-    if cdt.is_complex:
-        torch.abs(a - e, out=diff)
-    else:
-        torch.sub(a, e, out=diff).abs_()
-    torch.abs(e, out=rel)
-    torch.div(diff, rel, out=rel)
-    max_diff, max_rel = rows.amax(dim=1).tolist()
-    finite = math.isfinite(max_diff)
-    if finite:
-        if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
-            max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
-        stats.note(max_diff, max_rel)
-        # Each bound alone proves closeness; the margin covers the rounding
-        # of these screens against the exact rule below.
-        margin = 1 - 4 * torch.finfo(real).eps
-        if max_diff <= tol.atol * margin or max_rel <= tol.rtol * margin:
-            return
+class _FloatChunks:
+    """Compares floating (or complex) chunks of one tensor pair; constants hoisted."""
+
+    def __init__(
+        self,
+        actual: torch.Tensor,
+        expected: torch.Tensor,
+        size: int,
+        tol: Tolerance,
+        equal_nan: bool,
+        keep: int,
+        scratch: _Scratch,
+        stats: _TensorStats,
+    ) -> None:
+        self.device = actual.device
+        self.actual_dtype = actual.dtype
+        self.cdt = _compute_dtype(actual.dtype, expected.dtype, actual.device)
+        real = self.cdt.to_real()
+        eps = torch.finfo(real).eps
+        self.eps = eps
+        # Each bound alone proves closeness; the margin covers the rounding of
+        # these screens against the exact rule, so no mismatch slips through.
+        self.abs_bound = tol.atol * (1 - 4 * eps)
+        self.rel_bound = tol.rtol * (1 - 4 * eps)
+        self.tol, self.equal_nan, self.keep = tol, equal_nan, keep
+        self.scratch, self.stats = scratch, stats
+        # Two rows reduced by one kernel: |a - e| and |a - e| / |e|.
+        self.rows = scratch.get("rows", 2 * size, real, self.device).view(2, size)
+
+    def __call__(self, a: torch.Tensor, e: torch.Tensor, offset: int) -> None:
+        n, tol, stats = a.numel(), self.tol, self.stats
+        a = self.scratch.load("a", a, self.cdt, self.device)
+        e = self.scratch.load("e", e, self.cdt, self.device)
+        rows = self.rows[:, :n]
+        diff, rel = rows[0], rows[1]
+        # Every pass after the first reads cache-resident rows: a passing chunk
+        # costs one read of its inputs and four cheap passes.
+        if self.cdt.is_complex:
+            torch.abs(a - e, out=diff)
+        else:
+            torch.sub(a, e, out=diff).abs_()
         torch.abs(e, out=rel)
-        torch.add(diff, rel, alpha=-tol.rtol, out=rel)
-        slack = 8 * torch.finfo(real).eps * (max_diff + tol.atol)
-        if float(rel.amax()) <= tol.atol - slack:
-            return
-    # NaN, inf or a possible mismatch: decide element by element, like torch.isclose.
-    scale = e.abs()
-    close = a == e
-    in_range = torch.isfinite(diff)
-    close |= in_range & (diff <= torch.mul(scale, tol.rtol).add_(tol.atol))
-    if tol.ulps is not None:
-        close |= in_range & (diff <= _spacing_tensor(scale, actual_dtype).mul_(tol.ulps))
-    if equal_nan:
-        close |= torch.isnan(a) & torch.isnan(e)
-    _record(diff, scale, close, offset, keep, stats, noted=finite)
+        torch.div(diff, rel, out=rel)
+        max_diff, max_rel = rows.amax(dim=1).tolist()
+        finite = math.isfinite(max_diff)
+        if finite:
+            if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
+                max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
+            stats.note(max_diff, max_rel)
+            if max_diff <= self.abs_bound or max_rel <= self.rel_bound:
+                return
+            excess = torch.abs(e, out=rel)  # the row is free again: reuse it
+            torch.add(diff, excess, alpha=-tol.rtol, out=excess)  # |a - e| - rtol * |e|
+            slack = 8 * self.eps * (max_diff + tol.atol)
+            if float(excess.amax()) <= tol.atol - slack:
+                return
+        # A possible mismatch, NaN or inf: decide element by element, like torch.isclose.
+        scale = e.abs()
+        allowed = torch.mul(scale, tol.rtol).add_(tol.atol)
+        if finite:
+            # All finite: a == e implies |a - e| = 0, which every tolerance allows.
+            close = diff <= allowed
+            if tol.ulps is not None:
+                close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
+        else:
+            in_range = torch.isfinite(diff)  # inf - inf and NaN are never "close"
+            close = (a == e) | (in_range & (diff <= allowed))
+            if tol.ulps is not None:
+                spacing = _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
+                close |= in_range & (diff <= spacing)
+            if self.equal_nan:
+                close |= torch.isnan(a) & torch.isnan(e)
+        _record(diff, scale, close, offset, self.keep, stats, noted=finite)
 
 
 def _exact_chunk(
@@ -673,7 +702,8 @@ def _record(
     stats.note(float(gap.amax()), float(rel.amax()))
     stats.mismatched += count
     values, indices = gap.topk(min(keep, count))
-    stats.worst.extend(zip(values.tolist(), (i + offset for i in where[indices].tolist())))
+    positions = (i + offset for i in where[indices].tolist())
+    stats.worst.extend(zip(values.tolist(), positions, strict=True))
     value, index = rel.max(dim=0)
     if stats.worst_rel is None or float(value) > stats.worst_rel[0]:
         stats.worst_rel = (float(value), int(where[index]) + offset)
@@ -717,7 +747,7 @@ def _values_mismatch(
     flat = [*indices, rel_index]
     a_values = _gather(actual, flat)
     e_values = _gather(expected, flat)
-    diffs = [_abs_diff(a, e) for a, e in zip(a_values, e_values)]
+    diffs = [_abs_diff(a, e) for a, e in zip(a_values, e_values, strict=True)]
     max_abs = float(diffs[0])
     max_rel = _rel(float(diffs[-1]), abs(e_values[-1]))
     total = actual.numel()
@@ -795,7 +825,7 @@ def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
     """Fetch a few elements by flat index: the only values that cross to the host."""
     if t.dim() == 0:
         return [t.item()] * len(flat)
-    coords = list(zip(*(_coords(i, tuple(t.shape)) for i in flat)))
+    coords = list(zip(*(_coords(i, tuple(t.shape)) for i in flat), strict=True))
     index = tuple(torch.tensor(c, dtype=torch.long, device=t.device) for c in coords)
     values: list[complex] = t[index].tolist()
     return values

@@ -1,0 +1,739 @@
+"""Unit tests for pytest_gpucase.compare: every kind of value, every rule, exact messages."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from collections import OrderedDict, namedtuple
+from typing import NamedTuple
+
+import pytest
+import torch
+
+from pytest_gpucase import compare as compare_module
+from pytest_gpucase.compare import (
+    DEFAULT_TOLERANCES,
+    Comparison,
+    Mismatch,
+    Tolerance,
+    compare,
+)
+
+NAN = float("nan")
+INF = float("inf")
+
+
+class Output(NamedTuple):
+    logits: torch.Tensor
+    loss: float
+
+
+# The same fields under another name: a different declared type.
+Other = namedtuple("Other", ["logits", "loss"])
+
+
+def only(result: Comparison) -> Mismatch:
+    __tracebackhide__ = True
+    assert len(result.mismatches) == 1, result.report()
+    return result.mismatches[0]
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
+    """Chunks of 64 elements and screening blocks of 256, so small tensors span many."""
+    monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(compare_module, "BLOCK_ELEMENTS", 256)
+    return 64
+
+
+class TestTolerances:
+    def test_table_is_torch_testing_s(self) -> None:
+        table = {
+            torch.float16: Tolerance(1e-3, 1e-5),
+            torch.bfloat16: Tolerance(1.6e-2, 1e-5),
+            torch.float32: Tolerance(1.3e-6, 1e-5),
+            torch.float64: Tolerance(1e-7, 1e-7),
+            torch.complex32: Tolerance(1e-3, 1e-5),
+            torch.complex64: Tolerance(1.3e-6, 1e-5),
+            torch.complex128: Tolerance(1e-7, 1e-7),
+        }
+        assert table == DEFAULT_TOLERANCES
+
+    def test_tolerance_is_frozen(self) -> None:
+        with pytest.raises(AttributeError):
+            Tolerance().rtol = 1.0  # type: ignore[misc]
+
+    @pytest.mark.parametrize(
+        ("fields", "message"),
+        [
+            ({"rtol": -1.0}, "Tolerance.rtol must be >= 0, got -1.0"),
+            ({"atol": NAN}, "Tolerance.atol must be >= 0, got nan"),
+            ({"ulps": -0.5}, "Tolerance.ulps must be >= 0, got -0.5"),
+        ],
+    )
+    def test_negative_or_nan_tolerances_are_refused(
+        self, fields: dict[str, float], message: str
+    ) -> None:
+        with pytest.raises(ValueError, match=message):
+            Tolerance(**fields)
+
+    def test_override_replaces_the_default_for_that_dtype(self) -> None:
+        actual, expected = torch.tensor([1.01]), torch.tensor([1.0])
+        assert not compare(actual, expected).ok
+        assert compare(actual, expected, tolerances={torch.float32: Tolerance(0.02, 0.0)}).ok
+        # Another dtype's entry changes nothing here.
+        assert not compare(actual, expected, tolerances={torch.float64: Tolerance(1.0, 1.0)}).ok
+
+    def test_the_actual_dtype_chooses_the_tolerance(self) -> None:
+        actual = torch.tensor([20.25], dtype=torch.bfloat16)
+        reference = torch.tensor([20.0], dtype=torch.float64)
+        # bfloat16 allows 1e-5 + 1.6e-2 * 20 = 0.32; float64's table would fail it.
+        assert compare(actual, reference, check_dtype=False).ok
+        tight = {torch.bfloat16: Tolerance(rtol=0.0, atol=0.1)}
+        assert not compare(actual, reference, check_dtype=False, tolerances=tight).ok
+
+    def test_rule_is_atol_plus_rtol_times_expected(self) -> None:
+        tol = {torch.float64: Tolerance(rtol=0.5, atol=0.25)}
+        expected = torch.tensor([2.0], dtype=torch.float64)
+        assert compare(torch.tensor([3.25], dtype=torch.float64), expected, tolerances=tol).ok
+        assert not compare(torch.tensor([3.26], dtype=torch.float64), expected, tolerances=tol).ok
+        # Relative to the expected value, not the actual one.
+        assert not compare(torch.tensor([0.74], dtype=torch.float64), expected, tolerances=tol).ok
+
+
+class TestUlps:
+    def test_one_ulp_in_bfloat16(self) -> None:
+        # bfloat16 has 7 mantissa bits: at 20 (binade [16, 32)) the spacing is 2**(4-7) = 0.125.
+        expected = torch.tensor([20.0], dtype=torch.bfloat16)
+        one_off = torch.tensor([20.125], dtype=torch.bfloat16)
+        two_off = torch.tensor([20.25], dtype=torch.bfloat16)
+        exact = {torch.bfloat16: Tolerance(rtol=0.0, atol=0.0)}
+        one_ulp = {torch.bfloat16: Tolerance(rtol=0.0, atol=0.0, ulps=1)}
+        # bfloat16's default (0.32 allowed at 20) accepts both: the ULP rule matters
+        # when the tolerance is tight.
+        assert compare(one_off, expected).ok
+        assert compare(two_off, expected).ok
+        assert not compare(one_off, expected, tolerances=exact).ok
+        assert compare(one_off, expected, tolerances=one_ulp).ok
+        assert not compare(two_off, expected, tolerances=one_ulp).ok
+
+    def test_spacing_is_the_actual_dtype_s_against_a_float64_reference(self) -> None:
+        reference = torch.tensor([20.0, 1000.0], dtype=torch.float64)
+        actual = torch.tensor([20.125, 1004.0], dtype=torch.bfloat16)  # 1 ULP each
+        one_ulp = {torch.bfloat16: Tolerance(rtol=0.0, atol=0.0, ulps=1)}
+        assert compare(actual, reference, check_dtype=False, tolerances=one_ulp).ok
+
+    def test_near_zero_the_spacing_is_the_smallest_subnormal(self) -> None:
+        tiny = torch.finfo(torch.float32).tiny * torch.finfo(torch.float32).eps
+        actual = torch.tensor([tiny, 2 * tiny, 0.0])
+        expected = torch.tensor([0.0, 0.0, 0.0])
+        one_ulp = {torch.float32: Tolerance(rtol=0.0, atol=0.0, ulps=1)}
+        result = compare(actual, expected, tolerances=one_ulp)
+        assert only(result).mismatched == 1
+        assert "Greatest absolute difference: 2.803e-45 at index (1,)" in result.report()
+
+    def test_python_floats_use_float64_spacing(self) -> None:
+        one_ulp = {torch.float64: Tolerance(rtol=0.0, atol=0.0, ulps=1)}
+        assert compare(math.nextafter(1.0, 2.0), 1.0, tolerances=one_ulp).ok
+        assert not compare(1.0 + 4 * 2.0**-52, 1.0, tolerances=one_ulp).ok
+
+    def test_ulps_lines_for_float32_when_ulps_are_allowed(self) -> None:
+        actual, expected = torch.tensor([1.0 + 2**-21]), torch.tensor([1.0])
+        result = compare(actual, expected, tolerances={torch.float32: Tolerance(0, 0, ulps=2)})
+        assert result.report() == textwrap.dedent(
+            """\
+            out: values differ
+              Mismatched elements: 1 / 1 (100.0%)
+              Greatest absolute difference: 4.768e-07 at index (0,) (up to 0 allowed)
+              Greatest relative difference: 4.768e-07 at index (0,) (up to 0 allowed)
+              Also accepted: within 2 ULP in float32
+              Worst elements (index: actual vs expected, abs error):
+                (0,): 1.0000005 vs 1.0, 4.768e-07
+              Worst element is 4 ULP off in float32 (spacing 1.192e-07 at 1.0)"""
+        )
+        assert compare(actual, expected, tolerances={torch.float32: Tolerance(0, 0, ulps=4)}).ok
+
+
+class TestTensorMessages:
+    def test_values_block(self) -> None:
+        expected = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+        actual = expected.clone()
+        actual[1, 2] = 6.5
+        actual[0, 0] = 1.25
+        mismatch = only(compare({"logits": actual}, {"logits": expected}))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out['logits']: values differ
+              Mismatched elements: 2 / 6 (33.3%)
+              Greatest absolute difference: 0.5 at index (1, 2) (up to 1e-05 allowed)
+              Greatest relative difference: 0.25 at index (0, 0) (up to 1.3e-06 allowed)
+              Worst elements (index: actual vs expected, abs error):
+                (1, 2): 6.5 vs 6.0, 0.5
+                (0, 0): 1.25 vs 1.0, 0.25"""
+        )
+        assert (mismatch.path, mismatch.kind, mismatch.mismatched, mismatch.total) == (
+            "out['logits']",
+            "values",
+            2,
+            6,
+        )
+        assert (mismatch.max_abs, mismatch.max_rel) == (0.5, 0.25)
+
+    def test_bfloat16_block_ends_with_the_ulp_line(self) -> None:
+        expected = torch.full((2, 4), 20.0, dtype=torch.float64)
+        actual = expected.to(torch.bfloat16)
+        actual[1, 3] = 22.0
+        mismatch = only(compare(actual, expected, check_dtype=False))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out: values differ
+              Mismatched elements: 1 / 8 (12.5%)
+              Greatest absolute difference: 2 at index (1, 3) (up to 1e-05 allowed)
+              Greatest relative difference: 0.1 at index (1, 3) (up to 0.016 allowed)
+              Worst elements (index: actual vs expected, abs error):
+                (1, 3): 22.0 vs 20.0, 2
+              Worst element is 16 ULP off in bfloat16 (spacing 0.125 at 20.0)"""
+        )
+
+    def test_float16_mismatch_has_a_ulp_line(self) -> None:
+        actual = torch.tensor([1.0, 1.5], dtype=torch.float16)
+        expected = torch.tensor([1.0, 1.0], dtype=torch.float16)
+        report = compare(actual, expected).report()
+        # float16: 10 mantissa bits, spacing 2**-10 in [1, 2).
+        assert report.splitlines()[-1] == (
+            "  Worst element is 512 ULP off in float16 (spacing 0.0009766 at 1.0)"
+        )
+
+    def test_worst_elements_are_ranked_and_limited(self) -> None:
+        expected = torch.zeros(10)
+        actual = torch.tensor([0.0, 1.0, 0.0, 5.0, 2.0, 0.0, 4.0, 3.0, 0.0, 0.0])
+        report = compare(actual, expected, worst=3).report()
+        assert report.splitlines()[-3:] == [
+            "    (3,): 5.0 vs 0.0, 5",
+            "    (6,): 4.0 vs 0.0, 4",
+            "    (7,): 3.0 vs 0.0, 3",
+        ]
+        terse = compare(actual, expected, worst=0).report()
+        assert "Worst elements" not in terse
+        assert "Greatest absolute difference: 5 at index (3,)" in terse
+
+    def test_negative_worst_is_refused(self) -> None:
+        with pytest.raises(ValueError, match="worst must be >= 0"):
+            compare(1, 1, worst=-1)
+
+    def test_zero_dim_tensor_reads_like_a_scalar(self) -> None:
+        mismatch = only(compare(torch.tensor(1.5), torch.tensor(1.0)))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out: values differ: actual 1.5 vs expected 1.0
+              Absolute difference: 0.5 (up to 1e-05 allowed)
+              Relative difference: 0.5 (up to 1.3e-06 allowed)"""
+        )
+
+    def test_values_print_in_their_own_dtype(self) -> None:
+        # float32(0.1) prints as 0.1, not 0.10000000149011612.
+        report = compare(torch.tensor([0.1]), torch.tensor([0.2])).report()
+        assert "(0,): 0.1 vs 0.2, 0.1" in report
+
+    def test_shape_differs(self) -> None:
+        mismatch = only(compare([torch.zeros(2, 3)], [torch.zeros(3, 2)]))
+        assert mismatch.message == "out[0]: shape differs: actual (2, 3) vs expected (3, 2)"
+        assert (mismatch.path, mismatch.kind) == ("out[0]", "shape")
+
+    def test_shape_is_checked_before_dtype(self) -> None:
+        result = compare(torch.zeros(2), torch.zeros(3, dtype=torch.float64))
+        assert only(result).kind == "shape"
+
+    def test_dtype_differs(self) -> None:
+        mismatch = only(compare(torch.zeros(2, dtype=torch.bfloat16), torch.zeros(2)))
+        assert (
+            mismatch.message
+            == "out: dtype differs: actual torch.bfloat16 vs expected torch.float32"
+        )
+        assert mismatch.kind == "dtype"
+
+    def test_without_check_dtype_only_the_kind_must_match(self) -> None:
+        assert compare(
+            torch.ones(2, dtype=torch.bfloat16),
+            torch.ones(2, dtype=torch.float64),
+            check_dtype=False,
+        ).ok
+        assert compare(
+            torch.ones(2, dtype=torch.int32), torch.ones(2, dtype=torch.int64), check_dtype=False
+        ).ok
+        mismatch = only(compare(torch.ones(2, dtype=torch.int64), torch.ones(2), check_dtype=False))
+        assert mismatch.message == (
+            "out: dtype kind differs: "
+            "actual torch.int64 (integer) vs expected torch.float32 (floating)"
+        )
+        mismatch = only(
+            compare(torch.ones(2, dtype=torch.complex64), torch.ones(2), check_dtype=False)
+        )
+        assert mismatch.kind == "dtype"
+        mismatch = only(
+            compare(
+                torch.ones(2, dtype=torch.bool), torch.ones(2, dtype=torch.uint8), check_dtype=False
+            )
+        )
+        assert "(bool) vs expected torch.uint8 (integer)" in mismatch.message
+
+    def test_meta_tensors_hold_no_values(self) -> None:
+        mismatch = only(compare(torch.zeros(2, device="meta"), torch.zeros(2)))
+        assert mismatch.kind == "device"
+        assert mismatch.message == "out: actual is a meta tensor: it holds no values to compare"
+
+    def test_tensors_with_autograd_history(self) -> None:
+        weight = torch.ones(3, requires_grad=True)
+        assert compare(weight * 2, torch.full((3,), 2.0)).ok
+        assert not compare(weight * 3, torch.full((3,), 2.0)).ok
+
+    def test_sparse_tensors_compare_densely(self) -> None:
+        dense = torch.tensor([[0.0, 1.0], [2.0, 0.0]])
+        assert compare(dense.to_sparse(), dense.to_sparse()).ok
+        other = dense.clone()
+        other[0, 1] = 3.0
+        assert only(compare(other.to_sparse(), dense.to_sparse())).mismatched == 1
+        assert only(compare(dense.to_sparse(), dense)).kind == "type"
+
+    def test_empty_tensors_are_equal(self) -> None:
+        result = compare(torch.zeros(0, 3), torch.zeros(0, 3))
+        assert result.ok
+        assert result.max_abs is None
+
+
+class TestSpecialValues:
+    def test_nan_positions_must_match_and_nan_is_not_equal_to_nan_by_default(self) -> None:
+        actual = torch.tensor([1.0, NAN, 3.0])
+        same = actual.clone()  # bitwise equal: the fast path must still see the NaN
+        result = compare(actual, same)
+        assert only(result).mismatched == 1
+        assert "Greatest absolute difference: nan at index (1,)" in result.report()
+        assert compare(actual, same, equal_nan=True).ok
+
+    def test_nan_against_a_number_fails_even_with_equal_nan(self) -> None:
+        actual = torch.tensor([1.0, NAN])
+        expected = torch.tensor([1.0, 2.0])
+        assert only(compare(actual, expected, equal_nan=True)).mismatched == 1
+        assert only(compare(expected, actual, equal_nan=True)).mismatched == 1
+
+    def test_infinities(self) -> None:
+        expected = torch.tensor([INF, -INF, INF, 1.0])
+        assert compare(expected.clone(), expected).ok
+        assert compare(expected.double(), expected.double()).ok
+        flipped = torch.tensor([-INF, -INF, INF, 1.0])
+        assert only(compare(flipped, expected)).mismatched == 1
+        finite = torch.tensor([INF, -INF, 3e38, 1.0])
+        # An infinite expected value would allow an infinite error: it must not.
+        assert only(compare(finite, expected)).mismatched == 1
+        assert only(compare(expected, finite)).mismatched == 1
+
+    def test_signed_zeros_are_equal(self) -> None:
+        assert compare(torch.tensor([-0.0, 0.0]), torch.tensor([0.0, -0.0])).ok
+
+    def test_python_floats(self) -> None:
+        assert not compare(NAN, NAN).ok
+        assert compare(NAN, NAN, equal_nan=True).ok
+        assert not compare(NAN, 1.0, equal_nan=True).ok
+        assert compare(INF, INF).ok
+        assert not compare(INF, -INF).ok
+        assert not compare(1e308, INF).ok
+
+    def test_summary_counts_matching_specials_as_zero_and_mismatching_as_inf(self) -> None:
+        expected = torch.tensor([INF, NAN, 1.0])
+        matching = compare(expected.clone(), expected, equal_nan=True)
+        assert (matching.max_abs, matching.max_rel) == (0.0, 0.0)
+        broken = compare(torch.tensor([1.0, NAN, 1.0]), expected, equal_nan=True)
+        assert broken.max_abs == INF
+
+
+class TestKinds:
+    def test_complex_uses_the_magnitude_of_the_difference(self) -> None:
+        expected = torch.tensor([1 + 1j, 2 - 1j], dtype=torch.complex64)
+        # |(3e-6 + 4e-6j)| = 5e-6 < 1e-5 + 1.3e-6 * |e|
+        assert compare(expected + (3e-6 + 4e-6j), expected).ok
+        # |(3e-5 + 4e-5j)| = 5e-5: too far
+        actual = expected.clone()
+        actual[1] += 3e-5 + 4e-5j
+        mismatch = only(compare(actual, expected))
+        assert mismatch.max_abs == pytest.approx(5e-5, rel=1e-3)
+        assert "    (1,): (2.00003-0.99996j) vs (2.0-1.0j), 5.00" in mismatch.message
+
+    def test_python_complex(self) -> None:
+        assert compare(1 + 1j, 1 + 1j).ok
+        assert only(compare(1 + 2j, 1 + 1j)).message.startswith(
+            "out: values differ: actual (1.0+2.0j) vs expected (1.0+1.0j)\n"
+            "  Absolute difference: 1 (up to 1e-07 allowed)"
+        )
+
+    def test_integers_are_exact(self) -> None:
+        expected = torch.arange(8)
+        actual = expected.clone()
+        actual[4] = 7
+        mismatch = only(compare(actual, expected))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out: values differ
+              Mismatched elements: 1 / 8 (12.5%)
+              Greatest absolute difference: 3 at index (4,) (up to 0 allowed)
+              Greatest relative difference: 0.75 at index (4,) (up to 0 allowed)
+              Worst elements (index: actual vs expected, abs error):
+                (4,): 7 vs 4, 3"""
+        )
+        # A tolerance table entry does not loosen integers.
+        assert not compare(actual, expected, tolerances={torch.int64: Tolerance(1, 10)}).ok
+
+    def test_large_integers_stay_exact(self) -> None:
+        big = torch.tensor([2**62, 2**62 + 1])
+        assert compare(big, big.clone()).ok
+        assert not compare(big, torch.tensor([2**62, 2**62])).ok
+
+    def test_bools_are_exact(self) -> None:
+        mismatch = only(compare(torch.tensor([True, False]), torch.tensor([True, True])))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out: values differ
+              Mismatched elements: 1 / 2 (50.0%)
+              Worst elements (index: actual vs expected, abs error):
+                (1,): False vs True, 1"""
+        )
+
+    def test_python_numbers(self) -> None:
+        assert compare(3, 3).ok
+        assert only(compare(3, 4)).message == "out: values differ: actual 3 vs expected 4"
+        assert only(compare(True, False)).message == (
+            "out: values differ: actual True vs expected False"
+        )
+        assert compare(1.0 + 1e-8, 1.0).ok
+        mismatch = only(compare({"loss": 1.5}, {"loss": 1.0}))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out['loss']: values differ: actual 1.5 vs expected 1.0
+              Absolute difference: 0.5 (up to 1e-07 allowed)
+              Relative difference: 0.5 (up to 1e-07 allowed)"""
+        )
+
+    def test_number_types_must_match(self) -> None:
+        assert only(compare(1, 1.0)).message == "out: type differs: actual int vs expected float"
+        assert only(compare(True, 1)).message == "out: type differs: actual bool vs expected int"
+        assert only(compare(1.0, torch.tensor(1.0))).message == (
+            "out: type differs: actual float vs expected Tensor"
+        )
+
+    def test_none_and_strings(self) -> None:
+        assert compare(None, None).ok
+        assert compare("mean", "mean").ok
+        assert compare(b"\x00", b"\x00").ok
+        assert only(compare(None, torch.zeros(1))).message == (
+            "out: type differs: actual NoneType vs expected Tensor"
+        )
+        assert only(compare("sum", "mean")).message == (
+            "out: values differ: actual 'sum' vs expected 'mean'"
+        )
+        assert only(compare("a", b"a")).kind == "type"
+
+    def test_other_objects_compare_with_eq(self) -> None:
+        assert compare(torch.float32, torch.float32).ok
+        mismatch = only(compare(torch.float32, torch.float16))
+        assert mismatch.message == (
+            "out: values differ: actual torch.float32 vs expected torch.float16"
+        )
+        assert only(compare(torch.float32, "float32")).kind == "type"
+
+
+class TestStructure:
+    def test_missing_and_extra_keys(self) -> None:
+        mismatch = only(compare({"a": 1, "b": 2, "z": 0}, {"a": 1, "c": 3, "d": 4, "b": 2}))
+        assert mismatch.message == "out: keys differ: missing 'c', 'd'; extra 'z'"
+        assert (mismatch.path, mismatch.kind) == ("out", "structure")
+        assert only(compare({}, {"x": 1})).message == "out: keys differ: missing 'x'"
+        assert only(compare({1: 0}, {})).message == "out: keys differ: extra 1"
+
+    def test_nothing_below_a_structural_mismatch_is_compared(self) -> None:
+        result = compare({"a": 1, "extra": 2}, {"a": 5})
+        assert only(result).kind == "structure"
+
+    def test_mapping_types_are_interchangeable(self) -> None:
+        assert compare(OrderedDict(a=torch.ones(1)), {"a": torch.ones(1)}).ok
+
+    def test_length_differs(self) -> None:
+        mismatch = only(compare({"h": [1, 2, 3]}, {"h": [1, 2]}))
+        assert mismatch.message == "out['h']: length differs: actual 3 vs expected 2"
+        assert mismatch.kind == "structure"
+
+    def test_list_and_tuple_are_interchangeable(self) -> None:
+        assert compare([1, 2], (1, 2)).ok
+
+    def test_named_tuples_report_field_names(self) -> None:
+        expected = Output(torch.zeros(2), 0.5)
+        actual = Output(torch.tensor([0.0, 1.0]), 0.5)
+        mismatch = only(compare(actual, expected))
+        assert mismatch.path == "out.logits"
+        assert mismatch.message.startswith("out.logits: values differ\n")
+
+    def test_named_tuple_type_must_match(self) -> None:
+        mismatch = only(compare(Other(torch.zeros(2), 0.5), Output(torch.zeros(2), 0.5)))
+        assert mismatch.message == "out: type differs: actual Other vs expected Output"
+        assert only(compare((torch.zeros(2), 0.5), Output(torch.zeros(2), 0.5))).kind == "type"
+
+    def test_container_against_a_leaf(self) -> None:
+        mismatch = only(compare({"a": [1]}, {"a": {"b": 1}}))
+        assert mismatch.message == "out['a']: type differs: actual list vs expected dict"
+
+    def test_every_mismatch_is_collected_top_down(self) -> None:
+        expected = {
+            "logits": torch.zeros(2, 2),
+            "aux": [torch.zeros(3), None, 1.0],
+            "meta": {"step": 3, "tag": "x"},
+            "extra": (1, 2),
+        }
+        actual = {
+            "logits": torch.ones(2, 2),
+            "aux": [torch.zeros(4), torch.zeros(1), 1.0],
+            "meta": {"step": 4},
+            "extra": (1, 2, 3),
+        }
+        result = compare(actual, expected, path="result")
+        assert [(m.path, m.kind) for m in result.mismatches] == [
+            ("result['logits']", "values"),
+            ("result['aux'][0]", "shape"),
+            ("result['aux'][1]", "type"),
+            ("result['meta']", "structure"),
+            ("result['extra']", "structure"),
+        ]
+        assert not result.ok
+        report = result.report()
+        assert report == "\n".join(m.message for m in result.mismatches)
+        assert report.splitlines()[0] == "result['logits']: values differ"
+
+    def test_equal_nested_outputs(self) -> None:
+        value = {"x": (torch.arange(4.0), [1, 2.5, None, "s"]), "y": torch.ones(2, 2)}
+        result = compare(
+            value, {"x": (torch.arange(4.0), [1, 2.5, None, "s"]), "y": torch.ones(2, 2)}
+        )
+        assert result.ok
+        assert result.report() == ""
+        assert (result.max_abs, result.max_rel) == (0.0, 0.0)
+
+
+class TestSummary:
+    def test_greatest_differences_cover_passing_elements(self) -> None:
+        expected = torch.tensor([1.0, 2.0, 0.0])
+        actual = torch.tensor([1.0, 2.0 + 2e-6, 0.0])
+        result = compare(actual, expected)
+        assert result.ok
+        assert result.max_abs == pytest.approx(2e-6, rel=0.1)
+        assert result.max_rel == pytest.approx(1e-6, rel=0.1)
+
+    def test_greatest_over_several_outputs(self) -> None:
+        result = compare([torch.tensor([1.0]), 2.0], [torch.tensor([1.5]), 2.0])
+        assert result.max_abs == 0.5
+        assert result.max_rel == pytest.approx(1 / 3)
+
+    def test_nothing_numeric(self) -> None:
+        result = compare(None, None)
+        assert (result.ok, result.max_abs, result.max_rel) == (True, None, None)
+
+    def test_zero_expected_gives_infinite_relative_difference(self) -> None:
+        result = compare(torch.tensor([1e-6, 0.0]), torch.tensor([0.0, 0.0]))
+        assert result.ok
+        assert result.max_rel == INF
+
+
+class TestLayoutAndChunks:
+    def test_non_contiguous_tensors(self) -> None:
+        base = torch.arange(60.0).reshape(3, 4, 5)
+        expected = base.clone()
+        actual = base.clone()
+        actual[2, 1, 4] += 1
+        # Transposed, strided and expanded views compare by logical index.
+        mismatch = only(compare(actual.transpose(0, 2), expected.transpose(0, 2).contiguous()))
+        assert "at index (4, 1, 2)" in mismatch.message
+        assert compare(base[:, ::2, 1:], expected[:, ::2, 1:].clone()).ok
+        assert compare(torch.zeros(4, 3), torch.zeros(1, 3).expand(4, 3)).ok
+
+    def test_non_contiguous_across_chunks(self, small_chunks: int) -> None:
+        expected = torch.randn(7, 300, generator=torch.Generator().manual_seed(0))
+        actual = expected.clone()
+        actual[6, 299] += 1
+        actual[3, 0] += 2
+        # Each row (300) is larger than a chunk (64): rows are cut further.
+        view_a, view_e = actual.t(), expected.t()
+        mismatch = only(compare(view_a, view_e))
+        assert mismatch.message == textwrap.dedent(
+            """\
+            out: values differ
+              Mismatched elements: 2 / 2100 (0.1%)
+              Greatest absolute difference: 2 at index (0, 3) (up to 1e-05 allowed)
+              Greatest relative difference: 1.95 at index (299, 6) (up to 1.3e-06 allowed)
+              Worst elements (index: actual vs expected, abs error):
+                (0, 3): -0.10093808 vs -2.100938, 2
+                (299, 6): 1.5129519 vs 0.51295185, 1"""
+        )
+
+    def test_non_contiguous_rows_larger_than_a_block(self, small_chunks: int) -> None:
+        base = torch.arange(4 * 40 * 30, dtype=torch.float64).reshape(4, 40, 30)
+        actual = base.clone()
+        actual[3, 39, 29] = -1.0
+        actual[0, 0, 1] = -2.0
+        # Each leading row holds 1200 elements (> a 256-element block): cut deeper.
+        view_a, view_e = actual.transpose(1, 2), base.transpose(1, 2)
+        mismatch = only(compare(view_a, view_e))
+        assert mismatch.mismatched == 2
+        assert mismatch.message.splitlines()[-2:] == [
+            "    (3, 29, 39): -1.0 vs 4799.0, 4800",
+            "    (0, 1, 0): -2.0 vs 1.0, 3",
+        ]
+
+    def test_single_mismatch_in_the_last_chunk(self, small_chunks: int) -> None:
+        n = small_chunks * 20 + 7  # 21 chunks, the last one short
+        expected = torch.linspace(-1, 1, n)
+        actual = expected.clone()
+        actual[n - 1] = 5.0
+        mismatch = only(compare(actual, expected))
+        assert (mismatch.mismatched, mismatch.total) == (1, n)
+        assert f"at index ({n - 1},)" in mismatch.message
+        # Exactly on a chunk boundary, and the first element of a chunk.
+        for index in (small_chunks - 1, small_chunks, 4 * small_chunks):
+            actual = expected.clone()
+            actual[index] += 1
+            assert f"at index ({index},)" in only(compare(actual, expected)).message
+
+    def test_counts_and_worst_elements_merge_across_chunks(self, small_chunks: int) -> None:
+        expected = torch.zeros(1000)
+        actual = torch.linspace(0.001, 1.0, 1000)  # every element mismatches
+        mismatch = only(compare(actual, expected, worst=3))
+        assert (mismatch.mismatched, mismatch.total) == (1000, 1000)
+        lines = mismatch.message.splitlines()
+        assert lines[-3:] == [
+            "    (999,): 1.0 vs 0.0, 1",
+            "    (998,): 0.999 vs 0.0, 0.999",
+            "    (997,): 0.998 vs 0.0, 0.998",
+        ]
+
+    def test_close_but_not_equal_data_passes_in_every_chunk(self, small_chunks: int) -> None:
+        gen = torch.Generator().manual_seed(1)
+        expected = torch.randn(5000, generator=gen)
+        actual = expected * (1 + 1e-6 * torch.rand(5000, generator=gen)) + 5e-6
+        result = compare(actual, expected)
+        assert result.ok
+        torch.testing.assert_close(actual, expected)
+
+    def test_nan_in_a_later_chunk_of_bitwise_equal_data(self, small_chunks: int) -> None:
+        expected = torch.zeros(1000)
+        expected[900] = NAN
+        assert only(compare(expected.clone(), expected)).mismatched == 1
+        assert compare(expected.clone(), expected, equal_nan=True).ok
+
+    def test_mixed_dtypes_across_chunks(self, small_chunks: int) -> None:
+        reference = torch.linspace(-4, 4, 1000, dtype=torch.float64)
+        actual = reference.to(torch.bfloat16)
+        assert compare(actual, reference, check_dtype=False).ok
+        actual[777] = 100.0
+        mismatch = only(compare(actual, reference, check_dtype=False))
+        assert "at index (777,)" in mismatch.message
+        assert mismatch.message.splitlines()[-1].startswith("  Worst element is ")
+
+    def test_verdicts_agree_with_torch_isclose(self, small_chunks: int) -> None:
+        gen = torch.Generator().manual_seed(2)
+        for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+            tol = DEFAULT_TOLERANCES[dtype]
+            expected = torch.randn(2000, generator=gen).to(dtype)
+            # Errors straddling the boundary atol + rtol * |e|.
+            scale = torch.rand(2000, generator=gen, dtype=torch.float64) * 2
+            bound = tol.atol + tol.rtol * expected.double().abs()
+            actual = (expected.double() + scale * bound).to(dtype)
+            # torch.isclose computes in the inputs' dtype; compare() in at least
+            # float32, so half precision is checked against float32 inputs.
+            wide = torch.float32 if dtype.itemsize < 4 else dtype
+            close = torch.isclose(actual.to(wide), expected.to(wide), rtol=tol.rtol, atol=tol.atol)
+            assert 0 < int((~close).sum()) < 2000
+            assert only(compare(actual, expected)).mismatched == int((~close).sum()), dtype
+
+
+def _cuda_available() -> bool:
+    # The NVML-based check does not initialize CUDA here: this process forks
+    # children in other tests, and a CUDA-initialized parent poisons them.
+    saved = os.environ.get("PYTORCH_NVML_BASED_CUDA_CHECK")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    try:
+        return torch.cuda.is_available()
+    finally:
+        if saved is None:
+            del os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"]
+        else:
+            os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = saved
+
+
+_ON_DEVICE = textwrap.dedent(
+    """
+    import json, resource
+    import torch
+    from pytest_gpucase.compare import compare
+
+    def host_peak_mib():
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    n = (1 << 30) // 4  # 1 GiB of float32 on each side
+    actual = torch.randn(n, device="cuda")
+    expected = actual.clone()
+    torch.cuda.synchronize()
+    host_before = host_peak_mib()
+    device_before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    equal = compare(actual, expected)
+    expected[n - 1] += 1.0
+    expected[n // 3] = float("nan")
+    differing = compare(actual, expected)
+    device_growth = (torch.cuda.max_memory_allocated() - device_before) / 2**20
+    host_growth = host_peak_mib() - host_before
+    del actual, expected
+    # A bfloat16 run against a float64 reference held on the host.
+    reference = torch.linspace(-4, 4, 1 << 24, dtype=torch.float64)
+    low = reference.to("cuda", torch.bfloat16)
+    mixed_ok = compare(low, reference, check_dtype=False).ok
+    low[-1] = 100.0
+    mixed = compare(low, reference, check_dtype=False)
+    print(json.dumps({
+        "equal_ok": equal.ok,
+        "paths": [m.path for m in differing.mismatches],
+        "mismatched": differing.mismatches[0].mismatched,
+        "report": differing.report(),
+        "mixed_ok": mixed_ok,
+        "mixed_report": mixed.report(),
+        "device_growth_mib": device_growth,
+        "host_growth_mib": host_growth,
+    }))
+    """
+)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda_available(), reason="needs a CUDA device")
+class TestOnDevice:
+    def test_a_gib_pair_compares_on_the_device(self) -> None:
+        # A child process, so this pytest process never initializes CUDA.
+        done = subprocess.run(
+            [sys.executable, "-c", _ON_DEVICE],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=False,
+        )
+        assert done.returncode == 0, done.stderr
+        result = json.loads(done.stdout.splitlines()[-1])
+        n = (1 << 30) // 4
+        assert result["equal_ok"]
+        assert result["paths"] == ["out"]
+        assert result["mismatched"] == 2
+        assert f"at index ({n // 3},)" in result["report"]
+        assert f"({n - 1},): " in result["report"]
+        assert result["mixed_ok"]
+        assert f"at index ({(1 << 24) - 1},)" in result["mixed_report"]
+        # Chunk-sized scratch only: a full-size mask would be 256 MiB, a copy 1 GiB.
+        assert result["device_growth_mib"] < 160, result
+        # Nothing the size of the tensors came to the host.
+        assert result["host_growth_mib"] < 200, result
