@@ -7,6 +7,7 @@ pure functions on plain data: no torch, no pytest.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,8 @@ from .payload import DTYPES, TensorInfo
 from .variants import Variant, expand as expand_variants
 
 DEFAULT_DEVICES = ("cpu", "cuda")
+_RELEASE = re.compile(r"^\d+(?:\.\d+)*")
+_CAPABILITY = re.compile(r"^\d+\.\d+$")
 _BACKEND_WORDS = {"cuda": "a CUDA build", "rocm": "a ROCm build", "cpu": "a CPU-only build",
                   "mps": "an MPS (Apple) build", "xpu": "an XPU build"}
 
@@ -47,11 +50,19 @@ class RunSpec:
         return "-".join(parts)
 
 
-def _satisfies(found: str, specifier: str) -> bool:
+def _version(found: str) -> Version | None:
+    """``found`` as a version; a suffix PEP 440 lacks (HIP's ``6.0.32830-d62f6a171``) is dropped."""
     try:
-        return SpecifierSet(specifier).contains(Version(found), prereleases=True)
+        return Version(found)
     except InvalidVersion:
-        return False
+        release = _RELEASE.match(found)
+        return Version(release[0]) if release else None
+
+
+def _satisfies(found: Version, specifier: str) -> bool:
+    # Nightly and source builds report pre-releases (2.4.0a0+git3f2c1ab, 2.4.0.dev20240401):
+    # they carry the features of the release they lead to, so ">=2.3" accepts them.
+    return SpecifierSet(specifier).contains(found, prereleases=True)
 
 
 def saved_float_dtype(inputs: Sequence[TensorInfo]) -> str | None:
@@ -74,38 +85,60 @@ def evaluate(req: Requirements, env: Environment) -> str | None:
     """``None`` when the case may run here, else the reason it is skipped, naming both sides."""
     if req.backends is not None and env.backend not in req.backends:
         return (f"requires backend {' or '.join(req.backends)}; "
-                f"this is {_BACKEND_WORDS.get(env.backend, env.backend)}")
+                f"this is {_BACKEND_WORDS.get(env.backend, f'a {env.backend} build')}")
     for key, specifier in req.versions.items():
         reason = _version_reason(key, specifier, env)
         if reason is not None:
             return reason
     for name, specifier in req.packages.items():
-        version = env.packages.get(name)
-        wanted = f"{name}{specifier}"
+        found = env.packages.get(name)
+        wanted = f"requires {name}{specifier}"
+        if found is None:
+            return f"{wanted}; not installed"
+        if not specifier:
+            continue  # "" asks only that the package be installed
+        version = _version(found)
         if version is None:
-            return f"requires {wanted}; not installed"
-        if specifier and not _satisfies(version, specifier):
-            return f"requires {wanted}; found {version}"
+            return f"{wanted}; found {found}, which is not a PEP 440 version"
+        if not _satisfies(version, specifier):
+            return f"{wanted}; found {found}"
     return None
 
 
 def _version_reason(key: str, specifier: str, env: Environment) -> str | None:
     wanted = f"requires {key}{specifier}"
     if key == "capability":
-        if not env.devices:
-            return f"{wanted}; no accelerator here"
-        for device in env.devices:
-            if device.capability is None or not _satisfies(device.capability, specifier):
-                shown = device.capability or "unknown"
-                return f"{wanted}; found {shown} ({device.name})"
-        return None
-    found = {"torch": env.torch, "python": env.python, "cuda": env.cuda, "hip": env.hip}[key]
+        return _capability_reason(wanted, specifier, env)
+    found = {"torch": env.torch, "python": env.python, "cuda": env.cuda, "hip": env.hip}.get(key)
     if found is None:
-        what = {"torch": "torch is not installed", "cuda": "this torch build has no CUDA",
-                "hip": "this torch build has no HIP"}.get(key, "unknown")
-        return f"{wanted}; {what} ({env.backend})"
-    if not _satisfies(found, specifier):
+        missing = {"torch": "torch is not installed",
+                   "cuda": f"this is {_BACKEND_WORDS.get(env.backend, env.backend)} "
+                           "(torch.version.cuda is None)",
+                   "hip": f"this is {_BACKEND_WORDS.get(env.backend, env.backend)} "
+                          "(torch.version.hip is None)"}
+        return f"{wanted}; {missing.get(key, 'not known here')}"
+    version = _version(found)
+    if version is None:
+        return f"{wanted}; found {found}, which is not a PEP 440 version"
+    if not _satisfies(version, specifier):
         return f"{wanted}; found {found}"
+    return None
+
+
+def _capability_reason(wanted: str, specifier: str, env: Environment) -> str | None:
+    """Every visible device must meet a compute capability requirement (a run may use any)."""
+    if not env.devices:
+        return f"{wanted}; no accelerator here"
+    for device in env.devices:
+        if device.capability is None:
+            return f"{wanted}; {device.name} reports no compute capability"
+        version = _version(device.capability) if _CAPABILITY.match(device.capability) else None
+        if version is None:
+            # ROCm reports a GPU architecture (gfx90a:sramecc+:xnack-), not a number.
+            return (f"{wanted}; {device.name} reports {device.capability}, a ROCm architecture "
+                    "name, not a CUDA compute capability")
+        if not _satisfies(version, specifier):
+            return f"{wanted}; found {device.capability} ({device.name})"
     return None
 
 
@@ -114,8 +147,8 @@ def device_skip(device: str, env: Environment) -> str | None:
     if device in env.device_types:
         return None
     if device == "cuda":
-        return (f"no CUDA device here ({env.backend} backend): the CPU pass of this case is a hint, "
-                "not CUDA validation; run it on a GPU runner")
+        return (f"no CUDA device here ({env.backend} backend): the CPU pass of this case is a "
+                "hint, not CUDA validation; run it on a GPU runner")
     return f"no {device} device here ({env.backend} backend)"
 
 
@@ -143,12 +176,13 @@ def expand(
         case_dtypes = tuple(d for d in case_dtypes if d in dtypes)
     requirement = evaluate(case.matrix, env)
     blocking = launch_blocking or case.launch_blocking
-    specs = []
+    variants: list[Variant | None] = [None, *expand_variants(case.variants)]
+    specs: list[RunSpec] = []
     for device in case_devices:
         skip = requirement or device_skip(device, env)
+        # The CPU runs synchronously; only an accelerator's launches can be made blocking.
         child_env = launch_blocking_env(env.backend) if blocking and device != "cpu" else {}
-        for dtype in case_dtypes:
-            for variant in [None, *expand_variants(case.variants)]:
-                specs.append(RunSpec(case, device, dtype, cast, variant, child_env,
-                                     bool(child_env), skip))
+        specs += [RunSpec(case, device, dtype, cast, variant, dict(child_env), bool(child_env),
+                          skip)
+                  for dtype in case_dtypes for variant in variants]
     return specs

@@ -22,7 +22,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Literal
 
-from .environment import Device, Environment
+from .environment import Device, Environment, dnn_library
 
 SCHEMA = "pytest-gpucase/report"
 VERSION = 1
@@ -532,7 +532,7 @@ def _fields(env: Mapping[str, Any], packages: Iterable[str]) -> dict[str, str | 
         "torch": f"torch {env['torch'].split('+')[0]}" if env["torch"] else "no torch",
         "cuda": _cuda_token(env["cuda"]),
         "hip": f"rocm{'.'.join(env['hip'].split('.')[:2])}" if env["hip"] else None,
-        "cudnn": f"cuDNN {env['cudnn']}" if env["cudnn"] else None,
+        "cudnn": dnn_library(env["cudnn"], env["backend"]),
     }
     for name in packages:
         if name not in env["packages"]:

@@ -260,7 +260,7 @@ def test_columns_are_labelled_by_what_differs(two_runners: list[Path]) -> None:
     matrix = build_matrix([load_report(p) for p in two_runners], detail=False)
     assert [c.label for c in matrix.columns] == [A100_LABEL, H100_LABEL]
     assert matrix.columns[0].description == (
-        "cuda backend · torch 2.3.1+cu121 · CUDA 12.1 · cuDNN 90100 · Python 3.11.9 · "
+        "cuda backend · torch 2.3.1+cu121 · CUDA 12.1 · cuDNN 9.1.0 · Python 3.11.9 · "
         "1 × NVIDIA A100-SXM4-80GB (8.0) · rev 3f2c1ab · flash-attn 2.5.8")
     assert [c.complete for c in matrix.columns] == [True, True]
 
@@ -273,7 +273,7 @@ def test_columns_are_labelled_by_what_differs(two_runners: list[Path]) -> None:
     (environment("2.3.1+cu121", "12.1", None, "NVIDIA A100-SXM4-80GB", "8.0"),
      ["flash-attn 2.5.8", "no flash-attn"]),
     (environment("2.3.1", None, "2.5.8", "", "", backend="cpu", device_types=("cpu",),
-                 devices=(), cudnn=None), ["cuda · cu121 · cuDNN 90100 · sm_80", "cpu"]),
+                 devices=(), cudnn=None), ["cuda · cu121 · cuDNN 9.1.0 · sm_80", "cpu"]),
     (environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A100-SXM4-80GB", "8.0",
                  devices=(Device(0, "NVIDIA A100-SXM4-80GB", "8.0", 39.4),)),
      ["a.json", "b.json"]),
@@ -407,7 +407,7 @@ def test_short_names_tell_the_files_apart() -> None:
 STEP_SUMMARY = "\n".join([
     "### pytest-gpucase: ❌ 2 failed, 1 error, 1 xfailed, 3 passed",
     "",
-    ("cuda backend · torch 2.4.0+cu124 · CUDA 12.4 · cuDNN 90100 · Python 3.11.9 · "
+    ("cuda backend · torch 2.4.0+cu124 · CUDA 12.4 · cuDNN 9.1.0 · Python 3.11.9 · "
     "1 × NVIDIA H100 80GB HBM3 (9.0) · rev 3f2c1ab · flash-attn 2.6.3"),
     "",
     "**Failed**",
