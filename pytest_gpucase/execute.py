@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import importlib.util
 import re
 import sys
@@ -24,6 +25,7 @@ import safetensors.torch  # noqa: F401
 import torch
 
 from . import golden, payload
+from .capture import REPLAY_ENV
 from .case import Case, Expectation
 from .compare import Comparison, Tolerance, compare
 from .errors import CaseFormatError, display
@@ -42,6 +44,7 @@ class Outcome:
     error_message: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
+    broken_case: bool = False          # the case itself is wrong (file, import), not the code
 
 
 class _Failed(Exception):
@@ -54,12 +57,15 @@ class _Failed(Exception):
 
 def run(spec: RunSpec) -> Outcome:
     """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
+    # A Recorder in the replayed code must not capture its own replay as a new case.
+    os.environ[REPLAY_ENV] = "1"
     try:
         return _run(spec)
     except _Failed as failed:
         return failed.outcome
     except CaseFormatError as exc:
-        return Outcome("failed", str(exc), error_type="CaseFormatError", error_message=str(exc))
+        return Outcome("failed", str(exc), error_type="CaseFormatError", error_message=str(exc),
+                       broken_case=True)
     except VariantNotApplicable as exc:
         return Outcome("skipped", str(exc))
 
@@ -130,8 +136,6 @@ def _cudnn_off() -> None:
 
 
 def _deterministic() -> None:
-    import os
-
     # cuBLAS needs a fixed workspace for deterministic results (CUDA >= 10.2).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
@@ -200,18 +204,19 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     except Exception:
         detail = traceback.format_exc()
         summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
-        raise _Failed(Outcome("failed", summary, details=detail,
-                              error_type="ImportError")) from None
+        raise _Failed(Outcome("failed", summary, details=detail, error_type="ImportError",
+                              broken_case=True)) from None
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, _MISSING)
         if obj is _MISSING:
             raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{where}' has no "
                                   f"'{qualname}'; check the name after the colon",
-                                  error_type="AttributeError"))
+                                  error_type="AttributeError", broken_case=True))
     if not callable(obj):
         raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{target}' is a "
-                              f"{type(obj).__name__}, not a function", error_type="TypeError"))
+                              f"{type(obj).__name__}, not a function", error_type="TypeError",
+                              broken_case=True))
     return obj  # type: ignore[no-any-return]
 
 

@@ -30,9 +30,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--gpu-launch-blocking", action="store_true",
                     help="run device items with the backend's launch-blocking variable "
                          "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing")
-    group.addoption("--gpu-devices", metavar="TYPES", type=_csv,
+    group.addoption("--gpu-devices", metavar="TYPES", type=_device_list,
                     help="only these device types, e.g. cuda,cpu (narrows each case's list)")
-    group.addoption("--gpu-dtypes", metavar="DTYPES", type=_csv,
+    group.addoption("--gpu-dtypes", metavar="DTYPES", type=_dtype_list,
                     help="only these dtypes, e.g. float32,bfloat16 (narrows each case's list)")
     group.addoption("--gpu-no-localize", action="store_true",
                     help="do not rerun an asynchronous device error with launch blocking")
@@ -49,8 +49,28 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "already initialized in the pytest process), fork, spawn")
 
 
-def _csv(value: str) -> tuple[str, ...]:
-    return tuple(part.strip() for part in value.split(",") if part.strip())
+def _csv(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(part.strip() for part in value.split(",") if part.strip())
+    for name in names:
+        if name not in known:
+            # A typo would otherwise narrow every case to nothing, without a word.
+            raise argparse.ArgumentTypeError(f"unknown {name!r}; expected one of "
+                                             f"{', '.join(known)}")
+    return names
+
+
+def _device_list(value: str) -> tuple[str, ...]:
+    from .case import DEVICE_TYPES
+
+    return _csv(value, DEVICE_TYPES)
+
+
+def _dtype_list(value: str) -> tuple[str, ...]:
+    from .case import FLOAT_DTYPES
+
+    return _csv(value, FLOAT_DTYPES)
 
 
 @dataclass
@@ -190,8 +210,8 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 
 
 def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    if not parent.config.stash[session_key].enabled:
-        return None
+    if not parent.config.stash[session_key].enabled or path.name.startswith("."):
+        return None  # hidden: a recorder's unfinished write, never a case
     from .case import is_case_dir
 
     if is_case_dir(path):
@@ -275,6 +295,23 @@ class CaseRunFailed(Exception):
         self.verdict = verdict
 
 
+class KnownFailure(CaseRunFailed):
+    """The failure a case's ``xfail`` describes (the one in ``[origin] error``, if named)."""
+
+
+def is_known_failure(case: Case, verdict: Verdict) -> bool:
+    """Whether a failed run is the case's known failure, not a broken case or another error."""
+    import re
+
+    outcome = verdict.outcome
+    if outcome.broken_case:
+        return False
+    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", str(case.origin.get("error", "")))
+    if recorded is None or outcome.error_type is None:
+        return True  # nothing to tell them apart by: a mismatch, or no recorded type
+    return recorded[1].rsplit(".", 1)[-1] == outcome.error_type
+
+
 class CaseItem(pytest.Item):
     """One run of a case, executed in a fresh child process."""
 
@@ -290,7 +327,9 @@ class CaseItem(pytest.Item):
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
         elif spec.case.xfail is not None:
-            self.add_marker(pytest.mark.xfail(reason=spec.case.xfail, strict=True))
+            # Only the known failure counts as xfailed; any other failure is a failure.
+            self.add_marker(pytest.mark.xfail(reason=spec.case.xfail, strict=True,
+                                              raises=KnownFailure))
 
     def runtest(self) -> None:
         from .runner import run_spec
@@ -308,6 +347,8 @@ class CaseItem(pytest.Item):
         if verdict.outcome.status == "skipped":
             pytest.skip(verdict.outcome.summary)
         if verdict.failed:
+            if self.spec.case.xfail is not None and is_known_failure(self.spec.case, verdict):
+                raise KnownFailure(verdict)
             raise CaseRunFailed(verdict)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],

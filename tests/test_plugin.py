@@ -271,3 +271,30 @@ def test_gpu_case_fixture(pytester: pytest.Pytester, cases: Path) -> None:
     result = pytester.runpytest_subprocess("test_fixture.py")
     result.assert_outcomes(passed=1, errors=1)
     result.stdout.fnmatch_lines(["*the gpu_case fixture needs @pytest.mark.gpu_case*"])
+
+
+def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: Path) -> None:
+    origin = '\n[origin]\nerror = "ValueError: target out of range: [4]"\n'
+    known = ce_case(cases, "known", [0, 2, 4], origin, top='xfail = "labels 1..4"')
+    other = ce_case(cases, "other", [0, 2, 4], origin, top='xfail = "labels 1..4"')
+    (other / "case.py").write_text("def run(logits, target, num_classes, ignore_index):\n"
+                                   "    raise RuntimeError('a different bug')\n")
+    broken = ce_case(cases, "broken", [0, 2, 4], origin, top='xfail = "labels 1..4"')
+    (broken / "case.py").write_text("import not_installed_anywhere\n")
+    assert known.exists()
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rxf", "cases")
+    result.assert_outcomes(xfailed=1, failed=2)
+    result.stdout.fnmatch_lines_random([
+        "XFAIL cases/known::known[[]cpu-float32[]] - labels 1..4",
+        "FAILED cases/other::other[[]cpu-float32[]] - the call raised RuntimeError: a diff*",
+        "FAILED cases/broken::broken[[]cpu-float32[]] - cases/broken/case.toml: call: *",
+    ])
+
+
+def test_unknown_device_or_dtype_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cdua")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*argument --gpu-devices: unknown 'cdua'; expected one of cuda, "
+                                 "cpu, mps, xpu"])
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-dtypes", "bf16")
+    result.stderr.fnmatch_lines(["*argument --gpu-dtypes: unknown 'bf16'; expected one of *"])

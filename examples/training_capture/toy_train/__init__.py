@@ -1,0 +1,1 @@
+"""A toy classifier whose labels come from an annotation file: the example for gpucase capture."""

@@ -1,0 +1,471 @@
+"""Read cases without running them: ``show`` one, write a sanitized analysis ``request``, and
+``validate`` case directories.
+
+Nothing here imports torch: a payload is read from its header only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import json
+import os
+import re
+import socket
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from . import payload
+from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, is_case_dir, load_case
+from .errors import CaseFormatError
+from .triage import assertion_line, triage
+
+__all__ = ["request", "show", "validate"]
+
+# Files that only a case directory holds: a directory with one of them and no case.toml
+# is a case that lost its case.toml (or was never finished).
+_PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
+# Source files keep their name when their directory is removed from a path: the name of a
+# kernel source (Loss.cu) is what an analysis needs, the directories are what identifies.
+_SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".c", ".h", ".hpp", ".hip", ".py")
+_ORIGIN_VERSIONS = ("python", "torch", "cuda", "hip")
+# [origin] keys that request() shows in their own place; any other key is listed as context.
+_SHOWN_ORIGIN = ("error", "stderr", "backend", "device", "revision", "iteration", "stage",
+                 "last_step", "sample_ids", "later_errors", "inputs", *_ORIGIN_VERSIONS)
+_STDERR_LINES = 20
+
+
+def show(case_dir: Path, report: Path | None = None) -> str:
+    """The case at a glance: what it calls and expects, where it came from, its inputs."""
+    case = load_case(Path(case_dir))
+    lines = [f"{case.name}  ({case.path})"]
+    if case.summary:
+        lines.append(f"summary:   {case.summary}")
+    lines.append(f"call:      {case.call}")
+    lines.append(f"reference: {case.reference or 'the call itself, on CPU in float64'}")
+    lines.append(f"expect:    {_expectation(case)}")
+    if case.xfail:
+        lines.append(f"xfail:     {case.xfail} (strict)")
+    lines.append(f"timeout:   {case.timeout:g} s"
+                 + (", launch blocking" if case.launch_blocking else ""))
+    origin = case.origin
+    if origin:
+        lines.append("origin:")
+        for key in ("error", "stderr"):
+            if key in origin:
+                lines.append(f"  {key}: {_one_line(origin[key])}")
+        where = _where(origin)
+        if where:
+            lines.append(f"  where: {where}")
+        versions = _versions(origin)
+        if versions:
+            lines.append(f"  versions: {versions}")
+        for key in ("revision", "snapshot", "later_errors", "captured"):
+            if key in origin:
+                lines.append(f"  {key}: {_one_line(origin[key])}")
+        ids = origin.get("sample_ids")
+        if isinstance(ids, list):
+            shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+            lines.append(f"  sample_ids: {len(ids)} ({shown})")
+        incomplete = origin.get("incomplete")
+        if isinstance(incomplete, list):
+            lines.extend(f"  incomplete: {item}" for item in incomplete)
+    lines.append("inputs:")
+    lines.extend(f"  {line}" for line in _input_lines(case))
+    if not case.literals and not case.inputs_file.exists():
+        lines.append("  (none)")
+    matrix = _matrix(case)
+    if matrix:
+        lines.append(f"matrix:    {matrix}")
+    variants = _variants(case)
+    if variants:
+        lines.append(f"variants:  {variants}")
+    if report is not None:
+        lines.append(f"last verdicts ({report}):")
+        lines.extend(f"  {line}" for line in _verdicts(Path(report), case))
+    return "\n".join(lines)
+
+
+def request(case_dir: Path) -> str:
+    """A ready-to-paste Markdown request for analysis of a case, with private data removed."""
+    case = load_case(Path(case_dir))
+    origin = case.origin
+    error = str(origin.get("error", "")) or "(no error recorded in [origin])"
+    stderr = str(origin.get("stderr", ""))
+    error_type, _, message = error.partition(": ")
+    found = triage(error_type, message, stderr)
+    kernel = assertion_line(stderr)
+    parts = [f"## GPU failure: `{_one_line(error)}`", ""]
+    if case.summary:
+        parts += [case.summary, ""]
+    facts = [("Operation", f"`{case.call}`")]
+    if case.reference:
+        facts.append(("Reference", f"`{case.reference}`"))
+    facts.append(("First error", f"`{_one_line(error)}`"))
+    if kernel:
+        facts.append(("Kernel assertion", f"`{kernel}`"))
+    backend = str(origin.get("backend", "unknown"))
+    if "device" in origin:
+        backend += f" ({origin['device']})"
+    facts.append(("Backend", backend))
+    facts.append(("Versions", _versions(origin) or "not recorded"))
+    if "revision" in origin:
+        facts.append(("Revision", f"`{origin['revision']}`"))
+    where = _where(origin)
+    if where:
+        facts.append(("Where", where))
+    ids = origin.get("sample_ids")
+    if isinstance(ids, list):
+        facts.append(("Sample ids", f"{len(ids)} recorded (withheld)"))
+    if origin.get("later_errors"):
+        facts.append(("Later errors", f"{origin['later_errors']} after the first (likely "
+                      "consequences, not separate causes)"))
+    parts += [f"- **{name}**: {value}" for name, value in facts]
+    if stderr.strip() and stderr.strip() != kernel:
+        lines = stderr.strip().splitlines()[-_STDERR_LINES:]
+        parts += ["", "### Recorded stderr", "", "```text", *lines, "```"]
+    context = [f"- {key}: {_context_value(origin[key])}" for key in origin
+               if key not in _SHOWN_ORIGIN]
+    if context:
+        parts += ["", "### Context", "", *context]
+    parts += ["", "### Inputs", ""]
+    parts += _input_table(case)
+    if found is not None:
+        parts += ["", "### Triage", ""]
+        parts += [f"- {line}" for line in found.render().splitlines()]
+    parts += ["", "### Reproduce", "", "```bash",
+              f"pytest --gpu-cases {_case_arg(case)} -k {case.name} -rxX", "```"]
+    if case.xfail:
+        parts += ["", f"The case is a strict xfail (`{case.xfail}`); add `--runxfail` to see the "
+                  "failure itself."]
+    text = "\n".join(parts) + "\n"
+    return _Scrubber.here(case, ids if isinstance(ids, list) else []).scrub(text)
+
+
+def validate(paths: Sequence[Path]) -> list[str]:
+    """Every problem of the case directories under ``paths``, one line each; empty when all good."""
+    problems: list[str] = []
+    for path in paths:
+        path = Path(path)
+        if path.is_file() and path.name == CASE_FILE:
+            path = path.parent
+        if not path.exists():
+            problems.append(f"{path}: not found")
+            continue
+        if not path.is_dir():
+            problems.append(f"{path}: not a directory; give a case directory or a folder of cases")
+            continue
+        for directory in _case_dirs(path):
+            problems.extend(_problems(directory))
+    return problems
+
+
+def _case_dirs(root: Path) -> Iterable[Path]:
+    """Case directories at or under ``root``, and directories that look like lost cases.
+
+    Hidden directories are skipped, as pytest's collection skips them: they hold
+    cases being written, not cases.
+    """
+    for current, dirs, files in os.walk(root):
+        here = Path(current)
+        if here != root and here.name.startswith("."):
+            dirs[:] = []
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+        if CASE_FILE in files or any(name in files for name in _PAYLOADS):
+            dirs[:] = []  # a case does not hold cases
+            yield here
+
+
+def _problems(directory: Path) -> list[str]:
+    """The problems of one case directory, each as ``file: key: what is wrong``."""
+    if not is_case_dir(directory):
+        held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
+        return [str(CaseFormatError(directory / CASE_FILE, f"missing, but the directory holds "
+                                    f"{held}: an interrupted write or a deleted case.toml"))]
+    try:
+        case = load_case(directory)
+    except CaseFormatError as exc:
+        return [str(exc)]
+    problems: list[str] = []
+    tensors: set[str] | None = None
+    unreadable = False
+    for file in (case.inputs_file, case.expected_file):
+        if not file.exists():
+            continue
+        try:
+            infos = payload.describe(file)
+        except CaseFormatError as exc:
+            problems.append(str(exc))
+            unreadable = unreadable or file == case.inputs_file
+            continue
+        if file == case.inputs_file:
+            tensors = {info.name for info in infos}
+    clash = sorted((tensors or set()) & set(case.literals))
+    if clash:
+        problems.append(str(CaseFormatError(case.case_file, f"{', '.join(clash)} given both here "
+                                            f"and in {INPUTS_FILE}; keep one", key="[inputs]")))
+    boundaries = case.variants.boundaries
+    # An unreadable payload is reported once, not again as a missing boundary input.
+    if boundaries is not None and not unreadable and (tensors is None
+                                                      or boundaries.input not in tensors):
+        where = (f"{INPUTS_FILE} holds {', '.join(sorted(tensors)) or 'no tensors'}"
+                 if tensors is not None else f"there is no {INPUTS_FILE}")
+        problems.append(str(CaseFormatError(
+            case.case_file, f"input '{boundaries.input}' is not a saved tensor ({where})",
+            key="[variants] boundaries")))
+    return problems
+
+
+def _expectation(case: Case) -> str:
+    expect = case.expect
+    if expect.outcome == "raises":
+        text = f"raises {expect.exception}"
+        return text + (f" matching {expect.match!r}" if expect.match else "")
+    text = "outputs match the reference"
+    if expect.gradients:
+        text += ", gradients included"
+    if expect.tolerance:
+        text += "; tolerance " + ", ".join(
+            f"{dtype}: " + ", ".join(f"{k}={v:g}" for k, v in
+                                     (("rtol", t.rtol), ("atol", t.atol), ("ulps", t.ulps))
+                                     if v is not None)
+            for dtype, t in expect.tolerance.items())
+    return text
+
+
+def _where(origin: Mapping[str, Any]) -> str:
+    parts = []
+    if "iteration" in origin:
+        parts.append(f"iteration {origin['iteration']}")
+    if "stage" in origin:
+        parts.append(f"in {origin['stage']}")
+    if "last_step" in origin:
+        parts.append(f"after {origin['last_step']}")
+    return ", ".join(parts)
+
+
+def _versions(origin: Mapping[str, Any]) -> str:
+    names = {"python": "Python", "torch": "torch", "cuda": "CUDA", "hip": "HIP"}
+    return ", ".join(f"{names[key]} {origin[key]}" for key in _ORIGIN_VERSIONS if key in origin)
+
+
+def _context_value(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "; ".join(f"{key} = {item}" for key, item in value.items())
+    if isinstance(value, list):
+        return "; ".join(str(item) for item in value)
+    return str(value)
+
+
+def _one_line(value: Any) -> str:
+    lines = str(value).strip().splitlines()
+    return lines[0] + (" ..." if len(lines) > 1 else "") if lines else ""
+
+
+def _payload_rows(case: Case) -> tuple[list[payload.TensorInfo], str | None]:
+    if not case.inputs_file.exists():
+        return [], None
+    try:
+        infos = payload.describe(case.inputs_file)
+    except CaseFormatError as exc:
+        return [], str(exc)
+    return sorted(infos, key=lambda info: info.name), None
+
+
+def _dtype(code: str) -> str:
+    return payload.DTYPES.get(code, (code, 0))[0]
+
+
+def _input_lines(case: Case) -> list[str]:
+    infos, problem = _payload_rows(case)
+    lines = []
+    width = max((len(info.name) for info in infos), default=0)
+    for info in infos:
+        layout = "contiguous" if info.contiguous else "non-contiguous"
+        offset = f", offset {info.storage_offset}" if info.storage_offset else ""
+        lines.append(f"{info.name:<{width}}  {_dtype(info.dtype):<9} {list(info.shape)} "
+                     f"stride {list(info.stride)}{offset}  {layout}")
+    if problem:
+        lines.append(f"{INPUTS_FILE}: {problem}")
+    lines.extend(f"{name} = {json.dumps(value)}" for name, value in case.literals.items())
+    origin_inputs = case.origin.get("inputs")
+    if not infos and isinstance(origin_inputs, Mapping):
+        lines.extend(f"{name}: {desc} (recorded, not saved)"
+                     for name, desc in origin_inputs.items())
+    skipped = case.origin.get("skipped_inputs")
+    if isinstance(skipped, Mapping):
+        lines.extend(f"{name}: {kind} (skipped: not storable)" for name, kind in skipped.items())
+    return lines
+
+
+def _input_table(case: Case) -> list[str]:
+    infos, problem = _payload_rows(case)
+    rows = ["| name | dtype | shape | stride | contiguous |", "|---|---|---|---|---|"]
+    for info in infos:
+        rows.append(f"| `{info.name}` | {_dtype(info.dtype)} | {list(info.shape)} | "
+                    f"{list(info.stride)} | {'yes' if info.contiguous else 'no'} |")
+    origin_inputs = case.origin.get("inputs")
+    if not infos and isinstance(origin_inputs, Mapping):
+        rows.extend(f"| `{name}` | {desc} (recorded, not saved) | | | |"
+                    for name, desc in origin_inputs.items())
+    lines = rows if len(rows) > 2 else ["No saved tensors."]
+    if problem:
+        lines.append(f"\nThe payload cannot be read: {problem}")
+    if case.literals:
+        lines += ["", "Literals: " + ", ".join(f"`{name} = {json.dumps(value)}`"
+                                               for name, value in case.literals.items())]
+    return lines
+
+
+def _matrix(case: Case) -> str:
+    req = case.matrix
+    parts = []
+    for name, values in (("devices", req.devices), ("dtypes", req.dtypes),
+                         ("backends", req.backends)):
+        if values:
+            parts.append(f"{name} {', '.join(values)}")
+    parts += [f"{key}{spec}" for key, spec in req.versions.items()]
+    parts += [f"{name}{spec}" for name, spec in req.packages.items()]
+    return "; ".join(parts)
+
+
+def _variants(case: Case) -> str:
+    tables = case.variants
+    parts = []
+    for kind, axis in (("batch", tables.batch), ("length", tables.length)):
+        if axis is not None:
+            parts.append(f"{kind} axis {axis.axis} sizes {', '.join(map(str, axis.sizes))}")
+    if tables.boundaries is not None:
+        b = tables.boundaries
+        text = f"boundaries of '{b.input}' ({b.classes} classes"
+        text += f", ignore_index {b.ignore_index})" if b.ignore_index is not None else ")"
+        parts.append(text)
+    return "; ".join(parts)
+
+
+def _verdicts(report: Path, case: Case) -> list[str]:
+    """This case's last verdict per item from a JSON report, read defensively."""
+    try:
+        data = json.loads(report.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        return [f"cannot read the report: {exc}"]
+    results = data.get("results") if isinstance(data, dict) else None
+    if not isinstance(results, list):
+        return ["the report has no results list"]
+    last: dict[str, Mapping[str, Any]] = {}
+    for entry in results:
+        if isinstance(entry, dict) and _is_this_case(entry, case):
+            key = str(entry.get("nodeid") or _run_id(entry))
+            last.pop(key, None)  # a later entry for the same item wins, in its new place
+            last[key] = entry
+    if not last:
+        return ["no verdict of this case in the report"]
+    lines = []
+    for entry in last.values():
+        message = _one_line(entry.get("message") or "")
+        line = f"{_run_id(entry)}: {entry.get('outcome', '?')}"
+        lines.append(f"{line}: {message}" if message else line)
+    return lines
+
+
+def _run_id(entry: Mapping[str, Any]) -> str:
+    parts = [str(entry[key]) for key in ("device", "dtype", "variant") if entry.get(key)]
+    return "-".join(parts) or str(entry.get("nodeid", "?"))
+
+
+def _is_this_case(entry: Mapping[str, Any], case: Case) -> bool:
+    named = entry.get("case")
+    if isinstance(named, str) and named and Path(named).name == case.name:
+        return True
+    nodeid = entry.get("nodeid")
+    return isinstance(nodeid, str) and f"::{case.name}[" in nodeid
+
+
+def _case_arg(case: Case) -> str:
+    """The case directory as a command argument: relative to here, else its name."""
+    try:
+        return str(case.path.resolve().relative_to(Path.cwd().resolve()))
+    except (ValueError, OSError):
+        return str(Path(case.path.resolve().parent.name) / case.name)
+
+
+_EMAIL = re.compile(r"[\w.+-]+@[\w-]+(?:\.[\w-]+)+")
+_SECRETS = (
+    re.compile(r"\b(?:gh[pousr]_[A-Za-z0-9]{20,}|github_pat_\w{20,}|hf_[A-Za-z0-9]{20,}|"
+               r"sk-[A-Za-z0-9_-]{20,}|AKIA[0-9A-Z]{16}|xox[abprs]-[\w-]{10,}|"
+               r"glpat-[\w-]{20,}|eyJ[\w-]+\.[\w-]+\.[\w-]+)"),
+    re.compile(r"(?i)(bearer\s+)[\w.~+/=-]+"),
+    re.compile(r"(?i)\b((?:[\w-]*_)?(?:token|secret|password|passwd|api[_-]?key|access[_-]?key)"
+               r"[\"']?\s*[=:]\s*[\"']?)[^\s\"',;]+"),
+)
+# A long run of letters and digits (base64, hex) is a key or a hash, not a word; applied
+# after paths are replaced, which it would otherwise take for keys.
+_LONG_TOKEN = re.compile(r"(?<![\w/])(?=[A-Za-z0-9+/=-]*\d)(?=[A-Za-z0-9+/=-]*[A-Za-z])"
+                         r"[A-Za-z0-9+/=-]{32,}(?![\w/])")
+_HOMES = re.compile(r"(?:/home|/Users)/[^/\s:'\"`]+|/root(?![\w.-])|[A-Za-z]:\\Users\\[^\\\s]+")
+# Absolute paths, and paths below a home once it reads "~": the directories identify people.
+_ABSOLUTE = re.compile(r"(?<![\w.:/~<>-])/[^\s:'\"`,;()\[\]{}<>]+|~[/\\][^\s:'\"`,;()\[\]{}<>]+"
+                       r"|[A-Za-z]:\\[^\s:'\"`,;]+")
+
+
+@dataclass(frozen=True)
+class _Scrubber:
+    """Removes what identifies people and machines from text meant to be shared."""
+
+    case_dir: str
+    home: str
+    users: tuple[str, ...]
+    hosts: tuple[str, ...]
+    ids: tuple[str, ...]
+
+    @classmethod
+    def here(cls, case: Case, ids: Sequence[object]) -> _Scrubber:
+        users = {os.environ.get(name, "") for name in ("USER", "LOGNAME", "USERNAME")}
+        # No user name to be found is no user name to leak.
+        with contextlib.suppress(OSError, KeyError, ImportError):
+            users.add(getpass.getuser())
+        home = os.path.expanduser("~")
+        users.add(Path(home).name)
+        hosts = set()
+        with contextlib.suppress(OSError):
+            host = socket.gethostname()  # never getfqdn: it may wait on DNS
+            hosts |= {host, host.split(".")[0]}
+        # A one-letter name would match ordinary text; longer ones are matched as whole words.
+        return cls(
+            case_dir=str(case.path.resolve()),
+            home=home if home not in ("", "/") else "",
+            users=tuple(sorted((u for u in users if len(u) >= 2), key=len, reverse=True)),
+            hosts=tuple(sorted((h for h in hosts if len(h) >= 2), key=len, reverse=True)),
+            ids=tuple(sorted({str(i) for i in ids if len(str(i)) >= 3}, key=len, reverse=True)),
+        )
+
+    def scrub(self, text: str) -> str:
+        """``text`` without sample ids, paths, homes, e-mail addresses, secrets, users, hosts."""
+        for sample in self.ids:
+            text = re.sub(rf"(?<![\w]){re.escape(sample)}(?![\w])", "<sample id>", text)
+        # Exact strings first, before any pattern can cut through them.
+        if self.case_dir:
+            text = text.replace(self.case_dir + os.sep, "").replace(self.case_dir, ".")
+        if self.home:
+            text = re.sub(rf"{re.escape(self.home)}(?![\w.-])", "~", text)
+        text = _EMAIL.sub("<email>", text)
+        for pattern in _SECRETS:
+            text = pattern.sub(lambda m: (m.group(1) if m.groups() and m.group(1) else "")
+                               + "<secret>", text)
+        text = _HOMES.sub("~", text)
+        text = _ABSOLUTE.sub(_path_placeholder, text)
+        text = _LONG_TOKEN.sub("<secret>", text)
+        for user in self.users:
+            text = re.sub(rf"(?<![\w]){re.escape(user)}(?![\w])", "<user>", text)
+        for host in self.hosts:
+            text = re.sub(rf"(?<![\w.-]){re.escape(host)}(?![\w-])", "<host>", text)
+        return text
+
+
+def _path_placeholder(match: re.Match[str]) -> str:
+    path = match.group(0)
+    name = re.split(r"[/\\]", path)[-1]
+    return f"<path>/{name}" if name.endswith(_SOURCE_SUFFIXES) else "<path>"

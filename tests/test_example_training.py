@@ -1,0 +1,108 @@
+"""End to end: the example's training fails, its case is replayed, the bug is fixed, and the
+same case is replayed again, each step run as a user runs it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from pytest_gpucase.request import validate
+
+EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "training_capture"
+BUG = "    return labels  # the bug: used as annotated; the fix is `return labels - 1`\n"
+FIX = "    return labels - 1\n"
+XFAIL = "captured failure: IndexError: Target 4 is out of bounds.; remove this line once fixed"
+# The `pytest` console script: the working directory is not on sys.path (`python -m` would
+# put it there and hide a missing `pythonpath` setting).
+PYTEST = ("import os, sys\n"
+          "if sys.path and sys.path[0] in ('', os.getcwd()):\n"
+          "    sys.path.pop(0)\n"
+          "import pytest\n"
+          "sys.exit(pytest.console_main())\n")
+
+
+def run(project: Path, *args: str) -> pytest.RunResult:
+    """Run a command in ``project`` without PYTHONPATH (pytester's runners set it to the cwd)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    start = time.monotonic()
+    done = subprocess.run(args, cwd=project, env=env, capture_output=True, text=True,
+                          timeout=300, check=False)
+    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(),
+                            time.monotonic() - start)
+
+
+def replay(project: Path) -> pytest.RunResult:
+    # CPU items only, so that the outcomes are the same on a GPU runner.
+    return run(project, sys.executable, "-c", PYTEST, "--gpu-cases", "cases", "-rxX",
+               "--gpu-devices", "cpu", "-p", "no:cacheprovider")
+
+
+def without_xfail(case_dir: Path) -> None:
+    toml = case_dir / "case.toml"
+    lines = toml.read_text().splitlines(keepends=True)
+    toml.write_text("".join(line for line in lines if not line.startswith("xfail = ")))
+
+
+def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytester) -> None:
+    """The example's whole story, in the order a user lives it.
+
+    Removing the xfail line is shown on a copy of the case, so that one replay run
+    shows both states (each run costs an interpreter start with torch).
+    """
+    project = pytester.path
+    shutil.copytree(EXAMPLE, project, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns("cases", "__pycache__"))
+
+    training = run(project, sys.executable, "train.py")
+    assert training.ret == 1, training.outlines + training.errlines
+    training.stderr.fnmatch_lines([
+        "gpucase: saved cases/ce_class4 (first failure at iteration 3, in loss, after forward)",
+        "clue: index out of range (CPU)",
+        "note: a class target is 4: targets must lie in [[]0, num_classes) or equal ignore_index",
+        "Traceback (most recent call last):",
+        "IndexError: Target 4 is out of bounds.",
+    ])
+    case_dir = project / "cases" / "ce_class4"
+    doc = tomllib.loads((case_dir / "case.toml").read_text())
+    assert doc["call"] == "toy_train.model:loss_fn" and doc["xfail"] == XFAIL
+    assert doc["origin"]["sample_ids"] == [f"s{i:03d}" for i in range(48, 64)]
+    assert validate([project / "cases"]) == []
+
+    # Before the fix: the case is a strict xfail; without its xfail line it fails with the
+    # triage; a hidden directory (a case being written) is not collected.
+    shutil.copytree(case_dir, project / "cases" / "ce_class4_open")
+    without_xfail(project / "cases" / "ce_class4_open")
+    shutil.copytree(case_dir, project / "cases" / ".ce_class4.0123456789ab.tmp")
+    before = replay(project)
+    before.assert_outcomes(xfailed=1, failed=1)
+    before.stdout.fnmatch_lines([
+        "*_ ce_class4_open[[]cpu-float32[]] _*",
+        "the call raised IndexError: Target 4 is out of bounds.",
+        "*Captured gpucase triage call*",
+        "clue: index out of range (CPU)",
+        "first check: Check the indices and targets*",
+        f"XFAIL cases/ce_class4::ce_class4[[]cpu-float32[]] - {XFAIL}",
+    ])
+
+    data_py = project / "toy_train" / "data.py"
+    source = data_py.read_text()
+    assert BUG in source
+    data_py.write_text(source.replace(BUG, FIX))
+
+    # After the fix: the same case passes, seen as XPASS(strict) until its xfail line goes.
+    after = replay(project)
+    after.assert_outcomes(failed=1, passed=1)
+    after.stdout.fnmatch_lines([
+        "cases/ce_class4 F *",
+        "cases/ce_class4_open . *",
+        "*_ ce_class4[[]cpu-float32[]] _*",
+        f"[[]XPASS(strict)[]] {XFAIL}",
+    ])

@@ -1,0 +1,275 @@
+"""show, request and validate: reading cases without running them."""
+
+from __future__ import annotations
+
+import json
+import socket
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpucase import payload
+from pytest_gpucase.cli import main
+from pytest_gpucase.request import request, show, validate
+
+CASE_PY = "def run(logits, target, num_classes):\n    return logits.sum()\n"
+
+RICH = """
+    format = 1
+    summary = "CrossEntropyLoss target holds class 4 on a 4-class head"
+    call = "case.py:run"
+    reference = "case.py:run"
+    timeout = 60
+    xfail = "labels not remapped yet"
+
+    [inputs]
+    num_classes = 4
+
+    [expect]
+    gradients = true
+    [expect.tolerance.bfloat16]
+    rtol = 2e-2
+    atol = 1e-3
+
+    [matrix]
+    devices = ["cuda", "cpu"]
+    dtypes = ["float32", "bfloat16"]
+    torch = ">=2.1"
+
+    [variants]
+    batch = { axis = 0, sizes = [1, 2] }
+    boundaries = { input = "target", classes = 4, ignore_index = -100 }
+    [variants.reject]
+    exception = "ValueError"
+
+    [origin]
+    error = "RuntimeError: CUDA error: device-side assert triggered"
+    stderr = "Loss.cu:250: nll_loss: block: [0,0] Assertion `t >= 0 && t < n_classes` failed."
+    iteration = 1834
+    stage = "loss"
+    last_step = "optimizer.step"
+    revision = "3f2c1ab"
+    python = "3.11.7"
+    torch = "2.3.1"
+    cuda = "12.1"
+    backend = "cuda"
+    device = "NVIDIA A100-SXM4-80GB"
+    later_errors = 12
+    sample_ids = ["img_00412", "img_00413", "img_00414"]
+"""
+
+
+def write_case(root: Path, name: str, toml: str,
+               tensors: dict[str, torch.Tensor] | None = None) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
+    (path / "case.py").write_text(CASE_PY)
+    if tensors is not None:
+        payload.save(path / "inputs.safetensors", tensors)
+    return path
+
+
+def rich_case(root: Path, name: str = "ce_class4", toml: str = RICH) -> Path:
+    logits = (torch.arange(15, dtype=torch.float32).reshape(3, 5) / 7)[:, 1:].t()
+    return write_case(root, name, toml, {"logits": logits, "target": torch.tensor([0, 2, 4])})
+
+
+def test_show_gives_the_case_at_a_glance(tmp_path: Path) -> None:
+    case_dir = rich_case(tmp_path)
+    report = tmp_path / "report.json"
+    report.write_text(json.dumps({"results": [
+        {"nodeid": "cases/ce_class4::ce_class4[cpu-float32]", "case": "cases/ce_class4",
+         "device": "cpu", "dtype": "float32", "outcome": "failed", "message": "stale\nlines"},
+        {"nodeid": "cases/other::other[cpu-float32]", "case": "other", "outcome": "passed"},
+        "not an entry",
+        {"nodeid": "cases/ce_class4::ce_class4[cuda-bfloat16-batch=1]", "device": "cuda",
+         "dtype": "bfloat16", "variant": "batch=1", "outcome": "skipped", "message": None},
+        {"nodeid": "cases/ce_class4::ce_class4[cpu-float32]", "case": "cases/ce_class4",
+         "device": "cpu", "dtype": "float32", "outcome": "xfailed",
+         "message": "the call raised IndexError: Target 4 is out of bounds."},
+    ]}))
+    text = show(case_dir, report=report)
+    pytest.LineMatcher(text.splitlines()).fnmatch_lines([
+        "ce_class4  (*ce_class4)",
+        "summary:   CrossEntropyLoss target holds class 4 on a 4-class head",
+        "call:      case.py:run",
+        "reference: case.py:run",
+        "expect:    outputs match the reference, gradients included; tolerance bfloat16: "
+        "rtol=0.02, atol=0.001",
+        "xfail:     labels not remapped yet (strict)",
+        "timeout:   60 s",
+        "origin:",
+        "  error: RuntimeError: CUDA error: device-side assert triggered",
+        "  stderr: Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.",
+        "  where: iteration 1834, in loss, after optimizer.step",
+        "  versions: Python 3.11.7, torch 2.3.1, CUDA 12.1",
+        "  revision: 3f2c1ab",
+        "  later_errors: 12",
+        "  sample_ids: 3 (img_00412, img_00413, img_00414)",
+        "inputs:",
+        "  logits  float32   [[]4, 3[]] stride [[]1, 5[]], offset 1  non-contiguous",
+        "  target  int64     [[]3[]] stride [[]1[]]  contiguous",
+        "  num_classes = 4",
+        "matrix:    devices cuda, cpu; dtypes float32, bfloat16; torch>=2.1",
+        "variants:  batch axis 0 sizes 1, 2; boundaries of 'target' (4 classes, ignore_index -100)",
+        f"last verdicts ({report}):",
+        "  cuda-bfloat16-batch=1: skipped",
+        "  cpu-float32: xfailed: the call raised IndexError: Target 4 is out of bounds.",
+    ])
+    assert "stale" not in text and "other" not in text
+
+
+@pytest.mark.parametrize(("content", "says"), [
+    (None, "cannot read the report: *No such file*"),
+    ("{not json", "cannot read the report: *"),
+    ('{"results": {"a": 1}}', "the report has no results list"),
+    ('{"results": []}', "no verdict of this case in the report"),
+])
+def test_show_reads_reports_defensively(tmp_path: Path, content: str | None, says: str) -> None:
+    case_dir = rich_case(tmp_path)
+    report = tmp_path / "report.json"
+    if content is not None:
+        report.write_text(content)
+    pytest.LineMatcher(show(case_dir, report=report).splitlines()).fnmatch_lines([f"  {says}"])
+
+
+def test_show_survives_a_broken_payload_and_lists_unsaved_inputs(tmp_path: Path) -> None:
+    case_dir = write_case(tmp_path, "meta_only", """
+        format = 1
+        call = "case.py:run"
+        [expect]
+        outcome = "raises"
+        exception = "IndexError"
+        match = "out of bounds"
+        [origin]
+        snapshot = "not saved: device unusable after device-side assert"
+        [origin.inputs]
+        logits = "float32 (3, 4) stride (4, 1) cuda:0"
+        [origin.skipped_inputs]
+        model = "toy.MLP"
+    """)
+    text = show(case_dir)
+    pytest.LineMatcher(text.splitlines()).fnmatch_lines([
+        "expect:    raises IndexError matching 'out of bounds'",
+        "  snapshot: not saved: device unusable after device-side assert",
+        "  logits: float32 (3, 4) stride (4, 1) cuda:0 (recorded, not saved)",
+        "  model: toy.MLP (skipped: not storable)",
+    ])
+    (case_dir / "inputs.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{")
+    assert "inputs.safetensors: " in show(case_dir)
+
+
+def test_request_removes_private_data(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ("USER", "LOGNAME"):
+        monkeypatch.setenv(name, "alice_gpu")
+    monkeypatch.setenv("HOME", "/home/alice_gpu")
+    monkeypatch.setattr(socket, "gethostname", lambda: "gpu-node-17.cluster.example.org")
+    case_dir = tmp_path / "cases" / "ce_secret"
+    planted = RICH.replace(
+        'summary = "CrossEntropyLoss target holds class 4 on a 4-class head"',
+        'summary = "failed for alice_gpu in /mnt/alice/runs/exp42 on gpu-node-17"',
+    ).replace(
+        'stderr = "Loss.cu:250: nll_loss: block: [0,0] Assertion',
+        'stderr = "[gpu-node-17:4242] reading /home/alice_gpu/data/p_00412.png, '
+        '/srv/private/cohort7/labels.csv and ' + str(case_dir) + '/case.py\\n'
+        'HF_TOKEN=hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345 ghp_0123456789abcdefghijABCDEFGHIJ0123 '
+        'Authorization: Bearer eyJhbGciOi.eyJzdWIiOi.c2lnbmF0dXJl api_key: \\"q9w8e7r6t5\\"\\n'
+        'key aGVsbG8gd29ybGQgdGhpcyBpcyBhIHNlY3JldCBrZXkx contact alice.smith@example.com\\n'
+        '/pytorch/aten/src/ATen/native/cuda/Loss.cu:250: nll_loss_forward: block: [0,0] '
+        'Assertion',
+    ).replace('last_step = "optimizer.step"', 'last_step = "eval as alice_gpu on '
+              'gpu-node-17.cluster.example.org (~/runs, C:\\\\Users\\\\alice\\\\x)"').replace(
+        'sample_ids = ["img_00412", "img_00413", "img_00414"]',
+        'sample_ids = ["patient_00412_scan", "patient_00413_scan", 91234]\n'
+        'error_detail = "batch patient_00413_scan, index 91234"')
+    rich_case(tmp_path / "cases", "ce_secret", planted)
+    text = request(case_dir)
+    for secret in ("alice", "gpu-node-17", "example.com", "example.org", "patient_004", "91234",
+                   "/home/", "/srv/", "cohort7", "p_00412", "/mnt/", "exp42", "hf_AbCd",
+                   "ghp_0123", "eyJ", "q9w8e7r6t5", "aGVsbG8", str(tmp_path), "Users"):
+        assert secret not in text, f"{secret!r} survived:\n{text}"
+    for kept in ("HF_TOKEN=<secret>", "<email>", "<host>", "<user>", "<sample id>", "<path>",
+                 "- error_detail: batch <sample id>, index <sample id>", "<secret> api_key: ",
+                 "Authorization: Bearer <secret>", " case.py\n", "(<path>, <path>)",
+                 "<path>/Loss.cu:250: nll_loss_forward", "`case.py:run`",
+                 "Assertion `t >= 0 && t < n_classes` failed.", "3 recorded (withheld)"):
+        assert kept in text, f"{kept!r} is missing:\n{text}"
+
+
+def test_request_is_a_ready_to_paste_report(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    rich_case(tmp_path / "cases")
+    text = request(Path("cases/ce_class4"))
+    pytest.LineMatcher(text.splitlines()).fnmatch_lines([
+        "## GPU failure: `RuntimeError: CUDA error: device-side assert triggered`",
+        "- **Operation**: `case.py:run`",
+        "- **First error**: `RuntimeError: CUDA error: device-side assert triggered`",
+        "- **Kernel assertion**: `Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.`",
+        "- **Backend**: cuda (NVIDIA A100-SXM4-80GB)",
+        "- **Versions**: Python 3.11.7, torch 2.3.1, CUDA 12.1",
+        "- **Revision**: `3f2c1ab`",
+        "- **Where**: iteration 1834, in loss, after optimizer.step",
+        "- **Later errors**: 12 after the first (likely consequences, not separate causes)",
+        "| `logits` | float32 | [[]4, 3[]] | [[]1, 5[]] | no |",
+        "| `target` | int64 | [[]3[]] | [[]1[]] | yes |",
+        "Literals: `num_classes = 4`",
+        "- clue: device-side assert*",
+        "- first check: Check the indices, targets and operator conditions*",
+        "- note: meaning: a class target is outside [[]0, num_classes) *",
+        "pytest --gpu-cases cases/ce_class4 -k ce_class4 -rxX",
+        "*add `--runxfail` to see the failure itself.",
+    ])
+
+
+def test_validate_reports_every_problem_once_per_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    cases = tmp_path / "cases"
+    good = rich_case(cases, "good")
+    rich_case(cases / "group", "nested")
+    write_case(cases, "typo", 'format = 1\ncalll = "case.py:run"\n')
+    truncated = rich_case(cases, "truncated")
+    data = (truncated / "inputs.safetensors").read_bytes()
+    (truncated / "inputs.safetensors").write_bytes(data[:-8])
+    write_case(cases, "clash", 'format = 1\ncall = "case.py:run"\n[inputs]\ntarget = 1\n',
+               {"target": torch.tensor([1])})
+    rich_case(cases, "noboundary", RICH.replace('input = "target"', 'input = "labels"'))
+    (cases / "lost").mkdir()
+    payload.save(cases / "lost" / "inputs.safetensors", {"x": torch.ones(1)})
+    (cases / ".ce.1234.tmp").mkdir()
+    (cases / ".ce.1234.tmp" / "case.toml").write_text("not toml [")
+    (cases / "empty").mkdir()
+
+    problems = validate([Path("cases"), Path("nowhere")])
+    assert problems[:3] == [
+        "cases/clash/case.toml: [inputs]: target given both here and in inputs.safetensors; "
+        "keep one",
+        "cases/lost/case.toml: missing, but the directory holds inputs.safetensors: an "
+        "interrupted write or a deleted case.toml",
+        "cases/noboundary/case.toml: [variants] boundaries: input 'labels' is not a saved tensor "
+        "(inputs.safetensors holds logits, target)",
+    ]
+    assert problems[3].startswith("cases/truncated/inputs.safetensors: ")
+    assert problems[4] == "cases/typo/case.toml: calll: unknown key; did you mean 'call'?"
+    assert problems[5:] == ["nowhere: not found"]
+    assert validate([good, good / "case.toml", cases / "group"]) == []
+
+
+def test_cli_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    rich_case(tmp_path / "cases", "good")
+    assert main(["validate"]) == 0 and capsys.readouterr().out == ""
+    assert main(["show", "cases/good"]) == 0
+    assert capsys.readouterr().out.startswith("good  (cases/good)\n")
+    assert main(["request", "cases/good"]) == 0
+    assert "pytest --gpu-cases cases/good -k good" in capsys.readouterr().out
+    write_case(tmp_path / "cases", "bad", "format = 2\n")
+    assert main(["validate", "cases"]) == 1
+    assert capsys.readouterr().out.startswith("cases/bad/case.toml: format: unsupported format 2")
+    assert main(["show", "cases/bad"]) == 2
+    assert "cases/bad/case.toml: format: unsupported format 2" in capsys.readouterr().err
