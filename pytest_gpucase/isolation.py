@@ -105,6 +105,16 @@ class _Capture:
                 + bytes(self.tail).decode(errors="replace"))
 
 
+def thread_count() -> int:
+    """How many OS threads this process has (1 when only the main thread runs)."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:  # no procfs (macOS): Python's own threads are the best we know
+        import threading
+
+        return threading.active_count()
+
+
 def default_start_method() -> StartMethod:
     """``fork`` unless this process already initialized CUDA (then a fork would inherit it)."""
     torch = sys.modules.get("torch")

@@ -105,3 +105,16 @@ def test_crash_outcome_names_the_signal_and_keeps_the_assertion_line(tmp_path: P
     assert verdict.outcome.error_message == (
         "Loss.cu:250: block: [0,0,0] Assertion `t >= 0 && t < n_classes` failed.")
     assert verdict.triage is not None and verdict.triage.clue.startswith("device-side assert")
+
+
+def test_fork_after_parallel_cpu_work_in_the_parent_does_not_hang(tmp_path: Path) -> None:
+    # Parallel work here starts OpenMP's thread pool, which a forked child cannot
+    # use: without the one-thread policy, this child's parallel sum would hang.
+    import torch
+
+    float(torch.randn(4_000_000).sum())
+    spec = make_case(tmp_path, 'format = 1\ncall = "case.py:run"\ntimeout = 20\n',
+                     "import torch\n\ndef run():\n    return torch.ones(4_000_000).sum()\n")
+    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    assert verdict.outcome.status == "passed", verdict.outcome
+    assert verdict.child.duration < 15
