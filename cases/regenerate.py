@@ -40,6 +40,14 @@ def main() -> None:
                  {"x": acts, "weight": 1 + 0.1 * torch.randn(64, generator=gen),
                   "bias": 0.1 * torch.randn(64, generator=gen)})
 
+    # Token embeddings of three sentences; the second is left-padded, so its
+    # first tokens are padding and a length=1 cut leaves it nothing to average.
+    x = torch.randn(3, 16, 8, generator=gen)
+    mask = torch.ones(3, 16, dtype=torch.bool)
+    mask[1, :5] = False
+    mask[2, 12:] = False
+    payload.save(HERE / "masked_mean" / "inputs.safetensors", {"x": x, "mask": mask})
+
 
 if __name__ == "__main__":
     main()
