@@ -1,0 +1,518 @@
+"""gpucase minimize: ddmin over saved entries, each try in a fresh child, the same failure kept."""
+
+from __future__ import annotations
+
+import datetime as dt
+import io
+import math
+import sys
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pytest_gpucase import payload
+from pytest_gpucase.case import load_case
+from pytest_gpucase.environment import Environment
+from pytest_gpucase.isolation import run_in_child
+from pytest_gpucase.matrix import RunSpec
+from pytest_gpucase.minimize import (
+    FailureClass,
+    NotRunnable,
+    OriginalPasses,
+    ddmin,
+    dumps,
+    failure_class,
+    laid_out_like,
+    minimize,
+    minimize_command,
+    one_thread,
+    strides_like,
+    with_minimized_from,
+)
+from pytest_gpucase.runner import run_spec
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
+
+ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
+
+CE_PY = """\
+import torch.nn.functional as F
+
+from pytest_gpucase.checks import class_indices
+
+
+def run(logits, target, num_classes):
+    # The project's loss: class indices are checked before the kernel sees them.
+    class_indices(target, num_classes)
+    return F.cross_entropy(logits, target, reduction="none")
+"""
+
+
+def make_case(root: Path, name: str, toml: str, case_py: str,
+              tensors: dict[str, torch.Tensor]) -> Path:
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(textwrap.dedent(toml))
+    (path / "case.py").write_text(case_py)
+    payload.save(path / "inputs.safetensors", tensors)
+    return path
+
+
+def ce_case(root: Path, *, bad: int = 37, entries: int = 64) -> Path:
+    """A 64-entry batch whose entry 37 holds class 4 on a 4-class head; expected to match.
+
+    The logits reach the loss transposed, with a storage offset of 3 elements:
+    the minimized case must keep both.
+    """
+    gen = torch.Generator().manual_seed(1834)
+    storage = torch.randn(3 + 4 * entries, generator=gen)
+    logits = storage[3:].view(4, entries).t()
+    target = torch.randint(0, 4, (entries,), generator=gen)
+    target[bad] = 4
+    ids = ", ".join(f'"img_{i:05d}"' for i in range(entries))
+    return make_case(root, "ce_batch", f"""\
+        format = 1
+        summary = "a 4-class head; one label in the batch reads 4"
+        call = "case.py:run"
+        timeout = 30
+
+        [inputs]
+        num_classes = 4
+
+        [origin]
+        error = "RuntimeError: CUDA error: device-side assert triggered"
+        iteration = 1834
+        sample_ids = [{ids}]
+        """, CE_PY, {"logits": logits, "target": target})
+
+
+def test_one_bad_entry_among_64_is_found_and_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # the project: the original is recorded relative to the new case
+    path = ce_case(tmp_path)
+    result = minimize(load_case(path), env=ENV)
+
+    assert result.failure == FailureClass("raises", "ValueError")
+    assert result.selection.entries == (37,)
+    assert result.stopped is None
+    assert result.tries <= 12  # about 2·log2(64): one child per try
+    assert result.output == tmp_path / "ce_batch_min"
+    assert dict(result.shapes) == {"logits": ((64, 4), (1, 4)), "target": ((64,), (1,))}
+
+    out = capsys.readouterr().out
+    assert "gpucase minimize: ce_batch fails on cpu in float32 (ValueError); 64 entries on " \
+           "axis 0; budget 200 tries, 600 s" in out
+    for size in ("32 entries", "16 entries", "8 entries", "4 entries", "2 entries", "1 entry"):
+        assert f": {size}, still ValueError [" in out
+    summary = result.render()
+    assert "entries on axis 0: 64 -> 1 (kept 37)" in summary
+    assert "logits: [64, 4] -> [1, 4]" in summary
+    assert "  wrote ce_batch_min" in summary
+
+    written = load_case(result.output)
+    assert written.summary == "a 4-class head; one label in the batch reads 4"
+    assert written.origin["iteration"] == 1834
+    record = written.origin["minimized_from"]
+    assert record["case"] == "../ce_batch"
+    assert record["entries"] == [37] and record["sample_ids"] == ["img_00037"]
+    assert record["failure"] == "ValueError" and record["tries"] == result.tries
+    assert record["shapes"]["logits"] == {"before": [64, 4], "after": [1, 4]}
+    assert record["inputs"] == payload.content_hash(path / "inputs.safetensors")
+
+    # Dtype, stride order and storage offset are kept; the values are the saved entry 37.
+    infos = {info.name: info for info in payload.describe(written.inputs_file)}
+    assert infos["logits"].dtype == "F32" and infos["target"].dtype == "I64"
+    assert infos["logits"].stride == torch.empty(4, 1).t().stride()  # still transposed
+    assert infos["logits"].storage_offset == 3
+    saved, kept = payload.load(path / "inputs.safetensors"), payload.load(written.inputs_file)
+    assert torch.equal(kept["logits"], saved["logits"][37:38])
+    assert kept["target"].tolist() == [4]
+
+    replay = run_spec(RunSpec(written, "cpu", "float32", False), start_method="fork",
+                      backend="cpu", localize=False)
+    assert failure_class(replay) == result.failure
+    assert "4 at position 0" in (replay.outcome.error_message or "")
+
+
+def _cross_entropy_of_wide_rows() -> bool:
+    F.cross_entropy(torch.zeros(8, 4096), torch.zeros(8, dtype=torch.int64))
+    return True
+
+
+def test_large_inputs_leave_later_children_able_to_run(tmp_path: Path) -> None:
+    """Cutting transposed 64 x 4096 logits here must not stall the children forked after.
+
+    Copies of that size run on this process's OpenMP pool, and a pool once used
+    does not survive a fork: the child's first parallel region (log_softmax)
+    would wait forever. minimize does its tensor work on one thread.
+    """
+    with one_thread():  # this test's own tensor work must not start the pool either
+        gen = torch.Generator().manual_seed(0)
+        logits = torch.randn(4096, 64, generator=gen).t()
+        target = torch.randint(0, 4096, (64,), generator=gen)
+        target[37] = 4096
+    path = make_case(tmp_path, "wide", """\
+        format = 1
+        call = "case.py:run"
+        timeout = 20
+
+        [inputs]
+        num_classes = 4096
+        """, CE_PY, {"logits": logits, "target": target})
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+    assert result.selection.entries == (37,)
+    assert result.failed_differently == {}
+
+    after = run_in_child(_cross_entropy_of_wide_rows, timeout=20)
+    assert after.returned, after.problem
+
+
+LSE_PY = """\
+import torch
+
+
+def logsumexp(x):
+    # Written without subtracting the maximum: exp overflows float32 above 88.7.
+    return x.exp().sum(dim=1).log()
+"""
+
+
+def test_overflowing_entry_shrinks_batch_and_length(tmp_path: Path) -> None:
+    """One logit of 100 (entry 5, position 20) makes a naive logsumexp inf in float32."""
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(0))
+    x[5, 20] = 100.0
+    path = make_case(tmp_path, "lse", """\
+        format = 1
+        call = "case.py:logsumexp"
+        timeout = 30
+
+        [variants]
+        length = { axis = 1, sizes = [1] }
+        """, LSE_PY, {"x": x})
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+
+    assert result.failure == FailureClass("mismatch")
+    assert result.selection.entries == (5,)
+    assert result.selection.window == (20, 21)
+    assert result.output is not None
+    kept = payload.load(result.output / "inputs.safetensors")
+    assert kept["x"].tolist() == [[100.0]]
+    assert load_case(result.output).origin["minimized_from"]["length"] == {
+        "axis": 1, "start": 20, "stop": 21}
+
+
+CRASH_PY = """\
+import os
+import signal
+
+
+def run(target):
+    # Class 4 reaches an unchecked native kernel that reads out of bounds.
+    if (target == 4).any():
+        os.kill(os.getpid(), signal.SIGSEGV)
+    if (target < 0).any():
+        raise ValueError("negative class index")
+    return target * 1
+"""
+
+
+def test_crash_keeps_its_signal_and_other_failures_are_not_kept(tmp_path: Path) -> None:
+    target = torch.zeros(16, dtype=torch.int64)
+    target[3], target[11] = -1, 4
+    path = make_case(tmp_path, "crash", 'format = 1\ncall = "case.py:run"\ntimeout = 30\n',
+                     CRASH_PY, {"target": target})
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+
+    assert result.failure == FailureClass("crash", "SIGSEGV")
+    assert str(result.failure) == "crash: SIGSEGV"
+    assert result.selection.entries == (11,)
+    # The first half holds entry 3 only: it fails, but with a ValueError, so it is not kept.
+    assert dict(result.failed_differently) == {"ValueError": 1}
+    assert "1 try failed differently (ValueError): not kept" in result.render()
+
+
+def test_max_tries_stops_and_writes_the_best_so_far(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    result = minimize(load_case(path), env=ENV, max_tries=3, out=io.StringIO())
+
+    # Tries: [0, 32) passes, [32, 64) fails, [32, 48) fails; then the budget is spent.
+    assert result.tries == 3 and result.stopped == "max tries"
+    assert result.selection.entries == tuple(range(32, 48))
+    assert result.output is not None
+    record = load_case(result.output).origin["minimized_from"]
+    assert record["stopped"] == "max tries" and record["entries"] == list(range(32, 48))
+    assert record["case"] == path.as_posix()  # outside the working directory: absolute
+    assert "(stopped at --max-tries)" in result.render()
+
+
+def test_time_budget_is_checked_before_each_try(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    ticks = iter(range(1000))
+    result = minimize(load_case(path), env=ENV, time_budget=4.5, out=io.StringIO(),
+                      clock=lambda: float(next(ticks)))
+
+    # The clock reads 0 at the start, then once before each try and once per improvement:
+    # tries at 1, 2 (improved at 3) and 4 (improved at 5), and none at 6.
+    assert result.stopped == "time budget"
+    assert result.tries == 3
+    assert result.selection.entries == tuple(range(32, 48))
+    assert result.output is not None
+
+
+def test_time_budget_spent_before_any_try_writes_nothing(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    before = sorted(p.name for p in tmp_path.iterdir())
+    ticks = iter(range(0, 1000, 10))
+    result = minimize(load_case(path), env=ENV, time_budget=5.0, out=io.StringIO(),
+                      clock=lambda: float(next(ticks)))
+    assert result.tries == 0 and result.stopped == "time budget" and result.output is None
+    assert "nothing written" in result.render()
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+class InterruptOnce(io.StringIO):
+    """A terminal where the user presses Ctrl-C when the batch is down to 16 entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pressed = False
+
+    def write(self, text: str) -> int:
+        if "16 entries" in text and not self.pressed:
+            self.pressed = True
+            raise KeyboardInterrupt
+        return super().write(text)
+
+
+def test_ctrl_c_writes_the_best_so_far(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    result = minimize(load_case(path), env=ENV, out=InterruptOnce())
+    assert result.stopped == "interrupted"
+    assert result.selection.entries == tuple(range(32, 48))
+    assert result.output is not None
+    assert load_case(result.output).origin["minimized_from"]["stopped"] == "interrupted"
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_passing_case_is_refused_and_nothing_written(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = torch.zeros(8, dtype=torch.int64)
+    logits = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    path = make_case(tmp_path, "fine", 'format = 1\ncall = "case.py:run"\ntimeout = 30\n\n'
+                     '[inputs]\nnum_classes = 4\n', CE_PY, {"logits": logits, "target": target})
+    before = sorted(p.name for p in tmp_path.iterdir())
+
+    with pytest.raises(OriginalPasses, match="passes unchanged"):
+        minimize(load_case(path), env=ENV, out=io.StringIO())
+    code = minimize_command(path, output=None, device="cpu", max_tries=10, time_budget=60)
+
+    assert code == 1
+    assert "fine passes unchanged (cpu in float32): there is no failure to keep; nothing " \
+           "written" in capsys.readouterr().out
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+
+
+def test_existing_output_is_never_overwritten(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = ce_case(tmp_path)
+    taken = tmp_path / "taken"
+    taken.mkdir()
+    (taken / "keep.txt").write_text("mine")
+    code = minimize_command(path, output=taken, device="cpu", max_tries=10, time_budget=60)
+    assert code == 2
+    assert "exists; minimize never overwrites" in capsys.readouterr().err
+    assert [p.name for p in taken.iterdir()] == ["keep.txt"]
+
+
+def test_output_inside_the_case_directory_is_refused(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    with pytest.raises(NotRunnable, match="lies inside the case directory"):
+        minimize(load_case(path), env=ENV, output=path / "small", out=io.StringIO())
+    assert not (path / "small").exists()
+
+
+def test_default_name_skips_taken_ones(tmp_path: Path) -> None:
+    path = ce_case(tmp_path)
+    (tmp_path / "ce_batch_min").mkdir()
+    result = minimize(load_case(path), env=ENV, max_tries=2, out=io.StringIO())
+    assert result.output == tmp_path / "ce_batch_min2"
+
+
+# --- layout of the subsets -------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.element_size() == 2 else t.view(torch.uint8)
+
+
+def _transposed_with_offset() -> torch.Tensor:
+    return torch.arange(3 + 5 * 6, dtype=torch.float32)[3:].view(5, 6).t()
+
+
+def _padded_rows() -> torch.Tensor:
+    return torch.arange(6 * 10, dtype=torch.float32).view(6, 10)[:, :8]
+
+
+def _expanded() -> torch.Tensor:
+    return torch.arange(4, dtype=torch.float32).expand(6, 4)
+
+
+def _channels_last() -> torch.Tensor:
+    return torch.randn(6, 3, 2, 2).contiguous(memory_format=torch.channels_last)
+
+
+@pytest.mark.parametrize("make", [_transposed_with_offset, _padded_rows, _expanded,
+                                  _channels_last])
+def test_subsets_keep_stride_order_padding_offset_and_values(
+        make: Callable[[], torch.Tensor]) -> None:
+    like = make()
+    index = torch.tensor([1, 4])
+    values = like.index_select(0, index)
+    kept = laid_out_like(values, like)
+
+    assert torch.equal(kept, values) and kept.dtype == like.dtype
+    assert kept.storage_offset() == like.storage_offset()
+    order = sorted(range(like.dim()), key=lambda d: like.stride(d))
+    assert sorted(range(kept.dim()), key=lambda d: kept.stride(d)) == order
+    if like.stride(0) == 0:
+        assert kept.stride(0) == 0  # still expanded
+    if make is _padded_rows:
+        assert kept.stride() == (10, 1)  # the row padding is kept
+    if make is _transposed_with_offset:
+        assert kept.stride() == (1, 2)
+    # The whole batch keeps the very same strides.
+    assert laid_out_like(like.index_select(0, torch.arange(like.shape[0])), like).stride() == \
+        like.stride()
+
+
+def test_subsets_copy_bits_exactly() -> None:
+    nan = torch.tensor([0x7FC1, 0x7F81, 0x1234], dtype=torch.int16).view(torch.bfloat16)
+    like = nan.repeat(4, 1).t()  # (3, 4), transposed
+    kept = laid_out_like(like.index_select(0, torch.tensor([0, 1])), like)
+    assert torch.equal(_bits(kept), _bits(like[:2]))
+    flags = torch.tensor([True, False, True, True]).view(2, 2).t()
+    assert torch.equal(laid_out_like(flags[1:], flags), flags[1:])
+
+
+def test_strides_like_lays_out_overlapping_dims_densely() -> None:
+    # A sliding window (unfold) overlaps: its subset is laid out densely instead.
+    assert strides_like((2, 3), (4, 3), (1, 1)) == (3, 1)
+
+
+# --- delta debugging -------------------------------------------------------------------------
+
+
+def test_ddmin_finds_one_entry_in_about_two_log2_n_tries() -> None:
+    tried: list[tuple[int, ...]] = []
+
+    def fails(items: tuple[int, ...]) -> bool:
+        tried.append(items)
+        return 37 in items
+
+    assert ddmin(tuple(range(64)), fails) == (37,)
+    assert len(tried) <= 12
+
+
+def test_ddmin_keeps_entries_that_fail_only_together() -> None:
+    def fails(items: tuple[int, ...]) -> bool:
+        return {3, 40} <= set(items)
+
+    assert ddmin(tuple(range(64)), fails) == (3, 40)
+
+
+# --- writing case.toml -----------------------------------------------------------------------
+
+ROUND_TRIP = {
+    "format": 1,
+    "summary": 'quotes " and \\ backslash, tab\t, newline\n, DEL \x7f, bell \x07, é ✓',
+    "timeout": 1.5,
+    "launch_blocking": False,
+    "inputs": {"num_classes": 4, "ignore_index": -100, "scale": 1e-05, "big": 1e300,
+               "tiny": -0.0, "infinite": math.inf},
+    "expect": {"outcome": "matches", "tolerance": {"bfloat16": {"rtol": 0.02, "atol": 0.001}}},
+    "matrix": {"dtypes": ["float32", "bfloat16"], "packages": {"flash-attn": ">=2.5"}},
+    "variants": {"batch": {"axis": 0, "sizes": [1, 2]}},
+    "ablate": {"env": {"USE_FLASH_ATTN": "0"}},
+    "origin": {
+        "saved": dt.datetime(2024, 5, 1, 12, 0, 3, 250000, tzinfo=dt.timezone.utc),
+        "local": dt.datetime(2024, 5, 1, 12, 0),
+        "day": dt.date(2024, 5, 1),
+        "at": dt.time(7, 30, 1),
+        "sample ids": [["a", "b"], [1, 2]],
+        "steps": [{"name": "forward", "ok": True}, {"name": "step", "ok": False}],
+        "": "empty key",
+        "nested": {"deeper": {"deepest": {"x": 1}}, "empty": {}},
+        "empty": {},
+    },
+}
+
+
+def test_dumps_round_trips_through_tomllib() -> None:
+    text = dumps(ROUND_TRIP)
+    assert tomllib.loads(text) == ROUND_TRIP
+    assert math.isnan(tomllib.loads(dumps({"nan": math.nan}))["nan"])
+
+
+RECORD = {"case": "../big", "entries": [37], "tries": 9, "seconds": 0.79,
+          "shapes": {"x": {"before": [64, 4], "after": [1, 4]}}}
+
+
+@pytest.mark.parametrize("original", [
+    # [origin] as a table, followed by other tables: the text is kept and the table appended.
+    'format = 1 # first\ncall = "case.py:run"\n\n[origin]\nerror = "boom"\n\n[expect]\n'
+    'outcome = "matches"\n',
+    # No [origin] at all.
+    'format = 1\ncall = "case.py:run"\n',
+])
+def test_minimized_from_is_appended_to_the_text_kept_verbatim(original: str) -> None:
+    text = with_minimized_from(original, RECORD)
+    assert text.startswith(original)
+    doc = tomllib.loads(text)
+    assert doc["origin"]["minimized_from"] == RECORD
+    assert {k: v for k, v in doc.items() if k != "origin"} == {
+        k: v for k, v in tomllib.loads(original).items() if k != "origin"}
+
+
+@pytest.mark.parametrize("original", [
+    'format = 1\ncall = "case.py:run"\norigin = { error = "boom" }\n',            # inline
+    'format = 1\ncall = "case.py:run"\norigin.error = "boom"\n',                  # dotted keys
+    'format = 1\ncall = "case.py:run"\n[origin]\nerror = "boom"\n'
+    '[origin.minimized_from]\ncase = "../first"\ntries = 3\n',                    # minimized twice
+])
+def test_minimized_from_falls_back_to_writing_the_whole_document(original: str) -> None:
+    doc = tomllib.loads(with_minimized_from(original, RECORD))
+    assert doc["format"] == 1 and doc["call"] == "case.py:run"
+    assert doc["origin"]["error"] == "boom"
+    table = doc["origin"]["minimized_from"]
+    assert {k: v for k, v in table.items() if k != "previous"} == RECORD
+    if "first" in original:
+        assert table["previous"] == {"case": "../first", "tries": 3}
+
+
+def test_command_writes_the_case_and_returns_0(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = ce_case(tmp_path, entries=8, bad=5)
+    (path / "expected.safetensors").write_bytes(b"golden outputs of the full batch")
+    (path / "helpers").mkdir()
+    (path / "helpers" / "labels.txt").write_text("cat\ndog\n")
+    code = minimize_command(path, output=tmp_path / "small", device=None, max_tries=50,
+                            time_budget=60)
+    assert code == 0
+    out = capsys.readouterr().out
+    assert "wrote" in out and "entries on axis 0: 8 -> 1 (kept 5)" in out
+    assert "note: expected.safetensors is not copied: its golden outputs belong to the full " \
+           "batch" in out
+    assert sorted(p.name for p in (tmp_path / "small").iterdir()) == [
+        "case.py", "case.toml", "helpers", "inputs.safetensors"]
+    assert (tmp_path / "small" / "helpers" / "labels.txt").read_text() == "cat\ndog\n"
+    assert load_case(tmp_path / "small").origin["minimized_from"]["case"] == "../ce_batch"
