@@ -43,7 +43,8 @@ def _parser() -> argparse.ArgumentParser:
     minimize.add_argument("-o", "--output", type=Path, metavar="NEW_CASE")
     minimize.add_argument("--device", default=None, help="device type to run on (default: the "
                           "first the case can run on here)")
-    minimize.add_argument("--max-tries", type=int, default=200)
+    minimize.add_argument("--max-tries", type=int, default=200,
+                          help="shrinking tries at most (the first run of the original is extra)")
     minimize.add_argument("--time-budget", type=float, default=600.0, metavar="SECONDS")
 
     ablate = commands.add_parser(

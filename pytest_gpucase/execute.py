@@ -48,7 +48,14 @@ class Outcome:
     error_message: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
-    broken_case: bool = False          # the case itself is wrong (file, import), not the code
+    # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
+    # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
+    # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
+    kind: str = ""
+
+    @property
+    def broken_case(self) -> bool:
+        return self.kind == "broken case"
 
 
 class _Failed(Exception):
@@ -72,9 +79,9 @@ def run(spec: RunSpec) -> Outcome:
         return failed.outcome
     except CaseFormatError as exc:
         return Outcome("failed", str(exc), error_type="CaseFormatError", error_message=str(exc),
-                       broken_case=True)
+                       kind="broken case")
     except VariantNotApplicable as exc:
-        return Outcome("skipped", str(exc))
+        return Outcome("skipped", str(exc), kind="skipped")
 
 
 def _run(spec: RunSpec) -> Outcome:
@@ -88,10 +95,10 @@ def _run(spec: RunSpec) -> Outcome:
         elif spec.variant.kind == "boundary":
             # An in-range class index must be accepted and give the reference's outputs.
             expect = dataclasses.replace(expect, outcome="matches", exception=None, match=None)
-    apply_settings(spec.settings)
     func = resolve(case, case.call, "call")
     if spec.use_reference and case.reference:
         func = resolve(case, case.reference, "reference")
+    apply_settings(spec.settings)  # after the imports, so that no module-level code undoes it
     run_inputs = prepare(inputs, spec.device, spec.dtype if spec.cast else None)
     if expect.outcome == "raises":
         return _check_raises(func, run_inputs, expect, spec.device)
@@ -103,10 +110,11 @@ def _run(spec: RunSpec) -> Outcome:
     try:
         expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
     except Exception as exc:
-        return _raised("the reference (on CPU in float64)", exc)
+        return _raised("the reference (on CPU in float64)", exc, "reference raises")
     comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", "outputs differ from the reference", details=comparison.report(),
+                       kind="mismatch",
                        max_abs=comparison.max_abs, max_rel=comparison.max_rel)
     if spec.variant is None and case.expected_file.exists():
         against_golden = _compare(actual, golden.load(case.expected_file), expect)
@@ -115,10 +123,12 @@ def _run(spec: RunSpec) -> Outcome:
                 "failed", f"outputs match the reference but differ from the golden "
                 f"{case.expected_file.name}; if the change is intended, rewrite it with "
                 "--gpu-cases-regen", details=against_golden.report(),
-                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel)
+                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel,
+                kind="golden mismatch")
         return Outcome("passed", f"outputs match the reference and {case.expected_file.name}",
+                       kind="passed",
                        max_abs=comparison.max_abs, max_rel=comparison.max_rel)
-    return Outcome("passed", "outputs match the reference",
+    return Outcome("passed", "outputs match the reference", kind="passed",
                    max_abs=comparison.max_abs, max_rel=comparison.max_rel)
 
 
@@ -145,11 +155,21 @@ def _cudnn_off() -> None:
 def _deterministic() -> None:
     # cuBLAS needs a fixed workspace for deterministic results (CUDA >= 10.2).
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.use_deterministic_algorithms(True)
+    if "torch._inductor.config" in sys.modules or not hasattr(torch._C,
+                                                               "_set_deterministic_algorithms"):
+        torch.use_deterministic_algorithms(True)
+    else:
+        # The public call imports inductor (about 2 s per child) only to set its flag;
+        # inductor reads the same setting from this variable if it is imported later.
+        os.environ["TORCHINDUCTOR_DETERMINISTIC"] = "1"
+        torch._C._set_deterministic_algorithms(True)
 
 
 def _compile_off() -> None:
-    torch._dynamo.config.disable = True
+    if "torch._dynamo" in sys.modules:
+        torch._dynamo.config.disable = True
+    else:  # read by dynamo's config when it is first imported; importing it costs seconds
+        os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 
 # Switches a run can turn before the call (one change at a time, for ablation).
@@ -212,18 +232,18 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
         detail = traceback.format_exc()
         summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
         raise _Failed(Outcome("failed", summary, details=detail, error_type="ImportError",
-                              broken_case=True)) from None
+                              kind="broken case")) from None
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, _MISSING)
         if obj is _MISSING:
             raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{where}' has no "
                                   f"'{qualname}'; check the name after the colon",
-                                  error_type="AttributeError", broken_case=True))
+                                  error_type="AttributeError", kind="broken case"))
     if not callable(obj):
         raise _Failed(Outcome("failed", f"{display(case.case_file)}: {key}: '{target}' is a "
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
-                              broken_case=True))
+                              kind="broken case"))
     return obj  # type: ignore[no-any-return]
 
 
@@ -348,10 +368,10 @@ def user_traceback(exc: BaseException) -> str:
     return "".join(tb.format())
 
 
-def _raised(what: str, exc: BaseException) -> Outcome:
+def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
     text = user_traceback(exc)
     return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,
-                   error_type=type(exc).__name__, error_message=str(exc))
+                   error_type=type(exc).__name__, error_message=str(exc), kind=kind)
 
 
 def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
@@ -366,9 +386,10 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
         name_ok = _exception_matches(exc, expect.exception or "Exception")
         text_ok = expect.match is None or re.search(expect.match, str(exc)) is not None
         if name_ok and text_ok:
-            return Outcome("passed", f"raised {_describe(exc).splitlines()[0]}",
+            return Outcome("passed", f"raised {_describe(exc).splitlines()[0]}", kind="passed",
                            error_type=type(exc).__name__, error_message=str(exc))
         outcome = _raised("the call", exc)
         return dataclasses.replace(outcome, summary=f"expected {wanted}; {outcome.summary}")
     return Outcome("failed", f"expected {wanted}, but the call returned normally; if the fix "
-                   "has landed, set [expect] outcome = \"matches\" in case.toml")
+                   "has landed, set [expect] outcome = \"matches\" in case.toml",
+                   kind="no exception")

@@ -74,6 +74,15 @@ def saved_float_dtype(inputs: Sequence[TensorInfo]) -> str | None:
     return DTYPES[largest.dtype][0]
 
 
+def saved_dtype(case: Case) -> str | None:
+    """The floating dtype of a case's saved inputs, read from the payload's header only."""
+    from .payload import describe
+
+    if not case.inputs_file.exists():
+        return None
+    return saved_float_dtype(describe(case.inputs_file))
+
+
 def _numel(shape: Sequence[int]) -> int:
     count = 1
     for size in shape:

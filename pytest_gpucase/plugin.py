@@ -41,6 +41,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "run, and list the files written")
     group.addoption("--gpu-cases-report", metavar="PATH", type=Path,
                     help="write the run's results (environment and every item) as JSON here")
+    group.addoption("--gpu-ablate", action="store_true",
+                    help="rerun each failing item under one change at a time (CPU, float32, "
+                         "float64, TF32 off, cuDNN off, ...) and report which make it pass")
     group.addoption("--gpu-per-worker", action="store_true",
                     help="under pytest-xdist, give each worker's runs one device of the visible "
                          "ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
@@ -225,13 +228,13 @@ class CaseDirectory(pytest.Directory):
     def collect(self) -> Iterator[pytest.Item]:
         from .case import load_case
         from .errors import CaseFormatError
-        from .matrix import expand
+        from .matrix import expand, saved_dtype
 
         state = self.config.stash[session_key]
         try:
             case = load_case(self.path)
             # The saved dtype names the items only when [matrix] dtypes does not.
-            saved = None if case.matrix.dtypes else _saved_dtype(case)
+            saved = None if case.matrix.dtypes else saved_dtype(case)
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
@@ -251,16 +254,6 @@ class CaseDirectory(pytest.Directory):
             item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
             item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
             yield item
-
-
-def _saved_dtype(case: Case) -> str | None:
-    """The floating dtype of the saved inputs, read from the payload's header only."""
-    from .matrix import saved_float_dtype
-    from .payload import describe
-
-    if not case.inputs_file.exists():
-        return None
-    return saved_float_dtype(describe(case.inputs_file))
 
 
 class BrokenCaseItem(pytest.Item):
@@ -342,8 +335,17 @@ class CaseItem(pytest.Item):
                            backend=state.environment().backend,
                            localize=not self.config.getoption("gpu_no_localize"))
         self.stash[verdict_key] = verdict
-        self.user_properties.append(("gpucase_result", verdict_fields(verdict)))
+        fields = verdict_fields(verdict)
         _add_sections(self, verdict)
+        if verdict.failed and self.config.getoption("gpu_ablate"):
+            from .ablate import ablate
+
+            found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,
+                           env=state.environment(), start_method=state.start_method(),
+                           variant=self.spec.variant)
+            self.add_report_section("call", "gpucase ablation", found.render())
+            fields["ablation"] = found.to_dict()
+        self.user_properties.append(("gpucase_result", fields))
         if verdict.outcome.status == "skipped":
             pytest.skip(verdict.outcome.summary)
         if verdict.failed:
@@ -581,12 +583,12 @@ class GpuCaseHandle:
             launch_blocking: bool = False) -> Verdict:
         """Run the case once in a fresh child and return the verdict (it does not raise)."""
         from .environment import launch_blocking_env
-        from .matrix import RunSpec
+        from .matrix import RunSpec, saved_dtype
         from .runner import run_spec
 
         backend = self._state.environment().backend
         env = launch_blocking_env(backend) if launch_blocking and device != "cpu" else {}
-        spec = RunSpec(self.case, device, dtype or _saved_dtype(self.case) or "float32",
+        spec = RunSpec(self.case, device, dtype or saved_dtype(self.case) or "float32",
                        cast=dtype is not None, env=env, launch_blocking=bool(env))
         return run_spec(spec, start_method=self._state.start_method(), backend=backend,
                         localize=False)

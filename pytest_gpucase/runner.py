@@ -77,7 +77,8 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     details = child.child_error or (f"last lines of stderr:\n{tail}" if tail else "stderr is empty")
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")
-    return Outcome("failed", summary, details=details,
+    kind = "timeout" if child.timed_out else "crash"
+    return Outcome("failed", summary, details=details, kind=kind,
                    error_type="Crash" if child.signal else None, error_message=message)
 
 

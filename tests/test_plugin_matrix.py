@@ -159,3 +159,27 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     assert report["complete"] is False
     assert [r["case"] for r in report["results"]] == ["a_first"]
     json.dumps(report)  # plain JSON all the way down
+
+
+def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) -> None:
+    import torch
+
+    from .test_plugin import write_case
+
+    # exp(12) is past float16's largest value (65504): the naive softmax gives NaN.
+    write_case(pytester.path, "softmax_fp16", """
+        format = 1
+        call = "case.py:run"
+        [matrix]
+        devices = ["cpu"]
+        dtypes = ["float16"]
+    """, "import torch\n\ndef run(x):\n    e = torch.exp(x)\n"
+         "    return e / e.sum(dim=-1, keepdim=True)\n",
+        {"x": torch.full((2, 4), 12.0)})
+    path = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-ablate", "--gpu-cases-report",
+                                           str(path), "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*gpucase ablation*", "*float32*passes*"])
+    [record] = load_report(path)["results"]
+    assert record["ablation"]["rows"]
