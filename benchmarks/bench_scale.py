@@ -6,8 +6,9 @@ Every figure is printed next to a baseline measured in the same run, as a ratio
 (these machines are noisy; ratios travel better than seconds):
 
 1. isolation per trivial item, whole pytest runs: ``pytest --gpu-cases`` on N
-   trivial cases vs N trivial Python tests under ``--forked`` (pytest-forked)
-   vs the same N tests without isolation; per item = (run of N - run of 1) / (N - 1),
+   trivial cases vs N trivial Python tests under ``--forked`` (pytest-forked),
+   also with torch imported in the session as in any PyTorch project, vs the
+   same N tests without isolation; per item = (run of N - run of 1) / (N - 1),
    so the one-off start-up (torch import, environment probe) is left out.
 2. collection of ``--cases`` case directories (4 items each) vs the same
    number of Python test files with one test parametrized 4 ways.
@@ -70,9 +71,12 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
             (path / name).write_bytes(content)
 
 
-def write_python_tests(root: Path, count: int, params: int = 1) -> None:
-    tests = root / "tests"
+def write_python_tests(root: Path, count: int, params: int = 1, folder: str = "tests",
+                       conftest: str = "") -> None:
+    tests = root / folder
     tests.mkdir()
+    if conftest:
+        (tests / "conftest.py").write_text(conftest)
     body = (f"import pytest\n\n@pytest.mark.parametrize('p', range({params}))\n"
             "def test_trivial(p):\n    assert p + 1 > 0\n")
     for index in range(count):
@@ -87,9 +91,13 @@ def isolation(items: int) -> None:
             root = Path(tmp)
             write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n')
             write_python_tests(root, count)
+            # A PyTorch project's test session has torch imported: forks copy its mappings.
+            write_python_tests(root, count, folder="tests_torch", conftest="import torch\n")
             rows.setdefault("plain pytest, no isolation", []).append(pytest_seconds(root, "tests"))
             rows.setdefault("pytest-forked --forked", []).append(
                 pytest_seconds(root, "--forked", "tests"))
+            rows.setdefault("--forked, torch imported", []).append(
+                pytest_seconds(root, "--forked", "tests_torch"))
             rows.setdefault("pytest --gpu-cases", []).append(
                 pytest_seconds(root, "--gpu-cases", "cases"))
     per_item = {name: (many - one) / (items - 1) for name, (one, many) in rows.items()}
