@@ -33,10 +33,6 @@ from .matrix import RunSpec
 from .variants import VariantNotApplicable, apply as apply_variant
 
 
-# Set by the parent: how many intra-op threads torch may use in this child.
-NUM_THREADS_ENV = "GPUCASE_NUM_THREADS"
-
-
 @dataclass(frozen=True)
 class Outcome:
     """The verdict of one run, as plain data that crosses the process boundary."""
@@ -70,9 +66,6 @@ def run(spec: RunSpec) -> Outcome:
     """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
-    threads = os.environ.get(NUM_THREADS_ENV)
-    if threads:
-        torch.set_num_threads(int(threads))
     try:
         return _run(spec)
     except _Failed as failed:

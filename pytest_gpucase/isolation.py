@@ -18,6 +18,7 @@ moment for it, then kills the process group.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import pickle
 import select
@@ -138,9 +139,11 @@ def run_in_child(
     start = time.monotonic()
     try:
         if start_method == "fork":
+            threaded = thread_count() > 1
             pid = os.fork()
             if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
-                _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), env, func, args)
+                _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), env, threaded,
+                              func, args)
         else:
             job_file = _write_job(func, args)
             pid = _spawn(job_file, out_w, err_w, res_w, env)
@@ -159,9 +162,18 @@ def run_in_child(
 
 
 def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
-                  env: Mapping[str, str] | None, func: Callable[..., Any],
+                  env: Mapping[str, str] | None, threaded: bool, func: Callable[..., Any],
                   args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
     try:
+        torch = sys.modules.get("torch")
+        if threaded and torch is not None:
+            # The parent may have run parallel CPU work: OpenMP's worker threads do
+            # not survive a fork, and a child's parallel region would wait for them
+            # forever. One intra-op thread never enters one (DataLoader workers do this).
+            torch.set_num_threads(1)
+        # A run is short: a collection pass would only touch (and so copy) pages
+        # shared with the parent.
+        gc.disable()
         os.setpgid(0, 0)
         for fd in parent_ends:
             os.close(fd)

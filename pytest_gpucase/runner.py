@@ -9,8 +9,8 @@ from dataclasses import dataclass, replace
 from .environment import launch_blocking_env
 from .errors import display
 from .case import Case
-from .execute import NUM_THREADS_ENV, Outcome, run, write_golden
-from .isolation import ChildResult, StartMethod, run_in_child, thread_count
+from .execute import Outcome, run, write_golden
+from .isolation import ChildResult, StartMethod, run_in_child
 from .matrix import RunSpec
 from .triage import Triage, assertion_line, triage
 
@@ -35,12 +35,7 @@ class Verdict:
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
              localize: bool = True) -> Verdict:
     """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps."""
-    env = dict(spec.env)
-    if start_method == "fork" and thread_count() > 1:
-        # Once this process has run parallel CPU work, OpenMP's idle worker threads
-        # do not survive a fork: a child using more than one intra-op thread hangs.
-        env.setdefault(NUM_THREADS_ENV, "1")
-    child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+    child = run_in_child(run, spec, timeout=spec.case.timeout, env=dict(spec.env),
                          start_method=start_method)
     outcome = child.value if child.returned else _crash_outcome(spec, child)
     found = None
