@@ -41,7 +41,6 @@ import inspect
 import itertools
 import json
 import operator
-import math
 import os
 import platform
 import re
@@ -54,6 +53,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
+
+import tomli_w
 
 from . import payload
 from .case import CASE_FILE, INPUTS_FILE
@@ -77,7 +78,6 @@ _STDERR_LINES = 10
 _MAX_NAMES = 10_000
 _INT64 = (-(2**63), 2**63 - 1)
 _CALL_RE = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)*$")
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
 SampleIds = Callable[..., Iterable[object]]
 
@@ -841,61 +841,16 @@ def _literal(value: Any) -> Any:
     return _NOT_LITERAL
 
 
-def _toml_string(text: str) -> str:
-    # JSON string escapes are valid TOML basic-string escapes; DEL and lone surrogates are not.
-    text = text.encode("utf-8", "replace").decode("utf-8")
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _toml_key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _toml_string(key)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        if math.isinf(value):
-            return "inf" if value > 0 else "-inf"
-        return repr(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, list):
-        return f"[{', '.join(_toml_value(v) for v in value)}]"
-    if isinstance(value, dict):
-        inner = ", ".join(f"{_toml_key(k)} = {_toml_value(v)}" for k, v in value.items())
-        return f"{{ {inner} }}" if inner else "{}"
-    raise TypeError(f"cannot write {type(value).__name__} to TOML")
-
-
-def _toml_table(name: str, table: Mapping[str, Any]) -> list[str]:
-    lines = ["", f"[{name}]"]
-    subtables = []
-    for key, value in table.items():
-        if isinstance(value, dict) and name == "origin":
-            subtables.append((key, value))
-        else:
-            lines.append(f"{_toml_key(key)} = {_toml_value(value)}")
-    for key, value in subtables:
-        lines.extend(_toml_table(f"{name}.{_toml_key(key)}", value))
-    return lines
-
-
 def _case_toml(draft: _Draft) -> str:
     """The ``case.toml`` text of a draft."""
-    lines = ["format = 1", f"summary = {_toml_string(draft.summary)}",
-             f"call = {_toml_string(draft.call)}"]
+    doc: dict[str, Any] = {"format": 1, "summary": draft.summary, "call": draft.call}
     if draft.xfail is not None:
-        lines.append(f"xfail = {_toml_string(draft.xfail)}")
+        doc["xfail"] = draft.xfail
     if draft.literals:
-        lines.extend(_toml_table("inputs", draft.literals))
-    lines.extend(["", "[expect]", 'outcome = "matches"'])
-    lines.extend(_toml_table("origin", draft.origin))
-    return "\n".join(lines) + "\n"
+        doc["inputs"] = dict(draft.literals)
+    doc["expect"] = {"outcome": "matches"}
+    doc["origin"] = dict(draft.origin)
+    return tomli_w.dumps(doc)
 
 
 def _write_synced(path: Path, text: str) -> None:

@@ -17,24 +17,17 @@ The result is written as a new case directory, atomically (a temporary
 directory beside it, then a rename; an existing directory is never
 overwritten), with ``[origin]`` kept and an ``[origin.minimized_from]`` table.
 
-Writing ``case.toml``: the stdlib reads TOML but cannot write it. Rather than
-add ``tomli-w`` as a dependency for one table, the original text is copied
-verbatim (comments and layout kept) and the new table is appended with a dotted
-header; the result is parsed back and compared with the intended document. When
-that cannot hold (``origin`` written inline or as dotted keys, or a case that was
-minimized before), the whole document is written by ``dumps``, a small
-serializer for exactly the values ``tomllib`` returns (strings, integers,
-floats, booleans, dates and times, arrays, tables), tested by round trip.
+Writing ``case.toml``: the original text is copied verbatim (comments and
+layout kept) and the new table is appended with a dotted header written by
+``tomli_w``; the result is parsed back and compared with the intended document.
+When that cannot hold (``origin`` written inline or as dotted keys, or a case
+that was minimized before), the whole document is written by ``tomli_w``.
 """
 
 from __future__ import annotations
 
 import contextlib
-import datetime as dt
-import json
-import math
 import os
-import re
 import secrets
 import shutil
 import sys
@@ -44,6 +37,8 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
+
+import tomli_w
 
 from . import payload
 from .case import CASE_FILE, EXPECTED_FILE, FLOAT_DTYPES, INPUTS_FILE, Case, load_case
@@ -720,15 +715,11 @@ def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
 
 # --- TOML writing ----------------------------------------------------------------------------
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
-_INLINE_WIDTH = 100
-
-
 def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
     """``case.toml`` text with ``[origin.minimized_from]`` set to ``record``.
 
     The text is kept verbatim and the table appended; when that does not parse to
-    the intended document, the document is written whole by ``dumps``. A
+    the intended document, the document is written whole. A
     ``minimized_from`` already there is kept under ``previous``.
     """
     doc = tomllib.loads(text)
@@ -739,77 +730,13 @@ def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
     origin["minimized_from"] = table
     wanted = {**doc, "origin": origin}
     appended = (text.rstrip("\n") + "\n\n# written by gpucase minimize\n"
-                + dumps_table(("origin", "minimized_from"), table))
+                + tomli_w.dumps({"origin": {"minimized_from": table}}))
     try:
         if tomllib.loads(appended) == wanted:
             return appended
     except tomllib.TOMLDecodeError:
         pass
-    return dumps(wanted)
-
-
-def dumps(doc: Mapping[str, Any]) -> str:
-    """A TOML document for ``doc`` (the kinds of values ``tomllib`` returns)."""
-    return dumps_table((), doc)
-
-
-def dumps_table(path: tuple[str, ...], table: Mapping[str, Any]) -> str:
-    """The table at dotted ``path`` (the root when empty), with its sub-tables, as TOML text."""
-    lines: list[str] = []
-    _write_table(lines, path, table)
-    return "\n".join(lines) + "\n"
-
-
-def _write_table(lines: list[str], path: tuple[str, ...], table: Mapping[str, Any]) -> None:
-    inline, nested = [], []
-    for key, value in table.items():
-        if isinstance(value, Mapping) and not _inline_leaf(path, value):
-            nested.append((key, value))
-        else:
-            inline.append((key, value))
-    if path and (inline or not nested):
-        if lines:
-            lines.append("")
-        lines.append(f"[{'.'.join(_key(part) for part in path)}]")
-    for key, value in inline:
-        lines.append(f"{_key(key)} = {_value(value)}")
-    for key, value in nested:
-        _write_table(lines, (*path, key), value)
-
-
-def _inline_leaf(path: tuple[str, ...], value: Mapping[str, Any]) -> bool:
-    # Tables two levels down that hold no tables read best inline, like `x = { a = 1 }`.
-    return (len(path) >= 2 and not any(isinstance(v, Mapping) for v in value.values())
-            and len(_value(value)) <= _INLINE_WIDTH)
-
-
-def _key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _string(key)
-
-
-def _string(text: str) -> str:
-    # JSON's escapes are all valid in a TOML basic string; TOML also forbids a raw DEL.
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-def _value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, float):
-        if math.isnan(value):
-            return "nan"
-        return repr(value)  # "inf", "-inf", "1e-05" and "0.1" are all TOML floats
-    if isinstance(value, str):
-        return _string(value)
-    if isinstance(value, (dt.datetime, dt.date, dt.time)):
-        return value.isoformat()
-    if isinstance(value, Mapping):
-        return "{" + ", ".join(f"{_key(k)} = {_value(v)}" for k, v in value.items()) + "}"
-    if isinstance(value, (list, tuple)):
-        return "[" + ", ".join(_value(item) for item in value) + "]"
-    raise TypeError(f"cannot write {type(value).__name__} as TOML: {value!r}")
+    return tomli_w.dumps(wanted)
 
 
 # --- the command -----------------------------------------------------------------------------
