@@ -106,11 +106,19 @@ def evaluate(req: Requirements, env: Environment) -> str | None:
             return f"{wanted}; not installed"
         if not specifier:
             continue  # "" asks only that the package be installed
-        version = _version(found)
-        if version is None:
-            return f"{wanted}; found {found}, which is not a PEP 440 version"
-        if not _satisfies(version, specifier):
-            return f"{wanted}; found {found}"
+        reason = _found_reason(wanted, found, specifier)
+        if reason is not None:
+            return reason
+    return None
+
+
+def _found_reason(wanted: str, found: str, specifier: str) -> str | None:
+    """Why the ``found`` version does not meet ``specifier``, or None when it does."""
+    version = _version(found)
+    if version is None:
+        return f"{wanted}; found {found}, which is not a PEP 440 version"
+    if not _satisfies(version, specifier):
+        return f"{wanted}; found {found}"
     return None
 
 
@@ -126,12 +134,7 @@ def _version_reason(key: str, specifier: str, env: Environment) -> str | None:
                    "hip": f"this is {_BACKEND_WORDS.get(env.backend, env.backend)} "
                           "(torch.version.hip is None)"}
         return f"{wanted}; {missing.get(key, 'not known here')}"
-    version = _version(found)
-    if version is None:
-        return f"{wanted}; found {found}, which is not a PEP 440 version"
-    if not _satisfies(version, specifier):
-        return f"{wanted}; found {found}"
-    return None
+    return _found_reason(wanted, found, specifier)
 
 
 def _capability_reason(wanted: str, specifier: str, env: Environment) -> str | None:

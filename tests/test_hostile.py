@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import fnmatch
 import pickle
-import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
-from pytest_gpucase import payload
 
-from .test_plugin import RAISES, ce_case
+from .test_plugin import RAISES, ce_case, write_case
 
 GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
 RUN_X = "def run(x):\n    return x + 1\n"
@@ -38,13 +36,7 @@ class Marker:
 def build(root: Path, name: str, toml: str, code: str | None = RUN_X,
           tensors: dict[str, torch.Tensor] | None = None,
           extra: Callable[[Path], None] | None = None) -> None:
-    path = root / "cases" / name
-    path.mkdir(parents=True)
-    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
-    if code is not None:
-        (path / "case.py").write_text(textwrap.dedent(code).lstrip())
-    if tensors is not None:
-        payload.save(path / "inputs.safetensors", tensors)
+    path = write_case(root, name, toml, code, tensors)
     if extra is not None:
         extra(path)
 
