@@ -7,16 +7,16 @@ float32 meets with a wide margin (errors near 1e-5 for these sizes) and TF32
 
 from __future__ import annotations
 
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from pytest_gpucase import payload
 from pytest_gpucase.ablate import CPU_HINT, PASSES, STILL_FAILS, ablate
 from pytest_gpucase.case import load_case
 from pytest_gpucase.environment import Environment, probe
+
+from .test_ablate import make_case
 
 pytestmark = pytest.mark.gpu
 
@@ -38,16 +38,6 @@ def ampere_env() -> Environment:
         pytest.skip(f"TF32 needs compute capability 8.0 (Ampere) or newer; {low[0].name} is "
                     f"{low[0].capability}")
     return env
-
-
-def make_case(root: Path, name: str, toml: str, case_py: str,
-              tensors: dict[str, torch.Tensor]) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "case.toml").write_text(textwrap.dedent(toml))
-    (path / "case.py").write_text(textwrap.dedent(case_py))
-    payload.save(path / "inputs.safetensors", tensors)
-    return path
 
 
 MATMUL_PY = """\
