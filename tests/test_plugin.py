@@ -298,3 +298,31 @@ def test_unknown_device_or_dtype_option_is_a_usage_error(pytester: pytest.Pytest
                                  "cpu, mps, xpu"])
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-dtypes", "bf16")
     result.stderr.fnmatch_lines(["*argument --gpu-dtypes: unknown 'bf16'; expected one of *"])
+
+
+def test_golden_regen_workflow(pytester: pytest.Pytester, cases: Path) -> None:
+    """create -> pass -> change -> fail -> regen -> pass, as pytest-regressions tests it."""
+    path = write_case(cases, "scale", 'format = 1\ncall = "case.py:run"\n[matrix]\n'
+                      'devices = ["cpu"]\n', "def run(x):\n    return {'y': x * 2}\n",
+                      {"x": torch.arange(6, dtype=torch.float32).reshape(2, 3)})
+    golden = path / "expected.safetensors"
+    plain = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    plain.assert_outcomes(passed=1)
+    assert not golden.exists()  # a normal run never creates a golden
+    regen = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases")
+    regen.assert_outcomes(passed=1)
+    regen.stdout.fnmatch_lines(["*gpucase: golden files written*",
+                                "cases/scale/expected.safetensors"])
+    assert golden.exists()
+    pytester.runpytest_subprocess("--gpu-cases", "cases").assert_outcomes(passed=1)
+    (path / "case.py").write_text("def run(x):\n    return {'y': x * 2 + 1}\n")
+    changed = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    changed.assert_outcomes(failed=1)
+    changed.stdout.fnmatch_lines([
+        "outputs match the reference but differ from the golden expected.safetensors; if the "
+        "change is intended, rewrite it with --gpu-cases-regen",
+        "out[[]'y'[]]: values differ",
+    ])
+    pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases").assert_outcomes(
+        passed=1)
+    pytester.runpytest_subprocess("--gpu-cases", "cases").assert_outcomes(passed=1)
