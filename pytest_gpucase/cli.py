@@ -92,6 +92,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         problems = validate(args.paths)
         for problem in problems:
             print(problem)
+        if not problems:
+            print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")
         return 1 if problems else 0
     if args.command == "minimize":
         from .minimize import minimize_command

@@ -263,7 +263,8 @@ def test_cli_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                       capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.chdir(tmp_path)
     rich_case(tmp_path / "cases", "good")
-    assert main(["validate"]) == 0 and capsys.readouterr().out == ""
+    assert main(["validate"]) == 0
+    assert capsys.readouterr().out == "gpucase validate: no problems in cases\n"
     assert main(["show", "cases/good"]) == 0
     assert capsys.readouterr().out.startswith("good  (cases/good)\n")
     assert main(["request", "cases/good"]) == 0
