@@ -180,7 +180,6 @@ class GpuCaseSession:
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
 session_key = pytest.StashKey[GpuCaseSession]()
-verdict_key = pytest.StashKey["Verdict"]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -334,7 +333,6 @@ class CaseItem(pytest.Item):
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
                            localize=not self.config.getoption("gpu_no_localize"))
-        self.stash[verdict_key] = verdict
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
         if verdict.failed and self.config.getoption("gpu_ablate"):
