@@ -197,10 +197,11 @@ def save(obj: object, path: PathLike) -> Manifest:
     path = Path(path)
     if path.name.endswith(".safetensors"):
         tensors = _flat_tensors(obj, path)
-        from safetensors.torch import save_file
+        from .payload import save as save_payload
 
         def write(tmp: Path) -> None:
-            save_file(dict(tensors), str(tmp))
+            # Our own writer: safetensors.torch.save_file needs numpy, which torch does not bring.
+            save_payload(tmp, dict(tensors))
 
     else:
 
@@ -477,9 +478,9 @@ def _count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
 def _load(path: Path) -> object:
     """Load a checkpoint on the CPU without executing pickle code."""
     if path.name.endswith(".safetensors"):
-        from safetensors.torch import load_file
+        from .payload import load as load_payload
 
-        return load_file(str(path), device="cpu")
+        return load_payload(path)
     with open(path, "rb") as f:
         # torch's own zip test; legacy (non-zip) files cannot be memory-mapped.
         is_zip = f.read(4) == b"PK\x03\x04"

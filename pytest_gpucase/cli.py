@@ -63,6 +63,9 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpucase`` command line; return the exit code."""
     args = _parser().parse_args(argv)
+    from ._torch import import_torch
+
+    import_torch()
     try:
         return _dispatch(args)
     except CaseFormatError as exc:

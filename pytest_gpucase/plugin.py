@@ -96,7 +96,9 @@ class GpuCaseSession:
         from .environment import package_version, probe
 
         if self._env is None:
-            import torch  # noqa: F401 - imported once here so that every forked child shares it
+            from ._torch import import_torch
+
+            import_torch()  # imported once here so that every forked child shares it
 
             self._env = probe(rootdir=str(self.config.rootpath))
         missing = [name for name in packages if name not in self._env.packages]
@@ -185,8 +187,15 @@ session_key = pytest.StashKey[GpuCaseSession]()
 def pytest_configure(config: pytest.Config) -> None:
     state = GpuCaseSession(config)
     config.stash[session_key] = state
+    if state.enabled:
+        from ._torch import import_torch
+
+        import_torch()  # before any engine module imports it, and before anything can fork
     if state.enabled and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
+    if state.enabled and config.getoption("forked", False):
+        # Registered after pytest-forked (an entry point), so called before its tryfirst hook.
+        config.pluginmanager.register(_OwnIsolation(), "gpucase-own-isolation")
     config.addinivalue_line(
         "markers", "gpu_case(path): give the gpu_case fixture the case directory at path")
     for device in ("cpu", "cuda", "mps", "xpu"):
@@ -464,6 +473,26 @@ class _Recorder:
             from .report import append_step_summary
 
             append_step_summary(self.state.build_report(complete=complete))
+
+
+class _OwnIsolation:
+    """Under ``--forked``, case items keep their own fresh child instead of a second fork.
+
+    Each case run already happens in a fresh child, so pytest-forked's extra
+    fork adds nothing to them (and pytest-forked 1.7.5 cannot send pytest 9.2's
+    reports back at all); the user's other tests are still forked by it.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+        if not isinstance(item, (CaseItem, BrokenCaseItem)):
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=nextitem, log=True)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
