@@ -15,7 +15,6 @@ from typing import Any
 
 import pytest
 import torch
-from safetensors import serialize_file
 from safetensors.torch import load_file
 
 from pytest_gpucase import payload
@@ -161,9 +160,16 @@ def test_loaded_tensors_do_not_depend_on_the_file(tmp_path: Path) -> None:
 def _save_plain(tensors: dict[str, torch.Tensor], path: Path) -> None:
     """A file as any safetensors writer makes it (safetensors.torch.save_file needs numpy)."""
     codes = {torch.float32: "F32", torch.int64: "I64"}
-    serialize_file({name: {"dtype": codes[t.dtype], "shape": list(t.shape),
-                           "data": bytes(payload._bytes_of(t.contiguous()))}
-                    for name, t in tensors.items()}, str(path))
+    header: dict[str, object] = {}
+    data = b""
+    for name, t in tensors.items():
+        raw = bytes(payload._bytes_of(t.contiguous()))
+        header[name] = {"dtype": codes[t.dtype], "shape": list(t.shape),
+                        "data_offsets": [len(data), len(data) + len(raw)]}
+        data += raw
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
 
 
 def test_plain_safetensors_file_loads_as_contiguous(tmp_path: Path) -> None:
