@@ -484,7 +484,8 @@ class _OwnIsolation:
     """
 
     @pytest.hookimpl(tryfirst=True)
-    def pytest_runtest_protocol(self, item: pytest.Item, nextitem: pytest.Item | None) -> bool | None:
+    def pytest_runtest_protocol(self, item: pytest.Item,
+                                nextitem: pytest.Item | None) -> bool | None:
         if not isinstance(item, (CaseItem, BrokenCaseItem)):
             return None
         from _pytest.runner import runtestprotocol
