@@ -43,10 +43,10 @@ class RunSpec:
 
     @property
     def id(self) -> str:
-        """The parametrization token: ``cpu-float32``, ``cuda-bfloat16-batch=1``."""
+        """The parametrization token: ``cpu-float32``, ``cuda-bfloat16-batch[1]``."""
         parts = [self.device, self.dtype]
         if self.variant is not None:
-            parts.append(self.variant.label)
+            parts.append(self.variant.id)
         return "-".join(parts)
 
 
@@ -181,7 +181,10 @@ def expand(
     case_devices = case.matrix.devices or DEFAULT_DEVICES + tuple(
         t for t in env.device_types if t not in DEFAULT_DEVICES)
     if devices is not None:
-        case_devices = tuple(d for d in case_devices if d in devices)
+        # A case without its own device list runs on every device asked for (skipped with the
+        # reason where this machine has none); a case's own list is only narrowed.
+        case_devices = (tuple(devices) if case.matrix.devices is None
+                        else tuple(d for d in case_devices if d in devices))
     cast = case.matrix.dtypes is not None
     case_dtypes = case.matrix.dtypes or (saved_dtype or "float32",)
     if dtypes is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import pytest
 
@@ -22,58 +22,111 @@ if TYPE_CHECKING:
     from .runner import Verdict
 
 
+@dataclass(frozen=True)
+class Setting:
+    """One setting: a command-line option and the ini key of the same name."""
+
+    name: str            # the ini key and the option's dest, e.g. "gpu_devices"
+    help: str
+    kind: Literal["bool", "csv", "path", "choice", "paths"] = "bool"
+    choices: tuple[str, ...] = ()
+    default: Any = None
+    needs_cases: bool = False  # meaningless without --gpu-cases: a usage error on the command line
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.name.replace("_", "-")
+
+
+SETTINGS = (
+    Setting("gpu_cases", "collect case directories (with a case.toml) and replay each run in a "
+            "fresh child process", default=False),
+    Setting("gpu_cases_paths", "case folders collected by --gpu-cases when no path is given on "
+            "the command line (ini only; relative to the rootdir)", kind="paths", default=()),
+    Setting("gpu_launch_blocking", "run device items with the backend's launch-blocking variable "
+            "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing", default=False,
+            needs_cases=True),
+    Setting("gpu_devices", "only these device types, e.g. cuda,cpu (narrows each case's list)",
+            kind="csv"),
+    Setting("gpu_dtypes", "only these dtypes, e.g. float32,bfloat16 (narrows each case's list)",
+            kind="csv"),
+    Setting("gpu_no_localize", "do not rerun an asynchronous device error with launch blocking",
+            default=False, needs_cases=True),
+    Setting("gpu_cases_regen", "write or rewrite each case's expected.safetensors from its "
+            "reference run, and list the files written", default=False, needs_cases=True),
+    Setting("gpu_cases_report", "write the run's results (environment and every item) as JSON "
+            "here", kind="path", needs_cases=True),
+    Setting("gpu_ablate", "rerun each failing item under one change at a time (CPU, float32, "
+            "float64, TF32 off, cuDNN off, ...) and report which make it pass", default=False,
+            needs_cases=True),
+    Setting("gpu_per_worker", "under pytest-xdist, give each worker's runs one device of the "
+            "visible ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
+            default=False),
+    Setting("gpu_start_method", "how each run's child starts: auto (fork, or spawn when CUDA is "
+            "already initialized in the pytest process), fork, spawn", kind="choice",
+            choices=("auto", "fork", "spawn"), default="auto"),
+)
+_SETTINGS = {setting.name: setting for setting in SETTINGS}
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpucase", "saved GPU failure cases")
-    group.addoption("--gpu-cases", action="store_true",
-                    help="collect case directories (with a case.toml) and replay each run "
-                         "in a fresh child process")
-    group.addoption("--gpu-launch-blocking", action="store_true",
-                    help="run device items with the backend's launch-blocking variable "
-                         "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing")
-    group.addoption("--gpu-devices", metavar="TYPES", type=_device_list,
-                    help="only these device types, e.g. cuda,cpu (narrows each case's list)")
-    group.addoption("--gpu-dtypes", metavar="DTYPES", type=_dtype_list,
-                    help="only these dtypes, e.g. float32,bfloat16 (narrows each case's list)")
-    group.addoption("--gpu-no-localize", action="store_true",
-                    help="do not rerun an asynchronous device error with launch blocking")
-    group.addoption("--gpu-cases-regen", action="store_true",
-                    help="write or rewrite each case's expected.safetensors from its reference "
-                         "run, and list the files written")
-    group.addoption("--gpu-cases-report", metavar="PATH", type=Path,
-                    help="write the run's results (environment and every item) as JSON here")
-    group.addoption("--gpu-ablate", action="store_true",
-                    help="rerun each failing item under one change at a time (CPU, float32, "
-                         "float64, TF32 off, cuDNN off, ...) and report which make it pass")
-    group.addoption("--gpu-per-worker", action="store_true",
-                    help="under pytest-xdist, give each worker's runs one device of the visible "
-                         "ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)")
-    group.addoption("--gpu-start-method", choices=("auto", "fork", "spawn"), default="auto",
-                    help="how each run's child starts: auto (fork, or spawn when CUDA is "
-                         "already initialized in the pytest process), fork, spawn")
+    for setting in SETTINGS:
+        ini_type = {"bool": "bool", "paths": "paths"}.get(setting.kind, "string")
+        parser.addini(setting.name, setting.help, type=ini_type,  # type: ignore[arg-type]
+                      default=setting.default)
+        if setting.kind == "paths":
+            continue
+        if setting.kind == "bool":
+            group.addoption(setting.flag, action="store_true", default=None, help=setting.help)
+        elif setting.kind == "choice":
+            group.addoption(setting.flag, choices=setting.choices, default=None,
+                            help=setting.help)
+        else:
+            group.addoption(setting.flag, metavar=setting.name.removeprefix("gpu_").upper(),
+                            default=None, help=setting.help)
 
 
-def _csv(value: str, known: tuple[str, ...]) -> tuple[str, ...]:
-    import argparse
+def setting(config: pytest.Config, name: str) -> Any:
+    """A setting's value: the command line's, else the ini key's, else the default.
 
+    Values from either place are checked the same way; a mistake is a usage error
+    naming where it came from.
+    """
+    spec = _SETTINGS[name]
+    value = config.getoption(name, None) if spec.kind != "paths" else None
+    source = f"argument {spec.flag}"
+    if value is None:
+        value = config.getini(name)
+        source = f"ini key {name}"
+        if value in (None, "", []):
+            value = spec.default
+    if spec.kind == "bool":
+        return bool(value)
+    if spec.kind == "paths":
+        return tuple(value or ())
+    if value is None:
+        return None
+    if spec.kind == "path":
+        return Path(str(value))
+    if spec.kind == "choice":
+        if value not in spec.choices:
+            raise pytest.UsageError(f"{source}: {value!r} is not one of {', '.join(spec.choices)}")
+        return value
+    from .case import DEVICE_TYPES, FLOAT_DTYPES
+
+    known = DEVICE_TYPES if name == "gpu_devices" else FLOAT_DTYPES
+    return _csv(str(value), known, source)
+
+
+def _csv(value: str, known: tuple[str, ...], source: str) -> tuple[str, ...]:
     names = tuple(part.strip() for part in value.split(",") if part.strip())
     for name in names:
         if name not in known:
             # A typo would otherwise narrow every case to nothing, without a word.
-            raise argparse.ArgumentTypeError(f"unknown {name!r}; expected one of "
-                                             f"{', '.join(known)}")
+            raise pytest.UsageError(f"{source}: unknown {name!r}; expected one of "
+                                    f"{', '.join(known)}")
     return names
-
-
-def _device_list(value: str) -> tuple[str, ...]:
-    from .case import DEVICE_TYPES
-
-    return _csv(value, DEVICE_TYPES)
-
-
-def _dtype_list(value: str) -> tuple[str, ...]:
-    from .case import FLOAT_DTYPES
-
-    return _csv(value, FLOAT_DTYPES)
 
 
 @dataclass
@@ -81,15 +134,18 @@ class GpuCaseSession:
     """The plugin's state for one pytest session."""
 
     config: pytest.Config
+    settings: dict[str, Any] = field(default_factory=dict)  # every Setting, resolved once
     _env: Environment | None = None
     notes: list[str] = field(default_factory=list)
     regenerated: dict[Path, str | None] = field(default_factory=dict)  # case dir -> file or None
+    cases_seen: int = 0  # case directories collected in this process
+    filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
     results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
     _written_at: float = 0.0
 
     @property
     def enabled(self) -> bool:
-        return bool(self.config.getoption("gpu_cases"))
+        return bool(self.settings["gpu_cases"])
 
     def environment(self, packages: tuple[str, ...] = ()) -> Environment:
         """The session's environment snapshot, probed in a child on first use."""
@@ -147,7 +203,7 @@ class GpuCaseSession:
         """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished."""
         import time
 
-        path: Path | None = self.config.getoption("gpu_cases_report")
+        path: Path | None = self.settings["gpu_cases_report"]
         if path is not None:
             from .report import write_report
 
@@ -160,7 +216,7 @@ class GpuCaseSession:
 
         from .pinning import pin_env
 
-        if not self.config.getoption("gpu_per_worker"):
+        if not self.settings["gpu_per_worker"]:
             return {}
         worker = getattr(self.config, "workerinput", {}).get("workerid")
         env = self.environment()
@@ -169,7 +225,7 @@ class GpuCaseSession:
     def start_method(self) -> StartMethod:
         from .isolation import default_start_method
 
-        chosen: str = self.config.getoption("gpu_start_method")
+        chosen: str = self.settings["gpu_start_method"]
         if chosen != "auto":
             return chosen  # type: ignore[return-value]
         method = default_start_method()
@@ -185,8 +241,17 @@ session_key = pytest.StashKey[GpuCaseSession]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    state = GpuCaseSession(config)
+    state = GpuCaseSession(config, {spec.name: setting(config, spec.name) for spec in SETTINGS})
     config.stash[session_key] = state
+    if not state.enabled:
+        given = [spec.flag for spec in SETTINGS
+                 if spec.needs_cases and config.getoption(spec.name, None)]
+        if given:
+            raise pytest.UsageError(
+                f"{given[0]} needs --gpu-cases (or gpu_cases = true in the ini): without it no "
+                "case is collected, so it would change nothing")
+    else:
+        _add_case_paths(config, state.settings["gpu_cases_paths"])
     if state.enabled:
         from ._torch import import_torch
 
@@ -213,6 +278,39 @@ def pytest_configure(config: pytest.Config) -> None:
         "written as in a case's [matrix]")
 
 
+def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
+    """With no path on the command line, ``--gpu-cases`` also collects ``gpu_cases_paths``."""
+    if not paths or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    given = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    for entry in paths:
+        path = Path(entry).resolve()
+        if not path.exists():
+            raise pytest.UsageError(f"ini key gpu_cases_paths: {entry} does not exist; list "
+                                    "case folders relative to the rootdir")
+        if not any(path == arg or arg in path.parents for arg in given):
+            config.args.append(str(path))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    state = session.config.stash[session_key]
+    if not state.enabled or hasattr(session.config, "workerinput"):
+        return
+    found = any(isinstance(item, (CaseItem, BrokenCaseItem)) for item in session.items)
+    if found:
+        return
+    if state.filtered_out:
+        state.notes.append(
+            "no case run was left after --gpu-devices/--gpu-dtypes: "
+            + "; ".join(state.filtered_out[:5]) + (" ..." if len(state.filtered_out) > 5 else ""))
+    elif not state.cases_seen and not session.config.option.keyword \
+            and not session.config.option.markexpr:
+        state.notes.append(
+            "--gpu-cases found no case folder (a folder holding a case.toml) under "
+            + ", ".join(session.config.args) + ": pass the case folders (pytest --gpu-cases "
+            "cases) or list them in the ini key gpu_cases_paths")
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     state = config.stash[session_key]
     if not state.enabled:
@@ -231,7 +329,19 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
 
 
 class CaseDirectory(pytest.Directory):
-    """A case directory: one item per run (device x dtype x variant)."""
+    """A case directory: its ``case.toml`` is the one file collected from it.
+
+    Items live under the ``case.toml`` file node, so that an item's id
+    (``cases/ce_class4/case.toml::ce_class4[cpu-float32]``) is a path pytest
+    accepts on its command line, and ``--lf``/``--sw`` can narrow to it.
+    """
+
+    def collect(self) -> Iterator[pytest.Collector]:
+        yield CaseFile.from_parent(self, path=self.path / "case.toml")
+
+
+class CaseFile(pytest.File):
+    """A case's ``case.toml``: one item per run (device x dtype x variant)."""
 
     def collect(self) -> Iterator[pytest.Item]:
         from .case import load_case
@@ -239,20 +349,24 @@ class CaseDirectory(pytest.Directory):
         from .matrix import expand, saved_dtype
 
         state = self.config.stash[session_key]
+        case_dir = self.path.parent
         try:
-            case = load_case(self.path)
+            case = load_case(case_dir)
             # The saved dtype names the items only when [matrix] dtypes does not.
             saved = None if case.matrix.dtypes else saved_dtype(case)
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
-                devices=self.config.getoption("gpu_devices"),
-                dtypes=self.config.getoption("gpu_dtypes"),
-                launch_blocking=self.config.getoption("gpu_launch_blocking"),
+                devices=state.settings["gpu_devices"],
+                dtypes=state.settings["gpu_dtypes"],
+                launch_blocking=state.settings["gpu_launch_blocking"],
             )
         except CaseFormatError as exc:
-            yield BrokenCaseItem.from_parent(self, name=self.path.name, problem=str(exc))
+            yield BrokenCaseItem.from_parent(self, name=case_dir.name, problem=str(exc))
             return
+        state.cases_seen += 1
+        if not specs:
+            state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case)})")
         pin = state.worker_env()
         # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds.
         cuda_backend = "rocm" if state.environment().backend == "rocm" else "cuda"
@@ -262,6 +376,12 @@ class CaseDirectory(pytest.Directory):
             item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
             item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
             yield item
+
+
+def _case_runs(case: Case) -> str:
+    devices = ", ".join(case.matrix.devices or ("any device",))
+    dtypes = ", ".join(case.matrix.dtypes or ("its saved dtype",))
+    return f"devices {devices}; dtypes {dtypes}"
 
 
 class BrokenCaseItem(pytest.Item):
@@ -281,7 +401,7 @@ class BrokenCaseItem(pytest.Item):
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
-        return self.path / "case.toml", 0, f"{self.name} (broken case)"
+        return self.path, 0, f"{self.name} (broken case)"
 
 
 class CaseFileError(Exception):
@@ -323,7 +443,11 @@ class CaseItem(pytest.Item):
         if spec.dtype in ("float16", "bfloat16", "float32", "float64"):
             self.add_marker(f"dtype_{spec.dtype}")
         if spec.variant is not None:
-            self.add_marker(f"variant_{spec.variant.kind}")
+            # -m "variant_boundary(value=-1)" selects exactly one value.
+            self.add_marker(getattr(pytest.mark, f"variant_{spec.variant.kind}")(
+                value=spec.variant.value))
+        # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
+        self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
         self.user_properties.append(("gpucase", spec_fields(spec)))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
@@ -336,15 +460,15 @@ class CaseItem(pytest.Item):
         from .runner import run_spec
 
         state = self.config.stash[session_key]
-        if (self.config.getoption("gpu_cases_regen") and self.spec.variant is None
+        if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
                 and self.spec.case.expect.outcome == "matches"):
             state.regenerate(self.spec.case)
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
-                           localize=not self.config.getoption("gpu_no_localize"))
+                           localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
-        if verdict.failed and self.config.getoption("gpu_ablate"):
+        if verdict.failed and self.config.stash[session_key].settings["gpu_ablate"]:
             from .ablate import ablate
 
             found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,
@@ -505,7 +629,7 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.write_sep("-", "gpucase: golden files written")
         for path in written:
             terminalreporter.write_line(_relative(Path(path)))
-    report_path = config.getoption("gpu_cases_report", None)
+    report_path = state.settings["gpu_cases_report"]
     if report_path is not None and state.enabled and not hasattr(config, "workerinput"):
         terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
 
@@ -561,7 +685,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         from .matrix import DEFAULT_DEVICES, device_skip
 
         env = metafunc.config.stash[session_key].environment()
-        asked = metafunc.config.getoption("gpu_devices")
+        asked = metafunc.config.stash[session_key].settings["gpu_devices"]
         devices = [*DEFAULT_DEVICES, *(t for t in env.device_types if t not in DEFAULT_DEVICES)]
         params = []
         for device in devices:
@@ -572,7 +696,7 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
             params.append(pytest.param(device, marks=marks, id=device))
         metafunc.parametrize("gpu_device", params, indirect=True)
     if "gpu_dtype" in metafunc.fixturenames:
-        dtypes = metafunc.config.getoption("gpu_dtypes") or ("float32",)
+        dtypes = metafunc.config.stash[session_key].settings["gpu_dtypes"] or ("float32",)
         metafunc.parametrize("gpu_dtype", list(dtypes), indirect=True)
 
 

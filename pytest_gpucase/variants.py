@@ -64,8 +64,14 @@ class Variant:
 
     @property
     def label(self) -> str:
-        """The id token, e.g. ``batch=1`` or ``boundary=4``."""
+        """The variant in words, as reports show it: ``batch=1``, ``boundary=-1``."""
         return f"{self.kind}={self.value}"
+
+    @property
+    def id(self) -> str:
+        """The item-id token, ``batch[1]``, ``boundary[-1]``: only characters ``-k`` accepts,
+        and closed by ``]`` so that ``-k "boundary[-1]"`` never also selects ``boundary[-100]``."""
+        return f"{self.kind}[{self.value}]"
 
 
 def expand(tables: VariantTables) -> list[Variant]:

@@ -89,7 +89,7 @@ def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytest
         "*Captured gpucase triage call*",
         "clue: index out of range (CPU)",
         "first check: Check the indices and targets*",
-        f"XFAIL cases/ce_class4::ce_class4[[]cpu-float32[]] - {XFAIL}",
+        f"XFAIL cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]] - {XFAIL}",
     ])
 
     data_py = project / "toy_train" / "data.py"
@@ -101,8 +101,8 @@ def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytest
     after = replay(project)
     after.assert_outcomes(failed=1, passed=1)
     after.stdout.fnmatch_lines([
-        "cases/ce_class4 F *",
-        "cases/ce_class4_open . *",
+        "cases/ce_class4/case.toml F *",
+        "cases/ce_class4_open/case.toml . *",
         "*_ ce_class4[[]cpu-float32[]] _*",
         f"[[]XPASS(strict)[]] {XFAIL}",
     ])

@@ -68,8 +68,8 @@ def test_collects_ids_like_device_type_tests(pytester: pytest.Pytester, cases: P
     ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
     result = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "cases")
     result.stdout.fnmatch_lines([
-        "cases/ce_class4::ce_class4[[]cpu-float32[]]",
-        "cases/ce_class4::ce_class4[[]cuda-float32[]]",
+        "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]]",
+        "cases/ce_class4/case.toml::ce_class4[[]cuda-float32[]]",
     ])
 
 
@@ -86,7 +86,7 @@ def test_raises_case_passes_and_cuda_is_skipped_with_reason(
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines([
         "gpucase: cpu backend · torch * · Python * · no accelerator*",
-        "cases/ce_class4::ce_class4[[]cpu-float32[]] PASSED*",
+        "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]] PASSED*",
         "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (cpu backend): the CPU "
         "pass of this case is a hint, not CUDA validation; run it on a GPU runner",
     ])
@@ -165,7 +165,7 @@ def test_broken_case_is_one_failure_and_the_rest_still_run(
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines([
         "cases/typo/case.toml: calll: unknown key; did you mean 'call'?",
-        "FAILED cases/typo::typo*",
+        "FAILED cases/typo/case.toml::typo*",
     ])
     result.stdout.no_fnmatch_line("*Traceback*")
 
@@ -285,9 +285,10 @@ def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: P
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rxf", "cases")
     result.assert_outcomes(xfailed=1, failed=2)
     result.stdout.fnmatch_lines_random([
-        "XFAIL cases/known::known[[]cpu-float32[]] - labels 1..4",
-        "FAILED cases/other::other[[]cpu-float32[]] - the call raised RuntimeError: a diff*",
-        "FAILED cases/broken::broken[[]cpu-float32[]] - cases/broken/case.toml: call: *",
+        "XFAIL cases/known/case.toml::known[[]cpu-float32[]] - labels 1..4",
+        # (the summary line is cut at the terminal's width)
+        "FAILED cases/other/case.toml::other[[]cpu-float32[]] - the call raised*",
+        "FAILED cases/broken/case.toml::broken[[]cpu-float32[]] - cases/broken/case.toml:*",
     ])
 
 

@@ -104,13 +104,13 @@ def test_json_report_records_every_item(pytester: pytest.Pytester) -> None:
     assert report["complete"] is True
     assert report["environment"]["backend"] == "cpu"
     by_id = {r["nodeid"]: r for r in report["results"]}
-    assert by_id["cases/ok::ok[cpu-float32]"]["outcome"] == "passed"
-    assert by_id["cases/ok::ok[cpu-float32]"]["error_type"] == "ValueError"
-    fixed = by_id["cases/fixed::fixed[cpu-float32]"]
+    assert by_id["cases/ok/case.toml::ok[cpu-float32]"]["outcome"] == "passed"
+    assert by_id["cases/ok/case.toml::ok[cpu-float32]"]["error_type"] == "ValueError"
+    fixed = by_id["cases/fixed/case.toml::fixed[cpu-float32]"]
     assert fixed["outcome"] == "failed"
     assert fixed["message"].startswith("expected ValueError matching 'out of range'")
-    assert by_id["cases/known::known[cpu-float32]"]["outcome"] == "xfailed"
-    cuda = by_id["cases/ok::ok[cuda-float32]"]
+    assert by_id["cases/known/case.toml::known[cpu-float32]"]["outcome"] == "xfailed"
+    cuda = by_id["cases/ok/case.toml::ok[cuda-float32]"]
     assert cuda["outcome"] == "skipped"
     assert cuda["skip_reason"].startswith("no CUDA device here")
     assert {r["case"] for r in report["results"]} == {"ok", "fixed", "known"}
