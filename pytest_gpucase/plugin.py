@@ -373,9 +373,19 @@ class CaseFile(pytest.File):
         for spec in specs:
             if pin and spec.device != "cpu":
                 spec = replace(spec, env={**spec.env, **pin})
-            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec)
+            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+                                        **_item_id(self, case.name, spec.id))
             item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
             yield item
+
+
+def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
+    """pytest >= 9.2 keeps structured ids and matches ``--lf`` on them: give the item its
+    params as parametrized functions have them, or ``name[params]`` never equals itself."""
+    parent_id = getattr(parent, "id", None)
+    if parent_id is None or not hasattr(parent_id, "with_params"):
+        return {}
+    return {"nodeid": parent_id.child(name).with_params(params)}
 
 
 def _case_runs(case: Case) -> str:

@@ -1,0 +1,161 @@
+"""Selecting and rerunning case items as a pytest user does: pasted ids, -k, -m, --lf, ini keys."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.test_plugin import RAISES, ce_case
+
+VARIANTS = """
+        [expect]
+        gradients = false
+        [variants]
+        batch = { axis = 0, sizes = [1, 2] }
+        boundaries = { input = "target", classes = 4, ignore_index = -100 }
+        [variants.reject]
+        exception = "ValueError"
+        match = "out of range"
+"""
+
+
+def collected(result: pytest.RunResult) -> list[str]:
+    """The item ids of a ``--collect-only -q`` run."""
+    return [line for line in result.stdout.lines if "::" in line]
+
+
+@pytest.fixture
+def edges(pytester: pytest.Pytester) -> Path:
+    """A valid cross-entropy case with batch variants and every class boundary."""
+    ce_case(pytester.path, "edges", [0, 2, 3], VARIANTS)
+    return pytester.path
+
+
+def test_pasted_failure_id_runs_that_item_alone(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    ce_case(pytester.path, "bad", [0, 2, 4], "")  # the call raises: a failure
+    first = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    first.assert_outcomes(passed=1, failed=1)
+    failure = next(line for line in first.stdout.lines if line.startswith("FAILED "))
+    node_id = failure.split()[1]
+    assert node_id == "cases/bad/case.toml::bad[cpu-float32]"
+    alone = pytester.runpytest_subprocess("--gpu-cases", node_id)
+    alone.assert_outcomes(failed=1)
+    assert "collected 1 item" in alone.stdout.str()
+
+
+def test_last_failed_failed_first_and_stepwise_narrow_to_failures(
+        pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    ce_case(pytester.path, "bad", [0, 2, 4], "")
+    pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    last = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "--lf", "cases")
+    last.assert_outcomes(failed=1)
+    last.stdout.fnmatch_lines(["run-last-failure: rerun previous 1 failure*"])
+    first = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "--ff", "-v",
+                                          "cases")
+    first.assert_outcomes(failed=1, passed=1)
+    ran = [line for line in first.stdout.lines if "::" in line and ("PASSED" in line
+                                                                  or "FAILED" in line)]
+    assert "bad[cpu-float32]" in ran[0]
+    stepwise = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "--sw",
+                                             "cases")
+    stepwise.assert_outcomes(failed=1)
+    stepwise.stdout.fnmatch_lines(["*Test failed, continuing from this test next run*"])
+
+
+@pytest.mark.parametrize(("expression", "expected"), [
+    ("boundary[-1]", ["edges[cpu-float32-boundary[-1]]"]),
+    ("boundary[-100]", ["edges[cpu-float32-boundary[-100]]"]),
+    ("boundary[4]", ["edges[cpu-float32-boundary[4]]"]),
+    ("batch[1]", ["edges[cpu-float32-batch[1]]"]),
+    ("cpu-float32]", ["edges[cpu-float32]"]),
+    ("edges[cpu-float32-boundary[0]]", ["edges[cpu-float32-boundary[0]]"]),
+])
+def test_k_selects_every_part_of_an_id_exactly(pytester: pytest.Pytester, edges: Path,
+                                               expression: str, expected: list[str]) -> None:
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--collect-only", "-q", "-k", expression, "cases")
+    assert [line.split("::")[1] for line in collected(result)] == expected
+
+
+def test_k_device_dtype_as_pytorch_test_names(pytester: pytest.Pytester, edges: Path) -> None:
+    result = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "-k",
+                                           "cuda_float32", "cases")
+    ids = collected(result)
+    assert ids and all("[cuda-float32" in node for node in ids)
+    assert len(ids) == len([n for n in collected(pytester.runpytest_subprocess(
+        "--gpu-cases", "--collect-only", "-q", "-k", "cuda and float32", "cases"))])
+
+
+def test_m_selects_one_variant_value(pytester: pytest.Pytester, edges: Path) -> None:
+    result = pytester.runpytest_subprocess(
+        "--gpu-cases", "--collect-only", "-q", "-m",
+        "variant_boundary(value=-1) and device_cpu", "cases")
+    assert [line.split("::")[1] for line in collected(result)] == [
+        "edges[cpu-float32-boundary[-1]]"]
+
+
+def test_every_option_is_an_ini_key(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    pytester.makeini("""
+        [pytest]
+        gpu_cases = true
+        gpu_cases_paths = cases
+        gpu_devices = cpu
+        gpu_dtypes = float32
+        gpu_cases_report = out.json
+    """)
+    result = pytester.runpytest_subprocess()
+    result.assert_outcomes(passed=1)
+    report = json.loads((pytester.path / "out.json").read_text())
+    assert [r["nodeid"] for r in report["results"]] == ["cases/good/case.toml::good[cpu-float32]"]
+
+
+def test_ini_mistake_is_a_usage_error_naming_the_key(pytester: pytest.Pytester) -> None:
+    pytester.makeini("[pytest]\ngpu_devices = cdua\n")
+    result = pytester.runpytest_subprocess("--gpu-cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini key gpu_devices: unknown 'cdua'; expected one of *"])
+
+
+def test_gpu_cases_alone_runs_the_configured_case_paths(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    pytester.makeini("[pytest]\ntestpaths = test_unit.py\ngpu_cases_paths = cases\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu")
+    result.assert_outcomes(passed=2)
+    plain = pytester.runpytest_subprocess()
+    plain.assert_outcomes(passed=1)
+
+
+def test_gpu_cases_finding_no_case_says_why(pytester: pytest.Pytester) -> None:
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    result = pytester.runpytest_subprocess("--gpu-cases")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpucase: --gpu-cases found no case folder *gpu_cases_paths"])
+
+
+@pytest.mark.parametrize("option", [["--gpu-cases-report", "r.json"], ["--gpu-cases-regen"],
+                                    ["--gpu-ablate"], ["--gpu-launch-blocking"]])
+def test_case_option_without_gpu_cases_is_a_usage_error(pytester: pytest.Pytester,
+                                                        option: list[str]) -> None:
+    result = pytester.runpytest_subprocess(*option)
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines([f"*{option[0]} needs --gpu-cases*"])
+
+
+def test_device_with_no_hardware_is_skipped_with_the_reason(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "mps", "-rs", "cases")
+    result.assert_outcomes(skipped=1)
+    result.stdout.fnmatch_lines(["SKIPPED*no mps device here*"])
+
+
+def test_filters_that_leave_nothing_say_so(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "cpu_only", [0, 2, 4], RAISES, top='[matrix]\ndevices = ["cpu"]')
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cuda", "cases")
+    result.stdout.fnmatch_lines(["gpucase: no case run was left after --gpu-devices/--gpu-dtypes:"
+                                 " cpu_only (its runs: devices cpu*"])
