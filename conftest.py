@@ -21,6 +21,15 @@ def cuda_available() -> bool:
     return done.stdout.strip() == "True"
 
 
+@pytest.fixture(autouse=True)
+def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """pytest sessions started by a test run their items in order, whatever plugins are installed:
+    their output is what the test reads (pytest-randomly would shuffle it)."""
+    if "pytester" in request.fixturenames:
+        request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
+        monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     gpu_items = [item for item in items if item.get_closest_marker("gpu")]
     if gpu_items and not cuda_available():

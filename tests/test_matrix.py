@@ -228,7 +228,7 @@ def test_the_case_lists_its_devices_in_its_order() -> None:
     (None, ["cuda"], ["cuda-float32"]),
     (None, ["cpu", "cuda"], ["cpu-float32", "cuda-float32"]),
     (("cpu",), ["cuda"], []),                      # an option never adds a device
-    (None, ["xpu"], []),
+    (None, ["xpu"], ["xpu-float32"]),  # asked for by name: an item, skipped with the reason
     (("cuda", "cpu"), ["cpu", "xpu"], ["cpu-float32"]),
 ])
 def test_gpu_devices_narrows(case_devices: tuple[str, ...] | None, option: list[str],
@@ -275,12 +275,12 @@ def test_ids_read_like_pytorch_device_type_tests() -> None:
                              reject=REJECT)
     case = make_case(Requirements(dtypes=("float32", "bfloat16")), variants)
     found = ids(expand(case, CUDA, saved_dtype="float32"))
-    per_dtype = ["", "-batch=1", "-boundary=0", "-boundary=3", "-boundary=-100", "-boundary=-1",
-                 "-boundary=4"]
+    per_dtype = ["", "-batch[1]", "-boundary[0]", "-boundary[3]", "-boundary[-100]",
+                 "-boundary[-1]", "-boundary[4]"]
     assert found == [f"{device}-{dtype}{suffix}" for device in ("cpu", "cuda")
                      for dtype in ("float32", "bfloat16") for suffix in per_dtype]
-    assert "cuda-bfloat16-batch=1" in found
-    assert "cpu-float32-boundary=-100" in found
+    assert "cuda-bfloat16-batch[1]" in found
+    assert "cpu-float32-boundary[-100]" in found
 
 
 def test_every_run_carries_its_variant() -> None:
@@ -294,8 +294,8 @@ def test_an_unmet_requirement_skips_every_run_with_its_reason() -> None:
     case = make_case(Requirements(versions={"torch": ">=2.5"}),
                      VariantTables(batch=AxisSizes(0, (1,))))
     specs = expand(case, CPU, saved_dtype="float32")
-    assert ids(specs) == ["cpu-float32", "cpu-float32-batch=1", "cuda-float32",
-                          "cuda-float32-batch=1"]
+    assert ids(specs) == ["cpu-float32", "cpu-float32-batch[1]", "cuda-float32",
+                          "cuda-float32-batch[1]"]
     # The requirement is named before the missing device: it holds on every runner.
     assert {spec.skip for spec in specs} == {"requires torch>=2.5; found 2.4.0"}
 
