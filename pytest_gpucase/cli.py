@@ -108,9 +108,15 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         return ablate_command(args.case, device=args.device, dtype=args.dtype)
     if args.command == "checkpoint":
-        from .checkpoint import main_checkpoint
+        from .checkpoint import ModelSpecError, survey
 
-        return main_checkpoint(args.paths, model=args.model)
+        try:
+            found = survey(args.paths, model=args.model)
+        except ModelSpecError as exc:
+            print(f"gpucase checkpoint: --model {exc}", file=sys.stderr)
+            return 2
+        print(found.render())
+        return 0 if found.restart is not None else 1
     raise AssertionError(f"unhandled command {args.command}")  # argparse guards the choices
 
 
