@@ -14,7 +14,6 @@ runs a different kernel.
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -29,7 +28,6 @@ from .isolation import StartMethod
 from .matrix import RunSpec, saved_dtype
 from .minimize import (
     FailureClass,
-    NotRunnable,
     choose_device,
     failure_class,
     first_failure,
@@ -316,8 +314,12 @@ def ablate(
                     read(rows, found.spec.dtype, tuple(case.matrix.packages)))
 
 
-def ablate_command(case: Path, *, device: str | None, dtype: str | None) -> int:
-    """``gpucase ablate``: 0 with the table, 1 when the case passes unchanged, 2 if it can't run."""
+def ablate_command(case: Path, *, device: str | None, dtype: str | None,
+                   progress: Callable[[Row], None] | None = None) -> Ablation:
+    """``gpucase ablate``: ablate the case at ``case`` on this machine (the command prints).
+
+    Raises NotRunnable when the case cannot run here.
+    """
     import torch  # noqa: F401 - imported before the children fork, so that each shares it
 
     from .environment import probe
@@ -325,20 +327,6 @@ def ablate_command(case: Path, *, device: str | None, dtype: str | None) -> int:
 
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
-
-    def show(row: Row) -> None:
-        print(f"  {row.label}: {row.verdict}", file=sys.stderr, flush=True)
-
-    try:
-        chosen = choose_device(loaded, env, device)
-        result = ablate(loaded, device=chosen, dtype=dtype, env=env,
-                        start_method=default_start_method(),
-                        progress=show if sys.stderr.isatty() else None)
-    except NotRunnable as problem:
-        print(f"gpucase ablate: {problem}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("gpucase ablate: interrupted", file=sys.stderr)
-        return 130
-    print(result.render())
-    return 0 if result.failing else 1
+    chosen = choose_device(loaded, env, device)
+    return ablate(loaded, device=chosen, dtype=dtype, env=env,
+                  start_method=default_start_method(), progress=progress)

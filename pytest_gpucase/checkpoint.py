@@ -1,27 +1,53 @@
 """Atomic checkpoint save with a manifest, and validation before a restart.
 
 A restart must only ever start from a checkpoint that is proven complete and
-sound. ``save`` writes the checkpoint atomically and then a sidecar manifest
+sound. ``save`` writes the checkpoint and a sidecar manifest
 ``<path>.manifest.json`` (size, sha256, every tensor's shape, dtype and
 non-finite count). ``validate`` checks a file against its manifest, loads it
 without running pickle code, checks that every floating tensor is finite and,
 given a model, that keys and shapes still match. A checkpoint without a
 manifest is INVALID: nothing proves its write completed; the fix is to re-save
 it with :func:`save`.
+
+Re-saving to the same path keeps a valid checkpoint at every instant, whenever
+the writer is killed. The file and its manifest are two files, and no rename
+replaces both at once; so, for a while, the manifest vouches for both the old
+and the new file:
+
+1. the new object goes to a temporary file beside ``path``, is fsynced and hashed;
+2. the manifest is atomically replaced by one that describes the new file and,
+   under ``previous``, the record of the file still at ``path``;
+3. the temporary file is renamed over ``path`` (the directory is fsynced);
+4. the manifest is atomically replaced by one that describes the new file alone.
+
+Every manifest a reader can meet vouches for every file it can meet beside it:
+the old manifest with the old file (before 2), the two-record manifest with
+either file (2 to 4), the new manifest with the new file (after 4). A kill
+between 3 and 4 leaves a two-record manifest, which is as sound (the next
+save drops the record that no longer fits the file). ``path`` itself stays the
+plain checkpoint, loadable with ``torch.load(path)`` and nothing else.
+
+A killed writer leaves its temporary file behind. Temporaries are named
+``.<name>.<host>.<pid>.<token>.tmp`` (hidden: scans skip them), and every
+write removes those beside its target whose writer is gone: written on this
+host by a pid that no longer runs, or untouched for a day (a writer on
+another host, whose pid means nothing here).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib
 import json
 import os
+import re
 import secrets
+import socket
 import stat
-import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import IO, TypeAlias, TypeVar, cast
@@ -33,13 +59,16 @@ __all__ = [
     "FORMAT_VERSION",
     "STATE_DICT_KEYS",
     "Manifest",
+    "ManifestError",
+    "ModelSpecError",
+    "Survey",
     "TensorRecord",
     "Validation",
-    "main_checkpoint",
     "manifest_path",
     "newest_valid",
     "save",
     "scan",
+    "survey",
     "validate",
 ]
 
@@ -54,6 +83,17 @@ NO_MANIFEST = (
     "no manifest: cannot prove the write completed; re-save with pytest_gpucase.checkpoint.save"
 )
 
+# A manifest is about 130 bytes a tensor: this covers half a million tensors (one
+# shard of a large model with its Adam state, listed twice while a re-save
+# swaps files), and keeps a runaway file from being read whole.
+MAX_MANIFEST_BYTES = 64 << 20
+# A writer's temporary file that has not changed for this long is abandoned,
+# whoever wrote it: no save spends a day without writing or renaming.
+STALE_AFTER_SECONDS = 24 * 3600
+# Which host wrote a temporary file: its pid can only be checked here. Hashed,
+# so that long host names do not make file names too long.
+_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
 _CHUNK_BYTES = 1 << 20
 # Bounds the temporary boolean mask of the finiteness check, so a 10 GB tensor
 # does not need another 2.5 GB to be checked.
@@ -67,6 +107,10 @@ _T = TypeVar("_T")
 
 class ManifestError(ValueError):
     """A manifest file that is not a valid gpucase manifest."""
+
+
+class ModelSpecError(ValueError):
+    """A model reference (a checkpoint file or ``pkg.module:attr``) that gives no model."""
 
 
 @dataclass(frozen=True)
@@ -94,6 +138,9 @@ class Manifest:
     size: int
     created: datetime
     tensors: tuple[TensorRecord, ...]
+    # While a re-save swaps files: the records of the file it replaces, which this
+    # manifest also vouches for (see the module docstring). Empty otherwise.
+    previous: tuple[Manifest, ...] = ()
 
     @property
     def finite(self) -> bool:
@@ -102,12 +149,14 @@ class Manifest:
 
     def to_json(self) -> dict[str, object]:
         """Return the manifest as the JSON object stored next to the checkpoint."""
+        previous = {"previous": [r.to_json() for r in self.previous]} if self.previous else {}
         return {
             "format": self.format,
             "sha256": self.sha256,
             "size": self.size,
             "created": self.created.isoformat(timespec="microseconds"),
             "finite": self.finite,
+            **previous,
             "tensors": [
                 {
                     "name": r.name,
@@ -123,6 +172,20 @@ class Manifest:
     @classmethod
     def from_json(cls, data: object) -> Manifest:
         """Build a manifest from its JSON object, raising ManifestError naming the bad field."""
+        manifest = cls._one_from_json(data)
+        if not isinstance(data, dict) or "previous" not in data:
+            return manifest
+        previous = []
+        for i, entry in enumerate(_field(data, "previous", list)):
+            try:
+                previous.append(cls._one_from_json(entry))
+            except ManifestError as exc:
+                raise ManifestError(f"previous[{i}]: {exc}") from None
+        return replace(manifest, previous=tuple(previous))
+
+    @classmethod
+    def _one_from_json(cls, data: object) -> Manifest:
+        """One record, without its ``previous`` list (records never nest deeper)."""
         if not isinstance(data, dict):
             raise ManifestError("not a JSON object")
         version = _field(data, "format", int)
@@ -166,6 +229,8 @@ class Validation:
     path: Path
     problems: tuple[str, ...]
     mtime: float | None = None
+    # The manifest record that vouches for the file (during a re-save, possibly one
+    # of its ``previous`` records); the newest record when none does.
     manifest: Manifest | None = None
     # Where the model's state dict was found ("at top level", "under 'model'", ...);
     # None when no model was compared.
@@ -187,8 +252,10 @@ def manifest_path(path: PathLike) -> Path:
 
 
 def save(obj: object, path: PathLike) -> Manifest:
-    """Write ``obj`` atomically to ``path``, then its manifest, and return the manifest.
+    """Write ``obj`` to ``path`` with its manifest, and return the manifest.
 
+    A valid checkpoint is at ``path`` at every instant: the previous one until
+    the new one is complete, then the new one (the module docstring says how).
     ``.safetensors`` paths take a flat mapping of names to tensors; anything
     else is written with ``torch.save`` and should hold only what
     ``torch.load(weights_only=True)`` accepts (tensors, containers, numbers,
@@ -210,31 +277,50 @@ def save(obj: object, path: PathLike) -> Manifest:
 
     # Counted before writing: the counts describe the object that went to disk.
     records = tuple(_record(name, t) for name, t in _walk_tensors(obj))
-    sha256, size = _atomic_write(path, write)
-    manifest = Manifest(
-        format=FORMAT_VERSION,
-        sha256=sha256,
-        size=size,
-        created=datetime.now(timezone.utc),
-        tensors=records,
-    )
-    text = _manifest_text(manifest)
-
-    def write_manifest(tmp: Path) -> None:
-        tmp.write_text(text, encoding="utf-8")
-
-    # The manifest goes last: one that exists vouches for a checkpoint already in place.
-    _atomic_write(manifest_path(path), write_manifest)
+    tmp, sha256, size = _write_temporary(path, write)
+    try:
+        manifest = Manifest(
+            format=FORMAT_VERSION,
+            sha256=sha256,
+            size=size,
+            created=datetime.now(timezone.utc),
+            tensors=records,
+        )
+        replaced = _records_of_file_in_place(path, sha256)
+        # Vouches for the file in place and for the new one, whichever a kill leaves there.
+        _write_manifest(path, replace(manifest, previous=replaced))
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    if replaced:
+        _write_manifest(path, manifest)
     return manifest
 
 
 def validate(path: PathLike, model: ModelLike | None = None) -> Validation:
-    """Check one checkpoint file and list every reason not to restart from it."""
+    """Check one checkpoint file and list every reason not to restart from it.
+
+    Never raises for what it finds: a file, a manifest or a model that fails in
+    an unforeseen way is this file's verdict, so that a scan goes on to the next.
+    """
     path = Path(path)
+    try:
+        return _validate(path, model)
+    # Hostile or damaged input can fail anywhere (a pickle nested past the recursion
+    # limit, an I/O error mid-read): a verdict, not a crash.
+    except Exception as exc:
+        return Validation(path, (f"cannot validate: {_load_error(exc)}",))
+
+
+def _validate(path: Path, model: ModelLike | None) -> Validation:
     try:
         before = path.stat()
     except FileNotFoundError:
         return Validation(path, ("file not found",))
+    except OSError as exc:
+        return Validation(path, (f"cannot read: {exc.strerror or exc}",))
     if not stat.S_ISREG(before.st_mode):
         return Validation(path, ("not a regular file",), before.st_mtime)
 
@@ -242,26 +328,15 @@ def validate(path: PathLike, model: ModelLike | None = None) -> Validation:
     manifest: Manifest | None = None
     unproven = False
     try:
-        raw = manifest_path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        unproven = True
-    except OSError as exc:
+        manifest = read_manifest(manifest_path(path))
+    except (OSError, ManifestError) as exc:
         problems.append(f"manifest unreadable: {exc}")
     else:
-        try:
-            manifest = Manifest.from_json(json.loads(raw))
-        except ValueError as exc:
-            problems.append(f"manifest unreadable: {exc}")
+        unproven = manifest is None
     if manifest is not None:
-        if before.st_size != manifest.size:
-            why = "truncated write?" if before.st_size < manifest.size else "changed after save?"
-            problems.append(
-                f"size {before.st_size} bytes but manifest says {manifest.size} ({why})"
-            )
-        # A size mismatch already implies a different hash; reading the file again
-        # to say so would only repeat the first problem.
-        elif _sha256_file(path) != manifest.sha256:
-            problems.append("sha256 differs from manifest")
+        manifest, problem = _vouching_record(path, before.st_size, manifest)
+        if problem is not None:
+            problems.append(problem)
 
     layout: str | None = None
     try:
@@ -293,9 +368,99 @@ def validate(path: PathLike, model: ModelLike | None = None) -> Validation:
     return Validation(path, tuple(problems), before.st_mtime, manifest, layout)
 
 
+def read_manifest(path: PathLike) -> Manifest | None:
+    """Read the manifest file at ``path``; None when there is none.
+
+    Raises OSError when it cannot be read and ManifestError when it is not a
+    manifest: a FIFO, a device (a link to /dev/zero), a directory, a file over
+    ``MAX_MANIFEST_BYTES``, or JSON that is invalid or nested past the parser's limit.
+    """
+    # O_NONBLOCK: opening a FIFO to read waits for a writer that may never come.
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
+    try:
+        fd = os.open(path, flags)
+    except FileNotFoundError:
+        return None
+    try:
+        # Checked on the open file, so the file read is the file checked.
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise ManifestError(
+                "not a regular file (a FIFO, device or directory); save() writes a JSON file"
+            )
+        if info.st_size > MAX_MANIFEST_BYTES:
+            raise ManifestError(
+                f"{info.st_size} bytes, more than a manifest holds ({MAX_MANIFEST_BYTES})"
+            )
+        with open(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_MANIFEST_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"grew past {MAX_MANIFEST_BYTES} bytes while being read")
+    try:
+        # save() writes UTF-8; json.loads would guess other encodings from bytes.
+        data = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise ManifestError("JSON nested too deeply to be a manifest") from None
+    # JSONDecodeError and UnicodeDecodeError are both ValueErrors.
+    except ValueError as exc:
+        raise ManifestError(str(exc)) from None
+    return Manifest.from_json(data)
+
+
+def _vouching_record(path: Path, size: int, manifest: Manifest) -> tuple[Manifest, str | None]:
+    """The record of ``manifest`` that matches the file, or the newest and why none does."""
+    candidates = [r for r in (manifest, *manifest.previous) if r.size == size]
+    if not candidates:
+        why = "truncated write?" if size < manifest.size else "changed after save?"
+        return manifest, f"size {size} bytes but manifest says {manifest.size} ({why})"
+    # A size mismatch already implies a different hash: the file is only read when a
+    # record of its size exists.
+    digest = _sha256_file(path)
+    for record in candidates:
+        if record.sha256 == digest:
+            return record, None
+    return manifest, "sha256 differs from manifest"
+
+
+def _records_of_file_in_place(path: Path, new_sha256: str) -> tuple[Manifest, ...]:
+    """The records of the present manifest that may describe the file now at ``path``.
+
+    Those of its size, unhashed: hashing a large checkpoint on every save would
+    cost more than it proves, and a record only ever vouches for its own hash.
+    """
+    try:
+        size = path.stat().st_size
+        current = read_manifest(manifest_path(path))
+    except (OSError, ManifestError):
+        return ()  # Nothing valid in place: nothing to keep vouching for.
+    if current is None:
+        return ()
+    kept = {
+        record.sha256: replace(record, previous=())
+        for record in (current, *current.previous)
+        if record.size == size and record.sha256 != new_sha256
+    }
+    return tuple(kept.values())
+
+
+def _write_manifest(path: Path, manifest: Manifest) -> None:
+    text = _manifest_text(manifest)
+
+    def write(tmp: Path) -> None:
+        tmp.write_text(text, encoding="utf-8")
+
+    _atomic_write(manifest_path(path), write)
+
+
 def scan(paths: PathLike | Iterable[PathLike], model: ModelLike | None = None) -> list[Validation]:
-    """Validate every checkpoint in ``paths`` (files, or directories' top level), newest first."""
-    return [validate(path, model) for path in _newest_first(_candidates(paths))]
+    """Validate every checkpoint in ``paths`` (files, or directories' top level), newest first.
+
+    A directory that cannot be listed gets an INVALID verdict of its own, after the files.
+    """
+    files, unlisted = _candidates(paths)
+    return [*(validate(path, model) for path in _newest_first(files)), *unlisted]
 
 
 def newest_valid(
@@ -303,58 +468,73 @@ def newest_valid(
 ) -> Path | None:
     """Return the newest checkpoint in ``paths`` that validates, or None when none does."""
     # Stops at the first valid one, so older checkpoints are not hashed for nothing.
-    for path in _newest_first(_candidates(paths)):
+    for path in _newest_first(_candidates(paths)[0]):
         if validate(path, model):
             return path
     return None
 
 
-def main_checkpoint(paths: list[str], model: str | None = None) -> int:
-    """Print the verdict on every checkpoint and which to restart from; 0 when one is valid.
+@dataclass(frozen=True)
+class Survey:
+    """What ``gpucase checkpoint`` found: every verdict, newest first, and where to restart."""
+
+    paths: tuple[str, ...]
+    results: tuple[Validation, ...]
+
+    @property
+    def restart(self) -> Validation | None:
+        """The newest valid checkpoint, or None when there is none."""
+        return next((result for result in self.results if result), None)
+
+    def render(self) -> str:
+        """The table of verdicts and the line that says which checkpoint to restart from."""
+        if not self.results:
+            return f"no checkpoint found in {', '.join(self.paths)}"
+        rows = [("TIME", "FILE", "VERDICT", "PROBLEM")]
+        for result in self.results:
+            problem = ""
+            if result.problems:
+                problem = result.problems[0]
+                if len(result.problems) > 1:
+                    problem += f" (+{len(result.problems) - 1} more)"
+            when = "-" if result.mtime is None else _local_time(result.mtime)
+            rows.append((when, str(result.path), result.verdict, problem))
+        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+        lines = []
+        for row in rows:
+            cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
+            lines.append("  ".join([*cells, row[3]]).rstrip())
+
+        chosen = self.restart
+        if chosen is None:
+            lines.append("no valid checkpoint: nothing to restart from")
+            return "\n".join(lines)
+        newer = self.results.index(chosen)
+        notes = []
+        if chosen.layout is not None:
+            notes.append(f"model state dict {chosen.layout}")
+        if newer:
+            notes.append(f"{newer} newer checkpoint{'s' if newer > 1 else ''} invalid")
+        suffix = f" ({'; '.join(notes)})" if notes else ""
+        lines.append(f"restart from: {chosen.path}{suffix}")
+        return "\n".join(lines)
+
+
+def survey(paths: Sequence[str], model: str | None = None) -> Survey:
+    """Validate the checkpoints in ``paths``, newest first, against ``model`` if given.
 
     ``model`` is a checkpoint file whose state dict is the reference, or
     ``pkg.module:attr`` naming a module, a state dict, or a callable returning
-    one. An unusable ``model`` is a usage error: message on stderr, exit code 2.
+    one. Raises ModelSpecError, naming ``model``, when it gives no model.
     """
     reference: ModelLike | None = None
     if model is not None:
         try:
             reference = _resolve_model(model)
-        # User code and user files can fail in any way; report it as a usage error.
+        # User code and user files can fail in any way; it is the reference that is unusable.
         except Exception as exc:
-            print(f"gpucase checkpoint: --model {model}: {_load_error(exc)}", file=sys.stderr)
-            return 2
-
-    results = scan(paths, reference)
-    if not results:
-        print(f"no checkpoint found in {', '.join(paths)}")
-        return 1
-    rows = [("TIME", "FILE", "VERDICT", "PROBLEM")]
-    for result in results:
-        problem = ""
-        if result.problems:
-            problem = result.problems[0]
-            if len(result.problems) > 1:
-                problem += f" (+{len(result.problems) - 1} more)"
-        when = "-" if result.mtime is None else _local_time(result.mtime)
-        rows.append((when, str(result.path), result.verdict, problem))
-    widths = [max(len(row[i]) for row in rows) for i in range(3)]
-    for row in rows:
-        cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
-        print("  ".join([*cells, row[3]]).rstrip())
-
-    chosen = next((i for i, result in enumerate(results) if result), None)
-    if chosen is None:
-        print("no valid checkpoint: nothing to restart from")
-        return 1
-    notes = []
-    if results[chosen].layout is not None:
-        notes.append(f"model state dict {results[chosen].layout}")
-    if chosen:
-        notes.append(f"{chosen} newer checkpoint{'s' if chosen > 1 else ''} invalid")
-    suffix = f" ({'; '.join(notes)})" if notes else ""
-    print(f"restart from: {results[chosen].path}{suffix}")
-    return 0
+            raise ModelSpecError(f"{model}: {_load_error(exc)}") from exc
+    return Survey(tuple(paths), tuple(scan(paths, reference)))
 
 
 def _field(data: Mapping[str, object], key: str, kind: type[_T]) -> _T:
@@ -377,9 +557,26 @@ def _manifest_text(manifest: Manifest) -> str:
 
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
     """Write through ``write`` to a temporary sibling, make it durable, rename it over ``path``."""
+    tmp, sha256, size = _write_temporary(path, write)
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    _fsync_directory(path.parent)
+    return sha256, size
+
+
+def _write_temporary(path: Path, write: Callable[[Path], None]) -> tuple[Path, str, int]:
+    """Write through ``write`` to a new durable temporary beside ``path``; return it and its hash.
+
+    The caller renames it into place (or removes it). First removes the
+    temporaries that killed writers left beside ``path``.
+    """
+    _remove_stale_temporaries(path)
     # Same directory: os.replace is only atomic within one filesystem. The
     # leading dot keeps it out of directory scans while it is incomplete.
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    tmp = path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     # 0o666 through O_CREAT lets the umask decide permissions, as for a plain open().
     os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
     try:
@@ -390,12 +587,58 @@ def _atomic_write(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
             os.fsync(f.fileno())
             # Hash what is on disk, not what we meant to write.
             sha256, size = _sha256_stream(f)
-        os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
-    return sha256, size
+    return tmp, sha256, size
+
+
+def _temporary_pattern(path: Path) -> re.Pattern[str]:
+    """Names of the temporaries written for ``path``: host, pid and token.
+
+    A ``.safetensors`` temporary is itself written through a temporary of
+    ``payload.save`` (``.<our temporary>.<token>.tmp``), matched too.
+    """
+    return re.compile(
+        rf"\.?\.{re.escape(path.name)}\.(?P<host>[0-9a-f]{{8}})\.(?P<pid>[0-9]+)"
+        rf"\.[0-9a-f]{{8}}\.tmp(?:\.[0-9a-f]+\.tmp)?"
+    )
+
+
+def _remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries beside ``path`` whose writer is gone (see the module docstring)."""
+    pattern = _temporary_pattern(path)
+    now = time.time()
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return  # The write itself will say what is wrong with the directory.
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue  # Gone already: its writer finished, or another cleaner was first.
+        mine = match["host"] == _HOST
+        if idle > STALE_AFTER_SECONDS or (mine and not _running(int(match["pid"]))):
+            # Another cleaner may be first, or it is not a file after all: leave it.
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def _running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (True when that cannot be told)."""
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would terminate the process on Windows.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user.
+    return True
 
 
 def _fsync_directory(directory: Path) -> None:
@@ -574,23 +817,32 @@ def _some(names: list[str], limit: int = 5) -> str:
     return shown if len(names) <= limit else f"{shown}, ... ({len(names)} in all)"
 
 
-def _candidates(paths: PathLike | Iterable[PathLike]) -> list[Path]:
+def _candidates(paths: PathLike | Iterable[PathLike]) -> tuple[list[Path], list[Validation]]:
+    """The checkpoint files in ``paths``, and a verdict for each directory that cannot be listed."""
     if isinstance(paths, (str, os.PathLike)):
         paths = [paths]
     found: list[Path] = []
+    unlisted: list[Validation] = []
     for entry in map(Path, paths):
-        if entry.is_dir():
-            found.extend(
-                child
-                for child in entry.iterdir()
-                if child.is_file()
-                and not child.name.startswith(".")
-                and child.name.endswith(CHECKPOINT_SUFFIXES)
-            )
-        else:
-            # Named explicitly: validate it whatever its name, so a typo reads "file not found".
-            found.append(entry)
-    return list(dict.fromkeys(found))
+        try:
+            if not entry.is_dir():
+                # Named explicitly: validate it whatever its name, so a typo reads "file not found".
+                found.append(entry)
+                continue
+            children = list(entry.iterdir())
+        except OSError as exc:
+            unlisted.append(Validation(entry, (f"cannot list: {exc.strerror or exc}",)))
+            continue
+        for child in children:
+            if child.name.startswith(".") or not child.name.endswith(CHECKPOINT_SUFFIXES):
+                continue
+            try:
+                regular = child.is_file()
+            except OSError:
+                regular = True  # Unreadable: validate says why.
+            if regular:
+                found.append(child)
+    return list(dict.fromkeys(found)), unlisted
 
 
 def _newest_first(paths: list[Path]) -> list[Path]:

@@ -1,62 +1,108 @@
 """The ``gpucase`` command: work with cases, reports and checkpoints outside a pytest run.
 
 Each subcommand is a thin front for a function of the module that owns the
-concern; modules are imported only when their subcommand runs.
+concern; modules are imported only when their subcommand runs. Those
+functions return values; this module alone parses arguments, prints, and
+picks exit codes: 0 done (a valid checkpoint, a case that still fails), 1 done
+but the answer is no (problems found, nothing smaller, nothing valid), 2 a
+usage error or a case that cannot run, 130 interrupted.
+
+Output cut short by its reader (``gpucase request CASE | head``) ends quietly
+with exit code 141, as GNU coreutils and git do: they die of SIGPIPE, which a
+shell reports as 128 + 13, so ``set -o pipefail`` sees the same for all of them.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from . import __version__
 from .errors import CaseFormatError
+
+# What a shell reports for a process killed by SIGPIPE (128 + 13), on every platform.
+EXIT_BROKEN_PIPE = 141
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
+    from .report import RENDERERS  # neither torch nor pytest: cheap, and the one list of formats
+
     parser = argparse.ArgumentParser(
         prog="gpucase", description="Saved GPU failure cases: inspect, merge, shrink, ablate.")
+    parser.add_argument("--version", action="version", version=f"gpucase {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     matrix = commands.add_parser(
         "matrix", help="merge JSON reports of several runners into a compatibility matrix")
-    matrix.add_argument("reports", nargs="+", type=Path, metavar="REPORT")
-    matrix.add_argument("--format", choices=("markdown", "html", "json"), default="markdown")
-    matrix.add_argument("-o", "--output", type=Path, help="write here instead of stdout")
+    matrix.add_argument("reports", nargs="+", type=Path, metavar="REPORT",
+                        help="a JSON report written by pytest --gpu-report, one per runner")
+    matrix.add_argument("--format", choices=tuple(RENDERERS), default="markdown",
+                        help="how to write the matrix (default: %(default)s)")
+    matrix.add_argument("-o", "--output", type=Path, metavar="FILE",
+                        help="write here instead of stdout")
     matrix.add_argument("--detail", action="store_true", help="one row per case x variant")
 
     show = commands.add_parser("show", help="a case at a glance")
-    show.add_argument("case", type=Path, metavar="CASE")
-    show.add_argument("--report", type=Path, help="a JSON report holding the case's last verdict")
+    show.add_argument("case", type=Path, metavar="CASE", help="the case directory")
+    show.add_argument("--report", type=Path, metavar="REPORT",
+                      help="a JSON report holding the case's last verdict")
 
     request = commands.add_parser(
         "request", help="a ready-to-paste, sanitized request for analysis of a case")
-    request.add_argument("case", type=Path, metavar="CASE")
+    request.add_argument("case", type=Path, metavar="CASE", help="the case directory")
 
     validate = commands.add_parser("validate", help="check case files without running them")
-    validate.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH")
+    validate.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
+                          help="a case directory or a folder of cases (default: cases)")
 
     minimize = commands.add_parser(
         "minimize", help="shrink a failing case to the fewest entries that still fail the same way")
-    minimize.add_argument("case", type=Path, metavar="CASE")
-    minimize.add_argument("-o", "--output", type=Path, metavar="NEW_CASE")
+    minimize.add_argument("case", type=Path, metavar="CASE", help="the failing case directory")
+    minimize.add_argument("-o", "--output", type=Path, metavar="NEW_CASE",
+                          help="where to write the smaller case; never overwritten (default: "
+                          "CASE_min beside CASE)")
     minimize.add_argument("--device", default=None, help="device type to run on (default: the "
                           "first the case can run on here)")
-    minimize.add_argument("--max-tries", type=int, default=200,
-                          help="shrinking tries at most (the first run of the original is extra)")
-    minimize.add_argument("--time-budget", type=float, default=600.0, metavar="SECONDS")
+    minimize.add_argument("--max-tries", type=_positive_int, default=200, metavar="N",
+                          help="shrinking tries at most (the first run of the original is "
+                          "extra; default: %(default)s)")
+    minimize.add_argument("--time-budget", type=_positive_float, default=600.0, metavar="SECONDS",
+                          help="stop shrinking after this long and keep the best case so far "
+                          "(default: %(default)g)")
 
     ablate = commands.add_parser(
         "ablate", help="rerun a failing case under one change at a time")
-    ablate.add_argument("case", type=Path, metavar="CASE")
-    ablate.add_argument("--device", default=None)
-    ablate.add_argument("--dtype", default=None)
+    ablate.add_argument("case", type=Path, metavar="CASE", help="the failing case directory")
+    ablate.add_argument("--device", default=None, help="device type to run on (default: the "
+                        "first the case can run on here)")
+    ablate.add_argument("--dtype", default=None,
+                        help="run in this dtype (default: the first of the case's dtypes that "
+                        "fails)")
 
     checkpoint = commands.add_parser(
         "checkpoint", help="list checkpoints newest first with their verdict")
-    checkpoint.add_argument("paths", nargs="+", metavar="PATH")
-    checkpoint.add_argument("--model", help="a reference checkpoint file or 'pkg.mod:attr'")
+    checkpoint.add_argument("paths", nargs="+", metavar="PATH",
+                            help="a checkpoint file, or a directory whose checkpoints to list")
+    checkpoint.add_argument("--model", metavar="MODEL",
+                            help="the model to compare keys and shapes with: a reference "
+                            "checkpoint file or 'pkg.mod:attr'")
     return parser
 
 
@@ -67,51 +113,134 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     import_torch()
     try:
-        return _dispatch(args)
+        code = _dispatch(args)
+        # Flushed here, so that a reader gone away is met in this try and not at exit.
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # Python's own exit would flush stdout again and print a second error.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return EXIT_BROKEN_PIPE
     except CaseFormatError as exc:
-        print(f"gpucase: {exc}", file=sys.stderr)
-        return 2
+        return _error(None, exc)
+    return code
+
+
+def _error(command: str | None, problem: object, code: int = 2) -> int:
+    """Print ``problem`` on stderr after the command's name and return ``code``."""
+    name = "gpucase" if command is None else f"gpucase {command}"
+    print(f"{name}: {problem}", file=sys.stderr)
+    return code
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command == "matrix":
-        from .report import matrix_command
+    command: str = args.command
+    handlers = {
+        "matrix": _matrix,
+        "show": _show,
+        "request": _request,
+        "validate": _validate,
+        "minimize": _minimize,
+        "ablate": _ablate,
+        "checkpoint": _checkpoint,
+    }
+    return handlers[command](args)  # argparse guards the choices
 
-        return matrix_command(args.reports, fmt=args.format, output=args.output,
-                              detail=args.detail)
-    if args.command == "show":
-        from .request import show
 
-        print(show(args.case, report=args.report))
+def _matrix(args: argparse.Namespace) -> int:
+    from .report import RENDERERS, UnreadableReports, matrix_command
+
+    try:
+        matrix = matrix_command(args.reports, detail=args.detail)
+    except UnreadableReports as exc:
+        for error in exc.errors:
+            _error(None, error)
+        return 2
+    text = RENDERERS[args.format](matrix)
+    if args.output is None:
+        sys.stdout.write(text)
         return 0
-    if args.command == "request":
-        from .request import request
+    try:
+        args.output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
+    print(f"gpucase: wrote {args.output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
+          f"environments)")
+    return 0
 
-        print(request(args.case))
-        return 0
-    if args.command == "validate":
-        from .request import validate
 
-        problems = validate(args.paths)
-        for problem in problems:
-            print(problem)
-        if not problems:
-            print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")
-        return 1 if problems else 0
-    if args.command == "minimize":
-        from .minimize import minimize_command
+def _show(args: argparse.Namespace) -> int:
+    from .request import show
 
-        return minimize_command(args.case, output=args.output, device=args.device,
-                                max_tries=args.max_tries, time_budget=args.time_budget)
-    if args.command == "ablate":
-        from .ablate import ablate_command
+    print(show(args.case, report=args.report))
+    return 0
 
-        return ablate_command(args.case, device=args.device, dtype=args.dtype)
-    if args.command == "checkpoint":
-        from .checkpoint import main_checkpoint
 
-        return main_checkpoint(args.paths, model=args.model)
-    raise AssertionError(f"unhandled command {args.command}")  # argparse guards the choices
+def _request(args: argparse.Namespace) -> int:
+    from .request import request
+
+    print(request(args.case))
+    return 0
+
+
+def _validate(args: argparse.Namespace) -> int:
+    from .request import validate
+
+    problems = validate(args.paths)
+    for problem in problems:
+        print(problem)
+    if problems:
+        return 1
+    print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")
+    return 0
+
+
+def _minimize(args: argparse.Namespace) -> int:
+    from .minimize import NotRunnable, OriginalPasses, minimize_command
+
+    try:
+        result = minimize_command(args.case, output=args.output, device=args.device,
+                                  max_tries=args.max_tries, time_budget=args.time_budget)
+    except KeyboardInterrupt:
+        # Ctrl-C during the search writes the best case so far; here it came before one.
+        return _error("minimize", "interrupted before any smaller case; nothing written", 130)
+    except OriginalPasses as passes:
+        print(f"gpucase minimize: {passes}; nothing written")
+        return 1
+    except (NotRunnable, FileExistsError) as problem:
+        return _error("minimize", problem)
+    print(result.render())
+    return 0 if result.output is not None else 1
+
+
+def _ablate(args: argparse.Namespace) -> int:
+    from .ablate import Row, ablate_command
+    from .minimize import NotRunnable
+
+    def show(row: Row) -> None:
+        print(f"  {row.label}: {row.verdict}", file=sys.stderr, flush=True)
+
+    try:
+        result = ablate_command(args.case, device=args.device, dtype=args.dtype,
+                                progress=show if sys.stderr.isatty() else None)
+    except NotRunnable as problem:
+        return _error("ablate", problem)
+    except KeyboardInterrupt:
+        return _error("ablate", "interrupted", 130)
+    print(result.render())
+    return 0 if result.failing else 1
+
+
+def _checkpoint(args: argparse.Namespace) -> int:
+    from .checkpoint import ModelSpecError, survey
+
+    try:
+        found = survey(args.paths, model=args.model)
+    except ModelSpecError as exc:
+        return _error("checkpoint", f"--model {exc}")
+    print(found.render())
+    return 0 if found.restart is not None else 1
 
 
 if __name__ == "__main__":

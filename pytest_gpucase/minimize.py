@@ -743,36 +743,18 @@ def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
 
 
 def minimize_command(case: Path, *, output: Path | None, device: str | None, max_tries: int,
-                     time_budget: float) -> int:
-    """``gpucase minimize``: 0 when a smaller case is written, 1 when none, 2 when it cannot run."""
+                     time_budget: float) -> Minimized:
+    """``gpucase minimize``: shrink the case at ``case`` on this machine (the command prints).
+
+    Raises what ``minimize`` raises, and KeyboardInterrupt when Ctrl-C came before
+    any smaller case.
+    """
     import torch  # noqa: F401 - imported before the children fork, so that each shares it
 
     from .environment import probe
     from .isolation import default_start_method
 
-    if max_tries < 1 or not time_budget > 0:
-        print("gpucase minimize: --max-tries and --time-budget must be positive",
-              file=sys.stderr)
-        return 2
-    if output is not None and output.exists():
-        print(f"gpucase minimize: {display(output)} exists; minimize never overwrites, give a "
-              "new -o", file=sys.stderr)
-        return 2
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
-    try:
-        result = minimize(loaded, env=env, device=device, output=output, max_tries=max_tries,
-                          time_budget=time_budget, start_method=default_start_method())
-    except KeyboardInterrupt:
-        # Ctrl-C during the search writes the best case so far; here it came before one.
-        print("gpucase minimize: interrupted before any smaller case; nothing written",
-              file=sys.stderr)
-        return 130
-    except OriginalPasses as passes:
-        print(f"gpucase minimize: {passes}; nothing written")
-        return 1
-    except (NotRunnable, FileExistsError) as problem:
-        print(f"gpucase minimize: {problem}", file=sys.stderr)
-        return 2
-    print(result.render())
-    return 0 if result.output is not None else 1
+    return minimize(loaded, env=env, device=device, output=output, max_tries=max_tries,
+                    time_budget=time_budget, start_method=default_start_method())

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -746,30 +745,26 @@ def short_names(paths: Sequence[Path]) -> list[str]:
         depth += 1
 
 
-def matrix_command(reports: Sequence[Path], *, fmt: str, output: Path | None,
-                   detail: bool) -> int:
-    """``gpucase matrix``: merge JSON reports into a matrix and print or write it."""
+class UnreadableReports(ValueError):
+    """Reports that cannot be merged; ``errors`` holds one ReportError per file."""
+
+    def __init__(self, errors: Sequence[ReportError]) -> None:
+        self.errors = tuple(errors)
+        super().__init__("\n".join(map(str, self.errors)))
+
+
+def matrix_command(reports: Sequence[Path], *, detail: bool) -> Matrix:
+    """``gpucase matrix``: merge JSON reports into a matrix (the command renders and prints it).
+
+    Raises UnreadableReports naming every report that cannot be read, not just the first.
+    """
     loaded = []
     problems = []
     for path in reports:
         try:
             loaded.append(load_report(path))
         except ReportError as exc:
-            problems.append(str(exc))
+            problems.append(exc)
     if problems:
-        for problem in problems:
-            print(f"gpucase: {problem}", file=sys.stderr)
-        return 2
-    matrix = build_matrix(loaded, detail=detail, names=short_names(reports))
-    text = RENDERERS[fmt](matrix)
-    if output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        print(f"gpucase: {output}: cannot write: {exc.strerror or exc}", file=sys.stderr)
-        return 2
-    print(f"gpucase: wrote {output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
-          f"environments)")
-    return 0
+        raise UnreadableReports(problems)
+    return build_matrix(loaded, detail=detail, names=short_names(reports))

@@ -19,11 +19,11 @@ from pytest_gpucase.ablate import (
     Row,
     RowVerdict,
     ablate,
-    ablate_command,
     changes,
     read,
 )
 from pytest_gpucase.case import load_case
+from pytest_gpucase.cli import main
 from pytest_gpucase.environment import Device, Environment
 from pytest_gpucase.matrix import RunSpec
 from pytest_gpucase.minimize import NotRunnable, choose_device
@@ -227,7 +227,7 @@ def test_passing_case_has_nothing_to_ablate(
     assert not result.failing and result.rows == ()
     assert result.reading == "passes unchanged on the CPU in float32: nothing to ablate"
 
-    assert ablate_command(path, device="cpu", dtype=None) == 1
+    assert main(["ablate", str(path), "--device", "cpu"]) == 1
     assert "fine on cpu in float32: passes\nreading: passes unchanged on the CPU in " \
            "float32: nothing to ablate" in capsys.readouterr().out
 
@@ -236,7 +236,7 @@ def test_unknown_dtype_or_missing_device_cannot_run(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     path = make_case(tmp_path, "fine", 'format = 1\ntimeout = 30\ncall = "case.py:softmax"\n',
                      SOFTMAX_PY, {"x": torch.tensor([[1.0, 2.0]])})
-    assert ablate_command(path, device="cpu", dtype="float8") == 2
+    assert main(["ablate", str(path), "--device", "cpu", "--dtype", "float8"]) == 2
     assert "unknown dtype 'float8'" in capsys.readouterr().err
     with pytest.raises(NotRunnable, match="--device cuda: no CUDA device here"):
         choose_device(load_case(path), ENV, "cuda")

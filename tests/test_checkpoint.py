@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import random
 import re
 import select
 import signal
@@ -19,16 +20,20 @@ import torch
 from torch import nn
 
 import pytest_gpucase
+from pytest_gpucase import checkpoint
 from pytest_gpucase.checkpoint import (
+    MAX_MANIFEST_BYTES,
     NO_MANIFEST,
     Manifest,
-    main_checkpoint,
+    ModelSpecError,
     manifest_path,
     newest_valid,
     save,
     scan,
+    survey,
     validate,
 )
+from pytest_gpucase.cli import main
 
 ROOT = Path(pytest_gpucase.__file__).resolve().parents[1]
 TRUNCATED = re.compile(r"size (\d+) bytes but manifest says (\d+) \(truncated write\?\)")
@@ -71,6 +76,55 @@ if mode == "atomic":
 else:
     stalled_save(state, path)
 """
+
+
+# Re-saves to one path forever, in children we SIGKILL at random moments. The helper
+# imports torch once and forks a saver per kill: 60 interpreter start-ups would cost more
+# than the whole test. Protocol on stdin/stdout: "go N" forks a saver that starts at
+# version N and answers its pid; "wait" reaps it and answers the signal that ended it.
+RESAVER = r"""
+import os, sys, traceback
+import torch
+
+torch.set_num_threads(1)  # no OpenMP pool in this parent: a forked child could not use it
+from pytest_gpucase.checkpoint import save
+
+path, sizes = sys.argv[1], [int(n) for n in sys.argv[2].split(",")]
+
+
+def version(i):
+    generator = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(sizes[i], generator=generator), "step": i}
+
+
+child = None
+for line in sys.stdin:
+    command = line.split()
+    if command[0] == "go":
+        child = os.fork()
+        if child == 0:
+            try:
+                i = int(command[1])
+                while True:
+                    save(version(i % len(sizes)), path)
+                    i += 1
+            except BaseException:
+                traceback.print_exc()
+            finally:
+                os._exit(1)
+        print(child, flush=True)
+    elif command[0] == "wait":
+        _, status = os.waitpid(child, 0)
+        print(os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1, flush=True)
+"""
+# 2, 4, 4 and 8 MB: sizes that differ and sizes that are equal (the hash must decide).
+RESAVE_SIZES = (1 << 19, 1 << 20, 1 << 20, 1 << 21)
+
+
+def resave_version(i: int) -> dict[str, object]:
+    """Version ``i`` of the object RESAVER saves, built the same way."""
+    generator = torch.Generator().manual_seed(i)
+    return {"w": torch.randn(RESAVE_SIZES[i], generator=generator), "step": i}
 
 
 class Net(nn.Module):
@@ -211,6 +265,258 @@ def test_atomic_save_killed_midway_keeps_previous_checkpoint(tmp_path: Path) -> 
     (partial,) = tmp_path.glob(".latest.pt.*.tmp")
     assert 0 < partial.stat().st_size < len(before)
     assert [r.path for r in scan(tmp_path)] == [path]
+
+
+@posix_only
+def test_resave_killed_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path: Path) -> None:
+    path = tmp_path / "latest.pt"
+    started = time.monotonic()
+    save(resave_version(0), path)
+    one_save = time.monotonic() - started
+    versions = [resave_version(i) for i in range(len(RESAVE_SIZES))]
+    rng = random.Random(20240611)
+    pythonpath = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
+    sizes = ",".join(map(str, RESAVE_SIZES))
+    with (
+        (tmp_path / "helper.err").open("w+") as errors,
+        subprocess.Popen(
+            [sys.executable, "-c", RESAVER, str(path), sizes], stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE, stderr=errors, env=env, text=True, bufsize=1,
+        ) as helper,
+    ):
+        assert helper.stdin is not None and helper.stdout is not None
+
+        def ask(command: str) -> int:
+            assert helper.stdin is not None and helper.stdout is not None
+            helper.stdin.write(command + "\n")
+            ready, _, _ = select.select([helper.stdout], [], [], 120)
+            errors.seek(0)
+            assert ready, f"the helper did not answer {command!r}: {errors.read()}"
+            answer = helper.stdout.readline()
+            assert answer, f"the helper ended: {errors.read()}"
+            return int(answer)
+
+        try:
+            for attempt in range(60):
+                pid = ask(f"go {attempt + 1}")
+                # Up to three saves long: kills land in every step of a save, and between saves.
+                time.sleep(rng.uniform(0, 3 * one_save))
+                os.kill(pid, signal.SIGKILL)
+                errors.seek(0)
+                assert ask("wait") == signal.SIGKILL, errors.read()
+
+                result = validate(path)
+                assert result, f"kill {attempt}: {result.problems}"
+                loaded = torch.load(path, weights_only=True)
+                assert loaded["step"] in range(len(versions)), loaded
+                assert torch.equal(loaded["w"], versions[loaded["step"]]["w"]), attempt
+        finally:
+            helper.stdin.close()
+    assert helper.returncode == 0
+
+    # The writers are dead: the next save removes every temporary they left.
+    save(resave_version(0), path)
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name != "helper.err") == [
+        "latest.pt", "latest.pt.manifest.json"
+    ]
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL at one step of a save."""
+
+
+@pytest.mark.parametrize(
+    ("step", "left"),
+    [(1, "old file, old manifest"), (2, "old file, two-record manifest"),
+     (3, "new file, two-record manifest")],
+)
+def test_resave_interrupted_at_each_rename_stays_valid(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, step: int, left: str
+) -> None:
+    path = tmp_path / "latest.pt"
+    old, new = {"w": torch.ones(1000), "step": 1}, {"w": torch.zeros(1000), "step": 2}
+    save(old, path)
+    renames = []
+    real_replace = os.replace
+
+    def replace(src: str | os.PathLike[str], dst: str | os.PathLike[str]) -> None:
+        renames.append(Path(dst).name)
+        if len(renames) == step:
+            raise Killed
+        real_replace(src, dst)
+
+    monkeypatch.setattr(checkpoint.os, "replace", replace)
+    with pytest.raises(Killed):
+        save(new, path)
+    monkeypatch.undo()
+
+    # The renames of a re-save: manifest for both, the file, manifest for the new one.
+    assert renames[-1] == ["latest.pt.manifest.json", "latest.pt", "latest.pt.manifest.json"][
+        step - 1
+    ]
+    result = validate(path)
+    assert result, result.problems
+    expected = new if left.startswith("new") else old
+    assert torch.load(path, weights_only=True)["step"] == expected["step"]
+    records = json.loads(manifest_path(path).read_text())
+    assert ("previous" in records) == ("two-record" in left)
+    # The next save ends the swap: one record, for the file in place.
+    final = save(new, path)
+    assert final.previous == ()
+    assert "previous" not in json.loads(manifest_path(path).read_text())
+    assert validate(path).manifest == final
+
+
+@posix_only
+def test_temporaries_of_gone_writers_are_removed(tmp_path: Path) -> None:
+    gone = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True, text=True, check=True, timeout=60,
+    )
+    dead, alive, here = int(gone.stdout), os.getpid(), checkpoint._HOST
+    elsewhere = "0" * 8 if here != "0" * 8 else "1" * 8
+    removed = [
+        f".latest.pt.{here}.{dead}.0123abcd.tmp",  # its writer was killed
+        f"..latest.pt.{here}.{dead}.0123abcd.tmp.0123456789ab.tmp",  # ...inside payload.save
+        f".latest.pt.manifest.json.{here}.{dead}.0123abcd.tmp",
+        f".latest.pt.{here}.{alive}.0badf00d.tmp",  # a day untouched, though its pid runs
+        f".latest.pt.{elsewhere}.{alive}.deadbeef.tmp",  # a day untouched on another host
+    ]
+    kept = [
+        f".latest.pt.{here}.{alive}.89abcdef.tmp",  # a writer at work
+        f".latest.pt.{elsewhere}.{dead}.76543210.tmp",  # another host's pid means nothing here
+        f".other.pt.{here}.{dead}.0123abcd.tmp",  # another checkpoint's
+        ".latest.pt.123.abcd.tmp",  # not named by this writer
+    ]
+    for name in removed + kept:
+        (tmp_path / name).write_bytes(b"partial")
+    two_days_ago = time.time() - 2 * 24 * 3600
+    for name in removed[3:]:
+        os.utime(tmp_path / name, (two_days_ago, two_days_ago))
+
+    save({"step": 1}, tmp_path / "latest.pt")
+
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        [*kept, "latest.pt", "latest.pt.manifest.json"]
+    )
+
+
+def make_fifo(path: Path) -> None:
+    os.mkfifo(path)
+
+
+def make_dev_zero_link(path: Path) -> None:
+    path.symlink_to("/dev/zero")
+
+
+def make_huge(path: Path) -> None:
+    with path.open("wb") as f:
+        f.truncate(MAX_MANIFEST_BYTES + 1)  # sparse: costs no disk
+
+
+NOT_REGULAR = (
+    "manifest unreadable: not a regular file (a FIFO, device or directory); "
+    "save() writes a JSON file"
+)
+
+
+@pytest.mark.parametrize(
+    ("make", "reason"),
+    [
+        (lambda p: p.write_text("[" * 100_000), "JSON nested too deeply to be a manifest"),
+        (lambda p: p.write_text('{"format": 1, "previous": ' + "[" * 100_000),
+         "JSON nested too deeply to be a manifest"),
+        (make_dev_zero_link, NOT_REGULAR),
+        (make_fifo, NOT_REGULAR),
+        (Path.mkdir, NOT_REGULAR),
+        (make_huge, f"{MAX_MANIFEST_BYTES + 1} bytes, more than a manifest holds"),
+        (lambda p: p.write_bytes(b"\xff\xfe{"), "'utf-8' codec can't decode"),
+        (lambda p: p.write_text("{"), "Expecting property name enclosed in double quotes"),
+        (lambda p: p.write_text('{"previous": [{}]}'), "format: expected int, got None"),
+    ],
+    ids=["nested", "nested-previous", "dev-zero", "fifo", "directory", "huge", "not-utf8",
+         "bad-json", "bad-field"],
+)
+@posix_only
+def test_scan_names_the_older_valid_checkpoint_whatever_a_manifest_holds(
+    tmp_path: Path, make: Callable[[Path], object], reason: str
+) -> None:
+    older, newer = tmp_path / "step-1.pt", tmp_path / "step-2.pt"
+    save({"step": 1}, older)
+    save({"step": 2}, newer)
+    os.utime(older, (1_700_000_000, 1_700_000_000))
+    manifest_path(newer).unlink()
+    make(manifest_path(newer))
+
+    results = scan(tmp_path)
+
+    assert [(r.path, r.verdict) for r in results] == [(newer, "INVALID"), (older, "VALID")]
+    assert results[0].problems[0].startswith("manifest unreadable: ")
+    assert reason in results[0].problems[0]
+    assert newest_valid(tmp_path) == older
+
+
+@pytest.mark.skipif(
+    sys.platform == "win32" or os.geteuid() == 0, reason="needs POSIX permissions, not as root"
+)
+def test_unreadable_files_are_verdicts(tmp_path: Path) -> None:
+    files = [tmp_path / name for name in ("step-1.pt", "step-2.pt", "step-3.pt")]
+    for i, path in enumerate(files):
+        save({"step": i}, path)
+        os.utime(path, (1_700_000_000 + i, 1_700_000_000 + i))
+    manifest_path(files[2]).chmod(0)
+    files[1].chmod(0)
+    try:
+        results = scan(tmp_path)
+    finally:
+        manifest_path(files[2]).chmod(0o644)
+        files[1].chmod(0o644)
+
+    assert [r.verdict for r in results] == ["INVALID", "INVALID", "VALID"]
+    assert results[0].problems[0].startswith("manifest unreadable: [Errno 13] Permission denied")
+    assert "Permission denied" in results[1].problems[0]
+
+
+def test_a_failure_while_validating_one_file_is_its_verdict(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    older, newer = tmp_path / "step-1.pt", tmp_path / "step-2.pt"
+    save({"step": 1}, older)
+    save({"step": 2}, newer)
+    os.utime(older, (1_700_000_000, 1_700_000_000))
+    real_hash = checkpoint._sha256_file
+
+    def failing_disk(path: Path) -> str:
+        if path == newer:
+            raise OSError(5, "Input/output error")
+        return real_hash(path)
+
+    monkeypatch.setattr(checkpoint, "_sha256_file", failing_disk)
+
+    results = scan(tmp_path)
+
+    assert [r.problems for r in results] == [
+        ("cannot validate: OSError: [Errno 5] Input/output error",), ()
+    ]
+    assert newest_valid(tmp_path) == older
+
+
+def test_survey_returns_the_verdicts_and_the_restart(tmp_path: Path) -> None:
+    paths = make_checkpoints(tmp_path / "ckpts")
+
+    found = survey([str(tmp_path / "ckpts")])
+
+    assert [r.path for r in found.results] == [
+        paths["step-300"], paths["step-200"], paths["step-100"]
+    ]
+    assert found.restart is found.results[2]
+    assert found.render().splitlines()[-1] == (
+        f"restart from: {paths['step-100']} (2 newer checkpoints invalid)"
+    )
+    assert survey([str(tmp_path / "nothing")]).restart is None
+    with pytest.raises(ModelSpecError, match=r"^nope: ValueError: expected a checkpoint file"):
+        survey([str(tmp_path)], model="nope")
 
 
 def test_nan_weights_are_recorded_and_invalid(tmp_path: Path) -> None:
@@ -390,14 +696,14 @@ def local(timestamp: int) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(timestamp))
 
 
-def test_main_checkpoint_table(
+def test_gpucase_checkpoint_table(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
     paths = make_checkpoints(Path("ckpts"))
     size = json.loads(manifest_path(paths["step-300"]).read_text())["size"]
 
-    assert main_checkpoint(["ckpts"]) == 0
+    assert main(["checkpoint", "ckpts"]) == 0
 
     truncated = f"size 1000 bytes but manifest says {size} (truncated write?) (+1 more)"
     s = os.sep
@@ -410,7 +716,7 @@ def test_main_checkpoint_table(
     ]
 
 
-def test_main_checkpoint_with_reference_model(
+def test_gpucase_checkpoint_with_reference_model(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -418,7 +724,7 @@ def test_main_checkpoint_with_reference_model(
     paths["step-300"].unlink()
     save(Renamed().state_dict(), "renamed.safetensors")
 
-    assert main_checkpoint(["ckpts"], model="renamed.safetensors") == 1
+    assert main(["checkpoint", "ckpts", "--model", "renamed.safetensors"]) == 1
 
     # The reference comes from a safetensors file, which lists its keys sorted.
     missing = "missing keys: encoder.bias, encoder.weight (+2 more)"
@@ -432,7 +738,7 @@ def test_main_checkpoint_with_reference_model(
     ]
 
 
-def test_main_checkpoint_model_from_import_path(
+def test_gpucase_checkpoint_model_from_import_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
@@ -443,7 +749,7 @@ def test_main_checkpoint_model_from_import_path(
     save({"model": nn.Linear(4, 8).state_dict(), "step": 5}, "lin.pt")
     os.utime("lin.pt", (1_700_000_000, 1_700_000_000))
 
-    assert main_checkpoint(["lin.pt"], model="refmodel:build") == 0
+    assert main(["checkpoint", "lin.pt", "--model", "refmodel:build"]) == 0
 
     assert capsys.readouterr().out.splitlines() == [
         "TIME                 FILE    VERDICT  PROBLEM",
@@ -452,16 +758,16 @@ def test_main_checkpoint_model_from_import_path(
     ]
 
 
-def test_main_checkpoint_usage_errors(
+def test_gpucase_checkpoint_usage_errors(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
 
-    assert main_checkpoint(["empty"], model="no_such_module_xyz:Net") == 2
+    assert main(["checkpoint", "empty", "--model", "no_such_module_xyz:Net"]) == 2
     assert capsys.readouterr().err == (
         "gpucase checkpoint: --model no_such_module_xyz:Net: "
         "ModuleNotFoundError: No module named 'no_such_module_xyz'\n"
     )
     Path("empty").mkdir()
-    assert main_checkpoint(["empty"]) == 1
+    assert main(["checkpoint", "empty"]) == 1
     assert capsys.readouterr().out == "no checkpoint found in empty\n"

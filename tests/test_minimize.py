@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from pytest_gpucase import payload
 from pytest_gpucase.case import load_case
+from pytest_gpucase.cli import main
 from pytest_gpucase.environment import Environment
 from pytest_gpucase.isolation import run_in_child
 from pytest_gpucase.matrix import RunSpec
@@ -28,7 +29,6 @@ from pytest_gpucase.minimize import (
     failure_class,
     laid_out_like,
     minimize,
-    minimize_command,
     one_thread,
     strides_like,
     with_minimized_from,
@@ -312,7 +312,8 @@ def test_passing_case_is_refused_and_nothing_written(
 
     with pytest.raises(OriginalPasses, match="passes unchanged"):
         minimize(load_case(path), env=ENV, out=io.StringIO())
-    code = minimize_command(path, output=None, device="cpu", max_tries=10, time_budget=60)
+    code = main(["minimize", str(path), "--device", "cpu", "--max-tries", "10",
+                 "--time-budget", "60"])
 
     assert code == 1
     assert "fine passes unchanged (cpu in float32): there is no failure to keep; nothing " \
@@ -326,7 +327,8 @@ def test_existing_output_is_never_overwritten(
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "keep.txt").write_text("mine")
-    code = minimize_command(path, output=taken, device="cpu", max_tries=10, time_budget=60)
+    code = main(["minimize", str(path), "-o", str(taken), "--device", "cpu", "--max-tries", "10",
+                 "--time-budget", "60"])
     assert code == 2
     assert "exists; minimize never overwrites" in capsys.readouterr().err
     assert [p.name for p in taken.iterdir()] == ["keep.txt"]
@@ -505,8 +507,8 @@ def test_command_writes_the_case_and_returns_0(
     (path / "expected.safetensors").write_bytes(b"golden outputs of the full batch")
     (path / "helpers").mkdir()
     (path / "helpers" / "labels.txt").write_text("cat\ndog\n")
-    code = minimize_command(path, output=tmp_path / "small", device=None, max_tries=50,
-                            time_budget=60)
+    code = main(["minimize", str(path), "-o", str(tmp_path / "small"), "--max-tries", "50",
+                 "--time-budget", "60"])
     assert code == 0
     out = capsys.readouterr().out
     assert "wrote" in out and "entries on axis 0: 8 -> 1 (kept 5)" in out

@@ -1,0 +1,119 @@
+"""The ``gpucase`` command behaves as a command should: version, help, pipes, exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import pytest_gpucase
+from pytest_gpucase import cli, request
+from pytest_gpucase.cli import EXIT_BROKEN_PIPE, main
+from pytest_gpucase.report import RENDERERS
+
+from .test_request import RICH, rich_case, write_case
+
+ROOT = Path(pytest_gpucase.__file__).resolve().parents[1]
+
+
+def subcommands() -> dict[str, argparse.ArgumentParser]:
+    """Every subcommand's parser, by name, as ``gpucase`` builds them."""
+    (commands,) = (a for a in cli._parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(commands.choices)
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert capsys.readouterr().out == f"gpucase {pytest_gpucase.__version__}\n"
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_help_documents_every_argument(command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    # argparse wraps lines where it likes: compare with the whitespace evened out.
+    shown = " ".join(capsys.readouterr().out.split())
+    for action in subcommands()[command]._actions:
+        assert action.help, f"gpucase {command}: {action.dest} has no help"
+        if action.option_strings:
+            assert action.option_strings[-1] in shown
+        else:
+            assert str(action.metavar) in shown.split("positional arguments:", 1)[1]
+        # The help text as argparse fills it in: %(default)s and the like.
+        text = action.help % {**vars(action), "prog": subcommands()[command].prog}
+        assert " ".join(text.split()) in shown, f"gpucase {command}: {action.dest}"
+
+
+def test_format_choices_are_the_renderers(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["matrix", "--help"])
+    assert f"{{{','.join(RENDERERS)}}}" in capsys.readouterr().out
+
+
+def test_bad_numbers_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["minimize", "some_case", "--max-tries", "0"])
+    assert exited.value.code == 2
+    assert "argument --max-tries: must be at least 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        main(["minimize", "some_case", "--time-budget", "nan"])
+    assert exited.value.code == 2
+    assert "argument --time-budget: must be positive, got nan" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(shutil.which("head") is None, reason="needs head")
+def test_output_cut_short_by_head_ends_quietly(tmp_path: Path) -> None:
+    # 2000 context lines: far more than a pipe holds, so the reader leaves while we write.
+    notes = "".join(f'note_{i} = "{"x" * 80}"\n' for i in range(2000))
+    case = write_case(tmp_path, "chatty", textwrap.dedent(RICH) + notes)
+    pythonpath = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
+    with (tmp_path / "stderr").open("w+b") as errors:
+        with subprocess.Popen(
+            [sys.executable, "-m", "pytest_gpucase.cli", "request", str(case)],
+            stdout=subprocess.PIPE, stderr=errors, env=env,
+        ) as gpucase:
+            assert gpucase.stdout is not None
+            # head holds the only read end of the pipe: when it exits, the pipe is broken.
+            head = subprocess.run(["head", "-1"], stdin=gpucase.stdout, capture_output=True,
+                                  timeout=120, check=True)
+            gpucase.stdout.close()
+            gpucase.wait(timeout=120)
+        errors.seek(0)
+        assert errors.read() == b""
+    assert head.stdout == b"## GPU failure: `RuntimeError: CUDA error: device-side assert " \
+                          b"triggered`\n"
+    assert gpucase.returncode == EXIT_BROKEN_PIPE
+
+
+def test_validate_exit_code_follows_the_problems(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    good = rich_case(tmp_path / "good")
+    assert main(["validate", str(good)]) == 0
+    assert capsys.readouterr().out == f"gpucase validate: no problems in {good}\n"
+
+    bad = write_case(tmp_path / "bad", "typo", 'format = 1\ncalll = "case.py:run"\n')
+    assert main(["validate", str(good), str(bad)]) == 1
+    assert "calll: unknown key; did you mean 'call'?" in capsys.readouterr().out
+
+    # Whatever validate reports is a problem: "no case found" included.
+    monkeypatch.setattr(request, "validate", lambda paths: [f"{paths[0]}: no case found"])
+    assert main(["validate", "empty"]) == 1
+    assert capsys.readouterr().out == "empty: no case found\n"
+
+
+@pytest.mark.xfail(reason="request.validate reports 'no case' on another branch; "
+                   "drop this mark once it is merged", strict=False)
+def test_validate_fails_on_a_directory_without_a_case(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    assert main(["validate", str(tmp_path / "empty")]) != 0
