@@ -250,8 +250,14 @@ class CaseDirectory(pytest.Directory):
                 dtypes=self.config.getoption("gpu_dtypes"),
                 launch_blocking=self.config.getoption("gpu_launch_blocking"),
             )
-        except CaseFormatError as exc:
-            yield BrokenCaseItem.from_parent(self, name=self.path.name, problem=str(exc))
+        except Exception as exc:  # whatever the files hold: one failed item, the session goes on
+            from .case import CASE_FILE, case_name
+            from .errors import display
+
+            problem = str(exc) if isinstance(exc, CaseFormatError) else (
+                f"{display(self.path / CASE_FILE)}: the case cannot be loaded: "
+                f"{type(exc).__name__}: {exc}")
+            yield BrokenCaseItem.from_parent(self, name=case_name(self.path), problem=problem)
             return
         pin = state.worker_env()
         # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds.
