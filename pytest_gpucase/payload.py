@@ -24,17 +24,18 @@ up as changed. safetensors itself reads the files back (``load``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CaseFormatError, regular_file
+from .errors import CaseFormatError, printable, regular_file
 
 if TYPE_CHECKING:
     import torch
@@ -373,18 +374,19 @@ def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
 def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Load every tensor of a payload with its exact saved layout, on ``device``."""
     import torch
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     header, metadata = read_header(path)
     infos = _infos(path, header, metadata)  # every check runs before any data is read
     tensors: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        with contextlib.ExitStack() as stack:
+            stored_tensor = _reader(path, stack)
             for info in infos:
-                stored = handle.get_tensor(info.name)
+                stored = stored_tensor(info.name)
                 if info.stored_from:  # zeros stand for the part of the storage not read
                     full = torch.zeros(info.stored_from + stored.numel(), dtype=stored.dtype)
-                    full[info.stored_from:] = stored
+                    full[info.stored_from:] = stored.reshape(-1)
                     stored = full
                 elif stored.storage_offset() != 0:  # as_strided counts from the storage's start
                     stored = stored.clone()
@@ -395,6 +397,21 @@ def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     if device != "cpu":
         tensors = {name: to_device(t, device) for name, t in tensors.items()}
     return tensors
+
+
+def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+    """Reads stored tensors by name, as safetensors reads them (``read_header`` checked them)."""
+    from safetensors import safe_open
+    from safetensors.torch import load as load_bytes
+
+    text = str(path)
+    if text != printable(text):
+        # safetensors takes a path as UTF-8 text: a directory name that is not is read as bytes.
+        with _open_regular(path) as handle:
+            tensors: dict[str, torch.Tensor] = load_bytes(handle.read())
+        return tensors.__getitem__
+    handle = stack.enter_context(safe_open(text, framework="pt", device="cpu"))
+    return handle.get_tensor  # type: ignore[no-any-return]
 
 
 def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
