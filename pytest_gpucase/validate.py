@@ -276,26 +276,36 @@ _UNKNOWN = ast.Pass()  # a name bound in a way the source alone cannot follow
 
 
 def _defined(body: list[ast.stmt], parts: list[str]) -> ast.AST | None:
-    """The statement defining ``parts[0]`` at the top of ``body`` (then ``parts[1]`` in it)."""
+    """The statement defining ``parts[0]`` at the top of ``body`` (then ``parts[1]`` in it).
+
+    A name bound twice where one binding sits in a branch (``try``/``if``)
+    depends on which branch ran: it is ``_UNKNOWN``, as any binding but a
+    ``def`` or ``class`` is.
+    """
     name = parts[0]
-    found: ast.AST | None = None
-    for statement in _top_statements(body):
+    bindings: list[tuple[ast.AST, bool]] = []
+    for statement, nested in _top_statements(body, nested=False):
         if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             if statement.name == name:
-                found = statement
+                bindings.append((statement, nested))
         elif isinstance(statement, (ast.Import, ast.ImportFrom)):
             for alias in statement.names:
                 if alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name:
-                    found = _UNKNOWN
-        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
-            targets = statement.targets if isinstance(statement, ast.Assign) else [
-                statement.target]
-            names = {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
-            if name in names:
-                found = _UNKNOWN
+                    bindings.append((_UNKNOWN, nested))
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For,
+                                    ast.AsyncFor, ast.With, ast.AsyncWith)):
+            targets = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)
+                       and isinstance(n.ctx, ast.Store)}
+            if name in targets:
+                bindings.append((_UNKNOWN, nested))
         elif any(isinstance(n, ast.NamedExpr) for n in ast.walk(statement)):
-            found = _UNKNOWN
-    if found is None or found is _UNKNOWN or len(parts) == 1:
+            bindings.append((_UNKNOWN, nested))
+    if not bindings:
+        return None
+    found = bindings[-1][0]
+    if len(bindings) > 1 and any(nested for _, nested in bindings):
+        found = _UNKNOWN
+    if found is _UNKNOWN or len(parts) == 1:
         return found
     if isinstance(found, ast.ClassDef):
         inner = _defined(found.body, parts[1:])
@@ -303,17 +313,18 @@ def _defined(body: list[ast.stmt], parts: list[str]) -> ast.AST | None:
     return _UNKNOWN
 
 
-def _top_statements(body: list[ast.stmt]) -> Iterable[ast.stmt]:
-    """Statements run at import: the module's, and those of its ``if``, ``try`` and ``with``."""
+def _top_statements(body: list[ast.stmt], nested: bool) -> Iterable[tuple[ast.stmt, bool]]:
+    """Statements run at import, and whether they sit in a branch (``if``, ``try``, a loop)."""
     for statement in body:
-        yield statement
-        if isinstance(statement, (ast.If, ast.With, ast.AsyncWith, ast.For, ast.While)):
-            yield from _top_statements(statement.body)
-            yield from _top_statements(getattr(statement, "orelse", []))
+        yield statement, nested
+        if isinstance(statement, (ast.If, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor,
+                                  ast.While)):
+            yield from _top_statements(statement.body, True)
+            yield from _top_statements(getattr(statement, "orelse", []), True)
         elif isinstance(statement, ast.Try):
             for block in (statement.body, statement.orelse, statement.finalbody,
                           *(handler.body for handler in statement.handlers)):
-                yield from _top_statements(block)
+                yield from _top_statements(block, True)
 
 
 def _find_module(name: str) -> str | None:
