@@ -9,6 +9,7 @@ from __future__ import annotations
 import difflib
 import json
 import math
+import os
 import re
 import sys
 from collections.abc import Mapping
@@ -19,7 +20,7 @@ from typing import Any, Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from .errors import CaseFormatError
+from .errors import CaseFormatError, regular_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -32,6 +33,20 @@ EXPECTED_FILE = "expected.safetensors"
 FORMATS = (1,)
 DEFAULT_TIMEOUT = 120.0
 
+# Bounds, each checked before the work or the allocation it limits (the table "Bounds" in
+# docs/case-format.md): a case is a minimal reproduction, and a hostile one must cost a
+# collecting process nothing but a failed item.
+MAX_CASE_BYTES = 2**20             # case.toml, checked with stat before it is read
+MAX_TOML_DEPTH = 32                # arrays and tables inside each other (tomllib recurses)
+TOML_INT_BITS = 64                 # every integer in case.toml, as TOML itself specifies
+MAX_TIMEOUT = 7 * 24 * 3600.0      # seconds
+MAX_MEMORY_LIMIT_GIB = 2.0**20     # memory_limit, in GiB
+MAX_AXIS = 63                      # a variant axis (torch tensors have at most 64 dimensions)
+MAX_VARIANT_SIZE = 2**20           # each batch or length size
+MAX_VARIANT_VALUES = 64            # sizes of one variant kind (each is a child process)
+MAX_VARIANT_ELEMENTS = 2**28       # elements of a variant's resized inputs, all together
+MAX_ULPS = 2**20                   # units in the last place
+
 DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
 BACKENDS = ("cuda", "rocm", "cpu", "mps", "xpu")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
@@ -39,8 +54,8 @@ OUTCOMES = ("matches", "raises")
 VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
 
 _TOP_KEYS = (
-    "format", "summary", "call", "reference", "timeout", "launch_blocking", "xfail",
-    "inputs_sha256", "inputs", "expect", "matrix", "variants", "ablate", "origin",
+    "format", "summary", "call", "reference", "timeout", "memory_limit", "launch_blocking",
+    "xfail", "inputs_sha256", "inputs", "expect", "matrix", "variants", "ablate", "origin",
 )
 _EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tolerance")
 _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
@@ -132,6 +147,7 @@ class Case:
     ablate_env: Mapping[str, str]
     origin: Mapping[str, Any]
     inputs_sha256: str | None = None  # "sha256:<hex>" of inputs.safetensors, checked before use
+    memory_limit: int | None = None  # bytes a run's child may use (memory_limit in GiB), or None
 
     @property
     def case_file(self) -> Path:
@@ -147,25 +163,125 @@ class Case:
 
 
 def is_case_dir(path: Path) -> bool:
-    """Whether a directory holds a case (a ``case.toml``)."""
-    return (path / CASE_FILE).is_file()
+    """Whether a directory holds a case: anything named ``case.toml``, even a broken one.
+
+    A dangling symlink, a FIFO or a directory named ``case.toml`` is a case
+    that cannot load, reported as such, rather than a case silently skipped.
+    """
+    return os.path.lexists(Path(path) / CASE_FILE)
+
+
+def case_name(path: Path) -> str:
+    """A case's name as text that any terminal or JSON writer takes.
+
+    A directory name that is not valid UTF-8 reaches Python with lone
+    surrogates; its undecodable bytes are shown as ``\\xNN`` instead.
+    """
+    name = path.name or path.resolve().name
+    return os.fsencode(name).decode("utf-8", "backslashreplace")
 
 
 def load_case(path: Path) -> Case:
     """Read and validate the case directory at ``path``; raise ``CaseFormatError`` if wrong."""
     path = Path(path)
     file = path / CASE_FILE
-    try:
-        text = file.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+    text = _read_text(file, path)
+    if _nesting(text) > MAX_TOML_DEPTH:
+        raise CaseFormatError(file, f"arrays or tables nest deeper than {MAX_TOML_DEPTH} levels; "
+                              "a case needs a few: flatten the structure")
     try:
         doc = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise CaseFormatError(file, f"invalid TOML: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, say
+        raise CaseFormatError(file, f"invalid TOML: {exc}; TOML integers are 64-bit") from None
+    _check_bounds(doc, file)
     return _parse(doc, path, file)
+
+
+def _read_text(file: Path, case_dir: Path) -> str:
+    """The text of ``case.toml``, refused before opening when it is not a small regular file.
+
+    A symlink must stay inside the case directory; a FIFO or device would block
+    or never end, so it is refused from its ``stat``, and the size is checked
+    before anything is read.
+    """
+    try:
+        target = os.readlink(file) if os.path.islink(file) else None
+    except OSError:
+        target = None
+    if target is not None and not file.resolve().is_relative_to(case_dir.resolve()):
+        raise CaseFormatError(file, f"is a symlink to {target}, outside the case directory; "
+                              "replace it with the file itself")
+    try:
+        info = regular_file(file, "replace it with the case's TOML text file")
+    except FileNotFoundError:
+        if target is not None:
+            raise CaseFormatError(file, f"is a symlink to {target}, which does not exist; "
+                                  "replace it with the file itself") from None
+        raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
+    except OSError as exc:
+        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+    if info.st_size > MAX_CASE_BYTES:
+        raise CaseFormatError(file, f"is {info.st_size} bytes, over the limit of "
+                              f"{MAX_CASE_BYTES}; a case.toml holds settings, not data: put "
+                              "tensors in inputs.safetensors")
+    try:
+        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+        with open(fd, "rb") as handle:
+            data = handle.read(MAX_CASE_BYTES + 1)
+    except OSError as exc:
+        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+    if len(data) > MAX_CASE_BYTES:  # it grew since the stat
+        raise CaseFormatError(file, f"is over the limit of {MAX_CASE_BYTES} bytes")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+
+
+# What tomllib recurses on: brackets and braces outside strings and comments.
+_TOML_TOKEN = re.compile(
+    r'#[^\n]*'                      # a comment
+    r'|"""(?:\\.|[^\\])*?"""'       # a multi-line basic string
+    r"|'''.*?'''"                   # a multi-line literal string
+    r'|"(?:\\.|[^"\\\n])*"'         # a basic string
+    r"|'[^'\n]*'"                   # a literal string
+    r"|[\[\]{}]",
+    re.S)
+
+
+def _nesting(text: str) -> int:
+    """How deep arrays and inline tables nest in TOML text, read before tomllib recurses."""
+    depth = deepest = 0
+    for token in _TOML_TOKEN.finditer(text):
+        bracket = token.group()
+        if bracket in ("[", "{"):
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in ("]", "}"):
+            depth = max(depth - 1, 0)
+    return deepest
+
+
+def _check_bounds(doc: Mapping[str, Any], file: Path) -> None:
+    """Every integer is 64-bit and no value nests deeper than ``MAX_TOML_DEPTH`` (dotted keys
+    nest without brackets); walked without recursion."""
+    low, high = -(2 ** (TOML_INT_BITS - 1)), 2 ** (TOML_INT_BITS - 1) - 1
+    stack: list[tuple[str, Any, int]] = [("", doc, 0)]
+    while stack:
+        where, value, depth = stack.pop()
+        if depth > MAX_TOML_DEPTH:
+            raise CaseFormatError(file, f"tables nest deeper than {MAX_TOML_DEPTH} levels; a case "
+                                  "needs a few: flatten the structure", key=where or None)
+        if isinstance(value, dict):
+            stack.extend((f"{where}.{key}" if where else str(key), item, depth + 1)
+                         for key, item in value.items())
+        elif isinstance(value, list):
+            stack.extend((where, item, depth + 1) for item in value)
+        elif _fits(value, int) and not low <= value <= high:
+            raise CaseFormatError(file, f"integer {value} does not fit in {TOML_INT_BITS} bits; "
+                                  "write a smaller number", key=where or None)
 
 
 def _toml(value: Any) -> str:
@@ -287,9 +403,8 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
     reference = top.get("reference", str, "a string 'FILE.py:func' or 'package.module:func'")
     if reference is not None:
         _check_target(top, "reference", reference, path)
-    timeout = float(top.get("timeout", (int, float), "a number of seconds", DEFAULT_TIMEOUT))
-    if not (timeout > 0 and math.isfinite(timeout)):
-        raise top.error("timeout", f"must be a positive number of seconds, got {timeout:g}")
+    timeout = _positive(top, "timeout", "a number of seconds", MAX_TIMEOUT, "seconds")
+    memory_gib = _positive(top, "memory_limit", "a number of GiB", MAX_MEMORY_LIMIT_GIB, "GiB")
     xfail = top.get("xfail", str, "a string giving the reason")
     if xfail is not None and not xfail.strip():
         raise top.error("xfail", "is empty; give the reason the case is known to fail")
@@ -297,12 +412,12 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
     literals = top.get("inputs", dict, "a table [inputs]", default={})
     expect = _parse_expectation(top.table_at("expect"), with_extras=True)
     return Case(
-        name=path.name or path.resolve().name,
+        name=case_name(path),
         path=path,
         summary=top.get("summary", str, "a string", ""),
         call=call,
         reference=reference,
-        timeout=timeout,
+        timeout=DEFAULT_TIMEOUT if timeout is None else timeout,
         launch_blocking=top.get("launch_blocking", bool, "true or false", False),
         xfail=xfail,
         literals=literals,
@@ -312,7 +427,21 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
         ablate_env=_parse_ablate(top.table_at("ablate")),
         origin=top.get("origin", dict, "a table [origin]", default={}),
         inputs_sha256=_parse_hash(top),
+        memory_limit=None if memory_gib is None else int(memory_gib * 2**30),
     )
+
+
+def _positive(top: _Reader, name: str, what: str, bound: float, unit: str) -> float | None:
+    """A positive, finite number no larger than ``bound`` (compared before any conversion)."""
+    value = top.get(name, (int, float), what)
+    if value is None:
+        return None
+    if not (value > 0 and math.isfinite(value)):
+        raise top.error(name, f"must be a positive number of {unit}, got {value:g}")
+    if value > bound:
+        raise top.error(name, f"{value:g} {unit} is over the limit of {bound:g}; give a "
+                        "smaller number")
+    return float(value)
 
 
 def _parse_hash(top: _Reader) -> str | None:
@@ -351,13 +480,15 @@ def _parse_tolerance(reader: _Reader) -> ToleranceOverride:
     reader.only(_TOLERANCE_KEYS)
     rtol = reader.get("rtol", (int, float), "a number")
     atol = reader.get("atol", (int, float), "a number")
-    ulps = reader.get("ulps", (int, float), "a number of units in the last place")
+    ulps = reader.get("ulps", int, "a whole number of units in the last place")
     if (rtol is None) != (atol is None):
         given, missing = ("rtol", "atol") if atol is None else ("atol", "rtol")
         raise reader.error(given, f"given without {missing}; give both rtol and atol, or neither")
-    for name, value in (("rtol", rtol), ("atol", atol), ("ulps", ulps)):
+    for name, value in (("rtol", rtol), ("atol", atol)):
         if value is not None and not (value >= 0 and math.isfinite(value)):
             raise reader.error(name, f"must be a finite number >= 0, got {value}")
+    if ulps is not None and not 1 <= ulps <= MAX_ULPS:
+        raise reader.error("ulps", f"must be a whole number from 1 to {MAX_ULPS}, got {ulps}")
     if rtol is None and ulps is None:
         raise reader.error("", "is empty; give rtol and atol, or ulps")
     return ToleranceOverride(
@@ -438,14 +569,26 @@ def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
     if axis < 0:
         # Inputs differ in rank, so an axis counted from the end names different axes.
         raise reader.error("axis", f"must be >= 0, got {axis}; count axes from the front")
+    if axis > MAX_AXIS:
+        raise reader.error("axis", f"{axis} is over the limit of {MAX_AXIS}; torch tensors have "
+                           f"at most {MAX_AXIS + 1} dimensions")
     sizes = reader.get("sizes", list, "a list of positive integers")
     if not sizes:
         raise reader.error("sizes", "missing or empty; list the sizes to try, e.g. sizes = [1, 2]")
-    for index, size in enumerate(sizes):
+    if len(sizes) > MAX_VARIANT_VALUES:
+        # Each size is a child process: a few edges, not a sweep.
+        raise reader.error("sizes", f"lists {len(sizes)} sizes, over the limit of "
+                           f"{MAX_VARIANT_VALUES}; keep the edges (1, the saved size, a large one)")
+    seen: set[int] = set()
+    for size in sizes:
         if not _fits(size, int) or size < 1:
             raise reader.error("sizes", f"expected positive integers, found {_toml(size)}")
-        if size in sizes[:index]:
+        if size > MAX_VARIANT_SIZE:
+            raise reader.error("sizes", f"{size} is over the limit of {MAX_VARIANT_SIZE}; a "
+                               "variant checks an edge, not a workload")
+        if size in seen:
             raise reader.error("sizes", f"{size} is listed twice; list it once")
+        seen.add(size)
     return AxisSizes(axis=axis, sizes=tuple(sizes))
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -31,8 +32,14 @@ def display(path: Path) -> str:
     """Show a path relative to the working directory when it lies below it.
 
     Symlinks are resolved only as a last resort: the user sees the path they
-    gave, not where a linked case directory really lives.
+    gave, not where a linked case directory really lives. Bytes of a name that
+    are not UTF-8 are shown as ``\\xNN``, so that the text can be printed and
+    written to JSON.
     """
+    return printable(_relative(Path(path)))
+
+
+def _relative(path: Path) -> str:
     try:
         cwd = Path.cwd()
     except OSError:  # the working directory was removed
@@ -41,3 +48,27 @@ def display(path: Path) -> str:
         if shown.is_relative_to(base):
             return str(shown.relative_to(base))
     return str(path)
+
+
+def printable(text: str) -> str:
+    """``text`` (a file name from the OS) with undecodable bytes written as ``\\xNN``."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+          (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+          (stat.S_ISSOCK, "a socket"))
+
+
+def regular_file(path: Path, fix: str) -> os.stat_result:
+    """The ``stat`` of ``path`` (symlinks followed) when it is a regular file.
+
+    Anything else is refused before it is opened: a FIFO or a device would
+    block the reader or never end. Raises ``OSError`` (``FileNotFoundError``
+    included) as ``os.stat`` does, and ``CaseFormatError`` naming the kind and ``fix``.
+    """
+    info = os.stat(path)
+    if not stat.S_ISREG(info.st_mode):
+        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
+        raise CaseFormatError(path, f"is {kind}, not a regular file; {fix}")
+    return info

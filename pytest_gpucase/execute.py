@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import os
 import importlib.util
+import inspect
+import os
 import re
 import sys
 import traceback
@@ -30,7 +31,8 @@ from .case import Case, Expectation
 from .compare import Comparison, Tolerance, compare
 from .errors import CaseFormatError, display
 from .matrix import RunSpec
-from .variants import VariantNotApplicable, apply as apply_variant
+from .validate import Parameters, binding_problems
+from .variants import VariantNotApplicable, VariantTooLarge, apply as apply_variant
 
 
 @dataclass(frozen=True)
@@ -82,15 +84,21 @@ def _run(spec: RunSpec) -> Outcome:
     inputs = load_inputs(case)
     expect = case.expect
     if spec.variant is not None:
-        inputs = apply_variant(spec.variant, inputs)
+        try:
+            inputs = apply_variant(spec.variant, inputs)
+        except VariantTooLarge as exc:
+            raise CaseFormatError(case.case_file, str(exc),
+                                  key=f"[variants] {spec.variant.kind}") from None
         if spec.variant.reject is not None:
             expect = spec.variant.reject
         elif spec.variant.kind == "boundary":
             # An in-range class index must be accepted and give the reference's outputs.
             expect = dataclasses.replace(expect, outcome="matches", exception=None, match=None)
     func = resolve(case, case.call, "call")
+    check_binding(case, case.call, func, inputs)
     if spec.use_reference and case.reference:
         func = resolve(case, case.reference, "reference")
+        check_binding(case, case.reference, func, inputs)
     apply_settings(spec.settings)  # after the imports, so that no module-level code undoes it
     run_inputs = prepare(inputs, spec.device, spec.dtype if spec.cast else None)
     if expect.outcome == "raises":
@@ -99,7 +107,10 @@ def _run(spec: RunSpec) -> Outcome:
         actual = _call(func, run_inputs, expect.gradients, spec.device)
     except Exception as exc:
         return _raised("the call", exc)
-    reference = resolve(case, case.reference, "reference") if case.reference else func
+    reference = func
+    if case.reference:
+        reference = resolve(case, case.reference, "reference")
+        check_binding(case, case.reference, reference, run_inputs)
     try:
         expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
     except Exception as exc:
@@ -130,6 +141,7 @@ def write_golden(case: Case) -> str:
     inputs = load_inputs(case)
     key = "reference" if case.reference else "call"
     reference = resolve(case, case.reference or case.call, key)
+    check_binding(case, case.reference or case.call, reference, inputs)
     results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     golden.save(case.expected_file, results)
     return str(case.expected_file)
@@ -183,7 +195,7 @@ def apply_settings(names: tuple[str, ...]) -> None:
 def load_inputs(case: Case) -> dict[str, Any]:
     """The case's keyword arguments: ``[inputs]`` literals and the saved tensors."""
     if case.inputs_sha256 is not None:
-        if not case.inputs_file.exists():
+        if not os.path.lexists(case.inputs_file):
             raise CaseFormatError(case.case_file, f"names a hash but {case.inputs_file.name} is "
                                   "missing; restore the file or remove the key",
                                   key="inputs_sha256")
@@ -193,7 +205,8 @@ def load_inputs(case: Case) -> dict[str, Any]:
                                   f"inputs_sha256 in {case.case_file.name} (changed or corrupted "
                                   "since the case was saved); restore it, or if the change is "
                                   f"intended set inputs_sha256 = \"{found}\"")
-    tensors = payload.load(case.inputs_file) if case.inputs_file.exists() else {}
+    # lexists: a dangling symlink is a broken payload, not an absent one.
+    tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
     clash = sorted(set(tensors) & set(case.literals))
     if clash:
         raise CaseFormatError(case.case_file, f"{', '.join(clash)} given both here and in "
@@ -238,6 +251,27 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
                               kind="broken case"))
     return obj  # type: ignore[no-any-return]
+
+
+def check_binding(case: Case, target: str, func: Callable[..., Any],
+                  inputs: Mapping[str, Any]) -> None:
+    """Bind the inputs to ``func``'s signature before the call, so that a missing or extra
+    input names the case file and the key, not ``run() missing 1 required argument``."""
+    try:
+        signature = inspect.signature(func)
+    except (TypeError, ValueError):  # a builtin without a signature: the call will say
+        return
+    try:
+        signature.bind(**inputs)
+    except TypeError as exc:
+        tensors = ([name for name in inputs if name not in case.literals]
+                   if os.path.lexists(case.inputs_file) else None)
+        problems = binding_problems(case, target, Parameters.of_signature(signature), tensors)
+        lines = [str(problem) for problem in problems] or [
+            f"{display(case.case_file)}: the inputs do not bind to {target}: {exc}"]
+        raise _Failed(Outcome("failed", lines[0], details="\n".join(lines),
+                              error_type="TypeError", error_message=str(exc),
+                              kind="broken case")) from None
 
 
 def prepare(inputs: Mapping[str, Any], device: str, dtype: str | None) -> dict[str, Any]:

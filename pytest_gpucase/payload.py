@@ -1,16 +1,20 @@
 """Tensors on disk with their exact layout: dtype, shape, stride, storage offset and values.
 
-A payload is a plain ``safetensors`` file. safetensors stores contiguous
-tensors only, so each tensor is stored as the flat run of its storage that it
-reads, ``[storage_offset, storage_offset + extent)``, and its view (shape,
-stride, storage offset) is kept in the file's metadata under
-``gpucase.layout``, with ``stored_from`` saying where the stored run begins in
-the original storage. Loading rebuilds the very same view with ``as_strided``
-over a storage whose first ``stored_from`` elements are zeros: the offset (and
-so the alignment kernels see) is exact, and the file holds nothing the view
-does not read, so a slice of a batch never carries the other samples. A payload written by plain
+A payload is a plain ``safetensors`` file. A tensor whose view is plain (C
+contiguous, at offset 0 of its storage, no conjugate or negative bit) is stored
+as it is, in its own shape, so that any safetensors reader sees it as it was
+saved. safetensors stores contiguous tensors only, so any other view is stored
+as the flat run of its storage that it reads, ``[storage_offset, storage_offset
++ extent)``, and its view (shape, stride, storage offset) is kept in the file's
+metadata under ``gpucase.layout``, with ``stored_from`` saying where the stored
+run begins in the original storage; one file may hold both kinds. Loading
+rebuilds the very same view with ``as_strided`` over a storage whose first
+``stored_from`` elements are zeros: the offset (and so the alignment kernels
+see) is exact, and the file holds nothing the view does not read, so a slice
+of a batch never carries the other samples. A payload written by plain
 ``safetensors.torch.save_file`` (no layout) loads as the contiguous tensors it
-holds. Nothing here goes through pickle.
+holds, and so do files of earlier versions, which stored every tensor flat with
+a layout entry. Nothing here goes through pickle.
 
 The file is written here rather than by ``safetensors.torch.save_file``, whose
 metadata map is written in a random order: the same tensors must give the same
@@ -20,24 +24,28 @@ up as changed. safetensors itself reads the files back (``load``).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import json
 import os
 import secrets
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CaseFormatError
+from .errors import CaseFormatError, printable, regular_file
 
 if TYPE_CHECKING:
     import torch
 
 LAYOUT_KEY = "gpucase.layout"
-# A declared tensor larger than this is refused before anything is allocated;
-# a case is a minimal reproduction, not a dataset.
+# Bounds, checked from the header before anything is allocated (the table "Bounds" in
+# docs/case-format.md); a case is a minimal reproduction, not a dataset. MAX_ELEMENTS bounds
+# each declared shape (stored or viewed) and the storage a view is rebuilt in: its
+# storage_offset, stored_from, and stored_from plus the stored elements (the zeros before
+# the stored run are allocated, not read from the file).
 MAX_ELEMENTS = 2**34
 MAX_HEADER_BYTES = 100 * 2**20
 # safetensors dtype code -> (torch dtype name, bytes per element)
@@ -138,6 +146,9 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         if code is None:
             raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
         tensor = tensor.detach()
+        if _plain(tensor):  # stored in its own shape: any safetensors reader sees it as it is
+            runs.append((name, code, tensor.cpu().contiguous()))
+            continue
         offset = int(tensor.storage_offset())
         runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
         layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
@@ -146,7 +157,9 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
     for key, value in header_meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata {key!r}: keys and values must be strings")
-    header_meta[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
+    header_meta.pop(LAYOUT_KEY, None)
+    if layout:
+        header_meta[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
     # Widest elements first, as safetensors does, so that every tensor is aligned.
     runs.sort(key=lambda run: (-DTYPES[run[1]][1], run[0]))
     header: dict[str, Any] = {"__metadata__": dict(sorted(header_meta.items()))}
@@ -159,6 +172,12 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
     raw += b" " * (-len(raw) % 8)
     _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
                                *(_bytes_of(flat) for _, _, flat in runs)])
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether a view needs no layout entry: C contiguous at offset 0, no lazy conj/neg bit."""
+    return (tensor.storage_offset() == 0 and not tensor.is_conj() and not tensor.is_neg()
+            and tensor.is_contiguous())
 
 
 def _bytes_of(flat: torch.Tensor) -> memoryview:
@@ -199,8 +218,8 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     """
     path = Path(path)
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as handle:
+        size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
+        with _open_regular(path) as handle:
             start = handle.read(8)
             if len(start) < 8:
                 raise _not_safetensors(path, start, f"is {size} bytes, too short for a "
@@ -231,6 +250,12 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     for name, entry in header.items():
         _check_entry(path, name, entry, data_size)
     return header, metadata
+
+
+def _open_regular(path: Path) -> Any:
+    """Open for reading without blocking, should a FIFO replace the file after its ``stat``."""
+    return open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                        | getattr(os, "O_BINARY", 0)), "rb")
 
 
 def _not_safetensors(path: Path, start: bytes, problem: str) -> CaseFormatError:
@@ -301,6 +326,11 @@ def _infos(path: Path, header: Mapping[str, Any], metadata: Mapping[str, str]) -
             infos.append(TensorInfo(name, entry["dtype"], stored, _contiguous_stride(stored), 0))
             continue
         info = _view(path, name, entry["dtype"], layout[name])
+        if info.stored_from + _numel(stored) > MAX_ELEMENTS:
+            raise CaseFormatError(path, f"tensor '{name}': layout stored_from {info.stored_from} "
+                                  f"and {_numel(stored)} stored elements make a storage of "
+                                  f"{info.stored_from + _numel(stored)} elements, over the limit "
+                                  f"of {MAX_ELEMENTS}; refusing to allocate")
         needed = info.storage_offset - info.stored_from + _extent(info.shape, info.stride)
         if needed > _numel(stored):
             raise CaseFormatError(path, f"tensor '{name}': its view (shape {list(info.shape)}, "
@@ -326,6 +356,9 @@ def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
             raise bad(f"{key} {values} has a negative entry")
     if not _is_int(offset) or offset < 0:
         raise bad(f"storage_offset {json.dumps(offset)} is not an integer >= 0")
+    if offset > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': layout storage_offset {offset} is over the "
+                              f"limit of {MAX_ELEMENTS}; refusing to allocate")
     stored_from = view.get("stored_from", 0)
     if not _is_int(stored_from) or not 0 <= stored_from <= offset:
         raise bad(f"stored_from {json.dumps(stored_from)} is not an integer in [0, {offset}]")
@@ -341,18 +374,19 @@ def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
 def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     """Load every tensor of a payload with its exact saved layout, on ``device``."""
     import torch
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError
 
     header, metadata = read_header(path)
     infos = _infos(path, header, metadata)  # every check runs before any data is read
     tensors: dict[str, torch.Tensor] = {}
     try:
-        with safe_open(str(path), framework="pt", device="cpu") as handle:
+        with contextlib.ExitStack() as stack:
+            stored_tensor = _reader(path, stack)
             for info in infos:
-                stored = handle.get_tensor(info.name)
+                stored = stored_tensor(info.name)
                 if info.stored_from:  # zeros stand for the part of the storage not read
                     full = torch.zeros(info.stored_from + stored.numel(), dtype=stored.dtype)
-                    full[info.stored_from:] = stored
+                    full[info.stored_from:] = stored.reshape(-1)
                     stored = full
                 elif stored.storage_offset() != 0:  # as_strided counts from the storage's start
                     stored = stored.clone()
@@ -365,6 +399,21 @@ def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+    """Reads stored tensors by name, as safetensors reads them (``read_header`` checked them)."""
+    from safetensors import safe_open
+    from safetensors.torch import load as load_bytes
+
+    text = str(path)
+    if text != printable(text):
+        # safetensors takes a path as UTF-8 text: a directory name that is not is read as bytes.
+        with _open_regular(path) as handle:
+            tensors: dict[str, torch.Tensor] = load_bytes(handle.read())
+        return tensors.__getitem__
+    handle = stack.enter_context(safe_open(text, framework="pt", device="cpu"))
+    return handle.get_tensor  # type: ignore[no-any-return]
+
+
 def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
     """Move a tensor keeping its exact strides and storage offset."""
     moved = _reached(tensor.detach()).to(device)
@@ -374,7 +423,8 @@ def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
 def content_hash(path: Path) -> str:
     """The sha256 of a file's bytes, as ``sha256:<hex>``."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    regular_file(path, f"replace it with the safetensors file; {_RESAVE}")
+    with _open_regular(path) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
             digest.update(block)
     return f"sha256:{digest.hexdigest()}"

@@ -361,8 +361,14 @@ class CaseFile(pytest.File):
                 dtypes=state.settings["gpu_dtypes"],
                 launch_blocking=state.settings["gpu_launch_blocking"],
             )
-        except CaseFormatError as exc:
-            yield BrokenCaseItem.from_parent(self, name=case_dir.name, problem=str(exc))
+        except Exception as exc:  # whatever the files hold: one failed item, the session goes on
+            from .case import CASE_FILE, case_name
+            from .errors import display
+
+            problem = str(exc) if isinstance(exc, CaseFormatError) else (
+                f"{display(case_dir / CASE_FILE)}: the case cannot be loaded: "
+                f"{type(exc).__name__}: {exc}")
+            yield BrokenCaseItem.from_parent(self, name=case_name(case_dir), problem=problem)
             return
         state.cases_seen += 1
         if not specs:

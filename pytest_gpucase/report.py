@@ -110,7 +110,9 @@ def write_report(path: Path | str, report: Mapping[str, Any]) -> None:
     # file system.
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
     try:
-        with os.fdopen(fd, "w", encoding="utf-8") as stream:
+        # A node id holds a directory name as the OS gave it: bytes that are not UTF-8 arrive
+        # as lone surrogates, written as JSON escapes (\udcff) rather than failing the write.
+        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as stream:
             # mkstemp makes the file private (0600); a report is read by people and CI uploaders.
             os.chmod(temporary, _file_mode(target))
             stream.write(text)

@@ -12,21 +12,18 @@ import json
 import os
 import re
 import socket
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from . import payload
-from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, is_case_dir, load_case
+from .case import INPUTS_FILE, Case, load_case
 from .errors import CaseFormatError
 from .triage import assertion_line, triage
 
 __all__ = ["request", "show", "validate"]
 
-# Files that only a case directory holds: a directory with one of them and no case.toml
-# is a case that lost its case.toml (or was never finished).
-_PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
 # Source files keep their name when their directory is removed from a path: the name of a
 # kernel source (Loss.cu) is what an analysis needs, the directories are what identifies.
 _SOURCE_SUFFIXES = (".cu", ".cuh", ".cpp", ".cc", ".c", ".h", ".hpp", ".hip", ".py")
@@ -145,78 +142,13 @@ def request(case_dir: Path) -> str:
 
 
 def validate(paths: Sequence[Path]) -> list[str]:
-    """Every problem of the case directories under ``paths``, one line each; empty when all good."""
-    problems: list[str] = []
-    for path in paths:
-        path = Path(path)
-        if path.is_file() and path.name == CASE_FILE:
-            path = path.parent
-        if not path.exists():
-            problems.append(f"{path}: not found")
-            continue
-        if not path.is_dir():
-            problems.append(f"{path}: not a directory; give a case directory or a folder of cases")
-            continue
-        for directory in _case_dirs(path):
-            problems.extend(_problems(directory))
-    return problems
+    """Every problem of the case directories under ``paths``, one line each; empty when all good.
 
-
-def _case_dirs(root: Path) -> Iterable[Path]:
-    """Case directories at or under ``root``, and directories that look like lost cases.
-
-    Hidden directories are skipped, as pytest's collection skips them: they hold
-    cases being written, not cases.
+    The dry run itself lives in ``pytest_gpucase.validate``.
     """
-    for current, dirs, files in os.walk(root):
-        here = Path(current)
-        if here != root and here.name.startswith("."):
-            dirs[:] = []
-            continue
-        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
-        if CASE_FILE in files or any(name in files for name in _PAYLOADS):
-            dirs[:] = []  # a case does not hold cases
-            yield here
+    from .validate import validate as dry_run
 
-
-def _problems(directory: Path) -> list[str]:
-    """The problems of one case directory, each as ``file: key: what is wrong``."""
-    if not is_case_dir(directory):
-        held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
-        return [str(CaseFormatError(directory / CASE_FILE, f"missing, but the directory holds "
-                                    f"{held}: an interrupted write or a deleted case.toml"))]
-    try:
-        case = load_case(directory)
-    except CaseFormatError as exc:
-        return [str(exc)]
-    problems: list[str] = []
-    tensors: set[str] | None = None
-    unreadable = False
-    for file in (case.inputs_file, case.expected_file):
-        if not file.exists():
-            continue
-        try:
-            infos = payload.describe(file)
-        except CaseFormatError as exc:
-            problems.append(str(exc))
-            unreadable = unreadable or file == case.inputs_file
-            continue
-        if file == case.inputs_file:
-            tensors = {info.name for info in infos}
-    clash = sorted((tensors or set()) & set(case.literals))
-    if clash:
-        problems.append(str(CaseFormatError(case.case_file, f"{', '.join(clash)} given both here "
-                                            f"and in {INPUTS_FILE}; keep one", key="[inputs]")))
-    boundaries = case.variants.boundaries
-    # An unreadable payload is reported once, not again as a missing boundary input.
-    if boundaries is not None and not unreadable and (tensors is None
-                                                      or boundaries.input not in tensors):
-        where = (f"{INPUTS_FILE} holds {', '.join(sorted(tensors)) or 'no tensors'}"
-                 if tensors is not None else f"there is no {INPUTS_FILE}")
-        problems.append(str(CaseFormatError(
-            case.case_file, f"input '{boundaries.input}' is not a saved tensor ({where})",
-            key="[variants] boundaries")))
-    return problems
+    return dry_run(paths)
 
 
 def _expectation(case: Case) -> str:

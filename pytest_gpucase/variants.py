@@ -41,7 +41,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
-from .case import Expectation, VariantTables
+from .case import MAX_VARIANT_ELEMENTS, Expectation, VariantTables
 
 if TYPE_CHECKING:
     import torch
@@ -49,6 +49,14 @@ if TYPE_CHECKING:
 
 class VariantNotApplicable(Exception):
     """The saved inputs cannot give this variant (e.g. batch=8 of a 3-entry batch)."""
+
+
+class VariantTooLarge(ValueError):
+    """The variant's resized inputs would hold more than ``MAX_VARIANT_ELEMENTS`` elements."""
+
+
+# A tensor input as the rules see it: its shape, and whether it is floating (or complex).
+Shape = tuple[tuple[int, ...], bool]
 
 
 @dataclass(frozen=True)
@@ -114,33 +122,75 @@ def members(inputs: Mapping[str, Any], axis: int,
     ``anchor`` names the input whose size is the saved size (the boundaries
     input); ``None`` when no tensor input has the axis.
     """
+    return members_of(shapes_of(inputs), axis, anchor)
+
+
+def shapes_of(inputs: Mapping[str, Any]) -> dict[str, Shape]:
+    """The tensor inputs as ``members_of`` sees them."""
     import torch
 
-    having = {name: t for name, t in inputs.items()
-              if isinstance(t, torch.Tensor) and t.dim() > axis}
+    return {name: (tuple(t.shape), t.is_floating_point() or t.is_complex())
+            for name, t in inputs.items() if isinstance(t, torch.Tensor)}
+
+
+def members_of(shapes: Mapping[str, Shape], axis: int,
+               anchor: str | None = None) -> tuple[int, tuple[str, ...]] | None:
+    """``members`` from shapes alone, as a payload's header gives them (no tensor read)."""
+    having = {name: shape for name, shape in shapes.items() if len(shape[0]) > axis}
     if not having:
         return None
-    largest = max(having.values(), key=lambda t: (t.numel(), t.dim()))
-    base = having[anchor] if anchor is not None and anchor in having else largest
-    lead = tuple(base.shape[:axis + 1])
+    largest = max(having.values(), key=lambda shape: (_numel(shape[0]), len(shape[0])))[0]
+    base = anchor if anchor is not None and anchor in having else next(
+        name for name, shape in having.items() if shape[0] == largest)
+    lead = having[base][0][:axis + 1]
 
-    def follows(t: torch.Tensor) -> bool:
-        if t is base:
+    def follows(name: str) -> bool:
+        if name == base:
             return True
-        if tuple(t.shape[:axis + 1]) != lead:
+        shape, floating = having[name]
+        if shape[:axis + 1] != lead:
             return False
-        parameter = ((t.is_floating_point() or t.is_complex()) and t.dim() < largest.dim()
-                     and tuple(t.shape) == tuple(largest.shape[largest.dim() - t.dim():]))
+        parameter = (floating and len(shape) < len(largest)
+                     and shape == largest[len(largest) - len(shape):])
         return not parameter
 
-    return int(lead[axis]), tuple(name for name, t in having.items() if follows(t))
+    return int(lead[axis]), tuple(name for name in having if follows(name))
+
+
+def resized_elements(variant: Variant, shapes: Mapping[str, Shape]) -> int:
+    """Elements the resized inputs of a ``batch`` or ``length`` variant hold, all together."""
+    found = members_of(shapes, variant.axis, variant.input)
+    if variant.kind == "boundary" or found is None or found[0] == 0:
+        return 0
+    saved, names = found
+    return sum(_numel(shapes[name][0]) // saved * variant.value for name in names)
+
+
+def check_size(variant: Variant, shapes: Mapping[str, Shape]) -> None:
+    """Raise ``VariantTooLarge`` when the variant's inputs are over ``MAX_VARIANT_ELEMENTS``."""
+    total = resized_elements(variant, shapes)
+    if total > MAX_VARIANT_ELEMENTS:
+        raise VariantTooLarge(f"{variant.label}: the resized inputs would hold {total} elements, "
+                              f"over the limit of {MAX_VARIANT_ELEMENTS}; try a smaller size")
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
 
 
 def apply(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]:
-    """The inputs of ``variant``, built from the saved ``inputs`` (which stay untouched)."""
+    """The inputs of ``variant``, built from the saved ``inputs`` (which stay untouched).
+
+    Raises ``VariantTooLarge`` before any allocation when the resized inputs
+    would be over ``MAX_VARIANT_ELEMENTS``.
+    """
     if variant.kind == "boundary":
         return _set_boundary(variant, inputs)
-    found = members(inputs, variant.axis, variant.input)
+    shapes = shapes_of(inputs)
+    found = members_of(shapes, variant.axis, variant.input)
     if found is None:
         raise VariantNotApplicable(f"{variant.label}: no tensor input has an axis {variant.axis}")
     saved, names = found
@@ -150,6 +200,7 @@ def apply(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]:
     if saved == 0:
         raise VariantNotApplicable(
             f"{variant.label}: the saved inputs are empty on axis {variant.axis}")
+    check_size(variant, shapes)
     return {**inputs, **{name: _resize(inputs[name], variant.axis, variant.value)
                          for name in names}}
 

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import pickle
 import subprocess
 import sys
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -85,11 +87,129 @@ def test_not_utf8(case_dir: Path) -> None:
 
 def test_case_toml_is_a_directory(case_dir: Path) -> None:
     (case_dir / CASE_FILE).mkdir()
-    assert not is_case_dir(case_dir)
+    assert is_case_dir(case_dir)  # collected, and reported as broken
     with pytest.raises(CaseFormatError) as excinfo:
         load_case(case_dir)
     assert str(excinfo.value) == (
-        f"{SHOWN}: cannot be read: [Errno 21] Is a directory: '{case_dir / CASE_FILE}'")
+        f"{SHOWN}: is a directory, not a regular file; replace it with the case's TOML text file")
+
+
+@pytest.mark.parametrize(("make", "expected"), [
+    (os.mkfifo,
+     "is a FIFO (named pipe), not a regular file; replace it with the case's TOML text file"),
+    (lambda f: f.symlink_to("/dev/zero"),
+     "is a symlink to /dev/zero, outside the case directory; replace it with the file itself"),
+    (lambda f: f.symlink_to("../shared.toml"),
+     "is a symlink to ../shared.toml, outside the case directory; replace it with the file "
+     "itself"),
+    (lambda f: f.symlink_to("gone.toml"),
+     "is a symlink to gone.toml, which does not exist; replace it with the file itself"),
+], ids=["fifo", "device", "escaping", "dangling"])
+def test_special_case_toml_is_refused_before_opening(
+        case_dir: Path, make: Callable[[Path], None], expected: str) -> None:
+    (case_dir.parent / "shared.toml").write_text(MINIMAL)
+    make(case_dir / CASE_FILE)
+    assert is_case_dir(case_dir)
+    assert message_of(case_dir) == f"{SHOWN}: {expected}"
+
+
+def test_symlink_inside_the_case_is_followed(case_dir: Path) -> None:
+    (case_dir / "real.toml").write_text(MINIMAL)
+    (case_dir / CASE_FILE).symlink_to("real.toml")
+    assert load_case(case_dir).call == "case.py:run"
+
+
+def test_oversized_case_toml_is_refused_from_its_size(case_dir: Path) -> None:
+    with open(case_dir / CASE_FILE, "wb") as handle:  # sparse: 3 MB that cost no disk
+        handle.write(MINIMAL.encode())
+        handle.truncate(3 * 10**6)
+    assert message_of(case_dir) == (
+        f"{SHOWN}: is 3000000 bytes, over the limit of 1048576; a case.toml holds settings, not "
+        "data: put tensors in inputs.safetensors")
+
+
+@pytest.mark.parametrize("toml", [
+    "x = " + "[" * 100_000 + "]" * 100_000,
+    "x = " + "{a = " * 100_000 + "1" + "}" * 100_000,
+    "x = " + "[" * 33 + "]" * 33,
+], ids=["arrays", "inline_tables", "just_over"])
+def test_deep_nesting_is_refused_before_parsing(case_dir: Path, toml: str) -> None:
+    assert message(case_dir, MINIMAL + "[origin]\n" + toml + "\n") == (
+        f"{SHOWN}: arrays or tables nest deeper than 32 levels; a case needs a few: flatten the "
+        "structure")
+
+
+def test_brackets_in_strings_and_comments_do_not_nest(case_dir: Path) -> None:
+    deep = "[" * 40
+    quote3 = "'" * 3
+    toml = (f'summary = "{deep}"\n# {deep}\n[origin]\na = \'{deep}\'\nb = """\n{deep}\n"""\n'
+            f"c = {quote3}{deep}{quote3}\nd = [[[1]]]\n")
+    case = load_case_from(case_dir, MINIMAL + toml)
+    assert case.summary == deep and case.origin["d"] == [[[1]]]
+
+
+def test_deep_dotted_keys_are_refused(case_dir: Path) -> None:
+    got = message(case_dir, MINIMAL + "[origin]\n" + ".".join(["a"] * 50) + " = 1\n")
+    assert got.startswith(f"{SHOWN}: origin.a.a.a")
+    assert got.endswith(": tables nest deeper than 32 levels; a case needs a few: flatten the "
+                        "structure")
+
+
+@pytest.mark.parametrize(("toml", "expected"), [
+    ("timeout = " + "9" * 5000,
+     "invalid TOML: Exceeds the limit (4300 digits) for integer string conversion: value has "
+     "5000 digits; use sys.set_int_max_str_digits() to increase the limit; TOML integers are "
+     "64-bit"),
+    ("timeout = 99999999999999999999",
+     "timeout: integer 99999999999999999999 does not fit in 64 bits; write a smaller number"),
+    ("[origin]\nn = -9223372036854775809",
+     "origin.n: integer -9223372036854775809 does not fit in 64 bits; write a smaller number"),
+    ("timeout = 9223372036854775807",
+     "timeout: 9.22337e+18 seconds is over the limit of 604800; give a smaller number"),
+    ("timeout = 1e300",
+     "timeout: 1e+300 seconds is over the limit of 604800; give a smaller number"),
+    ("memory_limit = 0", "memory_limit: must be a positive number of GiB, got 0"),
+    ("memory_limit = nan", "memory_limit: must be a positive number of GiB, got nan"),
+    ('memory_limit = "8"',
+     'memory_limit: expected a number of GiB, got "8"; write it without quotes'),
+    ("memory_limit = 2e6",
+     "memory_limit: 2e+06 GiB is over the limit of 1.04858e+06; give a smaller number"),
+], ids=["thousands_of_digits", "over_64_bits", "under_64_bits", "timeout_int", "timeout_float",
+        "memory_zero", "memory_nan", "memory_string", "memory_huge"])
+def test_numbers_fit_their_field(case_dir: Path, toml: str, expected: str) -> None:
+    assert message(case_dir, MINIMAL + toml + "\n") == f"{SHOWN}: {expected}"
+
+
+def test_memory_limit_in_bytes(case_dir: Path) -> None:
+    assert load_case_from(case_dir, MINIMAL).memory_limit is None
+    assert load_case_from(case_dir, MINIMAL + "memory_limit = 1.5\n").memory_limit == 3 * 2**29
+    assert load_case_from(case_dir, MINIMAL + "timeout = 604800\n").timeout == 604800.0
+
+
+def test_name_that_is_not_utf8_is_printable(tmp_path: Path,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = Path(os.fsdecode(b"bad\xffname"))
+    path.mkdir()
+    (path / "case.py").write_text(CASE_PY)
+    (path / CASE_FILE).write_text(MINIMAL + "timeout = 0\n")
+    with pytest.raises(CaseFormatError) as excinfo:
+        load_case(path)
+    assert str(excinfo.value).startswith("bad\\xffname/case.toml: timeout: ")
+    str(excinfo.value).encode("utf-8")  # printable and writable as JSON
+    (path / CASE_FILE).write_text(MINIMAL)
+    assert load_case(path).name == "bad\\xffname"
+
+
+def message_of(case_dir: Path) -> str:
+    with pytest.raises(CaseFormatError) as excinfo:
+        load_case(case_dir)
+    return str(excinfo.value)
+
+
+def load_case_from(case_dir: Path, toml: str) -> Case:
+    (case_dir / CASE_FILE).write_text(toml)
+    return load_case(case_dir)
 
 
 # --- format ----------------------------------------------------------------------------------
@@ -121,7 +241,8 @@ def test_newer_format_is_reported_before_its_unknown_keys(case_dir: Path) -> Non
     (MINIMAL + "timout = 10\n", "timout: unknown key; did you mean 'timeout'?"),
     (MINIMAL + "seed = 3\n",
      ("seed: unknown key; expected one of format, summary, call, reference, timeout, "
-     "launch_blocking, xfail, inputs_sha256, inputs, expect, matrix, variants, ablate, origin")),
+     "memory_limit, launch_blocking, xfail, inputs_sha256, inputs, expect, matrix, variants, "
+     "ablate, origin")),
     (MINIMAL + '[expect]\noutcom = "raises"\n',
      "[expect] outcom: unknown key; did you mean 'outcome'?"),
     (MINIMAL + '[matrix]\ndevice = ["cpu"]\n',
@@ -340,7 +461,10 @@ def test_expect(case_dir: Path, toml: str, expected: str) -> None:
     ("rtol = -1e-2\natol = 1e-3", "rtol: must be a finite number >= 0, got -0.01"),
     ("rtol = 1e-2\natol = -1", "atol: must be a finite number >= 0, got -1"),
     ("rtol = nan\natol = 0", "rtol: must be a finite number >= 0, got nan"),
-    ("ulps = inf", "ulps: must be a finite number >= 0, got inf"),
+    ("ulps = inf", "ulps: expected a whole number of units in the last place, got inf"),
+    ("ulps = 1.5", "ulps: expected a whole number of units in the last place, got 1.5"),
+    ("ulps = 0", "ulps: must be a whole number from 1 to 1048576, got 0"),
+    ("ulps = 1048577", "ulps: must be a whole number from 1 to 1048576, got 1048577"),
     ('rtol = "1e-2"\natol = 0', 'rtol: expected a number, got "1e-2"; write it without quotes'),
 ])
 def test_tolerance(case_dir: Path, toml: str, expected: str) -> None:
@@ -418,6 +542,14 @@ def test_tolerance_values_become_floats(case_dir: Path) -> None:
     ("length = { axis = 1, sizes = 4 }",
      "[variants.length] sizes: expected a list of positive integers, got 4"),
     ("batch = { sizes = [1, 2, 1] }", "[variants.batch] sizes: 1 is listed twice; list it once"),
+    ("length = { axis = 1, sizes = [1, 1000000000] }",
+     ("[variants.length] sizes: 1000000000 is over the limit of 1048576; a variant checks an "
+      "edge, not a workload")),
+    ("batch = { sizes = " + str(list(range(1, 20_001))) + " }",
+     ("[variants.batch] sizes: lists 20000 sizes, over the limit of 64; keep the edges (1, the "
+      "saved size, a large one)")),
+    ("batch = { axis = 64, sizes = [1] }",
+     "[variants.batch] axis: 64 is over the limit of 63; torch tensors have at most 64 dimensions"),
     ("batch = { axis = -1, sizes = [1] }",
      "[variants.batch] axis: must be >= 0, got -1; count axes from the front"),
     ('batch = { axis = "0", sizes = [1] }',

@@ -9,13 +9,18 @@ is wrong and the fix, and the good case must still pass.
 from __future__ import annotations
 
 import fnmatch
+import json
+import os
 import pickle
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
+from pytest_gpucase.errors import printable
 
 from .test_plugin import RAISES, ce_case, write_case
 
@@ -83,7 +88,37 @@ def strides_outside(path: Path) -> None:
     (path / "inputs.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(32))
 
 
+def huge_offset(path: Path) -> None:
+    """220 bytes that asked the child for 2**40 zeros before the stored run."""
+    header = {"__metadata__": {"gpucase.layout": json.dumps(
+        {"x": {"shape": [2], "stride": [1], "storage_offset": 2**40, "stored_from": 2**40}})},
+        "x": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}}
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    (path / "inputs.safetensors").write_bytes(len(raw).to_bytes(8, "little") + raw + bytes(8))
+
+
+def replace_case_toml(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    def extra(path: Path) -> None:
+        (path / "case.toml").unlink()
+        make(path / "case.toml")
+    return extra
+
+
+def replace_payload(make: Callable[[Path], None]) -> Callable[[Path], None]:
+    def extra(path: Path) -> None:
+        (path / "inputs.safetensors").unlink(missing_ok=True)
+        make(path / "inputs.safetensors")
+    return extra
+
+
+def sparse_case_toml(path: Path) -> None:
+    with open(path / "case.toml", "r+b") as handle:  # 3 MB that cost no disk
+        handle.truncate(3 * 10**6)
+
+
 ONE = {"x": torch.ones(3)}
+NOT_UTF8 = os.fsdecode(b"name_\xff_not_utf8")
 # name -> (case.toml, case.py, tensors, extra step, the line the user must see)
 BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                         Callable[[Path], None] | None, str]] = {
@@ -149,7 +184,62 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                       "cases/literal_clash/case.toml: [[]inputs[]]: x given both here and in "
                       "inputs.safetensors; keep one"),
     "signature_wrong": (GOOD_CALL, "def run(y):\n    return y\n", ONE, None,
-                        "the call raised TypeError: run() got an unexpected keyword argument 'x'"),
+                        "cases/signature_wrong/inputs.safetensors: tensor 'x' is not a parameter "
+                        "of case.py:run(y); save the tensor under a parameter's name, or add the "
+                        "parameter"),
+    "tensor_missing": (GOOD_CALL, "def run(x, mask):\n    return x\n", ONE, None,
+                       "cases/tensor_missing/case.toml: parameter 'mask' of case.py:run has no "
+                       "value: add it to [[]inputs[]] or as a tensor in inputs.safetensors "
+                       "(holds: x)"),
+    "literal_extra": (GOOD_CALL + "[inputs]\ntemperature = 1.0\n", RUN_X, ONE, None,
+                      "cases/literal_extra/case.toml: [[]inputs[]] 'temperature' is not a "
+                      "parameter of case.py:run(x); remove it or add the parameter"),
+    "deep_arrays": (GOOD_CALL + "[origin]\nx = " + "[" * 100_000 + "]" * 100_000 + "\n", RUN_X,
+                    None, None, "cases/deep_arrays/case.toml: arrays or tables nest deeper than 32 "
+                    "levels; *"),
+    "deep_tables": (GOOD_CALL + "[origin]\nx = " + "{a = " * 100_000 + "1" + "}" * 100_000
+                    + "\n", RUN_X, None, None,
+                    "cases/deep_tables/case.toml: arrays or tables nest deeper than 32 levels; *"),
+    "int_over_64_bits": ('format = 1\ncall = "case.py:run"\ntimeout = ' + "9" * 30 + "\n", RUN_X,
+                         None, None, "cases/int_over_64_bits/case.toml: timeout: integer * does "
+                         "not fit in 64 bits; write a smaller number"),
+    "int_of_5000_digits": ('format = 1\ncall = "case.py:run"\ntimeout = ' + "9" * 5000 + "\n",
+                           RUN_X, None, None,
+                           "cases/int_of_5000_digits/case.toml: invalid TOML: Exceeds the limit*"),
+    "timeout_years": ('format = 1\ncall = "case.py:run"\ntimeout = 1e12\n', RUN_X, None, None,
+                      "cases/timeout_years/case.toml: timeout: 1e+12 seconds is over the limit *"),
+    "payload_fifo": (GOOD_CALL, RUN_X, None, replace_payload(os.mkfifo),
+                     "cases/payload_fifo/inputs.safetensors: is a FIFO (named pipe), not a "
+                     "regular file; *"),
+    "payload_dev_zero": (GOOD_CALL, RUN_X, None,
+                         replace_payload(lambda f: f.symlink_to("/dev/zero")),
+                         "cases/payload_dev_zero/inputs.safetensors: is a character device, not "
+                         "a regular file; *"),
+    "payload_offset_huge": (GOOD_CALL, RUN_X, None, huge_offset,
+                            "cases/payload_offset_huge/inputs.safetensors: tensor 'x': layout "
+                            "storage_offset 1099511627776 is over the limit of *; refusing to "
+                            "allocate"),
+    "toml_fifo": (GOOD_CALL, RUN_X, None, replace_case_toml(os.mkfifo),
+                  "cases/toml_fifo/case.toml: is a FIFO (named pipe), not a regular file; *"),
+    "toml_dev_zero": (GOOD_CALL, RUN_X, None,
+                      replace_case_toml(lambda f: f.symlink_to("/dev/zero")),
+                      "cases/toml_dev_zero/case.toml: is a symlink to /dev/zero, outside the case "
+                      "directory; *"),
+    "toml_dangling": (GOOD_CALL, RUN_X, None,
+                      replace_case_toml(lambda f: f.symlink_to("gone.toml")),
+                      "cases/toml_dangling/case.toml: is a symlink to gone.toml, which does not "
+                      "exist; *"),
+    "toml_directory": (GOOD_CALL, RUN_X, None, replace_case_toml(Path.mkdir),
+                       "cases/toml_directory/case.toml: is a directory, not a regular file; *"),
+    "toml_3_mb": (GOOD_CALL, RUN_X, None, sparse_case_toml,
+                  "cases/toml_3_mb/case.toml: is 3000000 bytes, over the limit of 1048576; *"),
+    "length_1e9": (GOOD_CALL + "[variants]\nlength = { axis = 0, sizes = [1000000000] }\n", RUN_X,
+                   ONE, None, "cases/length_1e9/case.toml: [[]variants.length[]] sizes: 1000000000 "
+                   "is over the limit of 1048576; *"),
+    "sizes_20000": (GOOD_CALL + "[variants]\nbatch = { sizes = "
+                    + str(list(range(1, 20_001))) + " }\n", RUN_X, ONE, None,
+                    "cases/sizes_20000/case.toml: [[]variants.batch[]] sizes: lists 20000 sizes, "
+                    "over the limit of 64; *"),
     "exits_zero": (GOOD_CALL, "import os\n\ndef run(x):\n    os._exit(0)\n", ONE, None,
                    "cases/exits_zero/case.toml: run exited with code 0 without returning a "
                    "result"),
@@ -180,7 +270,8 @@ def test_each_broken_case_fails_alone_with_its_message(pytester: pytest.Pytester
     for name, (toml, code, tensors, extra, _) in BROKEN.items():
         build(pytester.path, name, toml, code, tensors, extra)
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
-                                           "no:cacheprovider", "cases")
+                                           "no:cacheprovider", "--gpu-cases-report",
+                                           "report.json", "cases", timeout=600)
     result.assert_outcomes(passed=1, failed=len(BROKEN))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     text = result.stdout.str()
@@ -192,3 +283,31 @@ def test_each_broken_case_fails_alone_with_its_message(pytester: pytest.Pytester
     # The flood was bounded: its captured stdout kept the head and the tail only.
     flood = text.split("_ floods_output")[1].split("\n____")[0]
     assert "bytes omitted" in flood and len(flood) < 200_000
+    report = json.loads((pytester.path / "report.json").read_text(encoding="utf-8"))
+    assert report["complete"] is True
+    assert {entry["case"] for entry in report["results"]} >= {"good", "tensor_missing"}
+
+
+def test_a_directory_name_that_is_not_utf8(pytester: pytest.Pytester) -> None:
+    """A broken one is one item with a printable name; a good one runs and is in the report.
+
+    pytest itself prints the node id with the name's raw bytes, which
+    pytester cannot decode: the session's output is read here as bytes.
+    """
+    ce_case(pytester.path, NOT_UTF8, [0, 2, 4], RAISES)
+    build(pytester.path, NOT_UTF8 + "_broken", 'format = 1\ncall = "case.py:run"\ntimeout = 0\n')
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--gpu-cases", "--gpu-devices", "cpu", "-p",
+         "no:cacheprovider", "--gpu-cases-report", "report.json", "-rf", "cases"],
+        cwd=pytester.path, capture_output=True, timeout=600, check=False)
+    text = done.stdout.decode("utf-8", "backslashreplace")
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, text
+    assert "1 failed, 1 passed" in text
+    shown = printable(NOT_UTF8)
+    assert (f"cases/{shown}_broken/case.toml: timeout: must be a positive number of seconds, "
+            "got 0" in text)
+    report = json.loads((pytester.path / "report.json").read_text(encoding="utf-8"))
+    assert report["complete"] is True
+    [entry] = report["results"]
+    assert (entry["case"], entry["case_path"], entry["outcome"]) == (
+        shown, f"cases/{shown}", "passed")

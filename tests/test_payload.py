@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from pytest_gpucase import payload
@@ -198,12 +199,77 @@ def test_written_files_are_plain_safetensors(tmp_path: Path) -> None:
 
 def test_user_metadata_is_kept(tmp_path: Path) -> None:
     path = tmp_path / "p.safetensors"
-    payload.save(path, {"x": torch.ones(2)}, metadata={"origin": "iteration 1834", "z": ""})
+    payload.save(path, {"x": torch.ones(2, 3).t(), "plain": torch.ones(2)},
+                 metadata={"origin": "iteration 1834", "z": ""})
     header, metadata = payload.read_header(path)
-    assert set(header) == {"x"}
+    assert set(header) == {"x", "plain"}
     assert metadata["origin"] == "iteration 1834" and metadata["z"] == ""
+    # Only the view that needs it has a layout entry.
     assert json.loads(metadata[LAYOUT_KEY]) == {
-        "x": {"shape": [2], "stride": [1], "storage_offset": 0, "stored_from": 0}}
+        "x": {"shape": [3, 2], "stride": [1, 3], "storage_offset": 0, "stored_from": 0}}
+
+
+def test_plain_tensors_are_stored_in_their_own_shape(tmp_path: Path) -> None:
+    """safetensors' own readers see a contiguous input as it is: a [1, 8] input reads [1, 8]."""
+    path = tmp_path / "p.safetensors"
+    row = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+    payload.save(path, {"row": row, "scalar": torch.tensor(2.5)})
+    assert LAYOUT_KEY not in payload.read_header(path)[1]
+    read = load_file(str(path))
+    assert read["row"].shape == (1, 8) and torch.equal(read["row"], row)
+    assert read["scalar"].shape == () and float(read["scalar"]) == 2.5
+    with safe_open(str(path), framework="pt") as handle:
+        assert handle.get_slice("row").get_shape() == [1, 8]
+    assert_same(payload.load(path)["row"], row)
+
+
+@pytest.mark.parametrize("kind", ["transposed", "sliced_with_offset", "expanded", "conj_view",
+                                  "neg_view", "scalar_view_with_offset"])
+def test_only_views_that_need_it_carry_a_layout(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "p.safetensors"
+    view, plain = TENSORS[kind](), torch.randn(2, 3, generator=_gen())
+    payload.save(path, {"view": view, "plain": plain})
+    assert set(json.loads(payload.read_header(path)[1][LAYOUT_KEY])) == {"view"}
+    loaded = payload.load(path)
+    assert_same(loaded["view"], view)
+    assert_same(loaded["plain"], plain)
+
+
+def _save_old_format(tensors: dict[str, torch.Tensor], path: Path) -> None:
+    """A payload as earlier versions wrote it: every tensor flat, every one with a layout."""
+    layout, header, data, begin = {}, {}, b"", 0
+    for name, tensor in tensors.items():
+        offset = tensor.storage_offset()
+        span = offset + 1 + sum((n - 1) * s for n, s in zip(tensor.shape, tensor.stride(),
+                                                            strict=True))
+        flat = torch.empty(0, dtype=tensor.dtype)
+        flat.set_(tensor.untyped_storage(), offset, (span - offset,), (1,))
+        raw = bytes(flat.contiguous().view(torch.uint8).tolist())
+        header[name] = {"dtype": {torch.float32: "F32", torch.int64: "I64"}[tensor.dtype],
+                        "shape": [flat.numel()], "data_offsets": [begin, begin + len(raw)]}
+        layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
+                        "storage_offset": offset, "stored_from": offset}
+        data, begin = data + raw, begin + len(raw)
+    header["__metadata__"] = {LAYOUT_KEY: json.dumps(layout, sort_keys=True)}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + data)
+
+
+def test_old_format_payloads_load_as_before(tmp_path: Path) -> None:
+    path = tmp_path / "old.safetensors"
+    row = torch.arange(8, dtype=torch.float32).reshape(1, 8)
+    sliced = torch.randn(5, 7, generator=_gen())[1:4, 2:6]
+    target = torch.tensor([[0, 2, 4]])
+    _save_old_format({"row": row, "sliced": sliced, "target": target}, path)
+    assert load_file(str(path))["row"].shape == (8,)  # flat, as it was written
+    loaded = payload.load(path)
+    assert_same(loaded["row"], row)
+    assert_same(loaded["sliced"], sliced)
+    assert_same(loaded["target"], target)
+    infos = {info.name: info for info in payload.describe(path)}
+    assert infos["row"] == TensorInfo("row", "F32", (1, 8), (8, 1), 0, 0)
+    assert infos["sliced"] == TensorInfo("sliced", "F32", (3, 4), (7, 1), 9, 9)
 
 
 def test_a_slice_does_not_carry_the_rest_of_its_batch(tmp_path: Path) -> None:
@@ -472,6 +538,15 @@ HOSTILE: list[tuple[str, Callable[[Path], Path], str]] = [
         p, {"x": {"shape": [10**6, 10**6], "stride": [0, 0], "storage_offset": 0}}),
      ("tensor 'x': declared shape [1000000, 1000000] has 1000000000000 elements, over the limit "
      "of 17179869184; refusing to allocate")),
+    # 220 bytes that would have the loader allocate 2**40 zeros before the stored run.
+    ("huge_stored_from", lambda p: with_layout(
+        p, {"x": {"shape": [2], "stride": [1], "storage_offset": 2**40, "stored_from": 2**40}}),
+     ("tensor 'x': layout storage_offset 1099511627776 is over the limit of 17179869184; "
+      "refusing to allocate")),
+    ("stored_from_and_data_over_the_limit", lambda p: with_layout(
+        p, {"x": {"shape": [2], "stride": [1], "storage_offset": 2**34, "stored_from": 2**34}}),
+     ("tensor 'x': layout stored_from 17179869184 and 6 stored elements make a storage of "
+      "17179869190 elements, over the limit of 17179869184; refusing to allocate")),
 ]
 
 
@@ -517,7 +592,7 @@ def test_element_limit_applies_to_stored_tensors(tmp_path: Path,
     monkeypatch.setattr(torch, "empty", _no_allocation)
     with pytest.raises(CaseFormatError) as excinfo:
         payload.load(path)
-    assert str(excinfo.value) == (f"{path}: tensor 'x': declared shape [12] has 12 elements, "
+    assert str(excinfo.value) == (f"{path}: tensor 'x': declared shape [3, 4] has 12 elements, "
                                   "over the limit of 10; refusing to allocate")
 
 
@@ -641,6 +716,27 @@ def test_truncated_data_region_is_refused_from_the_header(tmp_path: Path) -> Non
     assert str(excinfo.value) == (
         f"{path}: tensor 'x' declares bytes 0..16 but the file holds 12 bytes of data "
         "(truncated?)")
+
+
+@pytest.mark.usefixtures("no_data_read")
+@pytest.mark.parametrize("kind", ["fifo", "device", "directory"])
+def test_special_files_are_refused_before_opening(tmp_path: Path, kind: str) -> None:
+    """A FIFO would block the reader forever and a device never ends: refused from the stat."""
+    path = tmp_path / "inputs.safetensors"
+    if kind == "fifo":
+        os.mkfifo(path)
+    elif kind == "device":
+        path.symlink_to("/dev/zero")
+    else:
+        path.mkdir()
+    what = {"fifo": "a FIFO (named pipe)", "device": "a character device",
+            "directory": "a directory"}[kind]
+    for read in (payload.describe, payload.load, payload.content_hash):
+        with pytest.raises(CaseFormatError) as excinfo:
+            read(path)
+        assert str(excinfo.value) == (
+            f"{path}: is {what}, not a regular file; replace it with the safetensors file; "
+            f"{RESAVE}")
 
 
 def test_missing_file(tmp_path: Path) -> None:

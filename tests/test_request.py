@@ -235,8 +235,8 @@ def test_validate_reports_every_problem_once_per_line(
     truncated = rich_case(cases, "truncated")
     data = (truncated / "inputs.safetensors").read_bytes()
     (truncated / "inputs.safetensors").write_bytes(data[:-8])
-    write_case(cases, "clash", 'format = 1\ncall = "case.py:run"\n[inputs]\ntarget = 1\n',
-               {"target": torch.tensor([1])})
+    write_case(cases, "clash", 'format = 1\ncall = "case.py:run"\n[inputs]\ntarget = 1\n'
+               "num_classes = 4\n", {"target": torch.tensor([1]), "logits": torch.ones(1, 4)})
     rich_case(cases, "noboundary", RICH.replace('input = "target"', 'input = "labels"'))
     (cases / "lost").mkdir()
     payload.save(cases / "lost" / "inputs.safetensors", {"x": torch.ones(1)})

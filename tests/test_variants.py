@@ -9,7 +9,16 @@ import torch
 import torch.nn.functional as F
 
 from pytest_gpucase.case import AxisSizes, Boundaries, Expectation, VariantTables
-from pytest_gpucase.variants import Variant, VariantNotApplicable, apply, expand, members
+from pytest_gpucase.variants import (
+    Variant,
+    VariantNotApplicable,
+    VariantTooLarge,
+    apply,
+    expand,
+    members,
+    members_of,
+    resized_elements,
+)
 
 REJECT = Expectation(outcome="raises", exception="ValueError", match="out of range")
 
@@ -133,6 +142,32 @@ def test_an_anchor_without_the_axis_falls_back_to_the_largest_input() -> None:
     inputs = {"x": torch.zeros(2, 6, 3), "target": torch.zeros(2, dtype=torch.long)}
     assert members(inputs, 1, anchor="target") == (6, ("x",))
     assert members(inputs, 1, anchor="missing") == (6, ("x",))
+
+
+def test_members_from_shapes_alone_agree_with_members() -> None:
+    """The dry run reads shapes from a payload's header; it must pick the same members."""
+    inputs = {"logits": torch.zeros(4, 4), "target": torch.zeros(4, dtype=torch.long),
+              "weight": torch.ones(4), "n": 4}
+    shapes = {"logits": ((4, 4), True), "target": ((4,), False), "weight": ((4,), True)}
+    for axis, anchor in ((0, None), (0, "target"), (1, None), (2, None)):
+        assert members_of(shapes, axis, anchor) == members(inputs, axis, anchor)
+
+
+def test_a_variant_too_large_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    inputs = {"x": torch.zeros(300, 1000), "mask": torch.ones(300, 1000, dtype=torch.bool)}
+    big = Variant("batch", 2**20, axis=1)  # 2 * 300 * 2**20 elements: over 2**28
+    assert resized_elements(big, {"x": ((300, 1000), True), "mask": ((300, 1000), False)}) == (
+        2 * 300 * 2**20)
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("allocated")
+
+    monkeypatch.setattr(torch, "arange", refuse)
+    with pytest.raises(VariantTooLarge) as excinfo:
+        apply(Variant("length", 2**20, axis=1), inputs)
+    assert str(excinfo.value) == (
+        "length=1048576: the resized inputs would hold 629145600 elements, over the limit of "
+        "268435456; try a smaller size")
 
 
 # ----------------------------------------------------------------------------- batch

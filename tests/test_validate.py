@@ -1,0 +1,201 @@
+"""gpucase validate: the dry run finds what a run would, without running any case code."""
+
+from __future__ import annotations
+
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpucase import payload
+from pytest_gpucase.cli import main
+from pytest_gpucase.validate import validate
+
+RUN = "def run(logits, target, mask):\n    return logits\n"
+TENSORS = {"logits": torch.zeros(2, 4), "target": torch.zeros(2, dtype=torch.long),
+           "mask": torch.ones(2, dtype=torch.bool)}
+
+
+@pytest.fixture(autouse=True)
+def here(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def case(name: str, toml: str = "", code: str | None = RUN,
+         tensors: dict[str, torch.Tensor] | None = TENSORS,
+         call: str = "case.py:run") -> Path:
+    path = Path("cases") / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(f'format = 1\ncall = "{call}"\n' + textwrap.dedent(toml))
+    if code is not None:
+        (path / "case.py").write_text(code)
+    if tensors is not None:
+        payload.save(path / "inputs.safetensors", tensors)
+    return path
+
+
+def test_a_good_case_has_no_problem() -> None:
+    case("good", "[variants]\nbatch = { axis = 0, sizes = [1] }\n")
+    assert validate([Path("cases")]) == []
+
+
+def test_the_case_code_is_never_run(here: Path) -> None:
+    marker = here / "ran"
+    case("side_effect", code=f"open({str(marker)!r}, 'w').close()\n" + RUN)
+    assert validate([Path("cases")]) == []
+    assert not marker.exists()
+
+
+def test_a_missing_payload() -> None:
+    case("no_payload", tensors=None)
+    assert validate([Path("cases")]) == [
+        f"cases/no_payload/case.toml: parameter '{name}' of case.py:run has no value: add it to "
+        "[inputs] or as a tensor in inputs.safetensors (there is no inputs.safetensors)"
+        for name in ("logits", "target", "mask")]
+
+
+def test_a_payload_named_by_hash_but_missing() -> None:
+    case("hash_only", 'inputs_sha256 = "sha256:' + "0" * 64 + '"\n', tensors=None,
+         code="def run():\n    return 1\n")
+    assert validate([Path("cases")]) == [
+        "cases/hash_only/case.toml: inputs_sha256: names a hash but inputs.safetensors is "
+        "missing; restore the file or remove the key"]
+
+
+def test_a_payload_whose_hash_differs() -> None:
+    case("hash_wrong", 'inputs_sha256 = "sha256:' + "0" * 64 + '"\n')
+    [problem] = validate([Path("cases")])
+    assert problem.startswith("cases/hash_wrong/inputs.safetensors: content hash sha256:")
+
+
+def test_a_missing_function() -> None:
+    case("no_function", call="case.py:nope")
+    assert validate([Path("cases")]) == [
+        "cases/no_function/case.toml: call: 'case.py' has no 'nope'; check the name after the "
+        "colon"]
+
+
+def test_a_syntax_error_in_the_case_code() -> None:
+    case("syntax", code="def run(:\n")
+    [problem] = validate([Path("cases")])
+    assert problem.startswith("cases/syntax/case.py: line 1: ")
+    assert problem.endswith("the call cannot be imported until the syntax is fixed")
+
+
+@pytest.mark.parametrize("code", [
+    "from helpers import *\n",
+    "import functools\nrun = functools.partial(print)\n",
+    "import functools\n\n@functools.lru_cache\ndef run(x):\n    return x\n",
+    "try:\n    from fast import run\nexcept ImportError:\n    def run(y):\n        return y\n",
+], ids=["star_import", "assigned", "decorated", "imported"])
+def test_what_the_source_cannot_tell_is_not_a_problem(code: str) -> None:
+    case("unknowable", code=code)
+    assert validate([Path("cases")]) == []
+
+
+def test_a_module_call_is_found_without_importing_it(here: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    package = here / "mypkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text(f"open({str(here / 'imported')!r}, 'w').close()\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "ops.py").write_text(RUN)
+    monkeypatch.syspath_prepend(str(here))
+    case("module_ok", code=None, call="mypkg.sub.ops:run")
+    case("module_missing", code=None, call="mypkg.sub.nope:run")
+    case("module_no_function", code=None, call="mypkg.sub.ops:walk")
+    assert validate([Path("cases")]) == [
+        "cases/module_missing/case.toml: call: module 'mypkg.sub.nope' is not importable here; "
+        "install it, or correct the name",
+        "cases/module_no_function/case.toml: call: 'mypkg.sub.ops' has no 'walk'; check the "
+        "name after the colon",
+    ]
+    assert not (here / "imported").exists()
+    assert "mypkg" not in sys.modules
+
+
+def test_inputs_that_do_not_bind() -> None:
+    case("extra_literal", "[inputs]\ntemperature = 1.0\n")
+    case("extra_tensor", tensors={**TENSORS, "bias": torch.zeros(4)})
+    case("missing", tensors={"logits": torch.zeros(2, 4), "target": torch.zeros(2)})
+    case("positional_only", code="def run(logits, /, target, mask):\n    return logits\n")
+    case("var_keyword", "[inputs]\ntemperature = 1.0\n",
+         code="def run(logits, target, mask, **options):\n    return logits\n")
+    case("defaults", tensors={"logits": torch.zeros(2, 4)},
+         code="def run(logits, target=None, *, mask=None):\n    return logits\n")
+    assert validate([Path("cases")]) == [
+        "cases/extra_literal/case.toml: [inputs] 'temperature' is not a parameter of "
+        "case.py:run(logits, target, mask); remove it or add the parameter",
+        "cases/extra_tensor/inputs.safetensors: tensor 'bias' is not a parameter of "
+        "case.py:run(logits, target, mask); save the tensor under a parameter's name, or add "
+        "the parameter",
+        "cases/missing/case.toml: parameter 'mask' of case.py:run has no value: add it to "
+        "[inputs] or as a tensor in inputs.safetensors (holds: logits, target)",
+        "cases/positional_only/inputs.safetensors: tensor 'logits' is not a parameter of "
+        "case.py:run(logits, target, mask); save the tensor under a parameter's name, or add "
+        "the parameter",
+        "cases/positional_only/case.toml: parameter 'logits' of case.py:run is positional-only, "
+        "and a case passes its inputs by name; make it a regular parameter",
+    ]
+
+
+def test_the_reference_is_checked_too() -> None:
+    case("reference", 'reference = "case.py:ref"\n',
+         code=RUN + "\ndef ref(logits, target):\n    return logits\n")
+    assert validate([Path("cases")]) == [
+        "cases/reference/inputs.safetensors: tensor 'mask' is not a parameter of "
+        "case.py:ref(logits, target); save the tensor under a parameter's name, or add the "
+        "parameter"]
+
+
+def test_a_variant_axis_beyond_the_rank_of_the_inputs() -> None:
+    case("axis", "[variants]\nlength = { axis = 2, sizes = [1] }\n")
+    assert validate([Path("cases")]) == [
+        "cases/axis/case.toml: [variants] length: axis 2 is beyond the rank of every tensor "
+        "input (ranks: logits 2, mask 1, target 1); give an axis the inputs have"]
+
+
+def test_a_variant_too_large() -> None:
+    case("large", "[variants]\nlength = { axis = 1, sizes = [1048576] }\n",
+         tensors={"logits": torch.zeros(300, 4), "target": torch.zeros(300, 4),
+                  "mask": torch.zeros(300)})
+    assert validate([Path("cases")]) == [
+        "cases/large/case.toml: [variants] length: length=1048576: the resized inputs would "
+        "hold 629145600 elements, over the limit of 268435456; try a smaller size"]
+
+
+def test_unsane_tolerances_are_problems() -> None:
+    case("ulps", "[expect.tolerance.float32]\nulps = 0.5\n")
+    assert validate([Path("cases")]) == [
+        "cases/ulps/case.toml: [expect.tolerance.float32] ulps: expected a whole number of units "
+        "in the last place, got 0.5"]
+
+
+def test_special_files_are_problems_not_hangs() -> None:
+    path = case("fifo")
+    (path / "inputs.safetensors").unlink()
+    os.mkfifo(path / "inputs.safetensors")
+    os.mkfifo(path / "expected.safetensors")
+    dangling = case("dangling", tensors=None)
+    (dangling / "case.toml").unlink()
+    (dangling / "case.toml").symlink_to("gone.toml")
+    assert validate([Path("cases")]) == [
+        "cases/dangling/case.toml: is a symlink to gone.toml, which does not exist; replace it "
+        "with the file itself",
+        "cases/fifo/inputs.safetensors: is a FIFO (named pipe), not a regular file; replace it "
+        "with the safetensors file; save the tensors again with pytest_gpucase.payload.save",
+        "cases/fifo/expected.safetensors: is a FIFO (named pipe), not a regular file; replace "
+        "it with the safetensors file; save the tensors again with pytest_gpucase.payload.save",
+    ]
+
+
+def test_a_directory_without_any_case(capsys: pytest.CaptureFixture[str]) -> None:
+    Path("empty/deeper").mkdir(parents=True)
+    assert validate([Path("empty")]) == [
+        "empty: no case directory (with a case.toml) under empty"]
+    assert main(["validate", "empty"]) == 1
+    assert capsys.readouterr().out == "empty: no case directory (with a case.toml) under empty\n"
