@@ -19,6 +19,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -29,7 +30,6 @@ VERSION = 1
 MATRIX_SCHEMA = "pytest-gpucase/matrix"
 MATRIX_VERSION = 1
 
-OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 FAILING = ("failed", "error", "xpassed")  # a strict xfail that passed fails the run too
 
 # A status is said per device type of a row, so that a CPU pass never reads as a CUDA pass;
@@ -64,25 +64,41 @@ _MAX_RUNS_NAMED = 6
 _MAX_FAILURES_LISTED = 20
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
-# What a version-1 file must hold; readers ignore keys they do not know, so that a
-# writer may add a key without breaking older readers (removing or changing one bumps VERSION).
-_TOP_KEYS = {"schema": "string", "version": "integer", "created": "string",
-             "environment": "object", "results": "list", "complete": "boolean"}
-_ENVIRONMENT_KEYS = {
-    "backend": "string", "device_types": "list of strings", "devices": "list",
-    "torch": "string or null", "cuda": "string or null", "hip": "string or null",
-    "cudnn": "string or null", "python": "string", "platform": "string",
-    "packages": "object", "revision": "string or null",
-}
-_DEVICE_KEYS = {"index": "integer", "name": "string", "capability": "string or null",
-                "memory_gib": "number or null"}
-_RESULT_KEYS = {
-    "nodeid": "string", "case": "string", "case_path": "string", "device": "string",
-    "dtype": "string", "variant": "string or null", "outcome": "string",
-    "error_type": "string or null", "message": "string or null",
-    "max_abs": "measure", "max_rel": "measure", "duration": "number",
-    "skip_reason": "string or null", "triage": "object or null", "launch_blocking": "boolean",
-}
+# What a version-1 file must hold, read from the JSON Schema shipped with the package (the one
+# home of these facts; docs/report-schema.md explains them). Readers ignore keys they do not
+# know, so that a writer may add a key without breaking older readers (removing or changing
+# one bumps VERSION). The check is hand-written, not jsonschema's: its messages name the
+# file, the place and the fix the way every other message here does, with no new dependency.
+SCHEMA_FILE = "report_schema.json"
+_SCHEMA: Mapping[str, Any] = json.loads(
+    resources.files(__package__ or "pytest_gpucase").joinpath(SCHEMA_FILE)
+    .read_text(encoding="utf-8"))
+
+
+def _kind_of(spec: Mapping[str, Any]) -> str:
+    """A schema property as the kind its messages name: ``string or null``, ``measure``."""
+    if "$ref" in spec:
+        return "measure" if spec["$ref"].endswith("/measure") else "object"
+    types = spec.get("type", "string")
+    types = [types] if isinstance(types, str) else list(types)
+    base = str(types[0])
+    if base == "array":
+        base = "list of strings" if spec.get("items", {}).get("type") == "string" else "list"
+    return base + (" or null" if "null" in types else "")
+
+
+def _required(definition: Mapping[str, Any]) -> dict[str, str]:
+    return {key: _kind_of(definition["properties"][key]) for key in definition["required"]}
+
+
+_TOP_KEYS = _required(_SCHEMA)
+_ENVIRONMENT_KEYS = _required(_SCHEMA["$defs"]["environment"])
+_DEVICE_KEYS = _required(_SCHEMA["$defs"]["device"])
+_RESULT_KEYS = _required(_SCHEMA["$defs"]["result"])
+_OPTIONAL_RESULT_KEYS = {key: _kind_of(spec) for key, spec
+                         in _SCHEMA["$defs"]["result"]["properties"].items()
+                         if key not in _RESULT_KEYS}
+OUTCOMES = tuple(_SCHEMA["$defs"]["result"]["properties"]["outcome"]["enum"])
 
 
 class ReportError(ValueError):
@@ -155,12 +171,16 @@ def markdown_code(text: str) -> str:
 # ----------------------------------------------------------------------------- the JSON report
 
 
-def new_report(environment: Mapping[str, Any]) -> dict[str, Any]:
-    """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty."""
+def new_report(environment: Mapping[str, Any], created: str | None = None) -> dict[str, Any]:
+    """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty.
+
+    ``created`` is when the run started; a session passes the time it started, so that
+    every rewrite of its file keeps it.
+    """
     return {
         "schema": SCHEMA,
         "version": VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "environment": dict(environment),
         "results": [],
         "complete": False,
@@ -198,6 +218,19 @@ def _file_mode(target: Path) -> int:
         return 0o666 & ~umask
 
 
+def property_json(value: Any) -> str:
+    """``value`` as the JSON text of a pytest user property (junit XML shows it as written).
+
+    Non-finite floats are spelled as in the report file ("nan", "inf"), never NaN.
+    """
+    return json.dumps(_finite(value), sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+
+def property_value(value: Any) -> Any:
+    """A user property written by ``property_json``, as data again."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
@@ -231,6 +264,20 @@ def load_report(path: Path | str) -> dict[str, Any]:
     if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
         raise ReportError(path, f"report version {version} is newer than this pytest-gpucase "
                                 f"reads (up to {VERSION}); upgrade pytest-gpucase")
+    check_report(report, path)
+    for result in report["results"]:
+        for key in ("max_abs", "max_rel"):
+            if isinstance(result[key], str):
+                result[key] = _NON_FINITE[result[key]]
+    return report
+
+
+def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> None:
+    """Check a report against the schema; ``ReportError`` says where it breaks it.
+
+    ``load_report`` checks what it reads with it, and the plugin what it is about to write.
+    """
+    version = report.get("version")
     _check_keys(path, report, _TOP_KEYS, "")
     if version != VERSION:
         raise ReportError(path, f"version: {json.dumps(version)} is not a report version "
@@ -247,13 +294,11 @@ def load_report(path: Path | str) -> dict[str, Any]:
     for index, result in enumerate(report["results"]):
         where = f"results[{index}]"
         _check_keys(path, result, _RESULT_KEYS, where)
+        optional = {key: kind for key, kind in _OPTIONAL_RESULT_KEYS.items() if key in result}
+        _check_keys(path, result, optional, where)
         if result["outcome"] not in OUTCOMES:
             raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} is not "
                                     f"one of {', '.join(OUTCOMES)}")
-        for key in ("max_abs", "max_rel"):
-            if isinstance(result[key], str):
-                result[key] = _NON_FINITE[result[key]]
-    return report
 
 
 def _check_keys(path: Path | str, value: Any, spec: Mapping[str, str], where: str) -> None:
@@ -279,9 +324,11 @@ def _is(value: Any, kind: str) -> bool:
     if base == "measure":
         return isinstance(value, (int, float)) or value in _NON_FINITE
     if base == "list of strings":
-        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+        return isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
+    # A tuple is what a report still in memory holds where its file will hold a list.
     types: Mapping[str, type | tuple[type, ...]] = {
-        "string": str, "integer": int, "number": (int, float), "object": dict, "list": list,
+        "string": str, "integer": int, "number": (int, float), "object": dict,
+        "list": (list, tuple),
         "boolean": bool,
     }
     return isinstance(value, types[base])
