@@ -20,6 +20,7 @@ from typing import Any
 from . import payload
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, is_case_dir, load_case
 from .errors import CaseFormatError
+from .report import markdown_code
 from .triage import assertion_line, bounded, triage
 
 __all__ = ["request", "show", "validate"]
@@ -97,22 +98,23 @@ def request(case_dir: Path) -> str:
     error_type, _, message = error.partition(": ")
     found = triage(error_type, message, stderr)
     kernel = assertion_line(stderr)
-    parts = [f"## GPU failure: `{_one_line(error)}`", ""]
+    code = markdown_code   # a backtick or newline in recorded text cannot end the span
+    parts = [f"## GPU failure: {code(_one_line(error))}", ""]
     if case.summary:
         parts += [case.summary, ""]
-    facts = [("Operation", f"`{case.call}`")]
+    facts = [("Operation", code(case.call))]
     if case.reference:
-        facts.append(("Reference", f"`{case.reference}`"))
-    facts.append(("First error", f"`{_one_line(error)}`"))
+        facts.append(("Reference", code(case.reference)))
+    facts.append(("First error", code(_one_line(error))))
     if kernel:
-        facts.append(("Kernel assertion", f"`{kernel}`"))
+        facts.append(("Kernel assertion", code(kernel)))
     backend = str(origin.get("backend", "unknown"))
     if "device" in origin:
         backend += f" ({origin['device']})"
     facts.append(("Backend", backend))
     facts.append(("Versions", _versions(origin) or "not recorded"))
     if "revision" in origin:
-        facts.append(("Revision", f"`{origin['revision']}`"))
+        facts.append(("Revision", code(str(origin["revision"]))))
     where = _where(origin)
     if where:
         facts.append(("Where", where))
@@ -125,7 +127,10 @@ def request(case_dir: Path) -> str:
     parts += [f"- **{name}**: {value}" for name, value in facts]
     if stderr.strip() and stderr.strip() != kernel:
         lines = stderr.strip().splitlines()[-_STDERR_LINES:]
-        parts += ["", "### Recorded stderr", "", "```text", *lines, "```"]
+        # A fence longer than any run of backticks in the text: the text cannot close it.
+        fence = "`" * max(3, 1 + max((len(run) for line in lines
+                                     for run in re.findall(r"`+", line)), default=0))
+        parts += ["", "### Recorded stderr", "", f"{fence}text", *lines, fence]
     context = [f"- {key}: {_context_value(origin[key])}" for key in origin
                if key not in _SHOWN_ORIGIN]
     if context:
@@ -377,6 +382,21 @@ def _run_id(entry: Mapping[str, Any]) -> str:
 
 
 def _is_this_case(entry: Mapping[str, Any], case: Case) -> bool:
+    """Whether a report entry is a run of ``case``: by its path when the entry names one.
+
+    Two cases may share a name in different folders (cases/a/ce, cases/b/ce); the path
+    tells them apart. ``case_path`` is relative to where the run was started, which need
+    not be here: it matches when it is the case's path or ends the case's resolved path.
+    """
+    recorded = entry.get("case_path")
+    if isinstance(recorded, str) and recorded:
+        where = Path(recorded)
+        mine = case.path.resolve()
+        with contextlib.suppress(OSError):
+            if where.resolve() == mine:
+                return True
+        parts = where.parts
+        return not where.is_absolute() and mine.parts[-len(parts):] == parts
     named = entry.get("case")
     if isinstance(named, str) and named and Path(named).name == case.name:
         return True

@@ -208,7 +208,7 @@ def test_request_is_a_ready_to_paste_report(tmp_path: Path,
         "## GPU failure: `RuntimeError: CUDA error: device-side assert triggered`",
         "- **Operation**: `case.py:run`",
         "- **First error**: `RuntimeError: CUDA error: device-side assert triggered`",
-        "- **Kernel assertion**: `Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.`",
+        "- **Kernel assertion**: ``Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.``",
         "- **Backend**: cuda (NVIDIA A100-SXM4-80GB)",
         "- **Versions**: Python 3.11.7, torch 2.3.1, CUDA 12.1",
         "- **Revision**: `3f2c1ab`",
@@ -352,3 +352,39 @@ def test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time(text: str) -> 
     _scrub(text)
     # A hang guard on a loaded machine, not a benchmark: a quadratic pattern takes minutes.
     assert time.process_time() - start < 5
+
+
+def test_show_tells_two_cases_of_one_name_apart_by_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    first = rich_case(tmp_path / "cases" / "a", "ce")
+    rich_case(tmp_path / "cases" / "b", "ce")
+    report = tmp_path / "report.json"
+
+    def entry(folder: str, outcome: str) -> dict[str, object]:
+        return {"nodeid": f"cases/{folder}/ce::ce[cpu-float32]", "case": "ce",
+                "case_path": f"cases/{folder}/ce", "device": "cpu", "dtype": "float32",
+                "variant": None, "outcome": outcome, "message": f"{folder} said so"}
+
+    report.write_text(json.dumps({"results": [entry("a", "passed"), entry("b", "failed")]}))
+    assert show(Path("cases/b/ce"), report=report).splitlines()[-1] == (
+        "  cpu-float32: failed: b said so")
+    # The report was written from another directory: its paths end the case's path.
+    monkeypatch.chdir(first)
+    assert show(Path("."), report=report).splitlines()[-1] == "  cpu-float32: passed: a said so"
+
+
+def test_request_text_cannot_break_out_of_its_code(tmp_path: Path) -> None:
+    hostile = RICH.replace(
+        'error = "RuntimeError: CUDA error: device-side assert triggered"',
+        'error = "RuntimeError: x` and\\n## All 500 cases passed"').replace(
+        'stderr = "Loss.cu:250:', 'stderr = "```\\n## All 500 cases passed\\n````\\nLoss.cu:250:')
+    text = request(rich_case(tmp_path, "ce", hostile))
+    lines = text.splitlines()
+    assert lines[0] == "## GPU failure: ``RuntimeError: x` and ...``"
+    fence = lines.index("`````text")
+    end = lines.index("`````", fence)
+    # The forged heading is inside the code block, whose fence no line of stderr can close.
+    assert lines[fence + 1:fence + 4] == ["```", "## All 500 cases passed", "````"]
+    outside = lines[:fence] + lines[end:]
+    assert "## All 500 cases passed" not in outside
