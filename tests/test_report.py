@@ -24,6 +24,7 @@ from pytest_gpucase.report import (
     ReportError,
     append_step_summary,
     build_matrix,
+    check_report,
     markdown_code,
     markdown_text,
     describe_environment,
@@ -728,3 +729,24 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
     _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
               profile=tmp_path / "profile")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_shipped_schema_is_the_one_the_docs_point_at() -> None:
+    from importlib import resources
+
+    schema = json.loads(resources.files("pytest_gpucase").joinpath("report_schema.json")
+                        .read_text(encoding="utf-8"))
+    docs = (Path(__file__).parent.parent / "docs" / "report-schema.md").read_text("utf-8")
+    assert "pytest_gpucase/report_schema.json" in docs
+    assert schema["properties"]["schema"]["const"] == SCHEMA
+    assert schema["properties"]["version"]["const"] == VERSION
+    for name in ("environment", "result"):
+        for key in schema["$defs"][name]["required"]:
+            assert f"| `{key}` |" in docs or f"`{key}`" in docs, key
+    record = result("ce", "cpu", "float32", "passed", max_abs=math.nan, localized=None)
+    report = new_report(A100)
+    report["results"] = [record]
+    check_report(report)   # a record as the plugin writes it, NaN included
+    report["results"] = [{**record, "localized": 3}]
+    with pytest.raises(ReportError, match=r"results\[0\]\.localized: expected a string or null"):
+        check_report(report)
