@@ -141,7 +141,10 @@ class GpuCaseSession:
     cases_seen: int = 0  # case directories collected in this process
     filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
     results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
+    created: str = field(default_factory=lambda: _now())   # when the run started, said once
     _written_at: float = 0.0
+    _unwritten: bool = False    # a record arrived since the report file was last written
+    _finished: bool = False     # the report of the whole session has been written
 
     @property
     def enabled(self) -> bool:
@@ -180,23 +183,30 @@ class GpuCaseSession:
         self.regenerated[case.path] = child.value
 
     def record(self, report: pytest.TestReport) -> None:
-        """Keep the JSON record of a finished item; rewrite the report file now and then."""
+        """Keep the JSON record of a finished item; rewrite the report file now and then.
+
+        Rewrites are throttled (a large suite would otherwise rewrite the file once per
+        item); what a throttled rewrite leaves out is written at the end of the session,
+        however it ends (``pytest_sessionfinish``, else ``pytest_unconfigure``).
+        """
         import time
 
-        record = result_record(report)
+        record = result_record(report) or crash_record(report)
         if record is None:
             return
         self.results[report.nodeid] = record
+        self._unwritten = True
         if time.monotonic() - self._written_at > REPORT_EVERY:
             self.write_report(complete=False)
 
     def build_report(self, *, complete: bool) -> dict[str, Any]:
         """The JSON report of what has finished so far."""
-        from .report import new_report
+        from .report import check_report, new_report
 
-        report = new_report(self.environment().to_dict())
+        report = new_report(self.environment().to_dict(), created=self.created)
         report["results"] = list(self.results.values())
         report["complete"] = complete
+        check_report(report)   # a record that breaks the schema is a bug here, not in the file
         return report
 
     def write_report(self, *, complete: bool) -> None:
@@ -209,6 +219,7 @@ class GpuCaseSession:
 
             write_report(path, self.build_report(complete=complete))
             self._written_at = time.monotonic()
+            self._unwritten = False
 
     def worker_env(self) -> dict[str, str]:
         """The device pin of this xdist worker's children (``--gpu-per-worker``), or {}."""
@@ -237,6 +248,12 @@ class GpuCaseSession:
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
 session_key = pytest.StashKey[GpuCaseSession]()
 
 
@@ -368,7 +385,8 @@ class CaseFile(pytest.File):
             problem = str(exc) if isinstance(exc, CaseFormatError) else (
                 f"{display(case_dir / CASE_FILE)}: the case cannot be loaded: "
                 f"{type(exc).__name__}: {exc}")
-            yield BrokenCaseItem.from_parent(self, name=case_name(case_dir), problem=problem)
+            yield BrokenCaseItem.from_parent(self, name=case_name(case_dir), problem=problem,
+                                             case_path=_relative(case_dir))
             return
         state.cases_seen += 1
         if not specs:
@@ -403,17 +421,28 @@ def _case_runs(case: Case) -> str:
 class BrokenCaseItem(pytest.Item):
     """A case that cannot be loaded: one failing item, so that the other cases still run."""
 
-    def __init__(self, *, problem: str, **kwargs: Any) -> None:
+    def __init__(self, *, problem: str, case_path: str, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.problem = problem
+        from .report import property_json
+
+        # Recorded like any run, so that the JSON report, the matrix and the step summary
+        # show the broken case too; "all": it fails on every device type it would run on.
+        self.user_properties.append(("gpucase", property_json({
+            "case": self.name, "case_path": case_path, "device": "all", "dtype": "all",
+            "variant": None, "launch_blocking": False})))
+        self.user_properties.append(("gpucase_result", property_json({
+            "error_type": "CaseFormatError", "message": problem})))
 
     def runtest(self) -> None:
         raise CaseFileError(self.problem)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str:
+        from .report import terminal_safe
+
         if isinstance(excinfo.value, CaseFileError):
-            return str(excinfo.value)
+            return terminal_safe(str(excinfo.value))
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
@@ -464,7 +493,9 @@ class CaseItem(pytest.Item):
                 value=spec.variant.value))
         # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
         self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
-        self.user_properties.append(("gpucase", spec_fields(spec)))
+        from .report import property_json
+
+        self.user_properties.append(("gpucase", property_json(spec_fields(spec))))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
         elif spec.case.xfail is not None:
@@ -492,7 +523,9 @@ class CaseItem(pytest.Item):
                            variant=self.spec.variant)
             self.add_report_section("call", "gpucase ablation", found.render())
             fields["ablation"] = found.to_dict()
-        self.user_properties.append(("gpucase_result", fields))
+        from .report import property_json
+
+        self.user_properties.append(("gpucase_result", property_json(fields)))
         if verdict.outcome.status == "skipped":
             pytest.skip(verdict.outcome.summary)
         if verdict.failed:
@@ -511,24 +544,27 @@ class CaseItem(pytest.Item):
 
 
 def _failure_text(outcome: Outcome) -> str:
+    from .report import terminal_safe
+
     text = outcome.summary
     if outcome.details:
         text += "\n\n" + outcome.details.rstrip()
-    return text
+    return terminal_safe(text)   # the child's words must not drive the terminal
 
 
 def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
+    from .report import terminal_safe
     from .runner import describe_rerun
 
     child = verdict.child
-    if child.stdout:
-        item.add_report_section("call", "stdout (child)", child.stdout)
-    if child.stderr:
-        item.add_report_section("call", "stderr (child)", child.stderr)
+    sections = [("stdout (child)", child.stdout), ("stderr (child)", child.stderr)]
     if verdict.triage is not None:
-        item.add_report_section("call", "gpucase triage", verdict.triage.render())
+        sections.append(("gpucase triage", verdict.triage.render()))
     if verdict.localized is not None:
-        item.add_report_section("call", "gpucase launch-blocking rerun", describe_rerun(verdict))
+        sections.append(("gpucase launch-blocking rerun", describe_rerun(verdict)))
+    for title, text in sections:
+        if text:
+            item.add_report_section("call", title, terminal_safe(text))
 
 
 def spec_fields(spec: RunSpec) -> dict[str, Any]:
@@ -564,7 +600,10 @@ def _relative(path: Path) -> str:
 
 def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     """The JSON record of an item once its outcome is known, from its pytest report."""
-    props: dict[str, Any] = dict(report.user_properties)
+    from .report import property_value
+
+    props: dict[str, Any] = {name: property_value(value) for name, value in
+                             report.user_properties if name in ("gpucase", "gpucase_result")}
     if "gpucase" not in props:
         return None
     if report.when == "setup" and report.passed:
@@ -594,25 +633,88 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     return record
 
 
+def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
+    """The record of a case item lost with a crashed pytest-xdist worker, from its node id.
+
+    pytest-xdist reports such an item as failed in a phase named "???", with no user
+    properties: the controller never collected it, so what it was is read from the id
+    (``cases/ce::ce[cuda-float32-batch=1]``).
+    """
+    import re
+
+    from .case import DEVICE_TYPES
+
+    if report.when not in ("???", None) or not report.failed:
+        return None
+    found = re.fullmatch(r"(?P<path>[^\[]+)::(?P<name>[^:\[]+)\[(?P<device>[a-z]+)-"
+                         r"(?P<dtype>[a-z0-9]+)(?:-(?P<variant>[^\]]+))?\]", report.nodeid)
+    if found is None or found["device"] not in DEVICE_TYPES:
+        return None
+    return {"nodeid": report.nodeid, "case": found["name"], "case_path": found["path"],
+            "device": found["device"], "dtype": found["dtype"], "variant": found["variant"],
+            "launch_blocking": False, "outcome": "failed", "error_type": "WorkerCrash",
+            "message": str(report.longrepr), "max_abs": None, "max_rel": None,
+            "duration": round(report.duration, 6), "skip_reason": None, "triage": None,
+            "localized": None}
+
+
 class _Recorder:
     """Collects results on the process that writes the report (the controller under xdist)."""
 
     def __init__(self, state: GpuCaseSession) -> None:
         self.state = state
+        self._owner = 0
+        self._previous: Any = None
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.state.record(report)
 
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import os
+        import signal
+
+        if self.state.config.getoption("gpu_cases_report") is None:
+            return
+        # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
+        # Ctrl-C does, so that the report of what finished is written on the way out. A
+        # handler someone else installed is left in place: it decides how SIGTERM ends.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._owner = os.getpid()
+            self._previous = signal.signal(signal.SIGTERM, self._terminate)
+
+    def _terminate(self, signum: int, frame: Any) -> None:
+        import os
+        import signal
+
+        if os.getpid() != self._owner:   # a forked child that kept the handler: die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+
+    @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         import os
 
-        # An interrupted run (Ctrl-C) still leaves a valid report of what finished.
+        # Whatever the exit status: an interrupted or terminated run still leaves a valid
+        # report of every item that finished.
         complete = session.exitstatus != pytest.ExitCode.INTERRUPTED
         self.state.write_report(complete=complete)
+        self.state._finished = True
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
             from .report import append_step_summary
 
             append_step_summary(self.state.build_report(complete=complete))
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        import signal
+
+        if self._owner:
+            signal.signal(signal.SIGTERM, self._previous)
+        # The session ended before pytest_sessionfinish could write (an error in another
+        # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
+        if not self.state._finished and (self.state._unwritten or self.state.results):
+            self.state.write_report(complete=False)
 
 
 class _OwnIsolation:

@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
@@ -28,25 +29,32 @@ VERSION = 1
 MATRIX_SCHEMA = "pytest-gpucase/matrix"
 MATRIX_VERSION = 1
 
-OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
 FAILING = ("failed", "error", "xpassed")  # a strict xfail that passed fails the run too
 
-Status = Literal["pass", "fail", "skip", "xfail", "not run"]
+# A status is said per device type of a row, so that a CPU pass never reads as a CUDA pass;
+# "partial" is a cell's sum only: some device types passed, others were skipped or not run.
+Status = Literal["pass", "fail", "skip", "xfail", "not run", "partial"]
 STATUSES: tuple[Status, ...] = ("pass", "fail", "xfail", "skip", "not run")
 STATUS_MEANINGS: Mapping[Status, str] = {
-    "pass": "every run that ran passed",
+    "pass": "every run on this device type ran and passed",
     "fail": "a run failed, errored, or passed although marked as a known failure",
     "xfail": "a known failure (xfail in case.toml) still fails here",
-    "skip": "every run was skipped; the note says why",
-    "not run": "no report holds a run of this case here",
+    "skip": "every run on this device type was skipped; the note says why",
+    "not run": "no report holds a run of this case on this device type here",
+    "partial": "some device types passed; the others were skipped or not run",
 }
 _MARKDOWN_SYMBOLS: Mapping[Status, str] = {
-    "pass": "✅", "fail": "❌", "xfail": "⚠️", "skip": "⏭️", "not run": "—",
+    "pass": "✅", "fail": "❌", "xfail": "⚠️", "skip": "⏭️", "not run": "—", "partial": "◐",
 }
 # The HTML page must read well without an emoji font (CI images rarely have one).
 _HTML_SYMBOLS: Mapping[Status, str] = {
-    "pass": "✓", "fail": "✗", "xfail": "⚠", "skip": "↷", "not run": "—",
+    "pass": "✓", "fail": "✗", "xfail": "⚠", "skip": "↷", "not run": "—", "partial": "◐",
 }
+_DEVICE_WORDS: Mapping[Status, str] = {
+    "pass": "pass", "fail": "fail", "xfail": "xfail", "skip": "skipped", "not run": "not run",
+    "partial": "partial",
+}
+_SHORT_REASON = 48   # characters of a skip reason said in the cell; the note holds all of it
 _REASON_WORDS = {
     "failed": "failed", "error": "error", "xpassed": "passed although marked xfail (strict)",
     "xfailed": "xfail", "skipped": "skipped",
@@ -55,25 +63,41 @@ _MAX_RUNS_NAMED = 6
 _MAX_FAILURES_LISTED = 20
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
-# What a version-1 file must hold; readers ignore keys they do not know, so that a
-# writer may add a key without breaking older readers (removing or changing one bumps VERSION).
-_TOP_KEYS = {"schema": "string", "version": "integer", "created": "string",
-             "environment": "object", "results": "list", "complete": "boolean"}
-_ENVIRONMENT_KEYS = {
-    "backend": "string", "device_types": "list of strings", "devices": "list",
-    "torch": "string or null", "cuda": "string or null", "hip": "string or null",
-    "cudnn": "string or null", "python": "string", "platform": "string",
-    "packages": "object", "revision": "string or null",
-}
-_DEVICE_KEYS = {"index": "integer", "name": "string", "capability": "string or null",
-                "memory_gib": "number or null"}
-_RESULT_KEYS = {
-    "nodeid": "string", "case": "string", "case_path": "string", "device": "string",
-    "dtype": "string", "variant": "string or null", "outcome": "string",
-    "error_type": "string or null", "message": "string or null",
-    "max_abs": "measure", "max_rel": "measure", "duration": "number",
-    "skip_reason": "string or null", "triage": "object or null", "launch_blocking": "boolean",
-}
+# What a version-1 file must hold, read from the JSON Schema shipped with the package (the one
+# home of these facts; docs/report-schema.md explains them). Readers ignore keys they do not
+# know, so that a writer may add a key without breaking older readers (removing or changing
+# one bumps VERSION). The check is hand-written, not jsonschema's: its messages name the
+# file, the place and the fix the way every other message here does, with no new dependency.
+SCHEMA_FILE = "report_schema.json"
+_SCHEMA: Mapping[str, Any] = json.loads(
+    resources.files(__package__ or "pytest_gpucase").joinpath(SCHEMA_FILE)
+    .read_text(encoding="utf-8"))
+
+
+def _kind_of(spec: Mapping[str, Any]) -> str:
+    """A schema property as the kind its messages name: ``string or null``, ``measure``."""
+    if "$ref" in spec:
+        return "measure" if spec["$ref"].endswith("/measure") else "object"
+    types = spec.get("type", "string")
+    types = [types] if isinstance(types, str) else list(types)
+    base = str(types[0])
+    if base == "array":
+        base = "list of strings" if spec.get("items", {}).get("type") == "string" else "list"
+    return base + (" or null" if "null" in types else "")
+
+
+def _required(definition: Mapping[str, Any]) -> dict[str, str]:
+    return {key: _kind_of(definition["properties"][key]) for key in definition["required"]}
+
+
+_TOP_KEYS = _required(_SCHEMA)
+_ENVIRONMENT_KEYS = _required(_SCHEMA["$defs"]["environment"])
+_DEVICE_KEYS = _required(_SCHEMA["$defs"]["device"])
+_RESULT_KEYS = _required(_SCHEMA["$defs"]["result"])
+_OPTIONAL_RESULT_KEYS = {key: _kind_of(spec) for key, spec
+                         in _SCHEMA["$defs"]["result"]["properties"].items()
+                         if key not in _RESULT_KEYS}
+OUTCOMES = tuple(_SCHEMA["$defs"]["result"]["properties"]["outcome"]["enum"])
 
 
 class ReportError(ValueError):
@@ -85,15 +109,77 @@ class ReportError(ValueError):
         super().__init__(f"{path}: {problem}")
 
 
+# ----------------------------------------------------------------------------- text for its place
+
+# Every text below comes from a child, a case file or a node id, and is written where markup
+# or a terminal would act on it: each function makes it inert for one place. The patterns
+# have bounded quantifiers only, so that a hostile text costs linear time.
+_TERMINAL = re.compile(
+    r"\x1b\[[0-?]{0,64}[ -/]{0,16}[@-~]"          # CSI: colours, cursor moves, screen clears
+    r"|\x1b\][^\x07\x1b]{0,4096}(?:\x07|\x1b\\)"  # OSC: window titles, hyperlinks, clipboard
+    r"|\r\n?"
+    r"|[\x00-\x08\x0b-\x1f\x7f-\x9f\u200e\u200f\u202a-\u202e\u2066-\u2069]")
+# Backslash-escapable punctuation that GitHub Markdown acts on anywhere in a line; an
+# underscore inside a word (sm_80, ce_class4) cannot start emphasis, so it is left alone.
+_MARKDOWN = re.compile(r"[\\`*\[\]<|#&~]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])")
+# What starts a block when it begins a line: a quote, a list item, a setext underline.
+_MARKDOWN_LINE_START = re.compile(r"[>+=-]|\d{1,9}[.)]")
+
+
+def terminal_safe(text: str) -> str:
+    """``text`` with no terminal control left: escapes removed, other controls shown as ``\\xNN``.
+
+    Newlines and tabs stay; a carriage return becomes a newline, so that a progress bar
+    cannot overwrite what was printed before it. Bidirectional overrides are shown as
+    ``\\u202e`` and the like: they would make a line read differently from what it holds.
+    """
+    def replace(found: re.Match[str]) -> str:
+        control = found.group(0)
+        if len(control) > 1 and control[0] == "\x1b":
+            return ""   # a whole escape sequence; a lone ESC is shown below
+        if control[0] == "\r":
+            return "\n"
+        code = ord(control)
+        return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+    return _TERMINAL.sub(replace, text)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(terminal_safe(text).split())
+
+
+def markdown_text(text: str) -> str:
+    """``text`` as literal Markdown on one line (messages hold ``*``, ``|``, ``__init__``)."""
+    line = _MARKDOWN.sub(lambda found: "\\" + found.group(0), _one_line(text))
+    return "\\" + line if _MARKDOWN_LINE_START.match(line) else line
+
+
+_md = markdown_text
+
+
+def markdown_code(text: str) -> str:
+    """``text`` as one Markdown code span, whatever backticks or newlines it holds."""
+    line = _one_line(text)
+    longest = max((len(run) for run in re.findall(r"`+", line)), default=0)
+    fence = "`" * (longest + 1)
+    pad = " " if line.startswith("`") or line.endswith("`") else ""
+    return f"{fence}{pad}{line}{pad}{fence}"
+
+
 # ----------------------------------------------------------------------------- the JSON report
 
 
-def new_report(environment: Mapping[str, Any]) -> dict[str, Any]:
-    """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty."""
+def new_report(environment: Mapping[str, Any], created: str | None = None) -> dict[str, Any]:
+    """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty.
+
+    ``created`` is when the run started; a session passes the time it started, so that
+    every rewrite of its file keeps it.
+    """
     return {
         "schema": SCHEMA,
         "version": VERSION,
-        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "environment": dict(environment),
         "results": [],
         "complete": False,
@@ -133,6 +219,19 @@ def _file_mode(target: Path) -> int:
         return 0o666 & ~umask
 
 
+def property_json(value: Any) -> str:
+    """``value`` as the JSON text of a pytest user property (junit XML shows it as written).
+
+    Non-finite floats are spelled as in the report file ("nan", "inf"), never NaN.
+    """
+    return json.dumps(_finite(value), sort_keys=True, ensure_ascii=False, allow_nan=False)
+
+
+def property_value(value: Any) -> Any:
+    """A user property written by ``property_json``, as data again."""
+    return json.loads(value) if isinstance(value, str) else value
+
+
 def _finite(value: Any) -> Any:
     if isinstance(value, float) and not math.isfinite(value):
         return "nan" if math.isnan(value) else ("inf" if value > 0 else "-inf")
@@ -166,6 +265,20 @@ def load_report(path: Path | str) -> dict[str, Any]:
     if isinstance(version, int) and not isinstance(version, bool) and version > VERSION:
         raise ReportError(path, f"report version {version} is newer than this pytest-gpucase "
                                 f"reads (up to {VERSION}); upgrade pytest-gpucase")
+    check_report(report, path)
+    for result in report["results"]:
+        for key in ("max_abs", "max_rel"):
+            if isinstance(result[key], str):
+                result[key] = _NON_FINITE[result[key]]
+    return report
+
+
+def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> None:
+    """Check a report against the schema; ``ReportError`` says where it breaks it.
+
+    ``load_report`` checks what it reads with it, and the plugin what it is about to write.
+    """
+    version = report.get("version")
     _check_keys(path, report, _TOP_KEYS, "")
     if version != VERSION:
         raise ReportError(path, f"version: {json.dumps(version)} is not a report version "
@@ -182,13 +295,11 @@ def load_report(path: Path | str) -> dict[str, Any]:
     for index, result in enumerate(report["results"]):
         where = f"results[{index}]"
         _check_keys(path, result, _RESULT_KEYS, where)
+        optional = {key: kind for key, kind in _OPTIONAL_RESULT_KEYS.items() if key in result}
+        _check_keys(path, result, optional, where)
         if result["outcome"] not in OUTCOMES:
             raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} is not "
                                     f"one of {', '.join(OUTCOMES)}")
-        for key in ("max_abs", "max_rel"):
-            if isinstance(result[key], str):
-                result[key] = _NON_FINITE[result[key]]
-    return report
 
 
 def _check_keys(path: Path | str, value: Any, spec: Mapping[str, str], where: str) -> None:
@@ -214,9 +325,11 @@ def _is(value: Any, kind: str) -> bool:
     if base == "measure":
         return isinstance(value, (int, float)) or value in _NON_FINITE
     if base == "list of strings":
-        return isinstance(value, list) and all(isinstance(item, str) for item in value)
+        return isinstance(value, (list, tuple)) and all(isinstance(item, str) for item in value)
+    # A tuple is what a report still in memory holds where its file will hold a list.
     types: Mapping[str, type | tuple[type, ...]] = {
-        "string": str, "integer": int, "number": (int, float), "object": dict, "list": list,
+        "string": str, "integer": int, "number": (int, float), "object": dict,
+        "list": (list, tuple),
         "boolean": bool,
     }
     return isinstance(value, types[base])
@@ -286,7 +399,7 @@ def step_summary(report: Mapping[str, Any]) -> str:
             # "failed" is the heading already; an error or a strict xpass says what it is.
             said = [] if result["outcome"] == "failed" else [_REASON_WORDS[result["outcome"]]]
             said += [text] if (text := _reason_text(result)) else []
-            line = f"- `{result['nodeid']}`: {_md(': '.join(said) or 'failed')}"
+            line = f"- {markdown_code(result['nodeid'])}: {_md(': '.join(said) or 'failed')}"
             clue = (result["triage"] or {}).get("clue")
             lines.append(line + (f" (clue: {_md(str(clue))})" if clue else ""))
         if len(failures) > _MAX_FAILURES_LISTED:
@@ -325,12 +438,30 @@ class Column:
 
 
 @dataclass(frozen=True)
+class DeviceCell:
+    """What the runs of one device type did in one cell: its own status and reasons."""
+
+    device: str
+    status: Status                   # "not run" when the column holds no run on this device
+    reasons: tuple[str, ...]         # why its runs did not pass: failure messages, skip reasons
+
+    @property
+    def text(self) -> str:
+        """``cuda: skipped (no CUDA device here)``: the status, with a skip's short reason."""
+        said = f"{self.device}: {_DEVICE_WORDS[self.status]}"
+        if self.status == "skip" and self.reasons:
+            said += f" ({_short(self.reasons[0])})"
+        return said
+
+
+@dataclass(frozen=True)
 class Cell:
     """What one case (or case variant) did in one environment, over its devices and dtypes."""
 
     status: Status
     counts: Mapping[str, int]        # outcome -> number of runs
     reasons: tuple[str, ...]         # why runs did not pass: failure messages, skip reasons
+    devices: tuple[DeviceCell, ...] = ()   # one per device type of the row, in every column
 
 
 @dataclass(frozen=True)
@@ -423,34 +554,65 @@ def _rows(columns: list[dict[str, Mapping[str, Any]]], detail: bool) -> tuple[Ro
     paths: dict[str, set[str]] = {}
     for (path, _), case in keys.items():
         paths.setdefault(case, set()).add(path)
+    devices: dict[tuple[str, str | None], set[str]] = {}
+    for grouped in by_row:
+        for key, results in grouped.items():
+            devices.setdefault(key, set()).update(result["device"] for result in results)
     rows = []
     for key in ordered:
         path, variant = key
         case = keys[key]
         shown = path if len(paths[case]) > 1 else case   # two cases of one name: show paths
         label = f"{shown} ({variant})" if variant is not None else shown
-        cells = tuple(_cell(grouped.get(key, [])) for grouped in by_row)
+        # Every column says every device type of the row, "not run" included: a column that
+        # ran only the CPU must not read as if its CUDA runs had passed.
+        kinds = sorted(devices[key], key=lambda device: (device != "cpu", device))
+        cells = tuple(_cell(grouped.get(key, []), kinds) for grouped in by_row)
         rows.append(Row(label=label, case=case, case_path=path, variant=variant, cells=cells))
     return tuple(rows)
 
 
-def _cell(results: Sequence[Mapping[str, Any]]) -> Cell:
-    counts = Counter(result["outcome"] for result in results)
-    status: Status
-    if any(counts[outcome] for outcome in FAILING):
-        status = "fail"
-    elif counts["xfailed"]:
+def _status(results: Sequence[Mapping[str, Any]]) -> Status:
+    outcomes = {result["outcome"] for result in results}
+    if outcomes & set(FAILING):
+        return "fail"
+    if "xfailed" in outcomes:
         # A known failure that still fails here is what the reader looks for, even next to
-        # runs of the same case that pass (on another device or dtype).
-        status = "xfail"
-    elif counts["passed"]:
-        status = "pass"
-    elif counts["skipped"]:
-        status = "skip"
-    else:
+        # runs of the same case that pass (on another dtype).
+        return "xfail"
+    if "passed" in outcomes:
+        return "pass"
+    return "skip" if "skipped" in outcomes else "not run"
+
+
+def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
+    counts = Counter(result["outcome"] for result in results)
+    on_device = [[r for r in results if r["device"] == device] for device in kinds]
+    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs))
+                    for device, runs in zip(kinds, on_device, strict=True))
+    statuses = {device.status for device in devices}
+    status: Status
+    if not results:
         status = "not run"
+    elif statuses & {"fail", "xfail"}:
+        status = "fail" if "fail" in statuses else "xfail"
+    elif statuses == {"pass"}:
+        status = "pass"
+    elif "pass" in statuses:
+        status = "partial"   # never "pass" for a device type whose runs did not happen
+    else:
+        status = "skip"
     ordered = {outcome: n for outcome in OUTCOMES if (n := counts[outcome])}
-    return Cell(status=status, counts=ordered, reasons=_reasons(results))
+    reasons = tuple(dict.fromkeys(r for device in devices for r in device.reasons))
+    return Cell(status=status, counts=ordered, reasons=reasons, devices=devices)
+
+
+def _short(reason: str) -> str:
+    """The first clause of a skip reason, for the cell: its note holds the whole of it."""
+    text = reason.removeprefix("skipped: ")
+    for stop in (": ", "; ", " ("):
+        text = text.split(stop, 1)[0]
+    return text if len(text) <= _SHORT_REASON else text[:_SHORT_REASON - 1] + "…"
 
 
 def _reasons(results: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
@@ -581,31 +743,32 @@ def _footnotes(matrix: Matrix) -> dict[str, int]:
     return numbers
 
 
-def _md(text: str) -> str:
-    """Text as literal Markdown on one line (error messages hold ``*``, ``|``, ``__init__``)."""
-    # An underscore inside a word (sm_80, ce_class4) cannot start emphasis in GitHub Markdown.
-    return re.sub(r"[\\`*\[\]<|]|(?<![0-9A-Za-z])_|_(?![0-9A-Za-z])",
-                  lambda found: "\\" + found.group(0), " ".join(text.split()))
-
-
 def _counts_text(cell: Cell) -> str:
     return ", ".join(f"{n} {outcome}" for outcome, n in cell.counts.items()) or "no runs"
+
+
+def _md_cell(cell: Cell, numbers: Mapping[str, int]) -> str:
+    """``✅ cpu: pass · ⏭️ cuda: skipped (no CUDA device here)[^2]``: one part per device type."""
+    # Stacked notes are separated ([^1],[^2]): run together they would read as note 12.
+    return " · ".join(
+        f"{_MARKDOWN_SYMBOLS[device.status]} {_md(device.text)}"
+        + ",".join(f"[^{numbers[reason]}]" for reason in device.reasons)
+        for device in cell.devices)
 
 
 def render_markdown(matrix: Matrix) -> str:
     """The matrix as a GitHub Markdown table, with reasons as footnotes."""
     numbers = _footnotes(matrix)
     head = ["case (variant)" if matrix.detail else "case"]
-    head += [_md(c.label) + ("" if c.complete else " (incomplete run)") for c in matrix.columns]
+    # The whole environment is said in the header, not only what tells the columns apart.
+    head += [f"**{_md(c.label)}**" + ("" if c.complete else " (incomplete run)")
+             + f"<br>{_md(c.description)}" for c in matrix.columns]
     lines = ["| " + " | ".join(head) + " |",
              "| :--- |" + " :---: |" * len(matrix.columns)]
     for row in matrix.rows:
-        cells = [_md(row.label)]
-        for cell in row.cells:
-            notes = "".join(f"[^{numbers[reason]}]" for reason in cell.reasons)
-            cells.append(f"{_MARKDOWN_SYMBOLS[cell.status]} {cell.status}{notes}")
+        cells = [_md(row.label)] + [_md_cell(cell, numbers) for cell in row.cells]
         lines.append("| " + " | ".join(cells) + " |")
-    lines += ["", " · ".join(f"{_MARKDOWN_SYMBOLS[s]} {s}: {STATUS_MEANINGS[s]}"
+    lines += ["", " · ".join(f"{_MARKDOWN_SYMBOLS[s]} {_DEVICE_WORDS[s]}: {STATUS_MEANINGS[s]}"
                              for s in STATUSES)]
     if matrix.notes:
         lines += [""] + [f"Note: {_md(note)}" for note in matrix.notes]
@@ -627,11 +790,14 @@ def render_json(matrix: Matrix) -> str:
         "rows": [{"label": r.label, "case": r.case, "case_path": r.case_path,
                   "variant": r.variant,
                   "cells": [{"status": cell.status, "counts": dict(cell.counts),
-                             "reasons": list(cell.reasons)} for cell in r.cells]}
+                             "reasons": list(cell.reasons),
+                             "devices": [{"device": d.device, "status": d.status,
+                                          "reasons": list(d.reasons)} for d in cell.devices]}
+                            for cell in r.cells]}
                  for r in matrix.rows],
         "notes": list(matrix.notes),
     }
-    return json.dumps(data, indent=2, ensure_ascii=False) + "\n"
+    return json.dumps(_finite(data), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
 
 
 _CSS = """
@@ -644,18 +810,25 @@ h2 { font-size: 1.15rem; margin: 2rem 0 .5rem; }
 table { border-collapse: collapse; margin: 1rem 0; }
 caption { text-align: left; font-weight: 600; padding-bottom: .5rem; }
 th, td { border: 1px solid #d0d7de; padding: .4rem .7rem; }
-thead th { background: #f6f8fa; vertical-align: bottom; max-width: 16rem; font-size: .9rem; }
+thead th { background: #f6f8fa; vertical-align: bottom; min-width: 12rem; max-width: 20rem;
+  font-size: .9rem; }
+thead th .env { display: block; font-weight: 400; font-size: .8rem; color: #424a53;
+  margin-top: .2rem; }
 tbody th { text-align: left; font-weight: 600; font-family: ui-monospace, "DejaVu Sans Mono",
   monospace; font-size: .9rem; white-space: nowrap; }
-td { text-align: center; white-space: nowrap; }
-.status { font-weight: 600; }
+td { text-align: left; white-space: nowrap; }
+.device { display: block; font-weight: 600; }
+.d-pass { color: #116329; } .d-fail { color: #a40e26; } .d-xfail { color: #7d4e00; }
+.d-skip { color: #424a53; } .d-not-run { color: #59636e; font-weight: 400; }
 .pass { background: #dafbe1; color: #116329; }
 .fail { background: #ffebe9; color: #a40e26; }
 .xfail { background: #fff8c5; color: #7d4e00; }
 .skip { background: #eef1f4; color: #424a53; }
 .not-run { background: #fff; color: #59636e; }
+.partial { background: #f1f8ff; color: #0a3069; }
 .incomplete { display: block; font-weight: 400; color: #7d4e00; }
-sup a { color: inherit; text-decoration: underline; font-size: .75rem; }
+sup { font-size: .75rem; margin-left: .1rem; }
+sup a { color: inherit; text-decoration: underline; }
 dl.legend { display: grid; grid-template-columns: max-content 1fr; gap: .3rem 1rem; }
 dl.legend dt { padding: .1rem .5rem; border-radius: .25rem; text-align: center; }
 dl.legend dd { margin: 0; }
@@ -666,8 +839,17 @@ dl.environments dd { margin-left: 1.5rem; }
 """
 
 
+def _html_notes(reasons: Sequence[str], numbers: Mapping[str, int]) -> str:
+    """One superscript for all the notes of a device: ``¹,²``, never ``12``."""
+    if not reasons:
+        return ""
+    links = ",".join(f'<a href="#reason-{numbers[r]}" aria-label="note {numbers[r]}">'
+                     f"{numbers[r]}</a>" for r in reasons)
+    return f"<sup>{links}</sup>"
+
+
 def render_html(matrix: Matrix) -> str:
-    """The matrix as one self-contained HTML page: inline CSS, reasons on hover and listed below."""
+    """The matrix as one self-contained HTML page: inline CSS, reasons listed below the table."""
     esc = html.escape
     numbers = _footnotes(matrix)
     cases = len({row.case_path for row in matrix.rows})
@@ -678,9 +860,9 @@ def render_html(matrix: Matrix) -> str:
         f"<title>{title}</title>", f"<style>{_CSS}</style>", "</head>", "<body>", "<main>",
         f"<h1>{title}</h1>",
         (f"<p>{cases} {'case' if cases == 1 else 'cases'} in {len(matrix.columns)} "
-         f"{'environment' if len(matrix.columns) == 1 else 'environments'}. A cell sums up "
-         "the runs of a case over its devices and dtypes; hover over it, or follow its note, "
-         "to see why a run did not pass.</p>"),
+         f"{'environment' if len(matrix.columns) == 1 else 'environments'}. A cell says what "
+         "the runs of a case did on each device type, over its dtypes; a pass on the CPU says "
+         "nothing of CUDA. Follow a note to see why a run did not pass.</p>"),
         '<div class="scroll" role="region" aria-labelledby="matrix-caption" tabindex="0">',
         "<table>", '<caption id="matrix-caption">Cases (rows) by environment (columns)</caption>',
         "<thead>", "<tr>",
@@ -688,26 +870,27 @@ def render_html(matrix: Matrix) -> str:
     ]
     for column in matrix.columns:
         sources = ", ".join(column.sources)
-        hover = f"{column.description}\nfrom {sources}"
         flag = "" if column.complete else '<span class="incomplete">(incomplete run)</span>'
-        out.append(f'<th scope="col" title="{esc(hover)}">{esc(column.label)}{flag}</th>')
+        out.append(f'<th scope="col" title="from {esc(sources)}">{esc(column.label)}{flag}'
+                   f'<span class="env">{esc(column.description)}</span></th>')
     out += ["</tr>", "</thead>", "<tbody>"]
     for row in matrix.rows:
         out.append(f'<tr><th scope="row" title="{esc(row.case_path)}">{esc(row.label)}</th>')
         for column, cell in zip(matrix.columns, row.cells, strict=True):
             hover = "\n".join([f"{row.label} on {column.label}: {cell.status}",
                                _counts_text(cell), *cell.reasons])
-            refs = "".join(
-                f'<sup><a href="#reason-{numbers[r]}" aria-label="note {numbers[r]}">'
-                f"{numbers[r]}</a></sup>" for r in cell.reasons)
             css = cell.status.replace(" ", "-")
-            out.append(f'<td class="{css}" title="{esc(hover)}"><span class="status">'
-                       f"{_HTML_SYMBOLS[cell.status]} {cell.status}</span>{refs}</td>")
+            body = "".join(
+                f'<span class="device d-{device.status.replace(" ", "-")}">'
+                f"{_HTML_SYMBOLS[device.status]} {esc(device.text)}"
+                f"{_html_notes(device.reasons, numbers)}</span>" for device in cell.devices)
+            out.append(f'<td class="{css}" title="{esc(hover)}">{body}</td>')
         out.append("</tr>")
     out += ["</tbody>", "</table>", "</div>", "<h2>Legend</h2>", '<dl class="legend">']
-    for status in STATUSES:
-        out.append(f'<dt class="{status.replace(" ", "-")}">{_HTML_SYMBOLS[status]} {status}</dt>'
-                   f"<dd>{esc(STATUS_MEANINGS[status])}</dd>")
+    for status in (*STATUSES, "partial"):
+        out.append(f'<dt class="{status.replace(" ", "-")}">{_HTML_SYMBOLS[status]} '
+                   f"{_DEVICE_WORDS[status]}</dt><dd>{esc(STATUS_MEANINGS[status])}"
+                   f"{' (the colour of a cell)' if status == 'partial' else ''}</dd>")
     out.append("</dl>")
     if numbers:
         out += ["<h2>Why runs did not pass</h2>", '<ol class="reasons">']

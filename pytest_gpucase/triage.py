@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["Triage", "assertion_line", "triage"]
+__all__ = ["SCANNED", "Triage", "assertion_line", "bounded", "triage"]
 
 _RESTART = (
     "the process must be restarted before any reproduction: the device context is unusable "
@@ -117,7 +117,8 @@ _RULES: tuple[_Rule, ...] = (
             r"cuda runtime error \(59\)",
             r"\b(cuda|hip)ErrorAssert\b",
         ),
-        stderr_patterns=(r"Assertion `[^`]*` failed", r"Device-side assertion `[^']*' failed"),
+        stderr_patterns=(r"Assertion `[^`]{0,1024}` failed",
+                         r"Device-side assertion `[^']{0,1024}' failed"),
         asynchronous=True,
         sticky=True,
         notes=(_CPU_HINT,),
@@ -269,21 +270,21 @@ _RULES: tuple[_Rule, ...] = (
             r"Expected object of device type \w+ but got device type \w+",
             r"is on (CPU|GPU), but expected (it|them) to be on (CPU|GPU)",
             r"indices should be either on cpu or on the same device as the indexed tensor",
-            r"Tensor on device \S+ is not on the expected device \S+",
+            r"Tensor on device \S{1,256} is not on the expected device \S{1,256}",
             r"Input type \(torch\.\w+\) and weight type \(torch\.cuda\.\w+\)",
             r"Input type \(torch\.cuda\.\w+\) and weight type \(torch\.\w+\)",
             r"Placeholder storage has not been allocated on MPS device",
-            r"Unhandled FakeTensor Device Propagation for \S+, found two different devices",
+            r"Unhandled FakeTensor Device Propagation for \S{1,256}, found two different devices",
         ),
         details=(
             (
-                r"found at least two devices, (?P<a>[\w:]+) and (?P<b>[\w:]+)",
+                r"found at least two devices, (?P<a>[\w:]{1,64}) and (?P<b>[\w:]{1,64})",
                 "devices involved: {a} and {b}",
             ),
             (
                 (
-                    r"but got (?P<arg>\w+) is on (?P<a>[\w:]+), different from other tensors on "
-                    r"(?P<b>[\w:]+)"
+                    r"but got (?P<arg>\w{1,256}) is on (?P<a>[\w:]{1,64}), different from other "
+                    r"tensors on (?P<b>[\w:]{1,64})"
                 ),
                 "argument {arg} is on {a}; the other tensors are on {b}",
             ),
@@ -301,18 +302,21 @@ _RULES: tuple[_Rule, ...] = (
             "dtype lacks the kernel, and fix that one."
         ),
         patterns=(
-            r"Could not run '[^']+' with arguments from the '[^']+' backend",
+            r"Could not run '[^']{1,512}' with arguments from the '[^']{1,512}' backend",
             r"is not currently implemented for the MPS device",
-            r"operator \S+ does not exist",
+            r"operator \S{1,512} does not exist",
             r"No operator found for `\w+`",
         ),
         details=(
             (
-                r"Could not run '(?P<op>[^']+)' with arguments from the '(?P<key>[^']+)' backend",
+                (
+                    r"Could not run '(?P<op>[^']{1,512})' with arguments from the "
+                    r"'(?P<key>[^']{1,512})' backend"
+                ),
                 "{op} has no kernel for the {key} dispatch key in this build",
             ),
             (
-                r"operator (?P<op>\S+) does not exist",
+                r"operator (?P<op>\S{1,512}) does not exist",
                 (
                     "{op} is not registered: the extension that defines it did not load or was "
                     "built for another torch version"
@@ -360,7 +364,10 @@ _RULES: tuple[_Rule, ...] = (
             r"expected scalar type \w+ but found \w+",
             r"expected (m1|mat1) and (m2|mat2) to have the same dtype",
             r"mat1 and mat2 must have the same dtype",
-            r"Input type \([^)]*\) and (weight|bias) type \([^)]*\) should be the same",
+            (
+                r"Input type \([^)]{0,256}\) and (weight|bias) type \([^)]{0,256}\) should be "
+                r"the same"
+            ),
             r"expected target dtype to be Long",
             r"Expected tensor for argument #\d+ '\w+' to have (one of the following )?scalar type",
         ),
@@ -452,7 +459,7 @@ _RULES: tuple[_Rule, ...] = (
             r"returned nan values in its \w+ output",
             r"is non-finite, so it cannot be clipped",
             r"probability tensor contains either `inf`, `nan` or element < 0",
-            r"to satisfy the constraint .*, but found invalid values",
+            r"to satisfy the constraint .{0,1024}, but found invalid values",
         ),
         details=(
             (
@@ -463,7 +470,9 @@ _RULES: tuple[_Rule, ...] = (
     ),
 )
 
-_ASSERTION = re.compile(r"Assertion `[^`]*` failed|Device-side assertion `[^']*' failed")
+_ASSERTION = re.compile(
+    r"Assertion `[^`]{0,1024}` failed|Device-side assertion `[^']{0,1024}' failed"
+)
 
 # What a kernel's assertion condition means, in the user's words.
 _ASSERTION_MEANINGS: tuple[tuple[str, str], ...] = (
@@ -563,9 +572,23 @@ _COMPILED_MEANINGS = tuple((re.compile(p), text) for p, text in _ASSERTION_MEANI
 _COMPILED_MARKERS = tuple((name, re.compile("|".join(ps))) for name, ps in _BACKEND_MARKERS)
 
 
+# A child may print megabytes; its error is at the start or the end of what it printed. Only
+# that much is read, and every pattern above has bounded repeats next to its literals, so
+# that triage costs time linear in a bounded text, whatever the child wrote.
+SCANNED = 64 * 1024
+
+
+def bounded(text: str, limit: int = SCANNED) -> str:
+    """``text`` if it is short, else its first and last ``limit`` characters around a mark."""
+    if len(text) <= 2 * limit:
+        return text
+    return f"{text[:limit]}\n[... {len(text) - 2 * limit} characters not read ...]\n" \
+           f"{text[-limit:]}"
+
+
 def assertion_line(stderr: str) -> str | None:
     """Return the first kernel assertion line in captured stderr, or None when there is none."""
-    for line in stderr.splitlines():
+    for line in bounded(stderr).splitlines():
         if _ASSERTION.search(line):
             return line.strip()
     return None
@@ -574,6 +597,7 @@ def assertion_line(stderr: str) -> str | None:
 def triage(error_type: str, message: str, stderr: str = "") -> Triage | None:
     """Return the triage for a failure's exception type, message and stderr, or None."""
     short_type = error_type.rsplit(".", 1)[-1]
+    message, stderr = bounded(message), bounded(stderr)
     found = _match(short_type, message, stderr)
     if found is None:
         return None

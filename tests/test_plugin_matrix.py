@@ -183,3 +183,129 @@ def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) 
     result.stdout.fnmatch_lines(["*gpucase ablation*", "*float32*passes*"])
     [record] = load_report(path)["results"]
     assert record["ablation"]["rows"]
+
+
+def test_broken_case_is_in_the_json_report_and_the_step_summary(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .test_plugin import write_case
+
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    write_case(pytester.path, "typo", 'format = 1\ncalll = "case.py:run"\n')
+    summary = pytester.path / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    report = run_with_report(pytester, "--gpu-devices", "cpu")
+    by_case = {r["case"]: r for r in report["results"]}
+    assert set(by_case) == {"good", "typo"}
+    broken = by_case["typo"]
+    assert (broken["nodeid"], broken["case_path"], broken["outcome"], broken["error_type"]) == (
+        "cases/typo::typo", "cases/typo", "failed", "CaseFormatError")
+    assert broken["message"] == "cases/typo/case.toml: calll: unknown key; did you mean 'call'?"
+    assert "`cases/typo::typo`: cases/typo/case.toml: calll: unknown key" in summary.read_text()
+
+
+def test_junit_properties_are_json(pytester: pytest.Pytester) -> None:
+    import xml.etree.ElementTree as ElementTree
+
+    make_three_cases(pytester.path)
+    junit = pytester.path / "junit.xml"
+    pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                  f"--junitxml={junit}", "cases")
+    properties = {(case.get("name"), prop.get("name")): prop.get("value")
+                  for case in ElementTree.parse(junit).iter("testcase")
+                  for prop in case.iter("property")}
+    spec = properties[("ok[cpu-float32]", "gpucase")]
+    assert json.loads(spec) == {"case": "ok", "case_path": "cases/ok", "device": "cpu",
+                                "dtype": "float32", "launch_blocking": False, "variant": None}
+    assert spec == json.dumps(json.loads(spec), sort_keys=True)   # keys sorted, plain JSON
+    verdict = json.loads(properties[("fixed[cpu-float32]", "gpucase_result")])
+    assert verdict["message"].startswith("expected ValueError matching 'out of range'")
+    for value in properties.values():
+        json.loads(value, parse_constant=lambda name: pytest.fail(f"{name} is not JSON"))
+
+
+def test_report_keeps_the_time_the_session_started(pytester: pytest.Pytester) -> None:
+    from pytest_gpucase.environment import Environment
+    from pytest_gpucase.plugin import session_key
+
+    path = pytester.path / "report.json"
+    config = pytester.parseconfigure("--gpu-cases", "--gpu-cases-report", str(path))
+    state = config.stash[session_key]
+    state._env = Environment(backend="cpu", device_types=("cpu",), devices=(), torch=None,
+                             cuda=None, hip=None, cudnn=None, python="3.11.9",
+                             platform="Linux-x86_64", packages={}, revision=None)
+    started = state.created
+    assert started.endswith("+00:00")
+    state.created = "2026-12-02T16:00:00+00:00"   # as if the session had started then
+    state.write_report(complete=False)
+    state.write_report(complete=True)
+    assert load_report(path)["created"] == "2026-12-02T16:00:00+00:00"
+
+
+def _marker_case(root: Path, name: str, body: str) -> None:
+    from .test_plugin import write_case
+
+    write_case(root, name, 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
+               '[matrix]\ndevices = ["cpu"]\n', body)
+
+
+def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pytester) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    for name in ("a1", "a2", "a3", "a4"):
+        ce_case(pytester.path, name, [0, 2, 4], RAISES)
+    started = pytester.path / "slow-started"
+    _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
+                 f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
+    path = pytester.path / "report.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
+         "--gpu-cases", "--gpu-devices", "cpu", "--gpu-cases-report", str(path), "cases"],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
+        while not started.exists():
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the slow case never started"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    assert process.returncode == pytest.ExitCode.INTERRUPTED, output
+    report = load_report(path)
+    assert report["complete"] is False
+    assert sorted(r["nodeid"] for r in report["results"]) == [
+        f"cases/{name}::{name}[cpu-float32]" for name in ("a1", "a2", "a3", "a4")]
+    assert {r["outcome"] for r in report["results"]} == {"passed"}
+
+
+def test_an_item_lost_with_a_crashed_xdist_worker_is_recorded(pytester: pytest.Pytester) -> None:
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    # The child kills its parent, the xdist worker, as an out-of-memory killer would.
+    _marker_case(pytester.path, "killer", "import os, signal\n\ndef run():\n"
+                 "    os.kill(os.getppid(), signal.SIGKILL)\n")
+    report = run_with_report(pytester, "-p", "no:benchmark", "--gpu-devices", "cpu", "-n", "1")
+    by_id = {r["nodeid"]: r for r in report["results"]}
+    assert by_id["cases/good::good[cpu-float32]"]["outcome"] == "passed"
+    lost = by_id["cases/killer::killer[cpu-float32]"]
+    assert (lost["case"], lost["case_path"], lost["device"], lost["dtype"], lost["outcome"],
+            lost["error_type"]) == ("killer", "cases/killer", "cpu", "float32", "failed",
+                                    "WorkerCrash")
+    assert "crashed while running 'cases/killer::killer[cpu-float32]'" in lost["message"]
+
+
+def test_child_text_cannot_drive_the_terminal(pytester: pytest.Pytester) -> None:
+    _marker_case(pytester.path, "loud", "import os\n\ndef run():\n"
+                 "    print('\\x1b]0;pwned\\x07\\x1b[2Jcleared\\x1b[31m red')\n"
+                 "    os.write(2, b'bell\\x07 \\x1b[1A up\\n')\n"
+                 "    raise RuntimeError('boom \\x1b[5m blink \\x00 nul')\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(failed=1)
+    text = result.stdout.str()
+    assert "\x1b" not in text and "\x07" not in text and "\x00" not in text
+    result.stdout.fnmatch_lines_random(["cleared red", "bell\\x07  up", "*boom  blink \\x00 nul*"])

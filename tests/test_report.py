@@ -24,6 +24,9 @@ from pytest_gpucase.report import (
     ReportError,
     append_step_summary,
     build_matrix,
+    check_report,
+    markdown_code,
+    markdown_text,
     describe_environment,
     load_report,
     new_report,
@@ -32,18 +35,25 @@ from pytest_gpucase.report import (
     render_markdown,
     short_names,
     step_summary,
+    terminal_safe,
     write_report,
 )
 
 A100_LABEL = "torch 2.3.1 · cu121 · flash-attn 2.5.8 · sm_80"
 H100_LABEL = "torch 2.4.0 · cu124 · flash-attn 2.6.3 · sm_90"
+A100_ENV = ("cuda backend · torch 2.3.1+cu121 · CUDA 12.1 · cuDNN 9.1.0 · Python 3.11.9 · "
+            "1 × NVIDIA A100-SXM4-80GB (8.0) · rev 3f2c1ab · flash-attn 2.5.8")
+H100_ENV = ("cuda backend · torch 2.4.0+cu124 · CUDA 12.4 · cuDNN 9.1.0 · Python 3.11.9 · "
+            "1 × NVIDIA H100 80GB HBM3 (9.0) · rev 3f2c1ab · flash-attn 2.6.3")
+# Each column names its whole environment in visible text, not only what tells it apart.
+HEAD = f"**{A100_LABEL}**<br>{A100_ENV} | **{H100_LABEL}**<br>{H100_ENV} |"
 ASSERT = "CUDA error: device-side assert triggered"
 LEGEND = (
-    "✅ pass: every run that ran passed · "
+    "✅ pass: every run on this device type ran and passed · "
     "❌ fail: a run failed, errored, or passed although marked as a known failure · "
     "⚠️ xfail: a known failure (xfail in case.toml) still fails here · "
-    "⏭️ skip: every run was skipped; the note says why · "
-    "— not run: no report holds a run of this case here"
+    "⏭️ skipped: every run on this device type was skipped; the note says why · "
+    "— not run: no report holds a run of this case on this device type here"
 )
 
 
@@ -259,9 +269,7 @@ def test_load_report_ignores_keys_it_does_not_know(tmp_path: Path) -> None:
 def test_columns_are_labelled_by_what_differs(two_runners: list[Path]) -> None:
     matrix = build_matrix([load_report(p) for p in two_runners], detail=False)
     assert [c.label for c in matrix.columns] == [A100_LABEL, H100_LABEL]
-    assert matrix.columns[0].description == (
-        "cuda backend · torch 2.3.1+cu121 · CUDA 12.1 · cuDNN 9.1.0 · Python 3.11.9 · "
-        "1 × NVIDIA A100-SXM4-80GB (8.0) · rev 3f2c1ab · flash-attn 2.5.8")
+    assert matrix.columns[0].description == A100_ENV
     assert [c.complete for c in matrix.columns] == [True, True]
 
 
@@ -312,12 +320,12 @@ def test_markdown_table_cells_and_footnotes(two_runners: list[Path]) -> None:
     matrix = build_matrix([load_report(p) for p in two_runners], detail=False,
                           names=short_names(two_runners))
     assert render_markdown(matrix) == "\n".join([
-        f"| case | {A100_LABEL} | {H100_LABEL} |",
+        f"| case | {HEAD}",
         "| :--- | :---: | :---: |",
-        "| ce_class4 | ✅ pass | ❌ fail[^1] |",
-        "| flash_attn_mask | ⏭️ skip[^2] | ✅ pass |",
-        "| label_map | ⚠️ xfail[^3] | ⚠️ xfail[^3] |",
-        "| oom_case | — not run | ❌ fail[^4] |",
+        "| ce_class4 | ✅ cpu: pass · ✅ cuda: pass | ✅ cpu: pass · ❌ cuda: fail[^1] |",
+        "| flash_attn_mask | ⏭️ cuda: skipped (requires flash-attn>=2.6)[^2] | ✅ cuda: pass |",
+        "| label_map | ⚠️ cpu: xfail[^3] | ⚠️ cpu: xfail[^3] |",
+        "| oom_case | — cuda: not run | ❌ cuda: fail[^4] |",
         "",
         LEGEND,
         "",
@@ -333,13 +341,13 @@ def test_detail_mode_has_a_row_per_variant(two_runners: list[Path]) -> None:
     matrix = build_matrix([load_report(p) for p in two_runners], detail=True)
     text = render_markdown(matrix)
     assert text.splitlines()[:8] == [
-        f"| case (variant) | {A100_LABEL} | {H100_LABEL} |",
+        f"| case (variant) | {HEAD}",
         "| :--- | :---: | :---: |",
-        "| ce_class4 | ✅ pass | ❌ fail[^1] |",
-        "| ce_class4 (batch=1) | ✅ pass | ❌ fail[^2] |",
-        "| flash_attn_mask | ⏭️ skip[^3] | ✅ pass |",
-        "| label_map | ⚠️ xfail[^4] | ⚠️ xfail[^4] |",
-        "| oom_case | — not run | ❌ fail[^5] |",
+        "| ce_class4 | ✅ cpu: pass · ✅ cuda: pass | ✅ cpu: pass · ❌ cuda: fail[^1] |",
+        "| ce_class4 (batch=1) | ✅ cuda: pass | ❌ cuda: fail[^2] |",
+        "| flash_attn_mask | ⏭️ cuda: skipped (requires flash-attn>=2.6)[^3] | ✅ cuda: pass |",
+        "| label_map | ⚠️ cpu: xfail[^4] | ⚠️ cpu: xfail[^4] |",
+        "| oom_case | — cuda: not run | ❌ cuda: fail[^5] |",
         "",
     ]
     # In the row of the case as saved, one of two CUDA runs failed; in the variant's row, all did.
@@ -368,10 +376,68 @@ def test_cells_say_xfail_and_incomplete_distinctly(tmp_path: Path) -> None:
     ], complete=False)
     matrix = build_matrix([load_report(path)], detail=False)
     assert [(row.label, row.cells[0].status, row.cells[0].reasons) for row in matrix.rows] == [
-        ("label_map", "xfail", ("all cpu runs: xfail: known",)),
+        ("label_map", "xfail", ("xfail: known",)),
         ("strict", "fail", ("passed although marked xfail (strict): outputs match",)),
     ]
-    assert render_markdown(matrix).splitlines()[0] == "| case | report 1 (incomplete run) |"
+    assert render_markdown(matrix).startswith("| case | **report 1** (incomplete run)<br>cuda ")
+
+
+CPU_ONLY = environment("2.3.1", None, "2.5.8", "", "", backend="cpu", device_types=("cpu",),
+                       devices=(), cudnn=None)
+NO_CUDA = "no CUDA device here (cpu backend): the CPU pass of this case is a hint"
+
+
+def test_a_cpu_pass_never_reads_as_a_cuda_pass(tmp_path: Path) -> None:
+    cpu_runner = report_file(tmp_path / "cpu.json", CPU_ONLY, [
+        result("ce_class4", "cpu", "float32", "passed"),
+        result("ce_class4", "cuda", "float32", "skipped", skip_reason=NO_CUDA),
+        result("cpu_only", "cpu", "float32", "passed"),
+    ])
+    gpu_runner = report_file(tmp_path / "gpu.json", A100, [
+        result("ce_class4", "cuda", "float32", "passed"),
+        result("cpu_only", "cpu", "float32", "passed"),
+    ])
+    matrix = build_matrix([load_report(cpu_runner), load_report(gpu_runner)], detail=False,
+                          names=["cpu.json", "gpu.json"])
+    ce_class4, cpu_only = matrix.rows
+    assert [cell.status for cell in ce_class4.cells] == ["partial", "partial"]
+    assert [[d.text for d in cell.devices] for cell in ce_class4.cells] == [
+        ["cpu: pass", "cuda: skipped (no CUDA device here)"], ["cpu: not run", "cuda: pass"]]
+    # A case that runs only on the CPU passes on the CPU, and says so.
+    assert [cell.status for cell in cpu_only.cells] == ["pass", "pass"]
+    lines = render_markdown(matrix).splitlines()
+    assert lines[2] == ("| ce_class4 | ✅ cpu: pass · ⏭️ cuda: skipped (no CUDA device here)[^1] | "
+                        "— cpu: not run · ✅ cuda: pass |")
+    assert lines[3] == "| cpu_only | ✅ cpu: pass | ✅ cpu: pass |"
+    assert f"[^1]: skipped: {NO_CUDA}" in lines
+    assert lines[0].startswith("| case | **cpu**<br>cpu backend · torch 2.3.1 · Python 3.11.9 · ")
+    data = json.loads(render_json(matrix))
+    assert data["rows"][0]["cells"][0]["devices"] == [
+        {"device": "cpu", "status": "pass", "reasons": []},
+        {"device": "cuda", "status": "skip", "reasons": [f"skipped: {NO_CUDA}"]}]
+    html_text = render_html(matrix)
+    assert "✓ cpu: pass" in html_text and "↷ cuda: skipped (no CUDA device here)" in html_text
+    assert '<td class="partial"' in html_text
+
+
+def stacked(tmp_path: Path) -> list[dict[str, Any]]:
+    """Loaded reports whose cuda runs fail for two reasons in one cell."""
+    path = report_file(tmp_path / "r.json", A100, [
+        result("ce_class4", "cuda", "float32", "failed", message=ASSERT),
+        result("ce_class4", "cuda", "bfloat16", "skipped", skip_reason="bfloat16 not on sm_70"),
+        result("ce_class4", "cpu", "float32", "failed", message="values differ"),
+        result("ce_class4", "cpu", "bfloat16", "failed", message="values differ"),
+    ])
+    return [load_report(path)]
+
+
+def test_stacked_notes_are_told_apart(tmp_path: Path) -> None:
+    matrix = build_matrix(stacked(tmp_path), detail=False)
+    assert render_markdown(matrix).splitlines()[2] == (
+        "| ce_class4 | ❌ cpu: fail[^1] · ❌ cuda: fail[^2],[^3] |")
+    page = render_html(matrix)
+    assert ('<sup><a href="#reason-2" aria-label="note 2">2</a>,'
+            '<a href="#reason-3" aria-label="note 3">3</a></sup>') in page
 
 
 def test_json_render(two_runners: list[Path]) -> None:
@@ -386,12 +452,19 @@ def test_json_render(two_runners: list[Path]) -> None:
         "label": "ce_class4", "case": "ce_class4", "case_path": "cases/ce_class4",
         "variant": None,
         "cells": [
-            {"status": "pass", "counts": {"passed": 3}, "reasons": []},
+            {"status": "pass", "counts": {"passed": 3}, "reasons": [],
+             "devices": [{"device": "cpu", "status": "pass", "reasons": []},
+                         {"device": "cuda", "status": "pass", "reasons": []}]},
             {"status": "fail", "counts": {"passed": 2, "failed": 2},
-             "reasons": [f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"]},
+             "reasons": [f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"],
+             "devices": [{"device": "cpu", "status": "pass", "reasons": []},
+                         {"device": "cuda", "status": "fail",
+                          "reasons": [f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"]}]},
         ],
     }
-    assert data["rows"][3]["cells"][0] == {"status": "not run", "counts": {}, "reasons": []}
+    assert data["rows"][3]["cells"][0] == {
+        "status": "not run", "counts": {}, "reasons": [],
+        "devices": [{"device": "cuda", "status": "not run", "reasons": []}]}
     assert data["notes"] == []
 
 
@@ -449,6 +522,78 @@ def test_append_step_summary_appends_to_githubs_file(
     assert (tmp_path / "new.md").read_text(encoding="utf-8") == STEP_SUMMARY
 
 
+FORGED = "x]\n\n## All 500 cases passed\n\n<img src=x onerror=alert(1)> `| cell |`"
+
+
+def test_step_summary_cannot_be_forged_by_a_node_id_or_message(tmp_path: Path) -> None:
+    hostile = result("ce", "cpu", "float32", "failed", nodeid=f"cases/ce::ce[{FORGED}]",
+                     message=f"# heading\n{FORGED}\x1b[2J",
+                     triage={"clue": "- [ ] task\n> quote"})
+    path = report_file(tmp_path / "r.json", A100, [hostile])
+    text = step_summary(load_report(path))
+    lines = text.splitlines()
+    # Our heading is the only line that starts a block; the forged one is inert text.
+    assert [line for line in lines if line.startswith(("#", ">", "<", "|", "-"))] == [
+        lines[0], lines[6]]
+    assert lines[0] == "### pytest-gpucase: ❌ 1 failed"
+    item = lines[6]
+    assert item.startswith("- ``cases/ce::ce[x] ## All 500 cases passed "
+                           "<img src=x onerror=alert(1)> `| cell |`]``: ")
+    assert "\\# heading x\\] \\#\\# All 500 cases passed \\<img src=x" in item
+    assert "\\x1b" not in item and "\x1b" not in item
+    assert item.endswith("(clue: \\- \\[ \\] task > quote)")
+
+
+@pytest.mark.parametrize(("text", "markdown"), [
+    ("## All 500 cases passed", r"\#\# All 500 cases passed"),
+    ("a\nb\r\n\tc", "a b c"),
+    ("> quote", r"\> quote"),
+    ("- item", r"\- item"),
+    ("1. first", r"\1. first"),
+    ("x | y `z` <b>&amp;</b> ~~no~~ *a* _b_ sm_80", r"x \| y \`z\` \<b>\&amp;\</b> \~\~no\~\~ "
+     r"\*a\* \_b\_ sm_80"),
+])
+def test_markdown_text_is_literal_on_one_line(text: str, markdown: str) -> None:
+    assert markdown_text(text) == markdown
+
+
+@pytest.mark.parametrize(("text", "code"), [
+    ("cases/a::a[cpu-float32]", "`cases/a::a[cpu-float32]`"),
+    ("a`b", "``a`b``"),
+    ("`a``\nb`", "``` `a`` b` ```"),
+])
+def test_markdown_code_fences_any_backticks(text: str, code: str) -> None:
+    assert markdown_code(text) == code
+
+
+@pytest.mark.parametrize(("text", "safe"), [
+    ("\x1b[31mred\x1b[0m plain", "red plain"),
+    ("title\x1b]0;pwned\x07 after", "title after"),
+    ("link \x1b]8;;http://x\x1b\\text\x1b]8;;\x1b\\", "link text"),
+    ("bell\x07 nul\x00 del\x7f csi\x9b", "bell\\x07 nul\\x00 del\\x7f csi\\x9b"),
+    ("50%\r100%\r\n", "50%\n100%\n"),
+    ("tab\tand\nnewline", "tab\tand\nnewline"),
+    ("evil\u202efdp.exe", "evil\\u202efdp.exe"),
+    ("lone \x1b escape", "lone \\x1b escape"),
+    ("\x1b[" + "1;" * 100 + "m", "\\x1b[" + "1;" * 100 + "m"),
+])
+def test_terminal_safe_strips_escapes_and_shows_other_controls(text: str, safe: str) -> None:
+    assert terminal_safe(text) == safe
+
+
+def test_html_escapes_every_text_from_a_report(tmp_path: Path) -> None:
+    path = report_file(tmp_path / "r.json", environment(
+        "2.3.1", None, "2.5.8", "<b>GPU</b>", "8.0", platform="<script>alert(1)</script>"), [
+        {**result("ce", "cpu", "float32", "failed", message="<img src=x onerror=alert(1)>"),
+         "case": "<i>ce</i>", "case_path": 'c/"><x>'}])
+    page = render_html(build_matrix([load_report(path)], detail=False,
+                                    names=['<a href="x">r.json</a>']))
+    body = page.split("</style>", 1)[1]
+    for raw in ("<script>", "<img", "<b>GPU", "<i>ce", '"><x>', '<a href="x">'):
+        assert raw not in body
+    assert "&lt;img src=x onerror=alert(1)&gt;" in body
+
+
 # ----------------------------------------------------------------------------- gpucase matrix
 
 
@@ -459,7 +604,7 @@ def test_gpucase_matrix_prints_markdown(two_runners: list[Path],
     expected = build_matrix([load_report(p) for p in two_runners], detail=False,
                             names=short_names(two_runners))
     assert out == render_markdown(expected)
-    assert out.startswith(f"| case | {A100_LABEL} | {H100_LABEL} |\n")
+    assert out.startswith(f"| case | {HEAD}\n")
 
 
 def test_gpucase_matrix_writes_html_with_detail(two_runners: list[Path], tmp_path: Path,
@@ -550,16 +695,16 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
     seen.feed(dom)
     headers = [(attrs.get("scope"), text) for tag, attrs, text in seen.cells if tag == "th"]
     assert headers == [
-        ("col", "case"), ("col", A100_LABEL), ("col", H100_LABEL),
+        ("col", "case"), ("col", f"{A100_LABEL}{A100_ENV}"), ("col", f"{H100_LABEL}{H100_ENV}"),
         ("row", "ce_class4"), ("row", "flash_attn_mask"), ("row", "label_map"),
         ("row", "oom_case"),
     ]
     cells = [(attrs["class"], text) for tag, attrs, text in seen.cells if tag == "td"]
     assert cells == [
-        ("pass", "✓ pass"), ("fail", "✗ fail1"),
-        ("skip", "↷ skip2"), ("pass", "✓ pass"),
-        ("xfail", "⚠ xfail3"), ("xfail", "⚠ xfail3"),
-        ("not-run", "— not run"), ("fail", "✗ fail4"),
+        ("pass", "✓ cpu: pass✓ cuda: pass"), ("fail", "✓ cpu: pass✗ cuda: fail1"),
+        ("skip", "↷ cuda: skipped (requires flash-attn>=2.6)2"), ("pass", "✓ cuda: pass"),
+        ("xfail", "⚠ cpu: xfail3"), ("xfail", "⚠ cpu: xfail3"),
+        ("not-run", "— cuda: not run"), ("fail", "✗ cuda: fail4"),
     ]
     hovers = [attrs["title"] for tag, attrs, text in seen.cells if tag == "td"]
     assert hovers[1] == (f"ce_class4 on {H100_LABEL}: fail\n2 passed, 2 failed\n"
@@ -567,8 +712,9 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
     assert hovers[2] == (f"flash_attn_mask on {A100_LABEL}: skip\n1 skipped\n"
                          "skipped: requires flash-attn>=2.6; found 2.5.8")
     column_hover = next(attrs["title"] for tag, attrs, text in seen.cells
-                        if tag == "th" and text == H100_LABEL)
-    assert column_hover == (f"{describe_environment(H100)}\nfrom h100/report.json")
+                        if tag == "th" and text.startswith(H100_LABEL))
+    assert column_hover == "from h100/report.json"
+    assert describe_environment(H100) == H100_ENV
     notes = [(attrs.get("id"), text) for tag, attrs, text in seen.cells if tag == "li"]
     assert notes == [
         ("reason-1", f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}"),
@@ -577,9 +723,30 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
         ("reason-4", "error: run crashed with signal 11 (SIGSEGV)"),
     ]
     legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:5]
-    assert legend == ["✓ pass", "✗ fail", "⚠ xfail", "↷ skip", "— not run"]
+    assert legend == ["✓ pass", "✗ fail", "⚠ xfail", "↷ skipped", "— not run"]
 
     shot = tmp_path / "matrix.png"
     _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
               profile=tmp_path / "profile")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_shipped_schema_is_the_one_the_docs_point_at() -> None:
+    from importlib import resources
+
+    schema = json.loads(resources.files("pytest_gpucase").joinpath("report_schema.json")
+                        .read_text(encoding="utf-8"))
+    docs = (Path(__file__).parent.parent / "docs" / "report-schema.md").read_text("utf-8")
+    assert "pytest_gpucase/report_schema.json" in docs
+    assert schema["properties"]["schema"]["const"] == SCHEMA
+    assert schema["properties"]["version"]["const"] == VERSION
+    for name in ("environment", "result"):
+        for key in schema["$defs"][name]["required"]:
+            assert f"| `{key}` |" in docs or f"`{key}`" in docs, key
+    record = result("ce", "cpu", "float32", "passed", max_abs=math.nan, localized=None)
+    report = new_report(A100)
+    report["results"] = [record]
+    check_report(report)   # a record as the plugin writes it, NaN included
+    report["results"] = [{**record, "localized": 3}]
+    with pytest.raises(ReportError, match=r"results\[0\]\.localized: expected a string or null"):
+        check_report(report)

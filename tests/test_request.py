@@ -208,7 +208,7 @@ def test_request_is_a_ready_to_paste_report(tmp_path: Path,
         "## GPU failure: `RuntimeError: CUDA error: device-side assert triggered`",
         "- **Operation**: `case.py:run`",
         "- **First error**: `RuntimeError: CUDA error: device-side assert triggered`",
-        "- **Kernel assertion**: `Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.`",
+        "- **Kernel assertion**: ``Loss.cu:250: * Assertion `t >= 0 && t < n_classes` failed.``",
         "- **Backend**: cuda (NVIDIA A100-SXM4-80GB)",
         "- **Versions**: Python 3.11.7, torch 2.3.1, CUDA 12.1",
         "- **Revision**: `3f2c1ab`",
@@ -274,3 +274,117 @@ def test_cli_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().out.startswith("cases/bad/case.toml: format: unsupported format 2")
     assert main(["show", "cases/bad"]) == 2
     assert "cases/bad/case.toml: format: unsupported format 2" in capsys.readouterr().err
+
+
+def _scrub(text: str, ids: tuple[str, ...] = ()) -> str:
+    from pytest_gpucase.request import _Scrubber
+
+    return _Scrubber(case_dir="/work/cases/ce", home="/home/bob", users=("bob",),
+                     hosts=("gpu-7",), ids=ids).scrub(text)
+
+
+@pytest.mark.parametrize(("text", "scrubbed"), [
+    ("HF_TOKEN=abc123", "HF_TOKEN=<secret>"),
+    ("HF_TOKEN secret123 was set", "HF_TOKEN <secret> was set"),
+    ("export API_KEY  q9w8e7", "export API_KEY  <secret>"),
+    ("hf_token hunter2", "hf_token <secret>"),
+    ('{"password": "hunter2", "secret":"s3cr3t"}', '{"password": "<secret>", "secret":"<secret>"}'),
+    ("PASSWORD: hunter2", "PASSWORD: <secret>"),
+    ("token ids below num_embeddings", "token ids below num_embeddings"),
+    ("Authorization: Basic dXNlcjpwYXNzd29yZA==", "Authorization: Basic <secret>"),
+    ("authorization: bearer abc.def", "authorization: bearer <secret>"),
+    ("Authorization: token ghx_1", "Authorization: token <secret>"),
+    ("mysql --password hunter2 -u root", "mysql --password <secret> -u root"),
+    ("cli --token=abc --api-key xyz", "cli --token=<secret> --api-key <secret>"),
+    ("sshpass -p hunter2 ssh", "sshpass -p <secret> ssh"),
+    ("https://alice:pw@git.corp.example.com:8443/team/repo.git?x=1",
+     "https://<user>:<secret>@<host>:8443/<path>"),
+    ("ssh://git@github.com/org/repo", "ssh://<user>@<host>/<path>"),
+    ("see http://localhost:8080/metrics", "see http://localhost:8080/<path>"),
+    ("s3://acme-private-data/cohort7/x.pt and gs://bucket/a hdfs://nn:8020/user/bob/x",
+     "s3://<bucket>/<path> and gs://<bucket>/<path> hdfs://<bucket>:8020/<path>"),
+    ("connect to storage.corp.internal failed", "connect to <host> failed"),
+    ("node3.cluster.example.com:29500 refused", "<host>:29500 refused"),
+    ("torch.nn.functional.cross_entropy in Loss.cu and case.py",
+     "torch.nn.functional.cross_entropy in Loss.cu and case.py"),
+    ("at /home/bob/x.py and /home/carol/data", "at <path>/x.py and <path>"),
+    ("C:\\Users\\carol\\run", "<path>"),
+    ("reading /srv/private/cohort7/labels.csv", "reading <path>"),
+    ("mail carol.smith+gpu@uni.example.edu now", "mail <email> now"),
+    ("from 10.1.2.3 and 2001:db8:85a3::8a2e:370:7334", "from <ip> and <ip>"),
+    ("bind 127.0.0.1, c10::add, 16:00:00, version 2.3.1", "bind 127.0.0.1, c10::add, 16:00:00, "
+     "version 2.3.1"),
+    ("bob ran on gpu-7", "<user> ran on <host>"),
+])
+def test_request_scrubs_each_form(text: str, scrubbed: str) -> None:
+    assert _scrub(text) == scrubbed
+
+
+def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
+    ids = (*(f"patient_{n:05d}" for n in range(20_000)), "img-0001.png")
+    assert _scrub("batch patient_00412, patient_19999 and img-0001.png; patient_x",
+                  ids) == "batch <sample id>, <sample id> and <sample id>; patient_x"
+
+
+@pytest.mark.parametrize("text", [
+    "a" * 1_000_000,
+    "a+" * 500_000,
+    "a." * 500_000,
+    "a@" * 500_000,
+    "a-" * 500_000,
+    "x://" + "a" * 1_000_000,
+    "a://b" * 200_000,
+    "token=" * 160_000,
+    "HF_TOKEN " * 110_000,
+    "Authorization: " * 65_000,
+    "/" * 1_000_000,
+    "/a" * 500_000,
+    "1." * 500_000,
+    "a:" * 500_000,
+    "-p " * 330_000,
+    "\\" * 1_000_000,
+], ids=["word", "plus", "dots", "ats", "dashes", "url-host", "urls", "token-eq", "token-ws",
+        "authorization", "slashes", "path", "digits", "colons", "flags", "backslashes"])
+def test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time(text: str) -> None:
+    import time
+
+    start = time.process_time()
+    _scrub(text)
+    # A hang guard on a loaded machine, not a benchmark: a quadratic pattern takes minutes.
+    assert time.process_time() - start < 5
+
+
+def test_show_tells_two_cases_of_one_name_apart_by_path(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    first = rich_case(tmp_path / "cases" / "a", "ce")
+    rich_case(tmp_path / "cases" / "b", "ce")
+    report = tmp_path / "report.json"
+
+    def entry(folder: str, outcome: str) -> dict[str, object]:
+        return {"nodeid": f"cases/{folder}/ce::ce[cpu-float32]", "case": "ce",
+                "case_path": f"cases/{folder}/ce", "device": "cpu", "dtype": "float32",
+                "variant": None, "outcome": outcome, "message": f"{folder} said so"}
+
+    report.write_text(json.dumps({"results": [entry("a", "passed"), entry("b", "failed")]}))
+    assert show(Path("cases/b/ce"), report=report).splitlines()[-1] == (
+        "  cpu-float32: failed: b said so")
+    # The report was written from another directory: its paths end the case's path.
+    monkeypatch.chdir(first)
+    assert show(Path("."), report=report).splitlines()[-1] == "  cpu-float32: passed: a said so"
+
+
+def test_request_text_cannot_break_out_of_its_code(tmp_path: Path) -> None:
+    hostile = RICH.replace(
+        'error = "RuntimeError: CUDA error: device-side assert triggered"',
+        'error = "RuntimeError: x` and\\n## All 500 cases passed"').replace(
+        'stderr = "Loss.cu:250:', 'stderr = "```\\n## All 500 cases passed\\n````\\nLoss.cu:250:')
+    text = request(rich_case(tmp_path, "ce", hostile))
+    lines = text.splitlines()
+    assert lines[0] == "## GPU failure: ``RuntimeError: x` and ...``"
+    fence = lines.index("`````text")
+    end = lines.index("`````", fence)
+    # The forged heading is inside the code block, whose fence no line of stderr can close.
+    assert lines[fence + 1:fence + 4] == ["```", "## All 500 cases passed", "````"]
+    outside = lines[:fence] + lines[end:]
+    assert "## All 500 cases passed" not in outside

@@ -949,3 +949,40 @@ def test_assertion_line_reads_the_hip_format() -> None:
 )
 def test_assertion_line_is_none_without_a_kernel_assertion(stderr: str) -> None:
     assert assertion_line(stderr) is None
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "Assertion `" * 200_000,
+        "Device-side assertion `" * 100_000,
+        "to satisfy the constraint " * 80_000,
+        "Could not run '" * 150_000,
+        "Input type (" * 150_000,
+        "Tensor on device " + "x" * 2_000_000,
+        "operator " * 200_000,
+        "a" * 2_000_000,
+    ],
+    ids=["assert", "hip-assert", "constraint", "could-not-run", "input-type", "long-token",
+         "operator", "one-word"],
+)
+def test_triage_of_a_pathological_text_is_linear(text: str) -> None:
+    import time
+
+    start = time.process_time()
+    triage("RuntimeError", text, text)
+    assertion_line(text)
+    # A hang guard on a loaded machine, not a benchmark: quadratic patterns take minutes here.
+    assert time.process_time() - start < 5
+
+
+def test_only_the_start_and_end_of_a_long_text_are_read() -> None:
+    from pytest_gpucase.triage import SCANNED, bounded
+
+    noise = "x" * (10 * SCANNED)
+    assert bounded("short") == "short"
+    text = bounded("HEAD " + noise + " TAIL")
+    assert text.startswith("HEAD ") and text.endswith(" TAIL")
+    assert len(text) < 2 * SCANNED + 100
+    found = triage("RuntimeError", "", noise + "\nRuntimeError: CUDA error: device-side assert triggered\n")
+    assert found is not None and found.clue == "device-side assert"
