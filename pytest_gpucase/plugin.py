@@ -344,6 +344,7 @@ class CaseItem(pytest.Item):
                            localize=not self.config.getoption("gpu_no_localize"))
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
+        _reissue_warnings(verdict)
         if verdict.failed and self.config.getoption("gpu_ablate"):
             from .ablate import ablate
 
@@ -378,17 +379,36 @@ def _failure_text(outcome: Outcome) -> str:
 
 
 def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
-    from .runner import describe_rerun
+    from .runner import describe_rerun, describe_warnings, stderr_section
 
     child = verdict.child
     if child.stdout:
         item.add_report_section("call", "stdout (child)", child.stdout)
-    if child.stderr:
-        item.add_report_section("call", "stderr (child)", child.stderr)
+    stderr = stderr_section(verdict)
+    if stderr:
+        item.add_report_section("call", "stderr (child)", stderr)
+    if child.warnings:
+        item.add_report_section("call", "warnings (child)", describe_warnings(child))
     if verdict.triage is not None:
         item.add_report_section("call", "gpucase triage", verdict.triage.render())
     if verdict.localized is not None:
         item.add_report_section("call", "gpucase launch-blocking rerun", describe_rerun(verdict))
+
+
+def _reissue_warnings(verdict: Verdict) -> None:
+    """The child's warnings, raised again in the item for pytest's warning summary.
+
+    Under ``-W error`` they fail a passing item; a failed one keeps its own failure.
+    """
+    import contextlib
+
+    from .runner import reissue_warnings
+
+    if verdict.failed:
+        with contextlib.suppress(Warning):
+            reissue_warnings(verdict.child.warnings)
+    else:
+        reissue_warnings(verdict.child.warnings)
 
 
 def spec_fields(spec: RunSpec) -> dict[str, Any]:
