@@ -651,13 +651,13 @@ def _read(path: str) -> bytes | None:
         return None
 
 
-def _stat(pid: int) -> tuple[int, bytes] | None:
-    """(parent pid, state) of a process, from /proc/PID/stat."""
+def _stat(pid: int) -> tuple[int, bytes, int] | None:
+    """(parent pid, state, start time in clock ticks since boot) of a process."""
     raw = _read(f"/proc/{pid}/stat")
     if raw is None:
         return None
     fields = raw[raw.rfind(b")") + 2:].split()  # the name in parentheses may hold anything
-    return int(fields[1]), fields[0]
+    return int(fields[1]), fields[0], int(fields[19])
 
 
 def _marked(pid: int, needle: bytes) -> bool:
@@ -665,8 +665,12 @@ def _marked(pid: int, needle: bytes) -> bool:
     return data is not None and needle in data
 
 
-def _tree(root: int, token: str | None) -> set[int]:
-    """The living processes of a run: descendants of ``root`` and those with its marker."""
+def _tree(root: int, token: str | None, since: int = 0) -> set[int]:
+    """The living processes of a run: descendants of ``root`` and those with its marker.
+
+    Only processes started at or after ``since`` (clock ticks, like /proc's start times)
+    can carry the marker: older ones are not read.
+    """
     try:
         names = os.listdir("/proc")
     except OSError:
@@ -683,7 +687,7 @@ def _tree(root: int, token: str | None) -> set[int]:
         if stat is None or stat[1] in (b"Z", b"X"):
             continue  # gone, or dead and waiting for its parent
         parents[pid] = stat[0]
-        if needle is not None and pid != root:
+        if needle is not None and pid != root and stat[2] >= since:
             with contextlib.suppress(OSError):
                 if os.stat(f"/proc/{pid}").st_uid == uid and _marked(pid, needle):
                     found.add(pid)
@@ -722,7 +726,7 @@ def _signal_ours(pid: int, signum: int, root: int, members: set[int], token: str
             os.close(pidfd)
 
 
-def _kill_tree(root: int, token: str | None, *, include_root: bool) -> None:
+def _kill_tree(root: int, token: str | None, *, include_root: bool, since: int = 0) -> None:
     """Stop the run's processes round after round until none is new, then kill them all.
 
     ``root`` must not be reaped yet (its pid is then still its own) when ``include_root``.
@@ -732,7 +736,7 @@ def _kill_tree(root: int, token: str | None, *, include_root: bool) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(root, signal.SIGSTOP)  # no more forks, no more reaping, no more orphans
     for _ in range(100):
-        new = _tree(root, token) - stopped
+        new = _tree(root, token, since) - stopped
         if not new:
             break
         for pid in new:
@@ -768,20 +772,24 @@ class _Run:
     memory_limit: int | None
     resident: int = 0
     memory_exceeded: bool = False
-    reaped: bool = False
+    ended: bool = False  # the child exited and its tree was killed after it
     sampled_at: float = field(default=-math.inf)
+    started: int = 0     # the child's start time in clock ticks: no older process is marked
+
+    def __post_init__(self) -> None:
+        stat = _stat(self.pid)
+        self.started = stat[2] if stat is not None else 0
 
     def kill(self) -> None:
         """Kill the whole tree; only before the child is reaped (its pid is its own till then)."""
-        if not self.reaped:
-            _kill_tree(self.pid, self.token, include_root=True)
+        _kill_tree(self.pid, self.token, include_root=True, since=self.started)
 
     def over_memory(self, now: float) -> bool:
         """Sample the tree's resident memory now and then; True once over the limit."""
         if self.memory_limit is None or now - self.sampled_at < MEMORY_SAMPLE:
             return False
         self.sampled_at = now
-        resident = _resident(self.pid, _tree(self.pid, self.token))
+        resident = _resident(self.pid, _tree(self.pid, self.token, self.started))
         self.resident = max(self.resident, resident)
         return resident > self.memory_limit
 
@@ -916,13 +924,13 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
                 # Grandchildren may live on and hold the pipes open: end them all, while
                 # the child's pid is still its own (not reaped).
                 run.kill()
+                run.ended = True
                 drain_until = time.monotonic() + 1.0
     finally:
         guard.hold()
-        if not run.reaped:
+        if not run.ended:
             run.kill()
         _, status = os.waitpid(pid, 0)
-        run.reaped = True
         if pidfd is not None:
             os.close(pidfd)
     return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
