@@ -2,43 +2,148 @@
 
 The child is a fork of this process by default (cheap: torch is already
 imported) or, when CUDA was initialized here and a fork would inherit a broken
-context, a fresh interpreter started with ``posix_spawn``. The child gets its
-own process group, so a timeout kills every process it started. Its fds 1 and
-2 go to pipes the parent drains into bounded buffers: device-side assertion
-lines are printed to fd 2 by the kernel, and a child printing gigabytes must
-not fill memory or disk. The result comes back pickled over a third pipe;
-tensors never travel that way (``execute`` returns plain values).
+context, a fresh interpreter started with ``posix_spawn``. Its fds 1 and 2 go
+to pipes the parent drains into bounded buffers: device-side assertion lines
+are printed to fd 2 by the kernel, and a child printing gigabytes must not
+fill memory or disk.
+
+Nothing the child sends is trusted. The child runs a case's code, which may do
+anything, so its result comes back as JSON data over a third pipe, never as a
+pickle: plain values, with NaN and infinities, tuples and dicts tagged, and
+dataclasses rebuilt only from the allow-list ``RESULT_TYPES``, each field
+checked against its annotation. The parent reads at most ``RESULT_LIMIT``
+bytes of it (a bigger result kills the child and is a failure), and every
+string in it is cut to its head and tail (``TEXT_HEAD``/``TEXT_TAIL``) before
+it reaches a report. A malformed result is a failure that names the problem.
 
 The timeout lives in the parent: a hang inside a GIL-released CUDA call cannot
 be interrupted by a Python signal handler in the child. On expiry the parent
 asks the child's ``faulthandler`` for every thread's stack (SIGUSR1), waits a
-moment for it, then kills the process group.
+moment for it, then kills the run's whole process tree. Its frames from
+pytest, pluggy and gpucase itself are hidden from the dump (the stack of a
+forked child still holds the pytest process's frames below the case's own).
+
+The process tree of a run is found three ways, because a child may leave its
+process group (``setpgid``) or session (``setsid``) and orphan its children:
+
+- the child's process group, and the child by pid (all a system without
+  ``/proc``, such as macOS, offers);
+- on Linux, the child is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a
+  descendant orphaned while the child lives is reparented to the child, not
+  to init, so every living descendant is found by following parent pids in
+  ``/proc`` from the child. Before the parent kills it, the whole tree is
+  stopped (SIGSTOP, round after round until no new process appears, so that
+  nothing forks away during the kill), then killed. A child that returns also
+  kills what it started, while it is still everyone's ancestor;
+- a per-run marker ``GPUCASE_RUN=<random token>`` in the child's environment,
+  found in ``/proc/PID/environ`` of this user's processes: a descendant that
+  was ``exec``'d keeps it even after its ancestors died.
+
+Only those processes are ever signalled (each through a pidfd opened before it
+is checked again, so a reused pid is never hit): the pytest process's other
+children (xdist, pytester, user fixtures) are left alone. What escapes: a
+descendant forked without ``exec``, moved out of the group, after the child
+itself died on its own (a crash), before the parent saw it.
+
+The direct child dies with the pytest process even on SIGKILL
+(``PR_SET_PDEATHSIG``, set in the forked and in the spawned child; it fires
+when the *thread* that started the child ends, which ``run_in_child`` outlives
+as it waits for the child). Its descendants are then orphaned: best effort only
+(they keep the process group and the marker for whoever cleans up).
+
+SIGTERM and SIGHUP to the pytest process while a child runs (what CI runners
+send on cancel or timeout) kill the run's tree, then end pytest through a
+``KeyboardInterrupt`` (``RunInterrupted``): pytest's own Ctrl-C path, so its
+``sessionfinish`` hooks run and the JSON report gets its last write. The
+handlers are installed only while a child runs, only from the main thread,
+only over the default action (a handler someone else installed is called
+instead, an ignored signal stays ignored), and the previous ones are restored.
+
+A memory limit (``memory_limit``) is enforced by the parent, which samples the
+resident memory (``VmRSS``) of the child's whole tree while it waits: RLIMIT_AS
+would break CUDA's large virtual mappings. Resident memory counts the pages a
+forked child still shares with the pytest process (torch's libraries and
+heap), as ``ps`` and the OOM killer do: set a limit above the parent's size.
+
+Warnings raised in the child are recorded (pytest's warning filters, inherited
+by a fork, are reset to "always"), deduplicated, bounded, and returned as data
+with the result. Under coverage.py (``--cov``), a forked child saves its data
+to a file of its own before it ends, which ``coverage combine`` and pytest-cov
+pick up.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import dataclasses
 import gc
+import importlib
+import json
+import math
 import os
 import pickle
+import re
+import secrets
 import select
 import signal
 import sys
 import tempfile
+import threading
 import time
 import traceback
+import types
+import typing
+import warnings
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 StartMethod = Literal["fork", "spawn"]
 
 CAPTURE_HEAD = 16 * 1024
 CAPTURE_TAIL = 48 * 1024
+# The longest string of a result that reaches a report: its head and tail, and how much
+# was cut between them (a 50 MB exception message must not be printed twice).
+TEXT_HEAD = 4 * 1024
+TEXT_TAIL = 12 * 1024
+# The biggest result the parent reads; a child sending more is killed.
+RESULT_LIMIT = 16 * 2**20
+MAX_WARNINGS = 20          # distinct warnings returned by a child; the rest are counted
+WARNING_TEXT = 2000        # characters of one warning's message
 # Time the child gets to print its thread stacks after a timeout, before SIGKILL.
 DUMP_GRACE = 2.0
 DUMP_QUIET = 0.2  # stderr silent this long after the dump began: the dump is complete
+MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
+MEMORY_SAMPLE = 0.1     # seconds between samples of the tree's resident memory
+MARKER_ENV = "GPUCASE_RUN"
+# Classes a child may return, rebuilt field by field; nothing else is ever constructed.
+RESULT_TYPES = frozenset({
+    "pytest_gpucase.execute.Outcome",
+    "pytest_gpucase.environment.Environment",
+    "pytest_gpucase.environment.Device",
+})
 _RESULT_FD = 3  # where a spawned child writes its result
+_FORMAT = 1
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+# Frames of the machinery under a case's code, hidden from faulthandler's dumps.
+_MACHINERY_DIRS = frozenset({"_pytest", "pytest", "pluggy", "pytest_gpucase", "xdist", "execnet"})
+
+
+@dataclass(frozen=True)
+class ChildWarning:
+    """A warning raised in the child: where, what, and how many times."""
+
+    category: str        # "RuntimeWarning", or "module.Name" for one that is not a builtin
+    message: str
+    filename: str
+    lineno: int
+    count: int = 1
+
+    def render(self) -> str:
+        times = f" ({self.count} times)" if self.count > 1 else ""
+        return f"{self.filename}:{self.lineno}: {self.category}: {self.message}{times}"
 
 
 @dataclass(frozen=True)
@@ -55,6 +160,12 @@ class ChildResult:
     duration: float
     start_method: StartMethod
     child_error: str | None = None  # traceback of an exception raised by the function itself
+    bad_result: str | None = None   # why the child's result was refused (too big, malformed)
+    memory_exceeded: bool = False
+    memory_limit: int | None = None
+    resident: int | None = None     # the tree's highest sampled resident memory, in bytes
+    warnings: tuple[ChildWarning, ...] = ()
+    warnings_dropped: int = 0       # distinct warnings past MAX_WARNINGS
 
     @property
     def problem(self) -> str | None:
@@ -63,6 +174,11 @@ class ChildResult:
             return None
         if self.timed_out:
             return "timed out"
+        if self.memory_exceeded:
+            return (f"exceeded the memory limit of {gib(self.memory_limit or 0)} "
+                    f"(resident {gib(self.resident or 0)})")
+        if self.bad_result is not None:
+            return self.bad_result
         if self.signal is not None:
             return f"crashed with signal {self.signal} ({signal_name(self.signal)})"
         if self.child_error is not None:
@@ -72,12 +188,26 @@ class ChildResult:
         return f"exited with code {self.exitcode} without returning a result"
 
 
+class RunInterrupted(KeyboardInterrupt):
+    """SIGTERM or SIGHUP reached pytest while a child ran; the child's tree was killed."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(f"pytest received {signal_name(signum)} while a case ran; the run's "
+                         "processes were killed")
+        self.signum = signum
+
+
 def signal_name(number: int) -> str:
     """``11`` -> ``SIGSEGV``."""
     try:
         return signal.Signals(number).name
     except ValueError:
         return f"signal {number}"
+
+
+def gib(nbytes: int) -> str:
+    """``1610612736`` -> ``1.5 GiB``."""
+    return f"{nbytes / 2**30:.3g} GiB"
 
 
 class _Capture:
@@ -106,13 +236,20 @@ class _Capture:
                 + bytes(self.tail).decode(errors="replace"))
 
 
+def clip(text: str, head: int = TEXT_HEAD, tail: int = TEXT_TAIL) -> str:
+    """``text`` cut to its first ``head`` and last ``tail`` bytes, with what was omitted."""
+    if len(text) <= head + tail and len(text.encode(errors="replace")) <= head + tail:
+        return text
+    capture = _Capture(head, tail)
+    capture.add(text.encode(errors="replace"))
+    return capture.text()
+
+
 def thread_count() -> int:
     """How many OS threads this process has (1 when only the main thread runs)."""
     try:
         return len(os.listdir("/proc/self/task"))
     except OSError:  # no procfs (macOS): Python's own threads are the best we know
-        import threading
-
         return threading.active_count()
 
 
@@ -130,29 +267,43 @@ def run_in_child(
     timeout: float,
     env: Mapping[str, str] | None = None,
     start_method: StartMethod = "fork",
+    memory_limit: int | None = None,
 ) -> ChildResult:
-    """Call ``func(*args)`` in a fresh child process and report what happened to it."""
+    """Call ``func(*args)`` in a fresh child process and report what happened to it.
+
+    ``timeout`` is in seconds (any non-negative number, ``inf`` included);
+    ``memory_limit`` in bytes of resident memory of the child's whole tree.
+    """
+    if not timeout >= 0:  # NaN fails this too
+        raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+    if memory_limit is not None and memory_limit <= 0:
+        raise ValueError(f"memory_limit must be a number of bytes > 0, not {memory_limit!r}")
+    token = secrets.token_hex(16)
+    child_env = {**(env or {}), MARKER_ENV: token}
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
     job_file = None
     start = time.monotonic()
     try:
-        if start_method == "fork":
-            threaded = thread_count() > 1
-            pid = os.fork()
-            if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
-                _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), env, threaded,
-                              func, args)
-        else:
-            job_file = _write_job(func, args)
-            pid = _spawn(job_file, out_w, err_w, res_w, env)
-        with contextlib.suppress(OSError):  # the child does it too; the first one wins
-            os.setpgid(pid, pid)
-        for fd in (out_w, err_w, res_w):
-            os.close(fd)
-        out_w = err_w = res_w = -1
-        return _supervise(pid, out_r, err_r, res_r, timeout, start, start_method)
+        with _Interruptible() as guard:
+            if start_method == "fork":
+                threaded = thread_count() > 1
+                parent = os.getpid()
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
+                    _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
+                                  threaded, parent, func, args)
+            else:
+                job_file = _write_job(func, args)
+                pid = _spawn(job_file, out_w, err_w, res_w, child_env)
+            with contextlib.suppress(OSError):  # the child does it too; the first one wins
+                os.setpgid(pid, pid)
+            for fd in (out_w, err_w, res_w):
+                os.close(fd)
+            out_w = err_w = res_w = -1
+            run = _Run(pid, token, memory_limit)
+            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
             if fd >= 0:
@@ -161,10 +312,32 @@ def run_in_child(
             os.unlink(job_file)
 
 
-def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
-                  env: Mapping[str, str] | None, threaded: bool, func: Callable[..., Any],
-                  args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
+# --- the child's side -------------------------------------------------------------------------
+
+def _prctl(option: int, value: int) -> bool:  # pragma: no cover - child side
+    """Linux's prctl(2), or False where there is none."""
+    if not sys.platform.startswith("linux"):
+        return False
     try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _contain_self(parent: int) -> None:  # pragma: no cover - child side
+    """Die with the parent, and keep orphaned descendants as this process's own."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above: nobody waits
+        os._exit(70)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
+                  env: Mapping[str, str], threaded: bool, parent: int,
+                  func: Callable[..., Any], args: tuple[Any, ...]) -> None:  # pragma: no cover
+    try:
+        _contain_self(parent)
         torch = sys.modules.get("torch")
         if threaded and torch is not None:
             # The parent may have run parallel CPU work: OpenMP's worker threads do
@@ -186,8 +359,7 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
         # Left open on purpose: they live as long as the child.
         sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
-        if env:
-            os.environ.update(env)
+        os.environ.update(env)
     except BaseException:
         os._exit(70)
     _child_main(res_w, func, args)
@@ -199,6 +371,32 @@ def _flush_std_streams() -> None:  # pragma: no cover - child side
             stream.flush()
 
 
+class _WarningLog:
+    """The warnings of one call, each distinct one once with its count, at most MAX_WARNINGS."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str, str, int], int] = {}
+        self.dropped = 0
+
+    def add(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            file: Any = None, line: str | None = None) -> None:
+        name = category.__qualname__
+        if category.__module__ != "builtins":
+            name = f"{category.__module__}.{name}"
+        key = (name, str(message)[:WARNING_TEXT], str(filename), int(lineno))
+        if key in self.seen:
+            self.seen[key] += 1
+        elif len(self.seen) < MAX_WARNINGS:
+            self.seen[key] = 1
+        else:
+            self.dropped += 1
+
+    def data(self) -> dict[str, Any]:
+        return {"items": [{"category": c, "message": m, "filename": f, "lineno": n, "count": k}
+                          for (c, m, f, n), k in self.seen.items()],
+                "dropped": self.dropped}
+
+
 def _child_main(res_w: int, func: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
     import faulthandler
@@ -206,17 +404,57 @@ def _child_main(res_w: int, func: Callable[..., Any],
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    log = _WarningLog()
     code = 0
     try:
-        payload = pickle.dumps(("value", func(*args)))
+        with warnings.catch_warnings():
+            # The filters inherited from pytest (-W error, filterwarnings) would turn the
+            # replayed call's warnings into exceptions or hide them: record them all.
+            warnings.simplefilter("always")
+            warnings.showwarning = log.add
+            value = func(*args)
+        envelope: dict[str, Any] = {"kind": "value", "value": encode(value)}
     except BaseException:
-        payload = pickle.dumps(("error", traceback.format_exc()))
+        envelope = {"kind": "error", "error": clip(traceback.format_exc())}
+    envelope.update(format=_FORMAT, warnings=log.data())
+    try:
+        payload = json.dumps(envelope, allow_nan=False).encode()
+    except BaseException:
+        payload = json.dumps({"format": _FORMAT, "kind": "error",
+                              "error": clip(traceback.format_exc())}).encode()
+    _end_descendants()
     try:
         _write_all(res_w, payload)
     except BaseException:
         code = 71
     _flush_std_streams()
+    _save_coverage()
     os._exit(code)
+
+
+def _end_descendants() -> None:  # pragma: no cover - child side
+    """Kill what this child started, while it is still their ancestor (a subreaper)."""
+    with contextlib.suppress(Exception):
+        _kill_tree(os.getpid(), None, include_root=False)
+
+
+def _save_coverage() -> None:  # pragma: no cover - child side, and only under coverage
+    """Save coverage.py's data of this child (``os._exit`` skips its atexit hook)."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    cov = current() if current is not None else None
+    if cov is None:
+        return
+    with contextlib.suppress(Exception):
+        data = getattr(cov, "_data", None)
+        if data is not None and not getattr(data, "_suffix", True):
+            # Not a parallel run: a suffix of our own, never the parent's file. A forked
+            # CoverageData starts a new file on its own (pytest-cov asks for suffixes).
+            data._suffix = True
+        cov.stop()
+        cov.save()
 
 
 def _write_all(fd: int, data: bytes) -> None:
@@ -227,6 +465,7 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 def _write_job(func: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    # The job goes from the parent to the child: pickled, as it is the parent's own data.
     fd, path = tempfile.mkstemp(prefix="gpucase-job-", suffix=".pickle")
     with os.fdopen(fd, "wb") as handle:
         pickle.dump(list(sys.path), handle)
@@ -234,32 +473,385 @@ def _write_job(func: Callable[..., Any], args: tuple[Any, ...]) -> str:
     return path
 
 
-def _spawn(job_file: str, out_w: int, err_w: int, res_w: int,
-           env: Mapping[str, str] | None) -> int:
+def _spawn(job_file: str, out_w: int, err_w: int, res_w: int, env: Mapping[str, str]) -> int:
     child_env = dict(os.environ)
-    child_env.update(env or {})
+    child_env.update(env)
     actions = [
         (os.POSIX_SPAWN_DUP2, out_w, 1),
         (os.POSIX_SPAWN_DUP2, err_w, 2),
         (os.POSIX_SPAWN_DUP2, res_w, _RESULT_FD),
     ]
     entry = "from pytest_gpucase.isolation import spawned_main; spawned_main()"
-    argv = [sys.executable, "-c", entry, job_file]
+    argv = [sys.executable, "-c", entry, job_file, str(os.getpid())]
     return os.posix_spawn(sys.executable, argv, child_env, file_actions=actions, setpgroup=0)
 
 
 def spawned_main() -> None:  # pragma: no cover - runs in a spawned child
     """Entry point of a spawned child: load the job, run it, send the result on fd 3."""
+    _contain_self(int(sys.argv[2]))
     with open(sys.argv[1], "rb") as handle:
         sys.path[:] = pickle.load(handle)
         func, args = pickle.load(handle)
     _child_main(_RESULT_FD, func, args)
 
 
-def _supervise(pid: int, out_r: int, err_r: int, res_r: int, timeout: float, start: float,
-               start_method: StartMethod) -> ChildResult:
+# --- the result as data -----------------------------------------------------------------------
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON data: NaN, infinities, tuples, dicts and allowed dataclasses tagged."""
+    if value is None or isinstance(value, (bool, str)):
+        return clip(value) if isinstance(value, str) else value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"$": "float", "value": repr(value)}
+    if isinstance(value, list):
+        return [encode(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return {"$": "tuple", "items": [encode(item) for item in value]}
+    if isinstance(value, Mapping):
+        return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if dataclasses.is_dataclass(value) and name in RESULT_TYPES:
+        return {"$": "dataclass", "type": name,
+                "fields": {f.name: encode(getattr(value, f.name))
+                           for f in dataclasses.fields(value)}}
+    raise TypeError(f"a {name} cannot be returned from a child: return plain data (None, bool, "
+                    "int, float, str, list, tuple, dict) or one of " + ", ".join(
+                        sorted(RESULT_TYPES)))
+
+
+class BadResult(ValueError):
+    """A child's result that is not what ``encode`` writes."""
+
+
+def decode(data: Any, depth: int = 0) -> Any:
+    """The value ``encode`` wrote, checked: only known tags, allowed and well-typed dataclasses."""
+    if depth > 100:
+        raise BadResult("nested more than 100 levels deep")
+    if data is None or isinstance(data, (bool, int, float)):
+        return data
+    if isinstance(data, str):
+        return clip(data)
+    if isinstance(data, list):
+        return [decode(item, depth + 1) for item in data]
+    if not isinstance(data, dict):
+        raise BadResult(f"unexpected {type(data).__name__}")
+    tag = data.get("$")
+    if tag == "float" and data.get("value") in ("nan", "inf", "-inf"):
+        return float(data["value"])
+    if tag in ("tuple", "dict") and isinstance(data.get("items"), list):
+        items = [decode(item, depth + 1) for item in data["items"]]
+        if tag == "tuple":
+            return tuple(items)
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+            raise BadResult("a dict's items are not [key, value] pairs")
+        try:
+            return {key: value for key, value in items}  # the keys must hash
+        except TypeError:
+            raise BadResult("a dict has an unhashable key") from None
+    if tag == "dataclass" and isinstance(data.get("fields"), dict):
+        return _rebuild(data.get("type"), data["fields"], depth)
+    raise BadResult(f"unknown type tag {tag!r}" if tag is not None else "an untagged object")
+
+
+def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
+    if name not in RESULT_TYPES:
+        raise BadResult(f"type {name!r} is not one a child may return")
+    module, _, qualname = str(name).rpartition(".")
+    cls = getattr(importlib.import_module(module), qualname)
+    hints = typing.get_type_hints(cls)
+    wanted = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(fields) != wanted:
+        raise BadResult(f"{qualname} fields {sorted(fields)} are not {sorted(wanted)}")
+    values = {key: decode(value, depth + 1) for key, value in fields.items()}
+    for key, value in values.items():
+        if not _conforms(value, hints[key]):
+            raise BadResult(f"{qualname}.{key} is a {type(value).__name__}, not "
+                            f"{getattr(hints[key], '__name__', hints[key])}")
+    return cls(**values)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a decoded value fits an annotation (the shapes the allowed dataclasses use)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(item, args[0]) for item in value)
+        return len(args) == len(value) and all(map(_conforms, value, args))
+    if origin in (dict, Mapping):
+        return isinstance(value, dict) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return False
+
+
+def _read_result(raw: bytes) -> tuple[Any, bool, str | None, tuple[ChildWarning, ...], int]:
+    """(value, returned, child_error, warnings, warnings dropped) of the child's envelope."""
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadResult(f"not JSON ({str(exc)[:200]})") from None
+    if not isinstance(envelope, dict) or envelope.get("format") != _FORMAT:
+        raise BadResult("not a result envelope of this version")
+    found, dropped = _read_warnings(envelope.get("warnings"))
+    if envelope.get("kind") == "value" and "value" in envelope:
+        return decode(envelope["value"]), True, None, found, dropped
+    if envelope.get("kind") == "error" and isinstance(envelope.get("error"), str):
+        return None, False, clip(envelope["error"]), found, dropped
+    raise BadResult("neither a value nor an error")
+
+
+def _read_warnings(data: Any) -> tuple[tuple[ChildWarning, ...], int]:
+    if data is None:
+        return (), 0
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        raise BadResult("no list of warnings")
+    found = []
+    for item in data["items"][:MAX_WARNINGS]:
+        try:
+            warning = ChildWarning(**item)
+        except TypeError:
+            raise BadResult(f"a malformed warning {str(item)[:200]}") from None
+        if not (isinstance(warning.category, str) and isinstance(warning.message, str)
+                and isinstance(warning.filename, str) and type(warning.lineno) is int
+                and type(warning.count) is int):
+            raise BadResult(f"a malformed warning {str(item)[:200]}")
+        found.append(dataclasses.replace(
+            warning, category=warning.category[:200], message=clip(warning.message, 512, 1488),
+            filename=warning.filename[-500:]))
+    dropped = data.get("dropped", 0)
+    extra = len(data["items"]) - len(found)
+    return tuple(found), (dropped if type(dropped) is int else 0) + extra
+
+
+# --- the process tree -------------------------------------------------------------------------
+
+def _read(path: str) -> bytes | None:
+    try:
+        with open(path, "rb") as handle:
+            return handle.read()
+    except OSError:  # gone, or not ours to read
+        return None
+
+
+def _stat(pid: int) -> tuple[int, bytes, int] | None:
+    """(parent pid, state, start time in clock ticks since boot) of a process."""
+    raw = _read(f"/proc/{pid}/stat")
+    if raw is None:
+        return None
+    fields = raw[raw.rfind(b")") + 2:].split()  # the name in parentheses may hold anything
+    return int(fields[1]), fields[0], int(fields[19])
+
+
+def _marked(pid: int, needle: bytes) -> bool:
+    data = _read(f"/proc/{pid}/environ")
+    return data is not None and needle in data
+
+
+def _tree(root: int, token: str | None, since: int = 0) -> set[int]:
+    """The living processes of a run: descendants of ``root`` and those with its marker.
+
+    Only processes started at or after ``since`` (clock ticks, like /proc's start times)
+    can carry the marker: older ones are not read.
+    """
+    try:
+        names = os.listdir("/proc")
+    except OSError:
+        return set()  # no procfs: the process group is all there is
+    me, uid = os.getpid(), os.getuid()
+    needle = f"{MARKER_ENV}={token}\0".encode() if token else None
+    parents: dict[int, int] = {}
+    found: set[int] = set()
+    for name in names:
+        if not name.isdigit() or int(name) == me:
+            continue
+        pid = int(name)
+        stat = _stat(pid)
+        if stat is None or stat[1] in (b"Z", b"X"):
+            continue  # gone, or dead and waiting for its parent
+        parents[pid] = stat[0]
+        if needle is not None and pid != root and stat[2] >= since:
+            with contextlib.suppress(OSError):
+                if os.stat(f"/proc/{pid}").st_uid == uid and _marked(pid, needle):
+                    found.add(pid)
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parents.items():
+        children.setdefault(ppid, []).append(pid)
+    stack = list(children.get(root, []))
+    while stack:
+        pid = stack.pop()
+        if pid not in found:
+            found.add(pid)
+            stack.extend(children.get(pid, []))
+    found.discard(root)
+    return found
+
+
+def _signal_ours(pid: int, signum: int, root: int, members: set[int], token: str | None) -> None:
+    """Signal ``pid`` if it still belongs to the run (checked after a pidfd pins it)."""
+    pidfd = None
+    with contextlib.suppress(OSError, AttributeError):
+        pidfd = os.pidfd_open(pid)
+    try:
+        stat = _stat(pid)
+        needle = f"{MARKER_ENV}={token}\0".encode() if token else None
+        ours = stat is not None and (stat[0] == root or stat[0] in members
+                                     or (needle is not None and _marked(pid, needle)))
+        if not ours:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            if pidfd is not None:
+                signal.pidfd_send_signal(pidfd, signum)
+            else:
+                os.kill(pid, signum)
+    finally:
+        if pidfd is not None:
+            os.close(pidfd)
+
+
+def _kill_tree(root: int, token: str | None, *, include_root: bool, since: int = 0) -> None:
+    """Stop the run's processes round after round until none is new, then kill them all.
+
+    ``root`` must not be reaped yet (its pid is then still its own) when ``include_root``.
+    """
+    stopped: set[int] = set()
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(root, signal.SIGSTOP)  # no more forks, no more reaping, no more orphans
+    for _ in range(100):
+        new = _tree(root, token, since) - stopped
+        if not new:
+            break
+        for pid in new:
+            _signal_ours(pid, signal.SIGSTOP, root, stopped | new, token)
+        stopped |= new
+    for pid in stopped:
+        _signal_ours(pid, signal.SIGKILL, root, stopped, token)
+    if include_root:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(root, signal.SIGKILL)  # also on systems without /proc
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(root, signal.SIGKILL)  # the child may have left its group
+
+
+def _resident(pid: int, members: set[int]) -> int:
+    """Resident bytes of ``pid`` and ``members`` (VmRSS, from /proc/PID/statm)."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for member in (pid, *members):
+        raw = _read(f"/proc/{member}/statm")
+        if raw is not None:
+            with contextlib.suppress(ValueError, IndexError):
+                total += int(raw.split()[1]) * page
+    return total
+
+
+@dataclass
+class _Run:
+    """One child and what the parent knows of its tree."""
+
+    pid: int
+    token: str
+    memory_limit: int | None
+    resident: int = 0
+    memory_exceeded: bool = False
+    ended: bool = False  # the child exited and its tree was killed after it
+    sampled_at: float = field(default=-math.inf)
+    started: int = 0     # the child's start time in clock ticks: no older process is marked
+
+    def __post_init__(self) -> None:
+        stat = _stat(self.pid)
+        self.started = stat[2] if stat is not None else 0
+
+    def kill(self) -> None:
+        """Kill the whole tree; only before the child is reaped (its pid is its own till then)."""
+        _kill_tree(self.pid, self.token, include_root=True, since=self.started)
+
+    def over_memory(self, now: float) -> bool:
+        """Sample the tree's resident memory now and then; True once over the limit."""
+        if self.memory_limit is None or now - self.sampled_at < MEMORY_SAMPLE:
+            return False
+        self.sampled_at = now
+        resident = _resident(self.pid, _tree(self.pid, self.token, self.started))
+        self.resident = max(self.resident, resident)
+        return resident > self.memory_limit
+
+
+class _Interruptible:
+    """While a child runs, SIGTERM and SIGHUP end the run, then pytest (see the docstring)."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGHUP)
+
+    def __init__(self) -> None:
+        self.previous: dict[int, Any] = {}
+        self.armed = False  # until the parent supervises the child: it must not be orphaned
+        self.pending: int | None = None
+
+    def __enter__(self) -> _Interruptible:
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signal handlers can only be set from the main thread
+        for signum in self.SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is signal.SIG_IGN or previous is None:
+                continue  # ignored on purpose (nohup), or set outside Python: leave it
+            self.previous[signum] = previous
+            signal.signal(signum, self._handle)
+        return self
+
+    def _handle(self, signum: int, frame: types.FrameType | None) -> None:
+        previous = self.previous.get(signum)
+        if callable(previous):
+            previous(signum, frame)  # someone else's handler decides; if it raises, we clean up
+        elif self.armed:
+            self.armed = False
+            raise RunInterrupted(signum)
+        else:
+            self.pending = signum  # before the wait or while cleaning up: raised later
+
+    def arm(self) -> None:
+        """From now on a signal interrupts the wait (and one that came already does now)."""
+        self.armed = True
+        if self.pending is not None:
+            signum, self.pending = self.pending, None
+            self.armed = False
+            raise RunInterrupted(signum)
+
+    def hold(self) -> None:
+        """From now on a signal waits until the cleanup is over."""
+        self.armed = False
+
+    def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
+        for signum, previous in self.previous.items():
+            signal.signal(signum, previous)
+        if self.pending is not None and kind is None:
+            raise RunInterrupted(self.pending)
+
+
+# --- the parent's side ------------------------------------------------------------------------
+
+def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, start: float,
+               start_method: StartMethod, guard: _Interruptible) -> ChildResult:
+    pid = run.pid
     captures = {out_r: _Capture(), err_r: _Capture()}
     result = bytearray()
+    oversize = False
     open_fds = {out_r, err_r, res_r}
     poller = select.poll()
     for fd in open_fds:
@@ -270,34 +862,41 @@ def _supervise(pid: int, out_r: int, err_r: int, res_r: int, timeout: float, sta
         poller.register(pidfd, select.POLLIN)
     except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
         pidfd = None
-    status: int | None = None
+    exited = False
     timed_out = False
     kill_at: float | None = None
-    drain_until = float("inf")
+    drain_until = math.inf
     dumped_at: float | None = None  # when the child last wrote to stderr after SIGUSR1
     deadline = start + timeout
     try:
-        while status is None or open_fds:
+        guard.arm()
+        while not exited or open_fds:
             now = time.monotonic()
-            if status is None and not timed_out and now >= deadline:
+            if not exited and not timed_out and now >= deadline:
                 timed_out = True
-                _signal_group(pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
                 kill_at = now + DUMP_GRACE
+            if not exited and not run.memory_exceeded and run.over_memory(now):
+                run.memory_exceeded = True
+                kill_at = now
             if kill_at is not None and dumped_at is not None and now - dumped_at >= DUMP_QUIET:
                 kill_at = now  # the stack dump has been written and stderr is quiet again
             if kill_at is not None and now >= kill_at:
-                _signal_group(pid, signal.SIGKILL)
+                run.kill()
                 kill_at = None
             wait_until = kill_at if kill_at is not None else deadline
             if dumped_at is not None and kill_at is not None:
                 wait_until = min(kill_at, dumped_at + DUMP_QUIET)
-            if status is not None:
+            if exited:
                 if now >= drain_until:
-                    break  # a process that left the group still holds a pipe: stop reading
+                    break  # a process that escaped still holds a pipe: stop reading
                 wait_until = drain_until
-            step = max(0.0, wait_until - now)
-            if pidfd is None and status is None:
+            step = min(max(0.0, wait_until - now), MAX_POLL_STEP)
+            if pidfd is None and not exited:
                 step = min(step, 0.05)
+            if run.memory_limit is not None and not exited:
+                step = min(step, MEMORY_SAMPLE)
             events = poller.poll(step * 1000)
             for fd, _ in events:
                 if fd == pidfd:
@@ -308,49 +907,105 @@ def _supervise(pid: int, out_r: int, err_r: int, res_r: int, timeout: float, sta
                     poller.unregister(fd)
                     open_fds.discard(fd)
                 elif fd == res_r:
-                    result += data
+                    if len(result) + len(data) > RESULT_LIMIT:
+                        oversize = True  # read no more of it, and end the child
+                        poller.unregister(fd)
+                        open_fds.discard(fd)
+                        result.clear()
+                        kill_at = time.monotonic()
+                    else:
+                        result += data
                 else:
                     captures[fd].add(data)
                     if kill_at is not None and fd == err_r:
                         dumped_at = time.monotonic()
-            if status is None:
-                done, raw = os.waitpid(pid, os.WNOHANG)
-                if done:
-                    status = raw
-                    # Grandchildren may still hold the pipes open: end them all.
-                    _signal_group(pid, signal.SIGKILL)
-                    drain_until = time.monotonic() + 1.0
+            if not exited and _has_exited(pid):
+                exited = True
+                # Grandchildren may live on and hold the pipes open: end them all, while
+                # the child's pid is still its own (not reaped).
+                run.kill()
+                run.ended = True
+                drain_until = time.monotonic() + 1.0
     finally:
-        if status is None:
-            _signal_group(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
+        guard.hold()
+        if not run.ended:
+            run.kill()
+        _, status = os.waitpid(pid, 0)
         if pidfd is not None:
             os.close(pidfd)
-    return _result(status, bytes(result), captures[out_r], captures[err_r], timed_out,
-                   time.monotonic() - start, start_method)
+    return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
+                   timed_out, time.monotonic() - start, start_method)
 
 
-def _signal_group(pid: int, signum: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # the group is gone already
-        os.killpg(pid, signum)
+def _has_exited(pid: int) -> bool:
+    """Whether the child has ended, leaving it unreaped (its pid stays its own until waitpid)."""
+    try:
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:
+        return True
+    return info is not None
 
 
-def _result(status: int, raw: bytes, out: _Capture, err: _Capture, timed_out: bool,
-            duration: float, start_method: StartMethod) -> ChildResult:
+def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, err: _Capture,
+            timed_out: bool, duration: float, start_method: StartMethod) -> ChildResult:
     exitcode = os.waitstatus_to_exitcode(status)
     signum = -exitcode if exitcode < 0 else None
-    value, returned, child_error = None, False, None
-    if raw and not timed_out:
+    value, returned, child_error, bad_result = None, False, None, None
+    found: tuple[ChildWarning, ...] = ()
+    dropped = 0
+    if oversize:
+        bad_result = (f"sent too big a result: the child's result exceeded "
+                      f"{RESULT_LIMIT // 2**20} MiB and the child was killed; return less, or "
+                      "write big data to a file")
+    elif raw and not timed_out and not run.memory_exceeded:
         try:
-            kind, value = pickle.loads(raw)
-        except Exception as exc:
-            child_error = f"the child's result could not be read: {exc!r}"
-        else:
-            returned = kind == "value"
-            if not returned:
-                child_error, value = value, None
+            value, returned, child_error, found, dropped = _read_result(raw)
+        except BadResult as exc:
+            bad_result = f"sent a malformed result: {exc}"
+        except Exception as exc:  # the rebuilt class refused its fields, a hint we do not know
+            bad_result = f"sent a malformed result: {type(exc).__name__}: {str(exc)[:200]}"
     return ChildResult(
         value=value, returned=returned, exitcode=None if signum else exitcode, signal=signum,
-        timed_out=timed_out, stdout=out.text(), stderr=err.text(), duration=duration,
-        start_method=start_method, child_error=child_error,
+        timed_out=timed_out, stdout=out.text(), stderr=hide_machinery(err.text()),
+        duration=duration, start_method=start_method, child_error=child_error,
+        bad_result=bad_result, memory_exceeded=run.memory_exceeded,
+        memory_limit=run.memory_limit, resident=run.resident or None, warnings=found,
+        warnings_dropped=dropped,
     )
+
+
+_DUMP_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ .*"
+                          r"\(most recent call first\):$")
+_DUMP_FRAME = re.compile(r'^  File "(?P<file>[^"]*)", line (?:\d+|\?\?\?) in \S*$')
+
+
+def _machinery(filename: str) -> bool:
+    parts = filename.replace("\\", "/").split("/")
+    return (bool(_MACHINERY_DIRS.intersection(parts[:-1])) or filename == "<frozen runpy>"
+            or parts[-1] in ("pytest", "py.test"))
+
+
+def hide_machinery(text: str) -> str:
+    """faulthandler's dumps in ``text`` without the frames of pytest, pluggy and gpucase."""
+    if "(most recent call first):" not in text:
+        return text
+    lines: list[str] = []
+    hidden = 0
+    in_dump = False
+    for line in text.split("\n"):
+        frame = _DUMP_FRAME.match(line) if in_dump else None
+        if frame is not None:
+            if _machinery(frame["file"]):
+                hidden += 1
+            else:
+                lines.append(line)
+            continue
+        if hidden:
+            lines.append(f"  [{hidden} frames of pytest, pluggy and gpucase hidden]")
+            hidden = 0
+        in_dump = _DUMP_HEADER.match(line) is not None
+        lines.append(line)
+    if hidden:
+        lines.append(f"  [{hidden} frames of pytest, pluggy and gpucase hidden]")
+    return "\n".join(lines)
+

@@ -515,6 +515,7 @@ class CaseItem(pytest.Item):
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
+        _reissue_warnings(verdict)
         if verdict.failed and self.config.stash[session_key].settings["gpu_ablate"]:
             from .ablate import ablate
 
@@ -554,10 +555,12 @@ def _failure_text(outcome: Outcome) -> str:
 
 def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
     from .report import terminal_safe
-    from .runner import describe_rerun
+    from .runner import describe_rerun, describe_warnings, stderr_section
 
     child = verdict.child
-    sections = [("stdout (child)", child.stdout), ("stderr (child)", child.stderr)]
+    sections = [("stdout (child)", child.stdout), ("stderr (child)", stderr_section(verdict))]
+    if child.warnings:
+        sections.append(("warnings (child)", describe_warnings(child)))
     if verdict.triage is not None:
         sections.append(("gpucase triage", verdict.triage.render()))
     if verdict.localized is not None:
@@ -565,6 +568,22 @@ def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
     for title, text in sections:
         if text:
             item.add_report_section("call", title, terminal_safe(text))
+
+
+def _reissue_warnings(verdict: Verdict) -> None:
+    """The child's warnings, raised again in the item for pytest's warning summary.
+
+    Under ``-W error`` they fail a passing item; a failed one keeps its own failure.
+    """
+    import contextlib
+
+    from .runner import reissue_warnings
+
+    if verdict.failed:
+        with contextlib.suppress(Warning):
+            reissue_warnings(verdict.child.warnings)
+    else:
+        reissue_warnings(verdict.child.warnings)
 
 
 def spec_fields(spec: RunSpec) -> dict[str, Any]:
@@ -673,7 +692,7 @@ class _Recorder:
         import os
         import signal
 
-        if self.state.config.getoption("gpu_cases_report") is None:
+        if self.state.settings["gpu_cases_report"] is None:
             return
         # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
         # Ctrl-C does, so that the report of what finished is written on the way out. A

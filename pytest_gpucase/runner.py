@@ -4,17 +4,20 @@ and localize an asynchronous device error with a launch-blocking rerun.
 
 from __future__ import annotations
 
+import builtins
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, replace
 
 from .environment import launch_blocking_env
 from .errors import display
 from .case import Case
 from .execute import Outcome, run, write_golden
-from .isolation import ChildResult, StartMethod, run_in_child
+from .isolation import ChildResult, ChildWarning, StartMethod, run_in_child
 from .matrix import RunSpec
 from .triage import Triage, assertion_line, triage
 
-STDERR_TAIL_LINES = 30
+STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
 
 
 @dataclass(frozen=True)
@@ -33,10 +36,20 @@ class Verdict:
 
 
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
-             localize: bool = True) -> Verdict:
-    """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps."""
+             localize: bool = True, memory_limit: int | None = None) -> Verdict:
+    """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
+
+    ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
+    case's own ``memory_limit``, when it has one.
+    """
+    if memory_limit is None:
+        memory_limit = getattr(spec.case, "memory_limit", None)
     child = run_in_child(run, spec, timeout=spec.case.timeout, env=dict(spec.env),
-                         start_method=start_method)
+                         start_method=start_method, memory_limit=memory_limit)
+    if child.returned and not isinstance(child.value, Outcome):
+        # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
+        child = replace(child, value=None, returned=False, bad_result=(
+            f"sent a {type(child.value).__name__} instead of an Outcome"))
     outcome = child.value if child.returned else _crash_outcome(spec, child)
     found = None
     if outcome.status == "failed":
@@ -48,7 +61,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
     if localize and asynchronous and blocking and not spec.launch_blocking:
         rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
         verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
-                                                      backend=backend, localize=False))
+                                                      backend=backend, localize=False,
+                                                      memory_limit=memory_limit))
     return verdict
 
 
@@ -62,19 +76,62 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     where = display(spec.case.case_file)
     if child.timed_out:
         summary = (f"{where}: run timed out after {spec.case.timeout:g} s and was killed with its "
-                   "process group; the stack of every thread at the timeout is in the "
-                   "captured stderr")
+                   "process group and every process it started; the stack of every thread at "
+                   "the timeout is in the captured stderr")
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:
         summary = f"{where}: run {child.problem}"
-    tail = "\n".join(child.stderr.rstrip().splitlines()[-STDERR_TAIL_LINES:])
-    details = child.child_error or (f"last lines of stderr:\n{tail}" if tail else "stderr is empty")
+    details = child.child_error or _stderr_pointer(child.stderr)
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")
     kind = "timeout" if child.timed_out else "crash"
     return Outcome("failed", summary, details=details, kind=kind,
                    error_type="Crash" if child.signal else None, error_message=message)
+
+
+def _stderr_pointer(stderr: str) -> str:
+    """Where a crash's last words are: the stderr section (quoting them here too would show a
+    stack dump twice in one report), or its last lines when they are few."""
+    lines = stderr.rstrip().splitlines()
+    if not lines:
+        return "stderr is empty"
+    if len(lines) <= STDERR_SHORT_LINES and "(most recent call first):" not in stderr:
+        return "stderr:\n" + "\n".join(lines)
+    return f"the child's stderr ({len(lines)} lines) is in the report's 'stderr (child)' section"
+
+
+def stderr_section(verdict: Verdict) -> str:
+    """The child's stderr as the report's section shows it: all of it, unless the failure text
+    above quotes it already (then nothing)."""
+    stderr = verdict.child.stderr
+    if stderr and verdict.outcome.details == f"stderr:\n{stderr.rstrip()}":
+        return ""
+    return stderr
+
+
+def describe_warnings(child: ChildResult) -> str:
+    """The child's warnings, one line each, as the report's 'warnings (child)' section."""
+    lines = [warning.render() for warning in child.warnings]
+    if child.warnings_dropped:
+        lines.append(f"[... {child.warnings_dropped} more distinct warnings not kept ...]")
+    return "\n".join(lines)
+
+
+def reissue_warnings(found: Iterable[ChildWarning]) -> None:
+    """Raise the child's warnings again here, so that pytest's warning summary shows them.
+
+    A builtin category is kept; any other (torch's, the case's own) becomes a
+    UserWarning whose message names it, as its class is not imported here.
+    """
+    for warning in found:
+        category = getattr(builtins, warning.category, None)
+        message = warning.message
+        if not (isinstance(category, type) and issubclass(category, Warning)):
+            category, message = UserWarning, f"{warning.category}: {message}"
+        warnings.warn_explicit(f"(in the case's child) {message}", category, warning.filename,
+                               warning.lineno, module=warning.filename.removesuffix(".py"),
+                               registry={})
 
 
 def describe_rerun(verdict: Verdict) -> str:

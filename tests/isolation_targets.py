@@ -66,3 +66,105 @@ def flood(nbytes: int) -> int:
         sys.stdout.write(line)
     sys.stdout.write("END\n")
     return nbytes
+
+
+# --- containment: processes that try to escape, results that try to attack --------------------
+
+def _write_pid(path: str, pid: int) -> None:
+    with open(path + ".tmp", "w") as handle:
+        handle.write(str(pid))
+    os.replace(path + ".tmp", path)  # whole or absent: the test polls for it
+
+
+def join_parent_group_and_hang(pid_file: str) -> None:
+    """Leave the run's process group for the pytest process's own."""
+    os.setpgid(0, os.getpgid(os.getppid()))
+    _write_pid(pid_file, os.getpid())
+    time.sleep(600)
+
+
+def setsid_grandchild_and_hang(pid_file: str) -> None:
+    """Start a grandchild in a session of its own."""
+    pid = os.fork()
+    if pid == 0:
+        os.setsid()
+        _write_pid(pid_file, os.getpid())
+        time.sleep(600)
+        os._exit(0)
+    time.sleep(600)
+
+
+def _daemon(pid_file: str) -> None:
+    """Double-fork a grandchild out of the session, as a daemon does; the middle one exits."""
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            _write_pid(pid_file, os.getpid())
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(middle, 0)
+
+
+def daemon_and_hang(pid_file: str) -> None:
+    _daemon(pid_file)
+    time.sleep(600)
+
+
+def daemon_and_return(pid_file: str) -> int:
+    _daemon(pid_file)
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    return 7
+
+
+def big_list(nbytes: int) -> list[str]:
+    """About ``nbytes`` of result (one long string would be cut to its head and tail)."""
+    return ["x" * 1024] * (nbytes // 1024)
+
+
+class Marker:
+    """A pickle that would leave a file behind if anything ever unpickled it."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def send_raw_result(data: bytes) -> None:
+    """Write ``data`` as the result, around the child's own protocol, and exit."""
+    import inspect
+
+    frame = inspect.currentframe()
+    assert frame is not None and frame.f_back is not None
+    fd = frame.f_back.f_locals["res_w"]  # the result pipe of _child_main, the caller
+    os.write(fd, data)
+    os._exit(0)
+
+
+def nested_value() -> object:
+    return {"a": (1.5, float("nan"), float("inf"), -float("inf")), 3: [None, True, "s"],
+            (1, 2): {"deep": ()}}
+
+
+def warn_often() -> int:
+    import warnings
+
+    for _ in range(500):
+        warnings.warn("std(): degrees of freedom is <= 0", UserWarning, stacklevel=1)
+    warnings.warn("overflow encountered", RuntimeWarning, stacklevel=1)
+    for number in range(100):
+        warnings.warn(f"distinct {number}", DeprecationWarning, stacklevel=1)
+    return 1
+
+
+def hold_memory(nbytes: int) -> int:
+    block = bytearray(b"\x01") * nbytes  # written, so resident
+    time.sleep(60)
+    return len(block)
+
+
+def raise_message(text: str) -> None:
+    raise ValueError(text)

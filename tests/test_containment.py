@@ -1,0 +1,385 @@
+"""Containment of a run's child: real processes, real signals, hostile results.
+
+Each test waits a bounded, generous time for what it checks (the machine may be
+loaded), and asserts no timing: only what died, what came back, what was refused.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from pytest_gpucase.isolation import (
+    RESULT_LIMIT,
+    TEXT_HEAD,
+    TEXT_TAIL,
+    ChildWarning,
+    clip,
+    run_in_child,
+)
+
+from . import isolation_targets as targets
+
+LINUX = sys.platform.startswith("linux")
+needs_proc = pytest.mark.skipif(not LINUX, reason="finding escaped processes needs Linux /proc")
+
+
+def alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie waiting for a parent that never reaps counts as dead)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_bytes()
+    except OSError:
+        return not LINUX
+    return stat[stat.rfind(b")") + 2:].split()[0] not in (b"Z", b"X")
+
+
+def wait_gone(pid: int, seconds: float = 30) -> bool:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if not alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def read_pid(path: Path, seconds: float = 60) -> int:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if path.exists():
+            return int(path.read_text())
+        time.sleep(0.05)
+    raise AssertionError(f"{path} was never written")
+
+
+# --- the whole tree dies ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["fork", "spawn"])
+def test_child_that_joins_the_parents_group_is_killed(tmp_path: Path, method: str) -> None:
+    pid_file = tmp_path / "child.pid"
+    result = run_in_child(targets.join_parent_group_and_hang, str(pid_file), timeout=1.0,
+                          start_method=method)
+    assert result.timed_out and result.signal == signal.SIGKILL
+    assert not alive(read_pid(pid_file))  # reaped by run_in_child
+
+
+@needs_proc
+@pytest.mark.parametrize("target", [targets.setsid_grandchild_and_hang, targets.daemon_and_hang])
+def test_grandchild_in_its_own_session_dies_at_the_timeout(tmp_path: Path, target: object) -> None:
+    pid_file = tmp_path / "grandchild.pid"
+    result = run_in_child(target, str(pid_file), timeout=1.5)  # type: ignore[arg-type]
+    assert result.timed_out
+    grandchild = read_pid(pid_file)
+    assert wait_gone(grandchild), f"grandchild {grandchild} survived the timeout"
+
+
+@needs_proc
+def test_daemon_of_a_child_that_returned_dies_with_the_run(tmp_path: Path) -> None:
+    pid_file = tmp_path / "daemon.pid"
+    result = run_in_child(targets.daemon_and_return, str(pid_file), timeout=60)
+    assert result.returned and result.value == 7
+    daemon = read_pid(pid_file)
+    assert wait_gone(daemon), f"daemon {daemon} outlived its run"
+
+
+def test_other_children_of_the_parent_are_left_alone(tmp_path: Path) -> None:
+    bystander = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        result = run_in_child(targets.setsid_grandchild_and_hang, str(tmp_path / "g.pid"),
+                              timeout=1.0)
+        assert result.timed_out
+        assert bystander.poll() is None
+    finally:
+        bystander.kill()
+        bystander.wait()
+
+
+# --- signals to pytest ------------------------------------------------------------------------
+
+HANGING_CASE = '''
+import os, time
+
+def run():
+    grandchild = os.fork()
+    if grandchild == 0:
+        os.setsid()
+        time.sleep(600)
+        os._exit(0)
+    with open({pids!r} + ".tmp", "w") as handle:
+        handle.write(f"{{os.getpid()}} {{grandchild}}")
+    os.replace({pids!r} + ".tmp", {pids!r})
+    time.sleep(600)
+'''
+
+
+def start_pytest_on_hanging_case(tmp_path: Path) -> tuple[subprocess.Popen[bytes], int, int]:
+    case = tmp_path / "cases" / "hangs"
+    case.mkdir(parents=True)
+    pids = tmp_path / "pids"
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\ntimeout = 600\n')
+    (case / "case.py").write_text(HANGING_CASE.format(pids=str(pids)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    # Output to a file: a pipe would stay open as long as any process that inherited it.
+    with open(tmp_path / "output.txt", "wb") as output:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "pytest", "--gpu-cases", "--gpu-devices", "cpu", "-p",
+             "no:cacheprovider", "--gpu-cases-report", "report.json", "cases"],
+            cwd=tmp_path, stdout=output, stderr=subprocess.STDOUT)
+    try:
+        end = time.monotonic() + 120
+        while not pids.exists():
+            assert process.poll() is None and time.monotonic() < end, "the case never started"
+            time.sleep(0.1)
+    except BaseException:
+        process.kill()
+        process.wait()
+        raise
+    child, grandchild = map(int, pids.read_text().split())
+    return process, child, grandchild
+
+
+@needs_proc
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP])
+def test_sigterm_or_sighup_to_pytest_kills_the_run_and_ends_pytest(
+        tmp_path: Path, signum: int) -> None:
+    process, child, grandchild = start_pytest_on_hanging_case(tmp_path)
+    process.send_signal(signum)
+    try:
+        process.wait(timeout=120)
+    finally:
+        process.kill()
+    output = (tmp_path / "output.txt").read_text(errors="replace")
+    assert process.returncode == 2, output  # pytest's exit status when interrupted
+    assert f"pytest received {signal.Signals(signum).name} while a case ran" in output
+    assert wait_gone(child) and wait_gone(grandchild)
+    report = json.loads((tmp_path / "report.json").read_text())  # sessionfinish wrote it
+    assert report["complete"] is False
+
+
+@needs_proc
+def test_sigkill_to_pytest_takes_the_direct_child_along(tmp_path: Path) -> None:
+    process, child, grandchild = start_pytest_on_hanging_case(tmp_path)
+    process.kill()
+    process.wait(timeout=120)
+    try:
+        assert wait_gone(child), "the child outlived a SIGKILLed pytest"
+    finally:  # the grandchild is best effort only (documented): end it here, it is ours
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(grandchild, signal.SIGKILL)
+
+
+def test_handlers_are_restored_after_a_run() -> None:
+    before = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGHUP)}
+    assert run_in_child(targets.echo, 1, timeout=30).returned
+    assert {s: signal.getsignal(s) for s in before} == before
+
+
+# --- what comes back is data, bounded and checked ---------------------------------------------
+
+def test_values_cross_as_data_with_nan_infinities_tuples_and_keys() -> None:
+    result = run_in_child(targets.nested_value, timeout=30)
+    assert result.returned, result.problem
+    value = result.value
+    assert value["a"][0] == 1.5 and math.isnan(value["a"][1])
+    assert value["a"][2:] == (math.inf, -math.inf)
+    assert value[3] == [None, True, "s"]
+    assert value[(1, 2)] == {"deep": ()}
+
+
+def test_a_result_over_the_limit_is_a_bounded_failure() -> None:
+    script = textwrap.dedent(f"""
+        import resource
+        from pytest_gpucase.isolation import run_in_child
+        from tests import isolation_targets as targets
+        def peak():
+            return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+        base = peak()
+        result = run_in_child(targets.big_list, {100 * 2**20}, timeout=120)
+        print(result.problem)
+        print(peak() - base)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          check=True, timeout=300, cwd=Path(__file__).parent.parent)
+    problem, growth = done.stdout.strip().splitlines()
+    assert problem.startswith(f"sent too big a result: the child's result exceeded "
+                              f"{RESULT_LIMIT // 2**20} MiB and the child was killed")
+    assert int(growth) < RESULT_LIMIT + 32 * 2**20  # the bound, not the 100 MB sent
+
+
+def test_long_strings_keep_head_and_tail() -> None:
+    text = "HEAD" + "m" * 50_000_000 + "TAIL"
+    result = run_in_child(targets.raise_message, text, timeout=60)
+    assert result.child_error is not None
+    assert len(result.child_error) < TEXT_HEAD + TEXT_TAIL + 200
+    assert "ValueError: HEAD" in result.child_error and "TAIL" in result.child_error
+    assert "bytes omitted ...]" in result.child_error
+    assert clip("short") == "short"
+
+
+class TestCraftedResults:
+    """A child that writes its own bytes on the result pipe: refused, and nothing runs."""
+
+    def test_a_pickle_is_not_unpickled(self, tmp_path: Path) -> None:
+        import pickle
+
+        marker = tmp_path / "unpickled"
+        crafted = pickle.dumps(targets.Marker(str(marker)))
+        result = run_in_child(targets.send_raw_result, crafted, timeout=30)
+        assert not result.returned
+        assert result.problem is not None
+        assert result.problem.startswith("sent a malformed result: not JSON")
+        assert not marker.exists()
+
+    @pytest.mark.parametrize(("crafted", "problem"), [
+        (b"{not json", "not JSON"),
+        (b"[" * 100_000, "not JSON"),
+        (b'{"format": 1, "kind": "value", "value": {"$": "pickle", "data": "gASV"}}',
+         "unknown type tag 'pickle'"),
+        (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": "os.system", '
+         b'"fields": {}}}', "type 'os.system' is not one a child may return"),
+        (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
+         b'"pytest_gpucase.execute.Outcome", "fields": {"status": "failed", "summary": 5, '
+         b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
+         b'"max_rel": null, "kind": ""}}}', "Outcome.summary is a int, not str"),
+        (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
+         b'"pytest_gpucase.execute.Outcome", "fields": {"status": "failed"}}}', "fields"),
+        (b'{"format": 1, "kind": "value", "value": 1, "warnings": {"items": [{"x": 1}]}}',
+         "a malformed warning"),
+        (b'{"format": 9, "kind": "value", "value": 1}', "not a result envelope"),
+        (b'{"format": 1, "kind": "other"}', "neither a value nor an error"),
+    ])
+    def test_malformed_results_are_named(self, crafted: bytes, problem: str) -> None:
+        result = run_in_child(targets.send_raw_result, crafted, timeout=30)
+        assert not result.returned and result.value is None
+        assert result.problem is not None and result.problem.startswith("sent a malformed")
+        assert problem in result.problem
+
+    def test_an_outcome_is_rebuilt(self) -> None:
+        from pytest_gpucase.execute import Outcome
+
+        sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
+        crafted = json.dumps({"format": 1, "kind": "value", "value": {
+            "$": "dataclass", "type": "pytest_gpucase.execute.Outcome",
+            "fields": {**{k: v for k, v in sent.__dict__.items() if k != "max_abs"},
+                       "max_abs": {"$": "float", "value": "nan"}}}}).encode()
+        result = run_in_child(targets.send_raw_result, crafted, timeout=30)
+        assert result.returned, result.problem
+        assert isinstance(result.value, Outcome)
+        assert result.value.summary == "s" and math.isnan(result.value.max_abs or 0.0)
+
+
+# --- memory and timeouts ----------------------------------------------------------------------
+
+@needs_proc
+def test_memory_limit_kills_the_tree() -> None:
+    own = int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    limit = own + 128 * 2**20
+    result = run_in_child(targets.hold_memory, 512 * 2**20, timeout=120, memory_limit=limit)
+    assert result.memory_exceeded and not result.returned
+    assert result.resident is not None and result.resident > limit
+    assert result.problem is not None
+    assert result.problem.startswith(f"exceeded the memory limit of {limit / 2**30:.3g} GiB "
+                                     "(resident ")
+
+
+def test_a_generous_memory_limit_lets_the_run_finish() -> None:
+    result = run_in_child(targets.echo, 2, timeout=30, memory_limit=64 * 2**30)
+    assert result.returned and result.value == 4 and not result.memory_exceeded
+
+
+@pytest.mark.parametrize("timeout", [10**9, 30 * 86400.0, math.inf])
+def test_huge_timeouts_work(timeout: float) -> None:
+    result = run_in_child(targets.echo, 3, timeout=timeout)
+    assert result.returned and result.value == 6
+
+
+@pytest.mark.parametrize("timeout", [-1, float("nan")])
+def test_negative_or_nan_timeout_is_refused(timeout: float) -> None:
+    with pytest.raises(ValueError, match="timeout must be a number of seconds >= 0"):
+        run_in_child(targets.echo, 1, timeout=timeout)
+
+
+# --- what the report shows --------------------------------------------------------------------
+
+def test_hang_dump_hides_pytests_frames() -> None:
+    result = run_in_child(targets.hang, timeout=1.0)
+    assert result.timed_out
+    assert "in hang" in result.stderr
+    assert "frames of pytest, pluggy and gpucase hidden]" in result.stderr
+    for machinery in ("/_pytest/", "/pluggy/", "pytest_gpucase/"):
+        assert machinery not in result.stderr
+
+
+def test_warnings_come_back_counted_and_bounded() -> None:
+    # This suite runs with filterwarnings=error, inherited by the fork: the child records
+    # its warnings all the same.
+    result = run_in_child(targets.warn_often, timeout=30)
+    assert result.returned, result.problem
+    first = result.warnings[0]
+    assert first == ChildWarning("UserWarning", "std(): degrees of freedom is <= 0",
+                                 first.filename, first.lineno, count=500)
+    assert first.filename.endswith("isolation_targets.py")
+    assert result.warnings[1].category == "RuntimeWarning"
+    assert len(result.warnings) == 20 and result.warnings_dropped == 82
+
+
+WARNING_CASE = '''
+import warnings
+
+def run(x):
+    warnings.warn("std(): degrees of freedom is <= 0", UserWarning)
+    return x + 1
+'''
+
+
+def test_warnings_reach_pytests_summary_and_a_section(pytester: pytest.Pytester) -> None:
+    case = pytester.path / "cases" / "warns"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[inputs]\nx = 1\n')
+    (case / "case.py").write_text(WARNING_CASE)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rP", "cases")
+    result.assert_outcomes(passed=1, warnings=1)
+    result.stdout.fnmatch_lines([
+        "*Captured warnings (child) call*",
+        "*case.py:5: UserWarning: std(): degrees of freedom is <= 0 (2 times)",
+    ])
+    result.stdout.fnmatch_lines([
+        "*warnings summary*",
+        "*UserWarning: (in the case's child) std(): degrees of freedom is <= 0",
+    ])
+
+
+COVERED_CASE = '''
+def run(x):
+    if x > 0:
+        return x + 1  # only a case run gets here
+    return x
+'''
+
+
+def test_code_a_case_runs_counts_as_covered(pytester: pytest.Pytester) -> None:
+    pytest.importorskip("pytest_cov")
+    case = pytester.path / "cases" / "covered"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[inputs]\nx = 1\n')
+    (case / "case.py").write_text(COVERED_CASE)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--cov=cases", "--cov-report=term-missing", "cases")
+    result.assert_outcomes(passed=1)
+    # Line 4 runs only in the case's child; line 5 never runs.
+    result.stdout.fnmatch_lines(["cases/covered/case.py * 4 * 1 * 75% * 5"])
