@@ -817,7 +817,7 @@ class _Interruptible:
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
         previous = self.previous.get(signum)
-        if callable(previous):
+        if callable(previous) and not getattr(previous, "gpucase_interrupts", False):
             previous(signum, frame)  # someone else's handler decides; if it raises, we clean up
         elif self.armed:
             self.armed = False

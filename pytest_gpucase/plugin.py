@@ -657,7 +657,7 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
 
     pytest-xdist reports such an item as failed in a phase named "???", with no user
     properties: the controller never collected it, so what it was is read from the id
-    (``cases/ce::ce[cuda-float32-batch=1]``).
+    (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``).
     """
     import re
 
@@ -665,12 +665,14 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
 
     if report.when not in ("???", None) or not report.failed:
         return None
-    found = re.fullmatch(r"(?P<path>[^\[]+)::(?P<name>[^:\[]+)\[(?P<device>[a-z]+)-"
-                         r"(?P<dtype>[a-z0-9]+)(?:-(?P<variant>[^\]]+))?\]", report.nodeid)
+    found = re.fullmatch(r"(?P<path>[^\[]+?)(?:/case\.toml)?::(?P<name>[^:\[]+)"
+                         r"\[(?P<device>[a-z]+)-(?P<dtype>[a-z0-9]+)(?:-(?P<kind>[a-z]+)\[(?P<value>-?\d+)\])?\]",
+                         report.nodeid)
     if found is None or found["device"] not in DEVICE_TYPES:
         return None
+    variant = f"{found['kind']}={found['value']}" if found["kind"] else None
     return {"nodeid": report.nodeid, "case": found["name"], "case_path": found["path"],
-            "device": found["device"], "dtype": found["dtype"], "variant": found["variant"],
+            "device": found["device"], "dtype": found["dtype"], "variant": variant,
             "launch_blocking": False, "outcome": "failed", "error_type": "WorkerCrash",
             "message": str(report.longrepr), "max_abs": None, "max_rel": None,
             "duration": round(report.duration, 6), "skip_reason": None, "triage": None,
@@ -710,6 +712,9 @@ class _Recorder:
             os.kill(os.getpid(), signum)
             return
         raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+
+    # While a case runs, isolation's own handler ends the run (and names it) instead of this one.
+    _terminate.gpucase_interrupts = True  # type: ignore[attr-defined]
 
     @pytest.hookimpl(tryfirst=True)
     def pytest_sessionfinish(self, session: pytest.Session) -> None:

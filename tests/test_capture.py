@@ -236,7 +236,8 @@ def test_writer_killed_mid_write_leaves_no_visible_case(tmp_path: Path) -> None:
     assert hidden.name.startswith(".big.")
     left = [p.name for p in hidden.iterdir()]
     assert "case.toml" not in left and any(n.startswith(".inputs.safetensors") for n in left)
-    assert validate([root]) == []
+    # Nothing half-written is seen as a case: the folder holds none.
+    assert validate([root]) == [f"{root}: no case directory (with a case.toml) under {root}"]
     # The next writer is not confused by the leftover.
     fail(Recorder(root).watch(failing_op, name="big"), torch.ones(2))
     assert visible(root) == ["big"]

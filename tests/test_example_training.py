@@ -74,6 +74,7 @@ def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytest
     doc = tomllib.loads((case_dir / "case.toml").read_text())
     assert doc["call"] == "toy_train.model:loss_fn" and doc["xfail"] == XFAIL
     assert doc["origin"]["sample_ids"] == [f"s{i:03d}" for i in range(48, 64)]
+    pytester.syspathinsert(project)  # as for the training script: toy_train is importable
     assert validate([project / "cases"]) == []
 
     # Before the fix: the case is a strict xfail; without its xfail line it fails with the

@@ -198,9 +198,10 @@ def test_broken_case_is_in_the_json_report_and_the_step_summary(
     assert set(by_case) == {"good", "typo"}
     broken = by_case["typo"]
     assert (broken["nodeid"], broken["case_path"], broken["outcome"], broken["error_type"]) == (
-        "cases/typo::typo", "cases/typo", "failed", "CaseFormatError")
+        "cases/typo/case.toml::typo", "cases/typo", "failed", "CaseFormatError")
     assert broken["message"] == "cases/typo/case.toml: calll: unknown key; did you mean 'call'?"
-    assert "`cases/typo::typo`: cases/typo/case.toml: calll: unknown key" in summary.read_text()
+    assert ("`cases/typo/case.toml::typo`: cases/typo/case.toml: calll: unknown key"
+            in summary.read_text())
 
 
 def test_junit_properties_are_json(pytester: pytest.Pytester) -> None:
@@ -280,7 +281,7 @@ def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pyteste
     report = load_report(path)
     assert report["complete"] is False
     assert sorted(r["nodeid"] for r in report["results"]) == [
-        f"cases/{name}::{name}[cpu-float32]" for name in ("a1", "a2", "a3", "a4")]
+        f"cases/{name}/case.toml::{name}[cpu-float32]" for name in ("a1", "a2", "a3", "a4")]
     assert {r["outcome"] for r in report["results"]} == {"passed"}
 
 
@@ -291,12 +292,12 @@ def test_an_item_lost_with_a_crashed_xdist_worker_is_recorded(pytester: pytest.P
                  "    os.kill(os.getppid(), signal.SIGKILL)\n")
     report = run_with_report(pytester, "-p", "no:benchmark", "--gpu-devices", "cpu", "-n", "1")
     by_id = {r["nodeid"]: r for r in report["results"]}
-    assert by_id["cases/good::good[cpu-float32]"]["outcome"] == "passed"
-    lost = by_id["cases/killer::killer[cpu-float32]"]
+    assert by_id["cases/good/case.toml::good[cpu-float32]"]["outcome"] == "passed"
+    lost = by_id["cases/killer/case.toml::killer[cpu-float32]"]
     assert (lost["case"], lost["case_path"], lost["device"], lost["dtype"], lost["outcome"],
             lost["error_type"]) == ("killer", "cases/killer", "cpu", "float32", "failed",
                                     "WorkerCrash")
-    assert "crashed while running 'cases/killer::killer[cpu-float32]'" in lost["message"]
+    assert "crashed while running 'cases/killer/case.toml::killer[cpu-float32]'" in lost["message"]
 
 
 def test_child_text_cannot_drive_the_terminal(pytester: pytest.Pytester) -> None:
