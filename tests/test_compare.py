@@ -44,9 +44,9 @@ def only(result: Comparison) -> Mismatch:
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Chunks of 64 elements and screening blocks of 256, so small tensors span many."""
+    """Chunks of 64 elements, so small tensors span many, judged without batching."""
     monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 64)
-    monkeypatch.setattr(compare_module, "BLOCK_ELEMENTS", 256)
+    monkeypatch.setattr(compare_module, "SMALL_ELEMENTS", 0)
     return 64
 
 
@@ -148,9 +148,9 @@ class TestUlps:
             """\
             out: values differ
               Mismatched elements: 1 / 1 (100.0%)
-              Greatest absolute difference: 4.768e-07 at index (0,) (up to 0 allowed)
-              Greatest relative difference: 4.768e-07 at index (0,) (up to 0 allowed)
-              Also accepted: within 2 ULP in float32
+              Greatest absolute difference: 4.768e-07 at index (0,)
+              Greatest relative difference: 4.768e-07 at index (0,)
+              Tolerance: ulps=2 in float32 (compare(tolerances=...)); atol and rtol not used
               Worst elements (index: actual vs expected, abs error):
                 (0,): 1.0000005 vs 1.0, 4.768e-07
               Worst element is 4 ULP off in float32 (spacing 1.192e-07 at 1.0)"""
@@ -171,6 +171,7 @@ class TestTensorMessages:
               Mismatched elements: 2 / 6 (33.3%)
               Greatest absolute difference: 0.5 at index (1, 2) (up to 1e-05 allowed)
               Greatest relative difference: 0.25 at index (0, 0) (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 2): 6.5 vs 6.0, 0.5
                 (0, 0): 1.25 vs 1.0, 0.25"""
@@ -194,6 +195,7 @@ class TestTensorMessages:
               Mismatched elements: 1 / 8 (12.5%)
               Greatest absolute difference: 2 at index (1, 3) (up to 1e-05 allowed)
               Greatest relative difference: 0.1 at index (1, 3) (up to 0.016 allowed)
+              Tolerance: atol=1e-05, rtol=0.016 (bfloat16 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 3): 22.0 vs 20.0, 2
               Worst element is 16 ULP off in bfloat16 (spacing 0.125 at 20.0)"""
@@ -231,7 +233,8 @@ class TestTensorMessages:
             """\
             out: values differ: actual 1.5 vs expected 1.0
               Absolute difference: 0.5 (up to 1e-05 allowed)
-              Relative difference: 0.5 (up to 1.3e-06 allowed)"""
+              Relative difference: 0.5 (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)"""
         )
 
     def test_values_print_in_their_own_dtype(self) -> None:
@@ -380,6 +383,7 @@ class TestKinds:
               Mismatched elements: 1 / 8 (12.5%)
               Greatest absolute difference: 3 at index (4,) (up to 0 allowed)
               Greatest relative difference: 0.75 at index (4,) (up to 0 allowed)
+              Tolerance: none: int64 values must be equal
               Worst elements (index: actual vs expected, abs error):
                 (4,): 7 vs 4, 3"""
         )
@@ -397,6 +401,7 @@ class TestKinds:
             """\
             out: values differ
               Mismatched elements: 1 / 2 (50.0%)
+              Tolerance: none: bool values must be equal
               Worst elements (index: actual vs expected, abs error):
                 (1,): False vs True, 1"""
         )
@@ -413,7 +418,8 @@ class TestKinds:
             """\
             out['loss']: values differ: actual 1.5 vs expected 1.0
               Absolute difference: 0.5 (up to 1e-07 allowed)
-              Relative difference: 0.5 (up to 1e-07 allowed)"""
+              Relative difference: 0.5 (up to 1e-07 allowed)
+              Tolerance: atol=1e-07, rtol=1e-07 (float64 defaults)"""
         )
 
     def test_number_types_must_match(self) -> None:
@@ -569,6 +575,7 @@ class TestLayoutAndChunks:
               Mismatched elements: 2 / 2100 (0.1%)
               Greatest absolute difference: 2 at index (0, 3) (up to 1e-05 allowed)
               Greatest relative difference: 1.95 at index (299, 6) (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (0, 3): -0.10093808 vs -2.100938, 2
                 (299, 6): 1.5129519 vs 0.51295185, 1"""
