@@ -48,7 +48,9 @@ message names the tolerance it applied and where it came from.
 
 from __future__ import annotations
 
+import functools
 import math
+import struct
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,9 +82,12 @@ DEVICE_CHUNK_ELEMENTS = 1 << 22
 SMALL_ELEMENTS = 1 << 12
 # A batch is compared once it holds this many elements.
 _BATCH_ELEMENTS = 1 << 18
-# Worker threads are started only for tensors of at least this many chunks:
-# starting one costs about as much as comparing a chunk.
+# Worker threads are started only for tensors of at least this many chunks
+# each: starting one costs about as much as comparing a chunk.
 _MIN_CHUNKS_PER_WORKER = 2
+# Below torch's grain size (32768 elements) an op runs in the calling thread
+# anyway; a chunk's ops reduce several rows at once.
+_GRAIN_ELEMENTS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -739,20 +744,35 @@ def _compare_values(
 ) -> _TensorStats:
     """Compare the values of two strided tensors of one shape; return what they add up to."""
     stats = _TensorStats(keep)
-    if actual.numel() == 0:
+    n = actual.numel()
+    if n == 0:
         return stats
     judge = _Judge(actual, expected, tol, equal_nan)
     chunk = _chunk_elements(actual.device)
-    chunks = -(-actual.numel() // chunk)
-    workers = 1
-    if actual.device.type == "cpu" and expected.device.type == "cpu":
-        workers = min(torch.get_num_threads(), chunks // _MIN_CHUNKS_PER_WORKER)
     pieces = _pieces(actual, expected, chunk)
-    if workers <= 1:
+    cpu = actual.device.type == "cpu" and expected.device.type == "cpu"
+    threads = torch.get_num_threads() if cpu and n > _GRAIN_ELEMENTS else 1
+    if threads <= 1:
         for offset, a, e in pieces:
             judge(scratch, stats, offset, a, e)
         return stats
-    _in_threads(judge, pieces, workers, stats)
+    # Every op of a chunk would be one parallel region of `threads` threads;
+    # while another process holds a core, each region waits for its slowest
+    # thread. Single-threaded ops, in as many threads as torch would use, each
+    # taking the next chunk when done, share the work without a barrier per
+    # op and skip none of it when one of them is descheduled.
+    workers = min(threads, -(-n // chunk) // _MIN_CHUNKS_PER_WORKER)
+    torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
+    try:
+        if workers <= 1:
+            for offset, a, e in pieces:
+                judge(scratch, stats, offset, a, e)
+        else:
+            _in_threads(judge, pieces, workers, stats)
+    finally:
+        # torch.set_num_threads also sets the default of threads started
+        # later, ours included: put back the caller's.
+        torch.set_num_threads(threads)
     return stats
 
 
@@ -762,23 +782,15 @@ def _in_threads(
     workers: int,
     stats: _TensorStats,
 ) -> None:
-    """Judge the pieces in `workers` threads that each run single-threaded torch ops.
-
-    A piece's ops are each one parallel region when torch runs them with
-    several threads; while another process holds a core, every region waits
-    for its slowest thread. Threads that each take the next piece when done
-    share the work without a barrier per op, and skip none of it when one of
-    them is descheduled.
-    """
+    """Judge the pieces in `workers` threads (this one included), each taking the next piece."""
     lock = threading.Lock()
     results: list[_TensorStats] = []
     errors: list[BaseException] = []
-    saved = torch.get_num_threads()
 
     def work() -> None:
         local, local_scratch = _TensorStats(stats.keep), _Scratch()
         try:
-            torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
+            torch.set_num_threads(1)
             while not errors:
                 with lock:
                     piece = next(pieces, None)
@@ -798,13 +810,18 @@ def _in_threads(
     finally:
         for thread in threads:
             thread.join()
-        # A thread's torch.set_num_threads also sets the default that threads
-        # started later begin with: put back the caller's.
-        torch.set_num_threads(saved)
     if errors:
         raise errors[0]
     for result in results:
         stats.merge(result)
+
+
+@functools.cache
+def _ranks(real: torch.dtype) -> tuple[float, float, float]:
+    """eps of a dtype, and the ranks of NaN and inf mismatches: above every number."""
+    info = torch.finfo(real)
+    top = torch.tensor(info.max, dtype=real)
+    return info.eps, info.max, float(torch.nextafter(top, torch.zeros_like(top)))
 
 
 class _Judge:
@@ -825,8 +842,7 @@ class _Judge:
         else:
             self.cdt = actual.dtype
             self.real = torch.float32 if actual.device.type == "mps" else torch.float64
-        info = torch.finfo(self.real)
-        self.eps, self.big = info.eps, info.max
+        self.eps, self.nan_rank, self.inf_rank = _ranks(self.real)
         # Each screen alone proves closeness; the margins cover the rounding
         # of the screen's own arithmetic, so no mismatch slips through.
         margin = 1 - 4 * self.eps
@@ -865,8 +881,8 @@ class _Judge:
         a = scratch.load("a", a_piece, self.cdt, self.device)
         e = scratch.load("e", e_piece, self.cdt, self.device)
         n = a.numel()
-        rows = scratch.rows(4, n, self.real, self.device)
-        diff, rel, excess, scale = rows[0], rows[1], rows[2], rows[3]
+        rows = scratch.rows(5, n, self.real, self.device)
+        diff, rel, excess, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
         # The screen: four cache-resident passes and one reduction of three rows.
         if self.cdt.is_complex:
             torch.abs(torch.sub(a, e), out=diff)
@@ -888,31 +904,40 @@ class _Judge:
             ):
                 stats.note(max_abs, max_rel)
                 return
-        # Element by element, as torch.isclose decides.
+        # Element by element, as torch.isclose decides; 1.0 marks a mismatch.
         allowed = excess
         if self.cdt.is_complex:
             torch.abs(torch.mul(e, tol.rtol), out=allowed).add_(tol.atol)
         else:
             torch.mul(scale, tol.rtol, out=allowed).add_(tol.atol)
-        close = torch.le(diff, allowed, out=scratch.get("close", n, torch.bool, self.device))
+        if finite:
+            # Comparisons written to a float row: several times faster than to bool.
+            torch.gt(diff, allowed, out=mismatch)
+            if tol.ulps is not None:
+                mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps))
+            torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
+            self.account(stats, offset, mismatch, diff, scale, allowed)
+            stats.note(max_abs, max_rel)
+            return
+        close = diff <= allowed
         if tol.ulps is not None:
             close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
-        if not finite:
-            close &= torch.isfinite(diff)  # inf - inf and NaN are never "close"
-            close |= a == e
-            if self.equal_nan:
-                close |= torch.isnan(a) & torch.isnan(e)
-        if finite:
-            stats.note(max_abs, max_rel)
-        else:
-            # Matching specials count as no difference, mismatches as themselves.
-            summary = torch.nan_to_num(diff, nan=0.0, posinf=0.0, out=allowed)
-            abs_total = float(torch.where(close, summary, diff, out=summary).amax())
-            rel.masked_fill_(torch.isinf(diff), math.inf)  # inf / inf
-            summary = torch.nan_to_num(rel, nan=0.0, posinf=math.inf, out=allowed)
-            stats.note(abs_total, float(torch.where(close, summary, rel, out=summary).amax()))
-        count = self.account(scratch, stats, offset, close, diff, rel, allowed, scale)
-        if not finite and count:
+        close &= torch.isfinite(diff)  # inf - inf and NaN are never "close"
+        close |= a == e
+        if self.equal_nan:
+            close |= torch.isnan(a) & torch.isnan(e)
+        torch.logical_not(close, out=mismatch)
+        rel.masked_fill_(torch.isinf(diff), math.inf)  # inf / inf: infinitely far, not NaN
+        # Matching specials count as no difference, mismatches as themselves.
+        passing_abs = float(torch.nan_to_num(diff * close, nan=0.0, posinf=0.0).amax())
+        passing_rel = float(torch.nan_to_num(rel * close, nan=0.0, posinf=math.inf).amax())
+        torch.nan_to_num(rel, nan=self.nan_rank, posinf=self.inf_rank, out=scale)
+        torch.nan_to_num(diff, nan=self.nan_rank, posinf=self.inf_rank, out=excess)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, excess, scale, excess)
+        stats.note(
+            _max(passing_abs, self.unrank(worst_abs)), _max(passing_rel, self.unrank(worst_rel))
+        )
+        if worst_abs > 0:
             mismatched = ~close
             a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
             e_nan = torch.isnan(e)
@@ -926,6 +951,11 @@ class _Judge:
                 )
             )
 
+    def unrank(self, rank: float) -> float:
+        if rank >= self.nan_rank:
+            return math.nan
+        return math.inf if rank >= self.inf_rank else max(rank, 0.0)
+
     def exact_chunk(
         self,
         scratch: _Scratch,
@@ -938,51 +968,59 @@ class _Judge:
         a = scratch.load("a", a_piece, wide, self.device)
         e = scratch.load("e", e_piece, wide, self.device)
         n = a.numel()
-        rows = scratch.rows(4, n, wide, self.device)
-        diff, rel, key, scale = rows[0], rows[1], rows[2], rows[3]
+        rows = scratch.rows(5, n, wide, self.device)
+        diff, rel, key, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
         # Equality in the dtypes themselves: float64 cannot tell 2**62 from 2**62 + 1.
-        close = scratch.get("close", n, torch.bool, self.device)
-        torch.eq(a_piece, e_piece.to(self.device), out=close.view(a_piece.shape))
+        torch.ne(a_piece, e_piece.to(self.device), out=mismatch.view(a_piece.shape))
         torch.sub(a, e, out=diff).abs_()
         if self.actual_dtype == torch.bool:
             rel.copy_(diff)  # a relative difference of bools means nothing: 0 or 1
         else:
-            torch.div(diff, torch.abs(e, out=scale), out=rel).nan_to_num_(nan=0.0, posinf=math.inf)
+            torch.div(diff, torch.abs(e, out=scale), out=rel)
+            rel.nan_to_num_(nan=0.0, posinf=math.inf)
         max_abs, max_rel = rows[:2].amax(dim=1).tolist()
         stats.note(max_abs, max_rel)
-        self.account(scratch, stats, offset, close, diff, rel, key, scale)
+        # Ranked one above the difference: a mismatch of 2**62 + 1 against 2**62
+        # differs by 0 in float64 and must still rank above the matches.
+        torch.add(diff, 1.0, out=key)
+        torch.nan_to_num(rel, posinf=self.inf_rank, out=scale).add_(1.0)
+        self.account(stats, offset, mismatch, key, scale, key)
 
     def account(
         self,
-        scratch: _Scratch,
         stats: _TensorStats,
         offset: int,
-        close: torch.Tensor,
-        diff: torch.Tensor,
-        rel: torch.Tensor,
+        mismatch: torch.Tensor,
+        rank: torch.Tensor,
+        rel_rank: torch.Tensor,
         key: torch.Tensor,
-        spare: torch.Tensor,
-    ) -> int:
-        """Count a chunk's mismatches and keep its worst: a few reductions, however many."""
-        count = close.numel() - int(close.sum())
+    ) -> tuple[float, float]:
+        """Count a chunk's mismatches and keep its worst: a few reductions, however many.
+
+        `mismatch` holds 1.0 at mismatches and 0.0 elsewhere; `rank` and
+        `rel_rank` rank the elements (positive at every mismatch); `key` may
+        be `rank` itself. Returns the chunk's greatest ranks among mismatches.
+        """
+        count = int(mismatch.sum())
         if not count:
-            return 0
+            return 0.0, 0.0
         stats.mismatched += count
-        # Rank: NaN above inf above every number; passing elements out of the running.
-        torch.nan_to_num(diff, nan=math.inf, posinf=self.big, out=key).masked_fill_(close, -1.0)
-        # One max per chunk; more only while this chunk can still hold one of the
-        # worst `keep` (the first chunk, or one worse than all kept so far).
+        torch.mul(rel_rank, mismatch, out=rel_rank)
+        worst_rel = float(rel_rank.amax())
+        if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
+            stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
+        key = torch.mul(rank, mismatch, out=key)
+        # One max per chunk; an index only while this chunk can still hold one
+        # of the worst `keep` (the first chunk, or one worse than all kept).
+        worst = value = float(key.amax())
         for _ in range(stats.keep):
-            value, index = key.max(dim=0)
-            rank = float(value)
-            if rank < 0 or not stats.admits(rank):
+            if value <= 0 or not stats.admits(value):
                 break
-            stats.add_worst(rank, offset + int(index))
-            key[index] = -1.0
-        torch.nan_to_num(rel, nan=math.inf, posinf=self.big, out=spare).masked_fill_(close, -1.0)
-        value, index = spare.max(dim=0)
-        stats.add_rel(float(value), offset + int(index))
-        return count
+            index = int(key.argmax())
+            stats.add_worst(value, offset + index)
+            key[index] = 0.0
+            value = float(key.amax())
+        return worst, worst_rel
 
 
 def _spacing_tensor(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1213,6 +1251,23 @@ def _shortest(x: float, dtype: torch.dtype) -> str:
         return repr(x)
     for digits in range(1, 18):
         candidate = float(f"{x:.{digits}g}")
-        if torch.tensor(candidate, dtype=dtype).item() == x:
+        if _round(candidate, dtype) == x:
             return repr(candidate)
     return repr(x)
+
+
+def _round(x: float, dtype: torch.dtype) -> float:
+    """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
+    try:
+        if dtype == torch.float32:
+            return float(struct.unpack("f", struct.pack("f", x))[0])
+        if dtype == torch.float16:
+            x = float(struct.unpack("f", struct.pack("f", x))[0])
+            return float(struct.unpack("e", struct.pack("e", x))[0])
+        if dtype == torch.bfloat16:
+            (bits,) = struct.unpack("I", struct.pack("f", x))
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+            return float(struct.unpack("f", struct.pack("I", (bits & 0xFFFF) << 16))[0])
+    except OverflowError:  # beyond float16's range
+        return math.copysign(math.inf, x)
+    return float(torch.tensor(x, dtype=dtype).item())
