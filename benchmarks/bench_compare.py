@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import time
@@ -247,6 +248,8 @@ def main(argv: list[str] | None = None) -> int:
         args.repeats = min(args.repeats, 3)
     torch.set_num_threads(args.threads)
     busy = None
+    # A terminated run still ends its busy process (in the finally below).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))
     if args.busy:
         busy = multiprocessing.get_context("spawn").Process(target=_busy, daemon=True)
         busy.start()

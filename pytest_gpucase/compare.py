@@ -84,8 +84,8 @@ SMALL_ELEMENTS = 1 << 12
 # A batch is compared once it holds this many elements.
 _BATCH_ELEMENTS = 1 << 18
 # Worker threads are started only for tensors of at least this many chunks
-# each: starting one costs about as much as comparing a chunk.
-_MIN_CHUNKS_PER_WORKER = 2
+# each: on a loaded machine starting one costs as much as several chunks.
+_MIN_CHUNKS_PER_WORKER = 8
 # Below torch's grain size (32768 elements) an op runs in the calling thread
 # anyway; a chunk's ops reduce several rows at once.
 _GRAIN_ELEMENTS = 1 << 12
@@ -203,6 +203,8 @@ def compare(
     """Compare a nested output against the expected one and collect every mismatch."""
     if worst < 0:
         raise ValueError(f"worst must be >= 0, got {worst}")
+    if _equal_tensors(actual, expected):
+        return Comparison((), 0.0, 0.0)
     walk = _Walk(
         tolerances={**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES,
         equal_nan=equal_nan,
@@ -219,6 +221,22 @@ def compare(
         if isinstance(item, Mismatch) or item.mismatch is not None
     )
     return Comparison(mismatches, walk.max_abs, walk.max_rel)  # type: ignore[arg-type]
+
+
+def _equal_tensors(actual: object, expected: object) -> bool:
+    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call."""
+    return (
+        isinstance(actual, torch.Tensor)
+        and isinstance(expected, torch.Tensor)
+        and actual.dtype == expected.dtype
+        and actual.shape == expected.shape
+        and actual.device == expected.device
+        and actual.layout == torch.strided
+        and expected.layout == torch.strided
+        and not actual.is_meta
+        and 0 < actual.numel() <= SMALL_ELEMENTS
+        and torch.equal(actual, expected)
+    )
 
 
 # --------------------------------------------------------------------------
@@ -748,8 +766,18 @@ def _compare_values(
     n = actual.numel()
     if n == 0:
         return stats
-    judge = _Judge(actual, expected, tol, equal_nan)
     chunk = _chunk_elements(actual.device)
+    if (
+        n > chunk
+        and actual.dtype == expected.dtype
+        and actual.device == expected.device
+        and torch.equal(actual, expected)
+    ):
+        # Equal tensors, the common case of a fixed bug: one read, and one
+        # parallel region; unequal ones stop at their first difference.
+        stats.note(0.0, 0.0)
+        return stats
+    judge = _Judge(actual, expected, tol, equal_nan)
     pieces = _pieces(actual, expected, chunk)
     cpu = actual.device.type == "cpu" and expected.device.type == "cpu"
     threads = torch.get_num_threads() if cpu and n > _GRAIN_ELEMENTS else 1
@@ -1198,12 +1226,12 @@ def _ulp_line(
 
 def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
     """Fetch a few elements by flat index: the only values that cross to the host."""
-    if t.dim() == 0:
-        return [t.item()] * len(flat)
-    coords = list(zip(*(_coords(i, tuple(t.shape)) for i in flat), strict=True))
-    index = tuple(torch.tensor(c, dtype=torch.long, device=t.device) for c in coords)
-    values: list[complex] = t[index].tolist()
-    return values
+    shape = tuple(t.shape)
+    seen: dict[int, complex] = {}
+    for i in flat:
+        if i not in seen:
+            seen[i] = t[_coords(i, shape)].item()
+    return [seen[i] for i in flat]
 
 
 def _abs_diff(a: complex, e: complex) -> float:

@@ -923,7 +923,7 @@ class TestFastPaths:
         saved = torch.get_num_threads()
         try:
             torch.set_num_threads(2)
-            expected = torch.randn(50 * small_chunks, generator=torch.Generator().manual_seed(3))
+            expected = torch.randn(500 * small_chunks, generator=torch.Generator().manual_seed(3))
             actual = expected * (1 + 1e-7)
             actual[-1] += 1
             assert only(compare(actual, expected)).mismatched == 1
