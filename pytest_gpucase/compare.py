@@ -4,42 +4,91 @@ The comparison walks actual and expected outputs together (tensors, Python
 numbers, None, strings, sequences, mappings), checks structure and tensor
 attributes before values, and collects every mismatch with its path.
 
-Tensor values are compared on the actual tensor's device in one chunked pass:
-each chunk yields a few scalars (greatest errors, a mismatch count, the worst
-few candidates), so neither a full-size temporary nor a whole device tensor
-ever reaches the host.
+Tensor values are compared on the actual tensor's device in chunks, fast path
+first: a chunk whose values are equal costs one ``torch.equal`` (which also
+proves it holds no NaN); any other chunk costs one screening pass of a few
+cache-resident elementwise ops and one fused reduction that yields its
+greatest absolute, relative and excess-over-tolerance errors. Only a chunk
+the screen cannot clear is decided element by element, and its accounting is
+bounded: a sum counts its mismatches, one max reduction finds its worst
+element, and the few worst candidates are drawn only from chunks that can
+still hold one of them. No temporary is ever the size of the tensor, and
+nothing but a few scalars reaches the host. On the CPU, a tensor of several
+chunks is shared by worker threads that each run single-threaded torch ops:
+one barrier per call instead of one per op, which is what keeps a comparison
+fast while other processes compete for the cores. Small tensors of one dtype
+in a nested output are batched into one flat pass.
+
+Verdicts. An element passes when ``|actual - expected| <= atol + rtol *
+|expected|``, or it is within ``ulps`` units in the last place of the actual
+dtype, or both are equal (infinities of one sign), or both are NaN with
+``equal_nan``: ``torch.isclose``'s rule. The arithmetic is done in the
+promoted dtype of the pair, but never below float32. For float32, float64,
+integer and bool pairs, and for a low-precision output against a float64
+reference (the plugin's own path), that is exactly what
+``torch.testing.assert_close`` computes, and the verdicts are the same. For a
+bfloat16 or float16 output against an expected tensor of the same dtype,
+assert_close computes the difference and the bound in that dtype, rounding
+both to 8 (bfloat16) or 11 (float16) significant bits; this module computes
+them from the same stored values in float32. Both read the same tolerance,
+so they disagree only on pairs within a rounding of the bound, and there this
+module is the exact one, and deliberately stricter (in 400,000 constructed
+pairs near the bound, never the other way): bfloat16 ``1e-5`` against ``0``
+fails here (the difference, 1.0014e-5, exceeds atol = 1e-5; assert_close
+rounds the bound up to 1.0014e-5 too), and ``0.24707`` against ``0.24316``
+fails here (0.0039062 > 0.0039006) where assert_close rounds the bound to
+0.0039062. Exactness makes the verdict depend on the values only, not on
+their storage: the same bfloat16 output gets the same verdict against a
+bfloat16 golden as against the float64 reference (assert_close included),
+and a stated atol means what it says.
+
+Tolerances. ``ulps`` alone (atol = rtol = 0) means only the ULP test
+applies; with atol and rtol it is a second way to pass. Every failure
+message names the tolerance it applied and where it came from.
 """
 
 from __future__ import annotations
 
+import functools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+import struct
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 __all__ = [
-    "BLOCK_ELEMENTS",
     "CHUNK_ELEMENTS",
     "DEFAULT_TOLERANCES",
     "DEVICE_CHUNK_ELEMENTS",
+    "SMALL_ELEMENTS",
     "Comparison",
     "Mismatch",
     "Tolerance",
+    "combine",
     "compare",
 ]
 
 # Elements per chunk on the CPU: small enough that a chunk's scratch rows stay
 # in cache between the few elementwise passes, large enough that per-op
-# dispatch overhead stays small (measured by benchmarks/bench_compare.py).
-CHUNK_ELEMENTS = 1 << 19
-# Elements per screening block on the CPU: a bitwise-equal block costs one
-# torch.equal and one NaN check (few parallel regions, which matters when
-# other processes compete for the cores); only differing blocks are chunked.
-BLOCK_ELEMENTS = 1 << 21
-# Elements per chunk (and block) on accelerators, where bandwidth is high and
-# every chunk costs kernel launches and a host synchronization.
+# dispatch stays a small part (measured by benchmarks/bench_compare.py).
+CHUNK_ELEMENTS = 1 << 18
+# Elements per chunk on accelerators, where bandwidth is high and every chunk
+# costs kernel launches and a host synchronization.
 DEVICE_CHUNK_ELEMENTS = 1 << 22
+# Tensors of at most this many elements in a nested output are batched with
+# the others of their dtype and device into one flat pass: per call, a torch
+# op costs microseconds whatever its size.
+SMALL_ELEMENTS = 1 << 12
+# A batch is compared once it holds this many elements.
+_BATCH_ELEMENTS = 1 << 18
+# Worker threads are started only for tensors of at least this many chunks
+# each: on a loaded machine starting one costs as much as several chunks.
+_MIN_CHUNKS_PER_WORKER = 8
+# Below torch's grain size (32768 elements) an op runs in the calling thread
+# anyway; a chunk's ops reduce several rows at once.
+_GRAIN_ELEMENTS = 1 << 12
 
 
 @dataclass(frozen=True)
@@ -48,8 +97,12 @@ class Tolerance:
 
     rtol: float = 0.0
     atol: float = 0.0
-    # When set, also pass when |a - e| <= ulps * spacing(e) in the actual dtype.
+    # When set, also pass when |a - e| <= ulps * spacing(e) in the actual dtype;
+    # with atol = rtol = 0 it is the only test.
     ulps: float | None = None
+    # Where the values came from, for failure messages ("float32 defaults",
+    # "case.toml [expect.tolerance.bfloat16]"); not part of equality.
+    source: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
         for name in ("rtol", "atol", "ulps"):
@@ -58,15 +111,22 @@ class Tolerance:
                 raise ValueError(f"Tolerance.{name} must be >= 0, got {value!r}")
 
 
+def _defaults(dtype: torch.dtype, rtol: float, atol: float) -> Tolerance:
+    return Tolerance(rtol=rtol, atol=atol, source=f"{str(dtype).removeprefix('torch.')} defaults")
+
+
 # torch.testing.assert_close's table; integer and bool dtypes compare exactly.
 DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    torch.float16: Tolerance(rtol=1e-3, atol=1e-5),
-    torch.bfloat16: Tolerance(rtol=1.6e-2, atol=1e-5),
-    torch.float32: Tolerance(rtol=1.3e-6, atol=1e-5),
-    torch.float64: Tolerance(rtol=1e-7, atol=1e-7),
-    torch.complex32: Tolerance(rtol=1e-3, atol=1e-5),
-    torch.complex64: Tolerance(rtol=1.3e-6, atol=1e-5),
-    torch.complex128: Tolerance(rtol=1e-7, atol=1e-7),
+    dtype: _defaults(dtype, rtol, atol)
+    for dtype, rtol, atol in (
+        (torch.float16, 1e-3, 1e-5),
+        (torch.bfloat16, 1.6e-2, 1e-5),
+        (torch.float32, 1.3e-6, 1e-5),
+        (torch.float64, 1e-7, 1e-7),
+        (torch.complex32, 1e-3, 1e-5),
+        (torch.complex64, 1.3e-6, 1e-5),
+        (torch.complex128, 1e-7, 1e-7),
+    )
 }
 
 
@@ -90,6 +150,8 @@ class Comparison:
     mismatches: tuple[Mismatch, ...]
     # Greatest absolute and relative difference over all compared tensors and
     # numbers, passing or not (for JSON results); None when nothing numeric.
+    # Matching specials (inf == inf, NaN with equal_nan) count as 0; a NaN
+    # difference anywhere makes these NaN, as the failure text says.
     max_abs: float | None
     max_rel: float | None
 
@@ -101,6 +163,31 @@ class Comparison:
     def report(self) -> str:
         """Return all mismatch messages, top-down, ready for a pytest failure."""
         return "\n".join(m.message for m in self.mismatches)
+
+
+def combine(parts: Iterable[Comparison]) -> Comparison:
+    """One Comparison of several, in order; a NaN greatest difference stays NaN."""
+    parts = list(parts)
+    return Comparison(
+        mismatches=tuple(m for p in parts for m in p.mismatches),
+        max_abs=_greatest(p.max_abs for p in parts),
+        max_rel=_greatest(p.max_rel for p in parts),
+    )
+
+
+def _greatest(values: Iterable[float | None]) -> float | None:
+    result: float | None = None
+    for value in values:
+        if value is not None:
+            result = value if result is None else _max(result, value)
+    return result
+
+
+def _max(a: float, b: float) -> float:
+    """max() in which NaN wins, whatever the order (Python's max is order-dependent)."""
+    if a != a or b != b:  # NaN is the one value unequal to itself
+        return math.nan
+    return a if a >= b else b
 
 
 def compare(
@@ -116,8 +203,10 @@ def compare(
     """Compare a nested output against the expected one and collect every mismatch."""
     if worst < 0:
         raise ValueError(f"worst must be >= 0, got {worst}")
+    if _equal_tensors(actual, expected):
+        return Comparison((), 0.0, 0.0)
     walk = _Walk(
-        tolerances={**DEFAULT_TOLERANCES, **(tolerances or {})},
+        tolerances={**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES,
         equal_nan=equal_nan,
         check_dtype=check_dtype,
         worst=worst,
@@ -125,11 +214,44 @@ def compare(
     # Outputs may carry autograd history; out= kernels refuse such inputs.
     with torch.no_grad():
         walk.value(actual, expected, path)
-    return Comparison(tuple(walk.mismatches), walk.max_abs, walk.max_rel)
+        walk.flush()
+    mismatches = tuple(
+        item if isinstance(item, Mismatch) else item.mismatch
+        for item in walk.items
+        if isinstance(item, Mismatch) or item.mismatch is not None
+    )
+    return Comparison(mismatches, walk.max_abs, walk.max_rel)  # type: ignore[arg-type]
+
+
+def _equal_tensors(actual: object, expected: object) -> bool:
+    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call."""
+    return (
+        isinstance(actual, torch.Tensor)
+        and isinstance(expected, torch.Tensor)
+        and actual.dtype == expected.dtype
+        and actual.shape == expected.shape
+        and actual.device == expected.device
+        and actual.layout == torch.strided
+        and expected.layout == torch.strided
+        and not actual.is_meta
+        and 0 < actual.numel() <= SMALL_ELEMENTS
+        and torch.equal(actual, expected)
+    )
 
 
 # --------------------------------------------------------------------------
 # Walking nested values
+
+
+@dataclass
+class _Leaf:
+    """A small tensor pair waiting for its batch; its mismatch, once known."""
+
+    path: str
+    actual: torch.Tensor
+    expected: torch.Tensor
+    tol: Tolerance
+    mismatch: Mismatch | None = None
 
 
 @dataclass
@@ -140,17 +262,20 @@ class _Walk:
     equal_nan: bool
     check_dtype: bool
     worst: int
-    mismatches: list[Mismatch] = field(default_factory=list)
+    # Mismatches in walk order, with the batched leaves in their places.
+    items: list[Mismatch | _Leaf] = field(default_factory=list)
     max_abs: float | None = None
     max_rel: float | None = None
     scratch: _Scratch = field(default_factory=lambda: _Scratch())
+    batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
+    batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
     def fail(self, path: str, kind: str, message: str) -> None:
-        self.mismatches.append(Mismatch(path, kind, f"{path}: {message}"))
+        self.items.append(Mismatch(path, kind, f"{path}: {message}"))
 
     def note(self, max_abs: float, max_rel: float) -> None:
-        self.max_abs = max_abs if self.max_abs is None else max(self.max_abs, max_abs)
-        self.max_rel = max_rel if self.max_rel is None else max(self.max_rel, max_rel)
+        self.max_abs = max_abs if self.max_abs is None else _max(self.max_abs, max_abs)
+        self.max_rel = max_rel if self.max_rel is None else _max(self.max_rel, max_rel)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
         return self.tolerances.get(dtype, _EXACT)
@@ -253,18 +378,21 @@ class _Walk:
                 self.note(gap, rel)
             if actual != expected:
                 message = f"{path}: values differ: actual {actual!r} vs expected {expected!r}"
-                self.mismatches.append(Mismatch(path, "values", message, 1, 1, gap, rel))
+                self.items.append(Mismatch(path, "values", message, 1, 1, gap, rel))
             return
         assert isinstance(actual, (float, complex)) and isinstance(expected, (float, complex))
         dtype = torch.float64 if kind_a == "float" else torch.complex128
         tol = self.tolerance(dtype)
         diff = abs(actual - expected)
         verdict = _scalar_close(actual, expected, diff, tol, self.equal_nan, dtype)
-        effective = _effective_diff(diff, verdict)
+        # Matching specials count as no difference; a NaN or inf mismatch as itself.
+        effective = 0.0 if verdict and not math.isfinite(diff) else diff
         self.note(effective, _rel(effective, abs(expected)))
         if not verdict:
-            message = _scalar_message(path, actual, expected, dtype, dtype, tol)
-            self.mismatches.append(
+            message = _scalar_message(
+                path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
+            )
+            self.items.append(
                 Mismatch(path, "values", message, 1, 1, diff, _rel(diff, abs(expected)))
             )
 
@@ -278,24 +406,27 @@ class _Walk:
                 f"shape differs: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}",
             )
             return
-        if self.check_dtype and actual.dtype != expected.dtype:
-            self.fail(
-                path, "dtype", f"dtype differs: actual {actual.dtype} vs expected {expected.dtype}"
-            )
-            return
-        kind_a, kind_e = _dtype_kind(actual.dtype), _dtype_kind(expected.dtype)
-        if kind_a != kind_e:
-            self.fail(
-                path,
-                "dtype",
-                f"dtype kind differs: actual {actual.dtype} ({kind_a}) "
-                f"vs expected {expected.dtype} ({kind_e})",
-            )
-            return
-        for side, t in (("actual", actual), ("expected", expected)):
-            if t.is_meta:
-                self.fail(path, "device", f"{side} is a meta tensor: it holds no values to compare")
+        if actual.dtype != expected.dtype:
+            if self.check_dtype:
+                self.fail(
+                    path,
+                    "dtype",
+                    f"dtype differs: actual {actual.dtype} vs expected {expected.dtype}",
+                )
                 return
+            kind_a, kind_e = _dtype_kind(actual.dtype), _dtype_kind(expected.dtype)
+            if kind_a != kind_e:
+                self.fail(
+                    path,
+                    "dtype",
+                    f"dtype kind differs: actual {actual.dtype} ({kind_a}) "
+                    f"vs expected {expected.dtype} ({kind_e})",
+                )
+                return
+        if actual.is_meta or expected.is_meta:
+            side = "actual" if actual.is_meta else "expected"
+            self.fail(path, "device", f"{side} is a meta tensor: it holds no values to compare")
+            return
         if actual.layout != expected.layout:
             self.fail(
                 path,
@@ -306,18 +437,64 @@ class _Walk:
         if actual.layout != torch.strided:
             # Sparse outputs are rare and small; their dense form is compared.
             actual, expected = actual.to_dense(), expected.to_dense()
-        tol = self.tolerance(actual.dtype) if kind_a in ("floating", "complex") else _EXACT
-        stats = _TensorStats()
-        _compare_values(
-            actual, expected, tol, self.equal_nan, max(self.worst, 1), self.scratch, stats
+        floating = actual.dtype.is_floating_point or actual.dtype.is_complex
+        tol = self.tolerance(actual.dtype) if floating else _EXACT
+        if actual.numel() <= SMALL_ELEMENTS:
+            leaf = _Leaf(path, actual, expected, tol)
+            self.items.append(leaf)
+            key = (actual.dtype, expected.dtype, actual.device, expected.device)
+            batch = self.batches.setdefault(key, [])
+            batch.append(leaf)
+            size = self.batched.get(key, 0) + actual.numel()
+            self.batched[key] = size
+            if size >= _BATCH_ELEMENTS:
+                self.flush_batch(key)
+            return
+        self.leaf(_Leaf(path, actual, expected, tol), record=True)
+
+    def leaf(self, leaf: _Leaf, record: bool = False) -> None:
+        """Compare one tensor pair on its own; record its mismatch (in place or appended)."""
+        stats = _compare_values(
+            leaf.actual, leaf.expected, leaf.tol, self.equal_nan, max(self.worst, 1), self.scratch
         )
         if stats.compared:
             self.note(stats.max_abs, stats.max_rel)
         if stats.mismatched:
-            self.mismatches.append(_values_mismatch(path, actual, expected, tol, stats, self.worst))
+            leaf.mismatch = _values_mismatch(
+                leaf.path, leaf.actual, leaf.expected, leaf.tol, stats, self.worst, self.equal_nan
+            )
+            if record:
+                self.items.append(leaf.mismatch)
+
+    def flush(self) -> None:
+        for key in list(self.batches):
+            self.flush_batch(key)
+
+    def flush_batch(self, key: tuple[object, ...]) -> None:
+        leaves = self.batches.pop(key, [])
+        self.batched.pop(key, None)
+        self.judge_batch(leaves)
+
+    def judge_batch(self, leaves: list[_Leaf]) -> None:
+        """One flat pass over many small pairs; halves are judged again only where one fails."""
+        if len(leaves) == 1:
+            self.leaf(leaves[0])
+            return
+        if not leaves:
+            return
+        actual = torch.cat([leaf.actual.reshape(-1) for leaf in leaves])
+        expected = torch.cat([leaf.expected.reshape(-1) for leaf in leaves])
+        stats = _compare_values(actual, expected, leaves[0].tol, self.equal_nan, 1, self.scratch)
+        if not stats.mismatched:
+            if stats.compared:
+                self.note(stats.max_abs, stats.max_rel)
+            return
+        half = len(leaves) // 2
+        self.judge_batch(leaves[:half])
+        self.judge_batch(leaves[half:])
 
 
-_EXACT = Tolerance()
+_EXACT = Tolerance(source="exact")
 
 
 def _is_number(x: object) -> bool:
@@ -360,19 +537,14 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 
 
 def _rel(diff: float, scale: float) -> float:
-    """Relative difference, with 0/0 read as no difference."""
+    """Relative difference: 0 for no difference, NaN for NaN, inf for inf or a zero scale."""
     if diff == 0:
         return 0.0
-    if math.isnan(diff) or scale == 0:
+    if math.isnan(diff):
+        return math.nan
+    if math.isinf(diff) or scale == 0:
         return math.inf
     return diff / scale
-
-
-def _effective_diff(diff: float, close: bool) -> float:
-    """Difference as it counts for the run summary: matching specials are 0, others inf."""
-    if math.isfinite(diff):
-        return diff
-    return 0.0 if close else math.inf
 
 
 def _scalar_close(
@@ -405,21 +577,33 @@ def _scalar_message(
     actual_dtype: torch.dtype,
     expected_dtype: torch.dtype,
     tol: Tolerance,
+    equal_nan: bool,
+    exact: bool,
 ) -> str:
-    diff = abs(actual - expected)
+    diff = _abs_diff(actual, expected)
     lines = [
-        (
-            f"{path}: values differ: actual {_fmt_value(actual, actual_dtype)} "
-            f"vs expected {_fmt_value(expected, expected_dtype)}"
-        ),
-        f"  Absolute difference: {_num(diff)} (up to {_num(tol.atol)} allowed)",
-        (
-            f"  Relative difference: {_num(_rel(diff, abs(expected)))} "
-            f"(up to {_num(tol.rtol)} allowed)"
-        ),
+        f"{path}: values differ: actual {_fmt_value(actual, actual_dtype)} "
+        f"vs expected {_fmt_value(expected, expected_dtype)}"
     ]
-    if tol.ulps is not None:
-        lines.append(f"  Also accepted: within {_num(tol.ulps)} ULP in {_dtype_name(actual_dtype)}")
+    if exact:
+        return lines[0]
+    ulps_only = _ulps_only(tol)
+    lines.append(f"  Absolute difference: {_num(diff)}{_allowed(tol.atol, ulps_only)}")
+    lines.append(
+        f"  Relative difference: {_num(_rel(diff, abs(expected)))}{_allowed(tol.rtol, ulps_only)}"
+    )
+    lines.append(f"  Tolerance: {_tolerance_text(tol, actual_dtype)}")
+    a_nan, e_nan = _isnan(actual), _isnan(expected)
+    counts = _NonFinite(
+        nan_actual=int(a_nan),
+        nan_both=int(a_nan and e_nan),
+        inf_actual=int(not a_nan and math.isinf(abs(actual))),
+        inf_expected_too=int(
+            not a_nan and math.isinf(abs(actual)) and not math.isfinite(abs(expected))
+        ),
+        nan_expected_only=int(e_nan and not a_nan),
+    )
+    lines.extend(_nonfinite_lines(counts, 1, expected_dtype, equal_nan))
     ulp = _ulp_line(diff, expected, actual_dtype, expected_dtype, tol)
     if ulp is not None:
         lines.append(f"  Difference is {ulp}")
@@ -427,30 +611,70 @@ def _scalar_message(
 
 
 # --------------------------------------------------------------------------
-# Tensor values: one chunked pass
+# Tensor values: chunks, each settled by the cheapest test that can
+
+
+@dataclass
+class _NonFinite:
+    """Where the mismatches of a tensor are NaN or infinite, and whether expected is too."""
+
+    nan_actual: int = 0  # actual NaN
+    nan_both: int = 0  # ... and expected NaN there too
+    inf_actual: int = 0  # actual +-inf
+    inf_expected_too: int = 0  # ... and expected inf or NaN there too
+    nan_expected_only: int = 0  # expected NaN where actual is a number
+
+    def add(self, other: _NonFinite) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
 
 
 @dataclass
 class _TensorStats:
     """What the chunks of one tensor pair add up to."""
 
+    keep: int
     compared: bool = False
     max_abs: float = 0.0  # over all elements, for the run summary
     max_rel: float = 0.0
     mismatched: int = 0
-    # (rank, flat index) of the worst mismatches seen, greatest error first
-    # once sorted; a few per chunk, so the final list is small.
+    # (rank, flat index) of the worst mismatches seen, greatest first, at most
+    # `keep`; rank is the difference, NaN above inf above every number.
     worst: list[tuple[float, int]] = field(default_factory=list)
     worst_rel: tuple[float, int] | None = None
+    nonfinite: _NonFinite = field(default_factory=_NonFinite)
 
     def note(self, max_abs: float, max_rel: float) -> None:
         self.compared = True
-        self.max_abs = max(self.max_abs, max_abs)
-        self.max_rel = max(self.max_rel, max_rel)
+        self.max_abs = _max(self.max_abs, max_abs)
+        self.max_rel = _max(self.max_rel, max_rel)
+
+    def admits(self, rank: float) -> bool:
+        """Whether a mismatch of this rank, later in the tensor than all kept, would be kept."""
+        return len(self.worst) < self.keep or rank > self.worst[-1][0]
+
+    def add_worst(self, rank: float, index: int) -> None:
+        self.worst.append((rank, index))
+        self.worst.sort(key=lambda c: (-c[0], c[1]))
+        del self.worst[self.keep :]
+
+    def add_rel(self, rank: float, index: int) -> None:
+        if self.worst_rel is None or (-rank, index) < (-self.worst_rel[0], self.worst_rel[1]):
+            self.worst_rel = (rank, index)
+
+    def merge(self, other: _TensorStats) -> None:
+        if other.compared:
+            self.note(other.max_abs, other.max_rel)
+        self.mismatched += other.mismatched
+        for rank, index in other.worst:
+            self.add_worst(rank, index)
+        if other.worst_rel is not None:
+            self.add_rel(*other.worst_rel)
+        self.nonfinite.add(other.nonfinite)
 
 
 class _Scratch:
-    """Per-chunk buffers reused across chunks and tensors of one compare() call."""
+    """Per-chunk buffers reused across the chunks and tensors of one worker."""
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
@@ -463,30 +687,36 @@ class _Scratch:
             self._buffers[key] = buf
         return buf[:n]
 
+    def rows(self, count: int, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """`count` rows of n elements, contiguous, so that one reduction covers several."""
+        return self.get("rows", count * n, dtype, device).view(count, n)
+
     def load(
-        self, name: str, block: torch.Tensor, dtype: torch.dtype, device: torch.device
+        self, name: str, piece: torch.Tensor, dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        """Return the block as a contiguous tensor of that dtype on that device."""
-        if block.dtype == dtype and block.device == device and block.is_contiguous():
-            return block
-        if block.device != device and block.dtype != dtype:
-            # Convert where the block lives: some backends (MPS) hold no float64.
-            block = block.to(dtype)
-        return self.get(name, block.numel(), dtype, device).copy_(block)
+        """Return the piece as a flat contiguous tensor of that dtype on that device."""
+        if piece.dtype == dtype and piece.device == device and piece.is_contiguous():
+            return piece.view(-1)
+        if piece.device != device and piece.dtype != dtype:
+            # Convert where the piece lives: some backends (MPS) hold no float64.
+            piece = piece.to(dtype)
+        buf = self.get(name, piece.numel(), dtype, device)
+        buf.view(piece.shape).copy_(piece)
+        return buf
 
 
-def _chunk_elements(device: torch.device) -> tuple[int, int]:
-    """Elements per chunk and per screening block on this device."""
-    if device.type == "cpu":
-        return CHUNK_ELEMENTS, max(CHUNK_ELEMENTS, BLOCK_ELEMENTS)
-    # A device's torch.equal allocates a mask: blocks no larger than chunks.
-    return DEVICE_CHUNK_ELEMENTS, DEVICE_CHUNK_ELEMENTS
+def _chunk_elements(device: torch.device) -> int:
+    return CHUNK_ELEMENTS if device.type == "cpu" else DEVICE_CHUNK_ELEMENTS
 
 
-def _blocks(
+def _pieces(
     actual: torch.Tensor, expected: torch.Tensor, chunk: int, offset: int = 0
 ) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Yield (flat offset, actual block, expected block) in row-major order, 1-D each."""
+    """Yield (flat offset, actual piece, expected piece) in row-major order, <= chunk each.
+
+    Pieces are views: a non-contiguous one is copied into a chunk-sized buffer
+    only when its values are needed, so no copy the size of the tensor is made.
+    """
     n = actual.numel()
     if n == 0:
         return
@@ -495,46 +725,20 @@ def _blocks(
         for start in range(0, n, chunk):
             yield offset + start, flat_a[start : start + chunk], flat_e[start : start + chunk]
         return
-    # A non-contiguous tensor is cut along its leading dimension so that only
-    # chunk-sized pieces are ever copied into contiguous form.
+    # A non-contiguous tensor is cut along its leading dimension.
     rows = actual.shape[0]
     inner = n // rows
     if inner <= chunk:
         step = max(1, chunk // inner)
         for r in range(0, rows, step):
-            yield (
-                offset + r * inner,
-                actual[r : r + step].reshape(-1),
-                expected[r : r + step].reshape(-1),
-            )
+            yield offset + r * inner, actual[r : r + step], expected[r : r + step]
     else:
         for r in range(rows):
-            yield from _blocks(actual[r], expected[r], chunk, offset + r * inner)
-
-
-_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
-
-
-def _same_bits(a: torch.Tensor, e: torch.Tensor) -> bool:
-    """Bitwise equality of two contiguous blocks of one dtype: a single cheap read."""
-    try:
-        # Wide words compare fastest; the view needs an aligned, divisible block.
-        return torch.equal(a.view(torch.int64), e.view(torch.int64))
-    except RuntimeError:
-        bits = _BITS.get(a.element_size(), torch.int64)
-        return torch.equal(a.view(bits), e.view(bits))
-
-
-def _has_nan(block: torch.Tensor) -> bool:
-    if block.is_complex():
-        block = torch.view_as_real(block)
-    if block.element_size() == 1:
-        block = block.float()  # float8 has no reductions
-    return bool(torch.isnan(block.amax()).item())
+            yield from _pieces(actual[r], expected[r], chunk, offset + r * inner)
 
 
 def _compute_dtype(actual: torch.dtype, expected: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype differences are computed in: at least 32-bit, so no rounding of its own."""
+    """The dtype differences are computed in: the pair's promoted dtype, at least 32-bit."""
     try:
         dtype = torch.promote_types(actual, expected)
     except RuntimeError:  # mixed float8 formats
@@ -556,157 +760,296 @@ def _compare_values(
     equal_nan: bool,
     keep: int,
     scratch: _Scratch,
+) -> _TensorStats:
+    """Compare the values of two strided tensors of one shape; return what they add up to."""
+    stats = _TensorStats(keep)
+    n = actual.numel()
+    if n == 0:
+        return stats
+    chunk = _chunk_elements(actual.device)
+    if (
+        n > chunk
+        and actual.dtype == expected.dtype
+        and actual.device == expected.device
+        and torch.equal(actual, expected)
+    ):
+        # Equal tensors, the common case of a fixed bug: one read, and one
+        # parallel region; unequal ones stop at their first difference.
+        stats.note(0.0, 0.0)
+        return stats
+    judge = _Judge(actual, expected, tol, equal_nan)
+    pieces = _pieces(actual, expected, chunk)
+    cpu = actual.device.type == "cpu" and expected.device.type == "cpu"
+    threads = torch.get_num_threads() if cpu and n > _GRAIN_ELEMENTS else 1
+    if threads <= 1:
+        for offset, a, e in pieces:
+            judge(scratch, stats, offset, a, e)
+        return stats
+    # Every op of a chunk would be one parallel region of `threads` threads;
+    # while another process holds a core, each region waits for its slowest
+    # thread. Single-threaded ops, in as many threads as torch would use, each
+    # taking the next chunk when done, share the work without a barrier per
+    # op and skip none of it when one of them is descheduled.
+    workers = min(threads, -(-n // chunk) // _MIN_CHUNKS_PER_WORKER)
+    torch.set_num_threads(1)  # this thread's own setting (OpenMP's is per thread)
+    try:
+        if workers <= 1:
+            for offset, a, e in pieces:
+                judge(scratch, stats, offset, a, e)
+        else:
+            _in_threads(judge, pieces, workers, stats)
+    finally:
+        # torch.set_num_threads also sets the default of threads started
+        # later, ours included: put back the caller's.
+        torch.set_num_threads(threads)
+    return stats
+
+
+def _in_threads(
+    judge: _Judge,
+    pieces: Iterator[tuple[int, torch.Tensor, torch.Tensor]],
+    workers: int,
     stats: _TensorStats,
 ) -> None:
-    floating = actual.dtype.is_floating_point or actual.dtype.is_complex
-    chunk, block = _chunk_elements(actual.device)
-    if floating:
-        size = min(chunk, actual.numel())
-        float_chunk = _FloatChunks(actual, expected, size, tol, equal_nan, keep, scratch, stats)
-    # Bitwise-equal data (the common case for a fixed bug) is recognised by
-    # one read of large blocks; only blocks that differ are cut into chunks.
-    screen = actual.dtype == expected.dtype and actual.device == expected.device
+    """Judge the pieces in `workers` threads (this one included), each taking the next piece."""
+    lock = threading.Lock()
+    results: list[_TensorStats] = []
+    errors: list[BaseException] = []
 
-    def same(a: torch.Tensor, e: torch.Tensor) -> bool:
-        # Equal bits mean equal values, except that NaN == NaN needs equal_nan.
-        return _same_bits(a, e) and (equal_nan or not floating or not _has_nan(a))
+    def work() -> None:
+        local, local_scratch = _TensorStats(stats.keep), _Scratch()
+        try:
+            torch.set_num_threads(1)
+            while not errors:
+                with lock:
+                    piece = next(pieces, None)
+                if piece is None:
+                    break
+                judge(local_scratch, local, *piece)
+        except BaseException as exc:  # re-raised in the calling thread
+            errors.append(exc)
+        with lock:
+            results.append(local)
 
-    for offset, a_block, e_block in _blocks(actual, expected, block):
-        if screen and same(a_block, e_block):
-            stats.note(0.0, 0.0)
-            continue
-        for start in range(0, a_block.numel(), chunk):
-            a, e = a_block[start : start + chunk], e_block[start : start + chunk]
-            if screen and same(a, e):
-                stats.note(0.0, 0.0)
-            elif floating:
-                float_chunk(a, e, offset + start)
-            else:
-                _exact_chunk(a, e, offset + start, keep, stats)
+    threads = [threading.Thread(target=work, daemon=True) for _ in range(workers - 1)]
+    for thread in threads:
+        thread.start()
+    try:
+        work()
+    finally:
+        for thread in threads:
+            thread.join()
+    if errors:
+        raise errors[0]
+    for result in results:
+        stats.merge(result)
 
 
-class _FloatChunks:
-    """Compares floating (or complex) chunks of one tensor pair; constants hoisted."""
+@functools.cache
+def _ranks(real: torch.dtype) -> tuple[float, float, float]:
+    """eps of a dtype, and the ranks of NaN and inf mismatches: above every number."""
+    info = torch.finfo(real)
+    top = torch.tensor(info.max, dtype=real)
+    return info.eps, info.max, float(torch.nextafter(top, torch.zeros_like(top)))
+
+
+class _Judge:
+    """Decides the chunks of one tensor pair; its constants are computed once."""
 
     def __init__(
-        self,
-        actual: torch.Tensor,
-        expected: torch.Tensor,
-        size: int,
-        tol: Tolerance,
-        equal_nan: bool,
-        keep: int,
-        scratch: _Scratch,
-        stats: _TensorStats,
+        self, actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, equal_nan: bool
     ) -> None:
         self.device = actual.device
-        self.actual_dtype = actual.dtype
-        self.cdt = _compute_dtype(actual.dtype, expected.dtype, actual.device)
-        real = self.cdt.to_real()
-        eps = torch.finfo(real).eps
-        self.eps = eps
-        # Each bound alone proves closeness; the margin covers the rounding of
-        # these screens against the exact rule, so no mismatch slips through.
-        self.abs_bound = tol.atol * (1 - 4 * eps)
-        self.rel_bound = tol.rtol * (1 - 4 * eps)
-        self.tol, self.equal_nan, self.keep = tol, equal_nan, keep
-        self.scratch, self.stats = scratch, stats
-        # Two rows reduced by one kernel: |a - e| and |a - e| / |e|.
-        self.rows = scratch.get("rows", 2 * size, real, self.device).view(2, size)
+        self.actual_dtype, self.expected_dtype = actual.dtype, expected.dtype
+        self.floating = actual.dtype.is_floating_point or actual.dtype.is_complex
+        # Equal values prove a chunk equal, and (NaN != NaN) free of NaN.
+        self.screen_equal = actual.dtype == expected.dtype and actual.device == expected.device
+        self.tol, self.equal_nan = tol, equal_nan
+        if self.floating:
+            self.cdt = _compute_dtype(actual.dtype, expected.dtype, actual.device)
+            self.real = self.cdt.to_real()
+        else:
+            self.cdt = actual.dtype
+            self.real = torch.float32 if actual.device.type == "mps" else torch.float64
+        self.eps, self.nan_rank, self.inf_rank = _ranks(self.real)
+        # Each screen alone proves closeness; the margins cover the rounding
+        # of the screen's own arithmetic, so no mismatch slips through.
+        margin = 1 - 4 * self.eps
+        self.abs_bound = tol.atol * margin
+        ulp_rel = 0.0
+        if tol.ulps is not None and self.floating:
+            # The spacing at |e| is more than |e| * eps / 2 in the actual dtype.
+            ulp_rel = tol.ulps * torch.finfo(actual.dtype.to_real()).eps / 2
+        self.rel_bound = max(tol.rtol, ulp_rel) * margin
 
-    def __call__(self, a: torch.Tensor, e: torch.Tensor, offset: int) -> None:
-        n, tol, stats = a.numel(), self.tol, self.stats
-        a = self.scratch.load("a", a, self.cdt, self.device)
-        e = self.scratch.load("e", e, self.cdt, self.device)
-        rows = self.rows[:, :n]
-        diff, rel = rows[0], rows[1]
-        # Every pass after the first reads cache-resident rows: a passing chunk
-        # costs one read of its inputs and four cheap passes.
+    def __call__(
+        self,
+        scratch: _Scratch,
+        stats: _TensorStats,
+        offset: int,
+        a_piece: torch.Tensor,
+        e_piece: torch.Tensor,
+    ) -> None:
+        if self.screen_equal and torch.equal(a_piece, e_piece):
+            stats.note(0.0, 0.0)
+            return
+        if self.floating:
+            self.floating_chunk(scratch, stats, offset, a_piece, e_piece)
+        else:
+            self.exact_chunk(scratch, stats, offset, a_piece, e_piece)
+
+    def floating_chunk(
+        self,
+        scratch: _Scratch,
+        stats: _TensorStats,
+        offset: int,
+        a_piece: torch.Tensor,
+        e_piece: torch.Tensor,
+    ) -> None:
+        tol = self.tol
+        a = scratch.load("a", a_piece, self.cdt, self.device)
+        e = scratch.load("e", e_piece, self.cdt, self.device)
+        n = a.numel()
+        rows = scratch.rows(5, n, self.real, self.device)
+        diff, rel, excess, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
+        # The screen: four cache-resident passes and one reduction of three rows.
         if self.cdt.is_complex:
-            torch.abs(a - e, out=diff)
+            torch.abs(torch.sub(a, e), out=diff)
         else:
             torch.sub(a, e, out=diff).abs_()
-        torch.abs(e, out=rel)
-        torch.div(diff, rel, out=rel)
-        max_diff, max_rel = rows.amax(dim=1).tolist()
-        finite = math.isfinite(max_diff)
+        torch.abs(e, out=scale)
+        torch.div(diff, scale, out=rel)
+        torch.add(diff, scale, alpha=-tol.rtol, out=excess)  # |a - e| - rtol * |e|
+        max_abs, max_rel, max_excess = rows[:3].amax(dim=1).tolist()
+        finite = math.isfinite(max_abs)
         if finite:
             if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
                 max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
-            stats.note(max_diff, max_rel)
-            if max_diff <= self.abs_bound or max_rel <= self.rel_bound:
+            slack = 8 * self.eps * (max_abs + tol.atol)
+            if (
+                max_abs <= self.abs_bound
+                or max_rel <= self.rel_bound
+                or max_excess <= tol.atol - slack
+            ):
+                stats.note(max_abs, max_rel)
                 return
-            excess = torch.abs(e, out=rel)  # the row is free again: reuse it
-            torch.add(diff, excess, alpha=-tol.rtol, out=excess)  # |a - e| - rtol * |e|
-            slack = 8 * self.eps * (max_diff + tol.atol)
-            if float(excess.amax()) <= tol.atol - slack:
-                return
-        # A possible mismatch, NaN or inf: decide element by element, like torch.isclose.
-        scale = e.abs()
-        allowed = torch.mul(scale, tol.rtol).add_(tol.atol)
-        if finite:
-            # All finite: a == e implies |a - e| = 0, which every tolerance allows.
-            close = diff <= allowed
-            if tol.ulps is not None:
-                close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
+        # Element by element, as torch.isclose decides; 1.0 marks a mismatch.
+        allowed = excess
+        if self.cdt.is_complex:
+            torch.abs(torch.mul(e, tol.rtol), out=allowed).add_(tol.atol)
         else:
-            in_range = torch.isfinite(diff)  # inf - inf and NaN are never "close"
-            close = (a == e) | (in_range & (diff <= allowed))
+            torch.mul(scale, tol.rtol, out=allowed).add_(tol.atol)
+        if finite:
+            # Comparisons written to a float row: several times faster than to bool.
+            torch.gt(diff, allowed, out=mismatch)
             if tol.ulps is not None:
-                spacing = _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
-                close |= in_range & (diff <= spacing)
-            if self.equal_nan:
-                close |= torch.isnan(a) & torch.isnan(e)
-        _record(diff, scale, close, offset, self.keep, stats, noted=finite)
+                mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps))
+            torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
+            self.account(stats, offset, mismatch, diff, scale, allowed)
+            stats.note(max_abs, max_rel)
+            return
+        close = diff <= allowed
+        if tol.ulps is not None:
+            close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
+        close &= torch.isfinite(diff)  # inf - inf and NaN are never "close"
+        close |= a == e
+        if self.equal_nan:
+            close |= torch.isnan(a) & torch.isnan(e)
+        torch.logical_not(close, out=mismatch)
+        rel.masked_fill_(torch.isinf(diff), math.inf)  # inf / inf: infinitely far, not NaN
+        # Matching specials count as no difference, mismatches as themselves.
+        passing_abs = float(torch.nan_to_num(diff * close, nan=0.0, posinf=0.0).amax())
+        passing_rel = float(torch.nan_to_num(rel * close, nan=0.0, posinf=math.inf).amax())
+        torch.nan_to_num(rel, nan=self.nan_rank, posinf=self.inf_rank, out=scale)
+        torch.nan_to_num(diff, nan=self.nan_rank, posinf=self.inf_rank, out=excess)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, excess, scale, excess)
+        stats.note(
+            _max(passing_abs, self.unrank(worst_abs)), _max(passing_rel, self.unrank(worst_rel))
+        )
+        if worst_abs > 0:
+            mismatched = ~close
+            a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
+            e_nan = torch.isnan(e)
+            stats.nonfinite.add(
+                _NonFinite(
+                    nan_actual=int(a_nan.sum()),
+                    nan_both=int((a_nan & e_nan).sum()),
+                    inf_actual=int(a_inf.sum()),
+                    inf_expected_too=int((a_inf & ~torch.isfinite(e)).sum()),
+                    nan_expected_only=int((e_nan & mismatched & ~torch.isnan(a)).sum()),
+                )
+            )
 
+    def unrank(self, rank: float) -> float:
+        if rank >= self.nan_rank:
+            return math.nan
+        return math.inf if rank >= self.inf_rank else max(rank, 0.0)
 
-def _exact_chunk(
-    a: torch.Tensor, e: torch.Tensor, offset: int, keep: int, stats: _TensorStats
-) -> None:
-    e = e.to(a.device)
-    close = a == e
-    if bool(close.all()):
-        stats.note(0.0, 0.0)
-        return
-    wide = torch.float32 if a.device.type == "mps" else torch.float64
-    scale = e.to(wide).abs()
-    diff = (a.to(wide) - e.to(wide)).abs_()
-    _record(diff, scale, close, offset, keep, stats, noted=False)
+    def exact_chunk(
+        self,
+        scratch: _Scratch,
+        stats: _TensorStats,
+        offset: int,
+        a_piece: torch.Tensor,
+        e_piece: torch.Tensor,
+    ) -> None:
+        wide = self.real
+        a = scratch.load("a", a_piece, wide, self.device)
+        e = scratch.load("e", e_piece, wide, self.device)
+        n = a.numel()
+        rows = scratch.rows(5, n, wide, self.device)
+        diff, rel, key, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
+        # Equality in the dtypes themselves: float64 cannot tell 2**62 from 2**62 + 1.
+        torch.ne(a_piece, e_piece.to(self.device), out=mismatch.view(a_piece.shape))
+        torch.sub(a, e, out=diff).abs_()
+        if self.actual_dtype == torch.bool:
+            rel.copy_(diff)  # a relative difference of bools means nothing: 0 or 1
+        else:
+            torch.div(diff, torch.abs(e, out=scale), out=rel)
+            rel.nan_to_num_(nan=0.0, posinf=math.inf)
+        max_abs, max_rel = rows[:2].amax(dim=1).tolist()
+        stats.note(max_abs, max_rel)
+        # Ranked one above the difference: a mismatch of 2**62 + 1 against 2**62
+        # differs by 0 in float64 and must still rank above the matches.
+        torch.add(diff, 1.0, out=key)
+        torch.nan_to_num(rel, posinf=self.inf_rank, out=scale).add_(1.0)
+        self.account(stats, offset, mismatch, key, scale, key)
 
+    def account(
+        self,
+        stats: _TensorStats,
+        offset: int,
+        mismatch: torch.Tensor,
+        rank: torch.Tensor,
+        rel_rank: torch.Tensor,
+        key: torch.Tensor,
+    ) -> tuple[float, float]:
+        """Count a chunk's mismatches and keep its worst: a few reductions, however many.
 
-def _record(
-    diff: torch.Tensor,
-    scale: torch.Tensor,
-    close: torch.Tensor,
-    offset: int,
-    keep: int,
-    stats: _TensorStats,
-    noted: bool,
-) -> None:
-    """Fold one chunk's exact verdicts into the tensor's statistics."""
-    if not noted:
-        # The run summary counts matching specials (inf == inf, NaN with
-        # equal_nan) as no difference; mismatches are added below.
-        plain = diff.nan_to_num(nan=0.0, posinf=0.0)
-        rel = (plain / scale).nan_to_num_(nan=0.0, posinf=math.inf)
-        stats.note(float(plain.amax()), float(rel.amax()))
-    where = (~close).nonzero().squeeze(1)
-    count = where.numel()
-    if not count:
-        return
-    # Only the (usually few) mismatches are ranked; NaN or infinite ones rank
-    # as infinitely far.
-    gap = diff[where]
-    gap = torch.where(torch.isfinite(gap), gap, math.inf)
-    rel = torch.where(torch.isfinite(gap), gap / scale[where], math.inf)
-    stats.note(float(gap.amax()), float(rel.amax()))
-    stats.mismatched += count
-    values, indices = gap.topk(min(keep, count))
-    positions = (i + offset for i in where[indices].tolist())
-    stats.worst.extend(zip(values.tolist(), positions, strict=True))
-    value, index = rel.max(dim=0)
-    if stats.worst_rel is None or float(value) > stats.worst_rel[0]:
-        stats.worst_rel = (float(value), int(where[index]) + offset)
+        `mismatch` holds 1.0 at mismatches and 0.0 elsewhere; `rank` and
+        `rel_rank` rank the elements (positive at every mismatch); `key` may
+        be `rank` itself. Returns the chunk's greatest ranks among mismatches.
+        """
+        count = int(mismatch.sum())
+        if not count:
+            return 0.0, 0.0
+        stats.mismatched += count
+        torch.mul(rel_rank, mismatch, out=rel_rank)
+        worst_rel = float(rel_rank.amax())
+        if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
+            stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
+        key = torch.mul(rank, mismatch, out=key)
+        # One max per chunk; an index only while this chunk can still hold one
+        # of the worst `keep` (the first chunk, or one worse than all kept).
+        worst = value = float(key.amax())
+        for _ in range(stats.keep):
+            if value <= 0 or not stats.admits(value):
+                break
+            index = int(key.argmax())
+            stats.add_worst(value, offset + index)
+            key[index] = 0.0
+            value = float(key.amax())
+        return worst, worst_rel
 
 
 def _spacing_tensor(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -733,6 +1076,71 @@ def _spacing(magnitude: float, dtype: torch.dtype) -> float:
 # The values message
 
 
+def _ulps_only(tol: Tolerance) -> bool:
+    return tol.ulps is not None and tol.atol == 0 and tol.rtol == 0
+
+
+def _allowed(bound: float, ulps_only: bool) -> str:
+    return "" if ulps_only else f" (up to {_num(bound)} allowed)"
+
+
+def _tolerance_text(tol: Tolerance, dtype: torch.dtype) -> str:
+    """Which tolerance was applied and where it came from."""
+    name = _dtype_name(dtype)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return f"none: {name} values must be equal"
+    source = tol.source or "compare(tolerances=...)"
+    if _ulps_only(tol):
+        return f"ulps={tol.ulps:g} in {name} ({source}); atol and rtol not used"
+    text = f"atol={tol.atol:g}, rtol={tol.rtol:g} ({source})"
+    if tol.ulps is not None:
+        text += f", or within ulps={tol.ulps:g} in {name}"
+    return text
+
+
+def _nonfinite_lines(
+    counts: _NonFinite, mismatched: int, expected_dtype: torch.dtype, equal_nan: bool
+) -> list[str]:
+    """Say whether expected is non-finite where actual is, and what equal_nan would change."""
+    lines = []
+    theirs = f"expected ({_dtype_name(expected_dtype)})"
+    if counts.nan_actual:
+        where = _positions(counts.nan_actual)
+        if counts.nan_both == 0:
+            lines.append(f"  actual is NaN at {where}; {theirs} is a number at all of them")
+        else:
+            share = "all" if counts.nan_both == counts.nan_actual else str(counts.nan_both)
+            lines.append(
+                f"  actual is NaN at {where}; {theirs} is NaN at {share} of these "
+                "positions too: the input itself is degenerate"
+            )
+        if counts.nan_both and not equal_nan:
+            remain = mismatched - counts.nan_both
+            lines.append(
+                f"  equal_nan = true would accept the {counts.nan_both} where both are NaN "
+                f"({remain} mismatch{'' if remain == 1 else 'es'} would remain)"
+            )
+        elif not counts.nan_both:
+            lines.append(
+                "  equal_nan = true would not change this: it accepts NaN against NaN only"
+            )
+    if counts.nan_expected_only:
+        lines.append(
+            f"  {theirs} is NaN at {_positions(counts.nan_expected_only)} where actual is not: "
+            "the reference itself is degenerate there"
+        )
+    if counts.inf_actual:
+        lines.append(
+            f"  actual is infinite at {_positions(counts.inf_actual)}; {theirs} is infinite "
+            f"or NaN at {counts.inf_expected_too} of these too"
+        )
+    return lines
+
+
+def _positions(count: int) -> str:
+    return f"{count} mismatched position{'' if count == 1 else 's'}"
+
+
 def _values_mismatch(
     path: str,
     actual: torch.Tensor,
@@ -740,9 +1148,9 @@ def _values_mismatch(
     tol: Tolerance,
     stats: _TensorStats,
     worst: int,
+    equal_nan: bool,
 ) -> Mismatch:
-    worst_list = sorted(stats.worst, key=lambda c: (-c[0], c[1]))[: max(worst, 1)]
-    indices = [i for _, i in worst_list]
+    indices = [i for _, i in stats.worst]
     rel_index = stats.worst_rel[1] if stats.worst_rel is not None else indices[0]
     flat = [*indices, rel_index]
     a_values = _gather(actual, flat)
@@ -756,18 +1164,13 @@ def _values_mismatch(
     )
 
     if actual.dim() == 0:
-        if exact:
-            message = (
-                f"{path}: values differ: actual {_fmt_value(a_values[0], actual.dtype)} "
-                f"vs expected {_fmt_value(e_values[0], expected.dtype)}"
-            )
-        else:
-            message = _scalar_message(
-                path, a_values[0], e_values[0], actual.dtype, expected.dtype, tol
-            )
+        message = _scalar_message(
+            path, a_values[0], e_values[0], actual.dtype, expected.dtype, tol, equal_nan, exact
+        )
         return Mismatch(path, "values", message, stats.mismatched, total, max_abs, max_rel)
 
     shape = tuple(actual.shape)
+    ulps_only = _ulps_only(tol)
     lines = [
         f"{path}: values differ",
         f"  Mismatched elements: {stats.mismatched} / {total} ({stats.mismatched / total:.1%})",
@@ -775,17 +1178,17 @@ def _values_mismatch(
     if actual.dtype != torch.bool:
         lines.append(
             f"  Greatest absolute difference: {_num(diffs[0])} at index "
-            f"{_unravel(indices[0], shape)} (up to {_num(tol.atol)} allowed)"
+            f"{_unravel(indices[0], shape)}{_allowed(tol.atol, ulps_only)}"
         )
         lines.append(
             f"  Greatest relative difference: {_num(max_rel)} at index "
-            f"{_unravel(rel_index, shape)} (up to {_num(tol.rtol)} allowed)"
+            f"{_unravel(rel_index, shape)}{_allowed(tol.rtol, ulps_only)}"
         )
-    if tol.ulps is not None:
-        lines.append(f"  Also accepted: within {_num(tol.ulps)} ULP in {_dtype_name(actual.dtype)}")
+    lines.append(f"  Tolerance: {_tolerance_text(tol, actual.dtype)}")
+    lines.extend(_nonfinite_lines(stats.nonfinite, stats.mismatched, expected.dtype, equal_nan))
     if worst:
         lines.append("  Worst elements (index: actual vs expected, abs error):")
-        for i, index in enumerate(indices):
+        for i, index in enumerate(indices[:worst]):
             lines.append(
                 f"    {_unravel(index, shape)}: {_fmt_value(a_values[i], actual.dtype)} "
                 f"vs {_fmt_value(e_values[i], expected.dtype)}, {_num(diffs[i])}"
@@ -823,12 +1226,12 @@ def _ulp_line(
 
 def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
     """Fetch a few elements by flat index: the only values that cross to the host."""
-    if t.dim() == 0:
-        return [t.item()] * len(flat)
-    coords = list(zip(*(_coords(i, tuple(t.shape)) for i in flat), strict=True))
-    index = tuple(torch.tensor(c, dtype=torch.long, device=t.device) for c in coords)
-    values: list[complex] = t[index].tolist()
-    return values
+    shape = tuple(t.shape)
+    seen: dict[int, complex] = {}
+    for i in flat:
+        if i not in seen:
+            seen[i] = t[_coords(i, shape)].item()
+    return [seen[i] for i in flat]
 
 
 def _abs_diff(a: complex, e: complex) -> float:
@@ -877,6 +1280,23 @@ def _shortest(x: float, dtype: torch.dtype) -> str:
         return repr(x)
     for digits in range(1, 18):
         candidate = float(f"{x:.{digits}g}")
-        if torch.tensor(candidate, dtype=dtype).item() == x:
+        if _round(candidate, dtype) == x:
             return repr(candidate)
     return repr(x)
+
+
+def _round(x: float, dtype: torch.dtype) -> float:
+    """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
+    try:
+        if dtype == torch.float32:
+            return float(struct.unpack("f", struct.pack("f", x))[0])
+        if dtype == torch.float16:
+            x = float(struct.unpack("f", struct.pack("f", x))[0])
+            return float(struct.unpack("e", struct.pack("e", x))[0])
+        if dtype == torch.bfloat16:
+            (bits,) = struct.unpack("I", struct.pack("f", x))
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+            return float(struct.unpack("f", struct.pack("I", (bits & 0xFFFF) << 16))[0])
+    except OverflowError:  # beyond float16's range
+        return math.copysign(math.inf, x)
+    return float(torch.tensor(x, dtype=dtype).item())

@@ -28,7 +28,7 @@ import torch
 from . import golden, payload
 from .capture import REPLAY_ENV
 from .case import Case, Expectation
-from .compare import Comparison, Tolerance, compare
+from .compare import Comparison, Tolerance, combine, compare
 from .errors import CaseFormatError, display
 from .matrix import RunSpec
 from .validate import Parameters, binding_problems
@@ -358,17 +358,13 @@ def _detach(value: Any) -> Any:
 def _compare(actual: dict[str, Any], expected: dict[str, Any], expect: Expectation) -> Comparison:
     tolerances = {}
     for name, override in expect.tolerance.items():
+        # ulps alone: only the ULP test applies (atol and rtol 0), as the message says.
         tolerances[getattr(torch, name)] = Tolerance(
-            rtol=override.rtol or 0.0, atol=override.atol or 0.0, ulps=override.ulps)
-    parts = [compare(actual[key], expected[key], tolerances=tolerances, equal_nan=expect.equal_nan,
-                     check_dtype=False, path=key)
-             for key in actual]
-    maxima = [(p.max_abs, p.max_rel) for p in parts if p.max_abs is not None]
-    return Comparison(
-        mismatches=tuple(m for p in parts for m in p.mismatches),
-        max_abs=max((a for a, _ in maxima), default=None),
-        max_rel=max((r for _, r in maxima if r is not None), default=None),
-    )
+            rtol=override.rtol or 0.0, atol=override.atol or 0.0, ulps=override.ulps,
+            source=f"case.toml [expect.tolerance.{name}]")
+    return combine(compare(actual[key], expected[key], tolerances=tolerances,
+                           equal_nan=expect.equal_nan, check_dtype=False, path=key)
+                   for key in actual)
 
 
 def _exception_matches(exc: BaseException, name: str) -> bool:

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from collections import OrderedDict, namedtuple
 from typing import NamedTuple
 
@@ -20,6 +21,7 @@ from pytest_gpucase.compare import (
     Comparison,
     Mismatch,
     Tolerance,
+    combine,
     compare,
 )
 
@@ -44,9 +46,9 @@ def only(result: Comparison) -> Mismatch:
 
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
-    """Chunks of 64 elements and screening blocks of 256, so small tensors span many."""
+    """Chunks of 64 elements, so small tensors span many, judged without batching."""
     monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 64)
-    monkeypatch.setattr(compare_module, "BLOCK_ELEMENTS", 256)
+    monkeypatch.setattr(compare_module, "SMALL_ELEMENTS", 0)
     return 64
 
 
@@ -148,9 +150,9 @@ class TestUlps:
             """\
             out: values differ
               Mismatched elements: 1 / 1 (100.0%)
-              Greatest absolute difference: 4.768e-07 at index (0,) (up to 0 allowed)
-              Greatest relative difference: 4.768e-07 at index (0,) (up to 0 allowed)
-              Also accepted: within 2 ULP in float32
+              Greatest absolute difference: 4.768e-07 at index (0,)
+              Greatest relative difference: 4.768e-07 at index (0,)
+              Tolerance: ulps=2 in float32 (compare(tolerances=...)); atol and rtol not used
               Worst elements (index: actual vs expected, abs error):
                 (0,): 1.0000005 vs 1.0, 4.768e-07
               Worst element is 4 ULP off in float32 (spacing 1.192e-07 at 1.0)"""
@@ -171,6 +173,7 @@ class TestTensorMessages:
               Mismatched elements: 2 / 6 (33.3%)
               Greatest absolute difference: 0.5 at index (1, 2) (up to 1e-05 allowed)
               Greatest relative difference: 0.25 at index (0, 0) (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 2): 6.5 vs 6.0, 0.5
                 (0, 0): 1.25 vs 1.0, 0.25"""
@@ -194,6 +197,7 @@ class TestTensorMessages:
               Mismatched elements: 1 / 8 (12.5%)
               Greatest absolute difference: 2 at index (1, 3) (up to 1e-05 allowed)
               Greatest relative difference: 0.1 at index (1, 3) (up to 0.016 allowed)
+              Tolerance: atol=1e-05, rtol=0.016 (bfloat16 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 3): 22.0 vs 20.0, 2
               Worst element is 16 ULP off in bfloat16 (spacing 0.125 at 20.0)"""
@@ -231,7 +235,8 @@ class TestTensorMessages:
             """\
             out: values differ: actual 1.5 vs expected 1.0
               Absolute difference: 0.5 (up to 1e-05 allowed)
-              Relative difference: 0.5 (up to 1.3e-06 allowed)"""
+              Relative difference: 0.5 (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)"""
         )
 
     def test_values_print_in_their_own_dtype(self) -> None:
@@ -380,6 +385,7 @@ class TestKinds:
               Mismatched elements: 1 / 8 (12.5%)
               Greatest absolute difference: 3 at index (4,) (up to 0 allowed)
               Greatest relative difference: 0.75 at index (4,) (up to 0 allowed)
+              Tolerance: none: int64 values must be equal
               Worst elements (index: actual vs expected, abs error):
                 (4,): 7 vs 4, 3"""
         )
@@ -397,6 +403,7 @@ class TestKinds:
             """\
             out: values differ
               Mismatched elements: 1 / 2 (50.0%)
+              Tolerance: none: bool values must be equal
               Worst elements (index: actual vs expected, abs error):
                 (1,): False vs True, 1"""
         )
@@ -413,7 +420,8 @@ class TestKinds:
             """\
             out['loss']: values differ: actual 1.5 vs expected 1.0
               Absolute difference: 0.5 (up to 1e-07 allowed)
-              Relative difference: 0.5 (up to 1e-07 allowed)"""
+              Relative difference: 0.5 (up to 1e-07 allowed)
+              Tolerance: atol=1e-07, rtol=1e-07 (float64 defaults)"""
         )
 
     def test_number_types_must_match(self) -> None:
@@ -569,6 +577,7 @@ class TestLayoutAndChunks:
               Mismatched elements: 2 / 2100 (0.1%)
               Greatest absolute difference: 2 at index (0, 3) (up to 1e-05 allowed)
               Greatest relative difference: 1.95 at index (299, 6) (up to 1.3e-06 allowed)
+              Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (0, 3): -0.10093808 vs -2.100938, 2
                 (299, 6): 1.5129519 vs 0.51295185, 1"""
@@ -652,6 +661,313 @@ class TestLayoutAndChunks:
             close = torch.isclose(actual.to(wide), expected.to(wide), rtol=tol.rtol, atol=tol.atol)
             assert 0 < int((~close).sum()) < 2000
             assert only(compare(actual, expected)).mismatched == int((~close).sum()), dtype
+
+
+def _assert_close_passes(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    try:
+        torch.testing.assert_close(actual, expected, check_dtype=False)
+    except AssertionError:
+        return False
+    return True
+
+
+def _layouts(
+    actual: torch.Tensor, expected: torch.Tensor
+) -> list[tuple[str, torch.Tensor, torch.Tensor]]:
+    """The same 48 values as six layouts: flat, 2-D, transposed, strided, 0-dim, expanded."""
+    grid_a, grid_e = actual.reshape(6, 8), expected.reshape(6, 8)
+    return [
+        ("flat", actual, expected),
+        ("2-D", grid_a, grid_e),
+        ("transposed", grid_a.t(), grid_e.t()),
+        ("strided", grid_a[::2, 1::3], grid_e[::2, 1::3]),
+        ("0-dim", actual[5], expected[5]),
+        ("expanded", actual[:8].expand(3, 8), expected[:8].expand(3, 8)),
+    ]
+
+
+def _pair(dtype: torch.dtype, reference: bool, gen: torch.Generator) -> tuple[torch.Tensor, ...]:
+    """48 values whose errors straddle the tolerance bound, with a few specials."""
+    base = torch.randn(48, generator=gen, dtype=torch.float64) * 10 ** torch.randint(
+        -3, 3, (48,), generator=gen
+    )
+    if dtype in (torch.int64, torch.bool):
+        expected = (base > 0) if dtype == torch.bool else base.round().to(dtype)
+        actual = expected.clone()
+        flip = torch.rand(48, generator=gen) < 0.1
+        actual[flip] = ~actual[flip] if dtype == torch.bool else actual[flip] + 1
+        return actual, expected
+    tol = DEFAULT_TOLERANCES[dtype]
+    expected64 = base.to(dtype).double() if not reference else base
+    bound = tol.atol + tol.rtol * expected64.abs()
+    # Errors from 0 to 2x the bound: about a quarter of them past it.
+    scale = torch.rand(48, generator=gen, dtype=torch.float64) * 2
+    sign = torch.randint(0, 2, (48,), generator=gen) * 2 - 1
+    actual = (expected64 + sign * scale * bound * 0.6).to(dtype)
+    expected = expected64 if reference else expected64.to(dtype)
+    special = torch.rand(48, generator=gen)
+    actual[special < 0.02] = math.nan
+    expected[(special < 0.01) | (special > 0.99)] = math.nan
+    actual[(special > 0.97) & (special < 0.98)] = math.inf
+    expected[(special > 0.975) & (special < 0.98)] = math.inf
+    return actual, expected
+
+
+def _documented(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether ours and assert_close's verdicts differ as compare.py documents.
+
+    Same-dtype bfloat16 or float16: assert_close computes in that dtype, we
+    in float32. Then ours must be torch.isclose in float32 and theirs in the
+    dtype.
+    """
+    if actual.dtype != expected.dtype or actual.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    tol = DEFAULT_TOLERANCES[actual.dtype]
+    wide = torch.isclose(actual.float(), expected.float(), rtol=tol.rtol, atol=tol.atol)
+    narrow = torch.isclose(actual, expected, rtol=tol.rtol, atol=tol.atol)
+    return bool(wide.all()) != bool(narrow.all())
+
+
+class TestVerdictParity:
+    PATHS = (
+        (torch.float32, False),
+        (torch.float64, False),
+        (torch.bfloat16, False),
+        (torch.float16, False),
+        (torch.int64, False),
+        (torch.bool, False),
+        (torch.bfloat16, True),  # the plugin's path: low precision vs a float64 reference
+        (torch.float16, True),
+        (torch.float32, True),
+    )
+
+    def test_verdicts_equal_assert_close_s_except_where_documented(self) -> None:
+        gen = torch.Generator().manual_seed(11)
+        pairs = documented = failing = 0
+        for dtype, reference in self.PATHS:
+            for _ in range(8):
+                actual, expected = _pair(dtype, reference, gen)
+                for layout, a, e in _layouts(actual, expected):
+                    ours = compare(a, e, check_dtype=False).ok
+                    theirs = _assert_close_passes(a, e)
+                    pairs += 1
+                    failing += not theirs
+                    if ours != theirs:
+                        assert _documented(a, e), (dtype, reference, layout, a, e)
+                        documented += 1
+        assert pairs == 432
+        # Both verdicts occur: the pairs straddle the bound.
+        assert 0 < failing < pairs
+        # The documented difference is rare: rounding of the bound only.
+        assert documented < pairs // 20
+
+    @pytest.mark.parametrize(
+        ("actual", "expected", "bound"),
+        [(1e-5, 0.0, 1e-5), (0.24707, 0.24316, 0.0039006)],
+    )
+    def test_same_dtype_bfloat16_is_judged_exactly(
+        self, actual: float, expected: float, bound: float
+    ) -> None:
+        a = torch.tensor([actual], dtype=torch.bfloat16)
+        e = torch.tensor([expected], dtype=torch.bfloat16)
+        exact_diff = abs(a.double() - e.double()).item()
+        assert exact_diff > bound  # past the stated tolerance ...
+        assert _assert_close_passes(a, e)  # ... which bfloat16 arithmetic rounds away
+        mismatch = only(compare(a, e))
+        assert mismatch.mismatched == 1
+        # The same bfloat16 values against a float64 reference: the same verdict,
+        # here and in assert_close (which computes in float64 then).
+        assert not compare(a, e.double(), check_dtype=False).ok
+        assert not _assert_close_passes(a, e.double())
+
+
+class TestToleranceMessages:
+    def test_the_source_of_a_given_tolerance_is_named(self) -> None:
+        tol = Tolerance(rtol=0.0, atol=0.01, source="case.toml [expect.tolerance.bfloat16]")
+        actual = torch.tensor([1.0, 2.0], dtype=torch.bfloat16)
+        report = compare(
+            actual, torch.ones(2, dtype=torch.bfloat16), tolerances={torch.bfloat16: tol}
+        ).report()
+        assert "  Tolerance: atol=0.01, rtol=0 (case.toml [expect.tolerance.bfloat16])" in report
+
+    def test_ulps_alone_is_the_only_test_and_says_so(self) -> None:
+        tol = Tolerance(ulps=2, source="case.toml [expect.tolerance.bfloat16]")
+        expected = torch.tensor([20.0, 20.0], dtype=torch.bfloat16)
+        two_off = torch.tensor([20.25, 20.0], dtype=torch.bfloat16)  # spacing 0.125
+        assert compare(two_off, expected, tolerances={torch.bfloat16: tol}).ok
+        three_off = torch.tensor([20.375, 20.0], dtype=torch.bfloat16)
+        report = compare(three_off, expected, tolerances={torch.bfloat16: tol}).report()
+        assert (
+            "  Tolerance: ulps=2 in bfloat16 (case.toml [expect.tolerance.bfloat16]); "
+            "atol and rtol not used" in report
+        )
+        # No "allowed" figures for bounds that are not used.
+        assert "allowed" not in report
+        assert "Worst element is 3 ULP off in bfloat16" in report
+
+    def test_ulps_beside_atol_and_rtol_is_a_second_way_to_pass(self) -> None:
+        tol = Tolerance(rtol=0.0, atol=1e-3, ulps=1)
+        expected = torch.tensor([20.0, 0.0], dtype=torch.bfloat16)
+        actual = torch.tensor([20.125, 5e-4], dtype=torch.bfloat16)  # 1 ULP; within atol
+        assert compare(actual, expected, tolerances={torch.bfloat16: tol}).ok
+        actual = torch.tensor([20.25, 5e-4], dtype=torch.bfloat16)
+        report = compare(actual, expected, tolerances={torch.bfloat16: tol}).report()
+        assert (
+            "  Tolerance: atol=0.001, rtol=0 (compare(tolerances=...)), "
+            "or within ulps=1 in bfloat16" in report
+        )
+
+    def test_integers_name_no_tolerance(self) -> None:
+        report = compare(torch.tensor([1, 2]), torch.tensor([1, 3])).report()
+        assert "  Tolerance: none: int64 values must be equal" in report
+
+
+class TestNonFiniteMessages:
+    def test_nan_where_the_float64_reference_is_nan_too(self) -> None:
+        reference = torch.tensor([1.0, math.nan, math.nan, 4.0, 5.0], dtype=torch.float64)
+        actual = torch.tensor([1.0, math.nan, math.nan, math.nan, 5.0])
+        result = compare(actual, reference, check_dtype=False)
+        report = result.report()
+        assert (
+            "  actual is NaN at 3 mismatched positions; expected (float64) is NaN at 2 of "
+            "these positions too: the input itself is degenerate"
+        ) in report
+        assert (
+            "  equal_nan = true would accept the 2 where both are NaN (1 mismatch would "
+            "remain)" in report
+        )
+        assert "Greatest absolute difference: nan at index (1,)" in report
+        # The summary the JSON report is written from says nan too, not inf.
+        assert math.isnan(result.max_abs)  # type: ignore[arg-type]
+        assert math.isnan(result.max_rel)  # type: ignore[arg-type]
+        assert math.isnan(only(result).max_abs)  # type: ignore[arg-type]
+        with_equal_nan = compare(actual, reference, check_dtype=False, equal_nan=True)
+        assert only(with_equal_nan).mismatched == 1
+
+    def test_nan_everywhere_the_reference_is_nan(self) -> None:
+        reference = torch.tensor([math.nan, 2.0], dtype=torch.float64)
+        report = compare(torch.tensor([math.nan, 2.0]), reference, check_dtype=False).report()
+        assert (
+            "expected (float64) is NaN at all of these positions too: the input itself "
+            "is degenerate" in report
+        )
+        assert "(0 mismatches would remain)" in report
+
+    def test_nan_made_by_this_run(self) -> None:
+        report = compare(torch.tensor([math.nan, 2.0]), torch.tensor([1.0, 2.0])).report()
+        assert (
+            "  actual is NaN at 1 mismatched position; expected (float32) is a number at "
+            "all of them" in report
+        )
+        assert "  equal_nan = true would not change this: it accepts NaN against NaN only" in report
+
+    def test_nan_in_the_reference_only(self) -> None:
+        reference = torch.tensor([math.nan, 2.0], dtype=torch.float64)
+        report = compare(torch.tensor([1.0, 2.0]), reference, check_dtype=False).report()
+        assert (
+            "  expected (float64) is NaN at 1 mismatched position where actual is not: "
+            "the reference itself is degenerate there" in report
+        )
+        assert "actual is NaN" not in report
+
+    def test_infinities(self) -> None:
+        actual = torch.tensor([math.inf, -math.inf, 1.0])
+        expected = torch.tensor([1.0, math.inf, 1.0])
+        result = compare(actual, expected)
+        assert (
+            "  actual is infinite at 2 mismatched positions; expected (float32) is "
+            "infinite or NaN at 1 of these too" in result.report()
+        )
+        assert result.max_abs == math.inf
+        assert "Greatest absolute difference: inf" in result.report()
+
+    def test_python_float_nan_summary_is_nan(self) -> None:
+        result = compare(math.nan, 1.0)
+        assert math.isnan(result.max_abs)  # type: ignore[arg-type]
+        assert "  Absolute difference: nan" in result.report()
+        assert "  actual is NaN at 1 mismatched position" in result.report()
+
+    def test_nan_wins_the_summary_in_any_order(self) -> None:
+        nan_part = compare(torch.tensor([math.nan]), torch.tensor([1.0]))
+        big_part = compare(torch.tensor([100.0]), torch.tensor([1.0]))
+        for parts in ([nan_part, big_part], [big_part, nan_part]):
+            merged = combine(parts)
+            assert math.isnan(merged.max_abs)  # type: ignore[arg-type]
+            assert len(merged.mismatches) == 2
+        both = compare([torch.tensor([100.0]), math.nan], [torch.tensor([1.0]), 1.0])
+        assert math.isnan(both.max_abs)  # type: ignore[arg-type]
+        assert combine([]).max_abs is None
+
+
+class TestFastPaths:
+    def test_many_small_tensors_keep_their_paths_and_order(self) -> None:
+        expected = {f"t{i}": torch.full((10,), float(i)) for i in range(300)}
+        actual = {k: v.clone() for k, v in expected.items()}
+        actual["t7"][3] += 1
+        actual["t250"] = torch.zeros(11)  # a shape mismatch between value mismatches
+        actual["t299"][9] = math.nan
+        result = compare(actual, expected)
+        assert [(m.path, m.kind) for m in result.mismatches] == [
+            ("out['t7']", "values"),
+            ("out['t250']", "shape"),
+            ("out['t299']", "values"),
+        ]
+        assert "at index (3,)" in result.mismatches[0].message
+        assert result.mismatches[0].mismatched == 1
+        assert math.isnan(result.max_abs)  # type: ignore[arg-type]
+        # Batched leaves of one dtype next to another dtype's.
+        mixed = {"a": torch.ones(4), "b": torch.ones(4, dtype=torch.float64), "c": torch.ones(4)}
+        assert compare(mixed, {k: v.clone() for k, v in mixed.items()}).ok
+
+    def test_threads_are_restored(self, small_chunks: int) -> None:
+        saved = torch.get_num_threads()
+        try:
+            torch.set_num_threads(2)
+            expected = torch.randn(500 * small_chunks, generator=torch.Generator().manual_seed(3))
+            actual = expected * (1 + 1e-7)
+            actual[-1] += 1
+            assert only(compare(actual, expected)).mismatched == 1
+            assert torch.get_num_threads() == 2
+            # Threads started later begin with the caller's setting too.
+            seen = []
+            thread = threading.Thread(target=lambda: seen.append(torch.get_num_threads()))
+            thread.start()
+            thread.join()
+            assert seen == [2]
+        finally:
+            torch.set_num_threads(saved)
+
+    def test_all_mismatched_bools_list_the_first_by_index(self, small_chunks: int) -> None:
+        expected = torch.zeros(1000, dtype=torch.bool)
+        mismatch = only(compare(~expected, expected, worst=3))
+        assert mismatch.mismatched == 1000
+        assert mismatch.message.splitlines()[-3:] == [
+            "    (0,): True vs False, 1",
+            "    (1,): True vs False, 1",
+            "    (2,): True vs False, 1",
+        ]
+
+    def test_large_integers_mismatch_where_float64_sees_no_difference(
+        self, small_chunks: int
+    ) -> None:
+        expected = torch.full((500,), 2**62)
+        actual = expected.clone()
+        actual[321] += 1
+        mismatch = only(compare(actual, expected))
+        assert mismatch.mismatched == 1
+        assert "(321,): 4611686018427387905 vs 4611686018427387904, 1" in mismatch.message
+
+    def test_worst_elements_across_chunks_and_threads(self, small_chunks: int) -> None:
+        gen = torch.Generator().manual_seed(5)
+        expected = torch.randn(64 * small_chunks, generator=gen)
+        actual = expected + torch.rand(expected.shape, generator=gen) + 1  # all mismatched
+        mismatch = only(compare(actual, expected, worst=4))
+        diff = (actual - expected).abs()
+        top = diff.topk(4).indices.tolist()
+        assert mismatch.mismatched == expected.numel()
+        assert [line.split(":")[0].strip() for line in mismatch.message.splitlines()[-4:]] == [
+            f"({i},)" for i in top
+        ]
 
 
 def _cuda_available() -> bool:
