@@ -112,8 +112,6 @@ def test_validate_exit_code_follows_the_problems(
     assert capsys.readouterr().out == "empty: no case found\n"
 
 
-@pytest.mark.xfail(reason="request.validate reports 'no case' on another branch; "
-                   "drop this mark once it is merged", strict=False)
 def test_validate_fails_on_a_directory_without_a_case(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     assert main(["validate", str(tmp_path / "empty")]) != 0
