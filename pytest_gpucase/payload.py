@@ -48,6 +48,9 @@ LAYOUT_KEY = "gpucase.layout"
 # the stored run are allocated, not read from the file).
 MAX_ELEMENTS = 2**34
 MAX_HEADER_BYTES = 100 * 2**20
+# The zeros allocated before a stored run (``stored_from`` elements) cost memory but hold
+# nothing from the file: a 220-byte payload must not make a child allocate gigabytes.
+MAX_PADDING_BYTES = 2**30
 # safetensors dtype code -> (torch dtype name, bytes per element)
 DTYPES: dict[str, tuple[str, int]] = {
     "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
@@ -150,6 +153,11 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
             runs.append((name, code, tensor.cpu().contiguous()))
             continue
         offset = int(tensor.storage_offset())
+        if offset * tensor.element_size() > MAX_PADDING_BYTES:
+            raise ValueError(f"{name}: its storage offset is {offset * tensor.element_size()} "
+                             f"bytes, past the {MAX_PADDING_BYTES}-byte bound of a case "
+                             "payload; save a .clone() of it unless the offset is what the "
+                             "case is about")
         runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
         layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
                         "storage_offset": offset, "stored_from": offset}
@@ -326,6 +334,13 @@ def _infos(path: Path, header: Mapping[str, Any], metadata: Mapping[str, str]) -
             infos.append(TensorInfo(name, entry["dtype"], stored, _contiguous_stride(stored), 0))
             continue
         info = _view(path, name, entry["dtype"], layout[name])
+        padding = info.stored_from * DTYPES[entry["dtype"]][1]
+        if padding > MAX_PADDING_BYTES:
+            raise CaseFormatError(path, f"tensor '{name}': layout stored_from {info.stored_from} "
+                                  f"asks for {padding} bytes of zeros before the stored data, "
+                                  f"over the limit of {MAX_PADDING_BYTES}; refusing to allocate "
+                                  "(save a .clone() of the tensor unless its offset is what the "
+                                  "case is about)")
         if info.stored_from + _numel(stored) > MAX_ELEMENTS:
             raise CaseFormatError(path, f"tensor '{name}': layout stored_from {info.stored_from} "
                                   f"and {_numel(stored)} stored elements make a storage of "

@@ -28,7 +28,7 @@ class Setting:
 
     name: str            # the ini key and the option's dest, e.g. "gpu_devices"
     help: str
-    kind: Literal["bool", "csv", "path", "choice", "paths"] = "bool"
+    kind: Literal["bool", "csv", "path", "choice", "paths", "gib"] = "bool"
     choices: tuple[str, ...] = ()
     default: Any = None
     needs_cases: bool = False  # meaningless without --gpu-cases: a usage error on the command line
@@ -62,6 +62,9 @@ SETTINGS = (
     Setting("gpu_per_worker", "under pytest-xdist, give each worker's runs one device of the "
             "visible ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
             default=False),
+    Setting("gpu_memory_limit", "kill a run's whole process tree when its resident memory "
+            "passes this many GiB, e.g. 8 (a case's own memory_limit wins)", kind="gib",
+            needs_cases=True),
     Setting("gpu_start_method", "how each run's child starts: auto (fork, or spawn when CUDA is "
             "already initialized in the pytest process), fork, spawn", kind="choice",
             choices=("auto", "fork", "spawn"), default="auto"),
@@ -109,6 +112,8 @@ def setting(config: pytest.Config, name: str) -> Any:
         return None
     if spec.kind == "path":
         return Path(str(value))
+    if spec.kind == "gib":
+        return _gib(str(value), source)
     if spec.kind == "choice":
         if value not in spec.choices:
             raise pytest.UsageError(f"{source}: {value!r} is not one of {', '.join(spec.choices)}")
@@ -117,6 +122,19 @@ def setting(config: pytest.Config, name: str) -> Any:
 
     known = DEVICE_TYPES if name == "gpu_devices" else FLOAT_DTYPES
     return _csv(str(value), known, source)
+
+
+def _gib(value: str, source: str) -> int:
+    """``"8"`` or ``"0.5"`` GiB as bytes; anything else is a usage error."""
+    import math
+
+    try:
+        gib = float(value)
+    except ValueError:
+        gib = math.nan
+    if not (math.isfinite(gib) and gib > 0):
+        raise pytest.UsageError(f"{source}: {value!r} is not a positive number of GiB")
+    return int(gib * 2**30)
 
 
 def _csv(value: str, known: tuple[str, ...], source: str) -> tuple[str, ...]:
@@ -512,6 +530,8 @@ class CaseItem(pytest.Item):
             state.regenerate(self.spec.case)
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
+                           memory_limit=(self.spec.case.memory_limit
+                                         or state.settings["gpu_memory_limit"]),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)

@@ -543,10 +543,12 @@ HOSTILE: list[tuple[str, Callable[[Path], Path], str]] = [
         p, {"x": {"shape": [2], "stride": [1], "storage_offset": 2**40, "stored_from": 2**40}}),
      ("tensor 'x': layout storage_offset 1099511627776 is over the limit of 17179869184; "
       "refusing to allocate")),
-    ("stored_from_and_data_over_the_limit", lambda p: with_layout(
-        p, {"x": {"shape": [2], "stride": [1], "storage_offset": 2**34, "stored_from": 2**34}}),
-     ("tensor 'x': layout stored_from 17179869184 and 6 stored elements make a storage of "
-      "17179869190 elements, over the limit of 17179869184; refusing to allocate")),
+    # The 220-byte payload: 4 GiB of zeros before two stored floats.
+    ("padding_of_gigabytes", lambda p: with_layout(
+        p, {"x": {"shape": [2], "stride": [1], "storage_offset": 2**30, "stored_from": 2**30}}),
+     ("tensor 'x': layout stored_from 1073741824 asks for 4294967296 bytes of zeros before the "
+      "stored data, over the limit of 1073741824; refusing to allocate (save a .clone() of the "
+      "tensor unless its offset is what the case is about)")),
 ]
 
 
@@ -612,6 +614,13 @@ def test_element_limit_applies_to_views(tmp_path: Path, monkeypatch: pytest.Monk
 
 def _no_allocation(*args: Any, **kwargs: Any) -> Any:
     raise AssertionError("allocated")
+
+
+def test_save_refuses_an_offset_past_the_padding_bound() -> None:
+    storage = torch.empty(2**28 + 4, dtype=torch.float32)
+    view = storage[2**28 + 1:]
+    with pytest.raises(ValueError, match="past the 1073741824-byte bound of a case payload"):
+        payload.save(Path("unused.safetensors"), {"x": view})
 
 
 def test_inconsistent_offsets_are_caught_by_safetensors(tmp_path: Path) -> None:

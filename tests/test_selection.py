@@ -159,3 +159,51 @@ def test_filters_that_leave_nothing_say_so(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cuda", "cases")
     result.stdout.fnmatch_lines(["gpucase: no case run was left after --gpu-devices/--gpu-dtypes:"
                                  " cpu_only (its runs: devices cpu*"])
+
+
+HOG = """
+import torch
+
+def run():
+    x = torch.ones(256 * 2**20 // 8, dtype=torch.float64)  # 256 MiB, touched
+    import time
+    time.sleep(30)
+    return x.sum()
+"""
+
+
+@pytest.mark.parametrize("where", ["ini", "case"])
+def test_memory_limit_from_the_ini_or_the_case(pytester: pytest.Pytester, where: str) -> None:
+    from tests.test_plugin import write_case
+
+    top = "memory_limit = 0.1\n" if where == "case" else ""
+    write_case(pytester.path, "hog", f'format = 1\ncall = "case.py:run"\ntimeout = 120\n{top}'
+               '[matrix]\ndevices = ["cpu"]\n', HOG)
+    if where == "ini":
+        pytester.makeini("[pytest]\ngpu_memory_limit = 0.1\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["*exceeded the memory limit of 0.1 GiB*"])
+
+
+NO_NUMPY = """
+import sys
+sys.modules["numpy"] = None  # `import numpy` fails, as in a venv without it
+"""
+
+
+def test_no_numpy_and_warnings_as_errors_is_no_internal_error(pytester: pytest.Pytester) -> None:
+    """torch warns "Failed to initialize NumPy" on import without numpy; a project with
+    filterwarnings = error must not get that warning raised from inside the plugin."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    pytester.makeini("[pytest]\nfilterwarnings = error\n")
+    (pytester.path / "sitecustomize.py").write_text(NO_NUMPY)
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    import os
+
+    path = os.pathsep.join([str(pytester.path), os.environ.get("PYTHONPATH", "")])
+    pytester._monkeypatch.setenv("PYTHONPATH", path)  # sitecustomize runs first in the child
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "test_unit.py", "cases")
+    assert "INTERNALERROR" not in result.stdout.str() + result.stderr.str()
+    result.assert_outcomes(passed=2)
