@@ -32,6 +32,7 @@ PYTEST = ("import os, sys\n"
 def run(project: Path, *args: str) -> pytest.RunResult:
     """Run a command in ``project`` without PYTHONPATH (pytester's runners set it to the cwd)."""
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
+    env["PYTEST_ADDOPTS"] = "-p no:randomly"  # the outputs read here keep their order
     start = time.monotonic()
     done = subprocess.run(args, cwd=project, env=env, capture_output=True, text=True,
                           timeout=300, check=False)
