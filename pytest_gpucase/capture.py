@@ -332,6 +332,9 @@ class Recorder:
 
     def _exit_step(self, step: Step, exc: BaseException | None) -> None:
         try:
+            if exc is None:
+                for watch in self._modules:
+                    watch.backward_done()
             if exc is None and step.stage:
                 with self._lock:
                     self._last_step = step.stage
@@ -1500,7 +1503,7 @@ class _ModuleWatch:
     Forward pre-hooks on the module and each submodule keep the stack of entered modules
     (references only); forward hooks called even on an exception (``always_call``) pop it,
     and the innermost one still open when an exception passes is the narrowest module.
-    Full backward hooks on the module note a backward in progress and its grad_output.
+    Gradient hooks on the module's outputs note a backward in progress and its grad_output.
     """
 
     def __init__(self, recorder: Recorder, module: torch.nn.Module, name: str,
@@ -1528,8 +1531,6 @@ class _ModuleWatch:
                                           with_kwargs=True)
             sub.register_forward_hook(functools.partial(self._exit, qualname), with_kwargs=True,
                                       always_call=True)
-        module.register_full_backward_pre_hook(self._backward_enter)
-        module.register_full_backward_hook(self._backward_exit)
 
     def _enter(self, qualname: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         rec = self.recorder
@@ -1559,17 +1560,31 @@ class _ModuleWatch:
             return
         if self.outer:
             self.outer.pop()
+        if exc is None and not rec._taken:
+            self._hook_outputs(result)
         save = None
         if exc is not None and not rec._taken:
             save = functools.partial(rec._save_module, watch=self, args=args, kwargs=kwargs,
                                      backward=False)
         rec._leave(exc, save)
 
-    def _backward_enter(self, module: torch.nn.Module, grad_output: Any) -> None:
-        if not self.recorder._taken:
-            self.backward_open = True
-            self.grad_output = tuple(grad_output)
+    def _hook_outputs(self, result: Any) -> None:
+        """Gradient hooks on the outputs: their gradients arrive as the module's backward
+        starts, and are its grad_output. (A full backward hook would do the same but warns
+        on every step of a model whose inputs need no gradient.)"""
+        outputs = [t for t in _flat_tensors(result) if t.requires_grad]
+        grads: list[Any] = [None] * len(outputs)
+        self.grad_output = ()
 
-    def _backward_exit(self, module: torch.nn.Module, grad_input: Any, grad_output: Any) -> None:
+        def arrived(index: int, grad: Any) -> None:
+            if not self.recorder._taken:
+                grads[index] = grad
+                self.backward_open = True
+                self.grad_output = tuple(grads)
+
+        for index, tensor in enumerate(outputs):
+            tensor.register_hook(functools.partial(arrived, index))  # type: ignore[no-untyped-call]
+
+    def backward_done(self) -> None:
         self.backward_open = False
         self.grad_output = ()
