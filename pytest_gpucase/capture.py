@@ -35,6 +35,7 @@ error cannot lose them), else after the failure if the device still answers.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import functools
 import inspect
@@ -63,14 +64,24 @@ from .triage import Triage, assertion_line, triage
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_SNAPSHOT_LIMIT", "REPLAY_ENV", "Recorder", "Step"]
+__all__ = ["DEFAULT_SNAPSHOT_LIMIT", "REPLAY_ENV", "REPLAY_MODULE", "REPLAY_OP", "Recorder", "Step",
+           "replay_module", "replay_op"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
+M = TypeVar("M", bound="torch.nn.Module")
 
 # Set in a replay's child so that a watched function imported there records nothing.
 REPLAY_ENV = "GPUCASE_REPLAY"
 DEFAULT_SNAPSHOT_LIMIT = 256 * 2**20
+# The generated calls of module and op cases, and the [inputs] tables they read.
+REPLAY_MODULE = "pytest_gpucase.capture:replay_module"
+REPLAY_OP = "pytest_gpucase.capture:replay_op"
+MODULE_KEY = "gpucase_module"
+OP_KEY = "gpucase_op"
+STATE_PREFIX = "state."
+GRAD_PREFIX = "grad_output."
+RNG_NAMES = {"cpu": "context.rng_cpu", "cuda": "context.rng_cuda"}
 STUB_FILE = "case.py"
 _MAX_ERROR_CHARS = 300
 _STDERR_TAIL_BYTES = 64 * 1024
@@ -88,7 +99,7 @@ class Step:
 
     recorder: Recorder
     iteration: int | str
-    stage: str
+    stage: str | None
     ids: tuple[str | int, ...] | None = None
 
     def __enter__(self) -> Step:
@@ -148,6 +159,7 @@ class _Draft:
     origin: Mapping[str, Any]
     tensors: Mapping[str, torch.Tensor]
     files: Mapping[str, str]
+    context: Mapping[str, Any] = field(default_factory=dict)
 
 
 class _Local(threading.local):
@@ -189,6 +201,8 @@ class Recorder:
         self._ids: tuple[str | int, ...] | None = None
         self._device_names: dict[str, str] = {}
         self._notes_given: set[str] = set()
+        self._modules: list[_ModuleWatch] = []
+        self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
 
     @property
     def case_dir(self) -> Path | None:
@@ -201,22 +215,42 @@ class Recorder:
         return self._later
 
     @overload
+    def watch(self, fn: M, /, *, name: str | None = None, call: str | None = None,
+              ids: SampleIds | None = None, factory: str | None = None,
+              kwargs: Mapping[str, Any] | None = None) -> M: ...
+
+    @overload
     def watch(self, fn: Callable[P, R], /, *, name: str | None = None, call: str | None = None,
-              ids: SampleIds | None = None) -> Callable[P, R]: ...
+              ids: SampleIds | None = None, factory: str | None = None,
+              kwargs: Mapping[str, Any] | None = None) -> Callable[P, R]: ...
 
     @overload
     def watch(self, fn: None = None, /, *, name: str | None = None, call: str | None = None,
-              ids: SampleIds | None = None) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
+              ids: SampleIds | None = None, factory: str | None = None,
+              kwargs: Mapping[str, Any] | None = None,
+              ) -> Callable[[Callable[P, R]], Callable[P, R]]: ...
 
-    def watch(self, fn: Callable[P, R] | None = None, /, *, name: str | None = None,
+    def watch(self, fn: Any = None, /, *, name: str | None = None,
               call: str | None = None, ids: SampleIds | None = None,
-              ) -> Callable[P, R] | Callable[[Callable[P, R]], Callable[P, R]]:
-        """Wrap ``fn`` so that its first failure is saved; use directly or as ``@rec.watch(...)``.
+              factory: str | None = None, kwargs: Mapping[str, Any] | None = None) -> Any:
+        """Watch ``fn`` so that its first failure is saved; use directly or as ``@rec.watch(...)``.
 
+        A function is wrapped. A ``torch.nn.Module`` is returned itself, with hooks: its
+        first failure in forward or backward saves its inputs, parameters, buffers and mode,
+        and ``factory`` ("pkg.module:make_model") with literal ``kwargs`` says how a replay
+        rebuilds it (a torch.nn built-in is rebuilt from its constructor arguments).
         ``call`` names where a replay imports ``fn`` ("pkg.module:func") when it cannot be
         imported under its own name; ``ids`` is called with the call's arguments on failure
         and returns the sample ids of the batch.
         """
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(fn, torch.nn.Module):
+            if factory is not None and not _CALL_RE.match(factory):
+                raise ValueError(f"factory={factory!r}: expected 'package.module:function', "
+                                 "the place a replay imports the model's builder from")
+            if not self._replaying:
+                self._watch_module(fn, name, factory, kwargs, ids)
+            return fn
         if call is not None and (not _CALL_RE.match(call)
                                  or call.partition(":")[0].endswith(".py")):
             # A FILE.py target lives in the case directory, which does not exist yet.
@@ -236,10 +270,11 @@ class Recorder:
             self._say(f"gpucase: warning: {watched.why_not}")
 
         @functools.wraps(fn)
-        def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
             if self._taken:
                 return self._call_after_first(fn, args, kwargs)
             before = self._snapshot_before(watched, args, kwargs)
+            rng = _rng_state(_tensors_of(args, kwargs))
             self._local.depth += 1
             caught: BaseException | None = None
             try:
@@ -253,17 +288,25 @@ class Recorder:
                 raise
             finally:
                 save = None if caught is None else functools.partial(
-                    self._save_first, watched=watched, args=args, kwargs=kwargs, before=before)
+                    self._save_first, watched=watched, args=args, kwargs=kwargs, before=before,
+                    rng=rng)
                 self._leave(caught, save)
         return wrapper
 
-    def step(self, iteration: int, stage: str, *, ids: Iterable[object] | None = None) -> Step:
-        """A context manager for one stage of one iteration; the last completed one is kept."""
+    def step(self, iteration: int, stage: str | None = None, *,
+             ids: Iterable[object] | None = None,
+             sample_ids: Iterable[object] | None = None) -> Step:
+        """A context manager for one iteration (or one stage of it, when ``stage`` is given);
+        ``sample_ids`` (or ``ids``) are the ids of the batch, recorded with a failure."""
         try:
             number: int | str = operator.index(iteration)
         except TypeError:
             number = str(iteration)
-        return Step(self, number, str(stage), None if ids is None else _id_tuple(ids))
+        given = sample_ids if sample_ids is not None else ids
+        if given is not None and _is_tensor(given):
+            given = given.tolist()  # type: ignore[attr-defined]
+        return Step(self, number, None if stage is None else str(stage),
+                    None if given is None else _id_tuple(given))
 
     def _call_after_first(self, fn: Callable[P, R], args: Any, kwargs: Any) -> R:
         """After the first failure: no snapshots, only counting."""
@@ -284,17 +327,28 @@ class Recorder:
             self._iteration = step.iteration
             if step.ids is not None:
                 self._ids = step.ids
-        self._local.stages.append(step.stage)
+        self._local.stages.append(step.stage or "")
         self._local.depth += 1
 
     def _exit_step(self, step: Step, exc: BaseException | None) -> None:
         try:
             if exc is None:
+                for watch in self._modules:
+                    watch.backward_done()
+            if exc is None and step.stage:
                 with self._lock:
                     self._last_step = step.stage
             caught = exc if isinstance(exc, Exception) else None
-            save = None if caught is None else functools.partial(
-                self._save_first, watched=None, args=(), kwargs={}, before={})
+            save: Callable[[BaseException], object] | None = None
+            if caught is not None:
+                save = functools.partial(self._save_first, watched=None, args=(), kwargs={},
+                                         before={})
+            # A backward that raised inside a watched module: its hooks cannot see the error.
+            backward = next((w for w in self._modules if w.backward_open and w.last_call), None)
+            if caught is not None and backward is not None and backward.last_call is not None:
+                args, kwargs = backward.last_call
+                save = functools.partial(self._save_module, watch=backward, args=args,
+                                         kwargs=kwargs, backward=True)
             self._leave(caught, save)
         finally:
             # Popped last: a failure is recorded as happening in this stage.
@@ -302,7 +356,7 @@ class Recorder:
                 self._local.stages.pop()
 
     def _leave(self, exc: BaseException | None,
-               save: Callable[[BaseException], None] | None) -> None:
+               save: Callable[[BaseException], object] | None) -> None:
         """Close a scope: handle its exception once, however many scopes it crosses."""
         local = self._local
         local.depth -= 1
@@ -313,7 +367,7 @@ class Recorder:
             # Kept only while an enclosing scope may still see the same exception.
             local.handled = exc if exc is not None and local.depth > 0 else None
 
-    def _failed(self, exc: BaseException, save: Callable[[BaseException], None] | None) -> None:
+    def _failed(self, exc: BaseException, save: Callable[[BaseException], object] | None) -> None:
         if self._replaying:
             return
         try:
@@ -342,8 +396,8 @@ class Recorder:
     def _context(self) -> _Context:
         with self._lock:
             stages = self._local.stages
-            return _Context(self._iteration, stages[-1] if stages else None, self._last_step,
-                            self._ids)
+            return _Context(self._iteration, stages[-1] if stages and stages[-1] else None,
+                            self._last_step, self._ids)
 
     def _snapshot_before(self, watched: _Watched, args: Any, kwargs: Any) -> dict[int, Any]:
         """Host copies of the device tensors among the arguments, keyed by ``id``."""
@@ -390,10 +444,13 @@ class Recorder:
             self._device_names[device] = name
 
     def _save_first(self, exc: BaseException, watched: _Watched | None, args: Any, kwargs: Any,
-                    before: Mapping[int, Any]) -> None:
+                    before: Mapping[int, Any], rng: Mapping[str, torch.Tensor] | None = None,
+                    module: tuple[Mapping[str, torch.Tensor], Mapping[str, Any]] | None = None,
+                    ) -> Path:
         stderr_text = _read_tail(self.stderr_file) if self.stderr_file is not None else ""
         found = _triage(exc, stderr_text)
         context = self._context()
+        numeric: dict[str, Any] = {}
         if watched is not None:
             try:
                 inputs = _collect(watched, args, kwargs, before, found, exc)
@@ -403,9 +460,18 @@ class Recorder:
                 inputs = _Inputs(problems=(problem,))
             ids = _call_ids(watched, args, kwargs) if watched.ids is not None else None
             ids = ids if ids is not None else context.ids
+            with contextlib.suppress(Exception):
+                # An RNG state without the inputs that draw from it replays nothing.
+                numeric, rng_tensors = _numeric_context(
+                    inputs.devices, (rng or {}) if inputs.tensors else {})
+                extra_tensors, extra_literals = module or ({}, {})
+                inputs = dataclasses.replace(
+                    inputs, tensors={**inputs.tensors, **extra_tensors, **rng_tensors},
+                    literals={**inputs.literals, **extra_literals})
         else:
             inputs, ids = _Inputs(), context.ids
         draft = self._draft(exc, watched, inputs, context, ids, stderr_text)
+        draft = dataclasses.replace(draft, context=numeric)
         case_dir = _write_case(self.root, draft)
         with self._lock:
             self._case_dir = case_dir
@@ -418,6 +484,113 @@ class Recorder:
             reasons = "".join(f"\n  - {reason}" for reason in draft.origin.get("incomplete", ()))
             self._say("gpucase: warning: the case is incomplete, so it has no xfail line and its "
                       f"replay fails until it is completed:{reasons}")
+        return case_dir
+
+    def _watch_module(self, module: torch.nn.Module, name: str | None, factory: str | None,
+                      kwargs: Mapping[str, Any] | None, ids: SampleIds | None) -> None:
+        rebuild = _rebuild(module, factory, kwargs)
+        if rebuild.factory is None:
+            # Said now, not after hours of training: the case could not be replayed as is.
+            self._say(f"gpucase: warning: {rebuild.why_not}")
+        case = _case_name(name or type(module).__name__)
+        self._modules.append(_ModuleWatch(self, module, case, rebuild, ids))
+
+    def _save_module(self, exc: BaseException, watch: _ModuleWatch, args: Any, kwargs: Any,
+                     backward: bool) -> None:
+        """The whole-module case, then the narrowest module and op cases that reproduce."""
+        found = _triage(exc, "")
+        module = watch.module
+        recipe: dict[str, Any] = {"factory": watch.rebuild.factory or "",
+                                  "kwargs": dict(watch.rebuild.kwargs),
+                                  "training": bool(module.training), "backward": backward}
+        tensors = {} if _unusable(found) else _state(module)
+        if backward:
+            grads = {f"{GRAD_PREFIX}{i}": _host(g) for i, g in enumerate(watch.grad_output)
+                     if _is_tensor(g)}
+            tensors.update(grads)
+            recipe["grad_outputs"] = list(grads)
+        case_dir = self._save_first(exc, watch.watched, args, kwargs, watch.before, watch.rng,
+                                    (tensors, {MODULE_KEY: recipe}))
+        inner = watch.innermost
+        if backward or inner is None or inner[0] is not exc:
+            return
+        if inner[2] is module and not watch.rebuild.factory:
+            return  # nothing narrower than a module that cannot be rebuilt
+        with contextlib.suppress(Exception):
+            self._narrow(exc, watch, inner[1], inner[2], inner[3], inner[4], case_dir)
+
+    def _narrow(self, exc: BaseException, watch: _ModuleWatch, qualname: str,
+                sub: torch.nn.Module, args: Any, kwargs: Any, case_dir: Path) -> None:
+        """Write the innermost failing submodule's case and its failing op's case beside
+        ``case_dir``, each kept only if it reproduces the failure class in a fresh child."""
+        import torch
+
+        from .triage import failure_class
+
+        failure = failure_class(type(exc).__name__, str(exc), _read_tail(self.stderr_file)
+                                if self.stderr_file is not None else "")
+        start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+        base = case_dir.name
+        module_dir = case_dir
+        if sub is not watch.module:
+            rebuild = _rebuild(sub, None, None)
+            if rebuild.factory is None:
+                self._say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
+                return
+            inner = _watched(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
+            recipe = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
+                      "training": bool(sub.training), "backward": False}
+            found = _triage(exc, "")
+            inputs = _collect(inner, args, kwargs, {}, found, exc)
+            numeric, rng_tensors = _numeric_context(inputs.devices, watch.rng)
+            inputs = dataclasses.replace(
+                inputs, tensors={**inputs.tensors, **_state(sub), **rng_tensors},
+                literals={**inputs.literals, MODULE_KEY: recipe})
+            draft = self._draft(exc, inner, inputs, self._context(), self._context().ids, "")
+            draft = dataclasses.replace(draft, context=numeric, origin={
+                **draft.origin, "narrowed_from": base, "module": qualname})
+            kept = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
+            self._report_narrowed(kept, f"module {qualname}")
+            if kept is None:
+                return
+            module_dir = kept
+        self._narrow_op(exc, module_dir, base, failure, start)
+
+    def _narrow_op(self, exc: BaseException, module_dir: Path, base: str, failure: str | None,
+                   start: Any) -> None:
+        import tempfile
+
+        from .case import load_case
+        from .isolation import run_in_child
+
+        with tempfile.TemporaryDirectory() as scratch:
+            out = Path(scratch) / INPUTS_FILE
+            child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
+                                 start_method=start)
+            table = child.value if child.returned else None
+            if not isinstance(table, dict) or not out.exists():
+                self._report_narrowed(None, "op (no single ATen op raised)")
+                return
+            tensors = payload.load(out)
+        case = load_case(module_dir)
+        op = str(table["op"])
+        draft = _Draft(
+            name=f"{base}.{op}", call=REPLAY_OP,
+            summary=f"{op} raised {_error_line(exc)} (narrowed from {base})",
+            xfail=case.xfail, literals={OP_KEY: table},
+            origin={**case.origin, "narrowed_from": base, "op": op},
+            tensors=tensors, files={},
+            context={k: v for k, v in _context_doc(case).items() if k != "rng"})
+        kept = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
+        self._report_narrowed(kept, f"op {op}")
+
+    def _report_narrowed(self, kept: Path | None, what: str) -> None:
+        if kept is None:
+            self._say(f"gpucase: note: the narrowed case of {what} did not reproduce the "
+                      "failure in a fresh child, so it was not kept")
+            return
+        self.narrowed.append(kept)
+        self._say(f"gpucase: saved {_shown(kept)} (narrowed to {what})")
 
     def _draft(self, exc: BaseException, watched: _Watched | None, inputs: _Inputs,
                context: _Context, ids: tuple[str | int, ...] | None,
@@ -434,7 +607,8 @@ class Recorder:
             what = "a step"
         else:
             name = watched.name
-            what = watched.call or str(getattr(watched.fn, "__qualname__", watched.name))
+            what = str(getattr(watched.fn, "__qualname__", watched.name))
+            what = watched.call if watched.call and watched.call != REPLAY_MODULE else what
             if watched.call is None:
                 incomplete.insert(0, watched.why_not)
         if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
@@ -448,6 +622,12 @@ class Recorder:
         devices = inputs.devices
         backend = _backend(devices, torch)
         origin: dict[str, Any] = {"error": error}
+        with contextlib.suppress(Exception):
+            from .triage import failure_class
+
+            kind = failure_class(type(exc).__name__, str(exc), stderr_text)
+            if kind is not None:
+                origin["failure_class"] = kind
         excerpt = _stderr_excerpt(stderr_text)
         if excerpt:
             origin["stderr"] = excerpt
@@ -849,6 +1029,8 @@ def _case_toml(draft: _Draft) -> str:
     if draft.literals:
         doc["inputs"] = dict(draft.literals)
     doc["expect"] = {"outcome": "matches"}
+    if draft.context:
+        doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
     return tomli_w.dumps(doc)
 
@@ -890,6 +1072,17 @@ def _claim(root: Path, name: str) -> Path:
 def _write_case(root: Path, draft: _Draft) -> Path:
     """Write a case directory atomically under ``root`` and return it; never overwrite one.
 
+    A rerun that hits the same failure (same call, failure class and inputs) finds the
+    case it wrote before: that one's ``[origin] seen`` and ``last_seen`` are updated instead.
+    """
+    written = _write_kept(root, draft, None)
+    assert written is not None  # nothing to refuse without ``keep``
+    return written
+
+
+def _write_kept(root: Path, draft: _Draft, keep: Callable[[Path], bool] | None) -> Path | None:
+    """Write a case as ``_write_case`` does, once ``keep(staged directory)`` says yes.
+
     Everything is written into a hidden temporary directory beside the target (hidden
     directories are not collected), ``case.toml`` last, each file flushed and fsynced;
     the directory is then renamed onto a freshly claimed empty name.
@@ -907,6 +1100,14 @@ def _write_case(root: Path, draft: _Draft) -> Path:
         _write_synced(staged, _case_toml(draft))
         os.replace(staged, tmp / CASE_FILE)
         _fsync_dir(tmp)
+        seen = _same_failure_case(root, draft, tmp)
+        if seen is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            _count_seen(seen)
+            return seen
+        if keep is not None and not keep(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+            return None
         target = _claim(root, draft.name)
         try:
             os.rename(tmp, target)  # replaces our own empty claim (POSIX)
@@ -920,6 +1121,63 @@ def _write_case(root: Path, draft: _Draft) -> Path:
         if target is not None and target.is_dir() and not any(target.iterdir()):
             target.rmdir()
         raise
+
+
+def _read_doc(case_dir: Path) -> dict[str, Any] | None:
+    import tomllib
+
+    try:
+        return tomllib.loads((case_dir / CASE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _same_failure_case(root: Path, draft: _Draft, staged: Path) -> Path | None:
+    """An earlier case of ``draft.name`` (or ``name-N``) with the same call, failure class
+    and inputs hash: the same failure, met again by a rerun."""
+    failure = draft.origin.get("failure_class")
+    if failure is None:
+        return None
+    mine = payload.content_hash(staged / INPUTS_FILE) if (staged / INPUTS_FILE).exists() else ""
+    pattern = re.compile(rf"{re.escape(draft.name)}(-\d+)?")
+    for candidate in sorted(root.iterdir()):
+        if not pattern.fullmatch(candidate.name) or not candidate.is_dir():
+            continue
+        doc = _read_doc(candidate)
+        if doc is None or doc.get("call") != draft.call:
+            continue
+        if doc.get("origin", {}).get("failure_class") != failure:
+            continue
+        inputs = candidate / INPUTS_FILE
+        theirs = payload.content_hash(inputs) if inputs.exists() else ""
+        if theirs == mine:
+            return candidate
+    return None
+
+
+def _count_seen(case_dir: Path) -> None:
+    """``[origin] seen += 1`` and ``last_seen`` = today, rewritten atomically."""
+    doc = _read_doc(case_dir)
+    if doc is None:
+        return
+    origin = doc.setdefault("origin", {})
+    origin["seen"] = int(origin.get("seen", 1)) + 1
+    origin["last_seen"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    staged = case_dir / f".{CASE_FILE}.{secrets.token_hex(6)}.tmp"
+    try:
+        _write_synced(staged, tomli_w.dumps(doc))
+        os.replace(staged, case_dir / CASE_FILE)
+    except BaseException:
+        staged.unlink(missing_ok=True)
+        raise
+    Recorder._say(f"gpucase: the same failure as {_shown(case_dir)} (seen {origin['seen']} "
+                  "times): its [origin] seen and last_seen were updated, no copy written")
+
+
+def _context_doc(case: Any) -> dict[str, Any]:
+    doc = _read_doc(case.path)
+    table = doc.get("context", {}) if doc else {}
+    return dict(table) if isinstance(table, dict) else {}
 
 
 def _set_later_errors(case_dir: Path, count: int) -> None:
@@ -949,3 +1207,384 @@ def _shown(path: Path) -> str:
         return str(path.relative_to(Path.cwd()))
     except (ValueError, OSError):
         return str(path)
+
+
+# --- numeric context ----------------------------------------------------------------------------
+
+def _rng_state(tensors: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The RNG states random ops will consume, taken before the call (a few KB, no sync)."""
+    import torch
+
+    states = {"cpu": torch.get_rng_state()}
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            states["cuda"] = torch.cuda.get_rng_state(cuda)
+    return states
+
+
+def _numeric_context(devices: Iterable[str], rng: Mapping[str, torch.Tensor],
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The ``[context]`` table of the failing call, read while still inside its regions, and
+    the RNG state tensors it names (docs/case-format.md, "[context]")."""
+    import torch
+
+    kinds = [d.split(":")[0] for d in devices]
+    device_type = next((k for k in kinds if k != "cpu"), "cpu")
+    context: dict[str, Any] = {}
+    for kind in dict.fromkeys((device_type, "cpu")):
+        with contextlib.suppress(Exception):  # a device type this build does not know
+            if torch.is_autocast_enabled(kind):
+                dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+                context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
+                break
+    context["grad"] = torch.is_grad_enabled()
+    context["inference"] = torch.is_inference_mode_enabled()
+    context["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    context["tf32"] = {"matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+                       "cudnn": bool(torch.backends.cudnn.allow_tf32)}
+    context["default_dtype"] = str(torch.get_default_dtype()).removeprefix("torch.")
+    tensors = {RNG_NAMES[kind]: state for kind, state in rng.items() if kind in RNG_NAMES}
+    if tensors:
+        context["rng"] = {kind: RNG_NAMES[kind] for kind in rng if kind in RNG_NAMES}
+    return context, tensors
+
+
+# --- modules ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class _Rebuild:
+    """How a replay rebuilds a module: an importable factory and its literal arguments."""
+
+    factory: str | None
+    kwargs: Mapping[str, Any]
+    why_not: str = ""
+
+
+def _rebuild(module: torch.nn.Module, factory: str | None,
+             kwargs: Mapping[str, Any] | None) -> _Rebuild:
+    """The factory given at watch time, or the module's class called with the constructor
+    arguments read back from its same-named attributes (what torch.nn built-ins keep)."""
+    if factory is not None:
+        literal = _literal(dict(kwargs or {}))
+        if literal is _NOT_LITERAL:
+            return _Rebuild(None, {}, f"rec.watch(..., kwargs=...) for {factory} holds values "
+                            "TOML cannot: pass numbers, strings, booleans and lists only")
+        return _Rebuild(factory, literal)
+    cls = type(module)
+    fix = ("pass rec.watch(model, factory=\"package.module:make_model\", kwargs={...}) naming "
+           "a function that builds it")
+    target, why_not = _import_name(cls, cls.__qualname__)
+    if target is None:
+        return _Rebuild(None, {}, f"{cls.__qualname__} cannot be rebuilt by a replay "
+                        f"({why_not.split(';')[0]}): {fix}")
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return _Rebuild(None, {}, f"the constructor of {cls.__qualname__} has no readable "
+                        f"signature: {fix}")
+    found: dict[str, Any] = {}
+    for name, param in list(signature.parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in ("device",
+                                                                                 "dtype"):
+            continue
+        value = getattr(module, name, _NOT_LITERAL)
+        if isinstance(param.default, bool) and not isinstance(value, bool) and (
+                value is None or _is_tensor(value)):
+            value = value is not None  # Linear(bias=True) keeps bias as a Parameter or None
+        literal = _NOT_LITERAL if value is None else _literal(value)
+        if literal is not _NOT_LITERAL:
+            found[name] = literal
+        elif value is None and param.default is None:
+            continue
+        elif param.default is param.empty:
+            return _Rebuild(None, {}, f"{cls.__qualname__}({name}=...) cannot be read back "
+                            f"from the module: {fix}")
+    return _Rebuild(target, found)
+
+
+def _is_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _host(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach() if tensor.device.type == "cpu" else payload.to_device(tensor, "cpu")
+
+
+def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Parameters and persistent buffers on the host, under ``state.<name>``."""
+    import torch
+
+    state: dict[str, Any] = module.state_dict(keep_vars=True)
+    return {f"{STATE_PREFIX}{name}": _host(value).clone() for name, value in state.items()
+            if isinstance(value, torch.Tensor) and _storable(value)}
+
+
+def _import_target(target: str) -> Any:
+    import importlib
+
+    where, _, qualname = target.partition(":")
+    obj: Any = importlib.import_module(where)
+    for part in qualname.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _flat_tensors(value: Any) -> list[torch.Tensor]:
+    if _is_tensor(value):
+        return [value]
+    if isinstance(value, Mapping):
+        return [t for v in value.values() for t in _flat_tensors(v)]
+    if isinstance(value, (list, tuple)):
+        return [t for v in value for t in _flat_tensors(v)]
+    return []
+
+
+def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
+    """Rebuild a captured module, load its saved state and call it on the saved inputs.
+
+    The generated ``call`` of a module case. ``gpucase_module`` is the ``[inputs]`` table
+    capture writes: ``factory`` ("pkg.mod:make" or a torch.nn class) and its ``kwargs``,
+    ``training`` (the train/eval mode), ``backward`` (the failure was in backward: run it
+    with the saved ``grad_output.<i>`` tensors). ``state.<name>`` tensors are the state dict.
+    """
+    import torch
+
+    recipe = dict(gpucase_module)
+    module = _import_target(str(recipe["factory"]))(**dict(recipe.get("kwargs", {})))
+    state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
+             if k.startswith(STATE_PREFIX)}
+    grads = [inputs[name] for name in recipe.get("grad_outputs", [])]
+    args = {k: v for k, v in inputs.items() if not k.startswith((STATE_PREFIX, GRAD_PREFIX))}
+    # assign: the saved tensors become the parameters, in the device and dtype of the run.
+    module.load_state_dict(state, strict=True, assign=True)
+    device = next((t.device for t in _flat_tensors(list(inputs.values()))), None)
+    if device is not None:
+        module.to(device)  # non-persistent buffers, made by the constructor on the host
+    module.train(bool(recipe.get("training", False)))
+    if not recipe.get("backward"):
+        return module(**args)
+    with torch.enable_grad():
+        out = module(**args)
+        outs = [t for t in _flat_tensors(out) if t.requires_grad]
+        if grads and len(grads) == len(outs):
+            torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs,
+                                                                          strict=True)])
+        else:
+            torch.autograd.backward(sum((t.float().sum() for t in outs), torch.zeros(())))
+    return {"out": out, "grad": {name: p.grad for name, p in module.named_parameters()}}
+
+
+# --- single ATen op -----------------------------------------------------------------------------
+
+def _encode_arg(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """An op argument as TOML data; tensors go to ``tensors`` as ``arg<i>``; None if not."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        name = f"arg{len(tensors)}"
+        tensors[name] = value.detach().clone()
+        return {"tensor": name}
+    if value is None:
+        return {"none": True}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode_arg(v, tensors) for v in value]
+        return None if any(i is None for i in items) else {"list": items}
+    literal = _literal(value)
+    return None if literal is _NOT_LITERAL else {"value": literal}
+
+
+def _decode_arg(spec: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+    import torch
+
+    if "tensor" in spec:
+        return tensors[spec["tensor"]]
+    if "none" in spec:
+        return None
+    if "dtype" in spec:
+        return getattr(torch, spec["dtype"])
+    if "device" in spec:
+        return torch.device(spec["device"])
+    if "list" in spec:
+        return [_decode_arg(item, tensors) for item in spec["list"]]
+    return spec["value"]
+
+
+def replay_op(*, gpucase_op: Mapping[str, Any], **tensors: Any) -> Any:
+    """Call one ATen op (``op = "aten.embedding.default"``) on its saved arguments.
+
+    The generated ``call`` of an op case: ``args`` and ``kwargs`` describe each argument,
+    ``{tensor = "arg0"}`` naming a saved tensor.
+    """
+    import torch
+
+    namespace, name, overload = str(gpucase_op["op"]).split(".")
+    op = getattr(getattr(getattr(torch.ops, namespace), name), overload)
+    args = [_decode_arg(a, tensors) for a in gpucase_op.get("args", [])]
+    kwargs = {k: _decode_arg(v, tensors) for k, v in gpucase_op.get("kwargs", {}).items()}
+    return op(*args, **kwargs)
+
+
+def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | None:
+    """In a child: replay a module case under a dispatch mode and save the op that raises.
+
+    Returns the ``[inputs] gpucase_op`` table and writes the op's tensors to ``out_file``;
+    None when no single op raised (the failure is in Python code, or nothing raised).
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from .case import load_case
+    from .execute import _load, replay_context
+
+    class Finder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        failed: tuple[Any, Any, Any] | None = None
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            try:
+                return func(*args, **(kwargs or {}))
+            except Exception:
+                if self.failed is None:
+                    self.failed = (func, args, kwargs or {})
+                raise
+
+    os.environ[REPLAY_ENV] = "1"
+    case = load_case(Path(case_dir))
+    inputs, rng = _load(case)
+    finder = Finder()  # type: ignore[no-untyped-call]
+    try:
+        with replay_context(case.context, "cpu", rng), finder:
+            replay_module(**inputs)
+    except Exception:
+        pass
+    if finder.failed is None:
+        return None
+    func, args, kwargs = finder.failed
+    tensors: dict[str, Any] = {}
+    encoded = [_encode_arg(a, tensors) for a in args]
+    encoded_kwargs = {k: _encode_arg(v, tensors) for k, v in kwargs.items()}
+    if any(e is None for e in [*encoded, *encoded_kwargs.values()]):
+        return None
+    payload.save(Path(out_file), tensors)
+    table: dict[str, Any] = {"op": str(func), "args": encoded}
+    if encoded_kwargs:
+        table["kwargs"] = encoded_kwargs
+    return table
+
+
+def _reproduces(case_dir: Path, failure: str | None, start_method: Any) -> bool:
+    """Whether a case written to ``case_dir`` raises the captured failure class on the CPU,
+    in a fresh child (the check that keeps a narrowed case)."""
+    from .case import load_case
+    from .matrix import RunSpec
+    from .runner import run_spec
+    from .triage import failure_class, same_failure
+
+    if failure is None:
+        return False
+    case = load_case(case_dir)
+    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method=start_method,
+                       backend="cpu", localize=False)
+    outcome = verdict.outcome
+    if outcome.error_type is None or outcome.broken_case:
+        return False
+    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
+    return same_failure(failure, found)
+
+
+class _ModuleWatch:
+    """The hooks of one watched module: nothing is replaced, the module stays itself.
+
+    Forward pre-hooks on the module and each submodule keep the stack of entered modules
+    (references only); forward hooks called even on an exception (``always_call``) pop it,
+    and the innermost one still open when an exception passes is the narrowest module.
+    Gradient hooks on the module's outputs note a backward in progress and its grad_output.
+    """
+
+    def __init__(self, recorder: Recorder, module: torch.nn.Module, name: str,
+                 rebuild: _Rebuild, ids: SampleIds | None) -> None:
+        self.recorder = recorder
+        self.module = module
+        self.rebuild = rebuild
+        forward = module.forward
+        self.watched = _watched(forward, name, REPLAY_MODULE if rebuild.factory else None, ids)
+        if rebuild.factory is None:
+            self.watched = dataclasses.replace(self.watched, call=None,
+                                               why_not=rebuild.why_not)
+        self.stack: list[tuple[str, torch.nn.Module, Any, Any]] = []
+        self.innermost: tuple[BaseException, str, torch.nn.Module, Any, Any] | None = None
+        self.outer: list[BaseException | None] = []
+        self.before: dict[int, Any] = {}
+        self.rng: dict[str, torch.Tensor] = {}
+        self.last_call: tuple[Any, Any] | None = None
+        self.backward_open = False
+        self.grad_output: tuple[Any, ...] = ()
+        names = {id(m): n for n, m in module.named_modules()}
+        for sub in module.modules():
+            qualname = names.get(id(sub), "")
+            sub.register_forward_pre_hook(functools.partial(self._enter, qualname),
+                                          with_kwargs=True)
+            sub.register_forward_hook(functools.partial(self._exit, qualname), with_kwargs=True,
+                                      always_call=True)
+
+    def _enter(self, qualname: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
+        rec = self.recorder
+        if module is self.module:
+            self.outer.append(sys.exc_info()[1])
+            rec._local.depth += 1
+            self.backward_open = False
+            if not rec._taken:
+                self.last_call = (args, kwargs)
+                with contextlib.suppress(Exception):
+                    self.before = rec._snapshot_before(self.watched, args, kwargs)
+                    self.rng = _rng_state(_tensors_of(args, kwargs))
+        if not rec._taken:
+            self.stack.append((qualname, module, args, kwargs))
+
+    def _exit(self, qualname: str, module: torch.nn.Module, args: Any, kwargs: Any,
+              result: Any) -> None:
+        rec = self.recorder
+        outer = self.outer[-1] if self.outer else None
+        current = sys.exc_info()[1]
+        exc = current if isinstance(current, Exception) and current is not outer else None
+        if self.stack and self.stack[-1][1] is module:
+            entry = self.stack.pop()
+            if exc is not None and (self.innermost is None or self.innermost[0] is not exc):
+                self.innermost = (exc, *entry)
+        if module is not self.module:
+            return
+        if self.outer:
+            self.outer.pop()
+        if exc is None and not rec._taken:
+            self._hook_outputs(result)
+        save = None
+        if exc is not None and not rec._taken:
+            save = functools.partial(rec._save_module, watch=self, args=args, kwargs=kwargs,
+                                     backward=False)
+        rec._leave(exc, save)
+
+    def _hook_outputs(self, result: Any) -> None:
+        """Gradient hooks on the outputs: their gradients arrive as the module's backward
+        starts, and are its grad_output. (A full backward hook would do the same but warns
+        on every step of a model whose inputs need no gradient.)"""
+        outputs = [t for t in _flat_tensors(result) if t.requires_grad]
+        grads: list[Any] = [None] * len(outputs)
+        self.grad_output = ()
+
+        def arrived(index: int, grad: Any) -> None:
+            if not self.recorder._taken:
+                grads[index] = grad
+                self.backward_open = True
+                self.grad_output = tuple(grads)
+
+        for index, tensor in enumerate(outputs):
+            tensor.register_hook(functools.partial(arrived, index))  # type: ignore[no-untyped-call]
+
+    def backward_done(self) -> None:
+        self.backward_open = False
+        self.grad_output = ()

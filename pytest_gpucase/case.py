@@ -56,7 +56,14 @@ VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
 _TOP_KEYS = (
     "format", "summary", "call", "reference", "timeout", "memory_limit", "launch_blocking",
     "xfail", "inputs_sha256", "inputs", "expect", "matrix", "variants", "ablate", "origin",
+    "context",
 )
+_XFAIL_KEYS = ("reason", "devices", "dtypes", "variants")
+VARIANT_KINDS = ("none", "batch", "length", "boundary")  # "none": the run without a variant
+_CONTEXT_KEYS = ("autocast", "grad", "inference", "deterministic", "tf32", "default_dtype", "rng")
+_AUTOCAST_KEYS = ("device_type", "dtype", "enabled")
+_TF32_KEYS = ("matmul", "cudnn")
+_RNG_KEYS = ("cpu", "cuda")
 _EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tolerance")
 _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
 _MATRIX_KEYS = ("devices", "dtypes", "backends", *VERSION_KEYS, "packages")
@@ -129,6 +136,55 @@ class VariantTables:
 
 
 @dataclass(frozen=True)
+class XfailScope:
+    """Where a case's ``xfail`` applies; None on an axis means every value of it."""
+
+    devices: tuple[str, ...] | None = None
+    dtypes: tuple[str, ...] | None = None
+    variants: tuple[str, ...] | None = None  # variant kinds, "none" for the unvaried run
+
+    def covers(self, device: str, dtype: str, variant_kind: str | None) -> bool:
+        """Whether the run on ``device`` in ``dtype`` (with a variant of that kind) is in scope."""
+        return ((self.devices is None or device in self.devices)
+                and (self.dtypes is None or dtype in self.dtypes)
+                and (self.variants is None or (variant_kind or "none") in self.variants))
+
+
+@dataclass(frozen=True)
+class Autocast:
+    """``[context] autocast``: the autocast region the captured call ran in."""
+
+    device_type: str
+    dtype: str
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class ReplayContext:
+    """The ``[context]`` table: the numeric state a replay restores around the call.
+
+    None on a key means "as the child starts" (torch's defaults), so that a hand-written
+    case without the table runs as before.
+    """
+
+    autocast: Autocast | None = None
+    grad: bool | None = None
+    inference: bool | None = None
+    deterministic: bool | None = None
+    tf32_matmul: bool | None = None
+    tf32_cudnn: bool | None = None
+    default_dtype: str | None = None
+    rng: Mapping[str, str] = field(default_factory=dict)  # "cpu"/"cuda" -> payload tensor name
+
+    @property
+    def compute_dtype(self) -> str | None:
+        """The dtype the call really computes in under autocast, or None without it."""
+        if self.autocast is not None and self.autocast.enabled:
+            return self.autocast.dtype
+        return None
+
+
+@dataclass(frozen=True)
 class Case:
     """One case directory, validated; tensors stay on disk until a child loads them."""
 
@@ -148,6 +204,14 @@ class Case:
     origin: Mapping[str, Any]
     inputs_sha256: str | None = None  # "sha256:<hex>" of inputs.safetensors, checked before use
     memory_limit: int | None = None  # bytes a run's child may use (memory_limit in GiB), or None
+    xfail_scope: XfailScope = field(default_factory=XfailScope)  # where ``xfail`` applies
+    context: ReplayContext = field(default_factory=ReplayContext)
+
+    def xfail_for(self, device: str, dtype: str, variant_kind: str | None) -> str | None:
+        """The xfail reason of one run, or None when the run lies outside the xfail's scope."""
+        if self.xfail is None or not self.xfail_scope.covers(device, dtype, variant_kind):
+            return None
+        return self.xfail
 
     @property
     def case_file(self) -> Path:
@@ -405,9 +469,7 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
         _check_target(top, "reference", reference, path)
     timeout = _positive(top, "timeout", "a number of seconds", MAX_TIMEOUT, "seconds")
     memory_gib = _positive(top, "memory_limit", "a number of GiB", MAX_MEMORY_LIMIT_GIB, "GiB")
-    xfail = top.get("xfail", str, "a string giving the reason")
-    if xfail is not None and not xfail.strip():
-        raise top.error("xfail", "is empty; give the reason the case is known to fail")
+    xfail, xfail_scope = _parse_xfail(top)
 
     literals = top.get("inputs", dict, "a table [inputs]", default={})
     expect = _parse_expectation(top.table_at("expect"), with_extras=True)
@@ -428,6 +490,60 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
         origin=top.get("origin", dict, "a table [origin]", default={}),
         inputs_sha256=_parse_hash(top),
         memory_limit=None if memory_gib is None else int(memory_gib * 2**30),
+        xfail_scope=xfail_scope,
+        context=_parse_context(top.table_at("context")),
+    )
+
+
+def _parse_xfail(top: _Reader) -> tuple[str | None, XfailScope]:
+    """``xfail = "reason"`` (every run) or ``xfail = { reason = ..., devices = [...], ... }``."""
+    if isinstance(top.table.get("xfail"), dict):
+        table = top.table_at("xfail")
+        table.only(_XFAIL_KEYS)
+        reason = table.get("reason", str, "a string giving the reason")
+        if reason is None or not reason.strip():
+            raise table.error("reason", "missing or empty; give the reason the case is known "
+                              "to fail")
+        scope = XfailScope(devices=table.strings("devices", DEVICE_TYPES),
+                           dtypes=table.strings("dtypes", FLOAT_DTYPES),
+                           variants=table.strings("variants", VARIANT_KINDS))
+        return reason, scope
+    xfail = top.get("xfail", str, "a string giving the reason")
+    if xfail is not None and not xfail.strip():
+        raise top.error("xfail", "is empty; give the reason the case is known to fail")
+    return xfail, XfailScope()
+
+
+def _parse_context(reader: _Reader) -> ReplayContext:
+    reader.only(_CONTEXT_KEYS)
+    autocast = None
+    if "autocast" in reader.table:
+        table = reader.table_at("autocast")
+        table.only(_AUTOCAST_KEYS)
+        device_type = table.get("device_type", str, "a device type like \"cuda\"")
+        if device_type not in DEVICE_TYPES:
+            raise table.error("device_type", f"expected one of {', '.join(DEVICE_TYPES)}")
+        dtype = table.get("dtype", str, "a dtype name like \"bfloat16\"")
+        if dtype not in FLOAT_DTYPES:
+            raise table.error("dtype", f"expected one of {', '.join(FLOAT_DTYPES)}")
+        autocast = Autocast(device_type, dtype, table.get("enabled", bool, "true or false", True))
+    tf32 = reader.table_at("tf32")
+    tf32.only(_TF32_KEYS)
+    default_dtype = reader.get("default_dtype", str, "a dtype name like \"float32\"")
+    if default_dtype is not None and default_dtype not in FLOAT_DTYPES:
+        raise reader.error("default_dtype", f"expected one of {', '.join(FLOAT_DTYPES)}")
+    rng = reader.table_at("rng")
+    rng.only(_RNG_KEYS)
+    return ReplayContext(
+        autocast=autocast,
+        grad=reader.get("grad", bool, "true or false"),
+        inference=reader.get("inference", bool, "true or false"),
+        deterministic=reader.get("deterministic", bool, "true or false"),
+        tf32_matmul=tf32.get("matmul", bool, "true or false"),
+        tf32_cudnn=tf32.get("cudnn", bool, "true or false"),
+        default_dtype=default_dtype,
+        rng={name: rng.get(name, str, "the name of a uint8 tensor in inputs.safetensors")
+             for name in _RNG_KEYS if name in rng.table},
     )
 
 

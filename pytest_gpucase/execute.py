@@ -6,6 +6,7 @@ Runs in the isolated child only: it imports torch and may touch the device.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
@@ -14,7 +15,7 @@ import os
 import re
 import sys
 import traceback
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -27,7 +28,7 @@ import torch
 
 from . import golden, payload
 from .capture import REPLAY_ENV
-from .case import Case, Expectation
+from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare
 from .errors import CaseFormatError, display
 from .matrix import RunSpec
@@ -81,7 +82,7 @@ def run(spec: RunSpec) -> Outcome:
 
 def _run(spec: RunSpec) -> Outcome:
     case = spec.case
-    inputs = load_inputs(case)
+    inputs, rng = _load(case)
     expect = case.expect
     if spec.variant is not None:
         try:
@@ -101,10 +102,14 @@ def _run(spec: RunSpec) -> Outcome:
         check_binding(case, case.reference, func, inputs)
     apply_settings(spec.settings)  # after the imports, so that no module-level code undoes it
     run_inputs = prepare(inputs, spec.device, spec.dtype if spec.cast else None)
+    context = case.context
     if expect.outcome == "raises":
-        return _check_raises(func, run_inputs, expect, spec.device)
+        with replay_context(context, spec.device, rng):
+            return _check_raises(func, run_inputs, expect, spec.device)
     try:
-        actual = _call(func, run_inputs, expect.gradients, spec.device)
+        with replay_context(context, spec.device, rng):
+            actual = _call(func, run_inputs, expect.gradients, spec.device,
+                           keep_grad_mode=context.grad is not None)
     except Exception as exc:
         return _raised("the call", exc)
     reference = func
@@ -112,7 +117,8 @@ def _run(spec: RunSpec) -> Outcome:
         reference = resolve(case, case.reference, "reference")
         check_binding(case, case.reference, reference, run_inputs)
     try:
-        expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
+        with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
+            expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
     except Exception as exc:
         return _raised("the reference (on CPU in float64)", exc, "reference raises")
     comparison = _compare(actual, expected, expect)
@@ -194,6 +200,12 @@ def apply_settings(names: tuple[str, ...]) -> None:
 
 def load_inputs(case: Case) -> dict[str, Any]:
     """The case's keyword arguments: ``[inputs]`` literals and the saved tensors."""
+    return _load(case)[0]
+
+
+def _load(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The case's keyword arguments, and apart from them the RNG states ``[context] rng``
+    names in the payload (device type -> uint8 state tensor)."""
     if case.inputs_sha256 is not None:
         if not os.path.lexists(case.inputs_file):
             raise CaseFormatError(case.case_file, f"names a hash but {case.inputs_file.name} is "
@@ -207,11 +219,60 @@ def load_inputs(case: Case) -> dict[str, Any]:
                                   f"intended set inputs_sha256 = \"{found}\"")
     # lexists: a dangling symlink is a broken payload, not an absent one.
     tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
+    rng: dict[str, torch.Tensor] = {}
+    for device_type, name in case.context.rng.items():
+        if name not in tensors:
+            raise CaseFormatError(case.case_file, f"names '{name}', which "
+                                  f"{case.inputs_file.name} does not hold; save the state there "
+                                  "or remove the key", key=f"[context] rng.{device_type}")
+        rng[device_type] = tensors.pop(name)
     clash = sorted(set(tensors) & set(case.literals))
     if clash:
         raise CaseFormatError(case.case_file, f"{', '.join(clash)} given both here and in "
                               f"{case.inputs_file.name}; keep one", key="[inputs]")
-    return {**case.literals, **tensors}
+    return {**case.literals, **tensors}, rng
+
+
+@contextlib.contextmanager
+def _rng_restored(rng: Mapping[str, torch.Tensor], device: str) -> Iterator[None]:
+    """Set the saved RNG states, so that random ops draw what they drew when captured."""
+    if "cpu" in rng:
+        torch.set_rng_state(rng["cpu"].to(torch.uint8))
+    if "cuda" in rng and device.startswith("cuda"):
+        torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))
+    yield
+
+
+@contextlib.contextmanager
+def replay_context(context: ReplayContext, device: str,
+                   rng: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Apply a case's ``[context]`` around the call, as it was when the failure was captured.
+
+    Autocast is entered for the device type of this run with the captured dtype: a case
+    captured under CUDA bf16 autocast computes in bf16 on the CPU too. Runs in the child,
+    so the global switches (default dtype, TF32, deterministic) need no restoring.
+    """
+    if context.default_dtype is not None:
+        torch.set_default_dtype(getattr(torch, context.default_dtype))
+    if context.deterministic:
+        _deterministic()
+    elif context.deterministic is False:
+        torch.use_deterministic_algorithms(False)
+    if context.tf32_matmul is not None:
+        torch.backends.cuda.matmul.allow_tf32 = context.tf32_matmul
+    if context.tf32_cudnn is not None:
+        torch.backends.cudnn.allow_tf32 = context.tf32_cudnn
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_rng_restored(rng, device))
+        if context.grad is not None:
+            stack.enter_context(torch.set_grad_enabled(context.grad))
+        if context.inference:
+            stack.enter_context(torch.inference_mode())
+        if context.autocast is not None:
+            stack.enter_context(torch.autocast(
+                device_type=device.split(":")[0], dtype=getattr(torch, context.autocast.dtype),
+                enabled=context.autocast.enabled))
+        yield
 
 
 _MISSING = object()
@@ -311,13 +372,16 @@ def _sync(device: str) -> None:
 
 
 def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
-          device: str) -> dict[str, Any]:
-    """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs)."""
+          device: str, keep_grad_mode: bool = False) -> dict[str, Any]:
+    """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs).
+
+    ``keep_grad_mode``: the case's ``[context]`` set the grad mode, which stays as it is.
+    """
     if not gradients:
-        with torch.no_grad():
+        with contextlib.nullcontext() if keep_grad_mode else torch.no_grad():
             out = func(**inputs)
         _sync(device)
-        return {"out": out}
+        return {"out": _detach(out)}
     leaves = {name: value.detach().requires_grad_()
               for name, value in inputs.items()
               if isinstance(value, torch.Tensor)

@@ -387,8 +387,10 @@ class CaseFile(pytest.File):
         case_dir = self.path.parent
         try:
             case = load_case(case_dir)
-            # The saved dtype names the items only when [matrix] dtypes does not.
-            saved = None if case.matrix.dtypes else saved_dtype(case)
+            # The saved dtype names the items only when [matrix] dtypes does not; under
+            # autocast the call computes in the autocast dtype, which names them instead.
+            saved = None if case.matrix.dtypes else (case.context.compute_dtype
+                                                     or saved_dtype(case))
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
@@ -484,16 +486,37 @@ class KnownFailure(CaseRunFailed):
 
 
 def is_known_failure(case: Case, verdict: Verdict) -> bool:
-    """Whether a failed run is the case's known failure, not a broken case or another error."""
+    """Whether a failed run is the case's known failure, not a broken case or another error.
+
+    Compared by failure class (pytest_gpucase.triage.failure_class) when both sides have
+    one, so that a device-side assert captured on CUDA is met by the IndexError the CPU
+    raises for the same inputs; else by the exception type named in ``[origin] error``.
+    """
     import re
+
+    from .triage import failure_class, same_failure
 
     outcome = verdict.outcome
     if outcome.broken_case:
         return False
-    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", str(case.origin.get("error", "")))
+    error = str(case.origin.get("error", ""))
+    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", error)
     if recorded is None or outcome.error_type is None:
         return True  # nothing to tell them apart by: a mismatch, or no recorded type
+    known = case.origin.get("failure_class")
+    if not isinstance(known, str):
+        known = failure_class(recorded[1], error.partition(":")[2],
+                              str(case.origin.get("stderr", "")))
+    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
+    if known is not None and found is not None:
+        return same_failure(known, found)
     return recorded[1].rsplit(".", 1)[-1] == outcome.error_type
+
+
+def xfail_reason(spec: RunSpec) -> str | None:
+    """The xfail reason that applies to this run (None outside a scoped xfail)."""
+    variant = spec.variant.kind if spec.variant is not None else None
+    return spec.case.xfail_for(spec.device, spec.dtype, variant)
 
 
 class CaseItem(pytest.Item):
@@ -516,9 +539,9 @@ class CaseItem(pytest.Item):
         self.user_properties.append(("gpucase", property_json(spec_fields(spec))))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
-        elif spec.case.xfail is not None:
+        elif (reason := xfail_reason(spec)) is not None:
             # Only the known failure counts as xfailed; any other failure is a failure.
-            self.add_marker(pytest.mark.xfail(reason=spec.case.xfail, strict=True,
+            self.add_marker(pytest.mark.xfail(reason=reason, strict=True,
                                               raises=KnownFailure))
 
     def runtest(self) -> None:
@@ -550,7 +573,7 @@ class CaseItem(pytest.Item):
         if verdict.outcome.status == "skipped":
             pytest.skip(verdict.outcome.summary)
         if verdict.failed:
-            if self.spec.case.xfail is not None and is_known_failure(self.spec.case, verdict):
+            if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
                 raise KnownFailure(verdict)
             raise CaseRunFailed(verdict)
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-__all__ = ["SCANNED", "Triage", "assertion_line", "bounded", "triage"]
+__all__ = ["FAILURE_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded", "failure_class",
+           "same_failure", "triage"]
 
 _RESTART = (
     "the process must be restarted before any reproduction: the device context is unusable "
@@ -77,6 +78,7 @@ class _Rule:
     """One row of the triage table: the texts that identify a clue, and what to say about it."""
 
     clue: str
+    kind: str  # the failure class (FAILURE_CLASSES): what a replay elsewhere must raise again
     first_check: str
     avoid: str
     # Searched in the exception message; in stderr only when no rule matched the message,
@@ -102,6 +104,7 @@ class _Rule:
 _RULES: tuple[_Rule, ...] = (
     _Rule(
         clue="device-side assert",
+        kind="device-side-assert",
         first_check=(
             "Check the indices, targets and operator conditions that reached the kernel: class "
             "targets in [0, num_classes) or ignore_index, embedding/gather/index_select indices "
@@ -127,6 +130,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="illegal memory access",
+        kind="illegal-address",
         first_check=(
             "Rerun with launch blocking to name the kernel, then check what it was given: an "
             "unchecked out-of-range index or size, a custom or extension kernel, or a tensor "
@@ -149,6 +153,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="launch failure",
+        kind="launch-failure",
         first_check=(
             "Rerun with launch blocking to name the kernel; check custom or extension kernels, "
             "inputs beyond the kernel's limits, and the system log (dmesg, Xid) for a driver "
@@ -171,6 +176,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="uncorrectable ECC error",
+        kind="ecc",
         first_check=(
             "Check the device's ECC counters and the system log (nvidia-smi -q -d ECC, dmesg "
             "Xid), and rerun the case on another device."
@@ -185,6 +191,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="out of memory",
+        kind="oom",
         first_check=(
             "Check the shapes and batch size at the failing step, tensors kept alive across "
             "steps (losses held with their graphs, caches, lists of outputs), and memory held "
@@ -207,6 +214,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="no usable device",
+        kind="no-device",
         first_check=(
             "Check what this process sees: the torch build (torch.version.cuda or "
             "torch.version.hip; a CPU-only wheel has neither), the driver against that build "
@@ -226,6 +234,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="invalid device ordinal",
+        kind="invalid-device",
         first_check=(
             "Check the device index against torch.cuda.device_count() in the environment that "
             "ran it: the index counts only the devices CUDA_VISIBLE_DEVICES or "
@@ -236,6 +245,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="no kernel image",
+        kind="no-kernel-image",
         first_check=(
             "Check that torch and every extension were built for this GPU: compare "
             "torch.cuda.get_arch_list() with torch.cuda.get_device_capability() (ROCm: the gfx "
@@ -256,6 +266,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="different devices",
+        kind="device-mismatch",
         first_check=(
             "Check the placement of the model and of every input: where each tensor is "
             "created or loaded, and which ones a .to(device) missed (buffers, targets, masks, "
@@ -292,6 +303,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="operator not available",
+        kind="operator-missing",
         first_check=(
             "Check the versions (torch, and each extension built against that torch), whether "
             "the extension was built for this backend, the device the inputs are on, and their "
@@ -326,6 +338,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="dtype not implemented",
+        kind="dtype-not-implemented",
         first_check=(
             "Check the dtype of every input to that operator: a kernel missing for Half or "
             "BFloat16 on this backend and version, or an input of the wrong kind (class targets "
@@ -352,6 +365,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="dtype mismatch",
+        kind="dtype-mismatch",
         first_check=(
             "Check where each operand's dtype comes from: autocast regions, .half() or .to() "
             "on part of the model, float64 arrays from NumPy, targets that are not int64."
@@ -374,6 +388,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="cuDNN/cuBLAS error",
+        kind="library-error",
         first_check=(
             "Rerun with launch blocking to see whether an earlier kernel failed first (a "
             "library status is often the first report of an earlier error), then check the "
@@ -395,6 +410,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="index out of range (CPU)",
+        kind="index-out-of-range",
         first_check=(
             "Check the indices and targets against the size they index: class targets in "
             "[0, num_classes) or ignore_index, token ids below num_embeddings, gather and "
@@ -436,6 +452,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="value out of range (CPU)",
+        kind="value-out-of-range",
         first_check=(
             "Check the values fed to the loss: binary_cross_entropy takes probabilities in "
             "[0, 1] (pass logits to binary_cross_entropy_with_logits), and NaN fails the check "
@@ -446,6 +463,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="NaN/inf",
+        kind="nan",
         first_check=(
             "Find the first step and tensor where a NaN or inf appears: the inputs, the loss, "
             "then the gradients (torch.autograd.set_detect_anomaly); look at the learning rate, "
@@ -569,6 +587,26 @@ _COMPILED: tuple[_CompiledRule, ...] = tuple(
     for rule in _RULES
 )
 _COMPILED_MEANINGS = tuple((re.compile(p), text) for p, text in _ASSERTION_MEANINGS)
+
+# The class of a kernel assertion, by its condition: the check the CPU kernel makes too.
+_ASSERTION_CLASSES: tuple[tuple[re.Pattern[str], str], ...] = (
+    (re.compile(r"t >= 0 && t < n_classes|srcIndex < srcSelectDimSize|index out of bounds|"
+                r"idx_dim >= 0 && idx_dim < index_size"), "index-out-of-range"),
+    (re.compile(r"input_val >= zero && input_val <= one"), "value-out-of-range"),
+)
+
+# Every class failure_class can return, in rule order.
+FAILURE_CLASSES: tuple[str, ...] = tuple(dict.fromkeys(rule.kind for rule in _RULES))
+
+# A device-side assert is an input check made inside a kernel: on the CPU the same check
+# raises a readable error, so a class it was captured as is met by these classes elsewhere.
+# Read as: a case captured as the key reproduces when a replay raises any of the values.
+_EQUIVALENT: dict[str, frozenset[str]] = {
+    "device-side-assert": frozenset({"device-side-assert", "index-out-of-range",
+                                     "value-out-of-range"}),
+    "index-out-of-range": frozenset({"index-out-of-range", "device-side-assert"}),
+    "value-out-of-range": frozenset({"value-out-of-range", "device-side-assert"}),
+}
 _COMPILED_MARKERS = tuple((name, re.compile("|".join(ps))) for name, ps in _BACKEND_MARKERS)
 
 
@@ -622,6 +660,34 @@ def triage(error_type: str, message: str, stderr: str = "") -> Triage | None:
         backend=backend,
         notes=tuple(notes),
     )
+
+
+def failure_class(error_type: str, message: str, stderr: str = "") -> str | None:
+    """The failure class of an exception (one of ``FAILURE_CLASSES``), or None when unknown.
+
+    A device-side assert whose kernel assertion line is in ``stderr`` takes the class of the
+    check that failed ("index-out-of-range" for an embedding or nll_loss index), the class
+    the CPU raises for the same inputs; without the line it stays "device-side-assert".
+    """
+    short_type = error_type.rsplit(".", 1)[-1]
+    message, stderr = bounded(message), bounded(stderr)
+    found = _match(short_type, message, stderr)
+    if found is None:
+        return None
+    if found.rule.reads_assertion:
+        line = assertion_line(stderr) or assertion_line(message)
+        for pattern, kind in _ASSERTION_CLASSES:
+            if line is not None and pattern.search(line):
+                return kind
+    return found.rule.kind
+
+
+def same_failure(recorded: str, found: str | None) -> bool:
+    """Whether a failure of class ``found`` reproduces one recorded as class ``recorded``
+    (the equivalences are the table "Failure classes" in docs/case-format.md)."""
+    if found is None:
+        return False
+    return found in _EQUIVALENT.get(recorded, frozenset({recorded}))
 
 
 def _match(short_type: str, message: str, stderr: str) -> _CompiledRule | None:

@@ -87,6 +87,8 @@ def binding_problems(case: Case, target: str, params: Parameters,
                      tensors: Collection[str] | None) -> list[CaseFormatError]:
     """Why the case's inputs (``[inputs]`` literals and the payload's ``tensors``, ``None``
     when there is no payload) do not bind to ``target``'s parameters; empty when they do."""
+    if tensors is not None:  # the RNG states [context] rng names are no call inputs
+        tensors = [name for name in tensors if name not in case.context.rng.values()]
     given = {*case.literals, *(tensors or ())}
     shown = f"{target}({', '.join(params.names)})"
     problems = []

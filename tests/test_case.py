@@ -242,7 +242,7 @@ def test_newer_format_is_reported_before_its_unknown_keys(case_dir: Path) -> Non
     (MINIMAL + "seed = 3\n",
      ("seed: unknown key; expected one of format, summary, call, reference, timeout, "
      "memory_limit, launch_blocking, xfail, inputs_sha256, inputs, expect, matrix, variants, "
-     "ablate, origin")),
+     "ablate, origin, context")),
     (MINIMAL + '[expect]\noutcom = "raises"\n',
      "[expect] outcom: unknown key; did you mean 'outcome'?"),
     (MINIMAL + '[matrix]\ndevice = ["cpu"]\n',

@@ -1,0 +1,158 @@
+"""Models under a Recorder: hooks, state, narrowing, numeric context, failure classes."""
+
+from __future__ import annotations
+
+import tomllib
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from pytest_gpucase import payload
+from pytest_gpucase.capture import Recorder
+from pytest_gpucase.case import load_case
+from pytest_gpucase.matrix import RunSpec
+from pytest_gpucase.plugin import is_known_failure
+from pytest_gpucase.runner import run_spec
+from pytest_gpucase.triage import failure_class, same_failure
+from tests import model_targets
+
+
+def replay(case_dir: Path) -> Any:
+    """Run a case's CPU item in a fresh child and return its verdict."""
+    case = load_case(case_dir)
+    return run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
+                    backend="cpu", localize=False)
+
+
+def toml(case_dir: Path) -> dict[str, Any]:
+    return tomllib.loads((case_dir / "case.toml").read_text())
+
+
+def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = model_targets.TinyLM()
+    rec = Recorder(tmp_path / "cases")
+    assert rec.watch(model) is model
+    assert len(list(model.parameters())) == 3  # not a plain function
+    with rec.step(0, sample_ids=torch.tensor([1, 2])):
+        model(torch.tensor([[1, 2, 3]]))
+    with pytest.raises(IndexError, match="index out of range in self"), rec.step(1):
+        model(torch.tensor([[1, 9, 3]]))
+
+    whole = tmp_path / "cases" / "TinyLM"
+    assert rec.case_dir == whole
+    doc = toml(whole)
+    assert doc["call"] == "pytest_gpucase.capture:replay_module"
+    recipe = doc["inputs"]["gpucase_module"]
+    assert recipe["factory"] == "tests.model_targets:TinyLM"
+    assert recipe["kwargs"] == {"vocab": 8, "dim": 4} and recipe["training"] is True
+    assert doc["origin"]["failure_class"] == "index-out-of-range"
+    saved = payload.load(whole / "inputs.safetensors")
+    assert torch.equal(saved["state.emb.weight"], model.emb.weight.detach())
+    assert torch.equal(saved["tokens"], torch.tensor([[1, 9, 3]]))
+    assert saved["context.rng_cpu"].dtype == torch.uint8
+
+    names = sorted(p.name for p in rec.narrowed)
+    assert names == ["TinyLM.aten.embedding.default", "TinyLM.emb"]
+    emb = toml(tmp_path / "cases" / "TinyLM.emb")["inputs"]["gpucase_module"]
+    assert emb["factory"] == "torch.nn.modules.sparse:Embedding"
+    assert (emb["kwargs"]["num_embeddings"], emb["kwargs"]["embedding_dim"]) == (8, 4)
+    for case_dir in (whole, *rec.narrowed):
+        verdict = replay(case_dir)
+        assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
+        assert is_known_failure(load_case(case_dir), verdict)
+
+
+def test_rerun_of_the_same_failure_counts_instead_of_copying(tmp_path: Path) -> None:
+    for _ in range(2):
+        torch.manual_seed(0)
+        model = model_targets.TinyLM()
+        rec = Recorder(tmp_path / "cases")
+        rec.watch(model)
+        with pytest.raises(IndexError):
+            model(torch.tensor([[8]]))
+    assert sorted(p.name for p in (tmp_path / "cases").iterdir()) == [
+        "TinyLM", "TinyLM.aten.embedding.default", "TinyLM.emb"]
+    assert toml(tmp_path / "cases" / "TinyLM")["origin"]["seen"] == 2
+
+
+def test_backward_failure_replays_forward_and_backward(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = model_targets.BackwardBoom()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model)
+    out = model(torch.ones(2, 3))
+    with pytest.raises(FloatingPointError), rec.step(0, "backward"):
+        (out * float("nan")).sum().backward()
+    case_dir = tmp_path / "cases" / "BackwardBoom"
+    recipe = toml(case_dir)["inputs"]["gpucase_module"]
+    assert recipe["backward"] is True and recipe["grad_outputs"] == ["grad_output.0"]
+    assert torch.isnan(payload.load(case_dir / "inputs.safetensors")["grad_output.0"]).all()
+    verdict = replay(case_dir)
+    assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
+
+
+def test_autocast_context_is_recorded_and_replayed(tmp_path: Path) -> None:
+    rec = Recorder(tmp_path / "cases")
+    matmul = rec.watch(model_targets.mixed_matmul)
+    x, w = torch.ones(2, 3, dtype=torch.bfloat16), torch.ones(3, 4)
+    with pytest.raises(IndexError), torch.autocast("cpu", dtype=torch.bfloat16):
+        matmul(x, w, torch.tensor([5]))
+    case_dir = tmp_path / "cases" / "mixed_matmul"
+    context = toml(case_dir)["context"]
+    assert context["autocast"] == {"device_type": "cpu", "dtype": "bfloat16", "enabled": True}
+    case = load_case(case_dir)
+    assert case.context.compute_dtype == "bfloat16"  # the item id names bfloat16
+    verdict = replay(case_dir)
+    # Without autocast the replay would raise "expected m1 and m2 to have the same dtype".
+    assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
+
+
+ASSERT_LINE = ("/pytorch/aten/src/ATen/native/cuda/Indexing.cu:1289: indexSelectLargeIndex: "
+               "block: [0,0,0], thread: [0,0,0] Assertion `srcIndex < srcSelectDimSize` failed.")
+
+
+@pytest.mark.parametrize(("error", "message", "stderr", "expected"), [
+    ("RuntimeError", "CUDA error: device-side assert triggered", ASSERT_LINE,
+     "index-out-of-range"),
+    ("RuntimeError", "CUDA error: device-side assert triggered", "", "device-side-assert"),
+    ("IndexError", "index out of range in self", "", "index-out-of-range"),
+    ("IndexError", "Target 4 is out of bounds.", "", "index-out-of-range"),
+    ("RuntimeError", "expected m1 and m2 to have the same dtype, but got: c10::BFloat16 != "
+     "float", "", "dtype-mismatch"),
+    ("torch.OutOfMemoryError", "", "", "oom"),
+    ("ValueError", "something else", "", None),
+])
+def test_failure_class(error: str, message: str, stderr: str, expected: str | None) -> None:
+    assert failure_class(error, message, stderr) == expected
+
+
+def test_device_side_assert_is_known_as_the_cpu_index_error() -> None:
+    assert same_failure("device-side-assert", "index-out-of-range")
+    assert same_failure("index-out-of-range", "device-side-assert")
+    assert not same_failure("index-out-of-range", "dtype-mismatch")
+    case = SimpleNamespace(origin={"error": "RuntimeError: CUDA error: device-side assert "
+                                            "triggered", "stderr": ASSERT_LINE})
+    cpu = SimpleNamespace(outcome=SimpleNamespace(
+        broken_case=False, error_type="IndexError", error_message="index out of range in self"),
+        child=SimpleNamespace(stderr=""))
+    assert is_known_failure(case, cpu)  # type: ignore[arg-type]
+    other = SimpleNamespace(outcome=SimpleNamespace(
+        broken_case=False, error_type="RuntimeError",
+        error_message="expected m1 and m2 to have the same dtype"),
+        child=SimpleNamespace(stderr=""))
+    assert not is_known_failure(case, other)  # type: ignore[arg-type]
+
+
+def test_scoped_xfail(tmp_path: Path) -> None:
+    (tmp_path / "case.py").write_text("def run(x):\n    return x\n")
+    (tmp_path / "case.toml").write_text(
+        'format = 1\ncall = "case.py:run"\n'
+        'xfail = { reason = "fp16 overflow", devices = ["cuda"], dtypes = ["float16"] }\n')
+    case = load_case(tmp_path)
+    assert case.xfail_for("cuda", "float16", None) == "fp16 overflow"
+    assert case.xfail_for("cuda", "float32", None) is None
+    assert case.xfail_for("cpu", "float16", "batch") is None
