@@ -56,8 +56,8 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 import tomli_w
 
-from . import payload
-from .case import CASE_FILE, INPUTS_FILE
+from . import backends, payload
+from .case import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from .triage import Triage, assertion_line, triage
 
 if TYPE_CHECKING:
@@ -466,11 +466,11 @@ class Recorder:
         device = next((d for d in devices if d != "cpu"), None)
         if device is not None:
             origin["device"] = self._device_names.get(device, device)
-        if backend == "cuda" and torch.version.cuda:
-            origin["cuda"] = torch.version.cuda
-        hip = getattr(torch.version, "hip", None)
-        if backend == "rocm" and hip:
-            origin["hip"] = hip
+        # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
+        row = backends.backend(backend)
+        version = getattr(torch.version, row.version, None) if row and row.version else None
+        if row is not None and row.version in VERSION_KEYS and version:
+            origin[row.version] = version
         if ids is not None:
             origin["sample_ids"] = list(ids)
         if inputs.snapshot is not None:
@@ -655,13 +655,7 @@ def _synchronize(tensors: list[torch.Tensor]) -> None:
     import torch
 
     for device in {t.device for t in tensors if t.device.type != "cpu"}:
-        module = getattr(torch, device.type, None)
-        synchronize = getattr(module, "synchronize", None)
-        if synchronize is not None:
-            if device.type in ("cuda", "xpu"):
-                synchronize(device)
-            else:
-                synchronize()
+        backends.synchronize(torch, device)
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -790,9 +784,7 @@ def _backend(devices: tuple[str, ...], torch: Any) -> str:
     kinds = [d.split(":")[0] for d in devices if not d.startswith("cpu")]
     if not kinds:
         return "cpu"
-    if kinds[0] == "cuda":
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    return kinds[0]
+    return backends.run_backend(kinds[0], backends.detect(torch))
 
 
 def _stub(reason: str) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .backends import BACKENDS as BACKENDS, DEVICE_TYPES as DEVICE_TYPES  # read here as before
 from .errors import CaseFormatError, regular_file
 
 if sys.version_info >= (3, 11):
@@ -47,8 +48,6 @@ MAX_VARIANT_VALUES = 64            # sizes of one variant kind (each is a child 
 MAX_VARIANT_ELEMENTS = 2**28       # elements of a variant's resized inputs, all together
 MAX_ULPS = 2**20                   # units in the last place
 
-DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
-BACKENDS = ("cuda", "rocm", "cpu", "mps", "xpu")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 OUTCOMES = ("matches", "raises")
 VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")

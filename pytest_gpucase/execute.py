@@ -25,7 +25,7 @@ from typing import Any, Literal
 import safetensors.torch  # noqa: F401
 import torch
 
-from . import golden, payload
+from . import backends, golden, payload
 from .capture import REPLAY_ENV
 from .case import Case, Expectation
 from .compare import Comparison, Tolerance, combine, compare
@@ -304,10 +304,7 @@ def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sync(device: str) -> None:
     """Wait for queued kernels, so an asynchronous error is raised here and not later."""
-    module = getattr(torch, device.split(":")[0], None)
-    synchronize = getattr(module, "synchronize", None)
-    if device != "cpu" and synchronize is not None:
-        synchronize()
+    backends.synchronize(torch, device)
 
 
 def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,

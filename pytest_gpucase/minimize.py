@@ -41,11 +41,13 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 import tomli_w
 
 from . import payload
-from .case import CASE_FILE, EXPECTED_FILE, FLOAT_DTYPES, INPUTS_FILE, Case, load_case
-from .environment import Environment, launch_blocking_env
+from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, load_case
+from .environment import Environment
 from .errors import display
 from .isolation import StartMethod, signal_name
-from .matrix import DEFAULT_DEVICES, RunSpec, device_skip, evaluate, saved_dtype
+# NotRunnable and choose_device are named here too, where callers met them first.
+from .plan import NotRunnable as NotRunnable, RunSpec, choose_device as choose_device
+from .plan import unchanged_runs
 from .runner import Verdict, run_spec
 
 if sys.version_info >= (3, 11):
@@ -59,10 +61,6 @@ if TYPE_CHECKING:
 FailureKind = Literal["raises", "reference raises", "no exception", "mismatch",
                       "golden mismatch", "crash", "timeout", "child error", "broken case"]
 Stop = Literal["max tries", "time budget", "interrupted"]
-
-
-class NotRunnable(Exception):
-    """The case cannot run here as asked (requirements, device, dtype, no tensors to shrink)."""
 
 
 class OriginalPasses(Exception):
@@ -118,43 +116,7 @@ def failure_class(verdict: Verdict) -> FailureClass | None:
     return FailureClass("mismatch", clue=clue)
 
 
-# --- where and how the original runs (shared with ablate) ------------------------------------
-
-
-def choose_device(case: Case, env: Environment, device: str | None = None) -> str:
-    """``device`` if it can run here; else an accelerator the case can run on, else the CPU.
-
-    An accelerator comes first because the failures worth shrinking or ablating
-    are device failures; a CPU run of a GPU failure may not reproduce it.
-    """
-    reason = evaluate(case.matrix, env)
-    if reason is not None:
-        raise NotRunnable(f"{display(case.case_file)}: cannot run here: {reason}")
-    if device is not None:
-        skip = device_skip(device, env)
-        if skip is not None:
-            raise NotRunnable(f"{display(case.case_file)}: --device {device}: {skip}")
-        return device
-    wanted = case.matrix.devices or DEFAULT_DEVICES + tuple(
-        t for t in env.device_types if t not in DEFAULT_DEVICES)
-    usable = [d for d in wanted if device_skip(d, env) is None]
-    if not usable:
-        raise NotRunnable(f"{display(case.case_file)}: {device_skip(wanted[0], env)}")
-    return next((d for d in usable if d != "cpu"), usable[0])
-
-
-def run_specs(case: Case, env: Environment, *, device: str,
-              dtype: str | None = None) -> list[RunSpec]:
-    """The unchanged runs of ``case`` on ``device``: in ``dtype``, else in each of its dtypes."""
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise NotRunnable(f"unknown dtype '{dtype}'; expected one of {', '.join(FLOAT_DTYPES)}")
-    saved = saved_dtype(case) or "float32"
-    dtypes = (dtype,) if dtype is not None else case.matrix.dtypes or (saved,)
-    # As matrix.expand: a case with [matrix] dtypes casts; an explicit other dtype casts too.
-    cast = case.matrix.dtypes is not None or (dtype is not None and dtype != saved)
-    blocking = launch_blocking_env(env.backend) if case.launch_blocking and device != "cpu" else {}
-    return [RunSpec(case, device, d, cast, env=blocking, launch_blocking=bool(blocking))
-            for d in dtypes]
+# --- how the original runs (shared with ablate; where and in which dtype: plan.py) ----------
 
 
 def first_failure(specs: Sequence[RunSpec], *, start_method: StartMethod,
@@ -533,7 +495,7 @@ def minimize(
     if not case.inputs_file.exists():
         raise NotRunnable(f"{display(case.path)} has no {INPUTS_FILE}: nothing to shrink")
     chosen = choose_device(case, env, device)
-    baseline, tried = first_failure(run_specs(case, env, device=chosen, dtype=dtype),
+    baseline, tried = first_failure(unchanged_runs(case, env, device=chosen, dtype=dtype),
                                     start_method=start_method, backend=env.backend)
     if baseline is None:
         raise OriginalPasses(describe_passes(case, tried))

@@ -47,6 +47,11 @@ if TYPE_CHECKING:
     import torch
 
 
+# The variant kinds, in the order a case's items list them; one home (markers read it).
+VARIANT_KINDS: tuple[Literal["batch", "length", "boundary"], ...] = ("batch", "length",
+                                                                      "boundary")
+
+
 class VariantNotApplicable(Exception):
     """The saved inputs cannot give this variant (e.g. batch=8 of a 3-entry batch)."""
 
