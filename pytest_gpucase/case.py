@@ -60,7 +60,7 @@ _EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tole
 _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
 _MATRIX_KEYS = ("devices", "dtypes", "backends", *VERSION_KEYS, "packages")
 _VARIANT_KEYS = ("batch", "length", "boundaries", "reject")
-_AXIS_KEYS = ("axis", "sizes")
+_AXIS_KEYS = ("axis", "sizes", "inputs")
 _BOUNDARY_KEYS = ("input", "classes", "ignore_index")
 _REJECT_KEYS = ("exception", "match")
 _ABLATE_KEYS = ("env",)
@@ -106,6 +106,7 @@ class AxisSizes:
 
     axis: int
     sizes: tuple[int, ...]
+    inputs: tuple[str, ...] | None = None  # the inputs that follow the axis; None: inferred
 
 
 @dataclass(frozen=True)
@@ -588,7 +589,7 @@ def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
         if size in seen:
             raise reader.error("sizes", f"{size} is listed twice; list it once")
         seen.add(size)
-    return AxisSizes(axis=axis, sizes=tuple(sizes))
+    return AxisSizes(axis=axis, sizes=tuple(sizes), inputs=reader.strings("inputs"))
 
 
 def _parse_variants(reader: _Reader) -> VariantTables:

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 import tomli_w
 
 from . import payload
-from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, load_case
+from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, load_case
 from .environment import Environment
 from .errors import display
 from .isolation import StartMethod, signal_name
@@ -49,6 +49,7 @@ from .isolation import StartMethod, signal_name
 from .plan import NotRunnable as NotRunnable, RunSpec, choose_device as choose_device
 from .plan import unchanged_runs
 from .runner import Verdict, run_spec
+from .variants import VariantNotApplicable, members_of, shapes_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -239,27 +240,30 @@ class Axes:
     length_members: frozenset[str] = frozenset()
 
 
-def _members(tensors: Mapping[str, torch.Tensor], axis: int) -> tuple[int | None, frozenset[str]]:
-    """The saved size on ``axis`` (that of the largest tensor having it) and who shares it.
-
-    As ``variants`` does: the largest input is the data itself; parameters and
-    targets are smaller, and only those with the same size on the axis follow it.
-    """
-    having = {name: t for name, t in tensors.items() if t.dim() > axis}
-    if not having:
+def _members(case: Case, tensors: Mapping[str, torch.Tensor], axis: int,
+             table: AxisSizes | None) -> tuple[int | None, frozenset[str]]:
+    """The saved size on ``axis`` and who shares it: the variants' rule (``members_of``)."""
+    anchor = case.variants.boundaries.input if case.variants.boundaries is not None else None
+    try:
+        found = members_of(shapes_of(tensors), axis, anchor,
+                           table.inputs if table is not None else None)
+    except VariantNotApplicable as exc:
+        raise NotRunnable(f"{display(case.case_file)}: which inputs to shrink on axis {axis}: "
+                          f"{exc}") from None
+    if found is None:
         return None, frozenset()
-    size = int(max(having.values(), key=lambda t: t.numel()).shape[axis])
-    return size, frozenset(name for name, t in having.items() if t.shape[axis] == size)
+    return found[0], frozenset(found[1])
 
 
 def plan_axes(case: Case, tensors: Mapping[str, torch.Tensor]) -> Axes:
     """The batch axis (``[variants] batch``, default 0) and the length axis, if one is named."""
-    batch_axis = case.variants.batch.axis if case.variants.batch is not None else 0
-    batch_size, batch_members = _members(tensors, batch_axis)
+    batch = case.variants.batch
+    batch_axis = batch.axis if batch is not None else 0
+    batch_size, batch_members = _members(case, tensors, batch_axis, batch)
     length = case.variants.length
     if length is None or length.axis == batch_axis:
         return Axes(batch_axis, batch_size, batch_members)
-    length_size, length_members = _members(tensors, length.axis)
+    length_size, length_members = _members(case, tensors, length.axis, length)
     return Axes(batch_axis, batch_size, batch_members, length.axis, length_size, length_members)
 
 

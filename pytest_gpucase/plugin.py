@@ -554,19 +554,24 @@ class CaseItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str:
         if isinstance(excinfo.value, CaseRunFailed):
-            return _failure_text(excinfo.value.verdict.outcome)
+            return _failure_text(excinfo.value.verdict.outcome, self.spec)
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
 
 
-def _failure_text(outcome: Outcome) -> str:
+def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
     from .report import terminal_safe
+    from .variants import describe_saved
 
     text = outcome.summary
     if outcome.details:
         text += "\n\n" + outcome.details.rstrip()
+    resized = (describe_saved(spec.variant, spec.case.inputs_file)
+               if spec is not None and spec.variant is not None else None)
+    if resized:
+        text += "\n\n" + resized   # which inputs the variant resized, to what shape
     return terminal_safe(text)   # the child's words must not drive the terminal
 
 
