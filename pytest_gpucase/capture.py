@@ -44,8 +44,6 @@ import operator
 import os
 import platform
 import re
-import secrets
-import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -56,7 +54,12 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 import tomli_w
 
-from . import backends, payload
+from . import backends, fsutil, payload
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
 from .case import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from .triage import Triage, assertion_line, triage
 
@@ -833,8 +836,8 @@ def _literal(value: Any) -> Any:
     return _NOT_LITERAL
 
 
-def _case_toml(draft: _Draft) -> str:
-    """The ``case.toml`` text of a draft."""
+def _case_document(draft: _Draft) -> dict[str, Any]:
+    """The ``case.toml`` document of a draft."""
     doc: dict[str, Any] = {"format": 1, "summary": draft.summary, "call": draft.call}
     if draft.xfail is not None:
         doc["xfail"] = draft.xfail
@@ -842,27 +845,7 @@ def _case_toml(draft: _Draft) -> str:
         doc["inputs"] = dict(draft.literals)
     doc["expect"] = {"outcome": "matches"}
     doc["origin"] = dict(draft.origin)
-    return tomli_w.dumps(doc)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # directories cannot be opened on every platform (Windows)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return doc
 
 
 def _claim(root: Path, name: str) -> Path:
@@ -882,57 +865,27 @@ def _claim(root: Path, name: str) -> Path:
 def _write_case(root: Path, draft: _Draft) -> Path:
     """Write a case directory atomically under ``root`` and return it; never overwrite one.
 
-    Everything is written into a hidden temporary directory beside the target (hidden
-    directories are not collected), ``case.toml`` last, each file flushed and fsynced;
-    the directory is then renamed onto a freshly claimed empty name.
+    ``fsutil.write_case_dir`` writes it into a hidden temporary directory beside the
+    target (hidden directories are not collected), ``case.toml`` last; the directory
+    is then renamed onto a freshly claimed empty name.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{draft.name}.{secrets.token_hex(6)}.tmp"
-    tmp.mkdir()
-    target: Path | None = None
-    try:
-        if draft.tensors:
-            payload.save(tmp / INPUTS_FILE, draft.tensors)
-        for file_name, text in draft.files.items():
-            _write_synced(tmp / file_name, text)
-        staged = tmp / f".{CASE_FILE}.tmp"
-        _write_synced(staged, _case_toml(draft))
-        os.replace(staged, tmp / CASE_FILE)
-        _fsync_dir(tmp)
-        target = _claim(root, draft.name)
-        try:
-            os.rename(tmp, target)  # replaces our own empty claim (POSIX)
-        except OSError:
-            target.rmdir()  # platforms that refuse to rename onto a directory
-            os.rename(tmp, target)
-        _fsync_dir(root)
-        return target
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if target is not None and target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
-        raise
+    files: dict[str, fsutil.FileContent] = dict(draft.files)
+    if draft.tensors:
+        tensors = draft.tensors
+        files[INPUTS_FILE] = lambda path: payload.save(path, tensors)
+    return fsutil.write_case_dir(root / draft.name, _case_document(draft), files,
+                                 claim=lambda: _claim(root, draft.name))
 
 
 def _set_later_errors(case_dir: Path, count: int) -> None:
-    """Rewrite ``[origin] later_errors`` of a case in place, atomically."""
+    """Rewrite ``[origin] later_errors`` of a case in place, atomically (through tomli-w)."""
     file = case_dir / CASE_FILE
-    text = file.read_text(encoding="utf-8")
-    start = re.search(r"(?m)^\[origin\]$", text)
-    if start is None:
+    doc = tomllib.loads(file.read_text(encoding="utf-8"))
+    origin = doc.get("origin")
+    if not isinstance(origin, dict) or "later_errors" not in origin:
         return
-    head, tail = text[:start.end()], text[start.end():]
-    tail, replaced = re.subn(r"(?m)^later_errors = \d+$", f"later_errors = {count}", tail,
-                             count=1)
-    if not replaced:
-        return
-    staged = case_dir / f".{CASE_FILE}.{secrets.token_hex(6)}.tmp"
-    try:
-        _write_synced(staged, head + tail)
-        os.replace(staged, file)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
+    origin["later_errors"] = count
+    fsutil.write_text_atomic(file, tomli_w.dumps(doc))
 
 
 def _shown(path: Path) -> str:

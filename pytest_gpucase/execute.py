@@ -25,7 +25,7 @@ from typing import Any, Literal
 import safetensors.torch  # noqa: F401
 import torch
 
-from . import backends, golden, payload
+from . import backends, fsutil, golden, payload
 from .capture import REPLAY_ENV
 from .case import Case, Expectation
 from .compare import Comparison, Tolerance, combine, compare
@@ -331,13 +331,7 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return [tensor for _, tensor in fsutil.named_tensors(value)]
 
 
 def _detach(value: Any) -> Any:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -40,7 +39,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 
 import tomli_w
 
-from . import payload
+from . import fsutil, payload
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, load_case
 from .environment import Environment
 from .errors import display
@@ -574,7 +573,7 @@ def _scratch_case(case: Case, scratch: Path) -> Case:
     """The copy of the case that tries run: same case.toml and case.py, a subset payload."""
     work = scratch / case.name
     work.mkdir()
-    _copy_support(case.path, work)
+    fsutil.copy_into(_support(case.path), work)
     shutil.copyfile(case.case_file, work / CASE_FILE)
     return load_case(work)
 
@@ -639,19 +638,12 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
 _NOT_COPIED = {CASE_FILE, INPUTS_FILE, EXPECTED_FILE, "__pycache__"}
 
 
-def _copy_support(source: Path, target: Path) -> None:
-    """Copy a case directory's other files (case.py, helpers); payloads and case.toml are written.
+def _support(source: Path) -> list[Path]:
+    """A case directory's other files (case.py, helpers); payloads and case.toml are written.
 
     ``expected.safetensors`` is left out: its golden outputs belong to the full batch.
     """
-    for entry in source.iterdir():
-        if entry.name in _NOT_COPIED:
-            continue
-        if entry.is_dir():
-            shutil.copytree(entry, target / entry.name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(entry, target / entry.name)
+    return [entry for entry in source.iterdir() if entry.name not in _NOT_COPIED]
 
 
 def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
@@ -659,24 +651,14 @@ def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
     """Write a new case directory at ``target`` atomically; never overwrite one."""
     if target.exists():
         raise FileExistsError(f"{display(target)} exists; minimize never overwrites")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir (not mkdtemp) so that the umask applies as to any new directory.
-    work = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    os.mkdir(work)
+    text = case.case_file.read_text(encoding="utf-8")
     try:
-        _copy_support(case.path, work)
-        payload.save(work / INPUTS_FILE, tensors, metadata)
-        text = case.case_file.read_text(encoding="utf-8")
-        (work / CASE_FILE).write_text(with_minimized_from(text, record), encoding="utf-8")
-        load_case(work)  # the new case must load as any other
-        if target.exists():
-            raise FileExistsError(f"{display(target)} appeared meanwhile; not overwritten")
-        # A rename onto an existing non-empty directory fails: nothing is ever replaced.
-        os.rename(work, target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return target
+        return fsutil.write_case_dir(
+            target, with_minimized_from(text, record),
+            {INPUTS_FILE: lambda path: payload.save(path, tensors, metadata)},
+            _support(case.path), check=load_case)  # the new case must load as any other
+    except FileExistsError:
+        raise FileExistsError(f"{display(target)} appeared meanwhile; not overwritten") from None
 
 
 # --- TOML writing ----------------------------------------------------------------------------

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .environment import Device, Environment, dnn_library
+from .fsutil import write_text_atomic
 
 SCHEMA = "pytest-gpucase/report"
 VERSION = 1
@@ -192,22 +192,10 @@ def write_report(path: Path | str, report: Mapping[str, Any]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Strict JSON (jq, JavaScript) has no NaN or Infinity; a max_abs of inf is spelled "inf".
     text = json.dumps(_finite(report), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    # The temporary file lies in the target's directory: os.replace is atomic only within one
-    # file system.
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # A node id holds a directory name as the OS gave it: bytes that are not UTF-8 arrive
-        # as lone surrogates, written as JSON escapes (\udcff) rather than failing the write.
-        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as stream:
-            # mkstemp makes the file private (0600); a report is read by people and CI uploaders.
-            os.chmod(temporary, _file_mode(target))
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    # A node id holds a directory name as the OS gave it: bytes that are not UTF-8 arrive
+    # as lone surrogates, written as JSON escapes (\udcff) rather than failing the write.
+    # The mode a person expects: the old file's, else what the umask gives a new one.
+    write_text_atomic(target, text, mode=_file_mode(target), errors="backslashreplace")
 
 
 def _file_mode(target: Path) -> int:
