@@ -69,6 +69,12 @@ SETTINGS = (
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpucase", "saved GPU failure cases")
     for setting in SETTINGS:
@@ -146,6 +152,7 @@ class GpuCaseSession:
     _written_at: float = 0.0
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
+    renderers: tuple[str, ...] = ()   # report formats this session's plugins added
 
     @property
     def enabled(self) -> bool:
@@ -261,6 +268,11 @@ session_key = pytest.StashKey[GpuCaseSession]()
 def pytest_configure(config: pytest.Config) -> None:
     state = GpuCaseSession(config, {spec.name: setting(config, spec.name) for spec in SETTINGS})
     config.stash[session_key] = state
+    from .report import RENDERERS, add_renderers
+
+    before = set(RENDERERS)
+    add_renderers(config.hook)   # hookspecs.pytest_gpucase_report_formats, for this session
+    state.renderers = tuple(set(RENDERERS) - before)
     if not state.enabled:
         given = [spec.flag for spec in SETTINGS
                  if spec.needs_cases and config.getoption(spec.name, None)]
@@ -527,7 +539,12 @@ class CaseItem(pytest.Item):
         if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
                 and self.spec.case.expect.outcome == "matches"):
             state.regenerate(self.spec.case)
-        verdict = run_spec(self.spec, start_method=state.start_method(),
+        spec = self.spec
+        for found in self.ihook.pytest_gpucase_run_env(item=self, spec=spec):
+            if found:   # hookspecs.pytest_gpucase_run_env: merged into the child's environment
+                spec = replace(spec, env={**spec.env, **{str(k): str(v)
+                                                         for k, v in found.items()}})
+        verdict = run_spec(spec, start_method=state.start_method(),
                            backend=state.environment().backend,
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
@@ -782,6 +799,14 @@ class _OwnIsolation:
         runtestprotocol(item, nextitem=nextitem, log=True)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from .report import RENDERERS
+
+    state = config.stash.get(session_key, None)
+    for name in state.renderers if state is not None else ():
+        RENDERERS.pop(name, None)   # the next session in this process asks its own plugins
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

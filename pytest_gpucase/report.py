@@ -899,9 +899,28 @@ def render_html(matrix: Matrix) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS: Mapping[str, Callable[[Matrix], str]] = {
+Renderer = Callable[["Matrix"], str]
+# The formats of ``gpucase matrix --format``; plugins add theirs (``add_renderers``).
+RENDERERS: dict[str, Renderer] = {
     "markdown": render_markdown, "html": render_html, "json": render_json,
 }
+
+
+def add_renderers(hook: Any) -> None:
+    """Add the renderers plugins return from ``pytest_gpucase_report_formats`` to RENDERERS.
+
+    ``hook`` is a plugin manager's ``hook`` relay. A format name already taken is an
+    error naming the format: a plugin adds formats, it never replaces one silently.
+    """
+    for found in hook.pytest_gpucase_report_formats():
+        for name, render in (found or {}).items():
+            if RENDERERS.get(name, render) is not render:
+                raise ValueError(f"pytest_gpucase_report_formats: format {name!r} is already "
+                                 f"taken ({', '.join(RENDERERS)}); give yours another name")
+            if not callable(render):
+                raise TypeError(f"pytest_gpucase_report_formats: format {name!r} maps to "
+                                f"{type(render).__name__}, not a callable taking a Matrix")
+            RENDERERS[name] = render
 
 
 # ----------------------------------------------------------------------------- the command
