@@ -165,7 +165,7 @@ def _load_format_plugins(argv: list[str]) -> None:
     manager.load_setuptools_entrypoints("gpucase")
     for name in modules:
         manager.register(importlib.import_module(name), name)
-    add_renderers(manager.hook)
+    add_renderers(manager.hook.pytest_gpucase_report_formats())
 
 
 def _error(command: str | None, problem: object, code: int = 2) -> int:

@@ -268,11 +268,11 @@ session_key = pytest.StashKey[GpuCaseSession]()
 def pytest_configure(config: pytest.Config) -> None:
     state = GpuCaseSession(config, {spec.name: setting(config, spec.name) for spec in SETTINGS})
     config.stash[session_key] = state
-    from .report import RENDERERS, add_renderers
+    formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py
+    if any(formats):   # report.py is imported only when a plugin adds a format
+        from .report import add_renderers
 
-    before = set(RENDERERS)
-    add_renderers(config.hook)   # hookspecs.pytest_gpucase_report_formats, for this session
-    state.renderers = tuple(set(RENDERERS) - before)
+        state.renderers = add_renderers(formats)
     if not state.enabled:
         given = [spec.flag for spec in SETTINGS
                  if spec.needs_cases and config.getoption(spec.name, None)]

@@ -906,13 +906,15 @@ RENDERERS: dict[str, Renderer] = {
 }
 
 
-def add_renderers(hook: Any) -> None:
+def add_renderers(results: Iterable[Mapping[str, Renderer] | None]) -> tuple[str, ...]:
     """Add the renderers plugins return from ``pytest_gpucase_report_formats`` to RENDERERS.
 
-    ``hook`` is a plugin manager's ``hook`` relay. A format name already taken is an
-    error naming the format: a plugin adds formats, it never replaces one silently.
+    ``results`` are the hook's results; returns the names added. A format name
+    already taken is an error naming the format: a plugin adds formats, it never
+    replaces one silently.
     """
-    for found in hook.pytest_gpucase_report_formats():
+    added: list[str] = []
+    for found in results:
         for name, render in (found or {}).items():
             if RENDERERS.get(name, render) is not render:
                 raise ValueError(f"pytest_gpucase_report_formats: format {name!r} is already "
@@ -921,6 +923,8 @@ def add_renderers(hook: Any) -> None:
                 raise TypeError(f"pytest_gpucase_report_formats: format {name!r} maps to "
                                 f"{type(render).__name__}, not a callable taking a Matrix")
             RENDERERS[name] = render
+            added.append(name)
+    return tuple(added)
 
 
 # ----------------------------------------------------------------------------- the command
