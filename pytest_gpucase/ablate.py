@@ -21,18 +21,13 @@ from typing import Any, Final, Literal
 
 from packaging.version import InvalidVersion, Version
 
+from . import backends
 from .case import Case, load_case
 from .environment import Environment
 from .errors import display
 from .isolation import StartMethod
-from .matrix import RunSpec, saved_dtype
-from .minimize import (
-    FailureClass,
-    choose_device,
-    failure_class,
-    first_failure,
-    run_specs,
-)
+from .minimize import FailureClass, failure_class, first_failure
+from .plan import RunSpec, choose_device, saved_dtype, unchanged_runs
 from .runner import Verdict, run_spec
 from .variants import Variant
 
@@ -162,7 +157,10 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
         found.append(Change(dtype, dtype, None, reason))
 
     capability = _capability(env)
-    if base.device != "cuda":
+    # TF32 and cuDNN are torch.backends.cuda/cudnn switches: backends.py says where they apply.
+    row = backends.backend(backends.run_backend(base.device, env.backend))
+    switches = row is not None and row.cuda_switches
+    if not switches:
         found.append(Change("tf32_off", "TF32 off", None, "TF32 is a CUDA matmul and "
                              f"convolution mode; this run is on {_where(base.device)}"))
     elif env.backend == "cuda" and capability is not None and capability < Version("8.0"):
@@ -171,7 +169,7 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
     else:
         found.append(Change("tf32_off", "TF32 off", replace(
             base, settings=("tf32_off",), env={**base.env, **_TF32_OVERRIDE})))
-    if base.device != "cuda":
+    if not switches:
         found.append(Change("cudnn_off", "cuDNN off", None, "cuDNN (MIOpen on ROCm) serves "
                              f"CUDA devices only; this run is on {_where(base.device)}"))
     else:
@@ -287,7 +285,7 @@ def ablate(
     ``progress`` is told of each row as it completes.
     """
     specs = [replace(spec, variant=variant)
-             for spec in run_specs(case, env, device=device, dtype=dtype)]
+             for spec in unchanged_runs(case, env, device=device, dtype=dtype)]
     found, tried = first_failure(specs, start_method=start_method, backend=env.backend)
     if found is None:
         runs = " and ".join(v.spec.dtype for v in tried)

@@ -45,8 +45,6 @@ import operator
 import os
 import platform
 import re
-import secrets
-import shutil
 import sys
 import threading
 from collections.abc import Callable, Iterable, Mapping
@@ -57,8 +55,13 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 import tomli_w
 
-from . import payload
-from .case import CASE_FILE, INPUTS_FILE
+from . import backends, fsutil, payload
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+from .case import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from .triage import Triage, assertion_line, triage
 
 if TYPE_CHECKING:
@@ -646,11 +649,11 @@ class Recorder:
         device = next((d for d in devices if d != "cpu"), None)
         if device is not None:
             origin["device"] = self._device_names.get(device, device)
-        if backend == "cuda" and torch.version.cuda:
-            origin["cuda"] = torch.version.cuda
-        hip = getattr(torch.version, "hip", None)
-        if backend == "rocm" and hip:
-            origin["hip"] = hip
+        # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
+        row = backends.backend(backend)
+        version = getattr(torch.version, row.version, None) if row and row.version else None
+        if row is not None and row.version in VERSION_KEYS and version:
+            origin[row.version] = version
         if ids is not None:
             origin["sample_ids"] = list(ids)
         if inputs.snapshot is not None:
@@ -835,13 +838,7 @@ def _synchronize(tensors: list[torch.Tensor]) -> None:
     import torch
 
     for device in {t.device for t in tensors if t.device.type != "cpu"}:
-        module = getattr(torch, device.type, None)
-        synchronize = getattr(module, "synchronize", None)
-        if synchronize is not None:
-            if device.type in ("cuda", "xpu"):
-                synchronize(device)
-            else:
-                synchronize()
+        backends.synchronize(torch, device)
 
 
 def _describe(tensor: torch.Tensor) -> str:
@@ -970,9 +967,7 @@ def _backend(devices: tuple[str, ...], torch: Any) -> str:
     kinds = [d.split(":")[0] for d in devices if not d.startswith("cpu")]
     if not kinds:
         return "cpu"
-    if kinds[0] == "cuda":
-        return "rocm" if getattr(torch.version, "hip", None) else "cuda"
-    return kinds[0]
+    return backends.run_backend(kinds[0], backends.detect(torch))
 
 
 def _stub(reason: str) -> str:
@@ -1021,8 +1016,8 @@ def _literal(value: Any) -> Any:
     return _NOT_LITERAL
 
 
-def _case_toml(draft: _Draft) -> str:
-    """The ``case.toml`` text of a draft."""
+def _case_document(draft: _Draft) -> dict[str, Any]:
+    """The ``case.toml`` document of a draft."""
     doc: dict[str, Any] = {"format": 1, "summary": draft.summary, "call": draft.call}
     if draft.xfail is not None:
         doc["xfail"] = draft.xfail
@@ -1032,27 +1027,7 @@ def _case_toml(draft: _Draft) -> str:
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
-    return tomli_w.dumps(doc)
-
-
-def _write_synced(path: Path, text: str) -> None:
-    with open(path, "w", encoding="utf-8") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return  # directories cannot be opened on every platform (Windows)
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
+    return doc
 
 
 def _claim(root: Path, name: str) -> Path:
@@ -1080,47 +1055,40 @@ def _write_case(root: Path, draft: _Draft) -> Path:
     return written
 
 
+class _NotWritten(Exception):
+    """The staged case is not kept: the same failure was saved before, or ``keep`` said no."""
+
+    def __init__(self, existing: Path | None) -> None:
+        super().__init__(str(existing))
+        self.existing = existing
+
+
 def _write_kept(root: Path, draft: _Draft, keep: Callable[[Path], bool] | None) -> Path | None:
     """Write a case as ``_write_case`` does, once ``keep(staged directory)`` says yes.
 
-    Everything is written into a hidden temporary directory beside the target (hidden
-    directories are not collected), ``case.toml`` last, each file flushed and fsynced;
-    the directory is then renamed onto a freshly claimed empty name.
+    ``fsutil.write_case_dir`` writes it into a hidden temporary directory beside the
+    target (hidden directories are not collected), ``case.toml`` last; the directory
+    is then renamed onto a freshly claimed empty name.
     """
-    root.mkdir(parents=True, exist_ok=True)
-    tmp = root / f".{draft.name}.{secrets.token_hex(6)}.tmp"
-    tmp.mkdir()
-    target: Path | None = None
-    try:
-        if draft.tensors:
-            payload.save(tmp / INPUTS_FILE, draft.tensors)
-        for file_name, text in draft.files.items():
-            _write_synced(tmp / file_name, text)
-        staged = tmp / f".{CASE_FILE}.tmp"
-        _write_synced(staged, _case_toml(draft))
-        os.replace(staged, tmp / CASE_FILE)
-        _fsync_dir(tmp)
-        seen = _same_failure_case(root, draft, tmp)
+    files: dict[str, fsutil.FileContent] = dict(draft.files)
+    if draft.tensors:
+        tensors = draft.tensors
+        files[INPUTS_FILE] = lambda path: payload.save(path, tensors)
+
+    def check(staged: Path) -> None:
+        seen = _same_failure_case(root, draft, staged)
         if seen is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-            _count_seen(seen)
-            return seen
-        if keep is not None and not keep(tmp):
-            shutil.rmtree(tmp, ignore_errors=True)
-            return None
-        target = _claim(root, draft.name)
-        try:
-            os.rename(tmp, target)  # replaces our own empty claim (POSIX)
-        except OSError:
-            target.rmdir()  # platforms that refuse to rename onto a directory
-            os.rename(tmp, target)
-        _fsync_dir(root)
-        return target
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if target is not None and target.is_dir() and not any(target.iterdir()):
-            target.rmdir()
-        raise
+            raise _NotWritten(seen)
+        if keep is not None and not keep(staged):
+            raise _NotWritten(None)
+
+    try:
+        return fsutil.write_case_dir(root / draft.name, _case_document(draft), files,
+                                     check=check, claim=lambda: _claim(root, draft.name))
+    except _NotWritten as stop:
+        if stop.existing is not None:
+            _count_seen(stop.existing)
+        return stop.existing
 
 
 def _read_doc(case_dir: Path) -> dict[str, Any] | None:
@@ -1163,13 +1131,7 @@ def _count_seen(case_dir: Path) -> None:
     origin = doc.setdefault("origin", {})
     origin["seen"] = int(origin.get("seen", 1)) + 1
     origin["last_seen"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
-    staged = case_dir / f".{CASE_FILE}.{secrets.token_hex(6)}.tmp"
-    try:
-        _write_synced(staged, tomli_w.dumps(doc))
-        os.replace(staged, case_dir / CASE_FILE)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
+    fsutil.write_text_atomic(case_dir / CASE_FILE, tomli_w.dumps(doc))
     Recorder._say(f"gpucase: the same failure as {_shown(case_dir)} (seen {origin['seen']} "
                   "times): its [origin] seen and last_seen were updated, no copy written")
 
@@ -1181,24 +1143,14 @@ def _context_doc(case: Any) -> dict[str, Any]:
 
 
 def _set_later_errors(case_dir: Path, count: int) -> None:
-    """Rewrite ``[origin] later_errors`` of a case in place, atomically."""
+    """Rewrite ``[origin] later_errors`` of a case in place, atomically (through tomli-w)."""
     file = case_dir / CASE_FILE
-    text = file.read_text(encoding="utf-8")
-    start = re.search(r"(?m)^\[origin\]$", text)
-    if start is None:
+    doc = tomllib.loads(file.read_text(encoding="utf-8"))
+    origin = doc.get("origin")
+    if not isinstance(origin, dict) or "later_errors" not in origin:
         return
-    head, tail = text[:start.end()], text[start.end():]
-    tail, replaced = re.subn(r"(?m)^later_errors = \d+$", f"later_errors = {count}", tail,
-                             count=1)
-    if not replaced:
-        return
-    staged = case_dir / f".{CASE_FILE}.{secrets.token_hex(6)}.tmp"
-    try:
-        _write_synced(staged, head + tail)
-        os.replace(staged, file)
-    except BaseException:
-        staged.unlink(missing_ok=True)
-        raise
+    origin["later_errors"] = count
+    fsutil.write_text_atomic(file, tomli_w.dumps(doc))
 
 
 def _shown(path: Path) -> str:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
+from .backends import BACKENDS as BACKENDS, DEVICE_TYPES as DEVICE_TYPES  # read here as before
 from .errors import CaseFormatError, regular_file
 
 if sys.version_info >= (3, 11):
@@ -47,8 +48,6 @@ MAX_VARIANT_VALUES = 64            # sizes of one variant kind (each is a child 
 MAX_VARIANT_ELEMENTS = 2**28       # elements of a variant's resized inputs, all together
 MAX_ULPS = 2**20                   # units in the last place
 
-DEVICE_TYPES = ("cuda", "cpu", "mps", "xpu")
-BACKENDS = ("cuda", "rocm", "cpu", "mps", "xpu")
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 OUTCOMES = ("matches", "raises")
 VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
@@ -68,7 +67,7 @@ _EXPECT_KEYS = ("outcome", "exception", "match", "gradients", "equal_nan", "tole
 _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
 _MATRIX_KEYS = ("devices", "dtypes", "backends", *VERSION_KEYS, "packages")
 _VARIANT_KEYS = ("batch", "length", "boundaries", "reject")
-_AXIS_KEYS = ("axis", "sizes")
+_AXIS_KEYS = ("axis", "sizes", "inputs")
 _BOUNDARY_KEYS = ("input", "classes", "ignore_index")
 _REJECT_KEYS = ("exception", "match")
 _ABLATE_KEYS = ("env",)
@@ -114,6 +113,7 @@ class AxisSizes:
 
     axis: int
     sizes: tuple[int, ...]
+    inputs: tuple[str, ...] | None = None  # the inputs that follow the axis; None: inferred
 
 
 @dataclass(frozen=True)
@@ -705,7 +705,7 @@ def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
         if size in seen:
             raise reader.error("sizes", f"{size} is listed twice; list it once")
         seen.add(size)
-    return AxisSizes(axis=axis, sizes=tuple(sizes))
+    return AxisSizes(axis=axis, sizes=tuple(sizes), inputs=reader.strings("inputs"))
 
 
 def _parse_variants(reader: _Reader) -> VariantTables:

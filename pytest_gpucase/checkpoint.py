@@ -36,14 +36,10 @@ another host, whose pid means nothing here).
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import importlib
 import json
 import os
-import re
-import secrets
-import socket
 import stat
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -53,6 +49,8 @@ from pathlib import Path
 from typing import IO, TypeAlias, TypeVar, cast
 
 import torch
+
+from . import fsutil
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
@@ -87,12 +85,8 @@ NO_MANIFEST = (
 # shard of a large model with its Adam state, listed twice while a re-save
 # swaps files), and keeps a runaway file from being read whole.
 MAX_MANIFEST_BYTES = 64 << 20
-# A writer's temporary file that has not changed for this long is abandoned,
-# whoever wrote it: no save spends a day without writing or renaming.
-STALE_AFTER_SECONDS = 24 * 3600
-# Which host wrote a temporary file: its pid can only be checked here. Hashed,
-# so that long host names do not make file names too long.
-_HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+# Temporaries, their names and their cleanup: fsutil.
+_HOST = fsutil.HOST
 
 _CHUNK_BYTES = 1 << 20
 # Bounds the temporary boolean mask of the finiteness check, so a 10 GB tensor
@@ -293,7 +287,7 @@ def save(obj: object, path: PathLike) -> Manifest:
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
-    _fsync_directory(path.parent)
+    fsutil.fsync_directory(path.parent)
     if replaced:
         _write_manifest(path, manifest)
     return manifest
@@ -558,27 +552,17 @@ def _manifest_text(manifest: Manifest) -> str:
 def _atomic_write(path: Path, write: Callable[[Path], None]) -> tuple[str, int]:
     """Write through ``write`` to a temporary sibling, make it durable, rename it over ``path``."""
     tmp, sha256, size = _write_temporary(path, write)
-    try:
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    _fsync_directory(path.parent)
+    fsutil.replace(tmp, path)
     return sha256, size
 
 
 def _write_temporary(path: Path, write: Callable[[Path], None]) -> tuple[Path, str, int]:
     """Write through ``write`` to a new durable temporary beside ``path``; return it and its hash.
 
-    The caller renames it into place (or removes it). First removes the
-    temporaries that killed writers left beside ``path``.
+    The caller renames it into place (or removes it). ``fsutil.new_temporary``
+    first removes the temporaries that killed writers left beside ``path``.
     """
-    _remove_stale_temporaries(path)
-    # Same directory: os.replace is only atomic within one filesystem. The
-    # leading dot keeps it out of directory scans while it is incomplete.
-    tmp = path.with_name(f".{path.name}.{_HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-    # 0o666 through O_CREAT lets the umask decide permissions, as for a plain open().
-    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o666))
+    tmp = fsutil.new_temporary(path)
     try:
         write(tmp)
         # The writer has closed (so flushed) its own handle; fsync acts on the file, so
@@ -591,65 +575,6 @@ def _write_temporary(path: Path, write: Callable[[Path], None]) -> tuple[Path, s
         tmp.unlink(missing_ok=True)
         raise
     return tmp, sha256, size
-
-
-def _temporary_pattern(path: Path) -> re.Pattern[str]:
-    """Names of the temporaries written for ``path``: host, pid and token.
-
-    A ``.safetensors`` temporary is itself written through a temporary of
-    ``payload.save`` (``.<our temporary>.<token>.tmp``), matched too.
-    """
-    return re.compile(
-        rf"\.?\.{re.escape(path.name)}\.(?P<host>[0-9a-f]{{8}})\.(?P<pid>[0-9]+)"
-        rf"\.[0-9a-f]{{8}}\.tmp(?:\.[0-9a-f]+\.tmp)?"
-    )
-
-
-def _remove_stale_temporaries(path: Path) -> None:
-    """Remove the temporaries beside ``path`` whose writer is gone (see the module docstring)."""
-    pattern = _temporary_pattern(path)
-    now = time.time()
-    try:
-        entries = list(os.scandir(path.parent))
-    except OSError:
-        return  # The write itself will say what is wrong with the directory.
-    for entry in entries:
-        match = pattern.fullmatch(entry.name)
-        if match is None:
-            continue
-        try:
-            idle = now - entry.stat(follow_symlinks=False).st_mtime
-        except OSError:
-            continue  # Gone already: its writer finished, or another cleaner was first.
-        mine = match["host"] == _HOST
-        if idle > STALE_AFTER_SECONDS or (mine and not _running(int(match["pid"]))):
-            # Another cleaner may be first, or it is not a file after all: leave it.
-            with contextlib.suppress(OSError):
-                os.unlink(entry.path)
-
-
-def _running(pid: int) -> bool:
-    """Whether a process ``pid`` runs on this host (True when that cannot be told)."""
-    if os.name == "nt":
-        return True  # os.kill(pid, 0) would terminate the process on Windows.
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:
-        return True  # EPERM: it runs, as another user.
-    return True
-
-
-def _fsync_directory(directory: Path) -> None:
-    # Without this the rename itself may not survive a power loss.
-    if os.name == "nt":
-        return  # Windows cannot open a directory to fsync it.
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sha256_stream(f: IO[bytes]) -> tuple[str, int]:
@@ -682,16 +607,10 @@ def _flat_tensors(obj: object, path: Path) -> Mapping[str, torch.Tensor]:
     return obj
 
 
-def _walk_tensors(obj: object, prefix: str = "") -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield every tensor in nested mappings and sequences with its dotted name."""
-    if isinstance(obj, torch.Tensor):
-        yield prefix or "<root>", obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _walk_tensors(value, f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(obj, (list, tuple)):
-        for i, value in enumerate(obj):
-            yield from _walk_tensors(value, f"{prefix}.{i}" if prefix else str(i))
+def _walk_tensors(obj: object) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in nested mappings and sequences with its dotted name (fsutil's walk)."""
+    for name, tensor in fsutil.named_tensors(obj, name=fsutil.dotted):
+        yield name or "<root>", tensor
 
 
 def _record(name: str, tensor: torch.Tensor) -> TensorRecord:

@@ -6,6 +6,8 @@ from collections.abc import Iterator, Mapping, Sequence
 
 import torch
 
+from .fsutil import named_tensors
+
 __all__ = ["class_indices", "finite", "index_within", "same_device"]
 
 # Offenders named in a message; the total count is always given.
@@ -129,21 +131,7 @@ def _non_finite(name: str, tensor: torch.Tensor) -> str | None:
 def _named_tensors(items: Mapping[str, object]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield every tensor with the path a user would write to reach it; other values are skipped."""
     for name, item in items.items():
-        yield from _walk(name, item)
-
-
-def _walk(name: str, item: object) -> Iterator[tuple[str, torch.Tensor]]:
-    if isinstance(item, torch.Tensor):
-        yield name, item
-    elif isinstance(item, torch.nn.Module):
-        for path, tensor in (*item.named_parameters(), *item.named_buffers()):
-            yield f"{name}.{path}", tensor
-    elif isinstance(item, Mapping):
-        for key, value in item.items():
-            yield from _walk(f"{name}[{key!r}]", value)
-    elif isinstance(item, Sequence) and not isinstance(item, (str, bytes)):
-        for position, value in enumerate(item):
-            yield from _walk(f"{name}[{position}]", value)
+        yield from named_tensors(item, name, sequences=(Sequence,), modules=True)
 
 
 def _require_tensor(name: str, value: object) -> None:

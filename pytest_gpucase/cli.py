@@ -18,6 +18,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 from pathlib import Path
 
 from . import __version__
@@ -55,6 +56,9 @@ def _parser() -> argparse.ArgumentParser:
                         help="a JSON report written by pytest --gpu-report, one per runner")
     matrix.add_argument("--format", choices=tuple(RENDERERS), default="markdown",
                         help="how to write the matrix (default: %(default)s)")
+    matrix.add_argument("--plugin", action="append", default=[], metavar="MODULE",
+                        help="import MODULE for its pytest_gpucase_report_formats hook "
+                        "(repeatable; plugins of the entry-point group gpucase are loaded too)")
     matrix.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="write here instead of stdout")
     matrix.add_argument("--detail", action="store_true", help="one row per case x variant")
@@ -108,6 +112,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``gpucase`` command line; return the exit code."""
+    try:
+        _load_format_plugins(list(sys.argv[1:] if argv is None else argv))
+    except (ImportError, ValueError, TypeError) as exc:
+        return _error("matrix", f"--plugin: {exc}")
     args = _parser().parse_args(argv)
     from ._torch import import_torch
 
@@ -125,6 +133,39 @@ def main(argv: Sequence[str] | None = None) -> int:
     except CaseFormatError as exc:
         return _error(None, exc)
     return code
+
+
+def _load_format_plugins(argv: list[str]) -> None:
+    """Before the parser offers ``--format``'s choices: the formats plugins add.
+
+    Plugins are the modules named by ``--plugin`` and the entry points of the group
+    ``gpucase``; their ``pytest_gpucase_report_formats`` join ``report.RENDERERS``.
+    """
+    if not argv or argv[0] != "matrix":
+        return
+    modules = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--plugin"]
+    modules += [arg.removeprefix("--plugin=") for arg in argv if arg.startswith("--plugin=")]
+    import importlib
+
+    import pluggy
+
+    from . import hookspecs
+    from .report import add_renderers
+
+    class Manager(pluggy.PluginManager):
+        # As pytest does: a plugin's hook functions need no @hookimpl marker.
+        def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
+            found = super().parse_hookimpl_opts(plugin, name)
+            if found is None and name.startswith("pytest_gpucase_"):
+                return {}
+            return found
+
+    manager = Manager("pytest")
+    manager.add_hookspecs(hookspecs)
+    manager.load_setuptools_entrypoints("gpucase")
+    for name in modules:
+        manager.register(importlib.import_module(name), name)
+    add_renderers(manager.hook.pytest_gpucase_report_formats())
 
 
 def _error(command: str | None, problem: object, code: int = 2) -> int:

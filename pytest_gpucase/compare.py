@@ -58,6 +58,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import backends
+
 __all__ = [
     "CHUNK_ELEMENTS",
     "DEFAULT_TOLERANCES",
@@ -748,7 +750,7 @@ def _compute_dtype(actual: torch.dtype, expected: torch.dtype, device: torch.dev
             dtype = torch.complex64
     elif dtype.itemsize < 4:
         dtype = torch.float32
-    if device.type == "mps":
+    if not backends.float64_on(device.type):
         dtype = {torch.float64: torch.float32, torch.complex128: torch.complex64}.get(dtype, dtype)
     return dtype
 
@@ -870,7 +872,7 @@ class _Judge:
             self.real = self.cdt.to_real()
         else:
             self.cdt = actual.dtype
-            self.real = torch.float32 if actual.device.type == "mps" else torch.float64
+            self.real = torch.float64 if backends.float64_on(actual.device.type) else torch.float32
         self.eps, self.nan_rank, self.inf_rank = _ranks(self.real)
         # Each screen alone proves closeness; the margins cover the rounding
         # of the screen's own arithmetic, so no mismatch slips through.

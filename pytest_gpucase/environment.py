@@ -20,6 +20,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import backends
+from .backends import launch_blocking_env
+
+__all__ = ["Device", "Environment", "dnn_library", "git_revision", "launch_blocking_env",
+           "package_version", "probe", "probe_here"]
+
 
 @dataclass(frozen=True)
 class Device:
@@ -83,7 +89,7 @@ def dnn_library(cudnn: str | None, backend: str) -> str | None:
     """The cuDNN version as people write it (``cuDNN 9.1.0`` for ``90100``); MIOpen on ROCm."""
     if not cudnn:
         return None
-    name = "MIOpen" if backend == "rocm" else "cuDNN"
+    name = backends.dnn_name(backend) or "cuDNN"
     if not cudnn.isdigit():
         return f"{name} {cudnn}"  # already written out
     number = int(cudnn)
@@ -104,7 +110,6 @@ def probe_here(packages: Iterable[str] = (), rootdir: str | None = None) -> Envi
     import torch
 
     hip: str | None = getattr(torch.version, "hip", None)
-    xpu: str | None = getattr(torch.version, "xpu", None)
     mps = getattr(torch.backends, "mps", None)
     types: list[str] = []
     devices: list[Device] = []
@@ -123,16 +128,9 @@ def probe_here(packages: Iterable[str] = (), rootdir: str | None = None) -> Envi
     if mps is not None and mps.is_available():
         types.append("mps")
         devices.append(Device(0, "Apple MPS"))
-    if hip:
-        backend = "rocm"
-    elif torch.version.cuda:
-        backend = "cuda"
-    elif xpu:
-        backend = "xpu"
-    elif mps is not None and mps.is_built():
-        backend = "mps"
-    else:
-        backend = types[0] if types else "cpu"
+    backend = backends.detect(torch)
+    if backend == "cpu" and types:
+        backend = types[0]
     return Environment(
         backend=backend,
         device_types=(*types, "cpu"),
@@ -140,7 +138,7 @@ def probe_here(packages: Iterable[str] = (), rootdir: str | None = None) -> Envi
         torch=torch.__version__,
         cuda=torch.version.cuda,
         hip=hip,
-        cudnn=_cudnn_version() if backend in ("cuda", "rocm") else None,
+        cudnn=_cudnn_version() if backends.dnn_name(backend) else None,
         python=_platform.python_version(),
         packages={name: package_version(name) for name in sorted(set(packages))},
         revision=git_revision(rootdir),
@@ -210,13 +208,3 @@ def probe(packages: Iterable[str] = (), rootdir: str | None = None) -> Environme
         raise RuntimeError(f"gpucase: probing the environment {result.problem}:\n{detail}")
     env: Environment = result.value
     return env
-
-
-def launch_blocking_env(backend: str) -> dict[str, str]:
-    """The variable that makes kernel launches synchronous on this backend (none elsewhere)."""
-    if backend == "cuda":
-        return {"CUDA_LAUNCH_BLOCKING": "1"}
-    if backend == "rocm":
-        return {"AMD_SERIALIZE_KERNEL": "3"}
-    return {}
-

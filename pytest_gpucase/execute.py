@@ -26,7 +26,7 @@ from typing import Any, Literal
 import safetensors.torch  # noqa: F401
 import torch
 
-from . import golden, payload
+from . import backends, fsutil, golden, payload
 from .capture import REPLAY_ENV
 from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare
@@ -365,10 +365,7 @@ def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
 
 def _sync(device: str) -> None:
     """Wait for queued kernels, so an asynchronous error is raised here and not later."""
-    module = getattr(torch, device.split(":")[0], None)
-    synchronize = getattr(module, "synchronize", None)
-    if device != "cpu" and synchronize is not None:
-        synchronize()
+    backends.synchronize(torch, device)
 
 
 def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
@@ -398,13 +395,7 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        return [value]
-    if isinstance(value, Mapping):
-        return [t for v in value.values() for t in _tensors(v)]
-    if isinstance(value, (list, tuple)):
-        return [t for v in value for t in _tensors(v)]
-    return []
+    return [tensor for _, tensor in fsutil.named_tensors(value)]
 
 
 def _detach(value: Any) -> Any:

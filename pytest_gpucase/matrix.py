@@ -1,203 +1,22 @@
-"""Requirements against the environment, and the expansion of a case into runs.
+"""The old home of run planning, kept so that ``from .matrix import ...`` still works.
 
-``evaluate`` says whether a case may run here (``None``) or why it is skipped;
-``expand`` lists a case's runs over devices, dtypes and edge variants. Both are
-pure functions on plain data: no torch, no pytest.
+Planning (requirements against the environment, device lists, the expansion of
+a case into runs) lives in ``plan.py``; ``Case.matrix`` is the ``[matrix]``
+table (``case.Requirements``); the compatibility table of a report is
+``report.py``'s. Import from ``plan`` in new code.
 """
 
 from __future__ import annotations
 
-import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from .plan import (
+    DEFAULT_DEVICES,
+    RunSpec,
+    device_skip,
+    evaluate,
+    expand,
+    saved_dtype,
+    saved_float_dtype,
+)
 
-from packaging.specifiers import SpecifierSet
-from packaging.version import InvalidVersion, Version
-
-from .case import FLOAT_DTYPES, Case, Requirements
-from .environment import Environment, launch_blocking_env
-from .payload import DTYPES, TensorInfo
-from .variants import Variant, expand as expand_variants
-
-DEFAULT_DEVICES = ("cpu", "cuda")
-_RELEASE = re.compile(r"^\d+(?:\.\d+)*")
-_CAPABILITY = re.compile(r"^\d+\.\d+$")
-_BACKEND_WORDS = {"cuda": "a CUDA build", "rocm": "a ROCm build", "cpu": "a CPU-only build",
-                  "mps": "an MPS (Apple) build", "xpu": "an XPU build"}
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One run of a case: where, in which dtype, on which variant, with which child environment."""
-
-    case: Case
-    device: str
-    dtype: str
-    cast: bool                       # floating inputs are cast to ``dtype`` before the call
-    variant: Variant | None = None
-    env: Mapping[str, str] = field(default_factory=dict)
-    launch_blocking: bool = False
-    skip: str | None = None
-    settings: tuple[str, ...] = ()   # torch switches applied in the child (execute.SETTINGS)
-    use_reference: bool = False      # call the case's reference in place of ``call``
-
-    @property
-    def id(self) -> str:
-        """The parametrization token: ``cpu-float32``, ``cuda-bfloat16-batch[1]``."""
-        parts = [self.device, self.dtype]
-        if self.variant is not None:
-            parts.append(self.variant.id)
-        return "-".join(parts)
-
-
-def _version(found: str) -> Version | None:
-    """``found`` as a version; a suffix PEP 440 lacks (HIP's ``6.0.32830-d62f6a171``) is dropped."""
-    try:
-        return Version(found)
-    except InvalidVersion:
-        release = _RELEASE.match(found)
-        return Version(release[0]) if release else None
-
-
-def _satisfies(found: Version, specifier: str) -> bool:
-    # Nightly and source builds report pre-releases (2.4.0a0+git3f2c1ab, 2.4.0.dev20240401):
-    # they carry the features of the release they lead to, so ">=2.3" accepts them.
-    return SpecifierSet(specifier).contains(found, prereleases=True)
-
-
-def saved_float_dtype(inputs: Sequence[TensorInfo]) -> str | None:
-    """The dtype token of saved inputs: the floating dtype of the largest floating tensor."""
-    floats = [info for info in inputs if DTYPES[info.dtype][0] in FLOAT_DTYPES]
-    if not floats:
-        return None
-    largest = max(floats, key=lambda info: _numel(info.shape))
-    return DTYPES[largest.dtype][0]
-
-
-def saved_dtype(case: Case) -> str | None:
-    """The floating dtype of a case's saved inputs, read from the payload's header only."""
-    from .payload import describe
-
-    if not case.inputs_file.exists():
-        return None
-    return saved_float_dtype(describe(case.inputs_file))
-
-
-def _numel(shape: Sequence[int]) -> int:
-    count = 1
-    for size in shape:
-        count *= size
-    return count
-
-
-def evaluate(req: Requirements, env: Environment) -> str | None:
-    """``None`` when the case may run here, else the reason it is skipped, naming both sides."""
-    if req.backends is not None and env.backend not in req.backends:
-        return (f"requires backend {' or '.join(req.backends)}; "
-                f"this is {_BACKEND_WORDS.get(env.backend, f'a {env.backend} build')}")
-    for key, specifier in req.versions.items():
-        reason = _version_reason(key, specifier, env)
-        if reason is not None:
-            return reason
-    for name, specifier in req.packages.items():
-        found = env.packages.get(name)
-        wanted = f"requires {name}{specifier}"
-        if found is None:
-            return f"{wanted}; not installed"
-        if not specifier:
-            continue  # "" asks only that the package be installed
-        reason = _found_reason(wanted, found, specifier)
-        if reason is not None:
-            return reason
-    return None
-
-
-def _found_reason(wanted: str, found: str, specifier: str) -> str | None:
-    """Why the ``found`` version does not meet ``specifier``, or None when it does."""
-    version = _version(found)
-    if version is None:
-        return f"{wanted}; found {found}, which is not a PEP 440 version"
-    if not _satisfies(version, specifier):
-        return f"{wanted}; found {found}"
-    return None
-
-
-def _version_reason(key: str, specifier: str, env: Environment) -> str | None:
-    wanted = f"requires {key}{specifier}"
-    if key == "capability":
-        return _capability_reason(wanted, specifier, env)
-    found = {"torch": env.torch, "python": env.python, "cuda": env.cuda, "hip": env.hip}.get(key)
-    if found is None:
-        missing = {"torch": "torch is not installed",
-                   "cuda": f"this is {_BACKEND_WORDS.get(env.backend, env.backend)} "
-                           "(torch.version.cuda is None)",
-                   "hip": f"this is {_BACKEND_WORDS.get(env.backend, env.backend)} "
-                          "(torch.version.hip is None)"}
-        return f"{wanted}; {missing.get(key, 'not known here')}"
-    return _found_reason(wanted, found, specifier)
-
-
-def _capability_reason(wanted: str, specifier: str, env: Environment) -> str | None:
-    """Every visible device must meet a compute capability requirement (a run may use any)."""
-    if not env.devices:
-        return f"{wanted}; no accelerator here"
-    for device in env.devices:
-        if device.capability is None:
-            return f"{wanted}; {device.name} reports no compute capability"
-        version = _version(device.capability) if _CAPABILITY.match(device.capability) else None
-        if version is None:
-            # ROCm reports a GPU architecture (gfx90a:sramecc+:xnack-), not a number.
-            return (f"{wanted}; {device.name} reports {device.capability}, a ROCm architecture "
-                    "name, not a CUDA compute capability")
-        if not _satisfies(version, specifier):
-            return f"{wanted}; found {device.capability} ({device.name})"
-    return None
-
-
-def device_skip(device: str, env: Environment) -> str | None:
-    """Why a device type cannot run here, or None."""
-    if device in env.device_types:
-        return None
-    if device == "cuda":
-        return (f"no CUDA device here ({env.backend} backend): the CPU pass of this case is a "
-                "hint, not CUDA validation; run it on a GPU runner")
-    return f"no {device} device here ({env.backend} backend)"
-
-
-def expand(
-    case: Case,
-    env: Environment,
-    *,
-    saved_dtype: str | None,
-    devices: Sequence[str] | None = None,
-    dtypes: Sequence[str] | None = None,
-    launch_blocking: bool = False,
-) -> list[RunSpec]:
-    """Every run of ``case``: devices x dtypes x (original + variants), skipped ones included.
-
-    ``devices`` and ``dtypes`` (from ``--gpu-devices``/``--gpu-dtypes``) narrow the case's
-    own lists; ``saved_dtype`` is the floating dtype of the saved inputs, if any.
-    """
-    case_devices = case.matrix.devices or DEFAULT_DEVICES + tuple(
-        t for t in env.device_types if t not in DEFAULT_DEVICES)
-    if devices is not None:
-        # A case without its own device list runs on every device asked for (skipped with the
-        # reason where this machine has none); a case's own list is only narrowed.
-        case_devices = (tuple(devices) if case.matrix.devices is None
-                        else tuple(d for d in case_devices if d in devices))
-    cast = case.matrix.dtypes is not None
-    case_dtypes = case.matrix.dtypes or (saved_dtype or "float32",)
-    if dtypes is not None:
-        case_dtypes = tuple(d for d in case_dtypes if d in dtypes)
-    requirement = evaluate(case.matrix, env)
-    blocking = launch_blocking or case.launch_blocking
-    variants: list[Variant | None] = [None, *expand_variants(case.variants)]
-    specs: list[RunSpec] = []
-    for device in case_devices:
-        skip = requirement or device_skip(device, env)
-        # The CPU runs synchronously; only an accelerator's launches can be made blocking.
-        child_env = launch_blocking_env(env.backend) if blocking and device != "cpu" else {}
-        specs += [RunSpec(case, device, dtype, cast, variant, dict(child_env), bool(child_env),
-                          skip)
-                  for dtype in case_dtypes for variant in variants]
-    return specs
+__all__ = ["DEFAULT_DEVICES", "RunSpec", "device_skip", "evaluate", "expand", "saved_dtype",
+           "saved_float_dtype"]

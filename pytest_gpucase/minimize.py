@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import secrets
 import shutil
 import sys
 import tempfile
@@ -40,13 +39,16 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 
 import tomli_w
 
-from . import payload
-from .case import CASE_FILE, EXPECTED_FILE, FLOAT_DTYPES, INPUTS_FILE, Case, load_case
-from .environment import Environment, launch_blocking_env
+from . import fsutil, payload
+from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, load_case
+from .environment import Environment
 from .errors import display
 from .isolation import StartMethod, signal_name
-from .matrix import DEFAULT_DEVICES, RunSpec, device_skip, evaluate, saved_dtype
+# NotRunnable and choose_device are named here too, where callers met them first.
+from .plan import NotRunnable as NotRunnable, RunSpec, choose_device as choose_device
+from .plan import unchanged_runs
 from .runner import Verdict, run_spec
+from .variants import VariantNotApplicable, members_of, shapes_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -59,10 +61,6 @@ if TYPE_CHECKING:
 FailureKind = Literal["raises", "reference raises", "no exception", "mismatch",
                       "golden mismatch", "crash", "timeout", "child error", "broken case"]
 Stop = Literal["max tries", "time budget", "interrupted"]
-
-
-class NotRunnable(Exception):
-    """The case cannot run here as asked (requirements, device, dtype, no tensors to shrink)."""
 
 
 class OriginalPasses(Exception):
@@ -118,43 +116,7 @@ def failure_class(verdict: Verdict) -> FailureClass | None:
     return FailureClass("mismatch", clue=clue)
 
 
-# --- where and how the original runs (shared with ablate) ------------------------------------
-
-
-def choose_device(case: Case, env: Environment, device: str | None = None) -> str:
-    """``device`` if it can run here; else an accelerator the case can run on, else the CPU.
-
-    An accelerator comes first because the failures worth shrinking or ablating
-    are device failures; a CPU run of a GPU failure may not reproduce it.
-    """
-    reason = evaluate(case.matrix, env)
-    if reason is not None:
-        raise NotRunnable(f"{display(case.case_file)}: cannot run here: {reason}")
-    if device is not None:
-        skip = device_skip(device, env)
-        if skip is not None:
-            raise NotRunnable(f"{display(case.case_file)}: --device {device}: {skip}")
-        return device
-    wanted = case.matrix.devices or DEFAULT_DEVICES + tuple(
-        t for t in env.device_types if t not in DEFAULT_DEVICES)
-    usable = [d for d in wanted if device_skip(d, env) is None]
-    if not usable:
-        raise NotRunnable(f"{display(case.case_file)}: {device_skip(wanted[0], env)}")
-    return next((d for d in usable if d != "cpu"), usable[0])
-
-
-def run_specs(case: Case, env: Environment, *, device: str,
-              dtype: str | None = None) -> list[RunSpec]:
-    """The unchanged runs of ``case`` on ``device``: in ``dtype``, else in each of its dtypes."""
-    if dtype is not None and dtype not in FLOAT_DTYPES:
-        raise NotRunnable(f"unknown dtype '{dtype}'; expected one of {', '.join(FLOAT_DTYPES)}")
-    saved = saved_dtype(case) or "float32"
-    dtypes = (dtype,) if dtype is not None else case.matrix.dtypes or (saved,)
-    # As matrix.expand: a case with [matrix] dtypes casts; an explicit other dtype casts too.
-    cast = case.matrix.dtypes is not None or (dtype is not None and dtype != saved)
-    blocking = launch_blocking_env(env.backend) if case.launch_blocking and device != "cpu" else {}
-    return [RunSpec(case, device, d, cast, env=blocking, launch_blocking=bool(blocking))
-            for d in dtypes]
+# --- how the original runs (shared with ablate; where and in which dtype: plan.py) ----------
 
 
 def first_failure(specs: Sequence[RunSpec], *, start_method: StartMethod,
@@ -277,27 +239,30 @@ class Axes:
     length_members: frozenset[str] = frozenset()
 
 
-def _members(tensors: Mapping[str, torch.Tensor], axis: int) -> tuple[int | None, frozenset[str]]:
-    """The saved size on ``axis`` (that of the largest tensor having it) and who shares it.
-
-    As ``variants`` does: the largest input is the data itself; parameters and
-    targets are smaller, and only those with the same size on the axis follow it.
-    """
-    having = {name: t for name, t in tensors.items() if t.dim() > axis}
-    if not having:
+def _members(case: Case, tensors: Mapping[str, torch.Tensor], axis: int,
+             table: AxisSizes | None) -> tuple[int | None, frozenset[str]]:
+    """The saved size on ``axis`` and who shares it: the variants' rule (``members_of``)."""
+    anchor = case.variants.boundaries.input if case.variants.boundaries is not None else None
+    try:
+        found = members_of(shapes_of(tensors), axis, anchor,
+                           table.inputs if table is not None else None)
+    except VariantNotApplicable as exc:
+        raise NotRunnable(f"{display(case.case_file)}: which inputs to shrink on axis {axis}: "
+                          f"{exc}") from None
+    if found is None:
         return None, frozenset()
-    size = int(max(having.values(), key=lambda t: t.numel()).shape[axis])
-    return size, frozenset(name for name, t in having.items() if t.shape[axis] == size)
+    return found[0], frozenset(found[1])
 
 
 def plan_axes(case: Case, tensors: Mapping[str, torch.Tensor]) -> Axes:
     """The batch axis (``[variants] batch``, default 0) and the length axis, if one is named."""
-    batch_axis = case.variants.batch.axis if case.variants.batch is not None else 0
-    batch_size, batch_members = _members(tensors, batch_axis)
+    batch = case.variants.batch
+    batch_axis = batch.axis if batch is not None else 0
+    batch_size, batch_members = _members(case, tensors, batch_axis, batch)
     length = case.variants.length
     if length is None or length.axis == batch_axis:
         return Axes(batch_axis, batch_size, batch_members)
-    length_size, length_members = _members(tensors, length.axis)
+    length_size, length_members = _members(case, tensors, length.axis, length)
     return Axes(batch_axis, batch_size, batch_members, length.axis, length_size, length_members)
 
 
@@ -533,7 +498,7 @@ def minimize(
     if not case.inputs_file.exists():
         raise NotRunnable(f"{display(case.path)} has no {INPUTS_FILE}: nothing to shrink")
     chosen = choose_device(case, env, device)
-    baseline, tried = first_failure(run_specs(case, env, device=chosen, dtype=dtype),
+    baseline, tried = first_failure(unchanged_runs(case, env, device=chosen, dtype=dtype),
                                     start_method=start_method, backend=env.backend)
     if baseline is None:
         raise OriginalPasses(describe_passes(case, tried))
@@ -608,7 +573,7 @@ def _scratch_case(case: Case, scratch: Path) -> Case:
     """The copy of the case that tries run: same case.toml and case.py, a subset payload."""
     work = scratch / case.name
     work.mkdir()
-    _copy_support(case.path, work)
+    fsutil.copy_into(_support(case.path), work)
     shutil.copyfile(case.case_file, work / CASE_FILE)
     return load_case(work)
 
@@ -673,19 +638,12 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
 _NOT_COPIED = {CASE_FILE, INPUTS_FILE, EXPECTED_FILE, "__pycache__"}
 
 
-def _copy_support(source: Path, target: Path) -> None:
-    """Copy a case directory's other files (case.py, helpers); payloads and case.toml are written.
+def _support(source: Path) -> list[Path]:
+    """A case directory's other files (case.py, helpers); payloads and case.toml are written.
 
     ``expected.safetensors`` is left out: its golden outputs belong to the full batch.
     """
-    for entry in source.iterdir():
-        if entry.name in _NOT_COPIED:
-            continue
-        if entry.is_dir():
-            shutil.copytree(entry, target / entry.name,
-                            ignore=shutil.ignore_patterns("__pycache__"))
-        else:
-            shutil.copy2(entry, target / entry.name)
+    return [entry for entry in source.iterdir() if entry.name not in _NOT_COPIED]
 
 
 def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
@@ -693,24 +651,14 @@ def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
     """Write a new case directory at ``target`` atomically; never overwrite one."""
     if target.exists():
         raise FileExistsError(f"{display(target)} exists; minimize never overwrites")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # os.mkdir (not mkdtemp) so that the umask applies as to any new directory.
-    work = target.with_name(f".{target.name}.{secrets.token_hex(6)}.tmp")
-    os.mkdir(work)
+    text = case.case_file.read_text(encoding="utf-8")
     try:
-        _copy_support(case.path, work)
-        payload.save(work / INPUTS_FILE, tensors, metadata)
-        text = case.case_file.read_text(encoding="utf-8")
-        (work / CASE_FILE).write_text(with_minimized_from(text, record), encoding="utf-8")
-        load_case(work)  # the new case must load as any other
-        if target.exists():
-            raise FileExistsError(f"{display(target)} appeared meanwhile; not overwritten")
-        # A rename onto an existing non-empty directory fails: nothing is ever replaced.
-        os.rename(work, target)
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
-    return target
+        return fsutil.write_case_dir(
+            target, with_minimized_from(text, record),
+            {INPUTS_FILE: lambda path: payload.save(path, tensors, metadata)},
+            _support(case.path), check=load_case)  # the new case must load as any other
+    except FileExistsError:
+        raise FileExistsError(f"{display(target)} appeared meanwhile; not overwritten") from None
 
 
 # --- TOML writing ----------------------------------------------------------------------------

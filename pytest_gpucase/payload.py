@@ -29,13 +29,13 @@ import ctypes
 import hashlib
 import json
 import os
-import secrets
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from .errors import CaseFormatError, printable, regular_file
+from .fsutil import write_atomic as _write_atomic  # a module name: tests slow it down
 
 if TYPE_CHECKING:
     import torch
@@ -194,26 +194,6 @@ def _bytes_of(flat: torch.Tensor) -> memoryview:
     if nbytes == 0:
         return memoryview(b"")
     return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
-
-
-def _write_atomic(path: Path, chunks: Iterable[bytes | memoryview]) -> None:
-    """Write to a temporary file beside ``path`` and rename it over ``path``.
-
-    The temporary file is created with mode 0o666 so that the umask applies as
-    to any new file (``mkstemp`` makes it private, and reading the umask means
-    setting it, which races with other threads).
-    """
-    tmp = path.with_name(f".{path.name}.{secrets.token_hex(6)}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
-    try:
-        with open(fd, "wb") as handle:
-            handle.writelines(chunks)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:

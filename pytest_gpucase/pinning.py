@@ -14,8 +14,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-# The variable that selects devices for each backend, as the runtime reads it.
-VISIBLE_VARIABLE = {"cuda": "CUDA_VISIBLE_DEVICES", "rocm": "HIP_VISIBLE_DEVICES"}
+from .backends import visible_variable
 
 
 def worker_index(worker_id: str | None) -> int | None:
@@ -28,7 +27,7 @@ def worker_index(worker_id: str | None) -> int | None:
 
 def visible_devices(backend: str, device_count: int, environ: Mapping[str, str]) -> list[str]:
     """The device ids a worker may be pinned to, in the terms of the outer environment."""
-    variable = VISIBLE_VARIABLE.get(backend)
+    variable = visible_variable(backend)
     if variable is None:
         return []
     outer = environ.get(variable)
@@ -45,6 +44,7 @@ def pin_env(worker_id: str | None, backend: str, device_count: int,
     """The variable that gives this worker's children one device, round-robin; {} if none."""
     index = worker_index(worker_id)
     devices = visible_devices(backend, device_count, environ)
-    if index is None or not devices:
+    variable = visible_variable(backend)
+    if index is None or not devices or variable is None:
         return {}
-    return {VISIBLE_VARIABLE[backend]: devices[index % len(devices)]}
+    return {variable: devices[index % len(devices)]}

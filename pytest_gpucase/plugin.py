@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from .environment import Environment
     from .execute import Outcome
     from .isolation import StartMethod
-    from .matrix import RunSpec
+    from .plan import RunSpec
     from .runner import Verdict
 
 
@@ -72,6 +72,12 @@ SETTINGS = (
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
 
 
+def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
+    from . import hookspecs
+
+    pluginmanager.add_hookspecs(hookspecs)
+
+
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("gpucase", "saved GPU failure cases")
     for setting in SETTINGS:
@@ -118,7 +124,8 @@ def setting(config: pytest.Config, name: str) -> Any:
         if value not in spec.choices:
             raise pytest.UsageError(f"{source}: {value!r} is not one of {', '.join(spec.choices)}")
         return value
-    from .case import DEVICE_TYPES, FLOAT_DTYPES
+    from .backends import DEVICE_TYPES
+    from .case import FLOAT_DTYPES
 
     known = DEVICE_TYPES if name == "gpu_devices" else FLOAT_DTYPES
     return _csv(str(value), known, source)
@@ -163,6 +170,7 @@ class GpuCaseSession:
     _written_at: float = 0.0
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
+    renderers: tuple[str, ...] = ()   # report formats this session's plugins added
 
     @property
     def enabled(self) -> bool:
@@ -278,6 +286,11 @@ session_key = pytest.StashKey[GpuCaseSession]()
 def pytest_configure(config: pytest.Config) -> None:
     state = GpuCaseSession(config, {spec.name: setting(config, spec.name) for spec in SETTINGS})
     config.stash[session_key] = state
+    formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py
+    if any(formats):   # report.py is imported only when a plugin adds a format
+        from .report import add_renderers
+
+        state.renderers = add_renderers(formats)
     if not state.enabled:
         given = [spec.flag for spec in SETTINGS
                  if spec.needs_cases and config.getoption(spec.name, None)]
@@ -298,19 +311,32 @@ def pytest_configure(config: pytest.Config) -> None:
         config.pluginmanager.register(_OwnIsolation(), "gpucase-own-isolation")
     config.addinivalue_line(
         "markers", "gpu_case(path): give the gpu_case fixture the case directory at path")
-    for device in ("cpu", "cuda", "mps", "xpu"):
-        config.addinivalue_line("markers", f"device_{device}: a gpucase run on {device}")
-    for dtype in ("float16", "bfloat16", "float32", "float64"):
-        config.addinivalue_line("markers", f"dtype_{dtype}: a gpucase run in {dtype}")
-    for kind in ("batch", "length", "boundary"):
-        config.addinivalue_line("markers", f"variant_{kind}: a gpucase {kind} edge variant")
-    for backend in ("cuda", "rocm", "cpu", "mps", "xpu"):
-        config.addinivalue_line("markers", f"backend_{backend}: a gpucase run on the {backend} "
-                                "backend")
+    for name, text in run_markers():
+        config.addinivalue_line("markers", f"{name}: {text}")
     config.addinivalue_line(
         "markers", "gpu_requires(backends=None, torch=None, python=None, cuda=None, hip=None, "
         "capability=None, packages=None): skip unless this environment meets the requirements, "
         "written as in a case's [matrix]")
+
+
+def run_markers() -> list[tuple[str, str]]:
+    """The markers each case item may carry, read off the tables that define them.
+
+    Devices and backends from ``backends.py``, dtypes from ``case.FLOAT_DTYPES``,
+    variant kinds from ``variants.VARIANT_KINDS``: a row added there is a marker
+    here, so ``--strict-markers`` never rejects an item's own marker.
+    """
+    from .backends import BACKENDS, DEVICE_TYPES
+    from .case import FLOAT_DTYPES
+    from .variants import VARIANT_KINDS
+
+    return [
+        *((f"device_{device}", f"a gpucase run on {device}") for device in DEVICE_TYPES),
+        *((f"dtype_{dtype}", f"a gpucase run in {dtype}") for dtype in FLOAT_DTYPES),
+        *((f"variant_{kind}", f"a gpucase {kind} edge variant") for kind in VARIANT_KINDS),
+        *((f"backend_{backend}", f"a gpucase run on the {backend} backend")
+          for backend in BACKENDS),
+    ]
 
 
 def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
@@ -381,7 +407,8 @@ class CaseFile(pytest.File):
     def collect(self) -> Iterator[pytest.Item]:
         from .case import load_case
         from .errors import CaseFormatError
-        from .matrix import expand, saved_dtype
+        from .backends import run_backend
+        from .plan import expand, saved_dtype
 
         state = self.config.stash[session_key]
         case_dir = self.path.parent
@@ -412,14 +439,14 @@ class CaseFile(pytest.File):
         if not specs:
             state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case)})")
         pin = state.worker_env()
-        # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds.
-        cuda_backend = "rocm" if state.environment().backend == "rocm" else "cuda"
+        build = state.environment().backend
         for spec in specs:
             if pin and spec.device != "cpu":
                 spec = replace(spec, env={**spec.env, **pin})
             item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
                                         **_item_id(self, case.name, spec.id))
-            item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
+            # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
+            item.add_marker(f"backend_{run_backend(spec.device, build)}")
             yield item
 
 
@@ -526,7 +553,9 @@ class CaseItem(pytest.Item):
         super().__init__(**kwargs)
         self.spec = spec
         self.add_marker(f"device_{spec.device}")
-        if spec.dtype in ("float16", "bfloat16", "float32", "float64"):
+        from .case import FLOAT_DTYPES
+
+        if spec.dtype in FLOAT_DTYPES:
             self.add_marker(f"dtype_{spec.dtype}")
         if spec.variant is not None:
             # -m "variant_boundary(value=-1)" selects exactly one value.
@@ -551,7 +580,12 @@ class CaseItem(pytest.Item):
         if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
                 and self.spec.case.expect.outcome == "matches"):
             state.regenerate(self.spec.case)
-        verdict = run_spec(self.spec, start_method=state.start_method(),
+        spec = self.spec
+        for found in self.ihook.pytest_gpucase_run_env(item=self, spec=spec):
+            if found:   # hookspecs.pytest_gpucase_run_env: merged into the child's environment
+                spec = replace(spec, env={**spec.env, **{str(k): str(v)
+                                                         for k, v in found.items()}})
+        verdict = run_spec(spec, start_method=state.start_method(),
                            backend=state.environment().backend,
                            memory_limit=(self.spec.case.memory_limit
                                          or state.settings["gpu_memory_limit"]),
@@ -580,19 +614,24 @@ class CaseItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str:
         if isinstance(excinfo.value, CaseRunFailed):
-            return _failure_text(excinfo.value.verdict.outcome)
+            return _failure_text(excinfo.value.verdict.outcome, self.spec)
         return str(super().repr_failure(excinfo))
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
 
 
-def _failure_text(outcome: Outcome) -> str:
+def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
     from .report import terminal_safe
+    from .variants import describe_saved
 
     text = outcome.summary
     if outcome.details:
         text += "\n\n" + outcome.details.rstrip()
+    resized = (describe_saved(spec.variant, spec.case.inputs_file)
+               if spec is not None and spec.variant is not None else None)
+    if resized:
+        text += "\n\n" + resized   # which inputs the variant resized, to what shape
     return terminal_safe(text)   # the child's words must not drive the terminal
 
 
@@ -704,7 +743,7 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
     """
     import re
 
-    from .case import DEVICE_TYPES
+    from .backends import DEVICE_TYPES
 
     if report.when not in ("???", None) or not report.failed:
         return None
@@ -805,6 +844,14 @@ class _OwnIsolation:
         return True
 
 
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from .report import RENDERERS
+
+    state = config.stash.get(session_key, None)
+    for name in state.renderers if state is not None else ():
+        RENDERERS.pop(name, None)   # the next session in this process asks its own plugins
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash[session_key]
     for note in state.notes:
@@ -823,7 +870,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     marked = [item for item in items if item.get_closest_marker("gpu_requires")]
     if not marked:
         return
-    from .matrix import evaluate
+    from .plan import evaluate
 
     state = config.stash[session_key]
     for item in marked:
@@ -839,7 +886,8 @@ def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
     """``@pytest.mark.gpu_requires(...)`` as ``Requirements``; a mistake is a usage error."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
-    from .case import BACKENDS, VERSION_KEYS, Requirements
+    from .backends import BACKENDS
+    from .case import VERSION_KEYS, Requirements
 
     unknown = sorted(set(kwargs) - {"backends", "packages", *VERSION_KEYS})
     if unknown:
@@ -867,15 +915,12 @@ def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     wants_device = "gpu_device" in metafunc.fixturenames
     if wants_device:
-        from .matrix import DEFAULT_DEVICES, device_skip
+        from .plan import device_list, device_skip
 
         env = metafunc.config.stash[session_key].environment()
         asked = metafunc.config.stash[session_key].settings["gpu_devices"]
-        devices = [*DEFAULT_DEVICES, *(t for t in env.device_types if t not in DEFAULT_DEVICES)]
         params = []
-        for device in devices:
-            if asked is not None and device not in asked:
-                continue
+        for device in device_list(env, asked=asked):
             reason = device_skip(device, env)
             marks = [pytest.mark.skip(reason=reason)] if reason else []
             params.append(pytest.param(device, marks=marks, id=device))
@@ -919,15 +964,12 @@ class GpuCaseHandle:
     def run(self, device: str = "cpu", dtype: str | None = None,
             launch_blocking: bool = False) -> Verdict:
         """Run the case once in a fresh child and return the verdict (it does not raise)."""
-        from .environment import launch_blocking_env
-        from .matrix import RunSpec, saved_dtype
+        from .plan import single_run
         from .runner import run_spec
 
-        backend = self._state.environment().backend
-        env = launch_blocking_env(backend) if launch_blocking and device != "cpu" else {}
-        spec = RunSpec(self.case, device, dtype or saved_dtype(self.case) or "float32",
-                       cast=dtype is not None, env=env, launch_blocking=bool(env))
-        return run_spec(spec, start_method=self._state.start_method(), backend=backend,
+        env = self._state.environment()
+        spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)
+        return run_spec(spec, start_method=self._state.start_method(), backend=env.backend,
                         localize=False)
 
 

@@ -13,7 +13,6 @@ import json
 import math
 import os
 import re
-import tempfile
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from .environment import Device, Environment, dnn_library
+from .fsutil import write_text_atomic
 
 SCHEMA = "pytest-gpucase/report"
 VERSION = 1
@@ -192,22 +192,10 @@ def write_report(path: Path | str, report: Mapping[str, Any]) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     # Strict JSON (jq, JavaScript) has no NaN or Infinity; a max_abs of inf is spelled "inf".
     text = json.dumps(_finite(report), indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    # The temporary file lies in the target's directory: os.replace is atomic only within one
-    # file system.
-    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".tmp")
-    try:
-        # A node id holds a directory name as the OS gave it: bytes that are not UTF-8 arrive
-        # as lone surrogates, written as JSON escapes (\udcff) rather than failing the write.
-        with os.fdopen(fd, "w", encoding="utf-8", errors="backslashreplace") as stream:
-            # mkstemp makes the file private (0600); a report is read by people and CI uploaders.
-            os.chmod(temporary, _file_mode(target))
-            stream.write(text)
-            stream.flush()
-            os.fsync(stream.fileno())
-        os.replace(temporary, target)
-    except BaseException:
-        Path(temporary).unlink(missing_ok=True)
-        raise
+    # A node id holds a directory name as the OS gave it: bytes that are not UTF-8 arrive
+    # as lone surrogates, written as JSON escapes (\udcff) rather than failing the write.
+    # The mode a person expects: the old file's, else what the umask gives a new one.
+    write_text_atomic(target, text, mode=_file_mode(target), errors="backslashreplace")
 
 
 def _file_mode(target: Path) -> int:
@@ -911,9 +899,32 @@ def render_html(matrix: Matrix) -> str:
     return "\n".join(out) + "\n"
 
 
-RENDERERS: Mapping[str, Callable[[Matrix], str]] = {
+Renderer = Callable[["Matrix"], str]
+# The formats of ``gpucase matrix --format``; plugins add theirs (``add_renderers``).
+RENDERERS: dict[str, Renderer] = {
     "markdown": render_markdown, "html": render_html, "json": render_json,
 }
+
+
+def add_renderers(results: Iterable[Mapping[str, Renderer] | None]) -> tuple[str, ...]:
+    """Add the renderers plugins return from ``pytest_gpucase_report_formats`` to RENDERERS.
+
+    ``results`` are the hook's results; returns the names added. A format name
+    already taken is an error naming the format: a plugin adds formats, it never
+    replaces one silently.
+    """
+    added: list[str] = []
+    for found in results:
+        for name, render in (found or {}).items():
+            if RENDERERS.get(name, render) is not render:
+                raise ValueError(f"pytest_gpucase_report_formats: format {name!r} is already "
+                                 f"taken ({', '.join(RENDERERS)}); give yours another name")
+            if not callable(render):
+                raise TypeError(f"pytest_gpucase_report_formats: format {name!r} maps to "
+                                f"{type(render).__name__}, not a callable taking a Matrix")
+            RENDERERS[name] = render
+            added.append(name)
+    return tuple(added)
 
 
 # ----------------------------------------------------------------------------- the command

@@ -80,6 +80,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     variants = _variants(case)
     if variants:
         lines.append(f"variants:  {variants}")
+        lines.extend(f"  {line}" for line in _resized(case))
     if report is not None:
         lines.append(f"last verdicts ({report}):")
         lines.extend(f"  {line}" for line in _verdicts(Path(report), case))
@@ -281,6 +282,14 @@ def _variants(case: Case) -> str:
         text += f", ignore_index {b.ignore_index})" if b.ignore_index is not None else ")"
         parts.append(text)
     return "; ".join(parts)
+
+
+def _resized(case: Case) -> list[str]:
+    """Which inputs each batch/length variant resizes, to what shape (the payload's header)."""
+    from .variants import describe_saved, expand
+
+    found = (describe_saved(variant, case.inputs_file) for variant in expand(case.variants))
+    return [line for line in found if line]
 
 
 def _verdicts(report: Path, case: Case) -> list[str]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from .backends import launch_blocking_words, title
+
 __all__ = ["FAILURE_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded", "failure_class",
            "same_failure", "triage"]
 
@@ -21,12 +23,6 @@ _ROCM_ASSERTS = (
     "same out-of-range index may not raise at all (or may surface as a memory access fault or "
     "wrong values): validate indices and targets in data preparation."
 )
-_LAUNCH_BLOCKING = {
-    "cuda": "CUDA_LAUNCH_BLOCKING=1",
-    "rocm": "AMD_SERIALIZE_KERNEL=3",
-    None: "CUDA_LAUNCH_BLOCKING=1 (ROCm: AMD_SERIALIZE_KERNEL=3)",
-}
-_BACKEND_NAMES = {"cuda": "CUDA", "rocm": "ROCm"}
 
 
 @dataclass(frozen=True)
@@ -43,14 +39,14 @@ class Triage:
 
     def render(self) -> str:
         """Return the body of the "gpucase triage" report section, one fact a line."""
-        backend = f" ({_BACKEND_NAMES.get(self.backend, self.backend)})" if self.backend else ""
+        backend = f" ({title(self.backend)})" if self.backend else ""
         lines = [
             f"clue: {self.clue}{backend}",
             f"first check: {self.first_check}",
             f"avoid: {self.avoid}",
         ]
         if self.asynchronous:
-            rerun = _LAUNCH_BLOCKING.get(self.backend, _LAUNCH_BLOCKING[None])
+            rerun = launch_blocking_words(self.backend)
             lines.append(
                 "asynchronous: reported at a later call, so the traceback may point past the "
                 f"cause; rerun with {rerun} to stop at the failing kernel"

@@ -27,7 +27,15 @@ from typing import Literal
 from . import payload
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, is_case_dir, load_case
 from .errors import CaseFormatError, display, regular_file
-from .variants import Shape, Variant, VariantTooLarge, check_size, members_of
+from .variants import (
+    Shape,
+    Variant,
+    VariantNotApplicable,
+    VariantTooLarge,
+    check_size,
+    header_shapes,
+    members_of,
+)
 
 __all__ = ["Parameters", "binding_problems", "validate"]
 
@@ -36,7 +44,6 @@ __all__ = ["Parameters", "binding_problems", "validate"]
 _PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
 # A case's own source file is read whole to parse it: bounded like any file of a case.
 MAX_SOURCE_BYTES = 16 * 2**20
-_FLOAT_CODES = ("F", "BF", "C")  # safetensors dtype codes of floating and complex tensors
 
 
 @dataclass(frozen=True)
@@ -212,8 +219,7 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> dict[str, Shape] |
             problems.append(exc)
             continue
         if file == case.inputs_file:
-            shapes = {info.name: (info.shape, info.dtype.startswith(_FLOAT_CODES))
-                      for info in infos}
+            shapes = header_shapes(infos)
     if case.inputs_sha256 is not None:
         if not os.path.lexists(case.inputs_file):
             problems.append(CaseFormatError(
@@ -362,7 +368,12 @@ def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseForma
         if table is None:
             continue
         key = f"[variants] {kind}"
-        if members_of(shapes, table.axis, anchor) is None:
+        try:
+            found = members_of(shapes, table.axis, anchor, table.inputs)
+        except VariantNotApplicable as exc:
+            problems.append(CaseFormatError(case.case_file, str(exc), key=key))
+            continue
+        if found is None:
             ranks = ", ".join(f"{name} {len(shape)}" for name, (shape, _) in sorted(shapes.items()))
             held = f"ranks: {ranks}" if ranks else f"no tensor in {INPUTS_FILE}"
             problems.append(CaseFormatError(
@@ -371,7 +382,8 @@ def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseForma
             continue
         for size in table.sizes:
             try:
-                check_size(Variant(kind, size, axis=table.axis, input=anchor), shapes)
+                check_size(Variant(kind, size, axis=table.axis, input=anchor,
+                                   inputs=table.inputs), shapes)
             except VariantTooLarge as exc:
                 problems.append(CaseFormatError(case.case_file, str(exc), key=key))
     return problems

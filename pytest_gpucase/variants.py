@@ -8,26 +8,34 @@ saved tensors are never written to.
 
 Which inputs follow the axis of a ``batch`` or ``length`` variant
 ------------------------------------------------------------------
-A case names the axis, not the inputs that carry it, so ``members`` reads them
-off the shapes:
+This is the one rule, shared with ``minimize`` (``members_of``). A case may
+name them: ``[variants.batch] inputs = ["x", "target"]`` (likewise
+``length``); each named input must be a tensor having the axis, all of one size
+on it, and nothing else is resized. Otherwise they are read off the names and
+shapes:
 
-1. The saved size is that of one tensor, the *anchor*: the ``boundaries`` input
+1. A *parameter* is never cut: an input whose name (or its last ``.``/``_``
+   part) is ``weight``, ``bias``, ``running_mean``, ``running_var``,
+   ``num_batches_tracked``, ``gamma`` or ``beta`` (``fc.weight``,
+   ``class_weight``), and a floating input of lower rank than the largest input
+   whose shape is that input's trailing shape (a class weight ``(C,)`` beside
+   logits ``(B, C)``, a LayerNorm weight ``(D,)``): it broadcasts over the
+   batch rather than indexing it. Integer and bool inputs (targets, masks,
+   indices) are never taken for shape-only parameters.
+2. The saved size is that of one tensor, the *anchor*: the ``boundaries`` input
    when the case has one with that axis (a class-index target is per sample by
-   construction), else the largest tensor input having the axis (the data:
-   activations, logits).
-2. A tensor input follows the axis when its sizes up to and including the axis
-   equal the anchor's: a mask ``(B, T)`` follows ``x (B, T, D)`` on axis 1, a
-   bias ``(T, T)`` does not.
-3. Except a floating input of lower rank than the largest input whose shape is
-   that input's trailing shape (a class weight ``(C,)`` beside logits
-   ``(B, C)``, a LayerNorm weight ``(D,)``): it broadcasts over the batch
-   rather than indexing it, and stays whole. This settles what sizes alone
-   cannot, a batch as large as the class count (``B == C``). Integer and bool
-   inputs (targets, masks, indices) are never taken for such parameters.
-
-What shapes cannot tell stays ambiguous: a per-sample float weight ``(B,)``
-beside logits ``(B, B)`` is taken for a class weight, and a linear weight
-``(B, D)`` beside ``x (B, D)`` follows the batch.
+   construction), else the largest non-parameter tensor input having the axis
+   (the data: activations, logits). A model's weights larger than its batch
+   therefore never anchor the batch.
+3. A tensor input follows the axis when its sizes up to and including the axis
+   equal the anchor's and it is not a parameter: a mask ``(B, T)`` follows
+   ``x (B, T, D)`` on axis 1, a bias ``(T, T)`` does not.
+4. In doubt, nothing is cut and the variant is not applicable, with a message
+   asking for ``inputs = [...]``: when an input named as a parameter has the
+   anchor's leading sizes (a per-sample ``sample_weight`` or a model weight as
+   large as the batch?), or when the anchor is alone on the axis while another
+   non-parameter input of another size is left whole (samples ``x (2, 16)``
+   beside an unnamed ``w1 (64, 16)``: which is the batch?).
 
 ``batch = k`` takes the first ``k`` entries of every member (``k`` larger than
 the saved batch is not applicable); ``length = n`` takes the first ``n``, or
@@ -37,14 +45,23 @@ the saved tensors, which keep their strides where the size is not larger.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from .case import MAX_VARIANT_ELEMENTS, Expectation, VariantTables
+from .errors import CaseFormatError
+from .payload import TensorInfo
 
 if TYPE_CHECKING:
     import torch
+
+
+# The variant kinds, in the order a case's items list them; one home (markers read it).
+VARIANT_KINDS: tuple[Literal["batch", "length", "boundary"], ...] = ("batch", "length",
+                                                                      "boundary")
 
 
 class VariantNotApplicable(Exception):
@@ -69,6 +86,7 @@ class Variant:
     input: str | None = None          # boundary: the class-index input; batch/length: the anchor
     ignore_index: int | None = None   # boundary: entries equal to this are left alone
     reject: Expectation | None = None  # boundary: the value is out of range and must be rejected
+    inputs: tuple[str, ...] | None = None  # batch/length: the inputs named in case.toml
 
     @property
     def label(self) -> str:
@@ -94,10 +112,12 @@ def expand(tables: VariantTables) -> list[Variant]:
     anchor = bounds.input if bounds is not None else None
     found: list[Variant] = []
     if tables.batch is not None:
-        found += [Variant("batch", size, axis=tables.batch.axis, input=anchor)
+        found += [Variant("batch", size, axis=tables.batch.axis, input=anchor,
+                          inputs=tables.batch.inputs)
                   for size in tables.batch.sizes]
     if tables.length is not None:
-        found += [Variant("length", size, axis=tables.length.axis, input=anchor)
+        found += [Variant("length", size, axis=tables.length.axis, input=anchor,
+                          inputs=tables.length.inputs)
                   for size in tables.length.sizes]
     if bounds is None:
         return found
@@ -115,14 +135,15 @@ def expand(tables: VariantTables) -> list[Variant]:
     return found
 
 
-def members(inputs: Mapping[str, Any], axis: int,
-            anchor: str | None = None) -> tuple[int, tuple[str, ...]] | None:
+def members(inputs: Mapping[str, Any], axis: int, anchor: str | None = None,
+            names: tuple[str, ...] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """The saved size on ``axis`` and the tensor inputs that follow it (rules in the module doc).
 
     ``anchor`` names the input whose size is the saved size (the boundaries
-    input); ``None`` when no tensor input has the axis.
+    input), ``names`` the inputs case.toml lists; ``None`` when no tensor input
+    has the axis. Raises ``VariantNotApplicable`` when the rule is in doubt.
     """
-    return members_of(shapes_of(inputs), axis, anchor)
+    return members_of(shapes_of(inputs), axis, anchor, names)
 
 
 def shapes_of(inputs: Mapping[str, Any]) -> dict[str, Shape]:
@@ -133,34 +154,147 @@ def shapes_of(inputs: Mapping[str, Any]) -> dict[str, Shape]:
             for name, t in inputs.items() if isinstance(t, torch.Tensor)}
 
 
-def members_of(shapes: Mapping[str, Shape], axis: int,
-               anchor: str | None = None) -> tuple[int, tuple[str, ...]] | None:
+_FLOAT_CODES = ("F", "BF", "C")  # safetensors dtype codes of floating and complex tensors
+
+
+def header_shapes(infos: Iterable[TensorInfo]) -> dict[str, Shape]:
+    """The tensor inputs as ``members_of`` sees them, from a payload's header (no data read)."""
+    return {info.name: (info.shape, info.dtype.startswith(_FLOAT_CODES)) for info in infos}
+
+
+PARAMETER_NAMES = ("weight", "bias", "running_mean", "running_var", "num_batches_tracked",
+                   "gamma", "beta")
+_PARAMETER = re.compile(rf"(?:^|.*[._])(?:{'|'.join(PARAMETER_NAMES)})")
+
+
+def named_parameter(name: str) -> bool:
+    """Whether an input's name says it is a parameter: ``weight``, ``fc.bias``, ``class_weight``."""
+    return _PARAMETER.fullmatch(name) is not None
+
+
+def _shown(name: str, shape: tuple[int, ...]) -> str:
+    return f"{name} {shape}"
+
+
+def members_of(shapes: Mapping[str, Shape], axis: int, anchor: str | None = None,
+               names: tuple[str, ...] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """``members`` from shapes alone, as a payload's header gives them (no tensor read)."""
     having = {name: shape for name, shape in shapes.items() if len(shape[0]) > axis}
+    if names is not None:
+        return _named_members(shapes, having, axis, names)
     if not having:
         return None
     largest = max(having.values(), key=lambda shape: (_numel(shape[0]), len(shape[0])))[0]
-    base = anchor if anchor is not None and anchor in having else next(
-        name for name, shape in having.items() if shape[0] == largest)
+
+    candidates = [name for name in having if not named_parameter(name)]
+    fix = (f"list the inputs that follow axis {axis} in case.toml, e.g. [variants.batch] "
+           f"inputs = [{', '.join(repr(n) for n in candidates[:2])}]".replace("'", '"'))
+    if anchor is not None and anchor in having:
+        base = anchor
+    elif candidates:
+        base = max(candidates, key=lambda name: (_numel(having[name][0]), len(having[name][0])))
+    else:
+        raise VariantNotApplicable(
+            f"every input with an axis {axis} is named as a parameter "
+            f"({', '.join(having)}), which is never cut by inference; {fix}")
     lead = having[base][0][:axis + 1]
+    same = [name for name in having if having[name][0][:axis + 1] == lead]
 
-    def follows(name: str) -> bool:
-        if name == base:
-            return True
-        shape, floating = having[name]
-        if shape[:axis + 1] != lead:
-            return False
-        parameter = (floating and len(shape) < len(largest)
-                     and shape == largest[len(largest) - len(shape):])
-        return not parameter
+    def parameter(name: str) -> bool:
+        # An input of the largest input's whole shape is data, whatever its name
+        # (per_element_weight beside logits).
+        shape = having[name][0]
+        return shape != largest and (named_parameter(name)
+                                   or parameter_by_shape(having[name], largest))
 
-    return int(lead[axis]), tuple(name for name in having if follows(name))
+    doubtful = [name for name in same if name != base and named_parameter(name)
+                and parameter(name) and not parameter_by_shape(having[name], largest)]
+    if doubtful:
+        raise VariantNotApplicable(
+            f"{', '.join(_shown(n, having[n][0]) for n in doubtful)} is named as a parameter but "
+            f"has the size of {_shown(base, having[base][0])} on axis {axis}: cannot tell "
+            f"whether it follows; {fix}")
+    followers = tuple(name for name in same if name == base or not parameter(name))
+    left = [name for name in candidates if name not in followers and not parameter(name)]
+    if len(followers) == 1 and left and base != anchor:
+        raise VariantNotApplicable(
+            f"cannot tell which input holds the samples on axis {axis}: "
+            f"{_shown(base, having[base][0])} or "
+            f"{', '.join(_shown(n, having[n][0]) for n in left)}; {fix}")
+    return int(lead[axis]), followers
+
+
+def parameter_by_shape(shape: Shape, largest: tuple[int, ...]) -> bool:
+    """A floating input shaped as the trailing shape of the largest: it broadcasts (rule 1)."""
+    dims, floating = shape
+    return floating and len(dims) < len(largest) and dims == largest[len(largest) - len(dims):]
+
+
+def _named_members(shapes: Mapping[str, Shape], having: Mapping[str, Shape], axis: int,
+                   names: tuple[str, ...]) -> tuple[int, tuple[str, ...]]:
+    """The inputs case.toml lists, checked: tensors having the axis, all of one size on it."""
+    for name in names:
+        if name not in shapes:
+            raise VariantNotApplicable(f"inputs names '{name}', which is not a tensor input "
+                                       f"(tensor inputs: {', '.join(shapes) or 'none'})")
+        if name not in having:
+            raise VariantNotApplicable(f"inputs names '{name}' {shapes[name][0]}, which has no "
+                                       f"axis {axis}")
+    sizes = {having[name][0][axis] for name in names}
+    if len(sizes) > 1:
+        listed = ", ".join(_shown(n, having[n][0]) for n in names)
+        raise VariantNotApplicable(f"the inputs listed differ in size on axis {axis}: {listed}")
+    return int(sizes.pop()), tuple(names)
+
+
+def resizes(variant: Variant, shapes: Mapping[str, Shape]
+            ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """What a ``batch``/``length`` variant resizes: each input's shape before and after."""
+    found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+    if variant.kind == "boundary" or found is None:
+        return {}
+    names = found[1] if variant.inputs else sorted(
+        found[1], key=lambda name: -_numel(shapes[name][0]))  # the data first, as listed
+    return {name: (shapes[name][0], tuple(variant.value if dim == variant.axis else size
+                                          for dim, size in enumerate(shapes[name][0])))
+            for name in names}
+
+
+def describe_resize(variant: Variant, shapes: Mapping[str, Shape]) -> str | None:
+    """``batch[1]: resized logits (4, 4) -> (1, 4), target (4,) -> (1,)``; None if none.
+
+    A variant the rule cannot apply says why instead.
+    """
+    if variant.kind == "boundary":
+        return None
+    try:
+        changed = resizes(variant, shapes)
+    except VariantNotApplicable as exc:
+        return f"{variant.id}: not applicable: {exc}"
+    if not changed:
+        return None
+    return f"{variant.id}: resized " + ", ".join(
+        f"{name} {before} -> {after}" for name, (before, after) in changed.items())
+
+
+def describe_saved(variant: Variant, inputs_file: Path) -> str | None:
+    """``describe_resize`` from a case's saved payload, reading its header only."""
+    from .payload import describe
+
+    if variant.kind == "boundary" or not inputs_file.exists():
+        return None
+    try:
+        return describe_resize(variant, header_shapes(describe(inputs_file)))
+    except CaseFormatError:
+        return None  # a broken payload: the run itself says so
 
 
 def resized_elements(variant: Variant, shapes: Mapping[str, Shape]) -> int:
     """Elements the resized inputs of a ``batch`` or ``length`` variant hold, all together."""
-    found = members_of(shapes, variant.axis, variant.input)
-    if variant.kind == "boundary" or found is None or found[0] == 0:
+    if variant.kind == "boundary":
+        return 0
+    found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+    if found is None or found[0] == 0:
         return 0
     saved, names = found
     return sum(_numel(shapes[name][0]) // saved * variant.value for name in names)
@@ -190,7 +324,10 @@ def apply(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]:
     if variant.kind == "boundary":
         return _set_boundary(variant, inputs)
     shapes = shapes_of(inputs)
-    found = members_of(shapes, variant.axis, variant.input)
+    try:
+        found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+    except VariantNotApplicable as exc:
+        raise VariantNotApplicable(f"{variant.label}: {exc}") from None
     if found is None:
         raise VariantNotApplicable(f"{variant.label}: no tensor input has an axis {variant.axis}")
     saved, names = found

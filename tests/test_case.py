@@ -769,3 +769,22 @@ def test_loading_does_not_import_torch(case_dir: Path) -> None:
     code = ("import sys; from pathlib import Path; from pytest_gpucase.case import load_case; "
             f"load_case(Path({str(case_dir)!r})); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_variant_inputs_name_the_inputs_that_follow_the_axis(case_dir: Path) -> None:
+    (case_dir / CASE_FILE).write_text(textwrap.dedent("""\
+        format = 1
+        call = "case.py:run"
+        [variants.batch]
+        sizes = [1]
+        inputs = ["logits", "target"]
+        """))
+    assert load_case(case_dir).variants.batch == AxisSizes(0, (1,), ("logits", "target"))
+    problem = message(case_dir, """\
+        format = 1
+        call = "case.py:run"
+        [variants.length]
+        sizes = [1]
+        inputs = "logits"
+        """)
+    assert "[variants.length] inputs" in problem and 'inputs = ["logits"]' in problem

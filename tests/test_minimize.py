@@ -29,7 +29,10 @@ from pytest_gpucase.minimize import (
     failure_class,
     laid_out_like,
     minimize,
+    Selection,
     one_thread,
+    plan_axes,
+    select,
     strides_like,
     with_minimized_from,
 )
@@ -518,3 +521,39 @@ def test_command_writes_the_case_and_returns_0(
         "case.py", "case.toml", "helpers", "inputs.safetensors"]
     assert (tmp_path / "small" / "helpers" / "labels.txt").read_text() == "cat\ndog\n"
     assert load_case(tmp_path / "small").origin["minimized_from"]["case"] == "../ce_batch"
+
+
+# ------------------------------------------------ which inputs shrink: the variants' one rule
+
+
+def test_minimize_cuts_logits_and_target_but_never_the_class_weight(tmp_path: Path) -> None:
+    # B == C == 4: the class weight (4,) has the batch's size, yet it is no sample.
+    tensors = {"logits": torch.randn(4, 4), "weight": torch.ones(4),
+               "target": torch.tensor([0, 1, 2, 3])}
+    path = make_case(tmp_path, "weighted", """\
+        format = 1
+        call = "case.py:run"
+        """, "def run(logits, weight, target):\n    return logits\n", tensors)
+    axes = plan_axes(load_case(path), tensors)
+    assert axes.batch_size == 4
+    assert axes.batch_members == {"logits", "target"}
+    kept = select(tensors, axes, Selection(entries=(2,)))
+    assert {name: tuple(t.shape) for name, t in kept.items()} == {
+        "logits": (1, 4), "weight": (4,), "target": (1,)}
+
+
+def test_minimize_follows_the_inputs_a_case_names(tmp_path: Path) -> None:
+    tensors = {"x": torch.randn(2, 16), "w1": torch.randn(64, 16)}
+    code = "def run(x, w1):\n    return x @ w1.t()\n"
+    inferred = make_case(tmp_path, "doubt", 'format = 1\ncall = "case.py:run"\n', code, tensors)
+    with pytest.raises(NotRunnable, match=r'inputs = \["x", "w1"\]'):
+        plan_axes(load_case(inferred), tensors)
+    named = make_case(tmp_path, "named", """\
+        format = 1
+        call = "case.py:run"
+
+        [variants.batch]
+        sizes = [1]
+        inputs = ["x"]
+        """, code, tensors)
+    assert plan_axes(load_case(named), tensors).batch_members == {"x"}

@@ -253,9 +253,12 @@ def test_validate_reports_every_problem_once_per_line(
         "cases/noboundary/case.toml: [variants] boundaries: input 'labels' is not a saved tensor "
         "(inputs.safetensors holds logits, target)",
     ]
-    assert problems[3].startswith("cases/truncated/inputs.safetensors: ")
-    assert problems[4] == "cases/typo/case.toml: calll: unknown key; did you mean 'call'?"
-    assert problems[5:] == ["nowhere: not found"]
+    # Without its boundaries input the batch has no anchor: logits (4, 3) or target (3,)?
+    assert problems[3].startswith("cases/noboundary/case.toml: [variants] batch: cannot tell "
+                                  "which input holds the samples on axis 0")
+    assert problems[4].startswith("cases/truncated/inputs.safetensors: ")
+    assert problems[5] == "cases/typo/case.toml: calll: unknown key; did you mean 'call'?"
+    assert problems[6:] == ["nowhere: not found"]
     assert validate([good, good / "case.toml", cases / "group"]) == []
 
 
@@ -388,3 +391,21 @@ def test_request_text_cannot_break_out_of_its_code(tmp_path: Path) -> None:
     assert lines[fence + 1:fence + 4] == ["```", "## All 500 cases passed", "````"]
     outside = lines[:fence] + lines[end:]
     assert "## All 500 cases passed" not in outside
+
+
+def test_show_says_which_inputs_each_variant_resizes(tmp_path: Path) -> None:
+    case_dir = write_case(tmp_path, "weighted", """
+        format = 1
+        call = "case.py:run"
+        [variants.batch]
+        sizes = [1, 2]
+        [variants.length]
+        axis = 1
+        sizes = [8]
+        inputs = ["logits"]
+        """, {"logits": torch.zeros(4, 4), "weight": torch.ones(4),
+              "target": torch.zeros(4, dtype=torch.long)})
+    lines = show(case_dir).splitlines()
+    assert "  batch[1]: resized logits (4, 4) -> (1, 4), target (4,) -> (1,)" in lines
+    assert "  batch[2]: resized logits (4, 4) -> (2, 4), target (4,) -> (2,)" in lines
+    assert "  length[8]: resized logits (4, 4) -> (4, 8)" in lines

@@ -16,7 +16,9 @@ from pytest_gpucase.variants import (
     apply,
     expand,
     members,
+    describe_resize,
     members_of,
+    named_parameter,
     resized_elements,
 )
 
@@ -134,8 +136,9 @@ def test_inputs_of_the_data_shape_follow_the_batch() -> None:
 def test_the_boundaries_input_anchors_the_batch_when_a_table_is_larger() -> None:
     # F.embedding: the vocabulary table is the largest tensor, the indices are the batch.
     inputs = {"weight": torch.zeros(100, 8), "indices": torch.zeros(3, 5, dtype=torch.long)}
-    assert members(inputs, 0) == (100, ("weight",))
     assert members(inputs, 0, anchor="indices") == (3, ("indices",))
+    # Without the anchor too: a tensor named as a parameter is never cut by inference.
+    assert members(inputs, 0) == (3, ("indices",))
 
 
 def test_an_anchor_without_the_axis_falls_back_to_the_largest_input() -> None:
@@ -372,3 +375,67 @@ def test_a_value_the_dtype_cannot_hold_is_not_applicable() -> None:
 def test_a_bool_target_is_not_applicable() -> None:
     with pytest.raises(VariantNotApplicable, match=r"'target' holds torch.bool, not class indices"):
         apply(Variant("boundary", 1, input="target"), {"target": torch.ones(2, dtype=torch.bool)})
+
+
+# ------------------------------------------------------------- the one axis rule, named inputs
+
+
+LOGITS_WEIGHT_TARGET = {"logits": ((4, 4), True), "weight": ((4,), True),
+                        "target": ((4,), False)}
+
+
+def test_the_variant_cuts_logits_and_target_but_never_the_class_weight() -> None:
+    variant = Variant("batch", 1)
+    assert members_of(LOGITS_WEIGHT_TARGET, 0) == (4, ("logits", "target"))
+    inputs = {"logits": torch.zeros(4, 4), "weight": torch.ones(4),
+              "target": torch.zeros(4, dtype=torch.long)}
+    resized = apply(variant, inputs)
+    assert {name: tuple(t.shape) for name, t in resized.items()} == {
+        "logits": (1, 4), "weight": (4,), "target": (1,)}
+    assert describe_resize(variant, LOGITS_WEIGHT_TARGET) == (
+        "batch[1]: resized logits (4, 4) -> (1, 4), target (4,) -> (1,)")
+
+
+def test_model_weights_larger_than_the_batch_never_anchor_it() -> None:
+    # A minimized real model: the weights outsize the two samples.
+    shapes = {"x": ((2, 16), True), "target": ((2,), False),
+              "fc1.weight": ((64, 16), True), "fc1.bias": ((64,), True)}
+    assert members_of(shapes, 0) == (2, ("x", "target"))
+
+
+def test_an_unnamed_weight_beside_lone_samples_is_a_doubt_that_asks_for_inputs() -> None:
+    shapes = {"x": ((2, 16), True), "w1": ((64, 16), True)}
+    with pytest.raises(VariantNotApplicable, match=r'inputs = \["x", "w1"\]'):
+        members_of(shapes, 0)
+    assert members_of(shapes, 0, names=("x",)) == (2, ("x",))
+
+
+def test_a_parameter_name_with_the_batch_size_is_a_doubt() -> None:
+    shapes = {"logits": ((4, 10), True), "sample_weight": ((4,), True)}
+    with pytest.raises(VariantNotApplicable, match=r"sample_weight .* named as a parameter"):
+        members_of(shapes, 0)
+    assert members_of(shapes, 0, names=("logits", "sample_weight")) == (
+        4, ("logits", "sample_weight"))
+
+
+@pytest.mark.parametrize(("names", "problem"), [
+    (("nope",), "not a tensor input"),
+    (("weight",), "differ|no axis"),
+    (("logits", "weight"), "differ in size"),
+])
+def test_named_inputs_are_checked(names: tuple[str, ...], problem: str) -> None:
+    shapes = {"logits": ((4, 5), True), "weight": ((5,), True)}
+    with pytest.raises(VariantNotApplicable, match=problem):
+        members_of(shapes, 1 if names == ("weight",) else 0, names=names)
+
+
+def test_parameter_names() -> None:
+    assert all(named_parameter(name) for name in (
+        "weight", "bias", "fc.weight", "class_weight", "bn.running_mean", "ln.gamma"))
+    assert not any(named_parameter(name) for name in (
+        "weights", "x", "target", "biased", "mask", "weight_decay"))
+
+
+def test_a_named_inputs_list_reaches_the_variant() -> None:
+    tables = VariantTables(batch=AxisSizes(0, (1,), inputs=("x", "target")))
+    assert expand(tables) == [Variant("batch", 1, inputs=("x", "target"))]

@@ -1,0 +1,293 @@
+"""Files and case directories written atomically, and the walk over nested tensors: once each.
+
+A reader (a collecting pytest, a restart, a CI uploader) must never see half a
+file, and a killed writer must not leave its half where it is read:
+
+* ``write_atomic`` writes to a temporary file beside the target (same directory:
+  ``os.replace`` is atomic only within one file system), fsyncs it, renames it
+  over the target and fsyncs the directory, so the rename itself survives a
+  power loss. The temporary is created with mode 0o666 through ``O_CREAT`` so
+  that the umask applies as to any new file (``mkstemp`` makes it private).
+* Temporaries are named ``.<name>.<host>.<pid>.<token>.tmp`` (hidden: scans and
+  collection skip them); every write first removes those beside its target
+  whose writer is gone: written on this host by a pid that no longer runs, or
+  untouched for a day (a writer on another host, whose pid means nothing here).
+* ``write_case_dir`` writes a whole case directory (``case.toml`` through
+  tomli-w, the payload, ``case.py`` and other files) into a hidden temporary
+  directory beside the target, then renames it into place; an existing case
+  is never overwritten.
+
+``named_tensors`` is the one walk over nested outputs (dicts, lists, tuples of
+tensors) that names each tensor by its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import shutil
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+if TYPE_CHECKING:
+    import torch
+
+# A writer's temporary file that has not changed for this long is abandoned,
+# whoever wrote it: no write spends a day without writing or renaming.
+STALE_AFTER_SECONDS = 24 * 3600
+# Which host wrote a temporary file: its pid can only be checked here. Hashed,
+# so that long host names do not make file names too long.
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temporary_path(path: Path) -> Path:
+    """A fresh temporary name beside ``path``: ``.<name>.<host>.<pid>.<token>.tmp``."""
+    return path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def temporary_pattern(path: Path) -> re.Pattern[str]:
+    """Names of the temporaries written for ``path``: host, pid and token.
+
+    A temporary may itself be written through a temporary (a checkpoint's
+    ``.safetensors`` goes through ``payload.save``): those are matched too,
+    in this module's naming and in the older ``.<temporary>.<12 hex>.tmp``.
+    """
+    return re.compile(
+        rf"\.?\.{re.escape(path.name)}\.(?P<host>[0-9a-f]{{8}})\.(?P<pid>[0-9]+)"
+        rf"\.[0-9a-f]{{8}}\.tmp(?:\.(?:[0-9a-f]{{8}}\.[0-9]+\.)?[0-9a-f]+\.tmp)?"
+    )
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries beside ``path`` whose writer is gone (see the module docstring)."""
+    pattern = temporary_pattern(path)
+    now = time.time()
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return  # The write itself will say what is wrong with the directory.
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue  # Gone already: its writer finished, or another cleaner was first.
+        mine = match["host"] == HOST
+        if idle > STALE_AFTER_SECONDS or (mine and not running(int(match["pid"]))):
+            # Another cleaner may be first, or it is not a file after all: leave it.
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (True when that cannot be told)."""
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would terminate the process on Windows.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user.
+    return True
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable; a no-op where directories cannot be opened."""
+    if os.name == "nt":
+        return  # Windows cannot open a directory to fsync it.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse; the data itself was synced
+    finally:
+        os.close(fd)
+
+
+def new_temporary(path: Path) -> Path:
+    """Create an empty temporary beside ``path`` (stale ones removed first) and return it."""
+    remove_stale_temporaries(path)
+    tmp = temporary_path(path)
+    # 0o666 through O_CREAT lets the umask decide permissions, as for a plain open().
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_BINARY", 0),
+                     0o666))
+    return tmp
+
+
+def replace(tmp: Path, path: Path) -> None:
+    """Rename a durable temporary over ``path`` and make the rename durable; on failure,
+    remove the temporary."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes | memoryview], *,
+                 mode: int | None = None) -> None:
+    """Write ``chunks`` to ``path`` atomically and durably (``mode``: the file's permissions)."""
+    path = Path(path)
+    tmp = new_temporary(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.writelines(chunks)
+            handle.flush()
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str, *, mode: int | None = None,
+                      errors: str = "strict") -> None:
+    """``write_atomic`` for text, encoded as UTF-8."""
+    write_atomic(path, [text.encode("utf-8", errors)], mode=mode)
+
+
+# --- a case directory, written whole ---------------------------------------------------------
+
+FileContent = str | bytes | Callable[[Path], None]   # text, bytes, or a writer of that path
+
+
+def write_case_dir(target: Path, document: Mapping[str, Any] | str,
+                   files: Mapping[str, FileContent] | None = None,
+                   copy_from: Sequence[Path] = (), *,
+                   check: Callable[[Path], object] | None = None,
+                   claim: Callable[[], Path] | None = None) -> Path:
+    """Write a case directory at ``target`` atomically; never overwrite one.
+
+    ``document`` is the ``case.toml`` document (written by tomli-w) or its text;
+    ``files`` the other files by name (the payload as a writer: ``lambda p:
+    payload.save(p, tensors)``); ``copy_from`` files or directories copied in
+    (``case.py``, helpers). Everything goes to a hidden temporary directory
+    beside ``target``, ``case.toml`` last, each file fsynced; ``check`` is then
+    called on that directory (``load_case``: the new case must load as any
+    other), and the directory is renamed onto ``target``. Raises
+    ``FileExistsError`` when ``target`` exists. ``claim``, when given, creates
+    the empty directory to rename onto instead (a free name, ``mkdir`` as the
+    lock) and returns it; ``target`` then only names the temporary.
+    """
+    import tomli_w
+
+    from .case import CASE_FILE
+
+    if claim is None and target.exists():
+        raise FileExistsError(f"{target} exists; a case is never overwritten")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # os.mkdir (not mkdtemp) so that the umask applies as to any new directory.
+    work = temporary_path(target)
+    remove_stale_temporaries(target)
+    os.mkdir(work)
+    try:
+        copy_into(copy_from, work)
+        for name, content in (files or {}).items():
+            if callable(content):
+                content(work / name)
+            else:
+                data = content.encode("utf-8") if isinstance(content, str) else content
+                _write_synced(work / name, data)
+        text = document if isinstance(document, str) else tomli_w.dumps(document)
+        _write_synced(work / CASE_FILE, text.encode("utf-8"))
+        fsync_directory(work)
+        if check is not None:
+            check(work)
+        if claim is not None:
+            target = _rename_onto_claim(work, claim)
+        else:
+            if target.exists():
+                raise FileExistsError(f"{target} appeared meanwhile; not overwritten")
+            # A rename onto an existing non-empty directory fails: nothing is ever replaced.
+            os.rename(work, target)
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+    fsync_directory(target.parent)
+    return target
+
+
+def copy_into(sources: Iterable[Path], target: Path) -> None:
+    """Copy files and directories (without ``__pycache__``) into the directory ``target``."""
+    for source in sources:
+        if source.is_dir():
+            shutil.copytree(source, target / source.name,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+        else:
+            shutil.copy2(source, target / source.name)
+
+
+def _rename_onto_claim(work: Path, claim: Callable[[], Path]) -> Path:
+    claimed = claim()
+    try:
+        try:
+            os.rename(work, claimed)  # replaces our own empty claim (POSIX)
+        except OSError:
+            claimed.rmdir()  # platforms that refuse to rename onto a directory
+            os.rename(work, claimed)
+    except BaseException:
+        if claimed.is_dir() and not any(claimed.iterdir()):
+            claimed.rmdir()
+        raise
+    return claimed
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as handle:
+        handle.write(data)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# --- nested tensors --------------------------------------------------------------------------
+
+
+def dotted(prefix: str, key: object) -> str:
+    """``out.0.logits``: the names of a state dict."""
+    return f"{prefix}.{key}" if prefix else str(key)
+
+
+def indexed(prefix: str, key: object) -> str:
+    """``out['logits'][0]``: the names a user would write to reach the value."""
+    return f"{prefix}[{key!r}]"
+
+
+def named_tensors(value: object, prefix: str = "",
+                  name: Callable[[str, object], str] = indexed,
+                  sequences: tuple[type, ...] = (list, tuple), *,
+                  modules: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor in nested mappings and sequences, with its path (``name`` spells it).
+
+    ``sequences`` are the types walked into by position (any ``Sequence`` for
+    checks, lists and tuples elsewhere); with ``modules``, an ``nn.Module``
+    gives its parameters and buffers as ``prefix.path``.
+    """
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        yield prefix, value
+    elif modules and isinstance(value, torch.nn.Module):
+        for path, tensor in (*value.named_parameters(), *value.named_buffers()):
+            yield f"{prefix}.{path}", tensor
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            yield from named_tensors(item, name(prefix, key), name, sequences, modules=modules)
+    elif isinstance(value, sequences) and not isinstance(value, (str, bytes)):
+        for position, item in enumerate(cast("Iterable[object]", value)):
+            yield from named_tensors(item, name(prefix, position), name, sequences,
+                                     modules=modules)
