@@ -44,11 +44,11 @@ RSS_CONFTEST = textwrap.dedent("""
 """)
 
 
-def pytest_seconds(root: Path, *args: str) -> float:
+def pytest_seconds(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:benchmark", *args], cwd=root, capture_output=True,
-                          text=True, check=False)
+                           "-p", "no:benchmark", "-p", "no:randomly", *args], cwd=root,
+                          capture_output=True, text=True, check=False, env=env)
     elapsed = time.perf_counter() - start
     if done.returncode not in (0, 5):
         raise RuntimeError(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
@@ -83,29 +83,60 @@ def write_python_tests(root: Path, count: int, params: int = 1, folder: str = "t
         (tests / f"test_t{index}.py").write_text(body)
 
 
-def isolation(items: int) -> None:
+FORK_FLOOR_TEST = textwrap.dedent("""
+    import os
+
+    import pytest
+    import torch
+
+    X = torch.ones(4)
+
+
+    @pytest.mark.parametrize("i", range({count}))
+    def test_fork_floor(i):
+        # The floor: a fresh forked child doing the case's op (x + 1, float64 reference,
+        # compare) and sending its verdict back through a pipe.
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            ok = torch.allclose((X + 1).double(), X.double() + 1)
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(write)
+        verdict = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert verdict == b"1"
+""")
+
+
+def isolation(items: int, baseline_src: str | None) -> None:
     print(f"\n1. isolation per trivial item, whole pytest runs ({items} items, CPU)")
     rows: dict[str, list[float]] = {}
+    baseline_env = None
+    if baseline_src:
+        baseline_env = {**os.environ, "PYTHONPATH": baseline_src}
     for count in (1, items):
         with tempfile.TemporaryDirectory() as tmp:
             root = Path(tmp)
             write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n')
-            write_python_tests(root, count)
-            # A PyTorch project's test session has torch imported: forks copy its mappings.
-            write_python_tests(root, count, folder="tests_torch", conftest="import torch\n")
-            rows.setdefault("plain pytest, no isolation", []).append(pytest_seconds(root, "tests"))
-            rows.setdefault("pytest-forked --forked", []).append(
-                pytest_seconds(root, "--forked", "tests"))
-            rows.setdefault("--forked, torch imported", []).append(
-                pytest_seconds(root, "--forked", "tests_torch"))
+            floor = root / "floor"
+            floor.mkdir()
+            (floor / "test_floor.py").write_text(FORK_FLOOR_TEST.format(count=count))
+            rows.setdefault("fork floor (torch session)", []).append(
+                pytest_seconds(root, "floor"))
             rows.setdefault("pytest --gpu-cases", []).append(
                 pytest_seconds(root, "--gpu-cases", "cases"))
+            if baseline_env is not None:
+                rows.setdefault("--gpu-cases, baseline src", []).append(
+                    pytest_seconds(root, "--gpu-cases", "cases", env=baseline_env))
     per_item = {name: (many - one) / (items - 1) for name, (one, many) in rows.items()}
-    forked = per_item["pytest-forked --forked"]
-    print(f"   {'what':<32}{'run of 1 s':>11}{'ms/item':>10}{'x --forked':>12}")
+    floor_cost = per_item["fork floor (torch session)"]
+    print(f"   {'what':<32}{'run of 1 s':>11}{'ms/item':>10}{'x floor':>10}")
     for name, seconds in per_item.items():
         print(f"   {name:<32}{rows[name][0]:>11.2f}{seconds * 1000:>10.1f}"
-              f"{seconds / forked:>12.2f}")
+              f"{seconds / floor_cost:>10.2f}")
 
 
 def collection(count: int) -> None:
@@ -168,10 +199,17 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=5000)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--only", choices=("isolation", "collection", "memory", "payload"))
+    parser.add_argument("--baseline-src", metavar="DIR", help="also run the cases with the "
+                        "pytest_gpucase package found in DIR (a checkout of an older commit), "
+                        "for a before/after ratio in one run")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, under a minute: 40 items, 500 cases, 64 MiB")
     args = parser.parse_args()
+    if args.quick:
+        args.items, args.cases, args.gib = min(args.items, 40), min(args.cases, 500), 1 / 16
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
     if args.only in (None, "isolation"):
-        isolation(args.items)
+        isolation(args.items, args.baseline_src)
     if args.only in (None, "collection"):
         collection(args.cases)
     if args.only in (None, "memory"):

@@ -74,6 +74,7 @@ pick up.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
@@ -286,8 +287,12 @@ def run_in_child(
     job_file = None
     start = time.monotonic()
     try:
+        reap_pending()
         with _Interruptible() as guard:
             if start_method == "fork":
+                # Objects that exist now are never collected by the parent's later passes,
+                # and a collection in the child cannot touch (and so copy) their pages.
+                gc.freeze()
                 threaded = thread_count() > 1
                 parent = os.getpid()
                 pid = os.fork()
@@ -418,26 +423,54 @@ def _child_main(res_w: int, func: Callable[..., Any],
         envelope: dict[str, Any] = {"kind": "value", "value": encode(value)}
     except BaseException:
         envelope = {"kind": "error", "error": clip(traceback.format_exc())}
-    envelope.update(format=_FORMAT, warnings=log.data())
+    # Before the result: the parent trusts "alone" only as a hint to skip its own search.
+    alone = _end_descendants()
+    envelope.update(format=_FORMAT, warnings=log.data(), alone=alone)
     try:
         payload = json.dumps(envelope, allow_nan=False).encode()
     except BaseException:
         payload = json.dumps({"format": _FORMAT, "kind": "error",
                               "error": clip(traceback.format_exc())}).encode()
-    _end_descendants()
+    _flush_std_streams()
+    _save_coverage()
     try:
         _write_all(res_w, payload)
     except BaseException:
         code = 71
-    _flush_std_streams()
-    _save_coverage()
+    # Every pipe closed: the parent has all it needs now and need not wait for the exit
+    # (tearing down a forked torch image takes milliseconds).
+    for fd in (1, 2, res_w):
+        with contextlib.suppress(OSError):
+            os.close(fd)
     os._exit(code)
 
 
-def _end_descendants() -> None:  # pragma: no cover - child side
-    """Kill what this child started, while it is still their ancestor (a subreaper)."""
+def _end_descendants() -> bool:  # pragma: no cover - child side
+    """Kill what this child started, while it is still their ancestor (a subreaper).
+
+    True when it had started nothing that still lives: a subreaper with no child has no
+    living descendant, so the whole-system search is skipped (the common case).
+    """
+    if _children(os.getpid()) == []:
+        return True
     with contextlib.suppress(Exception):
         _kill_tree(os.getpid(), None, include_root=False)
+    return False
+
+
+def _children(pid: int) -> list[int] | None:
+    """The living children of ``pid`` from /proc/PID/task/*/children, or None if unknown."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        raw = _read(f"/proc/{pid}/task/{task}/children")
+        if raw is None:
+            return None  # a kernel without CONFIG_PROC_CHILDREN: unknown
+        found.extend(int(part) for part in raw.split())
+    return found
 
 
 def _save_coverage() -> None:  # pragma: no cover - child side, and only under coverage
@@ -863,6 +896,7 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
     except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
         pidfd = None
     exited = False
+    deferred = False
     timed_out = False
     kill_at: float | None = None
     drain_until = math.inf
@@ -919,22 +953,72 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
                     captures[fd].add(data)
                     if kill_at is not None and fd == err_r:
                         dumped_at = time.monotonic()
+            clean = (not open_fds and not oversize and not timed_out
+                     and not run.memory_exceeded and _alone(result))
+            if clean and not exited:
+                # The child sent its result, closed every pipe and started nothing that
+                # lives: it is exiting. Reap it later (before the next fork, at the end).
+                deferred = True
+                break
             if not exited and _has_exited(pid):
                 exited = True
-                # Grandchildren may live on and hold the pipes open: end them all, while
-                # the child's pid is still its own (not reaped).
-                run.kill()
+                if not clean:
+                    # Grandchildren may live on and hold the pipes open: end them all,
+                    # while the child's pid is still its own (not reaped).
+                    run.kill()
                 run.ended = True
                 drain_until = time.monotonic() + 1.0
     finally:
         guard.hold()
-        if not run.ended:
-            run.kill()
-        _, status = os.waitpid(pid, 0)
+        if deferred:
+            _PENDING.append(run)
+            status = 0  # what the child's os._exit(0) gives; checked when it is reaped
+        else:
+            if not run.ended:
+                run.kill()
+            _, status = os.waitpid(pid, 0)
         if pidfd is not None:
             os.close(pidfd)
     return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
                    timed_out, time.monotonic() - start, start_method)
+
+
+def _alone(raw: bytearray) -> bool:
+    """Whether a complete result says the child left no living descendant (see
+    ``_end_descendants``); anything else means the parent searches as usual."""
+    if not raw.endswith(b"}"):
+        return False
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, RecursionError):
+        return False
+    return isinstance(envelope, dict) and envelope.get("alone") is True
+
+
+# Children that returned a clean result and were exiting: reaped by ``reap_pending``.
+_PENDING: list[_Run] = []
+REAP_GRACE = 10.0  # seconds a returned child gets to finish exiting before it is killed
+
+
+def reap_pending() -> None:
+    """Reap the children whose results came back before they exited (see ``_supervise``).
+
+    Called before each fork and at the end of the session (``atexit`` too), so that no
+    zombie and no stray process outlives the session. One still running after
+    ``REAP_GRACE`` (stuck in its exit, e.g. a driver's teardown) is killed with its tree.
+    """
+    while _PENDING:
+        run = _PENDING.pop()
+        end = time.monotonic() + REAP_GRACE
+        while not _has_exited(run.pid) and time.monotonic() < end:
+            time.sleep(0.001)
+        if not _has_exited(run.pid):
+            run.kill()
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(run.pid, 0)
+
+
+atexit.register(reap_pending)
 
 
 def _has_exited(pid: int) -> bool:

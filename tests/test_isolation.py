@@ -116,3 +116,18 @@ def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]
     assert result.stdout == "to stdout\n"
     out, err = capfd.readouterr()
     assert "to stdout" not in out and "to fd 2" not in err
+
+
+def test_a_returned_child_is_reaped_before_the_next_run_and_at_the_end() -> None:
+    from pytest_gpucase import isolation
+
+    first = run_in_child(os.getpid, timeout=60)
+    assert first.returned and first.exitcode == 0
+    second = run_in_child(os.getpid, timeout=60)
+    assert second.returned
+    with pytest.raises(ChildProcessError):  # reaped before the second fork
+        os.waitpid(first.value, os.WNOHANG)
+    isolation.reap_pending()
+    assert not isolation._PENDING
+    with pytest.raises(ChildProcessError):
+        os.waitpid(second.value, os.WNOHANG)
