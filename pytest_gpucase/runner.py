@@ -8,6 +8,7 @@ import builtins
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from .environment import launch_blocking_env
 from .errors import display
@@ -15,6 +16,7 @@ from .case import Case
 from .execute import Outcome, run, write_golden
 from .isolation import ChildResult, ChildWarning, StartMethod, run_in_child
 from .matrix import RunSpec
+from .reference_cache import CACHE_ENV
 from .triage import Triage, assertion_line, triage
 
 STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
@@ -36,15 +38,21 @@ class Verdict:
 
 
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
-             localize: bool = True, memory_limit: int | None = None) -> Verdict:
+             localize: bool = True, memory_limit: int | None = None,
+             reference_cache: Path | None = None) -> Verdict:
     """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
 
     ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
-    case's own ``memory_limit``, when it has one.
+    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder),
+    the float64 reference is computed once per case and variant and reused
+    (``reference_cache`` module).
     """
     if memory_limit is None:
         memory_limit = getattr(spec.case, "memory_limit", None)
-    child = run_in_child(run, spec, timeout=spec.case.timeout, env=dict(spec.env),
+    env = dict(spec.env)
+    if reference_cache is not None:
+        env[CACHE_ENV] = str(reference_cache)
+    child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
                          start_method=start_method, memory_limit=memory_limit)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
@@ -62,7 +70,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
         verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
                                                       backend=backend, localize=False,
-                                                      memory_limit=memory_limit))
+                                                      memory_limit=memory_limit,
+                                                      reference_cache=reference_cache))
     return verdict
 
 
