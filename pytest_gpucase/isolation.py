@@ -88,6 +88,7 @@ import re
 import secrets
 import select
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -100,7 +101,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-StartMethod = Literal["fork", "spawn"]
+StartMethod = Literal["fork", "forkserver", "spawn"]
 
 CAPTURE_HEAD = 16 * 1024
 CAPTURE_TAIL = 48 * 1024
@@ -255,11 +256,16 @@ def thread_count() -> int:
 
 
 def default_start_method() -> StartMethod:
-    """``fork`` unless this process already initialized CUDA (then a fork would inherit it)."""
+    """``fork`` unless this process already initialized CUDA (then a fork would inherit it):
+    then ``forkserver`` (a zygote started before CUDA was), or ``spawn`` where there is none."""
+    if not _cuda_initialized():
+        return "fork"
+    return "forkserver" if forkserver_available() else "spawn"
+
+
+def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "spawn"
-    return "fork"
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def run_in_child(
@@ -285,6 +291,7 @@ def run_in_child(
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
     job_file = None
+    zygote: _Zygote | None = None
     start = time.monotonic()
     try:
         reap_pending()
@@ -299,6 +306,9 @@ def run_in_child(
                 if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
                     _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
                                   threaded, parent, func, args)
+            elif start_method == "forkserver":
+                zygote = forkserver()  # its children are supervised like ours, by pid
+                pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:
                 job_file = _write_job(func, args)
                 pid = _spawn(job_file, out_w, err_w, res_w, child_env)
@@ -307,7 +317,7 @@ def run_in_child(
             for fd in (out_w, err_w, res_w):
                 os.close(fd)
             out_w = err_w = res_w = -1
-            run = _Run(pid, token, memory_limit)
+            run = _Run(pid, token, memory_limit, zygote=zygote)
             return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
@@ -806,12 +816,26 @@ class _Run:
     resident: int = 0
     memory_exceeded: bool = False
     ended: bool = False  # the child exited and its tree was killed after it
+    zygote: _Zygote | None = None  # the child's parent, when it is not this process
     sampled_at: float = field(default=-math.inf)
     started: int = 0     # the child's start time in clock ticks: no older process is marked
 
     def __post_init__(self) -> None:
         stat = _stat(self.pid)
         self.started = stat[2] if stat is not None else 0
+
+    def has_exited(self) -> bool:
+        """Whether the child ended (it stays unreaped, its pid its own, until ``reap``)."""
+        if self.zygote is None:
+            return _has_exited(self.pid)
+        stat = _stat(self.pid)  # the zygote reaps only when asked: a zombie until then
+        return stat is None or stat[1] in (b"Z", b"X")
+
+    def reap(self) -> int:
+        """Wait for the child and return its wait status."""
+        if self.zygote is None:
+            return os.waitpid(self.pid, 0)[1]
+        return self.zygote.reap(self.pid)
 
     def kill(self) -> None:
         """Kill the whole tree; only before the child is reaped (its pid is its own till then)."""
@@ -960,7 +984,7 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
                 # lives: it is exiting. Reap it later (before the next fork, at the end).
                 deferred = True
                 break
-            if not exited and _has_exited(pid):
+            if not exited and run.has_exited():
                 exited = True
                 if not clean:
                     # Grandchildren may live on and hold the pipes open: end them all,
@@ -976,7 +1000,7 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
         else:
             if not run.ended:
                 run.kill()
-            _, status = os.waitpid(pid, 0)
+            status = run.reap()
         if pidfd is not None:
             os.close(pidfd)
     return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
@@ -1010,15 +1034,217 @@ def reap_pending() -> None:
     while _PENDING:
         run = _PENDING.pop()
         end = time.monotonic() + REAP_GRACE
-        while not _has_exited(run.pid) and time.monotonic() < end:
+        while not run.has_exited() and time.monotonic() < end:
             time.sleep(0.001)
-        if not _has_exited(run.pid):
+        if not run.has_exited():
             run.kill()
+        with contextlib.suppress(ChildProcessError, OSError):
+            run.reap()
+
+
+def shutdown() -> None:
+    """End of the session: reap every child still pending, and end the zygote."""
+    global _ZYGOTE
+    reap_pending()
+    if _ZYGOTE is not None:
+        zygote, _ZYGOTE = _ZYGOTE, None
+        zygote.stop()
+
+
+# --- the zygote (forkserver) ------------------------------------------------------------------
+
+def forkserver_available() -> bool:
+    """Whether this system can serve runs from a zygote (Linux: pidfds, fd passing, /proc)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+            and hasattr(socket, "send_fds"))
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
+# Imported before the zygote starts, so that every child it forks has them already.
+PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.execute", "pytest_gpucase.compare")
+
+
+def forkserver() -> _Zygote:
+    """The session's zygote, started now if it is not running yet.
+
+    Started as a fork of this process when CUDA is not initialized here (the plugin
+    does it at ``pytest_configure``, before anything can initialize it), else as a
+    fresh interpreter, once: either way it imports ``PRELOAD`` and never touches the
+    device, so each child it forks starts from a clean, warm image.
+    """
+    global _ZYGOTE
+    if _ZYGOTE is not None and _ZYGOTE.alive():
+        return _ZYGOTE
+    if not forkserver_available():
+        raise RuntimeError("the forkserver start method needs Linux (pidfd_open, fd passing); "
+                           "use --gpu-start-method=spawn")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent = os.getpid()
+    try:
+        if _cuda_initialized():
+            actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), _ZYGOTE_FD),
+                       (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+            entry = "from pytest_gpucase.isolation import zygote_main; zygote_main()"
+            pid = os.posix_spawn(sys.executable, [sys.executable, "-c", entry, str(parent)],
+                                 {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                                 file_actions=actions)
+        else:
+            for name in PRELOAD:
+                importlib.import_module(name)
+            _flush_std_streams()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the zygote
+                try:
+                    mine.close()
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):
+                        os.dup2(null, fd)
+                    keep = theirs.fileno()
+                    os.closerange(3, keep)
+                    os.closerange(keep + 1, 1 << 16)
+                except BaseException:
+                    os._exit(70)
+                _zygote_loop(theirs, parent)
+    finally:
+        theirs.close()
+    _ZYGOTE = _Zygote(pid, mine)
+    return _ZYGOTE
+
+
+def zygote_main() -> None:  # pragma: no cover - runs in a spawned zygote
+    """Entry point of a zygote started as a fresh interpreter (CUDA was initialized)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _zygote_loop(socket.socket(fileno=_ZYGOTE_FD), int(sys.argv[1]))
+
+
+class _Zygote:
+    """This process's end of the zygote: ask it to fork a run's child, or to reap one.
+
+    The zygote reaps a child only when asked, so that the child's pid stays its own
+    while this process checks and kills its tree, as with a child of its own.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> int:
+        data = pickle.dumps(message)  # the parent's own data, to a process of its own
+        blob = len(data).to_bytes(8, "little") + data
+        sent = socket.send_fds(self.sock, [blob], list(fds))
+        self.sock.sendall(blob[sent:])
+        reply = _receive_exactly(self.sock, 8)
+        if len(reply) < 8:
+            raise RuntimeError(f"the gpucase zygote (pid {self.pid}) ended; each run's child "
+                               "is forked by it. Use --gpu-start-method=spawn if it keeps ending")
+        return int.from_bytes(reply, "little", signed=True)
+
+    def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
+              env: Mapping[str, str]) -> int:
+        """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result)."""
+        return self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
+                          "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env)},
+                         fds)
+
+    def reap(self, pid: int) -> int:
+        status = self._ask({"op": "reap", "pid": pid})
+        if status < 0:
+            raise ChildProcessError(f"pid {pid} is not a child of the zygote")
+        return status
+
+    def stop(self) -> None:
+        """Close the zygote's socket (it exits on that) and reap it."""
+        self.sock.close()
+        end = time.monotonic() + REAP_GRACE
+        while time.monotonic() < end:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    time.sleep(0.005)
+                    continue
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
-            os.waitpid(run.pid, 0)
+            os.waitpid(self.pid, 0)
 
 
-atexit.register(reap_pending)
+def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
+    data = bytearray(start)
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover - the zygote
+    """Serve the parent until it closes the socket: fork children, reap them when asked."""
+    try:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(0)
+        os.setpgid(0, 0)  # Ctrl-C goes to pytest's group, not here; pytest ends us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gc.collect()
+        gc.freeze()
+        me = os.getpid()
+        while True:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            if len(data) < 8:
+                os._exit(0)
+            size = int.from_bytes(data[:8], "little")
+            message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
+            if message["op"] == "run":
+                pid = os.fork()
+                if pid == 0:
+                    _zygote_child(sock, message, fds, me)
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
+                for fd in fds:
+                    os.close(fd)
+                reply = pid
+            else:
+                try:
+                    reply = os.waitpid(message["pid"], 0)[1]
+                except ChildProcessError:
+                    reply = -1
+            sock.sendall(reply.to_bytes(8, "little", signed=True))
+    except BaseException:
+        os._exit(0)
+
+
+def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
+                  zygote: int) -> None:  # pragma: no cover - a child of the zygote
+    try:
+        sock.close()
+        os.environ.clear()
+        os.environ.update(message["environ"])
+        sys.path[:] = message["path"]
+        with contextlib.suppress(OSError):
+            os.chdir(message["cwd"])
+        out_w, err_w, res_w = fds
+    except BaseException:
+        os._exit(70)
+    job = message["job"]
+
+    def call() -> Any:
+        func, args = pickle.loads(job)
+        return func(*args)
+
+    _forked_child(out_w, err_w, res_w, (), message["env"], False, zygote, call, ())
+
+
+atexit.register(shutdown)
 
 
 def _has_exited(pid: int) -> bool:

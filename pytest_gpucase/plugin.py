@@ -62,9 +62,11 @@ SETTINGS = (
     Setting("gpu_per_worker", "under pytest-xdist, give each worker's runs one device of the "
             "visible ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
             default=False),
-    Setting("gpu_start_method", "how each run's child starts: auto (fork, or spawn when CUDA is "
-            "already initialized in the pytest process), fork, spawn", kind="choice",
-            choices=("auto", "fork", "spawn"), default="auto"),
+    Setting("gpu_start_method", "how each run's child starts: auto (fork, or forkserver when "
+            "CUDA is already initialized in the pytest process), fork, forkserver (forked by a "
+            "zygote started with the session, before CUDA could be initialized), spawn (a fresh "
+            "interpreter per run)", kind="choice",
+            choices=("auto", "fork", "forkserver", "spawn"), default="auto"),
 )
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
 
@@ -145,6 +147,8 @@ class GpuCaseSession:
     _written_at: float = 0.0
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
+    _reference_cache: Path | None = None
+    _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
     @property
     def enabled(self) -> bool:
@@ -233,6 +237,20 @@ class GpuCaseSession:
         env = self.environment()
         return pin_env(worker, env.backend, len(env.devices), os.environ)
 
+    def reference_cache(self) -> Path:
+        """Where children cache the float64 references (pytest's cache, else a temporary
+        folder removed at the end of the session)."""
+        if self._reference_cache is None:
+            cache = getattr(self.config, "cache", None)
+            if cache is not None:
+                self._reference_cache = Path(cache.mkdir("gpucase-references"))
+            else:
+                import tempfile
+
+                self._reference_cache = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
+                self._temporary.append(self._reference_cache)
+        return self._reference_cache
+
     def start_method(self) -> StartMethod:
         from .isolation import default_start_method
 
@@ -240,6 +258,7 @@ class GpuCaseSession:
         if chosen != "auto":
             return chosen  # type: ignore[return-value]
         method = default_start_method()
+        # Only where there is no zygote (not Linux): with one, forkserver costs a fork.
         note = ("CUDA was initialized in the pytest process, so each run starts a fresh "
                 "interpreter (spawn) instead of a fork: every run pays for importing torch again")
         if method == "spawn" and note not in self.notes:
@@ -273,6 +292,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from ._torch import import_torch
 
         import_torch()  # before any engine module imports it, and before anything can fork
+        _start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
     if state.enabled and config.getoption("forked", False):
@@ -293,6 +313,31 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", "gpu_requires(backends=None, torch=None, python=None, cuda=None, hip=None, "
         "capability=None, packages=None): skip unless this environment meets the requirements, "
         "written as in a case's [matrix]")
+
+
+def _start_zygote(config: pytest.Config, state: GpuCaseSession) -> None:
+    """Start the forkserver's zygote now, before anything in this process can initialize
+    CUDA, where runs may need it (auto or forkserver; not on an xdist controller)."""
+    from .isolation import forkserver, forkserver_available
+
+    if state.settings["gpu_start_method"] not in ("auto", "forkserver"):
+        return
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        return  # the workers run the items, each with a zygote of its own
+    if forkserver_available():
+        forkserver()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+    import sys
+
+    isolation = sys.modules.get("pytest_gpucase.isolation")
+    if isolation is not None:
+        isolation.shutdown()  # no child, zombie or zygote outlives the session
+    state = config.stash.get(session_key, None)
+    for path in state._temporary if state is not None else ():
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
@@ -512,6 +557,7 @@ class CaseItem(pytest.Item):
             state.regenerate(self.spec.case)
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
+                           reference_cache=state.reference_cache(),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
