@@ -67,6 +67,11 @@ SETTINGS = (
             "zygote started with the session, before CUDA could be initialized), spawn (a fresh "
             "interpreter per run)", kind="choice",
             choices=("auto", "fork", "forkserver", "spawn"), default="auto"),
+    Setting("gpu_isolation", "how fresh each run's child is: item (a fresh child per run), "
+            "case (one child runs a case's runs in turn), worker (one child per device runs "
+            "them all, keeping its device context); a reused child ends on a crash, timeout or "
+            "state it cannot restore, and every failure in one is judged again in a fresh "
+            "child", kind="choice", choices=("item", "case", "worker"), default="item"),
 )
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
 
@@ -148,6 +153,7 @@ class GpuCaseSession:
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
     _reference_cache: Path | None = None
+    _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
     @property
@@ -250,6 +256,16 @@ class GpuCaseSession:
                 self._reference_cache = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
                 self._temporary.append(self._reference_cache)
         return self._reference_cache
+
+    def pool(self) -> Any:
+        """The session's reusable children (``--gpu-isolation``), or None for ``item``."""
+        if self.settings["gpu_isolation"] == "item":
+            return None
+        if self._pool is None:
+            from .isolation import WorkerPool
+
+            self._pool = WorkerPool()
+        return self._pool
 
     def start_method(self) -> StartMethod:
         from .isolation import default_start_method
@@ -558,6 +574,7 @@ class CaseItem(pytest.Item):
         verdict = run_spec(self.spec, start_method=state.start_method(),
                            backend=state.environment().backend,
                            reference_cache=state.reference_cache(),
+                           isolation=state.settings["gpu_isolation"], pool=state.pool(),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
