@@ -1,21 +1,28 @@
 """Scale: isolation per item inside pytest, collection of many cases, parent memory, payload I/O.
 
+    python benchmarks/bench_scale.py --quick          # under a minute on 2 idle cores
     python benchmarks/bench_scale.py [--items 200] [--cases 5000] [--gib 1]
+    python benchmarks/bench_scale.py --quick --only isolation --baseline-src ../old/checkout
 
-Every figure is printed next to a baseline measured in the same run, as a ratio
-(these machines are noisy; ratios travel better than seconds):
+Needs only the project's test extra. Every figure is printed next to a
+baseline measured in the same run, as a ratio (these machines are noisy;
+ratios travel better than seconds); the load average is printed with them:
 
 1. isolation per trivial item, whole pytest runs: ``pytest --gpu-cases`` on N
-   trivial cases vs N trivial Python tests under ``--forked`` (pytest-forked),
-   also with torch imported in the session as in any PyTorch project, vs the
-   same N tests without isolation; per item = (run of N - run of 1) / (N - 1),
-   so the one-off start-up (torch import, environment probe) is left out.
-2. collection of ``--cases`` case directories (4 items each) vs the same
-   number of Python test files with one test parametrized 4 ways.
+   trivial cases (x + 1, float64 reference, compare) vs the fork floor: N
+   parametrized tests in a file that imports torch, each forking a child that
+   does the same op and sends its verdict back through a pipe. Also
+   ``--gpu-isolation worker``, and with ``--baseline-src`` the same cases run
+   by an older checkout of the package. Per item = (run of N - run of 1) /
+   (N - 1), so the one-off start-up (torch import, environment probe) is left
+   out.
+2. collection of ``--cases`` case directories (4 items each) vs one test file
+   that imports torch with one test parametrized 4 x ``--cases`` ways; and the
+   growth from half as many cases.
 3. the pytest process's peak RSS as the number of cases grows: payloads are
    loaded in the children only, so it must stay flat.
-4. loading a ``--gib`` GiB payload and one pass over its values (``max``) vs
-   reading the file into memory and the same pass (warm page cache for both).
+4. loading a ``--gib`` GiB payload with ``payload.load`` vs safetensors' own
+   ``load_file``, each with one pass over its values (warm page cache).
 """
 
 from __future__ import annotations
@@ -71,18 +78,6 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
             (path / name).write_bytes(content)
 
 
-def write_python_tests(root: Path, count: int, params: int = 1, folder: str = "tests",
-                       conftest: str = "") -> None:
-    tests = root / folder
-    tests.mkdir()
-    if conftest:
-        (tests / "conftest.py").write_text(conftest)
-    body = (f"import pytest\n\n@pytest.mark.parametrize('p', range({params}))\n"
-            "def test_trivial(p):\n    assert p + 1 > 0\n")
-    for index in range(count):
-        (tests / f"test_t{index}.py").write_text(body)
-
-
 FORK_FLOOR_TEST = textwrap.dedent("""
     import os
 
@@ -128,6 +123,8 @@ def isolation(items: int, baseline_src: str | None) -> None:
                 pytest_seconds(root, "floor"))
             rows.setdefault("pytest --gpu-cases", []).append(
                 pytest_seconds(root, "--gpu-cases", "cases"))
+            rows.setdefault("--gpu-isolation worker", []).append(
+                pytest_seconds(root, "--gpu-cases", "--gpu-isolation", "worker", "cases"))
             if baseline_env is not None:
                 rows.setdefault("--gpu-cases, baseline src", []).append(
                     pytest_seconds(root, "--gpu-cases", "cases", env=baseline_env))
@@ -140,15 +137,28 @@ def isolation(items: int, baseline_src: str | None) -> None:
 
 
 def collection(count: int) -> None:
-    print(f"\n2. collection: {count} case directories x 4 items vs {count} Python test files x 4")
+    print(f"\n2. collection: {count} case directories x 4 items vs one test file importing torch "
+          f"with one test parametrized {count * 4} ways")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, count, matrix='[matrix]\ndtypes = ["float32", "bfloat16"]\n')
-        write_python_tests(root, count, params=4)
+        tests = root / "tests"
+        tests.mkdir()
+        (tests / "test_many.py").write_text(
+            "import pytest\nimport torch\n\n"
+            f"@pytest.mark.parametrize('p', range({count * 4}))\n"
+            "def test_trivial(p):\n    assert p + 1 > 0\n")
         python_tests = pytest_seconds(root, "--collect-only", "tests")
         cases = pytest_seconds(root, "--collect-only", "--gpu-cases", "cases")
-    print(f"   Python tests {python_tests:.2f} s, cases {cases:.2f} s, "
+        half = root / "half"
+        half.mkdir()
+        for index in range(count // 2):
+            (root / "cases" / f"c{index}").rename(half / f"c{index}")
+        cases_half = pytest_seconds(root, "--collect-only", "--gpu-cases", "half")
+    print(f"   parametrized tests {python_tests:.2f} s, cases {cases:.2f} s, "
           f"ratio cases / tests {cases / python_tests:.2f}")
+    print(f"   {count // 2} cases {cases_half:.2f} s: growth from {count // 2} to {count} cases "
+          f"{cases / cases_half:.2f}x (start-up included; 2.00 would be linear without it)")
 
 
 def memory(counts: list[int]) -> None:
@@ -168,29 +178,29 @@ def memory(counts: list[int]) -> None:
 
 
 def payload_io(gib: float) -> None:
+    import safetensors.torch
+
     numel = int(gib * 2**30) // 4
-    print(f"\n4. payload of {numel * 4 / 2**30:.2f} GiB (float32)")
+    print(f"\n4. payload of {numel * 4 / 2**30:.2f} GiB (float32): payload.load vs "
+          "safetensors.torch.load_file, each + one pass over the values")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.safetensors"
         payload.save(path, {"x": torch.randn(numel)})
-        reads, loads = [], []
+        plain, ours = [], []
         for _ in range(3):
             start = time.perf_counter()
-            data = bytearray(path.stat().st_size)
-            with open(path, "rb", buffering=0) as handle:
-                handle.readinto(data)
-            float(torch.frombuffer(data, dtype=torch.float32).max())
-            reads.append(time.perf_counter() - start)
-            del data
+            loaded = safetensors.torch.load_file(path)["x"]
+            float(loaded.max())
+            plain.append(time.perf_counter() - start)
+            del loaded
             start = time.perf_counter()
             loaded = payload.load(path)["x"]
-            float(loaded.max())  # safetensors maps the file: this pass pulls every page in
-            loads.append(time.perf_counter() - start)
+            float(loaded.max())
+            ours.append(time.perf_counter() - start)
             assert loaded.numel() == numel
             del loaded
-    read, load = min(reads), min(loads)
-    print(f"   read the file + one pass over the values {read:.2f} s, payload.load + the same "
-          f"pass {load:.2f} s, ratio {load / read:.2f}")
+    print(f"   load_file {min(plain):.3f} s, payload.load {min(ours):.3f} s, "
+          f"ratio {min(ours) / min(plain):.2f}")
 
 
 def main() -> None:
@@ -203,17 +213,18 @@ def main() -> None:
                         "pytest_gpucase package found in DIR (a checkout of an older commit), "
                         "for a before/after ratio in one run")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes, under a minute: 40 items, 500 cases, 64 MiB")
+                        help="small sizes, under a minute: 40 items, 2000 cases, 64 MiB")
     args = parser.parse_args()
     if args.quick:
-        args.items, args.cases, args.gib = min(args.items, 40), min(args.cases, 500), 1 / 16
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+        args.items, args.cases, args.gib = min(args.items, 40), min(args.cases, 2000), 1 / 16
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}")
     if args.only in (None, "isolation"):
         isolation(args.items, args.baseline_src)
     if args.only in (None, "collection"):
         collection(args.cases)
     if args.only in (None, "memory"):
-        memory([50, 200, 800])
+        memory([25, 100, 200] if args.quick else [50, 200, 800])
     if args.only in (None, "payload"):
         payload_io(args.gib)
 

@@ -6,6 +6,7 @@ Kept thin and light: nothing here imports torch at module level, so a plain
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -455,13 +456,22 @@ class CaseFile(pytest.File):
         pin = state.worker_env()
         # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds.
         cuda_backend = "rocm" if state.environment().backend == "rocm" else "cuda"
+        case_path = _relative(case_dir) if specs else ""  # once per case, not per item
         for spec in specs:
             if pin and spec.device != "cpu":
                 spec = replace(spec, env={**spec.env, **pin})
             item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+                                        case_path=case_path,
                                         **_item_id(self, case.name, spec.id))
-            item.add_marker(f"backend_{cuda_backend if spec.device == 'cuda' else spec.device}")
+            backend = cuda_backend if spec.device == "cuda" else spec.device
+            item.add_marker(_mark(f"backend_{backend}"))
             yield item
+
+
+@functools.cache
+def _mark(name: str) -> pytest.MarkDecorator:
+    """The marker ``name`` (all registered in pytest_configure), made once, not per item."""
+    return getattr(pytest.mark, name)  # type: ignore[no-any-return]
 
 
 def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
@@ -542,12 +552,12 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
 class CaseItem(pytest.Item):
     """One run of a case, executed in a fresh child process."""
 
-    def __init__(self, *, spec: RunSpec, **kwargs: Any) -> None:
+    def __init__(self, *, spec: RunSpec, case_path: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
-        self.add_marker(f"device_{spec.device}")
+        self.add_marker(_mark(f"device_{spec.device}"))
         if spec.dtype in ("float16", "bfloat16", "float32", "float64"):
-            self.add_marker(f"dtype_{spec.dtype}")
+            self.add_marker(_mark(f"dtype_{spec.dtype}"))
         if spec.variant is not None:
             # -m "variant_boundary(value=-1)" selects exactly one value.
             self.add_marker(getattr(pytest.mark, f"variant_{spec.variant.kind}")(
@@ -556,7 +566,7 @@ class CaseItem(pytest.Item):
         self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
         from .report import property_json
 
-        self.user_properties.append(("gpucase", property_json(spec_fields(spec))))
+        self.user_properties.append(("gpucase", property_json(spec_fields(spec, case_path))))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
         elif spec.case.xfail is not None:
@@ -649,11 +659,12 @@ def _reissue_warnings(verdict: Verdict) -> None:
         reissue_warnings(verdict.child.warnings)
 
 
-def spec_fields(spec: RunSpec) -> dict[str, Any]:
-    """What the JSON report says of an item before it runs (set at collection)."""
+def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
+    """What the JSON report says of an item before it runs (set at collection);
+    ``case_path``, the case's shown path, when the caller has it already."""
     return {
         "case": spec.case.name,
-        "case_path": _relative(spec.case.path),
+        "case_path": _relative(spec.case.path) if case_path is None else case_path,
         "device": spec.device,
         "dtype": spec.dtype,
         "variant": spec.variant.label if spec.variant is not None else None,
@@ -675,8 +686,21 @@ def verdict_fields(verdict: Verdict) -> dict[str, Any]:
 
 
 def _relative(path: Path) -> str:
-    from .errors import display
+    """``display(path)`` with ``/``; a normalized path below the working directory (every
+    collected case) is cut with string operations: pathlib costs a quarter millisecond a
+    case at collection."""
+    import os
 
+    from .errors import display, printable
+
+    text = os.fspath(path)
+    try:
+        cwd = os.getcwd().rstrip(os.sep) + os.sep
+    except OSError:
+        cwd = ""
+    if (os.sep == "/" and cwd and text.startswith(cwd) and os.path.isabs(text)
+            and os.path.normpath(text) == text):
+        return printable(text[len(cwd):])
     return Path(display(path)).as_posix()
 
 
