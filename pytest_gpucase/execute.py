@@ -13,6 +13,7 @@ import inspect
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -116,11 +117,12 @@ def _run(spec: RunSpec) -> Outcome:
     comparison = _compare(actual, expected, expect) if expected is not None else None
     if comparison is None or not comparison.ok:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
+        began = time.perf_counter()
         try:
             expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except Exception as exc:
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
-        reference_cache.store(cached, expected)
+        reference_cache.store(cached, expected, time.perf_counter() - began)
         comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", "outputs differ from the reference", details=comparison.report(),

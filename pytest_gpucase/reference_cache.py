@@ -15,7 +15,8 @@ dtype the inputs were cast to (a float32 item's reference starts from
 float32-rounded inputs), the switches, and the torch version. Any change makes
 a new name; an unreadable entry is computed again. A failing item never trusts
 the cache: its reference is computed again before it is reported (see
-``execute``).
+``execute``). A reference faster than ``MIN_SECONDS`` is not worth a file and
+is computed each time.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ if TYPE_CHECKING:
     from .matrix import RunSpec
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
+# A reference computed faster than this is not cached: reading the file back would cost
+# more (a trivial case's float64 reference takes a fraction of a millisecond).
+MIN_SECONDS = 0.005
 _VERSION = b"gpucase-reference-1"
 
 
@@ -97,9 +101,10 @@ def load(path: Path | None) -> dict[str, Any] | None:
         return None
 
 
-def store(path: Path | None, results: dict[str, Any]) -> None:
-    """Cache ``results`` at ``path`` (atomically); results golden files cannot hold are not."""
-    if path is None:
+def store(path: Path | None, results: dict[str, Any], seconds: float) -> None:
+    """Cache ``results`` at ``path`` (atomically) when computing them took ``MIN_SECONDS``
+    or more; results golden files cannot hold are not cached."""
+    if path is None or seconds < MIN_SECONDS:
         return
     from . import golden
 

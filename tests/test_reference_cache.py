@@ -15,6 +15,7 @@ from pytest_gpucase.runner import run_spec
 
 CODE = '''
 import os
+import time
 
 def run(x):
     return x + 1
@@ -22,6 +23,7 @@ def run(x):
 def ref(x):
     with open(os.path.join(os.path.dirname(__file__), "calls"), "a") as handle:
         handle.write("1")
+    time.sleep(0.02)  # slower than reference_cache.MIN_SECONDS: worth caching
     return x + {offset}
 '''
 
@@ -93,3 +95,12 @@ def test_without_a_cache_folder_nothing_is_written(tmp_path: Path) -> None:
     assert run_spec(spec, start_method="fork", backend="cpu").outcome.status == "passed"
     assert reference_cache.CACHE_ENV not in os.environ
     assert calls(path) == 1
+
+
+def test_a_fast_reference_is_not_cached(tmp_path: Path) -> None:
+    path, cache = make(tmp_path), tmp_path / "cache"
+    (path / "case.py").write_text((path / "case.py").read_text().replace("time.sleep(0.02)",
+                                                                         "pass"))
+    assert [run(path, cache) for _ in range(2)] == ["passed"] * 2
+    assert calls(path) == 2
+    assert not list(cache.glob("*.safetensors"))
