@@ -8,14 +8,15 @@ Needs only the project's test extra. Every figure is printed next to a
 baseline measured in the same run, as a ratio (these machines are noisy;
 ratios travel better than seconds); the load average is printed with them:
 
-1. isolation per trivial item, whole pytest runs: ``pytest --gpu-cases`` on N
+1. isolation per trivial item inside pytest: ``pytest --gpu-cases`` on N
    trivial cases (x + 1, float64 reference, compare) vs the fork floor: N
    parametrized tests in a file that imports torch, each forking a child that
    does the same op and sends its verdict back through a pipe. Also
    ``--gpu-isolation worker``, and with ``--baseline-src`` the same cases run
-   by an older checkout of the package. Per item = (run of N - run of 1) /
-   (N - 1), so the one-off start-up (torch import, environment probe) is left
-   out.
+   by an older checkout of the package. Per item = the time from the first
+   item's start to the last item's end over N, timed by a conftest inside the
+   same pytest process, so start-up and collection are left out; best of
+   ``--repeat`` interleaved runs.
 2. collection of ``--cases`` case directories (4 items each) vs one test file
    that imports torch with one test parametrized 4 x ``--cases`` ways; and the
    growth from half as many cases.
@@ -106,34 +107,56 @@ FORK_FLOOR_TEST = textwrap.dedent("""
 """)
 
 
-def isolation(items: int, baseline_src: str | None) -> None:
-    print(f"\n1. isolation per trivial item, whole pytest runs ({items} items, CPU)")
-    rows: dict[str, list[float]] = {}
-    baseline_env = None
-    if baseline_src:
-        baseline_env = {**os.environ, "PYTHONPATH": baseline_src}
-    for count in (1, items):
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n')
-            floor = root / "floor"
-            floor.mkdir()
-            (floor / "test_floor.py").write_text(FORK_FLOOR_TEST.format(count=count))
-            rows.setdefault("fork floor (torch session)", []).append(
-                pytest_seconds(root, "floor"))
-            rows.setdefault("pytest --gpu-cases", []).append(
-                pytest_seconds(root, "--gpu-cases", "cases"))
-            rows.setdefault("--gpu-isolation worker", []).append(
-                pytest_seconds(root, "--gpu-cases", "--gpu-isolation", "worker", "cases"))
-            if baseline_env is not None:
-                rows.setdefault("--gpu-cases, baseline src", []).append(
-                    pytest_seconds(root, "--gpu-cases", "cases", env=baseline_env))
-    per_item = {name: (many - one) / (items - 1) for name, (one, many) in rows.items()}
-    floor_cost = per_item["fork floor (torch session)"]
-    print(f"   {'what':<32}{'run of 1 s':>11}{'ms/item':>10}{'x floor':>10}")
-    for name, seconds in per_item.items():
-        print(f"   {name:<32}{rows[name][0]:>11.2f}{seconds * 1000:>10.1f}"
-              f"{seconds / floor_cost:>10.2f}")
+ITEM_TIMER_CONFTEST = textwrap.dedent("""
+    import time
+
+    _seen = {}
+
+    def pytest_runtest_logstart(nodeid, location):
+        _seen.setdefault("first", time.perf_counter())
+
+    def pytest_runtest_logfinish(nodeid, location):
+        _seen["last"] = time.perf_counter()
+        _seen["items"] = _seen.get("items", 0) + 1
+
+    def pytest_sessionfinish(session):
+        with open("item_seconds", "w") as handle:
+            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']}")
+""")
+
+
+def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
+    """Seconds per item of one pytest run: from the first item's start to the last one's
+    end, over the items (start-up and collection left out, inside the same process)."""
+    pytest_seconds(root, *args, env=env)
+    elapsed, items = (root / "item_seconds").read_text().split()
+    return float(elapsed) / int(items)
+
+
+def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
+    print(f"\n1. isolation per trivial item inside pytest ({items} items, CPU, best of {repeat})")
+    baseline_env = {**os.environ, "PYTHONPATH": baseline_src} if baseline_src else None
+    runs = [("fork floor (torch session)", ("floor",), None),
+            ("pytest --gpu-cases", ("--gpu-cases", "cases"), None),
+            ("--gpu-isolation worker", ("--gpu-cases", "--gpu-isolation", "worker", "cases"),
+             None)]
+    if baseline_env is not None:
+        runs.append(("--gpu-cases, baseline src", ("--gpu-cases", "cases"), baseline_env))
+    seconds: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        (root / "floor").mkdir()
+        (root / "floor" / "test_floor.py").write_text(FORK_FLOOR_TEST.format(count=items))
+        (root / "conftest.py").write_text(ITEM_TIMER_CONFTEST)
+        for _ in range(repeat):  # interleaved, so that a burst of load hits every row
+            for name, args, env in runs:
+                seconds.setdefault(name, []).append(per_item(root, *args, env=env))
+    best = {name: min(values) for name, values in seconds.items()}
+    floor = best["fork floor (torch session)"]
+    print(f"   {'what':<32}{'ms/item':>10}{'x floor':>10}")
+    for name, value in best.items():
+        print(f"   {name:<32}{value * 1000:>10.1f}{value / floor:>10.2f}")
 
 
 def collection(count: int) -> None:
@@ -212,15 +235,18 @@ def main() -> None:
     parser.add_argument("--baseline-src", metavar="DIR", help="also run the cases with the "
                         "pytest_gpucase package found in DIR (a checkout of an older commit), "
                         "for a before/after ratio in one run")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="pytest runs per row in section 1 (the best is kept)")
     parser.add_argument("--quick", action="store_true",
-                        help="small sizes, under a minute: 40 items, 2000 cases, 64 MiB")
+                        help="small sizes, about a minute: 100 items, 2 runs, 2000 cases, 64 MiB")
     args = parser.parse_args()
     if args.quick:
-        args.items, args.cases, args.gib = min(args.items, 40), min(args.cases, 2000), 1 / 16
+        args.items, args.cases, args.gib = min(args.items, 100), min(args.cases, 2000), 1 / 16
+        args.repeat = min(args.repeat, 2)
     print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
           f"load average {os.getloadavg()[0]:.2f}")
     if args.only in (None, "isolation"):
-        isolation(args.items, args.baseline_src)
+        isolation(args.items, args.baseline_src, args.repeat)
     if args.only in (None, "collection"):
         collection(args.cases)
     if args.only in (None, "memory"):

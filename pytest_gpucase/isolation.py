@@ -292,10 +292,11 @@ def run_in_child(
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
     job_file = None
-    zygote: _Zygote | None = None
+    # Started (once) before the clock: the zygote's preloading is no part of a run's time.
+    zygote = forkserver() if start_method == "forkserver" else None
     start = time.monotonic()
     try:
-        reap_pending()
+        reap_pending(block=False)
         with _Interruptible() as guard:
             if start_method == "fork":
                 # Objects that exist now are never collected by the parent's later passes,
@@ -307,8 +308,7 @@ def run_in_child(
                 if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
                     _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
                                   threaded, parent, func, args)
-            elif start_method == "forkserver":
-                zygote = forkserver()  # its children are supervised like ours, by pid
+            elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:
                 job_file = _write_job(func, args)
@@ -1045,15 +1045,26 @@ _PENDING: list[_Run] = []
 REAP_GRACE = 10.0  # seconds a returned child gets to finish exiting before it is killed
 
 
-def reap_pending() -> None:
+MAX_PENDING = 16  # exiting children left to finish on their own before one is waited for
+
+
+def reap_pending(block: bool = True) -> None:
     """Reap the children whose results came back before they exited (see ``_supervise``).
 
-    Called before each fork and at the end of the session (``atexit`` too), so that no
-    zombie and no stray process outlives the session. One still running after
-    ``REAP_GRACE`` (stuck in its exit, e.g. a driver's teardown) is killed with its tree.
+    Before each fork (``block=False``) only those that have exited are reaped: a forked
+    torch image takes milliseconds to tear down, which overlap the next run instead of
+    delaying it; past ``MAX_PENDING`` the oldest are waited for. At the end of the session
+    (``shutdown``, ``atexit``) every one is, so that no zombie and no stray process
+    outlives the session. One still running after ``REAP_GRACE`` (stuck in its exit, e.g.
+    a driver's teardown) is killed with its tree.
     """
-    while _PENDING:
-        run = _PENDING.pop()
+    if not block:
+        for run in [run for run in _PENDING if run.has_exited()]:
+            _PENDING.remove(run)
+            with contextlib.suppress(ChildProcessError, OSError):
+                run.reap()
+    while _PENDING and (block or len(_PENDING) > MAX_PENDING):
+        run = _PENDING.pop(0)
         end = time.monotonic() + REAP_GRACE
         while not run.has_exited() and time.monotonic() < end:
             time.sleep(0.001)
@@ -1406,7 +1417,7 @@ class _Worker:
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         nulls = (os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY))
         self.zygote: _Zygote | None = None
-        reap_pending()
+        reap_pending(block=False)
         try:
             if start_method == "forkserver":
                 self.zygote = forkserver()

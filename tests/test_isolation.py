@@ -119,19 +119,18 @@ def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]
     assert "to stdout" not in out and "to fd 2" not in err
 
 
-def test_a_returned_child_is_reaped_before_the_next_run_and_at_the_end() -> None:
-    from pytest_gpucase import isolation
-
-    first = run_in_child(os.getpid, timeout=60)
-    assert first.returned and first.exitcode == 0
-    second = run_in_child(os.getpid, timeout=60)
-    assert second.returned
-    with pytest.raises(ChildProcessError):  # reaped before the second fork
-        os.waitpid(first.value, os.WNOHANG)
+def test_returned_children_are_reaped_bounded_and_all_at_the_end() -> None:
+    pids = []
+    for _ in range(isolation.MAX_PENDING + 5):
+        result = run_in_child(os.getpid, timeout=60)
+        assert result.returned and result.exitcode == 0
+        pids.append(result.value)
+        assert len(isolation._PENDING) <= isolation.MAX_PENDING + 1
     isolation.reap_pending()
     assert not isolation._PENDING
-    with pytest.raises(ChildProcessError):
-        os.waitpid(second.value, os.WNOHANG)
+    for pid in pids:
+        with pytest.raises(ChildProcessError):  # reaped: no zombie is left
+            os.waitpid(pid, os.WNOHANG)
 
 
 needs_zygote = pytest.mark.skipif(not isolation.forkserver_available(),
