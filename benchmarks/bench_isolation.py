@@ -10,8 +10,10 @@ process has), so every child is a fork of the same image:
   result pickling, calling ``os.getpid``
 - run_spec: a whole trivial case (load the case's payload in the child, call,
   reference in float64, compare) as each pytest item runs it
+- run_spec, forkserver: the same case forked by the zygote (what each run
+  costs when CUDA was initialized in the pytest process)
 - run_spec, spawn: the same case in a fresh interpreter that imports torch
-  again (what each run costs when CUDA was initialized in the pytest process)
+  again (``--gpu-start-method=spawn``; fewer runs)
 
 Printed as milliseconds per item (median of the runs) and as ratios to the bare
 fork measured in the same run: these machines are noisy, ratios travel better.
@@ -31,7 +33,7 @@ import torch
 
 from pytest_gpucase import payload
 from pytest_gpucase.case import load_case
-from pytest_gpucase.isolation import ChildResult, run_in_child
+from pytest_gpucase.isolation import ChildResult, run_in_child, shutdown
 from pytest_gpucase.matrix import RunSpec
 from pytest_gpucase.runner import Verdict, run_spec
 
@@ -73,8 +75,9 @@ def trivial_case(root: Path) -> RunSpec:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
+    parser.add_argument("--quick", action="store_true", help="30 runs each (under a minute)")
     args = parser.parse_args()
-    runs = args.runs
+    runs = min(args.runs, 30) if args.quick else args.runs
     with tempfile.TemporaryDirectory() as tmp:
         spec = trivial_case(Path(tmp))
         rows = [
@@ -83,12 +86,16 @@ def main() -> None:
                                           runs)),
             ("run_spec, trivial case", timed(
                 lambda: passed(run_spec(spec, start_method="fork", backend="cpu")), runs)),
+            ("run_spec, forkserver", timed(
+                lambda: passed(run_spec(spec, start_method="forkserver", backend="cpu")), runs)),
             ("run_spec, spawn", timed(
                 lambda: passed(run_spec(spec, start_method="spawn", backend="cpu")),
                 max(5, runs // 20))),
         ]
+    shutdown()
     floor = statistics.median(rows[0][1])
-    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {runs} runs each "
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
+          f"{runs} runs each "
           "(spawn: fewer), median per item")
     print(f"{'what':<26}{'ms/item':>10}{'x bare fork':>14}")
     for name, samples in rows:

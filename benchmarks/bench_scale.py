@@ -1,21 +1,29 @@
 """Scale: isolation per item inside pytest, collection of many cases, parent memory, payload I/O.
 
+    python benchmarks/bench_scale.py --quick          # under a minute on 2 idle cores
     python benchmarks/bench_scale.py [--items 200] [--cases 5000] [--gib 1]
+    python benchmarks/bench_scale.py --quick --only isolation --baseline-src ../old/checkout
 
-Every figure is printed next to a baseline measured in the same run, as a ratio
-(these machines are noisy; ratios travel better than seconds):
+Needs only the project's test extra. Every figure is printed next to a
+baseline measured in the same run, as a ratio (these machines are noisy;
+ratios travel better than seconds); the load average is printed with them:
 
-1. isolation per trivial item, whole pytest runs: ``pytest --gpu-cases`` on N
-   trivial cases vs N trivial Python tests under ``--forked`` (pytest-forked),
-   also with torch imported in the session as in any PyTorch project, vs the
-   same N tests without isolation; per item = (run of N - run of 1) / (N - 1),
-   so the one-off start-up (torch import, environment probe) is left out.
-2. collection of ``--cases`` case directories (4 items each) vs the same
-   number of Python test files with one test parametrized 4 ways.
+1. isolation per trivial item inside pytest: ``pytest --gpu-cases`` on N
+   trivial cases (x + 1, float64 reference, compare) vs the fork floor: N
+   parametrized tests in a file that imports torch, each forking a child that
+   does the same op and sends its verdict back through a pipe. Also
+   ``--gpu-isolation worker``, and with ``--baseline-src`` the same cases run
+   by an older checkout of the package. Per item = the time from the first
+   item's start to the last item's end over N, timed by a conftest inside the
+   same pytest process, so start-up and collection are left out; best of
+   ``--repeat`` interleaved runs.
+2. collection of ``--cases`` case directories (4 items each) vs one test file
+   that imports torch with one test parametrized 4 x ``--cases`` ways; and the
+   growth from half as many cases.
 3. the pytest process's peak RSS as the number of cases grows: payloads are
    loaded in the children only, so it must stay flat.
-4. loading a ``--gib`` GiB payload and one pass over its values (``max``) vs
-   reading the file into memory and the same pass (warm page cache for both).
+4. loading a ``--gib`` GiB payload with ``payload.load`` vs safetensors' own
+   ``load_file``, each with one pass over its values (warm page cache).
 """
 
 from __future__ import annotations
@@ -44,11 +52,11 @@ RSS_CONFTEST = textwrap.dedent("""
 """)
 
 
-def pytest_seconds(root: Path, *args: str) -> float:
+def pytest_seconds(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                           "-p", "no:benchmark", *args], cwd=root, capture_output=True,
-                          text=True, check=False)
+                           "-p", "no:benchmark", "-p", "no:randomly", *args], cwd=root,
+                          capture_output=True, text=True, check=False, env=env)
     elapsed = time.perf_counter() - start
     if done.returncode not in (0, 5):
         raise RuntimeError(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
@@ -71,53 +79,109 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
             (path / name).write_bytes(content)
 
 
-def write_python_tests(root: Path, count: int, params: int = 1, folder: str = "tests",
-                       conftest: str = "") -> None:
-    tests = root / folder
-    tests.mkdir()
-    if conftest:
-        (tests / "conftest.py").write_text(conftest)
-    body = (f"import pytest\n\n@pytest.mark.parametrize('p', range({params}))\n"
-            "def test_trivial(p):\n    assert p + 1 > 0\n")
-    for index in range(count):
-        (tests / f"test_t{index}.py").write_text(body)
+FORK_FLOOR_TEST = textwrap.dedent("""
+    import os
+
+    import pytest
+    import torch
+
+    X = torch.ones(4)
 
 
-def isolation(items: int) -> None:
-    print(f"\n1. isolation per trivial item, whole pytest runs ({items} items, CPU)")
-    rows: dict[str, list[float]] = {}
-    for count in (1, items):
-        with tempfile.TemporaryDirectory() as tmp:
-            root = Path(tmp)
-            write_cases(root, count, matrix='[matrix]\ndevices = ["cpu"]\n')
-            write_python_tests(root, count)
-            # A PyTorch project's test session has torch imported: forks copy its mappings.
-            write_python_tests(root, count, folder="tests_torch", conftest="import torch\n")
-            rows.setdefault("plain pytest, no isolation", []).append(pytest_seconds(root, "tests"))
-            rows.setdefault("pytest-forked --forked", []).append(
-                pytest_seconds(root, "--forked", "tests"))
-            rows.setdefault("--forked, torch imported", []).append(
-                pytest_seconds(root, "--forked", "tests_torch"))
-            rows.setdefault("pytest --gpu-cases", []).append(
-                pytest_seconds(root, "--gpu-cases", "cases"))
-    per_item = {name: (many - one) / (items - 1) for name, (one, many) in rows.items()}
-    forked = per_item["pytest-forked --forked"]
-    print(f"   {'what':<32}{'run of 1 s':>11}{'ms/item':>10}{'x --forked':>12}")
-    for name, seconds in per_item.items():
-        print(f"   {name:<32}{rows[name][0]:>11.2f}{seconds * 1000:>10.1f}"
-              f"{seconds / forked:>12.2f}")
+    @pytest.mark.parametrize("i", range({count}))
+    def test_fork_floor(i):
+        # The floor: a fresh forked child doing the case's op (x + 1, float64 reference,
+        # compare) and sending its verdict back through a pipe.
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            ok = torch.allclose((X + 1).double(), X.double() + 1)
+            os.write(write, b"1" if ok else b"0")
+            os._exit(0)
+        os.close(write)
+        verdict = os.read(read, 1)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert verdict == b"1"
+""")
+
+
+ITEM_TIMER_CONFTEST = textwrap.dedent("""
+    import time
+
+    _seen = {}
+
+    def pytest_runtest_logstart(nodeid, location):
+        _seen.setdefault("first", time.perf_counter())
+
+    def pytest_runtest_logfinish(nodeid, location):
+        _seen["last"] = time.perf_counter()
+        _seen["items"] = _seen.get("items", 0) + 1
+
+    def pytest_sessionfinish(session):
+        with open("item_seconds", "w") as handle:
+            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']}")
+""")
+
+
+def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
+    """Seconds per item of one pytest run: from the first item's start to the last one's
+    end, over the items (start-up and collection left out, inside the same process)."""
+    pytest_seconds(root, *args, env=env)
+    elapsed, items = (root / "item_seconds").read_text().split()
+    return float(elapsed) / int(items)
+
+
+def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
+    print(f"\n1. isolation per trivial item inside pytest ({items} items, CPU, best of {repeat})")
+    baseline_env = {**os.environ, "PYTHONPATH": baseline_src} if baseline_src else None
+    runs = [("fork floor (torch session)", ("floor",), None),
+            ("pytest --gpu-cases", ("--gpu-cases", "cases"), None),
+            ("--gpu-isolation worker", ("--gpu-cases", "--gpu-isolation", "worker", "cases"),
+             None)]
+    if baseline_env is not None:
+        runs.append(("--gpu-cases, baseline src", ("--gpu-cases", "cases"), baseline_env))
+    seconds: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        (root / "floor").mkdir()
+        (root / "floor" / "test_floor.py").write_text(FORK_FLOOR_TEST.format(count=items))
+        (root / "conftest.py").write_text(ITEM_TIMER_CONFTEST)
+        for _ in range(repeat):  # interleaved, so that a burst of load hits every row
+            for name, args, env in runs:
+                seconds.setdefault(name, []).append(per_item(root, *args, env=env))
+    best = {name: min(values) for name, values in seconds.items()}
+    floor = best["fork floor (torch session)"]
+    print(f"   {'what':<32}{'ms/item':>10}{'x floor':>10}")
+    for name, value in best.items():
+        print(f"   {name:<32}{value * 1000:>10.1f}{value / floor:>10.2f}")
 
 
 def collection(count: int) -> None:
-    print(f"\n2. collection: {count} case directories x 4 items vs {count} Python test files x 4")
+    print(f"\n2. collection: {count} case directories x 4 items vs one test file importing torch "
+          f"with one test parametrized {count * 4} ways")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, count, matrix='[matrix]\ndtypes = ["float32", "bfloat16"]\n')
-        write_python_tests(root, count, params=4)
+        tests = root / "tests"
+        tests.mkdir()
+        (tests / "test_many.py").write_text(
+            "import pytest\nimport torch\n\n"
+            f"@pytest.mark.parametrize('p', range({count * 4}))\n"
+            "def test_trivial(p):\n    assert p + 1 > 0\n")
         python_tests = pytest_seconds(root, "--collect-only", "tests")
         cases = pytest_seconds(root, "--collect-only", "--gpu-cases", "cases")
-    print(f"   Python tests {python_tests:.2f} s, cases {cases:.2f} s, "
+        half = root / "half"
+        half.mkdir()
+        for index in range(count // 2):
+            (root / "cases" / f"c{index}").rename(half / f"c{index}")
+        cases_half = pytest_seconds(root, "--collect-only", "--gpu-cases", "half")
+    print(f"   parametrized tests {python_tests:.2f} s, cases {cases:.2f} s, "
           f"ratio cases / tests {cases / python_tests:.2f}")
+    print(f"   {count // 2} cases {cases_half:.2f} s: growth from {count // 2} to {count} cases "
+          f"{cases / cases_half:.2f}x (start-up included; 2.00 would be linear without it)")
 
 
 def memory(counts: list[int]) -> None:
@@ -137,29 +201,29 @@ def memory(counts: list[int]) -> None:
 
 
 def payload_io(gib: float) -> None:
+    import safetensors.torch
+
     numel = int(gib * 2**30) // 4
-    print(f"\n4. payload of {numel * 4 / 2**30:.2f} GiB (float32)")
+    print(f"\n4. payload of {numel * 4 / 2**30:.2f} GiB (float32): payload.load vs "
+          "safetensors.torch.load_file, each + one pass over the values")
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.safetensors"
         payload.save(path, {"x": torch.randn(numel)})
-        reads, loads = [], []
+        plain, ours = [], []
         for _ in range(3):
             start = time.perf_counter()
-            data = bytearray(path.stat().st_size)
-            with open(path, "rb", buffering=0) as handle:
-                handle.readinto(data)
-            float(torch.frombuffer(data, dtype=torch.float32).max())
-            reads.append(time.perf_counter() - start)
-            del data
+            loaded = safetensors.torch.load_file(path)["x"]
+            float(loaded.max())
+            plain.append(time.perf_counter() - start)
+            del loaded
             start = time.perf_counter()
             loaded = payload.load(path)["x"]
-            float(loaded.max())  # safetensors maps the file: this pass pulls every page in
-            loads.append(time.perf_counter() - start)
+            float(loaded.max())
+            ours.append(time.perf_counter() - start)
             assert loaded.numel() == numel
             del loaded
-    read, load = min(reads), min(loads)
-    print(f"   read the file + one pass over the values {read:.2f} s, payload.load + the same "
-          f"pass {load:.2f} s, ratio {load / read:.2f}")
+    print(f"   load_file {min(plain):.3f} s, payload.load {min(ours):.3f} s, "
+          f"ratio {min(ours) / min(plain):.2f}")
 
 
 def main() -> None:
@@ -168,14 +232,25 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=5000)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--only", choices=("isolation", "collection", "memory", "payload"))
+    parser.add_argument("--baseline-src", metavar="DIR", help="also run the cases with the "
+                        "pytest_gpucase package found in DIR (a checkout of an older commit), "
+                        "for a before/after ratio in one run")
+    parser.add_argument("--repeat", type=int, default=3,
+                        help="pytest runs per row in section 1 (the best is kept)")
+    parser.add_argument("--quick", action="store_true",
+                        help="small sizes, about a minute: 100 items, 2 runs, 2000 cases, 64 MiB")
     args = parser.parse_args()
-    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs")
+    if args.quick:
+        args.items, args.cases, args.gib = min(args.items, 100), min(args.cases, 2000), 1 / 16
+        args.repeat = min(args.repeat, 2)
+    print(f"torch {torch.__version__}, Python {sys.version.split()[0]}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.2f}")
     if args.only in (None, "isolation"):
-        isolation(args.items)
+        isolation(args.items, args.baseline_src, args.repeat)
     if args.only in (None, "collection"):
         collection(args.cases)
     if args.only in (None, "memory"):
-        memory([50, 200, 800])
+        memory([25, 100, 200] if args.quick else [50, 200, 800])
     if args.only in (None, "payload"):
         payload_io(args.gib)
 

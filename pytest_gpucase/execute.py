@@ -14,6 +14,7 @@ import inspect
 import os
 import re
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from typing import Any, Literal
 import safetensors.torch  # noqa: F401
 import torch
 
-from . import backends, fsutil, golden, payload
+from . import backends, fsutil, golden, payload, reference_cache
 from .capture import REPLAY_ENV
 from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare
@@ -116,12 +117,19 @@ def _run(spec: RunSpec) -> Outcome:
     if case.reference:
         reference = resolve(case, case.reference, "reference")
         check_binding(case, case.reference, reference, run_inputs)
-    try:
-        with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
-            expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
-    except Exception as exc:
-        return _raised("the reference (on CPU in float64)", exc, "reference raises")
-    comparison = _compare(actual, expected, expect)
+    cached = reference_cache.entry(spec, reference)
+    expected = reference_cache.load(cached)
+    comparison = _compare(actual, expected, expect) if expected is not None else None
+    if comparison is None or not comparison.ok:
+        # Computed here on a miss, and again on a failure: a failure never rests on the cache.
+        began = time.perf_counter()
+        try:
+            with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
+                expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
+        except Exception as exc:
+            return _raised("the reference (on CPU in float64)", exc, "reference raises")
+        reference_cache.store(cached, expected, time.perf_counter() - began)
+        comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", "outputs differ from the reference", details=comparison.report(),
                        kind="mismatch",

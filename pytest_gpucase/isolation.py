@@ -74,9 +74,11 @@ pick up.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import dataclasses
+import functools
 import gc
 import importlib
 import json
@@ -87,6 +89,7 @@ import re
 import secrets
 import select
 import signal
+import socket
 import sys
 import tempfile
 import threading
@@ -99,7 +102,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-StartMethod = Literal["fork", "spawn"]
+StartMethod = Literal["fork", "forkserver", "spawn"]
 
 CAPTURE_HEAD = 16 * 1024
 CAPTURE_TAIL = 48 * 1024
@@ -254,11 +257,16 @@ def thread_count() -> int:
 
 
 def default_start_method() -> StartMethod:
-    """``fork`` unless this process already initialized CUDA (then a fork would inherit it)."""
+    """``fork`` unless this process already initialized CUDA (then a fork would inherit it):
+    then ``forkserver`` (a zygote started before CUDA was), or ``spawn`` where there is none."""
+    if not _cuda_initialized():
+        return "fork"
+    return "forkserver" if forkserver_available() else "spawn"
+
+
+def _cuda_initialized() -> bool:
     torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_initialized():
-        return "spawn"
-    return "fork"
+    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def run_in_child(
@@ -284,16 +292,24 @@ def run_in_child(
     err_r, err_w = os.pipe()
     res_r, res_w = os.pipe()
     job_file = None
+    # Started (once) before the clock: the zygote's preloading is no part of a run's time.
+    zygote = forkserver() if start_method == "forkserver" else None
     start = time.monotonic()
     try:
+        reap_pending(block=False)
         with _Interruptible() as guard:
             if start_method == "fork":
+                # Objects that exist now are never collected by the parent's later passes,
+                # and a collection in the child cannot touch (and so copy) their pages.
+                gc.freeze()
                 threaded = thread_count() > 1
                 parent = os.getpid()
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
                     _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
                                   threaded, parent, func, args)
+            elif zygote is not None:  # forkserver: its children are supervised by pid
+                pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:
                 job_file = _write_job(func, args)
                 pid = _spawn(job_file, out_w, err_w, res_w, child_env)
@@ -302,7 +318,7 @@ def run_in_child(
             for fd in (out_w, err_w, res_w):
                 os.close(fd)
             out_w = err_w = res_w = -1
-            run = _Run(pid, token, memory_limit)
+            run = _Run(pid, token, memory_limit, zygote=zygote)
             return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
@@ -406,8 +422,27 @@ def _child_main(res_w: int, func: Callable[..., Any],
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
-    log = _WarningLog()
     code = 0
+    payload = _envelope(func, args)
+    _flush_std_streams()
+    _save_coverage()
+    try:
+        _write_all(res_w, payload)
+    except BaseException:
+        code = 71
+    # Every pipe closed: the parent has all it needs now and need not wait for the exit
+    # (tearing down a forked torch image takes milliseconds).
+    for fd in (1, 2, res_w):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os._exit(code)
+
+
+def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
+              extra: Callable[[], dict[str, Any]] | None = None) -> bytes:  # pragma: no cover
+    """Call ``func(*args)`` and return what the parent reads: the value or the error, the
+    warnings, whether the child is alone, and the ``extra`` fields, as JSON."""
+    log = _WarningLog()
     try:
         with warnings.catch_warnings():
             # The filters inherited from pytest (-W error, filterwarnings) would turn the
@@ -418,26 +453,44 @@ def _child_main(res_w: int, func: Callable[..., Any],
         envelope: dict[str, Any] = {"kind": "value", "value": encode(value)}
     except BaseException:
         envelope = {"kind": "error", "error": clip(traceback.format_exc())}
-    envelope.update(format=_FORMAT, warnings=log.data())
+    # Before the result: the parent trusts "alone" only as a hint to skip its own search.
+    alone = _end_descendants()
+    envelope.update(format=_FORMAT, warnings=log.data(), alone=alone)
+    if extra is not None:
+        envelope.update(extra())
     try:
-        payload = json.dumps(envelope, allow_nan=False).encode()
+        return json.dumps(envelope, allow_nan=False).encode()
     except BaseException:
-        payload = json.dumps({"format": _FORMAT, "kind": "error",
-                              "error": clip(traceback.format_exc())}).encode()
-    _end_descendants()
-    try:
-        _write_all(res_w, payload)
-    except BaseException:
-        code = 71
-    _flush_std_streams()
-    _save_coverage()
-    os._exit(code)
+        return json.dumps({"format": _FORMAT, "kind": "error",
+                           "error": clip(traceback.format_exc())}).encode()
 
 
-def _end_descendants() -> None:  # pragma: no cover - child side
-    """Kill what this child started, while it is still their ancestor (a subreaper)."""
+def _end_descendants() -> bool:  # pragma: no cover - child side
+    """Kill what this child started, while it is still their ancestor (a subreaper).
+
+    True when it had started nothing that still lives: a subreaper with no child has no
+    living descendant, so the whole-system search is skipped (the common case).
+    """
+    if _children(os.getpid()) == []:
+        return True
     with contextlib.suppress(Exception):
         _kill_tree(os.getpid(), None, include_root=False)
+    return False
+
+
+def _children(pid: int) -> list[int] | None:
+    """The living children of ``pid`` from /proc/PID/task/*/children, or None if unknown."""
+    found: list[int] = []
+    try:
+        tasks = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return None
+    for task in tasks:
+        raw = _read(f"/proc/{pid}/task/{task}/children")
+        if raw is None:
+            return None  # a kernel without CONFIG_PROC_CHILDREN: unknown
+        found.extend(int(part) for part in raw.split())
+    return found
 
 
 def _save_coverage() -> None:  # pragma: no cover - child side, and only under coverage
@@ -773,12 +826,28 @@ class _Run:
     resident: int = 0
     memory_exceeded: bool = False
     ended: bool = False  # the child exited and its tree was killed after it
+    zygote: _Zygote | None = None  # the child's parent, when it is not this process
+    reusable: bool = False  # a worker: left running after a clean call
+    kept: bool = False      # the worker was left running after this call
     sampled_at: float = field(default=-math.inf)
     started: int = 0     # the child's start time in clock ticks: no older process is marked
 
     def __post_init__(self) -> None:
         stat = _stat(self.pid)
         self.started = stat[2] if stat is not None else 0
+
+    def has_exited(self) -> bool:
+        """Whether the child ended (it stays unreaped, its pid its own, until ``reap``)."""
+        if self.zygote is None:
+            return _has_exited(self.pid)
+        stat = _stat(self.pid)  # the zygote reaps only when asked: a zombie until then
+        return stat is None or stat[1] in (b"Z", b"X")
+
+    def reap(self) -> int:
+        """Wait for the child and return its wait status."""
+        if self.zygote is None:
+            return os.waitpid(self.pid, 0)[1]
+        return self.zygote.reap(self.pid)
 
     def kill(self) -> None:
         """Kill the whole tree; only before the child is reaped (its pid is its own till then)."""
@@ -863,6 +932,7 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
     except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
         pidfd = None
     exited = False
+    deferred = False
     timed_out = False
     kill_at: float | None = None
     drain_until = math.inf
@@ -919,22 +989,299 @@ def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, st
                     captures[fd].add(data)
                     if kill_at is not None and fd == err_r:
                         dumped_at = time.monotonic()
-            if not exited and _has_exited(pid):
+            flags = (_flags(result) if not open_fds and not oversize and not timed_out
+                     and not run.memory_exceeded else {})
+            clean = flags.get("alone") is True
+            if clean and not exited:
+                if run.reusable and flags.get("retire") is False:
+                    run.kept = True  # a worker, ready for the next call
+                    break
+                # The child sent its result, closed every pipe and started nothing that
+                # lives: it is exiting. Reap it later (before the next fork, at the end).
+                deferred = True
+                break
+            if not exited and run.has_exited():
                 exited = True
-                # Grandchildren may live on and hold the pipes open: end them all, while
-                # the child's pid is still its own (not reaped).
-                run.kill()
+                if not clean:
+                    # Grandchildren may live on and hold the pipes open: end them all,
+                    # while the child's pid is still its own (not reaped).
+                    run.kill()
                 run.ended = True
                 drain_until = time.monotonic() + 1.0
     finally:
         guard.hold()
-        if not run.ended:
-            run.kill()
-        _, status = os.waitpid(pid, 0)
+        if run.kept:
+            status = 0
+        elif deferred:
+            _PENDING.append(run)
+            status = 0  # what the child's os._exit(0) gives; checked when it is reaped
+        else:
+            if not run.ended:
+                run.kill()
+            status = run.reap()
         if pidfd is not None:
             os.close(pidfd)
     return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
                    timed_out, time.monotonic() - start, start_method)
+
+
+def _flags(raw: bytearray) -> dict[str, Any]:
+    """The flags of a complete result: ``alone`` (the child left no living descendant, see
+    ``_end_descendants``) and ``retire`` (a worker that ends after it); {} when unreadable,
+    and then the parent searches and kills as usual."""
+    if not raw.endswith(b"}"):
+        return {}
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(envelope, dict):
+        return {}
+    return {key: envelope.get(key) for key in ("alone", "retire")}
+
+
+# Children that returned a clean result and were exiting: reaped by ``reap_pending``.
+_PENDING: list[_Run] = []
+REAP_GRACE = 10.0  # seconds a returned child gets to finish exiting before it is killed
+
+
+MAX_PENDING = 16  # exiting children left to finish on their own before one is waited for
+
+
+def reap_pending(block: bool = True) -> None:
+    """Reap the children whose results came back before they exited (see ``_supervise``).
+
+    Before each fork (``block=False``) only those that have exited are reaped: a forked
+    torch image takes milliseconds to tear down, which overlap the next run instead of
+    delaying it; past ``MAX_PENDING`` the oldest are waited for. At the end of the session
+    (``shutdown``, ``atexit``) every one is, so that no zombie and no stray process
+    outlives the session. One still running after ``REAP_GRACE`` (stuck in its exit, e.g.
+    a driver's teardown) is killed with its tree.
+    """
+    if not block:
+        for run in [run for run in _PENDING if run.has_exited()]:
+            _PENDING.remove(run)
+            with contextlib.suppress(ChildProcessError, OSError):
+                run.reap()
+    while _PENDING and (block or len(_PENDING) > MAX_PENDING):
+        run = _PENDING.pop(0)
+        end = time.monotonic() + REAP_GRACE
+        while not run.has_exited() and time.monotonic() < end:
+            time.sleep(0.001)
+        if not run.has_exited():
+            run.kill()
+        with contextlib.suppress(ChildProcessError, OSError):
+            run.reap()
+
+
+def shutdown() -> None:
+    """End of the session: end the workers, reap every child still pending, end the zygote."""
+    global _ZYGOTE
+    for pool in list(_POOLS):
+        pool.close()
+    reap_pending()
+    if _ZYGOTE is not None:
+        zygote, _ZYGOTE = _ZYGOTE, None
+        zygote.stop()
+
+
+# --- the zygote (forkserver) ------------------------------------------------------------------
+
+def forkserver_available() -> bool:
+    """Whether this system can serve runs from a zygote (Linux: pidfds, fd passing, /proc)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+            and hasattr(socket, "send_fds"))
+
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
+# Imported before the zygote starts, so that every child it forks has them already.
+PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.execute", "pytest_gpucase.compare")
+
+
+def forkserver() -> _Zygote:
+    """The session's zygote, started now if it is not running yet.
+
+    Started as a fork of this process when CUDA is not initialized here (the plugin
+    does it at ``pytest_configure``, before anything can initialize it), else as a
+    fresh interpreter, once: either way it imports ``PRELOAD`` and never touches the
+    device, so each child it forks starts from a clean, warm image.
+    """
+    global _ZYGOTE
+    if _ZYGOTE is not None and _ZYGOTE.alive():
+        return _ZYGOTE
+    if not forkserver_available():
+        raise RuntimeError("the forkserver start method needs Linux (pidfd_open, fd passing); "
+                           "use --gpu-start-method=spawn")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent = os.getpid()
+    try:
+        if _cuda_initialized():
+            actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), _ZYGOTE_FD),
+                       (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+            entry = "from pytest_gpucase.isolation import zygote_main; zygote_main()"
+            pid = os.posix_spawn(sys.executable, [sys.executable, "-c", entry, str(parent)],
+                                 {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                                 file_actions=actions)
+        else:
+            for name in PRELOAD:
+                importlib.import_module(name)
+            _flush_std_streams()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the zygote
+                try:
+                    mine.close()
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):
+                        os.dup2(null, fd)
+                    keep = theirs.fileno()
+                    os.closerange(3, keep)
+                    os.closerange(keep + 1, 1 << 16)
+                except BaseException:
+                    os._exit(70)
+                _zygote_loop(theirs, parent)
+    finally:
+        theirs.close()
+    _ZYGOTE = _Zygote(pid, mine)
+    return _ZYGOTE
+
+
+def zygote_main() -> None:  # pragma: no cover - runs in a spawned zygote
+    """Entry point of a zygote started as a fresh interpreter (CUDA was initialized)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _zygote_loop(socket.socket(fileno=_ZYGOTE_FD), int(sys.argv[1]))
+
+
+class _Zygote:
+    """This process's end of the zygote: ask it to fork a run's child, or to reap one.
+
+    The zygote reaps a child only when asked, so that the child's pid stays its own
+    while this process checks and kills its tree, as with a child of its own.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> int:
+        data = pickle.dumps(message)  # the parent's own data, to a process of its own
+        blob = len(data).to_bytes(8, "little") + data
+        sent = socket.send_fds(self.sock, [blob], list(fds))
+        self.sock.sendall(blob[sent:])
+        reply = _receive_exactly(self.sock, 8)
+        if len(reply) < 8:
+            raise RuntimeError(f"the gpucase zygote (pid {self.pid}) ended; each run's child "
+                               "is forked by it. Use --gpu-start-method=spawn if it keeps ending")
+        return int.from_bytes(reply, "little", signed=True)
+
+    def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
+              env: Mapping[str, str], fd_argument: bool = False) -> int:
+        """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result);
+        with ``fd_argument``, ``func(*args, result_fd)``."""
+        return self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
+                          "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env),
+                          "fd_argument": fd_argument}, fds)
+
+    def reap(self, pid: int) -> int:
+        status = self._ask({"op": "reap", "pid": pid})
+        if status < 0:
+            raise ChildProcessError(f"pid {pid} is not a child of the zygote")
+        return status
+
+    def stop(self) -> None:
+        """Close the zygote's socket (it exits on that) and reap it."""
+        self.sock.close()
+        end = time.monotonic() + REAP_GRACE
+        while time.monotonic() < end:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    time.sleep(0.005)
+                    continue
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
+    data = bytearray(start)
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover - the zygote
+    """Serve the parent until it closes the socket: fork children, reap them when asked."""
+    try:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(0)
+        os.setpgid(0, 0)  # Ctrl-C goes to pytest's group, not here; pytest ends us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gc.collect()
+        gc.freeze()
+        me = os.getpid()
+        while True:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            if len(data) < 8:
+                os._exit(0)
+            size = int.from_bytes(data[:8], "little")
+            message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
+            if message["op"] == "run":
+                pid = os.fork()
+                if pid == 0:
+                    _zygote_child(sock, message, fds, me)
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
+                for fd in fds:
+                    os.close(fd)
+                reply = pid
+            else:
+                try:
+                    reply = os.waitpid(message["pid"], 0)[1]
+                except ChildProcessError:
+                    reply = -1
+            sock.sendall(reply.to_bytes(8, "little", signed=True))
+    except BaseException:
+        os._exit(0)
+
+
+def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
+                  zygote: int) -> None:  # pragma: no cover - a child of the zygote
+    try:
+        sock.close()
+        os.environ.clear()
+        os.environ.update(message["environ"])
+        sys.path[:] = message["path"]
+        with contextlib.suppress(OSError):
+            os.chdir(message["cwd"])
+        out_w, err_w, res_w = fds
+    except BaseException:
+        os._exit(70)
+    job = message["job"]
+
+    def call() -> Any:
+        func, args = pickle.loads(job)
+        if message.get("fd_argument"):  # a worker: its socket came as the result fd
+            return func(*args, res_w)
+        return func(*args)
+
+    _forked_child(out_w, err_w, res_w, (), message["env"], False, zygote, call, ())
+
+
+atexit.register(shutdown)
 
 
 def _has_exited(pid: int) -> bool:
@@ -1009,3 +1356,245 @@ def hide_machinery(text: str) -> str:
         lines.append(f"  [{hidden} frames of pytest, pluggy and gpucase hidden]")
     return "\n".join(lines)
 
+
+
+# --- reusable workers (--gpu-isolation case, worker) -----------------------------------------
+
+_POOLS: list[WorkerPool] = []
+
+
+class WorkerPool:
+    """Long-lived children that run calls one after another, by key (device, environment,
+    and the case in ``case`` isolation), to amortize a device context over many runs.
+
+    A worker ends on anything it cannot vouch for: a crash, a timeout, a result refused,
+    a process left behind, or global state it cannot restore (``_State``); the caller
+    retires it after any failure too (``retire``) and confirms that failure in a fresh
+    child. ``shutdown`` ends every pool's workers.
+    """
+
+    def __init__(self) -> None:
+        self.workers: dict[Any, _Worker] = {}
+        _POOLS.append(self)
+
+    def run(self, key: Any, func: Callable[..., Any], *args: Any, timeout: float,
+            env: Mapping[str, str] | None = None, start_method: StartMethod = "fork",
+            memory_limit: int | None = None, exclusive: bool = False) -> ChildResult:
+        """``func(*args)`` in the worker of ``key`` (started now if there is none); with
+        ``exclusive``, the other workers end first (one case's worker at a time)."""
+        if exclusive:
+            for other in [k for k in self.workers if k != key]:
+                self.retire(other)
+        worker = self.workers.get(key)
+        if worker is None:
+            worker = self.workers[key] = _Worker(start_method, env or {})
+        result = worker.call(func, args, timeout, memory_limit)
+        if not worker.usable:
+            del self.workers[key]
+        return result
+
+    def retire(self, key: Any) -> None:
+        """End the worker of ``key``, if there is one."""
+        worker = self.workers.pop(key, None)
+        if worker is not None:
+            worker.close()
+
+    def close(self) -> None:
+        for key in list(self.workers):
+            self.retire(key)
+        reap_pending()
+
+
+class _Worker:
+    """One reusable child and this process's socket to it."""
+
+    def __init__(self, start_method: StartMethod, env: Mapping[str, str]) -> None:
+        if start_method == "spawn":
+            raise ValueError("a reusable worker is forked (fork or forkserver), not spawned")
+        self.token = secrets.token_hex(16)
+        self.start_method = start_method
+        child_env = {**env, MARKER_ENV: self.token}
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        nulls = (os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY))
+        self.zygote: _Zygote | None = None
+        reap_pending(block=False)
+        try:
+            if start_method == "forkserver":
+                self.zygote = forkserver()
+                self.pid = self.zygote.start(_worker_serve, (), (*nulls, theirs.fileno()),
+                                             child_env, fd_argument=True)
+            else:
+                gc.freeze()
+                threaded, parent = thread_count() > 1, os.getpid()
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - the worker
+                    _forked_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
+                                  child_env, threaded, parent, _worker_serve, (theirs.fileno(),))
+                self.pid = pid
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
+        finally:
+            theirs.close()
+            for fd in nulls:
+                os.close(fd)
+        self.sock = mine
+        self.usable = True
+
+    def call(self, func: Callable[..., Any], args: tuple[Any, ...], timeout: float,
+             memory_limit: int | None) -> ChildResult:
+        if not timeout >= 0:
+            raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+        out_r, out_w = os.pipe()
+        err_r, err_w = os.pipe()
+        res_r, res_w = os.pipe()
+        start = time.monotonic()
+        try:
+            with _Interruptible() as guard:
+                job = pickle.dumps((func, args))  # the parent's own data, as for spawn
+                blob = len(job).to_bytes(8, "little") + job
+                try:
+                    sent = socket.send_fds(self.sock, [blob], [out_w, err_w, res_w])
+                    self.sock.sendall(blob[sent:])
+                except OSError:  # it died between calls: the result will say so
+                    pass
+                for fd in (out_w, err_w, res_w):
+                    os.close(fd)
+                out_w = err_w = res_w = -1
+                run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True)
+                result = _supervise(run, out_r, err_r, res_r, timeout, start, self.start_method,
+                                    guard)
+        finally:
+            for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
+                if fd >= 0:
+                    os.close(fd)
+        if not run.kept:  # killed and reaped, or exiting and pending
+            self.usable = False
+            self.sock.close()
+        return result
+
+    def close(self) -> None:
+        """End the worker: it exits when its socket closes (killed if it does not)."""
+        if not self.usable:
+            return
+        self.usable = False
+        self.sock.close()
+        _PENDING.append(_Run(self.pid, self.token, None, zygote=self.zygote))
+
+
+def _worker_serve(sock_fd: int) -> None:  # pragma: no cover - the worker
+    """Run the calls the parent sends, one at a time, each with its own pipes."""
+    sock = socket.socket(fileno=sock_fd)
+    null = os.open(os.devnull, os.O_RDWR)
+    while True:
+        data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+        if len(data) < 8 or len(fds) != 3:
+            _flush_std_streams()
+            _save_coverage()
+            os._exit(0)
+        size = int.from_bytes(data[:8], "little")
+        job = _receive_exactly(sock, size + 8, data)[8:]
+        out_w, err_w, res_w = fds
+        state = _State()
+        _flush_std_streams()
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.close(out_w)
+        os.close(err_w)
+
+        restored: list[bool] = []
+        payload = _envelope(_unpickle_and_call, (job,), functools.partial(
+            _restore, state, restored))
+        retire = restored != [True]
+        _flush_std_streams()
+        try:
+            _write_all(res_w, payload)
+        except BaseException:
+            retire = True
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        os.close(res_w)
+        if retire:
+            _save_coverage()
+            os._exit(0)
+
+
+def _unpickle_and_call(job: bytes) -> Any:  # pragma: no cover - the worker
+    func, args = pickle.loads(job)  # the parent's own data
+    return func(*args)
+
+
+def _restore(state: _State, found: list[bool]) -> dict[str, Any]:  # pragma: no cover
+    """Restore the worker's state after a call; the result says whether the worker ends."""
+    found.append(state.restore())
+    return {"retire": not found[-1]}
+
+
+class _State:  # pragma: no cover - the worker
+    """The global state a run may change, saved before it and restored after it.
+
+    ``restore`` returns False when it cannot be (the worker then ends): a device left in
+    an error state, a failed restore.
+    """
+
+    def __init__(self) -> None:
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        self.path = list(sys.path)
+        self.modules = set(sys.modules)
+        self.random = __import__("random").getstate()
+        torch = sys.modules.get("torch")
+        self.torch: dict[str, Any] = {}
+        if torch is not None:
+            backends = torch.backends
+            self.torch = {
+                "grad": torch.is_grad_enabled(),
+                "dtype": torch.get_default_dtype(),
+                "deterministic": torch.are_deterministic_algorithms_enabled(),
+                "warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+                "matmul_tf32": backends.cuda.matmul.allow_tf32,
+                "precision": torch.get_float32_matmul_precision(),
+                "cudnn": (backends.cudnn.enabled, backends.cudnn.benchmark,
+                          backends.cudnn.deterministic, backends.cudnn.allow_tf32),
+                "threads": torch.get_num_threads(),
+                "rng": torch.random.get_rng_state(),
+                "cuda": torch.cuda.is_initialized(),
+            }
+            if self.torch["cuda"]:
+                self.torch["device"] = torch.cuda.current_device()
+                self.torch["cuda_rng"] = torch.cuda.get_rng_state_all()
+
+    def restore(self) -> bool:
+        try:
+            os.environ.clear()
+            os.environ.update(self.environ)
+            os.chdir(self.cwd)
+            sys.path[:] = self.path
+            for name in set(sys.modules) - self.modules:
+                if name.startswith("gpucase_case_"):  # a case's own code: never shared
+                    del sys.modules[name]
+            __import__("random").setstate(self.random)
+            torch = sys.modules.get("torch")
+            if torch is None or not self.torch:
+                return True
+            saved, backends = self.torch, torch.backends
+            if torch.cuda.is_initialized():
+                torch.cuda.synchronize()  # a sticky device error raises here: end the worker
+            torch.set_grad_enabled(saved["grad"])
+            torch.set_default_dtype(saved["dtype"])
+            if (torch.are_deterministic_algorithms_enabled(), saved["warn_only"]) != (
+                    saved["deterministic"], torch.is_deterministic_algorithms_warn_only_enabled()):
+                # As execute's switch does: the public call would import inductor (seconds).
+                torch._C._set_deterministic_algorithms(saved["deterministic"],
+                                                       warn_only=saved["warn_only"])
+            backends.cuda.matmul.allow_tf32 = saved["matmul_tf32"]
+            torch.set_float32_matmul_precision(saved["precision"])
+            (backends.cudnn.enabled, backends.cudnn.benchmark, backends.cudnn.deterministic,
+             backends.cudnn.allow_tf32) = saved["cudnn"]
+            torch.set_num_threads(saved["threads"])
+            torch.random.set_rng_state(saved["rng"])
+            if saved["cuda"]:
+                torch.cuda.set_device(saved["device"])
+                torch.cuda.set_rng_state_all(saved["cuda_rng"])
+            return True
+        except Exception:
+            return False

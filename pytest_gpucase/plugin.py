@@ -6,6 +6,7 @@ Kept thin and light: nothing here imports torch at module level, so a plain
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -65,9 +66,16 @@ SETTINGS = (
     Setting("gpu_memory_limit", "kill a run's whole process tree when its resident memory "
             "passes this many GiB, e.g. 8 (a case's own memory_limit wins)", kind="gib",
             needs_cases=True),
-    Setting("gpu_start_method", "how each run's child starts: auto (fork, or spawn when CUDA is "
-            "already initialized in the pytest process), fork, spawn", kind="choice",
-            choices=("auto", "fork", "spawn"), default="auto"),
+    Setting("gpu_start_method", "how each run's child starts: auto (fork, or forkserver when "
+            "CUDA is already initialized in the pytest process), fork, forkserver (forked by a "
+            "zygote started with the session, before CUDA could be initialized), spawn (a fresh "
+            "interpreter per run)", kind="choice",
+            choices=("auto", "fork", "forkserver", "spawn"), default="auto"),
+    Setting("gpu_isolation", "how fresh each run's child is: item (a fresh child per run), "
+            "case (one child runs a case's runs in turn), worker (one child per device runs "
+            "them all, keeping its device context); a reused child ends on a crash, timeout or "
+            "state it cannot restore, and every failure in one is judged again in a fresh "
+            "child", kind="choice", choices=("item", "case", "worker"), default="item"),
 )
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
 
@@ -171,6 +179,9 @@ class GpuCaseSession:
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
+    _reference_cache: Path | None = None
+    _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
+    _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
     @property
     def enabled(self) -> bool:
@@ -259,6 +270,30 @@ class GpuCaseSession:
         env = self.environment()
         return pin_env(worker, env.backend, len(env.devices), os.environ)
 
+    def reference_cache(self) -> Path:
+        """Where children cache the float64 references (pytest's cache, else a temporary
+        folder removed at the end of the session)."""
+        if self._reference_cache is None:
+            cache = getattr(self.config, "cache", None)
+            if cache is not None:
+                self._reference_cache = Path(cache.mkdir("gpucase-references"))
+            else:
+                import tempfile
+
+                self._reference_cache = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
+                self._temporary.append(self._reference_cache)
+        return self._reference_cache
+
+    def pool(self) -> Any:
+        """The session's reusable children (``--gpu-isolation``), or None for ``item``."""
+        if self.settings["gpu_isolation"] == "item":
+            return None
+        if self._pool is None:
+            from .isolation import WorkerPool
+
+            self._pool = WorkerPool()
+        return self._pool
+
     def start_method(self) -> StartMethod:
         from .isolation import default_start_method
 
@@ -266,6 +301,7 @@ class GpuCaseSession:
         if chosen != "auto":
             return chosen  # type: ignore[return-value]
         method = default_start_method()
+        # Only where there is no zygote (not Linux): with one, forkserver costs a fork.
         note = ("CUDA was initialized in the pytest process, so each run starts a fresh "
                 "interpreter (spawn) instead of a fork: every run pays for importing torch again")
         if method == "spawn" and note not in self.notes:
@@ -304,6 +340,7 @@ def pytest_configure(config: pytest.Config) -> None:
         from ._torch import import_torch
 
         import_torch()  # before any engine module imports it, and before anything can fork
+        _start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
     if state.enabled and config.getoption("forked", False):
@@ -337,6 +374,36 @@ def run_markers() -> list[tuple[str, str]]:
         *((f"backend_{backend}", f"a gpucase run on the {backend} backend")
           for backend in BACKENDS),
     ]
+
+
+def _start_zygote(config: pytest.Config, state: GpuCaseSession) -> None:
+    """Start the forkserver's zygote now, before anything in this process can initialize
+    CUDA, where runs may need it (auto or forkserver; not on an xdist controller)."""
+    from .isolation import forkserver, forkserver_available
+
+    if state.settings["gpu_start_method"] not in ("auto", "forkserver"):
+        return
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        return  # the workers run the items, each with a zygote of its own
+    if forkserver_available():
+        forkserver()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    import shutil
+    import sys
+
+    isolation = sys.modules.get("pytest_gpucase.isolation")
+    if isolation is not None:
+        isolation.shutdown()  # no child, zombie or zygote outlives the session
+    state = config.stash.get(session_key, None)
+    for path in state._temporary if state is not None else ():
+        shutil.rmtree(path, ignore_errors=True)
+    if state is not None and state.renderers:
+        from .report import RENDERERS
+
+        for name in state.renderers:
+            RENDERERS.pop(name, None)   # the next session in this process asks its own plugins
 
 
 def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
@@ -440,14 +507,22 @@ class CaseFile(pytest.File):
             state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case)})")
         pin = state.worker_env()
         build = state.environment().backend
+        case_path = _relative(case_dir) if specs else ""  # once per case, not per item
         for spec in specs:
             if pin and spec.device != "cpu":
                 spec = replace(spec, env={**spec.env, **pin})
             item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+                                        case_path=case_path,
                                         **_item_id(self, case.name, spec.id))
             # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
-            item.add_marker(f"backend_{run_backend(spec.device, build)}")
+            item.add_marker(_mark(f"backend_{run_backend(spec.device, build)}"))
             yield item
+
+
+@functools.cache
+def _mark(name: str) -> pytest.MarkDecorator:
+    """The marker ``name`` (all registered in pytest_configure), made once, not per item."""
+    return getattr(pytest.mark, name)  # type: ignore[no-any-return]
 
 
 def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
@@ -549,14 +624,14 @@ def xfail_reason(spec: RunSpec) -> str | None:
 class CaseItem(pytest.Item):
     """One run of a case, executed in a fresh child process."""
 
-    def __init__(self, *, spec: RunSpec, **kwargs: Any) -> None:
+    def __init__(self, *, spec: RunSpec, case_path: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.spec = spec
-        self.add_marker(f"device_{spec.device}")
+        self.add_marker(_mark(f"device_{spec.device}"))
         from .case import FLOAT_DTYPES
 
         if spec.dtype in FLOAT_DTYPES:
-            self.add_marker(f"dtype_{spec.dtype}")
+            self.add_marker(_mark(f"dtype_{spec.dtype}"))
         if spec.variant is not None:
             # -m "variant_boundary(value=-1)" selects exactly one value.
             self.add_marker(getattr(pytest.mark, f"variant_{spec.variant.kind}")(
@@ -565,7 +640,7 @@ class CaseItem(pytest.Item):
         self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
         from .report import property_json
 
-        self.user_properties.append(("gpucase", property_json(spec_fields(spec))))
+        self.user_properties.append(("gpucase", property_json(spec_fields(spec, case_path))))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
         elif (reason := xfail_reason(spec)) is not None:
@@ -589,6 +664,8 @@ class CaseItem(pytest.Item):
                            backend=state.environment().backend,
                            memory_limit=(self.spec.case.memory_limit
                                          or state.settings["gpu_memory_limit"]),
+                           reference_cache=state.reference_cache(),
+                           isolation=state.settings["gpu_isolation"], pool=state.pool(),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
@@ -668,11 +745,12 @@ def _reissue_warnings(verdict: Verdict) -> None:
         reissue_warnings(verdict.child.warnings)
 
 
-def spec_fields(spec: RunSpec) -> dict[str, Any]:
-    """What the JSON report says of an item before it runs (set at collection)."""
+def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
+    """What the JSON report says of an item before it runs (set at collection);
+    ``case_path``, the case's shown path, when the caller has it already."""
     return {
         "case": spec.case.name,
-        "case_path": _relative(spec.case.path),
+        "case_path": _relative(spec.case.path) if case_path is None else case_path,
         "device": spec.device,
         "dtype": spec.dtype,
         "variant": spec.variant.label if spec.variant is not None else None,
@@ -694,8 +772,21 @@ def verdict_fields(verdict: Verdict) -> dict[str, Any]:
 
 
 def _relative(path: Path) -> str:
-    from .errors import display
+    """``display(path)`` with ``/``; a normalized path below the working directory (every
+    collected case) is cut with string operations: pathlib costs a quarter millisecond a
+    case at collection."""
+    import os
 
+    from .errors import display, printable
+
+    text = os.fspath(path)
+    try:
+        cwd = os.getcwd().rstrip(os.sep) + os.sep
+    except OSError:
+        cwd = ""
+    if (os.sep == "/" and cwd and text.startswith(cwd) and os.path.isabs(text)
+            and os.path.normpath(text) == text):
+        return printable(text[len(cwd):])
     return Path(display(path)).as_posix()
 
 
@@ -842,14 +933,6 @@ class _OwnIsolation:
         runtestprotocol(item, nextitem=nextitem, log=True)
         item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
         return True
-
-
-def pytest_unconfigure(config: pytest.Config) -> None:
-    from .report import RENDERERS
-
-    state = config.stash.get(session_key, None)
-    for name in state.renderers if state is not None else ():
-        RENDERERS.pop(name, None)   # the next session in this process asks its own plugins
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

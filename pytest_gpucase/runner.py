@@ -8,15 +8,19 @@ import builtins
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
 
 from .environment import launch_blocking_env
 from .errors import display
 from .case import Case
 from .execute import Outcome, run, write_golden
-from .isolation import ChildResult, ChildWarning, StartMethod, run_in_child
+from .isolation import ChildResult, ChildWarning, StartMethod, WorkerPool, run_in_child
 from .matrix import RunSpec
+from .reference_cache import CACHE_ENV
 from .triage import Triage, assertion_line, triage
 
+Isolation = Literal["item", "case", "worker"]
 STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
 
 
@@ -36,21 +40,46 @@ class Verdict:
 
 
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
-             localize: bool = True, memory_limit: int | None = None) -> Verdict:
+             localize: bool = True, memory_limit: int | None = None,
+             reference_cache: Path | None = None, isolation: Isolation = "item",
+             pool: WorkerPool | None = None) -> Verdict:
     """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
 
     ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
-    case's own ``memory_limit``, when it has one.
+    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder),
+    the float64 reference is computed once per case and variant and reused
+    (``reference_cache`` module).
+
+    With ``isolation`` ``case`` or ``worker`` and a ``pool``, the run goes to a reused
+    child (one per case, or one per device and environment); a failure seen there is
+    never reported: that child ends, and the run is judged again in a fresh child.
     """
     if memory_limit is None:
         memory_limit = getattr(spec.case, "memory_limit", None)
-    child = run_in_child(run, spec, timeout=spec.case.timeout, env=dict(spec.env),
-                         start_method=start_method, memory_limit=memory_limit)
+    env = dict(spec.env)
+    if reference_cache is not None:
+        env[CACHE_ENV] = str(reference_cache)
+    reused = isolation != "item" and pool is not None and start_method != "spawn"
+    key = (spec.device, tuple(sorted(env.items())),
+           str(spec.case.path) if isolation == "case" else None)
+    if reused:
+        assert pool is not None
+        child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
+                         start_method=start_method, memory_limit=memory_limit,
+                         exclusive=isolation == "case")
+    else:
+        child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                             start_method=start_method, memory_limit=memory_limit)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(
             f"sent a {type(child.value).__name__} instead of an Outcome"))
     outcome = child.value if child.returned else _crash_outcome(spec, child)
+    if reused and outcome.status == "failed":
+        assert pool is not None
+        pool.retire(key)  # whatever failed may have left the child unfit
+        return run_spec(spec, start_method=start_method, backend=backend, localize=localize,
+                        memory_limit=memory_limit, reference_cache=reference_cache)
     found = None
     if outcome.status == "failed":
         found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
@@ -62,7 +91,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
         verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
                                                       backend=backend, localize=False,
-                                                      memory_limit=memory_limit))
+                                                      memory_limit=memory_limit,
+                                                      reference_cache=reference_cache))
     return verdict
 
 

@@ -138,8 +138,10 @@ def send_raw_result(data: bytes) -> None:
     import inspect
 
     frame = inspect.currentframe()
-    assert frame is not None and frame.f_back is not None
-    fd = frame.f_back.f_locals["res_w"]  # the result pipe of _child_main, the caller
+    while frame is not None and "res_w" not in frame.f_locals:
+        frame = frame.f_back  # up to _child_main (or a worker's loop), which holds the pipe
+    assert frame is not None
+    fd = frame.f_locals["res_w"]
     os.write(fd, data)
     os._exit(0)
 

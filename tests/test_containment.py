@@ -69,7 +69,7 @@ def read_pid(path: Path, seconds: float = 60) -> int:
 
 # --- the whole tree dies ----------------------------------------------------------------------
 
-@pytest.mark.parametrize("method", ["fork", "spawn"])
+@pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_child_that_joins_the_parents_group_is_killed(tmp_path: Path, method: str) -> None:
     pid_file = tmp_path / "child.pid"
     result = run_in_child(targets.join_parent_group_and_hang, str(pid_file), timeout=1.0,

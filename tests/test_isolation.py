@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpucase import isolation
 from pytest_gpucase.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
 
 from . import isolation_targets as targets
 
-METHODS = ["fork", "spawn"]
+METHODS = ["fork", "forkserver", "spawn"]
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -116,3 +117,72 @@ def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]
     assert result.stdout == "to stdout\n"
     out, err = capfd.readouterr()
     assert "to stdout" not in out and "to fd 2" not in err
+
+
+def test_returned_children_are_reaped_bounded_and_all_at_the_end() -> None:
+    pids = []
+    for _ in range(isolation.MAX_PENDING + 5):
+        result = run_in_child(os.getpid, timeout=60)
+        assert result.returned and result.exitcode == 0
+        pids.append(result.value)
+        assert len(isolation._PENDING) <= isolation.MAX_PENDING + 1
+    isolation.reap_pending()
+    assert not isolation._PENDING
+    for pid in pids:
+        with pytest.raises(ChildProcessError):  # reaped: no zombie is left
+            os.waitpid(pid, os.WNOHANG)
+
+
+needs_zygote = pytest.mark.skipif(not isolation.forkserver_available(),
+                                  reason="the forkserver needs Linux pidfds and fd passing")
+
+
+@needs_zygote
+def test_forkserver_children_are_not_children_of_pytest() -> None:
+    result = run_in_child(os.getppid, timeout=60, start_method="forkserver")
+    assert result.returned and result.start_method == "forkserver"
+    assert result.value == isolation.forkserver().pid != os.getpid()
+
+
+@needs_zygote
+def test_auto_picks_the_forkserver_once_cuda_is_initialized(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert isolation.default_start_method() == "fork"
+    monkeypatch.setattr(isolation, "_cuda_initialized", lambda: True)
+    assert isolation.default_start_method() == "forkserver"
+
+
+@needs_zygote
+def test_the_zygote_ends_with_the_session() -> None:
+    zygote = isolation.forkserver().pid
+    isolation.shutdown()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(zygote, os.WNOHANG)  # reaped
+    assert run_in_child(os.getpid, timeout=60, start_method="forkserver").returned  # anew
+
+
+@needs_zygote
+def test_the_zygote_dies_with_a_killed_pytest(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    script = ("import os, sys, time\nfrom pytest_gpucase import isolation\n"
+              "print(isolation.forkserver().pid, flush=True)\ntime.sleep(600)\n")
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        assert owner.stdout is not None
+        zygote = int(owner.stdout.readline())
+        owner.kill()
+        owner.wait()
+        end = time.monotonic() + 60
+        while time.monotonic() < end and Path(f"/proc/{zygote}").exists():
+            state = Path(f"/proc/{zygote}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0]
+            if state in (b"Z", b"X"):
+                break
+            time.sleep(0.05)
+        assert not Path(f"/proc/{zygote}").exists() or state in (b"Z", b"X")
+    finally:
+        owner.kill()
+        owner.wait()
+        if owner.stdout is not None:
+            owner.stdout.close()

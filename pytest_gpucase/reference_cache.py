@@ -1,0 +1,113 @@
+"""The float64 CPU reference of a case, computed once and reused by every item that shares it.
+
+Every item of one case and variant (each device, and each dtype the inputs are
+not cast to) computes the same reference: the same function on the same
+float64 inputs on the CPU. The first item's child writes it to the cache
+directory (``GPUCASE_REFERENCE_CACHE`` in the child's environment; the plugin
+sets it to a folder of pytest's cache), later ones read it back.
+
+The file's name is a hash of everything the reference depends on: the case's
+``case.toml``, its inputs file (its content hash when ``inputs_sha256`` names
+one, else its size, inode and change times: hashing a large payload per item
+would cost more than most references), the source file that defines the
+reference function (for a case's own ``case.py``: all of it), the variant, the
+dtype the inputs were cast to (a float32 item's reference starts from
+float32-rounded inputs), the switches, and the torch version. Any change makes
+a new name; an unreadable entry is computed again. A failing item never trusts
+the cache: its reference is computed again before it is reported (see
+``execute``). A reference faster than ``MIN_SECONDS`` is not worth a file and
+is computed each time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import inspect
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .matrix import RunSpec
+
+CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
+# A reference computed faster than this is not cached: reading the file back would cost
+# more (a trivial case's float64 reference takes a fraction of a millisecond).
+MIN_SECONDS = 0.005
+_VERSION = b"gpucase-reference-1"
+
+
+def _file_signature(path: Path) -> bytes:
+    try:
+        found = path.stat()
+    except OSError:
+        return b"absent"
+    return f"{found.st_size}:{found.st_ino}:{found.st_mtime_ns}:{found.st_ctime_ns}".encode()
+
+
+def _source_of(func: Callable[..., Any]) -> bytes:
+    """The bytes of the file that defines ``func``, or its name when it has none (a builtin)."""
+    with contextlib.suppress(TypeError, OSError):
+        source = inspect.getsourcefile(inspect.unwrap(func))
+        if source is not None:
+            return Path(source).read_bytes()
+    return repr(getattr(func, "__qualname__", func)).encode()
+
+
+def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
+    """The hash naming ``spec``'s reference in the cache."""
+    import torch
+
+    case = spec.case
+    digest = hashlib.sha256(_VERSION)
+    parts: list[bytes] = [
+        case.case_file.read_bytes(),
+        (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file),
+        _source_of(reference),
+        (case.reference or case.call).encode(),
+        (spec.variant.id if spec.variant is not None else "").encode(),
+        (spec.dtype if spec.cast else "saved").encode(),
+        ",".join(spec.settings).encode(),
+        torch.__version__.encode(),
+    ]
+    for part in parts:
+        digest.update(len(part).to_bytes(8, "little"))
+        digest.update(part)
+    return digest.hexdigest()
+
+
+def entry(spec: RunSpec, reference: Callable[..., Any]) -> Path | None:
+    """Where ``spec``'s reference is cached, or None when this child has no cache."""
+    folder = os.environ.get(CACHE_ENV)
+    if not folder:
+        return None
+    try:
+        return Path(folder) / f"{key(spec, reference)}.safetensors"
+    except OSError:  # the case file vanished: no caching, the run will say what is wrong
+        return None
+
+
+def load(path: Path | None) -> dict[str, Any] | None:
+    """The cached reference results at ``path``, or None when absent or unreadable."""
+    if path is None or not path.exists():
+        return None
+    from . import golden
+
+    try:
+        return golden.load(path)
+    except Exception:  # a torn or foreign file: computed again, and rewritten
+        return None
+
+
+def store(path: Path | None, results: dict[str, Any], seconds: float) -> None:
+    """Cache ``results`` at ``path`` (atomically) when computing them took ``MIN_SECONDS``
+    or more; results golden files cannot hold are not cached."""
+    if path is None or seconds < MIN_SECONDS:
+        return
+    from . import golden
+
+    with contextlib.suppress(Exception):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        golden.save(path, results)
