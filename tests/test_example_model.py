@@ -93,6 +93,9 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
 
 
 @pytest.mark.gpu
+@pytest.mark.xfail(reason="not yet run on a GPU: after a device-side assert the model's state "
+                   "cannot be read back, and capture snapshots only the inputs before the call",
+                   strict=False)
 def test_model_failure_on_cuda_is_captured_narrowed_and_replayed(
         pytester: pytest.Pytester) -> None:
     """On CUDA the out-of-range row is a device-side assert; the cases replay it on both."""
