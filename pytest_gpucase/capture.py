@@ -1024,10 +1024,27 @@ def _case_document(draft: _Draft) -> dict[str, Any]:
     if draft.literals:
         doc["inputs"] = dict(draft.literals)
     doc["expect"] = {"outcome": "matches"}
+    autocast = draft.context.get("autocast")
+    if draft.call == REPLAY_MODULE and isinstance(autocast, Mapping):
+        doc["expect"]["tolerance"] = {autocast["dtype"]: _model_tolerance(autocast["dtype"])}
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
     return doc
+
+
+def _model_tolerance(dtype: str) -> dict[str, float]:
+    """What "matches" means for a whole module computed under autocast against float64.
+
+    The dtype's default tolerance is for one op; a module rounds at every layer, so a
+    correct model under bf16 autocast lands a few units of epsilon away (4 bf16 ULPs on
+    the example's logits). Four epsilons, relative and absolute.
+    """
+    import torch
+
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    return {"rtol": 4 * eps, "atol": 4 * eps}
+
 
 
 def _claim(root: Path, name: str) -> Path:

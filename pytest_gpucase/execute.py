@@ -27,7 +27,7 @@ from typing import Any, Literal
 import safetensors.torch  # noqa: F401
 import torch
 
-from . import backends, fsutil, golden, payload, reference_cache
+from . import backends, fsutil, golden, payload, project, reference_cache
 from .capture import REPLAY_ENV
 from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare
@@ -70,6 +70,8 @@ def run(spec: RunSpec) -> Outcome:
     """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
+    # The user's code is imported as every gpucase tool imports it (project.py).
+    project.prepend(project.import_paths(spec.case.path))
     try:
         return _run(spec)
     except _Failed as failed:
@@ -152,6 +154,7 @@ def _run(spec: RunSpec) -> Outcome:
 
 def write_golden(case: Case) -> str:
     """Compute the reference results on the saved inputs and write them as the case's golden."""
+    project.prepend(project.import_paths(case.path))
     inputs = load_inputs(case)
     key = "reference" if case.reference else "call"
     reference = resolve(case, case.reference or case.call, key)

@@ -522,7 +522,12 @@ def minimize(
                  f"{baseline.spec.dtype} ({failure}); {_sizes(axes)}; budget {max_tries} "
                  f"tries, {time_budget:g} s\n")
     stream.flush()
-    scratch = Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
+    try:
+        # Beside the original (hidden: never collected), so that a try imports the user's
+        # code from the same project as the original does (project.py).
+        scratch = Path(tempfile.mkdtemp(prefix=".gpucase-minimize-", dir=case.path.parent))
+    except OSError:  # a read-only case folder
+        scratch = Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
     stopped: Stop | None = None
     try:
         search = _Search(spec=replace(baseline.spec, case=_scratch_case(case, scratch)),
@@ -598,12 +603,9 @@ def _free_name(original: Path) -> Path:
 
 
 def _origin_path(original: Path, target: Path) -> str:
-    """The original seen from the new case: relative within the project, so it moves with it."""
-    source, new = Path(os.path.abspath(original)), Path(os.path.abspath(target))
-    here = Path.cwd()
-    if source.is_relative_to(here) and new.is_relative_to(here):
-        return Path(os.path.relpath(source, new)).as_posix()
-    return source.as_posix()
+    """The original seen from the new case, relative to it whatever the working directory:
+    a case holds no absolute path, so it moves with its project and names no one's home."""
+    return Path(os.path.relpath(os.path.abspath(original), os.path.abspath(target))).as_posix()
 
 
 def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:

@@ -603,12 +603,17 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
         return False
     error = str(case.origin.get("error", ""))
     recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", error)
-    if recorded is None or outcome.error_type is None:
-        return True  # nothing to tell them apart by: a mismatch, or no recorded type
+    if recorded is None:
+        return True  # nothing to tell them apart by: no recorded type
     known = case.origin.get("failure_class")
     if not isinstance(known, str):
         known = failure_class(recorded[1], error.partition(":")[2],
                               str(case.origin.get("stderr", "")))
+    if known not in (None, "nan") and outcome.kind in ("mismatch", "golden mismatch",
+                                                        "no exception"):
+        return False  # the captured error is gone (a fix): another failure, not the known one
+    if outcome.error_type is None:
+        return True  # nothing to tell them apart by: a mismatch
     found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
     if known is not None and found is not None:
         return same_failure(known, found)

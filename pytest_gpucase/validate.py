@@ -4,9 +4,10 @@ For each case directory: ``case.toml`` loads; the payloads are present where
 needed and readable (headers and bounds; the hash when one is named); the
 call and reference resolve (a ``FILE.py`` defines the function, read with
 ``ast``; a module is found with ``importlib.util.find_spec`` and never
-imported); the inputs bind to the function's parameters; each variant axis is
-within the rank of the inputs that follow it, and its resized inputs within
-bounds. Case code is never executed here, and torch is not imported.
+imported, on the ``sys.path`` a run gets from ``project.import_paths``); the
+inputs bind to the function's parameters; each variant axis is within the
+rank of the inputs that follow it, and its resized inputs within bounds.
+Case code is never executed here, and torch is not imported.
 
 ``Parameters`` and ``binding_problems`` are shared with the child
 (``execute``), so that a dry run and a run word the same mistake the same way.
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from . import payload
+from . import payload, project
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, is_case_dir, load_case
 from .errors import CaseFormatError, display, regular_file
 from .variants import (
@@ -243,7 +244,8 @@ def _parameters(case: Case, key: str, target: str,
     if where.endswith(".py"):
         source = case.path / where
     else:
-        found = _find_module(where)
+        with project.importable(case.path):  # as the run will import it
+            found = _find_module(where)
         if found is None:
             problems.append(CaseFormatError(
                 case.case_file, f"module '{where}' is not importable here; install it, or "

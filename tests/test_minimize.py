@@ -252,7 +252,8 @@ def test_max_tries_stops_and_writes_the_best_so_far(tmp_path: Path) -> None:
     assert result.output is not None
     record = load_case(result.output).origin["minimized_from"]
     assert record["stopped"] == "max tries" and record["entries"] == list(range(32, 48))
-    assert record["case"] == path.as_posix()  # outside the working directory: absolute
+    # Outside the working directory too: relative to the new case, never absolute.
+    assert record["case"] == "../ce_batch"
     assert "(stopped at --max-tries)" in result.render()
 
 

@@ -137,14 +137,19 @@ def test_device_side_assert_is_known_as_the_cpu_index_error() -> None:
     case = SimpleNamespace(origin={"error": "RuntimeError: CUDA error: device-side assert "
                                             "triggered", "stderr": ASSERT_LINE})
     cpu = SimpleNamespace(outcome=SimpleNamespace(
-        broken_case=False, error_type="IndexError", error_message="index out of range in self"),
-        child=SimpleNamespace(stderr=""))
+        broken_case=False, error_type="IndexError", error_message="index out of range in self",
+        kind="raises"), child=SimpleNamespace(stderr=""))
     assert is_known_failure(case, cpu)  # type: ignore[arg-type]
     other = SimpleNamespace(outcome=SimpleNamespace(
         broken_case=False, error_type="RuntimeError",
-        error_message="expected m1 and m2 to have the same dtype"),
+        error_message="expected m1 and m2 to have the same dtype", kind="raises"),
         child=SimpleNamespace(stderr=""))
     assert not is_known_failure(case, other)  # type: ignore[arg-type]
+    # The recorded exception is gone and the outputs differ: another failure, not this one.
+    mismatch = SimpleNamespace(outcome=SimpleNamespace(
+        broken_case=False, error_type=None, error_message=None, kind="mismatch"),
+        child=SimpleNamespace(stderr=""))
+    assert not is_known_failure(case, mismatch)  # type: ignore[arg-type]
 
 
 def test_scoped_xfail(tmp_path: Path) -> None:

@@ -1,0 +1,131 @@
+"""Where a case's ``call``, ``reference`` and module ``factory`` are imported from.
+
+One rule for every tool, so that a case imports the user's code the same way
+under ``pytest --gpu-cases``, ``gpucase minimize``, ``gpucase ablate`` and
+``gpucase validate``: the project of a case is the one pytest would find for
+it, the nearest directory above it with a pytest configuration file, checked
+in pytest's order (``pytest.toml``, ``.pytest.toml``, ``pytest.ini``,
+``.pytest.ini``, ``pyproject.toml`` with ``[tool.pytest]`` or
+``[tool.pytest.ini_options]``, ``tox.ini`` with ``[pytest]``, ``setup.cfg`` with
+``[tool:pytest]``), else the nearest ``pyproject.toml`` as pytest falls back
+to. Its ``pythonpath`` entries (relative to the file) come first, then the
+rootdir itself, which pytest's rootdir ``conftest.py`` and ``prepend`` import
+mode make importable.
+
+Nothing here is written into a case: the paths are found again, from wherever
+the case lies, each time it runs. pytest's own finder is private (its
+signature changed between pytest 8 and 9), so the search is rebuilt here on
+``tomllib`` and ``iniconfig``, the parser pytest itself reads ini files with.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shlex
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import iniconfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+__all__ = ["import_paths", "importable", "prepend"]
+
+_MISSING = object()
+
+
+def _toml(path: Path) -> dict[str, Any]:
+    return tomllib.loads(path.read_text(encoding="utf-8"))
+
+
+def _pytest_table(path: Path) -> Any:
+    return _toml(path).get("pytest", {})
+
+
+def _pyproject(path: Path) -> Any:
+    tool = _toml(path).get("tool", {}).get("pytest", _MISSING)
+    if tool is _MISSING:
+        return None
+    native = {k: v for k, v in tool.items() if k != "ini_options"}
+    return native or tool.get("ini_options")
+
+
+def _ini(section: str, always: bool = False) -> Callable[[Path], Any]:
+    def load(path: Path) -> Any:
+        config = iniconfig.IniConfig(str(path))
+        if section in config:
+            return dict(config[section].items())
+        return {} if always else None
+    return load
+
+
+# pytest's configuration files in its order of precedence, each with how to read its
+# pytest table (None: the file holds no pytest configuration).
+_LOADERS: dict[str, Callable[[Path], Any]] = {
+    "pytest.toml": _pytest_table,
+    ".pytest.toml": _pytest_table,
+    "pytest.ini": _ini("pytest", always=True),
+    ".pytest.ini": _ini("pytest", always=True),
+    "pyproject.toml": _pyproject,
+    "tox.ini": _ini("pytest"),
+    "setup.cfg": _ini("tool:pytest"),
+}
+
+
+def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
+    """The rootdir pytest would find for ``start`` and its configuration, or None."""
+    fallback: Path | None = None
+    for base in (start, *start.parents):
+        for name, load in _LOADERS.items():
+            file = base / name
+            if not file.is_file():
+                continue
+            if name == "pyproject.toml" and fallback is None:
+                fallback = base
+            try:
+                table = load(file)
+            except (OSError, ValueError, iniconfig.ParseError):
+                continue  # pytest itself will name the broken file when it runs
+            if isinstance(table, dict):
+                return base, table
+    return (fallback, {}) if fallback is not None else None
+
+
+def import_paths(case_path: Path) -> tuple[str, ...]:
+    """The ``sys.path`` entries a case at ``case_path`` imports the user's code from, in
+    order: the ``pythonpath`` entries of its project's configuration, then the rootdir.
+    Empty when no project is found above it."""
+    found = _config(Path(os.path.abspath(case_path)))
+    if found is None:
+        return ()
+    root, table = found
+    value = table.get("pythonpath", [])
+    entries = shlex.split(value) if isinstance(value, str) else [str(v) for v in value]
+    paths = [os.path.normpath(root / entry) for entry in entries]
+    return tuple(dict.fromkeys([*paths, str(root)]))
+
+
+def prepend(entries: Sequence[str]) -> None:
+    """Put ``entries`` first on ``sys.path``, in order, leaving those already there in place
+    (under pytest, its ``pythonpath`` is applied already and keeps its position)."""
+    present = {os.path.abspath(p or os.curdir) for p in sys.path}
+    missing = [entry for entry in entries if os.path.abspath(entry) not in present]
+    sys.path[:0] = missing
+
+
+@contextlib.contextmanager
+def importable(case_path: Path) -> Iterator[None]:
+    """``sys.path`` as a run of the case at ``case_path`` sees it, restored afterwards: for
+    looking a module up in the parent (``gpucase validate``) without changing the process."""
+    saved = list(sys.path)
+    prepend(import_paths(case_path))
+    try:
+        yield
+    finally:
+        sys.path[:] = saved
