@@ -72,3 +72,18 @@ def regular_file(path: Path, fix: str) -> os.stat_result:
         kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
         raise CaseFormatError(path, f"is {kind}, not a regular file; {fix}")
     return info
+
+
+def display_posix(path: Path) -> str:
+    """``display(path)`` with ``/``; a normalized path below the working directory (every
+    collected case) is cut with string operations: pathlib costs a quarter millisecond a
+    case at collection."""
+    text = os.fspath(path)
+    try:
+        cwd = os.getcwd().rstrip(os.sep) + os.sep
+    except OSError:
+        cwd = ""
+    if (os.sep == "/" and cwd and text.startswith(cwd) and os.path.isabs(text)
+            and os.path.normpath(text) == text):
+        return printable(text[len(cwd):])
+    return Path(display(path)).as_posix()

@@ -19,10 +19,17 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from .environment import Device, Environment, dnn_library
+from .errors import display_posix
 from .fsutil import write_text_atomic
+
+if TYPE_CHECKING:
+    import pytest
+
+    from .plan import RunSpec
+    from .runner import Verdict
 
 SCHEMA = "pytest-gpucase/report"
 VERSION = 1
@@ -964,3 +971,94 @@ def matrix_command(reports: Sequence[Path], *, detail: bool) -> Matrix:
     if problems:
         raise UnreadableReports(problems)
     return build_matrix(loaded, detail=detail, names=short_names(reports))
+
+
+# --- the JSON record of an item, built from its pytest report -------------------------------
+
+
+def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
+    """What the JSON report says of an item before it runs (set at collection);
+    ``case_path``, the case's shown path, when the caller has it already."""
+    return {
+        "case": spec.case.name,
+        "case_path": display_posix(spec.case.path) if case_path is None else case_path,
+        "device": spec.device,
+        "dtype": spec.dtype,
+        "variant": spec.variant.label if spec.variant is not None else None,
+        "launch_blocking": spec.launch_blocking,
+    }
+
+
+def verdict_fields(verdict: Verdict) -> dict[str, Any]:
+    """What the JSON report says of a run's verdict (plain data: it crosses xdist)."""
+    outcome = verdict.outcome
+    return {
+        "error_type": outcome.error_type,
+        "message": outcome.summary,
+        "max_abs": outcome.max_abs,
+        "max_rel": outcome.max_rel,
+        "triage": verdict.triage.to_dict() if verdict.triage is not None else None,
+        "localized": verdict.localized.outcome.summary if verdict.localized is not None else None,
+    }
+
+
+def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
+    """The JSON record of an item once its outcome is known, from its pytest report."""
+    from .report import property_value
+
+    props: dict[str, Any] = {name: property_value(value) for name, value in
+                             report.user_properties if name in ("gpucase", "gpucase_result")}
+    if "gpucase" not in props:
+        return None
+    if report.when == "setup" and report.passed:
+        return None  # the call phase will say
+    if report.when == "teardown" and not report.failed:
+        return None
+    xfail = hasattr(report, "wasxfail")
+    if report.when != "call":
+        outcome = "skipped" if report.skipped else "error"
+    elif report.skipped:
+        outcome = "xfailed" if xfail else "skipped"
+    elif report.passed:
+        outcome = "xpassed" if xfail else "passed"
+    else:
+        strict_xpass = "XPASS(strict)" in str(report.longrepr)
+        outcome = "xpassed" if strict_xpass else "failed"
+    skip_reason = None
+    if report.skipped and isinstance(report.longrepr, tuple):
+        skip_reason = str(report.longrepr[2]).removeprefix("Skipped: ")
+    record: dict[str, Any] = {"nodeid": report.nodeid, **props["gpucase"]}
+    record.update({"outcome": outcome, "error_type": None, "message": None, "max_abs": None,
+                   "max_rel": None, "duration": round(report.duration, 6),
+                   "skip_reason": skip_reason, "triage": None, "localized": None})
+    record.update(props.get("gpucase_result", {}))
+    if xfail and outcome == "xfailed":
+        record["message"] = record["message"] or str(report.wasxfail)
+    return record
+
+
+def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
+    """The record of a case item lost with a crashed pytest-xdist worker, from its node id.
+
+    pytest-xdist reports such an item as failed in a phase named "???", with no user
+    properties: the controller never collected it, so what it was is read from the id
+    (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``).
+    """
+    import re
+
+    from .backends import DEVICE_TYPES
+
+    if report.when not in ("???", None) or not report.failed:
+        return None
+    found = re.fullmatch(r"(?P<path>[^\[]+?)(?:/case\.toml)?::(?P<name>[^:\[]+)"
+                         r"\[(?P<device>[a-z]+)-(?P<dtype>[a-z0-9]+)(?:-(?P<kind>[a-z]+)\[(?P<value>-?\d+)\])?\]",
+                         report.nodeid)
+    if found is None or found["device"] not in DEVICE_TYPES:
+        return None
+    variant = f"{found['kind']}={found['value']}" if found["kind"] else None
+    return {"nodeid": report.nodeid, "case": found["name"], "case_path": found["path"],
+            "device": found["device"], "dtype": found["dtype"], "variant": variant,
+            "launch_blocking": False, "outcome": "failed", "error_type": "WorkerCrash",
+            "message": str(report.longrepr), "max_abs": None, "max_rel": None,
+            "duration": round(report.duration, 6), "skip_reason": None, "triage": None,
+            "localized": None}

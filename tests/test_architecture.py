@@ -13,7 +13,7 @@ import torch
 from pytest_gpucase import backends
 from pytest_gpucase.case import FLOAT_DTYPES
 from pytest_gpucase.cli import main
-from pytest_gpucase.plugin import run_markers
+from pytest_gpucase.items import run_markers
 from pytest_gpucase.report import RENDERERS
 from pytest_gpucase.variants import VARIANT_KINDS
 

@@ -226,7 +226,7 @@ def test_junit_properties_are_json(pytester: pytest.Pytester) -> None:
 
 def test_report_keeps_the_time_the_session_started(pytester: pytest.Pytester) -> None:
     from pytest_gpucase.environment import Environment
-    from pytest_gpucase.plugin import session_key
+    from pytest_gpucase.session import session_key
 
     path = pytester.path / "report.json"
     config = pytester.parseconfigure("--gpu-cases", "--gpu-cases-report", str(path))

@@ -1,0 +1,478 @@
+"""What pytest collects and runs: case directories, their items, and the fixtures.
+
+A case directory is a ``CaseDirectory`` whose one file node is its ``case.toml``
+(``CaseFile``), with one ``CaseItem`` per run (device x dtype x variant) planned
+by ``plan.py``, or one ``BrokenCaseItem`` when the case cannot load. Each item
+runs in a fresh child (``runner.run_spec``) and reads its verdict back. The
+``gpu_device``, ``gpu_dtype`` and ``gpu_case`` fixtures serve hand-written tests.
+Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from .errors import display_posix
+from .session import GpuCaseSession, session_key
+
+if TYPE_CHECKING:
+    from .case import Case
+    from .execute import Outcome
+    from .plan import RunSpec
+    from .runner import Verdict
+
+
+def run_markers() -> list[tuple[str, str]]:
+    """The markers each case item may carry, read off the tables that define them.
+
+    Devices and backends from ``backends.py``, dtypes from ``case.FLOAT_DTYPES``,
+    variant kinds from ``variants.VARIANT_KINDS``: a row added there is a marker
+    here, so ``--strict-markers`` never rejects an item's own marker.
+    """
+    from .backends import BACKENDS, DEVICE_TYPES
+    from .case import FLOAT_DTYPES
+    from .variants import VARIANT_KINDS
+
+    return [
+        *((f"device_{device}", f"a gpucase run on {device}") for device in DEVICE_TYPES),
+        *((f"dtype_{dtype}", f"a gpucase run in {dtype}") for dtype in FLOAT_DTYPES),
+        *((f"variant_{kind}", f"a gpucase {kind} edge variant") for kind in VARIANT_KINDS),
+        *((f"backend_{backend}", f"a gpucase run on the {backend} backend")
+          for backend in BACKENDS),
+    ]
+
+
+class CaseDirectory(pytest.Directory):
+    """A case directory: its ``case.toml`` is the one file collected from it.
+
+    Items live under the ``case.toml`` file node, so that an item's id
+    (``cases/ce_class4/case.toml::ce_class4[cpu-float32]``) is a path pytest
+    accepts on its command line, and ``--lf``/``--sw`` can narrow to it.
+    """
+
+    def collect(self) -> Iterator[pytest.Collector]:
+        yield CaseFile.from_parent(self, path=self.path / "case.toml")
+
+
+class CaseFile(pytest.File):
+    """A case's ``case.toml``: one item per run (device x dtype x variant)."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        from .case import load_case
+        from .errors import CaseFormatError
+        from .backends import run_backend
+        from .plan import expand, saved_dtype
+
+        state = self.config.stash[session_key]
+        case_dir = self.path.parent
+        try:
+            case = load_case(case_dir)
+            # The saved dtype names the items only when [matrix] dtypes does not; under
+            # autocast the call computes in the autocast dtype, which names them instead.
+            saved = None if case.matrix.dtypes else (case.context.compute_dtype
+                                                     or saved_dtype(case))
+            specs = expand(
+                case, state.environment(tuple(case.matrix.packages)),
+                saved_dtype=saved,
+                devices=state.settings["gpu_devices"],
+                dtypes=state.settings["gpu_dtypes"],
+                launch_blocking=state.settings["gpu_launch_blocking"],
+            )
+        except Exception as exc:  # whatever the files hold: one failed item, the session goes on
+            from .case import CASE_FILE, case_name
+            from .errors import display
+
+            problem = str(exc) if isinstance(exc, CaseFormatError) else (
+                f"{display(case_dir / CASE_FILE)}: the case cannot be loaded: "
+                f"{type(exc).__name__}: {exc}")
+            yield BrokenCaseItem.from_parent(self, name=case_name(case_dir), problem=problem,
+                                             case_path=display_posix(case_dir))
+            return
+        state.cases_seen += 1
+        if not specs:
+            state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case)})")
+        pin = state.worker_env()
+        build = state.environment().backend
+        case_path = display_posix(case_dir) if specs else ""  # once per case, not per item
+        for spec in specs:
+            if pin and spec.device != "cpu":
+                spec = replace(spec, env={**spec.env, **pin})
+            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+                                        case_path=case_path,
+                                        **_item_id(self, case.name, spec.id))
+            # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
+            item.add_marker(_mark(f"backend_{run_backend(spec.device, build)}"))
+            yield item
+
+
+@functools.cache
+def _mark(name: str) -> pytest.MarkDecorator:
+    """The marker ``name`` (all registered in pytest_configure), made once, not per item."""
+    return getattr(pytest.mark, name)  # type: ignore[no-any-return]
+
+
+def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
+    """pytest >= 9.2 keeps structured ids and matches ``--lf`` on them: give the item its
+    params as parametrized functions have them, or ``name[params]`` never equals itself."""
+    parent_id = getattr(parent, "id", None)
+    if parent_id is None or not hasattr(parent_id, "with_params"):
+        return {}
+    return {"nodeid": parent_id.child(name).with_params(params)}
+
+
+def _case_runs(case: Case) -> str:
+    devices = ", ".join(case.matrix.devices or ("any device",))
+    dtypes = ", ".join(case.matrix.dtypes or ("its saved dtype",))
+    return f"devices {devices}; dtypes {dtypes}"
+
+
+class BrokenCaseItem(pytest.Item):
+    """A case that cannot be loaded: one failing item, so that the other cases still run."""
+
+    def __init__(self, *, problem: str, case_path: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.problem = problem
+        from .report import property_json
+
+        # Recorded like any run, so that the JSON report, the matrix and the step summary
+        # show the broken case too; "all": it fails on every device type it would run on.
+        self.user_properties.append(("gpucase", property_json({
+            "case": self.name, "case_path": case_path, "device": "all", "dtype": "all",
+            "variant": None, "launch_blocking": False})))
+        self.user_properties.append(("gpucase_result", property_json({
+            "error_type": "CaseFormatError", "message": problem})))
+
+    def runtest(self) -> None:
+        raise CaseFileError(self.problem)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str:
+        from .report import terminal_safe
+
+        if isinstance(excinfo.value, CaseFileError):
+            return terminal_safe(str(excinfo.value))
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"{self.name} (broken case)"
+
+
+class CaseFileError(Exception):
+    """A case file that cannot be loaded (shown without a traceback)."""
+
+
+class CaseRunFailed(Exception):
+    """A run of a case whose verdict is failed."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.outcome.summary)
+        self.verdict = verdict
+
+
+class KnownFailure(CaseRunFailed):
+    """The failure a case's ``xfail`` describes (the one in ``[origin] error``, if named)."""
+
+
+def is_known_failure(case: Case, verdict: Verdict) -> bool:
+    """Whether a failed run is the case's known failure, not a broken case or another error.
+
+    Compared by failure class (pytest_gpucase.triage.failure_class) when both sides have
+    one, so that a device-side assert captured on CUDA is met by the IndexError the CPU
+    raises for the same inputs; else by the exception type named in ``[origin] error``.
+    """
+    import re
+
+    from .triage import failure_class, same_failure
+
+    outcome = verdict.outcome
+    if outcome.broken_case:
+        return False
+    error = str(case.origin.get("error", ""))
+    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", error)
+    if recorded is None:
+        return True  # nothing to tell them apart by: no recorded type
+    known = case.origin.get("failure_class")
+    if not isinstance(known, str):
+        known = failure_class(recorded[1], error.partition(":")[2],
+                              str(case.origin.get("stderr", "")))
+    if known not in (None, "nan") and outcome.kind in ("mismatch", "golden mismatch",
+                                                        "no exception"):
+        return False  # the captured error is gone (a fix): another failure, not the known one
+    if outcome.error_type is None:
+        return True  # nothing to tell them apart by: a mismatch
+    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
+    if known is not None and found is not None:
+        return same_failure(known, found)
+    return recorded[1].rsplit(".", 1)[-1] == outcome.error_type
+
+
+def xfail_reason(spec: RunSpec) -> str | None:
+    """The xfail reason that applies to this run (None outside a scoped xfail)."""
+    variant = spec.variant.kind if spec.variant is not None else None
+    return spec.case.xfail_for(spec.device, spec.dtype, variant)
+
+
+class CaseItem(pytest.Item):
+    """One run of a case, executed in a fresh child process."""
+
+    def __init__(self, *, spec: RunSpec, case_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.spec = spec
+        self.add_marker(_mark(f"device_{spec.device}"))
+        from .case import FLOAT_DTYPES
+
+        if spec.dtype in FLOAT_DTYPES:
+            self.add_marker(_mark(f"dtype_{spec.dtype}"))
+        if spec.variant is not None:
+            # -m "variant_boundary(value=-1)" selects exactly one value.
+            self.add_marker(getattr(pytest.mark, f"variant_{spec.variant.kind}")(
+                value=spec.variant.value))
+        # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
+        self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
+        from .report import property_json, spec_fields
+
+        self.user_properties.append(("gpucase", property_json(spec_fields(spec, case_path))))
+        if spec.skip is not None:
+            self.add_marker(pytest.mark.skip(reason=spec.skip))
+        elif (reason := xfail_reason(spec)) is not None:
+            # Only the known failure counts as xfailed; any other failure is a failure.
+            self.add_marker(pytest.mark.xfail(reason=reason, strict=True,
+                                              raises=KnownFailure))
+
+    def runtest(self) -> None:
+        from .runner import run_spec
+
+        state = self.config.stash[session_key]
+        if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
+                and self.spec.case.expect.outcome == "matches"):
+            state.regenerate(self.spec.case)
+        spec = self.spec
+        for found in self.ihook.pytest_gpucase_run_env(item=self, spec=spec):
+            if found:   # hookspecs.pytest_gpucase_run_env: merged into the child's environment
+                spec = replace(spec, env={**spec.env, **{str(k): str(v)
+                                                         for k, v in found.items()}})
+        verdict = run_spec(spec, start_method=state.start_method(),
+                           backend=state.environment().backend,
+                           memory_limit=(self.spec.case.memory_limit
+                                         or state.settings["gpu_memory_limit"]),
+                           reference_cache=state.reference_cache(),
+                           isolation=state.settings["gpu_isolation"], pool=state.pool(),
+                           localize=not self.config.stash[session_key].settings["gpu_no_localize"])
+        from .report import verdict_fields
+
+        fields = verdict_fields(verdict)
+        _add_sections(self, verdict)
+        _reissue_warnings(verdict)
+        if verdict.failed and self.config.stash[session_key].settings["gpu_ablate"]:
+            from .ablate import ablate
+
+            found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,
+                           env=state.environment(), start_method=state.start_method(),
+                           variant=self.spec.variant)
+            self.add_report_section("call", "gpucase ablation", found.render())
+            fields["ablation"] = found.to_dict()
+        from .report import property_json
+
+        self.user_properties.append(("gpucase_result", property_json(fields)))
+        if verdict.outcome.status == "skipped":
+            pytest.skip(verdict.outcome.summary)
+        if verdict.failed:
+            if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
+                raise KnownFailure(verdict)
+            raise CaseRunFailed(verdict)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str:
+        if isinstance(excinfo.value, CaseRunFailed):
+            return _failure_text(excinfo.value.verdict.outcome, self.spec)
+        return str(super().repr_failure(excinfo))
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.spec.case.case_file, 0, self.name
+
+
+def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
+    from .report import terminal_safe
+    from .variants import describe_saved
+
+    text = outcome.summary
+    if outcome.details:
+        text += "\n\n" + outcome.details.rstrip()
+    resized = (describe_saved(spec.variant, spec.case.inputs_file)
+               if spec is not None and spec.variant is not None else None)
+    if resized:
+        text += "\n\n" + resized   # which inputs the variant resized, to what shape
+    return terminal_safe(text)   # the child's words must not drive the terminal
+
+
+def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
+    from .report import terminal_safe
+    from .runner import describe_rerun, describe_warnings, stderr_section
+
+    child = verdict.child
+    sections = [("stdout (child)", child.stdout), ("stderr (child)", stderr_section(verdict))]
+    if child.warnings:
+        sections.append(("warnings (child)", describe_warnings(child)))
+    if verdict.triage is not None:
+        sections.append(("gpucase triage", verdict.triage.render()))
+    if verdict.localized is not None:
+        sections.append(("gpucase launch-blocking rerun", describe_rerun(verdict)))
+    for title, text in sections:
+        if text:
+            item.add_report_section("call", title, terminal_safe(text))
+
+
+def _reissue_warnings(verdict: Verdict) -> None:
+    """The child's warnings, raised again in the item for pytest's warning summary.
+
+    Under ``-W error`` they fail a passing item; a failed one keeps its own failure.
+    """
+    import contextlib
+
+    from .runner import reissue_warnings
+
+    if verdict.failed:
+        with contextlib.suppress(Warning):
+            reissue_warnings(verdict.child.warnings)
+    else:
+        reissue_warnings(verdict.child.warnings)
+
+
+class _OwnIsolation:
+    """Under ``--forked``, case items keep their own fresh child instead of a second fork.
+
+    Each case run already happens in a fresh child, so pytest-forked's extra
+    fork adds nothing to them (and pytest-forked 1.7.5 cannot send pytest 9.2's
+    reports back at all); the user's other tests are still forked by it.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item,
+                                nextitem: pytest.Item | None) -> bool | None:
+        if not isinstance(item, (CaseItem, BrokenCaseItem)):
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=nextitem, log=True)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True
+
+
+def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
+    """``@pytest.mark.gpu_requires(...)`` as ``Requirements``; a mistake is a usage error."""
+    from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+    from .backends import BACKENDS
+    from .case import VERSION_KEYS, Requirements
+
+    unknown = sorted(set(kwargs) - {"backends", "packages", *VERSION_KEYS})
+    if unknown:
+        raise pytest.UsageError(f"{where}: gpu_requires: unknown argument {unknown[0]!r}; "
+                                f"expected backends, packages, {', '.join(VERSION_KEYS)}")
+    specs = {key: kwargs[key] for key in VERSION_KEYS if kwargs.get(key) is not None}
+    packages = dict(kwargs.get("packages") or {})
+    for key, value in [*specs.items(), *packages.items()]:
+        try:
+            if value:
+                SpecifierSet(value)
+        except (InvalidSpecifier, TypeError):
+            raise pytest.UsageError(f"{where}: gpu_requires: {key}={value!r} is not a PEP 440 "
+                                    "specifier; write it like '>=2.1'") from None
+    backends = kwargs.get("backends")
+    if backends is not None:
+        backends = (backends,) if isinstance(backends, str) else tuple(backends)
+        for backend in backends:
+            if backend not in BACKENDS:
+                raise pytest.UsageError(f"{where}: gpu_requires: unknown backend {backend!r}; "
+                                        f"expected one of {', '.join(BACKENDS)}")
+    return Requirements(backends=backends, versions=specs, packages=packages)
+
+
+class GpuCaseHandle:
+    """What the ``gpu_case`` fixture gives a hand-written test: the case, its inputs, its runs."""
+
+    def __init__(self, case: Case, state: GpuCaseSession) -> None:
+        self.case = case
+        self._state = state
+
+    def inputs(self, device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
+        """The case's keyword arguments in this process, on ``device``, floats cast to ``dtype``."""
+        from .execute import load_inputs, prepare
+
+        return prepare(load_inputs(self.case), device, dtype)
+
+    def run(self, device: str = "cpu", dtype: str | None = None,
+            launch_blocking: bool = False) -> Verdict:
+        """Run the case once in a fresh child and return the verdict (it does not raise)."""
+        from .plan import single_run
+        from .runner import run_spec
+
+        env = self._state.environment()
+        spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)
+        return run_spec(spec, start_method=self._state.start_method(), backend=env.backend,
+                        localize=False)
+
+
+@pytest.fixture
+def gpu_device(request: pytest.FixtureRequest) -> str:
+    """A device type this test runs on: each available type (others skipped with a reason).
+
+    The test runs in the pytest process: a CUDA test initializes CUDA here, and
+    later case runs then start fresh interpreters instead of forks.
+    """
+    return str(request.param)
+
+
+@pytest.fixture
+def gpu_dtype(request: pytest.FixtureRequest) -> Any:
+    """A ``torch.dtype`` from ``--gpu-dtypes`` (default float32)."""
+    import torch
+
+    return getattr(torch, request.param)
+
+
+@pytest.fixture
+def gpu_case(request: pytest.FixtureRequest) -> GpuCaseHandle:
+    """The case named by ``@pytest.mark.gpu_case("path/to/case")``, relative to the rootdir."""
+    from .case import load_case
+    from .errors import CaseFormatError
+
+    marker = request.node.get_closest_marker("gpu_case")
+    if marker is None or not marker.args:
+        raise pytest.UsageError(
+            f"{request.node.nodeid}: the gpu_case fixture needs "
+            "@pytest.mark.gpu_case(\"cases/NAME\")")
+    path = Path(marker.args[0])
+    if not path.is_absolute():
+        path = request.config.rootpath / path
+    try:
+        case = load_case(path)
+    except CaseFormatError as exc:
+        pytest.fail(str(exc), pytrace=False)
+    return GpuCaseHandle(case, request.config.stash[session_key])
+
+
+def parametrize(metafunc: pytest.Metafunc) -> None:
+    """Parametrize the ``gpu_device`` and ``gpu_dtype`` fixtures of a test."""
+    wants_device = "gpu_device" in metafunc.fixturenames
+    if wants_device:
+        from .plan import device_list, device_skip
+
+        env = metafunc.config.stash[session_key].environment()
+        asked = metafunc.config.stash[session_key].settings["gpu_devices"]
+        params = []
+        for device in device_list(env, asked=asked):
+            reason = device_skip(device, env)
+            marks = [pytest.mark.skip(reason=reason)] if reason else []
+            params.append(pytest.param(device, marks=marks, id=device))
+        metafunc.parametrize("gpu_device", params, indirect=True)
+    if "gpu_dtype" in metafunc.fixturenames:
+        dtypes = metafunc.config.stash[session_key].settings["gpu_dtypes"] or ("float32",)
+        metafunc.parametrize("gpu_dtype", list(dtypes), indirect=True)

@@ -1,0 +1,271 @@
+"""The plugin's state for one pytest session, and the writer of its JSON report.
+
+``GpuCaseSession`` (in ``config.stash[session_key]``) holds the resolved settings,
+the environment probed once, the notes for the terminal summary, and the JSON
+records of finished items; ``_Recorder``, registered on the process that writes
+the report (the controller under xdist), keeps it current and writes it on every
+way out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+if TYPE_CHECKING:
+    from .case import Case
+    from .environment import Environment
+    from .isolation import StartMethod
+
+
+@dataclass
+class GpuCaseSession:
+    """The plugin's state for one pytest session."""
+
+    config: pytest.Config
+    settings: dict[str, Any] = field(default_factory=dict)  # every Setting, resolved once
+    _env: Environment | None = None
+    notes: list[str] = field(default_factory=list)
+    regenerated: dict[Path, str | None] = field(default_factory=dict)  # case dir -> file or None
+    cases_seen: int = 0  # case directories collected in this process
+    filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
+    results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
+    created: str = field(default_factory=lambda: _now())   # when the run started, said once
+    _written_at: float = 0.0
+    _unwritten: bool = False    # a record arrived since the report file was last written
+    _finished: bool = False     # the report of the whole session has been written
+    renderers: tuple[str, ...] = ()   # report formats this session's plugins added
+    _reference_cache: Path | None = None
+    _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
+    _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.settings["gpu_cases"])
+
+    def environment(self, packages: tuple[str, ...] = ()) -> Environment:
+        """The session's environment snapshot, probed in a child on first use."""
+        from .environment import package_version, probe
+
+        if self._env is None:
+            from ._torch import import_torch
+
+            import_torch()  # imported once here so that every forked child shares it
+
+            self._env = probe(rootdir=str(self.config.rootpath))
+        missing = [name for name in packages if name not in self._env.packages]
+        if missing:
+            found = {name: package_version(name) for name in missing}
+            self._env = replace(self._env, packages={**self._env.packages, **found})
+        return self._env
+
+    def regenerate(self, case: Case) -> None:
+        """Write the case's golden once per session (the first of its items asks)."""
+        from .runner import regenerate_golden
+
+        if case.path in self.regenerated:
+            return
+        self.regenerated[case.path] = None
+        child = regenerate_golden(case, start_method=self.start_method())
+        if not child.returned:
+            detail = child.child_error or child.stderr[-2000:]
+            from .errors import display
+
+            pytest.fail(f"{display(case.case_file)}: writing {case.expected_file.name} failed: "
+                        f"{child.problem}\n{detail}", pytrace=False)
+        self.regenerated[case.path] = child.value
+
+    def record(self, report: pytest.TestReport) -> None:
+        """Keep the JSON record of a finished item; rewrite the report file now and then.
+
+        Rewrites are throttled (a large suite would otherwise rewrite the file once per
+        item); what a throttled rewrite leaves out is written at the end of the session,
+        however it ends (``pytest_sessionfinish``, else ``pytest_unconfigure``).
+        """
+        import time
+
+        from .report import crash_record, result_record
+
+        record = result_record(report) or crash_record(report)
+        if record is None:
+            return
+        self.results[report.nodeid] = record
+        self._unwritten = True
+        if time.monotonic() - self._written_at > REPORT_EVERY:
+            self.write_report(complete=False)
+
+    def build_report(self, *, complete: bool) -> dict[str, Any]:
+        """The JSON report of what has finished so far."""
+        from .report import check_report, new_report
+
+        report = new_report(self.environment().to_dict(), created=self.created)
+        report["results"] = list(self.results.values())
+        report["complete"] = complete
+        check_report(report)   # a record that breaks the schema is a bug here, not in the file
+        return report
+
+    def write_report(self, *, complete: bool) -> None:
+        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished."""
+        import time
+
+        path: Path | None = self.settings["gpu_cases_report"]
+        if path is not None:
+            from .report import write_report
+
+            write_report(path, self.build_report(complete=complete))
+            self._written_at = time.monotonic()
+            self._unwritten = False
+
+    def worker_env(self) -> dict[str, str]:
+        """The device pin of this xdist worker's children (``--gpu-per-worker``), or {}."""
+        import os
+
+        from .pinning import pin_env
+
+        if not self.settings["gpu_per_worker"]:
+            return {}
+        worker = getattr(self.config, "workerinput", {}).get("workerid")
+        env = self.environment()
+        return pin_env(worker, env.backend, len(env.devices), os.environ)
+
+    def reference_cache(self) -> Path:
+        """Where children cache the float64 references (pytest's cache, else a temporary
+        folder removed at the end of the session)."""
+        if self._reference_cache is None:
+            cache = getattr(self.config, "cache", None)
+            if cache is not None:
+                self._reference_cache = Path(cache.mkdir("gpucase-references"))
+            else:
+                import tempfile
+
+                self._reference_cache = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
+                self._temporary.append(self._reference_cache)
+        return self._reference_cache
+
+    def pool(self) -> Any:
+        """The session's reusable children (``--gpu-isolation``), or None for ``item``."""
+        if self.settings["gpu_isolation"] == "item":
+            return None
+        if self._pool is None:
+            from .isolation import WorkerPool
+
+            self._pool = WorkerPool()
+        return self._pool
+
+    def start_method(self) -> StartMethod:
+        from .isolation import default_start_method
+
+        chosen: str = self.settings["gpu_start_method"]
+        if chosen != "auto":
+            return chosen  # type: ignore[return-value]
+        method = default_start_method()
+        # Only where there is no zygote (not Linux): with one, forkserver costs a fork.
+        note = ("CUDA was initialized in the pytest process, so each run starts a fresh "
+                "interpreter (spawn) instead of a fork: every run pays for importing torch again")
+        if method == "spawn" and note not in self.notes:
+            self.notes.append(note)
+        return method
+
+
+REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+
+
+def _now() -> str:
+    from datetime import datetime, timezone
+
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+session_key = pytest.StashKey[GpuCaseSession]()
+
+
+def _start_zygote(config: pytest.Config, state: GpuCaseSession) -> None:
+    """Start the forkserver's zygote now, before anything in this process can initialize
+    CUDA, where runs may need it (auto or forkserver; not on an xdist controller)."""
+    from .isolation import forkserver, forkserver_available
+
+    if state.settings["gpu_start_method"] not in ("auto", "forkserver"):
+        return
+    if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
+        return  # the workers run the items, each with a zygote of its own
+    if forkserver_available():
+        forkserver()
+
+
+def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
+    """With no path on the command line, ``--gpu-cases`` also collects ``gpu_cases_paths``."""
+    if not paths or config.args_source == pytest.Config.ArgsSource.ARGS:
+        return
+    given = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    for entry in paths:
+        path = Path(entry).resolve()
+        if not path.exists():
+            raise pytest.UsageError(f"ini key gpu_cases_paths: {entry} does not exist; list "
+                                    "case folders relative to the rootdir")
+        if not any(path == arg or arg in path.parents for arg in given):
+            config.args.append(str(path))
+
+
+class _Recorder:
+    """Collects results on the process that writes the report (the controller under xdist)."""
+
+    def __init__(self, state: GpuCaseSession) -> None:
+        self.state = state
+        self._owner = 0
+        self._previous: Any = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.state.record(report)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import os
+        import signal
+
+        if self.state.settings["gpu_cases_report"] is None:
+            return
+        # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
+        # Ctrl-C does, so that the report of what finished is written on the way out. A
+        # handler someone else installed is left in place: it decides how SIGTERM ends.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._owner = os.getpid()
+            self._previous = signal.signal(signal.SIGTERM, self._terminate)
+
+    def _terminate(self, signum: int, frame: Any) -> None:
+        import os
+        import signal
+
+        if os.getpid() != self._owner:   # a forked child that kept the handler: die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+
+    # While a case runs, isolation's own handler ends the run (and names it) instead of this one.
+    _terminate.gpucase_interrupts = True  # type: ignore[attr-defined]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import os
+
+        # Whatever the exit status: an interrupted or terminated run still leaves a valid
+        # report of every item that finished.
+        complete = session.exitstatus != pytest.ExitCode.INTERRUPTED
+        self.state.write_report(complete=complete)
+        self.state._finished = True
+        if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
+            from .report import append_step_summary
+
+            append_step_summary(self.state.build_report(complete=complete))
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        import signal
+
+        if self._owner:
+            signal.signal(signal.SIGTERM, self._previous)
+        # The session ended before pytest_sessionfinish could write (an error in another
+        # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
+        if not self.state._finished and (self.state._unwritten or self.state.results):
+            self.state.write_report(complete=False)
