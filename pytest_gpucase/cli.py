@@ -242,7 +242,8 @@ def _minimize(args: argparse.Namespace) -> int:
 
     try:
         result = minimize_command(args.case, output=args.output, device=args.device,
-                                  max_tries=args.max_tries, time_budget=args.time_budget)
+                                  max_tries=args.max_tries, time_budget=args.time_budget,
+                                  progress=sys.stdout)
     except KeyboardInterrupt:
         # Ctrl-C during the search writes the best case so far; here it came before one.
         return _error("minimize", "interrupted before any smaller case; nothing written", 130)

@@ -26,6 +26,7 @@ that was minimized before), the whole document is written by ``tomli_w``.
 
 from __future__ import annotations
 
+import io
 import contextlib
 import os
 import shutil
@@ -487,7 +488,7 @@ def minimize(
     the original passes, ``NotRunnable`` when it cannot run here or has no tensors
     to shrink, ``FileExistsError`` when ``output`` exists.
     """
-    stream = out if out is not None else sys.stdout
+    stream = out if out is not None else io.StringIO()  # progress only where a caller asks
     started = clock()
     if output is not None and output.exists():
         raise FileExistsError(f"{display(output)} exists; minimize never overwrites, give a "
@@ -693,7 +694,7 @@ def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
 
 
 def minimize_command(case: Path, *, output: Path | None, device: str | None, max_tries: int,
-                     time_budget: float) -> Minimized:
+                     time_budget: float, progress: TextIO | None = None) -> Minimized:
     """``gpucase minimize``: shrink the case at ``case`` on this machine (the command prints).
 
     Raises what ``minimize`` raises, and KeyboardInterrupt when Ctrl-C came before
@@ -707,4 +708,4 @@ def minimize_command(case: Path, *, output: Path | None, device: str | None, max
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
     return minimize(loaded, env=env, device=device, output=output, max_tries=max_tries,
-                    time_budget=time_budget, start_method=default_start_method())
+                    time_budget=time_budget, start_method=default_start_method(), out=progress)

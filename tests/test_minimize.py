@@ -101,7 +101,7 @@ def test_one_bad_entry_among_64_is_found_and_written(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)  # the project: the original is recorded relative to the new case
     path = ce_case(tmp_path)
-    result = minimize(load_case(path), env=ENV)
+    result = minimize(load_case(path), env=ENV, out=sys.stdout)  # progress where asked only
 
     assert result.failure == FailureClass("raises", "ValueError")
     assert result.selection.entries == (37,)
