@@ -8,6 +8,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import pytest
 import torch
 
 from pytest_gpucase import payload
@@ -75,3 +76,14 @@ def test_attention_masked_row_is_nan_exactly_at_the_fully_masked_rows() -> None:
     assert "actual is NaN at 16 mismatched positions; expected (float64) is a number" in (
         verdict.outcome.details)
     assert is_known_failure(load_case(case_dir), verdict)
+
+
+@pytest.mark.gpu
+def test_embedding_oob_model_on_cuda_is_the_captured_device_side_assert() -> None:
+    case_dir = CASES / "embedding_oob_model"
+    case = load_case(case_dir)
+    verdict = run_spec(RunSpec(case, "cuda", "float32", cast=False), start_method="spawn",
+                       backend="cuda", localize=False)
+    assert verdict.outcome.error_type is not None, verdict.outcome.summary
+    assert "device-side assert" in (verdict.outcome.error_message or ""), verdict.outcome.summary
+    assert is_known_failure(case, verdict)
