@@ -48,6 +48,26 @@ def main() -> None:
     mask[2, 12:] = False
     payload.save(HERE / "masked_mean" / "inputs.safetensors", {"x": x, "mask": mask})
 
+    # A tiny LM's state (16-token vocabulary, width 8) as capture saves it (state.<name>),
+    # and an eval batch whose tokenizer has since gained <pad> = 16: one id equals the vocab.
+    vocab, dim = 16, 8
+    tokens = torch.randint(0, vocab, (2, 6), generator=gen)
+    tokens[1, 4:] = vocab
+    payload.save(HERE / "embedding_oob_model" / "inputs.safetensors", {
+        "tokens": tokens,
+        "state.emb.weight": torch.randn(vocab, dim, generator=gen),
+        "state.head.weight": torch.randn(vocab, dim, generator=gen) / dim**0.5,
+        "state.head.bias": torch.zeros(vocab)})
+
+    # One attention head over two sequences of 5; the second is left-padded by 2, so
+    # under the causal mask its queries 0 and 1 see only padding keys: fully masked rows.
+    q, k, v = (torch.randn(2, 5, 8, generator=gen) for _ in range(3))
+    causal = torch.ones(5, 5, dtype=torch.bool).triu(1)
+    padding = torch.zeros(2, 1, 5, dtype=torch.bool)
+    padding[1, :, :2] = True
+    payload.save(HERE / "attention_masked_row" / "inputs.safetensors",
+                 {"q": q, "k": k, "v": v, "mask": causal | padding})
+
 
 if __name__ == "__main__":
     main()

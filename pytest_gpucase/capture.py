@@ -84,6 +84,10 @@ MODULE_KEY = "gpucase_module"
 OP_KEY = "gpucase_op"
 STATE_PREFIX = "state."
 GRAD_PREFIX = "grad_output."
+# A dict-of-tensors argument: [inputs] <arg> = { gpucase_tensors = { <key> = "dict.<arg>.<key>" } },
+# each tensor saved under that payload name (docs/case-format.md, "Dicts of tensors").
+TENSORS_KEY = "gpucase_tensors"
+DICT_PREFIX = "dict."
 RNG_NAMES = {"cpu": "context.rng_cpu", "cuda": "context.rng_cuda"}
 STUB_FILE = "case.py"
 _MAX_ERROR_CHARS = 300
@@ -812,10 +816,27 @@ def _stderr_excerpt(text: str) -> str | None:
 
 
 def _tensors_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among the arguments, and those of any dict-of-tensors argument."""
     import torch
 
     values = list(args) + list(kwargs.values())
+    values += [v for d in values if isinstance(d, Mapping) for v in d.values()]
     return [v for v in values if isinstance(v, torch.Tensor)]
+
+
+def _tensor_dict(value: Any) -> dict[str, torch.Tensor] | None:
+    """``value`` when it is a non-empty dict of tensors under string keys, else None."""
+    if (isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value)
+            and all(_is_tensor(v) for v in value.values())):
+        return dict(value)
+    return None
+
+
+def tensor_dicts(literals: Mapping[str, Any]) -> dict[str, Any]:
+    """The ``[inputs]`` entries that stand for a dict of tensors: name -> its
+    ``gpucase_tensors`` table (dict key -> payload name), as written by capture."""
+    return {name: value[TENSORS_KEY] for name, value in literals.items()
+            if isinstance(value, Mapping) and TENSORS_KEY in value}
 
 
 def _nbytes(tensor: torch.Tensor) -> int:
@@ -896,19 +917,31 @@ def _collect(watched: _Watched, args: Any, kwargs: Any, before: Mapping[int, Any
     skipped: dict[str, str] = {}
     devices: list[str] = []
     copied_before = False
+    def take(name: str, value: torch.Tensor) -> None:
+        nonlocal copied_before
+        described[name] = _describe(value)
+        devices.append(str(value.device))
+        if not _storable(value):
+            skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
+        elif value.device.type == "cpu":
+            tensors[name] = value.detach()
+        elif id(value) in before:
+            tensors[name] = before[id(value)]
+            copied_before = True
+        else:
+            pending[name] = value
+
     for name, value, param in named:
         if isinstance(value, torch.Tensor):
-            described[name] = _describe(value)
-            devices.append(str(value.device))
-            if not _storable(value):
-                skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
-            elif value.device.type == "cpu":
-                tensors[name] = value.detach()
-            elif id(value) in before:
-                tensors[name] = before[id(value)]
-                copied_before = True
-            else:
-                pending[name] = value
+            take(name, value)
+            continue
+        group = _tensor_dict(value)
+        if group is not None:
+            # Each tensor under its own payload name; [inputs] says how to rebuild the dict.
+            members = {key: f"{DICT_PREFIX}{name}.{key}" for key in group}
+            for key, tensor in group.items():
+                take(members[key], tensor)
+            literals[name] = {TENSORS_KEY: members}
             continue
         if value is None and param is not None and param.default is None:
             continue  # the replay gets the same None from the default
@@ -1314,14 +1347,18 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     """Rebuild a captured module, load its saved state and call it on the saved inputs.
 
     The generated ``call`` of a module case. ``gpucase_module`` is the ``[inputs]`` table
-    capture writes: ``factory`` ("pkg.mod:make" or a torch.nn class) and its ``kwargs``,
+    capture writes: ``factory`` ("pkg.mod:make" or a torch.nn class; a bundled case may name
+    "case.py:make", which the child imports from the case directory) and its ``kwargs``,
     ``training`` (the train/eval mode), ``backward`` (the failure was in backward: run it
     with the saved ``grad_output.<i>`` tensors). ``state.<name>`` tensors are the state dict.
     """
     import torch
 
     recipe = dict(gpucase_module)
-    module = _import_target(str(recipe["factory"]))(**dict(recipe.get("kwargs", {})))
+    factory = recipe["factory"]
+    # A "FILE.py:make" factory arrives already imported from the case directory (execute).
+    make = factory if callable(factory) else _import_target(str(factory))
+    module = make(**dict(recipe.get("kwargs", {})))
     state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
              if k.startswith(STATE_PREFIX)}
     grads = [inputs[name] for name in recipe.get("grad_outputs", [])]

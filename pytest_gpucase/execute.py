@@ -28,7 +28,7 @@ import safetensors.torch  # noqa: F401
 import torch
 
 from . import backends, fsutil, golden, payload, project, reference_cache
-from .capture import REPLAY_ENV
+from .capture import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
 from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare
 from .errors import CaseFormatError, display
@@ -241,7 +241,32 @@ def _load(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     if clash:
         raise CaseFormatError(case.case_file, f"{', '.join(clash)} given both here and in "
                               f"{case.inputs_file.name}; keep one", key="[inputs]")
-    return {**case.literals, **tensors}, rng
+    literals = dict(case.literals)
+    for name, members in tensor_dicts(case.literals).items():
+        literals[name] = _tensor_dict(case, name, members, tensors)
+    recipe = literals.get(MODULE_KEY)
+    if (case.call == REPLAY_MODULE and isinstance(recipe, Mapping)
+            and str(recipe.get("factory", "")).partition(":")[0].endswith(".py")):
+        # "case.py:make": imported from the case directory, as a "FILE.py" call is.
+        literals[MODULE_KEY] = {**recipe, "factory": resolve(
+            case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    return {**literals, **tensors}, rng
+
+
+def _tensor_dict(case: Case, name: str, members: Any,
+                 tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The dict argument ``name`` rebuilt from its payload tensors (taken out of ``tensors``)."""
+    key = f"[inputs] {name}.gpucase_tensors"
+    if not isinstance(members, Mapping) or not all(isinstance(v, str)
+                                                   for v in members.values()):
+        raise CaseFormatError(case.case_file, "must be a table of dict key = \"payload name\", "
+                              "as capture writes it", key=key)
+    missing = sorted(set(members.values()) - set(tensors))
+    if missing:
+        raise CaseFormatError(case.case_file, f"names {', '.join(missing)}, which "
+                              f"{case.inputs_file.name} does not hold; save the tensors there "
+                              "under those names or correct the table", key=key)
+    return {str(k): tensors.pop(v) for k, v in members.items()}
 
 
 @contextlib.contextmanager
@@ -349,29 +374,37 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
 def prepare(inputs: Mapping[str, Any], device: str, dtype: str | None) -> dict[str, Any]:
     """Move tensors to ``device`` keeping their layout; cast floating ones to ``dtype`` if given."""
     target = getattr(torch, dtype) if dtype else None
-    prepared: dict[str, Any] = {}
-    for name, value in inputs.items():
-        if isinstance(value, torch.Tensor):
-            if device != "cpu":
-                value = payload.to_device(value, device)
-            if target is not None and value.is_floating_point() and value.dtype != target:
-                value = value.to(target)
-        prepared[name] = value
-    return prepared
+
+    def move(value: torch.Tensor) -> torch.Tensor:
+        if device != "cpu":
+            value = payload.to_device(value, device)
+        if target is not None and value.is_floating_point() and value.dtype != target:
+            value = value.to(target)
+        return value
+
+    return {name: _each_tensor(value, move) for name, value in inputs.items()}
+
+
+def _each_tensor(value: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``fn`` applied to a tensor input, or to each tensor of a dict input; else ``value``."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict) and any(isinstance(v, torch.Tensor) for v in value.values()):
+        return {k: fn(v) if isinstance(v, torch.Tensor) else v for k, v in value.items()}
+    return value
 
 
 def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
     """The reference's inputs: on the CPU, floating tensors in float64 (complex in complex128)."""
-    result: dict[str, Any] = {}
-    for name, value in inputs.items():
-        if isinstance(value, torch.Tensor):
-            value = value.detach().cpu()
-            if value.is_floating_point():
-                value = value.to(torch.float64)
-            elif value.is_complex():
-                value = value.to(torch.complex128)
-        result[name] = value
-    return result
+    def up(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().cpu()
+        if value.is_floating_point():
+            return value.to(torch.float64)
+        if value.is_complex():
+            return value.to(torch.complex128)
+        return value
+
+    return {name: _each_tensor(value, up) for name, value in inputs.items()}
 
 
 def _sync(device: str) -> None:

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Literal
 
 from . import payload, project
+from .capture import tensor_dicts
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, is_case_dir, load_case
 from .errors import CaseFormatError, display, regular_file
 from .variants import (
@@ -95,8 +96,12 @@ def binding_problems(case: Case, target: str, params: Parameters,
                      tensors: Collection[str] | None) -> list[CaseFormatError]:
     """Why the case's inputs (``[inputs]`` literals and the payload's ``tensors``, ``None``
     when there is no payload) do not bind to ``target``'s parameters; empty when they do."""
-    if tensors is not None:  # the RNG states [context] rng names are no call inputs
-        tensors = [name for name in tensors if name not in case.context.rng.values()]
+    if tensors is not None:  # the RNG states [context] rng names are no call inputs,
+        # nor are a dict argument's tensors, which its [inputs] entry names
+        grouped = {str(v) for members in tensor_dicts(case.literals).values()
+                   if isinstance(members, Mapping) for v in members.values()}
+        tensors = [name for name in tensors
+                   if name not in case.context.rng.values() and name not in grouped]
     given = {*case.literals, *(tensors or ())}
     shown = f"{target}({', '.join(params.names)})"
     problems = []

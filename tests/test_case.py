@@ -761,7 +761,11 @@ def test_is_case_dir(tmp_path: Path) -> None:
 def test_bundled_cases_load(name: str) -> None:
     case = load_case(CASES / name)
     assert case.name == name
-    assert case.call.startswith("case.py:")
+    # Self-contained: the call, or a module case's factory, is in the case's own case.py.
+    target = case.call
+    if case.call == "pytest_gpucase.capture:replay_module":
+        target = case.literals["gpucase_module"]["factory"]
+    assert target.startswith("case.py:")
 
 
 def test_loading_does_not_import_torch(case_dir: Path) -> None:
