@@ -14,8 +14,8 @@ import torch
 from pytest_gpucase import payload
 from pytest_gpucase.capture import REPLAY_MODULE
 from pytest_gpucase.case import load_case
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.plugin import is_known_failure
+from pytest_gpucase.plan import RunSpec
+from pytest_gpucase.items import is_known_failure
 from pytest_gpucase.runner import run_spec
 
 CASES = Path(__file__).resolve().parents[1] / "cases"

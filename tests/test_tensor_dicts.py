@@ -15,8 +15,8 @@ from pytest_gpucase import payload
 from pytest_gpucase.capture import Recorder
 from pytest_gpucase.case import load_case
 from pytest_gpucase.execute import load_inputs, prepare, upcast
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.plugin import is_known_failure
+from pytest_gpucase.plan import RunSpec
+from pytest_gpucase.items import is_known_failure
 from pytest_gpucase.runner import run_spec
 from pytest_gpucase.validate import validate
 
