@@ -6,7 +6,6 @@ import importlib.util
 import tomllib
 from pathlib import Path
 from types import ModuleType
-from typing import Any
 
 import pytest
 import torch
@@ -17,14 +16,9 @@ from pytest_gpucase.case import load_case
 from pytest_gpucase.plan import RunSpec
 from pytest_gpucase.items import is_known_failure
 from pytest_gpucase.runner import run_spec
+from tests.test_model_capture import replay
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
-
-
-def replay(case_dir: Path) -> Any:
-    case = load_case(case_dir)
-    return run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                    backend="cpu", localize=False)
 
 
 def case_module(case_dir: Path) -> ModuleType:

@@ -3,9 +3,7 @@ tensor by tensor and rebuilt into the same dict by the replay."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -15,10 +13,9 @@ from pytest_gpucase import payload
 from pytest_gpucase.capture import Recorder
 from pytest_gpucase.case import load_case
 from pytest_gpucase.execute import load_inputs, prepare, upcast
-from pytest_gpucase.plan import RunSpec
 from pytest_gpucase.items import is_known_failure
-from pytest_gpucase.runner import run_spec
 from pytest_gpucase.validate import validate
+from tests.test_model_capture import replay, toml
 
 
 def lookup(ids: torch.Tensor, params: dict[str, torch.Tensor], scale: float = 1.0
@@ -37,16 +34,6 @@ class Scaled(torch.nn.Module):
 
     def forward(self, x: torch.Tensor, extra: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.lin(x) @ extra["adapter"] + extra["shift"][x.shape[0] * 4]
-
-
-def replay(case_dir: Path) -> Any:
-    case = load_case(case_dir)
-    return run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                    backend="cpu", localize=False)
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text())
 
 
 def params() -> dict[str, torch.Tensor]:
