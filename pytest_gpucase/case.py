@@ -295,7 +295,11 @@ def _read_text(file: Path, case_dir: Path) -> str:
     try:
         fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         with open(fd, "rb") as handle:
-            data = handle.read(MAX_CASE_BYTES + 1)
+            # Read what the stat saw plus one byte (a bigger buffer is allocated whole, per
+            # case, at scale); only a file that grew since is read on, up to the limit.
+            data = handle.read(info.st_size + 1)
+            if len(data) > info.st_size:
+                data += handle.read(MAX_CASE_BYTES + 1 - len(data))
     except OSError as exc:
         raise CaseFormatError(file, f"cannot be read: {exc}") from None
     if len(data) > MAX_CASE_BYTES:  # it grew since the stat

@@ -11,6 +11,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -58,6 +59,25 @@ class CaseDirectory(pytest.Directory):
 
     def collect(self) -> Iterator[pytest.Collector]:
         yield CaseFile.from_parent(self, path=self.path / "case.toml")
+
+
+def share_conftests(path: Path, parent: pytest.Collector) -> None:
+    """Give a case directory without a ``conftest.py`` its parent's conftest modules.
+
+    pytest looks for ``conftest.py`` in every directory it collects, walking up from
+    it to the root: a dozen ``stat`` calls and path comparisons per case, an eighth
+    of collecting thousands of cases. A case directory that holds no ``conftest.py``
+    has exactly its parent's list (pytest builds a directory's list from its
+    parent's), so it is filled in from there. Only when pytest keeps the table this
+    relies on (a private one, checked here) and has the parent's entry; otherwise,
+    and for a case directory with its own conftest, pytest does its usual search.
+    """
+    known = getattr(parent.config.pluginmanager, "_dirpath2confmods", None)
+    if (not isinstance(known, dict) or path in known
+            or not isinstance(inherited := known.get(parent.path), list)):
+        return
+    if not os.path.lexists(path / "conftest.py"):
+        known[path] = list(inherited)
 
 
 class CaseFile(pytest.File):
@@ -223,6 +243,7 @@ class CaseItem(pytest.Item):
 
     def __init__(self, *, spec: RunSpec, case_path: str | None = None, **kwargs: Any) -> None:
         super().__init__(**kwargs)
+        self._case_path = case_path
         self.spec = spec
         self.add_marker(_mark(f"device_{spec.device}"))
         from .case import FLOAT_DTYPES
@@ -235,15 +256,32 @@ class CaseItem(pytest.Item):
                 value=spec.variant.value))
         # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
         self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
-        from .report import property_json, spec_fields
-
-        self.user_properties.append(("gpucase", property_json(spec_fields(spec, case_path))))
         if spec.skip is not None:
             self.add_marker(pytest.mark.skip(reason=spec.skip))
         elif (reason := xfail_reason(spec)) is not None:
             # Only the known failure counts as xfailed; any other failure is a failure.
             self.add_marker(pytest.mark.xfail(reason=reason, strict=True,
                                               raises=KnownFailure))
+
+    # The "gpucase" user property (the item's spec as JSON) is written when a report first
+    # reads the properties, not at collection: JSON for 20,000 items that a -k or --lf
+    # deselects was about a twentieth of collection time.
+    _user_properties: list[tuple[str, object]]
+    _spec_recorded = False
+
+    @property
+    def user_properties(self) -> list[tuple[str, object]]:
+        if not self._spec_recorded and hasattr(self, "spec"):
+            from .report import property_json, spec_fields
+
+            self._spec_recorded = True
+            self._user_properties.insert(0, ("gpucase", property_json(
+                spec_fields(self.spec, self._case_path))))
+        return self._user_properties
+
+    @user_properties.setter
+    def user_properties(self, value: list[tuple[str, object]]) -> None:
+        self._user_properties = value
 
     def runtest(self) -> None:
         from .runner import run_spec

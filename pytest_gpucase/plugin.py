@@ -25,6 +25,7 @@ from .items import (  # noqa: F401 - fixtures must be attributes of the plugin m
     parametrize,
     requirements_from_marker,
     run_markers,
+    share_conftests,
 )
 from .session import (
     GpuCaseSession,
@@ -132,6 +133,7 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
     from .case import is_case_dir
 
     if is_case_dir(path):
+        share_conftests(path, parent)
         return CaseDirectory.from_parent(parent, path=path)
     return None
 

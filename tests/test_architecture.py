@@ -140,6 +140,31 @@ def test_run_env_hook_changes_the_child_environment(pytester: pytest.Pytester) -
     result.stdout.fnmatch_lines(["*the call raised LookupError: unset"])
 
 
+def test_conftests_apply_where_pytest_would_put_them(pytester: pytest.Pytester) -> None:
+    """Case directories share their parent's conftest modules (a collection shortcut):
+    a conftest above the cases still reaches every item, one inside a case directory
+    reaches that case only, as pytest's own search would have it."""
+    toml = """
+        format = 1
+        call = "case.py:run"
+        [expect]
+        outcome = "raises"
+        exception = "LookupError"
+        match = "from the hook"
+    """
+    for name in ("hooked_a", "plain_b", "own_c"):
+        write_case(pytester.path, name, toml, READS_ENV)
+    (pytester.path / "cases" / "conftest.py").write_text(RUN_ENV_CONFTEST)
+    (pytester.path / "cases" / "own_c" / "conftest.py").write_text(
+        "def pytest_gpucase_run_env(item, spec):\n"
+        "    return {'GPUCASE_ARCH_TEST': 'from the hook in own_c'}\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
+                                           "-p", "no:randomly", "-rA")
+    result.assert_outcomes(passed=2, failed=1)
+    result.stdout.fnmatch_lines(["PASSED cases/hooked_a/*", "FAILED cases/plain_b/*"])
+    result.stdout.fnmatch_lines(["PASSED cases/own_c/*"])
+
+
 FORMATS_PLUGIN = """
 def render_lines(matrix):
     return "".join(f"{row.label}\\n" for row in matrix.rows) or "no rows\\n"
