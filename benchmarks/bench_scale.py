@@ -18,8 +18,9 @@ ratios travel better than seconds); the load average is printed with them:
    same pytest process, so start-up and collection are left out; best of
    ``--repeat`` interleaved runs.
 2. collection of ``--cases`` case directories (4 items each) vs one test file
-   that imports torch with one test parametrized 4 x ``--cases`` ways; and the
-   growth from half as many cases.
+   that imports torch with one test parametrized 4 x ``--cases`` ways (as many
+   items) and ``--cases`` ways (one test per case, the issue's baseline); and
+   the growth from half as many cases.
 3. the pytest process's peak RSS as the number of cases grows: payloads are
    loaded in the children only, so it must stay flat.
 4. loading a ``--gib`` GiB payload with ``payload.load`` vs safetensors' own
@@ -161,25 +162,29 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
 
 def collection(count: int) -> None:
     print(f"\n2. collection: {count} case directories x 4 items vs one test file importing torch "
-          f"with one test parametrized {count * 4} ways")
+          f"with one test parametrized {count * 4} or {count} ways")
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, count, matrix='[matrix]\ndtypes = ["float32", "bfloat16"]\n')
         tests = root / "tests"
         tests.mkdir()
-        (tests / "test_many.py").write_text(
-            "import pytest\nimport torch\n\n"
-            f"@pytest.mark.parametrize('p', range({count * 4}))\n"
-            "def test_trivial(p):\n    assert p + 1 > 0\n")
-        python_tests = pytest_seconds(root, "--collect-only", "tests")
+        for name, params in (("test_items.py", count * 4), ("test_cases.py", count)):
+            (tests / name).write_text(
+                "import pytest\nimport torch\n\n"
+                f"@pytest.mark.parametrize('p', range({params}))\n"
+                "def test_trivial(p):\n    assert p + 1 > 0\n")
+        python_tests = pytest_seconds(root, "--collect-only", "tests/test_items.py")
         cases = pytest_seconds(root, "--collect-only", "--gpu-cases", "cases")
+        one_per_case = pytest_seconds(root, "--collect-only", "tests/test_cases.py")
         half = root / "half"
         half.mkdir()
         for index in range(count // 2):
             (root / "cases" / f"c{index}").rename(half / f"c{index}")
         cases_half = pytest_seconds(root, "--collect-only", "--gpu-cases", "half")
-    print(f"   parametrized tests {python_tests:.2f} s, cases {cases:.2f} s, "
-          f"ratio cases / tests {cases / python_tests:.2f}")
+    print(f"   {count * 4} parametrized tests (as many items) {python_tests:.2f} s, "
+          f"cases {cases:.2f} s, ratio cases / tests {cases / python_tests:.2f}")
+    print(f"   {count} parametrized tests (one per case) {one_per_case:.2f} s, "
+          f"ratio cases / tests {cases / one_per_case:.2f}")
     print(f"   {count // 2} cases {cases_half:.2f} s: growth from {count // 2} to {count} cases "
           f"{cases / cases_half:.2f}x (start-up included; 2.00 would be linear without it)")
 

@@ -234,7 +234,7 @@ def is_case_dir(path: Path) -> bool:
     A dangling symlink, a FIFO or a directory named ``case.toml`` is a case
     that cannot load, reported as such, rather than a case silently skipped.
     """
-    return os.path.lexists(Path(path) / CASE_FILE)
+    return os.path.lexists(os.path.join(path, CASE_FILE))
 
 
 def case_name(path: Path) -> str:

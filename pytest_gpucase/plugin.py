@@ -94,6 +94,10 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(session_key, None)
     for path in state._temporary if state is not None else ():
         shutil.rmtree(path, ignore_errors=True)
+    if state is not None and state._reference_cache is not None:
+        from .reference_cache import prune
+
+        prune(state._reference_cache)  # a temporary one is gone already: nothing to do
     if state is not None and state.renderers:
         from .report import RENDERERS
 

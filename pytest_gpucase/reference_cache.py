@@ -17,6 +17,11 @@ a new name; an unreadable entry is computed again. A failing item never trusts
 the cache: its reference is computed again before it is reported (see
 ``execute``). A reference faster than ``MIN_SECONDS`` is not worth a file and
 is computed each time.
+
+Old names are never read again, so the folder is pruned when a session that
+used it ends (``prune``): an entry unused for ``KEEP_DAYS`` goes, then the
+least recently used ones until the folder holds at most ``MAX_BYTES``. A read
+marks an entry used (its modification time).
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
 # more (a trivial case's float64 reference takes a fraction of a millisecond).
 MIN_SECONDS = 0.005
 _VERSION = b"gpucase-reference-1"
+KEEP_DAYS = 14
+MAX_BYTES = 2 << 30
 
 
 def _file_signature(path: Path) -> bytes:
@@ -96,9 +103,47 @@ def load(path: Path | None) -> dict[str, Any] | None:
     from . import golden
 
     try:
-        return golden.load(path)
+        found = golden.load(path)
     except Exception:  # a torn or foreign file: computed again, and rewritten
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)  # used now: prune keeps it
+    return found
+
+
+def prune(folder: Path, keep_days: float = KEEP_DAYS, max_bytes: int = MAX_BYTES,
+          now: float | None = None) -> int:
+    """Remove entries of ``folder`` unused for ``keep_days``, then the least recently
+    used until at most ``max_bytes`` remain; return how many were removed.
+
+    Other sessions may be pruning or writing the same folder: an entry that is gone
+    already is skipped, and a temporary file younger than ``keep_days`` is left to
+    the writer that owns it.
+    """
+    import time
+
+    now = time.time() if now is None else now
+    entries: list[tuple[float, int, str]] = []
+    try:
+        with os.scandir(folder) as found:
+            for item in found:
+                with contextlib.suppress(OSError):
+                    if item.is_file(follow_symlinks=False):
+                        info = item.stat(follow_symlinks=False)
+                        entries.append((info.st_mtime, info.st_size, item.path))
+    except OSError:
+        return 0
+    entries.sort()
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for used, size, path in entries:
+        if used > now - keep_days * 86400 and total <= max_bytes:
+            break
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+            removed += 1
+        total -= size
+    return removed
 
 
 def store(path: Path | None, results: dict[str, Any], seconds: float) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_gpucase import golden, payload, reference_cache
@@ -104,3 +105,47 @@ def test_a_fast_reference_is_not_cached(tmp_path: Path) -> None:
     assert [run(path, cache) for _ in range(2)] == ["passed"] * 2
     assert calls(path) == 2
     assert not list(cache.glob("*.safetensors"))
+
+
+def _aged(folder: Path, name: str, size: int, days_ago: float, now: float) -> Path:
+    path = folder / name
+    path.write_bytes(b"x" * size)
+    os.utime(path, (now - days_ago * 86400,) * 2)
+    return path
+
+
+def test_prune_drops_unused_entries_then_the_least_recently_used(tmp_path: Path) -> None:
+    now = 2_000_000_000.0
+    stale = _aged(tmp_path, "stale.safetensors", 10, 30, now)
+    older = _aged(tmp_path, "older.safetensors", 100, 2, now)
+    newer = _aged(tmp_path, "newer.safetensors", 100, 1, now)
+    assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=1000, now=now) == 1
+    assert not stale.exists() and older.exists() and newer.exists()
+    assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=150, now=now) == 1
+    assert not older.exists() and newer.exists()  # over the size: the oldest goes first
+    assert reference_cache.prune(tmp_path / "absent", now=now) == 0
+
+
+def test_a_cache_hit_marks_the_entry_used(tmp_path: Path) -> None:
+    path, cache = make(tmp_path), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    (entry,) = cache.glob("*.safetensors")
+    os.utime(entry, (1.0, 1.0))  # looks unused for decades
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1  # read back, not recomputed
+    assert reference_cache.prune(cache) == 0 and entry.exists()
+
+
+def test_the_session_prunes_the_folder_it_used(pytester: pytest.Pytester) -> None:
+    (pytester.path / "cases").mkdir()
+    make(pytester.path / "cases")
+    cache = pytester.path / ".pytest_cache" / "d" / "gpucase-references"
+    cache.mkdir(parents=True)
+    forgotten = cache / "0123.safetensors"
+    forgotten.write_bytes(b"old")
+    os.utime(forgotten, (1.0, 1.0))
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
+                                           "-p", "no:randomly")
+    result.assert_outcomes(passed=1)
+    assert not forgotten.exists()
+    assert len(list(cache.glob("*.safetensors"))) == 1  # this run's entry stays
