@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -160,7 +161,7 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
         print(f"   {name:<32}{value * 1000:>10.1f}{value / floor:>10.2f}")
 
 
-def collection(count: int) -> None:
+def collection(count: int, repeat: int) -> None:
     print(f"\n2. collection: {count} case directories x 4 items vs one test file importing torch "
           f"with one test parametrized {count * 4} or {count} ways")
     with tempfile.TemporaryDirectory() as tmp:
@@ -173,14 +174,17 @@ def collection(count: int) -> None:
                 "import pytest\nimport torch\n\n"
                 f"@pytest.mark.parametrize('p', range({params}))\n"
                 "def test_trivial(p):\n    assert p + 1 > 0\n")
-        python_tests = pytest_seconds(root, "--collect-only", "tests/test_items.py")
-        cases = pytest_seconds(root, "--collect-only", "--gpu-cases", "cases")
-        one_per_case = pytest_seconds(root, "--collect-only", "tests/test_cases.py")
+        runs: dict[str, list[float]] = {"tests": [], "cases": [], "one": [], "half": []}
         half = root / "half"
         half.mkdir()
-        for index in range(count // 2):
-            (root / "cases" / f"c{index}").rename(half / f"c{index}")
-        cases_half = pytest_seconds(root, "--collect-only", "--gpu-cases", "half")
+        for index in range(count // 2):  # half of the cases, a folder of their own
+            shutil.copytree(root / "cases" / f"c{index}", half / f"c{index}")
+        for _ in range(repeat):  # interleaved rounds, the best of each kept
+            runs["tests"].append(pytest_seconds(root, "--collect-only", "tests/test_items.py"))
+            runs["cases"].append(pytest_seconds(root, "--collect-only", "--gpu-cases", "cases"))
+            runs["one"].append(pytest_seconds(root, "--collect-only", "tests/test_cases.py"))
+            runs["half"].append(pytest_seconds(root, "--collect-only", "--gpu-cases", "half"))
+        python_tests, cases, one_per_case, cases_half = (min(runs[name]) for name in runs)
     print(f"   {count * 4} parametrized tests (as many items) {python_tests:.2f} s, "
           f"cases {cases:.2f} s, ratio cases / tests {cases / python_tests:.2f}")
     print(f"   {count} parametrized tests (one per case) {one_per_case:.2f} s, "
@@ -241,7 +245,7 @@ def main() -> None:
                         "pytest_gpucase package found in DIR (a checkout of an older commit), "
                         "for a before/after ratio in one run")
     parser.add_argument("--repeat", type=int, default=3,
-                        help="pytest runs per row in section 1 (the best is kept)")
+                        help="pytest runs per row in sections 1 and 2 (the best is kept)")
     parser.add_argument("--quick", action="store_true",
                         help="small sizes, about a minute: 100 items, 2 runs, 2000 cases, 64 MiB")
     args = parser.parse_args()
@@ -253,7 +257,7 @@ def main() -> None:
     if args.only in (None, "isolation"):
         isolation(args.items, args.baseline_src, args.repeat)
     if args.only in (None, "collection"):
-        collection(args.cases)
+        collection(args.cases, args.repeat)
     if args.only in (None, "memory"):
         memory([25, 100, 200] if args.quick else [50, 200, 800])
     if args.only in (None, "payload"):
