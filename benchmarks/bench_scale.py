@@ -19,8 +19,9 @@ ratios travel better than seconds); the load average is printed with them:
    ``--repeat`` interleaved runs.
 2. collection of ``--cases`` case directories (4 items each) vs one test file
    that imports torch with one test parametrized 4 x ``--cases`` ways (as many
-   items) and ``--cases`` ways (one test per case, the issue's baseline); and
-   the growth from half as many cases.
+   items) and ``--cases`` ways (one test per case, the issue's baseline); pytest's
+   own floor for that layout (a 25-line plugin making the same directory, file
+   and item nodes and reading nothing); and the growth from half as many cases.
 3. the pytest process's peak RSS as the number of cases grows: payloads are
    loaded in the children only, so it must stay flat.
 4. loading a ``--gib`` GiB payload with ``payload.load`` vs safetensors' own
@@ -44,6 +45,36 @@ import torch
 from pytest_gpucase import payload
 
 TRIVIAL_CASE_PY = "def run(x):\n    return x + 1\n"
+# pytest's own floor for one directory per case: the same nodes (a Directory per case
+# folder, a File for its case.toml, 4 items), torch imported, and nothing else done.
+NODES_ONLY_PLUGIN = textwrap.dedent("""
+    import os
+
+    import pytest
+    import torch  # noqa: F401 - as the plugin's session imports it
+
+
+    class NullItem(pytest.Item):
+        def runtest(self):
+            pass
+
+
+    class NullFile(pytest.File):
+        def collect(self):
+            for index in range(4):
+                yield NullItem.from_parent(self, name=f"{self.path.parent.name}[{index}]")
+
+
+    class NullDir(pytest.Directory):
+        def collect(self):
+            yield NullFile.from_parent(self, path=self.path / "case.toml")
+
+
+    def pytest_collect_directory(path, parent):
+        if os.path.lexists(os.path.join(path, "case.toml")):
+            return NullDir.from_parent(parent, path=path)
+        return None
+""")
 RSS_CONFTEST = textwrap.dedent("""
     import resource
 
@@ -174,7 +205,10 @@ def collection(count: int, repeat: int) -> None:
                 "import pytest\nimport torch\n\n"
                 f"@pytest.mark.parametrize('p', range({params}))\n"
                 "def test_trivial(p):\n    assert p + 1 > 0\n")
-        runs: dict[str, list[float]] = {"tests": [], "cases": [], "one": [], "half": []}
+        (root / "nodes_only.py").write_text(NODES_ONLY_PLUGIN)
+        nodes_env = {**os.environ, "PYTHONPATH": str(root)}
+        runs: dict[str, list[float]] = {"tests": [], "cases": [], "one": [], "half": [],
+                                        "nodes": []}
         half = root / "half"
         half.mkdir()
         for index in range(count // 2):  # half of the cases, a folder of their own
@@ -184,11 +218,16 @@ def collection(count: int, repeat: int) -> None:
             runs["cases"].append(pytest_seconds(root, "--collect-only", "--gpu-cases", "cases"))
             runs["one"].append(pytest_seconds(root, "--collect-only", "tests/test_cases.py"))
             runs["half"].append(pytest_seconds(root, "--collect-only", "--gpu-cases", "half"))
-        python_tests, cases, one_per_case, cases_half = (min(runs[name]) for name in runs)
+            runs["nodes"].append(pytest_seconds(root, "--collect-only", "-p", "no:gpucase",
+                                                "-p", "nodes_only", "cases", env=nodes_env))
+        python_tests, cases, one_per_case, cases_half, nodes = (min(runs[name]) for name in runs)
     print(f"   {count * 4} parametrized tests (as many items) {python_tests:.2f} s, "
           f"cases {cases:.2f} s, ratio cases / tests {cases / python_tests:.2f}")
     print(f"   {count} parametrized tests (one per case) {one_per_case:.2f} s, "
           f"ratio cases / tests {cases / one_per_case:.2f}")
+    print(f"   pytest alone, the same directory and file nodes, no case read "
+          f"{nodes:.2f} s: {nodes / python_tests:.2f} x the tests as many items, "
+          f"{nodes / one_per_case:.2f} x one per case; cases / this floor {cases / nodes:.2f}")
     print(f"   {count // 2} cases {cases_half:.2f} s: growth from {count // 2} to {count} cases "
           f"{cases / cases_half:.2f}x (start-up included; 2.00 would be linear without it)")
 
