@@ -30,7 +30,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from pytest_gpucase._torch import import_torch
+
+torch = import_torch()  # without torch's "Failed to initialize NumPy" warning
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE_PY = "def run(x):\n    return x + 1\n"
