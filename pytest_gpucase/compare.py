@@ -207,8 +207,13 @@ def compare(
         raise ValueError(f"worst must be >= 0, got {worst}")
     if _equal_tensors(actual, expected):
         return Comparison((), 0.0, 0.0)
+    table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
+    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+        close = _small_close(actual, expected, table, check_dtype)
+        if close is not None:
+            return close
     walk = _Walk(
-        tolerances={**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES,
+        tolerances=table,
         equal_nan=equal_nan,
         check_dtype=check_dtype,
         worst=worst,
@@ -239,6 +244,61 @@ def _equal_tensors(actual: object, expected: object) -> bool:
         and 0 < actual.numel() <= SMALL_ELEMENTS
         and torch.equal(actual, expected)
     )
+
+
+_SCREENED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _small_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: Mapping[torch.dtype, Tolerance],
+    check_dtype: bool,
+) -> Comparison | None:
+    """The fast path of a single small floating pair that is close: the screen alone.
+
+    The same ops and the same test as the screen of the full path's one
+    chunk (`_Judge.floating_chunk`), so the same verdict and the same
+    greatest differences, with none of the walk's bookkeeping: a handful of
+    torch calls. None when the screen cannot clear the pair (a mismatch, a
+    NaN or inf, a value near the bound): the full path then decides and
+    words the message.
+    """
+    if not (
+        actual.dtype in _SCREENED_DTYPES
+        and expected.dtype in _SCREENED_DTYPES
+        and (actual.dtype == expected.dtype or not check_dtype)
+        and actual.shape == expected.shape
+        and actual.device == expected.device
+        and actual.layout == torch.strided
+        and expected.layout == torch.strided
+        and not actual.is_meta
+        and 0 < actual.numel() <= SMALL_ELEMENTS
+    ):
+        return None
+    tol = tolerances.get(actual.dtype, _EXACT)
+    screen = _screen(actual.dtype, expected.dtype, actual.device, tol)
+    a, e = actual, expected
+    if a.requires_grad or e.requires_grad:  # no graph is built for a verdict
+        a, e = a.detach(), e.detach()
+    if a.dtype != screen.cdt:
+        a = a.to(screen.cdt)
+    if e.dtype != screen.cdt:
+        e = e.to(screen.cdt)
+    diff = torch.sub(a, e).abs_()
+    scale = torch.abs(e)
+    rows = torch.stack((diff, torch.div(diff, scale)))
+    max_abs, max_rel = (rows if a.dim() == 1 else rows.view(2, -1)).amax(1).tolist()
+    if not math.isfinite(max_abs):
+        return None
+    if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
+        max_rel = float(rows[1].nan_to_num_(nan=0.0, posinf=math.inf).amax())
+    # The third test's row only when the first two cannot clear the pair.
+    if not screen.clears(max_abs, max_rel, math.inf):
+        max_excess = float(torch.add(diff, scale, alpha=-tol.rtol).amax())
+        if not screen.clears(max_abs, max_rel, max_excess):
+            return None
+    return Comparison((), _max(0.0, max_abs), _max(0.0, max_rel))
 
 
 # --------------------------------------------------------------------------
@@ -855,6 +915,52 @@ def _ranks(real: torch.dtype) -> tuple[float, float, float]:
     return info.eps, info.max, float(torch.nextafter(top, torch.zeros_like(top)))
 
 
+@dataclass(frozen=True)
+class _Screen:
+    """What proves a floating chunk close from its three greatest errors alone.
+
+    Each test alone proves closeness; the margins cover the rounding of the
+    screen's own arithmetic (done in `real`), so no mismatch slips through.
+    """
+
+    cdt: torch.dtype  # the dtype differences are computed in
+    real: torch.dtype  # its real part's dtype
+    atol: float
+    abs_bound: float
+    rel_bound: float
+    slack: float  # per unit of max_abs + atol
+
+    def clears(self, max_abs: float, max_rel: float, max_excess: float) -> bool:
+        """Whether the chunk is close everywhere; max_abs finite, max_rel not NaN."""
+        return (
+            max_abs <= self.abs_bound
+            or max_rel <= self.rel_bound
+            or max_excess <= self.atol - self.slack * (max_abs + self.atol)
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _screen(
+    actual: torch.dtype, expected: torch.dtype, device: torch.device, tol: Tolerance
+) -> _Screen:
+    cdt = _compute_dtype(actual, expected, device)
+    real = cdt.to_real()
+    eps = _ranks(real)[0]
+    margin = 1 - 4 * eps
+    ulp_rel = 0.0
+    if tol.ulps is not None:
+        # The spacing at |e| is more than |e| * eps / 2 in the actual dtype.
+        ulp_rel = tol.ulps * torch.finfo(actual.to_real()).eps / 2
+    return _Screen(
+        cdt=cdt,
+        real=real,
+        atol=tol.atol,
+        abs_bound=tol.atol * margin,
+        rel_bound=max(tol.rtol, ulp_rel) * margin,
+        slack=8 * eps,
+    )
+
+
 class _Judge:
     """Decides the chunks of one tensor pair; its constants are computed once."""
 
@@ -868,21 +974,13 @@ class _Judge:
         self.screen_equal = actual.dtype == expected.dtype and actual.device == expected.device
         self.tol, self.equal_nan = tol, equal_nan
         if self.floating:
-            self.cdt = _compute_dtype(actual.dtype, expected.dtype, actual.device)
-            self.real = self.cdt.to_real()
+            self.screen: _Screen | None = _screen(actual.dtype, expected.dtype, actual.device, tol)
+            self.cdt, self.real = self.screen.cdt, self.screen.real
         else:
+            self.screen = None
             self.cdt = actual.dtype
             self.real = torch.float64 if backends.float64_on(actual.device.type) else torch.float32
-        self.eps, self.nan_rank, self.inf_rank = _ranks(self.real)
-        # Each screen alone proves closeness; the margins cover the rounding
-        # of the screen's own arithmetic, so no mismatch slips through.
-        margin = 1 - 4 * self.eps
-        self.abs_bound = tol.atol * margin
-        ulp_rel = 0.0
-        if tol.ulps is not None and self.floating:
-            # The spacing at |e| is more than |e| * eps / 2 in the actual dtype.
-            ulp_rel = tol.ulps * torch.finfo(actual.dtype.to_real()).eps / 2
-        self.rel_bound = max(tol.rtol, ulp_rel) * margin
+        _, self.nan_rank, self.inf_rank = _ranks(self.real)
 
     def __call__(
         self,
@@ -927,12 +1025,8 @@ class _Judge:
         if finite:
             if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
                 max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
-            slack = 8 * self.eps * (max_abs + tol.atol)
-            if (
-                max_abs <= self.abs_bound
-                or max_rel <= self.rel_bound
-                or max_excess <= tol.atol - slack
-            ):
+            assert self.screen is not None
+            if self.screen.clears(max_abs, max_rel, max_excess):
                 stats.note(max_abs, max_rel)
                 return
         # Element by element, as torch.isclose decides; 1.0 marks a mismatch.
