@@ -231,7 +231,12 @@ def compare(
 
 
 def _equal_tensors(actual: object, expected: object) -> bool:
-    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call."""
+    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call.
+
+    Up to one chunk: the walk would judge such a pair as one chunk, whose
+    first test is this one, so an unequal pair pays one early-stopping read
+    of at most a chunk twice; beyond, the walk's own whole-tensor test does it.
+    """
     return (
         isinstance(actual, torch.Tensor)
         and isinstance(expected, torch.Tensor)
@@ -241,7 +246,7 @@ def _equal_tensors(actual: object, expected: object) -> bool:
         and actual.layout == torch.strided
         and expected.layout == torch.strided
         and not actual.is_meta
-        and 0 < actual.numel() <= SMALL_ELEMENTS
+        and 0 < actual.numel() <= _chunk_elements(actual.device)
         and torch.equal(actual, expected)
     )
 
@@ -255,14 +260,14 @@ def _small_close(
     tolerances: Mapping[torch.dtype, Tolerance],
     check_dtype: bool,
 ) -> Comparison | None:
-    """The fast path of a single small floating pair that is close: the screen alone.
+    """The fast path of a single floating pair of one chunk that is close: the screen alone.
 
     The same ops and the same test as the screen of the full path's one
     chunk (`_Judge.floating_chunk`), so the same verdict and the same
     greatest differences, with none of the walk's bookkeeping: a handful of
-    torch calls. None when the screen cannot clear the pair (a mismatch, a
-    NaN or inf, a value near the bound): the full path then decides and
-    words the message.
+    torch calls, single-threaded past torch's grain size as the walk's are.
+    None when the screen cannot clear the pair (a mismatch, a NaN or inf, a
+    value near the bound): the full path then decides and words the message.
     """
     if not (
         actual.dtype in _SCREENED_DTYPES
@@ -273,9 +278,22 @@ def _small_close(
         and actual.layout == torch.strided
         and expected.layout == torch.strided
         and not actual.is_meta
-        and 0 < actual.numel() <= SMALL_ELEMENTS
+        and 0 < actual.numel() <= _chunk_elements(actual.device)
     ):
         return None
+    threads = torch.get_num_threads()
+    if actual.numel() <= _GRAIN_ELEMENTS or threads <= 1 or actual.device.type != "cpu":
+        return _screened(actual, expected, tolerances)
+    torch.set_num_threads(1)  # as _compare_values does: no barrier per op under load
+    try:
+        return _screened(actual, expected, tolerances)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _screened(
+    actual: torch.Tensor, expected: torch.Tensor, tolerances: Mapping[torch.dtype, Tolerance]
+) -> Comparison | None:
     tol = tolerances.get(actual.dtype, _EXACT)
     screen = _screen(actual.dtype, expected.dtype, actual.device, tol)
     a, e = actual, expected
@@ -1135,16 +1153,27 @@ class _Judge:
         if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
             stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
         key = torch.mul(rank, mismatch, out=key)
-        # One max per chunk; an index only while this chunk can still hold one
+        # One max per chunk; indices only while this chunk can still hold one
         # of the worst `keep` (the first chunk, or one worse than all kept).
-        worst = value = float(key.amax())
-        for _ in range(stats.keep):
-            if value <= 0 or not stats.admits(value):
-                break
-            index = int(key.argmax())
-            stats.add_worst(value, offset + index)
-            key[index] = 0.0
-            value = float(key.amax())
+        worst = float(key.amax())
+        if not stats.admits(worst):
+            return worst, worst_rel
+        # The chunk's worst by (-rank, index), as add_worst orders them: one
+        # topk, unless ranks tie at its edge (then torch picks any of them).
+        take = min(stats.keep, count)
+        values, indices = (t.tolist() for t in torch.topk(key, min(take + 1, key.numel())))
+        if take < len(values) and values[take] == values[take - 1]:
+            value = worst
+            for _ in range(take):
+                if not stats.admits(value):
+                    break
+                index = int(key.argmax())  # the first of equal ranks
+                stats.add_worst(value, offset + index)
+                key[index] = 0.0
+                value = float(key.amax())
+        else:
+            for value, index in zip(values[:take], indices[:take], strict=True):
+                stats.add_worst(value, offset + index)
         return worst, worst_rel
 
 

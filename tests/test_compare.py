@@ -990,6 +990,10 @@ def _fast_path_pairs() -> list[tuple[str, object, object, dict[torch.dtype, Tole
                 pairs.append((f"{dtype} ref={reference} {layout} {k}", a, e, None))
             pairs.append((f"{dtype} ref={reference} flat {k}", actual, expected, None))
     e32 = torch.randn(100, generator=gen)
+    big = torch.randn(20_000, generator=gen)
+    wide = torch.randn(300, 200, generator=gen)
+    wide_off = wide.clone()
+    wide_off[299, 199] += 1
     close = e32 + 1e-6 * torch.rand(100, generator=gen)
     pairs += [
         ("close", close, e32, None),
@@ -1000,6 +1004,11 @@ def _fast_path_pairs() -> list[tuple[str, object, object, dict[torch.dtype, Tole
         ("close bfloat16 ref", e32.bfloat16(), e32.double(), None),
         ("close float16 ref", e32.half(), e32.double(), None),
         ("zero-size", torch.zeros(0, 3), torch.zeros(0, 3), None),
+        # One chunk but past the batching size, and past torch's grain size.
+        ("close 20,000", big + 1e-6, big, None),
+        ("close 60,000 transposed", wide.t() * (1 + 1e-7), wide.t(), None),
+        ("one off in 60,000", wide_off, wide, None),
+        ("equal 60,000", wide.clone(), wide, None),
         (
             "-0.0 and 0.0 beside a difference",
             torch.tensor([-0.0, 1.0]),
