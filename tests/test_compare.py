@@ -1110,6 +1110,55 @@ class TestSinglePairFastPath:
         assert compare((expected + 1e-6).bfloat16(), expected.double(), check_dtype=False).ok
 
 
+class TestEqualityTest:
+    """compare()'s first test on the CPU: memcmp and a sum; True must mean equal values, no NaN."""
+
+    @pytest.mark.parametrize("memcmp", [True, False], ids=["memcmp", "torch.equal"])
+    def test_equal_bytes_and_equal_values(
+        self, memcmp: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        if not memcmp:
+            monkeypatch.setattr(compare_module, "_MEMCMP", None)
+        elif compare_module._MEMCMP is None:
+            pytest.skip("no C library memcmp to load here")
+        gen = torch.Generator().manual_seed(23)
+        n = 100_000  # past the 4 KiB where memcmp starts, in one chunk and in several
+        for size in (n, 3 * compare_module.CHUNK_ELEMENTS + 5):
+            base = torch.randn(size, generator=gen)
+            assert compare(base.clone(), base).ok
+            with_nan = base.clone()
+            with_nan[size - 2] = NAN  # equal bytes, unequal values
+            assert only(compare(with_nan.clone(), with_nan)).mismatched == 1
+            assert compare(with_nan.clone(), with_nan, equal_nan=True).ok
+            with_inf = base.clone()
+            with_inf[7], with_inf[8] = INF, -INF  # a sum of NaN, equal values
+            result = compare(with_inf.clone(), with_inf)
+            assert result.ok and result.max_abs == 0.0
+            signed = base.clone()
+            signed[size // 2] = 0.0
+            negative = signed.clone()
+            negative[size // 2] = -0.0  # unequal bytes, equal values
+            result = compare(negative, signed)
+            assert result.ok and (result.max_abs, result.max_rel) == (0.0, 0.0)
+            big = torch.full((size,), 3e38)  # a float32 sum overflows: decided exactly
+            assert compare(big.clone(), big).ok
+            half = base.half()
+            assert compare(half.clone(), half).ok
+            ints = torch.randint(-(2**62), 2**62, (size,), generator=gen)
+            assert compare(ints.clone(), ints).ok
+            off = ints.clone()
+            off[size - 1] += 1
+            assert only(compare(off, ints)).mismatched == 1
+            flags = ints > 0
+            assert compare(flags.clone(), flags).ok
+            assert only(compare(~flags, flags)).mismatched == size
+            # Views: an offset into the storage, and a non-contiguous one.
+            assert compare(base[1:].clone(), base[1:]).ok
+            assert not compare(base[1:], base[:-1]).ok
+            strided = base.reshape(-1, 5)[:, ::2] if size % 5 == 0 else base[::2]
+            assert compare(strided.clone(), strided).ok
+
+
 def _cuda_available() -> bool:
     # The NVML-based check does not initialize CUDA here: this process forks
     # children in other tests, and a CUDA-initialized parent poisons them.
