@@ -1142,8 +1142,12 @@ class TestEqualityTest:
             assert result.ok and (result.max_abs, result.max_rel) == (0.0, 0.0)
             big = torch.full((size,), 3e38)  # a float32 sum overflows: decided exactly
             assert compare(big.clone(), big).ok
-            half = base.half()
-            assert compare(half.clone(), half).ok
+            for dtype in (torch.float16, torch.bfloat16, torch.float64):
+                low = with_nan.to(dtype)
+                assert only(compare(low.clone(), low)).mismatched == 1, dtype
+                assert compare(base.to(dtype), base.to(dtype)).ok, dtype
+            ones = torch.ones(size, dtype=torch.float16)  # a float16 sum overflows
+            assert compare(ones.clone(), ones).ok
             ints = torch.randint(-(2**62), 2**62, (size,), generator=gen)
             assert compare(ints.clone(), ints).ok
             off = ints.clone()
