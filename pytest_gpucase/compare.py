@@ -18,7 +18,9 @@ nothing but a few scalars reaches the host. On the CPU, a tensor of several
 chunks is shared by worker threads that each run single-threaded torch ops:
 one barrier per call instead of one per op, which is what keeps a comparison
 fast while other processes compete for the cores. Small tensors of one dtype
-in a nested output are batched into one flat pass.
+in a nested output are batched into one flat pass. A single pair of at most
+one chunk skips the walk when the equality test or the screen alone settles
+it (a few torch calls; the same ops and verdict as the walk's chunk).
 
 Verdicts. An element passes when ``|actual - expected| <= atol + rtol *
 |expected|``, or it is within ``ulps`` units in the last place of the actual
