@@ -152,7 +152,9 @@ def _documented(actual: torch.Tensor, expected: torch.Tensor) -> bool:
 
 def _row_name(name: str, ref64: bool) -> str:
     """float32, bfloat16, ... and bf16ref64 / f16ref64 for the float64-reference rows."""
-    return {"bfloat16": "bf16ref64", "float16": "f16ref64"}.get(name, name) if ref64 else name
+    if not ref64:
+        return name
+    return {"bfloat16": "bf16ref64", "float16": "f16ref64"}.get(name, f"{name}ref64")
 
 
 def _equal_bound(actual: torch.Tensor, expected: torch.Tensor, repeats: int) -> float:
