@@ -5,8 +5,9 @@ numbers, None, strings, sequences, mappings), checks structure and tensor
 attributes before values, and collects every mismatch with its path.
 
 Tensor values are compared on the actual tensor's device in chunks, fast path
-first: a chunk whose values are equal costs one ``torch.equal`` (which also
-proves it holds no NaN); any other chunk costs one screening pass of a few
+first: a chunk whose values are equal costs one equality test (which also
+proves it holds no NaN; on the CPU a ``memcmp`` and a sum, several times
+faster than ``torch.equal``); any other chunk costs one screening pass of a few
 cache-resident elementwise ops and one fused reduction that yields its
 greatest absolute, relative and excess-over-tolerance errors. Only a chunk
 the screen cannot clear is decided element by element, and its accounting is
@@ -17,7 +18,9 @@ nothing but a few scalars reaches the host. On the CPU, a tensor of several
 chunks is shared by worker threads that each run single-threaded torch ops:
 one barrier per call instead of one per op, which is what keeps a comparison
 fast while other processes compete for the cores. Small tensors of one dtype
-in a nested output are batched into one flat pass.
+in a nested output are batched into one flat pass. A single pair of at most
+one chunk skips the walk when the equality test or the screen alone settles
+it (a few torch calls; the same ops and verdict as the walk's chunk).
 
 Verdicts. An element passes when ``|actual - expected| <= atol + rtol *
 |expected|``, or it is within ``ulps`` units in the last place of the actual
@@ -49,11 +52,12 @@ message names the tolerance it applied and where it came from.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import math
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -207,8 +211,13 @@ def compare(
         raise ValueError(f"worst must be >= 0, got {worst}")
     if _equal_tensors(actual, expected):
         return Comparison((), 0.0, 0.0)
+    table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
+    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+        close = _small_close(actual, expected, table, check_dtype)
+        if close is not None:
+            return close
     walk = _Walk(
-        tolerances={**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES,
+        tolerances=table,
         equal_nan=equal_nan,
         check_dtype=check_dtype,
         worst=worst,
@@ -226,7 +235,12 @@ def compare(
 
 
 def _equal_tensors(actual: object, expected: object) -> bool:
-    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call."""
+    """The fast path of a single tensor pair: equal values (so no NaN) in one cheap call.
+
+    Up to one chunk: the walk would judge such a pair as one chunk, whose
+    first test is this one, so an unequal pair pays one early-stopping read
+    of at most a chunk twice; beyond, the walk's own whole-tensor test does it.
+    """
     return (
         isinstance(actual, torch.Tensor)
         and isinstance(expected, torch.Tensor)
@@ -236,9 +250,132 @@ def _equal_tensors(actual: object, expected: object) -> bool:
         and actual.layout == torch.strided
         and expected.layout == torch.strided
         and not actual.is_meta
-        and 0 < actual.numel() <= SMALL_ELEMENTS
-        and torch.equal(actual, expected)
+        and 0 < actual.numel() <= _chunk_elements(actual.device)
+        and _equal(actual, expected)
     )
+
+
+_SCREENED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _small_close(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tolerances: Mapping[torch.dtype, Tolerance],
+    check_dtype: bool,
+) -> Comparison | None:
+    """The fast path of a single floating pair of one chunk that is close: the screen alone.
+
+    The same ops and the same test as the screen of the full path's one
+    chunk (`_Judge.floating_chunk`), so the same verdict and the same
+    greatest differences, with none of the walk's bookkeeping: a handful of
+    torch calls, single-threaded past torch's grain size as the walk's are.
+    None when the screen cannot clear the pair (a mismatch, a NaN or inf, a
+    value near the bound): the full path then decides and words the message.
+    """
+    if not (
+        actual.dtype in _SCREENED_DTYPES
+        and expected.dtype in _SCREENED_DTYPES
+        and (actual.dtype == expected.dtype or not check_dtype)
+        and actual.shape == expected.shape
+        and actual.device == expected.device
+        and actual.layout == torch.strided
+        and expected.layout == torch.strided
+        and not actual.is_meta
+        and 0 < actual.numel() <= _chunk_elements(actual.device)
+    ):
+        return None
+    threads = torch.get_num_threads()
+    if actual.numel() <= _GRAIN_ELEMENTS or threads <= 1 or actual.device.type != "cpu":
+        return _screened(actual, expected, tolerances)
+    torch.set_num_threads(1)  # as _compare_values does: no barrier per op under load
+    try:
+        return _screened(actual, expected, tolerances)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _screened(
+    actual: torch.Tensor, expected: torch.Tensor, tolerances: Mapping[torch.dtype, Tolerance]
+) -> Comparison | None:
+    tol = tolerances.get(actual.dtype, _EXACT)
+    screen = _screen(actual.dtype, expected.dtype, actual.device, tol)
+    a, e = actual, expected
+    if a.requires_grad or e.requires_grad:  # no graph is built for a verdict
+        a, e = a.detach(), e.detach()
+    if a.dtype != screen.cdt:
+        a = a.to(screen.cdt)
+    if e.dtype != screen.cdt:
+        e = e.to(screen.cdt)
+    diff = torch.sub(a, e).abs_()
+    scale = torch.abs(e)
+    rows = torch.stack((diff, torch.div(diff, scale)))
+    max_abs, max_rel = (rows if a.dim() == 1 else rows.view(2, -1)).amax(1).tolist()
+    if not math.isfinite(max_abs):
+        return None
+    if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
+        max_rel = float(rows[1].nan_to_num_(nan=0.0, posinf=math.inf).amax())
+    # The third test's row only when the first two cannot clear the pair.
+    if not screen.clears(max_abs, max_rel, math.inf):
+        max_excess = float(torch.add(diff, scale, alpha=-tol.rtol).amax())
+        if not screen.clears(max_abs, max_rel, max_excess):
+            return None
+    return Comparison((), _max(0.0, max_abs), _max(0.0, max_rel))
+
+
+def _load_memcmp() -> Callable[[int, int, int], int] | None:
+    """The C library's memcmp, or None where there is none to load (the test falls back)."""
+    try:
+        memcmp = ctypes.CDLL(None).memcmp
+    except (OSError, TypeError, AttributeError):
+        return None
+    memcmp.argtypes = (ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t)
+    memcmp.restype = ctypes.c_int
+    return memcmp
+
+
+_MEMCMP = _load_memcmp()
+# Below this many bytes torch.equal's call costs no more than memcmp's.
+_MEMCMP_BYTES = 1 << 12
+
+
+def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether two tensors of one dtype and shape hold equal values and no NaN.
+
+    True is always right; False may also answer equal values whose bytes
+    differ (-0.0 against 0.0), which every caller then judges the slow way.
+    On the CPU, ``torch.equal`` reads at a fraction of memory speed (about
+    a tenth of a sum's, measured by benchmarks/bench_compare.py); the C
+    library's ``memcmp`` reads at memory speed and releases the GIL, and for
+    floating dtypes a finite sum proves the equal bytes hold no NaN.
+    """
+    nbytes = actual.numel() * actual.element_size()
+    if (
+        _MEMCMP is None
+        or nbytes < _MEMCMP_BYTES
+        or actual.device.type != "cpu"
+        or expected.device.type != "cpu"
+        or actual.dtype.is_complex
+        or actual.dtype != expected.dtype
+        or actual.shape != expected.shape
+        or not actual.is_contiguous()
+        or not expected.is_contiguous()
+    ):
+        return torch.equal(actual, expected)
+    if _MEMCMP(actual.data_ptr(), expected.data_ptr(), nbytes) != 0:
+        return False
+    if not actual.dtype.is_floating_point:
+        return True
+    # Equal bytes: NaN is the only way their values can differ.
+    if actual.dtype == torch.float16:
+        # Its sums overflow (65504); a max is NaN exactly where a NaN is.
+        return not math.isnan(float(actual.amax()))
+    if actual.dtype in (torch.bfloat16, torch.float32, torch.float64):
+        # A sum, the cheapest reduction (in bfloat16 several times cheaper
+        # than a max, and than one accumulating in float32), is finite only
+        # without NaN; an inf or an overflow leaves it to torch.equal.
+        return math.isfinite(float(actual.sum())) or torch.equal(actual, expected)
+    return torch.equal(actual, expected)
 
 
 # --------------------------------------------------------------------------
@@ -773,7 +910,7 @@ def _compare_values(
         n > chunk
         and actual.dtype == expected.dtype
         and actual.device == expected.device
-        and torch.equal(actual, expected)
+        and _equal(actual, expected)
     ):
         # Equal tensors, the common case of a fixed bug: one read, and one
         # parallel region; unequal ones stop at their first difference.
@@ -855,6 +992,52 @@ def _ranks(real: torch.dtype) -> tuple[float, float, float]:
     return info.eps, info.max, float(torch.nextafter(top, torch.zeros_like(top)))
 
 
+@dataclass(frozen=True)
+class _Screen:
+    """What proves a floating chunk close from its three greatest errors alone.
+
+    Each test alone proves closeness; the margins cover the rounding of the
+    screen's own arithmetic (done in `real`), so no mismatch slips through.
+    """
+
+    cdt: torch.dtype  # the dtype differences are computed in
+    real: torch.dtype  # its real part's dtype
+    atol: float
+    abs_bound: float
+    rel_bound: float
+    slack: float  # per unit of max_abs + atol
+
+    def clears(self, max_abs: float, max_rel: float, max_excess: float) -> bool:
+        """Whether the chunk is close everywhere; max_abs finite, max_rel not NaN."""
+        return (
+            max_abs <= self.abs_bound
+            or max_rel <= self.rel_bound
+            or max_excess <= self.atol - self.slack * (max_abs + self.atol)
+        )
+
+
+@functools.lru_cache(maxsize=256)
+def _screen(
+    actual: torch.dtype, expected: torch.dtype, device: torch.device, tol: Tolerance
+) -> _Screen:
+    cdt = _compute_dtype(actual, expected, device)
+    real = cdt.to_real()
+    eps = _ranks(real)[0]
+    margin = 1 - 4 * eps
+    ulp_rel = 0.0
+    if tol.ulps is not None:
+        # The spacing at |e| is more than |e| * eps / 2 in the actual dtype.
+        ulp_rel = tol.ulps * torch.finfo(actual.to_real()).eps / 2
+    return _Screen(
+        cdt=cdt,
+        real=real,
+        atol=tol.atol,
+        abs_bound=tol.atol * margin,
+        rel_bound=max(tol.rtol, ulp_rel) * margin,
+        slack=8 * eps,
+    )
+
+
 class _Judge:
     """Decides the chunks of one tensor pair; its constants are computed once."""
 
@@ -868,21 +1051,13 @@ class _Judge:
         self.screen_equal = actual.dtype == expected.dtype and actual.device == expected.device
         self.tol, self.equal_nan = tol, equal_nan
         if self.floating:
-            self.cdt = _compute_dtype(actual.dtype, expected.dtype, actual.device)
-            self.real = self.cdt.to_real()
+            self.screen: _Screen | None = _screen(actual.dtype, expected.dtype, actual.device, tol)
+            self.cdt, self.real = self.screen.cdt, self.screen.real
         else:
+            self.screen = None
             self.cdt = actual.dtype
             self.real = torch.float64 if backends.float64_on(actual.device.type) else torch.float32
-        self.eps, self.nan_rank, self.inf_rank = _ranks(self.real)
-        # Each screen alone proves closeness; the margins cover the rounding
-        # of the screen's own arithmetic, so no mismatch slips through.
-        margin = 1 - 4 * self.eps
-        self.abs_bound = tol.atol * margin
-        ulp_rel = 0.0
-        if tol.ulps is not None and self.floating:
-            # The spacing at |e| is more than |e| * eps / 2 in the actual dtype.
-            ulp_rel = tol.ulps * torch.finfo(actual.dtype.to_real()).eps / 2
-        self.rel_bound = max(tol.rtol, ulp_rel) * margin
+        _, self.nan_rank, self.inf_rank = _ranks(self.real)
 
     def __call__(
         self,
@@ -892,7 +1067,7 @@ class _Judge:
         a_piece: torch.Tensor,
         e_piece: torch.Tensor,
     ) -> None:
-        if self.screen_equal and torch.equal(a_piece, e_piece):
+        if self.screen_equal and _equal(a_piece, e_piece):
             stats.note(0.0, 0.0)
             return
         if self.floating:
@@ -927,12 +1102,8 @@ class _Judge:
         if finite:
             if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
                 max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
-            slack = 8 * self.eps * (max_abs + tol.atol)
-            if (
-                max_abs <= self.abs_bound
-                or max_rel <= self.rel_bound
-                or max_excess <= tol.atol - slack
-            ):
+            assert self.screen is not None
+            if self.screen.clears(max_abs, max_rel, max_excess):
                 stats.note(max_abs, max_rel)
                 return
         # Element by element, as torch.isclose decides; 1.0 marks a mismatch.
@@ -1041,16 +1212,27 @@ class _Judge:
         if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
             stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
         key = torch.mul(rank, mismatch, out=key)
-        # One max per chunk; an index only while this chunk can still hold one
+        # One max per chunk; indices only while this chunk can still hold one
         # of the worst `keep` (the first chunk, or one worse than all kept).
-        worst = value = float(key.amax())
-        for _ in range(stats.keep):
-            if value <= 0 or not stats.admits(value):
-                break
-            index = int(key.argmax())
-            stats.add_worst(value, offset + index)
-            key[index] = 0.0
-            value = float(key.amax())
+        worst = float(key.amax())
+        if not stats.admits(worst):
+            return worst, worst_rel
+        # The chunk's worst by (-rank, index), as add_worst orders them: one
+        # topk, unless ranks tie at its edge (then torch picks any of them).
+        take = min(stats.keep, count)
+        values, indices = (t.tolist() for t in torch.topk(key, min(take + 1, key.numel())))
+        if take < len(values) and values[take] == values[take - 1]:
+            value = worst
+            for _ in range(take):
+                if not stats.admits(value):
+                    break
+                index = int(key.argmax())  # the first of equal ranks
+                stats.add_worst(value, offset + index)
+                key[index] = 0.0
+                value = float(key.amax())
+        else:
+            for value, index in zip(values[:take], indices[:take], strict=True):
+                stats.add_worst(value, offset + index)
         return worst, worst_rel
 
 

@@ -970,6 +970,199 @@ class TestFastPaths:
         ]
 
 
+def _full_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Turn off the single-pair fast paths: every pair goes through the walk."""
+    monkeypatch.setattr(compare_module, "_small_close", lambda *args: None)
+
+
+def _fast_path_pairs() -> list[tuple[str, object, object, dict[torch.dtype, Tolerance] | None]]:
+    """Small single pairs over every rule the fast path must not change."""
+    gen = torch.Generator().manual_seed(17)
+    pairs: list[tuple[str, object, object, dict[torch.dtype, Tolerance] | None]] = []
+    for dtype, reference in TestVerdictParity.PATHS:
+        for k in range(4):
+            actual, expected = _pair(dtype, reference, gen)
+            if k % 2 and dtype.is_floating_point:
+                # The same values without specials: mostly close, some within a rounding.
+                finite = torch.isfinite(actual) & torch.isfinite(expected)
+                actual, expected = actual[finite], expected[finite]
+            for layout, a, e in _layouts(actual, expected) if actual.numel() == 48 else []:
+                pairs.append((f"{dtype} ref={reference} {layout} {k}", a, e, None))
+            pairs.append((f"{dtype} ref={reference} flat {k}", actual, expected, None))
+    e32 = torch.randn(100, generator=gen)
+    big = torch.randn(20_000, generator=gen)
+    wide = torch.randn(300, 200, generator=gen)
+    wide_off = wide.clone()
+    wide_off[299, 199] += 1
+    close = e32 + 1e-6 * torch.rand(100, generator=gen)
+    pairs += [
+        ("close", close, e32, None),
+        ("close 2-D", close.reshape(10, 10), e32.reshape(10, 10), None),
+        ("close transposed", close.reshape(10, 10).t(), e32.reshape(10, 10).t(), None),
+        ("close 0-dim", close[3], e32[3], None),
+        ("close float64 ref", close, e32.double() + 1e-7, None),
+        ("close bfloat16 ref", e32.bfloat16(), e32.double(), None),
+        ("close float16 ref", e32.half(), e32.double(), None),
+        ("zero-size", torch.zeros(0, 3), torch.zeros(0, 3), None),
+        # One chunk but past the batching size, and past torch's grain size.
+        ("close 20,000", big + 1e-6, big, None),
+        ("close 60,000 transposed", wide.t() * (1 + 1e-7), wide.t(), None),
+        ("one off in 60,000", wide_off, wide, None),
+        ("equal 60,000", wide.clone(), wide, None),
+        (
+            "-0.0 and 0.0 beside a difference",
+            torch.tensor([-0.0, 1.0]),
+            torch.tensor([0.0, 1.0 + 1e-6]),
+            None,
+        ),
+        (
+            "zeros on both sides, 0/0",
+            torch.tensor([0.0, 2.0]),
+            torch.tensor([0.0, 2.0 + 2e-6]),
+            None,
+        ),
+        (
+            "a difference at a zero expected",
+            torch.tensor([1e-6, 1.0]),
+            torch.tensor([0.0, 1.0]),
+            None,
+        ),
+        ("NaN against NaN", torch.tensor([NAN, 1.0]), torch.tensor([NAN, 1.0 + 1e-6]), None),
+        ("inf against inf", torch.tensor([INF, 1.0]), torch.tensor([INF, 1.0 + 1e-6]), None),
+        ("inf against a number", torch.tensor([INF, 1.0]), torch.tensor([3.0, 1.0]), None),
+        ("requires grad", close.clone().requires_grad_(), e32, None),
+        ("integers", torch.tensor([1, 2, 3]), torch.tensor([1, 2, 4]), None),
+        ("bools", torch.tensor([True, False]), torch.tensor([True, True]), None),
+        ("dtype differs", close, e32.double(), None),
+    ]
+    ulps = {
+        torch.float32: Tolerance(ulps=2, source="ulps only"),
+        torch.bfloat16: Tolerance(ulps=1, source="ulps only"),
+    }
+    one_ulp = torch.tensor([1.0 + 2**-23, 20.0])
+    pairs += [
+        ("ulps only, 1 ulp", one_ulp, torch.tensor([1.0, 20.0]), ulps),
+        ("ulps only, 3 ulps", torch.tensor([1.0 + 3 * 2**-23]), torch.tensor([1.0]), ulps),
+        (
+            "ulps only, bfloat16",
+            torch.tensor([20.125], dtype=torch.bfloat16),
+            torch.tensor([20.0], dtype=torch.bfloat16),
+            ulps,
+        ),
+        (
+            "ulps beside atol",
+            one_ulp,
+            torch.tensor([1.0, 20.0 + 2e-6]),
+            {torch.float32: Tolerance(rtol=0.0, atol=1e-7, ulps=1)},
+        ),
+    ]
+    return pairs
+
+
+class TestSinglePairFastPath:
+    """compare() of one small pair takes shortcuts; they must say what the walk says."""
+
+    def test_results_equal_the_full_path_s(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        taken = []
+        small_close = compare_module._small_close
+
+        def spy(*args: object) -> Comparison | None:
+            result = small_close(*args)  # type: ignore[arg-type]
+            taken.append(result is not None)
+            return result
+
+        monkeypatch.setattr(compare_module, "_small_close", spy)
+        pairs = _fast_path_pairs()
+        fast = {}
+        for name, a, e, tol in pairs:
+            fast[name] = compare(a, e, check_dtype=name != "dtype differs", tolerances=tol)
+        # repr: NaN equals NaN there, and every field and message is compared.
+        with monkeypatch.context() as full:
+            _full_path(full)
+            for name, a, e, tol in pairs:
+                slow = compare(a, e, check_dtype=name != "dtype differs", tolerances=tol)
+                assert repr(fast[name]) == repr(slow), name
+        # Both outcomes of the shortcut occur: it clears pairs and hands others on.
+        assert 10 < sum(taken) < len(taken) - 10
+
+    def test_verdicts_on_both_paths_equal_assert_close_s(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        for name, a, e, tol in _fast_path_pairs():
+            if tol is not None or name == "dtype differs":
+                continue
+            assert isinstance(a, torch.Tensor) and isinstance(e, torch.Tensor)
+            ours = compare(a, e, check_dtype=False).ok
+            if ours != _assert_close_passes(a.detach(), e):
+                assert _documented(a, e), name
+
+    def test_a_close_pair_is_cleared_without_the_walk(
+        self, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        def no_walk(*args: object, **kwargs: object) -> None:
+            raise AssertionError("the walk was used")
+
+        monkeypatch.setattr(compare_module, "_Walk", no_walk)
+        expected = torch.randn(100, generator=torch.Generator().manual_seed(3))
+        result = compare(expected + 1e-6, expected)
+        assert result.ok
+        assert result.max_abs == float((expected + 1e-6 - expected).abs().max())
+        assert compare((expected + 1e-6).bfloat16(), expected.double(), check_dtype=False).ok
+
+
+class TestEqualityTest:
+    """compare()'s first test on the CPU: memcmp and a sum; True must mean equal values, no NaN."""
+
+    @pytest.mark.parametrize("memcmp", [True, False], ids=["memcmp", "torch.equal"])
+    def test_equal_bytes_and_equal_values(
+        self, memcmp: bool, monkeypatch: pytest.MonkeyPatch
+    ) -> None:
+        if not memcmp:
+            monkeypatch.setattr(compare_module, "_MEMCMP", None)
+        elif compare_module._MEMCMP is None:
+            pytest.skip("no C library memcmp to load here")
+        gen = torch.Generator().manual_seed(23)
+        n = 100_000  # past the 4 KiB where memcmp starts, in one chunk and in several
+        for size in (n, 3 * compare_module.CHUNK_ELEMENTS + 5):
+            base = torch.randn(size, generator=gen)
+            assert compare(base.clone(), base).ok
+            with_nan = base.clone()
+            with_nan[size - 2] = NAN  # equal bytes, unequal values
+            assert only(compare(with_nan.clone(), with_nan)).mismatched == 1
+            assert compare(with_nan.clone(), with_nan, equal_nan=True).ok
+            with_inf = base.clone()
+            with_inf[7], with_inf[8] = INF, -INF  # a sum of NaN, equal values
+            result = compare(with_inf.clone(), with_inf)
+            assert result.ok and result.max_abs == 0.0
+            signed = base.clone()
+            signed[size // 2] = 0.0
+            negative = signed.clone()
+            negative[size // 2] = -0.0  # unequal bytes, equal values
+            result = compare(negative, signed)
+            assert result.ok and (result.max_abs, result.max_rel) == (0.0, 0.0)
+            big = torch.full((size,), 3e38)  # a float32 sum overflows: decided exactly
+            assert compare(big.clone(), big).ok
+            for dtype in (torch.float16, torch.bfloat16, torch.float64):
+                low = with_nan.to(dtype)
+                assert only(compare(low.clone(), low)).mismatched == 1, dtype
+                assert compare(base.to(dtype), base.to(dtype)).ok, dtype
+            ones = torch.ones(size, dtype=torch.float16)  # a float16 sum overflows
+            assert compare(ones.clone(), ones).ok
+            ints = torch.randint(-(2**62), 2**62, (size,), generator=gen)
+            assert compare(ints.clone(), ints).ok
+            off = ints.clone()
+            off[size - 1] += 1
+            assert only(compare(off, ints)).mismatched == 1
+            flags = ints > 0
+            assert compare(flags.clone(), flags).ok
+            assert only(compare(~flags, flags)).mismatched == size
+            # Views: an offset into the storage, and a non-contiguous one.
+            assert compare(base[1:].clone(), base[1:]).ok
+            assert not compare(base[1:], base[:-1]).ok
+            strided = base.reshape(-1, 5)[:, ::2] if size % 5 == 0 else base[::2]
+            assert compare(strided.clone(), strided).ok
+
+
 def _cuda_available() -> bool:
     # The NVML-based check does not initialize CUDA here: this process forks
     # children in other tests, and a CUDA-initialized parent poisons them.
