@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from collections import OrderedDict, namedtuple
 from typing import NamedTuple
 
@@ -1161,6 +1162,25 @@ class TestEqualityTest:
             assert not compare(base[1:], base[:-1]).ok
             strided = base.reshape(-1, 5)[:, ::2] if size % 5 == 0 else base[::2]
             assert compare(strided.clone(), strided).ok
+
+    def test_only_bytes_that_are_the_values_are_compared_as_bytes(self) -> None:
+        """A negative view's bytes are its negation; a subclass may wrap other storage;
+        a parameter's reduction must build no graph (a warning under -W error)."""
+        base = torch.randn(50_000, generator=torch.Generator().manual_seed(5))
+        negated = torch._neg_view(base)
+        assert negated.is_neg()
+        assert compare(negated, -base).ok
+        assert not compare(negated, base.clone()).ok
+
+        class Wrapped(torch.Tensor):
+            pass
+
+        assert compare(base.as_subclass(Wrapped), base.clone()).ok
+        weight = torch.nn.Parameter(base.clone())
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert compare(weight, base).ok
+            assert compare(base.clone(), weight).ok
 
 
 def _cuda_available() -> bool:
