@@ -44,9 +44,10 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-import torch
-
+from pytest_gpucase._torch import import_torch
 from pytest_gpucase.compare import CHUNK_ELEMENTS, DEFAULT_TOLERANCES, compare
+
+torch = import_torch()  # without torch's "Failed to initialize NumPy" warning
 
 SPEEDUP_TARGET = 10.0  # assert_close / compare
 READ_PASS_TARGET = 3.0  # compare / read pass

@@ -18,9 +18,10 @@ nothing but a few scalars reaches the host. On the CPU, a tensor of several
 chunks is shared by worker threads that each run single-threaded torch ops:
 one barrier per call instead of one per op, which is what keeps a comparison
 fast while other processes compete for the cores. Small tensors of one dtype
-in a nested output are batched into one flat pass. A single pair of at most
-one chunk skips the walk when the equality test or the screen alone settles
-it (a few torch calls; the same ops and verdict as the walk's chunk).
+in a nested output are batched into one flat pass. A single pair skips the
+walk when the equality test (up to one chunk) or the screen alone (up to
+65,536 elements) settles it: a few torch calls, the same ops and verdict as
+the walk's chunk.
 
 Verdicts. An element passes when ``|actual - expected| <= atol + rtol *
 |expected|``, or it is within ``ulps`` units in the last place of the actual
@@ -256,6 +257,9 @@ def _equal_tensors(actual: object, expected: object) -> bool:
 
 
 _SCREENED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+# Up to this many elements the walk's own bookkeeping costs more than the screen, which
+# the shortcut then saves; beyond, a pair the screen cannot clear would pay it twice.
+_SCREEN_ONLY_ELEMENTS = 1 << 16
 
 
 def _small_close(
@@ -264,7 +268,7 @@ def _small_close(
     tolerances: Mapping[torch.dtype, Tolerance],
     check_dtype: bool,
 ) -> Comparison | None:
-    """The fast path of a single floating pair of one chunk that is close: the screen alone.
+    """The fast path of a small single floating pair that is close: the screen alone.
 
     The same ops and the same test as the screen of the full path's one
     chunk (`_Judge.floating_chunk`), so the same verdict and the same
@@ -282,7 +286,7 @@ def _small_close(
         and actual.layout == torch.strided
         and expected.layout == torch.strided
         and not actual.is_meta
-        and 0 < actual.numel() <= _chunk_elements(actual.device)
+        and 0 < actual.numel() <= min(_SCREEN_ONLY_ELEMENTS, _chunk_elements(actual.device))
     ):
         return None
     threads = torch.get_num_threads()
