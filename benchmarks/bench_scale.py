@@ -40,11 +40,11 @@ import textwrap
 import time
 from pathlib import Path
 
-
-from pytest_gpucase import payload
 from pytest_gpucase._torch import import_torch
 
-torch = import_torch()  # without torch's "Failed to initialize NumPy" warning
+torch = import_torch()  # first: without torch's "Failed to initialize NumPy" warning
+
+from pytest_gpucase import payload  # noqa: E402
 
 TRIVIAL_CASE_PY = "def run(x):\n    return x + 1\n"
 # pytest's own floor for one directory per case: the same nodes (a Directory per case
