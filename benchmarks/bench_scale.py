@@ -194,7 +194,7 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
         print(f"   {name:<32}{value * 1000:>10.1f}{value / floor:>10.2f}")
 
 
-def collection(count: int, repeat: int) -> None:
+def collection(count: int, repeat: int, baseline_src: str | None = None) -> None:
     print(f"\n2. collection: {count} case directories x 4 items vs one test file importing torch "
           f"with one test parametrized {count * 4} or {count} ways")
     with tempfile.TemporaryDirectory() as tmp:
@@ -210,7 +210,7 @@ def collection(count: int, repeat: int) -> None:
         (root / "nodes_only.py").write_text(NODES_ONLY_PLUGIN)
         nodes_env = {**os.environ, "PYTHONPATH": str(root)}
         runs: dict[str, list[float]] = {"tests": [], "cases": [], "one": [], "half": [],
-                                        "nodes": []}
+                                        "nodes": [], "baseline": []}
         half = root / "half"
         half.mkdir()
         for index in range(count // 2):  # half of the cases, a folder of their own
@@ -222,7 +222,12 @@ def collection(count: int, repeat: int) -> None:
             runs["half"].append(pytest_seconds(root, "--collect-only", "--gpu-cases", "half"))
             runs["nodes"].append(pytest_seconds(root, "--collect-only", "-p", "no:gpucase",
                                                 "-p", "nodes_only", "cases", env=nodes_env))
-        python_tests, cases, one_per_case, cases_half, nodes = (min(runs[name]) for name in runs)
+            if baseline_src:
+                runs["baseline"].append(pytest_seconds(
+                    root, "--collect-only", "--gpu-cases", "cases",
+                    env={**os.environ, "PYTHONPATH": baseline_src}))
+        python_tests, cases, one_per_case, cases_half, nodes = (
+            min(runs[name]) for name in ("tests", "cases", "one", "half", "nodes"))
     print(f"   {count * 4} parametrized tests (as many items) {python_tests:.2f} s, "
           f"cases {cases:.2f} s, ratio cases / tests {cases / python_tests:.2f}")
     print(f"   {count} parametrized tests (one per case) {one_per_case:.2f} s, "
@@ -230,6 +235,10 @@ def collection(count: int, repeat: int) -> None:
     print(f"   pytest alone, the same directory and file nodes, no case read "
           f"{nodes:.2f} s: {nodes / python_tests:.2f} x the tests as many items, "
           f"{nodes / one_per_case:.2f} x one per case; cases / this floor {cases / nodes:.2f}")
+    if runs["baseline"]:
+        baseline = min(runs["baseline"])
+        print(f"   cases with the baseline source {baseline:.2f} s, ratio to the tests "
+              f"{baseline / python_tests:.2f} (this source {cases / python_tests:.2f})")
     print(f"   {count // 2} cases {cases_half:.2f} s: growth from {count // 2} to {count} cases "
           f"{cases / cases_half:.2f}x (start-up included; 2.00 would be linear without it)")
 
@@ -282,9 +291,9 @@ def main() -> None:
     parser.add_argument("--cases", type=int, default=5000)
     parser.add_argument("--gib", type=float, default=1.0)
     parser.add_argument("--only", choices=("isolation", "collection", "memory", "payload"))
-    parser.add_argument("--baseline-src", metavar="DIR", help="also run the cases with the "
-                        "pytest_gpucase package found in DIR (a checkout of an older commit), "
-                        "for a before/after ratio in one run")
+    parser.add_argument("--baseline-src", metavar="DIR", help="also run the cases (sections 1 and "
+                        "2) with the pytest_gpucase package found in DIR (a checkout of an older "
+                        "commit), for a before/after ratio in one run")
     parser.add_argument("--repeat", type=int, default=3,
                         help="pytest runs per row in sections 1 and 2 (the best is kept)")
     parser.add_argument("--quick", action="store_true",
@@ -298,7 +307,7 @@ def main() -> None:
     if args.only in (None, "isolation"):
         isolation(args.items, args.baseline_src, args.repeat)
     if args.only in (None, "collection"):
-        collection(args.cases, args.repeat)
+        collection(args.cases, args.repeat, args.baseline_src)
     if args.only in (None, "memory"):
         memory([25, 100, 200] if args.quick else [50, 200, 800])
     if args.only in (None, "payload"):
