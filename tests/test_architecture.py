@@ -122,18 +122,21 @@ def run():
 """
 
 
+# Passes only where the hook set the variable.
+RAISES_FROM_THE_HOOK = """
+    format = 1
+    call = "case.py:run"
+    [expect]
+    outcome = "raises"
+    exception = "LookupError"
+    match = "from the hook"
+"""
+
+
 def test_run_env_hook_changes_the_child_environment(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(RUN_ENV_CONFTEST)
-    toml = """
-        format = 1
-        call = "case.py:run"
-        [expect]
-        outcome = "raises"
-        exception = "LookupError"
-        match = "from the hook"
-    """
-    write_case(pytester.path, "hooked", toml, READS_ENV)
-    write_case(pytester.path, "plain", toml, READS_ENV)
+    write_case(pytester.path, "hooked", RAISES_FROM_THE_HOOK, READS_ENV)
+    write_case(pytester.path, "plain", RAISES_FROM_THE_HOOK, READS_ENV)
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
                                            "-p", "no:randomly")
     result.assert_outcomes(passed=1, failed=1)
@@ -144,16 +147,8 @@ def test_conftests_apply_where_pytest_would_put_them(pytester: pytest.Pytester) 
     """Case directories share their parent's conftest modules (a collection shortcut):
     a conftest above the cases still reaches every item, one inside a case directory
     reaches that case only, as pytest's own search would have it."""
-    toml = """
-        format = 1
-        call = "case.py:run"
-        [expect]
-        outcome = "raises"
-        exception = "LookupError"
-        match = "from the hook"
-    """
     for name in ("hooked_a", "plain_b", "own_c"):
-        write_case(pytester.path, name, toml, READS_ENV)
+        write_case(pytester.path, name, RAISES_FROM_THE_HOOK, READS_ENV)
     (pytester.path / "cases" / "conftest.py").write_text(RUN_ENV_CONFTEST)
     (pytester.path / "cases" / "own_c" / "conftest.py").write_text(
         "def pytest_gpucase_run_env(item, spec):\n"
