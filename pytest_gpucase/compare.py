@@ -340,6 +340,25 @@ def _load_memcmp() -> Callable[[int, int, int], int] | None:
 
 _MEMCMP = _load_memcmp()
 _PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
+_BYTES_ARE_VALUES = frozenset({
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.bfloat16, torch.float32, torch.float64,
+})
+
+
+def _bytes_at(tensor: torch.Tensor, nbytes: int) -> int | None:
+    """The address of ``tensor``'s ``nbytes`` of values, or None when it has no readable
+    memory of that size: a tensor type C++ builds without storage (zero tensors,
+    functionalized or functorch-wrapped ones) has a null or unreadable pointer."""
+    try:
+        address = tensor.data_ptr()
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        if address == 0 or storage.data_ptr() == 0 or start + nbytes > storage.nbytes():
+            return None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return int(address)
 # Below this many bytes torch.equal's call costs no more than memcmp's.
 _MEMCMP_BYTES = 1 << 12
 
@@ -360,11 +379,13 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         or nbytes < _MEMCMP_BYTES
         or actual.device.type != "cpu"
         or expected.device.type != "cpu"
-        or actual.dtype.is_complex
+        # Only dtypes whose bytes are their values (not quantized codes, whose
+        # scale lives elsewhere, nor packed 4-bit ones, whose element_size lies).
+        or actual.dtype not in _BYTES_ARE_VALUES
         or actual.dtype != expected.dtype
         or actual.shape != expected.shape
-        # Only plain tensors whose bytes are their values: a subclass's data_ptr may be
-        # a wrapper's, a negative view's bytes are the negation of its values.
+        # Only plain tensors: a subclass's data_ptr may be a wrapper's, a negative
+        # view's bytes are the negation of its values.
         or type(actual) not in _PLAIN_TENSORS
         or type(expected) not in _PLAIN_TENSORS
         or actual.layout != torch.strided
@@ -375,7 +396,10 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         or not expected.is_contiguous()
     ):
         return torch.equal(actual, expected)
-    if _MEMCMP(actual.data_ptr(), expected.data_ptr(), nbytes) != 0:
+    a_ptr, e_ptr = _bytes_at(actual, nbytes), _bytes_at(expected, nbytes)
+    if a_ptr is None or e_ptr is None:
+        return torch.equal(actual, expected)
+    if _MEMCMP(a_ptr, e_ptr, nbytes) != 0:
         return False
     if not actual.dtype.is_floating_point:
         return True
@@ -559,14 +583,18 @@ class _Walk:
                 f"shape differs: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}",
             )
             return
+        if actual.dtype != expected.dtype and self.check_dtype:
+            self.fail(
+                path,
+                "dtype",
+                f"dtype differs: actual {actual.dtype} vs expected {expected.dtype}",
+            )
+            return
+        if actual.is_quantized or expected.is_quantized:
+            # A quantized tensor's values are its codes times its scale: compared as such.
+            actual = actual.dequantize() if actual.is_quantized else actual
+            expected = expected.dequantize() if expected.is_quantized else expected
         if actual.dtype != expected.dtype:
-            if self.check_dtype:
-                self.fail(
-                    path,
-                    "dtype",
-                    f"dtype differs: actual {actual.dtype} vs expected {expected.dtype}",
-                )
-                return
             kind_a, kind_e = _dtype_kind(actual.dtype), _dtype_kind(expected.dtype)
             if kind_a != kind_e:
                 self.fail(

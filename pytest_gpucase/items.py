@@ -73,7 +73,7 @@ def share_conftests(path: Path, parent: pytest.Collector) -> None:
     and for a case directory with its own conftest, pytest does its usual search.
     """
     known = getattr(parent.config.pluginmanager, "_dirpath2confmods", None)
-    if (not isinstance(known, dict) or path in known
+    if (not isinstance(known, dict) or path in known or parent.path != path.parent
             or not isinstance(inherited := known.get(parent.path), list)):
         return
     if not os.path.lexists(path / "conftest.py"):

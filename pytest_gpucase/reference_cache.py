@@ -117,8 +117,9 @@ def prune(folder: Path, keep_days: float = KEEP_DAYS, max_bytes: int = MAX_BYTES
     used until at most ``max_bytes`` remain; return how many were removed.
 
     Other sessions may be pruning or writing the same folder: an entry that is gone
-    already is skipped, and a temporary file younger than ``keep_days`` is left to
-    the writer that owns it.
+    already, or that cannot be removed (another user's, a read-only mount), is
+    skipped, and a writer's temporary (a hidden file) younger than ``keep_days`` is
+    left to it, whatever the size. Nothing here raises: pruning is housekeeping.
     """
     import time
 
@@ -137,10 +138,18 @@ def prune(folder: Path, keep_days: float = KEEP_DAYS, max_bytes: int = MAX_BYTES
     total = sum(size for _, size, _ in entries)
     removed = 0
     for used, size, path in entries:
-        if used > now - keep_days * 86400 and total <= max_bytes:
+        recent = used > now - keep_days * 86400
+        if recent and total <= max_bytes:
             break
-        with contextlib.suppress(FileNotFoundError):
+        if recent and os.path.basename(path).startswith("."):
+            continue  # a write in progress: its writer renames or removes it
+        try:
             os.unlink(path)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            continue  # still there: still counted
+        else:
             removed += 1
         total -= size
     return removed

@@ -1182,6 +1182,37 @@ class TestEqualityTest:
             assert compare(weight, base).ok
             assert compare(base.clone(), weight).ok
 
+    @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+    def test_tensors_without_plain_memory_are_never_read_as_bytes(self) -> None:
+        """Each of these crashed the process (a null or short buffer) or passed unequal
+        values when memcmp read them: they take torch's own comparison instead."""
+        zeros = torch.zeros(8192)
+        assert compare(torch._efficientzerotensor(8192), zeros).ok  # no storage at all
+        functional = torch._to_functional_tensor(zeros.clone())  # a null data pointer
+        assert compare(functional, torch._to_functional_tensor(zeros.clone())).ok
+        results: list[bool] = []
+
+        def inside_grad(x: torch.Tensor) -> torch.Tensor:  # a functorch wrapper
+            results.append(compare(x, zeros).ok)
+            return x.sum()
+
+        torch.func.grad(inside_grad)(zeros.clone())
+        assert results == [True]
+        packed = torch.quantize_per_tensor(torch.rand(1 << 16), 1 / 15, 0, torch.quint4x2)
+        assert compare(packed, packed).ok  # element_size says twice its storage
+
+    @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+    def test_quantized_tensors_are_compared_by_their_values(self) -> None:
+        x = torch.randn(8192, generator=torch.Generator().manual_seed(9))
+        codes = torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)
+        assert compare(codes, torch.quantize_per_tensor(x, 0.1, 0, torch.qint8)).ok
+        doubled = torch.quantize_per_tensor(2 * x, 0.2, 0, torch.qint8)  # the same codes
+        assert torch.equal(codes.int_repr(), doubled.int_repr())
+        result = compare(codes, doubled)
+        assert not result.ok and result.max_rel == pytest.approx(0.5)
+        assert compare(codes, codes.dequantize(), check_dtype=False).ok
+        assert only(compare(codes, codes.dequantize())).kind == "dtype"
+
 
 def _cuda_available() -> bool:
     # The NVML-based check does not initialize CUDA here: this process forks

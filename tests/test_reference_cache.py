@@ -126,6 +126,23 @@ def test_prune_drops_unused_entries_then_the_least_recently_used(tmp_path: Path)
     assert reference_cache.prune(tmp_path / "absent", now=now) == 0
 
 
+def test_prune_spares_writes_in_progress_and_survives_what_it_cannot_remove(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    now = 2_000_000_000.0
+    writing = _aged(tmp_path, ".abc.safetensors.host.1.ff.tmp", 500, 0.01, now)
+    kept = _aged(tmp_path, "kept.safetensors", 10, 30, now)
+    real_unlink = os.unlink
+
+    def refused(path: str) -> None:
+        if path.endswith("kept.safetensors"):
+            raise PermissionError(1, "Operation not permitted", path)
+        real_unlink(path)
+
+    monkeypatch.setattr(os, "unlink", refused)
+    assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=100, now=now) == 0
+    assert writing.exists() and kept.exists()
+
+
 def test_a_cache_hit_marks_the_entry_used(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
