@@ -26,6 +26,20 @@ part() {  # part NAME SECONDS COMMAND...
   echo "$name: exit $code in $((SECONDS - start)) s (limit $limit s)" >> "$summary"
 }
 
+# A bare GPU image has torch and pytest but not this package: install it (no index, no
+# build isolation: nothing is fetched), with the pure-Python wheels carried in .whl/
+# (tomli-w, pytest-forked; see benchmarks/README.md) when they are missing there.
+if ! "$PYTHON" -c "import pytest_gpucase, tomli_w" 2>/dev/null; then
+  start=$SECONDS
+  {
+    if ls .whl/*.whl >/dev/null 2>&1; then
+      "$PYTHON" -m pip install -q --no-index --no-deps .whl/*.whl
+    fi
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-build-isolation -e .
+  } > "$OUT/install.log" 2>&1
+  echo "install: exit $? in $((SECONDS - start)) s" >> "$summary"
+fi
+
 part pytest_gpu 200 "$PYTHON" -m pytest -m gpu -p no:randomly -rs \
   --junitxml="$OUT/pytest_gpu.xml" tests
 part cost 150 "$PYTHON" benchmarks/gpu_check.py cost --out "$OUT" --items 12
