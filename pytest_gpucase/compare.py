@@ -576,57 +576,61 @@ class _Walk:
     # -- tensors -------------------------------------------------------------
 
     def tensor(self, actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:
-        if actual.shape != expected.shape:
+        # Each attribute read once: this runs per tensor of a nested output, thousands
+        # of times for a model's state, where each read of a tensor attribute counts.
+        shape, a_dtype, e_dtype = actual.shape, actual.dtype, expected.dtype
+        if shape != expected.shape:
             self.fail(
                 path,
                 "shape",
-                f"shape differs: actual {tuple(actual.shape)} vs expected {tuple(expected.shape)}",
+                f"shape differs: actual {tuple(shape)} vs expected {tuple(expected.shape)}",
             )
             return
-        if actual.dtype != expected.dtype and self.check_dtype:
-            self.fail(
-                path,
-                "dtype",
-                f"dtype differs: actual {actual.dtype} vs expected {expected.dtype}",
-            )
+        if a_dtype != e_dtype and self.check_dtype:
+            self.fail(path, "dtype", f"dtype differs: actual {a_dtype} vs expected {e_dtype}")
             return
         if actual.is_quantized or expected.is_quantized:
             # A quantized tensor's values are its codes times its scale: compared as such.
             actual = actual.dequantize() if actual.is_quantized else actual
             expected = expected.dequantize() if expected.is_quantized else expected
-        if actual.dtype != expected.dtype:
-            kind_a, kind_e = _dtype_kind(actual.dtype), _dtype_kind(expected.dtype)
+            a_dtype, e_dtype = actual.dtype, expected.dtype
+        if a_dtype != e_dtype:
+            kind_a, kind_e = _dtype_kind(a_dtype), _dtype_kind(e_dtype)
             if kind_a != kind_e:
                 self.fail(
                     path,
                     "dtype",
-                    f"dtype kind differs: actual {actual.dtype} ({kind_a}) "
-                    f"vs expected {expected.dtype} ({kind_e})",
+                    f"dtype kind differs: actual {a_dtype} ({kind_a}) "
+                    f"vs expected {e_dtype} ({kind_e})",
                 )
                 return
         if actual.is_meta or expected.is_meta:
             side = "actual" if actual.is_meta else "expected"
             self.fail(path, "device", f"{side} is a meta tensor: it holds no values to compare")
             return
-        if actual.layout != expected.layout:
+        layout = actual.layout
+        if layout != expected.layout:
             self.fail(
                 path,
                 "type",
-                f"layout differs: actual {actual.layout} vs expected {expected.layout}",
+                f"layout differs: actual {layout} vs expected {expected.layout}",
             )
             return
-        if actual.layout != torch.strided:
+        if layout != torch.strided:
             # Sparse outputs are rare and small; their dense form is compared.
             actual, expected = actual.to_dense(), expected.to_dense()
-        floating = actual.dtype.is_floating_point or actual.dtype.is_complex
-        tol = self.tolerance(actual.dtype) if floating else _EXACT
-        if actual.numel() <= SMALL_ELEMENTS:
+        floating = a_dtype.is_floating_point or a_dtype.is_complex
+        tol = self.tolerance(a_dtype) if floating else _EXACT
+        numel = actual.numel()
+        if numel <= SMALL_ELEMENTS:
             leaf = _Leaf(path, actual, expected, tol)
             self.items.append(leaf)
-            key = (actual.dtype, expected.dtype, actual.device, expected.device)
-            batch = self.batches.setdefault(key, [])
+            key = (a_dtype, e_dtype, actual.device, expected.device)
+            batch = self.batches.get(key)
+            if batch is None:
+                batch = self.batches[key] = []
             batch.append(leaf)
-            size = self.batched.get(key, 0) + actual.numel()
+            size = self.batched.get(key, 0) + numel
             self.batched[key] = size
             if size >= _BATCH_ELEMENTS:
                 self.flush_batch(key)
@@ -663,8 +667,8 @@ class _Walk:
             return
         if not leaves:
             return
-        actual = torch.cat([leaf.actual.reshape(-1) for leaf in leaves])
-        expected = torch.cat([leaf.expected.reshape(-1) for leaf in leaves])
+        actual = torch.cat([_flat(leaf.actual) for leaf in leaves])
+        expected = torch.cat([_flat(leaf.expected) for leaf in leaves])
         stats = _compare_values(actual, expected, leaves[0].tol, self.equal_nan, 1, self.scratch)
         if not stats.mismatched:
             if stats.compared:
@@ -676,6 +680,11 @@ class _Walk:
 
 
 _EXACT = Tolerance(source="exact")
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one row for ``torch.cat``: itself when it is one already (no view made)."""
+    return t if t.dim() == 1 else t.reshape(-1)
 
 
 def _is_number(x: object) -> bool:
