@@ -275,13 +275,15 @@ class CaseItem(pytest.Item):
             from .report import property_json, spec_fields
 
             self._spec_recorded = True
-            self._user_properties.insert(0, ("gpucase", property_json(
-                spec_fields(self.spec, self._case_path))))
+            if not any(name == "gpucase" for name, _ in self._user_properties):
+                self._user_properties.insert(0, ("gpucase", property_json(
+                    spec_fields(self.spec, self._case_path))))
         return self._user_properties
 
     @user_properties.setter
     def user_properties(self, value: list[tuple[str, object]]) -> None:
         self._user_properties = value
+        self._spec_recorded = False  # a plugin that resets the list gets the spec again
 
     def runtest(self) -> None:
         from .runner import run_spec

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 from types import SimpleNamespace
@@ -158,6 +159,26 @@ def test_conftests_apply_where_pytest_would_put_them(pytester: pytest.Pytester) 
     result.assert_outcomes(passed=2, failed=1)
     result.stdout.fnmatch_lines(["PASSED cases/hooked_a/*", "FAILED cases/plain_b/*"])
     result.stdout.fnmatch_lines(["PASSED cases/own_c/*"])
+
+
+def test_the_spec_property_is_made_once_when_read(pytester: pytest.Pytester) -> None:
+    """Made lazily (collection does not pay for it): once per item, again after a plugin
+    replaces the list, never twice."""
+    write_case(pytester.path, "plain", 'format = 1\ncall = "case.py:run"\n',
+               "def run():\n    return 1\n")
+    items, _ = pytester.inline_genitems("--gpu-cases", "--gpu-devices", "cpu",
+                                        "--gpu-start-method", "fork", "-p", "no:randomly",
+                                        "cases")
+    (item,) = items
+    assert item._user_properties == []  # nothing made at collection
+    first = list(item.user_properties)
+    assert [name for name, _ in first] == ["gpucase"]
+    assert json.loads(first[0][1])["case"] == "plain"
+    assert item.user_properties == first  # read again: not added twice
+    item.user_properties = [("other", "1")]
+    assert [name for name, _ in item.user_properties] == ["gpucase", "other"]
+    item.user_properties = list(first)
+    assert item.user_properties == first
 
 
 FORMATS_PLUGIN = """
