@@ -11,6 +11,7 @@ import textwrap
 import threading
 import warnings
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -1297,3 +1298,216 @@ class TestOnDevice:
         assert result["device_growth_mib"] < 160, result
         # Nothing the size of the tensors came to the host.
         assert result["host_growth_mib"] < 200, result
+
+
+# --------------------------------------------------------------------------
+# Snapshot of failing-path verdicts and messages (issue 15): every field of
+# compare()'s result, byte for byte, for a few hundred seeded pairs, captured
+# from the element-by-element code before it was made faster. Regenerate
+# (only when a change of output is intended) with
+#   python tests/test_compare.py --write-snapshot
+
+_SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "compare_snapshot.json")
+_SNAPSHOT_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+_FLOAT_PATTERNS = ("few", "all", "noisy", "nan", "inf", "-inf", "mixed", "allnan", "manyinf")
+_NAN_PATTERNS = ("nan", "inf", "-inf", "mixed", "allnan")  # NaN on both sides somewhere
+
+
+def _snapshot_values(
+    dtype: torch.dtype, ref64: bool, pattern: str, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One seeded pair of n flat values of `pattern`, as the snapshot records it."""
+    if dtype == torch.bool:
+        expected = torch.rand(n, generator=gen) < 0.5
+        actual = expected.clone()
+        where = torch.randint(0, n, (3,), generator=gen) if pattern == "few" else slice(None)
+        actual[where] = ~actual[where]
+        return actual, expected
+    if dtype == torch.int64:
+        base = 2**62 if pattern == "big" else 0
+        expected = torch.randint(-1000, 1000, (n,), generator=gen) + base
+        actual = expected.clone()
+        if pattern == "few":
+            actual[torch.randint(0, n, (3,), generator=gen)] += torch.tensor([5, -7, 1])
+        elif pattern == "big":
+            actual[torch.randint(0, n, (2,), generator=gen)] += 1
+        else:  # all, with ties
+            actual += 100
+        return actual, expected
+    real = torch.float64
+    shape = (n, 2) if dtype.is_complex else (n,)
+    scale = 10.0 ** torch.randint(-3, 3, shape, generator=gen).to(real)
+    reference = torch.randn(shape, generator=gen, dtype=real) * scale
+    reference[torch.rand(shape, generator=gen) < 0.05] = 0.0  # exact zeros: 0/0
+    if dtype.is_complex:
+        reference = torch.view_as_complex(reference)
+    stored = dtype if not ref64 else torch.float64
+    expected = reference.to(dtype).to(stored)
+    wide = expected.to(torch.complex128 if dtype.is_complex else torch.float64)
+    tol = DEFAULT_TOLERANCES[dtype]
+    bound = tol.atol + tol.rtol * wide.abs()
+    noise = torch.rand(n, generator=gen, dtype=torch.float64)
+    actual = wide + (noise - 0.5) * bound  # close everywhere
+    if pattern in ("noisy", "mixed"):
+        actual = wide + (noise - 0.5) * 4 * bound  # about half past the bound
+    elif pattern == "all":
+        actual = wide + 100
+    positions = torch.randperm(n, generator=gen)
+    few = positions[: max(1, min(4, n // 2))]
+    if pattern in ("few", "mixed"):
+        actual[few[:3]] += 100 * (1 + wide[few[:3]].abs())
+    actual = actual.to(dtype)
+    nan, inf = math.nan, math.inf
+    if pattern in ("nan", "mixed"):
+        actual[few[:3]] = nan
+        expected[few[1:2]] = nan  # NaN on both sides
+        expected[positions[-1:]] = nan  # the reference only
+    if pattern in ("inf", "-inf", "mixed"):
+        sign = -1.0 if pattern == "-inf" else 1.0
+        at = positions[n // 2 : n // 2 + 3] if pattern == "mixed" else few
+        actual[at] = sign * inf
+        expected[at[:1]] = sign * inf  # a match of specials
+        expected[at[1:2]] = -sign * inf  # infinities of opposite sign
+        expected[at[2:3]] = nan
+        actual[positions[-2:-1]] = 0.5
+        expected[positions[-2:-1]] = inf  # infinite only in the reference
+    if pattern == "allnan":
+        actual[:] = nan
+        expected[positions[: n // 2]] = nan
+    if pattern == "manyinf":
+        actual[positions[: n // 2]] = inf
+        expected[positions[: n // 4]] = inf
+        expected[positions[n // 4 : n // 3]] = -inf
+    return actual, expected
+
+
+def _snapshot_cases() -> Iterator[tuple[str, object, object, dict[str, object], int]]:
+    """(name, actual, expected, compare() keywords, chunk) for every recorded pair."""
+    gen = torch.Generator().manual_seed(2024)
+    tolerances: dict[str, dict[torch.dtype, Tolerance] | None] = {
+        "default": None,
+        "ulps": {
+            d: Tolerance(ulps=4, source="snapshot ulps")
+            for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        },
+        "both": {
+            d: Tolerance(rtol=1e-3, atol=1e-5, ulps=2, source="snapshot both")
+            for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        },
+    }
+    for name, dtype in _SNAPSHOT_DTYPES.items():
+        if dtype == torch.bool:
+            patterns: tuple[str, ...] = ("few", "all")
+        elif dtype == torch.int64:
+            patterns = ("few", "all", "big")
+        else:
+            patterns = _FLOAT_PATTERNS
+        low = dtype in (torch.bfloat16, torch.float16, torch.float32)
+        refs = (False, True) if low else (False,)
+        for pattern in patterns:
+            for ref64 in refs:
+                for equal_nan in (False, True) if pattern in _NAN_PATTERNS else (False,):
+                    for size in (1, 7, 300, 4097):
+                        a, e = _snapshot_values(dtype, ref64, pattern, size, gen)
+                        kind = "flat"
+                        if size == 300:  # non-contiguous: a transposed view
+                            a, e = a.reshape(20, 15).t(), e.reshape(20, 15).t()
+                            kind = "transposed"
+                        elif size == 1:
+                            a, e = a[0], e[0]
+                            kind = "0-dim"
+                        tol = "default"
+                        if dtype.is_floating_point and size in (7, 4097):
+                            tol = ("default", "ulps", "both")[(size + len(pattern)) % 3]
+                        keywords = {
+                            "equal_nan": equal_nan,
+                            "check_dtype": not ref64,
+                            "tolerances": tolerances[tol],
+                            "worst": (5, 0, 2, 7)[(len(pattern) + size) % 4],
+                        }
+                        label = f"{name}{' ref64' if ref64 else ''} {pattern} {kind} {size}"
+                        label += f" equal_nan={equal_nan} tol={tol} worst={keywords['worst']}"
+                        yield label, a, e, keywords, 0
+    # Chunk boundaries: real chunks (CHUNK_ELEMENTS +- 1, several) and chunks of 64.
+    chunk = compare_module.CHUNK_ELEMENTS
+    for dtype, pattern, size in (
+        (torch.float32, "few", chunk - 1),
+        (torch.float32, "mixed", chunk + 1),
+        (torch.bfloat16, "all", chunk + 1),
+        (torch.float32, "nan", 3 * chunk + 5),
+        (torch.int64, "all", chunk + 1),
+        (torch.int64, "few", 2 * chunk + 3),
+        (torch.float16, "manyinf", chunk - 1),
+        (torch.float64, "noisy", 2 * chunk + 1),
+    ):
+        a, e = _snapshot_values(dtype, False, pattern, size, gen)
+        label = f"{_snapshot_name(dtype)} {pattern} flat {size}"
+        yield label, a, e, {}, 0
+    for name, dtype in _SNAPSHOT_DTYPES.items():
+        patterns = ("few", "all") if not dtype.is_floating_point else ("few", "nan", "mixed")
+        for pattern in patterns:
+            for size in (63, 65, 64 * 80 + 1):
+                a, e = _snapshot_values(dtype, False, pattern, size, gen)
+                yield f"{name} {pattern} flat {size} chunk=64", a, e, {"worst": 3}, 64
+    # A nested output: batched leaves, halves judged again.
+    leaves = {}
+    for i, pattern in enumerate(("few", "nan", "noisy", "inf", "few", "mixed")):
+        leaves[f"t{i}"] = _snapshot_values(torch.float32, False, pattern, 50 + i, gen)
+    yield (
+        "nested float32",
+        {k: a for k, (a, _) in leaves.items()},
+        {k: e for k, (_, e) in leaves.items()},
+        {},
+        0,
+    )
+
+
+def _snapshot_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _snapshot_results() -> dict[str, str]:
+    results = {}
+    for label, actual, expected, keywords, chunk in _snapshot_cases():
+        saved = compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS
+        if chunk:
+            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = chunk, 0
+        try:
+            result = compare(actual, expected, **keywords)  # type: ignore[arg-type]
+        finally:
+            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = saved
+        assert label not in results, label
+        results[label] = repr(result)
+    return results
+
+
+class TestFailingPathSnapshot:
+    def test_every_field_and_message_is_as_recorded(self) -> None:
+        with open(_SNAPSHOT, encoding="utf-8") as file:
+            recorded = json.load(file)
+        results = _snapshot_results()
+        assert sorted(results) == sorted(recorded)
+        differing = [label for label in recorded if results[label] != recorded[label]]
+        for label in differing[:3]:
+            assert results[label] == recorded[label], label
+        assert not differing
+        # The snapshot holds failures of every kind, not only passes.
+        failing = [r for r in recorded.values() if "mismatches=()" not in r]
+        assert len(failing) > len(recorded) * 3 // 4
+        assert any("actual is infinite" in r for r in failing)
+        assert any("is NaN at all of these" in r for r in failing)
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
+    os.makedirs(os.path.dirname(_SNAPSHOT), exist_ok=True)
+    with open(_SNAPSHOT, "w", encoding="utf-8") as out:
+        json.dump(_snapshot_results(), out, indent=0, sort_keys=True)
+        out.write("\n")
