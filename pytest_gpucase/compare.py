@@ -96,6 +96,9 @@ _MIN_CHUNKS_PER_WORKER = 8
 # Below torch's grain size (32768 elements) an op runs in the calling thread
 # anyway; a chunk's ops reduce several rows at once.
 _GRAIN_ELEMENTS = 1 << 12
+# A chunk whose NaN and inf are at most one in this many elements decides them
+# by index, and the rest as a finite chunk; with more, every test on every element.
+_SPECIAL_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -1155,14 +1158,71 @@ class _Judge:
         else:
             torch.mul(scale, tol.rtol, out=allowed).add_(tol.atol)
         if finite:
-            # Comparisons written to a float row: several times faster than to bool.
-            torch.gt(diff, allowed, out=mismatch)
-            if tol.ulps is not None:
-                mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps))
+            self.finite_mismatch(diff, allowed, scale, mismatch)
             torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
             self.account(stats, offset, mismatch, diff, scale, allowed)
             stats.note(max_abs, max_rel)
             return
+        # NaN and inf are usually few: found in one pass and decided by index,
+        # the rest as in the finite case, with the specials set to no difference.
+        # diff > max is False at NaN: 1.0 at every finite difference, counted by a sum.
+        count = n - int(torch.le(diff, torch.finfo(self.real).max, out=mismatch).sum())
+        if count > n // _SPECIAL_SHARE:
+            self.nonfinite_chunk(stats, offset, a, e, rows)
+            return
+        special = _nonzero_positions(mismatch.neg_().add_(1.0), count)
+        a_s, e_s = a.index_select(0, special), e.index_select(0, special)
+        diff_s = diff.index_select(0, special)
+        diff.index_fill_(0, special, 0.0)
+        rel.index_fill_(0, special, 0.0).nan_to_num_(nan=0.0, posinf=math.inf)
+        # The greatest differences of the finite elements, passing or not: with
+        # the specials' (NaN or inf, where one mismatches) they make the chunk's.
+        finite_abs, finite_rel = rows[:2].amax(dim=1).tolist()
+        if finite_abs >= self.inf_rank or self.inf_rank <= finite_rel < math.inf:
+            # A finite difference ranked as NaN or inf: the general code words it.
+            diff.index_copy_(0, special, diff_s)
+            rel.index_copy_(0, special, torch.where(torch.isinf(diff_s), math.inf, math.nan))
+            self.nonfinite_chunk(stats, offset, a, e, rows)
+            return
+        self.finite_mismatch(diff, allowed, scale, mismatch)
+        torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
+        # A special is close only when both sides are equal (infinities of one
+        # sign) or, with equal_nan, both NaN; it ranks as NaN or inf.
+        close_s = a_s == e_s
+        if self.equal_nan:
+            close_s |= torch.isnan(a_s) & torch.isnan(e_s)
+        mismatched_s = close_s.logical_not_()
+        rank_s = torch.nan_to_num(diff_s, nan=self.nan_rank, posinf=self.inf_rank)
+        mismatch.index_copy_(0, special, mismatched_s.to(mismatch.dtype))
+        diff.index_copy_(0, special, rank_s)
+        scale.index_copy_(0, special, rank_s)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, diff, scale, allowed)
+        stats.note(
+            _max(finite_abs, self.unrank(worst_abs)), _max(finite_rel, self.unrank(worst_rel))
+        )
+        stats.nonfinite.add(_nonfinite_counts(a_s, e_s, mismatched_s))
+
+    def finite_mismatch(
+        self, diff: torch.Tensor, allowed: torch.Tensor, scale: torch.Tensor, mismatch: torch.Tensor
+    ) -> None:
+        """Write 1.0 where a finite difference is past the tolerance, 0.0 elsewhere."""
+        # Comparisons written to a float row: several times faster than to bool.
+        torch.gt(diff, allowed, out=mismatch)
+        if self.tol.ulps is not None:
+            mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(self.tol.ulps))
+
+    def nonfinite_chunk(
+        self,
+        stats: _TensorStats,
+        offset: int,
+        a: torch.Tensor,
+        e: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Decide a chunk where NaN or inf are many: every test on every element."""
+        tol = self.tol
+        diff, rel, allowed, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
+        excess = allowed
         close = diff <= allowed
         if tol.ulps is not None:
             close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
@@ -1182,18 +1242,7 @@ class _Judge:
             _max(passing_abs, self.unrank(worst_abs)), _max(passing_rel, self.unrank(worst_rel))
         )
         if worst_abs > 0:
-            mismatched = ~close
-            a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
-            e_nan = torch.isnan(e)
-            stats.nonfinite.add(
-                _NonFinite(
-                    nan_actual=int(a_nan.sum()),
-                    nan_both=int((a_nan & e_nan).sum()),
-                    inf_actual=int(a_inf.sum()),
-                    inf_expected_too=int((a_inf & ~torch.isfinite(e)).sum()),
-                    nan_expected_only=int((e_nan & mismatched & ~torch.isnan(a)).sum()),
-                )
-            )
+            stats.nonfinite.add(_nonfinite_counts(a, e, ~close))
 
     def unrank(self, rank: float) -> float:
         if rank >= self.nan_rank:
@@ -1243,7 +1292,8 @@ class _Judge:
 
         `mismatch` holds 1.0 at mismatches and 0.0 elsewhere; `rank` and
         `rel_rank` rank the elements (positive at every mismatch); `key` may
-        be `rank` itself. Returns the chunk's greatest ranks among mismatches.
+        be `rank` itself. `rel_rank`, `key` and `mismatch` are overwritten.
+        Returns the chunk's greatest ranks among mismatches.
         """
         count = int(mismatch.sum())
         if not count:
@@ -1252,30 +1302,101 @@ class _Judge:
         torch.mul(rel_rank, mismatch, out=rel_rank)
         worst_rel = float(rel_rank.amax())
         if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
-            stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
+            stats.add_rel(worst_rel, offset + _first_max(rel_rank))
         key = torch.mul(rank, mismatch, out=key)
         # One max per chunk; indices only while this chunk can still hold one
         # of the worst `keep` (the first chunk, or one worse than all kept).
         worst = float(key.amax())
         if not stats.admits(worst):
             return worst, worst_rel
-        # The chunk's worst by (-rank, index), as add_worst orders them: one
-        # topk, unless ranks tie at its edge (then torch picks any of them).
+        # The chunk's worst by (-rank, index), as add_worst orders them: the
+        # greatest ranks, and where ranks tie at the edge (torch's topk picks
+        # any of them), the first of the tied ones by index.
         take = min(stats.keep, count)
-        values, indices = (t.tolist() for t in torch.topk(key, min(take + 1, key.numel())))
+        values, indices = _top(key, min(take + 1, key.numel()))
         if take < len(values) and values[take] == values[take - 1]:
-            value = worst
-            for _ in range(take):
-                if not stats.admits(value):
-                    break
-                index = int(key.argmax())  # the first of equal ranks
+            edge = values[take - 1]
+            above = [(v, i) for v, i in zip(values, indices, strict=True) if v > edge]
+            tied = _first_hits(torch.eq(key, edge, out=mismatch), take - len(above))
+            for value, index in [*above, *((edge, i) for i in tied)]:
                 stats.add_worst(value, offset + index)
-                key[index] = 0.0
-                value = float(key.amax())
         else:
             for value, index in zip(values[:take], indices[:take], strict=True):
                 stats.add_worst(value, offset + index)
         return worst, worst_rel
+
+
+# Rows longer than this many blocks are searched block by block: a max per
+# block is as cheap as a sum, while argmax, topk and nonzero over a whole
+# chunk cost ten to twenty times as much.
+_BLOCK = 1 << 10
+
+
+def _block_maxima(row: torch.Tensor) -> torch.Tensor:
+    """The greatest value of each block of _BLOCK elements of a flat row (the last may be short)."""
+    full = row.numel() - row.numel() % _BLOCK
+    head = row[:full].view(-1, _BLOCK).amax(dim=1)
+    return head if full == row.numel() else torch.cat((head, row[full:].amax().view(1)))
+
+
+def _block_elements(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The flat indices of the elements of these blocks of a row of n, in the blocks' order."""
+    steps = torch.arange(_BLOCK, device=blocks.device)
+    indices = (blocks.view(-1, 1) * _BLOCK + steps).view(-1)
+    return indices if n % _BLOCK == 0 else indices[indices < n]
+
+
+def _top(row: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+    """torch.topk's values and indices of a flat row: drawn from its k greatest blocks.
+
+    The k greatest values lie in the k blocks of greatest maxima (each of
+    those holds a value at least as great as any outside them).
+    """
+    if row.numel() <= 8 * _BLOCK:
+        values, indices = torch.topk(row, k)
+        return values.tolist(), indices.tolist()
+    maxima = _block_maxima(row)
+    candidates = _block_elements(torch.topk(maxima, min(k, maxima.numel())).indices, row.numel())
+    values, at = torch.topk(row.index_select(0, candidates), k)
+    return values.tolist(), candidates.index_select(0, at).tolist()
+
+
+def _first_max(row: torch.Tensor) -> int:
+    """The index of the first greatest value of a flat row, as argmax: in its first block."""
+    if row.numel() <= 8 * _BLOCK:
+        return int(row.argmax())
+    block = int(_block_maxima(row).argmax())
+    return block * _BLOCK + int(row[block * _BLOCK : (block + 1) * _BLOCK].argmax())
+
+
+def _first_hits(flags: torch.Tensor, k: int) -> list[int]:
+    """The indices of the first k nonzero elements of a flat row of 0.0 and 1.0."""
+    if flags.numel() <= 8 * _BLOCK:
+        return flags.nonzero()[:k].view(-1).tolist()
+    blocks = _block_maxima(flags).nonzero()[:k].view(-1)  # each holds at least one
+    candidates = _block_elements(blocks, flags.numel())
+    return candidates[flags.index_select(0, candidates).nonzero()[:k].view(-1)].tolist()
+
+
+def _nonzero_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the `count` nonzero elements of a flat row of 0.0 and 1.0, in order."""
+    if flags.numel() <= 8 * _BLOCK or count * 8 > flags.numel() // _BLOCK:
+        return flags.nonzero().view(-1)
+    candidates = _block_elements(_block_maxima(flags).nonzero().view(-1), flags.numel())
+    return candidates[flags.index_select(0, candidates).nonzero().view(-1)]
+
+
+def _nonfinite_counts(a: torch.Tensor, e: torch.Tensor, mismatched: torch.Tensor) -> _NonFinite:
+    """Where mismatched elements are NaN or infinite, on either side."""
+    a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
+    e_nan = torch.isnan(e)
+    return _NonFinite(
+        nan_actual=int(a_nan.sum()),
+        nan_both=int((a_nan & e_nan).sum()),
+        inf_actual=int(a_inf.sum()),
+        inf_expected_too=int((a_inf & ~torch.isfinite(e)).sum()),
+        nan_expected_only=int((e_nan & mismatched & ~torch.isnan(a)).sum()),
+    )
 
 
 def _spacing_tensor(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

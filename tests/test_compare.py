@@ -1506,6 +1506,95 @@ class TestFailingPathSnapshot:
         assert any("is NaN at all of these" in r for r in failing)
 
 
+class TestSpecialsByIndex:
+    """A chunk with few NaN or inf decides them by index: as if every test ran everywhere."""
+
+    @staticmethod
+    def both_ways(
+        monkeypatch: pytest.MonkeyPatch, actual: torch.Tensor, expected: torch.Tensor, **kw: object
+    ) -> tuple[str, str]:
+        by_index = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
+        with monkeypatch.context() as patch:
+            patch.setattr(compare_module, "_SPECIAL_SHARE", 1 << 62)  # every chunk the long way
+            everywhere = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
+        return by_index, everywhere
+
+    def test_seeded_pairs_are_judged_alike(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        gen = torch.Generator().manual_seed(15)
+        specials = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1e30, -3e38])
+        failing = 0
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64):
+            for k in range(12):
+                n = 5000 + k
+                expected = torch.randn(n, generator=gen).to(dtype)
+                actual = expected + (torch.rand(n, generator=gen) < 0.01) * (k + 1)
+                for side in (actual, expected):
+                    at = torch.randint(0, n, (k,), generator=gen)
+                    side[at] = specials[torch.randint(0, 6, (k,), generator=gen)].to(dtype)
+                for equal_nan in (False, True):
+                    ours, theirs = self.both_ways(
+                        monkeypatch, actual, expected, equal_nan=equal_nan, worst=k % 7
+                    )
+                    assert ours == theirs, (dtype, k, equal_nan)
+                    failing += "mismatches=()" not in ours
+        assert failing > 100
+
+    @pytest.mark.parametrize(
+        ("actual", "expected"),
+        [
+            # A finite difference as great as float32's largest: ranked with the NaN.
+            ([3.4028234663852886e38, 1.0, NAN, 2.0], [0.0, 1.0, 1.0, 2.0]),
+            ([1.7014117331926443e38, 1.0, NAN, 2.0], [0.25, 1.0, 1.0, 2.0]),
+            # A difference that overflows: infinite though both sides are finite.
+            ([3.4e38, -3.4e38, 1.0, INF], [-3.4e38, 3.4e38, 1.0, INF]),
+            ([INF, -INF, NAN, 1.0, 0.0], [INF, INF, NAN, 0.0, 0.0]),
+        ],
+    )
+    def test_extremes_are_judged_alike(
+        self, monkeypatch: pytest.MonkeyPatch, actual: list[float], expected: list[float]
+    ) -> None:
+        a, e = torch.tensor(actual), torch.tensor(expected)
+        for equal_nan in (False, True):
+            ours, theirs = self.both_ways(monkeypatch, a, e, equal_nan=equal_nan)
+            assert ours == theirs
+            assert "values differ" in ours
+
+
+class TestBlockSearch:
+    """The block-by-block searches of a chunk give torch's own answers."""
+
+    @staticmethod
+    def rows() -> Iterator[torch.Tensor]:
+        gen = torch.Generator().manual_seed(16)
+        block = compare_module._BLOCK
+        for n in (5, 8 * block, 8 * block + 1, 20 * block, 20 * block + 37, 1 << 18):
+            yield torch.rand(n, generator=gen)  # distinct values
+            ties = torch.randint(0, 4, (n,), generator=gen).float()
+            yield ties  # many ties
+            sparse = torch.zeros(n)
+            sparse[torch.randint(0, n, (3,), generator=gen)] = 1.0
+            sparse[-1] = 1.0  # in the short last block
+            yield sparse
+
+    def test_top_values_and_the_first_greatest(self) -> None:
+        for row in self.rows():
+            for k in (1, 3, min(6, row.numel())):
+                values, indices = compare_module._top(row, k)
+                assert values == torch.topk(row, k).values.tolist()
+                assert [row[i].item() for i in indices] == values
+                assert len(set(indices)) == k
+            assert compare_module._first_max(row) == int(row.argmax())
+
+    def test_first_and_all_hits_in_order(self) -> None:
+        for row in self.rows():
+            flags = (row == row.amax()).float()
+            hits = flags.nonzero().view(-1).tolist()
+            for k in (1, 2, 5):
+                assert compare_module._first_hits(flags, k) == hits[:k]
+            positions = compare_module._nonzero_positions(flags, len(hits))
+            assert positions.tolist() == hits
+
+
 if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
     os.makedirs(os.path.dirname(_SNAPSHOT), exist_ok=True)
     with open(_SNAPSHOT, "w", encoding="utf-8") as out:
