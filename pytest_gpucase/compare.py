@@ -1572,13 +1572,17 @@ def _ulp_line(
 
 
 def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
-    """Fetch a few elements by flat index: the only values that cross to the host."""
+    """Fetch a few elements by flat index: the only values that cross to the host.
+
+    One indexing op and one transfer for all of them, whatever the tensor's strides.
+    """
+    if t.dim() == 0:
+        return [t.item()] * len(flat)
     shape = tuple(t.shape)
-    seen: dict[int, complex] = {}
-    for i in flat:
-        if i not in seen:
-            seen[i] = t[_coords(i, shape)].item()
-    return [seen[i] for i in flat]
+    columns = zip(*(_coords(i, shape) for i in flat), strict=True)
+    index = tuple(torch.tensor(column, device=t.device) for column in columns)
+    values: list[complex] = t[index].tolist()
+    return values
 
 
 def _abs_diff(a: complex, e: complex) -> float:
@@ -1625,6 +1629,21 @@ def _fmt_value(x: complex, dtype: torch.dtype) -> str:
 def _shortest(x: float, dtype: torch.dtype) -> str:
     if dtype == torch.float64 or not math.isfinite(x):
         return repr(x)
+    if dtype == torch.float32 and math.frexp(x)[0] not in (0.5, -0.5):
+        # Off a power of two the values that round to x lie within the same
+        # distance on both sides, and each added digit lands no farther from x:
+        # once a count of digits reads back, every greater one does. So the
+        # fewest is found by halving 1..9 (9 always read back a float32).
+        low, high = 1, 9
+        while low < high:
+            middle = (low + high) // 2
+            if _round(float(f"{x:.{middle}g}"), dtype) == x:
+                high = middle
+            else:
+                low = middle + 1
+        candidate = float(f"{x:.{low}g}")
+        if _round(candidate, dtype) == x:
+            return repr(candidate)
     for digits in range(1, 18):
         candidate = float(f"{x:.{digits}g}")
         if _round(candidate, dtype) == x:
@@ -1632,18 +1651,23 @@ def _shortest(x: float, dtype: torch.dtype) -> str:
     return repr(x)
 
 
+_FLOAT32 = struct.Struct("f")
+_FLOAT16 = struct.Struct("e")
+_UINT32 = struct.Struct("I")
+
+
 def _round(x: float, dtype: torch.dtype) -> float:
     """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
     try:
         if dtype == torch.float32:
-            return float(struct.unpack("f", struct.pack("f", x))[0])
+            return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
         if dtype == torch.float16:
-            x = float(struct.unpack("f", struct.pack("f", x))[0])
-            return float(struct.unpack("e", struct.pack("e", x))[0])
+            x = float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+            return float(_FLOAT16.unpack(_FLOAT16.pack(x))[0])
         if dtype == torch.bfloat16:
-            (bits,) = struct.unpack("I", struct.pack("f", x))
+            (bits,) = _UINT32.unpack(_FLOAT32.pack(x))
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-            return float(struct.unpack("f", struct.pack("I", (bits & 0xFFFF) << 16))[0])
+            return float(_FLOAT32.unpack(_UINT32.pack((bits & 0xFFFF) << 16))[0])
     except OverflowError:  # beyond float16's range
         return math.copysign(math.inf, x)
     return float(torch.tensor(x, dtype=dtype).item())
