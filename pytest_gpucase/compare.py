@@ -53,6 +53,7 @@ message names the tolerance it applied and where it came from.
 
 from __future__ import annotations
 
+import cmath
 import ctypes
 import functools
 import math
@@ -1200,7 +1201,12 @@ class _Judge:
         stats.note(
             _max(finite_abs, self.unrank(worst_abs)), _max(finite_rel, self.unrank(worst_rel))
         )
-        stats.nonfinite.add(_nonfinite_counts(a_s, e_s, mismatched_s))
+        if special.numel() <= _FEW_SPECIALS:  # a few numbers: counted on the host
+            stats.nonfinite.add(
+                _nonfinite_of(a_s.tolist(), e_s.tolist(), mismatched_s.tolist())
+            )
+        else:
+            stats.nonfinite.add(_nonfinite_counts(a_s, e_s, mismatched_s))
 
     def finite_mismatch(
         self, diff: torch.Tensor, allowed: torch.Tensor, scale: torch.Tensor, mismatch: torch.Tensor
@@ -1324,6 +1330,27 @@ class _Judge:
             for value, index in zip(values[:take], indices[:take], strict=True):
                 stats.add_worst(value, offset + index)
         return worst, worst_rel
+
+
+# Up to this many NaN and inf in a chunk are counted one by one on the host.
+_FEW_SPECIALS = 64
+
+
+def _nonfinite_of(a: list[complex], e: list[complex], mismatched: list[bool]) -> _NonFinite:
+    """_nonfinite_counts of a few values on the host, where each torch op costs more."""
+    counts = _NonFinite()
+    for x, y, bad in zip(a, e, mismatched, strict=True):
+        if not bad:
+            continue
+        if cmath.isnan(x):
+            counts.nan_actual += 1
+            counts.nan_both += cmath.isnan(y)
+            continue
+        if cmath.isinf(x):
+            counts.inf_actual += 1
+            counts.inf_expected_too += not cmath.isfinite(y)
+        counts.nan_expected_only += cmath.isnan(y)
+    return counts
 
 
 # Rows longer than this many blocks are searched block by block: a max per
