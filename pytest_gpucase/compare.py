@@ -53,6 +53,7 @@ message names the tolerance it applied and where it came from.
 
 from __future__ import annotations
 
+import cmath
 import ctypes
 import functools
 import math
@@ -96,6 +97,9 @@ _MIN_CHUNKS_PER_WORKER = 8
 # Below torch's grain size (32768 elements) an op runs in the calling thread
 # anyway; a chunk's ops reduce several rows at once.
 _GRAIN_ELEMENTS = 1 << 12
+# A chunk whose NaN and inf are at most one in this many elements decides them
+# by index, and the rest as a finite chunk; with more, every test on every element.
+_SPECIAL_SHARE = 4
 
 
 @dataclass(frozen=True)
@@ -1164,14 +1168,76 @@ class _Judge:
         else:
             torch.mul(scale, tol.rtol, out=allowed).add_(tol.atol)
         if finite:
-            # Comparisons written to a float row: several times faster than to bool.
-            torch.gt(diff, allowed, out=mismatch)
-            if tol.ulps is not None:
-                mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps))
+            self.finite_mismatch(diff, allowed, scale, mismatch)
             torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
             self.account(stats, offset, mismatch, diff, scale, allowed)
             stats.note(max_abs, max_rel)
             return
+        # NaN and inf are usually few: found in one pass and decided by index,
+        # the rest as in the finite case, with the specials set to no difference.
+        # diff > max is False at NaN: 1.0 at every finite difference, counted by a sum.
+        count = n - int(torch.le(diff, torch.finfo(self.real).max, out=mismatch).sum())
+        if count > n // _SPECIAL_SHARE:
+            self.nonfinite_chunk(stats, offset, a, e, rows)
+            return
+        special = _nonzero_positions(mismatch.neg_().add_(1.0), count)
+        a_s, e_s = a.index_select(0, special), e.index_select(0, special)
+        diff_s = diff.index_select(0, special)
+        diff.index_fill_(0, special, 0.0)
+        rel.index_fill_(0, special, 0.0).nan_to_num_(nan=0.0, posinf=math.inf)
+        # The greatest differences of the finite elements, passing or not: with
+        # the specials' (NaN or inf, where one mismatches) they make the chunk's.
+        finite_abs, finite_rel = rows[:2].amax(dim=1).tolist()
+        if finite_abs >= self.inf_rank or self.inf_rank <= finite_rel < math.inf:
+            # A finite difference ranked as NaN or inf: the general code words it.
+            diff.index_copy_(0, special, diff_s)
+            rel.index_copy_(0, special, torch.where(torch.isinf(diff_s), math.inf, math.nan))
+            self.nonfinite_chunk(stats, offset, a, e, rows)
+            return
+        self.finite_mismatch(diff, allowed, scale, mismatch)
+        torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
+        # A special is close only when both sides are equal (infinities of one
+        # sign) or, with equal_nan, both NaN; it ranks as NaN or inf.
+        close_s = a_s == e_s
+        if self.equal_nan:
+            close_s |= torch.isnan(a_s) & torch.isnan(e_s)
+        mismatched_s = close_s.logical_not_()
+        rank_s = torch.nan_to_num(diff_s, nan=self.nan_rank, posinf=self.inf_rank)
+        mismatch.index_copy_(0, special, mismatched_s.to(mismatch.dtype))
+        diff.index_copy_(0, special, rank_s)
+        scale.index_copy_(0, special, rank_s)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, diff, scale, allowed)
+        stats.note(
+            _max(finite_abs, self.unrank(worst_abs)), _max(finite_rel, self.unrank(worst_rel))
+        )
+        if special.numel() <= _FEW_SPECIALS:  # a few numbers: counted on the host
+            stats.nonfinite.add(
+                _nonfinite_of(a_s.tolist(), e_s.tolist(), mismatched_s.tolist())
+            )
+        else:
+            stats.nonfinite.add(_nonfinite_counts(a_s, e_s, mismatched_s))
+
+    def finite_mismatch(
+        self, diff: torch.Tensor, allowed: torch.Tensor, scale: torch.Tensor, mismatch: torch.Tensor
+    ) -> None:
+        """Write 1.0 where a finite difference is past the tolerance, 0.0 elsewhere."""
+        # Comparisons written to a float row: several times faster than to bool.
+        torch.gt(diff, allowed, out=mismatch)
+        if self.tol.ulps is not None:
+            mismatch.mul_(diff > _spacing_tensor(scale, self.actual_dtype).mul_(self.tol.ulps))
+
+    def nonfinite_chunk(
+        self,
+        stats: _TensorStats,
+        offset: int,
+        a: torch.Tensor,
+        e: torch.Tensor,
+        rows: torch.Tensor,
+    ) -> None:
+        """Decide a chunk where NaN or inf are many: every test on every element."""
+        tol = self.tol
+        diff, rel, allowed, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
+        excess = allowed
         close = diff <= allowed
         if tol.ulps is not None:
             close |= diff <= _spacing_tensor(scale, self.actual_dtype).mul_(tol.ulps)
@@ -1191,18 +1257,7 @@ class _Judge:
             _max(passing_abs, self.unrank(worst_abs)), _max(passing_rel, self.unrank(worst_rel))
         )
         if worst_abs > 0:
-            mismatched = ~close
-            a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
-            e_nan = torch.isnan(e)
-            stats.nonfinite.add(
-                _NonFinite(
-                    nan_actual=int(a_nan.sum()),
-                    nan_both=int((a_nan & e_nan).sum()),
-                    inf_actual=int(a_inf.sum()),
-                    inf_expected_too=int((a_inf & ~torch.isfinite(e)).sum()),
-                    nan_expected_only=int((e_nan & mismatched & ~torch.isnan(a)).sum()),
-                )
-            )
+            stats.nonfinite.add(_nonfinite_counts(a, e, ~close))
 
     def unrank(self, rank: float) -> float:
         if rank >= self.nan_rank:
@@ -1252,7 +1307,8 @@ class _Judge:
 
         `mismatch` holds 1.0 at mismatches and 0.0 elsewhere; `rank` and
         `rel_rank` rank the elements (positive at every mismatch); `key` may
-        be `rank` itself. Returns the chunk's greatest ranks among mismatches.
+        be `rank` itself. `rel_rank`, `key` and `mismatch` are overwritten.
+        Returns the chunk's greatest ranks among mismatches.
         """
         count = int(mismatch.sum())
         if not count:
@@ -1261,30 +1317,122 @@ class _Judge:
         torch.mul(rel_rank, mismatch, out=rel_rank)
         worst_rel = float(rel_rank.amax())
         if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
-            stats.add_rel(worst_rel, offset + int(rel_rank.argmax()))
+            stats.add_rel(worst_rel, offset + _first_max(rel_rank))
         key = torch.mul(rank, mismatch, out=key)
         # One max per chunk; indices only while this chunk can still hold one
         # of the worst `keep` (the first chunk, or one worse than all kept).
         worst = float(key.amax())
         if not stats.admits(worst):
             return worst, worst_rel
-        # The chunk's worst by (-rank, index), as add_worst orders them: one
-        # topk, unless ranks tie at its edge (then torch picks any of them).
+        # The chunk's worst by (-rank, index), as add_worst orders them: the
+        # greatest ranks, and where ranks tie at the edge (torch's topk picks
+        # any of them), the first of the tied ones by index.
         take = min(stats.keep, count)
-        values, indices = (t.tolist() for t in torch.topk(key, min(take + 1, key.numel())))
+        values, indices = _top(key, min(take + 1, key.numel()))
         if take < len(values) and values[take] == values[take - 1]:
-            value = worst
-            for _ in range(take):
-                if not stats.admits(value):
-                    break
-                index = int(key.argmax())  # the first of equal ranks
+            edge = values[take - 1]
+            above = [(v, i) for v, i in zip(values, indices, strict=True) if v > edge]
+            tied = _first_hits(torch.eq(key, edge, out=mismatch), take - len(above))
+            for value, index in [*above, *((edge, i) for i in tied)]:
                 stats.add_worst(value, offset + index)
-                key[index] = 0.0
-                value = float(key.amax())
         else:
             for value, index in zip(values[:take], indices[:take], strict=True):
                 stats.add_worst(value, offset + index)
         return worst, worst_rel
+
+
+# Up to this many NaN and inf in a chunk are counted one by one on the host.
+_FEW_SPECIALS = 64
+
+
+def _nonfinite_of(a: list[complex], e: list[complex], mismatched: list[bool]) -> _NonFinite:
+    """_nonfinite_counts of a few values on the host, where each torch op costs more."""
+    counts = _NonFinite()
+    for x, y, bad in zip(a, e, mismatched, strict=True):
+        if not bad:
+            continue
+        if cmath.isnan(x):
+            counts.nan_actual += 1
+            counts.nan_both += cmath.isnan(y)
+            continue
+        if cmath.isinf(x):
+            counts.inf_actual += 1
+            counts.inf_expected_too += not cmath.isfinite(y)
+        counts.nan_expected_only += cmath.isnan(y)
+    return counts
+
+
+# Rows longer than this many blocks are searched block by block: a max per
+# block is as cheap as a sum, while argmax, topk and nonzero over a whole
+# chunk cost ten to twenty times as much.
+_BLOCK = 1 << 10
+
+
+def _block_maxima(row: torch.Tensor) -> torch.Tensor:
+    """The greatest value of each block of _BLOCK elements of a flat row (the last may be short)."""
+    full = row.numel() - row.numel() % _BLOCK
+    head = row[:full].view(-1, _BLOCK).amax(dim=1)
+    return head if full == row.numel() else torch.cat((head, row[full:].amax().view(1)))
+
+
+def _block_elements(blocks: torch.Tensor, n: int) -> torch.Tensor:
+    """The flat indices of the elements of these blocks of a row of n, in the blocks' order."""
+    steps = torch.arange(_BLOCK, device=blocks.device)
+    indices = (blocks.view(-1, 1) * _BLOCK + steps).view(-1)
+    return indices if n % _BLOCK == 0 else indices[indices < n]
+
+
+def _top(row: torch.Tensor, k: int) -> tuple[list[float], list[int]]:
+    """torch.topk's values and indices of a flat row: drawn from its k greatest blocks.
+
+    The k greatest values lie in the k blocks of greatest maxima (each of
+    those holds a value at least as great as any outside them).
+    """
+    if row.numel() <= 8 * _BLOCK:
+        values, indices = torch.topk(row, k)
+        return values.tolist(), indices.tolist()
+    maxima = _block_maxima(row)
+    candidates = _block_elements(torch.topk(maxima, min(k, maxima.numel())).indices, row.numel())
+    values, at = torch.topk(row.index_select(0, candidates), k)
+    return values.tolist(), candidates.index_select(0, at).tolist()
+
+
+def _first_max(row: torch.Tensor) -> int:
+    """The index of the first greatest value of a flat row, as argmax: in its first block."""
+    if row.numel() <= 8 * _BLOCK:
+        return int(row.argmax())
+    block = int(_block_maxima(row).argmax())
+    return block * _BLOCK + int(row[block * _BLOCK : (block + 1) * _BLOCK].argmax())
+
+
+def _first_hits(flags: torch.Tensor, k: int) -> list[int]:
+    """The indices of the first k nonzero elements of a flat row of 0.0 and 1.0."""
+    if flags.numel() <= 8 * _BLOCK:
+        return flags.nonzero()[:k].view(-1).tolist()
+    blocks = _block_maxima(flags).nonzero()[:k].view(-1)  # each holds at least one
+    candidates = _block_elements(blocks, flags.numel())
+    return candidates[flags.index_select(0, candidates).nonzero()[:k].view(-1)].tolist()
+
+
+def _nonzero_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
+    """The indices of the `count` nonzero elements of a flat row of 0.0 and 1.0, in order."""
+    if flags.numel() <= 8 * _BLOCK or count * 8 > flags.numel() // _BLOCK:
+        return flags.nonzero().view(-1)
+    candidates = _block_elements(_block_maxima(flags).nonzero().view(-1), flags.numel())
+    return candidates[flags.index_select(0, candidates).nonzero().view(-1)]
+
+
+def _nonfinite_counts(a: torch.Tensor, e: torch.Tensor, mismatched: torch.Tensor) -> _NonFinite:
+    """Where mismatched elements are NaN or infinite, on either side."""
+    a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
+    e_nan = torch.isnan(e)
+    return _NonFinite(
+        nan_actual=int(a_nan.sum()),
+        nan_both=int((a_nan & e_nan).sum()),
+        inf_actual=int(a_inf.sum()),
+        inf_expected_too=int((a_inf & ~torch.isfinite(e)).sum()),
+        nan_expected_only=int((e_nan & mismatched & ~torch.isnan(a)).sum()),
+    )
 
 
 def _spacing_tensor(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -1460,13 +1608,17 @@ def _ulp_line(
 
 
 def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
-    """Fetch a few elements by flat index: the only values that cross to the host."""
+    """Fetch a few elements by flat index: the only values that cross to the host.
+
+    One indexing op and one transfer for all of them, whatever the tensor's strides.
+    """
+    if t.dim() == 0:
+        return [t.item()] * len(flat)
     shape = tuple(t.shape)
-    seen: dict[int, complex] = {}
-    for i in flat:
-        if i not in seen:
-            seen[i] = t[_coords(i, shape)].item()
-    return [seen[i] for i in flat]
+    columns = zip(*(_coords(i, shape) for i in flat), strict=True)
+    index = tuple(torch.tensor(column, device=t.device) for column in columns)
+    values: list[complex] = t[index].tolist()
+    return values
 
 
 def _abs_diff(a: complex, e: complex) -> float:
@@ -1513,6 +1665,21 @@ def _fmt_value(x: complex, dtype: torch.dtype) -> str:
 def _shortest(x: float, dtype: torch.dtype) -> str:
     if dtype == torch.float64 or not math.isfinite(x):
         return repr(x)
+    if dtype == torch.float32 and math.frexp(x)[0] not in (0.5, -0.5):
+        # Off a power of two the values that round to x lie within the same
+        # distance on both sides, and each added digit lands no farther from x:
+        # once a count of digits reads back, every greater one does. So the
+        # fewest is found by halving 1..9 (9 always read back a float32).
+        low, high = 1, 9
+        while low < high:
+            middle = (low + high) // 2
+            if _round(float(f"{x:.{middle}g}"), dtype) == x:
+                high = middle
+            else:
+                low = middle + 1
+        candidate = float(f"{x:.{low}g}")
+        if _round(candidate, dtype) == x:
+            return repr(candidate)
     for digits in range(1, 18):
         candidate = float(f"{x:.{digits}g}")
         if _round(candidate, dtype) == x:
@@ -1520,18 +1687,23 @@ def _shortest(x: float, dtype: torch.dtype) -> str:
     return repr(x)
 
 
+_FLOAT32 = struct.Struct("f")
+_FLOAT16 = struct.Struct("e")
+_UINT32 = struct.Struct("I")
+
+
 def _round(x: float, dtype: torch.dtype) -> float:
     """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
     try:
         if dtype == torch.float32:
-            return float(struct.unpack("f", struct.pack("f", x))[0])
+            return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
         if dtype == torch.float16:
-            x = float(struct.unpack("f", struct.pack("f", x))[0])
-            return float(struct.unpack("e", struct.pack("e", x))[0])
+            x = float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+            return float(_FLOAT16.unpack(_FLOAT16.pack(x))[0])
         if dtype == torch.bfloat16:
-            (bits,) = struct.unpack("I", struct.pack("f", x))
+            (bits,) = _UINT32.unpack(_FLOAT32.pack(x))
             bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-            return float(struct.unpack("f", struct.pack("I", (bits & 0xFFFF) << 16))[0])
+            return float(_FLOAT32.unpack(_UINT32.pack((bits & 0xFFFF) << 16))[0])
     except OverflowError:  # beyond float16's range
         return math.copysign(math.inf, x)
     return float(torch.tensor(x, dtype=dtype).item())

@@ -11,6 +11,7 @@ import textwrap
 import threading
 import warnings
 from collections import OrderedDict, namedtuple
+from collections.abc import Iterator
 from typing import NamedTuple
 
 import pytest
@@ -1297,3 +1298,331 @@ class TestOnDevice:
         assert result["device_growth_mib"] < 160, result
         # Nothing the size of the tensors came to the host.
         assert result["host_growth_mib"] < 200, result
+
+
+# --------------------------------------------------------------------------
+# Snapshot of failing-path verdicts and messages (issue 15): every field of
+# compare()'s result, byte for byte, for a few hundred seeded pairs, captured
+# from the element-by-element code before it was made faster. Regenerate
+# (only when a change of output is intended) with
+#   python tests/test_compare.py --write-snapshot
+
+_SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "compare_snapshot.json")
+_SNAPSHOT_DTYPES = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "int64": torch.int64,
+    "bool": torch.bool,
+    "complex64": torch.complex64,
+}
+_FLOAT_PATTERNS = ("few", "all", "noisy", "nan", "inf", "-inf", "mixed", "allnan", "manyinf")
+_NAN_PATTERNS = ("nan", "inf", "-inf", "mixed", "allnan")  # NaN on both sides somewhere
+
+
+def _snapshot_values(
+    dtype: torch.dtype, ref64: bool, pattern: str, n: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One seeded pair of n flat values of `pattern`, as the snapshot records it."""
+    if dtype == torch.bool:
+        expected = torch.rand(n, generator=gen) < 0.5
+        actual = expected.clone()
+        where = torch.randint(0, n, (3,), generator=gen) if pattern == "few" else slice(None)
+        actual[where] = ~actual[where]
+        return actual, expected
+    if dtype == torch.int64:
+        base = 2**62 if pattern == "big" else 0
+        expected = torch.randint(-1000, 1000, (n,), generator=gen) + base
+        actual = expected.clone()
+        if pattern == "few":
+            actual[torch.randint(0, n, (3,), generator=gen)] += torch.tensor([5, -7, 1])
+        elif pattern == "big":
+            actual[torch.randint(0, n, (2,), generator=gen)] += 1
+        else:  # all, with ties
+            actual += 100
+        return actual, expected
+    real = torch.float64
+    shape = (n, 2) if dtype.is_complex else (n,)
+    scale = 10.0 ** torch.randint(-3, 3, shape, generator=gen).to(real)
+    reference = torch.randn(shape, generator=gen, dtype=real) * scale
+    reference[torch.rand(shape, generator=gen) < 0.05] = 0.0  # exact zeros: 0/0
+    if dtype.is_complex:
+        reference = torch.view_as_complex(reference)
+    stored = dtype if not ref64 else torch.float64
+    expected = reference.to(dtype).to(stored)
+    wide = expected.to(torch.complex128 if dtype.is_complex else torch.float64)
+    tol = DEFAULT_TOLERANCES[dtype]
+    bound = tol.atol + tol.rtol * wide.abs()
+    noise = torch.rand(n, generator=gen, dtype=torch.float64)
+    actual = wide + (noise - 0.5) * bound  # close everywhere
+    if pattern in ("noisy", "mixed"):
+        actual = wide + (noise - 0.5) * 4 * bound  # about half past the bound
+    elif pattern == "all":
+        actual = wide + 100
+    positions = torch.randperm(n, generator=gen)
+    few = positions[: max(1, min(4, n // 2))]
+    if pattern in ("few", "mixed"):
+        actual[few[:3]] += 100 * (1 + wide[few[:3]].abs())
+    actual = actual.to(dtype)
+    nan, inf = math.nan, math.inf
+    if pattern in ("nan", "mixed"):
+        actual[few[:3]] = nan
+        expected[few[1:2]] = nan  # NaN on both sides
+        expected[positions[-1:]] = nan  # the reference only
+    if pattern in ("inf", "-inf", "mixed"):
+        sign = -1.0 if pattern == "-inf" else 1.0
+        at = positions[n // 2 : n // 2 + 3] if pattern == "mixed" else few
+        actual[at] = sign * inf
+        expected[at[:1]] = sign * inf  # a match of specials
+        expected[at[1:2]] = -sign * inf  # infinities of opposite sign
+        expected[at[2:3]] = nan
+        actual[positions[-2:-1]] = 0.5
+        expected[positions[-2:-1]] = inf  # infinite only in the reference
+    if pattern == "allnan":
+        actual[:] = nan
+        expected[positions[: n // 2]] = nan
+    if pattern == "manyinf":
+        actual[positions[: n // 2]] = inf
+        expected[positions[: n // 4]] = inf
+        expected[positions[n // 4 : n // 3]] = -inf
+    return actual, expected
+
+
+def _snapshot_cases() -> Iterator[tuple[str, object, object, dict[str, object], int]]:
+    """(name, actual, expected, compare() keywords, chunk) for every recorded pair."""
+    gen = torch.Generator().manual_seed(2024)
+    tolerances: dict[str, dict[torch.dtype, Tolerance] | None] = {
+        "default": None,
+        "ulps": {
+            d: Tolerance(ulps=4, source="snapshot ulps")
+            for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        },
+        "both": {
+            d: Tolerance(rtol=1e-3, atol=1e-5, ulps=2, source="snapshot both")
+            for d in (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+        },
+    }
+    for name, dtype in _SNAPSHOT_DTYPES.items():
+        if dtype == torch.bool:
+            patterns: tuple[str, ...] = ("few", "all")
+        elif dtype == torch.int64:
+            patterns = ("few", "all", "big")
+        else:
+            patterns = _FLOAT_PATTERNS
+        low = dtype in (torch.bfloat16, torch.float16, torch.float32)
+        refs = (False, True) if low else (False,)
+        for pattern in patterns:
+            for ref64 in refs:
+                for equal_nan in (False, True) if pattern in _NAN_PATTERNS else (False,):
+                    for size in (1, 7, 300, 4097):
+                        a, e = _snapshot_values(dtype, ref64, pattern, size, gen)
+                        kind = "flat"
+                        if size == 300:  # non-contiguous: a transposed view
+                            a, e = a.reshape(20, 15).t(), e.reshape(20, 15).t()
+                            kind = "transposed"
+                        elif size == 1:
+                            a, e = a[0], e[0]
+                            kind = "0-dim"
+                        tol = "default"
+                        if dtype.is_floating_point and size in (7, 4097):
+                            tol = ("default", "ulps", "both")[(size + len(pattern)) % 3]
+                        keywords = {
+                            "equal_nan": equal_nan,
+                            "check_dtype": not ref64,
+                            "tolerances": tolerances[tol],
+                            "worst": (5, 0, 2, 7)[(len(pattern) + size) % 4],
+                        }
+                        label = f"{name}{' ref64' if ref64 else ''} {pattern} {kind} {size}"
+                        label += f" equal_nan={equal_nan} tol={tol} worst={keywords['worst']}"
+                        yield label, a, e, keywords, 0
+    # Chunk boundaries: real chunks (CHUNK_ELEMENTS +- 1, several) and chunks of 64.
+    chunk = compare_module.CHUNK_ELEMENTS
+    for dtype, pattern, size in (
+        (torch.float32, "few", chunk - 1),
+        (torch.float32, "mixed", chunk + 1),
+        (torch.bfloat16, "all", chunk + 1),
+        (torch.float32, "nan", 3 * chunk + 5),
+        (torch.int64, "all", chunk + 1),
+        (torch.int64, "few", 2 * chunk + 3),
+        (torch.float16, "manyinf", chunk - 1),
+        (torch.float64, "noisy", 2 * chunk + 1),
+    ):
+        a, e = _snapshot_values(dtype, False, pattern, size, gen)
+        label = f"{_snapshot_name(dtype)} {pattern} flat {size}"
+        yield label, a, e, {}, 0
+    for name, dtype in _SNAPSHOT_DTYPES.items():
+        patterns = ("few", "all") if not dtype.is_floating_point else ("few", "nan", "mixed")
+        for pattern in patterns:
+            for size in (63, 65, 64 * 80 + 1):
+                a, e = _snapshot_values(dtype, False, pattern, size, gen)
+                yield f"{name} {pattern} flat {size} chunk=64", a, e, {"worst": 3}, 64
+    # A nested output: batched leaves, halves judged again.
+    leaves = {}
+    for i, pattern in enumerate(("few", "nan", "noisy", "inf", "few", "mixed")):
+        leaves[f"t{i}"] = _snapshot_values(torch.float32, False, pattern, 50 + i, gen)
+    yield (
+        "nested float32",
+        {k: a for k, (a, _) in leaves.items()},
+        {k: e for k, (_, e) in leaves.items()},
+        {},
+        0,
+    )
+
+
+def _snapshot_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _snapshot_results() -> dict[str, str]:
+    results = {}
+    for label, actual, expected, keywords, chunk in _snapshot_cases():
+        saved = compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS
+        if chunk:
+            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = chunk, 0
+        try:
+            result = compare(actual, expected, **keywords)  # type: ignore[arg-type]
+        finally:
+            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = saved
+        assert label not in results, label
+        results[label] = repr(result)
+    return results
+
+
+class TestFailingPathSnapshot:
+    def test_every_field_and_message_is_as_recorded(self) -> None:
+        with open(_SNAPSHOT, encoding="utf-8") as file:
+            recorded = json.load(file)
+        results = _snapshot_results()
+        assert sorted(results) == sorted(recorded)
+        differing = [label for label in recorded if results[label] != recorded[label]]
+        for label in differing[:3]:
+            assert results[label] == recorded[label], label
+        assert not differing
+        # The snapshot holds failures of every kind, not only passes.
+        failing = [r for r in recorded.values() if "mismatches=()" not in r]
+        assert len(failing) > len(recorded) * 3 // 4
+        assert any("actual is infinite" in r for r in failing)
+        assert any("is NaN at all of these" in r for r in failing)
+
+
+class TestSpecialsByIndex:
+    """A chunk with few NaN or inf decides them by index: as if every test ran everywhere."""
+
+    @staticmethod
+    def both_ways(
+        monkeypatch: pytest.MonkeyPatch, actual: torch.Tensor, expected: torch.Tensor, **kw: object
+    ) -> tuple[str, str]:
+        by_index = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
+        with monkeypatch.context() as patch:
+            patch.setattr(compare_module, "_SPECIAL_SHARE", 1 << 62)  # every chunk the long way
+            everywhere = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
+        return by_index, everywhere
+
+    def test_seeded_pairs_are_judged_alike(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        gen = torch.Generator().manual_seed(15)
+        specials = torch.tensor([math.nan, math.inf, -math.inf, 0.0, 1e30, -3e38])
+        failing = 0
+        for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16, torch.complex64):
+            for k in range(12):
+                n = 5000 + k
+                expected = torch.randn(n, generator=gen).to(dtype)
+                actual = expected + (torch.rand(n, generator=gen) < 0.01) * (k + 1)
+                for side in (actual, expected):
+                    at = torch.randint(0, n, (k,), generator=gen)
+                    side[at] = specials[torch.randint(0, 6, (k,), generator=gen)].to(dtype)
+                for equal_nan in (False, True):
+                    ours, theirs = self.both_ways(
+                        monkeypatch, actual, expected, equal_nan=equal_nan, worst=k % 7
+                    )
+                    assert ours == theirs, (dtype, k, equal_nan)
+                    failing += "mismatches=()" not in ours
+        assert failing > 100
+
+    @pytest.mark.parametrize(
+        ("actual", "expected"),
+        [
+            # A finite difference as great as float32's largest: ranked with the NaN.
+            ([3.4028234663852886e38, 1.0, NAN, 2.0], [0.0, 1.0, 1.0, 2.0]),
+            ([1.7014117331926443e38, 1.0, NAN, 2.0], [0.25, 1.0, 1.0, 2.0]),
+            # A difference that overflows: infinite though both sides are finite.
+            ([3.4e38, -3.4e38, 1.0, INF], [-3.4e38, 3.4e38, 1.0, INF]),
+            ([INF, -INF, NAN, 1.0, 0.0], [INF, INF, NAN, 0.0, 0.0]),
+        ],
+    )
+    def test_extremes_are_judged_alike(
+        self, monkeypatch: pytest.MonkeyPatch, actual: list[float], expected: list[float]
+    ) -> None:
+        a, e = torch.tensor(actual), torch.tensor(expected)
+        for equal_nan in (False, True):
+            ours, theirs = self.both_ways(monkeypatch, a, e, equal_nan=equal_nan)
+            assert ours == theirs
+            assert "values differ" in ours
+
+
+class TestBlockSearch:
+    """The block-by-block searches of a chunk give torch's own answers."""
+
+    @staticmethod
+    def rows() -> Iterator[torch.Tensor]:
+        gen = torch.Generator().manual_seed(16)
+        block = compare_module._BLOCK
+        for n in (5, 8 * block, 8 * block + 1, 20 * block, 20 * block + 37, 1 << 18):
+            yield torch.rand(n, generator=gen)  # distinct values
+            ties = torch.randint(0, 4, (n,), generator=gen).float()
+            yield ties  # many ties
+            sparse = torch.zeros(n)
+            sparse[torch.randint(0, n, (3,), generator=gen)] = 1.0
+            sparse[-1] = 1.0  # in the short last block
+            yield sparse
+
+    def test_top_values_and_the_first_greatest(self) -> None:
+        for row in self.rows():
+            for k in (1, 3, min(6, row.numel())):
+                values, indices = compare_module._top(row, k)
+                assert values == torch.topk(row, k).values.tolist()
+                assert [row[i].item() for i in indices] == values
+                assert len(set(indices)) == k
+            assert compare_module._first_max(row) == int(row.argmax())
+
+    def test_first_and_all_hits_in_order(self) -> None:
+        for row in self.rows():
+            flags = (row == row.amax()).float()
+            hits = flags.nonzero().view(-1).tolist()
+            for k in (1, 2, 5):
+                assert compare_module._first_hits(flags, k) == hits[:k]
+            positions = compare_module._nonzero_positions(flags, len(hits))
+            assert positions.tolist() == hits
+
+
+def _shortest_by_every_count(x: float, dtype: torch.dtype) -> str:
+    """The shortest text that reads back to x in dtype, trying 1, 2, ... digits, torch rounding."""
+    for digits in range(1, 18):
+        candidate = float(f"{x:.{digits}g}")
+        if torch.tensor(candidate, dtype=dtype).item() == x:
+            return repr(candidate)
+    return repr(x)
+
+
+class TestShortestValues:
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+    def test_the_fewest_digits_as_by_trying_every_count(self, dtype: torch.dtype) -> None:
+        gen = torch.Generator().manual_seed(21)
+        bits = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=gen, dtype=torch.int64)
+        values = bits.to(torch.int32).view(torch.float32).to(dtype)  # every binade
+        info = torch.finfo(dtype)
+        powers = [2.0**k for k in range(-30, 30)] + [info.max, info.tiny, info.tiny * info.eps]
+        extra = torch.tensor([*powers, *(-p for p in powers), 0.1, 1 / 3, 0.0], dtype=dtype)
+        checked = 0
+        for x in torch.cat((values, extra)).tolist():
+            if math.isfinite(x):
+                assert compare_module._shortest(x, dtype) == _shortest_by_every_count(x, dtype), x
+                checked += 1
+        assert checked > 2000  # float16 leaves out what overflows it
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
+    os.makedirs(os.path.dirname(_SNAPSHOT), exist_ok=True)
+    with open(_SNAPSHOT, "w", encoding="utf-8") as out:
+        json.dump(_snapshot_results(), out, indent=0, sort_keys=True)
+        out.write("\n")
