@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
@@ -1303,8 +1304,9 @@ class TestOnDevice:
 # --------------------------------------------------------------------------
 # Snapshot of failing-path verdicts and messages (issue 15): every field of
 # compare()'s result, byte for byte, for a few hundred seeded pairs, captured
-# from the element-by-element code before it was made faster. Regenerate
-# (only when a change of output is intended) with
+# from the element-by-element code before it was made faster. The file keeps a
+# digest of each result's repr (the texts were 400 KB); a differing label's
+# current text is shown. Regenerate (only when a change of output is intended) with
 #   python tests/test_compare.py --write-snapshot
 
 _SNAPSHOT = os.path.join(os.path.dirname(__file__), "data", "compare_snapshot.json")
@@ -1489,18 +1491,26 @@ def _snapshot_results() -> dict[str, str]:
     return results
 
 
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:20]
+
+
 class TestFailingPathSnapshot:
     def test_every_field_and_message_is_as_recorded(self) -> None:
         with open(_SNAPSHOT, encoding="utf-8") as file:
             recorded = json.load(file)
+        made_with = recorded.pop("__torch__")
+        if not torch.__version__.startswith(made_with + "."):
+            # The pairs come from torch's seeded generators, whose streams may change.
+            pytest.skip(f"recorded with torch {made_with}; regenerate the snapshot to use it "
+                        f"with torch {torch.__version__}")
         results = _snapshot_results()
         assert sorted(results) == sorted(recorded)
-        differing = [label for label in recorded if results[label] != recorded[label]]
-        for label in differing[:3]:
-            assert results[label] == recorded[label], label
-        assert not differing
+        differing = [label for label in recorded if _digest(results[label]) != recorded[label]]
+        assert not differing, (f"{len(differing)} results changed; the first, "
+                               f"{differing[0]}, now reads:\n{results[differing[0]]}")
         # The snapshot holds failures of every kind, not only passes.
-        failing = [r for r in recorded.values() if "mismatches=()" not in r]
+        failing = [r for r in results.values() if "mismatches=()" not in r]
         assert len(failing) > len(recorded) * 3 // 4
         assert any("actual is infinite" in r for r in failing)
         assert any("is NaN at all of these" in r for r in failing)
@@ -1624,5 +1634,7 @@ class TestShortestValues:
 if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
     os.makedirs(os.path.dirname(_SNAPSHOT), exist_ok=True)
     with open(_SNAPSHOT, "w", encoding="utf-8") as out:
-        json.dump(_snapshot_results(), out, indent=0, sort_keys=True)
+        digests = {label: _digest(text) for label, text in _snapshot_results().items()}
+        digests["__torch__"] = ".".join(torch.__version__.split(".")[:2])
+        json.dump(digests, out, indent=0, sort_keys=True)
         out.write("\n")
