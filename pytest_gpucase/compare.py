@@ -318,7 +318,8 @@ def _screened(
     diff = torch.sub(a, e).abs_()
     scale = torch.abs(e)
     rows = torch.stack((diff, torch.div(diff, scale)))
-    max_abs, max_rel = (rows if a.dim() == 1 else rows.view(2, -1)).amax(1).tolist()
+    # reshape: a channels_last or permuted pair stacks into rows no view can flatten.
+    max_abs, max_rel = (rows if a.dim() == 1 else rows.reshape(2, -1)).amax(1).tolist()
     if not math.isfinite(max_abs):
         return None
     if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero

@@ -1113,6 +1113,20 @@ class TestSinglePairFastPath:
         assert compare((expected + 1e-6).bfloat16(), expected.double(), check_dtype=False).ok
 
 
+    def test_memory_formats_and_permuted_views(self) -> None:
+        """The shortcut's rows of a channels_last or permuted pair cannot be viewed flat
+        (a RuntimeError from inside the comparison, for every convolution output)."""
+        gen = torch.Generator().manual_seed(4)
+        for t in (torch.randn(2, 3, 4, 5, generator=gen).to(memory_format=torch.channels_last),
+                  torch.randn(1, 2, 3, 4, 5, generator=gen).to(
+                      memory_format=torch.channels_last_3d),
+                  torch.randn(2, 4, 5, 3, generator=gen).permute(0, 3, 1, 2)):
+            assert compare(t, t.double() * 1.0000001, check_dtype=False).ok
+            off = t.double().contiguous()
+            off.view(-1)[7] += 1.0
+            assert only(compare(t, off, check_dtype=False)).mismatched == 1
+
+
 class TestEqualityTest:
     """compare()'s first test on the CPU: memcmp and a sum; True must mean equal values, no NaN."""
 
