@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import cmath
 import ctypes
+import dataclasses
 import functools
 import math
 import struct
@@ -214,13 +215,16 @@ def compare(
     """Compare a nested output against the expected one and collect every mismatch."""
     if worst < 0:
         raise ValueError(f"worst must be >= 0, got {worst}")
-    if _equal_tensors(actual, expected):
-        return Comparison((), 0.0, 0.0)
     table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
-    if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-        close = _small_close(actual, expected, table, check_dtype)
-        if close is not None:
-            return close
+    try:
+        if _equal_tensors(actual, expected):
+            return Comparison((), 0.0, 0.0)
+        if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+            close = _small_close(actual, expected, table, check_dtype)
+            if close is not None:
+                return close
+    except _TORCH_REFUSALS:
+        pass  # a dtype or layout torch cannot compare: the walk says so at its path
     walk = _Walk(
         tolerances=table,
         equal_nan=equal_nan,
@@ -464,7 +468,10 @@ class _Walk:
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-            self.tensor(actual, expected, path)
+            try:
+                self.tensor(actual, expected, path)
+            except _TORCH_REFUSALS as exc:
+                self.fail(path, "type", _refusal(actual, expected, exc))
         elif isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
             self.type_differs(actual, expected, path)
         elif actual is None or expected is None:
@@ -533,9 +540,31 @@ class _Walk:
         if type(actual) is not type(expected):
             self.type_differs(actual, expected, path)
             return
+        if dataclasses.is_dataclass(actual) and not isinstance(actual, type):
+            # Field by field, with tolerances: a dataclass's own == compares tensors
+            # exactly, broadcasts them, or cannot decide at all.
+            for item in dataclasses.fields(actual):
+                self.value(getattr(actual, item.name), getattr(expected, item.name),
+                           f"{path}.{item.name}")
+            return
+        by_value = ("outputs compared by value are tensors, numbers, strings, and lists, "
+                    "tuples, dicts or dataclasses of them")
+        if isinstance(actual, torch.nn.Module):
+            self.fail(path, "type", f"cannot compare values of type {_type_name(actual)} (a "
+                      f"module): return its outputs or its state_dict(); {by_value}")
+            return
+        shown_a, shown_e = _safe_repr(actual), _safe_repr(expected)
+        if type(actual).__eq__ is object.__eq__ and " at 0x" in shown_a:
+            # Only the same object is equal: right for an enum member or a dtype (which
+            # say who they are), never for a generator or a plain object (shown by address).
+            if actual is not expected:
+                self.fail(path, "values", f"values differ: actual {shown_a} vs expected "
+                          f"{shown_e} (type {_type_name(actual)} defines no ==, so only the "
+                          f"same object is equal; {by_value})")
+            return
         try:
             equal = bool(actual == expected)
-        except (TypeError, ValueError, RuntimeError) as exc:  # e.g. an elementwise ==
+        except Exception as exc:  # an elementwise ==, or a user's __eq__ that fails
             self.fail(
                 path,
                 "type",
@@ -543,7 +572,7 @@ class _Walk:
             )
             return
         if not equal:
-            self.fail(path, "values", f"values differ: actual {actual!r} vs expected {expected!r}")
+            self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}")
 
     # -- Python numbers ------------------------------------------------------
 
@@ -554,8 +583,8 @@ class _Walk:
             return
         if kind_a in ("bool", "int"):
             assert isinstance(actual, int) and isinstance(expected, int)
-            gap = float(abs(actual - expected))
-            rel = _rel(gap, float(abs(expected)))
+            gap = _as_float(abs(actual - expected))
+            rel = _rel(gap, _as_float(abs(expected)))
             if kind_a == "int":
                 self.note(gap, rel)
             if actual != expected:
@@ -565,6 +594,13 @@ class _Walk:
         assert isinstance(actual, (float, complex)) and isinstance(expected, (float, complex))
         dtype = torch.float64 if kind_a == "float" else torch.complex128
         tol = self.tolerance(dtype)
+        try:
+            abs(actual), abs(expected), abs(actual - expected)
+        except OverflowError:  # complex(1.5e308, 1.5e308): a modulus beyond a float's range
+            if actual != expected:
+                self.fail(path, "values", f"values differ: actual {actual!r} vs expected "
+                          f"{expected!r} (a modulus beyond a float's range: not measured)")
+            return
         diff = abs(actual - expected)
         verdict = _scalar_close(actual, expected, diff, tol, self.equal_nan, dtype)
         # Matching specials count as no difference; a NaN or inf mismatch as itself.
@@ -594,6 +630,16 @@ class _Walk:
         if a_dtype != e_dtype and self.check_dtype:
             self.fail(path, "dtype", f"dtype differs: actual {a_dtype} vs expected {e_dtype}")
             return
+        if a_dtype != e_dtype and {a_dtype, e_dtype} & _WIDENED_UNSIGNED and {
+                a_dtype, e_dtype} <= _WIDENED_INTEGERS:
+            # torch promotes no uint16/uint32 with another integer; int64 holds both exactly.
+            actual, expected = actual.to(torch.int64), expected.to(torch.int64)
+            a_dtype = e_dtype = torch.int64
+        if a_dtype == torch.complex32 or e_dtype == torch.complex32:
+            # Few CPU ops take complex32; complex64 holds its values exactly.
+            actual = actual.to(torch.complex64) if a_dtype == torch.complex32 else actual
+            expected = expected.to(torch.complex64) if e_dtype == torch.complex32 else expected
+            a_dtype, e_dtype = actual.dtype, expected.dtype
         if actual.is_quantized or expected.is_quantized:
             # A quantized tensor's values are its codes times its scale: compared as such.
             actual = actual.dequantize() if actual.is_quantized else actual
@@ -644,9 +690,17 @@ class _Walk:
 
     def leaf(self, leaf: _Leaf, record: bool = False) -> None:
         """Compare one tensor pair on its own; record its mismatch (in place or appended)."""
-        stats = _compare_values(
-            leaf.actual, leaf.expected, leaf.tol, self.equal_nan, max(self.worst, 1), self.scratch
-        )
+        try:
+            stats = _compare_values(
+                leaf.actual, leaf.expected, leaf.tol, self.equal_nan, max(self.worst, 1),
+                self.scratch,
+            )
+        except _TORCH_REFUSALS as exc:
+            message = _refusal(leaf.actual, leaf.expected, exc)
+            leaf.mismatch = Mismatch(leaf.path, "type", f"{leaf.path}: {message}")
+            if record:
+                self.items.append(leaf.mismatch)
+            return
         if stats.compared:
             self.note(stats.max_abs, stats.max_rel)
         if stats.mismatched:
@@ -672,9 +726,15 @@ class _Walk:
             return
         if not leaves:
             return
-        actual = torch.cat([_flat(leaf.actual) for leaf in leaves])
-        expected = torch.cat([_flat(leaf.expected) for leaf in leaves])
-        stats = _compare_values(actual, expected, leaves[0].tol, self.equal_nan, 1, self.scratch)
+        try:
+            actual = torch.cat([_flat(leaf.actual) for leaf in leaves])
+            expected = torch.cat([_flat(leaf.expected) for leaf in leaves])
+            stats = _compare_values(actual, expected, leaves[0].tol, self.equal_nan, 1,
+                                    self.scratch)
+        except _TORCH_REFUSALS:
+            for leaf in leaves:  # each says what torch refused
+                self.leaf(leaf)
+            return
         if not stats.mismatched:
             if stats.compared:
                 self.note(stats.max_abs, stats.max_rel)
@@ -709,6 +769,47 @@ def _fields(x: object) -> tuple[str, ...] | None:
     if isinstance(x, tuple) and isinstance(fields, tuple):
         return tuple(str(f) for f in fields)
     return None
+
+
+# What torch raises for an operation a dtype, layout or tensor kind does not support
+# ("equal_cpu" not implemented for 'ComplexHalf', a promotion of uint32, a nested
+# tensor's sizes): a failure of that output, said as such, never a crash of the comparison.
+_TORCH_REFUSALS = (RuntimeError, NotImplementedError, TypeError)
+_WIDENED_UNSIGNED = frozenset({torch.uint16, torch.uint32})
+_WIDENED_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                               torch.uint16, torch.uint32})
+
+
+def _refusal(actual: torch.Tensor, expected: torch.Tensor, exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return (f"cannot compare {_a(_tensor_kind(actual))} with {_a(_tensor_kind(expected))}: torch "
+            f"says {first}; return a tensor torch can compare (e.g. .to(torch.float32))")
+
+
+def _tensor_kind(t: torch.Tensor) -> str:
+    layout = "" if t.layout == torch.strided else f"{str(t.layout).removeprefix('torch.')} "
+    nested = "nested " if getattr(t, "is_nested", False) else ""
+    return f"{nested}{layout}{str(t.dtype).removeprefix('torch.')} tensor on {t.device.type}"
+
+
+def _a(noun: str) -> str:
+    return f"an {noun}" if noun.startswith("int") else f"a {noun}"
+
+
+def _as_float(x: int) -> float:
+    """An int as a float; inf where it is beyond a float's range (an int of 400 digits)."""
+    try:
+        return float(x)
+    except OverflowError:
+        return math.inf
+
+
+def _safe_repr(x: object) -> str:
+    """``repr(x)``, or a placeholder when the object's own ``__repr__`` fails."""
+    try:
+        return repr(x)
+    except Exception as exc:
+        return f"<{_type_name(x)} whose repr raised {type(exc).__name__}>"
 
 
 def _type_name(x: object) -> str:

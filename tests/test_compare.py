@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import hashlib
 import json
 import math
@@ -453,6 +455,91 @@ class TestKinds:
             "out: values differ: actual torch.float32 vs expected torch.float16"
         )
         assert only(compare(torch.float32, "float32")).kind == "type"
+
+
+class TestOutputsFromTheWild:
+    """Outputs a hostile tester returned from a case: each is judged, none crashes."""
+
+    def test_dataclasses_are_compared_field_by_field(self) -> None:
+        @dataclasses.dataclass
+        class Out:
+            logits: torch.Tensor
+            steps: int = 1
+
+        x = torch.randn(5, generator=torch.Generator().manual_seed(2))
+        # Their own == compared tensors exactly (a float32 output never equalled its
+        # float64 reference) and broadcast shapes (ones(1) "equalled" ones(1, 1, 1)).
+        assert compare(Out(x / 3), Out((x / 3).double()), check_dtype=False).ok
+        shape = only(compare(Out(torch.ones(1)), Out(torch.ones(1, 1, 1))))
+        assert (shape.path, shape.kind) == ("out.logits", "shape")
+        steps = only(compare(Out(x, 2), Out(x, 3)))
+        assert steps.path == "out.steps"
+        values = only(compare(Out(torch.zeros(4)), Out(torch.ones(4))))
+        assert values.mismatched == 4
+
+    def test_objects_without_values_say_what_to_return(self) -> None:
+        module = only(compare(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))
+        assert "a module" in module.message and "state_dict()" in module.message
+
+        def numbers() -> Iterator[int]:
+            yield 1
+
+        generator = only(compare(numbers(), numbers())).message
+        assert "defines no ==, so only the same object is equal" in generator
+
+        class Color(enum.Enum):
+            RED = 1
+            BLUE = 2
+
+        assert compare(Color.RED, Color.RED).ok
+        assert only(compare(Color.RED, Color.BLUE)).message == (
+            "out: values differ: actual <Color.RED: 1> vs expected <Color.BLUE: 2>")
+
+    def test_a_users_eq_or_repr_that_raises_is_a_failure_not_a_crash(self) -> None:
+        class RaisingEq:
+            def __eq__(self, other: object) -> bool:
+                raise KeyError("no such field")
+
+        class RaisingRepr:
+            def __eq__(self, other: object) -> bool:
+                return False
+
+            def __repr__(self) -> str:
+                raise ValueError("no repr")
+
+        assert "KeyError: 'no such field'" in only(compare(RaisingEq(), RaisingEq())).message
+        assert "whose repr raised ValueError" in only(
+            compare(RaisingRepr(), RaisingRepr())).message
+
+    def test_numbers_beyond_a_float(self) -> None:
+        assert compare(10**400, 10**400).ok
+        assert only(compare(10**400, 10**400 + 1)).max_abs == 1.0
+        huge = complex(1.5e308, 1.5e308)
+        assert compare(huge, huge).ok
+        assert "beyond a float's range" in only(compare(huge, 0j)).message
+
+    @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
+    def test_dtypes_torch_compares_poorly(self) -> None:
+        half = torch.randn(8, dtype=torch.complex64).to(torch.complex32)
+        assert compare(half, half.clone()).ok  # complex64 holds complex32 exactly
+        assert only(compare(half, torch.zeros(8, dtype=torch.complex32))).mismatched == 8
+        wide = torch.arange(5000)
+        assert compare(wide.to(torch.uint32), wide, check_dtype=False).ok
+        off = wide.clone()
+        off[3] = 7
+        assert only(compare(wide.to(torch.uint16), off, check_dtype=False)).mismatched == 1
+        bits = torch.zeros(8, dtype=torch.int16).view(torch.bits16)
+        refused = only(compare(bits, bits.clone()))
+        assert refused.kind == "type"
+        assert refused.message.startswith("out: cannot compare a bits16 tensor on cpu with")
+        assert "uint64" in only(compare(wide.to(torch.uint64), wide, check_dtype=False)).message
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # nested tensors are a prototype
+            nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        assert "nested float32 tensor" in only(compare(nested, nested.clone())).message
+        # In a dict too, next to tensors that compare fine.
+        mixed = compare({"bits": bits, "ok": torch.ones(3)}, {"bits": bits, "ok": torch.ones(3)})
+        assert [m.path for m in mixed.mismatches] == ["out['bits']"]
 
 
 class TestStructure:
