@@ -878,8 +878,8 @@ def _scalar_message(
 ) -> str:
     diff = _abs_diff(actual, expected)
     lines = [
-        f"{path}: values differ: actual {_fmt_value(actual, actual_dtype)} "
-        f"vs expected {_fmt_value(expected, expected_dtype)}"
+        "{}: values differ: actual {} vs expected {}".format(
+            path, *_fmt_pair(actual, expected, actual_dtype, expected_dtype))
     ]
     if exact:
         return lines[0]
@@ -1674,10 +1674,8 @@ def _values_mismatch(
     if worst:
         lines.append("  Worst elements (index: actual vs expected, abs error):")
         for i, index in enumerate(indices[:worst]):
-            lines.append(
-                f"    {_unravel(index, shape)}: {_fmt_value(a_values[i], actual.dtype)} "
-                f"vs {_fmt_value(e_values[i], expected.dtype)}, {_num(diffs[i])}"
-            )
+            shown_a, shown_e = _fmt_pair(a_values[i], e_values[i], actual.dtype, expected.dtype)
+            lines.append(f"    {_unravel(index, shape)}: {shown_a} vs {shown_e}, {_num(diffs[i])}")
     if not exact:
         # A NaN at the top says nothing about rounding: measure the worst finite one.
         finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
@@ -1750,6 +1748,17 @@ def _num(x: float) -> str:
     if isinstance(x, int):
         return str(x)
     return f"{x:.4g}"
+
+
+def _fmt_pair(
+    a: complex, e: complex, a_dtype: torch.dtype, e_dtype: torch.dtype
+) -> tuple[str, str]:
+    """Two elements as ``_fmt_value`` writes them, unless that writes different values
+    alike (bfloat16 1.1015625 and float64 1.1 both read "1.1"): then in full."""
+    shown = _fmt_value(a, a_dtype), _fmt_value(e, e_dtype)
+    if shown[0] == shown[1] and not (a == e or (a != a and e != e)):
+        return repr(a), repr(e)
+    return shown
 
 
 def _fmt_value(x: complex, dtype: torch.dtype) -> str:

@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -517,6 +518,19 @@ class TestOutputsFromTheWild:
         huge = complex(1.5e308, 1.5e308)
         assert compare(huge, huge).ok
         assert "beyond a float's range" in only(compare(huge, 0j)).message
+
+    def test_values_that_print_alike_are_shown_in_full(self) -> None:
+        """bfloat16 1.1015625 reads back as "1.1", as float64 1.1 does: a message saying
+        "1.1 vs 1.1" is no help; both are written in full then."""
+        tight = {torch.bfloat16: Tolerance(rtol=1e-4, atol=0.0, source="case")}
+        for actual, expected in ((torch.tensor([1.1015625], dtype=torch.bfloat16),
+                                  torch.tensor([1.1], dtype=torch.float64)),
+                                 (torch.tensor(1.1015625, dtype=torch.bfloat16),
+                                  torch.tensor(1.1, dtype=torch.float64))):
+            message = only(compare(actual, expected, check_dtype=False,
+                                   tolerances=tight)).message
+            assert re.search(r"1\.1015625 vs (expected )?1\.1\b", message), message
+            assert not re.search(r"\b1\.1 vs (expected )?1\.1\b", message), message
 
     @pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
     def test_dtypes_torch_compares_poorly(self) -> None:
