@@ -239,9 +239,17 @@ class _Capture:
                 + bytes(self.tail).decode(errors="replace"))
 
 
+_MARKER_ROOM = 48  # "\n[... N bytes omitted ...]\n" for any N a result can have
+
+
 def clip(text: str, head: int = TEXT_HEAD, tail: int = TEXT_TAIL) -> str:
-    """``text`` cut to its first ``head`` and last ``tail`` bytes, with what was omitted."""
-    if len(text) <= head + tail and len(text.encode(errors="replace")) <= head + tail:
+    """``text`` cut to its first ``head`` and last ``tail`` bytes, with what was omitted.
+
+    Text clipped already (by the child; the parent clips what it reads again) is left
+    as it is: the room for the "[... N bytes omitted ...]" line keeps its count true.
+    """
+    limit = head + tail + _MARKER_ROOM
+    if len(text) <= limit and len(text.encode(errors="replace")) <= limit:
         return text
     capture = _Capture(head, tail)
     capture.add(text.encode(errors="replace"))

@@ -186,3 +186,16 @@ def test_the_zygote_dies_with_a_killed_pytest(tmp_path: Path) -> None:
         owner.wait()
         if owner.stdout is not None:
             owner.stdout.close()
+
+
+def test_a_clipped_text_keeps_its_true_count_through_the_parent() -> None:
+    """The child clips a long message, the parent clips what it reads again: the second
+    pass used to drop the first one's line and say "[... 34 bytes omitted ...]"."""
+    from pytest_gpucase.isolation import clip, decode, encode
+
+    text = "x" * 9_000_000
+    round_trip = decode(encode(text))
+    assert round_trip == clip(text)
+    (line,) = [line for line in round_trip.splitlines() if "omitted" in line]
+    kept = len(round_trip) - len(line) - 2  # the head and the tail, around "\n" + line + "\n"
+    assert line == f"[... {len(text) - kept} bytes omitted ...]"
