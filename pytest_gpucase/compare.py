@@ -173,8 +173,12 @@ class Comparison:
         return not self.mismatches
 
     def report(self) -> str:
-        """Return all mismatch messages, top-down, ready for a pytest failure."""
-        return "\n".join(m.message for m in self.mismatches)
+        """Return all mismatch messages, top-down, ready for a pytest failure; with more
+        than a few, a first line says how many (a long report is clipped in the middle)."""
+        lines = [m.message for m in self.mismatches]
+        if len(lines) > _COUNTED_FROM:
+            lines.insert(0, f"{len(lines)} paths of the output differ:")
+        return "\n".join(lines)
 
 
 def combine(parts: Iterable[Comparison]) -> Comparison:
@@ -264,6 +268,8 @@ def _equal_tensors(actual: object, expected: object) -> bool:
     )
 
 
+# Beyond this many mismatching paths, a report starts with their count.
+_COUNTED_FROM = 10
 _SCREENED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # Up to this many elements the walk's own bookkeeping costs more than the screen, which
 # the shortcut then saves; beyond, a pair the screen cannot clear would pay it twice.

@@ -519,6 +519,14 @@ class TestOutputsFromTheWild:
         assert compare(huge, huge).ok
         assert "beyond a float's range" in only(compare(huge, 0j)).message
 
+    def test_a_report_of_many_paths_says_how_many(self) -> None:
+        expected = {f"k{i}": i for i in range(40)}
+        actual = {key: value + 1 for key, value in expected.items()}
+        report = compare(actual, expected).report()
+        assert report.splitlines()[0] == "40 paths of the output differ:"
+        few = compare({"a": 1, "b": 2}, {"a": 0, "b": 0}).report()
+        assert few.startswith("out['a']: values differ")
+
     def test_values_that_print_alike_are_shown_in_full(self) -> None:
         """bfloat16 1.1015625 reads back as "1.1", as float64 1.1 does: a message saying
         "1.1 vs 1.1" is no help; both are written in full then."""
