@@ -474,6 +474,15 @@ class _Walk:
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+            if actual.is_nested or expected.is_nested:
+                # A nested tensor is a list of tensors of different lengths: compared as one.
+                if actual.is_nested and expected.is_nested:
+                    self.sequence(actual.unbind(), expected.unbind(), path)
+                else:
+                    self.fail(path, "type", "type differs: actual "
+                              f"{'nested ' if actual.is_nested else ''}Tensor vs expected "
+                              f"{'nested ' if expected.is_nested else ''}Tensor")
+                return
             try:
                 self.tensor(actual, expected, path)
             except _TORCH_REFUSALS as exc:
