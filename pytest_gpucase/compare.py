@@ -683,7 +683,10 @@ class _Walk:
             )
             return
         if layout != torch.strided:
-            # Sparse outputs are rare and small; their dense form is compared.
+            if actual.numel() > _DENSE_ELEMENTS:
+                self.sparse(actual, expected, path)
+                return
+            # A sparse output of moderate size: its dense form is compared.
             actual, expected = actual.to_dense(), expected.to_dense()
         floating = a_dtype.is_floating_point or a_dtype.is_complex
         tol = self.tolerance(a_dtype) if floating else _EXACT
@@ -702,6 +705,18 @@ class _Walk:
                 self.flush_batch(key)
             return
         self.leaf(_Leaf(path, actual, expected, tol), record=True)
+
+    def sparse(self, actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:
+        """A sparse pair too large to make dense (a graph's adjacency matrix): the stored
+        positions must agree, then their values are compared with the tolerances."""
+        a = (actual if actual.layout == torch.sparse_coo else actual.to_sparse()).coalesce()
+        e = (expected if expected.layout == torch.sparse_coo else expected.to_sparse()).coalesce()
+        if not torch.equal(a.indices(), e.indices()):
+            self.fail(path, "structure", f"sparsity differs: actual stores {a._nnz()} "
+                      f"positions, expected {e._nnz()}, not the same ones (a tensor of "
+                      f"{actual.numel()} elements is too large to compare densely)")
+            return
+        self.value(a.values(), e.values(), f"{path}.values()")
 
     def leaf(self, leaf: _Leaf, record: bool = False) -> None:
         """Compare one tensor pair on its own; record its mismatch (in place or appended)."""
@@ -791,6 +806,8 @@ def _fields(x: object) -> tuple[str, ...] | None:
 # tensor's sizes): a failure of that output, said as such, never a crash of the comparison.
 _TORCH_REFUSALS = (RuntimeError, NotImplementedError, TypeError)
 _WIDENED_UNSIGNED = frozenset({torch.uint16, torch.uint32})
+# A sparse pair of more elements than this is compared by its stored values, not densely.
+_DENSE_ELEMENTS = 1 << 26
 _WIDENED_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                                torch.uint16, torch.uint32})
 

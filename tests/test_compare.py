@@ -527,6 +527,24 @@ class TestOutputsFromTheWild:
         few = compare({"a": 1, "b": 2}, {"a": 0, "b": 0}).report()
         assert few.startswith("out['a']: values differ")
 
+    @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta:UserWarning")
+    def test_a_sparse_output_too_large_to_make_dense(self) -> None:
+        """A graph's adjacency matrix of 10**12 elements: made dense, it asked for 4 TB."""
+        where = torch.tensor([[0, 999_999], [5, 3]])
+        shape = (10**6, 10**6)
+        stored = torch.sparse_coo_tensor(where, torch.tensor([1.0, 2.0]), shape,
+                                         check_invariants=True)
+        near = torch.sparse_coo_tensor(where, torch.tensor([1.0, 2.0]) * 1.0000001, shape,
+                                       check_invariants=True)
+        assert compare(stored, near).ok
+        assert compare(stored.to_sparse_csr(), near.to_sparse_csr()).ok
+        far = torch.sparse_coo_tensor(where, torch.tensor([1.0, 4.0]), shape,
+                                      check_invariants=True)
+        assert only(compare(stored, far)).path == "out.values()"
+        moved = torch.sparse_coo_tensor(torch.tensor([[1], [1]]), torch.tensor([1.0]), shape,
+                                        check_invariants=True)
+        assert only(compare(stored, moved)).message.startswith("out: sparsity differs")
+
     def test_values_that_print_alike_are_shown_in_full(self) -> None:
         """bfloat16 1.1015625 reads back as "1.1", as float64 1.1 does: a message saying
         "1.1 vs 1.1" is no help; both are written in full then."""
