@@ -66,6 +66,7 @@ from dataclasses import dataclass, field
 import torch
 
 from . import backends
+from .payload import readable_address
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -361,19 +362,6 @@ _BYTES_ARE_VALUES = frozenset({
 })
 
 
-def _bytes_at(tensor: torch.Tensor, nbytes: int) -> int | None:
-    """The address of ``tensor``'s ``nbytes`` of values, or None when it has no readable
-    memory of that size: a tensor type C++ builds without storage (zero tensors,
-    functionalized or functorch-wrapped ones) has a null or unreadable pointer."""
-    try:
-        address = tensor.data_ptr()
-        storage = tensor.untyped_storage()
-        start = tensor.storage_offset() * tensor.element_size()
-        if address == 0 or storage.data_ptr() == 0 or start + nbytes > storage.nbytes():
-            return None
-    except (RuntimeError, NotImplementedError, TypeError):
-        return None
-    return int(address)
 # Below this many bytes torch.equal's call costs no more than memcmp's.
 _MEMCMP_BYTES = 1 << 12
 
@@ -411,7 +399,7 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         or not expected.is_contiguous()
     ):
         return torch.equal(actual, expected)
-    a_ptr, e_ptr = _bytes_at(actual, nbytes), _bytes_at(expected, nbytes)
+    a_ptr, e_ptr = readable_address(actual, nbytes), readable_address(expected, nbytes)
     if a_ptr is None or e_ptr is None:
         return torch.equal(actual, expected)
     if _MEMCMP(a_ptr, e_ptr, nbytes) != 0:

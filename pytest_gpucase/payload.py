@@ -148,7 +148,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         code = codes.get(tensor.dtype)
         if code is None:
             raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
-        tensor = tensor.detach()
+        tensor = readable(tensor, name).detach()
         if _plain(tensor):  # stored in its own shape: any safetensors reader sees it as it is
             runs.append((name, code, tensor.cpu().contiguous()))
             continue
@@ -179,7 +179,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
     _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
-                               *(_bytes_of(flat) for _, _, flat in runs)])
+                               *(_bytes_of(flat, name) for name, _, flat in runs)])
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -188,12 +188,91 @@ def _plain(tensor: torch.Tensor) -> bool:
             and tensor.is_contiguous())
 
 
-def _bytes_of(flat: torch.Tensor) -> memoryview:
+def _bytes_of(flat: torch.Tensor, name: str = "tensor") -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
     nbytes = flat.numel() * flat.element_size()
     if nbytes == 0:
         return memoryview(b"")
-    return memoryview((ctypes.c_char * nbytes).from_address(flat.data_ptr())).cast("B")
+    address = readable_address(flat, nbytes)
+    if address is None:  # ``readable`` let it through: reading it would crash the process
+        raise TypeError(f"{name}: its {nbytes} bytes of values have no readable memory")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def readable_address(tensor: torch.Tensor, nbytes: int) -> int | None:
+    """The address of ``tensor``'s ``nbytes`` of values, or None when it has no readable
+    memory of that size: a tensor type C++ builds without storage (zero tensors,
+    functionalized or functorch-wrapped ones) has a null or unreadable pointer, and a
+    storage resized under its view (``untyped_storage().resize_(0)``) is too small."""
+    try:
+        address = tensor.data_ptr()
+        storage = tensor.untyped_storage()
+        start = tensor.storage_offset() * tensor.element_size()
+        if address == 0 or storage.data_ptr() == 0 or start + nbytes > storage.nbytes():
+            return None
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+    return int(address)
+
+
+def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """``tensor`` itself when the memory its view reads can be read as it is, else its
+    values as a plain contiguous tensor (on the CPU); TypeError, naming ``name``, when
+    they cannot be had.
+
+    Reading a tensor's storage directly (``_bytes_of``, ``_reached``) is only safe
+    for a plain tensor whose storage holds its whole view: a zero tensor
+    (``torch._efficientzerotensor``, what autograd gives for an unused input), a
+    functionalized or functorch-wrapped one has a null or unreadable pointer and
+    reading it is a segmentation fault. Their values are had through torch
+    itself: zeros, the synced functional value, a copy. A plain tensor whose
+    storage was freed or shrunk under it, or a meta tensor, has no values: torch
+    would read past the storage too, so it is refused.
+    """
+    import torch
+
+    reach = tensor.element_size() * _extent(tuple(tensor.shape), tuple(tensor.stride()))
+    if readable_address(tensor, reach) is not None or (
+            reach == 0 and _unwrapped(tensor) and tensor.device.type != "meta"):
+        return tensor
+    if torch._is_zerotensor(tensor):
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
+    if torch._is_functional_tensor(tensor):
+        torch._functionalize_sync(tensor)  # its pending writes, into the wrapped tensor
+        return readable(torch._from_functional_tensor(tensor), name)
+    problem = "has no memory to read"
+    if not _unwrapped(tensor):  # a wrapper (functorch's, a subclass): torch reads it for us
+        try:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            problem = f"cannot be read ({str(exc).splitlines()[0]})"
+        else:
+            if readable_address(copy, copy.numel() * copy.element_size()) is not None:
+                return copy
+    elif tensor.device.type == "meta":
+        problem = "is a meta tensor: it has a shape but no values"
+    else:
+        problem = (f"reads {reach} bytes from a storage of "
+                   f"{_storage_bytes(tensor)} bytes (freed or resized under it)")
+    raise TypeError(f"{name}: a {tensor.dtype} tensor of shape {list(tensor.shape)} that "
+                    f"{problem}; save a plain copy of its values (.clone() of a tensor "
+                    "that still has them)")
+
+
+def _unwrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor, its storage its own (no wrapper inside)."""
+    import torch
+
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+            and not torch._is_functional_tensor(tensor) and not torch._is_zerotensor(tensor))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int | str:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return "unknown"
 
 
 def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
@@ -410,7 +489,11 @@ def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Te
 
 
 def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
-    """Move a tensor keeping its exact strides and storage offset."""
+    """Move a tensor keeping its exact strides and storage offset (a tensor without
+    memory of its own, a zero tensor say, has none to keep: its values come contiguous)."""
+    plain = readable(tensor)
+    if plain is not tensor:
+        return plain.detach().to(device)
     moved = _reached(tensor.detach()).to(device)
     return moved.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 

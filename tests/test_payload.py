@@ -754,3 +754,95 @@ def test_missing_file(tmp_path: Path) -> None:
         payload.describe(path)
     assert str(excinfo.value) == (
         f"{path}: cannot be read: [Errno 2] No such file or directory: '{path}'")
+
+
+# --- tensors whose memory is not plainly readable ----------------------------------------------
+# Reading their storage directly is a segmentation fault (a null or dangling pointer): their
+# values are had through torch, or they are refused by name.
+
+def _functional() -> torch.Tensor:
+    inner = torch.arange(4.0)
+    wrapped = torch._to_functional_tensor(inner)
+    wrapped.add_(1)  # pending in the wrapper until synced
+    return wrapped
+
+
+def _escaped_from_grad() -> torch.Tensor:
+    escaped: list[torch.Tensor] = []
+
+    def loss(x: torch.Tensor) -> torch.Tensor:
+        escaped.append(x * 2)  # a functorch wrapper outliving its transform
+        return x.sum()
+
+    torch.func.grad(loss)(torch.arange(3.0))
+    return escaped[0]
+
+
+UNREADABLE: dict[str, tuple[Callable[[], torch.Tensor], torch.Tensor]] = {
+    "zero_tensor": (lambda: torch._efficientzerotensor(4), torch.zeros(4)),
+    "zero_tensor_transposed": (lambda: torch._efficientzerotensor(2, 3, dtype=torch.float64).t(),
+                               torch.zeros(3, 2, dtype=torch.float64)),
+    "zero_tensor_conj": (lambda: torch._efficientzerotensor(3, dtype=torch.complex64).conj(),
+                         torch.zeros(3, dtype=torch.complex64)),
+    "functional": (_functional, torch.arange(1.0, 5.0)),
+    "functorch_wrapper": (_escaped_from_grad, torch.arange(3.0) * 2),
+}
+
+
+@pytest.mark.parametrize("kind", UNREADABLE)
+def test_a_tensor_without_readable_memory_is_saved_by_its_values(tmp_path: Path,
+                                                                  kind: str) -> None:
+    make, values = UNREADABLE[kind]
+    tensor = make()
+    assert payload.readable_address(tensor, tensor.numel() * tensor.element_size()) is None
+    payload.save(tmp_path / "p.safetensors", {"x": tensor, "y": torch.ones(2)})
+    loaded = payload.load(tmp_path / "p.safetensors")
+    assert torch.equal(loaded["x"], values) and loaded["x"].is_contiguous()
+    assert torch.equal(loaded["y"], torch.ones(2))
+    assert torch.equal(payload.to_device(make(), "cpu"), values)
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "sliced_with_offset", "conj_view", "neg_view",
+                                  "empty", "empty_with_offset"])
+def test_a_readable_tensor_is_read_in_place(kind: str) -> None:
+    tensor = TENSORS[kind]()
+    assert payload.readable(tensor) is tensor  # no copy: its own layout is what is saved
+
+
+def _freed() -> torch.Tensor:
+    view = torch.arange(6.0)[2:]
+    view.untyped_storage().resize_(0)  # what FSDP does to a sharded parameter
+    return view
+
+
+def _shrunk() -> torch.Tensor:
+    tensor = torch.arange(6.0)
+    tensor.untyped_storage().resize_(8)  # two of its six elements are left
+    return tensor
+
+
+def _escaped_from_vmap() -> torch.Tensor:
+    escaped: list[torch.Tensor] = []
+
+    def body(x: torch.Tensor) -> torch.Tensor:
+        escaped.append(x * 3)  # batched: it has no value outside vmap
+        return x
+
+    torch.func.vmap(body)(torch.ones(2, 3))
+    return escaped[0]
+
+
+@pytest.mark.parametrize(("make", "problem"), [
+    (_freed, "reads 16 bytes from a storage of 0 bytes (freed or resized under it)"),
+    (_shrunk, "reads 24 bytes from a storage of 8 bytes (freed or resized under it)"),
+    (lambda: torch.empty(3, device="meta"), "is a meta tensor: it has a shape but no values"),
+    (_escaped_from_vmap, "cannot be read (Either your tensor may have escaped"),
+])
+def test_a_tensor_whose_values_cannot_be_had_is_refused_by_name(
+        tmp_path: Path, make: Callable[[], torch.Tensor], problem: str) -> None:
+    with pytest.raises(TypeError) as excinfo:
+        payload.save(tmp_path / "p.safetensors", {"ok": torch.ones(2), "out[0]": make()})
+    message = str(excinfo.value)
+    assert message.startswith("out[0]: a torch.float32 tensor of shape [")
+    assert problem in message and "save a plain copy of its values" in message
+    assert os.listdir(tmp_path) == []

@@ -166,3 +166,45 @@ def test_the_session_prunes_the_folder_it_used(pytester: pytest.Pytester) -> Non
     result.assert_outcomes(passed=1)
     assert not forgotten.exists()
     assert len(list(cache.glob("*.safetensors"))) == 1  # this run's entry stays
+
+
+def test_an_edited_module_the_reference_calls_invalidates_it(pytester: pytest.Pytester) -> None:
+    # The reference is case.py's, but its arithmetic lives in a module of the project:
+    # editing that module must not leave the old value cached (a wrong pass).
+    pytester.makeini("[pytest]\n")
+    pytester.makepyfile(refimpl="def ref(x):\n    return x * 2\n")
+    case = pytester.path / "cases" / "stale"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                    'reference = "case.py:reference"\n')
+    (case / "case.py").write_text(
+        "import os\nimport time\n\nimport refimpl\n\n"
+        "def run(x):\n    return x * 2\n\n"
+        "def reference(x):\n"
+        "    with open(os.path.join(os.path.dirname(__file__), 'calls'), 'a') as handle:\n"
+        "        handle.write('1')\n"
+        "    time.sleep(0.02)  # worth caching\n"
+        "    return refimpl.ref(x)\n")
+    payload.save(case / "inputs.safetensors", {"x": torch.ones(4)})
+    args = ("--gpu-cases", "--gpu-devices", "cpu", "cases", "-p", "no:randomly")
+    for _ in range(2):
+        pytester.runpytest_subprocess(*args).assert_outcomes(passed=1)
+    assert calls(case) == 1  # nothing changed: the second run read the cache
+    # Another size too, so that Python's own bytecode cache cannot serve the old module.
+    (pytester.path / "refimpl.py").write_text("def ref(x):\n    return x * 3  # edited\n")
+    result = pytester.runpytest_subprocess(*args)
+    result.assert_outcomes(failed=1)  # as it does with the cache cleared
+    assert calls(case) >= 2
+
+
+def test_a_zero_tensor_reference_is_cached_by_its_values(tmp_path: Path) -> None:
+    # A zero tensor has no memory to read: caching it once crashed the child (SIGSEGV).
+    path, cache = make(tmp_path), tmp_path / "cache"
+    (path / "case.py").write_text(
+        CODE.format(offset=0).replace("def run(x):\n    return x + 1",
+                                      "def run(x):\n    return x * 0")
+        .replace("return x + 0", "import torch\n    return torch._efficientzerotensor(4)"))
+    assert [run(path, cache) for _ in range(2)] == ["passed"] * 2
+    assert calls(path) == 1  # cached, then read back
+    (entry,) = cache.glob("*.safetensors")
+    assert torch.equal(golden.load(entry)["out"], torch.zeros(4))
