@@ -210,8 +210,9 @@ def write_golden(case: Case) -> str:
     try:
         results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     except _BadOutput as problem:
+        whose = f"the {key}'s"
         raise golden.Unstorable(f"{display(case.expected_file)} not written: "
-                                f"{problem.message(f'the {key}')}") from None
+                                f"{problem.message(whose)}") from None
     golden.save(case.expected_file, results)
     return str(case.expected_file)
 
