@@ -97,7 +97,7 @@ def test_malformed_structure_is_still_a_case_format_error(tmp_path: Path) -> Non
     path = tmp_path / "expected.safetensors"
     structure = {"out": {"dict": [[[1, 2], {"value": 1}]]}}  # a tuple key as written before
     payload.save(path, {}, metadata={golden.STRUCTURE_KEY: json.dumps(structure)})
-    with pytest.raises(CaseFormatError, match="malformed 'gpucase.structure' metadata.*"
+    with pytest.raises(CaseFormatError, match=r"malformed 'gpucase\.structure' metadata.*"
                        "--gpu-cases-regen"):
         golden.load(path)
 
