@@ -50,6 +50,7 @@ class Outcome:
     max_rel: float | None = None
     # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
     # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
+    # "bad output" (one that cannot be walked: nested too deep, or holding itself),
     # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
     kind: str = ""
 
@@ -64,6 +65,49 @@ class _Failed(Exception):
     def __init__(self, outcome: Outcome) -> None:
         super().__init__(outcome.summary)
         self.outcome = outcome
+
+
+# How deep outputs may nest. The walks over them (detach here, the comparison, the golden
+# file) recurse, so a deeper output, or one that holds itself, would end in a RecursionError
+# blamed on the call, which returned normally; 200 levels leave those walks room below
+# Python's default limit of 1000 frames, and no real output comes near.
+MAX_OUTPUT_DEPTH = 200
+
+
+class _BadOutput(Exception):
+    """An output the walks cannot take: nested deeper than ``MAX_OUTPUT_DEPTH``, or holding
+    itself. Raised where it is found; each level adds its key on the way out, so that the
+    path costs nothing while the walk succeeds."""
+
+    def __init__(self, problem: str, again: int | None = None) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.again = again   # for a cycle: how many keys up the path the value was met first
+        self.keys: list[object] = []  # innermost first
+
+    def message(self, whose: str) -> str:
+        keys = self.keys[::-1]
+        path = _abridged("out", keys)
+        if self.again is not None:
+            first = _abridged("out", keys[:len(keys) - self.again])
+            return (f"{whose} output holds itself: {path} is {first} again; its outputs are "
+                    "compared by value and a cycle has no end, so return one without it")
+        return (f"{whose} output nests deeper than {MAX_OUTPUT_DEPTH} levels at {path}; its "
+                "outputs are walked level by level, so return a flatter value (a tensor, or a "
+                "list of them)")
+
+    def outcome(self, whose: str) -> Outcome:
+        return Outcome("failed", self.message(whose), kind="bad output")
+
+
+def _abridged(root: str, keys: list[object]) -> str:
+    """``out[0][0]...[0]``: a path spelled as a user reaches the value, its middle left out
+    past a dozen levels."""
+    shown = keys if len(keys) <= 12 else [*keys[:8], ..., *keys[-2:]]
+    path = root
+    for key in shown:
+        path = f"{path}..." if key is ... else fsutil.indexed(path, key)
+    return path
 
 
 def run(spec: RunSpec) -> Outcome:
@@ -113,6 +157,8 @@ def _run(spec: RunSpec) -> Outcome:
         with replay_context(context, spec.device, rng):
             actual = _call(func, run_inputs, expect.gradients, spec.device,
                            keep_grad_mode=context.grad is not None)
+    except _BadOutput as problem:  # the call returned: what it returned is the problem
+        return problem.outcome("the call's")
     except Exception as exc:
         return _raised("the call", exc)
     reference = func
@@ -128,6 +174,8 @@ def _run(spec: RunSpec) -> Outcome:
         try:
             with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
+        except _BadOutput as problem:
+            return problem.outcome("the reference's")
         except Exception as exc:
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
@@ -159,7 +207,12 @@ def write_golden(case: Case) -> str:
     key = "reference" if case.reference else "call"
     reference = resolve(case, case.reference or case.call, key)
     check_binding(case, case.reference or case.call, reference, inputs)
-    results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
+    try:
+        results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
+    except _BadOutput as problem:
+        whose = f"the {key}'s"
+        raise golden.Unstorable(f"{display(case.expected_file)} not written: "
+                                f"{problem.message(whose)}") from None
     golden.save(case.expected_file, results)
     return str(case.expected_file)
 
@@ -423,11 +476,14 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
             out = func(**inputs)
         _sync(device)
         return {"out": _detach(out)}
+    # Detached first: the walk that finds the tensors to differentiate needs an output
+    # _detach has checked (depth, cycles).
     leaves = {name: value.detach().requires_grad_()
               for name, value in inputs.items()
               if isinstance(value, torch.Tensor)
               and (value.is_floating_point() or value.is_complex())}
     out = func(**{**inputs, **leaves})
+    detached = _detach(out)
     total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
                 for t in _tensors(out) if t.requires_grad)
     grads: dict[str, Any] = dict.fromkeys(leaves)
@@ -435,23 +491,46 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
         found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
         grads = dict(zip(leaves, found, strict=True))
     _sync(device)
-    return {"out": _detach(out), "grad": grads}
+    return {"out": detached, "grad": grads}
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
     return [tensor for _, tensor in fsutil.named_tensors(value)]
 
 
-def _detach(value: Any) -> Any:
+def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
+    """``value`` with its tensors detached; raises ``_BadOutput`` for one nested deeper than
+    ``MAX_OUTPUT_DEPTH`` or holding itself (``above``: id -> depth of the containers on the
+    path down to here, the only ones a cycle can return to)."""
     if isinstance(value, torch.Tensor):
         return value.detach()
-    if isinstance(value, Mapping):
-        return {k: _detach(v) for k, v in value.items()}
-    if isinstance(value, tuple) and hasattr(value, "_fields"):
-        return type(value)(*(_detach(v) for v in value))
-    if isinstance(value, (list, tuple)):
-        return type(value)(_detach(v) for v in value)
-    return value
+    if not isinstance(value, (Mapping, list, tuple)):
+        return value
+    above = {} if above is None else above
+    depth = len(above)
+    if id(value) in above:
+        raise _BadOutput("cycle", again=depth - above[id(value)])
+    if depth >= MAX_OUTPUT_DEPTH:
+        raise _BadOutput("depth")
+    above[id(value)] = depth
+    key: object = None
+    items: list[Any] = []
+    try:
+        if isinstance(value, Mapping):
+            out = {}
+            for key, item in value.items():
+                out[key] = _detach(item, above)
+            return out
+        for item in value:
+            items.append(_detach(item, above))
+        if isinstance(value, tuple) and hasattr(value, "_fields"):
+            return type(value)(*items)
+        return type(value)(items)
+    except _BadOutput as problem:
+        problem.keys.append(key if isinstance(value, Mapping) else len(items))
+        raise
+    finally:
+        del above[id(value)]
 
 
 def _compare(actual: dict[str, Any], expected: dict[str, Any], expect: Expectation) -> Comparison:

@@ -1,29 +1,52 @@
 """Golden outputs on disk (``expected.safetensors``) for non-regression.
 
-Outputs are nested values (tensors, numbers, None, strings, tuples, lists,
-dicts). The tensors go into the payload under their path (``out['logits']``);
-the nesting and the plain values go into the payload's metadata as JSON, with
-each tensor replaced by a reference to its path. Nothing goes through pickle.
+Outputs are nested values (tensors, numbers, None, strings, bytes, tuples,
+named tuples, lists, sets, dicts). The tensors go into the payload under their
+path (``out['logits']``); the nesting and the plain values go into the
+payload's metadata as JSON, with each tensor replaced by a reference to its
+path. Nothing goes through pickle.
+
+A golden must read back as a value the comparison finds equal to the one
+written, or every later run fails and asks for ``--gpu-cases-regen``, which
+writes the same file again. So a named tuple keeps its class (found again by
+module and name, never imported here), a dict key that JSON cannot spell (a
+tuple) is stored as a value of its own, and what cannot come back equal (a NaN
+key, a class defined inside a function, an object of no known kind) is refused
+by ``save`` with its path and the reason, before anything is written.
 """
 
 from __future__ import annotations
 
+import collections
 import json
 import math
+import sys
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from . import payload
-from .errors import CaseFormatError
+from .errors import CaseFormatError, display
 
 STRUCTURE_KEY = "gpucase.structure"
 
 
+class Unstorable(TypeError):
+    """An output a golden file cannot hold so that it reads back equal (a TypeError, as
+    before this class: callers that skip what cannot be stored catch either)."""
+
+
 def save(path: Path, results: Mapping[str, Any]) -> None:
-    """Write a run's results (``{"out": outputs, "grad": gradients}``) to ``path`` atomically."""
+    """Write a run's results (``{"out": outputs, "grad": gradients}``) to ``path`` atomically.
+
+    Raises ``Unstorable`` naming the output's path, and writes nothing, when a value
+    could not read back equal.
+    """
     tensors: dict[str, Any] = {}
-    structure = {key: _encode(value, key, tensors) for key, value in results.items()}
+    try:
+        structure = {key: _encode(value, key, tensors) for key, value in results.items()}
+    except Unstorable as exc:
+        raise Unstorable(f"{display(path)} not written: {exc}") from None
     payload.save(path, tensors, metadata={STRUCTURE_KEY: json.dumps(structure)})
 
 
@@ -45,22 +68,80 @@ def load(path: Path) -> dict[str, Any]:
 def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
     import torch
 
+    from .compare import _fields  # what the comparison treats as a named tuple
+
     if isinstance(value, torch.Tensor):
         tensors[where] = value.detach()
         return {"tensor": where}
     if isinstance(value, Mapping):
-        return {"dict": [[key, _encode(item, f"{where}[{key!r}]", tensors)]
+        return {"dict": [[_encode_key(key, f"{where}: the dict key {key!r}"),
+                          _encode(item, f"{where}[{key!r}]", tensors)]
                          for key, item in value.items()]}
+    fields = _fields(value)
+    if fields is not None:
+        return {"namedtuple": _encode_named_tuple(value, fields, where, tensors)}
     if isinstance(value, (list, tuple)):
         kind = "list" if isinstance(value, list) else "tuple"
         return {kind: [_encode(item, f"{where}[{i}]", tensors) for i, item in enumerate(value)]}
+    if type(value) in (set, frozenset):  # compared with ==, which a subclass may redefine
+        return {type(value).__name__: [_encode_key(item, f"{where}: the element {item!r}")
+                                       for item in value]}
+    if type(value) is bytes:
+        return {"bytes": value.hex()}
     if isinstance(value, float) and not math.isfinite(value):
         return {"float": repr(value)}  # JSON has no nan/inf
+    if isinstance(value, str) and type(value) is not str:
+        raise Unstorable(f"{where}: a {type(value).__qualname__} string (a str subclass) "
+                         "would read back as a plain str, which the comparison tells apart "
+                         "from it; return str(value)")
     if value is None or isinstance(value, (bool, int, float, str)):
         return {"value": value}
     if isinstance(value, complex):
         return {"complex": [value.real, value.imag]}
-    raise TypeError(f"{where}: cannot save a {type(value).__name__} as a golden output")
+    raise Unstorable(f"{where}: a value of type {type(value).__qualname__} cannot be stored "
+                     "in a golden (it holds tensors, numbers, None, strings, bytes, and "
+                     "lists, tuples, named tuples, sets and dicts of them)")
+
+
+def _encode_key(key: Any, what: str) -> Any:
+    """A dict key or set element: as itself where JSON spells it (as goldens always
+    stored keys), else as a node; refused unless it reads back equal."""
+    if isinstance(key, (int, str)) or (isinstance(key, float) and math.isfinite(key)):
+        return key
+    held: dict[str, Any] = {}
+    node = _encode(key, what, held)
+    if held:
+        raise Unstorable(f"{what} is or holds a tensor, hashed by identity: no key of another "
+                         "run ever equals it; key by numbers or strings")
+    if _decode_key(node) != key:
+        raise Unstorable(f"{what} does not equal itself read back (a NaN never equals a "
+                         "NaN), so no run could match the golden; use another key")
+    return node
+
+
+def _encode_named_tuple(value: tuple[Any, ...], fields: tuple[str, ...], where: str,
+                        tensors: dict[str, Any]) -> dict[str, Any]:
+    cls = type(value)
+    if _named_tuple_class(cls.__module__, cls.__qualname__, fields) is not cls:
+        raise Unstorable(
+            f"{where}: the named tuple class {cls.__qualname__} cannot be found again as "
+            f"{cls.__module__}.{cls.__qualname__} when the golden is read, and the comparison "
+            "needs the very same class; define it at module level under its own name")
+    return {"module": cls.__module__, "qualname": cls.__qualname__, "fields": list(fields),
+            "items": [_encode(item, f"{where}.{field}", tensors)
+                      for field, item in zip(fields, value, strict=True)]}
+
+
+def _named_tuple_class(module: str, qualname: str, fields: tuple[str, ...]) -> type | None:
+    """The class ``module.qualname`` if that module is imported (as the case's own code is,
+    in the child that compares) and the class has these fields; nothing is imported."""
+    found: Any = sys.modules.get(module)
+    for part in qualname.split("."):
+        found = getattr(found, part, None) if found is not None else None
+    if (isinstance(found, type) and issubclass(found, tuple)
+            and getattr(found, "_fields", None) == fields):
+        return found
+    return None
 
 
 def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
@@ -68,11 +149,27 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     if kind == "tensor":
         return tensors[body]
     if kind == "dict":
-        return {key: _decode(item, tensors) for key, item in body}
+        return {_decode_key(key): _decode(item, tensors) for key, item in body}
     if kind == "list":
         return [_decode(item, tensors) for item in body]
     if kind == "tuple":
         return tuple(_decode(item, tensors) for item in body)
+    if kind == "namedtuple":
+        fields = tuple(str(field) for field in body["fields"])
+        cls: Any = _named_tuple_class(body["module"], body["qualname"], fields)
+        if cls is None:
+            # Not loaded, or its fields changed: a stand-in of the same name and fields,
+            # whose name says so where the comparison reports the type.
+            name = body["qualname"].rpartition(".")[2]
+            make: Any = collections.namedtuple  # a name known only at run time
+            cls = make(name if name.isidentifier() else "NamedTuple", fields, rename=True,
+                       module=body["module"])
+            cls.__qualname__ = f"{body['module']}.{body['qualname']} (as the golden recorded it)"
+        return cls(*(_decode(item, tensors) for item in body["items"]))
+    if kind in ("set", "frozenset"):
+        return (set if kind == "set" else frozenset)(_decode_key(item) for item in body)
+    if kind == "bytes":
+        return bytes.fromhex(body)
     if kind == "float":
         return float(body)
     if kind == "complex":
@@ -80,3 +177,7 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     if kind == "value":
         return body
     raise ValueError(f"unknown node kind {kind!r}")
+
+
+def _decode_key(key: Any) -> Any:
+    return _decode(key, {}) if isinstance(key, Mapping) else key

@@ -1,0 +1,92 @@
+"""What a child makes of the call's outputs before judging them (execute.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pytest_gpucase.execute import MAX_OUTPUT_DEPTH
+
+from .test_plugin import write_case
+
+TOML = 'format = 1\ncall = "case.py:run"\n[matrix]\ndevices = ["cpu"]\n'
+
+
+def nested(depth: int) -> str:
+    """A case whose run returns ``depth`` lists, one in the other, around a tensor."""
+    return f"""
+        def run(x):
+            out = x
+            for _ in range({depth}):
+                out = [out]
+            return out
+        """
+
+
+def test_an_output_too_deep_or_holding_itself_is_an_output_problem_not_a_raise(
+        pytester: pytest.Pytester) -> None:
+    """The call returned normally: the failure names the output's path, not a RecursionError
+    the walks over the output would raise (depth 500 and a list in itself did)."""
+    x = {"x": torch.tensor([1.0, 2.0])}
+    write_case(pytester.path, "at_limit", TOML, nested(MAX_OUTPUT_DEPTH), x)
+    write_case(pytester.path, "too_deep", TOML, nested(MAX_OUTPUT_DEPTH + 1), x)
+    write_case(pytester.path, "very_deep", TOML, nested(500), x)
+    write_case(pytester.path, "itself", TOML, """
+        def run(x):
+            a = [x]
+            a.append(a)
+            return a
+        """, x)
+    write_case(pytester.path, "itself_deeper", TOML + "[expect]\ngradients = true\n", """
+        def run(x):
+            inner = {'y': x * 2}
+            inner['loop'] = [inner]
+            return (x, {'z': inner})
+        """, x)
+    write_case(pytester.path, "shared", TOML, """
+        def run(x):
+            part = [x, x * 2]
+            return [part, part, {'again': part}]
+        """, x)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(passed=2, failed=4)
+    path = "out" + "[[]0[]]" * 8 + "..." + "[[]0[]]" * 2
+    result.stdout.fnmatch_lines([  # the failures in the order of the items
+        "*_ itself[[]cpu-float32[]] _*",
+        "the call's output holds itself: out[[]1[]] is out again; its outputs are compared by "
+        "value and a cycle has no end, so return one without it",
+        "*_ itself_deeper[[]cpu-float32[]] _*",
+        "the call's output holds itself: out[[]1[]][[]'z'[]][[]'loop'[]][[]0[]] is "
+        "out[[]1[]][[]'z'[]] again; *",
+        "*_ too_deep[[]cpu-float32[]] _*",
+        f"the call's output nests deeper than {MAX_OUTPUT_DEPTH} levels at {path}; its outputs "
+        "are walked level by level, so return a flatter value (a tensor, or a list of them)",
+        "*_ very_deep[[]cpu-float32[]] _*",
+        f"the call's output nests deeper than {MAX_OUTPUT_DEPTH} levels at {path}; *",
+    ])
+    text = result.stdout.str()
+    assert "RecursionError" not in text
+    assert "raised" not in text
+
+
+def test_the_references_output_is_judged_the_same_way(pytester: pytest.Pytester) -> None:
+    """Its run fails naming the reference, and regen writes no golden from it."""
+    path = write_case(pytester.path, "ref_loop", TOML.replace(
+        '[matrix]', 'reference = "case.py:reference"\n[matrix]'), """
+        def run(x):
+            return [x]
+
+        def reference(x):
+            a = [x]
+            a.append(a)
+            return a
+        """, {"x": torch.tensor([1.0, 2.0])})
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["the reference's output holds itself: out[[]1[]] is out "
+                                 "again; *"])
+    regen = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases")
+    regen.assert_outcomes(failed=1)
+    regen.stdout.fnmatch_lines(["*Unstorable: cases/ref_loop/expected.safetensors not written: "
+                                "the reference's output holds itself: out[[]1[]] is out again*"])
+    assert not (path / "expected.safetensors").exists()
