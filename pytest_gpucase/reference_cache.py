@@ -113,13 +113,31 @@ def _loaded_modules() -> bytes:
             files.add(file)  # not a builtin nor a namespace package, and maybe user code
     rows = []
     for file in files:
-        try:
-            found = os.stat(file)
-        except (OSError, ValueError):
-            continue  # a module from a zip, or gone: nothing to compare with
-        rows.append(f"{file}\0{found.st_size}:{found.st_mtime_ns}:{found.st_ctime_ns}")
+        row = _SEEN.get(file)
+        if row is None:
+            try:
+                found = os.stat(file)
+            except (OSError, ValueError):
+                continue  # a module from a zip, or gone: nothing to compare with
+            row = _SEEN[file] = (f"{file}\0{found.st_size}:{found.st_mtime_ns}:"
+                                 f"{found.st_ctime_ns}")
+        rows.append(row)
     rows.sort()
     return "\n".join(rows).encode(errors="surrogateescape")
+
+
+# Each module file's row, stat'ed once per process: the pytest process fills it for what
+# it has loaded (``prime``) before it forks, so a child stats only what it imported itself
+# (its case's code): about 0.1 ms a child instead of 1 ms. A file edited during the session
+# after its row was made is seen by the next session.
+_SEEN: dict[str, str] = {}
+
+
+def prime() -> None:
+    """Make the rows of every module loaded so far (in the pytest process, before forking),
+    afresh: a process running several sessions (pytest.main in a loop) sees edits between."""
+    _SEEN.clear()
+    _loaded_modules()
 
 
 def key(spec: RunSpec, reference: Callable[..., Any]) -> str:

@@ -135,6 +135,9 @@ class GpuCaseSession:
         """Where children cache the float64 references (pytest's cache, else a temporary
         folder removed at the end of the session)."""
         if self._reference_cache is None:
+            from .reference_cache import prime
+
+            prime()  # before the first fork: children inherit the rows of what is loaded
             cache = getattr(self.config, "cache", None)
             if cache is not None:
                 self._reference_cache = Path(cache.mkdir("gpucase-references"))

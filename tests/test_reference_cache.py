@@ -208,3 +208,24 @@ def test_a_zero_tensor_reference_is_cached_by_its_values(tmp_path: Path) -> None
     assert calls(path) == 1  # cached, then read back
     (entry,) = cache.glob("*.safetensors")
     assert torch.equal(golden.load(entry)["out"], torch.zeros(4))
+
+
+def test_module_rows_are_made_once_per_session_and_afresh_for_the_next(tmp_path: Path) -> None:
+    helper = tmp_path / "gpucase_primed_helper.py"
+    helper.write_text("VALUE = 1\n")
+    import importlib
+    import sys
+
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("gpucase_primed_helper")
+        reference_cache.prime()
+        before = reference_cache._loaded_modules()
+        assert str(helper).encode() in before
+        helper.write_text("VALUE = 22\n")  # another size: another row, once primed again
+        assert reference_cache._loaded_modules() == before  # within a session: as made
+        reference_cache.prime()
+        assert reference_cache._loaded_modules() != before
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("gpucase_primed_helper", None)
