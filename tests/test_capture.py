@@ -285,8 +285,10 @@ def test_device_copy_that_fails_writes_metadata_only(
     error = fail(op, torch.empty(8, device="meta"), factor=3.0)
     assert str(error) == "factor 3.0 rejected"  # the user's error, never ours
     origin = toml(tmp_path / "failing_op")["origin"]
+    # payload refuses a tensor with no values (a meta one) before torch's copy would raise.
     assert origin["snapshot"].startswith("not saved: device unusable after ValueError (copying "
-                                         "x to the host raised NotImplementedError")
+                                         "x to the host raised TypeError")
+    assert "meta tensor: it has a shape but no values" in origin["snapshot"]
     assert toml(tmp_path / "failing_op")["inputs"] == {"factor": 3.0}
     assert "no sample ids were recorded" in toml(tmp_path / "failing_op")["summary"]
     over = "over the snapshot limit of 0.0 MiB" in capsys.readouterr().err
