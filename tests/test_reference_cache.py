@@ -229,3 +229,31 @@ def test_module_rows_are_made_once_per_session_and_afresh_for_the_next(tmp_path:
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("gpucase_primed_helper", None)
+
+
+def test_modules_imported_after_priming_are_keyed_even_when_the_last_primed_one_left(
+        tmp_path: Path) -> None:
+    import importlib
+    import sys
+
+    for name in ("gpucase_first_helper", "gpucase_second_helper"):
+        (tmp_path / f"{name}.py").write_text("VALUE = 1\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        importlib.import_module("gpucase_first_helper")
+        reference_cache.prime()  # the helper is the last module loaded at this point
+        importlib.import_module("gpucase_second_helper")
+        rows = reference_cache._loaded_modules()
+        assert str(tmp_path / "gpucase_second_helper.py").encode() in rows
+        # The last primed module leaves: every name is read, nothing is missed.
+        sys.modules.pop("gpucase_first_helper")
+        (tmp_path / "gpucase_third_helper.py").write_text("VALUE = 3\n")
+        importlib.import_module("gpucase_third_helper")
+        rows = reference_cache._loaded_modules()
+        assert str(tmp_path / "gpucase_second_helper.py").encode() in rows
+        assert str(tmp_path / "gpucase_third_helper.py").encode() in rows
+    finally:
+        sys.path.remove(str(tmp_path))
+        for name in ("gpucase_first_helper", "gpucase_second_helper", "gpucase_third_helper"):
+            sys.modules.pop(name, None)
+        reference_cache.prime()
