@@ -71,9 +71,12 @@ class GpuCaseSession:
         self.regenerated[case.path] = None
         child = regenerate_golden(case, start_method=self.start_method())
         if not child.returned:
-            detail = child.child_error or child.stderr[-2000:]
             from .errors import display
 
+            refusal = _refusal(child.child_error)
+            if refusal is not None:  # the output, not the code: its reason is the message
+                pytest.fail(f"{display(case.case_file)}: {refusal}", pytrace=False)
+            detail = child.child_error or child.stderr[-2000:]
             pytest.fail(f"{display(case.case_file)}: writing {case.expected_file.name} failed: "
                         f"{child.problem}\n{detail}", pytrace=False)
         self.regenerated[case.path] = child.value
@@ -171,6 +174,14 @@ class GpuCaseSession:
         if method == "spawn" and note not in self.notes:
             self.notes.append(note)
         return method
+
+
+def _refusal(child_error: str | None) -> str | None:
+    """The reason golden.py gave for refusing an output (the last line of the child's
+    traceback, ``pytest_gpucase.golden.Unstorable: ...``), or None for any other error."""
+    last = (child_error or "").rstrip().rpartition("\n")[2]
+    prefix = "pytest_gpucase.golden.Unstorable: "
+    return last[len(prefix):] if last.startswith(prefix) else None
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
