@@ -98,9 +98,13 @@ def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
         return {"value": value}
     if isinstance(value, complex):
         return {"complex": [value.real, value.imag]}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
     raise Unstorable(f"{where}: a value of type {type(value).__qualname__} cannot be stored "
-                     "in a golden (it holds tensors, numbers, None, strings, bytes, and "
-                     "lists, tuples, named tuples, sets and dicts of them)")
+                     "in a golden (it holds tensors, numbers, None, strings, bytes, dtypes, "
+                     "devices, and lists, tuples, named tuples, sets and dicts of them)")
 
 
 def _encode_key(key: Any, what: str) -> Any:
@@ -176,6 +180,20 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
         return complex(*body)
     if kind == "value":
         return body
+    if kind == "dtype":
+        import torch
+
+        dtype = getattr(torch, str(body), None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"{body!r} is no torch dtype")
+        return dtype
+    if kind == "device":
+        import torch
+
+        try:
+            return torch.device(str(body))
+        except RuntimeError as exc:  # "Invalid device string": the file is malformed
+            raise ValueError(f"{body!r} is no torch device: {exc}") from None
     raise ValueError(f"unknown node kind {kind!r}")
 
 

@@ -64,6 +64,21 @@ def test_a_mix_of_every_kind_reads_back_equal(tmp_path: Path) -> None:
     assert back[0].second[0] == b"\x00\xff" and back[0].second[1] == {1, (2, 3)}
 
 
+def test_dtypes_and_devices_read_back_as_themselves(tmp_path: Path) -> None:
+    out = {"dtype": torch.bfloat16, "devices": [torch.device("cpu"), torch.device("cuda", 1)]}
+    back = round_trip(tmp_path, out)
+    assert back == out and back["dtype"] is torch.bfloat16
+
+
+def test_a_dtype_node_names_a_torch_dtype_or_the_file_is_malformed(tmp_path: Path) -> None:
+    path = tmp_path / "expected.safetensors"
+    for node, problem in (({"dtype": "nn"}, "'nn' is no torch dtype"),  # torch.nn: no dtype
+                          ({"device": "gpu:x"}, "'gpu:x' is no torch device")):
+        payload.save(path, {}, metadata={golden.STRUCTURE_KEY: json.dumps({"out": node})})
+        with pytest.raises(CaseFormatError, match=problem):
+            golden.load(path)
+
+
 def test_a_golden_of_earlier_versions_still_loads(tmp_path: Path) -> None:
     """Keys JSON spells are stored as themselves, as before; only other keys are nodes."""
     path = tmp_path / "expected.safetensors"
@@ -127,7 +142,7 @@ class Tag(str):
      r"tests\.test_golden\.Renamed .*; define it at module level under its own name"),
     ({"t": Tag("x")}, r"out\['t'\]: a Tag string \(a str subclass\) would read back as a plain "
                       r"str"),
-    ([torch.float32], r"out\[0\]: a value of type dtype cannot be stored in a golden"),
+    ([object()], r"out\[0\]: a value of type object cannot be stored in a golden"),
 ])
 def test_what_cannot_read_back_equal_is_refused_and_nothing_is_written(
         tmp_path: Path, out: object, message: str) -> None:
