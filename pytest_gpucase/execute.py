@@ -16,7 +16,7 @@ import re
 import sys
 import time
 import traceback
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -106,7 +106,12 @@ def _abridged(root: str, keys: list[object]) -> str:
     shown = keys if len(keys) <= 12 else [*keys[:8], ..., *keys[-2:]]
     path = root
     for key in shown:
-        path = f"{path}..." if key is ... else fsutil.indexed(path, key)
+        if key is ...:
+            path = f"{path}..."
+        elif isinstance(key, _Field):
+            path = f"{path}.{key}"
+        else:
+            path = fsutil.indexed(path, key)
     return path
 
 
@@ -505,6 +510,9 @@ def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
     if isinstance(value, torch.Tensor):
         return value.detach()
     if not isinstance(value, (Mapping, list, tuple)):
+        children = _walked_children(value)
+        if children is not None:  # walked as the comparison walks it, and kept as it is
+            _check_walk(value, children, {} if above is None else above)
         return value
     above = {} if above is None else above
     depth = len(above)
@@ -528,6 +536,41 @@ def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
         return type(value)(items)
     except _BadOutput as problem:
         problem.keys.append(key if isinstance(value, Mapping) else len(items))
+        raise
+    finally:
+        del above[id(value)]
+
+
+class _Field(str):
+    """A dataclass field on a path, spelled ``.name``."""
+
+
+def _walked_children(value: Any) -> list[tuple[object, Any]] | None:
+    """What the comparison walks into besides dicts, lists and tuples: a dataclass's fields,
+    any other sequence's items (a UserList); None for a leaf."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return [(_Field(f.name), getattr(value, f.name)) for f in dataclasses.fields(value)]
+    if isinstance(value, Sequence) and not isinstance(
+            value, (str, bytes, bytearray, memoryview, range)):
+        return list(enumerate(value))
+    return None
+
+
+def _check_walk(value: Any, children: list[tuple[object, Any]], above: dict[int, int]) -> None:
+    """``_detach``'s depth and cycle checks for a value it keeps as it is."""
+    depth = len(above)
+    if id(value) in above:
+        raise _BadOutput("cycle", again=depth - above[id(value)])
+    if depth >= MAX_OUTPUT_DEPTH:
+        raise _BadOutput("depth")
+    above[id(value)] = depth
+    walked: list[object] = []
+    try:
+        for where, item in children:
+            walked.append(where)
+            _detach(item, above)
+    except _BadOutput as problem:
+        problem.keys.append(walked[-1])  # the key being walked when the problem was met
         raise
     finally:
         del above[id(value)]

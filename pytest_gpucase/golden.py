@@ -59,8 +59,10 @@ def load(path: Path) -> dict[str, Any]:
     tensors = payload.load(path)
     try:
         structure = json.loads(metadata[STRUCTURE_KEY])
+        if not isinstance(structure, dict):
+            raise ValueError("the structure is not an object of outputs")
         return {key: _decode(node, tensors) for key, node in structure.items()}
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as exc:
         raise CaseFormatError(path, f"malformed '{STRUCTURE_KEY}' metadata ({exc!r}); rewrite it "
                               "with pytest --gpu-cases --gpu-cases-regen") from None
 
@@ -141,7 +143,10 @@ def _named_tuple_class(module: str, qualname: str, fields: tuple[str, ...]) -> t
     in the child that compares) and the class has these fields; nothing is imported."""
     found: Any = sys.modules.get(module)
     for part in qualname.split("."):
-        found = getattr(found, part, None) if found is not None else None
+        # The namespaces' own dicts only: getattr could run a module's __getattr__ (torch
+        # imports submodules there) or a property, on the word of a file from anywhere.
+        space = getattr(found, "__dict__", None) if found is not None else None
+        found = space.get(part) if isinstance(space, Mapping) else None
     if (isinstance(found, type) and issubclass(found, tuple)
             and getattr(found, "_fields", None) == fields):
         return found
@@ -149,6 +154,8 @@ def _named_tuple_class(module: str, qualname: str, fields: tuple[str, ...]) -> t
 
 
 def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+    if not isinstance(node, Mapping) or len(node) != 1:
+        raise ValueError(f"a node is a one-key object, not {str(node)[:80]}")
     ((kind, body),) = node.items()
     if kind == "tensor":
         return tensors[body]
@@ -159,6 +166,11 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     if kind == "tuple":
         return tuple(_decode(item, tensors) for item in body)
     if kind == "namedtuple":
+        if not (isinstance(body, Mapping) and isinstance(body.get("module"), str)
+                and isinstance(body.get("qualname"), str)
+                and isinstance(body.get("fields"), list) and isinstance(body.get("items"), list)):
+            raise ValueError("a named tuple node needs the strings module and qualname and "
+                             "the lists fields and items")
         fields = tuple(str(field) for field in body["fields"])
         cls: Any = _named_tuple_class(body["module"], body["qualname"], fields)
         if cls is None:
@@ -183,7 +195,7 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     if kind == "dtype":
         import torch
 
-        dtype = getattr(torch, str(body), None)
+        dtype = vars(torch).get(str(body))  # never torch's __getattr__: it imports
         if not isinstance(dtype, torch.dtype):
             raise ValueError(f"{body!r} is no torch dtype")
         return dtype

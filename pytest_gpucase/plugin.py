@@ -68,6 +68,9 @@ def pytest_configure(config: pytest.Config) -> None:
         from ._torch import import_torch
 
         import_torch()  # before any engine module imports it, and before anything can fork
+        from .reference_cache import forget_primed
+
+        forget_primed()  # a previous session's module rows must not reach this one's zygote
         _start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")

@@ -149,6 +149,13 @@ def _rows(modules: Iterable[tuple[str, Any]], primed: dict[str, str]) -> dict[st
 _PRIMED: tuple[frozenset[str], dict[str, str], str | None, Any] | None = None
 
 
+def forget_primed() -> None:
+    """Drop the rows of the previous session (before a zygote forks: its children would keep
+    them, and a module edited since would be keyed as it was)."""
+    global _PRIMED
+    _PRIMED = None
+
+
 def prime() -> None:
     """Make the rows of every module loaded so far, in the pytest process before it forks."""
     global _PRIMED

@@ -87,6 +87,56 @@ def test_the_references_output_is_judged_the_same_way(pytester: pytest.Pytester)
                                  "again; *"])
     regen = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases")
     regen.assert_outcomes(failed=1)
-    regen.stdout.fnmatch_lines(["*Unstorable: cases/ref_loop/expected.safetensors not written: "
-                                "the reference's output holds itself: out[[]1[]] is out again*"])
+    regen.stdout.fnmatch_lines(["cases/ref_loop/case.toml: cases/ref_loop/expected.safetensors "
+                                "not written: the reference's output holds itself: out[[]1[]] is "
+                                "out again*"])
     assert not (path / "expected.safetensors").exists()
+
+
+def test_dataclasses_and_other_sequences_are_checked_as_the_comparison_walks_them(
+        pytester: pytest.Pytester) -> None:
+    """The comparison walks dataclass fields and any sequence: a cycle through them ended in
+    a RecursionError reported as a crash."""
+    x = {"x": torch.tensor([1.0, 2.0])}
+    write_case(pytester.path, "dataclass_cycle", TOML, """
+        import dataclasses
+
+        @dataclasses.dataclass
+        class Node:
+            value: object
+            parent: object = None
+            children: list = dataclasses.field(default_factory=list)
+
+        def run(x):
+            root = Node(x)
+            root.children.append(Node(x * 2, parent=root))
+            return root
+        """, x)
+    write_case(pytester.path, "userlist_cycle", TOML, """
+        from collections import UserList
+
+        def run(x):
+            u = UserList([x])
+            u.append(u)
+            return u
+        """, x)
+    write_case(pytester.path, "dataclass_tree", TOML, """
+        import dataclasses
+
+        @dataclasses.dataclass
+        class Pair:
+            left: object
+            right: object
+
+        def run(x):
+            return Pair(x, Pair(x * 2, [x, x]))
+        """, x)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*_ dataclass_cycle[[]cpu-float32[]] _*",
+        "the call's output holds itself: out.children[[]0[]].parent is out again; *",
+        "*_ userlist_cycle[[]cpu-float32[]] _*",
+        "the call's output holds itself: out[[]1[]] is out again; *",
+    ])
+    assert "RecursionError" not in result.stdout.str()

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import json
+import subprocess
 import sys
 import types
 import typing
@@ -222,3 +223,49 @@ def test_regen_refuses_an_output_it_cannot_store(pytester: pytest.Pytester) -> N
     regen.stdout.no_fnmatch_line("*Traceback*")  # the output's problem, not the code's
     regen.stdout.no_fnmatch_line("*golden files written*")
     assert not (path / "expected.safetensors").exists()
+
+
+@pytest.mark.parametrize("structure", [
+    [1], {"out": [1]}, {"out": {"dict": [[{"list": [1]}, {"value": 1}]]}},
+    {"out": {"namedtuple": {"module": "x", "qualname": 5, "fields": [], "items": []}}},
+    {"out": {"namedtuple": [1]}}, {"out": {"value": 1, "list": []}},
+])
+def test_a_malformed_structure_of_any_shape_is_a_case_format_error(
+        tmp_path: Path, structure: object) -> None:
+    path = tmp_path / "expected.safetensors"
+    payload.save(path, {}, metadata={golden.STRUCTURE_KEY: json.dumps(structure)})
+    with pytest.raises(CaseFormatError, match="malformed 'gpucase.structure' metadata"):
+        golden.load(path)
+
+
+def test_a_deeply_nested_structure_is_a_case_format_error(tmp_path: Path) -> None:
+    path = tmp_path / "expected.safetensors"
+    payload.save(path, {}, metadata={golden.STRUCTURE_KEY: "[" * 100_000 + "]" * 100_000})
+    with pytest.raises(CaseFormatError, match="malformed"):
+        golden.load(path)
+
+
+LOADS_A_HOSTILE_GOLDEN = """
+import json, sys
+from pytest_gpucase import golden, payload
+from pytest_gpucase.errors import CaseFormatError
+path = sys.argv[1]
+for node in ({"dtype": "_dynamo"},
+             {"namedtuple": {"module": "torch", "qualname": "_inductor.config",
+                             "fields": [], "items": []}}):
+    payload.save(path, {}, metadata={golden.STRUCTURE_KEY: json.dumps({"out": node})})
+    try:
+        golden.load(path)
+    except CaseFormatError:
+        pass
+print(sorted(name for name in ("torch._dynamo", "torch._inductor") if name in sys.modules))
+"""
+
+
+def test_reading_a_golden_imports_nothing(tmp_path: Path) -> None:
+    """A golden from a pull request names a dtype or a class: torch's module __getattr__
+    would import the submodule it names (torch._dynamo, torch._inductor.config)."""
+    done = subprocess.run([sys.executable, "-c", LOADS_A_HOSTILE_GOLDEN,
+                           str(tmp_path / "expected.safetensors")],
+                          capture_output=True, text=True, check=True, timeout=300)
+    assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
