@@ -234,7 +234,7 @@ def test_a_malformed_structure_of_any_shape_is_a_case_format_error(
         tmp_path: Path, structure: object) -> None:
     path = tmp_path / "expected.safetensors"
     payload.save(path, {}, metadata={golden.STRUCTURE_KEY: json.dumps(structure)})
-    with pytest.raises(CaseFormatError, match="malformed 'gpucase.structure' metadata"):
+    with pytest.raises(CaseFormatError, match=r"malformed 'gpucase\.structure' metadata"):
         golden.load(path)
 
 
