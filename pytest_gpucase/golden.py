@@ -47,7 +47,10 @@ def save(path: Path, results: Mapping[str, Any]) -> None:
         structure = {key: _encode(value, key, tensors) for key, value in results.items()}
     except Unstorable as exc:
         raise Unstorable(f"{display(path)} not written: {exc}") from None
-    payload.save(path, tensors, metadata={STRUCTURE_KEY: json.dumps(structure)})
+    try:
+        payload.save(path, tensors, metadata={STRUCTURE_KEY: json.dumps(structure)})
+    except TypeError as exc:  # a dtype or kind of tensor payload refuses, with its reason
+        raise Unstorable(f"{display(path)} not written: {exc}") from None
 
 
 def load(path: Path) -> dict[str, Any]:
@@ -73,6 +76,14 @@ def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
     from .compare import _fields  # what the comparison treats as a named tuple
 
     if isinstance(value, torch.Tensor):
+        if value.is_nested or value.layout != torch.strided:
+            raise Unstorable(f"{where}: a {str(value.layout).removeprefix('torch.')}"
+                             f"{' nested' if value.is_nested else ''} tensor cannot be stored "
+                             "in a golden; return its dense values or its list of tensors")
+        if value.dtype in (torch.complex64, torch.complex128):
+            # safetensors holds no complex dtype: its real and imaginary parts, last axis.
+            tensors[where] = torch.view_as_real(value.detach().resolve_conj())
+            return {"complex_tensor": where}
         tensors[where] = value.detach()
         return {"tensor": where}
     if isinstance(value, Mapping):
@@ -159,6 +170,10 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     ((kind, body),) = node.items()
     if kind == "tensor":
         return tensors[body]
+    if kind == "complex_tensor":
+        import torch
+
+        return torch.view_as_complex(tensors[body].contiguous())
     if kind == "dict":
         return {_decode_key(key): _decode(item, tensors) for key, item in body}
     if kind == "list":

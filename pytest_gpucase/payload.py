@@ -148,6 +148,11 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         code = codes.get(tensor.dtype)
         if code is None:
             raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
+        if tensor.numel() > MAX_ELEMENTS:  # load would refuse the file: never write it
+            raise TypeError(f"{name}: its shape {tuple(tensor.shape)} declares "
+                            f"{tensor.numel()} elements, over the limit of {MAX_ELEMENTS} a "
+                            "case payload is read with; save a smaller tensor (an expanded "
+                            "one: the tensor it expands)")
         tensor = readable(tensor, name).detach()
         if _plain(tensor):  # stored in its own shape: any safetensors reader sees it as it is
             runs.append((name, code, tensor.cpu().contiguous()))

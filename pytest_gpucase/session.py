@@ -179,9 +179,10 @@ class GpuCaseSession:
 def _refusal(child_error: str | None) -> str | None:
     """The reason golden.py gave for refusing an output (the last line of the child's
     traceback, ``pytest_gpucase.golden.Unstorable: ...``), or None for any other error."""
-    last = (child_error or "").rstrip().rpartition("\n")[2]
-    prefix = "pytest_gpucase.golden.Unstorable: "
-    return last[len(prefix):] if last.startswith(prefix) else None
+    prefix = "\npytest_gpucase.golden.Unstorable: "  # its message may span several lines
+    text = "\n" + (child_error or "").rstrip()
+    at = text.rfind(prefix)
+    return text[at + len(prefix):] if at >= 0 else None
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report

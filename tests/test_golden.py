@@ -269,3 +269,18 @@ def test_reading_a_golden_imports_nothing(tmp_path: Path) -> None:
                            str(tmp_path / "expected.safetensors")],
                           capture_output=True, text=True, check=True, timeout=300)
     assert done.stdout.strip().splitlines()[-1] == "[]", done.stdout + done.stderr
+
+
+
+def test_complex_tensors_round_trip_and_other_layouts_are_refused(tmp_path: Path) -> None:
+    z = torch.randn(4, dtype=torch.complex128, generator=torch.Generator().manual_seed(1))
+    out = [z, z.conj(), z.to(torch.complex64)]  # safetensors holds no complex dtype
+    back = round_trip(tmp_path, out)
+    assert compare(out, back).ok and [t.dtype for t in back] == [t.dtype for t in out]
+    path = tmp_path / "refused.safetensors"
+    for value, what in ((torch.ones(3).to_sparse(), "a sparse_coo tensor"),
+                        (torch.ones(2, dtype=torch.int16).view(torch.bits16),
+                         "safetensors cannot store torch.bits16")):
+        with pytest.raises(golden.Unstorable, match=f"refused.safetensors not written: .*{what}"):
+            golden.save(path, {"out": value})
+        assert not path.exists()

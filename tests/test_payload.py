@@ -846,3 +846,12 @@ def test_a_tensor_whose_values_cannot_be_had_is_refused_by_name(
     assert message.startswith("out[0]: a torch.float32 tensor of shape [")
     assert problem in message and "save a plain copy of its values" in message
     assert os.listdir(tmp_path) == []
+
+
+
+def test_a_tensor_load_would_refuse_is_never_written(tmp_path: Path) -> None:
+    """An expanded tensor declares 2**40 elements: written, every later load refused it."""
+    path = tmp_path / "x.safetensors"
+    with pytest.raises(TypeError, match=r"declares 1099511627776 elements, over the limit"):
+        payload.save(path, {"x": torch.tensor(1.0).expand(2**20, 2**20)})
+    assert not path.exists()
