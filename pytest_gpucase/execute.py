@@ -515,12 +515,7 @@ def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
             _check_walk(value, children, {} if above is None else above)
         return value
     above = {} if above is None else above
-    depth = len(above)
-    if id(value) in above:
-        raise _BadOutput("cycle", again=depth - above[id(value)])
-    if depth >= MAX_OUTPUT_DEPTH:
-        raise _BadOutput("depth")
-    above[id(value)] = depth
+    _enter(value, above)
     key: object = None
     items: list[Any] = []
     try:
@@ -556,14 +551,20 @@ def _walked_children(value: Any) -> list[tuple[object, Any]] | None:
     return None
 
 
-def _check_walk(value: Any, children: list[tuple[object, Any]], above: dict[int, int]) -> None:
-    """``_detach``'s depth and cycle checks for a value it keeps as it is."""
+def _enter(value: Any, above: dict[int, int]) -> None:
+    """Step into ``value`` on the walk's path: a container met again on the path is a cycle,
+    one past ``MAX_OUTPUT_DEPTH`` too deep; the caller removes it on the way out."""
     depth = len(above)
     if id(value) in above:
         raise _BadOutput("cycle", again=depth - above[id(value)])
     if depth >= MAX_OUTPUT_DEPTH:
         raise _BadOutput("depth")
     above[id(value)] = depth
+
+
+def _check_walk(value: Any, children: list[tuple[object, Any]], above: dict[int, int]) -> None:
+    """``_detach``'s depth and cycle checks for a value it keeps as it is."""
+    _enter(value, above)
     walked: list[object] = []
     try:
         for where, item in children:
