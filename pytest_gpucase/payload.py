@@ -153,17 +153,19 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
                             f"{tensor.numel()} elements, over the limit of {MAX_ELEMENTS} a "
                             "case payload is read with; save a smaller tensor (an expanded "
                             "one: the tensor it expands)")
-        tensor = readable(tensor, name).detach()
-        if _plain(tensor):  # stored in its own shape: any safetensors reader sees it as it is
-            runs.append((name, code, tensor.cpu().contiguous()))
-            continue
-        offset = int(tensor.storage_offset())
-        if offset * tensor.element_size() > MAX_PADDING_BYTES:
-            raise ValueError(f"{name}: its storage offset is {offset * tensor.element_size()} "
-                             f"bytes, past the {MAX_PADDING_BYTES}-byte bound of a case "
-                             "payload; save a .clone() of it unless the offset is what the "
-                             "case is about")
-        runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
+        tensor = readable(tensor, name)
+        with _outside_transforms():  # inside torch.func.grad an op's result is wrapped again
+            tensor = tensor.detach()
+            if _plain(tensor):  # stored in its own shape: any safetensors reader sees it
+                runs.append((name, code, tensor.cpu().contiguous()))
+                continue
+            offset = int(tensor.storage_offset())
+            if offset * tensor.element_size() > MAX_PADDING_BYTES:
+                raise ValueError(f"{name}: its storage offset is "
+                                 f"{offset * tensor.element_size()} bytes, past the "
+                                 f"{MAX_PADDING_BYTES}-byte bound of a case payload; save a "
+                                 ".clone() of it unless the offset is what the case is about")
+            runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
         layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
                         "storage_offset": offset, "stored_from": offset}
     header_meta = dict(metadata or {})
@@ -245,6 +247,14 @@ def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     if torch._is_functional_tensor(tensor):
         torch._functionalize_sync(tensor)  # its pending writes, into the wrapped tensor
         return readable(torch._from_functional_tensor(tensor), name)
+    functorch = torch._C._functorch
+    if (getattr(functorch, "is_gradtrackingtensor", None) is not None
+            and functorch.is_functorch_wrapped_tensor(tensor)
+            and functorch.is_gradtrackingtensor(tensor)):
+        # Inside torch.func.grad: the wrapper holds a tensor of the same values and shape.
+        inner = functorch.get_unwrapped(tensor)
+        if tuple(inner.shape) == tuple(tensor.shape) and inner.dtype == tensor.dtype:
+            return readable(inner, name)
     problem = "has no memory to read"
     if not _unwrapped(tensor):  # a wrapper (functorch's, a subclass): torch reads it for us
         try:
@@ -262,6 +272,15 @@ def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
     raise TypeError(f"{name}: a {tensor.dtype} tensor of shape {list(tensor.shape)} that "
                     f"{problem}; save a plain copy of its values (.clone() of a tensor "
                     "that still has them)")
+
+
+def _outside_transforms() -> contextlib.AbstractContextManager[object]:
+    """Run plain tensors' ops as plain ones, also inside a torch.func transform (where
+    their results would be wrapped at its level, with no memory of their own to read)."""
+    import torch
+
+    disable = getattr(torch._C, "_DisableFuncTorch", None)
+    return disable() if disable is not None else contextlib.nullcontext()
 
 
 def _unwrapped(tensor: torch.Tensor) -> bool:

@@ -855,3 +855,20 @@ def test_a_tensor_load_would_refuse_is_never_written(tmp_path: Path) -> None:
     with pytest.raises(TypeError, match=r"declares 1099511627776 elements, over the limit"):
         payload.save(path, {"x": torch.tensor(1.0).expand(2**20, 2**20)})
     assert not path.exists()
+
+
+def test_tensors_inside_torch_func_grad_are_saved_by_their_values(tmp_path: Path) -> None:
+    """A case captured inside a grad transform: its tensors are wrappers, and an op on a
+    plain tensor there is wrapped again; saved, they read back as their values."""
+    path = tmp_path / "inside.safetensors"
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        y = x * 2
+        payload.save(path, {"x": x, "y": y, "strided": y[::2]})
+        return y.sum()
+
+    torch.func.grad(step)(torch.arange(3.0))
+    back = payload.load(path)
+    assert torch.equal(back["x"], torch.arange(3.0))
+    assert torch.equal(back["y"], torch.arange(3.0) * 2)
+    assert torch.equal(back["strided"], torch.tensor([0.0, 4.0]))
