@@ -205,8 +205,10 @@ def _run(spec: RunSpec) -> Outcome:
                    max_abs=comparison.max_abs, max_rel=comparison.max_rel)
 
 
-def write_golden(case: Case) -> str:
-    """Compute the reference results on the saved inputs and write them as the case's golden."""
+def write_golden(case: Case) -> dict[str, str]:
+    """Compute the reference results on the saved inputs and write them as the case's golden:
+    ``{"written": path}``, or ``{"refused": why}`` for outputs a golden cannot hold (the
+    output's problem, not the code's: said in one line, with no traceback)."""
     project.prepend(project.import_paths(case.path))
     inputs = load_inputs(case)
     key = "reference" if case.reference else "call"
@@ -216,10 +218,13 @@ def write_golden(case: Case) -> str:
         results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     except _BadOutput as problem:
         whose = f"the {key}'s"
-        raise golden.Unstorable(f"{display(case.expected_file)} not written: "
-                                f"{problem.message(whose)}") from None
-    golden.save(case.expected_file, results)
-    return str(case.expected_file)
+        return {"refused": f"{display(case.expected_file)} not written: "
+                           f"{problem.message(whose)}"}
+    try:
+        golden.save(case.expected_file, results)
+    except golden.Unstorable as exc:
+        return {"refused": str(exc)}
+    return {"written": str(case.expected_file)}
 
 
 def _tf32_off() -> None:

@@ -70,16 +70,15 @@ class GpuCaseSession:
             return
         self.regenerated[case.path] = None
         child = regenerate_golden(case, start_method=self.start_method())
-        if not child.returned:
-            from .errors import display
+        from .errors import display
 
-            refusal = _refusal(child.child_error)
-            if refusal is not None:  # the output, not the code: its reason is the message
-                pytest.fail(f"{display(case.case_file)}: {refusal}", pytrace=False)
+        if not child.returned:
             detail = child.child_error or child.stderr[-2000:]
             pytest.fail(f"{display(case.case_file)}: writing {case.expected_file.name} failed: "
                         f"{child.problem}\n{detail}", pytrace=False)
-        self.regenerated[case.path] = child.value
+        if "refused" in child.value:  # the output, not the code: its reason is the message
+            pytest.fail(f"{display(case.case_file)}: {child.value['refused']}", pytrace=False)
+        self.regenerated[case.path] = child.value["written"]
 
     def record(self, report: pytest.TestReport) -> None:
         """Keep the JSON record of a finished item; rewrite the report file now and then.
@@ -174,15 +173,6 @@ class GpuCaseSession:
         if method == "spawn" and note not in self.notes:
             self.notes.append(note)
         return method
-
-
-def _refusal(child_error: str | None) -> str | None:
-    """The reason golden.py gave for refusing an output (the last line of the child's
-    traceback, ``pytest_gpucase.golden.Unstorable: ...``), or None for any other error."""
-    prefix = "\npytest_gpucase.golden.Unstorable: "  # its message may span several lines
-    text = "\n" + (child_error or "").rstrip()
-    at = text.rfind(prefix)
-    return text[at + len(prefix):] if at >= 0 else None
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
