@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpucase.request import validate
-from tests.test_example_training import PYTEST, run, without_xfail
+from tests.test_example_training import PYTEST, apply_fix, run, without_xfail
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_capture"
 BUG = "    for row, char in enumerate(alphabet, start=1):  # the bug: rows must count from 0\n"
@@ -64,10 +64,7 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
     before.stdout.fnmatch_lines_random([
         f"XFAIL cases/{name}/case.toml::{name}[[]cpu-bfloat16[]] - {XFAIL}" for name in CASES])
 
-    data_py = project / "tiny_lm" / "data.py"
-    source = data_py.read_text()
-    assert BUG in source
-    data_py.write_text(source.replace(BUG, FIX))
+    apply_fix(project / "tiny_lm" / "data.py", BUG, FIX)
 
     # The model and its embedding are rebuilt from the fixed code: XPASS(strict). The op case
     # holds the out-of-range row itself, which no fix upstream of the op can change.

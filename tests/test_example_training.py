@@ -40,6 +40,13 @@ def run(project: Path, *args: str) -> pytest.RunResult:
                             time.monotonic() - start)
 
 
+def apply_fix(source_file: Path, bug: str, fix: str) -> None:
+    """Make the fix a user makes: the buggy line, which must be there, replaced."""
+    source = source_file.read_text()
+    assert bug in source
+    source_file.write_text(source.replace(bug, fix))
+
+
 def replay(project: Path) -> pytest.RunResult:
     # CPU items only, so that the outcomes are the same on a GPU runner.
     return run(project, sys.executable, "-c", PYTEST, "--gpu-cases", "cases", "-rxX",
@@ -94,10 +101,7 @@ def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytest
         f"XFAIL cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]] - {XFAIL}",
     ])
 
-    data_py = project / "toy_train" / "data.py"
-    source = data_py.read_text()
-    assert BUG in source
-    data_py.write_text(source.replace(BUG, FIX))
+    apply_fix(project / "toy_train" / "data.py", BUG, FIX)
 
     # After the fix: the same case passes, seen as XPASS(strict) until its xfail line goes.
     after = replay(project)
