@@ -556,15 +556,6 @@ class _Walk:
             self.fail(path, "type", f"cannot compare values of type {_type_name(actual)} (a "
                       f"module): return its outputs or its state_dict(); {by_value}")
             return
-        shown_a, shown_e = _safe_repr(actual), _safe_repr(expected)
-        if type(actual).__eq__ is object.__eq__ and " at 0x" in shown_a:
-            # Only the same object is equal: right for an enum member or a dtype (which
-            # say who they are), never for a generator or a plain object (shown by address).
-            if actual is not expected:
-                self.fail(path, "values", f"values differ: actual {shown_a} vs expected "
-                          f"{shown_e} (type {_type_name(actual)} defines no ==, so only the "
-                          f"same object is equal; {by_value})")
-            return
         try:
             equal = bool(actual == expected)
         except Exception as exc:  # an elementwise ==, or a user's __eq__ that fails
@@ -574,8 +565,16 @@ class _Walk:
                 f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: {exc}",
             )
             return
-        if not equal:
-            self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}")
+        if equal:
+            return
+        shown_a, shown_e = _safe_repr(actual), _safe_repr(expected)
+        note = ""
+        if type(actual).__eq__ is object.__eq__ and " at 0x" in shown_a:
+            # Only the same object is equal: right for an enum member or a dtype (which
+            # say who they are), never for a generator or a plain object (shown by address).
+            note = (f" (type {_type_name(actual)} defines no ==, so only the same object is "
+                    f"equal; {by_value})")
+        self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}{note}")
 
     # -- Python numbers ------------------------------------------------------
 
