@@ -252,7 +252,10 @@ def load_case(path: Path) -> Case:
     path = Path(path)
     file = path / CASE_FILE
     text = _read_text(file, path)
-    if _nesting(text) > MAX_TOML_DEPTH:
+    # Each level of nesting needs a bracket or a brace (or a dot in a key, which tomllib
+    # does not recurse on): a text with fewer of them cannot nest too deep.
+    brackets = text.count("[") + text.count("{")
+    if brackets > MAX_TOML_DEPTH and _nesting(text) > MAX_TOML_DEPTH:
         raise CaseFormatError(file, f"arrays or tables nest deeper than {MAX_TOML_DEPTH} levels; "
                               "a case needs a few: flatten the structure")
     try:
@@ -261,8 +264,14 @@ def load_case(path: Path) -> Case:
         raise CaseFormatError(file, f"invalid TOML: {exc}") from None
     except (ValueError, RecursionError) as exc:  # an integer of thousands of digits, say
         raise CaseFormatError(file, f"invalid TOML: {exc}; TOML integers are 64-bit") from None
-    _check_bounds(doc, file)
+    if brackets + text.count(".") >= MAX_TOML_DEPTH or _LONG_NUMBER.search(text):
+        _check_bounds(doc, file)
     return _parse(doc, path, file)
+
+
+# An integer beyond 64 bits has at least 16 digits (hex), 19 decimal: a text without such a
+# run of digit characters (underscores count, TOML allows them in numbers) holds none.
+_LONG_NUMBER = re.compile(r"[0-9a-fA-F_]{16}")
 
 
 def _read_text(file: Path, case_dir: Path) -> str:

@@ -137,6 +137,19 @@ def _mark(name: str) -> pytest.MarkDecorator:
     return getattr(pytest.mark, name)  # type: ignore[no-any-return]
 
 
+@functools.lru_cache(maxsize=256)
+def _skip_mark(reason: str) -> pytest.MarkDecorator:
+    """A skip marker, made once per reason: every item of a device missing here shares one."""
+    return pytest.mark.skip(reason=reason)
+
+
+@functools.lru_cache(maxsize=256)
+def _xfail_mark(reason: str) -> pytest.MarkDecorator:
+    """A case's xfail marker: only the known failure counts as xfailed (``KnownFailure``);
+    any other failure is a failure."""
+    return pytest.mark.xfail(reason=reason, strict=True, raises=KnownFailure)
+
+
 def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
     """pytest >= 9.2 keeps structured ids and matches ``--lf`` on them: give the item its
     params as parametrized functions have them, or ``name[params]`` never equals itself."""
@@ -257,11 +270,9 @@ class CaseItem(pytest.Item):
         # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
         self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
         if spec.skip is not None:
-            self.add_marker(pytest.mark.skip(reason=spec.skip))
+            self.add_marker(_skip_mark(spec.skip))
         elif (reason := xfail_reason(spec)) is not None:
-            # Only the known failure counts as xfailed; any other failure is a failure.
-            self.add_marker(pytest.mark.xfail(reason=reason, strict=True,
-                                              raises=KnownFailure))
+            self.add_marker(_xfail_mark(reason))
 
     # The "gpucase" user property (the item's spec as JSON) is written when a report first
     # reads the properties, not at collection: JSON for 20,000 items that a -k or --lf

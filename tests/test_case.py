@@ -155,6 +155,29 @@ def test_deep_dotted_keys_are_refused(case_dir: Path) -> None:
                         "structure")
 
 
+@pytest.mark.parametrize(("number", "shown"), [
+    ("0x8000000000000000", "9223372036854775808"),   # 16 hex digits, one past int64
+    ("0o1000000000000000000000", "9223372036854775808"),
+    ("0b1" + "0" * 63, "9223372036854775808"),
+    ("9_223_372_036_854_775_808", "9223372036854775808"),
+    ("-9_223_372_036_854_775_809", "-9223372036854775809"),
+])
+def test_every_spelling_of_a_too_large_integer_is_refused(case_dir: Path, number: str,
+                                                          shown: str) -> None:
+    # load_case walks the document only when the text holds a run of 16 digit characters
+    # (or enough nesting): each TOML spelling of the smallest integer past 64 bits has one.
+    assert message(case_dir, MINIMAL + f"[origin]\nn = {number}\n") == (
+        f"{SHOWN}: origin.n: integer {shown} does not fit in 64 bits; write a smaller number")
+
+
+def test_nesting_at_the_limit_is_read_and_one_more_is_refused(case_dir: Path) -> None:
+    # [origin] plus dotted keys: the value of a 31-part key sits 32 levels deep.
+    case = load_case_from(case_dir, MINIMAL + "[origin]\n" + ".".join(["a"] * 31) + " = 1\n")
+    assert case.origin["a"]["a"]
+    assert message(case_dir, MINIMAL + "[origin]\n" + ".".join(["a"] * 32) + " = 1\n").endswith(
+        ": tables nest deeper than 32 levels; a case needs a few: flatten the structure")
+
+
 @pytest.mark.parametrize(("toml", "expected"), [
     ("timeout = " + "9" * 5000,
      "invalid TOML: Exceeds the limit (4300 digits) for integer string conversion: value has "
