@@ -189,10 +189,14 @@ session_key = pytest.StashKey[GpuCaseSession]()
 
 def _start_zygote(config: pytest.Config, state: GpuCaseSession) -> None:
     """Start the forkserver's zygote now, before anything in this process can initialize
-    CUDA, where runs may need it (auto or forkserver; not on an xdist controller)."""
+    CUDA, where runs may need it (auto or forkserver; not on an xdist controller, not for
+    ``--collect-only``, which an editor's test view runs at every change and which runs
+    nothing: the zygote and the run-time modules it preloads cost a fifth of a second)."""
     from .isolation import forkserver, forkserver_available
 
     if state.settings["gpu_start_method"] not in ("auto", "forkserver"):
+        return
+    if config.getoption("collectonly", False):
         return
     if not hasattr(config, "workerinput") and config.getoption("numprocesses", None):
         return  # the workers run the items, each with a zygote of its own

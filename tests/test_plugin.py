@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase import isolation, payload
 
 CE_CASE_PY = """
 import torch
@@ -71,6 +71,28 @@ def test_collects_ids_like_device_type_tests(pytester: pytest.Pytester, cases: P
         "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]]",
         "cases/ce_class4/case.toml::ce_class4[[]cuda-float32[]]",
     ])
+
+
+@pytest.mark.skipif(not isolation.forkserver_available(),
+                    reason="the forkserver needs Linux pidfds and fd passing")
+def test_collect_only_starts_no_zygote(pytester: pytest.Pytester, cases: Path) -> None:
+    # An editor's test view runs --collect-only at every change: it runs nothing, so the
+    # forkserver's zygote (and the run-time modules it preloads) is not started for it.
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    pytester.makeconftest("""
+        import sys
+
+        def pytest_collection_finish(session):
+            isolation = sys.modules.get("pytest_gpucase.isolation")
+            zygote = isolation._ZYGOTE if isolation is not None else None
+            print("zygote:", "none" if zygote is None else "started")
+            print("execute loaded:", "pytest_gpucase.execute" in sys.modules)
+    """)
+    listed = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "-s", "cases")
+    listed.stdout.fnmatch_lines(["zygote: none", "execute loaded: False"])
+    ran = pytester.runpytest_subprocess("--gpu-cases", "-q", "-s", "cases")
+    ran.stdout.fnmatch_lines(["zygote: started"])
+    ran.assert_outcomes(passed=1, skipped=1)
 
 
 def test_plain_pytest_ignores_cases(pytester: pytest.Pytester, cases: Path) -> None:
