@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
@@ -71,6 +72,12 @@ def test_collects_ids_like_device_type_tests(pytester: pytest.Pytester, cases: P
         "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]]",
         "cases/ce_class4/case.toml::ce_class4[[]cuda-float32[]]",
     ])
+    # The ids the docs quote are the ids pytest prints: a reader pastes them.
+    docs = "\n".join((Path(__file__).parent.parent / "docs" / name).read_text("utf-8")
+                     for name in ("case-format.md", "report-schema.md"))
+    assert "cases/ce_class4/case.toml::ce_class4[cpu-float32]" in docs
+    quoted = set(re.findall(r"cases/\w+(?:/[\w.]+)?::\w+\[[^`\"]*", docs))
+    assert quoted and all("/case.toml::" in node_id for node_id in quoted), quoted
 
 
 @pytest.mark.skipif(not isolation.forkserver_available(),
