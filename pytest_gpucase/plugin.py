@@ -8,6 +8,7 @@ no case pays nothing; the engine is imported lazily.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,11 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     state = session.config.stash[session_key]
-    if not state.enabled or hasattr(session.config, "workerinput"):
+    if hasattr(session.config, "workerinput"):
+        return
+    if not state.enabled:
+        if not session.items and not session.testsfailed:
+            _hint_gpu_cases(session.config, state)
         return
     found = any(isinstance(item, (CaseItem, BrokenCaseItem)) for item in session.items)
     if found:
@@ -125,6 +130,31 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "--gpu-cases found no case folder (a folder holding a case.toml) under "
             + ", ".join(session.config.args) + ": pass the case folders (pytest --gpu-cases "
             "cases) or list them in the ini key gpu_cases_paths")
+
+
+def _hint_gpu_cases(config: pytest.Config, state: GpuCaseSession) -> None:
+    """When a run without --gpu-cases collected nothing, say so if what it was given holds
+    case folders (a forgotten flag). Looked for only then, two levels deep: nothing is
+    added to a plain run that collects tests."""
+    from .case import is_case_dir
+
+    found: list[str] = []
+    for arg in config.args:
+        path = Path(arg.split("::")[0])
+        levels = [[path]]
+        with contextlib.suppress(OSError):
+            if path.is_dir() and not is_case_dir(path):
+                levels.append(sorted(p for p in path.iterdir() if p.is_dir()))
+                levels.append(sorted(p for d in levels[1] if not is_case_dir(d)
+                                     for p in d.iterdir() if p.is_dir()))
+        found += [display_posix(p) for level in levels for p in level if is_case_dir(p)]
+    if found:
+        given = (" " + " ".join(config.args)
+                 if config.args_source == pytest.Config.ArgsSource.ARGS else "")
+        state.notes.append(
+            f"{len(found)} case folder{'s' if len(found) > 1 else ''} ("
+            + ", ".join(found[:3]) + (", ..." if len(found) > 3 else "")
+            + f") not collected: cases run with --gpu-cases (pytest --gpu-cases{given})")
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

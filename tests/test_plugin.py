@@ -106,6 +106,14 @@ def test_plain_pytest_ignores_cases(pytester: pytest.Pytester, cases: Path) -> N
     ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
     result = pytester.runpytest_subprocess("cases")
     assert result.ret == pytest.ExitCode.NO_TESTS_COLLECTED
+    # ... but says how to run them, since nothing else ran.
+    result.stdout.fnmatch_lines(["gpucase: 1 case folder (cases/ce_class4) not collected: "
+                                 "cases run with --gpu-cases (pytest --gpu-cases cases)"])
+    ce_case(cases, "ce_other", [0, 2, 4], RAISES)
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    quiet = pytester.runpytest_subprocess()  # tests ran: no note in every plain run
+    quiet.assert_outcomes(passed=1)
+    assert "not collected" not in quiet.stdout.str()
 
 
 def test_raises_case_passes_and_cuda_is_skipped_with_reason(
