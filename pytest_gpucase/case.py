@@ -23,7 +23,7 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from .backends import BACKENDS as BACKENDS, DEVICE_TYPES as DEVICE_TYPES  # read here as before
-from .errors import CaseFormatError, regular_file
+from .errors import CaseFormatError, link_inside, regular_file
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -281,13 +281,7 @@ def _read_text(file: Path, case_dir: Path) -> str:
     or never end, so it is refused from its ``stat``, and the size is checked
     before anything is read.
     """
-    try:
-        target = os.readlink(file) if os.path.islink(file) else None
-    except OSError:
-        target = None
-    if target is not None and not file.resolve().is_relative_to(case_dir.resolve()):
-        raise CaseFormatError(file, f"is a symlink to {target}, outside the case directory; "
-                              "replace it with the file itself")
+    target = link_inside(file, case_dir)
     try:
         info = regular_file(file, "replace it with the case's TOML text file")
     except FileNotFoundError:

@@ -74,6 +74,23 @@ def regular_file(path: Path, fix: str) -> os.stat_result:
     return info
 
 
+def link_inside(file: Path, directory: Path) -> str | None:
+    """The target of ``file`` when it is a symlink that stays inside ``directory`` (None when
+    it is no symlink); ``CaseFormatError`` when the link leads outside.
+
+    A case directory is whole by itself: a link out of it does not come along with a
+    copy of the case, and would have the case read whatever file its author chose.
+    """
+    try:
+        target = os.readlink(file) if os.path.islink(file) else None
+    except OSError:
+        return None
+    if target is not None and not file.resolve().is_relative_to(directory.resolve()):
+        raise CaseFormatError(file, f"is a symlink to {printable(target)}, outside the case "
+                              "directory; replace it with the file itself")
+    return target
+
+
 def display_posix(path: Path) -> str:
     """``display(path)`` with ``/``; a normalized path below the working directory (every
     collected case) is cut with string operations: pathlib costs a quarter millisecond a

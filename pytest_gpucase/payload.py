@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .errors import CaseFormatError, printable, regular_file
+from .errors import CaseFormatError, link_inside, printable, regular_file
 from .fsutil import write_atomic as _write_atomic  # a module name: tests slow it down
 
 if TYPE_CHECKING:
@@ -308,6 +308,7 @@ def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
     pickle, say) is refused from its first bytes and never unpickled.
     """
     path = Path(path)
+    link_inside(path, path.parent)  # a payload lives in its case directory
     try:
         size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
         with _open_regular(path) as handle:
@@ -525,6 +526,7 @@ def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
 def content_hash(path: Path) -> str:
     """The sha256 of a file's bytes, as ``sha256:<hex>``."""
     digest = hashlib.sha256()
+    link_inside(path, path.parent)
     regular_file(path, f"replace it with the safetensors file; {_RESAVE}")
     with _open_regular(path) as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):

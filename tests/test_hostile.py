@@ -213,8 +213,9 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                      "regular file; *"),
     "payload_dev_zero": (GOOD_CALL, RUN_X, None,
                          replace_payload(lambda f: f.symlink_to("/dev/zero")),
-                         "cases/payload_dev_zero/inputs.safetensors: is a character device, not "
-                         "a regular file; *"),
+                         "cases/payload_dev_zero/inputs.safetensors: is a symlink to "
+                         "/dev/zero, outside the case directory; replace it with the file "
+                         "itself"),
     "payload_offset_huge": (GOOD_CALL, RUN_X, None, huge_offset,
                             "cases/payload_offset_huge/inputs.safetensors: tensor 'x': layout "
                             "storage_offset 1099511627776 is over the limit of *; refusing to "

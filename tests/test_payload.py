@@ -735,7 +735,7 @@ def test_special_files_are_refused_before_opening(tmp_path: Path, kind: str) -> 
     if kind == "fifo":
         os.mkfifo(path)
     elif kind == "device":
-        path.symlink_to("/dev/zero")
+        path = Path("/dev/zero")  # a link to it is refused earlier (next test)
     else:
         path.mkdir()
     what = {"fifo": "a FIFO (named pipe)", "device": "a character device",
@@ -746,6 +746,29 @@ def test_special_files_are_refused_before_opening(tmp_path: Path, kind: str) -> 
         assert str(excinfo.value) == (
             f"{path}: is {what}, not a regular file; replace it with the safetensors file; "
             f"{RESAVE}")
+
+
+def test_a_payload_linked_from_outside_its_case_directory_is_refused(tmp_path: Path) -> None:
+    # As case.toml and case.py are: a copy of the case would lose the file, and the case
+    # would read whatever its author pointed at. A link inside the directory is read.
+    outside, case_dir = tmp_path / "elsewhere", tmp_path / "case"
+    outside.mkdir()
+    case_dir.mkdir()
+    payload.save(outside / "inputs.safetensors", {"x": torch.ones(2)})
+    payload.save(case_dir / "saved.safetensors", {"x": torch.ones(3)})
+    for target in (outside / "inputs.safetensors", Path("/dev/zero"), Path("../elsewhere")):
+        link = case_dir / "inputs.safetensors"
+        link.unlink(missing_ok=True)
+        link.symlink_to(target)
+        for read in (payload.describe, payload.load, payload.content_hash):
+            with pytest.raises(CaseFormatError) as excinfo:
+                read(link)
+            assert str(excinfo.value) == (
+                f"{link}: is a symlink to {target}, outside the case directory; replace it "
+                "with the file itself")
+    link.unlink()
+    link.symlink_to("saved.safetensors")
+    assert payload.load(link)["x"].shape == (3,)
 
 
 def test_missing_file(tmp_path: Path) -> None:
