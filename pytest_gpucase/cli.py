@@ -60,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     matrix = commands.add_parser(
         "matrix", help="merge JSON reports of several runners into a compatibility matrix")
     matrix.add_argument("reports", nargs="+", type=Path, metavar="REPORT",
-                        help="a JSON report written by pytest --gpu-report, one per runner")
+                        help="a JSON report written by pytest --gpu-cases-report, one per runner")
     matrix.add_argument("--format", choices=tuple(RENDERERS), default="markdown",
                         help="how to write the matrix (default: %(default)s)")
     matrix.add_argument("--plugin", action="append", default=[], metavar="MODULE",
