@@ -479,12 +479,13 @@ class Recorder:
             inputs, ids = _Inputs(), context.ids
         draft = self._draft(exc, watched, inputs, context, ids, stderr_text)
         draft = dataclasses.replace(draft, context=numeric)
-        case_dir = _write_case(self.root, draft)
+        case_dir, new = _write_case(self.root, draft)
         with self._lock:
             self._case_dir = case_dir
             if self._later:
                 _set_later_errors(case_dir, self._later)
-        self._say(f"gpucase: saved {_shown(case_dir)} (first failure{_where(context)})")
+        if new:  # else _count_seen said which case holds it, and that no copy was written
+            self._say(f"gpucase: saved {_shown(case_dir)} (first failure{_where(context)})")
         if found is not None:
             self._say(found.render())
         if draft.xfail is None:
@@ -556,8 +557,9 @@ class Recorder:
             draft = self._draft(exc, inner, inputs, self._context(), self._context().ids, "")
             draft = dataclasses.replace(draft, context=numeric, origin={
                 **draft.origin, "narrowed_from": base, "module": qualname})
-            kept = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
-            self._report_narrowed(kept, f"module {qualname}")
+            kept, new = _write_kept(self.root, draft,
+                                    lambda tmp: _reproduces(tmp, failure, start))
+            self._report_narrowed(kept, f"module {qualname}", new)
             if kept is None:
                 return
             module_dir = kept
@@ -576,7 +578,7 @@ class Recorder:
                                  start_method=start)
             table = child.value if child.returned else None
             if not isinstance(table, dict) or not out.exists():
-                self._report_narrowed(None, "op (no single ATen op raised)")
+                self._report_narrowed(None, "op (no single ATen op raised)", False)
                 return
             tensors = payload.load(out)
         case = load_case(module_dir)
@@ -588,16 +590,19 @@ class Recorder:
             origin={**case.origin, "narrowed_from": base, "op": op},
             tensors=tensors, files={},
             context={k: v for k, v in _context_doc(case).items() if k != "rng"})
-        kept = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
-        self._report_narrowed(kept, f"op {op}")
+        kept, new = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
+        self._report_narrowed(kept, f"op {op}", new)
 
-    def _report_narrowed(self, kept: Path | None, what: str) -> None:
+    def _report_narrowed(self, kept: Path | None, what: str, new: bool) -> None:
+        """Say what became of a narrowed case; ``new``: this call wrote ``kept`` (else it is
+        the earlier copy of the same failure, and _count_seen has said so)."""
         if kept is None:
             self._say(f"gpucase: note: the narrowed case of {what} did not reproduce the "
                       "failure in a fresh child, so it was not kept")
             return
         self.narrowed.append(kept)
-        self._say(f"gpucase: saved {_shown(kept)} (narrowed to {what})")
+        if new:
+            self._say(f"gpucase: saved {_shown(kept)} (narrowed to {what})")
 
     def _draft(self, exc: BaseException, watched: _Watched | None, inputs: _Inputs,
                context: _Context, ids: tuple[str | int, ...] | None,
@@ -1094,15 +1099,17 @@ def _claim(root: Path, name: str) -> Path:
     raise AssertionError("unreachable")  # itertools.count never ends
 
 
-def _write_case(root: Path, draft: _Draft) -> Path:
-    """Write a case directory atomically under ``root`` and return it; never overwrite one.
+def _write_case(root: Path, draft: _Draft) -> tuple[Path, bool]:
+    """Write a case directory atomically under ``root``; never overwrite one. Returns the
+    case and whether this call wrote it.
 
     A rerun that hits the same failure (same call, failure class and inputs) finds the
-    case it wrote before: that one's ``[origin] seen`` and ``last_seen`` are updated instead.
+    case it wrote before: that one's ``[origin] seen`` and ``last_seen`` are updated instead,
+    and it is returned with False.
     """
-    written = _write_kept(root, draft, None)
+    written, new = _write_kept(root, draft, None)
     assert written is not None  # nothing to refuse without ``keep``
-    return written
+    return written, new
 
 
 class _NotWritten(Exception):
@@ -1113,8 +1120,12 @@ class _NotWritten(Exception):
         self.existing = existing
 
 
-def _write_kept(root: Path, draft: _Draft, keep: Callable[[Path], bool] | None) -> Path | None:
+def _write_kept(root: Path, draft: _Draft, keep: Callable[[Path], bool] | None,
+                ) -> tuple[Path | None, bool]:
     """Write a case as ``_write_case`` does, once ``keep(staged directory)`` says yes.
+
+    Returns the case and whether this call wrote it: (None, False) when ``keep`` said
+    no, (the earlier case, False) when it holds the same failure.
 
     ``fsutil.write_case_dir`` writes it into a hidden temporary directory beside the
     target (hidden directories are not collected), ``case.toml`` last; the directory
@@ -1134,11 +1145,11 @@ def _write_kept(root: Path, draft: _Draft, keep: Callable[[Path], bool] | None) 
 
     try:
         return fsutil.write_case_dir(root / draft.name, _case_document(draft), files,
-                                     check=check, claim=lambda: _claim(root, draft.name))
+                                     check=check, claim=lambda: _claim(root, draft.name)), True
     except _NotWritten as stop:
         if stop.existing is not None:
             _count_seen(stop.existing)
-        return stop.existing
+        return stop.existing, False
 
 
 def _read_doc(case_dir: Path) -> dict[str, Any] | None:

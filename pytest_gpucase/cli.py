@@ -42,6 +42,13 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _names(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(","))
+    if not all(names):
+        raise argparse.ArgumentTypeError(f"expected NAME[,NAME...], got {text!r}")
+    return names
+
+
 def _parser() -> argparse.ArgumentParser:
     from .report import RENDERERS  # neither torch nor pytest: cheap, and the one list of formats
 
@@ -53,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     matrix = commands.add_parser(
         "matrix", help="merge JSON reports of several runners into a compatibility matrix")
     matrix.add_argument("reports", nargs="+", type=Path, metavar="REPORT",
-                        help="a JSON report written by pytest --gpu-report, one per runner")
+                        help="a JSON report written by pytest --gpu-cases-report, one per runner")
     matrix.add_argument("--format", choices=tuple(RENDERERS), default="markdown",
                         help="how to write the matrix (default: %(default)s)")
     matrix.add_argument("--plugin", action="append", default=[], metavar="MODULE",
@@ -84,6 +91,10 @@ def _parser() -> argparse.ArgumentParser:
                           "CASE_min beside CASE)")
     minimize.add_argument("--device", default=None, help="device type to run on (default: the "
                           "first the case can run on here)")
+    minimize.add_argument("--inputs", type=_names, metavar="NAME[,NAME...]",
+                          help="the saved tensors that follow the batch axis, when gpucase "
+                          "cannot tell them (default: [variants.batch] inputs, else inferred); "
+                          "adds no pytest item, as a [variants.batch] table would")
     minimize.add_argument("--max-tries", type=_positive_int, default=200, metavar="N",
                           help="shrinking tries at most (the first run of the original is "
                           "extra; default: %(default)s)")
@@ -243,7 +254,7 @@ def _minimize(args: argparse.Namespace) -> int:
     try:
         result = minimize_command(args.case, output=args.output, device=args.device,
                                   max_tries=args.max_tries, time_budget=args.time_budget,
-                                  progress=sys.stdout)
+                                  progress=sys.stdout, inputs=args.inputs)
     except KeyboardInterrupt:
         # Ctrl-C during the search writes the best case so far; here it came before one.
         return _error("minimize", "interrupted before any smaller case; nothing written", 130)

@@ -355,7 +355,7 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
     text = outcome.summary
     if outcome.details:
         text += "\n\n" + outcome.details.rstrip()
-    resized = (describe_saved(spec.variant, spec.case.inputs_file)
+    resized = (describe_saved(spec.variant, spec.case)
                if spec is not None and spec.variant is not None else None)
     if resized:
         text += "\n\n" + resized   # which inputs the variant resized, to what shape

@@ -29,6 +29,7 @@ from __future__ import annotations
 import io
 import contextlib
 import os
+import shlex
 import shutil
 import sys
 import tempfile
@@ -41,7 +42,7 @@ from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 import tomli_w
 
 from . import fsutil, payload
-from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, load_case
+from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case, load_case
 from .environment import Environment
 from .errors import display
 from .isolation import StartMethod, signal_name
@@ -49,7 +50,7 @@ from .isolation import StartMethod, signal_name
 from .plan import NotRunnable as NotRunnable, RunSpec, choose_device as choose_device
 from .plan import unchanged_runs
 from .runner import Verdict, run_spec
-from .variants import VariantNotApplicable, members_of, shapes_of
+from .variants import InputsInDoubt, VariantNotApplicable, case_shapes, members_of, shapes_of
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -241,29 +242,42 @@ class Axes:
 
 
 def _members(case: Case, tensors: Mapping[str, torch.Tensor], axis: int,
-             table: AxisSizes | None) -> tuple[int | None, frozenset[str]]:
-    """The saved size on ``axis`` and who shares it: the variants' rule (``members_of``)."""
+             names: tuple[str, ...] | None, kind: str) -> tuple[int | None, frozenset[str]]:
+    """The saved size on ``axis`` and who shares it: the variants' rule (``members_of``), on
+    the tensors it sees (never an RNG state or a module's state dict: ``case_shapes``)."""
     anchor = case.variants.boundaries.input if case.variants.boundaries is not None else None
     try:
-        found = members_of(shapes_of(tensors), axis, anchor,
-                           table.inputs if table is not None else None)
+        found = members_of(case_shapes(case, shapes_of(tensors)), axis, anchor, names,
+                           table=kind)
     except VariantNotApplicable as exc:
+        why = str(exc)
+        if isinstance(exc, InputsInDoubt) and kind == "batch":
+            # Named on the command line: a [variants.batch] table would add pytest items too.
+            listed = shlex.quote(",".join(exc.candidates))
+            why = (f"{exc.reason}; name the inputs that follow it, e.g. gpucase minimize "
+                   f"{shlex.quote(display(case.path))} --inputs {listed}")
         raise NotRunnable(f"{display(case.case_file)}: which inputs to shrink on axis {axis}: "
-                          f"{exc}") from None
+                          f"{why}") from None
     if found is None:
         return None, frozenset()
     return found[0], frozenset(found[1])
 
 
-def plan_axes(case: Case, tensors: Mapping[str, torch.Tensor]) -> Axes:
-    """The batch axis (``[variants] batch``, default 0) and the length axis, if one is named."""
+def plan_axes(case: Case, tensors: Mapping[str, torch.Tensor],
+              inputs: tuple[str, ...] | None = None) -> Axes:
+    """The batch axis (``[variants] batch``, default 0) and the length axis, if one is named.
+
+    ``inputs`` (``--inputs``) name the tensors that follow the batch axis, before
+    ``[variants.batch] inputs``; neither: the variants' rule infers them.
+    """
     batch = case.variants.batch
     batch_axis = batch.axis if batch is not None else 0
-    batch_size, batch_members = _members(case, tensors, batch_axis, batch)
+    names = inputs if inputs is not None else batch.inputs if batch is not None else None
+    batch_size, batch_members = _members(case, tensors, batch_axis, names, "batch")
     length = case.variants.length
     if length is None or length.axis == batch_axis:
         return Axes(batch_axis, batch_size, batch_members)
-    length_size, length_members = _members(case, tensors, length.axis, length)
+    length_size, length_members = _members(case, tensors, length.axis, length.inputs, "length")
     return Axes(batch_axis, batch_size, batch_members, length.axis, length_size, length_members)
 
 
@@ -479,10 +493,13 @@ def minimize(
     start_method: StartMethod = "fork",
     out: TextIO | None = None,
     clock: Callable[[], float] = time.monotonic,
+    inputs: Sequence[str] | None = None,
 ) -> Minimized:
     """Shrink ``case`` to the fewest entries that fail the same way and write the new case.
 
-    ``max_tries`` bounds the shrinking tries (the first run of the original is not
+    ``inputs`` name the saved tensors that follow the batch axis (``--inputs``),
+    when the rule cannot tell them and the case's ``[variants.batch]`` does not
+    list them. ``max_tries`` bounds the shrinking tries (the first run of the original is not
     one); ``time_budget`` bounds the whole, checked before each try. Ctrl-C stops
     the search and the best case so far is written. Raises ``OriginalPasses`` when
     the original passes, ``NotRunnable`` when it cannot run here or has no tensors
@@ -515,7 +532,7 @@ def minimize(
         tensors = payload.load(case.inputs_file)
     _, metadata = payload.read_header(case.inputs_file)
     metadata = {k: v for k, v in metadata.items() if k != payload.LAYOUT_KEY}
-    axes = plan_axes(case, tensors)
+    axes = plan_axes(case, tensors, tuple(inputs) if inputs is not None else None)
     if axes.batch_size is None and axes.length_size is None:
         raise NotRunnable(f"{display(case.path)}: no saved tensor has axis {axes.batch_axis}: "
                           "nothing to shrink")
@@ -694,7 +711,8 @@ def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
 
 
 def minimize_command(case: Path, *, output: Path | None, device: str | None, max_tries: int,
-                     time_budget: float, progress: TextIO | None = None) -> Minimized:
+                     time_budget: float, progress: TextIO | None = None,
+                     inputs: Sequence[str] | None = None) -> Minimized:
     """``gpucase minimize``: shrink the case at ``case`` on this machine (the command prints).
 
     Raises what ``minimize`` raises, and KeyboardInterrupt when Ctrl-C came before
@@ -708,4 +726,5 @@ def minimize_command(case: Path, *, output: Path | None, device: str | None, max
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
     return minimize(loaded, env=env, device=device, output=output, max_tries=max_tries,
-                    time_budget=time_budget, start_method=default_start_method(), out=progress)
+                    time_budget=time_budget, start_method=default_start_method(), out=progress,
+                    inputs=inputs)

@@ -288,7 +288,7 @@ def _resized(case: Case) -> list[str]:
     """Which inputs each batch/length variant resizes, to what shape (the payload's header)."""
     from .variants import describe_saved, expand
 
-    found = (describe_saved(variant, case.inputs_file) for variant in expand(case.variants))
+    found = (describe_saved(variant, case) for variant in expand(case.variants))
     return [line for line in found if line]
 
 

@@ -34,6 +34,7 @@ from .variants import (
     Variant,
     VariantNotApplicable,
     VariantTooLarge,
+    case_shapes,
     check_size,
     header_shapes,
     members_of,
@@ -367,6 +368,7 @@ def _find_module(name: str) -> str | None:
 def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseFormatError]:
     """Each ``batch``/``length`` axis within the rank of the inputs, its sizes within bounds."""
     problems = []
+    shapes = case_shapes(case, shapes)  # as the variants see them: no RNG state, no state dict
     tables = case.variants
     anchor = tables.boundaries.input if tables.boundaries is not None else None
     axes: tuple[tuple[Literal["batch", "length"], AxisSizes | None], ...] = (
@@ -376,7 +378,7 @@ def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseForma
             continue
         key = f"[variants] {kind}"
         try:
-            found = members_of(shapes, table.axis, anchor, table.inputs)
+            found = members_of(shapes, table.axis, anchor, table.inputs, table=kind)
         except VariantNotApplicable as exc:
             problems.append(CaseFormatError(case.case_file, str(exc), key=key))
             continue

@@ -30,8 +30,14 @@ shapes:
 3. A tensor input follows the axis when its sizes up to and including the axis
    equal the anchor's and it is not a parameter: a mask ``(B, T)`` follows
    ``x (B, T, D)`` on axis 1, a bias ``(T, T)`` does not.
+0. Only per-sample call inputs are candidates. The saved tensors that are not
+   are never cut and never anchor (``never_cut``): the RNG states ``[context]
+   rng`` names (restored around the call, never passed to it), a dict
+   argument's tensors (passed as one dict), and a module case's state dict
+   (``state.<name>`` of ``replay_module``: the weights, whatever their sizes).
 4. In doubt, nothing is cut and the variant is not applicable, with a message
-   asking for ``inputs = [...]``: when an input named as a parameter has the
+   asking to add ``inputs = [...]`` to the table (``gpucase minimize`` asks for
+   its ``--inputs`` instead, which adds no pytest item): when an input named as a parameter has the
    anchor's leading sizes (a per-sample ``sample_weight`` or a model weight as
    large as the batch?), or when the anchor is alone on the axis while another
    non-parameter input of another size is left whole (samples ``x (2, 16)``
@@ -46,12 +52,12 @@ the saved tensors, which keep their strides where the size is not larger.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from .case import MAX_VARIANT_ELEMENTS, Expectation, VariantTables
+from .capture import MODULE_KEY, STATE_PREFIX, tensor_dicts
+from .case import MAX_VARIANT_ELEMENTS, Case, Expectation, VariantTables
 from .errors import CaseFormatError
 from .payload import TensorInfo
 
@@ -66,6 +72,26 @@ VARIANT_KINDS: tuple[Literal["batch", "length", "boundary"], ...] = ("batch", "l
 
 class VariantNotApplicable(Exception):
     """The saved inputs cannot give this variant (e.g. batch=8 of a 3-entry batch)."""
+
+
+class InputsInDoubt(VariantNotApplicable):
+    """The rule cannot tell which inputs follow the axis: the case or the command must name them.
+
+    ``reason`` says why, ``candidates`` are inputs of one size on the axis that
+    may follow it (an example that works as written); the message adds the fix
+    for a variant table, and ``gpucase minimize`` gives its own.
+    """
+
+    def __init__(self, reason: str, axis: int, candidates: Sequence[str], table: str) -> None:
+        self.reason, self.axis, self.candidates = reason, axis, tuple(candidates)
+        super().__init__(f"{reason}; add the inputs that follow axis {axis} to "
+                         f"[variants.{table}] in case.toml, e.g. inputs = "
+                         f"{quoted(self.candidates)}")
+
+
+def quoted(names: Sequence[str]) -> str:
+    """``["logits", "labels"]``: names as a TOML list, to paste."""
+    return "[" + ", ".join(f'"{name}"' for name in names) + "]"
 
 
 class VariantTooLarge(ValueError):
@@ -139,11 +165,40 @@ def members(inputs: Mapping[str, Any], axis: int, anchor: str | None = None,
             names: tuple[str, ...] | None = None) -> tuple[int, tuple[str, ...]] | None:
     """The saved size on ``axis`` and the tensor inputs that follow it (rules in the module doc).
 
-    ``anchor`` names the input whose size is the saved size (the boundaries
-    input), ``names`` the inputs case.toml lists; ``None`` when no tensor input
-    has the axis. Raises ``VariantNotApplicable`` when the rule is in doubt.
+    ``inputs`` are the call's keyword arguments; ``anchor`` names the input whose
+    size is the saved size (the boundaries input), ``names`` the inputs case.toml
+    lists; ``None`` when no tensor input has the axis. Raises
+    ``VariantNotApplicable`` when the rule is in doubt.
     """
-    return members_of(shapes_of(inputs), axis, anchor, names)
+    return members_of(call_shapes(shapes_of(inputs), inputs), axis, anchor, names)
+
+
+def never_cut(names: Iterable[str], literals: Mapping[str, Any],
+              rng: Collection[str] = ()) -> frozenset[str]:
+    """Which of the saved tensors ``names`` are no per-sample call input (rule 0).
+
+    ``literals`` are the case's ``[inputs]`` (or the call's keyword arguments:
+    a module case holds ``gpucase_module`` in both), ``rng`` the payload names
+    ``[context] rng`` gives. One home, for the variants in the child, the checks
+    of a case's header and ``gpucase minimize``.
+    """
+    grouped = {str(name) for members in tensor_dicts(literals).values()
+               if isinstance(members, Mapping) for name in members.values()}
+    module = isinstance(literals.get(MODULE_KEY), Mapping)
+    return frozenset(name for name in names if name in rng or name in grouped
+                     or (module and name.startswith(STATE_PREFIX)))
+
+
+def call_shapes(shapes: Mapping[str, Shape], literals: Mapping[str, Any],
+                rng: Collection[str] = ()) -> dict[str, Shape]:
+    """``shapes`` less the tensors no axis cuts (``never_cut``)."""
+    fixed = never_cut(shapes, literals, rng)
+    return {name: shape for name, shape in shapes.items() if name not in fixed}
+
+
+def case_shapes(case: Case, shapes: Mapping[str, Shape]) -> dict[str, Shape]:
+    """The saved tensors' ``shapes`` that the rule sees for ``case`` (``never_cut`` left out)."""
+    return call_shapes(shapes, case.literals, tuple(case.context.rng.values()))
 
 
 def shapes_of(inputs: Mapping[str, Any]) -> dict[str, Shape]:
@@ -177,8 +232,14 @@ def _shown(name: str, shape: tuple[int, ...]) -> str:
 
 
 def members_of(shapes: Mapping[str, Shape], axis: int, anchor: str | None = None,
-               names: tuple[str, ...] | None = None) -> tuple[int, tuple[str, ...]] | None:
-    """``members`` from shapes alone, as a payload's header gives them (no tensor read)."""
+               names: tuple[str, ...] | None = None, *,
+               table: str = "batch") -> tuple[int, tuple[str, ...]] | None:
+    """``members`` from shapes alone, as a payload's header gives them (no tensor read).
+
+    ``shapes`` hold the candidates only (``case_shapes``, ``call_shapes``);
+    ``table`` is the variant table a fix would name. Raises ``InputsInDoubt``
+    when the rule is in doubt.
+    """
     having = {name: shape for name, shape in shapes.items() if len(shape[0]) > axis}
     if names is not None:
         return _named_members(shapes, having, axis, names)
@@ -187,16 +248,22 @@ def members_of(shapes: Mapping[str, Shape], axis: int, anchor: str | None = None
     largest = max(having.values(), key=lambda shape: (_numel(shape[0]), len(shape[0])))[0]
 
     candidates = [name for name in having if not named_parameter(name)]
-    fix = (f"list the inputs that follow axis {axis} in case.toml, e.g. [variants.batch] "
-           f"inputs = [{', '.join(repr(n) for n in candidates[:2])}]".replace("'", '"'))
+
+    def doubt(reason: str, among: list[str]) -> InputsInDoubt:
+        # The example names inputs of one size on the axis, so that it works as written:
+        # the size most of ``among`` share (several inputs agreeing hint at the samples).
+        sizes = [having[name][0][axis] for name in among]
+        common = max(sizes, key=sizes.count)
+        return InputsInDoubt(reason, axis, [n for n, size in zip(among, sizes, strict=True)
+                                            if size == common], table)
+
     if anchor is not None and anchor in having:
         base = anchor
     elif candidates:
         base = max(candidates, key=lambda name: (_numel(having[name][0]), len(having[name][0])))
     else:
-        raise VariantNotApplicable(
-            f"every input with an axis {axis} is named as a parameter "
-            f"({', '.join(having)}), which is never cut by inference; {fix}")
+        raise doubt(f"every input with an axis {axis} is named as a parameter "
+                    f"({', '.join(having)}), which is never cut by inference", list(having))
     lead = having[base][0][:axis + 1]
     same = [name for name in having if having[name][0][:axis + 1] == lead]
 
@@ -210,17 +277,17 @@ def members_of(shapes: Mapping[str, Shape], axis: int, anchor: str | None = None
     doubtful = [name for name in same if name != base and named_parameter(name)
                 and parameter(name) and not parameter_by_shape(having[name], largest)]
     if doubtful:
-        raise VariantNotApplicable(
+        raise doubt(
             f"{', '.join(_shown(n, having[n][0]) for n in doubtful)} is named as a parameter but "
             f"has the size of {_shown(base, having[base][0])} on axis {axis}: cannot tell "
-            f"whether it follows; {fix}")
+            "whether it follows", same)
     followers = tuple(name for name in same if name == base or not parameter(name))
     left = [name for name in candidates if name not in followers and not parameter(name)]
     if len(followers) == 1 and left and base != anchor:
-        raise VariantNotApplicable(
+        raise doubt(
             f"cannot tell which input holds the samples on axis {axis}: "
             f"{_shown(base, having[base][0])} or "
-            f"{', '.join(_shown(n, having[n][0]) for n in left)}; {fix}")
+            f"{', '.join(_shown(n, having[n][0]) for n in left)}", left)
     return int(lead[axis]), followers
 
 
@@ -250,7 +317,8 @@ def _named_members(shapes: Mapping[str, Shape], having: Mapping[str, Shape], axi
 def resizes(variant: Variant, shapes: Mapping[str, Shape]
             ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
     """What a ``batch``/``length`` variant resizes: each input's shape before and after."""
-    found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+    found = members_of(shapes, variant.axis, variant.input, variant.inputs,
+                       table=variant.kind)
     if variant.kind == "boundary" or found is None:
         return {}
     names = found[1] if variant.inputs else sorted(
@@ -277,14 +345,15 @@ def describe_resize(variant: Variant, shapes: Mapping[str, Shape]) -> str | None
         f"{name} {before} -> {after}" for name, (before, after) in changed.items())
 
 
-def describe_saved(variant: Variant, inputs_file: Path) -> str | None:
+def describe_saved(variant: Variant, case: Case) -> str | None:
     """``describe_resize`` from a case's saved payload, reading its header only."""
     from .payload import describe
 
-    if variant.kind == "boundary" or not inputs_file.exists():
+    if variant.kind == "boundary" or not case.inputs_file.exists():
         return None
     try:
-        return describe_resize(variant, header_shapes(describe(inputs_file)))
+        return describe_resize(variant, case_shapes(case, header_shapes(
+            describe(case.inputs_file))))
     except CaseFormatError:
         return None  # a broken payload: the run itself says so
 
@@ -293,7 +362,8 @@ def resized_elements(variant: Variant, shapes: Mapping[str, Shape]) -> int:
     """Elements the resized inputs of a ``batch`` or ``length`` variant hold, all together."""
     if variant.kind == "boundary":
         return 0
-    found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+    found = members_of(shapes, variant.axis, variant.input, variant.inputs,
+                       table=variant.kind)
     if found is None or found[0] == 0:
         return 0
     saved, names = found
@@ -323,9 +393,10 @@ def apply(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]:
     """
     if variant.kind == "boundary":
         return _set_boundary(variant, inputs)
-    shapes = shapes_of(inputs)
+    shapes = call_shapes(shapes_of(inputs), inputs)  # the RNG states are out already
     try:
-        found = members_of(shapes, variant.axis, variant.input, variant.inputs)
+        found = members_of(shapes, variant.axis, variant.input, variant.inputs,
+                       table=variant.kind)
     except VariantNotApplicable as exc:
         raise VariantNotApplicable(f"{variant.label}: {exc}") from None
     if found is None:

@@ -290,3 +290,16 @@ def _rows(verdicts: dict[str, RowVerdict]) -> list[Row]:
 ])
 def test_reading(verdicts: dict[str, RowVerdict], reading: str) -> None:
     assert read(_rows(verdicts), "bfloat16") == reading
+
+
+def test_ablates_recommendation_to_minimize_runs_on_a_recorded_case(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests.test_minimize import recorded_ce_case
+
+    path = recorded_ce_case(tmp_path)
+    capsys.readouterr()
+    assert main(["ablate", str(path)]) == 0
+    assert "(shrink it with gpucase minimize)" in capsys.readouterr().out
+    # The advice, followed: the payload's RNG state is no third batch candidate.
+    assert main(["minimize", str(path), "--max-tries", "20"]) == 0
+    assert "entries on axis 0: 8 -> 1 (kept 5)" in capsys.readouterr().out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -16,6 +17,7 @@ import pytest_gpucase
 from pytest_gpucase import cli, request
 from pytest_gpucase.cli import EXIT_BROKEN_PIPE, main
 from pytest_gpucase.report import RENDERERS
+from pytest_gpucase.settings import SETTINGS
 
 from .test_request import RICH, rich_case, write_case
 
@@ -115,3 +117,15 @@ def test_validate_exit_code_follows_the_problems(
 def test_validate_fails_on_a_directory_without_a_case(tmp_path: Path) -> None:
     (tmp_path / "empty").mkdir()
     assert main(["validate", str(tmp_path / "empty")]) != 0
+
+
+@pytest.mark.parametrize("command", sorted(subcommands()))
+def test_help_names_only_pytest_options_that_exist(
+        command: str, capsys: pytest.CaptureFixture[str]) -> None:
+    # matrix's help once sent its reader to a --gpu-report that pytest never had.
+    with pytest.raises(SystemExit):
+        main([command, "--help"])
+    named = set(re.findall(r"--gpu[a-z-]*", " ".join(capsys.readouterr().out.split())))
+    assert named <= {setting.flag for setting in SETTINGS}
+    if command == "matrix":
+        assert named == {"--gpu-cases-report"}

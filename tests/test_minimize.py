@@ -547,8 +547,10 @@ def test_minimize_follows_the_inputs_a_case_names(tmp_path: Path) -> None:
     tensors = {"x": torch.randn(2, 16), "w1": torch.randn(64, 16)}
     code = "def run(x, w1):\n    return x @ w1.t()\n"
     inferred = make_case(tmp_path, "doubt", 'format = 1\ncall = "case.py:run"\n', code, tensors)
-    with pytest.raises(NotRunnable, match=r'inputs = \["x", "w1"\]'):
+    # The fix named is minimize's own option: a [variants.batch] table would add pytest items.
+    with pytest.raises(NotRunnable, match=r"minimize .*doubt --inputs x$"):
         plan_axes(load_case(inferred), tensors)
+    assert plan_axes(load_case(inferred), tensors, ("x",)).batch_members == {"x"}
     named = make_case(tmp_path, "named", """\
         format = 1
         call = "case.py:run"
@@ -558,3 +560,54 @@ def test_minimize_follows_the_inputs_a_case_names(tmp_path: Path) -> None:
         inputs = ["x"]
         """, code, tensors)
     assert plan_axes(load_case(named), tensors).batch_members == {"x"}
+
+
+def recorded_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits, target)
+
+
+def recorded_ce_case(root: Path) -> Path:
+    """The case a Recorder writes for a batch of 8 whose entry 5 holds class 4 of 4: its
+    payload holds the RNG state ``[context] rng`` names, as every recorded case does."""
+    from pytest_gpucase.capture import Recorder
+
+    rec = Recorder(root / "cases")
+    loss = rec.watch(recorded_loss, name="ce")
+    logits = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(IndexError):
+        loss(logits, torch.tensor([0, 1, 2, 3, 0, 4, 1, 2]))
+    return root / "cases" / "ce"
+
+
+def test_a_recorded_case_is_shrunk_and_its_rng_state_kept_whole(tmp_path: Path) -> None:
+    path = recorded_ce_case(tmp_path)
+    case = load_case(path)
+    rng = case.context.rng["cpu"]  # a uint8 (5056,): once taken for a third batch candidate
+    result = minimize(case, env=ENV, out=io.StringIO())
+    assert result.axes.batch_members == {"logits", "target"}
+    assert result.selection.entries == (5,)
+    assert result.output is not None
+    saved, kept = payload.load(case.inputs_file), payload.load(result.output / "inputs.safetensors")
+    assert torch.equal(kept[rng], saved[rng])
+    assert {name: tuple(t.shape) for name, t in kept.items() if name != rng} == {
+        "logits": (1, 4), "target": (1,)}
+
+
+def test_the_inputs_named_by_the_hint_shrink_without_a_variant_table(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    x = torch.ones(2, 16)
+    x[1, 0] = -1.0
+    code_py = ("def run(x, w1):\n    if (x[:, 0] < 0).any():\n"
+               "        raise ValueError('negative sample')\n    return x @ w1.t()\n")
+    path = make_case(tmp_path, "doubt", 'format = 1\ncall = "case.py:run"\n', code_py,
+                     {"x": x, "w1": torch.randn(64, 16)})
+    assert main(["minimize", str(path), "--max-tries", "10"]) == 2
+    hint = capsys.readouterr().err.strip().rpartition("e.g. ")[2]
+    assert hint == f"gpucase minimize {path} --inputs x"
+
+    # The hint as written: no [variants.batch] table, so no new pytest item either.
+    assert main([*hint.split()[1:], "--max-tries", "10"]) == 0
+    assert "x: [2, 16] -> [1, 16]" in capsys.readouterr().out
+    small = load_case(tmp_path / "doubt_min")
+    assert small.variants.batch is None
+    assert tuple(payload.load(small.inputs_file)["w1"].shape) == (64, 16)

@@ -66,7 +66,9 @@ def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path
         assert is_known_failure(load_case(case_dir), verdict)
 
 
-def test_rerun_of_the_same_failure_counts_instead_of_copying(tmp_path: Path) -> None:
+def test_rerun_of_the_same_failure_counts_instead_of_copying(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    said = []
     for _ in range(2):
         torch.manual_seed(0)
         model = model_targets.TinyLM()
@@ -74,9 +76,15 @@ def test_rerun_of_the_same_failure_counts_instead_of_copying(tmp_path: Path) -> 
         rec.watch(model)
         with pytest.raises(IndexError):
             model(torch.tensor([[8]]))
-    assert sorted(p.name for p in (tmp_path / "cases").iterdir()) == [
-        "TinyLM", "TinyLM.aten.embedding.default", "TinyLM.emb"]
+        said.append(capsys.readouterr().err)
+    names = ["TinyLM", "TinyLM.aten.embedding.default", "TinyLM.emb"]
+    assert sorted(p.name for p in (tmp_path / "cases").iterdir()) == names
     assert toml(tmp_path / "cases" / "TinyLM")["origin"]["seen"] == 2
+    assert said[0].count("gpucase: saved ") == 3
+    # The rerun says what it did, and only that: no "saved" line for a copy it did not write.
+    assert "gpucase: saved" not in said[1]
+    for name in names:
+        assert f"the same failure as {tmp_path / 'cases' / name} (seen 2 times)" in said[1]
 
 
 def test_backward_failure_replays_forward_and_backward(tmp_path: Path) -> None:

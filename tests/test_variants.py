@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase.case import AxisSizes, Boundaries, Expectation, VariantTables
+from pytest_gpucase.case import AxisSizes, Boundaries, Expectation, VariantTables, load_case
 from pytest_gpucase.variants import (
     Variant,
     VariantNotApplicable,
@@ -17,6 +18,7 @@ from pytest_gpucase.variants import (
     expand,
     members,
     describe_resize,
+    describe_saved,
     members_of,
     named_parameter,
     resized_elements,
@@ -405,7 +407,10 @@ def test_model_weights_larger_than_the_batch_never_anchor_it() -> None:
 
 def test_an_unnamed_weight_beside_lone_samples_is_a_doubt_that_asks_for_inputs() -> None:
     shapes = {"x": ((2, 16), True), "w1": ((64, 16), True)}
-    with pytest.raises(VariantNotApplicable, match=r'inputs = \["x", "w1"\]'):
+    # The example names inputs of one size (x and w1 together would be refused): it works as
+    # written, and names the table to add it to.
+    with pytest.raises(VariantNotApplicable,
+                       match=r'to \[variants.batch\] in case.toml, e.g. inputs = \["x"\]$'):
         members_of(shapes, 0)
     assert members_of(shapes, 0, names=("x",)) == (2, ("x",))
 
@@ -439,3 +444,32 @@ def test_parameter_names() -> None:
 def test_a_named_inputs_list_reaches_the_variant() -> None:
     tables = VariantTables(batch=AxisSizes(0, (1,), inputs=("x", "target")))
     assert expand(tables) == [Variant("batch", 1, inputs=("x", "target"))]
+
+
+def test_a_module_cases_state_dict_never_anchors_or_follows_the_batch() -> None:
+    # replay_module's inputs: the samples, and the module's weights and buffers as state.<name>;
+    # an unnamed buffer larger than the batch was once taken for the samples.
+    inputs = {"gpucase_module": {"factory": "pkg.mod:make"}, "tokens": torch.zeros(4, 5,
+              dtype=torch.long), "state.pos": torch.randn(16, 8), "state.emb.weight":
+              torch.randn(4, 8)}
+    resized = apply(Variant("batch", 1), inputs)
+    assert tuple(resized["tokens"].shape) == (1, 5)
+    assert resized["state.pos"] is inputs["state.pos"]
+    assert resized["state.emb.weight"] is inputs["state.emb.weight"]
+    # Without gpucase_module, state.pos is a call input like any other: the rule is in doubt.
+    with pytest.raises(VariantNotApplicable, match="cannot tell which input holds the samples"):
+        apply(Variant("batch", 1), {k: v for k, v in inputs.items() if k != "gpucase_module"})
+
+
+def test_a_recorded_cases_rng_state_is_no_batch_input(tmp_path: Path) -> None:
+    from pytest_gpucase.request import validate
+    from tests.test_minimize import recorded_ce_case
+
+    path = recorded_ce_case(tmp_path)
+    with (path / "case.toml").open("a", encoding="utf-8") as toml:
+        toml.write("\n[variants.batch]\nsizes = [1]\n")
+    case = load_case(path)
+    assert case.context.rng  # a uint8 (5056,) tensor in the payload, never passed to the call
+    assert validate([path]) == []
+    assert describe_saved(expand(case.variants)[0], case) == (
+        "batch[1]: resized logits (8, 4) -> (1, 4), target (8,) -> (1,)")
