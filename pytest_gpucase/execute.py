@@ -160,8 +160,7 @@ def _run(spec: RunSpec) -> Outcome:
             return _check_raises(func, run_inputs, expect, spec.device)
     try:
         with replay_context(context, spec.device, rng):
-            actual = _call(func, run_inputs, expect.gradients, spec.device,
-                           keep_grad_mode=context.grad is not None)
+            actual = _call(func, run_inputs, expect.gradients, spec.device)
     except _BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
     except Exception as exc:
@@ -177,7 +176,8 @@ def _run(spec: RunSpec) -> Outcome:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
         try:
-            with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
+            # The same random draws and grad mode, in float64 on the CPU.
+            with _rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)):
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
@@ -215,7 +215,8 @@ def write_golden(case: Case) -> dict[str, str]:
     reference = resolve(case, case.reference or case.call, key)
     check_binding(case, case.reference or case.call, reference, inputs)
     try:
-        results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
+        with torch.set_grad_enabled(grad_mode(case.context)):
+            results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     except _BadOutput as problem:
         whose = f"the {key}'s"
         return {"refused": f"{display(case.expected_file)} not written: "
@@ -348,8 +349,9 @@ def replay_context(context: ReplayContext, device: str,
     """Apply a case's ``[context]`` around the call, as it was when the failure was captured.
 
     Autocast is entered for the device type of this run with the captured dtype: a case
-    captured under CUDA bf16 autocast computes in bf16 on the CPU too. Runs in the child,
-    so the global switches (default dtype, TF32, deterministic) need no restoring.
+    captured under CUDA bf16 autocast computes in bf16 on the CPU too. The grad mode is
+    ``grad_mode``'s, which the reference shares. Runs in the child, so the global switches
+    (default dtype, TF32, deterministic) need no restoring.
     """
     if context.default_dtype is not None:
         torch.set_default_dtype(getattr(torch, context.default_dtype))
@@ -363,8 +365,7 @@ def replay_context(context: ReplayContext, device: str,
         torch.backends.cudnn.allow_tf32 = context.tf32_cudnn
     with contextlib.ExitStack() as stack:
         stack.enter_context(_rng_restored(rng, device))
-        if context.grad is not None:
-            stack.enter_context(torch.set_grad_enabled(context.grad))
+        stack.enter_context(torch.set_grad_enabled(grad_mode(context)))
         if context.inference:
             stack.enter_context(torch.inference_mode())
         if context.autocast is not None:
@@ -372,6 +373,18 @@ def replay_context(context: ReplayContext, device: str,
                 device_type=device.split(":")[0], dtype=getattr(torch, context.autocast.dtype),
                 enabled=context.autocast.enabled))
         yield
+
+
+def grad_mode(context: ReplayContext) -> bool:
+    """Whether autograd records the call, and the reference likewise: ``[context] grad``,
+    else torch's default (on; off under ``inference``, as inference mode has it).
+
+    The one switch of the context the reference shares with the call: a function that runs
+    its own backward pass needs it to compute at all, whatever the precision.
+    """
+    if context.grad is not None:
+        return context.grad
+    return not context.inference
 
 
 _MISSING = object()
@@ -476,14 +489,13 @@ def _sync(device: str) -> None:
 
 
 def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
-          device: str, keep_grad_mode: bool = False) -> dict[str, Any]:
+          device: str) -> dict[str, Any]:
     """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs).
 
-    ``keep_grad_mode``: the case's ``[context]`` set the grad mode, which stays as it is.
+    In the grad mode the caller set (``grad_mode``): the same for the call and the reference.
     """
     if not gradients:
-        with contextlib.nullcontext() if keep_grad_mode else torch.no_grad():
-            out = func(**inputs)
+        out = func(**inputs)
         _sync(device)
         return {"out": _detach(out)}
     # Detached first: the walk that finds the tensors to differentiate needs an output
