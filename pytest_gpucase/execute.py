@@ -163,7 +163,7 @@ def _run(spec: RunSpec) -> Outcome:
             actual = _call(func, run_inputs, expect.gradients, spec.device)
     except _BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit and the like too: see _raised
         return _raised("the call", exc)
     reference = func
     if case.reference:
@@ -181,7 +181,7 @@ def _run(spec: RunSpec) -> Outcome:
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit and the like too: see _raised
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
         comparison = _compare(actual, expected, expect)
@@ -407,7 +407,7 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                 module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except Exception:
+    except BaseException:  # sys.exit() at import time too: the module is the user's
         detail = traceback.format_exc()
         summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
         raise _Failed(Outcome("failed", summary, details=detail, error_type="ImportError",
@@ -614,8 +614,19 @@ def _exception_matches(exc: BaseException, name: str) -> bool:
     return False
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or what Python's traceback module prints when that raises: the user's
+    ``__str__`` may fail, and the report of their exception must not."""
+    try:
+        return str(exc)
+    except BaseException:  # anything at all: it is the user's code
+        return "<exception str() failed>"
+
+
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``ValueError: bad``, or the bare name for an empty message, as a traceback ends."""
+    text = exception_text(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # The machinery that calls the user's code; its frames only add noise to a traceback.
@@ -624,16 +635,27 @@ _MACHINERY = {str(Path(__file__)), str(Path(__file__).with_name("isolation.py"))
 
 def user_traceback(exc: BaseException) -> str:
     """The traceback of ``exc`` without the frames of gpucase's own calling machinery."""
-    tb = traceback.TracebackException.from_exception(exc)
-    tb.stack = traceback.StackSummary.from_list(
-        [frame for frame in tb.stack if frame.filename not in _MACHINERY])
-    return "".join(tb.format())
+    try:
+        tb = traceback.TracebackException.from_exception(exc)
+        tb.stack = traceback.StackSummary.from_list(
+            [frame for frame in tb.stack if frame.filename not in _MACHINERY])
+        return "".join(tb.format())
+    except Exception as failed:  # an exception hostile enough to break the traceback module
+        return (f"{_describe(exc)}\n(its traceback could not be formatted: "
+                f"{_describe(failed)})\n")
 
 
 def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
+    """``exc``, raised by the user's call or reference, as the run's failure.
+
+    Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a
+    ``BaseException`` subclass it raises are its result, told as any exception is. A real
+    Ctrl-C never arrives as one: the child's SIGINT is at its default action
+    (``isolation._child_main``), so it ends the child, and pytest, which gets its own, stops.
+    """
     text = user_traceback(exc)
     return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,
-                   error_type=type(exc).__name__, error_message=str(exc), kind=kind)
+                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind)
 
 
 def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
@@ -644,12 +666,13 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
     try:
         func(**inputs)
         _sync(device)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit too, when the case expects it (see _run)
         name_ok = _exception_matches(exc, expect.exception or "Exception")
-        text_ok = expect.match is None or re.search(expect.match, str(exc)) is not None
+        text = exception_text(exc)
+        text_ok = expect.match is None or re.search(expect.match, text) is not None
         if name_ok and text_ok:
             return Outcome("passed", f"raised {_describe(exc).splitlines()[0]}", kind="passed",
-                           error_type=type(exc).__name__, error_message=str(exc))
+                           error_type=type(exc).__name__, error_message=text)
         outcome = _raised("the call", exc)
         return dataclasses.replace(outcome, summary=f"expected {wanted}; {outcome.summary}")
     return Outcome("failed", f"expected {wanted}, but the call returned normally; if the fix "
