@@ -442,7 +442,9 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
         problems = binding_problems(case, target, Parameters.of_signature(signature), tensors)
         lines = [str(problem) for problem in problems] or [
             f"{display(case.case_file)}: the inputs do not bind to {target}: {exc}"]
-        raise _Failed(Outcome("failed", lines[0], details="\n".join(lines),
+        # The first problem is the summary; the details hold the others (a report prints
+        # both, and a single problem was printed twice).
+        raise _Failed(Outcome("failed", lines[0], details="\n".join(lines[1:]),
                               error_type="TypeError", error_message=str(exc),
                               kind="broken case")) from None
 

@@ -133,3 +133,21 @@ def test_a_traceback_the_traceback_module_cannot_format_still_names_the_exceptio
     text = user_traceback(Hostile())
     assert text == ("Hostile: <exception str() failed>\n(its traceback could not be formatted: "
                     "RuntimeError: notes broke)\n")
+
+
+def test_a_binding_problem_is_printed_once(pytester: pytest.Pytester) -> None:
+    """The summary was printed, then the same line again as the details."""
+    write_case(pytester.path, "extra", TOML + "[inputs]\nfoo = 3\n",
+               "def run(x):\n    return x\n", X)
+    write_case(pytester.path, "two", TOML + "[inputs]\nfoo = 3\n",
+               "def run(x, y):\n    return x + y\n", X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(failed=2)
+    extra = ("cases/extra/case.toml: [inputs] 'foo' is not a parameter of case.py:run(x); "
+             "remove it or add the parameter")
+    lines = result.stdout.lines
+    assert lines.count(extra) == 1, result.stdout.str()
+    two = [line for line in lines if line.startswith("cases/two/case.toml: ")]
+    assert len(two) == 2 and len(set(two)) == 2, result.stdout.str()
+    assert any("'foo' is not a parameter" in line for line in two)
+    assert any("parameter 'y' of case.py:run has no value" in line for line in two)
