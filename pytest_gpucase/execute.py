@@ -177,7 +177,8 @@ def _run(spec: RunSpec) -> Outcome:
         began = time.perf_counter()
         try:
             # The same random draws and grad mode, in float64 on the CPU.
-            with _rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)):
+            with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
+                  _labelled_output(REFERENCE_OUTPUT)):
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
@@ -226,6 +227,43 @@ def write_golden(case: Case) -> dict[str, str]:
     except golden.Unstorable as exc:
         return {"refused": str(exc)}
     return {"written": str(case.expected_file)}
+
+
+# Written before the reference's output: a case that prints shows its lines twice, from the
+# call and from the reference, which is otherwise hard to tell apart.
+REFERENCE_OUTPUT = "--- gpucase: the reference (float64 on CPU) runs from here ---\n"
+
+
+@contextlib.contextmanager
+def _labelled_output(label: str) -> Iterator[None]:
+    """Write ``label`` to stdout and to stderr just before the block's first text on each.
+
+    Only a stream the block writes to is labelled, so that a quiet reference adds no captured
+    section to a report. Text written through ``sys.stdout``/``sys.stderr`` (print, logging,
+    warnings shown) is seen; a write to the file descriptor itself (C code, a subprocess)
+    is not, and stays unlabelled as before.
+    """
+    patched: list[Any] = []
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr) if s is not None}.values():
+        def labelled(text: str, stream: Any = stream, write: Any = stream.write) -> Any:
+            if text:
+                delattr(stream, "write")  # the stream's own write again: one label
+                write(label)
+            return write(text)
+
+        try:
+            setattr(stream, "write", labelled)  # noqa: B010 - an instance's method, for a while
+        except AttributeError:  # a stream that takes no attribute: labelled at once
+            with contextlib.suppress(Exception):
+                stream.write(label)
+            continue
+        patched.append(stream)
+    try:
+        yield
+    finally:
+        for stream in patched:
+            with contextlib.suppress(AttributeError):  # gone at the first write
+                delattr(stream, "write")
 
 
 def _tf32_off() -> None:

@@ -151,3 +151,48 @@ def test_a_binding_problem_is_printed_once(pytester: pytest.Pytester) -> None:
     assert len(two) == 2 and len(set(two)) == 2, result.stdout.str()
     assert any("'foo' is not a parameter" in line for line in two)
     assert any("parameter 'y' of case.py:run has no value" in line for line in two)
+
+
+def test_the_references_output_is_labelled_and_only_when_it_runs(
+        pytester: pytest.Pytester) -> None:
+    """A case printing in its function showed the call's lines, then the reference's, with
+    nothing between them. The label goes before the reference's first text on each stream;
+    a quiet reference adds none, and one read from the cache prints nothing."""
+    from pytest_gpucase.execute import REFERENCE_OUTPUT
+
+    marker = REFERENCE_OUTPUT.rstrip("\n")
+    write_case(pytester.path, "prints", TOML, """
+        import sys
+        import time
+
+        def run(x):
+            print("called with", x.dtype)
+            print("on stderr", x.dtype, file=sys.stderr)
+            time.sleep(0.05)  # worth caching
+            return x * 2
+        """, X)
+    write_case(pytester.path, "quiet", TOML.replace(
+        "[matrix]", 'reference = "case.py:reference"\n[matrix]'), """
+        def run(x):
+            return x
+
+        def reference(x):
+            return x * 3
+        """, X)
+    first = pytester.runpytest_subprocess("--gpu-cases", "cases", "-rA")
+    first.assert_outcomes(passed=1, failed=1)
+    first.stdout.fnmatch_lines([
+        "*Captured stdout (child) call*", "called with torch.float32", marker,
+        "called with torch.float64",
+        "*Captured stderr (child) call*", "on stderr torch.float32", marker,
+        "on stderr torch.float64",
+    ])
+    assert first.stdout.lines.count(marker) == 2  # none for the quiet reference
+    assert "_ quiet[cpu-float32] _" in first.stdout.str()
+    quiet = first.stdout.str().split("_ quiet[cpu-float32] _")[1].split("\n___")[0]
+    assert "Captured" not in quiet, quiet
+    again = pytester.runpytest_subprocess("--gpu-cases", "cases", "-rA", "-k", "prints")
+    again.assert_outcomes(passed=1)
+    again.stdout.fnmatch_lines(["*Captured stdout (child) call*", "called with torch.float32"])
+    assert marker not in again.stdout.str()
+    assert "torch.float64" not in again.stdout.str()
