@@ -218,6 +218,7 @@ def gib(nbytes: int) -> str:
 # "[31mred") is left either side of the omitted bytes.
 _ESCAPE = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)"
                      rb"|[ -/]*[0-Z\\^-~])")
+_UNFINISHED = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*\x1b?|[ -/]*)\Z")  # cut short
 _ESCAPE_ROOM = 512  # the longest sequence a cut is moved off; a longer one is cut as text
 
 
@@ -248,9 +249,9 @@ class _Capture:
         head, tail = bytes(self.head), bytes(self.tail)
         if not self.dropped:
             return (head + tail).decode(errors="replace")
-        start = head.rfind(b"\x1b", max(0, len(head) - _ESCAPE_ROOM))
-        if start >= 0 and not _ESCAPE.match(head, start):
-            head = head[:start]  # a sequence the cut began
+        unfinished = _UNFINISHED.search(head, max(0, len(head) - _ESCAPE_ROOM))
+        if unfinished is not None:
+            head = head[:unfinished.start()]  # a sequence the cut began
         start = self.lost.rfind(b"\x1b")
         if start >= 0:
             spanning = _ESCAPE.match(self.lost + tail[:_ESCAPE_ROOM], start)
