@@ -220,3 +220,17 @@ def test_a_cut_leaves_no_fragment_of_a_terminal_escape_sequence(shift: int) -> N
         assert "\x1b" not in bare and "\x07" not in bare, repr(kept)
         assert not re.match(r"\[?[0-9;]*m|\]?8;;|;?https?:", bare), repr(kept)
     assert line == f"[... {len(text) - len(head) - len(tail)} bytes omitted ...]"
+
+
+def test_a_cut_drops_only_the_sequence_it_began() -> None:
+    """An escape byte earlier in the head that begins no sequence is text, kept as it is;
+    an OSC hyperlink cut at its two-byte terminator goes as a whole."""
+    from pytest_gpucase.isolation import clip
+
+    text = "ab\x1b\x01cd" + "y" * 200
+    assert clip(text, 8, 4).split("\n")[0] == "ab\x1b\x01cdyy"
+    link = "ab\x1b]8;;https://example.org\x1b\\link" + "y" * 200
+    head = clip(link, len("ab\x1b]8;;https://example.org\x1b"), 4).split("\n")[0]
+    assert head == "ab"
+    tail = clip("y" * 200 + "\x1b]8;;https://example.org\x1b\\link", 4, len("\\link"))
+    assert tail.split("\n")[-1] == "link"
