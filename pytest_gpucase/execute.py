@@ -160,11 +160,10 @@ def _run(spec: RunSpec) -> Outcome:
             return _check_raises(func, run_inputs, expect, spec.device)
     try:
         with replay_context(context, spec.device, rng):
-            actual = _call(func, run_inputs, expect.gradients, spec.device,
-                           keep_grad_mode=context.grad is not None)
+            actual = _call(func, run_inputs, expect.gradients, spec.device)
     except _BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit and the like too: see _raised
         return _raised("the call", exc)
     reference = func
     if case.reference:
@@ -177,11 +176,13 @@ def _run(spec: RunSpec) -> Outcome:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
         try:
-            with _rng_restored(rng, "cpu"):  # the same random draws, in float64 on the CPU
+            # The same random draws and grad mode, in float64 on the CPU.
+            with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
+                  _labelled_output(REFERENCE_OUTPUT)):
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
-        except Exception as exc:
+        except BaseException as exc:  # SystemExit and the like too: see _raised
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
         comparison = _compare(actual, expected, expect)
@@ -215,7 +216,8 @@ def write_golden(case: Case) -> dict[str, str]:
     reference = resolve(case, case.reference or case.call, key)
     check_binding(case, case.reference or case.call, reference, inputs)
     try:
-        results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
+        with torch.set_grad_enabled(grad_mode(case.context)):
+            results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     except _BadOutput as problem:
         whose = f"the {key}'s"
         return {"refused": f"{display(case.expected_file)} not written: "
@@ -225,6 +227,43 @@ def write_golden(case: Case) -> dict[str, str]:
     except golden.Unstorable as exc:
         return {"refused": str(exc)}
     return {"written": str(case.expected_file)}
+
+
+# Written before the reference's output: a case that prints shows its lines twice, from the
+# call and from the reference, which is otherwise hard to tell apart.
+REFERENCE_OUTPUT = "--- gpucase: the reference (float64 on CPU) runs from here ---\n"
+
+
+@contextlib.contextmanager
+def _labelled_output(label: str) -> Iterator[None]:
+    """Write ``label`` to stdout and to stderr just before the block's first text on each.
+
+    Only a stream the block writes to is labelled, so that a quiet reference adds no captured
+    section to a report. Text written through ``sys.stdout``/``sys.stderr`` (print, logging,
+    warnings shown) is seen; a write to the file descriptor itself (C code, a subprocess)
+    is not, and stays unlabelled as before.
+    """
+    patched: list[Any] = []
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr) if s is not None}.values():
+        def labelled(text: str, stream: Any = stream, write: Any = stream.write) -> Any:
+            if text:
+                delattr(stream, "write")  # the stream's own write again: one label
+                write(label)
+            return write(text)
+
+        try:
+            setattr(stream, "write", labelled)  # noqa: B010 - an instance's method, for a while
+        except AttributeError:  # a stream that takes no attribute: labelled at once
+            with contextlib.suppress(Exception):
+                stream.write(label)
+            continue
+        patched.append(stream)
+    try:
+        yield
+    finally:
+        for stream in patched:
+            with contextlib.suppress(AttributeError):  # gone at the first write
+                delattr(stream, "write")
 
 
 def _tf32_off() -> None:
@@ -348,8 +387,9 @@ def replay_context(context: ReplayContext, device: str,
     """Apply a case's ``[context]`` around the call, as it was when the failure was captured.
 
     Autocast is entered for the device type of this run with the captured dtype: a case
-    captured under CUDA bf16 autocast computes in bf16 on the CPU too. Runs in the child,
-    so the global switches (default dtype, TF32, deterministic) need no restoring.
+    captured under CUDA bf16 autocast computes in bf16 on the CPU too. The grad mode is
+    ``grad_mode``'s, which the reference shares. Runs in the child, so the global switches
+    (default dtype, TF32, deterministic) need no restoring.
     """
     if context.default_dtype is not None:
         torch.set_default_dtype(getattr(torch, context.default_dtype))
@@ -363,8 +403,7 @@ def replay_context(context: ReplayContext, device: str,
         torch.backends.cudnn.allow_tf32 = context.tf32_cudnn
     with contextlib.ExitStack() as stack:
         stack.enter_context(_rng_restored(rng, device))
-        if context.grad is not None:
-            stack.enter_context(torch.set_grad_enabled(context.grad))
+        stack.enter_context(torch.set_grad_enabled(grad_mode(context)))
         if context.inference:
             stack.enter_context(torch.inference_mode())
         if context.autocast is not None:
@@ -372,6 +411,18 @@ def replay_context(context: ReplayContext, device: str,
                 device_type=device.split(":")[0], dtype=getattr(torch, context.autocast.dtype),
                 enabled=context.autocast.enabled))
         yield
+
+
+def grad_mode(context: ReplayContext) -> bool:
+    """Whether autograd records the call, and the reference likewise: ``[context] grad``,
+    else torch's default (on; off under ``inference``, as inference mode has it).
+
+    The one switch of the context the reference shares with the call: a function that runs
+    its own backward pass needs it to compute at all, whatever the precision.
+    """
+    if context.grad is not None:
+        return context.grad
+    return not context.inference
 
 
 _MISSING = object()
@@ -394,7 +445,7 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                 module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except Exception:
+    except BaseException:  # sys.exit() at import time too: the module is the user's
         detail = traceback.format_exc()
         summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
         raise _Failed(Outcome("failed", summary, details=detail, error_type="ImportError",
@@ -429,7 +480,9 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
         problems = binding_problems(case, target, Parameters.of_signature(signature), tensors)
         lines = [str(problem) for problem in problems] or [
             f"{display(case.case_file)}: the inputs do not bind to {target}: {exc}"]
-        raise _Failed(Outcome("failed", lines[0], details="\n".join(lines),
+        # The first problem is the summary; the details hold the others (a report prints
+        # both, and a single problem was printed twice).
+        raise _Failed(Outcome("failed", lines[0], details="\n".join(lines[1:]),
                               error_type="TypeError", error_message=str(exc),
                               kind="broken case")) from None
 
@@ -476,14 +529,13 @@ def _sync(device: str) -> None:
 
 
 def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
-          device: str, keep_grad_mode: bool = False) -> dict[str, Any]:
+          device: str) -> dict[str, Any]:
     """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs).
 
-    ``keep_grad_mode``: the case's ``[context]`` set the grad mode, which stays as it is.
+    In the grad mode the caller set (``grad_mode``): the same for the call and the reference.
     """
     if not gradients:
-        with contextlib.nullcontext() if keep_grad_mode else torch.no_grad():
-            out = func(**inputs)
+        out = func(**inputs)
         _sync(device)
         return {"out": _detach(out)}
     # Detached first: the walk that finds the tensors to differentiate needs an output
@@ -602,8 +654,19 @@ def _exception_matches(exc: BaseException, name: str) -> bool:
     return False
 
 
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or what Python's traceback module prints when that raises: the user's
+    ``__str__`` may fail, and the report of their exception must not."""
+    try:
+        return str(exc)
+    except BaseException:  # anything at all: it is the user's code
+        return "<exception str() failed>"
+
+
 def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+    """``ValueError: bad``, or the bare name for an empty message, as a traceback ends."""
+    text = exception_text(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
 # The machinery that calls the user's code; its frames only add noise to a traceback.
@@ -612,16 +675,27 @@ _MACHINERY = {str(Path(__file__)), str(Path(__file__).with_name("isolation.py"))
 
 def user_traceback(exc: BaseException) -> str:
     """The traceback of ``exc`` without the frames of gpucase's own calling machinery."""
-    tb = traceback.TracebackException.from_exception(exc)
-    tb.stack = traceback.StackSummary.from_list(
-        [frame for frame in tb.stack if frame.filename not in _MACHINERY])
-    return "".join(tb.format())
+    try:
+        tb = traceback.TracebackException.from_exception(exc)
+        tb.stack = traceback.StackSummary.from_list(
+            [frame for frame in tb.stack if frame.filename not in _MACHINERY])
+        return "".join(tb.format())
+    except Exception as failed:  # an exception hostile enough to break the traceback module
+        return (f"{_describe(exc)}\n(its traceback could not be formatted: "
+                f"{_describe(failed)})\n")
 
 
 def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
+    """``exc``, raised by the user's call or reference, as the run's failure.
+
+    Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a
+    ``BaseException`` subclass it raises are its result, told as any exception is. A real
+    Ctrl-C never arrives as one: the child's SIGINT is at its default action
+    (``isolation._child_main``), so it ends the child, and pytest, which gets its own, stops.
+    """
     text = user_traceback(exc)
     return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,
-                   error_type=type(exc).__name__, error_message=str(exc), kind=kind)
+                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind)
 
 
 def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
@@ -632,12 +706,13 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
     try:
         func(**inputs)
         _sync(device)
-    except Exception as exc:
+    except BaseException as exc:  # SystemExit too, when the case expects it (see _run)
         name_ok = _exception_matches(exc, expect.exception or "Exception")
-        text_ok = expect.match is None or re.search(expect.match, str(exc)) is not None
+        text = exception_text(exc)
+        text_ok = expect.match is None or re.search(expect.match, text) is not None
         if name_ok and text_ok:
             return Outcome("passed", f"raised {_describe(exc).splitlines()[0]}", kind="passed",
-                           error_type=type(exc).__name__, error_message=str(exc))
+                           error_type=type(exc).__name__, error_message=text)
         outcome = _raised("the call", exc)
         return dataclasses.replace(outcome, summary=f"expected {wanted}; {outcome.summary}")
     return Outcome("failed", f"expected {wanted}, but the call returned normally; if the fix "

@@ -213,6 +213,15 @@ def gib(nbytes: int) -> str:
     return f"{nbytes / 2**30:.3g} GiB"
 
 
+# A terminal escape sequence (colour, cursor, an OSC hyperlink or title): CSI, OSC ended by
+# BEL or ST, or a two-byte escape. A cut is moved off one, so that no fragment ("red\x1b[",
+# "[31mred") is left either side of the omitted bytes.
+_ESCAPE = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*(?:\x07|\x1b\\)"
+                     rb"|[ -/]*[0-Z\\^-~])")
+_UNFINISHED = re.compile(rb"\x1b(?:\[[0-?]*[ -/]*|\][^\x07\x1b]*\x1b?|[ -/]*)\Z")  # cut short
+_ESCAPE_ROOM = 512  # the longest sequence a cut is moved off; a longer one is cut as text
+
+
 class _Capture:
     """Keep the head and the tail of a stream, and count what fell between them."""
 
@@ -221,6 +230,7 @@ class _Capture:
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
+        self.lost = b""  # the last bytes dropped, just before the tail: a sequence may span
 
     def add(self, data: bytes) -> None:
         room = self.head_limit - len(self.head)
@@ -230,13 +240,26 @@ class _Capture:
         self.tail += data
         excess = len(self.tail) - self.tail_limit
         if excess > 0:
+            self.lost = (self.lost + self.tail[max(0, excess - _ESCAPE_ROOM):excess])[
+                -_ESCAPE_ROOM:]
             del self.tail[:excess]
             self.dropped += excess
 
     def text(self) -> str:
-        middle = f"\n[... {self.dropped} bytes omitted ...]\n" if self.dropped else ""
-        return (bytes(self.head).decode(errors="replace") + middle
-                + bytes(self.tail).decode(errors="replace"))
+        head, tail = bytes(self.head), bytes(self.tail)
+        if not self.dropped:
+            return (head + tail).decode(errors="replace")
+        unfinished = _UNFINISHED.search(head, max(0, len(head) - _ESCAPE_ROOM))
+        if unfinished is not None:
+            head = head[:unfinished.start()]  # a sequence the cut began
+        start = self.lost.rfind(b"\x1b")
+        if start >= 0:
+            spanning = _ESCAPE.match(self.lost + tail[:_ESCAPE_ROOM], start)
+            if spanning is not None and spanning.end() > len(self.lost):
+                tail = tail[spanning.end() - len(self.lost):]  # the rest of one it ended
+        omitted = self.dropped + len(self.head) - len(head) + len(self.tail) - len(tail)
+        return (head.decode(errors="replace") + f"\n[... {omitted} bytes omitted ...]\n"
+                + tail.decode(errors="replace"))
 
 
 _MARKER_ROOM = 48  # "\n[... N bytes omitted ...]\n" for any N a result can have

@@ -140,3 +140,62 @@ def test_dataclasses_and_other_sequences_are_checked_as_the_comparison_walks_the
         "the call's output holds itself: out[[]1[]] is out again; *",
     ])
     assert "RecursionError" not in result.stdout.str()
+
+
+STEP = """
+    import torch
+
+    def run(x, w):
+        # a hand-written training step: forward, backward, and the gradient it made
+        w = w.clone().requires_grad_()
+        loss = (x @ w).pow(2).mean()
+        loss.backward()
+        return w.grad
+    """
+
+
+def test_a_call_that_runs_its_own_backward_pass_passes_and_so_does_its_reference(
+        pytester: pytest.Pytester) -> None:
+    """Grad mode is torch's default unless [context] grad says otherwise, for the call and
+    the float64 reference alike: the call ran under no_grad without the table, and the
+    reference always did, so no case.toml made such a case pass."""
+    tensors = {"x": torch.arange(6.0).reshape(3, 2) / 5, "w": torch.ones(2, 1)}
+    write_case(pytester.path, "step", TOML, STEP, tensors)
+    write_case(pytester.path, "step_grad", TOML + "[context]\ngrad = true\n", STEP, tensors)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-v")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["*step[[]cpu-float32[]] PASSED*",
+                                 "*step_grad[[]cpu-float32[]] PASSED*"])
+
+
+def test_grad_false_runs_the_call_and_the_reference_under_no_grad(
+        pytester: pytest.Pytester) -> None:
+    """The call returns its grad mode, compared with the reference's constant 0 (off); the
+    reference refuses to run with it on."""
+    write_case(pytester.path, "no_grad", TOML.replace(
+        "[matrix]", 'reference = "case.py:reference"\n[matrix]') + "[context]\ngrad = false\n", """
+        import torch
+
+        def run(x):
+            return x * 0 + float(torch.is_grad_enabled())
+
+        def reference(x):
+            if torch.is_grad_enabled():
+                raise RuntimeError("the reference runs with grad mode on")
+            return x * 0
+        """, {"x": torch.tensor([1.0, 2.0])})
+    write_case(pytester.path, "default", TOML.replace(
+        "[matrix]", 'reference = "case.py:reference"\n[matrix]'), """
+        import torch
+
+        def run(x):
+            return x * 0 + float(torch.is_grad_enabled())
+
+        def reference(x):
+            return x * 0  # off: the call's grad mode (on) must show as a mismatch
+        """, {"x": torch.tensor([1.0, 2.0])})
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-v")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*default[[]cpu-float32[]] FAILED*",
+                                 "*no_grad[[]cpu-float32[]] PASSED*"])
+    result.stdout.fnmatch_lines(["*outputs differ from the reference*"])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -199,3 +200,37 @@ def test_a_clipped_text_keeps_its_true_count_through_the_parent() -> None:
     (line,) = [line for line in round_trip.splitlines() if "omitted" in line]
     kept = len(round_trip) - len(line) - 2  # the head and the tail, around "\n" + line + "\n"
     assert line == f"[... {len(text) - kept} bytes omitted ...]"
+
+
+@pytest.mark.parametrize("shift", range(12))
+def test_a_cut_leaves_no_fragment_of_a_terminal_escape_sequence(shift: int) -> None:
+    """Coloured output cut inside an escape sequence left "red\\x1b[" before the omitted
+    line and "[31mred" after it; the cut now moves off the sequence, and the count says so."""
+    from pytest_gpucase.isolation import clip
+
+    text = "\x1b[31mred\x1b[0m \x1b]8;;https://example.org\x07link\x1b]8;;\x07 " * 500
+    clipped = clip(text, 100 + shift, 200 + shift)
+    head, line, tail = clipped.split("\n")
+    assert head.startswith("\x1b[31mred") and text.startswith(head)
+    assert text.endswith(tail)
+    escapes = re.compile(r"\x1b(?:\[[0-?]*[ -/]*[@-~]|\][^\x07\x1b]*\x07)")
+    for kept in (head, tail):
+        # every escape byte begins a whole sequence, and no sequence's rest is left bare
+        bare = escapes.sub("", kept)
+        assert "\x1b" not in bare and "\x07" not in bare, repr(kept)
+        assert not re.match(r"\[?[0-9;]*m|\]?8;;|;?https?:", bare), repr(kept)
+    assert line == f"[... {len(text) - len(head) - len(tail)} bytes omitted ...]"
+
+
+def test_a_cut_drops_only_the_sequence_it_began() -> None:
+    """An escape byte earlier in the head that begins no sequence is text, kept as it is;
+    an OSC hyperlink cut at its two-byte terminator goes as a whole."""
+    from pytest_gpucase.isolation import clip
+
+    text = "ab\x1b\x01cd" + "y" * 200
+    assert clip(text, 8, 4).split("\n")[0] == "ab\x1b\x01cdyy"
+    link = "ab\x1b]8;;https://example.org\x1b\\link" + "y" * 200
+    head = clip(link, len("ab\x1b]8;;https://example.org\x1b"), 4).split("\n")[0]
+    assert head == "ab"
+    tail = clip("y" * 200 + "\x1b]8;;https://example.org\x1b\\link", 4, len("\\link"))
+    assert tail.split("\n")[-1] == "link"
