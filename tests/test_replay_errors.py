@@ -42,6 +42,11 @@ def test_an_exception_whose_str_raises_is_told_as_python_tells_it(
         '  File "*case.py", line 6, in run',
         "*.E: <exception str() failed>",
     ])
+    assert_told_as_the_users(result)
+
+
+def assert_told_as_the_users(result: pytest.RunResult) -> None:
+    """The exception is told as the case's own: not as gpucase's failure, not in its frames."""
     text = result.stdout.str()
     assert "failed inside the child" not in text
     assert "execute.py" not in text and "isolation.py" not in text
@@ -70,9 +75,7 @@ def test_a_base_exception_from_the_call_is_told_as_any_other(
     result.assert_outcomes(passed=1, failed=1)
     result.stdout.fnmatch_lines([f"the call raised {told}", "Traceback (most recent call last):",
                                  '  File "*case.py", line 5, in run'])
-    text = result.stdout.str()
-    assert "failed inside the child" not in text
-    assert "execute.py" not in text and "isolation.py" not in text
+    assert_told_as_the_users(result)
 
 
 def test_the_references_base_exception_and_an_expected_system_exit(
