@@ -416,17 +416,28 @@ class _OwnIsolation:
         return True
 
 
-def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
-    """``@pytest.mark.gpu_requires(...)`` as ``Requirements``; a mistake is a usage error."""
+class BadMarker(Exception):
+    """A ``gpu_requires`` marker that cannot be read: the test it marks errors, alone."""
+
+
+# The markers a test could not be given, by item: its setup raises the reason.
+bad_marker_key = pytest.StashKey[str]()
+
+
+def requirements_from_marker(where: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+    """``@pytest.mark.gpu_requires(...)`` as ``Requirements``; a mistake raises ``BadMarker``."""
     from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
     from .backends import BACKENDS
     from .case import VERSION_KEYS, Requirements
 
+    if args:
+        raise BadMarker(f"{where}: gpu_requires takes keyword arguments only, got {args[0]!r}; "
+                        f"write it like gpu_requires(torch='>=2.1', backends=['cuda'])")
     unknown = sorted(set(kwargs) - {"backends", "packages", *VERSION_KEYS})
     if unknown:
-        raise pytest.UsageError(f"{where}: gpu_requires: unknown argument {unknown[0]!r}; "
-                                f"expected backends, packages, {', '.join(VERSION_KEYS)}")
+        raise BadMarker(f"{where}: gpu_requires: unknown argument {unknown[0]!r}; "
+                        f"expected backends, packages, {', '.join(VERSION_KEYS)}")
     specs = {key: kwargs[key] for key in VERSION_KEYS if kwargs.get(key) is not None}
     packages = dict(kwargs.get("packages") or {})
     for key, value in [*specs.items(), *packages.items()]:
@@ -434,15 +445,15 @@ def requirements_from_marker(where: str, kwargs: dict[str, Any]) -> Any:
             if value:
                 SpecifierSet(value)
         except (InvalidSpecifier, TypeError):
-            raise pytest.UsageError(f"{where}: gpu_requires: {key}={value!r} is not a PEP 440 "
-                                    "specifier; write it like '>=2.1'") from None
+            raise BadMarker(f"{where}: gpu_requires: {key}={value!r} is not a PEP 440 "
+                            "specifier; write it like '>=2.1'") from None
     backends = kwargs.get("backends")
     if backends is not None:
         backends = (backends,) if isinstance(backends, str) else tuple(backends)
         for backend in backends:
             if backend not in BACKENDS:
-                raise pytest.UsageError(f"{where}: gpu_requires: unknown backend {backend!r}; "
-                                        f"expected one of {', '.join(BACKENDS)}")
+                raise BadMarker(f"{where}: gpu_requires: unknown backend {backend!r}; "
+                                f"expected one of {', '.join(BACKENDS)}")
     return Requirements(backends=backends, versions=specs, packages=packages)
 
 

@@ -24,6 +24,8 @@ from .items import (  # noqa: F401 - fixtures must be attributes of the plugin m
     gpu_device,
     gpu_dtype,
     parametrize,
+    BadMarker,
+    bad_marker_key,
     requirements_from_marker,
     run_markers,
     share_conftests,
@@ -199,10 +201,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in marked:
         marker = item.get_closest_marker("gpu_requires")
         assert marker is not None
-        requirements = requirements_from_marker(item.nodeid, dict(marker.kwargs))
+        try:
+            requirements = requirements_from_marker(item.nodeid, tuple(marker.args),
+                                                    dict(marker.kwargs))
+        except BadMarker as exc:  # this test errors at its setup; the others run
+            item.stash[bad_marker_key] = str(exc)
+            continue
         reason = evaluate(requirements, state.environment(tuple(requirements.packages)))
         if reason is not None:
             item.add_marker(pytest.mark.skip(reason=reason))
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    problem = item.stash.get(bad_marker_key, None)
+    if problem is not None:
+        # As pytest does for a skipif condition it cannot evaluate: an error of this test.
+        pytest.fail(problem, pytrace=False)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

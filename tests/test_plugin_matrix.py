@@ -41,19 +41,36 @@ def test_gpu_requires_marker(pytester: pytest.Pytester) -> None:
     ])
 
 
-def test_gpu_requires_with_a_bad_specifier_is_a_usage_error(pytester: pytest.Pytester) -> None:
+def test_a_bad_gpu_requires_errors_its_test_alone(pytester: pytest.Pytester) -> None:
+    # As pytest does with a skipif condition it cannot evaluate: that test errors, with the
+    # fix, and the session runs the others (it was a usage error that ran nothing).
     pytester.makepyfile(test_req="""
         import pytest
 
         @pytest.mark.gpu_requires(torch="2.1")
-        def test_x():
+        def test_bad_specifier():
+            pass
+
+        @pytest.mark.gpu_requires(">=2")
+        def test_positional():
+            pass
+
+        @pytest.mark.gpu_requires(torhc=">=2")
+        def test_unknown_key():
+            pass
+
+        def test_other():
             pass
     """)
     result = pytester.runpytest_subprocess()
-    assert result.ret == pytest.ExitCode.USAGE_ERROR
-    result.stderr.fnmatch_lines([
-        "*test_req.py::test_x: gpu_requires: torch='2.1' is not a PEP 440 specifier; "
-        "write it like '>=2.1'"])
+    result.assert_outcomes(passed=1, errors=3)
+    result.stdout.fnmatch_lines_random([
+        "test_req.py::test_bad_specifier: gpu_requires: torch='2.1' is not a PEP 440 "
+        "specifier; write it like '>=2.1'",
+        "test_req.py::test_positional: gpu_requires takes keyword arguments only, got '>=2'; "
+        "write it like gpu_requires(torch='>=2.1', backends=[[]'cuda'[]])",
+        "test_req.py::test_unknown_key: gpu_requires: unknown argument 'torhc'; expected *",
+    ])
 
 
 def test_device_and_dtype_fixtures(pytester: pytest.Pytester) -> None:
