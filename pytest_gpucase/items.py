@@ -508,9 +508,8 @@ def gpu_case(request: pytest.FixtureRequest) -> GpuCaseHandle:
 
     marker = request.node.get_closest_marker("gpu_case")
     if marker is None or not marker.args:
-        raise pytest.UsageError(
-            f"{request.node.nodeid}: the gpu_case fixture needs "
-            "@pytest.mark.gpu_case(\"cases/NAME\")")
+        pytest.fail(f"{request.node.nodeid}: the gpu_case fixture needs the case folder: "
+                    "mark the test @pytest.mark.gpu_case(\"cases/NAME\")", pytrace=False)
     path = Path(marker.args[0])
     if not path.is_absolute():
         path = request.config.rootpath / path

@@ -307,7 +307,10 @@ def test_gpu_case_fixture(pytester: pytest.Pytester, cases: Path) -> None:
     """)
     result = pytester.runpytest_subprocess("test_fixture.py")
     result.assert_outcomes(passed=1, errors=1)
-    result.stdout.fnmatch_lines(["*the gpu_case fixture needs @pytest.mark.gpu_case*"])
+    result.stdout.fnmatch_lines(["test_fixture.py::test_fixture_without_marker: the gpu_case "
+                                 "fixture needs the case folder: mark the test "
+                                 "@pytest.mark.gpu_case(\"cases/NAME\")"])
+    assert "UsageError" not in result.stdout.str()  # one clean error, no fixture traceback
 
 
 def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: Path) -> None:
