@@ -308,7 +308,8 @@ def _read_text(file: Path, case_dir: Path) -> str:
     if len(data) > MAX_CASE_BYTES:  # it grew since the stat
         raise CaseFormatError(file, f"is over the limit of {MAX_CASE_BYTES} bytes")
     try:
-        return data.decode("utf-8")
+        # A byte order mark (what some Windows editors write) is not TOML: left out.
+        return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise CaseFormatError(file, f"cannot be read: {exc}") from None
 

@@ -170,6 +170,13 @@ def test_every_spelling_of_a_too_large_integer_is_refused(case_dir: Path, number
         f"{SHOWN}: origin.n: integer {shown} does not fit in 64 bits; write a smaller number")
 
 
+def test_a_byte_order_mark_and_crlf_lines_are_read(case_dir: Path) -> None:
+    # As Windows editors save it: a UTF-8 BOM and CRLF line ends.
+    (case_dir / "case.toml").write_bytes(
+        b"\xef\xbb\xbf" + (MINIMAL + 'summary = "from Windows"\n').replace("\n", "\r\n").encode())
+    assert load_case(case_dir).summary == "from Windows"
+
+
 def test_nesting_at_the_limit_is_read_and_one_more_is_refused(case_dir: Path) -> None:
     # [origin] plus dotted keys: the value of a 31-part key sits 32 levels deep.
     case = load_case_from(case_dir, MINIMAL + "[origin]\n" + ".".join(["a"] * 31) + " = 1\n")
