@@ -359,7 +359,24 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
                if spec is not None and spec.variant is not None else None)
     if resized:
         text += "\n\n" + resized   # which inputs the variant resized, to what shape
+    if spec is not None and not outcome.broken_case and xfail_reason(spec) is not None:
+        text += "\n\n" + _not_the_known_failure(spec.case, outcome)
     return terminal_safe(text)   # the child's words must not drive the terminal
+
+
+def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
+    """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
+    that now rejects the input should change in ``case.toml``."""
+    error = str(case.origin.get("error", "")).partition("\n")[0]
+    known = case.origin.get("failure_class")
+    captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
+    text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
+            "counts as expected.")
+    if outcome.error_type is not None and outcome.kind not in ("mismatch", "golden mismatch"):
+        text += (" If rejecting these inputs is the fix, make the case expect it: [expect] "
+                 f"outcome = \"raises\", exception = \"{outcome.error_type}\", and remove "
+                 "xfail.")
+    return text + " Otherwise it is a new failure."
 
 
 def _add_sections(item: pytest.Item, verdict: Verdict) -> None:

@@ -330,6 +330,14 @@ def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: P
         "FAILED cases/other/case.toml::other[[]cpu-float32[]] - the call raised*",
         "FAILED cases/broken/case.toml::broken[[]cpu-float32[]] - cases/broken/case.toml:*",
     ])
+    # The other failure says why it fails the run, and what a fix that rejects should change.
+    result.stdout.fnmatch_lines([
+        "This is not the captured failure (ValueError: target out of range: [[]4[]]), the only "
+        "one the case's xfail counts as expected. If rejecting these inputs is the fix, make "
+        "the case expect it: [[]expect[]] outcome = \"raises\", exception = \"RuntimeError\", "
+        "and remove xfail. Otherwise it is a new failure.",
+    ])
+    assert result.stdout.str().count("This is not the captured failure") == 1  # not the broken
 
 
 def test_unknown_device_or_dtype_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
