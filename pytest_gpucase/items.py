@@ -116,7 +116,7 @@ class CaseFile(pytest.File):
             return
         state.cases_seen += 1
         if not specs:
-            state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case)})")
+            state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case, saved)})")
         pin = state.worker_env()
         build = state.environment().backend
         case_path = display_posix(case_dir) if specs else ""  # once per case, not per item
@@ -159,9 +159,9 @@ def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]
     return {"nodeid": parent_id.child(name).with_params(params)}
 
 
-def _case_runs(case: Case) -> str:
+def _case_runs(case: Case, saved: str | None) -> str:
     devices = ", ".join(case.matrix.devices or ("any device",))
-    dtypes = ", ".join(case.matrix.dtypes or ("its saved dtype",))
+    dtypes = ", ".join(case.matrix.dtypes or (f"{saved or 'float32'} (its saved dtype)",))
     return f"devices {devices}; dtypes {dtypes}"
 
 

@@ -178,8 +178,9 @@ def device_skip(device: str, env: Environment) -> str | None:
     if device in env.device_types:
         return None
     if device == "cuda":
-        return (f"no CUDA device here ({env.backend} backend): the CPU pass of this case is a "
-                "hint, not CUDA validation; run it on a GPU runner")
+        # Said of any test on the device (a case, a hand-written one, one whose CPU run fails).
+        return (f"no CUDA device here ({env.backend} backend): a CPU pass is a hint, not CUDA "
+                "validation; run it on a GPU runner")
     return f"no {device} device here ({env.backend} backend)"
 
 

@@ -38,8 +38,8 @@ ROCM = Environment(backend="rocm", device_types=("cuda", "cpu"),
                    python="3.11.7")
 MPS = Environment(backend="mps", device_types=("mps", "cpu"), devices=(Device(0, "Apple MPS"),),
                   torch="2.4.0", python="3.11.7")
-NO_CUDA_HINT = ("no CUDA device here (cpu backend): the CPU pass of this case is a hint, "
-                "not CUDA validation; run it on a GPU runner")
+NO_CUDA_HINT = ("no CUDA device here (cpu backend): a CPU pass is a hint, not CUDA "
+                "validation; run it on a GPU runner")
 REJECT = Expectation(outcome="raises", exception="ValueError", match="out of range")
 
 

@@ -124,8 +124,8 @@ def test_raises_case_passes_and_cuda_is_skipped_with_reason(
     result.stdout.fnmatch_lines([
         "gpucase: cpu backend · torch * · Python * · no accelerator*",
         "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]] PASSED*",
-        "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (cpu backend): the CPU "
-        "pass of this case is a hint, not CUDA validation; run it on a GPU runner",
+        "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (cpu backend): a CPU "
+        "pass is a hint, not CUDA validation; run it on a GPU runner",
     ])
 
 

@@ -384,7 +384,7 @@ def test_cells_say_xfail_and_incomplete_distinctly(tmp_path: Path) -> None:
 
 CPU_ONLY = environment("2.3.1", None, "2.5.8", "", "", backend="cpu", device_types=("cpu",),
                        devices=(), cudnn=None)
-NO_CUDA = "no CUDA device here (cpu backend): the CPU pass of this case is a hint"
+NO_CUDA = "no CUDA device here (cpu backend): a CPU pass is a hint"
 
 
 def test_a_cpu_pass_never_reads_as_a_cuda_pass(tmp_path: Path) -> None:

@@ -159,6 +159,11 @@ def test_filters_that_leave_nothing_say_so(pytester: pytest.Pytester) -> None:
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cuda", "cases")
     result.stdout.fnmatch_lines(["gpucase: no case run was left after --gpu-devices/--gpu-dtypes:"
                                  " cpu_only (its runs: devices cpu*"])
+    # A case without [matrix] dtypes runs in its saved dtype: the note names it.
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-dtypes", "float16", "cases")
+    result.stdout.fnmatch_lines(["gpucase: no case run was left after --gpu-devices/--gpu-dtypes:"
+                                 " cpu_only (its runs: devices cpu; dtypes float32 (its saved "
+                                 "dtype))"])
 
 
 HOG = """
