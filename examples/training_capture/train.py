@@ -39,7 +39,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     loss = torch.zeros(())
     for _ in range(args.epochs):
         for batch in data.batches(args.labels, args.batch_size):
-            with rec.step(iteration, "forward", ids=batch.ids):
+            with rec.step(iteration, "forward", sample_ids=batch.ids):
                 logits = net(batch.features.to(args.device))
             with rec.step(iteration, "loss"):
                 loss = loss_fn(logits, batch.labels.to(args.device))
