@@ -40,7 +40,7 @@ from .variants import (
     members_of,
 )
 
-__all__ = ["Parameters", "binding_problems", "rng_problems", "validate"]
+__all__ = ["Parameters", "binding_problems", "hash_setting", "rng_problems", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
@@ -143,6 +143,21 @@ def rng_problems(case: Case, tensors: Collection[str]) -> list[CaseFormatError]:
                             "hold; save the state there or remove the key",
                             key=f"[context] rng.{device_type}")
             for device_type, name in case.context.rng.items() if name not in tensors]
+
+
+def hash_setting(case_dir: Path) -> str | None:
+    """``inputs_sha256 = "sha256:<hex>"`` for the payload in ``case_dir``, ready to paste into its
+    case.toml; ``None`` without a payload that can be read (the dry run reports why).
+
+    Needs only the file, not a loadable case.toml: a malformed hash is the case it mends.
+    """
+    file = Path(case_dir) / INPUTS_FILE
+    if not os.path.lexists(file):
+        return None
+    try:
+        return f'inputs_sha256 = "{payload.content_hash(file)}"'
+    except (CaseFormatError, OSError):
+        return None
 
 
 def validate(paths: Sequence[Path]) -> list[str]:
