@@ -204,7 +204,8 @@ class Recorder:
         self._later = 0
         self._iteration: int | str | None = None
         self._replaying = bool(os.environ.get(REPLAY_ENV))
-        self._last_step: str | None = None
+        self._last_step: str | None = None  # [origin] last_step: the last step that completed
+        self._stage_done_in: int | str | None = None  # the iteration of the last completed stage
         self._ids: tuple[str | int, ...] | None = None
         self._device_names: dict[str, str] = {}
         self._notes_given: set[str] = set()
@@ -342,9 +343,15 @@ class Recorder:
             if exc is None:
                 for watch in self._modules:
                     watch.backward_done()
-            if exc is None and step.stage:
+            if exc is None:
                 with self._lock:
-                    self._last_step = step.stage
+                    if step.stage:
+                        self._last_step = step.stage
+                        self._stage_done_in = step.iteration
+                    elif self._stage_done_in != step.iteration:
+                        # A plain rec.step(it): the iteration is the step. Around named
+                        # stages of its own, the last of them says more and is kept.
+                        self._last_step = f"iteration {step.iteration}"
             caught = exc if isinstance(exc, Exception) else None
             save: Callable[[BaseException], object] | None = None
             if caught is not None:
