@@ -204,7 +204,8 @@ class Recorder:
         self._later = 0
         self._iteration: int | str | None = None
         self._replaying = bool(os.environ.get(REPLAY_ENV))
-        self._last_step: str | None = None
+        self._last_step: str | None = None  # [origin] last_step: the last step that completed
+        self._stage_done_in: int | str | None = None  # the iteration of the last completed stage
         self._ids: tuple[str | int, ...] | None = None
         self._device_names: dict[str, str] = {}
         self._notes_given: set[str] = set()
@@ -342,9 +343,15 @@ class Recorder:
             if exc is None:
                 for watch in self._modules:
                     watch.backward_done()
-            if exc is None and step.stage:
+            if exc is None:
                 with self._lock:
-                    self._last_step = step.stage
+                    if step.stage:
+                        self._last_step = step.stage
+                        self._stage_done_in = step.iteration
+                    elif self._stage_done_in != step.iteration:
+                        # A plain rec.step(it): the iteration is the step. Around named
+                        # stages of its own, the last of them says more and is kept.
+                        self._last_step = f"iteration {step.iteration}"
             caught = exc if isinstance(exc, Exception) else None
             save: Callable[[BaseException], object] | None = None
             if caught is not None:
@@ -578,7 +585,10 @@ class Recorder:
                                  start_method=start)
             table = child.value if child.returned else None
             if not isinstance(table, dict) or not out.exists():
-                self._report_narrowed(None, "op (no single ATen op raised)", False)
+                # Nothing was written, so nothing was tried: say why, not "did not reproduce".
+                why = (table if isinstance(table, str)
+                       else f"the search for the op that raised failed ({child.problem})")
+                self._say(f"gpucase: note: {why}: no op case written")
                 return
             tensors = payload.load(out)
         case = load_case(module_dir)
@@ -1447,11 +1457,12 @@ def replay_op(*, gpucase_op: Mapping[str, Any], **tensors: Any) -> Any:
     return op(*args, **kwargs)
 
 
-def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | None:
+def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     """In a child: replay a module case under a dispatch mode and save the op that raises.
 
     Returns the ``[inputs] gpucase_op`` table and writes the op's tensors to ``out_file``;
-    None when no single op raised (the failure is in Python code, or nothing raised).
+    else why there is no op case: no single op raised (the failure is in Python code, or
+    nothing raised), or the op's arguments cannot be saved.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -1480,13 +1491,13 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | None:
     except Exception:
         pass
     if finder.failed is None:
-        return None
+        return "no single ATen op raised"
     func, args, kwargs = finder.failed
     tensors: dict[str, Any] = {}
     encoded = [_encode_arg(a, tensors) for a in args]
     encoded_kwargs = {k: _encode_arg(v, tensors) for k, v in kwargs.items()}
     if any(e is None for e in [*encoded, *encoded_kwargs.values()]):
-        return None
+        return f"{func} raised, with arguments a case cannot hold"
     payload.save(Path(out_file), tensors)
     table: dict[str, Any] = {"op": str(func), "args": encoded}
     if encoded_kwargs:

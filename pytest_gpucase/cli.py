@@ -224,8 +224,19 @@ def _matrix(args: argparse.Namespace) -> int:
 
 def _show(args: argparse.Namespace) -> int:
     from .request import show
+    from .validate import hash_setting
 
-    print(show(args.case, report=args.report))
+    try:
+        text = show(args.case, report=args.report)
+    except CaseFormatError as exc:
+        # The payload's hash is what a malformed inputs_sha256 should say: shown all the same.
+        setting = hash_setting(args.case)
+        if setting is None:
+            raise
+        _error(None, exc)
+        print(f"hash:      {setting}")
+        return 2
+    print(text)
     return 0
 
 

@@ -466,12 +466,14 @@ class Minimized:
         if self.selection.entries is not None:
             kept = ", ".join(map(str, self.selection.entries[:20]))
             more = " …" if len(self.selection.entries) > 20 else ""
+            which = "entry" if len(self.selection.entries) == 1 else "entries"
+            # The original's entry numbers: "(kept 3)" read as a count.
             lines.append(f"  entries on axis {self.axes.batch_axis}: {self.axes.batch_size} -> "
-                         f"{len(self.selection.entries)} (kept {kept}{more})")
+                         f"{len(self.selection.entries)} (kept {which} {kept}{more})")
         if self.selection.window is not None:
             start, stop = self.selection.window
             lines.append(f"  length on axis {self.axes.length_axis}: {self.axes.length_size} "
-                         f"-> {stop - start} (kept [{start}, {stop}))")
+                         f"-> {stop - start} (kept positions [{start}, {stop}))")
         for name, (before, after) in self.shapes.items():
             lines.append(f"  {name}: {list(before)} -> {list(after)}")
         for found, count in self.failed_differently.items():

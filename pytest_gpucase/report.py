@@ -21,6 +21,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from .case import CASE_FILE
 from .environment import Device, Environment, dnn_library
 from .errors import display_posix
 from .fsutil import write_text_atomic
@@ -393,7 +394,7 @@ def step_summary(report: Mapping[str, Any]) -> str:
         for result in failures[:_MAX_FAILURES_LISTED]:
             # "failed" is the heading already; an error or a strict xpass says what it is.
             said = [] if result["outcome"] == "failed" else [_REASON_WORDS[result["outcome"]]]
-            said += [text] if (text := _reason_text(result)) else []
+            said += [text] if (text := _as_in_nodeid(result, _reason_text(result))) else []
             line = f"- {markdown_code(result['nodeid'])}: {_md(': '.join(said) or 'failed')}"
             clue = (result["triage"] or {}).get("clue")
             lines.append(line + (f" (clue: {_md(str(clue))})" if clue else ""))
@@ -401,6 +402,22 @@ def step_summary(report: Mapping[str, Any]) -> str:
             lines.append(f"- … and {len(failures) - _MAX_FAILURES_LISTED} more in the JSON report")
         lines.append("")
     return "\n".join(lines)
+
+
+def _as_in_nodeid(result: Mapping[str, Any], text: str) -> str:
+    """``text`` with the case's directory written as the node id beside it writes it.
+
+    A message names the case as the run displayed it: relative to the working
+    directory, or absolute when the case lies outside it, while a node id is
+    relative to the rootdir. On a CI page only the node id's form means anything.
+    """
+    case_path = str(result.get("case_path") or "")
+    file = str(result["nodeid"]).partition("::")[0]
+    directory, _, name = file.rpartition("/")
+    if not case_path or not directory or name != CASE_FILE or directory == case_path:
+        return text
+    # Not where the path goes on with a longer name: cases/bom is no prefix of cases/bomb.
+    return re.sub(re.escape(case_path) + r"(?![\w.-])", lambda _: directory, text)
 
 
 def append_step_summary(report: Mapping[str, Any],

@@ -22,6 +22,7 @@ from .case import INPUTS_FILE, Case, load_case
 from .errors import CaseFormatError
 from .report import markdown_code
 from .triage import assertion_line, bounded, triage
+from .validate import hash_setting
 
 __all__ = ["request", "show", "validate"]
 
@@ -74,6 +75,9 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     lines.extend(f"  {line}" for line in _input_lines(case))
     if not case.literals and not case.inputs_file.exists():
         lines.append("  (none)")
+    setting = hash_setting(case.path)
+    if setting is not None:
+        lines.append(f"hash:      {setting}")
     matrix = _matrix(case)
     if matrix:
         lines.append(f"matrix:    {matrix}")

@@ -9,8 +9,8 @@ inputs bind to the function's parameters; each variant axis is within the
 rank of the inputs that follow it, and its resized inputs within bounds.
 Case code is never executed here, and torch is not imported.
 
-``Parameters`` and ``binding_problems`` are shared with the child
-(``execute``), so that a dry run and a run word the same mistake the same way.
+``Parameters``, ``binding_problems`` and ``rng_problems`` are shared with the
+child (``execute``), so that a dry run and a run word the same mistake the same way.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from .variants import (
     members_of,
 )
 
-__all__ = ["Parameters", "binding_problems", "validate"]
+__all__ = ["Parameters", "binding_problems", "hash_setting", "rng_problems", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
@@ -131,6 +131,35 @@ def binding_problems(case: Case, target: str, params: Parameters,
     return problems
 
 
+def rng_problems(case: Case, tensors: Collection[str]) -> list[CaseFormatError]:
+    """Each ``[context] rng`` state the payload (holding ``tensors``; empty without a payload)
+    does not hold: the run cannot restore it, and a random op would draw other numbers.
+
+    Only the name is checked. The run converts a state to uint8 and torch checks
+    only its number of bytes, which depends on the torch version and the device:
+    a header alone cannot tell a wrong one.
+    """
+    return [CaseFormatError(case.case_file, f"names '{name}', which {INPUTS_FILE} does not "
+                            "hold; save the state there or remove the key",
+                            key=f"[context] rng.{device_type}")
+            for device_type, name in case.context.rng.items() if name not in tensors]
+
+
+def hash_setting(case_dir: Path) -> str | None:
+    """``inputs_sha256 = "sha256:<hex>"`` for the payload in ``case_dir``, ready to paste into its
+    case.toml; ``None`` without a payload that can be read (the dry run reports why).
+
+    Needs only the file, not a loadable case.toml: a malformed hash is the case it mends.
+    """
+    file = Path(case_dir) / INPUTS_FILE
+    if not os.path.lexists(file):
+        return None
+    try:
+        return f'inputs_sha256 = "{payload.content_hash(file)}"'
+    except (CaseFormatError, OSError):
+        return None
+
+
 def validate(paths: Sequence[Path]) -> list[str]:
     """Every problem of the case directories under ``paths``, one line each; empty when all good."""
     problems: list[str] = []
@@ -194,6 +223,8 @@ def _problems(directory: Path) -> list[str]:
     if clash:
         problems.append(CaseFormatError(case.case_file, f"{', '.join(clash)} given both here "
                                         f"and in {INPUTS_FILE}; keep one", key="[inputs]"))
+    if readable:
+        problems.extend(rng_problems(case, tensors or ()))
     boundaries = case.variants.boundaries
     # An unreadable payload is reported once, not again as a missing input.
     if boundaries is not None and readable and (tensors is None

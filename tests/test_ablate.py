@@ -302,4 +302,4 @@ def test_ablates_recommendation_to_minimize_runs_on_a_recorded_case(
     assert "(shrink it with gpucase minimize)" in capsys.readouterr().out
     # The advice, followed: the payload's RNG state is no third batch candidate.
     assert main(["minimize", str(path), "--max-tries", "20"]) == 0
-    assert "entries on axis 0: 8 -> 1 (kept 5)" in capsys.readouterr().out
+    assert "entries on axis 0: 8 -> 1 (kept entry 5)" in capsys.readouterr().out

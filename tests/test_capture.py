@@ -305,6 +305,37 @@ def test_mixed_host_and_unreadable_device_inputs_keep_the_host_ones(tmp_path: Pa
         "not saved: device unusable after device-side assert; saved from the host: target")
 
 
+@pytest.mark.parametrize("fails_at", [0, 5])
+def test_plain_steps_record_the_last_completed_step(tmp_path: Path, fails_at: int) -> None:
+    """README's loop, ``with rec.step(step, sample_ids=...)``: [origin] says which step was
+    the last to complete, as named stages do (none when the first step fails)."""
+    rec = Recorder(tmp_path / "cases")
+    op = rec.watch(failing_op, name="plain")
+    for step in range(fails_at + 1):
+        with rec.step(step, sample_ids=[step]):
+            if step == fails_at:
+                fail(op, torch.ones(2))
+    origin = toml(tmp_path / "cases" / "plain")["origin"]
+    assert origin["iteration"] == fails_at
+    assert origin.get("last_step") == (None if fails_at == 0 else f"iteration {fails_at - 1}")
+    assert "stage" not in origin
+
+
+def test_named_stages_inside_a_plain_step_are_the_last_step(tmp_path: Path) -> None:
+    rec = Recorder(tmp_path / "cases")
+    op = rec.watch(failing_op, name="nested")
+    for step in range(3):
+        with rec.step(step):
+            with rec.step(step, "forward"):
+                pass
+            with rec.step(step, "optimizer.step"):
+                if step == 2:
+                    fail(op, torch.ones(2))
+    origin = toml(tmp_path / "cases" / "nested")["origin"]
+    assert (origin["iteration"], origin["stage"], origin["last_step"]) == (
+        2, "optimizer.step", "forward")
+
+
 def test_ids_from_the_watch_callable_win_over_the_step(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path)

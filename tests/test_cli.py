@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import re
 import shutil
@@ -129,3 +130,34 @@ def test_help_names_only_pytest_options_that_exist(
     assert named <= {setting.flag for setting in SETTINGS}
     if command == "matrix":
         assert named == {"--gpu-cases-report"}
+
+
+def test_show_prints_the_payload_hash_ready_to_paste(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """inputs_sha256's own message sends its reader to `gpucase show`: show prints the hash,
+    even when the case.toml's hash is the malformed one to mend."""
+    monkeypatch.chdir(tmp_path)
+    case = rich_case(Path("cases"))
+    setting = ('inputs_sha256 = "sha256:'
+               f'{hashlib.sha256((case / "inputs.safetensors").read_bytes()).hexdigest()}"')
+    assert main(["show", str(case)]) == 0
+    assert f"hash:      {setting}" in capsys.readouterr().out.splitlines()
+
+    toml = (case / "case.toml").read_text()
+    (case / "case.toml").write_text('inputs_sha256 = "73877274"\n' + toml)
+    assert main(["show", str(case)]) == 2
+    out, err = capsys.readouterr()
+    assert err == ("gpucase: cases/ce_class4/case.toml: inputs_sha256: '73877274' is not "
+                   "\"sha256:\" followed by 64 lowercase hex digits; write what `gpucase show` "
+                   "prints for the payload\n")
+    assert out == f"hash:      {setting}\n"
+    (case / "case.toml").write_text(setting + "\n" + toml)  # pasted as shown: the case loads
+    assert main(["show", str(case)]) == 0
+    assert main(["validate", str(case)]) == 0
+    capsys.readouterr()
+
+    (case / "inputs.safetensors").unlink()  # no payload: no hash to show, the error alone
+    (case / "case.toml").write_text('inputs_sha256 = "73877274"\n' + toml)
+    assert main(["show", str(case)]) == 2
+    assert capsys.readouterr().out == ""

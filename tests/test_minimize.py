@@ -116,7 +116,7 @@ def test_one_bad_entry_among_64_is_found_and_written(
     for size in ("32 entries", "16 entries", "8 entries", "4 entries", "2 entries", "1 entry"):
         assert f": {size}, still ValueError [" in out
     summary = result.render()
-    assert "entries on axis 0: 64 -> 1 (kept 37)" in summary
+    assert "entries on axis 0: 64 -> 1 (kept entry 37)" in summary
     assert "logits: [64, 4] -> [1, 4]" in summary
     assert "  wrote ce_batch_min" in summary
 
@@ -205,6 +205,7 @@ def test_overflowing_entry_shrinks_batch_and_length(tmp_path: Path) -> None:
     assert result.failure == FailureClass("mismatch")
     assert result.selection.entries == (5,)
     assert result.selection.window == (20, 21)
+    assert "length on axis 1: 32 -> 1 (kept positions [20, 21))" in result.render()
     assert result.output is not None
     kept = payload.load(result.output / "inputs.safetensors")
     assert kept["x"].tolist() == [[100.0]]
@@ -255,6 +256,7 @@ def test_max_tries_stops_and_writes_the_best_so_far(tmp_path: Path) -> None:
     # Outside the working directory too: relative to the new case, never absolute.
     assert record["case"] == "../ce_batch"
     assert "(stopped at --max-tries)" in result.render()
+    assert "entries on axis 0: 64 -> 16 (kept entries 32, 33, 34," in result.render()
 
 
 def test_time_budget_is_checked_before_each_try(tmp_path: Path) -> None:
@@ -515,7 +517,7 @@ def test_command_writes_the_case_and_returns_0(
                  "--time-budget", "60"])
     assert code == 0
     out = capsys.readouterr().out
-    assert "wrote" in out and "entries on axis 0: 8 -> 1 (kept 5)" in out
+    assert "wrote" in out and "entries on axis 0: 8 -> 1 (kept entry 5)" in out
     assert "note: expected.safetensors is not copied: its golden outputs belong to the full " \
            "batch" in out
     assert sorted(p.name for p in (tmp_path / "small").iterdir()) == [

@@ -66,6 +66,31 @@ def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path
         assert is_known_failure(load_case(case_dir), verdict)
 
 
+class CheckedLM(model_targets.TinyLM):
+    """TinyLM whose forward checks the token ids itself: the failure is Python's, no op's."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if int(tokens.max()) >= self.vocab:
+            raise ValueError(f"token id {int(tokens.max())} >= vocab {self.vocab}")
+        return super().forward(tokens)
+
+
+def test_a_failure_no_op_raised_is_told_so(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """No op case is tried when no ATen op raised: the note says so, and claims no replay."""
+    rec = Recorder(tmp_path / "cases")
+    model = rec.watch(CheckedLM(), name="checked")
+    with pytest.raises(ValueError, match="token id 9 >= vocab 8"), rec.step(0):
+        model(torch.tensor([[1, 9, 3]]))
+    assert rec.case_dir == tmp_path / "cases" / "checked"
+    assert rec.narrowed == []
+    err = capsys.readouterr().err
+    assert "gpucase: note: no single ATen op raised: no op case written" in err.splitlines()
+    assert "did not reproduce" not in err
+    verdict = replay(tmp_path / "cases" / "checked")
+    assert verdict.outcome.error_type == "ValueError", verdict.outcome.summary
+
+
 def test_rerun_of_the_same_failure_counts_instead_of_copying(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     said = []

@@ -750,3 +750,32 @@ def test_the_shipped_schema_is_the_one_the_docs_point_at() -> None:
     report["results"] = [{**record, "localized": 3}]
     with pytest.raises(ReportError, match=r"results\[0\]\.localized: expected a string or null"):
         check_report(report)
+
+
+def test_step_summary_names_a_case_as_its_node_id_does(tmp_path: Path) -> None:
+    """A case outside the working directory is shown by its absolute path in the run's message;
+    the summary writes it relative to the rootdir, as the node id beside it."""
+    broken = result("bom", "all", "all", "failed", nodeid="cases/bom/case.toml::bom",
+                    case_path="/ci/work/cases/bom", error_type="CaseFormatError",
+                    message="/ci/work/cases/bom/case.toml: invalid TOML; in /ci/work/cases/bom, "
+                    "not /ci/work/cases/bomb/case.toml nor /ci/work/cases/bom.old")
+    path = report_file(tmp_path / "r.json", A100, [broken])
+    assert step_summary(load_report(path)).splitlines()[6] == (
+        "- `cases/bom/case.toml::bom`: cases/bom/case.toml: invalid TOML; in cases/bom, not "
+        "/ci/work/cases/bomb/case.toml nor /ci/work/cases/bom.old")
+
+
+def test_step_summary_of_a_run_outside_the_rootdir(pytester: pytest.Pytester,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    pytester.makeini("[pytest]\n")
+    (pytester.path / "cases" / "bom").mkdir(parents=True)
+    (pytester.path / "cases" / "bom" / "case.toml").write_bytes(b"\xef\xbb\xbfformat = 1\n")
+    (pytester.path / "ci").mkdir()
+    summary = pytester.path / "ci" / "summary.md"
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(summary))
+    monkeypatch.chdir(pytester.path / "ci")
+    pytester.runpytest_subprocess("-p", "no:cacheprovider", "--gpu-cases", "../cases")
+    [line] = [line for line in summary.read_text(encoding="utf-8").splitlines()
+              if line.startswith("- ")]
+    assert line.startswith("- `cases/bom/case.toml::bom`: cases/bom/case.toml: ")
+    assert str(pytester.path) not in line

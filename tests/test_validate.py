@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase import execute, payload
+from pytest_gpucase.case import load_case
 from pytest_gpucase.cli import main
+from pytest_gpucase.errors import CaseFormatError
 from pytest_gpucase.validate import validate
 
 RUN = "def run(logits, target, mask):\n    return logits\n"
@@ -70,6 +72,24 @@ def test_a_payload_whose_hash_differs() -> None:
     case("hash_wrong", 'inputs_sha256 = "sha256:' + "0" * 64 + '"\n')
     [problem] = validate([Path("cases")])
     assert problem.startswith("cases/hash_wrong/inputs.safetensors: content hash sha256:")
+
+
+def test_an_rng_state_the_payload_does_not_hold() -> None:
+    """The run refuses a case whose [context] rng names a tensor that is not saved; the dry run
+    says so too, in the run's words."""
+    rng = '[context]\nrng = { cpu = "context.rng_cpu", cuda = "context.rng_cuda" }\n'
+    case("held", rng, tensors={**TENSORS, "context.rng_cpu": torch.get_rng_state(),
+                               "context.rng_cuda": torch.zeros(16, dtype=torch.uint8)})
+    case("not_held", rng, tensors={**TENSORS, "context.rng_cpu": torch.get_rng_state()})
+    case("no_payload", rng, tensors=None, code="def run():\n    return 1\n")
+    message = ("cases/{}/case.toml: [context] rng.{}: names 'context.rng_{}', which "
+               "inputs.safetensors does not hold; save the state there or remove the key")
+    assert validate([Path("cases")]) == [
+        message.format("no_payload", "cpu", "cpu"), message.format("no_payload", "cuda", "cuda"),
+        message.format("not_held", "cuda", "cuda")]
+    with pytest.raises(CaseFormatError) as run:
+        execute.load_inputs(load_case(Path("cases/not_held")))
+    assert str(run.value) == message.format("not_held", "cuda", "cuda")
 
 
 def test_a_missing_function() -> None:
