@@ -574,7 +574,9 @@ def _parse_hash(top: _Reader) -> str | None:
     value: str | None = top.get("inputs_sha256", str, 'a string "sha256:<64 hex digits>"')
     if value is not None and not re.fullmatch(r"sha256:[0-9a-f]{64}", value):
         raise top.error("inputs_sha256", f"'{value}' is not \"sha256:\" followed by 64 "
-                        "lowercase hex digits; write what `gpucase show` prints for the payload")
+                        "lowercase hex digits; set it to the inputs_sha256 line `gpucase show "
+                        "CASE` prints (or \"sha256:\" and the first field of `sha256sum "
+                        "inputs.safetensors`), or remove the key")
     return value
 
 

@@ -149,8 +149,9 @@ def test_show_prints_the_payload_hash_ready_to_paste(
     assert main(["show", str(case)]) == 2
     out, err = capsys.readouterr()
     assert err == ("gpucase: cases/ce_class4/case.toml: inputs_sha256: '73877274' is not "
-                   "\"sha256:\" followed by 64 lowercase hex digits; write what `gpucase show` "
-                   "prints for the payload\n")
+                   "\"sha256:\" followed by 64 lowercase hex digits; set it to the "
+                   "inputs_sha256 line `gpucase show CASE` prints (or \"sha256:\" and the first "
+                   "field of `sha256sum inputs.safetensors`), or remove the key\n")
     assert out == f"hash:      {setting}\n"
     (case / "case.toml").write_text(setting + "\n" + toml)  # pasted as shown: the case loads
     assert main(["show", str(case)]) == 0
