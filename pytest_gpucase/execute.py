@@ -163,6 +163,8 @@ def _run(spec: RunSpec) -> Outcome:
             actual = _call(func, run_inputs, expect.gradients, spec.device)
     except _BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
+    except _NothingDifferentiated as problem:
+        raise problem.error(case, "the call") from None
     except BaseException as exc:  # SystemExit and the like too: see _raised
         return _raised("the call", exc)
     reference = func
@@ -182,6 +184,8 @@ def _run(spec: RunSpec) -> Outcome:
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
+        except _NothingDifferentiated as problem:
+            raise problem.error(case, "the reference") from None
         except BaseException as exc:  # SystemExit and the like too: see _raised
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
@@ -222,6 +226,9 @@ def write_golden(case: Case) -> dict[str, str]:
         whose = f"the {key}'s"
         return {"refused": f"{display(case.expected_file)} not written: "
                            f"{problem.message(whose)}"}
+    except _NothingDifferentiated as problem:
+        return {"refused": f"{display(case.expected_file)} not written: "
+                           f"{problem.KEY}: {problem.message(f'the {key}')}"}
     try:
         golden.save(case.expected_file, results)
     except golden.Unstorable as exc:
@@ -548,12 +555,38 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
     detached = _detach(out)
     total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
                 for t in _tensors(out) if t.requires_grad)
-    grads: dict[str, Any] = dict.fromkeys(leaves)
-    if isinstance(total, torch.Tensor):
+    found: tuple[torch.Tensor | None, ...] = ()
+    if isinstance(total, torch.Tensor) and leaves:
         found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
-        grads = dict(zip(leaves, found, strict=True))
+    if all(grad is None for grad in found):  # some inputs without one are fine, not all
+        raise _NothingDifferentiated(torch.is_grad_enabled())
     _sync(device)
-    return {"out": detached, "grad": grads}
+    return {"out": detached, "grad": dict(zip(leaves, found, strict=True))}
+
+
+class _NothingDifferentiated(Exception):
+    """``gradients = true`` with no gradient at all to compare: no float output depends on a
+    float tensor input (an integer output, one computed from other values), or grad mode is
+    off. Without it the run compared the outputs alone and passed as if the gradients had
+    been checked. Raised by ``_call``, which knows no case; told as a broken case."""
+
+    def __init__(self, grad_enabled: bool) -> None:
+        super().__init__("nothing differentiated")
+        self.grad_enabled = grad_enabled
+
+    def message(self, whose: str) -> str:
+        if not self.grad_enabled:
+            return (f"true, but {whose} runs with grad mode off ([context] grad = false or "
+                    "inference = true), so nothing is differentiated; turn grad mode on, or "
+                    "remove gradients = true")
+        return (f"true, but no float output of {whose} depends on a float tensor input (a "
+                "top-level argument), so there is no gradient to compare; return a float "
+                "tensor computed from the inputs, or remove gradients = true")
+
+    def error(self, case: Case, whose: str) -> CaseFormatError:
+        return CaseFormatError(case.case_file, self.message(whose), key=self.KEY)
+
+    KEY = "[expect] gradients"
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
