@@ -30,7 +30,7 @@ import torch
 from . import backends, fsutil, golden, payload, project, reference_cache
 from .capture import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
 from .case import Case, Expectation, ReplayContext
-from .compare import Comparison, Tolerance, combine, compare
+from .compare import Comparison, Tolerance, combine, compare, field_names
 from .errors import CaseFormatError, display
 from .matrix import RunSpec
 from .validate import Parameters, binding_problems
@@ -620,14 +620,16 @@ def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
             return type(value)(*items)
         return type(value)(items)
     except _BadOutput as problem:
-        problem.keys.append(key if isinstance(value, Mapping) else len(items))
+        names = field_names(value)
+        problem.keys.append(key if isinstance(value, Mapping)
+                            else _Field(names[len(items)]) if names else len(items))
         raise
     finally:
         del above[id(value)]
 
 
 class _Field(str):
-    """A dataclass field on a path, spelled ``.name``."""
+    """A dataclass or named tuple field on a path, spelled ``.name``."""
 
 
 def _walked_children(value: Any) -> list[tuple[object, Any]] | None:

@@ -246,3 +246,44 @@ def test_gradients_true_with_nothing_to_differentiate_is_a_broken_case(
     regen.assert_outcomes(failed=1)
     regen.stdout.fnmatch_lines(["*expected.safetensors not written: [[]expect[]] gradients: "
                                 "true, but no float output of the call depends*"])
+
+
+def test_a_bad_output_path_names_named_tuple_fields(pytester: pytest.Pytester) -> None:
+    """As the comparison spells them: a named tuple's field and a torch.return_types
+    structseq's (which has no _fields) were shown as out[1] and out[0]."""
+    x = {"x": torch.tensor([[1.0, 2.0], [3.0, 0.0]])}
+    write_case(pytester.path, "named", TOML, """
+        import collections
+
+        Pair = collections.namedtuple("Pair", "first rest")
+
+        def run(x):
+            rest = [x]
+            rest.append(rest)
+            return Pair(x, rest)
+        """, x)
+    write_case(pytester.path, "structseq", TOML, """
+        import torch
+
+        def run(x):
+            found = torch.max(x, dim=0)
+            return {"m": [found, found.indices.tolist()], "again": found}
+        """, x)
+    write_case(pytester.path, "structseq_cycle", TOML, """
+        import torch
+
+        def run(x):
+            box = []
+            found = torch.return_types.max([x, box])
+            box.append(found)
+            return found
+        """, x)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-v")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*structseq[[]cpu-float32[]] PASSED*",
+        "*_ named[[]cpu-float32[]] _*",
+        "the call's output holds itself: out.rest[[]1[]] is out.rest again; *",
+        "*_ structseq_cycle[[]cpu-float32[]] _*",
+        "the call's output holds itself: out.indices[[]0[]] is out again; *",
+    ])
