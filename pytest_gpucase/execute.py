@@ -32,6 +32,7 @@ from .capture import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
 from .case import Case, Expectation, ReplayContext
 from .compare import Comparison, Tolerance, combine, compare, field_names
 from .errors import CaseFormatError, display
+from .isolation import note
 from .matrix import RunSpec
 from .validate import Parameters, binding_problems
 from .variants import VariantNotApplicable, VariantTooLarge, apply as apply_variant
@@ -158,6 +159,7 @@ def _run(spec: RunSpec) -> Outcome:
     if expect.outcome == "raises":
         with replay_context(context, spec.device, rng):
             return _check_raises(func, run_inputs, expect, spec.device)
+    began = time.perf_counter()
     try:
         with replay_context(context, spec.device, rng):
             actual = _call(func, run_inputs, expect.gradients, spec.device)
@@ -167,6 +169,9 @@ def _run(spec: RunSpec) -> Outcome:
         raise problem.error(case, "the call") from None
     except BaseException as exc:  # SystemExit and the like too: see _raised
         return _raised("the call", exc)
+    returned = f"the call itself returned after {time.perf_counter() - began:.3g} s"
+    comparing = f"while comparing the outputs ({returned})"
+    note(comparing)  # a timeout from here on is not the call's
     reference = func
     if case.reference:
         reference = resolve(case, case.reference, "reference")
@@ -177,6 +182,8 @@ def _run(spec: RunSpec) -> Outcome:
     if comparison is None or not comparison.ok:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
+        note(f"while computing the float64 reference on the CPU ({returned}; a reference "
+             "slower than the call may need a larger timeout in case.toml)")
         try:
             # The same random draws and grad mode, in float64 on the CPU.
             with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
@@ -189,6 +196,7 @@ def _run(spec: RunSpec) -> Outcome:
         except BaseException as exc:  # SystemExit and the like too: see _raised
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
+        note(comparing)
         comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", "outputs differ from the reference", details=comparison.report(),

@@ -11,7 +11,9 @@ Nothing the child sends is trusted. The child runs a case's code, which may do
 anything, so its result comes back as JSON data over a third pipe, never as a
 pickle: plain values, with NaN and infinities, tuples and dicts tagged, and
 dataclasses rebuilt only from the allow-list ``RESULT_TYPES``, each field
-checked against its annotation. The parent reads at most ``RESULT_LIMIT``
+checked against its annotation. Before it, the child may write short notes
+(``note``) of what it is doing, which the parent reads even from a child it
+killed: a timeout says what it interrupted. The parent reads at most ``RESULT_LIMIT``
 bytes of it (a bigger result kills the child and is a failure), and every
 string in it is cut to its head and tail (``TEXT_HEAD``/``TEXT_TAIL``) before
 it reaches a report. A malformed result is a failure that names the problem.
@@ -169,6 +171,7 @@ class ChildResult:
     resident: int | None = None     # the tree's highest sampled resident memory, in bytes
     warnings: tuple[ChildWarning, ...] = ()
     warnings_dropped: int = 0       # distinct warnings past MAX_WARNINGS
+    phase: str | None = None        # what the child said it was doing last (``note``)
 
     @property
     def problem(self) -> str | None:
@@ -444,8 +447,39 @@ class _WarningLog:
                 "dropped": self.dropped}
 
 
+# The child's end of its result pipe while a call runs, for ``note``; None elsewhere.
+_NOTE_FD: int | None = None
+_NOTE = b"\x1e"  # begins a note line on the result pipe; the JSON envelope holds no newline
+NOTE_LIMIT = 1000  # bytes of one note: below PIPE_BUF, so that a note is written whole
+
+
+def note(phase: str) -> None:
+    """Tell the parent what this child is doing now (``ChildResult.phase``): what a timeout
+    interrupted, beyond the stacks of the dump. Nothing outside a child run.
+
+    A line on the result pipe before the result, read by the parent also after a kill; a
+    write of a few bytes, cheap enough for every phase of every run.
+    """
+    if _NOTE_FD is None:
+        return
+    line = _NOTE + phase.replace("\n", " ").encode(errors="replace")[:NOTE_LIMIT] + b"\n"
+    with contextlib.suppress(OSError):  # the parent is gone: nobody to tell
+        _write_all(_NOTE_FD, line)
+
+
+def _split_notes(raw: bytes) -> tuple[str | None, bytes]:
+    """(the last note, the result envelope) of what a child wrote to its result pipe."""
+    notes, newline, envelope = raw.rpartition(b"\n")
+    if not newline:
+        return None, raw
+    last = notes.rpartition(b"\n")[2]
+    phase = last[len(_NOTE):].decode(errors="replace") if last.startswith(_NOTE) else None
+    return (clip(phase, 200, 300) if phase else None), envelope
+
+
 def _child_main(res_w: int, func: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
+    global _NOTE_FD
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -454,7 +488,9 @@ def _child_main(res_w: int, func: Callable[..., Any],
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     code = 0
+    _NOTE_FD = res_w
     payload = _envelope(func, args)
+    _NOTE_FD = None
     _flush_std_streams()
     _save_coverage()
     try:
@@ -1063,7 +1099,7 @@ def _flags(raw: bytearray) -> dict[str, Any]:
     if not raw.endswith(b"}"):
         return {}
     try:
-        envelope = json.loads(raw)
+        envelope = json.loads(_split_notes(bytes(raw))[1])
     except (ValueError, RecursionError):
         return {}
     if not isinstance(envelope, dict):
@@ -1331,6 +1367,7 @@ def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, e
     value, returned, child_error, bad_result = None, False, None, None
     found: tuple[ChildWarning, ...] = ()
     dropped = 0
+    phase, raw = _split_notes(raw)
     if oversize:
         bad_result = (f"sent too big a result: the child's result exceeded "
                       f"{RESULT_LIMIT // 2**20} MiB and the child was killed; return less, or "
@@ -1348,7 +1385,7 @@ def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, e
         duration=duration, start_method=start_method, child_error=child_error,
         bad_result=bad_result, memory_exceeded=run.memory_exceeded,
         memory_limit=run.memory_limit, resident=run.resident or None, warnings=found,
-        warnings_dropped=dropped,
+        warnings_dropped=dropped, phase=phase,
     )
 
 
@@ -1514,6 +1551,7 @@ class _Worker:
 
 def _worker_serve(sock_fd: int) -> None:  # pragma: no cover - the worker
     """Run the calls the parent sends, one at a time, each with its own pipes."""
+    global _NOTE_FD
     sock = socket.socket(fileno=sock_fd)
     null = os.open(os.devnull, os.O_RDWR)
     while True:
@@ -1533,8 +1571,10 @@ def _worker_serve(sock_fd: int) -> None:  # pragma: no cover - the worker
         os.close(err_w)
 
         restored: list[bool] = []
+        _NOTE_FD = res_w
         payload = _envelope(_unpickle_and_call, (job,), functools.partial(
             _restore, state, restored))
+        _NOTE_FD = None
         retire = restored != [True]
         _flush_std_streams()
         try:

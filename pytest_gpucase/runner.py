@@ -105,9 +105,12 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     """A child that returned nothing becomes a failure naming why, with its last words."""
     where = display(spec.case.case_file)
     if child.timed_out:
-        summary = (f"{where}: run timed out after {spec.case.timeout:g} s and was killed with its "
-                   "process group and every process it started; the stack of every thread at "
-                   "the timeout is in the captured stderr")
+        # The child's last note says what the timeout interrupted (the reference, say),
+        # which the stack dump alone does not: gpucase's frames are hidden from it.
+        during = f" {child.phase}" if child.phase else ""
+        summary = (f"{where}: run timed out after {spec.case.timeout:g} s{during} and was killed "
+                   "with its process group and every process it started; the stack of every "
+                   "thread at the timeout is in the captured stderr")
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:

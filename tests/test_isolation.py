@@ -234,3 +234,43 @@ def test_a_cut_drops_only_the_sequence_it_began() -> None:
     assert head == "ab"
     tail = clip("y" * 200 + "\x1b]8;;https://example.org\x1b\\link", 4, len("\\link"))
     assert tail.split("\n")[-1] == "link"
+
+
+def note_and_wait(phases: list[str], seconds: float) -> str:
+    """Say each phase in turn, then wait (a hang when ``seconds`` passes the timeout)."""
+    for phase in phases:
+        isolation.note(phase)
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_last_note_says_what_a_timeout_interrupted(method: str) -> None:
+    """The parent reads the child's notes even from the child it killed; a note with a
+    newline in it stays one note."""
+    hung = run_in_child(note_and_wait, ["calling", "the reference\nline two"], 600,
+                        timeout=1.0, start_method=method)
+    assert hung.timed_out and not hung.returned
+    assert hung.phase == "the reference line two"
+    done = run_in_child(note_and_wait, ["calling", "comparing"], 0, timeout=60,
+                        start_method=method)
+    assert done.returned and done.value == "done"
+    assert done.phase == "comparing"
+    silent = run_in_child(targets.hang, timeout=1.0, start_method=method)
+    assert silent.timed_out and silent.phase is None
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_worker_tells_the_phase_of_each_call(method: str) -> None:
+    pool = isolation.WorkerPool()
+    try:
+        done = pool.run("k", note_and_wait, ["comparing"], 0, timeout=60, start_method=method)
+        assert done.returned and done.phase == "comparing"
+        quiet = pool.run("k", os.getpid, timeout=60, start_method=method)
+        assert quiet.returned and quiet.phase is None  # the last call's note is not this one's
+        hung = pool.run("k", note_and_wait, ["the reference"], 600, timeout=1.0,
+                        start_method=method)
+        assert hung.timed_out and hung.phase == "the reference"
+    finally:
+        pool.close()
+
