@@ -247,6 +247,9 @@ def write_golden(case: Case) -> dict[str, str]:
 # Written before the reference's output: a case that prints shows its lines twice, from the
 # call and from the reference, which is otherwise hard to tell apart.
 REFERENCE_OUTPUT = "--- gpucase: the reference (float64 on CPU) runs from here ---\n"
+# The capture's marks (isolation): a clipped capture whose omitted middle holds the label
+# says so, or its tail, all of it the reference's output, would read as the call's.
+OUTPUT_MARKS = {REFERENCE_OUTPUT: "the reference's output (float64 on CPU) begins inside them"}
 
 
 @contextlib.contextmanager

@@ -226,14 +226,23 @@ _ESCAPE_ROOM = 512  # the longest sequence a cut is moved off; a longer one is c
 
 
 class _Capture:
-    """Keep the head and the tail of a stream, and count what fell between them."""
+    """Keep the head and the tail of a stream, and count what fell between them.
 
-    def __init__(self, head: int = CAPTURE_HEAD, tail: int = CAPTURE_TAIL) -> None:
+    ``marks`` maps a line the stream may hold (a label the child writes, say) to what the
+    omission marker says when that line begins in the omitted part, where the reader would
+    otherwise never learn that it was there.
+    """
+
+    def __init__(self, head: int = CAPTURE_HEAD, tail: int = CAPTURE_TAIL,
+                 marks: Mapping[str, str] | None = None) -> None:
         self.head_limit, self.tail_limit = head, tail
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
         self.lost = b""  # the last bytes dropped, just before the tail: a sequence may span
+        self.marks = {line.encode(): said for line, said in (marks or {}).items()
+                      if 0 < len(line.encode()) <= tail}
+        self.omitted_marks: list[str] = []  # what the omission marker says, in stream order
 
     def add(self, data: bytes) -> None:
         room = self.head_limit - len(self.head)
@@ -243,6 +252,13 @@ class _Capture:
         self.tail += data
         excess = len(self.tail) - self.tail_limit
         if excess > 0:
+            for line, said in self.marks.items():
+                # One that begins in the bytes dropped now: all of it is still in the tail,
+                # which keeps more than a line's length past them. One search (memchr speed)
+                # of what is dropped anyway.
+                if said not in self.omitted_marks and self.tail.find(
+                        line, 0, excess + len(line) - 1) >= 0:
+                    self.omitted_marks.append(said)
             self.lost = (self.lost + self.tail[max(0, excess - _ESCAPE_ROOM):excess])[
                 -_ESCAPE_ROOM:]
             del self.tail[:excess]
@@ -261,7 +277,8 @@ class _Capture:
             if spanning is not None and spanning.end() > len(self.lost):
                 tail = tail[spanning.end() - len(self.lost):]  # the rest of one it ended
         omitted = self.dropped + len(self.head) - len(head) + len(self.tail) - len(tail)
-        return (head.decode(errors="replace") + f"\n[... {omitted} bytes omitted ...]\n"
+        said = "".join(f"; {text}" for text in self.omitted_marks)
+        return (head.decode(errors="replace") + f"\n[... {omitted} bytes omitted{said} ...]\n"
                 + tail.decode(errors="replace"))
 
 
@@ -310,11 +327,13 @@ def run_in_child(
     env: Mapping[str, str] | None = None,
     start_method: StartMethod = "fork",
     memory_limit: int | None = None,
+    marks: Mapping[str, str] | None = None,
 ) -> ChildResult:
     """Call ``func(*args)`` in a fresh child process and report what happened to it.
 
     ``timeout`` is in seconds (any non-negative number, ``inf`` included);
-    ``memory_limit`` in bytes of resident memory of the child's whole tree.
+    ``memory_limit`` in bytes of resident memory of the child's whole tree; ``marks``: lines
+    of output that a clipped capture names when it omits where one begins (``_Capture``).
     """
     if not timeout >= 0:  # NaN fails this too
         raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
@@ -353,7 +372,8 @@ def run_in_child(
                 os.close(fd)
             out_w = err_w = res_w = -1
             run = _Run(pid, token, memory_limit, zygote=zygote)
-            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard)
+            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard,
+                              marks)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
             if fd >= 0:
@@ -983,9 +1003,10 @@ class _Interruptible:
 # --- the parent's side ------------------------------------------------------------------------
 
 def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, start: float,
-               start_method: StartMethod, guard: _Interruptible) -> ChildResult:
+               start_method: StartMethod, guard: _Interruptible,
+               marks: Mapping[str, str] | None = None) -> ChildResult:
     pid = run.pid
-    captures = {out_r: _Capture(), err_r: _Capture()}
+    captures = {out_r: _Capture(marks=marks), err_r: _Capture(marks=marks)}
     result = bytearray()
     oversize = False
     open_fds = {out_r, err_r, res_r}
@@ -1447,16 +1468,18 @@ class WorkerPool:
 
     def run(self, key: Any, func: Callable[..., Any], *args: Any, timeout: float,
             env: Mapping[str, str] | None = None, start_method: StartMethod = "fork",
-            memory_limit: int | None = None, exclusive: bool = False) -> ChildResult:
+            memory_limit: int | None = None, exclusive: bool = False,
+            marks: Mapping[str, str] | None = None) -> ChildResult:
         """``func(*args)`` in the worker of ``key`` (started now if there is none); with
-        ``exclusive``, the other workers end first (one case's worker at a time)."""
+        ``exclusive``, the other workers end first (one case's worker at a time). ``marks``
+        as ``run_in_child`` has them."""
         if exclusive:
             for other in [k for k in self.workers if k != key]:
                 self.retire(other)
         worker = self.workers.get(key)
         if worker is None:
             worker = self.workers[key] = _Worker(start_method, env or {})
-        result = worker.call(func, args, timeout, memory_limit)
+        result = worker.call(func, args, timeout, memory_limit, marks)
         if not worker.usable:
             del self.workers[key]
         return result
@@ -1509,7 +1532,7 @@ class _Worker:
         self.usable = True
 
     def call(self, func: Callable[..., Any], args: tuple[Any, ...], timeout: float,
-             memory_limit: int | None) -> ChildResult:
+             memory_limit: int | None, marks: Mapping[str, str] | None = None) -> ChildResult:
         if not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
         out_r, out_w = os.pipe()
@@ -1530,7 +1553,7 @@ class _Worker:
                 out_w = err_w = res_w = -1
                 run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True)
                 result = _supervise(run, out_r, err_r, res_r, timeout, start, self.start_method,
-                                    guard)
+                                    guard, marks)
         finally:
             for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
                 if fd >= 0:

@@ -14,7 +14,7 @@ from typing import Literal
 from .environment import launch_blocking_env
 from .errors import display
 from .case import Case
-from .execute import Outcome, run, write_golden
+from .execute import OUTPUT_MARKS, Outcome, run, write_golden
 from .isolation import ChildResult, ChildWarning, StartMethod, WorkerPool, run_in_child
 from .matrix import RunSpec
 from .reference_cache import CACHE_ENV
@@ -66,10 +66,11 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         assert pool is not None
         child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
                          start_method=start_method, memory_limit=memory_limit,
-                         exclusive=isolation == "case")
+                         exclusive=isolation == "case", marks=OUTPUT_MARKS)
     else:
         child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                             start_method=start_method, memory_limit=memory_limit)
+                             start_method=start_method, memory_limit=memory_limit,
+                             marks=OUTPUT_MARKS)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(

@@ -274,3 +274,32 @@ def test_a_worker_tells_the_phase_of_each_call(method: str) -> None:
     finally:
         pool.close()
 
+
+
+LABEL = "--- a label ---\n"
+SAID = "the label's part begins inside them"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_a_mark_in_the_omitted_middle_is_named_by_the_omission_line(chunk: int) -> None:
+    """A label the child writes before a part of its output (the float64 reference's) was
+    lost when the cut dropped it: the tail, all of it that part, read as what came before.
+    Whatever the chunks the pipe delivers, and wherever the line falls against them."""
+    def captured(text: str) -> list[str]:
+        capture = isolation._Capture(100, 200, marks={LABEL: SAID})
+        data = text.encode()
+        for start in range(0, len(data), chunk):
+            capture.add(data[start:start + chunk])
+        return [line for line in capture.text().split("\n") if "omitted" in line]
+
+    before, after = "b" * 1000, "a" * 1000
+    (line,) = captured(before + LABEL + after)
+    assert line.endswith(f" bytes omitted; {SAID} ...]")
+    for where in (len(before) + len(LABEL) - 1, len(before) + 1):  # a line the cut began
+        (line,) = captured("b" * 1000 + LABEL + "a" * (200 - len(LABEL) + where - 1000))
+        assert SAID in line
+    # A label kept in the head or in the tail is seen as it is: the line says nothing.
+    for text in (LABEL + before + after, before + after + LABEL, before + LABEL[:-1]):
+        (line,) = captured(text)
+        assert SAID not in line
+    assert captured(LABEL + "short") == []  # nothing omitted, no line
