@@ -535,8 +535,11 @@ class _Walk:
                 f"length differs: actual {len(actual)} vs expected {len(expected)}",
             )
             return
+        # A torch.return_types structseq (torch.max(x, dim=0)) names its items too, though
+        # it is compared as a plain tuple: a golden stores it as one.
+        names = fields or field_names(expected) or field_names(actual)
         for i, (a, e) in enumerate(zip(actual, expected, strict=True)):
-            sub = f"{path}.{fields[i]}" if fields is not None else f"{path}[{i}]"
+            sub = f"{path}.{names[i]}" if names is not None else f"{path}[{i}]"
             self.value(a, e, sub)
 
     def other(self, actual: object, expected: object, path: str) -> None:
@@ -782,9 +785,27 @@ def _number_kind(x: object) -> str | None:
 
 
 def _fields(x: object) -> tuple[str, ...] | None:
+    """A named tuple's fields: a declared type, compared (and stored) with its class."""
     fields = getattr(type(x), "_fields", None)
     if isinstance(x, tuple) and isinstance(fields, tuple):
         return tuple(str(f) for f in fields)
+    return None
+
+
+def field_names(x: object) -> tuple[str, ...] | None:
+    """The names that spell the items of tuple ``x`` on a path (``out.values``): a named
+    tuple's fields, or a structseq's (``torch.return_types.max``, ``os.stat_result``), which
+    has no ``_fields`` but lists its named items in ``__match_args__``; None for a plain
+    tuple, or a structseq with an unnamed item (its names would not line up)."""
+    fields = _fields(x)
+    if fields is not None or not isinstance(x, tuple):
+        return fields
+    cls = type(x)
+    names = getattr(cls, "__match_args__", None)
+    if (isinstance(names, tuple) and len(names) == len(x)
+            and getattr(cls, "n_sequence_fields", None) == len(x)
+            and all(isinstance(name, str) and name.isidentifier() for name in names)):
+        return names
     return None
 
 

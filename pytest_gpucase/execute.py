@@ -30,8 +30,9 @@ import torch
 from . import backends, fsutil, golden, payload, project, reference_cache
 from .capture import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
 from .case import Case, Expectation, ReplayContext
-from .compare import Comparison, Tolerance, combine, compare
+from .compare import Comparison, Tolerance, combine, compare, field_names
 from .errors import CaseFormatError, display
+from .isolation import note
 from .matrix import RunSpec
 from .validate import Parameters, binding_problems
 from .variants import VariantNotApplicable, VariantTooLarge, apply as apply_variant
@@ -158,13 +159,19 @@ def _run(spec: RunSpec) -> Outcome:
     if expect.outcome == "raises":
         with replay_context(context, spec.device, rng):
             return _check_raises(func, run_inputs, expect, spec.device)
+    began = time.perf_counter()
     try:
         with replay_context(context, spec.device, rng):
             actual = _call(func, run_inputs, expect.gradients, spec.device)
     except _BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
+    except _NothingDifferentiated as problem:
+        raise problem.error(case, "the call") from None
     except BaseException as exc:  # SystemExit and the like too: see _raised
         return _raised("the call", exc)
+    returned = f"the call itself returned after {time.perf_counter() - began:.3g} s"
+    comparing = f"while comparing the outputs ({returned})"
+    note(comparing)  # a timeout from here on is not the call's
     reference = func
     if case.reference:
         reference = resolve(case, case.reference, "reference")
@@ -175,6 +182,8 @@ def _run(spec: RunSpec) -> Outcome:
     if comparison is None or not comparison.ok:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
+        note(f"while computing the float64 reference on the CPU ({returned}; a reference "
+             "slower than the call may need a larger timeout in case.toml)")
         try:
             # The same random draws and grad mode, in float64 on the CPU.
             with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
@@ -182,9 +191,12 @@ def _run(spec: RunSpec) -> Outcome:
                 expected = _call(reference, upcast(run_inputs), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
+        except _NothingDifferentiated as problem:
+            raise problem.error(case, "the reference") from None
         except BaseException as exc:  # SystemExit and the like too: see _raised
             return _raised("the reference (on CPU in float64)", exc, "reference raises")
         reference_cache.store(cached, expected, time.perf_counter() - began)
+        note(comparing)
         comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", "outputs differ from the reference", details=comparison.report(),
@@ -222,6 +234,9 @@ def write_golden(case: Case) -> dict[str, str]:
         whose = f"the {key}'s"
         return {"refused": f"{display(case.expected_file)} not written: "
                            f"{problem.message(whose)}"}
+    except _NothingDifferentiated as problem:
+        return {"refused": f"{display(case.expected_file)} not written: "
+                           f"{problem.KEY}: {problem.message(f'the {key}')}"}
     try:
         golden.save(case.expected_file, results)
     except golden.Unstorable as exc:
@@ -232,6 +247,9 @@ def write_golden(case: Case) -> dict[str, str]:
 # Written before the reference's output: a case that prints shows its lines twice, from the
 # call and from the reference, which is otherwise hard to tell apart.
 REFERENCE_OUTPUT = "--- gpucase: the reference (float64 on CPU) runs from here ---\n"
+# The capture's marks (isolation): a clipped capture whose omitted middle holds the label
+# says so, or its tail, all of it the reference's output, would read as the call's.
+OUTPUT_MARKS = {REFERENCE_OUTPUT: "the reference's output (float64 on CPU) begins inside them"}
 
 
 @contextlib.contextmanager
@@ -548,12 +566,38 @@ def _call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
     detached = _detach(out)
     total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
                 for t in _tensors(out) if t.requires_grad)
-    grads: dict[str, Any] = dict.fromkeys(leaves)
-    if isinstance(total, torch.Tensor):
+    found: tuple[torch.Tensor | None, ...] = ()
+    if isinstance(total, torch.Tensor) and leaves:
         found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
-        grads = dict(zip(leaves, found, strict=True))
+    if all(grad is None for grad in found):  # some inputs without one are fine, not all
+        raise _NothingDifferentiated(torch.is_grad_enabled())
     _sync(device)
-    return {"out": detached, "grad": grads}
+    return {"out": detached, "grad": dict(zip(leaves, found, strict=True))}
+
+
+class _NothingDifferentiated(Exception):
+    """``gradients = true`` with no gradient at all to compare: no float output depends on a
+    float tensor input (an integer output, one computed from other values), or grad mode is
+    off. Without it the run compared the outputs alone and passed as if the gradients had
+    been checked. Raised by ``_call``, which knows no case; told as a broken case."""
+
+    def __init__(self, grad_enabled: bool) -> None:
+        super().__init__("nothing differentiated")
+        self.grad_enabled = grad_enabled
+
+    def message(self, whose: str) -> str:
+        if not self.grad_enabled:
+            return (f"true, but {whose} runs with grad mode off ([context] grad = false or "
+                    "inference = true), so nothing is differentiated; turn grad mode on, or "
+                    "remove gradients = true")
+        return (f"true, but no float output of {whose} depends on a float tensor input (a "
+                "top-level argument), so there is no gradient to compare; return a float "
+                "tensor computed from the inputs, or remove gradients = true")
+
+    def error(self, case: Case, whose: str) -> CaseFormatError:
+        return CaseFormatError(case.case_file, self.message(whose), key=self.KEY)
+
+    KEY = "[expect] gradients"
 
 
 def _tensors(value: Any) -> list[torch.Tensor]:
@@ -587,14 +631,16 @@ def _detach(value: Any, above: dict[int, int] | None = None) -> Any:
             return type(value)(*items)
         return type(value)(items)
     except _BadOutput as problem:
-        problem.keys.append(key if isinstance(value, Mapping) else len(items))
+        names = field_names(value)
+        problem.keys.append(key if isinstance(value, Mapping)
+                            else _Field(names[len(items)]) if names else len(items))
         raise
     finally:
         del above[id(value)]
 
 
 class _Field(str):
-    """A dataclass field on a path, spelled ``.name``."""
+    """A dataclass or named tuple field on a path, spelled ``.name``."""
 
 
 def _walked_children(value: Any) -> list[tuple[object, Any]] | None:

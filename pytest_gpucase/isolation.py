@@ -11,7 +11,9 @@ Nothing the child sends is trusted. The child runs a case's code, which may do
 anything, so its result comes back as JSON data over a third pipe, never as a
 pickle: plain values, with NaN and infinities, tuples and dicts tagged, and
 dataclasses rebuilt only from the allow-list ``RESULT_TYPES``, each field
-checked against its annotation. The parent reads at most ``RESULT_LIMIT``
+checked against its annotation. Before it, the child may write short notes
+(``note``) of what it is doing, which the parent reads even from a child it
+killed: a timeout says what it interrupted. The parent reads at most ``RESULT_LIMIT``
 bytes of it (a bigger result kills the child and is a failure), and every
 string in it is cut to its head and tail (``TEXT_HEAD``/``TEXT_TAIL``) before
 it reaches a report. A malformed result is a failure that names the problem.
@@ -169,6 +171,7 @@ class ChildResult:
     resident: int | None = None     # the tree's highest sampled resident memory, in bytes
     warnings: tuple[ChildWarning, ...] = ()
     warnings_dropped: int = 0       # distinct warnings past MAX_WARNINGS
+    phase: str | None = None        # what the child said it was doing last (``note``)
 
     @property
     def problem(self) -> str | None:
@@ -223,14 +226,23 @@ _ESCAPE_ROOM = 512  # the longest sequence a cut is moved off; a longer one is c
 
 
 class _Capture:
-    """Keep the head and the tail of a stream, and count what fell between them."""
+    """Keep the head and the tail of a stream, and count what fell between them.
 
-    def __init__(self, head: int = CAPTURE_HEAD, tail: int = CAPTURE_TAIL) -> None:
+    ``marks`` maps a line the stream may hold (a label the child writes, say) to what the
+    omission marker says when that line begins in the omitted part, where the reader would
+    otherwise never learn that it was there.
+    """
+
+    def __init__(self, head: int = CAPTURE_HEAD, tail: int = CAPTURE_TAIL,
+                 marks: Mapping[str, str] | None = None) -> None:
         self.head_limit, self.tail_limit = head, tail
         self.head = bytearray()
         self.tail = bytearray()
         self.dropped = 0
         self.lost = b""  # the last bytes dropped, just before the tail: a sequence may span
+        self.marks = {line.encode(): said for line, said in (marks or {}).items()
+                      if 0 < len(line.encode()) <= tail}
+        self.omitted_marks: list[str] = []  # what the omission marker says, in stream order
 
     def add(self, data: bytes) -> None:
         room = self.head_limit - len(self.head)
@@ -240,6 +252,13 @@ class _Capture:
         self.tail += data
         excess = len(self.tail) - self.tail_limit
         if excess > 0:
+            for line, said in self.marks.items():
+                # One that begins in the bytes dropped now: all of it is still in the tail,
+                # which keeps more than a line's length past them. One search (memchr speed)
+                # of what is dropped anyway.
+                if said not in self.omitted_marks and self.tail.find(
+                        line, 0, excess + len(line) - 1) >= 0:
+                    self.omitted_marks.append(said)
             self.lost = (self.lost + self.tail[max(0, excess - _ESCAPE_ROOM):excess])[
                 -_ESCAPE_ROOM:]
             del self.tail[:excess]
@@ -258,7 +277,8 @@ class _Capture:
             if spanning is not None and spanning.end() > len(self.lost):
                 tail = tail[spanning.end() - len(self.lost):]  # the rest of one it ended
         omitted = self.dropped + len(self.head) - len(head) + len(self.tail) - len(tail)
-        return (head.decode(errors="replace") + f"\n[... {omitted} bytes omitted ...]\n"
+        said = "".join(f"; {text}" for text in self.omitted_marks)
+        return (head.decode(errors="replace") + f"\n[... {omitted} bytes omitted{said} ...]\n"
                 + tail.decode(errors="replace"))
 
 
@@ -307,11 +327,13 @@ def run_in_child(
     env: Mapping[str, str] | None = None,
     start_method: StartMethod = "fork",
     memory_limit: int | None = None,
+    marks: Mapping[str, str] | None = None,
 ) -> ChildResult:
     """Call ``func(*args)`` in a fresh child process and report what happened to it.
 
     ``timeout`` is in seconds (any non-negative number, ``inf`` included);
-    ``memory_limit`` in bytes of resident memory of the child's whole tree.
+    ``memory_limit`` in bytes of resident memory of the child's whole tree; ``marks``: lines
+    of output that a clipped capture names when it omits where one begins (``_Capture``).
     """
     if not timeout >= 0:  # NaN fails this too
         raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
@@ -350,7 +372,8 @@ def run_in_child(
                 os.close(fd)
             out_w = err_w = res_w = -1
             run = _Run(pid, token, memory_limit, zygote=zygote)
-            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard)
+            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard,
+                              marks)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
             if fd >= 0:
@@ -444,8 +467,39 @@ class _WarningLog:
                 "dropped": self.dropped}
 
 
+# The child's end of its result pipe while a call runs, for ``note``; None elsewhere.
+_NOTE_FD: int | None = None
+_NOTE = b"\x1e"  # begins a note line on the result pipe; the JSON envelope holds no newline
+NOTE_LIMIT = 1000  # bytes of one note: below PIPE_BUF, so that a note is written whole
+
+
+def note(phase: str) -> None:
+    """Tell the parent what this child is doing now (``ChildResult.phase``): what a timeout
+    interrupted, beyond the stacks of the dump. Nothing outside a child run.
+
+    A line on the result pipe before the result, read by the parent also after a kill; a
+    write of a few bytes, cheap enough for every phase of every run.
+    """
+    if _NOTE_FD is None:
+        return
+    line = _NOTE + phase.replace("\n", " ").encode(errors="replace")[:NOTE_LIMIT] + b"\n"
+    with contextlib.suppress(OSError):  # the parent is gone: nobody to tell
+        _write_all(_NOTE_FD, line)
+
+
+def _split_notes(raw: bytes) -> tuple[str | None, bytes]:
+    """(the last note, the result envelope) of what a child wrote to its result pipe."""
+    notes, newline, envelope = raw.rpartition(b"\n")
+    if not newline:
+        return None, raw
+    last = notes.rpartition(b"\n")[2]
+    phase = last[len(_NOTE):].decode(errors="replace") if last.startswith(_NOTE) else None
+    return (clip(phase, 200, 300) if phase else None), envelope
+
+
 def _child_main(res_w: int, func: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
+    global _NOTE_FD
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
@@ -454,7 +508,9 @@ def _child_main(res_w: int, func: Callable[..., Any],
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
     code = 0
+    _NOTE_FD = res_w
     payload = _envelope(func, args)
+    _NOTE_FD = None
     _flush_std_streams()
     _save_coverage()
     try:
@@ -947,9 +1003,10 @@ class _Interruptible:
 # --- the parent's side ------------------------------------------------------------------------
 
 def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, start: float,
-               start_method: StartMethod, guard: _Interruptible) -> ChildResult:
+               start_method: StartMethod, guard: _Interruptible,
+               marks: Mapping[str, str] | None = None) -> ChildResult:
     pid = run.pid
-    captures = {out_r: _Capture(), err_r: _Capture()}
+    captures = {out_r: _Capture(marks=marks), err_r: _Capture(marks=marks)}
     result = bytearray()
     oversize = False
     open_fds = {out_r, err_r, res_r}
@@ -1063,7 +1120,7 @@ def _flags(raw: bytearray) -> dict[str, Any]:
     if not raw.endswith(b"}"):
         return {}
     try:
-        envelope = json.loads(raw)
+        envelope = json.loads(_split_notes(bytes(raw))[1])
     except (ValueError, RecursionError):
         return {}
     if not isinstance(envelope, dict):
@@ -1331,6 +1388,7 @@ def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, e
     value, returned, child_error, bad_result = None, False, None, None
     found: tuple[ChildWarning, ...] = ()
     dropped = 0
+    phase, raw = _split_notes(raw)
     if oversize:
         bad_result = (f"sent too big a result: the child's result exceeded "
                       f"{RESULT_LIMIT // 2**20} MiB and the child was killed; return less, or "
@@ -1348,7 +1406,7 @@ def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, e
         duration=duration, start_method=start_method, child_error=child_error,
         bad_result=bad_result, memory_exceeded=run.memory_exceeded,
         memory_limit=run.memory_limit, resident=run.resident or None, warnings=found,
-        warnings_dropped=dropped,
+        warnings_dropped=dropped, phase=phase,
     )
 
 
@@ -1410,16 +1468,18 @@ class WorkerPool:
 
     def run(self, key: Any, func: Callable[..., Any], *args: Any, timeout: float,
             env: Mapping[str, str] | None = None, start_method: StartMethod = "fork",
-            memory_limit: int | None = None, exclusive: bool = False) -> ChildResult:
+            memory_limit: int | None = None, exclusive: bool = False,
+            marks: Mapping[str, str] | None = None) -> ChildResult:
         """``func(*args)`` in the worker of ``key`` (started now if there is none); with
-        ``exclusive``, the other workers end first (one case's worker at a time)."""
+        ``exclusive``, the other workers end first (one case's worker at a time). ``marks``
+        as ``run_in_child`` has them."""
         if exclusive:
             for other in [k for k in self.workers if k != key]:
                 self.retire(other)
         worker = self.workers.get(key)
         if worker is None:
             worker = self.workers[key] = _Worker(start_method, env or {})
-        result = worker.call(func, args, timeout, memory_limit)
+        result = worker.call(func, args, timeout, memory_limit, marks)
         if not worker.usable:
             del self.workers[key]
         return result
@@ -1472,7 +1532,7 @@ class _Worker:
         self.usable = True
 
     def call(self, func: Callable[..., Any], args: tuple[Any, ...], timeout: float,
-             memory_limit: int | None) -> ChildResult:
+             memory_limit: int | None, marks: Mapping[str, str] | None = None) -> ChildResult:
         if not timeout >= 0:
             raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
         out_r, out_w = os.pipe()
@@ -1493,7 +1553,7 @@ class _Worker:
                 out_w = err_w = res_w = -1
                 run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True)
                 result = _supervise(run, out_r, err_r, res_r, timeout, start, self.start_method,
-                                    guard)
+                                    guard, marks)
         finally:
             for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
                 if fd >= 0:
@@ -1514,6 +1574,7 @@ class _Worker:
 
 def _worker_serve(sock_fd: int) -> None:  # pragma: no cover - the worker
     """Run the calls the parent sends, one at a time, each with its own pipes."""
+    global _NOTE_FD
     sock = socket.socket(fileno=sock_fd)
     null = os.open(os.devnull, os.O_RDWR)
     while True:
@@ -1533,8 +1594,10 @@ def _worker_serve(sock_fd: int) -> None:  # pragma: no cover - the worker
         os.close(err_w)
 
         restored: list[bool] = []
+        _NOTE_FD = res_w
         payload = _envelope(_unpickle_and_call, (job,), functools.partial(
             _restore, state, restored))
+        _NOTE_FD = None
         retire = restored != [True]
         _flush_std_streams()
         try:

@@ -14,7 +14,7 @@ from typing import Literal
 from .environment import launch_blocking_env
 from .errors import display
 from .case import Case
-from .execute import Outcome, run, write_golden
+from .execute import OUTPUT_MARKS, Outcome, run, write_golden
 from .isolation import ChildResult, ChildWarning, StartMethod, WorkerPool, run_in_child
 from .matrix import RunSpec
 from .reference_cache import CACHE_ENV
@@ -66,10 +66,11 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         assert pool is not None
         child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
                          start_method=start_method, memory_limit=memory_limit,
-                         exclusive=isolation == "case")
+                         exclusive=isolation == "case", marks=OUTPUT_MARKS)
     else:
         child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                             start_method=start_method, memory_limit=memory_limit)
+                             start_method=start_method, memory_limit=memory_limit,
+                             marks=OUTPUT_MARKS)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(
@@ -105,9 +106,12 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     """A child that returned nothing becomes a failure naming why, with its last words."""
     where = display(spec.case.case_file)
     if child.timed_out:
-        summary = (f"{where}: run timed out after {spec.case.timeout:g} s and was killed with its "
-                   "process group and every process it started; the stack of every thread at "
-                   "the timeout is in the captured stderr")
+        # The child's last note says what the timeout interrupted (the reference, say),
+        # which the stack dump alone does not: gpucase's frames are hidden from it.
+        during = f" {child.phase}" if child.phase else ""
+        summary = (f"{where}: run timed out after {spec.case.timeout:g} s{during} and was killed "
+                   "with its process group and every process it started; the stack of every "
+                   "thread at the timeout is in the captured stderr")
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:

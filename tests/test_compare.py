@@ -618,6 +618,22 @@ class TestStructure:
         assert mismatch.path == "out.logits"
         assert mismatch.message.startswith("out.logits: values differ\n")
 
+    def test_structseq_fields_name_the_paths(self) -> None:
+        """torch.max(x, dim=0) returns a torch.return_types structseq, which has no _fields:
+        its items were spelled out[0] and out[1]."""
+        x = torch.tensor([[1.0, 2.0], [3.0, 0.0]])
+        actual, expected = torch.max(x, dim=0), torch.max(x + torch.tensor([0.5, 0.0]), dim=0)
+        mismatch = only(compare(actual, expected))
+        assert mismatch.path == "out.values"
+        assert mismatch.message.startswith("out.values: values differ\n")
+        # A golden stores it as a plain tuple: still compared, by either side's names.
+        assert only(compare(actual, tuple(expected))).path == "out.values"
+        assert only(compare(tuple(actual), expected)).path == "out.values"
+        assert compare(actual, tuple(actual)).ok
+        # A structseq with an unnamed item keeps its indices.
+        stat = os.stat(".")
+        assert only(compare(stat, (*stat[:6], -1, *stat[7:]))).path == "out[6]"
+
     def test_named_tuple_type_must_match(self) -> None:
         mismatch = only(compare(Other(torch.zeros(2), 0.5), Output(torch.zeros(2), 0.5)))
         assert mismatch.message == "out: type differs: actual Other vs expected Output"

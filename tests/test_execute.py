@@ -199,3 +199,91 @@ def test_grad_false_runs_the_call_and_the_reference_under_no_grad(
     result.stdout.fnmatch_lines(["*default[[]cpu-float32[]] FAILED*",
                                  "*no_grad[[]cpu-float32[]] PASSED*"])
     result.stdout.fnmatch_lines(["*outputs differ from the reference*"])
+
+
+GRADIENTS = TOML + "[expect]\ngradients = true\n"
+
+
+def test_gradients_true_with_nothing_to_differentiate_is_a_broken_case(
+        pytester: pytest.Pytester) -> None:
+    """An integer output, or float outputs that depend on no float input, gave no gradient at
+    all: the run compared the outputs alone and passed as if the gradients were checked. A
+    case where only some inputs get no gradient still passes."""
+    xy = {"x": torch.tensor([1.0, -2.0]), "y": torch.tensor([3.0, 4.0])}
+    write_case(pytester.path, "int_out", GRADIENTS, """
+        def run(x, y):
+            return (x > 0).sum()
+        """, xy)
+    write_case(pytester.path, "detached", GRADIENTS, """
+        def run(x, y):
+            return [x.detach() * 2, (y > 0).long()]
+        """, xy)
+    write_case(pytester.path, "grad_off", GRADIENTS + "[context]\ngrad = false\n", """
+        def run(x, y):
+            return x * y
+        """, xy)
+    write_case(pytester.path, "some_unused", GRADIENTS, """
+        def run(x, y):
+            return x * 2, (y > 0).sum()
+        """, xy)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-v")
+    result.assert_outcomes(passed=1, failed=3)
+    result.stdout.fnmatch_lines([
+        "*some_unused[[]cpu-float32[]] PASSED*",
+        "*_ detached[[]cpu-float32[]] _*",
+        "cases/detached/case.toml: [[]expect[]] gradients: true, but no float output of the "
+        "call depends on a float tensor input (a top-level argument), so there is no gradient "
+        "to compare; return a float tensor computed from the inputs, or remove gradients = true",
+        "*_ grad_off[[]cpu-float32[]] _*",
+        "cases/grad_off/case.toml: [[]expect[]] gradients: true, but the call runs with grad "
+        "mode off ([[]context[]] grad = false or inference = true), so nothing is "
+        "differentiated; turn grad mode on, or remove gradients = true",
+        "*_ int_out[[]cpu-float32[]] _*",
+        "cases/int_out/case.toml: [[]expect[]] gradients: true, but no float output of the "
+        "call depends on a float tensor input*",
+    ])
+    regen = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases/int_out")
+    regen.assert_outcomes(failed=1)
+    regen.stdout.fnmatch_lines(["*expected.safetensors not written: [[]expect[]] gradients: "
+                                "true, but no float output of the call depends*"])
+
+
+def test_a_bad_output_path_names_named_tuple_fields(pytester: pytest.Pytester) -> None:
+    """As the comparison spells them: a named tuple's field and a torch.return_types
+    structseq's (which has no _fields) were shown as out[1] and out[0]."""
+    x = {"x": torch.tensor([[1.0, 2.0], [3.0, 0.0]])}
+    write_case(pytester.path, "named", TOML, """
+        import collections
+
+        Pair = collections.namedtuple("Pair", "first rest")
+
+        def run(x):
+            rest = [x]
+            rest.append(rest)
+            return Pair(x, rest)
+        """, x)
+    write_case(pytester.path, "structseq", TOML, """
+        import torch
+
+        def run(x):
+            found = torch.max(x, dim=0)
+            return {"m": [found, found.indices.tolist()], "again": found}
+        """, x)
+    write_case(pytester.path, "structseq_cycle", TOML, """
+        import torch
+
+        def run(x):
+            box = []
+            found = torch.return_types.max([x, box])
+            box.append(found)
+            return found
+        """, x)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-v")
+    result.assert_outcomes(passed=1, failed=2)
+    result.stdout.fnmatch_lines([
+        "*structseq[[]cpu-float32[]] PASSED*",
+        "*_ named[[]cpu-float32[]] _*",
+        "the call's output holds itself: out.rest[[]1[]] is out.rest again; *",
+        "*_ structseq_cycle[[]cpu-float32[]] _*",
+        "the call's output holds itself: out.indices[[]0[]] is out again; *",
+    ])

@@ -234,3 +234,72 @@ def test_a_cut_drops_only_the_sequence_it_began() -> None:
     assert head == "ab"
     tail = clip("y" * 200 + "\x1b]8;;https://example.org\x1b\\link", 4, len("\\link"))
     assert tail.split("\n")[-1] == "link"
+
+
+def note_and_wait(phases: list[str], seconds: float) -> str:
+    """Say each phase in turn, then wait (a hang when ``seconds`` passes the timeout)."""
+    for phase in phases:
+        isolation.note(phase)
+    time.sleep(seconds)
+    return "done"
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_last_note_says_what_a_timeout_interrupted(method: str) -> None:
+    """The parent reads the child's notes even from the child it killed; a note with a
+    newline in it stays one note."""
+    hung = run_in_child(note_and_wait, ["calling", "the reference\nline two"], 600,
+                        timeout=1.0, start_method=method)
+    assert hung.timed_out and not hung.returned
+    assert hung.phase == "the reference line two"
+    done = run_in_child(note_and_wait, ["calling", "comparing"], 0, timeout=60,
+                        start_method=method)
+    assert done.returned and done.value == "done"
+    assert done.phase == "comparing"
+    silent = run_in_child(targets.hang, timeout=1.0, start_method=method)
+    assert silent.timed_out and silent.phase is None
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_worker_tells_the_phase_of_each_call(method: str) -> None:
+    pool = isolation.WorkerPool()
+    try:
+        done = pool.run("k", note_and_wait, ["comparing"], 0, timeout=60, start_method=method)
+        assert done.returned and done.phase == "comparing"
+        quiet = pool.run("k", os.getpid, timeout=60, start_method=method)
+        assert quiet.returned and quiet.phase is None  # the last call's note is not this one's
+        hung = pool.run("k", note_and_wait, ["the reference"], 600, timeout=1.0,
+                        start_method=method)
+        assert hung.timed_out and hung.phase == "the reference"
+    finally:
+        pool.close()
+
+
+
+LABEL = "--- a label ---\n"
+SAID = "the label's part begins inside them"
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 4096, 1 << 20])
+def test_a_mark_in_the_omitted_middle_is_named_by_the_omission_line(chunk: int) -> None:
+    """A label the child writes before a part of its output (the float64 reference's) was
+    lost when the cut dropped it: the tail, all of it that part, read as what came before.
+    Whatever the chunks the pipe delivers, and wherever the line falls against them."""
+    def captured(text: str) -> list[str]:
+        capture = isolation._Capture(100, 200, marks={LABEL: SAID})
+        data = text.encode()
+        for start in range(0, len(data), chunk):
+            capture.add(data[start:start + chunk])
+        return [line for line in capture.text().split("\n") if "omitted" in line]
+
+    before, after = "b" * 1000, "a" * 1000
+    (line,) = captured(before + LABEL + after)
+    assert line.endswith(f" bytes omitted; {SAID} ...]")
+    for where in (len(before) + len(LABEL) - 1, len(before) + 1):  # a line the cut began
+        (line,) = captured("b" * 1000 + LABEL + "a" * (200 - len(LABEL) + where - 1000))
+        assert SAID in line
+    # A label kept in the head or in the tail is seen as it is: the line says nothing.
+    for text in (LABEL + before + after, before + after + LABEL, before + LABEL[:-1]):
+        (line,) = captured(text)
+        assert SAID not in line
+    assert captured(LABEL + "short") == []  # nothing omitted, no line

@@ -199,3 +199,25 @@ def test_the_references_output_is_labelled_and_only_when_it_runs(
     again.stdout.fnmatch_lines(["*Captured stdout (child) call*", "called with torch.float32"])
     assert marker not in again.stdout.str()
     assert "torch.float64" not in again.stdout.str()
+
+
+def test_a_label_lost_in_the_clipped_middle_is_told_by_the_omission_line(
+        pytester: pytest.Pytester) -> None:
+    """The call and the reference each print more than the capture keeps: the label fell in
+    the omitted middle, and the tail, all of it the reference's output, read as the call's."""
+    from pytest_gpucase.execute import OUTPUT_MARKS, REFERENCE_OUTPUT
+
+    write_case(pytester.path, "floods", TOML, """
+        def run(x):
+            for i in range(200):
+                print(x.dtype, i, "y" * 500)
+            return x * 2 + (1 if x.dtype.itemsize == 4 else 0)
+        """, X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines([
+        "*Captured stdout (child) call*", "torch.float32 0 y*",
+        f"[[]... * bytes omitted; {OUTPUT_MARKS[REFERENCE_OUTPUT]} ...[]]",
+        "torch.float64 * y*",
+    ])
+    assert REFERENCE_OUTPUT.rstrip("\n") not in result.stdout.str()

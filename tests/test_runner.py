@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import re
 import textwrap
 from pathlib import Path
 
 from pytest_gpucase.case import load_case
+from pytest_gpucase.isolation import WorkerPool
 from pytest_gpucase.matrix import RunSpec
 from pytest_gpucase.runner import describe_rerun, run_spec
 
@@ -118,3 +120,46 @@ def test_fork_after_parallel_cpu_work_in_the_parent_does_not_hang(tmp_path: Path
     verdict = run_spec(spec, start_method="fork", backend="cpu")
     assert verdict.outcome.status == "passed", verdict.outcome
     assert verdict.child.duration < 15
+
+
+SLOW_REFERENCE = """
+    import time
+
+    def run(index):
+        if {hang_in_call}:
+            time.sleep(600)
+        return float(index)
+
+    def reference(index):
+        time.sleep(600)
+        return float(index)
+"""
+
+
+def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Path) -> None:
+    """The call returned and only the float64 reference ran out of time: the summary says
+    so (the stack dump hides gpucase's frames, so it showed only the case's own function);
+    a call that hangs is told as before. In worker isolation too, whose failure is judged
+    again in a fresh child."""
+    toml = TOML.replace("timeout = 30", 'timeout = 5\nreference = "case.py:reference"')
+    spec = make_case(tmp_path, toml, SLOW_REFERENCE.format(hang_in_call=False))
+    pool = WorkerPool()
+    try:
+        for verdict in (run_spec(spec, start_method="fork", backend="cpu"),
+                        run_spec(spec, start_method="fork", backend="cpu", isolation="worker",
+                                 pool=pool)):
+            assert verdict.outcome.kind == "timeout"
+            assert re.fullmatch(
+                r"\S+case\.toml: run timed out after 5 s while computing the float64 reference "
+                r"on the CPU \(the call itself returned after \S+ s; a reference slower than the "
+                r"call may need a larger timeout in case\.toml\) and was killed with its process "
+                r"group and every process it started; the stack of every thread at the timeout "
+                r"is in the captured stderr", verdict.outcome.summary), verdict.outcome.summary
+    finally:
+        pool.close()
+    (tmp_path / "hung").mkdir()
+    spec = make_case(tmp_path / "hung", toml, SLOW_REFERENCE.format(hang_in_call=True))
+    hung = run_spec(spec, start_method="fork", backend="cpu")
+    assert hung.outcome.summary.endswith(
+        "case.toml: run timed out after 5 s and was killed with its process group and every "
+        "process it started; the stack of every thread at the timeout is in the captured stderr")
