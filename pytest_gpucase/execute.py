@@ -34,7 +34,7 @@ from .compare import Comparison, Tolerance, combine, compare, field_names
 from .errors import CaseFormatError, display
 from .isolation import note
 from .matrix import RunSpec
-from .validate import Parameters, binding_problems
+from .validate import Parameters, binding_problems, rng_problems
 from .variants import VariantNotApplicable, VariantTooLarge, apply as apply_variant
 
 
@@ -350,13 +350,10 @@ def _load(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
                                   f"intended set inputs_sha256 = \"{found}\"")
     # lexists: a dangling symlink is a broken payload, not an absent one.
     tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
-    rng: dict[str, torch.Tensor] = {}
-    for device_type, name in case.context.rng.items():
-        if name not in tensors:
-            raise CaseFormatError(case.case_file, f"names '{name}', which "
-                                  f"{case.inputs_file.name} does not hold; save the state there "
-                                  "or remove the key", key=f"[context] rng.{device_type}")
-        rng[device_type] = tensors.pop(name)
+    missing = rng_problems(case, tensors)
+    if missing:
+        raise missing[0]  # validate reports the same, from the header alone
+    rng = {device_type: tensors.pop(name) for device_type, name in case.context.rng.items()}
     clash = sorted(set(tensors) & set(case.literals))
     if clash:
         raise CaseFormatError(case.case_file, f"{', '.join(clash)} given both here and in "
