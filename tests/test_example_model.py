@@ -38,7 +38,7 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
     training = run(project, sys.executable, "train.py")
     assert training.ret == 1, training.outlines + training.errlines
     training.stderr.fnmatch_lines([
-        "gpucase: saved cases/tiny_lm (first failure at iteration 4)",
+        "gpucase: saved cases/tiny_lm (first failure at iteration 4, after iteration 3)",
         "clue: index out of range (CPU)",
         "gpucase: saved cases/tiny_lm.embed (narrowed to module embed)",
         "gpucase: saved cases/tiny_lm.aten.embedding.default (narrowed to op "
@@ -100,7 +100,8 @@ def test_model_failure_on_cuda_is_captured_narrowed_and_replayed(
     copy_example(project)
     training = run(project, sys.executable, "train.py", "--device", "cuda")
     assert training.ret == 1, training.outlines + training.errlines
-    training.stderr.fnmatch_lines(["gpucase: saved cases/tiny_lm (first failure at iteration 4)"])
+    training.stderr.fnmatch_lines(
+        ["gpucase: saved cases/tiny_lm (first failure at iteration 4, after iteration 3)"])
     doc = tomllib.loads((project / "cases" / "tiny_lm" / "case.toml").read_text())
     assert doc["origin"]["backend"] == "cuda" and "xfail" in doc
     assert (project / "cases" / "tiny_lm.embed").is_dir()
