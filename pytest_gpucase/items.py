@@ -315,6 +315,8 @@ class CaseItem(pytest.Item):
                            reference_cache=state.reference_cache(),
                            isolation=state.settings["gpu_isolation"], pool=state.pool(),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
+        if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
+            raise KeyboardInterrupt("SIGINT while the case ran")
         from .report import verdict_fields
 
         fields = verdict_fields(verdict)

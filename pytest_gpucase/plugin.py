@@ -34,6 +34,7 @@ from .session import (
     GpuCaseSession,
     _add_case_paths,
     _Recorder,
+    _SigintWatch,
     _start_zygote,
     session_key,
 )
@@ -77,6 +78,7 @@ def pytest_configure(config: pytest.Config) -> None:
         _start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
+        config.pluginmanager.register(_SigintWatch(state), "gpucase-sigint")
     if state.enabled and config.getoption("forked", False):
         # Registered after pytest-forked (an entry point), so called before its tryfirst hook.
         config.pluginmanager.register(_OwnIsolation(), "gpucase-own-isolation")

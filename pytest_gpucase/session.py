@@ -31,6 +31,7 @@ class GpuCaseSession:
     notes: list[str] = field(default_factory=list)
     regenerated: dict[Path, str | None] = field(default_factory=dict)  # case dir -> file or None
     cases_seen: int = 0  # case directories collected in this process
+    sigint_seen: bool = False  # Ctrl-C came (_SigintWatch): no item runs on
     filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
     results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
     created: str = field(default_factory=lambda: _now())   # when the run started, said once
@@ -216,6 +217,46 @@ def _add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
                                     "case folders relative to the rootdir")
         if not any(path == arg or arg in path.parents for arg in given):
             config.args.append(str(path))
+
+
+class _SigintWatch:
+    """Ctrl-C stops the session even when its ``KeyboardInterrupt`` is lost.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT comes; in a
+    finalizer (a ``__del__``, a weakref callback) it is printed as ignored and dropped, and
+    the session ran on. The handler also notes the signal: the case that was running is
+    then interrupted as its run returns (``CaseItem.runtest``), and no other item starts.
+    Only where SIGINT has Python's own handler: one set by someone else is left alone.
+    """
+
+    def __init__(self, state: GpuCaseSession) -> None:
+        self.state = state
+        self.session: pytest.Session | None = None
+        self.installed = False
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import signal
+        import threading
+
+        self.session = session
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._handle)
+            self.installed = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.state.sigint_seen = True
+        raise KeyboardInterrupt
+
+    def pytest_runtest_logfinish(self) -> None:
+        if self.state.sigint_seen and self.session is not None:
+            self.session.shouldstop = "interrupted (SIGINT)"
+
+    def pytest_unconfigure(self) -> None:
+        import signal
+
+        if self.installed and signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 class _Recorder:

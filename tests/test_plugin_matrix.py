@@ -178,6 +178,31 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     json.dumps(report)  # plain JSON all the way down
 
 
+def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session(
+        pytester: pytest.Pytester) -> None:
+    # Python raises KeyboardInterrupt wherever the main thread is; inside a finalizer it is
+    # printed as ignored and dropped. The plugin notes the signal itself: nothing runs on.
+    pytester.makepyfile(test_a_drop="""
+        import os, signal
+
+        class Dropper:
+            def __del__(self):
+                os.kill(os.getpid(), signal.SIGINT)  # raised inside __del__: dropped
+
+        def test_first():
+            Dropper()
+    """)
+    ce_case(pytester.path, "z_never", [0, 2, 4], RAISES)
+    path = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gpu-cases", "--gpu-devices",
+                                           "cpu", "--gpu-cases-report", str(path),
+                                           "test_a_drop.py", "cases")
+    assert result.ret == pytest.ExitCode.INTERRUPTED
+    result.stdout.fnmatch_lines(["*Interrupted: interrupted (SIGINT)*"])
+    assert load_report(path)["complete"] is False
+    assert load_report(path)["results"] == []  # the case never ran
+
+
 def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) -> None:
     import torch
 
