@@ -44,10 +44,14 @@ def _relative(path: Path) -> str:
         cwd = Path.cwd()
     except OSError:  # the working directory was removed
         return str(path)
-    for shown, base in ((Path(os.path.abspath(path)), cwd), (path.resolve(), cwd.resolve())):
-        if shown.is_relative_to(base):
-            return str(shown.relative_to(base))
-    return str(path)
+    shown = Path(os.path.abspath(path))
+    if shown.is_relative_to(cwd):
+        return str(shown.relative_to(cwd))
+    try:
+        shown, cwd = path.resolve(), cwd.resolve()
+    except (OSError, RuntimeError):  # a loop of links: shown as given
+        return str(path)
+    return str(shown.relative_to(cwd)) if shown.is_relative_to(cwd) else str(path)
 
 
 def printable(text: str) -> str:
@@ -85,9 +89,21 @@ def link_inside(file: Path, directory: Path) -> str | None:
         target = os.readlink(file) if os.path.islink(file) else None
     except OSError:
         return None
-    if target is not None and not file.resolve().is_relative_to(directory.resolve()):
-        raise CaseFormatError(file, f"is a symlink to {printable(target)}, outside the case "
-                              "directory; replace it with the file itself")
+    if target is None:
+        return None
+    try:
+        resolved = file.resolve()
+        inside = resolved.is_relative_to(directory.resolve())
+    except (OSError, RuntimeError):  # a loop of links (RuntimeError before Python 3.13)
+        raise CaseFormatError(file, f"is a symlink to {printable(target)} that leads back to "
+                              "itself (a loop); replace it with the file itself") from None
+    if not inside:
+        # The first hop may lie inside (a chain, a linked folder): then name where it ends.
+        hop = Path(os.path.normpath(os.path.join(os.path.abspath(file.parent), target)))
+        ends = (f" (which leads to {printable(str(resolved))})"
+                if hop.is_relative_to(os.path.abspath(directory)) else "")
+        raise CaseFormatError(file, f"is a symlink to {printable(target)}{ends}, outside the "
+                              "case directory; replace it with the file itself")
     return target
 
 

@@ -230,6 +230,14 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                       replace_case_toml(lambda f: f.symlink_to("gone.toml")),
                       "cases/toml_dangling/case.toml: is a symlink to gone.toml, which does not "
                       "exist; *"),
+    "toml_loop": (GOOD_CALL, RUN_X, None,
+                  replace_case_toml(lambda f: f.symlink_to("case.toml")),
+                  "cases/toml_loop/case.toml: is a symlink to case.toml that leads back to "
+                  "itself (a loop); replace it with the file itself"),
+    "payload_loop": (GOOD_CALL, RUN_X, None,
+                     replace_payload(lambda f: f.symlink_to("inputs.safetensors")),
+                     "cases/payload_loop/inputs.safetensors: is a symlink to inputs.safetensors "
+                     "that leads back to itself (a loop); replace it with the file itself"),
     "toml_directory": (GOOD_CALL, RUN_X, None, replace_case_toml(Path.mkdir),
                        "cases/toml_directory/case.toml: is a directory, not a regular file; *"),
     "toml_3_mb": (GOOD_CALL, RUN_X, None, sparse_case_toml,

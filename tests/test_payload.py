@@ -769,6 +769,20 @@ def test_a_payload_linked_from_outside_its_case_directory_is_refused(tmp_path: P
     link.unlink()
     link.symlink_to("saved.safetensors")
     assert payload.load(link)["x"].shape == (3,)
+    # A chain whose first hop is inside names where it ends; a loop is refused, not a crash.
+    (case_dir / "hop").symlink_to(outside / "inputs.safetensors")
+    link.unlink()
+    link.symlink_to("hop")
+    with pytest.raises(CaseFormatError, match=r"is a symlink to hop \(which leads to "
+                       r".*elsewhere/inputs\.safetensors\), outside the case directory"):
+        payload.describe(link)
+    link.unlink()
+    link.symlink_to("inputs.safetensors")
+    for read in (payload.describe, payload.load, payload.content_hash):
+        with pytest.raises(CaseFormatError) as excinfo:
+            read(link)
+        assert str(excinfo.value) == (f"{link}: is a symlink to inputs.safetensors that leads "
+                                      "back to itself (a loop); replace it with the file itself")
 
 
 def test_missing_file(tmp_path: Path) -> None:
