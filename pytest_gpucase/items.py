@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import functools
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -458,7 +458,12 @@ def requirements_from_marker(where: str, args: tuple[Any, ...], kwargs: dict[str
         raise BadMarker(f"{where}: gpu_requires: unknown argument {unknown[0]!r}; "
                         f"expected backends, packages, {', '.join(VERSION_KEYS)}")
     specs = {key: kwargs[key] for key in VERSION_KEYS if kwargs.get(key) is not None}
-    packages = dict(kwargs.get("packages") or {})
+    given = kwargs.get("packages") or {}
+    if not (isinstance(given, Mapping)
+            and all(isinstance(name, str) and name.strip() for name in given)):
+        raise BadMarker(f"{where}: gpu_requires: packages={given!r} is not a dict of package "
+                        "names to specifiers; write it like packages={'flash-attn': '>=2.5'}")
+    packages = dict(given)
     for key, value in [*specs.items(), *packages.items()]:
         try:
             if value:
@@ -468,6 +473,9 @@ def requirements_from_marker(where: str, args: tuple[Any, ...], kwargs: dict[str
                             "specifier; write it like '>=2.1'") from None
     backends = kwargs.get("backends")
     if backends is not None:
+        if not (isinstance(backends, str) or (isinstance(backends, (list, tuple)) and backends)):
+            raise BadMarker(f"{where}: gpu_requires: backends={backends!r} is not a backend or "
+                            "a non-empty list of them; write it like backends=['cuda', 'rocm']")
         backends = (backends,) if isinstance(backends, str) else tuple(backends)
         for backend in backends:
             if backend not in BACKENDS:

@@ -59,17 +59,42 @@ def test_a_bad_gpu_requires_errors_its_test_alone(pytester: pytest.Pytester) -> 
         def test_unknown_key():
             pass
 
+        @pytest.mark.parametrize("packages", ["flash-attn", ["flash-attn"], 5, {1: ">=1"},
+                                              {"": ">=1"}])
+        def test_bad_packages(packages, request):
+            pass
+
+        @pytest.mark.parametrize("backends", [5, [], [None]])
+        def test_bad_backends(backends):
+            pass
+
         def test_other():
             pass
     """)
+    # The marker's values come from the parametrization: applied per item by a conftest.
+    pytester.makeconftest("""
+        import pytest
+
+        def pytest_collection_modifyitems(items):
+            for item in items:
+                params = getattr(item, "callspec", None)
+                if params is not None:
+                    item.add_marker(pytest.mark.gpu_requires(**params.params))
+    """)
     result = pytester.runpytest_subprocess()
-    result.assert_outcomes(passed=1, errors=3)
+    result.assert_outcomes(passed=1, errors=11)
     result.stdout.fnmatch_lines_random([
         "test_req.py::test_bad_specifier: gpu_requires: torch='2.1' is not a PEP 440 "
         "specifier; write it like '>=2.1'",
         "test_req.py::test_positional: gpu_requires takes keyword arguments only, got '>=2'; "
         "write it like gpu_requires(torch='>=2.1', backends=[[]'cuda'[]])",
         "test_req.py::test_unknown_key: gpu_requires: unknown argument 'torhc'; expected *",
+        "test_req.py::test_bad_packages[[]flash-attn[]]: gpu_requires: packages='flash-attn' is "
+        "not a dict of package names to specifiers; write it like packages={'flash-attn': "
+        "'>=2.5'}",
+        "test_req.py::test_bad_backends[[]backends1[]]: gpu_requires: backends=[[][]] is not a "
+        "backend or a non-empty list of them; write it like backends=[[]'cuda', 'rocm'[]]",
+        "test_req.py::test_bad_backends[[]backends2[]]: gpu_requires: unknown backend None; *",
     ])
 
 
