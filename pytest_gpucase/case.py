@@ -311,7 +311,8 @@ def _read_text(file: Path, case_dir: Path) -> str:
         # A byte order mark (what some Windows editors write) is not TOML: left out.
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
-        raise CaseFormatError(file, f"cannot be read: {exc}") from None
+        raise CaseFormatError(file, f"is not UTF-8 text ({exc}); save it as UTF-8, as TOML "
+                              "requires") from None
 
 
 # What tomllib recurses on: brackets and braces outside strings and comments.

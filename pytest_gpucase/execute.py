@@ -182,8 +182,7 @@ def _run(spec: RunSpec) -> Outcome:
     if comparison is None or not comparison.ok:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
-        note(f"while computing the float64 reference on the CPU ({returned}; a reference "
-             "slower than the call may need a larger timeout in case.toml)")
+        note(f"while computing the float64 reference on the CPU ({returned})")
         try:
             # The same random draws and grad mode, in float64 on the CPU.
             with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),

@@ -237,6 +237,8 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
     if known not in (None, "nan") and outcome.kind in ("mismatch", "golden mismatch",
                                                         "no exception"):
         return False  # the captured error is gone (a fix): another failure, not the known one
+    if outcome.error_type is None and outcome.kind in ("crash", "timeout"):
+        return False  # an exit without a result, or a hang: not the exception recorded
     if outcome.error_type is None:
         return True  # nothing to tell them apart by: a mismatch
     found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
@@ -374,7 +376,7 @@ def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
     text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
             "counts as expected.")
-    if outcome.error_type is not None and outcome.kind not in ("mismatch", "golden mismatch"):
+    if outcome.error_type is not None and outcome.kind == "raises":  # the call raised it
         text += (" If rejecting these inputs is the fix, make the case expect it: [expect] "
                  f"outcome = \"raises\", exception = \"{outcome.error_type}\", and remove "
                  "xfail.")

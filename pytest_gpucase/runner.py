@@ -105,17 +105,20 @@ def regenerate_golden(case: Case, *, start_method: StartMethod) -> ChildResult:
 def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     """A child that returned nothing becomes a failure naming why, with its last words."""
     where = display(spec.case.case_file)
+    # The child's last note says what was running (the reference, say), which a stack dump
+    # alone does not: gpucase's frames are hidden from it.
+    during = f" {child.phase}" if child.phase else ""
     if child.timed_out:
-        # The child's last note says what the timeout interrupted (the reference, say),
-        # which the stack dump alone does not: gpucase's frames are hidden from it.
-        during = f" {child.phase}" if child.phase else ""
         summary = (f"{where}: run timed out after {spec.case.timeout:g} s{during} and was killed "
                    "with its process group and every process it started; the stack of every "
-                   "thread at the timeout is in the captured stderr")
+                   "thread at the timeout is in the captured stderr"
+                   + ("; the timeout counts the call, its float64 reference and the comparison "
+                      "together: raise timeout in case.toml if they are slow, not hung"
+                      if during else ""))
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:
-        summary = f"{where}: run {child.problem}"
+        summary = f"{where}: run {child.problem}{during}"
     details = child.child_error or _stderr_pointer(child.stderr)
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")

@@ -81,8 +81,8 @@ def test_not_utf8(case_dir: Path) -> None:
     with pytest.raises(CaseFormatError) as excinfo:
         load_case(case_dir)
     assert str(excinfo.value) == (
-        f"{SHOWN}: cannot be read: 'utf-8' codec can't decode byte 0xff in position 0: "
-        "invalid start byte")
+        f"{SHOWN}: is not UTF-8 text ('utf-8' codec can't decode byte 0xff in position 0: "
+        "invalid start byte); save it as UTF-8, as TOML requires")
 
 
 def test_case_toml_is_a_directory(case_dir: Path) -> None:

@@ -321,9 +321,16 @@ def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: P
                                    "    raise RuntimeError('a different bug')\n")
     broken = ce_case(cases, "broken", [0, 2, 4], origin, top='xfail = "labels 1..4"')
     (broken / "case.py").write_text("import not_installed_anywhere\n")
+    exits = ce_case(cases, "exits", [0, 2, 4], origin, top='xfail = "labels 1..4"')
+    (exits / "case.py").write_text("import os\n\ndef run(logits, target, num_classes, "
+                                   "ignore_index):\n    os._exit(7)\n")
     assert known.exists()
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rxf", "cases")
-    result.assert_outcomes(xfailed=1, failed=2)
+    result.assert_outcomes(xfailed=1, failed=3)
+    # An exit without a result is not the ValueError recorded: a failure, with no advice to
+    # expect an exception that nothing raised.
+    result.stdout.fnmatch_lines(["FAILED cases/exits/case.toml::exits[[]cpu-float32[]] - *"])
+    assert "exception = \"None\"" not in result.stdout.str()
     result.stdout.fnmatch_lines_random([
         "XFAIL cases/known/case.toml::known[[]cpu-float32[]] - labels 1..4",
         # (the summary line is cut at the terminal's width)
@@ -337,7 +344,8 @@ def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: P
         "the case expect it: [[]expect[]] outcome = \"raises\", exception = \"RuntimeError\", "
         "and remove xfail. Otherwise it is a new failure.",
     ])
-    assert result.stdout.str().count("This is not the captured failure") == 1  # not the broken
+    assert result.stdout.str().count("If rejecting these inputs is the fix") == 1  # other's
+    assert result.stdout.str().count("This is not the captured failure") == 2  # not broken's
 
 
 def test_unknown_device_or_dtype_option_is_a_usage_error(pytester: pytest.Pytester) -> None:

@@ -136,6 +136,27 @@ SLOW_REFERENCE = """
 """
 
 
+CRASHING_REFERENCE = """
+    import os
+
+    def run(index):
+        return float(index)
+
+    def reference(index):
+        os._exit(3)
+"""
+
+
+def test_a_crash_in_the_reference_says_the_call_returned(tmp_path: Path) -> None:
+    toml = TOML.replace("timeout = 30", 'timeout = 30\nreference = "case.py:reference"')
+    spec = make_case(tmp_path, toml, CRASHING_REFERENCE)
+    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    assert verdict.outcome.kind == "crash"
+    assert re.fullmatch(r"\S+case\.toml: run exited with code 3 without returning a result "
+                        r"while computing the float64 reference on the CPU \(the call itself "
+                        r"returned after \S+ s\)", verdict.outcome.summary), verdict.outcome.summary
+
+
 def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Path) -> None:
     """The call returned and only the float64 reference ran out of time: the summary says
     so (the stack dump hides gpucase's frames, so it showed only the case's own function);
@@ -151,10 +172,11 @@ def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Pa
             assert verdict.outcome.kind == "timeout"
             assert re.fullmatch(
                 r"\S+case\.toml: run timed out after 5 s while computing the float64 reference "
-                r"on the CPU \(the call itself returned after \S+ s; a reference slower than the "
-                r"call may need a larger timeout in case\.toml\) and was killed with its process "
-                r"group and every process it started; the stack of every thread at the timeout "
-                r"is in the captured stderr", verdict.outcome.summary), verdict.outcome.summary
+                r"on the CPU \(the call itself returned after \S+ s\) and was killed with its "
+                r"process group and every process it started; the stack of every thread at the "
+                r"timeout is in the captured stderr; the timeout counts the call, its float64 "
+                r"reference and the comparison together: raise timeout in case\.toml if they "
+                r"are slow, not hung", verdict.outcome.summary), verdict.outcome.summary
     finally:
         pool.close()
     (tmp_path / "hung").mkdir()
