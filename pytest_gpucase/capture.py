@@ -790,7 +790,9 @@ def _triage(exc: BaseException, stderr_text: str) -> Triage | None:
 def _where(context: _Context) -> str:
     """`` at iteration 3, in loss, after forward``: as much of it as is known."""
     parts = []
-    if context.iteration is not None:
+    # Outside any step once iteration N completed, the failure is after N, not "at" it.
+    after_it = context.last_step == f"iteration {context.iteration}"
+    if context.iteration is not None and not after_it:
         parts.append(f"at iteration {context.iteration}")
     if context.stage is not None:
         parts.append(f"in {context.stage}")

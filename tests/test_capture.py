@@ -321,6 +321,19 @@ def test_plain_steps_record_the_last_completed_step(tmp_path: Path, fails_at: in
     assert "stage" not in origin
 
 
+def test_a_failure_between_steps_is_after_the_last_one(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Outside any step once step 0 completed: "after iteration 0", not "at iteration 0, after
+    # iteration 0".
+    rec = Recorder(tmp_path / "cases")
+    op = rec.watch(failing_op, name="between")
+    with rec.step(0, sample_ids=[0]):
+        pass
+    fail(op, torch.ones(2))
+    err = capsys.readouterr().err
+    assert "(first failure after iteration 0)" in err, err
+
+
 def test_named_stages_inside_a_plain_step_are_the_last_step(tmp_path: Path) -> None:
     rec = Recorder(tmp_path / "cases")
     op = rec.watch(failing_op, name="nested")
