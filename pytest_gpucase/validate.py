@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Literal
 
 from . import payload, project
-from .capture import tensor_dicts
 from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, is_case_dir, load_case
 from .errors import CaseFormatError, display, regular_file
 from .variants import (
@@ -38,6 +37,7 @@ from .variants import (
     check_size,
     header_shapes,
     members_of,
+    passed_apart,
 )
 
 __all__ = ["Parameters", "binding_problems", "hash_setting", "rng_problems", "validate"]
@@ -97,12 +97,9 @@ def binding_problems(case: Case, target: str, params: Parameters,
                      tensors: Collection[str] | None) -> list[CaseFormatError]:
     """Why the case's inputs (``[inputs]`` literals and the payload's ``tensors``, ``None``
     when there is no payload) do not bind to ``target``'s parameters; empty when they do."""
-    if tensors is not None:  # the RNG states [context] rng names are no call inputs,
-        # nor are a dict argument's tensors, which its [inputs] entry names
-        grouped = {str(v) for members in tensor_dicts(case.literals).values()
-                   if isinstance(members, Mapping) for v in members.values()}
-        tensors = [name for name in tensors
-                   if name not in case.context.rng.values() and name not in grouped]
+    if tensors is not None:  # RNG states and a dict argument's tensors are no arguments
+        apart = passed_apart(tensors, case.literals, tuple(case.context.rng.values()))
+        tensors = [name for name in tensors if name not in apart]
     given = {*case.literals, *(tensors or ())}
     shown = f"{target}({', '.join(params.names)})"
     problems = []

@@ -173,6 +173,17 @@ def members(inputs: Mapping[str, Any], axis: int, anchor: str | None = None,
     return members_of(call_shapes(shapes_of(inputs), inputs), axis, anchor, names)
 
 
+def passed_apart(names: Iterable[str], literals: Mapping[str, Any],
+                 rng: Collection[str] = ()) -> frozenset[str]:
+    """Which of the saved tensors ``names`` are no call argument of their own: the RNG states
+    ``rng`` names (``[context] rng``: restored around the call) and a dict argument's tensors
+    (passed inside that argument, which its ``[inputs]`` entry names). Shared by the
+    binding check (``validate.binding_problems``) and ``never_cut``."""
+    grouped = {str(name) for members in tensor_dicts(literals).values()
+               if isinstance(members, Mapping) for name in members.values()}
+    return frozenset(name for name in names if name in rng or name in grouped)
+
+
 def never_cut(names: Iterable[str], literals: Mapping[str, Any],
               rng: Collection[str] = ()) -> frozenset[str]:
     """Which of the saved tensors ``names`` are no per-sample call input (rule 0).
@@ -180,13 +191,13 @@ def never_cut(names: Iterable[str], literals: Mapping[str, Any],
     ``literals`` are the case's ``[inputs]`` (or the call's keyword arguments:
     a module case holds ``gpucase_module`` in both), ``rng`` the payload names
     ``[context] rng`` gives. One home, for the variants in the child, the checks
-    of a case's header and ``gpucase minimize``.
+    of a case's header and ``gpucase minimize``: ``passed_apart``, and a module
+    case's state dict (its weights, bound to the call but never per sample).
     """
-    grouped = {str(name) for members in tensor_dicts(literals).values()
-               if isinstance(members, Mapping) for name in members.values()}
+    names = list(names)
     module = isinstance(literals.get(MODULE_KEY), Mapping)
-    return frozenset(name for name in names if name in rng or name in grouped
-                     or (module and name.startswith(STATE_PREFIX)))
+    return passed_apart(names, literals, rng) | {
+        name for name in names if module and name.startswith(STATE_PREFIX)}
 
 
 def call_shapes(shapes: Mapping[str, Shape], literals: Mapping[str, Any],
