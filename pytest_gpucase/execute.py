@@ -226,16 +226,15 @@ def write_golden(case: Case) -> dict[str, str]:
     key = "reference" if case.reference else "call"
     reference = resolve(case, case.reference or case.call, key)
     check_binding(case, case.reference or case.call, reference, inputs)
+    not_written = f"{display(case.expected_file)} not written"
     try:
         with torch.set_grad_enabled(grad_mode(case.context)):
             results = _call(reference, upcast(inputs), case.expect.gradients, "cpu")
     except _BadOutput as problem:
         whose = f"the {key}'s"
-        return {"refused": f"{display(case.expected_file)} not written: "
-                           f"{problem.message(whose)}"}
+        return {"refused": f"{not_written}: {problem.message(whose)}"}
     except _NothingDifferentiated as problem:
-        return {"refused": f"{display(case.expected_file)} not written: "
-                           f"{problem.KEY}: {problem.message(f'the {key}')}"}
+        return {"refused": f"{not_written}: {problem.KEY}: {problem.message(f'the {key}')}"}
     try:
         golden.save(case.expected_file, results)
     except golden.Unstorable as exc:

@@ -8,7 +8,6 @@ no case pays nothing; the engine is imported lazily.
 
 from __future__ import annotations
 
-import contextlib
 from pathlib import Path
 from typing import Any
 
@@ -16,16 +15,16 @@ import pytest
 
 from .errors import display_posix
 from .items import (  # noqa: F401 - fixtures must be attributes of the plugin module
+    BadMarker,
     BrokenCaseItem,
     CaseDirectory,
     CaseItem,
     _OwnIsolation,
+    bad_marker_key,
     gpu_case,
     gpu_device,
     gpu_dtype,
     parametrize,
-    BadMarker,
-    bad_marker_key,
     requirements_from_marker,
     run_markers,
     share_conftests,
@@ -142,16 +141,18 @@ def _hint_gpu_cases(config: pytest.Config, state: GpuCaseSession) -> None:
     added to a plain run that collects tests."""
     from .case import is_case_dir
 
-    found: list[str] = []
-    for arg in config.args:
-        path = Path(arg.split("::")[0])
-        levels = [[path]]
-        with contextlib.suppress(OSError):
-            if path.is_dir() and not is_case_dir(path):
-                levels.append(sorted(p for p in path.iterdir() if p.is_dir()))
-                levels.append(sorted(p for d in levels[1] if not is_case_dir(d)
-                                     for p in d.iterdir() if p.is_dir()))
-        found += [display_posix(p) for level in levels for p in level if is_case_dir(p)]
+    def case_dirs(path: Path, depth: int) -> list[str]:
+        if is_case_dir(path):
+            return [display_posix(path)]
+        if depth == 0:
+            return []
+        try:
+            below = sorted(p for p in path.iterdir() if p.is_dir()) if path.is_dir() else []
+        except OSError:
+            return []
+        return [found for sub in below for found in case_dirs(sub, depth - 1)]
+
+    found = [name for arg in config.args for name in case_dirs(Path(arg.split("::")[0]), 2)]
     if found:
         given = (" " + " ".join(config.args)
                  if config.args_source == pytest.Config.ArgsSource.ARGS else "")
