@@ -23,6 +23,8 @@ from .errors import display_posix
 from .session import GpuCaseSession, session_key
 
 if TYPE_CHECKING:
+    from _pytest._code.code import TerminalRepr
+
     from .case import Case
     from .execute import Outcome
     from .plan import RunSpec
@@ -185,12 +187,12 @@ class BrokenCaseItem(pytest.Item):
         raise CaseFileError(self.problem)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
-                     style: Any = None) -> str:
+                     style: Any = None) -> str | TerminalRepr:
         from .report import terminal_safe
 
         if isinstance(excinfo.value, CaseFileError):
-            return terminal_safe(str(excinfo.value))
-        return str(super().repr_failure(excinfo))
+            return failure_repr(terminal_safe(str(excinfo.value)), self.nodeid)
+        return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.path, 0, f"{self.name} (broken case)"
@@ -343,13 +345,30 @@ class CaseItem(pytest.Item):
             raise CaseRunFailed(verdict)
 
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
-                     style: Any = None) -> str:
+                     style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, CaseRunFailed):
-            return _failure_text(excinfo.value.verdict.outcome, self.spec)
-        return str(super().repr_failure(excinfo))
+            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec),
+                                self.nodeid)
+        return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
+
+
+def failure_repr(text: str, nodeid: str) -> TerminalRepr:
+    """A failure's whole text, with its first line as the crash message.
+
+    pytest's one-line summary (``-r``, ``--tb=line``, junit's ``message``) shows the crash
+    message; a plain string would be shown there whole on CI (``CI`` set) and under ``-vv``,
+    so every failure's full text appeared twice in a CI log. The text itself is shown as is.
+    The pieces are the ones pytest-xdist carries between processes.
+    """
+    from _pytest._code.code import ReprExceptionInfo, ReprFileLocation, ReprTracebackNative
+
+    headline = text.split("\n", 1)[0]
+    body = text if text.endswith("\n") else text + "\n"
+    return ReprExceptionInfo(reprtraceback=ReprTracebackNative([body]),
+                             reprcrash=ReprFileLocation(nodeid.split("::")[0], 1, headline))
 
 
 def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:

@@ -156,6 +156,29 @@ def test_a_binding_problem_is_printed_once(pytester: pytest.Pytester) -> None:
     assert any("parameter 'y' of case.py:run has no value" in line for line in two)
 
 
+
+@pytest.mark.parametrize("args", [["-rf", "-p", "no:xdist"], ["-rf", "-n", "2"], ["-rf", "-vv"]],
+                         ids=["serial", "xdist", "very-verbose"])
+def test_a_ci_log_shows_a_failure_once(pytester: pytest.Pytester,
+                                       monkeypatch: pytest.MonkeyPatch, args: list[str]) -> None:
+    """On CI (``CI`` set: GitHub Actions, GitLab, ...) and under -vv, pytest's short summary
+    prints a string failure whole: every failure's text appeared twice in the log. The
+    summary line, and junit's message, carry the first line; the text is shown once."""
+    monkeypatch.setenv("CI", "true")
+    write_case(pytester.path, "two", TOML + "[inputs]\nfoo = 3\n",
+               "def run(x, y):\n    return x + y\n", X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "--junitxml=out.xml", *args)
+    result.assert_outcomes(failed=1)
+    first = ("cases/two/case.toml: [inputs] 'foo' is not a parameter of case.py:run(x, y); "
+             "remove it or add the parameter")
+    second = "parameter 'y' of case.py:run has no value"
+    assert f"FAILED cases/two/case.toml::two[cpu-float32] - {first}" in result.stdout.lines
+    text = result.stdout.str()
+    assert text.count(first) == 2 and text.count(second) == 1, text  # summary + text; text
+    junit = (pytester.path / "out.xml").read_text()
+    assert 'message="cases/two/case.toml: [inputs] \'foo\' is not a parameter' in junit, junit
+    assert second in junit  # the whole text is the failure element's body
+
 def test_the_references_output_is_labelled_and_only_when_it_runs(
         pytester: pytest.Pytester) -> None:
     """A case printing in its function showed the call's lines, then the reference's, with
