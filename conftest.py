@@ -21,10 +21,22 @@ def cuda_available() -> bool:
     return done.stdout.strip() == "True"
 
 
+# What a CI runner or a developer's shell may set that changes what a pytest session or the
+# plugin prints or writes: the suite reads the output of the sessions it starts, so those runs
+# see the same environment on every machine. A test of that behaviour sets the variable itself.
+RUNNER_ENVIRONMENT = ("CI", "BUILD_NUMBER",  # pytest prints failures untrimmed on CI
+                      "GITHUB_STEP_SUMMARY",  # the plugin appends its summary there
+                      "FORCE_COLOR", "PY_COLORS", "NO_COLOR")
+
+
 @pytest.fixture(autouse=True)
 def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
     """pytest sessions started by a test run their items in order, whatever plugins are installed:
-    their output is what the test reads (pytest-randomly would shuffle it)."""
+    their output is what the test reads (pytest-randomly would shuffle it), in an environment
+    without the runner's own settings (``RUNNER_ENVIRONMENT``) and 80 columns wide."""
+    for name in RUNNER_ENVIRONMENT:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("COLUMNS", "80")
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
         monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
