@@ -173,6 +173,23 @@ class Comparison:
         """Whether the outputs matched everywhere."""
         return not self.mismatches
 
+    def headline(self) -> str:
+        """The first mismatch in one line, for a failure's summary line (``-r``, a CI log,
+        junit's message): where, and how many elements by how much; the count of the rest."""
+        if not self.mismatches:
+            return "nothing differs"
+        first = self.mismatches[0]
+        if first.kind == "values" and first.total > 1:
+            line = f"{first.path}: {first.mismatched} / {first.total} elements differ"
+            if first.max_abs is not None:
+                line += f", greatest absolute difference {_num(first.max_abs)}"
+        else:
+            line = first.message.split("\n", 1)[0]
+        more = len(self.mismatches) - 1
+        if more:
+            line += f"; {more} more path{'s' if more > 1 else ''} differ{'' if more > 1 else 's'}"
+        return line
+
     def report(self) -> str:
         """Return all mismatch messages, top-down, ready for a pytest failure; with more
         than a few, a first line says how many (a long report is clipped in the middle)."""

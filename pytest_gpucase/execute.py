@@ -198,7 +198,8 @@ def _run(spec: RunSpec) -> Outcome:
         note(comparing)
         comparison = _compare(actual, expected, expect)
     if not comparison.ok:
-        return Outcome("failed", "outputs differ from the reference", details=comparison.report(),
+        return Outcome("failed", f"outputs differ from the reference: {comparison.headline()}",
+                       details=comparison.report(),
                        kind="mismatch",
                        max_abs=comparison.max_abs, max_rel=comparison.max_rel)
     if spec.variant is None and case.expected_file.exists():

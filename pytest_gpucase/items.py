@@ -191,7 +191,7 @@ class BrokenCaseItem(pytest.Item):
         from .report import terminal_safe
 
         if isinstance(excinfo.value, CaseFileError):
-            return failure_repr(terminal_safe(str(excinfo.value)), self.nodeid)
+            return failure_repr(terminal_safe(str(excinfo.value)), self)
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int, str]:
@@ -347,28 +347,30 @@ class CaseItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, CaseRunFailed):
-            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec),
-                                self.nodeid)
+            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec), self)
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
 
 
-def failure_repr(text: str, nodeid: str) -> TerminalRepr:
+def failure_repr(text: str, item: pytest.Item) -> TerminalRepr:
     """A failure's whole text, with its first line as the crash message.
 
     pytest's one-line summary (``-r``, ``--tb=line``, junit's ``message``) shows the crash
     message; a plain string would be shown there whole on CI (``CI`` set) and under ``-vv``,
-    so every failure's full text appeared twice in a CI log. The text itself is shown as is.
-    The pieces are the ones pytest-xdist carries between processes.
+    so every failure's full text appeared twice in a CI log. The text itself is shown as is,
+    except under ``--tb=line``, which asks for the crash line alone. The pieces are the ones
+    pytest-xdist carries between processes.
     """
     from _pytest._code.code import ReprExceptionInfo, ReprFileLocation, ReprTracebackNative
 
     headline = text.split("\n", 1)[0]
     body = text if text.endswith("\n") else text + "\n"
-    return ReprExceptionInfo(reprtraceback=ReprTracebackNative([body]),
-                             reprcrash=ReprFileLocation(nodeid.split("::")[0], 1, headline))
+    if item.config.getoption("tbstyle", "auto") == "line":
+        body = ""
+    return ReprExceptionInfo(reprtraceback=ReprTracebackNative([body] if body else []),
+                             reprcrash=ReprFileLocation(item.nodeid.split("::")[0], 1, headline))
 
 
 def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:

@@ -1801,3 +1801,38 @@ if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:
         digests["__torch__"] = ".".join(torch.__version__.split(".")[:2])
         json.dump(digests, out, indent=0, sort_keys=True)
         out.write("\n")
+
+
+class TestHeadline:
+    """The one line a failure's summary carries (pytest -r, a CI log, junit's message)."""
+
+    def test_a_tensor_says_where_how_many_and_how_far(self) -> None:
+        expected = torch.zeros(2, 4)
+        actual = expected.clone()
+        actual[1, 2] = 0.5
+        result = compare({"logits": actual}, {"logits": expected})
+        assert result.headline() == ("out['logits']: 1 / 8 elements differ, greatest absolute "
+                                     "difference 0.5")
+        assert "\n" not in result.headline()
+
+    def test_the_other_paths_are_counted(self) -> None:
+        result = compare([torch.ones(3), torch.ones(2), 1.0], [torch.zeros(3), torch.ones(3), 2.0])
+        assert len(result.mismatches) == 3
+        first = result.mismatches[0].message.splitlines()[0]
+        assert result.headline().startswith("out[0]: 3 / 3 elements differ")
+        assert result.headline().endswith("; 2 more paths differ"), first
+        two = compare([torch.ones(3), torch.ones(2)], [torch.zeros(3), torch.ones(3)])
+        assert two.headline().endswith("; 1 more path differs")
+
+    def test_a_scalar_or_a_shape_is_its_message_first_line(self) -> None:
+        scalar = compare(3, 4)
+        assert scalar.headline() == only(scalar).message.splitlines()[0]
+        assert "3" in scalar.headline() and "4" in scalar.headline()
+        shape = compare(torch.ones(2), torch.ones(3))
+        assert only(shape).kind == "shape"
+        assert shape.headline() == only(shape).message.splitlines()[0]
+
+    def test_a_nan_is_told_as_nan(self) -> None:
+        result = compare(torch.tensor([1.0, NAN]), torch.tensor([1.0, 2.0]))
+        assert result.headline() == ("out: 1 / 2 elements differ, greatest absolute "
+                                     "difference nan")
