@@ -179,6 +179,17 @@ def test_a_ci_log_shows_a_failure_once(pytester: pytest.Pytester,
     assert 'message="cases/two/case.toml: [inputs] \'foo\' is not a parameter' in junit, junit
     assert second in junit  # the whole text is the failure element's body
 
+
+def test_tb_line_shows_the_first_line_alone(pytester: pytest.Pytester) -> None:
+    """--tb=line asks for one line per failure; the whole text was printed above it."""
+    write_case(pytester.path, "two", TOML + "[inputs]\nfoo = 3\n",
+               "def run(x, y):\n    return x + y\n", X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "--tb=line")
+    result.assert_outcomes(failed=1)
+    assert ("cases/two/case.toml:1: cases/two/case.toml: [inputs] 'foo' is not a parameter of "
+            "case.py:run(x, y); remove it or add the parameter") in result.stdout.lines
+    assert "has no value" not in result.stdout.str()
+
 def test_the_references_output_is_labelled_and_only_when_it_runs(
         pytester: pytest.Pytester) -> None:
     """A case printing in its function showed the call's lines, then the reference's, with
