@@ -76,6 +76,7 @@ def pytest_configure(config: pytest.Config) -> None:
         forget_primed()  # a previous session's module rows must not reach this one's zygote
         _start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
+        _report_folder(state.settings["gpu_cases_report"])
         config.pluginmanager.register(_Recorder(state), "gpucase-recorder")
         config.pluginmanager.register(_SigintWatch(state), "gpucase-sigint")
     if state.enabled and config.getoption("forked", False):
@@ -180,6 +181,20 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
     return None
 
 
+def _report_folder(path: Path | None) -> None:
+    """Make the JSON report's folder now: a path that cannot hold a file is a usage error
+    before anything runs, not an internal error at the first item's write."""
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        why = "a file is in the way" if isinstance(exc, FileExistsError) else exc.strerror
+        raise pytest.UsageError(f"--gpu-cases-report {display_posix(path)}: cannot make its "
+                                f"folder ({why or exc}); give a path in a folder you can "
+                                "write") from None
+
+
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     state = config.stash[session_key]
     for note in state.notes:
@@ -190,7 +205,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         for path in written:
             terminalreporter.write_line(display_posix(Path(path)))
     report_path = state.settings["gpu_cases_report"]
-    if report_path is not None and state.enabled and not hasattr(config, "workerinput"):
+    if (report_path is not None and state.enabled and not hasattr(config, "workerinput")
+            and not state.report_failed):
         terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
 
 

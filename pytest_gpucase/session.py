@@ -38,6 +38,7 @@ class GpuCaseSession:
     _written_at: float = 0.0
     _unwritten: bool = False    # a record arrived since the report file was last written
     _finished: bool = False     # the report of the whole session has been written
+    report_failed: bool = False  # the last write of the JSON report failed (a note says why)
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
     _reference_cache: Path | None = None
     _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
@@ -118,9 +119,18 @@ class GpuCaseSession:
         if path is not None:
             from .report import write_report
 
-            write_report(path, self.build_report(complete=complete))
+            try:
+                write_report(path, self.build_report(complete=complete))
+            except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
+                note = (f"could not write the JSON report {path}: {exc.strerror or exc}; the "
+                        "run's results are unchanged")
+                if note not in self.notes:
+                    self.notes.append(note)
+                self.report_failed = True
+                return
             self._written_at = time.monotonic()
             self._unwritten = False
+            self.report_failed = False
 
     def worker_env(self) -> dict[str, str]:
         """The device pin of this xdist worker's children (``--gpu-per-worker``), or {}."""
@@ -308,7 +318,14 @@ class _Recorder:
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
             from .report import append_step_summary
 
-            append_step_summary(self.state.build_report(complete=complete))
+            try:
+                append_step_summary(self.state.build_report(complete=complete))
+            except OSError as exc:
+                # A side output: the run's verdict and its other reports (junit) stand.
+                self.state.notes.append(
+                    f"could not append the step summary to GITHUB_STEP_SUMMARY "
+                    f"({os.environ['GITHUB_STEP_SUMMARY']}): {exc.strerror or exc}; the "
+                    "run's results are unchanged")
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         import signal

@@ -13,6 +13,8 @@ from typing import Any, Literal
 
 import pytest
 
+from .errors import display_posix
+
 
 @dataclass(frozen=True)
 class Setting:
@@ -113,7 +115,11 @@ def setting(config: pytest.Config, name: str) -> Any:
     if value is None:
         return None
     if spec.kind == "path":
-        return Path(str(value))
+        path = Path(str(value))
+        if path.is_dir():   # found at the first item's write, as an internal error
+            raise pytest.UsageError(f"{source}: {str(value)!r} is a directory; give a file "
+                                    f"name, e.g. {display_posix(path / 'gpucase.json')}")
+        return path
     if spec.kind == "gib":
         return _gib(str(value), source)
     if spec.kind == "choice":

@@ -183,6 +183,59 @@ def test_github_step_summary_is_appended(pytester: pytest.Pytester,
     assert "fixed" in text and "failed" in text
 
 
+
+def test_a_step_summary_that_cannot_be_written_changes_no_verdict(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A container step without the runner's summary file: the traceback failed a passing
+    run and junit's XML was never written."""
+    ce_case(pytester.path, "fixed", [0, 2, 3], "")
+    monkeypatch.setenv("GITHUB_STEP_SUMMARY", str(pytester.path / "missing" / "summary.md"))
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--junitxml", "out/junit.xml", "cases")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["gpucase: could not append the step summary to "
+                                 "GITHUB_STEP_SUMMARY (*summary.md): No such file or directory; "
+                                 "the run's results are unchanged"])
+    assert (pytester.path / "out" / "junit.xml").exists()
+    assert "Traceback" not in result.stdout.str() + result.stderr.str()
+
+
+@pytest.mark.parametrize(("where", "error"), [
+    ("folder", "argument --gpu-cases-report: 'folder' is a directory; give a file name, e.g. "
+               "folder/gpucase.json"),
+    ("afile/r.json", "--gpu-cases-report afile/r.json: cannot make its folder (a file is in the "
+                     "way); give a path in a folder you can write"),
+])
+def test_a_report_path_that_cannot_hold_the_report_is_a_usage_error(
+        pytester: pytest.Pytester, where: str, error: str) -> None:
+    ce_case(pytester.path, "fixed", [0, 2, 3], "")
+    (pytester.path / "folder").mkdir()
+    (pytester.path / "afile").write_text("")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-report", where, "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    assert f"ERROR: {error}" in result.stderr.lines, result.stderr.str()
+    assert "INTERNALERROR" not in result.stderr.str() + result.stdout.str()
+
+
+def test_a_report_that_cannot_be_written_any_more_is_a_note(pytester: pytest.Pytester) -> None:
+    """The report's folder replaced by a file during the run: a note, not an internal
+    error."""
+    case = pytester.path / "cases" / "removes"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[matrix]\n'
+                                    'devices = ["cpu"]\n')
+    out = pytester.path / "out"
+    (case / "case.py").write_text(f"import shutil\n\ndef run():\n"
+                                  f"    shutil.rmtree({str(out)!r}, ignore_errors=True)\n"
+                                  f"    open({str(out)!r}, 'w').close()\n"
+                                  "    return 1.0\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-report", "out/r.json",
+                                           "cases")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    result.stdout.fnmatch_lines(["gpucase: could not write the JSON report out/r.json: File "
+                                 "exists; the run's results are unchanged"])
+    assert "JSON report written" not in result.stdout.str()
+
 def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> None:
     ce_case(pytester.path, "a_first", [0, 2, 4], RAISES)
     stop = pytester.path / "cases" / "b_stop"
