@@ -295,6 +295,12 @@ def ablate(
                         f"passes unchanged on {_where(device)} in {runs}: nothing to ablate")
     failure = failure_class(found)
     assert failure is not None  # a failed verdict always has a class
+    if failure.kind == "broken case":
+        # Every change would "still fail" the same way, and the reading would blame the
+        # inputs: the case itself is what to fix (as minimize says).
+        from .minimize import NotRunnable
+
+        raise NotRunnable(found.outcome.summary)
     baseline = Row("baseline", "unchanged", "fails", failure=str(failure),
                    summary=found.outcome.summary, seconds=round(found.child.duration, 3))
     rows = []

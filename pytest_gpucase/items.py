@@ -326,7 +326,8 @@ class CaseItem(pytest.Item):
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
         _reissue_warnings(verdict)
-        if verdict.failed and self.config.stash[session_key].settings["gpu_ablate"]:
+        if (verdict.failed and not verdict.outcome.broken_case   # the case is what to fix
+                and self.config.stash[session_key].settings["gpu_ablate"]):
             from .ablate import ablate
 
             found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,

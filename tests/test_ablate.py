@@ -242,6 +242,18 @@ def test_unknown_dtype_or_missing_device_cannot_run(
         choose_device(load_case(path), ENV, "cuda")
 
 
+
+def test_a_broken_case_is_an_error_not_a_reading(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A typo in the call: every change "still failed" and the reading sent the user to
+    shrink the inputs, with exit status 0. minimize and validate name the key."""
+    path = make_case(tmp_path, "typo", 'format = 1\ntimeout = 30\ncall = "case.py:softmaxx"\n',
+                     SOFTMAX_PY, {"x": torch.tensor([[1.0, 2.0]])})
+    assert main(["ablate", str(path), "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert "case.toml: call: 'case.py' has no 'softmaxx'" in captured.err
+    assert "reading" not in captured.out + captured.err
+
 def test_cuda_changes_are_built_with_their_switches(tmp_path: Path) -> None:
     """On a CUDA run the CUDA-only changes apply; before Ampere, TF32 does not exist."""
     path = make_case(tmp_path, "mm", 'format = 1\ncall = "case.py:softmax"\nlaunch_blocking '

@@ -236,6 +236,7 @@ def test_a_report_that_cannot_be_written_any_more_is_a_note(pytester: pytest.Pyt
                                  "exists; the run's results are unchanged"])
     assert "JSON report written" not in result.stdout.str()
 
+
 def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> None:
     ce_case(pytester.path, "a_first", [0, 2, 4], RAISES)
     stop = pytester.path / "cases" / "b_stop"
@@ -304,6 +305,20 @@ def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) 
     [record] = load_report(path)["results"]
     assert record["ablation"]["rows"]
 
+
+
+def test_gpu_ablate_leaves_a_broken_case_alone(pytester: pytest.Pytester) -> None:
+    """A call that does not import: the case is what to fix, not something to ablate."""
+    import torch
+
+    from .test_plugin import write_case
+
+    write_case(pytester.path, "typo", 'format = 1\ncall = "case.py:runn"\n[matrix]\n'
+               'devices = ["cpu"]\n', "def run(x):\n    return x\n", {"x": torch.ones(2)})
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-ablate", "cases")
+    result.assert_outcomes(failed=1)
+    result.stdout.fnmatch_lines(["cases/typo/case.toml: call: 'case.py' has no 'runn'*"])
+    assert "ablation" not in result.stdout.str() and "Traceback" not in result.stdout.str()
 
 def test_broken_case_is_in_the_json_report_and_the_step_summary(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
