@@ -310,6 +310,7 @@ class _Recorder:
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
         import os
 
+        self._asked_devices_missing(session)
         # Whatever the exit status: an interrupted or terminated run still leaves a valid
         # report of every item that finished.
         complete = session.exitstatus != pytest.ExitCode.INTERRUPTED
@@ -326,6 +327,32 @@ class _Recorder:
                     f"could not append the step summary to GITHUB_STEP_SUMMARY "
                     f"({os.environ['GITHUB_STEP_SUMMARY']}): {exc.strerror or exc}; the "
                     "run's results are unchanged")
+
+    def _asked_devices_missing(self, session: pytest.Session) -> None:
+        """A device type named by --gpu-devices on the command line that this machine lacks
+        fails a run that would pass: a GPU runner that lost its driver, or got a CPU build
+        of torch, skipped every item it was there for and turned the gate green. The ini
+        key only narrows (a project's setting, read on laptops too), and without either
+        such items skip as usual: a machine runs what it can."""
+        from .plan import device_skip
+
+        if session.config.getoption("gpu_devices", None) is None:
+            return
+        asked: tuple[str, ...] = self.state.settings["gpu_devices"] or ()
+        env = self.state.environment()
+        for device in asked:
+            skipped = sum(1 for record in self.state.results.values()
+                          if record.get("device") == device and record["outcome"] == "skipped")
+            if device_skip(device, env) is None or not skipped:
+                continue
+            self.state.notes.append(
+                f"--gpu-devices asked for {device}, which this machine does not have "
+                f"({env.backend} backend, torch {env.torch or 'not installed'}): its "
+                f"{skipped} item{'s were' if skipped > 1 else ' was'} skipped, so nothing ran "
+                f"on {device}. The run fails: check the runner's driver and torch build, or "
+                f"leave {device} out of --gpu-devices where none is expected")
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         import signal

@@ -151,8 +151,40 @@ def test_device_with_no_hardware_is_skipped_with_the_reason(pytester: pytest.Pyt
     ce_case(pytester.path, "good", [0, 2, 4], RAISES)
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "mps", "-rs", "cases")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED*no mps device here*"])
+    result.stdout.fnmatch_lines(["gpucase: --gpu-devices asked for mps, which this machine*",
+                                 "SKIPPED*no mps device here*"])
 
+
+
+@pytest.mark.parametrize("args", [["--gpu-devices", "cuda"], ["--gpu-devices", "cpu,cuda"],
+                                  ["--gpu-devices", "cuda", "-n", "2"]],
+                         ids=["cuda", "cpu-and-cuda", "xdist"])
+def test_a_device_asked_for_on_the_command_line_and_missing_fails_the_run(
+        pytester: pytest.Pytester, args: list[str]) -> None:
+    """A GPU runner without its driver (or with a CPU build of torch) skipped every item it was
+    there for and exited 0: the GPU gate went green with nothing run."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", *args, "cases")
+    result.assert_outcomes(skipped=1, passed=1 if "cpu,cuda" in args else 0)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines(["gpucase: --gpu-devices asked for cuda, which this machine does "
+                                 "not have (cpu backend, torch *): its 1 item was skipped, so "
+                                 "nothing ran on cuda. The run fails: check the runner's driver "
+                                 "and torch build, or leave cuda out of --gpu-devices where none "
+                                 "is expected"])
+
+
+def test_the_ini_key_or_no_filter_only_skips_a_missing_device(pytester: pytest.Pytester) -> None:
+    """A project's ini is read on laptops too: there it narrows, it does not demand."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, skipped=1)
+    pytester.makeini("[pytest]\ngpu_devices = cpu,cuda\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    assert result.ret == pytest.ExitCode.OK
+    result.assert_outcomes(passed=1, skipped=1)
+    assert "asked for" not in result.stdout.str()
 
 def test_filters_that_leave_nothing_say_so(pytester: pytest.Pytester) -> None:
     ce_case(pytester.path, "cpu_only", [0, 2, 4], RAISES, top='[matrix]\ndevices = ["cpu"]')
