@@ -276,9 +276,12 @@ class _Recorder:
         self.state = state
         self._owner = 0
         self._previous: Any = None
+        self._done: set[str] = set()   # items whose last report came (teardown, or xdist's crash)
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.state.record(report)
+        if report.when in ("teardown", "???"):
+            self._done.add(report.nodeid)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         import os
@@ -312,8 +315,11 @@ class _Recorder:
 
         self._asked_devices_missing(session)
         # Whatever the exit status: an interrupted or terminated run still leaves a valid
-        # report of every item that finished.
-        complete = session.exitstatus != pytest.ExitCode.INTERRUPTED
+        # report of every item that finished. Complete means every selected item ran: not
+        # after -x or --maxfail stopped early, nor when a cancel reached the xdist workers
+        # first and the controller ended "normally" without the item they were running.
+        complete = (session.exitstatus != pytest.ExitCode.INTERRUPTED
+                    and len(self._done) >= session.testscollected)
         self.state.write_report(complete=complete)
         self.state._finished = True
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:

@@ -237,6 +237,27 @@ def test_a_report_that_cannot_be_written_any_more_is_a_note(pytester: pytest.Pyt
     assert "JSON report written" not in result.stdout.str()
 
 
+
+@pytest.mark.parametrize("args", [["-x"], ["--maxfail", "1", "-n", "2"]], ids=["x", "xdist"])
+def test_a_run_stopped_early_is_not_complete(pytester: pytest.Pytester, args: list[str]) -> None:
+    """-x after the first failure recorded "complete": true for a run of one item in four; a
+    matrix or a dashboard reading the report took it for the finished run."""
+    for name in ("a_fails", "b", "c", "d"):
+        ce_case(pytester.path, name, [0, 2, 4], "" if name == "a_fails" else RAISES)
+    path = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", *args,
+                                           "--gpu-cases-report", str(path), "cases")
+    assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED)  # xdist: 2
+    report = load_report(path)
+    assert len(report["results"]) < 4
+    assert report["complete"] is False
+    # and a run that ends on its own is complete, failures or not
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-n", "2",
+                                           "--gpu-cases-report", str(path), "cases")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    report = load_report(path)
+    assert len(report["results"]) == 4 and report["complete"] is True
+
 def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> None:
     ce_case(pytester.path, "a_first", [0, 2, 4], RAISES)
     stop = pytester.path / "cases" / "b_stop"
