@@ -226,11 +226,14 @@ def _show(args: argparse.Namespace) -> int:
     from .request import show
     from .validate import hash_setting
 
+    if args.report is not None and not args.report.is_file():
+        return _error("show", f"--report {args.report}: no such file; give the JSON report "
+                      "that --gpu-cases-report wrote")
     try:
         text = show(args.case, report=args.report)
     except CaseFormatError as exc:
         # The payload's hash is what a malformed inputs_sha256 should say: shown all the same.
-        setting = hash_setting(args.case)
+        setting = hash_setting(args.case) if "inputs_sha256" in str(exc.key) else None
         if setting is None:
             raise
         _error(None, exc)

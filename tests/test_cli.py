@@ -157,8 +157,24 @@ def test_show_prints_the_payload_hash_ready_to_paste(
     assert main(["show", str(case)]) == 0
     assert main(["validate", str(case)]) == 0
     capsys.readouterr()
+    # Another mistake is only itself: no hash line to wonder about.
+    (case / "case.toml").write_text("colour = 'red'\n" + toml)
+    assert main(["show", str(case)]) == 2
+    out, err = capsys.readouterr()
+    assert "colour" in err and out == ""
 
     (case / "inputs.safetensors").unlink()  # no payload: no hash to show, the error alone
     (case / "case.toml").write_text('inputs_sha256 = "73877274"\n' + toml)
     assert main(["show", str(case)]) == 2
     assert capsys.readouterr().out == ""
+
+
+def test_show_with_a_report_that_is_not_there_is_an_error(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    case = rich_case(Path("cases"))
+    assert main(["show", str(case), "--report", "missing.json"]) == 2
+    out, err = capsys.readouterr()
+    assert err == ("gpucase show: --report missing.json: no such file; give the JSON report "
+                   "that --gpu-cases-report wrote\n") and out == ""
