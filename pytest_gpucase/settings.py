@@ -79,9 +79,13 @@ def add_options(parser: pytest.Parser) -> None:
     """Every setting as a command-line option and an ini key of the same name."""
     group = parser.getgroup("gpucase", "saved GPU failure cases")
     for setting in SETTINGS:
-        ini_type = {"bool": "bool", "paths": "paths"}.get(setting.kind, "string")
+        # A list setting reads both spellings of its ini key: "cpu,cuda" in an ini file, and
+        # the TOML list ["cpu", "cuda"] of pyproject.toml (as gpu_cases_paths and a case's
+        # [matrix] dtypes are written); "args" gives both as a list of strings.
+        ini_type = {"bool": "bool", "paths": "paths", "csv": "args"}.get(setting.kind, "string")
+        default = [] if setting.kind == "csv" and setting.default is None else setting.default
         parser.addini(setting.name, setting.help, type=ini_type,  # type: ignore[arg-type]
-                      default=setting.default)
+                      default=default)
         if setting.kind == "paths":
             continue
         if setting.kind == "bool":
@@ -106,6 +110,8 @@ def setting(config: pytest.Config, name: str) -> Any:
     if value is None:
         value = config.getini(name)
         source = f"ini key {name}"
+        if spec.kind == "csv" and isinstance(value, list):
+            value = ",".join(str(part) for part in value)
         if value in (None, "", []):
             value = spec.default
     if spec.kind == "bool":

@@ -114,6 +114,28 @@ def test_every_option_is_an_ini_key(pytester: pytest.Pytester) -> None:
     assert [r["nodeid"] for r in report["results"]] == ["cases/good/case.toml::good[cpu-float32]"]
 
 
+
+@pytest.mark.parametrize("written", ['["cpu"]', '"cpu"', '"cpu, mps"', '"cpu mps"'])
+def test_a_list_ini_key_reads_a_toml_list_or_a_string(pytester: pytest.Pytester,
+                                                      written: str) -> None:
+    """pyproject.toml's natural spelling, a TOML list, failed with unknown "['cpu']" and a
+    deprecation warning."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    pytester.makepyprojecttoml(f"""
+        [tool.pytest.ini_options]
+        gpu_cases = true
+        gpu_cases_paths = ["cases"]
+        gpu_devices = {written}
+        gpu_dtypes = ["float32", "float64"]
+        filterwarnings = ["error"]
+    """)
+    result = pytester.runpytest_subprocess("-rs")
+    result.assert_outcomes(passed=1, skipped=1 if "mps" in written else 0)  # its saved dtype
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ngpu_dtypes = ["float8"]\n')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["*ini key gpu_dtypes: unknown 'float8'; expected one of *"])
+
 def test_ini_mistake_is_a_usage_error_naming_the_key(pytester: pytest.Pytester) -> None:
     pytester.makeini("[pytest]\ngpu_devices = cdua\n")
     result = pytester.runpytest_subprocess("--gpu-cases")
