@@ -109,12 +109,19 @@ def _numel(shape: Sequence[int]) -> int:
     return count
 
 
-def evaluate(req: Requirements, env: Environment) -> str | None:
-    """``None`` when the case may run here, else the reason it is skipped, naming both sides."""
+def evaluate(req: Requirements, env: Environment, device: str | None = None) -> str | None:
+    """``None`` when the case may run here, else the reason it is skipped, naming both sides.
+
+    ``device`` is the device type of the run, when known: a compute capability is asked of
+    the accelerators, so it does not hold a CPU run back (a case needing sm_80 kernels
+    still has its CPU check on a T4 or CPU-only runner).
+    """
     if req.backends is not None and env.backend not in req.backends:
         return (f"requires backend {' or '.join(req.backends)}; "
                 f"this is {build_words(env.backend)}")
     for key, specifier in req.versions.items():
+        if key == "capability" and device == "cpu":
+            continue
         reason = _version_reason(key, specifier, env)
         if reason is not None:
             return reason
@@ -185,14 +192,23 @@ def device_skip(device: str, env: Environment) -> str | None:
 
 
 def device_list(env: Environment, own: Sequence[str] | None = None,
-                asked: Sequence[str] | None = None) -> tuple[str, ...]:
+                asked: Sequence[str] | None = None,
+                backends: Sequence[str] | None = None) -> tuple[str, ...]:
     """The device types to run on: ``own`` (a case's list), else the defaults and the local ones.
 
     ``asked`` (``--gpu-devices``) narrows a case's own list; without one, every
     device asked for is run (skipped with the reason where this machine has none).
+    ``backends`` (a case's ``[matrix] backends``) drops from the defaults a device type
+    that none of those builds has: ``backends = ["cpu"]`` made a CUDA item whose skip
+    advised a GPU runner, where the case skips whole.
     """
     devices = tuple(own) if own else DEFAULT_DEVICES + tuple(
         t for t in env.device_types if t not in DEFAULT_DEVICES)
+    if not own and backends is not None:
+        from .backends import BY_NAME
+
+        provided = {BY_NAME[name].device_type for name in backends if name in BY_NAME}
+        devices = tuple(d for d in devices if d == "cpu" or d in provided)
     if asked is None:
         return devices
     return tuple(asked) if not own else tuple(d for d in devices if d in asked)
@@ -221,12 +237,11 @@ def expand(
     case_dtypes = case.matrix.dtypes or (saved_dtype or "float32",)
     if dtypes is not None:
         case_dtypes = tuple(d for d in case_dtypes if d in dtypes)
-    requirement = evaluate(case.matrix, env)
     blocking = launch_blocking or case.launch_blocking
     variants: list[Variant | None] = [None, *expand_variants(case.variants)]
     specs: list[RunSpec] = []
-    for device in device_list(env, case.matrix.devices, devices):
-        skip = requirement or device_skip(device, env)
+    for device in device_list(env, case.matrix.devices, devices, case.matrix.backends):
+        skip = evaluate(case.matrix, env, device) or device_skip(device, env)
         child_env = blocking_env(env.backend, device, blocking)
         specs += [RunSpec(case, device, dtype, cast, variant, dict(child_env), bool(child_env),
                           skip)
@@ -265,16 +280,22 @@ def choose_device(case: Case, env: Environment, device: str | None = None) -> st
     An accelerator comes first because the failures worth shrinking or ablating
     are device failures; a CPU run of a GPU failure may not reproduce it.
     """
-    reason = evaluate(case.matrix, env)
+    reason = evaluate(case.matrix, env, "cpu")  # what no device escapes
     if reason is not None:
         raise NotRunnable(f"{display(case.case_file)}: cannot run here: {reason}")
+    if device is not None and device != "cpu":
+        reason = evaluate(case.matrix, env, device)
+        if reason is not None:
+            raise NotRunnable(f"{display(case.case_file)}: --device {device}: {reason}")
     if device is not None:
         skip = device_skip(device, env)
         if skip is not None:
             raise NotRunnable(f"{display(case.case_file)}: --device {device}: {skip}")
         return device
-    wanted = device_list(env, case.matrix.devices)
-    usable = [d for d in wanted if device_skip(d, env) is None]
+    wanted = device_list(env, case.matrix.devices, backends=case.matrix.backends)
+    usable = [d for d in wanted
+              if device_skip(d, env) is None and evaluate(case.matrix, env, d) is None]
     if not usable:
-        raise NotRunnable(f"{display(case.case_file)}: {device_skip(wanted[0], env)}")
+        why = device_skip(wanted[0], env) or evaluate(case.matrix, env, wanted[0])
+        raise NotRunnable(f"{display(case.case_file)}: {why}")
     return next((d for d in usable if d != "cpu"), usable[0])

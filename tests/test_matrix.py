@@ -24,7 +24,9 @@ from pytest_gpucase.matrix import (
     expand,
     saved_float_dtype,
 )
+from pytest_gpucase.minimize import NotRunnable
 from pytest_gpucase.payload import TensorInfo
+from pytest_gpucase.plan import choose_device
 from pytest_gpucase.variants import Variant
 
 H100 = Device(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
@@ -299,6 +301,33 @@ def test_an_unmet_requirement_skips_every_run_with_its_reason() -> None:
     # The requirement is named before the missing device: it holds on every runner.
     assert {spec.skip for spec in specs} == {"requires torch>=2.5; found 2.4.0"}
 
+
+
+def test_a_capability_holds_back_the_accelerator_runs_only() -> None:
+    """A case needing sm_80 kernels kept no CPU check on a T4 or CPU-only runner."""
+    case = make_case(Requirements(versions={"capability": ">=8.0"}))
+    for env, gpu_reason in [(CPU, "requires capability>=8.0; no accelerator here"),
+                            (T4, "requires capability>=8.0; found 7.5 (Tesla T4)")]:
+        specs = expand(case, env, saved_dtype="float32")
+        assert [(spec.device, spec.skip) for spec in specs] == [("cpu", None),
+                                                                ("cuda", gpu_reason)]
+    assert [spec.skip for spec in expand(case, CUDA, saved_dtype="float32")] == [None, None]
+    assert choose_device(case, T4) == "cpu"
+    with pytest.raises(NotRunnable, match=r"--device cuda: requires capability>=8\.0; found 7\.5"):
+        choose_device(case, T4, "cuda")
+
+
+def test_backends_leave_out_the_device_types_none_of_them_has() -> None:
+    """backends = ["cpu"] made a CUDA item whose skip advised a GPU runner, where the whole
+    case skips; a case's own device list is kept as written."""
+    only_cpu = make_case(Requirements(backends=("cpu",)))
+    assert ids(expand(only_cpu, CPU, saved_dtype="float32")) == ["cpu-float32"]
+    assert {spec.skip for spec in expand(only_cpu, CUDA, saved_dtype="float32")} == {
+        "requires backend cpu; this is a CUDA build"}
+    rocm = make_case(Requirements(backends=("rocm",)))
+    assert ids(expand(rocm, CPU, saved_dtype="float32")) == ["cpu-float32", "cuda-float32"]
+    listed = make_case(Requirements(backends=("cpu",), devices=("cpu", "cuda")))
+    assert ids(expand(listed, CPU, saved_dtype="float32")) == ["cpu-float32", "cuda-float32"]
 
 # ----------------------------------------------------------------------------- launch blocking
 
