@@ -16,6 +16,7 @@ child (``execute``), so that a dry run and a run word the same mistake the same 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.machinery
 import importlib.util
 import inspect
@@ -299,12 +300,21 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.Tenso
     return shapes
 
 
+@functools.cache
+def _module_owners() -> Mapping[str, list[str]]:
+    """Top-level module -> the distributions installed here that provide it (read once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.packages_distributions()
+    except Exception:  # a broken distribution's metadata: the module's own name still serves
+        return {}
+
+
 def _unmet_requirement(case: Case, target: str) -> str | None:
     """Why the run skips ``case`` here when ``target``'s module belongs to a ``[matrix.packages]``
     requirement this environment does not meet (the reason ``pytest --gpu-cases`` gives);
     None when it is met, or when the module is no required package's."""
-    from importlib import metadata
-
     from packaging.utils import canonicalize_name
 
     from .environment import Environment, package_version
@@ -314,14 +324,16 @@ def _unmet_requirement(case: Case, target: str) -> str | None:
     if where.endswith(".py") or not case.matrix.packages:
         return None
     top = where.split(".")[0]
-    try:
-        found = metadata.packages_distributions().get(top, ())
-        owners = {canonicalize_name(dist) for dist in found}
-    except Exception:  # a broken distribution's metadata: fall back to the name alone
-        owners = set()
-    owners.add(canonicalize_name(top))
-    for name, specifier in case.matrix.packages.items():
-        if canonicalize_name(name) in owners:
+    required = {canonicalize_name(name): name for name in case.matrix.packages}
+    # The module's own name first (tinyext, flash_attn for flash-attn); else the distributions
+    # installed here that provide it (a module named unlike its package).
+    owners = [canonicalize_name(top)]
+    if owners[0] not in required:
+        owners = [canonicalize_name(dist) for dist in _module_owners().get(top, ())]
+    for owner in owners:
+        if owner in required:
+            name = required[owner]
+            specifier = case.matrix.packages[name]
             env = Environment(backend="cpu", device_types=("cpu",),
                               packages={name: package_version(name)})
             return evaluate(Requirements(packages={name: specifier}), env)

@@ -290,3 +290,12 @@ def test_a_required_package_below_the_version_is_not_checked_either(
     assert validate([Path("cases")], notes) == []
     assert notes == ["cases/old/case.toml: call: not checked here: requires packaging>=900; "
                      "found 1.0"]
+
+
+def test_a_module_named_unlike_its_package_is_matched_by_the_installed_distribution() -> None:
+    """``_pytest`` belongs to the distribution ``pytest``: a requirement on it covers the call."""
+    case("renamed", '[matrix.packages]\npytest = ">=900"\n', code=None, call="_pytest.nope:run")
+    notes: list[str] = []
+    assert validate([Path("cases")], notes) == []
+    assert notes == [f"cases/renamed/case.toml: call: not checked here: requires pytest>=900; "
+                     f"found {pytest.__version__}"]
