@@ -35,7 +35,7 @@ from .errors import CaseFormatError, display
 from .isolation import note
 from .matrix import RunSpec
 from .validate import Parameters, binding_problems, rng_problems
-from .variants import VariantNotApplicable, VariantTooLarge, apply as apply_variant
+from .variants import BrokenVariant, Variant, VariantNotApplicable, apply as apply_variant
 
 
 @dataclass(frozen=True)
@@ -140,9 +140,9 @@ def _run(spec: RunSpec) -> Outcome:
     if spec.variant is not None:
         try:
             inputs = apply_variant(spec.variant, inputs)
-        except VariantTooLarge as exc:
-            raise CaseFormatError(case.case_file, str(exc),
-                                  key=f"[variants] {spec.variant.kind}") from None
+        except BrokenVariant as exc:  # too large, or boundaries on no class indices
+            table = "boundaries" if spec.variant.kind == "boundary" else spec.variant.kind
+            raise CaseFormatError(case.case_file, str(exc), key=f"[variants] {table}") from None
         if spec.variant.reject is not None:
             expect = spec.variant.reject
         elif spec.variant.kind == "boundary":
@@ -158,7 +158,8 @@ def _run(spec: RunSpec) -> Outcome:
     context = case.context
     if expect.outcome == "raises":
         with replay_context(context, spec.device, rng):
-            return _check_raises(func, run_inputs, expect, spec.device)
+            return _check_raises(func, run_inputs, expect, spec.device,
+                                 spec.variant if spec.variant and spec.variant.reject else None)
     began = time.perf_counter()
     try:
         with replay_context(context, spec.device, rng):
@@ -741,7 +742,8 @@ def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
 
 
 def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
-                  device: str) -> Outcome:
+                  device: str, variant: Variant | None = None) -> Outcome:
+    """``expect``: the case's own, or a reject ``variant``'s (``[variants.reject]``)."""
     wanted = expect.exception or "Exception"
     if expect.match:
         wanted += f" matching {expect.match!r}"
@@ -757,6 +759,12 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
                            error_type=type(exc).__name__, error_message=text)
         outcome = _raised("the call", exc)
         return dataclasses.replace(outcome, summary=f"expected {wanted}; {outcome.summary}")
+    if variant is not None:
+        # Accepting a value the case declares out of range is the bug itself: no [expect]
+        # change can be the fix (the item's text says which entry was set, items._failure_text).
+        return Outcome("failed", f"{variant.id} is a [variants] reject variant: expected "
+                       f"{wanted}, but the call returned normally, accepting {variant.value}, "
+                       "a value the case says must be rejected", kind="no exception")
     return Outcome("failed", f"expected {wanted}, but the call returned normally; if the fix "
                    "has landed, set [expect] outcome = \"matches\" in case.toml",
                    kind="no exception")

@@ -106,6 +106,7 @@ class CaseFile(pytest.File):
                 dtypes=state.settings["gpu_dtypes"],
                 launch_blocking=state.settings["gpu_launch_blocking"],
             )
+            specs = _one_dtype_without_floats(case, specs)
         except Exception as exc:  # whatever the files hold: one failed item, the session goes on
             from .case import CASE_FILE, case_name
             from .errors import display
@@ -159,6 +160,34 @@ def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]
     if parent_id is None or not hasattr(parent_id, "with_params"):
         return {}
     return {"nodeid": parent_id.child(name).with_params(params)}
+
+
+def _one_dtype_without_floats(case: Case, specs: list[RunSpec]) -> list[RunSpec]:
+    """A case with no floating input runs in its first dtype only; its other ``[matrix] dtypes``
+    items are skipped, saying why.
+
+    A dtype run casts the floating inputs and nothing else: with integer (or bool) inputs
+    alone, a ``bfloat16`` item would run the very ``float32`` computation again and the report
+    would record a bfloat16 pass that never computed in bfloat16.
+    """
+    from .case import INPUTS_FILE
+    from .errors import CaseFormatError
+    from .plan import saved_dtype
+
+    if not specs or not case.matrix.dtypes or len(case.matrix.dtypes) < 2:
+        return specs
+    try:
+        if saved_dtype(case):
+            return specs
+    except CaseFormatError:
+        return specs  # a payload that cannot be read: each run says so
+    first = specs[0].dtype
+    held = (f"{INPUTS_FILE} holds no floating tensor" if case.inputs_file.exists()
+            else f"the case has no {INPUTS_FILE}")
+    return [spec if spec.dtype == first or spec.skip is not None else replace(
+                spec, skip=f"no floating input to cast to {spec.dtype} ({held}): this run would "
+                f"repeat the {first} run; list one dtype in [matrix] dtypes")
+            for spec in specs]
 
 
 def _case_runs(case: Case, saved: str | None) -> str:
@@ -339,7 +368,7 @@ class CaseItem(pytest.Item):
 
         self.user_properties.append(("gpucase_result", property_json(fields)))
         if verdict.outcome.status == "skipped":
-            pytest.skip(verdict.outcome.summary)
+            raise skip_here(verdict.outcome.summary)
         if verdict.failed:
             if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
                 raise KnownFailure(verdict)
@@ -353,6 +382,19 @@ class CaseItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
+
+
+def skip_here(reason: str) -> BaseException:
+    """A skip that ``-rs`` places at the item (a case's ``case.toml``, a hand-written test),
+    as pytest places a skip marker's, not at the line of this plugin that raised it.
+
+    ``_use_item_location`` is how pytest's own skip markers and unittest skips do it (pytest
+    7 to 9); a pytest without it still skips, placed at the raise.
+    """
+    try:
+        return pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:
+        return pytest.skip.Exception(reason)
 
 
 def failure_repr(text: str, item: pytest.Item) -> TerminalRepr:
@@ -381,8 +423,10 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
     text = outcome.summary
     if outcome.details:
         text += "\n\n" + outcome.details.rstrip()
+    # A broken case never reached its variant: there is nothing it set to tell.
     resized = (describe_saved(spec.variant, spec.case)
-               if spec is not None and spec.variant is not None else None)
+               if spec is not None and spec.variant is not None and not outcome.broken_case
+               else None)
     if resized:
         text += "\n\n" + resized   # which inputs the variant resized, to what shape
     if spec is not None and not outcome.broken_case and xfail_reason(spec) is not None:
@@ -523,11 +567,21 @@ class GpuCaseHandle:
 
     def run(self, device: str = "cpu", dtype: str | None = None,
             launch_blocking: bool = False) -> Verdict:
-        """Run the case once in a fresh child and return the verdict (it does not raise)."""
-        from .plan import single_run
+        """Run the case once in a fresh child and return the verdict (a failure does not raise).
+
+        A run that cannot happen here skips the test, with the reason ``pytest --gpu-cases``
+        gives its items: a ``[matrix]`` requirement this environment does not meet
+        (``requires tinyext>=2.0; found 1.0``) or a device type it lacks (``no CUDA device
+        here``). A skipped verdict would have passed ``assert not verdict.failed`` with
+        nothing run.
+        """
+        from .plan import device_skip, evaluate, single_run
         from .runner import run_spec
 
-        env = self._state.environment()
+        env = self._state.environment(tuple(self.case.matrix.packages))
+        reason = evaluate(self.case.matrix, env) or device_skip(device.split(":")[0], env)
+        if reason is not None:
+            raise skip_here(reason)
         spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)
         return run_spec(spec, start_method=self._state.start_method(), backend=env.backend,
                         localize=False)

@@ -16,6 +16,7 @@ child (``execute``), so that a dry run and a run word the same mistake the same 
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.machinery
 import importlib.util
 import inspect
@@ -26,16 +27,28 @@ from pathlib import Path
 from typing import Literal
 
 from . import payload, project
-from .case import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, AxisSizes, Case, is_case_dir, load_case
+from .case import (
+    CASE_FILE,
+    EXPECTED_FILE,
+    INPUTS_FILE,
+    AxisSizes,
+    Case,
+    Requirements,
+    is_case_dir,
+    load_case,
+)
 from .errors import CaseFormatError, display, regular_file
 from .variants import (
     Shape,
     Variant,
     VariantNotApplicable,
     VariantTooLarge,
+    applicable,
     case_shapes,
     check_size,
+    class_indices_problem,
     header_shapes,
+    index_dtype,
     members_of,
     passed_apart,
 )
@@ -157,9 +170,15 @@ def hash_setting(case_dir: Path) -> str | None:
         return None
 
 
-def validate(paths: Sequence[Path]) -> list[str]:
-    """Every problem of the case directories under ``paths``, one line each; empty when all good."""
+def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]:
+    """Every problem of the case directories under ``paths``, one line each; empty when all good.
+
+    ``notes`` receives what was not checked here and why (a call into a package that
+    ``[matrix.packages]`` requires and this environment lacks: the run skips the case, so
+    the dry run must not fail it); notes are no problems.
+    """
     problems: list[str] = []
+    notes = [] if notes is None else notes
     for path in paths:
         path = Path(path)
         if path.name == CASE_FILE and not path.is_dir():
@@ -174,7 +193,7 @@ def validate(paths: Sequence[Path]) -> list[str]:
         found = False
         for directory in _case_dirs(path):
             found = True
-            problems.extend(_problems(directory))
+            problems.extend(_problems(directory, notes))
         if not found:
             problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
                             f"{display(path)}")
@@ -199,7 +218,7 @@ def _case_dirs(root: Path) -> Iterable[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
 
 
-def _problems(directory: Path) -> list[str]:
+def _problems(directory: Path, notes: list[str]) -> list[str]:
     """The problems of one case directory, each as ``file: key: what is wrong``."""
     if not is_case_dir(directory):
         held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
@@ -213,7 +232,8 @@ def _problems(directory: Path) -> list[str]:
         return [f"{display(directory / CASE_FILE)}: cannot be loaded: {type(exc).__name__}: "
                 f"{exc}"]
     problems: list[CaseFormatError] = []
-    shapes = _payloads(case, problems)
+    infos = _payloads(case, problems)
+    shapes = None if infos is None else header_shapes(infos)
     tensors = None if shapes is None else set(shapes)
     readable = shapes is not None or not os.path.lexists(case.inputs_file)
     clash = sorted((tensors or set()) & set(case.literals))
@@ -231,9 +251,19 @@ def _problems(directory: Path) -> list[str]:
         problems.append(CaseFormatError(
             case.case_file, f"input '{boundaries.input}' is not a saved tensor ({where})",
             key="[variants] boundaries"))
+    elif boundaries is not None and infos is not None:
+        dtypes = {info.name: payload.DTYPES[info.dtype][0] for info in infos}
+        problem = class_indices_problem(boundaries.input, dtypes[boundaries.input],
+                                        [n for n, d in dtypes.items() if index_dtype(d)])
+        if problem is not None:
+            problems.append(CaseFormatError(case.case_file, problem, key="[variants] boundaries"))
     targets = [("call", case.call)] + ([("reference", case.reference)]
                                        if case.reference and case.reference != case.call else [])
     for key, target in targets:
+        unmet = _unmet_requirement(case, target)
+        if unmet is not None:  # the run skips the case here: its code is not checked either
+            notes.append(f"{display(case.case_file)}: {key}: not checked here: {unmet}")
+            continue
         params = _parameters(case, key, target, problems)
         if params is not None and readable:
             problems.extend(binding_problems(case, target, params, tensors))
@@ -242,9 +272,9 @@ def _problems(directory: Path) -> list[str]:
     return [str(problem) for problem in problems]
 
 
-def _payloads(case: Case, problems: list[CaseFormatError]) -> dict[str, Shape] | None:
-    """The saved inputs' shapes (``None`` without a readable payload); problems appended."""
-    shapes = None
+def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.TensorInfo] | None:
+    """The saved inputs' header (``None`` without a readable payload); problems appended."""
+    shapes: list[payload.TensorInfo] | None = None
     for file in (case.inputs_file, case.expected_file):
         if not os.path.lexists(file):
             continue
@@ -254,7 +284,7 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> dict[str, Shape] |
             problems.append(exc)
             continue
         if file == case.inputs_file:
-            shapes = header_shapes(infos)
+            shapes = infos
     if case.inputs_sha256 is not None:
         if not os.path.lexists(case.inputs_file):
             problems.append(CaseFormatError(
@@ -268,6 +298,46 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> dict[str, Shape] |
                     f"{CASE_FILE} (changed or corrupted since the case was saved); restore it, "
                     f"or if the change is intended set inputs_sha256 = \"{found}\""))
     return shapes
+
+
+@functools.cache
+def _module_owners() -> Mapping[str, list[str]]:
+    """Top-level module -> the distributions installed here that provide it (read once)."""
+    from importlib import metadata
+
+    try:
+        return metadata.packages_distributions()
+    except Exception:  # a broken distribution's metadata: the module's own name still serves
+        return {}
+
+
+def _unmet_requirement(case: Case, target: str) -> str | None:
+    """Why the run skips ``case`` here when ``target``'s module belongs to a ``[matrix.packages]``
+    requirement this environment does not meet (the reason ``pytest --gpu-cases`` gives);
+    None when it is met, or when the module is no required package's."""
+    from packaging.utils import canonicalize_name
+
+    from .environment import Environment, package_version
+    from .plan import evaluate
+
+    where = target.partition(":")[0]
+    if where.endswith(".py") or not case.matrix.packages:
+        return None
+    top = where.split(".")[0]
+    required = {canonicalize_name(name): name for name in case.matrix.packages}
+    # The module's own name first (tinyext, flash_attn for flash-attn); else the distributions
+    # installed here that provide it (a module named unlike its package).
+    owners = [canonicalize_name(top)]
+    if owners[0] not in required:
+        owners = [canonicalize_name(dist) for dist in _module_owners().get(top, ())]
+    for owner in owners:
+        if owner in required:
+            name = required[owner]
+            specifier = case.matrix.packages[name]
+            env = Environment(backend="cpu", device_types=("cpu",),
+                              packages={name: package_version(name)})
+            return evaluate(Requirements(packages={name: specifier}), env)
+    return None
 
 
 def _parameters(case: Case, key: str, target: str,
@@ -418,9 +488,14 @@ def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseForma
                 f"({held}); give an axis the inputs have", key=key))
             continue
         for size in table.sizes:
+            variant = Variant(kind, size, axis=table.axis, input=anchor, inputs=table.inputs)
             try:
-                check_size(Variant(kind, size, axis=table.axis, input=anchor,
-                                   inputs=table.inputs), shapes)
+                applicable(variant, shapes)  # the rule the run and gpucase show apply
+                check_size(variant, shapes)
+            except VariantNotApplicable as exc:
+                problems.append(CaseFormatError(
+                    case.case_file, f"{variant.label}: {exc}, so its item is always skipped; "
+                    f"remove {size} from sizes", key=key))
             except VariantTooLarge as exc:
                 problems.append(CaseFormatError(case.case_file, str(exc), key=key))
     return problems

@@ -57,7 +57,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from .capture import MODULE_KEY, STATE_PREFIX, tensor_dicts
-from .case import MAX_VARIANT_ELEMENTS, Case, Expectation, VariantTables
+from .case import CASE_FILE, MAX_VARIANT_ELEMENTS, Case, Expectation, VariantTables
 from .errors import CaseFormatError
 from .payload import TensorInfo
 
@@ -94,8 +94,36 @@ def quoted(names: Sequence[str]) -> str:
     return "[" + ", ".join(f'"{name}"' for name in names) + "]"
 
 
-class VariantTooLarge(ValueError):
+class BrokenVariant(ValueError):
+    """A variant table the case itself gets wrong: the run is a broken case, not a skip."""
+
+
+class VariantTooLarge(BrokenVariant):
     """The variant's resized inputs would hold more than ``MAX_VARIANT_ELEMENTS`` elements."""
+
+
+class NotClassIndices(BrokenVariant):
+    """The ``boundaries`` input is not an integer tensor: a class index written into a float
+    (a logit), a bool or a complex value tests nothing the case means."""
+
+
+def index_dtype(dtype: str) -> bool:
+    """Whether a dtype (``int64``, ``torch.int64``) holds class indices: an integer one."""
+    return dtype.removeprefix("torch.").startswith(("int", "uint"))
+
+
+def class_indices_problem(name: str, dtype: str, integers: Sequence[str]) -> str | None:
+    """Why ``boundaries`` may not set entries of input ``name`` of ``dtype``; None if it may.
+
+    One wording for ``gpucase validate`` (from the payload's header) and the run;
+    ``integers`` are the integer tensor inputs, offered as the fix.
+    """
+    if index_dtype(dtype):
+        return None
+    fix = (f"name the integer class-index input, e.g. input = \"{integers[0]}\""
+           if integers else "save the class indices as an integer tensor")
+    return (f"input '{name}' holds {dtype.removeprefix('torch.')}, not class indices: a boundary "
+            f"variant writes class indices (0, classes - 1, -1, classes) into it; {fix}")
 
 
 # A tensor input as the rules see it: its shape, and whether it is floating (or complex).
@@ -325,13 +353,41 @@ def _named_members(shapes: Mapping[str, Shape], having: Mapping[str, Shape], axi
     return int(sizes.pop()), tuple(names)
 
 
-def resizes(variant: Variant, shapes: Mapping[str, Shape]
-            ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-    """What a ``batch``/``length`` variant resizes: each input's shape before and after."""
+def applicable(variant: Variant, shapes: Mapping[str, Shape]) -> tuple[int, tuple[str, ...]]:
+    """The saved size and the inputs a ``batch``/``length`` variant resizes, or
+    ``VariantNotApplicable`` saying why it does not apply to these saved inputs.
+
+    The one rule of which sizes apply, shared by the run (``apply``), ``gpucase
+    show`` (``describe_resize``) and ``gpucase validate``: a batch no larger than
+    the saved one (it takes the first entries; only a length repeats them), on
+    inputs that are not empty on the axis. The message names no variant: callers
+    prefix what they need.
+    """
     found = members_of(shapes, variant.axis, variant.input, variant.inputs,
                        table=variant.kind)
-    if variant.kind == "boundary" or found is None:
+    if found is None:
+        raise VariantNotApplicable(f"no tensor input has an axis {variant.axis}")
+    saved, names = found
+    if variant.kind == "batch" and variant.value > saved:
+        raise VariantNotApplicable(
+            f"the saved batch holds {saved} entries on axis {variant.axis}")
+    if saved == 0:
+        raise VariantNotApplicable(f"the saved inputs are empty on axis {variant.axis}")
+    return saved, names
+
+
+def resizes(variant: Variant, shapes: Mapping[str, Shape]
+            ) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    """What a ``batch``/``length`` variant resizes: each input's shape before and after.
+
+    Raises ``VariantNotApplicable`` as ``applicable`` does.
+    """
+    if variant.kind == "boundary":
         return {}
+    if members_of(shapes, variant.axis, variant.input, variant.inputs,
+                  table=variant.kind) is None:
+        return {}
+    found = applicable(variant, shapes)
     names = found[1] if variant.inputs else sorted(
         found[1], key=lambda name: -_numel(shapes[name][0]))  # the data first, as listed
     return {name: (shapes[name][0], tuple(variant.value if dim == variant.axis else size
@@ -357,12 +413,19 @@ def describe_resize(variant: Variant, shapes: Mapping[str, Shape]) -> str | None
 
 
 def describe_saved(variant: Variant, case: Case) -> str | None:
-    """``describe_resize`` from a case's saved payload, reading its header only."""
-    from .payload import describe
+    """What ``variant`` did to a case's saved inputs, in words; None if nothing to say.
 
-    if variant.kind == "boundary" or not case.inputs_file.exists():
-        return None
+    A ``batch``/``length`` variant from the payload's header (``describe_resize``);
+    a boundary from its saved class indices (``describe_boundary``).
+    """
+    from .payload import describe, load
+
+    if not case.inputs_file.exists():
+        return describe_boundary(variant, None) if variant.kind == "boundary" else None
     try:
+        if variant.kind == "boundary":
+            saved = load(case.inputs_file).get(variant.input or "")
+            return describe_boundary(variant, saved)
         return describe_resize(variant, case_shapes(case, header_shapes(
             describe(case.inputs_file))))
     except CaseFormatError:
@@ -406,19 +469,9 @@ def apply(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]:
         return _set_boundary(variant, inputs)
     shapes = call_shapes(shapes_of(inputs), inputs)  # the RNG states are out already
     try:
-        found = members_of(shapes, variant.axis, variant.input, variant.inputs,
-                       table=variant.kind)
+        _, names = applicable(variant, shapes)
     except VariantNotApplicable as exc:
         raise VariantNotApplicable(f"{variant.label}: {exc}") from None
-    if found is None:
-        raise VariantNotApplicable(f"{variant.label}: no tensor input has an axis {variant.axis}")
-    saved, names = found
-    if variant.kind == "batch" and variant.value > saved:
-        raise VariantNotApplicable(
-            f"{variant.label}: the saved batch holds {saved} entries on axis {variant.axis}")
-    if saved == 0:
-        raise VariantNotApplicable(
-            f"{variant.label}: the saved inputs are empty on axis {variant.axis}")
     check_size(variant, shapes)
     return {**inputs, **{name: _resize(inputs[name], variant.axis, variant.value)
                          for name in names}}
@@ -442,31 +495,71 @@ def _set_boundary(variant: Variant, inputs: Mapping[str, Any]) -> dict[str, Any]
     target = inputs.get(name) if name is not None else None
     if name is None or not isinstance(target, torch.Tensor):
         raise VariantNotApplicable(f"{variant.label}: no tensor input named '{name}'")
-    if target.dtype == torch.bool or target.is_complex():
-        raise VariantNotApplicable(f"{variant.label}: '{name}' holds {target.dtype}, "
-                                   "not class indices")
-    if not target.is_floating_point():
-        info = torch.iinfo(target.dtype)
-        if not info.min <= variant.value <= info.max:
-            # Assigning would wrap silently (uint8: -1 becomes 255) and test another value.
-            raise VariantNotApplicable(f"{variant.label}: '{name}' is {target.dtype}, which "
-                                       f"cannot hold {variant.value}")
+    integers = [key for key, value in inputs.items() if isinstance(value, torch.Tensor)
+                and index_dtype(str(value.dtype))]
+    problem = class_indices_problem(name, str(target.dtype), integers)
+    if problem is not None:
+        raise NotClassIndices(problem)
+    info = torch.iinfo(target.dtype)
+    if not info.min <= variant.value <= info.max:
+        # Assigning would wrap silently (uint8: -1 becomes 255) and test another value.
+        raise VariantNotApplicable(f"{variant.label}: '{name}' is {target.dtype}, which "
+                                   f"cannot hold {variant.value}")
+    position = boundary_position(variant, target)
+    changed = _copy_keeping_layout(target)
+    changed[position] = variant.value
+    return {**inputs, name: changed}
+
+
+def boundary_position(variant: Variant, target: torch.Tensor) -> tuple[int, ...]:
+    """Where a boundary variant writes its value: the first entry of ``target`` (in index
+    order) that is not ``ignore_index``. One home for the run and ``describe_boundary``."""
+    import torch
+
+    label = variant.label
     if target.numel() == 0:
-        raise VariantNotApplicable(f"{variant.label}: '{name}' is empty")
+        raise VariantNotApplicable(f"{label}: '{variant.input}' is empty")
     flat = target.reshape(-1)
     candidates = torch.arange(flat.numel(), device=flat.device)
     if variant.ignore_index is not None:
         candidates = candidates[flat != variant.ignore_index]
     if candidates.numel() == 0:
-        raise VariantNotApplicable(f"{variant.label}: every entry of '{name}' is ignore_index "
+        raise VariantNotApplicable(f"{label}: every entry of '{variant.input}' is ignore_index "
                                    f"({variant.ignore_index})")
     flat_index, position = int(candidates[0]), []
     for size in reversed(target.shape):
         position.append(flat_index % size)
         flat_index //= size
-    changed = _copy_keeping_layout(target)
-    changed[tuple(reversed(position))] = variant.value
-    return {**inputs, name: changed}
+    return tuple(reversed(position))
+
+
+def describe_boundary(variant: Variant, target: torch.Tensor | None) -> str:
+    """``boundary[-1]: set target[0] = -1 (saved 1); ...``: which entry of the saved class
+    indices the variant set, and whether the case accepts or rejects that value.
+
+    ``target`` is the saved input (``None`` when it cannot be read: the entry is then
+    described by the rule).
+    """
+    name = variant.input or "?"
+    try:
+        if target is None:
+            raise VariantNotApplicable("")
+        position = boundary_position(variant, target)
+        where = f"{name}[{', '.join(map(str, position))}]"
+        saved = f" (saved {target[position].item()})"
+    except VariantNotApplicable:
+        where, saved = f"the first entry of {name}", ""
+        if variant.ignore_index is not None:
+            where += f" not equal to ignore_index ({variant.ignore_index})"
+    text = f"{variant.id}: set {where} = {variant.value}{saved}; "
+    if variant.reject is None:
+        return text + (f"[variants] boundaries in {CASE_FILE} makes {variant.value} a value the "
+                       "case accepts: the call must give the reference's outputs")
+    wanted = variant.reject.exception or "Exception"
+    if variant.reject.match:
+        wanted += f" matching {variant.reject.match!r}"
+    return text + (f"[variants] boundaries in {CASE_FILE} makes {variant.value} an out-of-range "
+                   f"class index the case must reject ([variants.reject]: {wanted})")
 
 
 def _copy_keeping_layout(tensor: torch.Tensor) -> torch.Tensor:

@@ -110,7 +110,8 @@ def test_validate_exit_code_follows_the_problems(
     assert "calll: unknown key; did you mean 'call'?" in capsys.readouterr().out
 
     # Whatever validate reports is a problem: "no case found" included.
-    monkeypatch.setattr(request, "validate", lambda paths: [f"{paths[0]}: no case found"])
+    monkeypatch.setattr(request, "validate",
+                        lambda paths, notes=None: [f"{paths[0]}: no case found"])
     assert main(["validate", "empty"]) == 1
     assert capsys.readouterr().out == "empty: no case found\n"
 

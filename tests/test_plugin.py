@@ -313,6 +313,111 @@ def test_gpu_case_fixture(pytester: pytest.Pytester, cases: Path) -> None:
     assert "UsageError" not in result.stdout.str()  # one clean error, no fixture traceback
 
 
+def test_gpu_case_run_skips_where_the_run_cannot_happen(pytester: pytest.Pytester,
+                                                       cases: Path) -> None:
+    """An unmet [matrix.packages] requirement and a device type missing here skip the test with
+    the reason --gpu-cases gives, placed at the test: a FAILED verdict (or a skipped verdict
+    passing ``assert not verdict.failed``) told nothing true."""
+    if torch.cuda.is_available():
+        pytest.skip("needs a machine without CUDA")
+    write_case(cases, "needs_v2", """
+        format = 1
+        call = "gpucase_absent_ext:newfeature"
+        [matrix.packages]
+        gpucase-absent-ext = ">=2.0"
+        """, None, {"x": torch.zeros(4)})
+    ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
+    pytester.makepyfile(test_wrap="""
+        import pytest
+
+        @pytest.mark.gpu_case("cases/needs_v2")
+        def test_unmet(gpu_case):
+            assert not gpu_case.run("cpu").failed
+
+        @pytest.mark.gpu_case("cases/ce_class4")
+        def test_no_cuda(gpu_case):
+            assert not gpu_case.run("cuda").failed
+    """)
+    result = pytester.runpytest_subprocess("test_wrap.py", "-rs")
+    result.assert_outcomes(skipped=2)
+    result.stdout.fnmatch_lines([
+        "SKIPPED [[]1[]] test_wrap.py:3: requires gpucase-absent-ext>=2.0; not installed",
+        "SKIPPED [[]1[]] test_wrap.py:7: no CUDA device here (cpu backend): a CPU pass is a hint, "
+        "not CUDA validation; run it on a GPU runner",
+    ])
+
+
+def test_variant_skips_point_at_the_case_file(pytester: pytest.Pytester, cases: Path) -> None:
+    """-rs placed every variant skip at the plugin's items.py, naming no case."""
+    ce_case(cases, "ce_batch", [0, 2, 3], "[variants]\nbatch = { axis = 0, sizes = [8, 1] }",
+            top='[matrix]\ndevices = ["cpu"]')
+    result = pytester.runpytest_subprocess("--gpu-cases", "-rs", "cases")
+    result.assert_outcomes(passed=2, skipped=1)
+    result.stdout.fnmatch_lines([
+        "SKIPPED [[]1[]] cases/ce_batch/case.toml:1: batch=8: the saved batch holds 3 entries on "
+        "axis 0"])
+    assert "items.py" not in result.stdout.str()
+
+
+def test_an_integer_only_case_runs_one_dtype(pytester: pytest.Pytester, cases: Path) -> None:
+    """A bfloat16 item cast nothing and recorded a bfloat16 pass of the float32 computation."""
+    write_case(cases, "ids_only", """
+        format = 1
+        call = "case.py:run"
+        [matrix]
+        devices = ["cpu"]
+        dtypes = ["float32", "bfloat16"]
+        """, "def run(ids):\n    return ids * 2\n", {"ids": torch.tensor([3, 1, 2])})
+    result = pytester.runpytest_subprocess("--gpu-cases", "-rs", "-v", "cases")
+    result.assert_outcomes(passed=1, skipped=1)
+    result.stdout.fnmatch_lines([
+        "cases/ids_only/case.toml::ids_only[[]cpu-float32[]] PASSED*",
+        "SKIPPED [[]1[]] cases/ids_only/case.toml: no floating input to cast to bfloat16 "
+        "(inputs.safetensors holds no floating tensor): this run would repeat the float32 run; "
+        "list one dtype in [[]matrix[]] dtypes"])
+
+
+BOUNDARIES = """
+        [variants]
+        boundaries = {{ input = "{input}", classes = 4, ignore_index = -100 }}
+        [variants.reject]
+        exception = "ValueError"
+        match = "out of range"
+"""
+
+
+def test_a_boundary_failure_says_what_was_set_and_what_the_case_wants(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    """A reject item whose call clamps -1 advised 'set [expect] outcome = "matches"' (already
+    the default): accepting the invalid label is the bug."""
+    clamps = CE_CASE_PY.replace("(target < 0) | ", "").replace(
+        "return F.cross_entropy(logits, target,", "return F.cross_entropy(logits, "
+        "torch.where(target == -1, 0, target),")
+    path = ce_case(cases, "clamps", [-100, 2, 3], BOUNDARIES.format(input="target"),
+                   top='[matrix]\ndevices = ["cpu"]')
+    (path / "case.py").write_text(clamps)
+    ce_case(cases, "typo", [0, 2, 3], BOUNDARIES.format(input="logits"),
+            top='[matrix]\ndevices = ["cpu"]')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-k",
+                                           "clamps and boundary[-1] or typo and boundary[3]")
+    result.assert_outcomes(failed=2)
+    result.stdout.fnmatch_lines([
+        "*_ clamps[[]cpu-float32-boundary[[]-1[]][]] _*",
+        "boundary[[]-1[]] is a [[]variants[]] reject variant: expected ValueError matching 'out "
+        "of range', but the call returned normally, accepting -1, a value the case says must be "
+        "rejected",
+        "",
+        "boundary[[]-1[]]: set target[[]1[]] = -1 (saved 2); [[]variants[]] boundaries in "
+        "case.toml makes -1 an out-of-range class index the case must reject "
+        "([[]variants.reject[]]: ValueError matching 'out of range')",
+        "*_ typo[[]cpu-float32-boundary[[]3[]][]] _*",
+        "cases/typo/case.toml: [[]variants[]] boundaries: input 'logits' holds float32, not "
+        "class indices: *; name the integer class-index input, e.g. input = \"target\"",
+    ])
+    assert "outcome = \"matches\"" not in result.stdout.str()
+    assert "set logits" not in result.stdout.str()  # a broken case set nothing
+
+
 def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: Path) -> None:
     origin = '\n[origin]\nerror = "ValueError: target out of range: [4]"\n'
     known = ce_case(cases, "known", [0, 2, 4], origin, top='xfail = "labels 1..4"')

@@ -219,3 +219,83 @@ def test_a_directory_without_any_case(capsys: pytest.CaptureFixture[str]) -> Non
         "empty: no case directory (with a case.toml) under empty"]
     assert main(["validate", "empty"]) == 1
     assert capsys.readouterr().out == "empty: no case directory (with a case.toml) under empty\n"
+
+
+def test_a_batch_larger_than_the_saved_one_is_a_problem(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """validate said 'no problems' and show 'resized (2, 4) -> (8, 4)' where the run skipped:
+    the three read one rule (variants.applicable)."""
+    from pytest_gpucase.request import show
+
+    path = case("big_batch", "[variants]\nbatch = { axis = 0, sizes = [8, 1] }\n")
+    assert validate([Path("cases")]) == [
+        "cases/big_batch/case.toml: [variants] batch: batch=8: the saved batch holds 2 entries on "
+        "axis 0, so its item is always skipped; remove 8 from sizes"]
+    shown = show(path)
+    assert "  batch[8]: not applicable: the saved batch holds 2 entries on axis 0\n" in shown
+    assert "  batch[1]: resized logits (2, 4) -> (1, 4)" in shown
+
+
+def test_boundaries_on_a_non_integer_input_are_a_problem_in_the_runs_words() -> None:
+    from pytest_gpucase.variants import NotClassIndices, Variant, apply
+
+    reject = '[variants.reject]\nexception = "ValueError"\n'
+    case("on_logits", f'[variants]\nboundaries = {{ input = "logits", classes = 4 }}\n{reject}')
+    case("on_mask", f'[variants]\nboundaries = {{ input = "mask", classes = 4 }}\n{reject}')
+    case("on_target", f'[variants]\nboundaries = {{ input = "target", classes = 4 }}\n{reject}')
+    fix = "name the integer class-index input, e.g. input = \"target\""
+    assert validate([Path("cases")]) == [
+        f"cases/{name}/case.toml: [variants] boundaries: input '{name[3:]}' holds {dtype}, not "
+        "class indices: a boundary variant writes class indices (0, classes - 1, -1, classes) "
+        f"into it; {fix}" for name, dtype in (("on_logits", "float32"), ("on_mask", "bool"))]
+    with pytest.raises(NotClassIndices) as run:
+        apply(Variant("boundary", 4, input="logits"), TENSORS)
+    assert validate([Path("cases/on_logits")])[0].endswith(str(run.value))
+
+
+def test_a_call_into_a_required_package_missing_here_is_a_note_not_a_problem(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The run skips such a case ('requires tinyext>=2.0; not installed'); validate failed it
+    (exit 1) for the import it could not check."""
+    needs = '[matrix.packages]\ngpucase-absent-ext = ">=2.0"\n'
+    case("absent", needs, code=None, call="gpucase_absent_ext:newfeature")
+    case("absent_reference", 'reference = "gpucase_absent_ext.ref:ref"\n' + needs)
+    # Met requirements leave every check in place: a wrong name in an installed package.
+    case("met", '[matrix.packages]\npackaging = ">=1"\n', code=None, call="packaging.nope:run")
+    notes: list[str] = []
+    assert validate([Path("cases")], notes) == [
+        "cases/met/case.toml: call: module 'packaging.nope' is not importable here; install it, "
+        "or correct the name"]
+    assert notes == [
+        "cases/absent/case.toml: call: not checked here: requires gpucase-absent-ext>=2.0; "
+        "not installed",
+        "cases/absent_reference/case.toml: reference: not checked here: requires "
+        "gpucase-absent-ext>=2.0; not installed"]
+    capsys.readouterr()
+    assert main(["validate", "cases/absent"]) == 0
+    assert capsys.readouterr().out == (
+        "cases/absent/case.toml: call: not checked here: requires gpucase-absent-ext>=2.0; not "
+        "installed\ngpucase validate: no problems in cases/absent\n")
+
+
+def test_a_required_package_below_the_version_is_not_checked_either(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """tinyext 1.0 installed, the case needs >=2.0 for a function 1.0 lacks: the run skips."""
+    from importlib import metadata
+
+    monkeypatch.setattr(metadata, "version",
+                        lambda name: "1.0" if name == "packaging" else metadata.version(name))
+    case("old", '[matrix.packages]\npackaging = ">=900"\n', code=None, call="packaging:newfeature")
+    notes: list[str] = []
+    assert validate([Path("cases")], notes) == []
+    assert notes == ["cases/old/case.toml: call: not checked here: requires packaging>=900; "
+                     "found 1.0"]
+
+
+def test_a_module_named_unlike_its_package_is_matched_by_the_installed_distribution() -> None:
+    """``_pytest`` belongs to the distribution ``pytest``: a requirement on it covers the call."""
+    case("renamed", '[matrix.packages]\npytest = ">=900"\n', code=None, call="_pytest.nope:run")
+    notes: list[str] = []
+    assert validate([Path("cases")], notes) == []
+    assert notes == [f"cases/renamed/case.toml: call: not checked here: requires pytest>=900; "
+                     f"found {pytest.__version__}"]

@@ -11,12 +11,14 @@ import torch.nn.functional as F
 
 from pytest_gpucase.case import AxisSizes, Boundaries, Expectation, VariantTables, load_case
 from pytest_gpucase.variants import (
+    NotClassIndices,
     Variant,
     VariantNotApplicable,
     VariantTooLarge,
     apply,
     expand,
     members,
+    describe_boundary,
     describe_resize,
     describe_saved,
     members_of,
@@ -374,9 +376,73 @@ def test_a_value_the_dtype_cannot_hold_is_not_applicable() -> None:
         == [4, 2]
 
 
-def test_a_bool_target_is_not_applicable() -> None:
-    with pytest.raises(VariantNotApplicable, match=r"'target' holds torch.bool, not class indices"):
+def test_a_bool_target_is_a_broken_case() -> None:
+    # Was a skip; a boundaries table on no class indices is the case's mistake (the run
+    # reports it as a broken case, gpucase validate as a problem).
+    with pytest.raises(NotClassIndices, match=r"^input 'target' holds bool, not class indices"):
         apply(Variant("boundary", 1, input="target"), {"target": torch.ones(2, dtype=torch.bool)})
+
+
+def test_a_floating_boundaries_input_is_a_broken_case_naming_the_integer_inputs() -> None:
+    """A typo (input = "logits") wrote -1 and 4 into a logit and ran."""
+    inputs = {"logits": torch.zeros(5, 4), "target": torch.tensor([1, 2, 0, 3, 1])}
+    with pytest.raises(NotClassIndices) as excinfo:
+        apply(Variant("boundary", 4, input="logits"), inputs)
+    assert str(excinfo.value) == (
+        "input 'logits' holds float32, not class indices: a boundary variant writes class "
+        "indices (0, classes - 1, -1, classes) into it; name the integer class-index input, "
+        "e.g. input = \"target\"")
+    assert torch.equal(inputs["logits"], torch.zeros(5, 4))
+
+
+def test_a_batch_larger_than_saved_is_not_applicable_in_show_as_in_the_run() -> None:
+    """One rule: gpucase show printed 'resized (5, 4) -> (8, 4)' where the run skipped."""
+    shapes = {"logits": ((5, 4), True), "target": ((5,), False)}
+    inputs = {"logits": torch.zeros(5, 4), "target": torch.zeros(5, dtype=torch.long)}
+    with pytest.raises(VariantNotApplicable) as run:
+        apply(Variant("batch", 8), inputs)
+    assert str(run.value) == "batch=8: the saved batch holds 5 entries on axis 0"
+    assert describe_resize(Variant("batch", 8), shapes) == (
+        "batch[8]: not applicable: the saved batch holds 5 entries on axis 0")
+    assert describe_resize(Variant("length", 8), shapes) == (
+        "length[8]: resized logits (5, 4) -> (8, 4), target (5,) -> (8,)")
+
+
+@pytest.mark.parametrize(("reject", "said"), [
+    (REJECT, "makes -1 an out-of-range class index the case must reject ([variants.reject]: "
+             "ValueError matching 'out of range')"),
+    (None, "makes -1 a value the case accepts: the call must give the reference's outputs"),
+], ids=["rejected", "accepted"])
+def test_a_boundary_says_which_entry_it_set_and_what_the_case_wants(
+        reject: Expectation | None, said: str) -> None:
+    variant = Variant("boundary", -1, input="target", ignore_index=-100, reject=reject)
+    target = torch.tensor([[-100, 2], [0, 1]])
+    assert describe_boundary(variant, target) == (
+        f"boundary[-1]: set target[0, 1] = -1 (saved 2); [variants] boundaries in case.toml {said}")
+    # The entry described is the entry the run sets.
+    assert apply(variant, {"target": target})["target"][0, 1].item() == -1
+    assert describe_boundary(variant, None).startswith(
+        "boundary[-1]: set the first entry of target not equal to ignore_index (-100) = -1; ")
+
+
+def test_describe_saved_reads_a_boundary_from_the_payload(tmp_path: Path) -> None:
+    from pytest_gpucase import payload
+
+    (tmp_path / "case.toml").write_text(
+        'format = 1\ncall = "case.py:run"\n[variants]\n'
+        'boundaries = { input = "target", classes = 4 }\n'
+        '[variants.reject]\nexception = "ValueError"\n')
+    (tmp_path / "case.py").write_text("def run(target):\n    return target\n")
+    payload.save(tmp_path / "inputs.safetensors", {"target": torch.tensor([3, 1])})
+    case = load_case(tmp_path)
+    [zero, three, minus_one, _] = expand(case.variants)
+    assert describe_saved(three, case) == (
+        "boundary[3]: set target[0] = 3 (saved 3); [variants] boundaries in case.toml makes 3 a "
+        "value the case accepts: the call must give the reference's outputs")
+    assert describe_saved(zero, case).startswith("boundary[0]: set target[0] = 0 (saved 3); ")
+    assert describe_saved(minus_one, case) == (
+        "boundary[-1]: set target[0] = -1 (saved 3); [variants] boundaries in case.toml makes -1 "
+        "an out-of-range class index the case must reject ([variants.reject]: ValueError)")
 
 
 # ------------------------------------------------------------- the one axis rule, named inputs
