@@ -26,10 +26,23 @@ the failure faithfully (call not importable, inputs not saved or skipped) gets
 no xfail line: its replay fails loudly until the case is completed, instead of
 passing as an expected failure for the wrong reason.
 
-Snapshots: host tensors are saved as they are after the failure (an in-place
-change made by the failing call shows in them). Device tensors are copied to the
-host before each call while they fit ``snapshot_limit`` (so that a sticky device
-error cannot lose them), else after the failure if the device still answers.
+Snapshots: with ``snapshot="before"`` (the default) the tensor arguments, host and
+device alike, are copied to the host before each call while together they fit
+``snapshot_limit`` (device ones first, when only they fit): a call that changes
+its input in place and then raises is saved with the input as it was passed, and
+a sticky device error cannot lose a device input. Above the limit, or with
+``snapshot="after"``, host tensors are saved as they are after the failure and
+device tensors are copied after it if the device still answers. What was not
+copied is still guarded, by a read of each tensor's version counter before the
+call (no copy): when the failing call changed one in place, ``[origin] snapshot``
+and a ``gpucase: note:`` say so, and how to save it as passed.
+
+Narrowing: a watched module's failure also writes the innermost submodule that
+raised and the single ATen op that raised, each kept only if it reproduces in a
+fresh child. Each of them holds its own copy of the tensors it needs (an
+embedding's weight, say), so the saved lines show sizes of 1 MiB and more, a note
+says when the narrowed cases of one failure are large, and ``Recorder(narrow=False)``
+writes the module's case alone.
 """
 
 from __future__ import annotations
@@ -77,6 +90,10 @@ M = TypeVar("M", bound="torch.nn.Module")
 # Set in a replay's child so that a watched function imported there records nothing.
 REPLAY_ENV = "GPUCASE_REPLAY"
 DEFAULT_SNAPSHOT_LIMIT = 256 * 2**20
+# A "gpucase: saved" line shows the case's size from this size on.
+_SHOWN_SIZE = 2**20
+# The narrowed cases of one failure above this size in total get a note: each is a copy.
+_NARROWED_NOTE_SIZE = 32 * 2**20
 # The generated calls of module and op cases, and the [inputs] tables they read.
 REPLAY_MODULE = "pytest_gpucase.capture:replay_module"
 REPLAY_OP = "pytest_gpucase.capture:replay_op"
@@ -152,6 +169,18 @@ class _Inputs:
     snapshot: str | None = None
     problems: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # changed in place by the failing call, saved as changed
+
+
+@dataclass(frozen=True)
+class _Before:
+    """A watched call's tensor arguments as they were before it ran, keyed by ``id``: host
+    copies where the snapshot rule took them, and every one's version counter (a read)."""
+
+    copies: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    versions: Mapping[int, int] = field(default_factory=dict)
+    # Why a tensor without a copy has none, and how to get one: the fix a note names.
+    why_not: str = ""
 
 
 @dataclass(frozen=True)
@@ -180,22 +209,36 @@ class _Local(threading.local):
 
 
 class Recorder:
-    """Save the first failure of a training loop as a replayable case directory."""
+    """Save the first failure of a training loop as a replayable case directory.
+
+    ``snapshot="before"`` copies the tensor arguments of each watched call to the host
+    before it runs while they fit ``snapshot_limit`` bytes, so that the case holds them
+    as passed (``"after"``: as they are after the failure). ``sync`` synchronizes the
+    device when a watched call returns, so that an asynchronous kernel error is raised
+    in the call that launched it. ``stderr_file`` is where the process's stderr is
+    teed, read back for a kernel's assertion line. ``narrow=False`` writes a watched
+    module's case alone, without the cases narrowed to its failing submodule and op.
+    """
 
     def __init__(self, root: str | os.PathLike[str] = "cases", *,
                  snapshot: Literal["before", "after"] = "before",
                  snapshot_limit: int = DEFAULT_SNAPSHOT_LIMIT,
                  sync: bool = True,
-                 stderr_file: str | os.PathLike[str] | None = None) -> None:
+                 stderr_file: str | os.PathLike[str] | None = None,
+                 narrow: bool = True) -> None:
         if snapshot not in ("before", "after"):
             raise ValueError(f"snapshot must be 'before' or 'after', not {snapshot!r}")
         if snapshot_limit < 0:
             raise ValueError(f"snapshot_limit must be >= 0 bytes, not {snapshot_limit}")
+        if not isinstance(narrow, bool):
+            raise TypeError(f"narrow must be True or False, not {narrow!r}: Recorder(narrow=False) "
+                            "writes a watched module's case without its narrowed cases")
         # Resolved now: the loop may change directory before it fails.
         self.root = Path(root).absolute()
         self.snapshot = snapshot
         self.snapshot_limit = snapshot_limit
         self.sync = sync
+        self.narrow = narrow
         self.stderr_file = None if stderr_file is None else Path(stderr_file).absolute()
         self._lock = threading.RLock()
         self._local = _Local()
@@ -211,6 +254,7 @@ class Recorder:
         self._notes_given: set[str] = set()
         self._modules: list[_ModuleWatch] = []
         self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
+        self._narrowed_new: list[Path] = []  # those of them this process wrote
 
     @property
     def case_dir(self) -> Path | None:
@@ -356,7 +400,7 @@ class Recorder:
             save: Callable[[BaseException], object] | None = None
             if caught is not None:
                 save = functools.partial(self._save_first, watched=None, args=(), kwargs={},
-                                         before={})
+                                         before=_Before())
             # A backward that raised inside a watched module: its hooks cannot see the error.
             backward = next((w for w in self._modules if w.backward_open and w.last_call), None)
             if caught is not None and backward is not None and backward.last_call is not None:
@@ -413,31 +457,49 @@ class Recorder:
             return _Context(self._iteration, stages[-1] if stages and stages[-1] else None,
                             self._last_step, self._ids)
 
-    def _snapshot_before(self, watched: _Watched, args: Any, kwargs: Any) -> dict[int, Any]:
-        """Host copies of the device tensors among the arguments, keyed by ``id``."""
+    def _snapshot_before(self, watched: _Watched, args: Any, kwargs: Any) -> _Before:
+        """Host copies of the tensor arguments while they fit ``snapshot_limit`` (device ones
+        first: a sticky error would lose them), and every one's version counter.
+
+        A host tensor is copied too: the call may change it in place before it raises,
+        and the case must hold what was passed. The version counters cost a read each,
+        and tell, after a failure, which tensors without a copy the call changed.
+        """
+        tensors = list({id(t): t for t in _tensors_of(args, kwargs)}.values())
+        if not tensors:
+            return _Before()
+        versions = tensor_versions(tensors)
         try:
-            tensors = [t for t in _tensors_of(args, kwargs) if t.device.type != "cpu"]
-            if not tensors:
-                return {}
-            self._remember_device_names(tensors)
+            device = [t for t in tensors if t.device.type != "cpu"]
+            self._remember_device_names(device)
             if self.snapshot != "before":
-                return {}
-            total = sum(_nbytes(t) for t in tensors)
+                return _Before(versions=versions, why_not=(
+                    'snapshot="after"; Recorder(snapshot="before") copies them before each call, '
+                    "as passed"))
+            stored = [t for t in tensors if _storable(t)]
+            total = sum(_nbytes(t) for t in stored)
+            taken = stored
+            why_not = ""
             if total > self.snapshot_limit:
+                on_device = [t for t in stored if t.device.type != "cpu"]
+                device_total = sum(_nbytes(t) for t in on_device)
+                taken = on_device if on_device and device_total <= self.snapshot_limit else []
+                what = ("only the device ones are copied before each call" if taken else
+                        "they are not copied before the call: device ones are copied after "
+                        "a failure, if the device still answers")
+                limit = f"{self.snapshot_limit / 2**20:.1f} MiB"
+                why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
+                           f"of {total / 2**20:.1f} MiB or more copies them before each call, "
+                           "as passed")
                 self._note_once(f"limit:{watched.name}", (
-                    f"gpucase: note: the device inputs of {watched.name} hold "
-                    f"{total / 2**20:.1f} MiB, over the snapshot limit of "
-                    f"{self.snapshot_limit / 2**20:.1f} MiB: they are copied after a failure, "
-                    "if the device still answers (Recorder(snapshot_limit=...) to change)"))
-                return {}
-            copies: dict[int, Any] = {}
-            for tensor in tensors:
-                if _storable(tensor):
-                    copies[id(tensor)] = payload.to_device(tensor, "cpu")
-            return copies
+                    f"gpucase: note: the inputs of {watched.name} hold {total / 2**20:.1f} MiB, "
+                    f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
+                    "they are after a failure (Recorder(snapshot_limit=...) to change)"))
+            copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
+            return _Before(copies, versions, why_not)
         except Exception:
             # The device did not answer before the call; the call itself will tell.
-            return {}
+            return _Before(versions=versions, why_not="the copy before the call failed")
 
     def _remember_device_names(self, tensors: list[torch.Tensor]) -> None:
         """Ask each device its name while it answers, so a sticky error cannot hide it."""
@@ -458,7 +520,7 @@ class Recorder:
             self._device_names[device] = name
 
     def _save_first(self, exc: BaseException, watched: _Watched | None, args: Any, kwargs: Any,
-                    before: Mapping[int, Any], rng: Mapping[str, torch.Tensor] | None = None,
+                    before: _Before, rng: Mapping[str, torch.Tensor] | None = None,
                     module: tuple[Mapping[str, torch.Tensor], Mapping[str, Any]] | None = None,
                     ) -> Path:
         stderr_text = _read_tail(self.stderr_file) if self.stderr_file is not None else ""
@@ -492,7 +554,12 @@ class Recorder:
             if self._later:
                 _set_later_errors(case_dir, self._later)
         if new:  # else _count_seen said which case holds it, and that no copy was written
-            self._say(f"gpucase: saved {_shown(case_dir)} (first failure{_where(context)})")
+            self._say(f"gpucase: saved {_shown(case_dir)} "
+                      f"({_sized(case_dir)}first failure{_where(context)})")
+        if inputs.changed:
+            self._say(f"gpucase: note: the failing call of {draft.name} changed "
+                      f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
+                      f"not as passed (not copied before the call: {before.why_not})")
         if found is not None:
             self._say(found.render())
         if draft.xfail is None:
@@ -527,17 +594,26 @@ class Recorder:
         case_dir = self._save_first(exc, watch.watched, args, kwargs, watch.before, watch.rng,
                                     (tensors, {MODULE_KEY: recipe}))
         inner = watch.innermost
-        if backward or inner is None or inner[0] is not exc:
+        if not self.narrow or backward or inner is None or inner[0] is not exc:
             return
         if inner[2] is module and not watch.rebuild.factory:
             return  # nothing narrower than a module that cannot be rebuilt
+        written = len(self._narrowed_new)
         with contextlib.suppress(Exception):
-            self._narrow(exc, watch, inner[1], inner[2], inner[3], inner[4], case_dir)
+            self._narrow(exc, watch, inner[1], inner[2], inner[3], inner[4], inner[5], case_dir)
+        with contextlib.suppress(Exception):
+            self._note_narrowed_size(case_dir, self._narrowed_new[written:])
 
     def _narrow(self, exc: BaseException, watch: _ModuleWatch, qualname: str,
-                sub: torch.nn.Module, args: Any, kwargs: Any, case_dir: Path) -> None:
+                sub: torch.nn.Module, args: Any, kwargs: Any, versions: Mapping[int, int],
+                case_dir: Path) -> None:
         """Write the innermost failing submodule's case and its failing op's case beside
-        ``case_dir``, each kept only if it reproduces the failure class in a fresh child."""
+        ``case_dir``, each kept only if it reproduces the failure class in a fresh child.
+
+        The submodule's inputs are the tensors it was called with, as they are now: when
+        its forward changed one in place (its version counter moved since the call), they
+        are not what was passed, so no submodule case is written and the op is searched
+        for in a replay of the whole module's case, whose inputs were copied before."""
         import torch
 
         from .triage import failure_class
@@ -556,7 +632,14 @@ class Recorder:
             recipe = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
                       "training": bool(sub.training), "backward": False}
             found = _triage(exc, "")
-            inputs = _collect(inner, args, kwargs, {}, found, exc)
+            inputs = _collect(inner, args, kwargs, _Before(versions=versions), found, exc)
+            if inputs.changed:
+                self._say(f"gpucase: note: {qualname} not narrowed: its forward changed "
+                          f"{', '.join(inputs.changed)} in place before it raised, so its "
+                          f"inputs as passed are gone ({_shown(case_dir)} holds the "
+                          "module's inputs as passed)")
+                self._narrow_op(exc, case_dir, base, failure, start)
+                return
             numeric, rng_tensors = _numeric_context(inputs.devices, watch.rng)
             inputs = dataclasses.replace(
                 inputs, tensors={**inputs.tensors, **_state(sub), **rng_tensors},
@@ -612,7 +695,8 @@ class Recorder:
             return
         self.narrowed.append(kept)
         if new:
-            self._say(f"gpucase: saved {_shown(kept)} (narrowed to {what})")
+            self._narrowed_new.append(kept)
+            self._say(f"gpucase: saved {_shown(kept)} ({_sized(kept)}narrowed to {what})")
 
     def _draft(self, exc: BaseException, watched: _Watched | None, inputs: _Inputs,
                context: _Context, ids: tuple[str | int, ...] | None,
@@ -696,6 +780,21 @@ class Recorder:
         if key not in self._notes_given:
             self._notes_given.add(key)
             self._say(message)
+
+    def _note_narrowed_size(self, case_dir: Path, written: list[Path]) -> None:
+        """One note when the narrowed cases written for one failure are large: each holds
+        its own copy of what it needs (a module's weights), so the bytes add up."""
+        total = sum(_case_bytes(path) for path in written)
+        if total <= _NARROWED_NOTE_SIZE:
+            return
+        count = (f"the {len(written)} narrowed cases" if len(written) > 1
+                 else "the narrowed case")
+        self._say(
+            f"gpucase: note: {count} of this failure ({', '.join(map(_shown, written))}) hold "
+            f"{_mib(total)} beside the {_mib(_case_bytes(case_dir))} of {_shown(case_dir)}: "
+            "each narrowed case holds its own copy of the tensors it needs (its module's "
+            "weights, its inputs). Keep the narrowest case that reproduces and delete the "
+            "others, or pass Recorder(narrow=False) to write the module's case alone")
 
     @staticmethod
     def _say(message: str) -> None:
@@ -865,6 +964,16 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return (int(tensor.storage_offset()) + span) * tensor.element_size()
 
 
+def tensor_versions(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
+    """Each tensor's version counter by ``id``: a read, what an in-place change increments
+    (an inference tensor has none, and is left out)."""
+    found: dict[int, int] = {}
+    for tensor in tensors:
+        with contextlib.suppress(RuntimeError):
+            found[id(tensor)] = int(tensor._version)
+    return found
+
+
 def _storable(tensor: torch.Tensor) -> bool:
     import torch
 
@@ -921,7 +1030,7 @@ def _bind(watched: _Watched, args: Any, kwargs: Any,
     return named, problems
 
 
-def _collect(watched: _Watched, args: Any, kwargs: Any, before: Mapping[int, Any],
+def _collect(watched: _Watched, args: Any, kwargs: Any, before: _Before,
              found: Triage | None, exc: BaseException) -> _Inputs:
     """Sort the arguments into tensors (on the host), literals and skipped values."""
     import torch
@@ -933,18 +1042,27 @@ def _collect(watched: _Watched, args: Any, kwargs: Any, before: Mapping[int, Any
     described: dict[str, str] = {}
     skipped: dict[str, str] = {}
     devices: list[str] = []
-    copied_before = False
+    copied: list[str] = []
+    host_after: list[str] = []
+    device_after: list[str] = []
+    changed: list[str] = []
+
     def take(name: str, value: torch.Tensor) -> None:
-        nonlocal copied_before
         described[name] = _describe(value)
         devices.append(str(value.device))
         if not _storable(value):
             skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
-        elif value.device.type == "cpu":
+            return
+        if id(value) in before.copies:
+            tensors[name] = before.copies[id(value)]
+            copied.append(name)
+            return
+        version = before.versions.get(id(value))
+        if version is not None and tensor_versions([value]).get(id(value), version) != version:
+            changed.append(name)
+        if value.device.type == "cpu":
             tensors[name] = value.detach()
-        elif id(value) in before:
-            tensors[name] = before[id(value)]
-            copied_before = True
+            host_after.append(name)
         else:
             pending[name] = value
 
@@ -967,31 +1085,41 @@ def _collect(watched: _Watched, args: Any, kwargs: Any, before: Mapping[int, Any
             skipped[name] = _type_name(value)
         else:
             literals[name] = literal
-    snapshot = None
-    if described:
-        snapshot = ("device tensors copied before the call" if copied_before
-                    else "host tensors, as they were after the failure")
+    unsaved = None
     if pending:
         reason = _unusable(found)
         if reason is None:
             try:
                 for name, value in pending.items():
                     tensors[name] = payload.to_device(value, "cpu")
-                snapshot = "device tensors copied after the failure"
+                device_after.extend(pending)
             except Exception as copy_error:
                 reason = (f"{found.clue if found else type(exc).__name__} (copying {name} to the "
                           f"host raised {_error_line(copy_error)})")
                 for name in pending:
                     tensors.pop(name, None)
         if reason is not None:
-            snapshot = f"not saved: device unusable after {reason}"
+            unsaved = f"not saved: device unusable after {reason}"
             if tensors:
-                snapshot += f"; saved from the host: {', '.join(sorted(tensors))}"
+                unsaved += f"; saved from the host: {', '.join(sorted(tensors))}"
+    groups = [(label, names) for label, names in (
+        ("tensors copied before the call", copied),
+        ("host tensors, as they were after the failure", host_after),
+        ("device tensors copied after the failure", device_after)) if names]
+    snapshot = unsaved
+    if snapshot is None and groups:
+        snapshot = (groups[0][0] if len(groups) == 1 else
+                    "; ".join(f"{label}: {', '.join(names)}" for label, names in groups))
+    changed = [name for name in changed if name in tensors]
+    if changed and snapshot is not None:
+        snapshot += (f"; changed in place by the failing call, so saved as changed: "
+                     f"{', '.join(changed)} (not copied before the call: {before.why_not})")
     if skipped:
         problems.append(f"{', '.join(sorted(skipped))} could not be saved (see [origin] "
                         "skipped_inputs): add them to [inputs] or to inputs.safetensors")
     return _Inputs(tensors=tensors, literals=literals, described=described, skipped=skipped,
-                   snapshot=snapshot, problems=tuple(problems), devices=tuple(devices))
+                   snapshot=snapshot, problems=tuple(problems), devices=tuple(devices),
+                   changed=tuple(changed))
 
 
 def _unusable(found: Triage | None) -> str | None:
@@ -1224,6 +1352,25 @@ def _set_later_errors(case_dir: Path, count: int) -> None:
         return
     origin["later_errors"] = count
     fsutil.write_text_atomic(file, tomli_w.dumps(doc))
+
+
+def _case_bytes(case_dir: Path) -> int:
+    """The bytes of the files a case directory holds."""
+    try:
+        return sum(entry.stat().st_size for entry in os.scandir(case_dir) if entry.is_file())
+    except OSError:
+        return 0
+
+
+def _mib(size: int) -> str:
+    return f"{size / 2**20:.1f} MiB"
+
+
+def _sized(case_dir: Path) -> str:
+    """``"98.1 MiB; "`` for a case of ``_SHOWN_SIZE`` or more (one to commit with care), else
+    nothing."""
+    size = _case_bytes(case_dir)
+    return f"{_mib(size)}; " if size >= _SHOWN_SIZE else ""
 
 
 def _shown(path: Path) -> str:
@@ -1466,7 +1613,9 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     else why there is no op case: no single op raised (the failure is in Python code, or
     nothing raised), or the op's arguments cannot be saved.
     """
+    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map_only
 
     from .case import load_case
     from .execute import _load, replay_context
@@ -1476,11 +1625,16 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
 
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                                kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            passed = (args, kwargs)
+            if self.failed is None and func._schema.is_mutable:
+                # An in-place op may write before it raises: keep its arguments as passed.
+                passed = tree_map_only(torch.Tensor, lambda t: t.clone(), passed)
             try:
-                return func(*args, **(kwargs or {}))
+                return func(*args, **kwargs)
             except Exception:
                 if self.failed is None:
-                    self.failed = (func, args, kwargs or {})
+                    self.failed = (func, *passed)
                 raise
 
     os.environ[REPLAY_ENV] = "1"
@@ -1546,10 +1700,12 @@ class _ModuleWatch:
         if rebuild.factory is None:
             self.watched = dataclasses.replace(self.watched, call=None,
                                                why_not=rebuild.why_not)
-        self.stack: list[tuple[str, torch.nn.Module, Any, Any]] = []
-        self.innermost: tuple[BaseException, str, torch.nn.Module, Any, Any] | None = None
+        # (qualname, module, args, kwargs, version counters of the tensors among them)
+        self.stack: list[tuple[str, torch.nn.Module, Any, Any, dict[int, int]]] = []
+        self.innermost: tuple[BaseException, str, torch.nn.Module, Any, Any,
+                              dict[int, int]] | None = None
         self.outer: list[BaseException | None] = []
-        self.before: dict[int, Any] = {}
+        self.before = _Before()
         self.rng: dict[str, torch.Tensor] = {}
         self.last_call: tuple[Any, Any] | None = None
         self.backward_open = False
@@ -1574,7 +1730,9 @@ class _ModuleWatch:
                     self.before = rec._snapshot_before(self.watched, args, kwargs)
                     self.rng = _rng_state(_tensors_of(args, kwargs))
         if not rec._taken:
-            self.stack.append((qualname, module, args, kwargs))
+            # Version reads only: a narrowed case must not hold inputs its forward changed.
+            self.stack.append((qualname, module, args, kwargs,
+                               tensor_versions(_tensors_of(args, kwargs))))
 
     def _exit(self, qualname: str, module: torch.nn.Module, args: Any, kwargs: Any,
               result: Any) -> None:

@@ -513,13 +513,23 @@ def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Te
     return handle.get_tensor  # type: ignore[no-any-return]
 
 
-def to_device(tensor: torch.Tensor, device: str) -> torch.Tensor:
+def to_device(tensor: torch.Tensor, device: str, *, copy: bool = False) -> torch.Tensor:
     """Move a tensor keeping its exact strides and storage offset (a tensor without
-    memory of its own, a zero tensor say, has none to keep: its values come contiguous)."""
+    memory of its own, a zero tensor say, has none to keep: its values come contiguous).
+    ``copy``: a copy even when it is on ``device`` already (a snapshot of its values); a
+    host one is one memcpy, not a torch op: torch's thread pool hangs in a forked child of
+    a process that used it (a DataLoader worker, a test's child), and a snapshot may be
+    taken there."""
+    import torch
+
     plain = readable(tensor)
     if plain is not tensor:
-        return plain.detach().to(device)
-    moved = _reached(tensor.detach()).to(device)
+        return plain.detach().to(device, copy=copy)
+    flat = _reached(tensor.detach())
+    if copy and device == "cpu" and flat.device.type == "cpu" and flat.numel():
+        moved = torch.frombuffer(bytearray(_bytes_of(flat)), dtype=flat.dtype)
+    else:
+        moved = flat.to(device, copy=copy)
     return moved.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
 
 

@@ -543,7 +543,7 @@ doc = tomllib.loads(open(sys.argv[1] + "/ce_cuda/case.toml").read())
 saved = payload.load(sys.argv[1] + "/ce_cuda/inputs.safetensors")
 assert saved["target"].tolist() == [0, 1, 4, 2], saved
 assert doc["origin"]["backend"] in ("cuda", "rocm"), doc
-assert doc["origin"]["snapshot"] == "device tensors copied before the call", doc
+assert doc["origin"]["snapshot"] == "tensors copied before the call", doc
 assert doc["call"] == "torch.nn.functional:cross_entropy", doc
 print("device:", doc["origin"]["device"])
 """
@@ -560,3 +560,113 @@ def test_device_side_assert_on_a_real_gpu_keeps_the_inputs(tmp_path: Path) -> No
     assert done.returncode == 0, done.stdout + done.stderr
     assert "restart: the process must be restarted" in done.stderr
     assert "device: " in done.stdout and "device: cuda:0" not in done.stdout
+
+
+# --- snapshots: inputs as passed, and what a call changed in place --------------------------------
+
+INPLACE_MODULE = '''
+import torch
+
+
+def normalize_(x):
+    x.mul_(10.0)  # in place, on the caller's tensor
+    if x.abs().max() > {bound}:
+        raise ValueError(f"too large: max {{x.abs().max().item():.1f}}")
+    return x
+'''
+
+
+def scale_then_fail(x: torch.Tensor) -> torch.Tensor:
+    x.mul_(10.0)
+    raise ValueError(f"too large: max {x.max().item():.1f}")
+
+
+def test_a_host_input_changed_in_place_is_saved_as_passed_and_the_fix_shows(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The outside tester's scenario: the failing call multiplies its input in place, then
+    raises. The case holds the input as passed, so its replay raises the captured error
+    (not one of ten times the values), and after the fix it shows as XPASS(strict)."""
+    pytester.makeini("[pytest]\npythonpath = .\n")
+    package = pytester.mkpydir("inplace_pkg")
+    (package / "ops.py").write_text(INPLACE_MODULE.format(bound=50))
+    pytester.syspathinsert()
+    monkeypatch.setattr(sys, "dont_write_bytecode", True)
+    import importlib
+
+    ops = importlib.import_module("inplace_pkg.ops")
+    rec = Recorder(pytester.path / "cases")
+    normalize = rec.watch(ops.normalize_)  # found importable while the module is imported
+    monkeypatch.delitem(sys.modules, "inplace_pkg.ops")
+    monkeypatch.delitem(sys.modules, "inplace_pkg")
+    x = torch.full((3,), 6.0)
+    with pytest.raises(ValueError, match=r"too large: max 60\.0"):
+        normalize(x)
+    assert x.tolist() == [60.0, 60.0, 60.0]  # the caller's tensor did change
+    case_dir = pytester.path / "cases" / "normalize"
+    assert payload.load(case_dir / "inputs.safetensors")["x"].tolist() == [6.0, 6.0, 6.0]
+    doc = toml(case_dir)
+    assert doc["origin"]["snapshot"] == "tensors copied before the call"
+    assert "changed in place" not in capsys.readouterr().err
+
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "--gpu-devices", "cpu",
+                                           "--runxfail", "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*ValueError: too large: max 60.0*"])
+    assert "max 600.0" not in result.stdout.str()
+    result.assert_outcomes(failed=1)
+
+    (package / "ops.py").write_text(INPLACE_MODULE.format(bound=100))  # the fix
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "--gpu-devices", "cpu", "-rxX",
+                                           "-p", "no:cacheprovider")
+    result.stdout.fnmatch_lines(["*XPASS(strict)*captured failure: ValueError: too large: max "
+                                 "60.0; remove this line once fixed*"])
+    result.assert_outcomes(failed=1)
+
+
+@pytest.mark.parametrize(("kwargs", "fix"), [
+    ({"snapshot_limit": 4}, "over the snapshot limit of 0.0 MiB; Recorder(snapshot_limit=...) "
+                            "of 0.0 MiB or more copies them before each call, as passed"),
+    ({"snapshot": "after"}, 'snapshot="after"; Recorder(snapshot="before") copies them before '
+                            "each call, as passed"),
+], ids=["over-limit", "after"])
+def test_an_input_not_copied_before_and_changed_in_place_is_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], kwargs: dict[str, Any],
+        fix: str) -> None:
+    """Not copied before the call (over the limit, or snapshot="after"): the version counter
+    read before it tells that the call changed the input, and the case and a note say so."""
+    rec = Recorder(tmp_path, **kwargs)
+    fail(rec.watch(scale_then_fail), torch.full((3,), 6.0))
+    case_dir = tmp_path / "scale_then_fail"
+    assert payload.load(case_dir / "inputs.safetensors")["x"].tolist() == [60.0, 60.0, 60.0]
+    assert toml(case_dir)["origin"]["snapshot"] == (
+        "host tensors, as they were after the failure; changed in place by the failing call, "
+        f"so saved as changed: x (not copied before the call: {fix})")
+    err = capsys.readouterr().err
+    assert ("gpucase: note: the failing call of scale_then_fail changed x in place, so the case "
+            f"holds them as changed, not as passed (not copied before the call: {fix})"
+            ) in err.splitlines()
+    assert ("over the snapshot limit" in err.split("gpucase: saved")[0]) == (
+        "snapshot_limit" in kwargs)  # the limit's own note, once, before the call
+
+
+def test_an_unchanged_input_not_copied_before_gets_no_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    fail(Recorder(tmp_path, snapshot="after").watch(failing_op), torch.ones(2))
+    assert toml(tmp_path / "failing_op")["origin"]["snapshot"] == (
+        "host tensors, as they were after the failure")
+    assert "changed in place" not in capsys.readouterr().err
+
+
+def test_a_large_case_says_its_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Cases are committed: a saved line names the size from 1 MiB on, and not below."""
+    fail(Recorder(tmp_path / "big").watch(failing_op), torch.zeros(2**18))  # 1 MiB of float32
+    fail(Recorder(tmp_path / "small").watch(failing_op), torch.zeros(4))
+    saved = [line for line in capsys.readouterr().err.splitlines() if "gpucase: saved" in line]
+    assert saved == [f"gpucase: saved {tmp_path / 'big' / 'failing_op'} (1.0 MiB; first failure)",
+                     f"gpucase: saved {tmp_path / 'small' / 'failing_op'} (first failure)"]
+
+
+@pytest.mark.parametrize("narrow", ["no", 1, None])
+def test_narrow_must_be_a_bool(tmp_path: Path, narrow: Any) -> None:
+    with pytest.raises(TypeError, match=r"narrow must be True or False, not .*Recorder\(narrow"):
+        Recorder(tmp_path, narrow=narrow)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import tomllib
 from pathlib import Path
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase import capture, payload
 from pytest_gpucase.capture import Recorder
 from pytest_gpucase.case import load_case
 from pytest_gpucase.matrix import RunSpec
@@ -194,3 +195,131 @@ def test_scoped_xfail(tmp_path: Path) -> None:
     assert case.xfail_for("cuda", "float16", None) == "fp16 overflow"
     assert case.xfail_for("cuda", "float32", None) is None
     assert case.xfail_for("cpu", "float16", "batch") is None
+
+
+class InPlaceLM(model_targets.TinyLM):
+    """TinyLM whose forward doubles the caller's token ids in place before embedding them."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        tokens.mul_(2)
+        return super().forward(tokens)
+
+
+@pytest.mark.parametrize("limit", [None, 0], ids=["copied-before", "over-limit"])
+def test_a_module_whose_forward_changes_its_input(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], limit: int | None) -> None:
+    """The module watch takes the same snapshot as a watched function: its inputs as
+    passed, or, over the limit, as changed and said so."""
+    kwargs = {} if limit is None else {"snapshot_limit": limit}
+    rec = Recorder(tmp_path / "cases", narrow=False, **kwargs)
+    model = rec.watch(InPlaceLM(), name="inplace")
+    tokens = torch.tensor([[1, 5, 3]])
+    with pytest.raises(IndexError, match="index out of range in self"), rec.step(0):
+        model(tokens)
+    assert tokens.tolist() == [[2, 10, 6]]
+    case_dir = tmp_path / "cases" / "inplace"
+    saved = payload.load(case_dir / "inputs.safetensors")["tokens"].tolist()
+    snapshot = toml(case_dir)["origin"]["snapshot"]
+    err = capsys.readouterr().err
+    if limit is None:
+        assert saved == [[1, 5, 3]]
+        assert snapshot == "tensors copied before the call"
+        assert "changed tokens in place" not in err
+    else:
+        assert saved == [[2, 10, 6]]
+        assert snapshot.startswith("host tensors, as they were after the failure; changed in "
+                                   "place by the failing call, so saved as changed: tokens (not "
+                                   "copied before the call: over the snapshot limit of 0.0 MiB")
+        assert "gpucase: note: the failing call of inplace changed tokens in place" in err
+    verdict = replay(case_dir)
+    assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
+    assert rec.narrowed == []
+
+
+class ShiftEmbedding(torch.nn.Embedding):
+    """An embedding that shifts the caller's ids by one in place before looking them up."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        input.add_(1)
+        return super().forward(input)
+
+
+class ShiftLM(torch.nn.Module):
+    def __init__(self, vocab: int = 8, dim: int = 4) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.emb = ShiftEmbedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.emb(tokens))  # type: ignore[no-any-return]
+
+
+def test_a_submodule_that_changed_its_input_is_not_narrowed_from_changed_values(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The innermost module changed its input in place before it raised: a case of it would
+    hold the changed ids. None is written; the op is searched for in a replay of the model's
+    case (inputs copied before), so the op case holds what the op was passed."""
+    torch.manual_seed(0)
+    rec = Recorder(tmp_path / "cases")
+    model = rec.watch(ShiftLM())
+    with pytest.raises(IndexError), rec.step(0):
+        model(torch.tensor([[1, 7, 3]]))
+    whole = tmp_path / "cases" / "ShiftLM"
+    assert payload.load(whole / "inputs.safetensors")["tokens"].tolist() == [[1, 7, 3]]
+    err = capsys.readouterr().err
+    assert (f"gpucase: note: emb not narrowed: its forward changed input in place before it "
+            f"raised, so its inputs as passed are gone ({whole} holds the module's inputs as "
+            "passed)") in err.splitlines()
+    assert [p.name for p in rec.narrowed] == ["ShiftLM.aten.embedding.default"]
+    op_case = rec.narrowed[0]
+    ids = [t for t in payload.load(op_case / "inputs.safetensors").values()
+           if t.dtype == torch.int64]
+    assert [t.tolist() for t in ids] == [[[2, 8, 4]]]  # what the op was passed
+    assert "narrowed cases" not in err and "narrowed case of" not in err  # small: no size note
+
+
+def test_large_narrowed_cases_are_sized_and_noted(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each narrowed case holds its own copy of its weights: the saved lines give sizes and
+    one note gives the total and what to do (thresholds lowered to the test's tiny model)."""
+    monkeypatch.setattr(capture, "_SHOWN_SIZE", 0)
+    monkeypatch.setattr(capture, "_NARROWED_NOTE_SIZE", 0)
+    torch.manual_seed(0)
+    rec = Recorder(tmp_path / "cases")
+    model = rec.watch(model_targets.TinyLM())
+    with pytest.raises(IndexError):
+        model(torch.tensor([[8]]))
+    err = capsys.readouterr().err.splitlines()
+    cases = tmp_path / "cases"
+    saved = [line for line in err if line.startswith("gpucase: saved")]
+    assert [re.sub(r"\d+\.\d MiB", "N MiB", line) for line in saved] == [
+        f"gpucase: saved {cases / 'TinyLM'} (N MiB; first failure)",
+        f"gpucase: saved {cases / 'TinyLM.emb'} (N MiB; narrowed to module emb)",
+        f"gpucase: saved {cases / 'TinyLM.aten.embedding.default'} (N MiB; narrowed to op "
+        "aten.embedding.default)"]
+    notes = [line for line in err if "narrowed cases of this failure" in line]
+    assert len(notes) == 1
+    assert notes[0].startswith(
+        f"gpucase: note: the 2 narrowed cases of this failure ({cases / 'TinyLM.emb'}, "
+        f"{cases / 'TinyLM.aten.embedding.default'}) hold ")
+    assert notes[0].endswith(
+        "each narrowed case holds its own copy of the tensors it needs (its module's weights, "
+        "its inputs). Keep the narrowest case that reproduces and delete the others, or pass "
+        "Recorder(narrow=False) to write the module's case alone")
+
+
+def test_narrow_false_writes_the_module_case_alone(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    torch.manual_seed(0)
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    model = rec.watch(model_targets.TinyLM())
+    with pytest.raises(IndexError):
+        model(torch.tensor([[8]]))
+    assert sorted(p.name for p in (tmp_path / "cases").iterdir()) == ["TinyLM"]
+    assert rec.narrowed == [] and rec.case_dir == tmp_path / "cases" / "TinyLM"
+    err = capsys.readouterr().err
+    assert "narrowed" not in err and "no op case" not in err
+    verdict = replay(tmp_path / "cases" / "TinyLM")
+    assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
