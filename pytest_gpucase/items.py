@@ -377,7 +377,9 @@ class CaseItem(pytest.Item):
     def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
                      style: Any = None) -> str | TerminalRepr:
         if isinstance(excinfo.value, CaseRunFailed):
-            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec), self)
+            known = isinstance(excinfo.value, KnownFailure)  # shown as such under --runxfail
+            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec,
+                                              known=known), self)
         return super().repr_failure(excinfo)
 
     def reportinfo(self) -> tuple[Path, int, str]:
@@ -416,7 +418,7 @@ def failure_repr(text: str, item: pytest.Item) -> TerminalRepr:
                              reprcrash=ReprFileLocation(item.nodeid.split("::")[0], 1, headline))
 
 
-def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
+def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool = False) -> str:
     from .report import terminal_safe
     from .variants import describe_saved
 
@@ -429,7 +431,8 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None) -> str:
                else None)
     if resized:
         text += "\n\n" + resized   # which inputs the variant resized, to what shape
-    if spec is not None and not outcome.broken_case and xfail_reason(spec) is not None:
+    if (spec is not None and not outcome.broken_case and not known
+            and xfail_reason(spec) is not None):
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
     return terminal_safe(text)   # the child's words must not drive the terminal
 

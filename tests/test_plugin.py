@@ -451,6 +451,11 @@ def test_xfail_counts_only_the_known_failure(pytester: pytest.Pytester, cases: P
     ])
     assert result.stdout.str().count("If rejecting these inputs is the fix") == 1  # other's
     assert result.stdout.str().count("This is not the captured failure") == 2  # not broken's
+    # --runxfail shows the known failure as a failure: it is the captured one, said as such.
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "--runxfail",
+                                           "cases/known")
+    result.assert_outcomes(failed=1)
+    assert "This is not the captured failure" not in result.stdout.str()
 
 
 def test_unknown_device_or_dtype_option_is_a_usage_error(pytester: pytest.Pytester) -> None:
