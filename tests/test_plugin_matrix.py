@@ -249,8 +249,16 @@ def test_a_run_stopped_early_is_not_complete(pytester: pytest.Pytester, args: li
                                            "--gpu-cases-report", str(path), "cases")
     assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED)  # xdist: 2
     report = load_report(path)
-    assert len(report["results"]) < 4
+    ran = [r for r in report["results"] if r["outcome"] != "not run"]
+    assert len(ran) < 4
     assert report["complete"] is False
+    # Serially, the items -x left unstarted are recorded as such (the matrix has their rows);
+    # an xdist controller collects nothing and cannot name them.
+    not_run = [r for r in report["results"] if r["outcome"] == "not run"]
+    assert len(not_run) == (4 - len(ran) if "-x" in args else 0)
+    assert all(r["message"] == "the run stopped before it started (stopping after 1 failures)"
+               for r in not_run)
+    assert report["version"] == (2 if not_run else 1)
     # and a run that ends on its own is complete, failures or not
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-n", "2",
                                            "--gpu-cases-report", str(path), "cases")
@@ -274,7 +282,14 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     assert result.ret == pytest.ExitCode.INTERRUPTED
     report = load_report(path)
     assert report["complete"] is False
-    assert [r["case"] for r in report["results"]] == ["a_first"]
+    # The case that was running is recorded as interrupted, the one never started as not run.
+    assert [(r["case"], r["outcome"]) for r in report["results"]] == [
+        ("a_first", "passed"), ("b_stop", "interrupted"), ("c_never", "not run")]
+    stopped, never = report["results"][1:]
+    assert stopped["message"] == "SIGINT (Ctrl-C)"
+    assert never["message"] == "the run was interrupted before it started: SIGINT (Ctrl-C)"
+    assert (stopped["device"], stopped["dtype"], stopped["case_path"]) == (
+        "cpu", "float32", "cases/b_stop")
     json.dumps(report)  # plain JSON all the way down
 
 
@@ -300,7 +315,9 @@ def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session(
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["*Interrupted: interrupted (SIGINT)*"])
     assert load_report(path)["complete"] is False
-    assert load_report(path)["results"] == []  # the case never ran
+    # the case never ran, and the report says so
+    assert [(r["case"], r["outcome"], r["message"]) for r in load_report(path)["results"]] == [
+        ("z_never", "not run", "the run was interrupted before it started: interrupted (SIGINT)")]
 
 
 def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) -> None:
@@ -436,9 +453,17 @@ def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pyteste
     assert process.returncode == pytest.ExitCode.INTERRUPTED, output
     report = load_report(path)
     assert report["complete"] is False
-    assert sorted(r["nodeid"] for r in report["results"]) == [
+    finished = [r for r in report["results"] if r["case"] != "z_slow"]
+    assert sorted(r["nodeid"] for r in finished) == [
         f"cases/{name}/case.toml::{name}[cpu-float32]" for name in ("a1", "a2", "a3", "a4")]
-    assert {r["outcome"] for r in report["results"]} == {"passed"}
+    assert {r["outcome"] for r in finished} == {"passed"}
+    # The case the cancel stopped is in the report, and the interrupt names it.
+    slow = "cases/z_slow/case.toml::z_slow[cpu-float32]"
+    (interrupted,) = [r for r in report["results"] if r["case"] == "z_slow"]
+    assert (interrupted["nodeid"], interrupted["outcome"]) == (slow, "interrupted")
+    assert interrupted["message"] == (f"pytest received SIGTERM while a case ran ({slow}); the "
+                                      "run's processes were killed")
+    assert interrupted["message"] in output
 
 
 def test_an_item_lost_with_a_crashed_xdist_worker_is_recorded(pytester: pytest.Pytester) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import pytest_gpucase
 from pytest_gpucase.cli import main
 from pytest_gpucase.environment import Device, Environment
 from pytest_gpucase.report import (
@@ -51,9 +52,13 @@ ASSERT = "CUDA error: device-side assert triggered"
 LEGEND = (
     "✅ pass: every run on this device type ran and passed · "
     "❌ fail: a run failed, errored, or passed although marked as a known failure · "
+    "🔀 flaky: a run failed in one report of this environment and passed in another; the note "
+    "names them · "
     "⚠️ xfail: a known failure (xfail in case.toml) still fails here · "
     "⏭️ skipped: every run on this device type was skipped; the note says why · "
-    "— not run: no report holds a run of this case on this device type here"
+    "⏹️ interrupted: the run was cancelled while this ran: no verdict · "
+    "— not run: no report holds a run of this case on this device type here, or its run "
+    "stopped before it started"
 )
 
 
@@ -134,7 +139,9 @@ def two_runners(tmp_path: Path) -> list[Path]:
 def test_new_report_starts_an_unfinished_run_in_the_environment() -> None:
     report = new_report(A100)
     assert report["schema"] == SCHEMA == "pytest-gpucase/report"
-    assert report["version"] == VERSION == 1
+    # The lowest version that holds it (1, readable by older readers); this reader reads 2.
+    assert report["version"] == 1 and VERSION == 2
+    assert report["gpucase"] == pytest_gpucase.__version__
     assert report["created"].endswith("+00:00")
     assert report["environment"] == A100
     assert report["results"] == []
@@ -208,10 +215,13 @@ def _set(key: str, value: Any) -> Callable[[], str]:
      'not a pytest-gpucase report: "schema" is missing, expected "pytest-gpucase/report"'),
     (_set("schema", "junit"),
      'not a pytest-gpucase report: "schema" is "junit", expected "pytest-gpucase/report"'),
-    (_set("version", 2),
-     ("report version 2 is newer than this pytest-gpucase reads (up to 1); "
+    (_set("version", 3),
+     ("report version 3 is newer than this pytest-gpucase reads (up to 2); "
      "upgrade pytest-gpucase")),
-    (_set("version", 0), "version: 0 is not a report version this pytest-gpucase reads (1 to 1)"),
+    (_set("version", 0), "version: 0 is not a report version this pytest-gpucase reads (1 to 2)"),
+    (_edit(lambda r: r["results"][1].update(outcome="interrupted")),
+     'results[1].outcome: "interrupted" needs report version 2; write "version": 2'),
+    (_set("gpucase", 1), "gpucase: expected a string, found a number"),
     (_set("version", "1"), "version: expected an integer, found a string"),
     (_edit(lambda r: r.pop("results")), 'missing key "results"'),
     (_edit(lambda r: r.pop("complete")), 'missing key "complete"'),
@@ -225,7 +235,7 @@ def _set(key: str, value: Any) -> Callable[[], str]:
     (_edit(lambda r: r["results"][1].pop("outcome")), 'results[1]: missing key "outcome"'),
     (_edit(lambda r: r["results"][1].update(outcome="broken")),
      ('results[1].outcome: "broken" is not one of passed, failed, skipped, xfailed, xpassed, '
-     "error")),
+     "error, interrupted, not run")),
     (_edit(lambda r: r["results"][0].update(duration="fast")),
      "results[0].duration: expected a number, found a string"),
     (_edit(lambda r: r["results"][0].update(max_abs="big")),
@@ -309,11 +319,19 @@ def test_reports_of_one_environment_share_a_column_and_the_later_wins(tmp_path: 
     assert column.sources == ("shard1.json", "shard2.json")
     assert column.created == "2026-12-02T17:00:00+00:00"
     assert column.complete is False
+    # The later run passed, the earlier failed: the cell says flaky (it read "pass"), and
+    # shows the later run's outcome in its counts.
     assert [(row.label, row.cells[0].status) for row in matrix.rows] == [
-        ("ce_class4", "pass"), ("label_map", "xfail")]
+        ("ce_class4", "flaky"), ("label_map", "xfail")]
+    assert matrix.rows[0].cells[0].counts == {"passed": 1}
+    assert matrix.rows[0].cells[0].reasons == (
+        "flaky: cuda-float32: failed in shard1.json; passed in shard2.json (failure: flaky)",)
     assert matrix.notes == (
         ("shard1.json, shard2.json come from one environment and share a column; 1 item ran in "
-        "more than one of them: the result of the report created later is shown."),)
+         "more than one of them: the result of the report created later is shown; the outcomes "
+         "of 1 item differed between them, marked in the cells: cuda-float32 of ce_class4: "
+         "failed in shard1.json; passed in shard2.json (failure: flaky); 1 item is only in an "
+         "older report and shown from it."),)
 
 
 def test_markdown_table_cells_and_footnotes(two_runners: list[Path]) -> None:
@@ -722,8 +740,9 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
         ("reason-3", "xfail: label mapping not fixed yet"),
         ("reason-4", "error: run crashed with signal 11 (SIGSEGV)"),
     ]
-    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:5]
-    assert legend == ["✓ pass", "✗ fail", "⚠ xfail", "↷ skipped", "— not run"]
+    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:7]
+    assert legend == ["✓ pass", "✗ fail", "≠ flaky", "⚠ xfail", "↷ skipped", "■ interrupted",
+                      "— not run"]
 
     shot = tmp_path / "matrix.png"
     _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
@@ -739,7 +758,7 @@ def test_the_shipped_schema_is_the_one_the_docs_point_at() -> None:
     docs = (Path(__file__).parent.parent / "docs" / "report-schema.md").read_text("utf-8")
     assert "pytest_gpucase/report_schema.json" in docs
     assert schema["properties"]["schema"]["const"] == SCHEMA
-    assert schema["properties"]["version"]["const"] == VERSION
+    assert schema["properties"]["version"]["enum"] == list(range(1, VERSION + 1))
     for name in ("environment", "result"):
         for key in schema["$defs"][name]["required"]:
             assert f"| `{key}` |" in docs or f"`{key}`" in docs, key
