@@ -317,8 +317,10 @@ class _Recorder:
 
         from .report import nodeid_fields, property_value, stopped_record
 
-        if complete:
-            return
+        stopped = session.shouldfail or session.shouldstop
+        if complete or session.config.option.collectonly or not (
+                self._interrupt or stopped or self._running):
+            return   # nothing stopped a run (--collect-only, inline_genitems): none to record
         items = {item.nodeid: item for item in session.items}
 
         def fields(nodeid: str) -> dict[str, Any] | None:
@@ -337,9 +339,8 @@ class _Recorder:
                 continue
             self.state.results[nodeid] = stopped_record(
                 nodeid, spec, "interrupted", why, duration=time.monotonic() - started)
-        stopped = session.shouldfail or session.shouldstop or "it ended early"
         stop = (f"the run was interrupted before it started: {why}" if self._interrupt
-                else f"the run stopped before it started ({stopped})")
+                else f"the run stopped before it started ({stopped or 'it ended early'})")
         for nodeid, item in items.items():
             if nodeid in self.state.results or nodeid in self._done or nodeid in self._running:
                 continue

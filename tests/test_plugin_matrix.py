@@ -491,3 +491,39 @@ def test_child_text_cannot_drive_the_terminal(pytester: pytest.Pytester) -> None
     text = result.stdout.str()
     assert "\x1b" not in text and "\x07" not in text and "\x00" not in text
     result.stdout.fnmatch_lines_random(["cleared red", "bell\\x07  up", "*boom  blink \\x00 nul*"])
+
+
+def test_the_report_records_the_packages_its_cases_use_serial_or_xdist(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under -n 2 environment.packages was {} (the workers evaluated [matrix.packages], the
+    controller wrote the report), and a call's own package was never recorded: runs against
+    tinyext 1.0 and 2.0 merged into one column and the 1.0 failures disappeared."""
+    import torch
+
+    from pytest_gpucase.report import build_matrix
+
+    from .test_environment import install_fake_distribution
+    from .test_plugin import write_case
+
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    # one case names the extension in [matrix.packages], one only calls into it
+    write_case(pytester.path, "declared", 'format = 1\ncall = "tinyext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n[matrix.packages]\ntinyext = ">=1.0"\n', None, inputs)
+    write_case(pytester.path, "called", 'format = 1\ncall = "tinyext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n', None, inputs)
+    reports = {}
+    for version in ("1.0", "2.0"):
+        site = install_fake_distribution(pytester.path / f"site-{version}", "tinyext", version,
+                                         "tinyext")
+        monkeypatch.setenv("PYTHONPATH", str(site))
+        # serially, the case that only calls into it
+        report = run_with_report(pytester, "-p", "no:benchmark", "-k", "called")
+        assert report["environment"]["packages"] == {"tinyext": version}
+        assert "packages" not in report["results"][0]   # the environment's, not the item's
+        # under xdist, both: the controller writes what its workers' items depend on
+        report = run_with_report(pytester, "-p", "no:benchmark", "-n", "2")
+        assert report["environment"]["packages"] == {"tinyext": version}
+        assert len(report["results"]) == 2
+        reports[version] = report
+    matrix = build_matrix([reports["1.0"], reports["2.0"]], detail=False, names=["a", "b"])
+    assert [column.label for column in matrix.columns] == ["tinyext 1.0", "tinyext 2.0"]
