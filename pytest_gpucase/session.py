@@ -368,7 +368,10 @@ class _Recorder:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+        # Under xdist the items run on the workers; the controller heard which had started.
+        running = ", ".join(self._running)
+        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})"
+                                + (f" while {running} ran" if running else ""))
 
     # While a case runs, isolation's own handler ends the run (and names it) instead of this one.
     _terminate.gpucase_interrupts = True  # type: ignore[attr-defined]

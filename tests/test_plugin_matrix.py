@@ -527,3 +527,43 @@ def test_the_report_records_the_packages_its_cases_use_serial_or_xdist(
         reports[version] = report
     matrix = build_matrix([reports["1.0"], reports["2.0"]], detail=False, names=["a", "b"])
     assert [column.label for column in matrix.columns] == ["tinyext 1.0", "tinyext 2.0"]
+
+
+def test_a_cancel_under_xdist_records_the_item_a_worker_was_running(
+        pytester: pytest.Pytester) -> None:
+    """The controller runs no item, but it hears of each one a worker starts: the case that
+    hung the cancelled job is in the report (it was absent) and the interrupt names it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ce_case(pytester.path, "a_fast", [0, 2, 4], RAISES)
+    started = pytester.path / "slow-started"
+    _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
+                 f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
+    path = pytester.path / "report.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
+         "-p", "no:randomly", "-n", "1", "--gpu-cases", "--gpu-devices", "cpu",
+         "--gpu-cases-report", str(path), "cases"],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
+        while not started.exists():
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the slow case never started"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    report = load_report(path)
+    assert report["complete"] is False and report["version"] == 2
+    slow = "cases/z_slow/case.toml::z_slow[cpu-float32]"
+    by_id = {r["nodeid"]: r for r in report["results"]}
+    assert by_id["cases/a_fast/case.toml::a_fast[cpu-float32]"]["outcome"] == "passed"
+    assert (by_id[slow]["case"], by_id[slow]["outcome"]) == ("z_slow", "interrupted")
+    assert by_id[slow]["message"] == f"terminated by signal 15 (SIGTERM) while {slow} ran", output
