@@ -1016,11 +1016,14 @@ td { text-align: left; white-space: nowrap; }
 .device { display: block; font-weight: 600; }
 .d-pass { color: #116329; } .d-fail { color: #a40e26; } .d-xfail { color: #7d4e00; }
 .d-skip { color: #424a53; } .d-not-run { color: #59636e; font-weight: 400; }
+.d-flaky { color: #6639ba; } .d-interrupted { color: #953800; }
 .pass { background: #dafbe1; color: #116329; }
 .fail { background: #ffebe9; color: #a40e26; }
 .xfail { background: #fff8c5; color: #7d4e00; }
 .skip { background: #eef1f4; color: #424a53; }
 .not-run { background: #fff; color: #59636e; }
+.flaky { background: #fbefff; color: #6639ba; }
+.interrupted { background: #fff1e5; color: #953800; }
 .partial { background: #f1f8ff; color: #0a3069; }
 .incomplete { display: block; font-weight: 400; color: #7d4e00; }
 sup { font-size: .75rem; margin-left: .1rem; }
