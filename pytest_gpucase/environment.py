@@ -12,8 +12,11 @@ PyTorch" apart from "Is CUDA available".
 
 from __future__ import annotations
 
+import functools
 import platform as _platform
+import re
 import subprocess
+import sys
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import asdict, dataclass, field
@@ -23,8 +26,8 @@ from typing import Any
 from . import backends
 from .backends import launch_blocking_env
 
-__all__ = ["Device", "Environment", "dnn_library", "git_revision", "launch_blocking_env",
-           "package_version", "probe", "probe_here"]
+__all__ = ["Device", "Environment", "call_distributions", "canonical_name", "dnn_library",
+           "git_revision", "launch_blocking_env", "package_version", "probe", "probe_here"]
 
 
 @dataclass(frozen=True)
@@ -169,6 +172,47 @@ def package_version(name: str) -> str | None:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return None
+
+
+def canonical_name(name: str) -> str:
+    """A distribution name as pip compares it (PEP 503): ``Flash_Attn`` -> ``flash-attn``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# Distributions whose version every report records elsewhere (``torch``; the writer's own
+# version is the report's ``gpucase`` key): a call into them adds no package.
+_RECORDED_ELSEWHERE = frozenset({"torch", "pytest-gpucase"})
+
+
+def call_distributions(call: str) -> tuple[str, ...]:
+    """The installed distributions that provide the module a case's ``call`` imports.
+
+    ``tinyext:pool`` and ``mypkg.losses:step`` name an installed package whose version
+    decides the verdict as much as torch's does, listed in ``[matrix.packages]`` or not.
+    A ``FILE.py:func`` in the case directory, a standard-library module, a module of the
+    project that no distribution installed, and torch itself (recorded already) give
+    none. Nothing is imported: the top-level name is looked up in the metadata of what
+    is installed (``importlib.metadata.packages_distributions``), read once per
+    ``sys.path``.
+    """
+    target = call.partition(":")[0]
+    if target.endswith(".py") or not target:
+        return ()
+    top = target.split(".")[0]
+    if top in sys.stdlib_module_names:
+        return ()
+    found = _distributions_by_module(tuple(sys.path)).get(top, ())
+    return tuple(sorted({name for name in found
+                         if canonical_name(name) not in _RECORDED_ELSEWHERE}))
+
+
+@functools.lru_cache(maxsize=4)
+def _distributions_by_module(path: tuple[str, ...]) -> Mapping[str, list[str]]:
+    """Top-level module -> distributions providing it, for one ``sys.path`` (the cache key:
+    reading every installed distribution's metadata takes tens of milliseconds)."""
+    from importlib import metadata
+
+    return metadata.packages_distributions()
 
 
 def git_revision(rootdir: str | None) -> str | None:

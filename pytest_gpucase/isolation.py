@@ -198,8 +198,11 @@ class RunInterrupted(KeyboardInterrupt):
     """SIGTERM or SIGHUP reached pytest while a child ran; the child's tree was killed."""
 
     def __init__(self, signum: int) -> None:
-        super().__init__(f"pytest received {signal_name(signum)} while a case ran; the run's "
-                         "processes were killed")
+        # The item is named as pytest names it while it runs ("nodeid (call)").
+        running = os.environ.get("PYTEST_CURRENT_TEST", "").rpartition(" (")[0]
+        super().__init__(f"pytest received {signal_name(signum)} while a case ran"
+                         + (f" ({running})" if running else "")
+                         + "; the run's processes were killed")
         self.signum = signum
 
 

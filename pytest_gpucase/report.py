@@ -21,8 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
+from . import __version__
 from .case import CASE_FILE
-from .environment import Device, Environment, dnn_library
+from .environment import Device, Environment, canonical_name, dnn_library
 from .errors import display_posix
 from .fsutil import write_text_atomic
 
@@ -33,40 +34,56 @@ if TYPE_CHECKING:
     from .runner import Verdict
 
 SCHEMA = "pytest-gpucase/report"
-VERSION = 1
+VERSION = 2          # the newest version this module reads; a writer writes the lowest that fits
 MATRIX_SCHEMA = "pytest-gpucase/matrix"
 MATRIX_VERSION = 1
 
 FAILING = ("failed", "error", "xpassed")  # a strict xfail that passed fails the run too
 
+# Outcomes a version-1 report may hold; "interrupted" (the item that ran when the run was
+# cancelled) and "not run" (selected, never started) came with version 2.
+_V1_OUTCOMES = ("passed", "failed", "skipped", "xfailed", "xpassed", "error")
+
 # A status is said per device type of a row, so that a CPU pass never reads as a CUDA pass;
 # "partial" is a cell's sum only: some device types passed, others were skipped or not run.
-Status = Literal["pass", "fail", "skip", "xfail", "not run", "partial"]
-STATUSES: tuple[Status, ...] = ("pass", "fail", "xfail", "skip", "not run")
+Status = Literal["pass", "fail", "flaky", "skip", "xfail", "interrupted", "not run", "partial"]
+STATUSES: tuple[Status, ...] = ("pass", "fail", "flaky", "xfail", "skip", "interrupted",
+                                "not run")
 STATUS_MEANINGS: Mapping[Status, str] = {
     "pass": "every run on this device type ran and passed",
     "fail": "a run failed, errored, or passed although marked as a known failure",
+    "flaky": ("a run failed in one report of this environment and passed in another; the "
+              "note names them"),
     "xfail": "a known failure (xfail in case.toml) still fails here",
     "skip": "every run on this device type was skipped; the note says why",
-    "not run": "no report holds a run of this case on this device type here",
+    "interrupted": "the run was cancelled while this ran: no verdict",
+    "not run": ("no report holds a run of this case on this device type here, or its run "
+                "stopped before it started"),
     "partial": "some device types passed; the others were skipped or not run",
 }
 _MARKDOWN_SYMBOLS: Mapping[Status, str] = {
-    "pass": "✅", "fail": "❌", "xfail": "⚠️", "skip": "⏭️", "not run": "—", "partial": "◐",
+    "pass": "✅", "fail": "❌", "flaky": "🔀", "xfail": "⚠️", "skip": "⏭️",
+    "interrupted": "⏹️", "not run": "—", "partial": "◐",
 }
 # The HTML page must read well without an emoji font (CI images rarely have one).
 _HTML_SYMBOLS: Mapping[Status, str] = {
-    "pass": "✓", "fail": "✗", "xfail": "⚠", "skip": "↷", "not run": "—", "partial": "◐",
+    "pass": "✓", "fail": "✗", "flaky": "≠", "xfail": "⚠", "skip": "↷", "interrupted": "■",
+    "not run": "—", "partial": "◐",
 }
 _DEVICE_WORDS: Mapping[Status, str] = {
-    "pass": "pass", "fail": "fail", "xfail": "xfail", "skip": "skipped", "not run": "not run",
-    "partial": "partial",
+    "pass": "pass", "fail": "fail", "flaky": "flaky", "xfail": "xfail", "skip": "skipped",
+    "interrupted": "interrupted", "not run": "not run", "partial": "partial",
 }
 _SHORT_REASON = 48   # characters of a skip reason said in the cell; the note holds all of it
 _REASON_WORDS = {
     "failed": "failed", "error": "error", "xpassed": "passed although marked xfail (strict)",
-    "xfailed": "xfail", "skipped": "skipped",
+    "xfailed": "xfail", "skipped": "skipped", "interrupted": "interrupted",
+    "not run": "not run",
 }
+# Which outcome of an item is shown when reports of one environment started at the same
+# moment (which ran later is unknown): the worse one, so that a tie never hides a failure.
+_SEVERITY = {"not run": 0, "skipped": 1, "passed": 2, "xfailed": 3, "interrupted": 4,
+             "failed": 5, "error": 5, "xpassed": 5}
 _MAX_RUNS_NAMED = 6
 _MAX_FAILURES_LISTED = 20
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -106,6 +123,13 @@ _OPTIONAL_RESULT_KEYS = {key: _kind_of(spec) for key, spec
                          in _SCHEMA["$defs"]["result"]["properties"].items()
                          if key not in _RESULT_KEYS}
 OUTCOMES = tuple(_SCHEMA["$defs"]["result"]["properties"]["outcome"]["enum"])
+_OPTIONAL_TOP_KEYS = {key: _kind_of(spec) for key, spec in _SCHEMA["properties"].items()
+                      if key not in _TOP_KEYS}
+# The keys that tell one environment from another: those every version-1 report has (the
+# schema's required ones). A key a later writer adds (the schema lets it) describes a run
+# but never splits one environment into two columns: a report written before it cannot
+# have it, and its absence there says nothing about the environment.
+ENVIRONMENT_IDENTITY = tuple(_ENVIRONMENT_KEYS)
 
 
 class ReportError(ValueError):
@@ -182,16 +206,32 @@ def new_report(environment: Mapping[str, Any], created: str | None = None) -> di
     """Start the report of a run in ``environment`` (``Environment.to_dict()``), results empty.
 
     ``created`` is when the run started; a session passes the time it started, so that
-    every rewrite of its file keeps it.
+    every rewrite of its file keeps it. ``gpucase`` names the writer's version.
     """
     return {
         "schema": SCHEMA,
-        "version": VERSION,
-        "created": created or datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "version": 1,
+        "created": created or now(),
         "environment": dict(environment),
         "results": [],
         "complete": False,
+        "gpucase": __version__,
     }
+
+
+def now() -> str:
+    """The time to write as ``created``: to the microsecond, so that reports of reruns a
+    second apart are still told apart in time (ties are said, and broken, by the matrix)."""
+    return datetime.now(timezone.utc).isoformat(timespec="microseconds")
+
+
+def report_version(results: Iterable[Mapping[str, Any]]) -> int:
+    """The lowest report version that holds ``results``: 1 unless an outcome needs 2.
+
+    A run that ended normally stays readable by a pytest-gpucase that reads only version 1;
+    only a report that holds an ``interrupted`` or ``not run`` item needs a newer reader.
+    """
+    return 2 if any(result["outcome"] not in _V1_OUTCOMES for result in results) else 1
 
 
 def write_report(path: Path | str, report: Mapping[str, Any]) -> None:
@@ -276,7 +316,9 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
     """
     version = report.get("version")
     _check_keys(path, report, _TOP_KEYS, "")
-    if version != VERSION:
+    _check_keys(path, report, {key: kind for key, kind in _OPTIONAL_TOP_KEYS.items()
+                               if key in report}, "")
+    if version not in range(1, VERSION + 1) or isinstance(version, bool):
         raise ReportError(path, f"version: {json.dumps(version)} is not a report version "
                                 f"this pytest-gpucase reads (1 to {VERSION})")
     _check_created(path, report["created"])
@@ -296,6 +338,9 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
         if result["outcome"] not in OUTCOMES:
             raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} is not "
                                     f"one of {', '.join(OUTCOMES)}")
+        if version == 1 and result["outcome"] not in _V1_OUTCOMES:
+            raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} needs "
+                                    "report version 2; write \"version\": 2")
 
 
 def _check_keys(path: Path | str, value: Any, spec: Mapping[str, str], where: str) -> None:
@@ -381,7 +426,8 @@ def step_summary(report: Mapping[str, Any]) -> str:
     """A short Markdown summary of one run, for GitHub's job summary page."""
     results: list[Mapping[str, Any]] = report["results"]
     counts = Counter(result["outcome"] for result in results)
-    order = ("failed", "error", "xpassed", "xfailed", "passed", "skipped")
+    order = ("failed", "error", "xpassed", "interrupted", "xfailed", "passed", "skipped",
+             "not run")
     tally = ", ".join(f"{counts[outcome]} {outcome}" for outcome in order if counts[outcome])
     failures = [result for result in results if result["outcome"] in FAILING]
     symbol = "❌" if failures else ("⚠️" if not report["complete"] else "✅")
@@ -501,52 +547,182 @@ def build_matrix(reports: Sequence[Mapping[str, Any]], *, detail: bool,
                  names: Sequence[str] | None = None) -> Matrix:
     """Merge loaded reports into a matrix: one column per environment, one row per case.
 
-    ``names`` name the reports (their file names) in notes and in labels that
-    would otherwise be equal; reports of one environment share a column, and
-    for an item in both, the report created later wins.
+    ``names`` name the reports (their file names) in notes and in labels that would
+    otherwise be equal. Reports of one environment (``same_environment``) share a column.
+    For an item in more than one of them, the report created later wins; between reports
+    created at the same moment, the worse outcome (a failure before a pass), whatever the
+    order they were given in. An item whose outcomes differ between them is flagged in its
+    cell (``flaky`` where one failed and another passed) and named in a note. An item
+    that only an older report holds is kept, shown from it, and counted in the note.
     """
     names = list(names) if names is not None else [f"report {n + 1}" for n in range(len(reports))]
-    groups: dict[str, list[int]] = {}
-    for index, report in enumerate(reports):
-        groups.setdefault(_identity(report["environment"]), []).append(index)
+    created = [datetime.fromisoformat(report["created"]) for report in reports]
+    groups, notes = _environment_groups(reports, names, created)
 
-    notes: list[str] = []
     merged: list[dict[str, Mapping[str, Any]]] = []
-    members: list[list[int]] = []
-    for indexes in groups.values():
-        indexes.sort(key=lambda i: (datetime.fromisoformat(reports[i]["created"]), i))
-        items: dict[str, Mapping[str, Any]] = {}
-        replaced = 0
-        for index in indexes:
-            for result in reports[index]["results"]:
-                replaced += result["nodeid"] in items
-                items[result["nodeid"]] = result
-        if len(indexes) > 1:
-            note = (f"{', '.join(names[i] for i in indexes)} come from one environment and "
-                    "share a column")
-            if replaced:
-                note += (f"; {replaced} {'item' if replaced == 1 else 'items'} ran in more than "
-                         "one of them: the result of the report created later is shown")
-            notes.append(note + ".")
+    for indexes in groups:
+        indexes.sort(key=lambda i: (created[i], names[i]))
+        items, note = _merge_runs(reports, names, created, indexes)
+        if note:
+            notes.append(note)
         merged.append(items)
-        members.append(indexes)
 
-    environments = [reports[indexes[0]]["environment"] for indexes in members]
-    sources = [tuple(names[i] for i in indexes) for indexes in members]
+    environments = [_merged_environment([reports[i]["environment"] for i in indexes])
+                    for indexes in groups]
+    sources = [tuple(names[i] for i in indexes) for indexes in groups]
     labels = _labels(environments, sources)
     columns = tuple(
         Column(label=label, description=describe_environment(environment),
                environment=environment, sources=source,
                created=reports[indexes[-1]]["created"],
                complete=all(reports[i]["complete"] for i in indexes))
-        for label, environment, source, indexes in zip(labels, environments, sources, members,
+        for label, environment, source, indexes in zip(labels, environments, sources, groups,
                                                          strict=True)
     )
     return Matrix(columns=columns, rows=_rows(merged, detail), detail=detail, notes=tuple(notes))
 
 
 def _identity(environment: Mapping[str, Any]) -> str:
-    return json.dumps(environment, sort_keys=True)
+    """What must be equal for two reports to share an environment, packages aside."""
+    return json.dumps({key: environment.get(key) for key in ENVIRONMENT_IDENTITY
+                       if key != "packages"}, sort_keys=True)
+
+
+def _packages(environment: Mapping[str, Any]) -> dict[str, str | None]:
+    return {canonical_name(name): version for name, version in environment["packages"].items()}
+
+
+def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    """Whether two reports' environments are one: the identity keys equal, and every package
+    both name at the same version (or absent from both).
+
+    A report names the packages its cases ask about (``[matrix.packages]``, the
+    distribution a ``call`` imports): a shard that collected other cases, or a run from
+    before a case was added, does not name a package it never looked at, and that says
+    nothing about whether it was installed. Recording a fixed set instead would mean every
+    installed distribution (columns split by an unrelated upgrade of a test tool) or a
+    list kept by hand; so a package one report does not mention is unknown there, not
+    different. Names compare as pip compares them (``flash_attn`` is ``flash-attn``).
+    """
+    if _identity(first) != _identity(second):
+        return False
+    mine, theirs = _packages(first), _packages(second)
+    return all(mine[name] == theirs[name] for name in mine.keys() & theirs.keys())
+
+
+def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                        created: Sequence[datetime]) -> tuple[list[list[int]], list[str]]:
+    """The reports of each column (``same_environment``), columns in the order given.
+
+    Reports naming more packages are placed first, so that one naming fewer meets the
+    columns its packages cannot tell apart: it joins the one column it fits, and where it
+    fits several (it does not name what tells them apart) it gets a column of its own and
+    a note, rather than a guess.
+    """
+    notes: list[str] = []
+    by_identity: dict[str, list[int]] = {}
+    for index, report in enumerate(reports):
+        by_identity.setdefault(_identity(report["environment"]), []).append(index)
+    groups: list[list[int]] = []
+    for indexes in by_identity.values():
+        known = {i: _packages(reports[i]["environment"]) for i in indexes}
+        placed: list[tuple[dict[str, str | None], list[int]]] = []
+        for index in sorted(indexes, key=lambda i: (-len(known[i]), created[i], names[i])):
+            mine = known[index]
+            fits = [group for group in placed if all(
+                group[0][name] == mine[name] for name in group[0].keys() & mine.keys())]
+            if len(fits) == 1:
+                fits[0][0].update(mine)
+                fits[0][1].append(index)
+                continue
+            if fits:
+                unnamed = sorted({name for group in fits for name in group[0]
+                                  if name not in mine and len({g[0].get(name) for g in fits}) > 1})
+                notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
+                             "apart the environments it would otherwise share a column with: "
+                             "it has a column of its own.")
+            placed.append((dict(mine), [index]))
+        groups += [members for _, members in placed]
+    groups.sort(key=min)
+    return groups, notes
+
+
+def _merged_environment(environments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One column's environment: the newest report's, with the packages any of them named."""
+    merged = dict(environments[-1])
+    packages: dict[str, str | None] = {}
+    seen: set[str] = set()
+    for environment in environments:
+        for name, version in environment["packages"].items():
+            if canonical_name(name) not in seen:
+                seen.add(canonical_name(name))
+                packages[name] = version
+    merged["packages"] = dict(sorted(packages.items()))
+    return merged
+
+
+def _merge_runs(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                created: Sequence[datetime], indexes: Sequence[int]
+                ) -> tuple[dict[str, Mapping[str, Any]], str | None]:
+    """One column's items from its reports (oldest first), and the note on how they merged."""
+    runs: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for index in indexes:
+        for result in reports[index]["results"]:
+            runs.setdefault(result["nodeid"], []).append((index, result))
+    newest = indexes[-1]
+    items: dict[str, Mapping[str, Any]] = {}
+    repeated = older_only = 0
+    differed: list[str] = []
+    for nodeid, found in runs.items():
+        repeated += len(found) > 1
+        older_only += all(created[index] < created[newest] for index, _ in found)
+        # A "not run" never hides a run that happened; between the latest runs, the worse.
+        real = [run for run in found if run[1]["outcome"] != "not run"] or found
+        latest = max(created[index] for index, _ in real)
+        tied = sorted((run for run in real if created[run[0]] == latest),
+                      key=lambda run: (-_SEVERITY[run[1]["outcome"]], names[run[0]]))
+        shown = tied[0][1]
+        outcomes = dict.fromkeys(result["outcome"] for _, result in real)
+        if len(outcomes) > 1:
+            said = "; ".join(
+                f"{outcome} in {', '.join(names[i] for i, r in real if r['outcome'] == outcome)}"
+                for outcome in outcomes)
+            flaky = bool(outcomes.keys() & set(FAILING)) and "passed" in outcomes
+            failure = next((r for _, r in reversed(real) if r["outcome"] in FAILING), None)
+            if failure is not None and (text := _reason_text(failure)):
+                said += f" (failure: {text})"
+            shown = {**shown, "_differed": said, "_flaky": flaky}
+            differed.append(f"{_run_id(shown)} of {shown['case']}: {said}")
+        items[nodeid] = shown
+    if len(indexes) < 2:
+        return items, None
+    note = f"{', '.join(names[i] for i in indexes)} come from one environment and share a column"
+    if repeated:
+        note += (f"; {repeated} {'item' if repeated == 1 else 'items'} ran in more than one of "
+                 "them: the result of the report created later is shown")
+    if differed:
+        shown_runs = "; ".join(differed[:_MAX_RUNS_NAMED])
+        if len(differed) > _MAX_RUNS_NAMED:
+            shown_runs += f"; and {len(differed) - _MAX_RUNS_NAMED} more"
+        note += (f"; the outcomes of {len(differed)} "
+                 f"{'item' if len(differed) == 1 else 'items'} differed between them, "
+                 f"marked in the cells: {shown_runs}")
+    if older_only and repeated:
+        note += (f"; {older_only} {'item is' if older_only == 1 else 'items are'} only in an "
+                 "older report and shown from it")
+    moments = Counter(created[i] for i in indexes)
+    tied_names = [names[i] for i in indexes if moments[created[i]] > 1]
+    if tied_names:
+        note += (f"; {', '.join(tied_names)} were started at the same moment, so which ran later "
+                 "is unknown: for an item in more than one of them the worse outcome is shown "
+                 "(a failure before a pass), whatever the order of the files")
+    writers = dict.fromkeys(reports[i].get("gpucase") for i in indexes)
+    if len(writers) > 1:
+        note += ("; they were written by different versions of pytest-gpucase: " + ", ".join(
+            f"{'an older one' if writer is None else writer} "
+            f"({', '.join(names[i] for i in indexes if reports[i].get('gpucase') == writer)})"
+            for writer in writers))
+    return items, note + "."
 
 
 def _rows(columns: list[dict[str, Mapping[str, Any]]], detail: bool) -> tuple[Row, ...]:
@@ -588,10 +764,14 @@ def _status(results: Sequence[Mapping[str, Any]]) -> Status:
     outcomes = {result["outcome"] for result in results}
     if outcomes & set(FAILING):
         return "fail"
+    if any(result.get("_flaky") for result in results):
+        return "flaky"   # the latest run passed, an earlier one of the same item failed
     if "xfailed" in outcomes:
         # A known failure that still fails here is what the reader looks for, even next to
         # runs of the same case that pass (on another dtype).
         return "xfail"
+    if "interrupted" in outcomes:
+        return "interrupted"
     if "passed" in outcomes:
         return "pass"
     return "skip" if "skipped" in outcomes else "not run"
@@ -606,12 +786,14 @@ def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
     status: Status
     if not results:
         status = "not run"
-    elif statuses & {"fail", "xfail"}:
-        status = "fail" if "fail" in statuses else "xfail"
+    elif statuses & {"fail", "flaky", "xfail", "interrupted"}:
+        status = next(s for s in ("fail", "flaky", "xfail", "interrupted") if s in statuses)
     elif statuses == {"pass"}:
         status = "pass"
     elif "pass" in statuses:
         status = "partial"   # never "pass" for a device type whose runs did not happen
+    elif statuses == {"not run"}:
+        status = "not run"   # selected, but the run stopped before them
     else:
         status = "skip"
     ordered = {outcome: n for outcome in OUTCOMES if (n := counts[outcome])}
@@ -631,14 +813,16 @@ def _reasons(results: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
     """Why the runs of one cell did not pass, one line per distinct reason."""
     groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
     rank = {outcome: order for order, outcome in enumerate(
-        ("failed", "error", "xpassed", "xfailed", "skipped"))}
+        ("failed", "error", "xpassed", "interrupted", "xfailed", "skipped", "not run"))}
+    # An item whose outcomes differed between reports of the column: said first, by itself.
+    reasons = [f"{'flaky' if r['_flaky'] else 'outcomes differed'}: {_run_id(r)}: {r['_differed']}"
+               for r in results if r.get("_differed")]
     for result in sorted(results, key=lambda r: rank.get(r["outcome"], len(rank))):
         if result["outcome"] == "passed":
             continue
         key = (_REASON_WORDS[result["outcome"]], _reason_text(result))
         groups.setdefault(key, []).append(result)
     runs_on = Counter(result["device"] for result in results)
-    reasons = []
     for (word, text), group in groups.items():
         said = f"{word}: {text}" if text else word
         # A reason shared by every run of the cell, or by every run on a device, is said
@@ -832,11 +1016,14 @@ td { text-align: left; white-space: nowrap; }
 .device { display: block; font-weight: 600; }
 .d-pass { color: #116329; } .d-fail { color: #a40e26; } .d-xfail { color: #7d4e00; }
 .d-skip { color: #424a53; } .d-not-run { color: #59636e; font-weight: 400; }
+.d-flaky { color: #6639ba; } .d-interrupted { color: #953800; }
 .pass { background: #dafbe1; color: #116329; }
 .fail { background: #ffebe9; color: #a40e26; }
 .xfail { background: #fff8c5; color: #7d4e00; }
 .skip { background: #eef1f4; color: #424a53; }
 .not-run { background: #fff; color: #59636e; }
+.flaky { background: #fbefff; color: #6639ba; }
+.interrupted { background: #fff1e5; color: #953800; }
 .partial { background: #f1f8ff; color: #0a3069; }
 .incomplete { display: block; font-weight: 400; color: #7d4e00; }
 sup { font-size: .75rem; margin-left: .1rem; }
@@ -995,8 +1182,16 @@ def matrix_command(reports: Sequence[Path], *, detail: bool) -> Matrix:
 
 def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
     """What the JSON report says of an item before it runs (set at collection);
-    ``case_path``, the case's shown path, when the caller has it already."""
-    return {
+    ``case_path``, the case's shown path, when the caller has it already.
+
+    ``packages`` (only when there are some) names the distributions the item depends on:
+    its ``[matrix.packages]`` and the one its ``call`` imports. It crosses to the process
+    that writes the report (the xdist controller collects nothing), which records their
+    versions in the report's environment; it is no key of the item's record.
+    """
+    from .environment import call_distributions
+
+    fields: dict[str, Any] = {
         "case": spec.case.name,
         "case_path": display_posix(spec.case.path) if case_path is None else case_path,
         "device": spec.device,
@@ -1004,6 +1199,21 @@ def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
         "variant": spec.variant.label if spec.variant is not None else None,
         "launch_blocking": spec.launch_blocking,
     }
+    named = list(spec.case.matrix.packages)
+    spelled = {canonical_name(name) for name in named}
+    named += [name for name in call_distributions(spec.case.call)
+              if canonical_name(name) not in spelled]
+    if named:
+        fields["packages"] = named
+    return fields
+
+
+def item_packages(report: pytest.TestReport) -> tuple[str, ...]:
+    """The distributions a case item depends on, from its report (``spec_fields``)."""
+    for name, value in report.user_properties:
+        if name == "gpucase":
+            return tuple(property_value(value).get("packages", ()))
+    return ()
 
 
 def verdict_fields(verdict: Verdict) -> dict[str, Any]:
@@ -1045,6 +1255,7 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     if report.skipped and isinstance(report.longrepr, tuple):
         skip_reason = str(report.longrepr[2]).removeprefix("Skipped: ")
     record: dict[str, Any] = {"nodeid": report.nodeid, **props["gpucase"]}
+    record.pop("packages", None)   # the environment's, recorded there (spec_fields)
     record.update({"outcome": outcome, "error_type": None, "message": None, "max_abs": None,
                    "max_rel": None, "duration": round(report.duration, 6),
                    "skip_reason": skip_reason, "triage": None, "localized": None})
@@ -1061,21 +1272,37 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
     properties: the controller never collected it, so what it was is read from the id
     (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``).
     """
-    import re
-
-    from .backends import DEVICE_TYPES
-
     if report.when not in ("???", None) or not report.failed:
         return None
+    fields = nodeid_fields(report.nodeid)
+    if fields is None:
+        return None
+    return stopped_record(report.nodeid, fields, "failed", str(report.longrepr),
+                          error_type="WorkerCrash", duration=report.duration)
+
+
+def nodeid_fields(nodeid: str) -> dict[str, Any] | None:
+    """What a case item is (``spec_fields``), read from its node id where the item is not
+    at hand (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``); None for another item."""
+    from .backends import DEVICE_TYPES
+
     found = re.fullmatch(r"(?P<path>[^\[]+?)(?:/case\.toml)?::(?P<name>[^:\[]+)"
                          r"\[(?P<device>[a-z]+)-(?P<dtype>[a-z0-9]+)(?:-(?P<kind>[a-z]+)\[(?P<value>-?\d+)\])?\]",
-                         report.nodeid)
+                         nodeid)
     if found is None or found["device"] not in DEVICE_TYPES:
         return None
     variant = f"{found['kind']}={found['value']}" if found["kind"] else None
-    return {"nodeid": report.nodeid, "case": found["name"], "case_path": found["path"],
-            "device": found["device"], "dtype": found["dtype"], "variant": variant,
-            "launch_blocking": False, "outcome": "failed", "error_type": "WorkerCrash",
-            "message": str(report.longrepr), "max_abs": None, "max_rel": None,
-            "duration": round(report.duration, 6), "skip_reason": None, "triage": None,
-            "localized": None}
+    return {"case": found["name"], "case_path": found["path"], "device": found["device"],
+            "dtype": found["dtype"], "variant": variant, "launch_blocking": False}
+
+
+def stopped_record(nodeid: str, fields: Mapping[str, Any], outcome: str, message: str, *,
+                   error_type: str | None = None, duration: float = 0.0) -> dict[str, Any]:
+    """The record of an item that got no verdict: lost with an xdist worker (``failed``),
+    running when the run was cancelled (``interrupted``), or never started (``not run``)."""
+    record = {"nodeid": nodeid, **fields}
+    record.pop("packages", None)
+    record.update({"outcome": outcome, "error_type": error_type, "message": message,
+                   "max_abs": None, "max_rel": None, "duration": round(duration, 6),
+                   "skip_reason": None, "triage": None, "localized": None})
+    return record

@@ -49,7 +49,12 @@ class GpuCaseSession:
         return bool(self.settings["gpu_cases"])
 
     def environment(self, packages: tuple[str, ...] = ()) -> Environment:
-        """The session's environment snapshot, probed in a child on first use."""
+        """The session's environment snapshot, probed in a child on first use.
+
+        ``packages`` are looked up once each, where the requirements are evaluated (at
+        collection) and where the report is written (``record``: under xdist the
+        controller, whose interpreter and environment variables its workers share).
+        """
         from .environment import package_version, probe
 
         if self._env is None:
@@ -91,11 +96,14 @@ class GpuCaseSession:
         """
         import time
 
-        from .report import crash_record, result_record
+        from .report import crash_record, item_packages, result_record
 
         record = result_record(report) or crash_record(report)
         if record is None:
             return
+        packages = item_packages(report)
+        if packages:
+            self.environment(packages)
         self.results[report.nodeid] = record
         self._unwritten = True
         if time.monotonic() - self._written_at > REPORT_EVERY:
@@ -103,10 +111,11 @@ class GpuCaseSession:
 
     def build_report(self, *, complete: bool) -> dict[str, Any]:
         """The JSON report of what has finished so far."""
-        from .report import check_report, new_report
+        from .report import check_report, new_report, report_version
 
         report = new_report(self.environment().to_dict(), created=self.created)
         report["results"] = list(self.results.values())
+        report["version"] = report_version(report["results"])
         report["complete"] = complete
         check_report(report)   # a record that breaks the schema is a bug here, not in the file
         return report
@@ -190,9 +199,9 @@ REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
 
 
 def _now() -> str:
-    from datetime import datetime, timezone
+    from .report import now
 
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return now()
 
 
 session_key = pytest.StashKey[GpuCaseSession]()
@@ -277,11 +286,66 @@ class _Recorder:
         self._owner = 0
         self._previous: Any = None
         self._done: set[str] = set()   # items whose last report came (teardown, or xdist's crash)
+        self._running: dict[str, float] = {}  # started, not finished (one per xdist worker)
+        self._interrupt: str | None = None    # what stopped the run, as pytest printed it
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        import time
+
+        self._running[nodeid] = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
         self.state.record(report)
         if report.when in ("teardown", "???"):
             self._done.add(report.nodeid)
+            self._running.pop(report.nodeid, None)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # A bare KeyboardInterrupt is what Python raises for SIGINT.
+        self._interrupt = str(excinfo.value) or "SIGINT (Ctrl-C)"
+
+    def _record_unfinished(self, session: pytest.Session, complete: bool) -> None:
+        """Record what a run that stopped early did not finish, so that the matrix has a
+        row for it: the items that were running as ``interrupted`` (the case that hung a
+        cancelled job is the one to see), and the case items never started as ``not run``.
+
+        An item running is known from its start (under xdist, the controller hears of
+        each worker's); one not started only where this process collected it (not on an
+        xdist controller, which has no items: there the unstarted are left out).
+        """
+        import time
+
+        from .report import nodeid_fields, property_value, stopped_record
+
+        stopped = session.shouldfail or session.shouldstop
+        if complete or session.config.option.collectonly or not (
+                self._interrupt or stopped or self._running):
+            return   # nothing stopped a run (--collect-only, inline_genitems): none to record
+        items = {item.nodeid: item for item in session.items}
+
+        def fields(nodeid: str) -> dict[str, Any] | None:
+            item = items.get(nodeid)
+            if item is None:
+                return nodeid_fields(nodeid)
+            for name, value in item.user_properties:
+                if name == "gpucase":
+                    found: dict[str, Any] = property_value(value)
+                    return found
+            return None
+
+        why = self._interrupt or "the run was stopped"
+        for nodeid, started in self._running.items():
+            if nodeid in self.state.results or (spec := fields(nodeid)) is None:
+                continue
+            self.state.results[nodeid] = stopped_record(
+                nodeid, spec, "interrupted", why, duration=time.monotonic() - started)
+        stop = (f"the run was interrupted before it started: {why}" if self._interrupt
+                else f"the run stopped before it started ({stopped or 'it ended early'})")
+        for nodeid, item in items.items():
+            if nodeid in self.state.results or nodeid in self._done or nodeid in self._running:
+                continue
+            if (spec := fields(nodeid)) is not None and hasattr(item, "spec"):
+                self.state.results[nodeid] = stopped_record(nodeid, spec, "not run", stop)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         import os
@@ -304,7 +368,10 @@ class _Recorder:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
-        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})")
+        # Under xdist the items run on the workers; the controller heard which had started.
+        running = ", ".join(self._running)
+        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})"
+                                + (f" while {running} ran" if running else ""))
 
     # While a case runs, isolation's own handler ends the run (and names it) instead of this one.
     _terminate.gpucase_interrupts = True  # type: ignore[attr-defined]
@@ -320,6 +387,7 @@ class _Recorder:
         # first and the controller ended "normally" without the item they were running.
         complete = (session.exitstatus != pytest.ExitCode.INTERRUPTED
                     and len(self._done) >= session.testscollected)
+        self._record_unfinished(session, complete)
         self.state.write_report(complete=complete)
         self.state._finished = True
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:

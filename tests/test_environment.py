@@ -15,6 +15,8 @@ import torch
 from pytest_gpucase.environment import (
     Device,
     Environment,
+    call_distributions,
+    canonical_name,
     dnn_library,
     git_revision,
     launch_blocking_env,
@@ -238,3 +240,35 @@ def test_the_snapshot_crosses_process_and_file_boundaries() -> None:
 ])
 def test_launch_blocking_env(backend: str, variables: dict[str, str]) -> None:
     assert launch_blocking_env(backend) == variables
+
+
+def install_fake_distribution(site: Path, name: str, version: str, module: str) -> Path:
+    """A distribution as pip leaves it (dist-info with top_level.txt), without pip."""
+    (site / module).mkdir(parents=True, exist_ok=True)
+    (site / module / "__init__.py").write_text("def pool(x, mask):\n    return x\n")
+    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    (info / "top_level.txt").write_text(module + "\n")
+    return site
+
+
+def test_the_distribution_a_call_imports_is_found_without_importing_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    site = install_fake_distribution(tmp_path / "site", "Tiny-Ext", "1.0", "tinyext")
+    assert call_distributions("tinyext:pool") == ()   # not on sys.path yet
+    monkeypatch.syspath_prepend(str(site))
+    # the cache is per sys.path: a changed path is read again
+    assert call_distributions("tinyext:pool") == ("Tiny-Ext",)
+    assert call_distributions("tinyext.sub.mod:pool") == ("Tiny-Ext",)
+    assert "tinyext" not in sys.modules   # looked up in metadata, never imported
+    assert call_distributions("pytest:main") == ("pytest",)
+    for call in ("case.py:run", "helpers/ops.py:run",   # the case's own file
+                 "os.path:join", "json:loads",          # the standard library
+                 "torch.nn.functional:cross_entropy",   # recorded already
+                 "pytest_gpucase.capture:replay_module",  # the writer, recorded as gpucase
+                 "not_installed_anywhere:f"):           # the project's own, or nothing
+        assert call_distributions(call) == (), call
+    assert canonical_name("Flash_Attn") == canonical_name("flash.attn") == "flash-attn"

@@ -249,8 +249,16 @@ def test_a_run_stopped_early_is_not_complete(pytester: pytest.Pytester, args: li
                                            "--gpu-cases-report", str(path), "cases")
     assert result.ret in (pytest.ExitCode.TESTS_FAILED, pytest.ExitCode.INTERRUPTED)  # xdist: 2
     report = load_report(path)
-    assert len(report["results"]) < 4
+    ran = [r for r in report["results"] if r["outcome"] != "not run"]
+    assert len(ran) < 4
     assert report["complete"] is False
+    # Serially, the items -x left unstarted are recorded as such (the matrix has their rows);
+    # an xdist controller collects nothing and cannot name them.
+    not_run = [r for r in report["results"] if r["outcome"] == "not run"]
+    assert len(not_run) == (4 - len(ran) if "-x" in args else 0)
+    assert all(r["message"] == "the run stopped before it started (stopping after 1 failures)"
+               for r in not_run)
+    assert report["version"] == (2 if not_run else 1)
     # and a run that ends on its own is complete, failures or not
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-n", "2",
                                            "--gpu-cases-report", str(path), "cases")
@@ -274,7 +282,14 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     assert result.ret == pytest.ExitCode.INTERRUPTED
     report = load_report(path)
     assert report["complete"] is False
-    assert [r["case"] for r in report["results"]] == ["a_first"]
+    # The case that was running is recorded as interrupted, the one never started as not run.
+    assert [(r["case"], r["outcome"]) for r in report["results"]] == [
+        ("a_first", "passed"), ("b_stop", "interrupted"), ("c_never", "not run")]
+    stopped, never = report["results"][1:]
+    assert stopped["message"] == "SIGINT (Ctrl-C)"
+    assert never["message"] == "the run was interrupted before it started: SIGINT (Ctrl-C)"
+    assert (stopped["device"], stopped["dtype"], stopped["case_path"]) == (
+        "cpu", "float32", "cases/b_stop")
     json.dumps(report)  # plain JSON all the way down
 
 
@@ -300,7 +315,9 @@ def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session(
     assert result.ret == pytest.ExitCode.INTERRUPTED
     result.stdout.fnmatch_lines(["*Interrupted: interrupted (SIGINT)*"])
     assert load_report(path)["complete"] is False
-    assert load_report(path)["results"] == []  # the case never ran
+    # the case never ran, and the report says so
+    assert [(r["case"], r["outcome"], r["message"]) for r in load_report(path)["results"]] == [
+        ("z_never", "not run", "the run was interrupted before it started: interrupted (SIGINT)")]
 
 
 def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) -> None:
@@ -436,9 +453,17 @@ def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pyteste
     assert process.returncode == pytest.ExitCode.INTERRUPTED, output
     report = load_report(path)
     assert report["complete"] is False
-    assert sorted(r["nodeid"] for r in report["results"]) == [
+    finished = [r for r in report["results"] if r["case"] != "z_slow"]
+    assert sorted(r["nodeid"] for r in finished) == [
         f"cases/{name}/case.toml::{name}[cpu-float32]" for name in ("a1", "a2", "a3", "a4")]
-    assert {r["outcome"] for r in report["results"]} == {"passed"}
+    assert {r["outcome"] for r in finished} == {"passed"}
+    # The case the cancel stopped is in the report, and the interrupt names it.
+    slow = "cases/z_slow/case.toml::z_slow[cpu-float32]"
+    (interrupted,) = [r for r in report["results"] if r["case"] == "z_slow"]
+    assert (interrupted["nodeid"], interrupted["outcome"]) == (slow, "interrupted")
+    assert interrupted["message"] == (f"pytest received SIGTERM while a case ran ({slow}); the "
+                                      "run's processes were killed")
+    assert interrupted["message"] in output
 
 
 def test_an_item_lost_with_a_crashed_xdist_worker_is_recorded(pytester: pytest.Pytester) -> None:
@@ -466,3 +491,79 @@ def test_child_text_cannot_drive_the_terminal(pytester: pytest.Pytester) -> None
     text = result.stdout.str()
     assert "\x1b" not in text and "\x07" not in text and "\x00" not in text
     result.stdout.fnmatch_lines_random(["cleared red", "bell\\x07  up", "*boom  blink \\x00 nul*"])
+
+
+def test_the_report_records_the_packages_its_cases_use_serial_or_xdist(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under -n 2 environment.packages was {} (the workers evaluated [matrix.packages], the
+    controller wrote the report), and a call's own package was never recorded: runs against
+    tinyext 1.0 and 2.0 merged into one column and the 1.0 failures disappeared."""
+    import torch
+
+    from pytest_gpucase.report import build_matrix
+
+    from .test_environment import install_fake_distribution
+    from .test_plugin import write_case
+
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    # one case names the extension in [matrix.packages], one only calls into it
+    write_case(pytester.path, "declared", 'format = 1\ncall = "tinyext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n[matrix.packages]\ntinyext = ">=1.0"\n', None, inputs)
+    write_case(pytester.path, "called", 'format = 1\ncall = "tinyext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n', None, inputs)
+    reports = {}
+    for version in ("1.0", "2.0"):
+        site = install_fake_distribution(pytester.path / f"site-{version}", "tinyext", version,
+                                         "tinyext")
+        monkeypatch.setenv("PYTHONPATH", str(site))
+        # serially, the case that only calls into it
+        report = run_with_report(pytester, "-p", "no:benchmark", "-k", "called")
+        assert report["environment"]["packages"] == {"tinyext": version}
+        assert "packages" not in report["results"][0]   # the environment's, not the item's
+        # under xdist, both: the controller writes what its workers' items depend on
+        report = run_with_report(pytester, "-p", "no:benchmark", "-n", "2")
+        assert report["environment"]["packages"] == {"tinyext": version}
+        assert len(report["results"]) == 2
+        reports[version] = report
+    matrix = build_matrix([reports["1.0"], reports["2.0"]], detail=False, names=["a", "b"])
+    assert [column.label for column in matrix.columns] == ["tinyext 1.0", "tinyext 2.0"]
+
+
+def test_a_cancel_under_xdist_records_the_item_a_worker_was_running(
+        pytester: pytest.Pytester) -> None:
+    """The controller runs no item, but it hears of each one a worker starts: the case that
+    hung the cancelled job is in the report (it was absent) and the interrupt names it."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    ce_case(pytester.path, "a_fast", [0, 2, 4], RAISES)
+    started = pytester.path / "slow-started"
+    _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
+                 f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
+    path = pytester.path / "report.json"
+    process = subprocess.Popen(
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
+         "-p", "no:randomly", "-n", "1", "--gpu-cases", "--gpu-devices", "cpu",
+         "--gpu-cases-report", str(path), "cases"],
+        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
+        while not started.exists():
+            assert process.poll() is None, process.communicate()[0]
+            assert time.monotonic() < deadline, "the slow case never started"
+            time.sleep(0.2)
+        process.send_signal(signal.SIGTERM)
+        output, _ = process.communicate(timeout=300)
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+    report = load_report(path)
+    assert report["complete"] is False and report["version"] == 2
+    slow = "cases/z_slow/case.toml::z_slow[cpu-float32]"
+    by_id = {r["nodeid"]: r for r in report["results"]}
+    assert by_id["cases/a_fast/case.toml::a_fast[cpu-float32]"]["outcome"] == "passed"
+    assert (by_id[slow]["case"], by_id[slow]["outcome"]) == ("z_slow", "interrupted")
+    assert by_id[slow]["message"] == f"terminated by signal 15 (SIGTERM) while {slow} ran", output

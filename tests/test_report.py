@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 
+import pytest_gpucase
 from pytest_gpucase.cli import main
 from pytest_gpucase.environment import Device, Environment
 from pytest_gpucase.report import (
@@ -30,6 +31,8 @@ from pytest_gpucase.report import (
     describe_environment,
     load_report,
     new_report,
+    report_version,
+    same_environment,
     render_html,
     render_json,
     render_markdown,
@@ -51,9 +54,13 @@ ASSERT = "CUDA error: device-side assert triggered"
 LEGEND = (
     "✅ pass: every run on this device type ran and passed · "
     "❌ fail: a run failed, errored, or passed although marked as a known failure · "
+    "🔀 flaky: a run failed in one report of this environment and passed in another; the note "
+    "names them · "
     "⚠️ xfail: a known failure (xfail in case.toml) still fails here · "
     "⏭️ skipped: every run on this device type was skipped; the note says why · "
-    "— not run: no report holds a run of this case on this device type here"
+    "⏹️ interrupted: the run was cancelled while this ran: no verdict · "
+    "— not run: no report holds a run of this case on this device type here, or its run "
+    "stopped before it started"
 )
 
 
@@ -134,7 +141,9 @@ def two_runners(tmp_path: Path) -> list[Path]:
 def test_new_report_starts_an_unfinished_run_in_the_environment() -> None:
     report = new_report(A100)
     assert report["schema"] == SCHEMA == "pytest-gpucase/report"
-    assert report["version"] == VERSION == 1
+    # The lowest version that holds it (1, readable by older readers); this reader reads 2.
+    assert report["version"] == 1 and VERSION == 2
+    assert report["gpucase"] == pytest_gpucase.__version__
     assert report["created"].endswith("+00:00")
     assert report["environment"] == A100
     assert report["results"] == []
@@ -208,10 +217,13 @@ def _set(key: str, value: Any) -> Callable[[], str]:
      'not a pytest-gpucase report: "schema" is missing, expected "pytest-gpucase/report"'),
     (_set("schema", "junit"),
      'not a pytest-gpucase report: "schema" is "junit", expected "pytest-gpucase/report"'),
-    (_set("version", 2),
-     ("report version 2 is newer than this pytest-gpucase reads (up to 1); "
+    (_set("version", 3),
+     ("report version 3 is newer than this pytest-gpucase reads (up to 2); "
      "upgrade pytest-gpucase")),
-    (_set("version", 0), "version: 0 is not a report version this pytest-gpucase reads (1 to 1)"),
+    (_set("version", 0), "version: 0 is not a report version this pytest-gpucase reads (1 to 2)"),
+    (_edit(lambda r: r["results"][1].update(outcome="interrupted")),
+     'results[1].outcome: "interrupted" needs report version 2; write "version": 2'),
+    (_set("gpucase", 1), "gpucase: expected a string, found a number"),
     (_set("version", "1"), "version: expected an integer, found a string"),
     (_edit(lambda r: r.pop("results")), 'missing key "results"'),
     (_edit(lambda r: r.pop("complete")), 'missing key "complete"'),
@@ -225,7 +237,7 @@ def _set(key: str, value: Any) -> Callable[[], str]:
     (_edit(lambda r: r["results"][1].pop("outcome")), 'results[1]: missing key "outcome"'),
     (_edit(lambda r: r["results"][1].update(outcome="broken")),
      ('results[1].outcome: "broken" is not one of passed, failed, skipped, xfailed, xpassed, '
-     "error")),
+     "error, interrupted, not run")),
     (_edit(lambda r: r["results"][0].update(duration="fast")),
      "results[0].duration: expected a number, found a string"),
     (_edit(lambda r: r["results"][0].update(max_abs="big")),
@@ -309,11 +321,19 @@ def test_reports_of_one_environment_share_a_column_and_the_later_wins(tmp_path: 
     assert column.sources == ("shard1.json", "shard2.json")
     assert column.created == "2026-12-02T17:00:00+00:00"
     assert column.complete is False
+    # The later run passed, the earlier failed: the cell says flaky (it read "pass"), and
+    # shows the later run's outcome in its counts.
     assert [(row.label, row.cells[0].status) for row in matrix.rows] == [
-        ("ce_class4", "pass"), ("label_map", "xfail")]
+        ("ce_class4", "flaky"), ("label_map", "xfail")]
+    assert matrix.rows[0].cells[0].counts == {"passed": 1}
+    assert matrix.rows[0].cells[0].reasons == (
+        "flaky: cuda-float32: failed in shard1.json; passed in shard2.json (failure: flaky)",)
     assert matrix.notes == (
         ("shard1.json, shard2.json come from one environment and share a column; 1 item ran in "
-        "more than one of them: the result of the report created later is shown."),)
+         "more than one of them: the result of the report created later is shown; the outcomes "
+         "of 1 item differed between them, marked in the cells: cuda-float32 of ce_class4: "
+         "failed in shard1.json; passed in shard2.json (failure: flaky); 1 item is only in an "
+         "older report and shown from it."),)
 
 
 def test_markdown_table_cells_and_footnotes(two_runners: list[Path]) -> None:
@@ -722,8 +742,9 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
         ("reason-3", "xfail: label mapping not fixed yet"),
         ("reason-4", "error: run crashed with signal 11 (SIGSEGV)"),
     ]
-    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:5]
-    assert legend == ["✓ pass", "✗ fail", "⚠ xfail", "↷ skipped", "— not run"]
+    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:7]
+    assert legend == ["✓ pass", "✗ fail", "≠ flaky", "⚠ xfail", "↷ skipped", "■ interrupted",
+                      "— not run"]
 
     shot = tmp_path / "matrix.png"
     _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
@@ -739,7 +760,7 @@ def test_the_shipped_schema_is_the_one_the_docs_point_at() -> None:
     docs = (Path(__file__).parent.parent / "docs" / "report-schema.md").read_text("utf-8")
     assert "pytest_gpucase/report_schema.json" in docs
     assert schema["properties"]["schema"]["const"] == SCHEMA
-    assert schema["properties"]["version"]["const"] == VERSION
+    assert schema["properties"]["version"]["enum"] == list(range(1, VERSION + 1))
     for name in ("environment", "result"):
         for key in schema["$defs"][name]["required"]:
             assert f"| `{key}` |" in docs or f"`{key}`" in docs, key
@@ -779,3 +800,163 @@ def test_step_summary_of_a_run_outside_the_rootdir(pytester: pytest.Pytester,
               if line.startswith("- ")]
     assert line.startswith("- `cases/bom/case.toml::bom`: cases/bom/case.toml: ")
     assert str(pytester.path) not in line
+
+
+# --- which reports share an environment, and how their items merge ---------------------------
+
+
+def _env(**packages: str | None) -> dict[str, Any]:
+    return environment("2.4.0+cu124", "12.4", None, "NVIDIA H100 80GB HBM3", "9.0",
+                       packages=dict(packages))
+
+
+def _one(path: Path, env: dict[str, Any], outcome: str, created: str, case: str = "pool",
+         **fields: Any) -> dict[str, Any]:
+    return load_report(report_file(path, env, [result(case, "cuda", "float32", outcome,
+                                                      **fields)], created=created))
+
+
+def test_a_package_only_one_report_names_is_unknown_there_not_different(tmp_path: Path) -> None:
+    """Shards of one runner: only shard 1's cases ask about tinyext. They are one column (it
+    was two, a checkerboard of "not run"), named with the version shard 1 found."""
+    shard1 = _one(tmp_path / "shard-1.json", _env(tinyext="2.0"), "passed",
+                  "2026-12-02T16:00:00+00:00")
+    shard2 = _one(tmp_path / "shard-2.json", _env(), "passed", "2026-12-02T16:00:01+00:00",
+                  case="plain")
+    assert same_environment(shard1["environment"], shard2["environment"])
+    matrix = build_matrix([shard1, shard2], detail=False, names=["shard-1.json", "shard-2.json"])
+    (column,) = matrix.columns
+    assert column.sources == ("shard-1.json", "shard-2.json")
+    assert column.environment["packages"] == {"tinyext": "2.0"}
+    assert column.description.endswith("· tinyext 2.0")
+    assert [(row.label, row.cells[0].status) for row in matrix.rows] == [
+        ("plain", "pass"), ("pool", "pass")]
+    # no item in both: nothing was replaced, nothing is called older
+    assert matrix.notes == ("shard-1.json, shard-2.json come from one environment and share a "
+                            "column.",)
+
+
+def test_a_package_both_name_at_other_versions_splits_the_column(tmp_path: Path) -> None:
+    """tinyext 1.0 fails, 2.0 passes: two columns, the failure shown (it merged into a pass)."""
+    old = _one(tmp_path / "1.0.json", _env(tinyext="1.0"), "failed", "2026-12-02T16:00:00+00:00",
+               message="wrong mean")
+    new = _one(tmp_path / "2.0.json", _env(Tinyext="2.0"), "passed", "2026-12-02T16:00:01+00:00")
+    assert not same_environment(old["environment"], new["environment"])
+    matrix = build_matrix([old, new], detail=False, names=["1.0.json", "2.0.json"])
+    assert [column.label for column in matrix.columns] == ["tinyext 1.0", "Tinyext 2.0"]
+    assert [cell.status for cell in matrix.rows[0].cells] == ["fail", "pass"]
+    # names compare as pip compares them
+    assert same_environment(_env(flash_attn="2.6.3"), _env(**{"Flash-Attn": "2.6.3"}))
+    assert not same_environment(_env(flash_attn="2.6.3"), _env(**{"flash-attn": None}))
+
+
+def test_a_report_that_cannot_tell_two_columns_apart_gets_its_own(tmp_path: Path) -> None:
+    one = _one(tmp_path / "a.json", _env(tinyext="1.0"), "failed", "2026-12-02T16:00:00+00:00")
+    two = _one(tmp_path / "b.json", _env(tinyext="2.0"), "passed", "2026-12-02T16:00:00+00:00")
+    neither = _one(tmp_path / "c.json", _env(), "passed", "2026-12-02T16:00:00+00:00",
+                   case="plain")
+    for order in ([one, two, neither], [neither, two, one]):
+        names = ["a.json", "b.json", "c.json"] if order[0] is one else [
+            "c.json", "b.json", "a.json"]
+        matrix = build_matrix(order, detail=False, names=names)
+        assert sorted(column.sources for column in matrix.columns) == [
+            ("a.json",), ("b.json",), ("c.json",)]
+        assert matrix.notes == (
+            "c.json does not name tinyext, which tells apart the environments it would "
+            "otherwise share a column with: it has a column of its own.",)
+
+
+def test_a_key_a_newer_writer_adds_to_the_environment_does_not_split_it(tmp_path: Path) -> None:
+    """The schema lets a writer add keys: one environment read as two columns, with equal
+    descriptions and no word why. Only the identity keys compare; the writers are named."""
+    old = load_report(report_file(tmp_path / "old.json", _env(), [
+        result("pool", "cuda", "float32", "passed")], created="2026-12-02T16:00:00+00:00"))
+    old.pop("gpucase")   # as an older writer left it
+    new = _one(tmp_path / "new.json", {**_env(), "driver": "550.54"}, "passed",
+               "2026-12-02T17:00:00+00:00")
+    new["gpucase"] = "0.2.0"
+    assert same_environment(old["environment"], new["environment"])
+    matrix = build_matrix([new, old], detail=False, names=["new.json", "old.json"])
+    (column,) = matrix.columns
+    assert column.sources == ("old.json", "new.json")
+    assert matrix.notes[0].endswith(
+        "; they were written by different versions of pytest-gpucase: an older one (old.json), "
+        "0.2.0 (new.json).")
+    # a key every version-1 report has still tells environments apart
+    assert not same_environment(_env(), {**_env(), "revision": "0000000"})
+
+
+def test_reports_started_at_the_same_moment_merge_whatever_their_order(tmp_path: Path) -> None:
+    """Equal created times: the file named last won, while the note claimed "created later".
+    Now the worse outcome is shown, in either order, and the note says why."""
+    failed = _one(tmp_path / "try-1.json", _env(), "failed", "2026-12-02T16:00:00+00:00",
+                  message="off by 0.5")
+    passed = _one(tmp_path / "try-2.json", _env(), "passed", "2026-12-02T16:00:00+00:00")
+    forward = build_matrix([failed, passed], detail=False, names=["try-1.json", "try-2.json"])
+    backward = build_matrix([passed, failed], detail=False, names=["try-2.json", "try-1.json"])
+    assert render_markdown(forward) == render_markdown(backward)
+    cell = forward.rows[0].cells[0]
+    assert (cell.status, cell.counts) == ("fail", {"failed": 1})
+    assert cell.reasons == (
+        "flaky: cuda-float32: failed in try-1.json; passed in try-2.json (failure: off by 0.5)",
+        "failed: off by 0.5")
+    assert forward.notes[0].endswith(
+        "; try-1.json, try-2.json were started at the same moment, so which ran later is "
+        "unknown: for an item in more than one of them the worse outcome is shown (a failure "
+        "before a pass), whatever the order of the files.")
+
+
+def test_a_pass_then_a_failure_is_a_failure_that_says_it_passed_before(tmp_path: Path) -> None:
+    passed = _one(tmp_path / "a.json", _env(), "passed", "2026-12-02T16:00:00+00:00")
+    failed = _one(tmp_path / "b.json", _env(), "failed", "2026-12-02T16:00:00.5+00:00",
+                  message="race")
+    skipped = _one(tmp_path / "c.json", _env(), "skipped", "2026-12-02T16:00:01+00:00",
+                   case="other", skip_reason="no CUDA device here")
+    matrix = build_matrix([passed, failed, skipped], detail=False,
+                          names=["a.json", "b.json", "c.json"])
+    pool = next(row for row in matrix.rows if row.label == "pool")
+    assert pool.cells[0].status == "fail"
+    assert pool.cells[0].reasons[0] == ("flaky: cuda-float32: passed in a.json; failed in "
+                                        "b.json (failure: race)")
+    text = render_markdown(matrix)
+    assert "| pool | ❌ cuda: fail[^2],[^3] |" in text   # [^1] is the other row's skip
+    assert "[^2]: flaky: cuda-float32: passed in a.json; failed in b.json (failure: race)" in text
+
+
+def test_a_run_cut_short_shows_the_interrupted_and_unstarted_items(tmp_path: Path) -> None:
+    report = new_report(_env())
+    report["results"] = [
+        result("a_fast", "cuda", "float32", "passed"),
+        result("b_hangs", "cuda", "float32", "interrupted",
+               message="pytest received SIGTERM while a case ran (cases/b_hangs::b_hangs"
+                       "[cuda-float32]); the run's processes were killed"),
+        result("c_later", "cuda", "float32", "not run",
+               message="the run was interrupted before it started: terminated"),
+    ]
+    assert report_version(report["results"]) == 2
+    assert report_version(report["results"][:1]) == 1
+    report["version"] = 2
+    write_report(tmp_path / "r.json", report)
+    matrix = build_matrix([load_report(tmp_path / "r.json")], detail=False, names=["r.json"])
+    assert [(row.label, row.cells[0].status) for row in matrix.rows] == [
+        ("a_fast", "pass"), ("b_hangs", "interrupted"), ("c_later", "not run")]
+    text = render_markdown(matrix)
+    assert "| b_hangs | ⏹️ cuda: interrupted[^1] |" in text
+    assert "| c_later | — cuda: not run[^2] |" in text
+    assert "■ cuda: interrupted" in render_html(matrix)
+    summary = step_summary(load_report(tmp_path / "r.json"))
+    assert summary.startswith("### pytest-gpucase: ⚠️ 1 interrupted, 1 passed, 1 not run")
+    # a "not run" never hides a run that happened: a rerun's report is merged with it
+    rerun = _one(tmp_path / "older.json", _env(), "passed", "2026-12-01T16:00:00+00:00",
+                 case="c_later")
+    merged = build_matrix([load_report(tmp_path / "r.json"), rerun], detail=False,
+                          names=["r.json", "older.json"])
+    assert [(row.label, row.cells[0].status) for row in merged.rows][-1] == ("c_later", "pass")
+
+
+def test_created_is_written_to_the_microsecond() -> None:
+    from datetime import datetime
+
+    created = new_report(_env())["created"]
+    assert datetime.fromisoformat(created).tzinfo is not None
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00", created)
