@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 import json
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -415,29 +419,12 @@ def test_report_keeps_the_time_the_session_started(pytester: pytest.Pytester) ->
     assert load_report(path)["created"] == "2026-12-02T16:00:00+00:00"
 
 
-def _marker_case(root: Path, name: str, body: str) -> None:
-    from .test_plugin import write_case
-
-    write_case(root, name, 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
-               '[matrix]\ndevices = ["cpu"]\n', body)
-
-
-def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pytester) -> None:
-    import signal
-    import subprocess
-    import sys
-    import time
-
-    for name in ("a1", "a2", "a3", "a4"):
-        ce_case(pytester.path, name, [0, 2, 4], RAISES)
-    started = pytester.path / "slow-started"
-    _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
-                 f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
-    path = pytester.path / "report.json"
+def _terminated_once_started(cwd: Path, started: Path, *args: str) -> tuple[int, str]:
+    """Run pytest with ``args``, send it SIGTERM once ``started`` exists (a slow case wrote
+    it), as a cancelled CI job does; its exit status and output."""
     process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
-         "--gpu-cases", "--gpu-devices", "cpu", "--gpu-cases-report", str(path), "cases"],
-        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark", *args],
+        cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
         while not started.exists():
@@ -450,7 +437,28 @@ def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pyteste
         if process.poll() is None:
             process.kill()
             process.wait()
-    assert process.returncode == pytest.ExitCode.INTERRUPTED, output
+    return process.returncode, output
+
+
+def _marker_case(root: Path, name: str, body: str) -> None:
+    from .test_plugin import write_case
+
+    write_case(root, name, 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
+               '[matrix]\ndevices = ["cpu"]\n', body)
+
+
+def test_sigterm_leaves_a_report_of_every_finished_item(pytester: pytest.Pytester) -> None:
+
+    for name in ("a1", "a2", "a3", "a4"):
+        ce_case(pytester.path, name, [0, 2, 4], RAISES)
+    started = pytester.path / "slow-started"
+    _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
+                 f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
+    path = pytester.path / "report.json"
+    returncode, output = _terminated_once_started(
+        pytester.path, started, "--gpu-cases", "--gpu-devices", "cpu",
+        "--gpu-cases-report", str(path), "cases")
+    assert returncode == pytest.ExitCode.INTERRUPTED, output
     report = load_report(path)
     assert report["complete"] is False
     finished = [r for r in report["results"] if r["case"] != "z_slow"]
@@ -533,33 +541,15 @@ def test_a_cancel_under_xdist_records_the_item_a_worker_was_running(
         pytester: pytest.Pytester) -> None:
     """The controller runs no item, but it hears of each one a worker starts: the case that
     hung the cancelled job is in the report (it was absent) and the interrupt names it."""
-    import signal
-    import subprocess
-    import sys
-    import time
 
     ce_case(pytester.path, "a_fast", [0, 2, 4], RAISES)
     started = pytester.path / "slow-started"
     _marker_case(pytester.path, "z_slow", f"import pathlib, time\n\ndef run():\n"
                  f"    pathlib.Path({str(started)!r}).write_text('x')\n    time.sleep(600)\n")
     path = pytester.path / "report.json"
-    process = subprocess.Popen(
-        [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
-         "-p", "no:randomly", "-n", "1", "--gpu-cases", "--gpu-devices", "cpu",
-         "--gpu-cases-report", str(path), "cases"],
-        cwd=pytester.path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
-        while not started.exists():
-            assert process.poll() is None, process.communicate()[0]
-            assert time.monotonic() < deadline, "the slow case never started"
-            time.sleep(0.2)
-        process.send_signal(signal.SIGTERM)
-        output, _ = process.communicate(timeout=300)
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+    _, output = _terminated_once_started(
+        pytester.path, started, "-p", "no:randomly", "-n", "1", "--gpu-cases", "--gpu-devices",
+        "cpu", "--gpu-cases-report", str(path), "cases")
     report = load_report(path)
     assert report["complete"] is False and report["version"] == 2
     slow = "cases/z_slow/case.toml::z_slow[cpu-float32]"
