@@ -89,7 +89,7 @@ class CaseFile(pytest.File):
         from .case import load_case
         from .errors import CaseFormatError
         from .backends import run_backend
-        from .plan import expand, saved_dtype
+        from .plan import expand, one_dtype_without_floats, saved_dtype
 
         state = self.config.stash[session_key]
         case_dir = self.path.parent
@@ -106,7 +106,7 @@ class CaseFile(pytest.File):
                 dtypes=state.settings["gpu_dtypes"],
                 launch_blocking=state.settings["gpu_launch_blocking"],
             )
-            specs = _one_dtype_without_floats(case, specs)
+            specs = one_dtype_without_floats(case, specs)
         except Exception as exc:  # whatever the files hold: one failed item, the session goes on
             from .case import CASE_FILE, case_name
             from .errors import display
@@ -160,34 +160,6 @@ def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]
     if parent_id is None or not hasattr(parent_id, "with_params"):
         return {}
     return {"nodeid": parent_id.child(name).with_params(params)}
-
-
-def _one_dtype_without_floats(case: Case, specs: list[RunSpec]) -> list[RunSpec]:
-    """A case with no floating input runs in its first dtype only; its other ``[matrix] dtypes``
-    items are skipped, saying why.
-
-    A dtype run casts the floating inputs and nothing else: with integer (or bool) inputs
-    alone, a ``bfloat16`` item would run the very ``float32`` computation again and the report
-    would record a bfloat16 pass that never computed in bfloat16.
-    """
-    from .case import INPUTS_FILE
-    from .errors import CaseFormatError
-    from .plan import saved_dtype
-
-    if not specs or not case.matrix.dtypes or len(case.matrix.dtypes) < 2:
-        return specs
-    try:
-        if saved_dtype(case):
-            return specs
-    except CaseFormatError:
-        return specs  # a payload that cannot be read: each run says so
-    first = specs[0].dtype
-    held = (f"{INPUTS_FILE} holds no floating tensor" if case.inputs_file.exists()
-            else f"the case has no {INPUTS_FILE}")
-    return [spec if spec.dtype == first or spec.skip is not None else replace(
-                spec, skip=f"no floating input to cast to {spec.dtype} ({held}): this run would "
-                f"repeat the {first} run; list one dtype in [matrix] dtypes")
-            for spec in specs]
 
 
 def _case_runs(case: Case, saved: str | None) -> str:

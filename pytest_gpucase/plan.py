@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
@@ -248,6 +248,32 @@ def expand(
                   for dtype in case_dtypes for variant in variants]
     return specs
 
+
+def one_dtype_without_floats(case: Case, specs: list[RunSpec]) -> list[RunSpec]:
+    """A case with no floating input runs in its first dtype only; its other ``[matrix] dtypes``
+    items are skipped, saying why.
+
+    A dtype run casts the floating inputs and nothing else: with integer (or bool) inputs
+    alone, a ``bfloat16`` item would run the very ``float32`` computation again and the report
+    would record a bfloat16 pass that never computed in bfloat16.
+    """
+    from .case import INPUTS_FILE
+    from .errors import CaseFormatError
+
+    if not specs or not case.matrix.dtypes or len(case.matrix.dtypes) < 2:
+        return specs
+    try:
+        if saved_dtype(case):
+            return specs
+    except CaseFormatError:
+        return specs  # a payload that cannot be read: each run says so
+    first = specs[0].dtype
+    held = (f"{INPUTS_FILE} holds no floating tensor" if case.inputs_file.exists()
+            else f"the case has no {INPUTS_FILE}")
+    return [spec if spec.dtype == first or spec.skip is not None else replace(
+                spec, skip=f"no floating input to cast to {spec.dtype} ({held}): this run would "
+                f"repeat the {first} run; list one dtype in [matrix] dtypes")
+            for spec in specs]
 
 def single_run(case: Case, env: Environment, device: str, dtype: str | None = None, *,
                launch_blocking: bool | None = None) -> RunSpec:
