@@ -212,7 +212,12 @@ def _distributions_by_module(path: tuple[str, ...]) -> Mapping[str, list[str]]:
     reading every installed distribution's metadata takes tens of milliseconds)."""
     from importlib import metadata
 
-    return metadata.packages_distributions()
+    try:
+        return metadata.packages_distributions()
+    except Exception:
+        # One installed distribution's unreadable metadata (a latin-1 METADATA, a RECORD row
+        # of four fields) must not end the run: no call package is recorded instead.
+        return {}
 
 
 def git_revision(rootdir: str | None) -> str | None:

@@ -272,3 +272,22 @@ def test_the_distribution_a_call_imports_is_found_without_importing_it(
                  "not_installed_anywhere:f"):           # the project's own, or nothing
         assert call_distributions(call) == (), call
     assert canonical_name("Flash_Attn") == canonical_name("flash.attn") == "flash-attn"
+
+
+def test_unreadable_metadata_of_some_distribution_records_no_call_package(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A latin-1 METADATA or a RECORD row of four fields somewhere on sys.path raised from
+    packages_distributions() for every item: INTERNALERROR, no result."""
+    from importlib import metadata
+
+    from pytest_gpucase import environment
+
+    def broken() -> dict[str, list[str]]:
+        raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")
+
+    monkeypatch.setattr(metadata, "packages_distributions", broken)
+    environment._distributions_by_module.cache_clear()
+    try:
+        assert call_distributions("tinyext:pool") == ()
+    finally:
+        environment._distributions_by_module.cache_clear()

@@ -267,15 +267,15 @@ def test_a_call_into_a_required_package_missing_here_is_a_note_not_a_problem(
         "cases/met/case.toml: call: module 'packaging.nope' is not importable here; install it, "
         "or correct the name"]
     assert notes == [
-        "cases/absent/case.toml: call: not checked here: requires gpucase-absent-ext>=2.0; "
-        "not installed",
-        "cases/absent_reference/case.toml: reference: not checked here: requires "
+        "cases/absent/case.toml: call and reference not checked here: requires "
+        "gpucase-absent-ext>=2.0; not installed",
+        "cases/absent_reference/case.toml: call and reference not checked here: requires "
         "gpucase-absent-ext>=2.0; not installed"]
     capsys.readouterr()
     assert main(["validate", "cases/absent"]) == 0
     assert capsys.readouterr().out == (
-        "cases/absent/case.toml: call: not checked here: requires gpucase-absent-ext>=2.0; not "
-        "installed\ngpucase validate: no problems in cases/absent\n")
+        "cases/absent/case.toml: call and reference not checked here: requires "
+        "gpucase-absent-ext>=2.0; not installed\ngpucase validate: no problems in cases/absent\n")
 
 
 def test_a_required_package_below_the_version_is_not_checked_either(
@@ -288,14 +288,19 @@ def test_a_required_package_below_the_version_is_not_checked_either(
     case("old", '[matrix.packages]\npackaging = ">=900"\n', code=None, call="packaging:newfeature")
     notes: list[str] = []
     assert validate([Path("cases")], notes) == []
-    assert notes == ["cases/old/case.toml: call: not checked here: requires packaging>=900; "
-                     "found 1.0"]
+    assert notes == ["cases/old/case.toml: call and reference not checked here: requires "
+                     "packaging>=900; found 1.0"]
 
 
-def test_a_module_named_unlike_its_package_is_matched_by_the_installed_distribution() -> None:
-    """``_pytest`` belongs to the distribution ``pytest``: a requirement on it covers the call."""
+def test_a_module_named_unlike_its_package_is_not_checked_either() -> None:
+    """``_pytest`` belongs to the distribution ``pytest``; flash-attn-3, not installed, provides
+    flash_attn_interface: an unmet requirement skips the whole case, whatever it imports."""
     case("renamed", '[matrix.packages]\npytest = ">=900"\n', code=None, call="_pytest.nope:run")
+    case("uninstalled", '[matrix.packages]\nflash-attn-3 = ">=3.0"\n', code=None,
+         call="flash_attn_interface:flash_attn_func")
     notes: list[str] = []
     assert validate([Path("cases")], notes) == []
-    assert notes == [f"cases/renamed/case.toml: call: not checked here: requires pytest>=900; "
-                     f"found {pytest.__version__}"]
+    assert notes == [f"cases/renamed/case.toml: call and reference not checked here: requires "
+                     f"pytest>=900; found {pytest.__version__}",
+                     "cases/uninstalled/case.toml: call and reference not checked here: requires "
+                     "flash-attn-3>=3.0; not installed"]
