@@ -554,7 +554,8 @@ class GpuCaseHandle:
         from .runner import run_spec
 
         env = self._state.environment(tuple(self.case.matrix.packages))
-        reason = evaluate(self.case.matrix, env) or device_skip(device.split(":")[0], env)
+        kind = device.split(":")[0]
+        reason = evaluate(self.case.matrix, env, kind) or device_skip(kind, env)
         if reason is not None:
             raise skip_here(reason)
         spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)

@@ -337,9 +337,15 @@ def test_gpu_case_run_skips_where_the_run_cannot_happen(pytester: pytest.Pyteste
         @pytest.mark.gpu_case("cases/ce_class4")
         def test_no_cuda(gpu_case):
             assert not gpu_case.run("cuda").failed
+
+        @pytest.mark.gpu_case("cases/needs_sm80")
+        def test_capability_is_the_gpu_runs(gpu_case):
+            assert not gpu_case.run("cpu").failed
     """)
+    # A compute capability holds back the accelerator runs only, as for the case's items.
+    ce_case(cases, "needs_sm80", [0, 2, 4], RAISES, top='[matrix]\ncapability = ">=8.0"')
     result = pytester.runpytest_subprocess("test_wrap.py", "-rs")
-    result.assert_outcomes(skipped=2)
+    result.assert_outcomes(skipped=2, passed=1)
     result.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] test_wrap.py:3: requires gpucase-absent-ext>=2.0; not installed",
         "SKIPPED [[]1[]] test_wrap.py:7: no CUDA device here (cpu backend): a CPU pass is a hint, "
