@@ -186,6 +186,8 @@ def _report_folder(path: Path | None) -> None:
     before anything runs, not an internal error at the first item's write."""
     if path is None:
         return
+    import tempfile
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
@@ -193,6 +195,13 @@ def _report_folder(path: Path | None) -> None:
         raise pytest.UsageError(f"--gpu-cases-report {display_posix(path)}: cannot make its "
                                 f"folder ({why or exc}); give a path in a folder you can "
                                 "write") from None
+    try:   # a folder that exists but holds no file (/proc, read-only): found before any run
+        with tempfile.NamedTemporaryFile(dir=path.parent, prefix=".gpucase-probe-"):
+            pass
+    except OSError as exc:
+        raise pytest.UsageError(f"--gpu-cases-report {display_posix(path)}: cannot write a "
+                                f"file in its folder ({exc.strerror or exc}); give a path in "
+                                "a folder you can write") from None
 
 
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:

@@ -131,8 +131,7 @@ class GpuCaseSession:
             try:
                 write_report(path, self.build_report(complete=complete))
             except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
-                note = (f"could not write the JSON report {path}: {exc.strerror or exc}; the "
-                        "run's results are unchanged")
+                note = f"could not write the JSON report {path}: {exc.strerror or exc}"
                 if note not in self.notes:
                     self.notes.append(note)
                 self.report_failed = True
@@ -390,6 +389,13 @@ class _Recorder:
         self._record_unfinished(session, complete)
         self.state.write_report(complete=complete)
         self.state._finished = True
+        if self.state.report_failed:
+            # Asked for and missing (or out of date): a CI job would go green and its runner's
+            # column drop out of the matrix without a word.
+            self.state.notes.append("the run fails: the JSON report --gpu-cases-report asked "
+                                    "for is missing or out of date")
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
         if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
             from .report import append_step_summary
 

@@ -209,6 +209,8 @@ def test_a_step_summary_that_cannot_be_written_changes_no_verdict(
                "folder/gpucase.json"),
     ("afile/r.json", "--gpu-cases-report afile/r.json: cannot make its folder (a file is in the "
                      "way); give a path in a folder you can write"),
+    ("/proc/r.json", "--gpu-cases-report /proc/r.json: cannot write a file in its folder (*); "
+                     "give a path in a folder you can write"),
 ])
 def test_a_report_path_that_cannot_hold_the_report_is_a_usage_error(
         pytester: pytest.Pytester, where: str, error: str) -> None:
@@ -217,7 +219,7 @@ def test_a_report_path_that_cannot_hold_the_report_is_a_usage_error(
     (pytester.path / "afile").write_text("")
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-report", where, "cases")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
-    assert f"ERROR: {error}" in result.stderr.lines, result.stderr.str()
+    result.stderr.fnmatch_lines([f"ERROR: {error}"])
     assert "INTERNALERROR" not in result.stderr.str() + result.stdout.str()
 
 
@@ -235,9 +237,13 @@ def test_a_report_that_cannot_be_written_any_more_is_a_note(pytester: pytest.Pyt
                                   "    return 1.0\n")
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-report", "out/r.json",
                                            "cases")
-    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
-    result.stdout.fnmatch_lines(["gpucase: could not write the JSON report out/r.json: File "
-                                 "exists; the run's results are unchanged"])
+    # Asked for and out of date: the run fails, saying why (a CI job went green).
+    assert result.ret == pytest.ExitCode.TESTS_FAILED, result.stdout.str()
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([
+        "gpucase: could not write the JSON report out/r.json: File exists",
+        "gpucase: the run fails: the JSON report --gpu-cases-report asked for is missing or out "
+        "of date"])
     assert "JSON report written" not in result.stdout.str()
 
 
