@@ -90,6 +90,9 @@ M = TypeVar("M", bound="torch.nn.Module")
 # Set in a replay's child so that a watched function imported there records nothing.
 REPLAY_ENV = "GPUCASE_REPLAY"
 DEFAULT_SNAPSHOT_LIMIT = 256 * 2**20
+# Host inputs copied before each call from this size up are named once (the copy is paid at
+# every step of a loop that never fails).
+_HOST_COPY_NOTE = 64 * 2**20
 # A "gpucase: saved" line shows the case's size from this size on.
 _SHOWN_SIZE = 2**20
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
@@ -170,6 +173,7 @@ class _Inputs:
     problems: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()  # changed in place by the failing call, saved as changed
+    shared: tuple[str, ...] = ()   # "buf, view": arguments sharing memory, held apart in a case
 
 
 @dataclass(frozen=True)
@@ -496,6 +500,14 @@ class Recorder:
                     f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
                     "they are after a failure (Recorder(snapshot_limit=...) to change)"))
             copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
+            host = sum(_nbytes(t) for t in taken if t.device.type == "cpu")
+            if host >= _HOST_COPY_NOTE:
+                # Paid by every step of a loop that never fails: said once, with the way out.
+                self._note_once(f"host-copy:{watched.name}", (
+                    f"gpucase: note: {host / 2**20:.1f} MiB of host inputs of {watched.name} are "
+                    "copied before each call, so that a failure saves them as passed; "
+                    "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
+                    "skips the copy"))
             return _Before(copies, versions, why_not)
         except Exception:
             # The device did not answer before the call; the call itself will tell.
@@ -560,6 +572,11 @@ class Recorder:
             self._say(f"gpucase: note: the failing call of {draft.name} changed "
                       f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
                       f"not as passed (not copied before the call: {before.why_not})")
+        if inputs.shared:
+            self._say(f"gpucase: note: arguments of {draft.name} share memory "
+                      f"({'; '.join(inputs.shared)}); the case holds each on its own, so a "
+                      "failure that needs a write through one to show in another may not "
+                      "replay (pass them apart, or rebuild the view in case.py)")
         if found is not None:
             self._say(found.render())
         if draft.xfail is None:
@@ -1046,10 +1063,15 @@ def _collect(watched: _Watched, args: Any, kwargs: Any, before: _Before,
     host_after: list[str] = []
     device_after: list[str] = []
     changed: list[str] = []
+    storages: dict[tuple[str, int], list[str]] = {}
 
     def take(name: str, value: torch.Tensor) -> None:
         described[name] = _describe(value)
         devices.append(str(value.device))
+        with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
+            where = value.untyped_storage().data_ptr()
+            if where:
+                storages.setdefault((str(value.device), where), []).append(name)
         if not _storable(value):
             skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
             return
@@ -1114,12 +1136,17 @@ def _collect(watched: _Watched, args: Any, kwargs: Any, before: _Before,
     if changed and snapshot is not None:
         snapshot += (f"; changed in place by the failing call, so saved as changed: "
                      f"{', '.join(changed)} (not copied before the call: {before.why_not})")
+    # A case holds each tensor on its own: a failure that needs a write through one argument
+    # to show in another (a buffer and a view of it) cannot replay as captured.
+    shared = tuple(", ".join(names) for names in storages.values() if len(names) > 1)
+    if shared and snapshot is not None:
+        snapshot += f"; shared memory in the call, held apart in the case: {'; '.join(shared)}"
     if skipped:
         problems.append(f"{', '.join(sorted(skipped))} could not be saved (see [origin] "
                         "skipped_inputs): add them to [inputs] or to inputs.safetensors")
     return _Inputs(tensors=tensors, literals=literals, described=described, skipped=skipped,
                    snapshot=snapshot, problems=tuple(problems), devices=tuple(devices),
-                   changed=tuple(changed))
+                   changed=tuple(changed), shared=shared)
 
 
 def _unusable(found: Triage | None) -> str | None:

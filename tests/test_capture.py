@@ -670,3 +670,44 @@ def test_a_large_case_says_its_size(tmp_path: Path, capsys: pytest.CaptureFixtur
 def test_narrow_must_be_a_bool(tmp_path: Path, narrow: Any) -> None:
     with pytest.raises(TypeError, match=r"narrow must be True or False, not .*Recorder\(narrow"):
         Recorder(tmp_path, narrow=narrow)
+
+
+def aliased_step(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
+    buf.mul_(0).add_(7)            # the whole buffer, in place
+    if (view > 5).any():           # ... which its view sees
+        raise ValueError("view saw the update")
+    return buf.sum()
+
+
+def test_arguments_sharing_memory_are_named(tmp_path: Path,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """A buffer and a view of it: a case holds each apart, so the capture says so (the replay
+    of such a failure passed, an XPASS that read as 'fixed')."""
+    rec = Recorder(tmp_path)
+    buf = torch.zeros(8)
+    fail(rec.watch(aliased_step), buf, buf[2:4])
+    err = capsys.readouterr().err
+    assert ("gpucase: note: arguments of aliased_step share memory (buf, view); the case holds "
+            "each on its own") in err, err
+    assert toml(tmp_path / "aliased_step")["origin"]["snapshot"] == (
+        "tensors copied before the call; shared memory in the call, held apart in the case: "
+        "buf, view")
+    fail(Recorder(tmp_path / "apart").watch(aliased_step), torch.zeros(8), torch.full((2,), 9.0))
+    assert "share memory" not in capsys.readouterr().err
+
+
+def test_a_large_host_copy_before_each_call_is_named_once(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copy is paid at every step of a loop that never fails: said once, with the way out."""
+    from pytest_gpucase import capture
+
+    monkeypatch.setattr(capture, "_HOST_COPY_NOTE", 64)
+    step = Recorder(tmp_path).watch(torch.add, name="add")
+    for _ in range(3):
+        step(torch.ones(32), torch.ones(32))   # 128 bytes each
+    err = capsys.readouterr().err
+    assert err.count("MiB of host inputs of add are copied before each call") == 1, err
+    assert 'snapshot="after"' in err
+    Recorder(tmp_path, snapshot="after").watch(torch.add, name="add2")(torch.ones(32), 1)
+    assert capsys.readouterr().err == ""
