@@ -1254,11 +1254,8 @@ def result_record(report: pytest.TestReport) -> dict[str, Any] | None:
     skip_reason = None
     if report.skipped and isinstance(report.longrepr, tuple):
         skip_reason = str(report.longrepr[2]).removeprefix("Skipped: ")
-    record: dict[str, Any] = {"nodeid": report.nodeid, **props["gpucase"]}
-    record.pop("packages", None)   # the environment's, recorded there (spec_fields)
-    record.update({"outcome": outcome, "error_type": None, "message": None, "max_abs": None,
-                   "max_rel": None, "duration": round(report.duration, 6),
-                   "skip_reason": skip_reason, "triage": None, "localized": None})
+    record = item_record(report.nodeid, props["gpucase"], outcome, duration=report.duration,
+                         skip_reason=skip_reason)
     record.update(props.get("gpucase_result", {}))
     if xfail and outcome == "xfailed":
         record["message"] = record["message"] or str(report.wasxfail)
@@ -1277,8 +1274,8 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
     fields = nodeid_fields(report.nodeid)
     if fields is None:
         return None
-    return stopped_record(report.nodeid, fields, "failed", str(report.longrepr),
-                          error_type="WorkerCrash", duration=report.duration)
+    return item_record(report.nodeid, fields, "failed", str(report.longrepr),
+                       error_type="WorkerCrash", duration=report.duration)
 
 
 def nodeid_fields(nodeid: str) -> dict[str, Any] | None:
@@ -1296,13 +1293,16 @@ def nodeid_fields(nodeid: str) -> dict[str, Any] | None:
             "dtype": found["dtype"], "variant": variant, "launch_blocking": False}
 
 
-def stopped_record(nodeid: str, fields: Mapping[str, Any], outcome: str, message: str, *,
-                   error_type: str | None = None, duration: float = 0.0) -> dict[str, Any]:
-    """The record of an item that got no verdict: lost with an xdist worker (``failed``),
-    running when the run was cancelled (``interrupted``), or never started (``not run``)."""
+def item_record(nodeid: str, fields: Mapping[str, Any], outcome: str,
+                message: str | None = None, *, error_type: str | None = None,
+                duration: float = 0.0, skip_reason: str | None = None) -> dict[str, Any]:
+    """An item's JSON record: what it is (``spec_fields``) and its outcome, the verdict's
+    fields empty. A run's verdict fills them in (``result_record``); an item that got none
+    keeps them: lost with an xdist worker (``failed``), running when the run was cancelled
+    (``interrupted``), or never started (``not run``)."""
     record = {"nodeid": nodeid, **fields}
-    record.pop("packages", None)
+    record.pop("packages", None)   # the environment's, recorded there (spec_fields)
     record.update({"outcome": outcome, "error_type": error_type, "message": message,
                    "max_abs": None, "max_rel": None, "duration": round(duration, 6),
-                   "skip_reason": None, "triage": None, "localized": None})
+                   "skip_reason": skip_reason, "triage": None, "localized": None})
     return record

@@ -314,7 +314,7 @@ class _Recorder:
         """
         import time
 
-        from .report import nodeid_fields, property_value, stopped_record
+        from .report import item_record, nodeid_fields, property_value
 
         stopped = session.shouldfail or session.shouldstop
         if complete or session.config.option.collectonly or not (
@@ -336,7 +336,7 @@ class _Recorder:
         for nodeid, started in self._running.items():
             if nodeid in self.state.results or (spec := fields(nodeid)) is None:
                 continue
-            self.state.results[nodeid] = stopped_record(
+            self.state.results[nodeid] = item_record(
                 nodeid, spec, "interrupted", why, duration=time.monotonic() - started)
         stop = (f"the run was interrupted before it started: {why}" if self._interrupt
                 else f"the run stopped before it started ({stopped or 'it ended early'})")
@@ -344,7 +344,7 @@ class _Recorder:
             if nodeid in self.state.results or nodeid in self._done or nodeid in self._running:
                 continue
             if (spec := fields(nodeid)) is not None and hasattr(item, "spec"):
-                self.state.results[nodeid] = stopped_record(nodeid, spec, "not run", stop)
+                self.state.results[nodeid] = item_record(nodeid, spec, "not run", stop)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         import os
