@@ -550,12 +550,11 @@ class GpuCaseHandle:
         here``). A skipped verdict would have passed ``assert not verdict.failed`` with
         nothing run.
         """
-        from .plan import device_skip, evaluate, single_run
+        from .plan import run_skip, single_run
         from .runner import run_spec
 
         env = self._state.environment(tuple(self.case.matrix.packages))
-        kind = device.split(":")[0]
-        reason = evaluate(self.case.matrix, env, kind) or device_skip(kind, env)
+        reason = run_skip(self.case.matrix, env, device.split(":")[0])
         if reason is not None:
             raise skip_here(reason)
         spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)

@@ -3,7 +3,7 @@
 Everything that turns a case and an environment into runs lives here, once:
 
 * ``evaluate``: whether a case's ``[matrix]`` requirements hold here (``None``)
-  or why it is skipped, naming both sides;
+  or why it is skipped, naming both sides; ``run_skip`` adds a missing device type;
 * ``device_list``: the device types a case (or the ``gpu_device`` fixture) runs
   on: its own list, else ``DEFAULT_DEVICES`` and what this machine adds,
   narrowed by ``--gpu-devices``;
@@ -33,8 +33,8 @@ from .payload import DTYPES, TensorInfo
 from .variants import Variant, expand as expand_variants
 
 __all__ = ["DEFAULT_DEVICES", "NotRunnable", "RunSpec", "choose_device", "device_list",
-           "device_skip", "evaluate", "expand", "saved_dtype", "saved_float_dtype",
-           "single_run", "unchanged_runs"]
+           "device_skip", "evaluate", "expand", "one_dtype_without_floats", "run_skip",
+           "saved_dtype", "saved_float_dtype", "single_run", "unchanged_runs"]
 
 DEFAULT_DEVICES = ("cpu", "cuda")
 _RELEASE = re.compile(r"^\d+(?:\.\d+)*")
@@ -191,6 +191,12 @@ def device_skip(device: str, env: Environment) -> str | None:
     return f"no {device} device here ({env.backend} backend)"
 
 
+def run_skip(req: Requirements, env: Environment, device: str) -> str | None:
+    """Why a run of a case with requirements ``req`` on ``device`` cannot happen here: an
+    unmet requirement (named first: it holds on every runner), else a missing device type."""
+    return evaluate(req, env, device) or device_skip(device, env)
+
+
 def device_list(env: Environment, own: Sequence[str] | None = None,
                 asked: Sequence[str] | None = None,
                 backends: Sequence[str] | None = None) -> tuple[str, ...]:
@@ -241,7 +247,7 @@ def expand(
     variants: list[Variant | None] = [None, *expand_variants(case.variants)]
     specs: list[RunSpec] = []
     for device in device_list(env, case.matrix.devices, devices, case.matrix.backends):
-        skip = evaluate(case.matrix, env, device) or device_skip(device, env)
+        skip = run_skip(case.matrix, env, device)
         child_env = blocking_env(env.backend, device, blocking)
         specs += [RunSpec(case, device, dtype, cast, variant, dict(child_env), bool(child_env),
                           skip)
@@ -274,6 +280,7 @@ def one_dtype_without_floats(case: Case, specs: list[RunSpec]) -> list[RunSpec]:
                 spec, skip=f"no floating input to cast to {spec.dtype} ({held}): this run would "
                 f"repeat the {first} run; list one dtype in [matrix] dtypes")
             for spec in specs]
+
 
 def single_run(case: Case, env: Environment, device: str, dtype: str | None = None, *,
                launch_blocking: bool | None = None) -> RunSpec:
@@ -309,19 +316,14 @@ def choose_device(case: Case, env: Environment, device: str | None = None) -> st
     reason = evaluate(case.matrix, env, "cpu")  # what no device escapes
     if reason is not None:
         raise NotRunnable(f"{display(case.case_file)}: cannot run here: {reason}")
-    if device is not None and device != "cpu":
-        reason = evaluate(case.matrix, env, device)
+    if device is not None:
+        reason = run_skip(case.matrix, env, device)
         if reason is not None:
             raise NotRunnable(f"{display(case.case_file)}: --device {device}: {reason}")
-    if device is not None:
-        skip = device_skip(device, env)
-        if skip is not None:
-            raise NotRunnable(f"{display(case.case_file)}: --device {device}: {skip}")
         return device
     wanted = device_list(env, case.matrix.devices, backends=case.matrix.backends)
-    usable = [d for d in wanted
-              if device_skip(d, env) is None and evaluate(case.matrix, env, d) is None]
+    usable = [d for d in wanted if run_skip(case.matrix, env, d) is None]
     if not usable:
-        why = device_skip(wanted[0], env) or evaluate(case.matrix, env, wanted[0])
+        why = device_skip(wanted[0], env) or run_skip(case.matrix, env, wanted[0])
         raise NotRunnable(f"{display(case.case_file)}: {why}")
     return next((d for d in usable if d != "cpu"), usable[0])
