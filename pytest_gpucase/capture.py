@@ -491,12 +491,12 @@ class Recorder:
                 what = ("only the device ones are copied before each call" if taken else
                         "they are not copied before the call: device ones are copied after "
                         "a failure, if the device still answers")
-                limit = f"{self.snapshot_limit / 2**20:.1f} MiB"
+                limit = _mib(self.snapshot_limit)
                 why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
-                           f"of {total / 2**20:.1f} MiB or more copies them before each call, "
+                           f"of {_mib(total)} or more copies them before each call, "
                            "as passed")
                 self._note_once(f"limit:{watched.name}", (
-                    f"gpucase: note: the inputs of {watched.name} hold {total / 2**20:.1f} MiB, "
+                    f"gpucase: note: the inputs of {watched.name} hold {_mib(total)}, "
                     f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
                     "they are after a failure (Recorder(snapshot_limit=...) to change)"))
             copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
@@ -504,7 +504,7 @@ class Recorder:
             if host >= _HOST_COPY_NOTE:
                 # Paid by every step of a loop that never fails: said once, with the way out.
                 self._note_once(f"host-copy:{watched.name}", (
-                    f"gpucase: note: {host / 2**20:.1f} MiB of host inputs of {watched.name} are "
+                    f"gpucase: note: {_mib(host)} of host inputs of {watched.name} are "
                     "copied before each call, so that a failure saves them as passed; "
                     "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
                     "skips the copy"))
