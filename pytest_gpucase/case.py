@@ -97,6 +97,13 @@ class Expectation:
     equal_nan: bool = False
     tolerance: Mapping[str, ToleranceOverride] = field(default_factory=dict)
 
+    @property
+    def wanted(self) -> str:
+        """The exception a ``raises`` outcome asks for, in words: ``ValueError matching 'out
+        of range'`` (a failure, ``gpucase show``, a reject variant's description)."""
+        return (self.exception or "Exception") + (f" matching {self.match!r}" if self.match
+                                                  else "")
+
 
 @dataclass(frozen=True)
 class Requirements:

@@ -759,9 +759,7 @@ def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
 def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: Expectation,
                   device: str, variant: Variant | None = None) -> Outcome:
     """``expect``: the case's own, or a reject ``variant``'s (``[variants.reject]``)."""
-    wanted = expect.exception or "Exception"
-    if expect.match:
-        wanted += f" matching {expect.match!r}"
+    wanted = expect.wanted
     try:
         func(**inputs)
         _sync(device)

@@ -165,8 +165,7 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]
 def _expectation(case: Case) -> str:
     expect = case.expect
     if expect.outcome == "raises":
-        text = f"raises {expect.exception}"
-        return text + (f" matching {expect.match!r}" if expect.match else "")
+        return f"raises {expect.wanted}"
     text = "outputs match the reference"
     if expect.gradients:
         text += ", gradients included"
