@@ -592,6 +592,11 @@ def _packages(environment: Mapping[str, Any]) -> dict[str, str | None]:
     return {canonical_name(name): version for name, version in environment["packages"].items()}
 
 
+def _packages_agree(mine: Mapping[str, str | None], theirs: Mapping[str, str | None]) -> bool:
+    """Every package both name at the same version (``same_environment``'s package rule)."""
+    return all(mine[name] == theirs[name] for name in mine.keys() & theirs.keys())
+
+
 def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
     """Whether two reports' environments are one: the identity keys equal, and every package
     both name at the same version (or absent from both).
@@ -606,8 +611,7 @@ def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> boo
     """
     if _identity(first) != _identity(second):
         return False
-    mine, theirs = _packages(first), _packages(second)
-    return all(mine[name] == theirs[name] for name in mine.keys() & theirs.keys())
+    return _packages_agree(_packages(first), _packages(second))
 
 
 def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
@@ -629,8 +633,7 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
         placed: list[tuple[dict[str, str | None], list[int]]] = []
         for index in sorted(indexes, key=lambda i: (-len(known[i]), created[i], names[i])):
             mine = known[index]
-            fits = [group for group in placed if all(
-                group[0][name] == mine[name] for name in group[0].keys() & mine.keys())]
+            fits = [group for group in placed if _packages_agree(group[0], mine)]
             if len(fits) == 1:
                 fits[0][0].update(mine)
                 fits[0][1].append(index)
