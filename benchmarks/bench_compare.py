@@ -44,11 +44,11 @@ import time
 from collections.abc import Callable
 from functools import partial
 
-from pytest_gpucase._torch import import_torch
+from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()  # first: without torch's "Failed to initialize NumPy" warning
 
-from pytest_gpucase.compare import CHUNK_ELEMENTS, DEFAULT_TOLERANCES, compare  # noqa: E402
+from pytest_gpucase.verdict.compare import CHUNK_ELEMENTS, DEFAULT_TOLERANCES, compare  # noqa: E402
 
 SPEEDUP_TARGET = 10.0  # assert_close / compare
 READ_PASS_TARGET = 3.0  # compare / read pass

@@ -29,15 +29,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from pytest_gpucase._torch import import_torch
+from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()  # first: without torch's "Failed to initialize NumPy" warning
 
-from pytest_gpucase import payload  # noqa: E402
-from pytest_gpucase.case import load_case  # noqa: E402
-from pytest_gpucase.isolation import ChildResult, run_in_child, shutdown  # noqa: E402
-from pytest_gpucase.matrix import RunSpec  # noqa: E402
-from pytest_gpucase.runner import Verdict, run_spec  # noqa: E402
+from pytest_gpucase.case import payload  # noqa: E402
+from pytest_gpucase.case.load import load_case  # noqa: E402
+from pytest_gpucase.run.isolation import ChildResult, run_in_child, shutdown  # noqa: E402
+from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
+from pytest_gpucase.run.parent import Verdict, run_spec  # noqa: E402
 
 
 def bare_fork() -> None:

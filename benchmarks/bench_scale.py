@@ -40,11 +40,11 @@ import textwrap
 import time
 from pathlib import Path
 
-from pytest_gpucase._torch import import_torch
+from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()  # first: without torch's "Failed to initialize NumPy" warning
 
-from pytest_gpucase import payload  # noqa: E402
+from pytest_gpucase.case import payload  # noqa: E402
 
 TRIVIAL_CASE_PY = "def run(x):\n    return x + 1\n"
 # pytest's own floor for one directory per case: the same nodes (a Directory per case

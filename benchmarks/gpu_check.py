@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pytest_gpucase._torch import import_torch
+from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()  # without torch's "Failed to initialize NumPy" warning
 
@@ -53,7 +53,7 @@ def pytest_run(root: Path, *args: str) -> tuple[float, int, str]:
 
 
 def write_cases(root: Path, count: int) -> None:
-    from pytest_gpucase import payload
+    from pytest_gpucase.case import payload
 
     for index in range(count):
         path = root / "cases" / f"c{index}"
@@ -111,7 +111,7 @@ def best(action: Any, repeat: int = 5) -> float:
 
 
 def compare_on_device(out: Path, mib: int) -> dict[str, Any]:
-    from pytest_gpucase.compare import compare
+    from pytest_gpucase.verdict.compare import compare
 
     numel = mib * 2**20 // 4
     a = torch.randn(numel, device="cuda")

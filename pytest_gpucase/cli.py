@@ -18,11 +18,11 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 from pathlib import Path
+from typing import Any
 
-from . import __version__
-from .errors import CaseFormatError
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.base.version import __version__
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), on every platform.
 EXIT_BROKEN_PIPE = 141
@@ -50,7 +50,8 @@ def _names(text: str) -> tuple[str, ...]:
 
 
 def _parser() -> argparse.ArgumentParser:
-    from .report import RENDERERS  # neither torch nor pytest: cheap, and the one list of formats
+    # neither torch nor pytest: cheap, and the one list of formats
+    from pytest_gpucase.report.render import RENDERERS
 
     parser = argparse.ArgumentParser(
         prog="gpucase", description="Saved GPU failure cases: inspect, merge, shrink, ablate.")
@@ -128,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, ValueError, TypeError) as exc:
         return _error("matrix", f"--plugin: {exc}")
     args = _parser().parse_args(argv)
-    from ._torch import import_torch
+    from pytest_gpucase.base.torch_import import import_torch
 
     import_torch()
     try:
@@ -160,8 +161,8 @@ def _load_format_plugins(argv: list[str]) -> None:
 
     import pluggy
 
-    from . import hookspecs
-    from .report import add_renderers
+    from pytest_gpucase.plugin import hookspecs
+    from pytest_gpucase.report.render import add_renderers
 
     class Manager(pluggy.PluginManager):
         # As pytest does: a plugin's hook functions need no @hookimpl marker.
@@ -201,7 +202,8 @@ def _dispatch(args: argparse.Namespace) -> int:
 
 
 def _matrix(args: argparse.Namespace) -> int:
-    from .report import RENDERERS, UnreadableReports, matrix_command
+    from pytest_gpucase.report.matrix import UnreadableReports, matrix_command
+    from pytest_gpucase.report.render import RENDERERS
 
     try:
         matrix = matrix_command(args.reports, detail=args.detail)
@@ -223,8 +225,8 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from .request import show
-    from .validate import hash_setting
+    from pytest_gpucase.tools.show import show
+    from pytest_gpucase.tools.validate import hash_setting
 
     if args.report is not None and not args.report.is_file():
         return _error("show", f"--report {args.report}: no such file; give the JSON report "
@@ -244,14 +246,14 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _request(args: argparse.Namespace) -> int:
-    from .request import request
+    from pytest_gpucase.tools.show import request
 
     print(request(args.case))
     return 0
 
 
 def _validate(args: argparse.Namespace) -> int:
-    from .request import validate
+    from pytest_gpucase.tools.validate import validate
 
     notes: list[str] = []
     problems = validate(args.paths, notes)
@@ -266,7 +268,8 @@ def _validate(args: argparse.Namespace) -> int:
 
 
 def _minimize(args: argparse.Namespace) -> int:
-    from .minimize import NotRunnable, OriginalPasses, minimize_command
+    from pytest_gpucase.plan.runs import NotRunnable
+    from pytest_gpucase.tools.minimize import OriginalPasses, minimize_command
 
     try:
         result = minimize_command(args.case, output=args.output, device=args.device,
@@ -285,8 +288,8 @@ def _minimize(args: argparse.Namespace) -> int:
 
 
 def _ablate(args: argparse.Namespace) -> int:
-    from .ablate import Row, ablate_command
-    from .minimize import NotRunnable
+    from pytest_gpucase.plan.runs import NotRunnable
+    from pytest_gpucase.tools.ablate import Row, ablate_command
 
     def show(row: Row) -> None:
         print(f"  {row.label}: {row.verdict}", file=sys.stderr, flush=True)
@@ -303,7 +306,7 @@ def _ablate(args: argparse.Namespace) -> int:
 
 
 def _checkpoint(args: argparse.Namespace) -> int:
-    from .checkpoint import ModelSpecError, survey
+    from pytest_gpucase.tools.checkpoint import ModelSpecError, survey
 
     try:
         found = survey(args.paths, model=args.model)

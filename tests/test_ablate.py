@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
-from pytest_gpucase.ablate import (
+from pytest_gpucase.case import payload
+from pytest_gpucase.tools.ablate import (
     CPU_HINT,
     FAILS_DIFFERENTLY,
     NOT_APPLICABLE,
@@ -22,11 +22,11 @@ from pytest_gpucase.ablate import (
     changes,
     read,
 )
-from pytest_gpucase.case import load_case
+from pytest_gpucase.case.load import load_case
 from pytest_gpucase.cli import main
-from pytest_gpucase.environment import Device, Environment
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.minimize import NotRunnable, choose_device
+from pytest_gpucase.plan.environment import Device, Environment
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.plan.runs import NotRunnable, choose_device
 
 ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 NOT_ON_CPU = {

@@ -11,12 +11,12 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpucase import backends
-from pytest_gpucase.case import FLOAT_DTYPES
+from pytest_gpucase.base import backends
+from pytest_gpucase.case.model import FLOAT_DTYPES
 from pytest_gpucase.cli import main
-from pytest_gpucase.items import run_markers
-from pytest_gpucase.report import RENDERERS
-from pytest_gpucase.variants import VARIANT_KINDS
+from pytest_gpucase.plugin.items import run_markers
+from pytest_gpucase.report.render import RENDERERS
+from pytest_gpucase.case.variants import VARIANT_KINDS
 
 from .test_plugin import write_case
 from .test_report import A100, report_file, result
@@ -193,7 +193,7 @@ def pytest_gpucase_report_formats():
 def test_report_formats_hook_adds_a_renderer_in_a_session(pytester: pytest.Pytester) -> None:
     pytester.makeconftest(FORMATS_PLUGIN)
     pytester.makepyfile("""
-        from pytest_gpucase.report import RENDERERS
+        from pytest_gpucase.report.render import RENDERERS
 
         def test_the_format_is_offered():
             assert RENDERERS["lines"].__name__ == "render_lines"
@@ -208,13 +208,13 @@ def test_report_formats_hook_reaches_gpucase_matrix(
         capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "gpucase_lines_format.py").write_text(textwrap.dedent(FORMATS_PLUGIN))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr("pytest_gpucase.report.RENDERERS", dict(RENDERERS))
+    monkeypatch.setattr("pytest_gpucase.report.render.RENDERERS", dict(RENDERERS))
     report = report_file(tmp_path / "a.json", A100,
                          [result("ce_class4", "cpu", "float32", "passed")])
     assert main(["matrix", str(report), "--format", "lines",
                  "--plugin", "gpucase_lines_format"]) == 0
     assert "ce_class4" in capsys.readouterr().out
-    monkeypatch.setattr("pytest_gpucase.report.RENDERERS", dict(RENDERERS))
+    monkeypatch.setattr("pytest_gpucase.report.render.RENDERERS", dict(RENDERERS))
     with pytest.raises(SystemExit):   # not offered without the plugin
         main(["matrix", str(report), "--format", "lines"])
 

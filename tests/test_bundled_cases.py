@@ -10,12 +10,12 @@ from types import ModuleType
 import pytest
 import torch
 
-from pytest_gpucase import payload
-from pytest_gpucase.capture import REPLAY_MODULE
-from pytest_gpucase.case import load_case
-from pytest_gpucase.plan import RunSpec
-from pytest_gpucase.items import is_known_failure
-from pytest_gpucase.runner import run_spec
+from pytest_gpucase.case import payload
+from pytest_gpucase.tools.record import REPLAY_MODULE
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.plugin.items import is_known_failure
+from pytest_gpucase.run.parent import run_spec
 from tests.test_model_capture import replay
 
 CASES = Path(__file__).resolve().parents[1] / "cases"

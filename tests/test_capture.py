@@ -20,10 +20,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase import capture, payload
-from pytest_gpucase.capture import REPLAY_ENV, Recorder
-from pytest_gpucase.case import load_case
-from pytest_gpucase.request import validate
+from pytest_gpucase.tools import record as capture
+from pytest_gpucase.case import payload
+from pytest_gpucase.tools.record import REPLAY_ENV, Recorder
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.tools.validate import validate
 
 DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
                  "asynchronously reported at some other API call")
@@ -527,8 +528,8 @@ def test_literals_round_trip_through_toml(tmp_path: Path) -> None:
 GPU_SCRIPT = """
 import sys, tomllib
 import torch, torch.nn.functional as F
-from pytest_gpucase.capture import Recorder
-from pytest_gpucase import payload
+from pytest_gpucase.tools.record import Recorder
+from pytest_gpucase.case import payload
 
 rec = Recorder(sys.argv[1])
 loss = rec.watch(F.cross_entropy, name="ce_cuda")
@@ -700,7 +701,7 @@ def test_a_large_host_copy_before_each_call_is_named_once(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy is paid at every step of a loop that never fails: said once, with the way out."""
-    from pytest_gpucase import capture
+    from pytest_gpucase.tools import record as capture
 
     monkeypatch.setattr(capture, "_HOST_COPY_NOTE", 64)
     step = Recorder(tmp_path).watch(torch.add, name="add")

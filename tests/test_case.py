@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.case import (
-    BACKENDS,
+from pytest_gpucase.case.load import BACKENDS, DEVICE_TYPES, load_case
+from pytest_gpucase.case.model import (
     CASE_FILE,
-    DEVICE_TYPES,
     EXPECTED_FILE,
     FLOAT_DTYPES,
     INPUTS_FILE,
@@ -27,9 +26,8 @@ from pytest_gpucase.case import (
     ToleranceOverride,
     VariantTables,
     is_case_dir,
-    load_case,
 )
-from pytest_gpucase.errors import CaseFormatError
+from pytest_gpucase.base.errors import CaseFormatError
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
 SHOWN = "cases/ce_class4/case.toml"
@@ -800,7 +798,7 @@ def test_bundled_cases_load(name: str) -> None:
 
 def test_loading_does_not_import_torch(case_dir: Path) -> None:
     (case_dir / CASE_FILE).write_text(DESIGN_EXAMPLE)
-    code = ("import sys; from pathlib import Path; from pytest_gpucase.case import load_case; "
+    code = ("import sys; from pathlib import Path; from pytest_gpucase.case.load import load_case; "
             f"load_case(Path({str(case_dir)!r})); assert 'torch' not in sys.modules")
     subprocess.run([sys.executable, "-c", code], check=True)
 

@@ -20,8 +20,8 @@ import torch
 from torch import nn
 
 import pytest_gpucase
-from pytest_gpucase import checkpoint
-from pytest_gpucase.checkpoint import (
+from pytest_gpucase.tools import checkpoint
+from pytest_gpucase.tools.checkpoint import (
     MAX_MANIFEST_BYTES,
     NO_MANIFEST,
     Manifest,
@@ -69,7 +69,7 @@ mode, path = sys.argv[1:]
 torch.manual_seed(1)
 state = {"model": {"layer1.weight": torch.randn(1024, 1024)}, "step": 2}
 if mode == "atomic":
-    from pytest_gpucase import checkpoint
+    from pytest_gpucase.tools import checkpoint
 
     torch.save = stalled_save
     checkpoint.save(state, path)
@@ -87,7 +87,7 @@ import os, sys, traceback
 import torch
 
 torch.set_num_threads(1)  # no OpenMP pool in this parent: a forked child could not use it
-from pytest_gpucase.checkpoint import save
+from pytest_gpucase.tools.checkpoint import save
 
 path, sizes = sys.argv[1], [int(n) for n in sys.argv[2].split(",")]
 

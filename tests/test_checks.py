@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase.checks import class_indices, finite, index_within, same_device
+from pytest_gpucase.tools.checks import class_indices, finite, index_within, same_device
 
 NAN = float("nan")
 INF = float("inf")
@@ -232,7 +232,7 @@ def test_class_indices_on_cuda_raises_before_any_kernel_assert() -> None:
     script = textwrap.dedent(
         """
         import torch
-        from pytest_gpucase.checks import class_indices, same_device
+        from pytest_gpucase.tools.checks import class_indices, same_device
         if not torch.cuda.is_available():
             print("no CUDA device")
             raise SystemExit(0)

@@ -15,10 +15,11 @@ from pathlib import Path
 import pytest
 
 import pytest_gpucase
-from pytest_gpucase import cli, request
+from pytest_gpucase import cli
+from pytest_gpucase.tools import validate as validate_module
 from pytest_gpucase.cli import EXIT_BROKEN_PIPE, main
-from pytest_gpucase.report import RENDERERS
-from pytest_gpucase.settings import SETTINGS
+from pytest_gpucase.report.render import RENDERERS
+from pytest_gpucase.plugin.settings import SETTINGS
 
 from .test_request import RICH, rich_case, write_case
 
@@ -110,7 +111,7 @@ def test_validate_exit_code_follows_the_problems(
     assert "calll: unknown key; did you mean 'call'?" in capsys.readouterr().out
 
     # Whatever validate reports is a problem: "no case found" included.
-    monkeypatch.setattr(request, "validate",
+    monkeypatch.setattr(validate_module, "validate",
                         lambda paths, notes=None: [f"{paths[0]}: no case found"])
     assert main(["validate", "empty"]) == 1
     assert capsys.readouterr().out == "empty: no case found\n"

@@ -21,8 +21,8 @@ from typing import NamedTuple
 import pytest
 import torch
 
-from pytest_gpucase import compare as compare_module
-from pytest_gpucase.compare import (
+from pytest_gpucase.verdict import compare as compare_module
+from pytest_gpucase.verdict.compare import (
     DEFAULT_TOLERANCES,
     Comparison,
     Mismatch,
@@ -1397,7 +1397,7 @@ _ON_DEVICE = textwrap.dedent(
     """
     import json, resource
     import torch
-    from pytest_gpucase.compare import compare
+    from pytest_gpucase.verdict.compare import compare
 
     def host_peak_mib():
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.isolation import (
+from pytest_gpucase.run.isolation import (
     RESULT_LIMIT,
     TEXT_HEAD,
     TEXT_TAIL,
@@ -204,7 +204,7 @@ def test_values_cross_as_data_with_nan_infinities_tuples_and_keys() -> None:
 def test_a_result_over_the_limit_is_a_bounded_failure() -> None:
     script = textwrap.dedent(f"""
         import resource
-        from pytest_gpucase.isolation import run_in_child
+        from pytest_gpucase.run.isolation import run_in_child
         from tests import isolation_targets as targets
         def peak():
             return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -253,11 +253,11 @@ class TestCraftedResults:
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": "os.system", '
          b'"fields": {}}}', "type 'os.system' is not one a child may return"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.execute.Outcome", "fields": {"status": "failed", "summary": 5, '
+         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
          b'"max_rel": null, "kind": ""}}}', "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.execute.Outcome", "fields": {"status": "failed"}}}', "fields"),
+         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed"}}}', "fields"),
         (b'{"format": 1, "kind": "value", "value": 1, "warnings": {"items": [{"x": 1}]}}',
          "a malformed warning"),
         (b'{"format": 9, "kind": "value", "value": 1}', "not a result envelope"),
@@ -270,11 +270,11 @@ class TestCraftedResults:
         assert problem in result.problem
 
     def test_an_outcome_is_rebuilt(self) -> None:
-        from pytest_gpucase.execute import Outcome
+        from pytest_gpucase.run.child import Outcome
 
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
-            "$": "dataclass", "type": "pytest_gpucase.execute.Outcome",
+            "$": "dataclass", "type": "pytest_gpucase.run.child.Outcome",
             "fields": {**{k: v for k, v in sent.__dict__.items() if k != "max_abs"},
                        "max_abs": {"$": "float", "value": "nan"}}}}).encode()
         result = run_in_child(targets.send_raw_result, crafted, timeout=30)

@@ -12,18 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase.environment import (
+from pytest_gpucase.plan.environment import (
     Device,
     Environment,
     call_distributions,
     canonical_name,
     dnn_library,
     git_revision,
-    launch_blocking_env,
     package_version,
-    probe,
     probe_here,
 )
+from pytest_gpucase.base.backends import launch_blocking_env
+from pytest_gpucase.run.probe import probe
 
 H100 = Device(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
 CUDA = Environment(backend="cuda", device_types=("cuda", "cpu"),
@@ -280,7 +280,7 @@ def test_unreadable_metadata_of_some_distribution_records_no_call_package(
     packages_distributions() for every item: INTERNALERROR, no result."""
     from importlib import metadata
 
-    from pytest_gpucase import environment
+    from pytest_gpucase.plan import environment
 
     def broken() -> dict[str, list[str]]:
         raise UnicodeDecodeError("utf-8", b"\xe9", 0, 1, "invalid continuation byte")

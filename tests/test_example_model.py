@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.request import validate
+from pytest_gpucase.tools.validate import validate
 from tests.test_example_training import PYTEST, apply_fix, run, without_xfail
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_capture"

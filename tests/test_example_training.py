@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.request import validate
+from pytest_gpucase.tools.validate import validate
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "training_capture"
 BUG = "    return labels  # the bug: used as annotated; the fix is `return labels - 1`\n"

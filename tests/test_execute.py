@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_gpucase.execute import MAX_OUTPUT_DEPTH
+from pytest_gpucase.run.child import MAX_OUTPUT_DEPTH
 
 from .test_plugin import write_case
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import golden, payload
-from pytest_gpucase.compare import compare
-from pytest_gpucase.errors import CaseFormatError
+from pytest_gpucase.case import golden
+from pytest_gpucase.case import payload
+from pytest_gpucase.verdict.compare import compare
+from pytest_gpucase.base.errors import CaseFormatError
 
 from .test_plugin import write_case
 
@@ -247,8 +248,9 @@ def test_a_deeply_nested_structure_is_a_case_format_error(tmp_path: Path) -> Non
 
 LOADS_A_HOSTILE_GOLDEN = """
 import json, sys
-from pytest_gpucase import golden, payload
-from pytest_gpucase.errors import CaseFormatError
+from pytest_gpucase.case import golden
+from pytest_gpucase.case import payload
+from pytest_gpucase.base.errors import CaseFormatError
 path = sys.argv[1]
 for node in ({"dtype": "_dynamo"},
              {"namedtuple": {"module": "torch", "qualname": "_inductor.config",

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase.case import payload
 
 pytestmark = pytest.mark.gpu
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase.ablate import CPU_HINT, PASSES, STILL_FAILS, ablate
-from pytest_gpucase.case import load_case
-from pytest_gpucase.environment import Environment, probe
+from pytest_gpucase.tools.ablate import CPU_HINT, PASSES, STILL_FAILS, ablate
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.environment import Environment
+from pytest_gpucase.run.probe import probe
 
 from .test_ablate import make_case
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase.errors import printable
+from pytest_gpucase.base.errors import printable
 
 from .test_plugin import RAISES, ce_case, write_case
 

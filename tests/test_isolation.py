@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase import isolation
-from pytest_gpucase.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
+from pytest_gpucase.run import isolation
+from pytest_gpucase.run.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
 
 from . import isolation_targets as targets
 
@@ -167,7 +167,7 @@ def test_the_zygote_dies_with_a_killed_pytest(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = ("import os, sys, time\nfrom pytest_gpucase import isolation\n"
+    script = ("import os, sys, time\nfrom pytest_gpucase.run import isolation\n"
               "print(isolation.forkserver().pid, flush=True)\ntime.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
@@ -192,7 +192,7 @@ def test_the_zygote_dies_with_a_killed_pytest(tmp_path: Path) -> None:
 def test_a_clipped_text_keeps_its_true_count_through_the_parent() -> None:
     """The child clips a long message, the parent clips what it reads again: the second
     pass used to drop the first one's line and say "[... 34 bytes omitted ...]"."""
-    from pytest_gpucase.isolation import clip, decode, encode
+    from pytest_gpucase.run.isolation import clip, decode, encode
 
     text = "x" * 9_000_000
     round_trip = decode(encode(text))
@@ -206,7 +206,7 @@ def test_a_clipped_text_keeps_its_true_count_through_the_parent() -> None:
 def test_a_cut_leaves_no_fragment_of_a_terminal_escape_sequence(shift: int) -> None:
     """Coloured output cut inside an escape sequence left "red\\x1b[" before the omitted
     line and "[31mred" after it; the cut now moves off the sequence, and the count says so."""
-    from pytest_gpucase.isolation import clip
+    from pytest_gpucase.run.isolation import clip
 
     text = "\x1b[31mred\x1b[0m \x1b]8;;https://example.org\x07link\x1b]8;;\x07 " * 500
     clipped = clip(text, 100 + shift, 200 + shift)
@@ -225,7 +225,7 @@ def test_a_cut_leaves_no_fragment_of_a_terminal_escape_sequence(shift: int) -> N
 def test_a_cut_drops_only_the_sequence_it_began() -> None:
     """An escape byte earlier in the head that begins no sequence is text, kept as it is;
     an OSC hyperlink cut at its two-byte terminator goes as a whole."""
-    from pytest_gpucase.isolation import clip
+    from pytest_gpucase.run.isolation import clip
 
     text = "ab\x1b\x01cd" + "y" * 200
     assert clip(text, 8, 4).split("\n")[0] == "ab\x1b\x01cdyy"

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
-from pytest_gpucase.isolation import WorkerPool, shutdown
+from pytest_gpucase.case import payload
+from pytest_gpucase.run.isolation import WorkerPool, shutdown
 
 from . import isolation_targets as targets
 

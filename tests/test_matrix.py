@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.case import (
+from pytest_gpucase.case.model import (
     AxisSizes,
     Boundaries,
     Case,
@@ -15,8 +15,8 @@ from pytest_gpucase.case import (
     Requirements,
     VariantTables,
 )
-from pytest_gpucase.environment import Device, Environment
-from pytest_gpucase.matrix import (
+from pytest_gpucase.plan.environment import Device, Environment
+from pytest_gpucase.plan.runs import (
     DEFAULT_DEVICES,
     RunSpec,
     device_skip,
@@ -24,10 +24,10 @@ from pytest_gpucase.matrix import (
     expand,
     saved_float_dtype,
 )
-from pytest_gpucase.minimize import NotRunnable
-from pytest_gpucase.payload import TensorInfo
-from pytest_gpucase.plan import choose_device
-from pytest_gpucase.variants import Variant
+from pytest_gpucase.plan.runs import NotRunnable
+from pytest_gpucase.case.payload import TensorInfo
+from pytest_gpucase.plan.runs import choose_device
+from pytest_gpucase.case.variants import Variant
 
 H100 = Device(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
 CPU = Environment(backend="cpu", device_types=("cpu",), torch="2.4.0", python="3.11.7")

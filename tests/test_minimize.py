@@ -15,15 +15,15 @@ import tomli_w
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase import payload
-from pytest_gpucase.case import load_case
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.load import load_case
 from pytest_gpucase.cli import main
-from pytest_gpucase.environment import Environment
-from pytest_gpucase.isolation import run_in_child
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.minimize import (
+from pytest_gpucase.plan.environment import Environment
+from pytest_gpucase.run.isolation import run_in_child
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.plan.runs import NotRunnable
+from pytest_gpucase.tools.minimize import (
     FailureClass,
-    NotRunnable,
     OriginalPasses,
     ddmin,
     failure_class,
@@ -36,7 +36,7 @@ from pytest_gpucase.minimize import (
     strides_like,
     with_minimized_from,
 )
-from pytest_gpucase.runner import run_spec
+from pytest_gpucase.run.parent import run_spec
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -48,7 +48,7 @@ ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 CE_PY = """\
 import torch.nn.functional as F
 
-from pytest_gpucase.checks import class_indices
+from pytest_gpucase.tools.checks import class_indices
 
 
 def run(logits, target, num_classes):
@@ -571,7 +571,7 @@ def recorded_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 def recorded_ce_case(root: Path) -> Path:
     """The case a Recorder writes for a batch of 8 whose entry 5 holds class 4 of 4: its
     payload holds the RNG state ``[context] rng`` names, as every recorded case does."""
-    from pytest_gpucase.capture import Recorder
+    from pytest_gpucase.tools.record import Recorder
 
     rec = Recorder(root / "cases")
     loss = rec.watch(recorded_loss, name="ce")

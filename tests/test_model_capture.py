@@ -11,13 +11,14 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpucase import capture, payload
-from pytest_gpucase.capture import Recorder
-from pytest_gpucase.case import load_case
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.items import is_known_failure
-from pytest_gpucase.runner import run_spec
-from pytest_gpucase.triage import failure_class, same_failure
+from pytest_gpucase.tools import record as capture
+from pytest_gpucase.case import payload
+from pytest_gpucase.tools.record import Recorder
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.plugin.items import is_known_failure
+from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.verdict.triage import failure_class, same_failure
 from tests import model_targets
 
 

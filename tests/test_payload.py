@@ -18,9 +18,10 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from pytest_gpucase import payload
-from pytest_gpucase.errors import CaseFormatError
-from pytest_gpucase.payload import LAYOUT_KEY, TensorInfo
+from pytest_gpucase.case import payload
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.case.payload import LAYOUT_KEY, TensorInfo
+from pytest_gpucase.base.tensors import readable_address
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
 RESAVE = "save the tensors again with pytest_gpucase.payload.save"
@@ -344,7 +345,7 @@ def test_load_onto_a_device(tmp_path: Path) -> None:
 GPU_SCRIPT = """
 import sys, torch
 from pathlib import Path
-from pytest_gpucase import payload
+from pytest_gpucase.case import payload
 if not torch.cuda.is_available():
     sys.exit(3)
 path = Path(sys.argv[1])
@@ -831,7 +832,7 @@ def test_a_tensor_without_readable_memory_is_saved_by_its_values(tmp_path: Path,
                                                                   kind: str) -> None:
     make, values = UNREADABLE[kind]
     tensor = make()
-    assert payload.readable_address(tensor, tensor.numel() * tensor.element_size()) is None
+    assert readable_address(tensor, tensor.numel() * tensor.element_size()) is None
     payload.save(tmp_path / "p.safetensors", {"x": tensor, "y": torch.ones(2)})
     loaded = payload.load(tmp_path / "p.safetensors")
     assert torch.equal(loaded["x"], values) and loaded["x"].is_contiguous()

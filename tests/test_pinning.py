@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pytest_gpucase.pinning import pin_env, visible_devices, worker_index
+from pytest_gpucase.plan.pinning import pin_env, visible_devices, worker_index
 
 
 def test_worker_index() -> None:

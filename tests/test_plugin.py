@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import isolation, payload
+from pytest_gpucase.run import isolation
+from pytest_gpucase.case import payload
 
 CE_CASE_PY = """
 import torch
@@ -90,10 +91,10 @@ def test_collect_only_starts_no_zygote(pytester: pytest.Pytester, cases: Path) -
         import sys
 
         def pytest_collection_finish(session):
-            isolation = sys.modules.get("pytest_gpucase.isolation")
+            isolation = sys.modules.get("pytest_gpucase.run.isolation")
             zygote = isolation._ZYGOTE if isolation is not None else None
             print("zygote:", "none" if zygote is None else "started")
-            print("execute loaded:", "pytest_gpucase.execute" in sys.modules)
+            print("execute loaded:", "pytest_gpucase.run.child" in sys.modules)
     """)
     listed = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "-s", "cases")
     listed.stdout.fnmatch_lines(["zygote: none", "execute loaded: False"])

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from pytest_gpucase.report import load_report
+from pytest_gpucase.report.file import load_report
 
 from .test_plugin import RAISES, ce_case
 
@@ -408,8 +408,8 @@ def test_junit_properties_are_json(pytester: pytest.Pytester) -> None:
 
 
 def test_report_keeps_the_time_the_session_started(pytester: pytest.Pytester) -> None:
-    from pytest_gpucase.environment import Environment
-    from pytest_gpucase.session import session_key
+    from pytest_gpucase.plan.environment import Environment
+    from pytest_gpucase.plugin.state import session_key
 
     path = pytester.path / "report.json"
     config = pytester.parseconfigure("--gpu-cases", "--gpu-cases-report", str(path))
@@ -514,7 +514,7 @@ def test_the_report_records_the_packages_its_cases_use_serial_or_xdist(
     tinyext 1.0 and 2.0 merged into one column and the 1.0 failures disappeared."""
     import torch
 
-    from pytest_gpucase.report import build_matrix
+    from pytest_gpucase.report.matrix import build_matrix
 
     from .test_environment import install_fake_distribution
     from .test_plugin import write_case

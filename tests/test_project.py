@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase.case import payload
 from pytest_gpucase.cli import main
-from pytest_gpucase.project import import_paths, importable
+from pytest_gpucase.case.project import import_paths, importable
 
 MOD_PY = """\
 def fn(logits, target):

@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import golden, payload, reference_cache
-from pytest_gpucase.case import load_case
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.runner import run_spec
+from pytest_gpucase.case import golden
+from pytest_gpucase.case import payload
+from pytest_gpucase.run import reference_cache
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.parent import run_spec
 
 CODE = '''
 import os

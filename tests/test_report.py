@@ -18,29 +18,22 @@ import pytest
 
 import pytest_gpucase
 from pytest_gpucase.cli import main
-from pytest_gpucase.environment import Device, Environment
-from pytest_gpucase.report import (
+from pytest_gpucase.plan.environment import Device, Environment
+from pytest_gpucase.report.file import (
     SCHEMA,
     VERSION,
     ReportError,
-    append_step_summary,
-    build_matrix,
     check_report,
-    markdown_code,
-    markdown_text,
     describe_environment,
     load_report,
     new_report,
     report_version,
-    same_environment,
-    render_html,
-    render_json,
-    render_markdown,
-    short_names,
-    step_summary,
-    terminal_safe,
     write_report,
 )
+from pytest_gpucase.report.summary import append_step_summary, step_summary
+from pytest_gpucase.report.matrix import build_matrix, same_environment, short_names
+from pytest_gpucase.base.text import markdown_code, markdown_text, terminal_safe
+from pytest_gpucase.report.render import render_html, render_json, render_markdown
 
 A100_LABEL = "torch 2.3.1 · cu121 · flash-attn 2.5.8 · sm_80"
 H100_LABEL = "torch 2.4.0 · cu124 · flash-attn 2.6.3 · sm_90"
@@ -657,8 +650,9 @@ def test_gpucase_matrix_names_every_bad_file_and_exits_2(
     ]
 
 
-def test_report_module_imports_neither_torch_nor_pytest() -> None:
-    code = ("import sys, pytest_gpucase.report; "
+def test_report_modules_import_neither_torch_nor_pytest() -> None:
+    code = ("import sys, pytest_gpucase.report.file, pytest_gpucase.report.matrix, "
+            "pytest_gpucase.report.render, pytest_gpucase.report.summary; "
             "print(sorted({'torch', 'pytest'} & set(sys.modules)))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           check=True, timeout=60)

@@ -10,9 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import payload
+from pytest_gpucase.case import payload
 from pytest_gpucase.cli import main
-from pytest_gpucase.request import request, show, validate
+from pytest_gpucase.tools.show import request, show
+from pytest_gpucase.tools.validate import validate
 
 CASE_PY = "def run(logits, target, num_classes):\n    return logits.sum()\n"
 
@@ -280,7 +281,7 @@ def test_cli_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
 
 
 def _scrub(text: str, ids: tuple[str, ...] = ()) -> str:
-    from pytest_gpucase.request import _Scrubber
+    from pytest_gpucase.tools.show import Scrubber as _Scrubber
 
     return _Scrubber(case_dir="/work/cases/ce", home="/home/bob", users=("bob",),
                      hosts=("gpu-7",), ids=ids).scrub(text)

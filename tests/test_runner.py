@@ -6,10 +6,10 @@ import re
 import textwrap
 from pathlib import Path
 
-from pytest_gpucase.case import load_case
-from pytest_gpucase.isolation import WorkerPool
-from pytest_gpucase.matrix import RunSpec
-from pytest_gpucase.runner import describe_rerun, run_spec
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.run.isolation import WorkerPool
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.parent import describe_rerun, run_spec
 
 # A test double, honest about being one: this machine has no GPU, so the case
 # fakes what CUDA does. Without CUDA_LAUNCH_BLOCKING the "kernel" error surfaces
@@ -70,7 +70,7 @@ def test_asynchronous_error_is_rerun_with_launch_blocking(tmp_path: Path) -> Non
     assert "kernel assertion: IndexKernel.cu:92: operator(): block: [0,0,0], thread: [6,0,0] " \
         "Assertion `index out of bounds` failed." in text
     assert 'line 7, in gather' in rerun.outcome.details
-    assert 'execute.py' not in rerun.outcome.details  # our own frames are hidden
+    assert 'run/child.py' not in rerun.outcome.details  # our own frames are hidden
 
 
 def test_rocm_rerun_uses_its_own_variable(tmp_path: Path) -> None:

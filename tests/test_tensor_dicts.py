@@ -9,12 +9,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase import payload
-from pytest_gpucase.capture import Recorder
-from pytest_gpucase.case import load_case
-from pytest_gpucase.execute import load_inputs, prepare, upcast
-from pytest_gpucase.items import is_known_failure
-from pytest_gpucase.validate import validate
+from pytest_gpucase.case import payload
+from pytest_gpucase.tools.record import Recorder
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.run.child import load_inputs, prepare, upcast
+from pytest_gpucase.plugin.items import is_known_failure
+from pytest_gpucase.tools.validate import validate
 from tests.test_model_capture import replay, toml
 
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpucase.triage import Triage, assertion_line, triage
+from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
 
 # The tail PyTorch 1.13-2.7 appends to every CUDA error (c10/cuda/CUDAException.cpp).
 _CUDA_TAIL = (
@@ -977,7 +977,7 @@ def test_triage_of_a_pathological_text_is_linear(text: str) -> None:
 
 
 def test_only_the_start_and_end_of_a_long_text_are_read() -> None:
-    from pytest_gpucase.triage import SCANNED, bounded
+    from pytest_gpucase.verdict.triage import SCANNED, bounded
 
     noise = "x" * (10 * SCANNED)
     assert bounded("short") == "short"

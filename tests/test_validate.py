@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase import execute, payload
-from pytest_gpucase.case import load_case
+from pytest_gpucase.run import child as execute
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.load import load_case
 from pytest_gpucase.cli import main
-from pytest_gpucase.errors import CaseFormatError
-from pytest_gpucase.validate import validate
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.tools.validate import validate
 
 RUN = "def run(logits, target, mask):\n    return logits\n"
 TENSORS = {"logits": torch.zeros(2, 4), "target": torch.zeros(2, dtype=torch.long),
@@ -225,7 +226,7 @@ def test_a_batch_larger_than_the_saved_one_is_a_problem(
         capsys: pytest.CaptureFixture[str]) -> None:
     """validate said 'no problems' and show 'resized (2, 4) -> (8, 4)' where the run skipped:
     the three read one rule (variants.applicable)."""
-    from pytest_gpucase.request import show
+    from pytest_gpucase.tools.show import show
 
     path = case("big_batch", "[variants]\nbatch = { axis = 0, sizes = [8, 1] }\n")
     assert validate([Path("cases")]) == [
@@ -237,7 +238,7 @@ def test_a_batch_larger_than_the_saved_one_is_a_problem(
 
 
 def test_boundaries_on_a_non_integer_input_are_a_problem_in_the_runs_words() -> None:
-    from pytest_gpucase.variants import NotClassIndices, Variant, apply
+    from pytest_gpucase.case.variants import NotClassIndices, Variant, apply
 
     reject = '[variants.reject]\nexception = "ValueError"\n'
     case("on_logits", f'[variants]\nboundaries = {{ input = "logits", classes = 4 }}\n{reject}')

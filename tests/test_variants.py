@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase.case import AxisSizes, Boundaries, Expectation, VariantTables, load_case
-from pytest_gpucase.variants import (
+from pytest_gpucase.case.model import AxisSizes, Boundaries, Expectation, VariantTables
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.case.variants import (
     NotClassIndices,
     Variant,
     VariantNotApplicable,
@@ -426,7 +427,7 @@ def test_a_boundary_says_which_entry_it_set_and_what_the_case_wants(
 
 
 def test_describe_saved_reads_a_boundary_from_the_payload(tmp_path: Path) -> None:
-    from pytest_gpucase import payload
+    from pytest_gpucase.case import payload
 
     (tmp_path / "case.toml").write_text(
         'format = 1\ncall = "case.py:run"\n[variants]\n'
@@ -528,7 +529,7 @@ def test_a_module_cases_state_dict_never_anchors_or_follows_the_batch() -> None:
 
 
 def test_a_recorded_cases_rng_state_is_no_batch_input(tmp_path: Path) -> None:
-    from pytest_gpucase.request import validate
+    from pytest_gpucase.tools.validate import validate
     from tests.test_minimize import recorded_ce_case
 
     path = recorded_ce_case(tmp_path)

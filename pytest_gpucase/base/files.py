@@ -1,0 +1,165 @@
+"""Files and case directories written atomically, and the walk over nested tensors: once each.
+
+A reader (a collecting pytest, a restart, a CI uploader) must never see half a
+file, and a killed writer must not leave its half where it is read:
+
+* ``write_atomic`` writes to a temporary file beside the target (same directory:
+  ``os.replace`` is atomic only within one file system), fsyncs it, renames it
+  over the target and fsyncs the directory, so the rename itself survives a
+  power loss. The temporary is created with mode 0o666 through ``O_CREAT`` so
+  that the umask applies as to any new file (``mkstemp`` makes it private).
+* Temporaries are named ``.<name>.<host>.<pid>.<token>.tmp`` (hidden: scans and
+  collection skip them); every write first removes those beside its target
+  whose writer is gone: written on this host by a pid that no longer runs, or
+  untouched for a day (a writer on another host, whose pid means nothing here).
+* ``write_case_dir`` writes a whole case directory (``case.toml`` through
+  tomli-w, the payload, ``case.py`` and other files) into a hidden temporary
+  directory beside the target, then renames it into place; an existing case
+  is never overwritten.
+
+``named_tensors`` is the one walk over nested outputs (dicts, lists, tuples of
+tensors) that names each tensor by its path.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import os
+import re
+import secrets
+import socket
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    pass
+
+__all__ = [
+    "HOST", "fsync_directory", "new_temporary", "remove_stale_temporaries", "replace", "running",
+    "temporary_path", "write_atomic", "write_text_atomic",
+]
+
+# A writer's temporary file that has not changed for this long is abandoned,
+# whoever wrote it: no write spends a day without writing or renaming.
+STALE_AFTER_SECONDS = 24 * 3600
+# Which host wrote a temporary file: its pid can only be checked here. Hashed,
+# so that long host names do not make file names too long.
+HOST = hashlib.sha256(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def temporary_path(path: Path) -> Path:
+    """A fresh temporary name beside ``path``: ``.<name>.<host>.<pid>.<token>.tmp``."""
+    return path.with_name(f".{path.name}.{HOST}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+
+
+def temporary_pattern(path: Path) -> re.Pattern[str]:
+    """Names of the temporaries written for ``path``: host, pid and token.
+
+    A temporary may itself be written through a temporary (a checkpoint's
+    ``.safetensors`` goes through ``payload.save``): those are matched too,
+    in this module's naming and in the older ``.<temporary>.<12 hex>.tmp``.
+    """
+    return re.compile(
+        rf"\.?\.{re.escape(path.name)}\.(?P<host>[0-9a-f]{{8}})\.(?P<pid>[0-9]+)"
+        rf"\.[0-9a-f]{{8}}\.tmp(?:\.(?:[0-9a-f]{{8}}\.[0-9]+\.)?[0-9a-f]+\.tmp)?"
+    )
+
+
+def remove_stale_temporaries(path: Path) -> None:
+    """Remove the temporaries beside ``path`` whose writer is gone (see the module docstring)."""
+    pattern = temporary_pattern(path)
+    now = time.time()
+    try:
+        entries = list(os.scandir(path.parent))
+    except OSError:
+        return  # The write itself will say what is wrong with the directory.
+    for entry in entries:
+        match = pattern.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+        except OSError:
+            continue  # Gone already: its writer finished, or another cleaner was first.
+        mine = match["host"] == HOST
+        if idle > STALE_AFTER_SECONDS or (mine and not running(int(match["pid"]))):
+            # Another cleaner may be first, or it is not a file after all: leave it.
+            with contextlib.suppress(OSError):
+                os.unlink(entry.path)
+
+
+def running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (True when that cannot be told)."""
+    if os.name == "nt":
+        return True  # os.kill(pid, 0) would terminate the process on Windows.
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:
+        return True  # EPERM: it runs, as another user.
+    return True
+
+
+def fsync_directory(directory: Path) -> None:
+    """Make a rename in ``directory`` durable; a no-op where directories cannot be opened."""
+    if os.name == "nt":
+        return  # Windows cannot open a directory to fsync it.
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass  # some file systems refuse; the data itself was synced
+    finally:
+        os.close(fd)
+
+
+def new_temporary(path: Path) -> Path:
+    """Create an empty temporary beside ``path`` (stale ones removed first) and return it."""
+    remove_stale_temporaries(path)
+    tmp = temporary_path(path)
+    # 0o666 through O_CREAT lets the umask decide permissions, as for a plain open().
+    os.close(os.open(tmp, os.O_CREAT | os.O_EXCL | os.O_WRONLY | getattr(os, "O_BINARY", 0),
+                     0o666))
+    return tmp
+
+
+def replace(tmp: Path, path: Path) -> None:
+    """Rename a durable temporary over ``path`` and make the rename durable; on failure,
+    remove the temporary."""
+    try:
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_directory(path.parent)
+
+
+def write_atomic(path: Path, chunks: Iterable[bytes | memoryview], *,
+                 mode: int | None = None) -> None:
+    """Write ``chunks`` to ``path`` atomically and durably (``mode``: the file's permissions)."""
+    path = Path(path)
+    tmp = new_temporary(path)
+    try:
+        with open(tmp, "wb") as handle:
+            handle.writelines(chunks)
+            handle.flush()
+            if mode is not None:
+                os.chmod(tmp, mode)
+            os.fsync(handle.fileno())
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str, *, mode: int | None = None,
+                      errors: str = "strict") -> None:
+    """``write_atomic`` for text, encoded as UTF-8."""
+    write_atomic(path, [text.encode("utf-8", errors)], mode=mode)

@@ -1,0 +1,534 @@
+"""Tensors on disk with their exact layout: dtype, shape, stride, storage offset and values.
+
+A payload is a plain ``safetensors`` file. A tensor whose view is plain (C
+contiguous, at offset 0 of its storage, no conjugate or negative bit) is stored
+as it is, in its own shape, so that any safetensors reader sees it as it was
+saved. safetensors stores contiguous tensors only, so any other view is stored
+as the flat run of its storage that it reads, ``[storage_offset, storage_offset
++ extent)``, and its view (shape, stride, storage offset) is kept in the file's
+metadata under ``gpucase.layout``, with ``stored_from`` saying where the stored
+run begins in the original storage; one file may hold both kinds. Loading
+rebuilds the very same view with ``as_strided`` over a storage whose first
+``stored_from`` elements are zeros: the offset (and so the alignment kernels
+see) is exact, and the file holds nothing the view does not read, so a slice
+of a batch never carries the other samples. A payload written by plain
+``safetensors.torch.save_file`` (no layout) loads as the contiguous tensors it
+holds, and so do files of earlier versions, which stored every tensor flat with
+a layout entry. Nothing here goes through pickle.
+
+The file is written here rather than by ``safetensors.torch.save_file``, whose
+metadata map is written in a random order: the same tensors must give the same
+bytes, so that ``content_hash`` is stable and a regenerated case does not show
+up as changed. safetensors itself reads the files back (``load``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpucase.base.errors import CaseFormatError, link_inside, printable, regular_file
+from pytest_gpucase.base.files import (
+    write_atomic as _write_atomic,  # a module name: tests slow it down
+)
+from pytest_gpucase.base.tensors import readable_address
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DTYPES", "LAYOUT_KEY", "TensorInfo", "content_hash", "describe", "load", "read_header",
+           "readable", "save", "to_device"]
+
+LAYOUT_KEY = "gpucase.layout"
+# Bounds, checked from the header before anything is allocated (the table "Bounds" in
+# docs/case-format.md); a case is a minimal reproduction, not a dataset. MAX_ELEMENTS bounds
+# each declared shape (stored or viewed) and the storage a view is rebuilt in: its
+# storage_offset, stored_from, and stored_from plus the stored elements (the zeros before
+# the stored run are allocated, not read from the file).
+MAX_ELEMENTS = 2**34
+MAX_HEADER_BYTES = 100 * 2**20
+# The zeros allocated before a stored run (``stored_from`` elements) cost memory but hold
+# nothing from the file: a 220-byte payload must not make a child allocate gigabytes.
+MAX_PADDING_BYTES = 2**30
+# safetensors dtype code -> (torch dtype name, bytes per element)
+DTYPES: dict[str, tuple[str, int]] = {
+    "BOOL": ("bool", 1), "U8": ("uint8", 1), "I8": ("int8", 1),
+    "F8_E5M2": ("float8_e5m2", 1), "F8_E4M3": ("float8_e4m3fn", 1),
+    "F8_E8M0": ("float8_e8m0fnu", 1),
+    "I16": ("int16", 2), "U16": ("uint16", 2), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
+    "I32": ("int32", 4), "U32": ("uint32", 4), "F32": ("float32", 4),
+    "I64": ("int64", 8), "U64": ("uint64", 8), "F64": ("float64", 8), "C64": ("complex64", 8),
+}
+_RESAVE = "save the tensors again with pytest_gpucase.payload.save"
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """What the header says of one tensor, readable without loading any data."""
+
+    name: str
+    dtype: str  # the safetensors code: "F32", "BF16", "I64", ...
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    stored_from: int = 0  # where the stored run begins in the original storage
+
+    @property
+    def contiguous(self) -> bool:
+        """Whether the view is C-contiguous, as ``torch.Tensor.is_contiguous`` judges it."""
+        if any(size == 0 for size in self.shape):
+            return True
+        expected = 1
+        for size, step in zip(reversed(self.shape), reversed(self.stride), strict=True):
+            if size != 1 and step != expected:
+                return False
+            expected *= size
+        return True
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _extent(shape: tuple[int, ...], stride: tuple[int, ...]) -> int:
+    """Elements of storage a view reaches past its offset (0 for an empty view)."""
+    if any(size == 0 for size in shape):
+        return 0
+    return 1 + sum((size - 1) * step for size, step in zip(shape, stride, strict=True))
+
+
+def _numel(shape: Iterable[int]) -> int:
+    count = 1
+    for size in shape:
+        count *= size
+    return count
+
+
+def _reached(tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
+    """The run of storage a view reads, ``[start, offset + extent)``, as a flat plain tensor.
+
+    A conjugate or negative view reads its storage through a lazy bit, which a
+    flat run over the storage does not carry: the run is conjugated (negated)
+    instead, so that the same view over it reads the same values.
+    """
+    import torch
+
+    span = tensor.storage_offset() + _extent(tuple(tensor.shape), tuple(tensor.stride()))
+    flat = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+    flat.set_(tensor.untyped_storage(), start, (max(span - start, 0),), (1,))
+    if tensor.is_conj():
+        flat = flat.conj_physical()
+    if tensor.is_neg():
+        flat = flat.neg()
+    return flat
+
+
+def save(path: Path, tensors: Mapping[str, torch.Tensor],
+         metadata: Mapping[str, str] | None = None) -> None:
+    """Write ``tensors`` to ``path`` atomically, each with its exact layout."""
+    import torch
+
+    codes = {getattr(torch, name): code for code, (name, _) in DTYPES.items()
+             if hasattr(torch, name)}
+    runs: list[tuple[str, str, torch.Tensor]] = []
+    layout: dict[str, dict[str, Any]] = {}
+    for name, tensor in tensors.items():
+        if not isinstance(name, str):
+            raise TypeError(f"{name!r}: tensor names must be strings")
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
+        if tensor.layout != torch.strided:
+            raise TypeError(f"{name}: only strided (dense) tensors can be saved, "
+                            f"not {tensor.layout}")
+        code = codes.get(tensor.dtype)
+        if code is None:
+            raise TypeError(f"{name}: safetensors cannot store {tensor.dtype}")
+        if tensor.numel() > MAX_ELEMENTS:  # load would refuse the file: never write it
+            raise TypeError(f"{name}: its shape {tuple(tensor.shape)} declares "
+                            f"{tensor.numel()} elements, over the limit of {MAX_ELEMENTS} a "
+                            "case payload is read with; save a smaller tensor (an expanded "
+                            "one: the tensor it expands)")
+        tensor = readable(tensor, name)
+        with _outside_transforms():  # inside torch.func.grad an op's result is wrapped again
+            tensor = tensor.detach()
+            if _plain(tensor):  # stored in its own shape: any safetensors reader sees it
+                runs.append((name, code, tensor.cpu().contiguous()))
+                continue
+            offset = int(tensor.storage_offset())
+            if offset * tensor.element_size() > MAX_PADDING_BYTES:
+                raise ValueError(f"{name}: its storage offset is "
+                                 f"{offset * tensor.element_size()} bytes, past the "
+                                 f"{MAX_PADDING_BYTES}-byte bound of a case payload; save a "
+                                 ".clone() of it unless the offset is what the case is about")
+            runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
+        layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
+                        "storage_offset": offset, "stored_from": offset}
+    header_meta = dict(metadata or {})
+    for key, value in header_meta.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(f"metadata {key!r}: keys and values must be strings")
+    header_meta.pop(LAYOUT_KEY, None)
+    if layout:
+        header_meta[LAYOUT_KEY] = json.dumps(layout, sort_keys=True)
+    # Widest elements first, as safetensors does, so that every tensor is aligned.
+    runs.sort(key=lambda run: (-DTYPES[run[1]][1], run[0]))
+    header: dict[str, Any] = {"__metadata__": dict(sorted(header_meta.items()))}
+    begin = 0
+    for name, code, flat in runs:
+        end = begin + flat.numel() * flat.element_size()
+        header[name] = {"dtype": code, "shape": list(flat.shape), "data_offsets": [begin, end]}
+        begin = end
+    raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    raw += b" " * (-len(raw) % 8)
+    _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
+                               *(_bytes_of(flat, name) for name, _, flat in runs)])
+
+
+def _plain(tensor: torch.Tensor) -> bool:
+    """Whether a view needs no layout entry: C contiguous at offset 0, no lazy conj/neg bit."""
+    return (tensor.storage_offset() == 0 and not tensor.is_conj() and not tensor.is_neg()
+            and tensor.is_contiguous())
+
+
+def _bytes_of(flat: torch.Tensor, name: str = "tensor") -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy (and without numpy)."""
+    nbytes = flat.numel() * flat.element_size()
+    if nbytes == 0:
+        return memoryview(b"")
+    address = readable_address(flat, nbytes)
+    if address is None:  # ``readable`` let it through: reading it would crash the process
+        raise TypeError(f"{name}: its {nbytes} bytes of values have no readable memory")
+    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+
+
+def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
+    """``tensor`` itself when the memory its view reads can be read as it is, else its
+    values as a plain contiguous tensor (on the CPU); TypeError, naming ``name``, when
+    they cannot be had.
+
+    Reading a tensor's storage directly (``_bytes_of``, ``_reached``) is only safe
+    for a plain tensor whose storage holds its whole view: a zero tensor
+    (``torch._efficientzerotensor``, what autograd gives for an unused input), a
+    functionalized or functorch-wrapped one has a null or unreadable pointer and
+    reading it is a segmentation fault. Their values are had through torch
+    itself: zeros, the synced functional value, a copy. A plain tensor whose
+    storage was freed or shrunk under it, or a meta tensor, has no values: torch
+    would read past the storage too, so it is refused.
+    """
+    import torch
+
+    reach = tensor.element_size() * _extent(tuple(tensor.shape), tuple(tensor.stride()))
+    if readable_address(tensor, reach) is not None or (
+            reach == 0 and _unwrapped(tensor) and tensor.device.type != "meta"):
+        return tensor
+    if torch._is_zerotensor(tensor):
+        return torch.zeros(tensor.shape, dtype=tensor.dtype)
+    if torch._is_functional_tensor(tensor):
+        torch._functionalize_sync(tensor)  # its pending writes, into the wrapped tensor
+        return readable(torch._from_functional_tensor(tensor), name)
+    functorch = torch._C._functorch
+    if (getattr(functorch, "is_gradtrackingtensor", None) is not None
+            and functorch.is_functorch_wrapped_tensor(tensor)
+            and functorch.is_gradtrackingtensor(tensor)):
+        # Inside torch.func.grad: the wrapper holds a tensor of the same values and shape.
+        inner = functorch.get_unwrapped(tensor)
+        if tuple(inner.shape) == tuple(tensor.shape) and inner.dtype == tensor.dtype:
+            return readable(inner, name)
+    problem = "has no memory to read"
+    if not _unwrapped(tensor):  # a wrapper (functorch's, a subclass): torch reads it for us
+        try:
+            copy = torch.empty(tensor.shape, dtype=tensor.dtype).copy_(tensor)
+        except (RuntimeError, NotImplementedError, TypeError) as exc:
+            problem = f"cannot be read ({str(exc).splitlines()[0]})"
+        else:
+            if readable_address(copy, copy.numel() * copy.element_size()) is not None:
+                return copy
+    elif tensor.device.type == "meta":
+        problem = "is a meta tensor: it has a shape but no values"
+    else:
+        problem = (f"reads {reach} bytes from a storage of "
+                   f"{_storage_bytes(tensor)} bytes (freed or resized under it)")
+    raise TypeError(f"{name}: a {tensor.dtype} tensor of shape {list(tensor.shape)} that "
+                    f"{problem}; save a plain copy of its values (.clone() of a tensor "
+                    "that still has them)")
+
+
+def _outside_transforms() -> contextlib.AbstractContextManager[object]:
+    """Run plain tensors' ops as plain ones, also inside a torch.func transform (where
+    their results would be wrapped at its level, with no memory of their own to read)."""
+    import torch
+
+    disable = getattr(torch._C, "_DisableFuncTorch", None)
+    return disable() if disable is not None else contextlib.nullcontext()
+
+
+def _unwrapped(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a plain dense tensor, its storage its own (no wrapper inside)."""
+    import torch
+
+    return (type(tensor) in (torch.Tensor, torch.nn.Parameter)
+            and not torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+            and not torch._is_functional_tensor(tensor) and not torch._is_zerotensor(tensor))
+
+
+def _storage_bytes(tensor: torch.Tensor) -> int | str:
+    try:
+        return int(tensor.untyped_storage().nbytes())
+    except (RuntimeError, NotImplementedError):
+        return "unknown"
+
+
+def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """Parse and check a safetensors header (tensor entries, metadata) without reading data.
+
+    Every entry is checked against the file: a known dtype, a shape of at most
+    ``MAX_ELEMENTS`` elements, and data offsets inside the file that hold
+    exactly that many bytes. A file that is not safetensors (a ``torch.save``
+    pickle, say) is refused from its first bytes and never unpickled.
+    """
+    path = Path(path)
+    link_inside(path, path.parent)  # a payload lives in its case directory
+    try:
+        size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
+        with _open_regular(path) as handle:
+            start = handle.read(8)
+            if len(start) < 8:
+                raise _not_safetensors(path, start, f"is {size} bytes, too short for a "
+                                       f"safetensors file; {_RESAVE}")
+            length = int.from_bytes(start, "little")
+            if length > size - 8:
+                raise _not_safetensors(path, start, f"header declares {length} bytes but the "
+                                       f"file holds {size - 8} after its length field "
+                                       "(truncated or not safetensors)")
+            if length > MAX_HEADER_BYTES:
+                raise _not_safetensors(path, start, f"header of {length} bytes is over the "
+                                       f"limit of {MAX_HEADER_BYTES}; not a case payload")
+            raw = handle.read(length)
+    except OSError as exc:
+        raise CaseFormatError(path, f"cannot be read: {exc}") from None
+    try:
+        header = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise _not_safetensors(path, start, f"header is not JSON ({exc}); not a safetensors "
+                               "file") from None
+    if not isinstance(header, dict):
+        raise CaseFormatError(path, "header is not a JSON object; not a safetensors file")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+            isinstance(key, str) and isinstance(value, str) for key, value in metadata.items()):
+        raise CaseFormatError(path, "header __metadata__ is not a map of strings to strings")
+    data_size = size - 8 - length
+    for name, entry in header.items():
+        _check_entry(path, name, entry, data_size)
+    return header, metadata
+
+
+def _open_regular(path: Path) -> Any:
+    """Open for reading without blocking, should a FIFO replace the file after its ``stat``."""
+    return open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+                        | getattr(os, "O_BINARY", 0)), "rb")
+
+
+def _not_safetensors(path: Path, start: bytes, problem: str) -> CaseFormatError:
+    """The error for a file that fails to parse, naming a pickle when it starts like one."""
+    # A zip archive is what torch.save writes; a pickle starts with PROTO 2..5.
+    if start.startswith((b"PK\x03\x04", b"\x80\x02", b"\x80\x03", b"\x80\x04", b"\x80\x05")):
+        problem = ("is a torch.save (pickle) file, not safetensors; it is not loaded, since "
+                   f"unpickling runs code: {_RESAVE}")
+    return CaseFormatError(path, problem)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
+    """Refuse a header entry whose dtype, shape or data offsets do not fit the file."""
+    if not isinstance(entry, dict):
+        raise CaseFormatError(path, f"tensor '{name}': header entry is not a JSON object")
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise CaseFormatError(path, f"tensor '{name}': unsupported dtype {json.dumps(dtype)}; "
+                              f"expected one of {', '.join(DTYPES)}")
+    if not isinstance(shape, list) or not all(_is_int(n) and n >= 0 for n in shape):
+        raise CaseFormatError(path, f"tensor '{name}': shape {json.dumps(shape)} is not a list "
+                              "of sizes >= 0")
+    numel = _numel(shape)
+    if numel > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': declared shape {shape} has {numel} "
+                              f"elements, over the limit of {MAX_ELEMENTS}; refusing to allocate")
+    if not (isinstance(offsets, list) and len(offsets) == 2 and all(map(_is_int, offsets))):
+        raise CaseFormatError(path, f"tensor '{name}': data_offsets {json.dumps(offsets)} is not "
+                              "[begin, end]")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_size:
+        raise CaseFormatError(path, f"tensor '{name}' declares bytes {begin}..{end} but the "
+                              f"file holds {data_size} bytes of data (truncated?)")
+    if end - begin != numel * DTYPES[dtype][1]:
+        raise CaseFormatError(path, f"tensor '{name}': {end - begin} bytes of data for shape "
+                              f"{shape} of {dtype}, which needs {numel * DTYPES[dtype][1]}")
+
+
+def describe(path: Path) -> list[TensorInfo]:
+    """List the tensors of a payload with their saved layout, reading only its header."""
+    header, metadata = read_header(path)
+    return _infos(path, header, metadata)
+
+
+def _infos(path: Path, header: Mapping[str, Any], metadata: Mapping[str, str]) -> list[TensorInfo]:
+    """Each tensor's view: from the layout metadata, checked against the header, else contiguous."""
+    layout: Any = {}
+    if LAYOUT_KEY in metadata:
+        try:
+            layout = json.loads(metadata[LAYOUT_KEY])
+        except (ValueError, RecursionError) as exc:
+            raise CaseFormatError(path, f"metadata '{LAYOUT_KEY}' is not JSON ({exc}); "
+                                  f"{_RESAVE}") from None
+        if not isinstance(layout, dict):
+            raise CaseFormatError(path, f"metadata '{LAYOUT_KEY}' is not a JSON object; {_RESAVE}")
+    for name in layout:
+        if name not in header:
+            raise CaseFormatError(path, f"layout names tensor '{name}' that the file does not "
+                                  f"hold; {_RESAVE}")
+    infos = []
+    for name, entry in header.items():
+        stored = tuple(entry["shape"])
+        if name not in layout:
+            infos.append(TensorInfo(name, entry["dtype"], stored, _contiguous_stride(stored), 0))
+            continue
+        info = _view(path, name, entry["dtype"], layout[name])
+        padding = info.stored_from * DTYPES[entry["dtype"]][1]
+        if padding > MAX_PADDING_BYTES:
+            raise CaseFormatError(path, f"tensor '{name}': layout stored_from {info.stored_from} "
+                                  f"asks for {padding} bytes of zeros before the stored data, "
+                                  f"over the limit of {MAX_PADDING_BYTES}; refusing to allocate "
+                                  "(save a .clone() of the tensor unless its offset is what the "
+                                  "case is about)")
+        if info.stored_from + _numel(stored) > MAX_ELEMENTS:
+            raise CaseFormatError(path, f"tensor '{name}': layout stored_from {info.stored_from} "
+                                  f"and {_numel(stored)} stored elements make a storage of "
+                                  f"{info.stored_from + _numel(stored)} elements, over the limit "
+                                  f"of {MAX_ELEMENTS}; refusing to allocate")
+        needed = info.storage_offset - info.stored_from + _extent(info.shape, info.stride)
+        if needed > _numel(stored):
+            raise CaseFormatError(path, f"tensor '{name}': its view (shape {list(info.shape)}, "
+                                  f"stride {list(info.stride)}, offset {info.storage_offset}) "
+                                  f"reaches {needed} elements but only {_numel(stored)} are "
+                                  "stored")
+        infos.append(info)
+    return infos
+
+
+def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
+    """One layout entry, checked: integer sizes, strides and offset, none negative."""
+    def bad(problem: str) -> CaseFormatError:
+        return CaseFormatError(path, f"tensor '{name}': layout {problem}; {_RESAVE}")
+
+    if not isinstance(view, dict) or not {"shape", "stride", "storage_offset"} <= view.keys():
+        raise bad("entry needs shape, stride and storage_offset")
+    shape, stride, offset = view["shape"], view["stride"], view["storage_offset"]
+    for key, values in (("shape", shape), ("stride", stride)):
+        if not isinstance(values, list) or not all(map(_is_int, values)):
+            raise bad(f"{key} {json.dumps(values)} is not a list of integers")
+        if any(n < 0 for n in values):
+            raise bad(f"{key} {values} has a negative entry")
+    if not _is_int(offset) or offset < 0:
+        raise bad(f"storage_offset {json.dumps(offset)} is not an integer >= 0")
+    if offset > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': layout storage_offset {offset} is over the "
+                              f"limit of {MAX_ELEMENTS}; refusing to allocate")
+    stored_from = view.get("stored_from", 0)
+    if not _is_int(stored_from) or not 0 <= stored_from <= offset:
+        raise bad(f"stored_from {json.dumps(stored_from)} is not an integer in [0, {offset}]")
+    if len(shape) != len(stride):
+        raise bad(f"shape {shape} and stride {stride} differ in length")
+    if _numel(shape) > MAX_ELEMENTS:
+        raise CaseFormatError(path, f"tensor '{name}': declared shape {shape} has "
+                              f"{_numel(shape)} elements, over the limit of {MAX_ELEMENTS}; "
+                              "refusing to allocate")
+    return TensorInfo(name, dtype, tuple(shape), tuple(stride), offset, stored_from)
+
+
+def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """Load every tensor of a payload with its exact saved layout, on ``device``."""
+    import torch
+    from safetensors import SafetensorError
+
+    header, metadata = read_header(path)
+    infos = _infos(path, header, metadata)  # every check runs before any data is read
+    tensors: dict[str, torch.Tensor] = {}
+    try:
+        with contextlib.ExitStack() as stack:
+            stored_tensor = _reader(path, stack)
+            for info in infos:
+                stored = stored_tensor(info.name)
+                if info.stored_from:  # zeros stand for the part of the storage not read
+                    full = torch.zeros(info.stored_from + stored.numel(), dtype=stored.dtype)
+                    full[info.stored_from:] = stored.reshape(-1)
+                    stored = full
+                elif stored.storage_offset() != 0:  # as_strided counts from the storage's start
+                    stored = stored.clone()
+                tensors[info.name] = stored.as_strided(info.shape, info.stride,
+                                                       info.storage_offset)
+    except (SafetensorError, OSError, RuntimeError) as exc:
+        raise CaseFormatError(path, f"cannot load tensors: {exc}") from None
+    if device != "cpu":
+        tensors = {name: to_device(t, device) for name, t in tensors.items()}
+    return tensors
+
+
+def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+    """Reads stored tensors by name, as safetensors reads them (``read_header`` checked them)."""
+    from safetensors import safe_open
+    from safetensors.torch import load as load_bytes
+
+    text = str(path)
+    if text != printable(text):
+        # safetensors takes a path as UTF-8 text: a directory name that is not is read as bytes.
+        with _open_regular(path) as handle:
+            tensors: dict[str, torch.Tensor] = load_bytes(handle.read())
+        return tensors.__getitem__
+    handle = stack.enter_context(safe_open(text, framework="pt", device="cpu"))
+    return handle.get_tensor  # type: ignore[no-any-return]
+
+
+def to_device(tensor: torch.Tensor, device: str, *, copy: bool = False) -> torch.Tensor:
+    """Move a tensor keeping its exact strides and storage offset (a tensor without
+    memory of its own, a zero tensor say, has none to keep: its values come contiguous).
+    ``copy``: a copy even when it is on ``device`` already (a snapshot of its values); a
+    host one is one memcpy, not a torch op: torch's thread pool hangs in a forked child of
+    a process that used it (a DataLoader worker, a test's child), and a snapshot may be
+    taken there."""
+    import torch
+
+    plain = readable(tensor)
+    if plain is not tensor:
+        return plain.detach().to(device, copy=copy)
+    flat = _reached(tensor.detach())
+    if copy and device == "cpu" and flat.device.type == "cpu" and flat.numel():
+        moved = torch.frombuffer(bytearray(_bytes_of(flat)), dtype=flat.dtype)
+    else:
+        moved = flat.to(device, copy=copy)
+    return moved.as_strided(tensor.shape, tensor.stride(), tensor.storage_offset())
+
+
+def content_hash(path: Path) -> str:
+    """The sha256 of a file's bytes, as ``sha256:<hex>``."""
+    digest = hashlib.sha256()
+    link_inside(path, path.parent)
+    regular_file(path, f"replace it with the safetensors file; {_RESAVE}")
+    with _open_regular(path) as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return f"sha256:{digest.hexdigest()}"

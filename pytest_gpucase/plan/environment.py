@@ -1,0 +1,245 @@
+"""One snapshot of where the cases run: backend, devices, versions, extensions, git revision.
+
+The snapshot is taken once per session in a child process, so the pytest
+process never initializes CUDA (a CUDA context does not survive a fork).
+
+``backend`` is what the torch build was made for (``torch.version.cuda``,
+``torch.version.hip``, ...), and ``device_types`` what it can use here: a CUDA
+wheel on a runner without a GPU is a ``cuda`` backend whose only device type is
+``cpu``, as ``python -m torch.utils.collect_env`` tells "CUDA used to build
+PyTorch" apart from "Is CUDA available".
+"""
+
+from __future__ import annotations
+
+import functools
+import platform as _platform
+import re
+import subprocess
+import sys
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pytest_gpucase.base import backends
+
+__all__ = ["Device", "Environment", "call_distributions", "canonical_name", "dnn_library",
+           "git_revision", "package_version", "probe_here"]
+
+
+@dataclass(frozen=True)
+class Device:
+    """One visible accelerator."""
+
+    index: int
+    name: str
+    capability: str | None = None  # "9.0" on CUDA; the gcnArch name on ROCm
+    memory_gib: float | None = None
+
+
+@dataclass(frozen=True)
+class Environment:
+    """What this run has: the backend of the torch build and what it can see."""
+
+    backend: str                     # "cuda", "rocm", "mps", "xpu" or "cpu"
+    device_types: tuple[str, ...]    # usable device types, "cpu" always among them
+    devices: tuple[Device, ...] = ()
+    torch: str | None = None
+    cuda: str | None = None
+    hip: str | None = None
+    cudnn: str | None = None         # torch.backends.cudnn.version(): "90100"; MIOpen on ROCm
+    python: str = _platform.python_version()
+    platform: str = f"{_platform.system()}-{_platform.machine()}"
+    packages: Mapping[str, str | None] = field(default_factory=dict)
+    revision: str | None = None
+
+    def header(self) -> str:
+        """One line for the pytest header, as a PyTorch engineer reads it.
+
+        ``gpucase: cuda backend · torch 2.4.0+cu124 · CUDA 12.4 · cuDNN 9.1.0 ·
+        Python 3.11.7 · 2 × NVIDIA H100 80GB HBM3 (9.0) · rev 3f2c1ab``
+        """
+        parts = [f"{self.backend} backend", f"torch {self.torch or 'not installed'}"]
+        if self.cuda:
+            parts.append(f"CUDA {self.cuda}")
+        if self.hip:
+            parts.append(f"HIP {self.hip}")
+        dnn = dnn_library(self.cudnn, self.backend)
+        if dnn:
+            parts.append(dnn)
+        parts.append(f"Python {self.python}")
+        if self.devices:
+            # One group per kind of device, in index order: "1 × Tesla T4 (7.5) + 1 × ...".
+            kinds = Counter((d.name, d.capability) for d in self.devices)
+            parts.append(" + ".join(f"{count} × {name}" + (f" ({capability})" if capability else "")
+                                    for (name, capability), count in kinds.items()))
+        else:
+            parts.append("no accelerator: CPU items only "
+                         "(a CPU pass is a hint, not GPU validation)")
+        if self.revision:
+            parts.append(f"rev {self.revision}")
+        return "gpucase: " + " · ".join(parts)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The snapshot as plain JSON data (the ``environment`` of a JSON report)."""
+        return asdict(self)
+
+
+def dnn_library(cudnn: str | None, backend: str) -> str | None:
+    """The cuDNN version as people write it (``cuDNN 9.1.0`` for ``90100``); MIOpen on ROCm."""
+    if not cudnn:
+        return None
+    name = backends.dnn_name(backend) or "cuDNN"
+    if not cudnn.isdigit():
+        return f"{name} {cudnn}"  # already written out
+    number = int(cudnn)
+    if backend == "rocm":       # MAJOR*1000000 + MINOR*1000 + PATCH
+        major, rest = divmod(number, 1_000_000)
+        minor, patch = divmod(rest, 1_000)
+    elif number >= 90_000:      # from cuDNN 9: MAJOR*10000 + MINOR*100 + PATCH
+        major, rest = divmod(number, 10_000)
+        minor, patch = divmod(rest, 100)
+    else:                       # up to cuDNN 8: MAJOR*1000 + MINOR*100 + PATCH
+        major, rest = divmod(number, 1_000)
+        minor, patch = divmod(rest, 100)
+    return f"{name} {major}.{minor}.{patch}"
+
+
+def probe_here(packages: Iterable[str] = (), rootdir: str | None = None) -> Environment:
+    """Take the snapshot in this process (call it in a child: it may initialize the device)."""
+    import torch
+
+    hip: str | None = getattr(torch.version, "hip", None)
+    mps = getattr(torch.backends, "mps", None)
+    types: list[str] = []
+    devices: list[Device] = []
+    if torch.cuda.is_available():
+        types.append("cuda")
+        for index in range(torch.cuda.device_count()):
+            props = torch.cuda.get_device_properties(index)
+            capability = (getattr(props, "gcnArchName", None) if hip
+                          else f"{props.major}.{props.minor}")
+            devices.append(Device(index, props.name, capability,
+                                  round(props.total_memory / 2**30, 1)))
+    if hasattr(torch, "xpu") and torch.xpu.is_available():
+        types.append("xpu")
+        devices += [Device(index, torch.xpu.get_device_name(index))
+                    for index in range(torch.xpu.device_count())]
+    if mps is not None and mps.is_available():
+        types.append("mps")
+        devices.append(Device(0, "Apple MPS"))
+    backend = backends.detect(torch)
+    if backend == "cpu" and types:
+        backend = types[0]
+    return Environment(
+        backend=backend,
+        device_types=(*types, "cpu"),
+        devices=tuple(devices),
+        torch=torch.__version__,
+        cuda=torch.version.cuda,
+        hip=hip,
+        cudnn=_cudnn_version() if backends.dnn_name(backend) else None,
+        python=_platform.python_version(),
+        packages={name: package_version(name) for name in sorted(set(packages))},
+        revision=git_revision(rootdir),
+    )
+
+
+def _cudnn_version() -> str | None:
+    import torch
+
+    version: Callable[[], int | None] = torch.backends.cudnn.version
+    try:
+        found = version()
+    except RuntimeError:
+        return None  # a cuDNN the build cannot load: the runs say so, the probe must not die
+    return None if found is None else str(found)
+
+
+def package_version(name: str) -> str | None:
+    """The installed version of a distribution, or None when it is not installed.
+
+    Names compare as pip compares them: ``flash-attn``, ``flash_attn`` and ``Flash-Attn`` agree.
+    """
+    from importlib import metadata
+
+    if not name.strip():
+        return None
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def canonical_name(name: str) -> str:
+    """A distribution name as pip compares it (PEP 503): ``Flash_Attn`` -> ``flash-attn``."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+# Distributions whose version every report records elsewhere (``torch``; the writer's own
+# version is the report's ``gpucase`` key): a call into them adds no package.
+_RECORDED_ELSEWHERE = frozenset({"torch", "pytest-gpucase"})
+
+
+def call_distributions(call: str) -> tuple[str, ...]:
+    """The installed distributions that provide the module a case's ``call`` imports.
+
+    ``tinyext:pool`` and ``mypkg.losses:step`` name an installed package whose version
+    decides the verdict as much as torch's does, listed in ``[matrix.packages]`` or not.
+    A ``FILE.py:func`` in the case directory, a standard-library module, a module of the
+    project that no distribution installed, and torch itself (recorded already) give
+    none. Nothing is imported: the top-level name is looked up in the metadata of what
+    is installed (``importlib.metadata.packages_distributions``), read once per
+    ``sys.path``.
+    """
+    target = call.partition(":")[0]
+    if target.endswith(".py") or not target:
+        return ()
+    top = target.split(".")[0]
+    if top in sys.stdlib_module_names:
+        return ()
+    found = _distributions_by_module(tuple(sys.path)).get(top, ())
+    return tuple(sorted({name for name in found
+                         if canonical_name(name) not in _RECORDED_ELSEWHERE}))
+
+
+@functools.lru_cache(maxsize=4)
+def _distributions_by_module(path: tuple[str, ...]) -> Mapping[str, list[str]]:
+    """Top-level module -> distributions providing it, for one ``sys.path`` (the cache key:
+    reading every installed distribution's metadata takes tens of milliseconds)."""
+    from importlib import metadata
+
+    try:
+        return metadata.packages_distributions()
+    except Exception:
+        # One installed distribution's unreadable metadata (a latin-1 METADATA, a RECORD row
+        # of four fields) must not end the run: no call package is recorded instead.
+        return {}
+
+
+def git_revision(rootdir: str | None) -> str | None:
+    """The short commit of the repository holding ``rootdir``, with ``-dirty`` if changed.
+
+    A change is one to a tracked file, staged or not (as ``git describe --dirty``);
+    None outside a repository, in one without commits, or without git.
+    """
+    if rootdir is None:
+        return None
+    commit = _git(rootdir, "rev-parse", "--short=7", "HEAD")
+    if not commit:
+        return None
+    changes = _git(rootdir, "--no-optional-locks", "status", "--porcelain",
+                   "--untracked-files=no")
+    return f"{commit}-dirty" if changes else commit
+
+
+def _git(rootdir: str, *args: str) -> str | None:
+    """Git's output for ``args`` run on ``rootdir``, or None when it fails."""
+    try:
+        done = subprocess.run(["git", "-C", str(Path(rootdir)), *args], capture_output=True,
+                              text=True, timeout=10, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return done.stdout.strip() if done.returncode == 0 else None

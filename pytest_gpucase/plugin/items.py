@@ -1,0 +1,484 @@
+"""What pytest collects and runs: case directories, their items, and the fixtures.
+
+A case directory is a ``CaseDirectory`` whose one file node is its ``case.toml``
+(``CaseFile``), with one ``CaseItem`` per run (device x dtype x variant) planned
+by ``plan.py``, or one ``BrokenCaseItem`` when the case cannot load. Each item
+runs in a fresh child (``runner.run_spec``) and reads its verdict back. The
+``gpu_device``, ``gpu_dtype`` and ``gpu_case`` fixtures serve hand-written tests.
+Nothing here imports torch at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import pytest
+
+from pytest_gpucase.base.errors import display_posix
+from pytest_gpucase.plugin.state import session_key
+
+if TYPE_CHECKING:
+    from _pytest._code.code import TerminalRepr
+
+    from pytest_gpucase.case.model import Case
+    from pytest_gpucase.plan.runs import RunSpec
+    from pytest_gpucase.run.child import Outcome
+    from pytest_gpucase.run.parent import Verdict
+
+__all__ = [
+    "BrokenCaseItem", "CaseDirectory", "CaseItem", "is_known_failure", "run_markers",
+    "share_conftests", "skip_here",
+]
+
+
+def run_markers() -> list[tuple[str, str]]:
+    """The markers each case item may carry, read off the tables that define them.
+
+    Devices and backends from ``backends.py``, dtypes from ``case.FLOAT_DTYPES``,
+    variant kinds from ``variants.VARIANT_KINDS``: a row added there is a marker
+    here, so ``--strict-markers`` never rejects an item's own marker.
+    """
+    from pytest_gpucase.base.backends import BACKENDS, DEVICE_TYPES
+    from pytest_gpucase.case.model import FLOAT_DTYPES
+    from pytest_gpucase.case.variants import VARIANT_KINDS
+
+    return [
+        *((f"device_{device}", f"a gpucase run on {device}") for device in DEVICE_TYPES),
+        *((f"dtype_{dtype}", f"a gpucase run in {dtype}") for dtype in FLOAT_DTYPES),
+        *((f"variant_{kind}", f"a gpucase {kind} edge variant") for kind in VARIANT_KINDS),
+        *((f"backend_{backend}", f"a gpucase run on the {backend} backend")
+          for backend in BACKENDS),
+    ]
+
+
+class CaseDirectory(pytest.Directory):
+    """A case directory: its ``case.toml`` is the one file collected from it.
+
+    Items live under the ``case.toml`` file node, so that an item's id
+    (``cases/ce_class4/case.toml::ce_class4[cpu-float32]``) is a path pytest
+    accepts on its command line, and ``--lf``/``--sw`` can narrow to it.
+    """
+
+    def collect(self) -> Iterator[pytest.Collector]:
+        yield CaseFile.from_parent(self, path=self.path / "case.toml")
+
+
+def share_conftests(path: Path, parent: pytest.Collector) -> None:
+    """Give a case directory without a ``conftest.py`` its parent's conftest modules.
+
+    pytest looks for ``conftest.py`` in every directory it collects, walking up from
+    it to the root: a dozen ``stat`` calls and path comparisons per case, an eighth
+    of collecting thousands of cases. A case directory that holds no ``conftest.py``
+    has exactly its parent's list (pytest builds a directory's list from its
+    parent's), so it is filled in from there. Only when pytest keeps the table this
+    relies on (a private one, checked here) and has the parent's entry; otherwise,
+    and for a case directory with its own conftest, pytest does its usual search.
+    """
+    known = getattr(parent.config.pluginmanager, "_dirpath2confmods", None)
+    if (not isinstance(known, dict) or path in known or parent.path != path.parent
+            or not isinstance(inherited := known.get(parent.path), list)):
+        return
+    if not os.path.lexists(path / "conftest.py"):
+        known[path] = list(inherited)
+
+
+class CaseFile(pytest.File):
+    """A case's ``case.toml``: one item per run (device x dtype x variant)."""
+
+    def collect(self) -> Iterator[pytest.Item]:
+        from pytest_gpucase.base.backends import run_backend
+        from pytest_gpucase.base.errors import CaseFormatError
+        from pytest_gpucase.case.load import load_case
+        from pytest_gpucase.plan.runs import expand, one_dtype_without_floats, saved_dtype
+
+        state = self.config.stash[session_key]
+        case_dir = self.path.parent
+        try:
+            case = load_case(case_dir)
+            # The saved dtype names the items only when [matrix] dtypes does not; under
+            # autocast the call computes in the autocast dtype, which names them instead.
+            saved = None if case.matrix.dtypes else (case.context.compute_dtype
+                                                     or saved_dtype(case))
+            specs = expand(
+                case, state.environment(tuple(case.matrix.packages)),
+                saved_dtype=saved,
+                devices=state.settings["gpu_devices"],
+                dtypes=state.settings["gpu_dtypes"],
+                launch_blocking=state.settings["gpu_launch_blocking"],
+            )
+            specs = one_dtype_without_floats(case, specs)
+        except Exception as exc:  # whatever the files hold: one failed item, the session goes on
+            from pytest_gpucase.base.errors import display
+            from pytest_gpucase.case.model import CASE_FILE, case_name
+
+            problem = str(exc) if isinstance(exc, CaseFormatError) else (
+                f"{display(case_dir / CASE_FILE)}: the case cannot be loaded: "
+                f"{type(exc).__name__}: {exc}")
+            yield BrokenCaseItem.from_parent(self, name=case_name(case_dir), problem=problem,
+                                             case_path=display_posix(case_dir))
+            return
+        state.cases_seen += 1
+        if not specs:
+            state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case, saved)})")
+        pin = state.worker_env()
+        build = state.environment().backend
+        case_path = display_posix(case_dir) if specs else ""  # once per case, not per item
+        for spec in specs:
+            if pin and spec.device != "cpu":
+                spec = replace(spec, env={**spec.env, **pin})
+            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+                                        case_path=case_path,
+                                        **_item_id(self, case.name, spec.id))
+            # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
+            item.add_marker(_mark(f"backend_{run_backend(spec.device, build)}"))
+            yield item
+
+
+@functools.cache
+def _mark(name: str) -> pytest.MarkDecorator:
+    """The marker ``name`` (all registered in pytest_configure), made once, not per item."""
+    return getattr(pytest.mark, name)  # type: ignore[no-any-return]
+
+
+@functools.lru_cache(maxsize=256)
+def _skip_mark(reason: str) -> pytest.MarkDecorator:
+    """A skip marker, made once per reason: every item of a device missing here shares one."""
+    return pytest.mark.skip(reason=reason)
+
+
+@functools.lru_cache(maxsize=256)
+def _xfail_mark(reason: str) -> pytest.MarkDecorator:
+    """A case's xfail marker: only the known failure counts as xfailed (``KnownFailure``);
+    any other failure is a failure."""
+    return pytest.mark.xfail(reason=reason, strict=True, raises=KnownFailure)
+
+
+def _item_id(parent: pytest.Collector, name: str, params: str) -> dict[str, Any]:
+    """pytest >= 9.2 keeps structured ids and matches ``--lf`` on them: give the item its
+    params as parametrized functions have them, or ``name[params]`` never equals itself."""
+    parent_id = getattr(parent, "id", None)
+    if parent_id is None or not hasattr(parent_id, "with_params"):
+        return {}
+    return {"nodeid": parent_id.child(name).with_params(params)}
+
+
+def _case_runs(case: Case, saved: str | None) -> str:
+    devices = ", ".join(case.matrix.devices or ("any device",))
+    dtypes = ", ".join(case.matrix.dtypes or (f"{saved or 'float32'} (its saved dtype)",))
+    return f"devices {devices}; dtypes {dtypes}"
+
+
+class BrokenCaseItem(pytest.Item):
+    """A case that cannot be loaded: one failing item, so that the other cases still run."""
+
+    def __init__(self, *, problem: str, case_path: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.problem = problem
+        from pytest_gpucase.report.file import property_json
+
+        # Recorded like any run, so that the JSON report, the matrix and the step summary
+        # show the broken case too; "all": it fails on every device type it would run on.
+        self.user_properties.append(("gpucase", property_json({
+            "case": self.name, "case_path": case_path, "device": "all", "dtype": "all",
+            "variant": None, "launch_blocking": False})))
+        self.user_properties.append(("gpucase_result", property_json({
+            "error_type": "CaseFormatError", "message": problem})))
+
+    def runtest(self) -> None:
+        raise CaseFileError(self.problem)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str | TerminalRepr:
+        from pytest_gpucase.base.text import terminal_safe
+
+        if isinstance(excinfo.value, CaseFileError):
+            return failure_repr(terminal_safe(str(excinfo.value)), self)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.path, 0, f"{self.name} (broken case)"
+
+
+class CaseFileError(Exception):
+    """A case file that cannot be loaded (shown without a traceback)."""
+
+
+class CaseRunFailed(Exception):
+    """A run of a case whose verdict is failed."""
+
+    def __init__(self, verdict: Verdict) -> None:
+        super().__init__(verdict.outcome.summary)
+        self.verdict = verdict
+
+
+class KnownFailure(CaseRunFailed):
+    """The failure a case's ``xfail`` describes (the one in ``[origin] error``, if named)."""
+
+
+def is_known_failure(case: Case, verdict: Verdict) -> bool:
+    """Whether a failed run is the case's known failure, not a broken case or another error.
+
+    Compared by failure class (pytest_gpucase.triage.failure_class) when both sides have
+    one, so that a device-side assert captured on CUDA is met by the IndexError the CPU
+    raises for the same inputs; else by the exception type named in ``[origin] error``.
+    """
+    import re
+
+    from pytest_gpucase.verdict.triage import failure_class, same_failure
+
+    outcome = verdict.outcome
+    if outcome.broken_case:
+        return False
+    error = str(case.origin.get("error", ""))
+    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", error)
+    if recorded is None:
+        return True  # nothing to tell them apart by: no recorded type
+    known = case.origin.get("failure_class")
+    if not isinstance(known, str):
+        known = failure_class(recorded[1], error.partition(":")[2],
+                              str(case.origin.get("stderr", "")))
+    if known not in (None, "nan") and outcome.kind in ("mismatch", "golden mismatch",
+                                                        "no exception"):
+        return False  # the captured error is gone (a fix): another failure, not the known one
+    if outcome.error_type is None and outcome.kind in ("crash", "timeout"):
+        return False  # an exit without a result, or a hang: not the exception recorded
+    if outcome.error_type is None:
+        return True  # nothing to tell them apart by: a mismatch
+    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
+    if known is not None and found is not None:
+        return same_failure(known, found)
+    return recorded[1].rsplit(".", 1)[-1] == outcome.error_type
+
+
+def xfail_reason(spec: RunSpec) -> str | None:
+    """The xfail reason that applies to this run (None outside a scoped xfail)."""
+    variant = spec.variant.kind if spec.variant is not None else None
+    return spec.case.xfail_for(spec.device, spec.dtype, variant)
+
+
+class CaseItem(pytest.Item):
+    """One run of a case, executed in a fresh child process."""
+
+    def __init__(self, *, spec: RunSpec, case_path: str | None = None, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._case_path = case_path
+        self.spec = spec
+        self.add_marker(_mark(f"device_{spec.device}"))
+        from pytest_gpucase.case.model import FLOAT_DTYPES
+
+        if spec.dtype in FLOAT_DTYPES:
+            self.add_marker(_mark(f"dtype_{spec.dtype}"))
+        if spec.variant is not None:
+            # -m "variant_boundary(value=-1)" selects exactly one value.
+            self.add_marker(getattr(pytest.mark, f"variant_{spec.variant.kind}")(
+                value=spec.variant.value))
+        # -k cuda_float32 selects as in PyTorch's device-type test names (test_x_cuda_float32).
+        self.extra_keyword_matches.add(f"{spec.device}_{spec.dtype}")
+        if spec.skip is not None:
+            self.add_marker(_skip_mark(spec.skip))
+        elif (reason := xfail_reason(spec)) is not None:
+            self.add_marker(_xfail_mark(reason))
+
+    # The "gpucase" user property (the item's spec as JSON) is written when a report first
+    # reads the properties, not at collection: JSON for 20,000 items that a -k or --lf
+    # deselects was about a twentieth of collection time.
+    _user_properties: list[tuple[str, object]]
+    _spec_recorded = False
+
+    @property
+    def user_properties(self) -> list[tuple[str, object]]:
+        if not self._spec_recorded and hasattr(self, "spec"):
+            from pytest_gpucase.plugin.records import spec_fields
+            from pytest_gpucase.report.file import property_json
+
+            self._spec_recorded = True
+            if not any(name == "gpucase" for name, _ in self._user_properties):
+                self._user_properties.insert(0, ("gpucase", property_json(
+                    spec_fields(self.spec, self._case_path))))
+        return self._user_properties
+
+    @user_properties.setter
+    def user_properties(self, value: list[tuple[str, object]]) -> None:
+        self._user_properties = value
+        self._spec_recorded = False  # a plugin that resets the list gets the spec again
+
+    def runtest(self) -> None:
+        from pytest_gpucase.run.parent import run_spec
+
+        state = self.config.stash[session_key]
+        if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
+                and self.spec.case.expect.outcome == "matches"):
+            state.regenerate(self.spec.case)
+        spec = self.spec
+        for found in self.ihook.pytest_gpucase_run_env(item=self, spec=spec):
+            if found:   # hookspecs.pytest_gpucase_run_env: merged into the child's environment
+                spec = replace(spec, env={**spec.env, **{str(k): str(v)
+                                                         for k, v in found.items()}})
+        verdict = run_spec(spec, start_method=state.start_method(),
+                           backend=state.environment().backend,
+                           memory_limit=(self.spec.case.memory_limit
+                                         or state.settings["gpu_memory_limit"]),
+                           reference_cache=state.reference_cache(),
+                           isolation=state.settings["gpu_isolation"], pool=state.pool(),
+                           localize=not self.config.stash[session_key].settings["gpu_no_localize"])
+        if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
+            raise KeyboardInterrupt("SIGINT while the case ran")
+        from pytest_gpucase.plugin.records import verdict_fields
+
+        fields = verdict_fields(verdict)
+        _add_sections(self, verdict)
+        _reissue_warnings(verdict)
+        if (verdict.failed and not verdict.outcome.broken_case   # the case is what to fix
+                and self.config.stash[session_key].settings["gpu_ablate"]):
+            from pytest_gpucase.tools.ablate import ablate
+
+            found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,
+                           env=state.environment(), start_method=state.start_method(),
+                           variant=self.spec.variant)
+            self.add_report_section("call", "gpucase ablation", found.render())
+            fields["ablation"] = found.to_dict()
+        from pytest_gpucase.report.file import property_json
+
+        self.user_properties.append(("gpucase_result", property_json(fields)))
+        if verdict.outcome.status == "skipped":
+            raise skip_here(verdict.outcome.summary)
+        if verdict.failed:
+            if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
+                raise KnownFailure(verdict)
+            raise CaseRunFailed(verdict)
+
+    def repr_failure(self, excinfo: pytest.ExceptionInfo[BaseException],
+                     style: Any = None) -> str | TerminalRepr:
+        if isinstance(excinfo.value, CaseRunFailed):
+            known = isinstance(excinfo.value, KnownFailure)  # shown as such under --runxfail
+            return failure_repr(_failure_text(excinfo.value.verdict.outcome, self.spec,
+                                              known=known), self)
+        return super().repr_failure(excinfo)
+
+    def reportinfo(self) -> tuple[Path, int, str]:
+        return self.spec.case.case_file, 0, self.name
+
+
+def skip_here(reason: str) -> BaseException:
+    """A skip that ``-rs`` places at the item (a case's ``case.toml``, a hand-written test),
+    as pytest places a skip marker's, not at the line of this plugin that raised it.
+
+    ``_use_item_location`` is how pytest's own skip markers and unittest skips do it (pytest
+    7 to 9); a pytest without it still skips, placed at the raise.
+    """
+    try:
+        return pytest.skip.Exception(reason, _use_item_location=True)
+    except TypeError:
+        return pytest.skip.Exception(reason)
+
+
+def failure_repr(text: str, item: pytest.Item) -> TerminalRepr:
+    """A failure's whole text, with its first line as the crash message.
+
+    pytest's one-line summary (``-r``, ``--tb=line``, junit's ``message``) shows the crash
+    message; a plain string would be shown there whole on CI (``CI`` set) and under ``-vv``,
+    so every failure's full text appeared twice in a CI log. The text itself is shown as is,
+    except under ``--tb=line``, which asks for the crash line alone. The pieces are the ones
+    pytest-xdist carries between processes.
+    """
+    from _pytest._code.code import ReprExceptionInfo, ReprFileLocation, ReprTracebackNative
+
+    headline = text.split("\n", 1)[0]
+    body = text if text.endswith("\n") else text + "\n"
+    if item.config.getoption("tbstyle", "auto") == "line":
+        body = ""
+    return ReprExceptionInfo(reprtraceback=ReprTracebackNative([body] if body else []),
+                             reprcrash=ReprFileLocation(item.nodeid.split("::")[0], 1, headline))
+
+
+def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool = False) -> str:
+    from pytest_gpucase.base.text import terminal_safe
+    from pytest_gpucase.case.variants import describe_saved
+
+    text = outcome.summary
+    if outcome.details:
+        text += "\n\n" + outcome.details.rstrip()
+    # A broken case never reached its variant: there is nothing it set to tell.
+    resized = (describe_saved(spec.variant, spec.case)
+               if spec is not None and spec.variant is not None and not outcome.broken_case
+               else None)
+    if resized:
+        text += "\n\n" + resized   # which inputs the variant resized, to what shape
+    if (spec is not None and not outcome.broken_case and not known
+            and xfail_reason(spec) is not None):
+        text += "\n\n" + _not_the_known_failure(spec.case, outcome)
+    return terminal_safe(text)   # the child's words must not drive the terminal
+
+
+def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
+    """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
+    that now rejects the input should change in ``case.toml``."""
+    error = str(case.origin.get("error", "")).partition("\n")[0]
+    known = case.origin.get("failure_class")
+    captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
+    text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
+            "counts as expected.")
+    if outcome.error_type is not None and outcome.kind == "raises":  # the call raised it
+        text += (" If rejecting these inputs is the fix, make the case expect it: [expect] "
+                 f"outcome = \"raises\", exception = \"{outcome.error_type}\", and remove "
+                 "xfail.")
+    return text + " Otherwise it is a new failure."
+
+
+def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
+    from pytest_gpucase.base.text import terminal_safe
+    from pytest_gpucase.run.parent import describe_rerun, describe_warnings, stderr_section
+
+    child = verdict.child
+    sections = [("stdout (child)", child.stdout), ("stderr (child)", stderr_section(verdict))]
+    if child.warnings:
+        sections.append(("warnings (child)", describe_warnings(child)))
+    if verdict.triage is not None:
+        sections.append(("gpucase triage", verdict.triage.render()))
+    if verdict.localized is not None:
+        sections.append(("gpucase launch-blocking rerun", describe_rerun(verdict)))
+    for title, text in sections:
+        if text:
+            item.add_report_section("call", title, terminal_safe(text))
+
+
+def _reissue_warnings(verdict: Verdict) -> None:
+    """The child's warnings, raised again in the item for pytest's warning summary.
+
+    Under ``-W error`` they fail a passing item; a failed one keeps its own failure.
+    """
+    import contextlib
+
+    from pytest_gpucase.run.parent import reissue_warnings
+
+    if verdict.failed:
+        with contextlib.suppress(Warning):
+            reissue_warnings(verdict.child.warnings)
+    else:
+        reissue_warnings(verdict.child.warnings)
+
+
+class _OwnIsolation:
+    """Under ``--forked``, case items keep their own fresh child instead of a second fork.
+
+    Each case run already happens in a fresh child, so pytest-forked's extra
+    fork adds nothing to them (and pytest-forked 1.7.5 cannot send pytest 9.2's
+    reports back at all); the user's other tests are still forked by it.
+    """
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_runtest_protocol(self, item: pytest.Item,
+                                nextitem: pytest.Item | None) -> bool | None:
+        if not isinstance(item, (CaseItem, BrokenCaseItem)):
+            return None
+        from _pytest.runner import runtestprotocol
+
+        item.ihook.pytest_runtest_logstart(nodeid=item.nodeid, location=item.location)
+        runtestprotocol(item, nextitem=nextitem, log=True)
+        item.ihook.pytest_runtest_logfinish(nodeid=item.nodeid, location=item.location)
+        return True

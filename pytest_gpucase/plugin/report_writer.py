@@ -1,0 +1,222 @@
+"""The plugin objects registered on the process that writes the JSON report (the controller
+under xdist): ``ReportWriter`` keeps the report current and writes it on every way out;
+``SigintWatch`` makes Ctrl-C stop the session even when its ``KeyboardInterrupt`` is lost."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from pytest_gpucase.plugin.state import GpuCaseSession
+
+__all__ = ["ReportWriter", "SigintWatch"]
+
+
+class SigintWatch:
+    """Ctrl-C stops the session even when its ``KeyboardInterrupt`` is lost.
+
+    Python raises ``KeyboardInterrupt`` wherever the main thread is when SIGINT comes; in a
+    finalizer (a ``__del__``, a weakref callback) it is printed as ignored and dropped, and
+    the session ran on. The handler also notes the signal: the case that was running is
+    then interrupted as its run returns (``CaseItem.runtest``), and no other item starts.
+    Only where SIGINT has Python's own handler: one set by someone else is left alone.
+    """
+
+    def __init__(self, state: GpuCaseSession) -> None:
+        self.state = state
+        self.session: pytest.Session | None = None
+        self.installed = False
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import signal
+        import threading
+
+        self.session = session
+        if (threading.current_thread() is threading.main_thread()
+                and signal.getsignal(signal.SIGINT) is signal.default_int_handler):
+            signal.signal(signal.SIGINT, self._handle)
+            self.installed = True
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.state.sigint_seen = True
+        raise KeyboardInterrupt
+
+    def pytest_runtest_logfinish(self) -> None:
+        if self.state.sigint_seen and self.session is not None:
+            self.session.shouldstop = "interrupted (SIGINT)"
+
+    def pytest_unconfigure(self) -> None:
+        import signal
+
+        if self.installed and signal.getsignal(signal.SIGINT) == self._handle:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+class ReportWriter:
+    """Collects results on the process that writes the report (the controller under xdist)."""
+
+    def __init__(self, state: GpuCaseSession) -> None:
+        self.state = state
+        self._owner = 0
+        self._previous: Any = None
+        self._done: set[str] = set()   # items whose last report came (teardown, or xdist's crash)
+        self._running: dict[str, float] = {}  # started, not finished (one per xdist worker)
+        self._interrupt: str | None = None    # what stopped the run, as pytest printed it
+
+    def pytest_runtest_logstart(self, nodeid: str) -> None:
+        import time
+
+        self._running[nodeid] = time.monotonic()
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        self.state.record(report)
+        if report.when in ("teardown", "???"):
+            self._done.add(report.nodeid)
+            self._running.pop(report.nodeid, None)
+
+    def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
+        # A bare KeyboardInterrupt is what Python raises for SIGINT.
+        self._interrupt = str(excinfo.value) or "SIGINT (Ctrl-C)"
+
+    def _record_unfinished(self, session: pytest.Session, complete: bool) -> None:
+        """Record what a run that stopped early did not finish, so that the matrix has a
+        row for it: the items that were running as ``interrupted`` (the case that hung a
+        cancelled job is the one to see), and the case items never started as ``not run``.
+
+        An item running is known from its start (under xdist, the controller hears of
+        each worker's); one not started only where this process collected it (not on an
+        xdist controller, which has no items: there the unstarted are left out).
+        """
+        import time
+
+        from pytest_gpucase.plugin.records import item_record, nodeid_fields
+        from pytest_gpucase.report.file import property_value
+
+        stopped = session.shouldfail or session.shouldstop
+        if complete or session.config.option.collectonly or not (
+                self._interrupt or stopped or self._running):
+            return   # nothing stopped a run (--collect-only, inline_genitems): none to record
+        items = {item.nodeid: item for item in session.items}
+
+        def fields(nodeid: str) -> dict[str, Any] | None:
+            item = items.get(nodeid)
+            if item is None:
+                return nodeid_fields(nodeid)
+            for name, value in item.user_properties:
+                if name == "gpucase":
+                    found: dict[str, Any] = property_value(value)
+                    return found
+            return None
+
+        why = self._interrupt or "the run was stopped"
+        for nodeid, started in self._running.items():
+            if nodeid in self.state.results or (spec := fields(nodeid)) is None:
+                continue
+            self.state.results[nodeid] = item_record(
+                nodeid, spec, "interrupted", why, duration=time.monotonic() - started)
+        stop = (f"the run was interrupted before it started: {why}" if self._interrupt
+                else f"the run stopped before it started ({stopped or 'it ended early'})")
+        for nodeid, item in items.items():
+            if nodeid in self.state.results or nodeid in self._done or nodeid in self._running:
+                continue
+            if (spec := fields(nodeid)) is not None and hasattr(item, "spec"):
+                self.state.results[nodeid] = item_record(nodeid, spec, "not run", stop)
+
+    def pytest_sessionstart(self, session: pytest.Session) -> None:
+        import os
+        import signal
+
+        if self.state.settings["gpu_cases_report"] is None:
+            return
+        # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
+        # Ctrl-C does, so that the report of what finished is written on the way out. A
+        # handler someone else installed is left in place: it decides how SIGTERM ends.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            self._owner = os.getpid()
+            self._previous = signal.signal(signal.SIGTERM, self._terminate)
+
+    def _terminate(self, signum: int, frame: Any) -> None:
+        import os
+        import signal
+
+        if os.getpid() != self._owner:   # a forked child that kept the handler: die as asked
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        # Under xdist the items run on the workers; the controller heard which had started.
+        running = ", ".join(self._running)
+        raise KeyboardInterrupt(f"terminated by signal {signum} ({signal.Signals(signum).name})"
+                                + (f" while {running} ran" if running else ""))
+
+    # While a case runs, isolation's own handler ends the run (and names it) instead of this one.
+    _terminate.gpucase_interrupts = True  # type: ignore[attr-defined]
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        import os
+
+        self._asked_devices_missing(session)
+        # Whatever the exit status: an interrupted or terminated run still leaves a valid
+        # report of every item that finished. Complete means every selected item ran: not
+        # after -x or --maxfail stopped early, nor when a cancel reached the xdist workers
+        # first and the controller ended "normally" without the item they were running.
+        complete = (session.exitstatus != pytest.ExitCode.INTERRUPTED
+                    and len(self._done) >= session.testscollected)
+        self._record_unfinished(session, complete)
+        self.state.write_report(complete=complete)
+        self.state._finished = True
+        if self.state.report_failed:
+            # Asked for and missing (or out of date): a CI job would go green and its runner's
+            # column drop out of the matrix without a word.
+            self.state.notes.append("the run fails: the JSON report --gpu-cases-report asked "
+                                    "for is missing or out of date")
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
+            from pytest_gpucase.report.summary import append_step_summary
+
+            try:
+                append_step_summary(self.state.build_report(complete=complete))
+            except OSError as exc:
+                # A side output: the run's verdict and its other reports (junit) stand.
+                self.state.notes.append(
+                    f"could not append the step summary to GITHUB_STEP_SUMMARY "
+                    f"({os.environ['GITHUB_STEP_SUMMARY']}): {exc.strerror or exc}; the "
+                    "run's results are unchanged")
+
+    def _asked_devices_missing(self, session: pytest.Session) -> None:
+        """A device type named by --gpu-devices on the command line that this machine lacks
+        fails a run that would pass: a GPU runner that lost its driver, or got a CPU build
+        of torch, skipped every item it was there for and turned the gate green. The ini
+        key only narrows (a project's setting, read on laptops too), and without either
+        such items skip as usual: a machine runs what it can."""
+        from pytest_gpucase.plan.runs import device_skip
+
+        if session.config.getoption("gpu_devices", None) is None:
+            return
+        asked: tuple[str, ...] = self.state.settings["gpu_devices"] or ()
+        env = self.state.environment()
+        for device in asked:
+            skipped = sum(1 for record in self.state.results.values()
+                          if record.get("device") == device and record["outcome"] == "skipped")
+            if device_skip(device, env) is None or not skipped:
+                continue
+            self.state.notes.append(
+                f"--gpu-devices asked for {device}, which this machine does not have "
+                f"({env.backend} backend, torch {env.torch or 'not installed'}): its "
+                f"{skipped} item{'s were' if skipped > 1 else ' was'} skipped, so nothing ran "
+                f"on {device}. The run fails: check the runner's driver and torch build, or "
+                f"leave {device} out of --gpu-devices where none is expected")
+            if session.exitstatus == pytest.ExitCode.OK:
+                session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_unconfigure(self, config: pytest.Config) -> None:
+        import signal
+
+        if self._owner:
+            signal.signal(signal.SIGTERM, self._previous)
+        # The session ended before pytest_sessionfinish could write (an error in another
+        # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
+        if not self.state._finished and (self.state._unwritten or self.state.results):
+            self.state.write_report(complete=False)

@@ -1,0 +1,548 @@
+"""The compatibility matrix: reports grouped into environments (columns), their items merged
+into rows of per-device cells, and ``gpucase matrix`` reading the files."""
+
+from __future__ import annotations
+
+import json
+import re
+from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any, Literal
+
+from pytest_gpucase.plan.environment import canonical_name, dnn_library
+from pytest_gpucase.report.file import (
+    ENVIRONMENT_IDENTITY,
+    FAILING,
+    OUTCOMES,
+    REASON_WORDS,
+    ReportError,
+    describe_environment,
+    load_report,
+)
+
+__all__ = [
+    "STATUSES",
+    "STATUS_MEANINGS",
+    "Cell",
+    "Column",
+    "DeviceCell",
+    "Matrix",
+    "Row",
+    "Status",
+    "UnreadableReports",
+    "build_matrix",
+    "matrix_command",
+    "reason_text",
+    "same_environment",
+    "short_names",
+]
+
+# A status is said per device type of a row, so that a CPU pass never reads as a CUDA pass;
+# "partial" is a cell's sum only: some device types passed, others were skipped or not run.
+Status = Literal["pass", "fail", "flaky", "skip", "xfail", "interrupted", "not run", "partial"]
+STATUSES: tuple[Status, ...] = ("pass", "fail", "flaky", "xfail", "skip", "interrupted",
+                                "not run")
+STATUS_MEANINGS: Mapping[Status, str] = {
+    "pass": "every run on this device type ran and passed",
+    "fail": "a run failed, errored, or passed although marked as a known failure",
+    "flaky": ("a run failed in one report of this environment and passed in another; the "
+              "note names them"),
+    "xfail": "a known failure (xfail in case.toml) still fails here",
+    "skip": "every run on this device type was skipped; the note says why",
+    "interrupted": "the run was cancelled while this ran: no verdict",
+    "not run": ("no report holds a run of this case on this device type here, or its run "
+                "stopped before it started"),
+    "partial": "some device types passed; the others were skipped or not run",
+}
+DEVICE_WORDS: Mapping[Status, str] = {
+    "pass": "pass", "fail": "fail", "flaky": "flaky", "xfail": "xfail", "skip": "skipped",
+    "interrupted": "interrupted", "not run": "not run", "partial": "partial",
+}
+_SHORT_REASON = 48   # characters of a skip reason said in the cell; the note holds all of it
+# Which outcome of an item is shown when reports of one environment started at the same
+# moment (which ran later is unknown): the worse one, so that a tie never hides a failure.
+_SEVERITY = {"not run": 0, "skipped": 1, "passed": 2, "xfailed": 3, "interrupted": 4,
+             "failed": 5, "error": 5, "xpassed": 5}
+_MAX_RUNS_NAMED = 6
+
+
+@dataclass(frozen=True)
+class Column:
+    """One environment: the label says what differs from the other columns."""
+
+    label: str
+    description: str                 # the whole environment in one line
+    environment: Mapping[str, Any]
+    sources: tuple[str, ...]         # the report files merged into this column, oldest first
+    created: str                     # when the newest of them was started
+    complete: bool                   # False when any of them comes from an unfinished run
+
+
+@dataclass(frozen=True)
+class DeviceCell:
+    """What the runs of one device type did in one cell: its own status and reasons."""
+
+    device: str
+    status: Status                   # "not run" when the column holds no run on this device
+    reasons: tuple[str, ...]         # why its runs did not pass: failure messages, skip reasons
+
+    @property
+    def text(self) -> str:
+        """``cuda: skipped (no CUDA device here)``: the status, with a skip's short reason."""
+        said = f"{self.device}: {DEVICE_WORDS[self.status]}"
+        if self.status == "skip" and self.reasons:
+            said += f" ({_short(self.reasons[0])})"
+        return said
+
+
+@dataclass(frozen=True)
+class Cell:
+    """What one case (or case variant) did in one environment, over its devices and dtypes."""
+
+    status: Status
+    counts: Mapping[str, int]        # outcome -> number of runs
+    reasons: tuple[str, ...]         # why runs did not pass: failure messages, skip reasons
+    devices: tuple[DeviceCell, ...] = ()   # one per device type of the row, in every column
+
+
+@dataclass(frozen=True)
+class Row:
+    """One case, or one case variant in detail mode."""
+
+    label: str
+    case: str
+    case_path: str
+    variant: str | None
+    cells: tuple[Cell, ...]          # one per column
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """Cases against environments, built from the JSON reports of several runs."""
+
+    columns: tuple[Column, ...]
+    rows: tuple[Row, ...]
+    detail: bool
+    notes: tuple[str, ...] = ()      # what the reader should know about how reports were merged
+
+
+def build_matrix(reports: Sequence[Mapping[str, Any]], *, detail: bool,
+                 names: Sequence[str] | None = None) -> Matrix:
+    """Merge loaded reports into a matrix: one column per environment, one row per case.
+
+    ``names`` name the reports (their file names) in notes and in labels that would
+    otherwise be equal. Reports of one environment (``same_environment``) share a column.
+    For an item in more than one of them, the report created later wins; between reports
+    created at the same moment, the worse outcome (a failure before a pass), whatever the
+    order they were given in. An item whose outcomes differ between them is flagged in its
+    cell (``flaky`` where one failed and another passed) and named in a note. An item
+    that only an older report holds is kept, shown from it, and counted in the note.
+    """
+    names = list(names) if names is not None else [f"report {n + 1}" for n in range(len(reports))]
+    created = [datetime.fromisoformat(report["created"]) for report in reports]
+    groups, notes = _environment_groups(reports, names, created)
+
+    merged: list[dict[str, Mapping[str, Any]]] = []
+    for indexes in groups:
+        indexes.sort(key=lambda i: (created[i], names[i]))
+        items, note = _merge_runs(reports, names, created, indexes)
+        if note:
+            notes.append(note)
+        merged.append(items)
+
+    environments = [_merged_environment([reports[i]["environment"] for i in indexes])
+                    for indexes in groups]
+    sources = [tuple(names[i] for i in indexes) for indexes in groups]
+    labels = _labels(environments, sources)
+    columns = tuple(
+        Column(label=label, description=describe_environment(environment),
+               environment=environment, sources=source,
+               created=reports[indexes[-1]]["created"],
+               complete=all(reports[i]["complete"] for i in indexes))
+        for label, environment, source, indexes in zip(labels, environments, sources, groups,
+                                                         strict=True)
+    )
+    return Matrix(columns=columns, rows=_rows(merged, detail), detail=detail, notes=tuple(notes))
+
+
+def _identity(environment: Mapping[str, Any]) -> str:
+    """What must be equal for two reports to share an environment, packages aside."""
+    return json.dumps({key: environment.get(key) for key in ENVIRONMENT_IDENTITY
+                       if key != "packages"}, sort_keys=True)
+
+
+def _packages(environment: Mapping[str, Any]) -> dict[str, str | None]:
+    return {canonical_name(name): version for name, version in environment["packages"].items()}
+
+
+def _packages_agree(mine: Mapping[str, str | None], theirs: Mapping[str, str | None]) -> bool:
+    """Every package both name at the same version (``same_environment``'s package rule)."""
+    return all(mine[name] == theirs[name] for name in mine.keys() & theirs.keys())
+
+
+def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
+    """Whether two reports' environments are one: the identity keys equal, and every package
+    both name at the same version (or absent from both).
+
+    A report names the packages its cases ask about (``[matrix.packages]``, the
+    distribution a ``call`` imports): a shard that collected other cases, or a run from
+    before a case was added, does not name a package it never looked at, and that says
+    nothing about whether it was installed. Recording a fixed set instead would mean every
+    installed distribution (columns split by an unrelated upgrade of a test tool) or a
+    list kept by hand; so a package one report does not mention is unknown there, not
+    different. Names compare as pip compares them (``flash_attn`` is ``flash-attn``).
+    """
+    if _identity(first) != _identity(second):
+        return False
+    return _packages_agree(_packages(first), _packages(second))
+
+
+def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                        created: Sequence[datetime]) -> tuple[list[list[int]], list[str]]:
+    """The reports of each column (``same_environment``), columns in the order given.
+
+    Reports naming more packages are placed first, so that one naming fewer meets the
+    columns its packages cannot tell apart: it joins the one column it fits, and where it
+    fits several (it does not name what tells them apart) it gets a column of its own and
+    a note, rather than a guess.
+    """
+    notes: list[str] = []
+    by_identity: dict[str, list[int]] = {}
+    for index, report in enumerate(reports):
+        by_identity.setdefault(_identity(report["environment"]), []).append(index)
+    groups: list[list[int]] = []
+    for indexes in by_identity.values():
+        known = {i: _packages(reports[i]["environment"]) for i in indexes}
+        placed: list[tuple[dict[str, str | None], list[int]]] = []
+        for index in sorted(indexes, key=lambda i: (-len(known[i]), created[i], names[i])):
+            mine = known[index]
+            fits = [group for group in placed if _packages_agree(group[0], mine)]
+            if len(fits) == 1:
+                fits[0][0].update(mine)
+                fits[0][1].append(index)
+                continue
+            if fits:
+                unnamed = sorted({name for group in fits for name in group[0]
+                                  if name not in mine and len({g[0].get(name) for g in fits}) > 1})
+                notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
+                             "apart the environments it would otherwise share a column with: "
+                             "it has a column of its own.")
+            placed.append((dict(mine), [index]))
+        groups += [members for _, members in placed]
+    groups.sort(key=min)
+    return groups, notes
+
+
+def _merged_environment(environments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """One column's environment: the newest report's, with the packages any of them named."""
+    merged = dict(environments[-1])
+    packages: dict[str, str | None] = {}
+    seen: set[str] = set()
+    for environment in environments:
+        for name, version in environment["packages"].items():
+            if canonical_name(name) not in seen:
+                seen.add(canonical_name(name))
+                packages[name] = version
+    merged["packages"] = dict(sorted(packages.items()))
+    return merged
+
+
+def _merge_runs(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                created: Sequence[datetime], indexes: Sequence[int]
+                ) -> tuple[dict[str, Mapping[str, Any]], str | None]:
+    """One column's items from its reports (oldest first), and the note on how they merged."""
+    runs: dict[str, list[tuple[int, Mapping[str, Any]]]] = {}
+    for index in indexes:
+        for result in reports[index]["results"]:
+            runs.setdefault(result["nodeid"], []).append((index, result))
+    newest = indexes[-1]
+    items: dict[str, Mapping[str, Any]] = {}
+    repeated = older_only = 0
+    differed: list[str] = []
+    for nodeid, found in runs.items():
+        repeated += len(found) > 1
+        older_only += all(created[index] < created[newest] for index, _ in found)
+        # A "not run" never hides a run that happened; between the latest runs, the worse.
+        real = [run for run in found if run[1]["outcome"] != "not run"] or found
+        latest = max(created[index] for index, _ in real)
+        tied = sorted((run for run in real if created[run[0]] == latest),
+                      key=lambda run: (-_SEVERITY[run[1]["outcome"]], names[run[0]]))
+        shown = tied[0][1]
+        outcomes = dict.fromkeys(result["outcome"] for _, result in real)
+        if len(outcomes) > 1:
+            said = "; ".join(
+                f"{outcome} in {', '.join(names[i] for i, r in real if r['outcome'] == outcome)}"
+                for outcome in outcomes)
+            flaky = bool(outcomes.keys() & set(FAILING)) and "passed" in outcomes
+            failure = next((r for _, r in reversed(real) if r["outcome"] in FAILING), None)
+            if failure is not None and (text := reason_text(failure)):
+                said += f" (failure: {text})"
+            shown = {**shown, "_differed": said, "_flaky": flaky}
+            differed.append(f"{_run_id(shown)} of {shown['case']}: {said}")
+        items[nodeid] = shown
+    if len(indexes) < 2:
+        return items, None
+    note = f"{', '.join(names[i] for i in indexes)} come from one environment and share a column"
+    if repeated:
+        note += (f"; {repeated} {'item' if repeated == 1 else 'items'} ran in more than one of "
+                 "them: the result of the report created later is shown")
+    if differed:
+        shown_runs = "; ".join(differed[:_MAX_RUNS_NAMED])
+        if len(differed) > _MAX_RUNS_NAMED:
+            shown_runs += f"; and {len(differed) - _MAX_RUNS_NAMED} more"
+        note += (f"; the outcomes of {len(differed)} "
+                 f"{'item' if len(differed) == 1 else 'items'} differed between them, "
+                 f"marked in the cells: {shown_runs}")
+    if older_only and repeated:
+        note += (f"; {older_only} {'item is' if older_only == 1 else 'items are'} only in an "
+                 "older report and shown from it")
+    moments = Counter(created[i] for i in indexes)
+    tied_names = [names[i] for i in indexes if moments[created[i]] > 1]
+    if tied_names:
+        note += (f"; {', '.join(tied_names)} were started at the same moment, so which ran later "
+                 "is unknown: for an item in more than one of them the worse outcome is shown "
+                 "(a failure before a pass), whatever the order of the files")
+    writers = dict.fromkeys(reports[i].get("gpucase") for i in indexes)
+    if len(writers) > 1:
+        note += ("; they were written by different versions of pytest-gpucase: " + ", ".join(
+            f"{'an older one' if writer is None else writer} "
+            f"({', '.join(names[i] for i in indexes if reports[i].get('gpucase') == writer)})"
+            for writer in writers))
+    return items, note + "."
+
+
+def _rows(columns: list[dict[str, Mapping[str, Any]]], detail: bool) -> tuple[Row, ...]:
+    keys: dict[tuple[str, str | None], str] = {}   # (case_path, variant) -> case name
+    # Each column's results by row once, so that a large suite is not scanned once per cell.
+    by_row: list[dict[tuple[str, str | None], list[Mapping[str, Any]]]] = []
+    for items in columns:
+        grouped: dict[tuple[str, str | None], list[Mapping[str, Any]]] = {}
+        for result in items.values():
+            key = (result["case_path"], result["variant"] if detail else None)
+            keys.setdefault(key, result["case"])
+            grouped.setdefault(key, []).append(result)
+        by_row.append(grouped)
+    # Cases by path; a case's variants in the order its items ran (batch=1 before batch=16).
+    first_seen = {key: order for order, key in enumerate(keys)}
+    ordered = sorted(keys, key=lambda key: (key[0], key[1] is not None, first_seen[key]))
+    paths: dict[str, set[str]] = {}
+    for (path, _), case in keys.items():
+        paths.setdefault(case, set()).add(path)
+    devices: dict[tuple[str, str | None], set[str]] = {}
+    for grouped in by_row:
+        for key, results in grouped.items():
+            devices.setdefault(key, set()).update(result["device"] for result in results)
+    rows = []
+    for key in ordered:
+        path, variant = key
+        case = keys[key]
+        shown = path if len(paths[case]) > 1 else case   # two cases of one name: show paths
+        label = f"{shown} ({variant})" if variant is not None else shown
+        # Every column says every device type of the row, "not run" included: a column that
+        # ran only the CPU must not read as if its CUDA runs had passed.
+        kinds = sorted(devices[key], key=lambda device: (device != "cpu", device))
+        cells = tuple(_cell(grouped.get(key, []), kinds) for grouped in by_row)
+        rows.append(Row(label=label, case=case, case_path=path, variant=variant, cells=cells))
+    return tuple(rows)
+
+
+def _status(results: Sequence[Mapping[str, Any]]) -> Status:
+    outcomes = {result["outcome"] for result in results}
+    if outcomes & set(FAILING):
+        return "fail"
+    if any(result.get("_flaky") for result in results):
+        return "flaky"   # the latest run passed, an earlier one of the same item failed
+    if "xfailed" in outcomes:
+        # A known failure that still fails here is what the reader looks for, even next to
+        # runs of the same case that pass (on another dtype).
+        return "xfail"
+    if "interrupted" in outcomes:
+        return "interrupted"
+    if "passed" in outcomes:
+        return "pass"
+    return "skip" if "skipped" in outcomes else "not run"
+
+
+def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
+    counts = Counter(result["outcome"] for result in results)
+    on_device = [[r for r in results if r["device"] == device] for device in kinds]
+    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs))
+                    for device, runs in zip(kinds, on_device, strict=True))
+    statuses = {device.status for device in devices}
+    status: Status
+    if not results:
+        status = "not run"
+    elif statuses & {"fail", "flaky", "xfail", "interrupted"}:
+        status = next(s for s in ("fail", "flaky", "xfail", "interrupted") if s in statuses)
+    elif statuses == {"pass"}:
+        status = "pass"
+    elif "pass" in statuses:
+        status = "partial"   # never "pass" for a device type whose runs did not happen
+    elif statuses == {"not run"}:
+        status = "not run"   # selected, but the run stopped before them
+    else:
+        status = "skip"
+    ordered = {outcome: n for outcome in OUTCOMES if (n := counts[outcome])}
+    reasons = tuple(dict.fromkeys(r for device in devices for r in device.reasons))
+    return Cell(status=status, counts=ordered, reasons=reasons, devices=devices)
+
+
+def _short(reason: str) -> str:
+    """The first clause of a skip reason, for the cell: its note holds the whole of it."""
+    text = reason.removeprefix("skipped: ")
+    for stop in (": ", "; ", " ("):
+        text = text.split(stop, 1)[0]
+    return text if len(text) <= _SHORT_REASON else text[:_SHORT_REASON - 1] + "…"
+
+
+def _reasons(results: Sequence[Mapping[str, Any]]) -> tuple[str, ...]:
+    """Why the runs of one cell did not pass, one line per distinct reason."""
+    groups: dict[tuple[str, str], list[Mapping[str, Any]]] = {}
+    rank = {outcome: order for order, outcome in enumerate(
+        ("failed", "error", "xpassed", "interrupted", "xfailed", "skipped", "not run"))}
+    # An item whose outcomes differed between reports of the column: said first, by itself.
+    reasons = [f"{'flaky' if r['_flaky'] else 'outcomes differed'}: {_run_id(r)}: {r['_differed']}"
+               for r in results if r.get("_differed")]
+    for result in sorted(results, key=lambda r: rank.get(r["outcome"], len(rank))):
+        if result["outcome"] == "passed":
+            continue
+        key = (REASON_WORDS[result["outcome"]], reason_text(result))
+        groups.setdefault(key, []).append(result)
+    runs_on = Counter(result["device"] for result in results)
+    for (word, text), group in groups.items():
+        said = f"{word}: {text}" if text else word
+        # A reason shared by every run of the cell, or by every run on a device, is said
+        # without a list of runs: it then reads the same in every cell it applies to, and
+        # becomes one footnote.
+        if len(group) < len(results):
+            named = _named_runs(group, runs_on)
+            said = f"{named}: {said}"
+        reasons.append(said)
+    return tuple(reasons)
+
+
+def _named_runs(group: Sequence[Mapping[str, Any]], runs_on: Mapping[str, int]) -> str:
+    """Name the runs that share a reason: ``all cuda runs`` where it covers a whole device."""
+    in_group = Counter(result["device"] for result in group)
+    names = [f"all {device} runs" for device, n in in_group.items() if n == runs_on[device]]
+    names += [_run_id(result) for result in group if in_group[result["device"]]
+              != runs_on[result["device"]]]
+    shown = ", ".join(names[:_MAX_RUNS_NAMED])
+    if len(names) > _MAX_RUNS_NAMED:
+        shown += f" and {len(names) - _MAX_RUNS_NAMED} more"
+    return shown
+
+
+def reason_text(result: Mapping[str, Any]) -> str:
+    if result["outcome"] == "skipped":
+        text = result["skip_reason"] or result["message"]
+    else:
+        text = result["message"] or result["error_type"]
+    return " ".join(str(text or "").split())
+
+
+def _run_id(result: Mapping[str, Any]) -> str:
+    found = re.search(r"\[(.+)\]$", result["nodeid"])
+    if found:
+        return found.group(1)
+    parts = [result["device"], result["dtype"]] + ([result["variant"]] if result["variant"] else [])
+    return "-".join(parts)
+
+
+def _labels(environments: Sequence[Mapping[str, Any]],
+            sources: Sequence[tuple[str, ...]]) -> list[str]:
+    """Label each column by what differs between the environments, falling back to file names."""
+    packages = sorted({name for env in environments for name in env["packages"]})
+    fields = [_fields(env, packages) for env in environments]
+    keys = list(fields[0]) if fields else []
+    differing = [key for key in keys if len({f[key] for f in fields}) > 1]
+    if "arch" in differing and "gpu" in differing:
+        differing.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
+    labels = [" · ".join(token for key in differing if (token := f[key])) for f in fields]
+    counts = Counter(labels)
+    return [
+        label if label and counts[label] == 1
+        else f"{label} ({', '.join(source)})" if label else ", ".join(source)
+        for label, source in zip(labels, sources, strict=True)
+    ]
+
+
+def _fields(env: Mapping[str, Any], packages: Iterable[str]) -> dict[str, str | None]:
+    """The label token of every field of an environment, in label order; None shows nothing."""
+    fields: dict[str, str | None] = {
+        "backend": env["backend"],
+        "torch": f"torch {env['torch'].split('+')[0]}" if env["torch"] else "no torch",
+        "cuda": _cuda_token(env["cuda"]),
+        "hip": f"rocm{'.'.join(env['hip'].split('.')[:2])}" if env["hip"] else None,
+        "cudnn": dnn_library(env["cudnn"], env["backend"]),
+    }
+    for name in packages:
+        if name not in env["packages"]:
+            fields[f"package {name}"] = None   # not probed there: nothing is known
+        else:
+            version = env["packages"][name]
+            fields[f"package {name}"] = f"{name} {version}" if version else f"no {name}"
+    devices = env["devices"]
+    arches = sorted({_arch(d["capability"]) for d in devices if d["capability"]})
+    fields["arch"] = "+".join(arches) or None
+    gpus = Counter(d["name"] for d in devices)
+    fields["gpu"] = " + ".join(f"{n} × {name}" if n > 1 else name
+                               for name, n in sorted(gpus.items())) or None
+    fields["python"] = f"Python {env['python']}"
+    fields["platform"] = env["platform"]
+    fields["revision"] = f"rev {env['revision']}" if env["revision"] else None
+    return fields
+
+
+def _cuda_token(version: str | None) -> str | None:
+    if not version:
+        return None
+    parts = version.split(".")
+    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+        return f"cu{parts[0]}{parts[1]}"   # the name of PyTorch's wheel index: cu121
+    return f"CUDA {version}"
+
+
+def _arch(capability: str) -> str:
+    if re.fullmatch(r"\d+\.\d+", capability):
+        return "sm_" + capability.replace(".", "")
+    return capability.split(":")[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
+
+
+def short_names(paths: Sequence[Path]) -> list[str]:
+    """The shortest trailing parts of each path that tell the paths apart (runner-a/report.json)."""
+    parts = [Path(path).parts or (str(path),) for path in paths]
+    depth = 1
+    while True:
+        names = ["/".join(p[-depth:]) for p in parts]
+        if len(set(names)) == len(names) or depth >= max(len(p) for p in parts):
+            return names
+        depth += 1
+
+
+class UnreadableReports(ValueError):
+    """Reports that cannot be merged; ``errors`` holds one ReportError per file."""
+
+    def __init__(self, errors: Sequence[ReportError]) -> None:
+        self.errors = tuple(errors)
+        super().__init__("\n".join(map(str, self.errors)))
+
+
+def matrix_command(reports: Sequence[Path], *, detail: bool) -> Matrix:
+    """``gpucase matrix``: merge JSON reports into a matrix (the command renders and prints it).
+
+    Raises UnreadableReports naming every report that cannot be read, not just the first.
+    """
+    loaded = []
+    problems = []
+    for path in reports:
+        try:
+            loaded.append(load_report(path))
+        except ReportError as exc:
+            problems.append(exc)
+    if problems:
+        raise UnreadableReports(problems)
+    return build_matrix(loaded, detail=detail, names=short_names(reports))

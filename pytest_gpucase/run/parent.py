@@ -1,0 +1,199 @@
+"""The parent's side of one run: start the child, read what became of it, triage a failure,
+and localize an asynchronous device error with a launch-blocking rerun.
+"""
+
+from __future__ import annotations
+
+import builtins
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Literal
+
+from pytest_gpucase.base.backends import launch_blocking_env
+from pytest_gpucase.base.errors import display
+from pytest_gpucase.case.model import Case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
+from pytest_gpucase.run.isolation import (
+    ChildResult,
+    ChildWarning,
+    StartMethod,
+    WorkerPool,
+    run_in_child,
+)
+from pytest_gpucase.run.reference_cache import CACHE_ENV
+from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
+
+__all__ = [
+    "Verdict", "describe_rerun", "describe_warnings", "regenerate_golden", "reissue_warnings",
+    "run_spec", "stderr_section",
+]
+
+Isolation = Literal["item", "case", "worker"]
+STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What the parent concludes of one run, with everything a report needs."""
+
+    spec: RunSpec
+    outcome: Outcome
+    child: ChildResult
+    triage: Triage | None = None
+    localized: Verdict | None = None  # the launch-blocking rerun of an asynchronous error
+
+    @property
+    def failed(self) -> bool:
+        return self.outcome.status == "failed"
+
+
+def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
+             localize: bool = True, memory_limit: int | None = None,
+             reference_cache: Path | None = None, isolation: Isolation = "item",
+             pool: WorkerPool | None = None) -> Verdict:
+    """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
+
+    ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
+    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder),
+    the float64 reference is computed once per case and variant and reused
+    (``reference_cache`` module).
+
+    With ``isolation`` ``case`` or ``worker`` and a ``pool``, the run goes to a reused
+    child (one per case, or one per device and environment); a failure seen there is
+    never reported: that child ends, and the run is judged again in a fresh child.
+    """
+    if memory_limit is None:
+        memory_limit = getattr(spec.case, "memory_limit", None)
+    env = dict(spec.env)
+    if reference_cache is not None:
+        env[CACHE_ENV] = str(reference_cache)
+    reused = isolation != "item" and pool is not None and start_method != "spawn"
+    key = (spec.device, tuple(sorted(env.items())),
+           str(spec.case.path) if isolation == "case" else None)
+    if reused:
+        assert pool is not None
+        child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
+                         start_method=start_method, memory_limit=memory_limit,
+                         exclusive=isolation == "case", marks=OUTPUT_MARKS)
+    else:
+        child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                             start_method=start_method, memory_limit=memory_limit,
+                             marks=OUTPUT_MARKS)
+    if child.returned and not isinstance(child.value, Outcome):
+        # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
+        child = replace(child, value=None, returned=False, bad_result=(
+            f"sent a {type(child.value).__name__} instead of an Outcome"))
+    outcome = child.value if child.returned else _crash_outcome(spec, child)
+    if reused and outcome.status == "failed":
+        assert pool is not None
+        pool.retire(key)  # whatever failed may have left the child unfit
+        return run_spec(spec, start_method=start_method, backend=backend, localize=localize,
+                        memory_limit=memory_limit, reference_cache=reference_cache)
+    found = None
+    if outcome.status == "failed":
+        found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
+                       child.stderr)
+    verdict = Verdict(spec, outcome, child, found)
+    blocking = launch_blocking_env(backend)
+    asynchronous = found is not None and found.asynchronous
+    if localize and asynchronous and blocking and not spec.launch_blocking:
+        rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
+        verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
+                                                      backend=backend, localize=False,
+                                                      memory_limit=memory_limit,
+                                                      reference_cache=reference_cache))
+    return verdict
+
+
+def regenerate_golden(case: Case, *, start_method: StartMethod) -> ChildResult:
+    """Write the case's golden outputs from its reference run, in a fresh child."""
+    return run_in_child(write_golden, case, timeout=case.timeout, start_method=start_method)
+
+
+def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
+    """A child that returned nothing becomes a failure naming why, with its last words."""
+    where = display(spec.case.case_file)
+    # The child's last note says what was running (the reference, say), which a stack dump
+    # alone does not: gpucase's frames are hidden from it.
+    during = f" {child.phase}" if child.phase else ""
+    if child.timed_out:
+        summary = (f"{where}: run timed out after {spec.case.timeout:g} s{during} and was killed "
+                   "with its process group and every process it started; the stack of every "
+                   "thread at the timeout is in the captured stderr"
+                   + ("; the timeout counts the call, its float64 reference and the comparison "
+                      "together: raise timeout in case.toml if they are slow, not hung"
+                      if during else ""))
+    elif child.child_error is not None:
+        summary = f"{where}: the run failed inside the child"
+    else:
+        summary = f"{where}: run {child.problem}{during}"
+    details = child.child_error or _stderr_pointer(child.stderr)
+    line = assertion_line(child.stderr)
+    message = line or (child.problem or "")
+    kind = "timeout" if child.timed_out else "crash"
+    return Outcome("failed", summary, details=details, kind=kind,
+                   error_type="Crash" if child.signal else None, error_message=message)
+
+
+def _stderr_pointer(stderr: str) -> str:
+    """Where a crash's last words are: the stderr section (quoting them here too would show a
+    stack dump twice in one report), or its last lines when they are few."""
+    lines = stderr.rstrip().splitlines()
+    if not lines:
+        return "stderr is empty"
+    if len(lines) <= STDERR_SHORT_LINES and "(most recent call first):" not in stderr:
+        return "stderr:\n" + "\n".join(lines)
+    return f"the child's stderr ({len(lines)} lines) is in the report's 'stderr (child)' section"
+
+
+def stderr_section(verdict: Verdict) -> str:
+    """The child's stderr as the report's section shows it: all of it, unless the failure text
+    above quotes it already (then nothing)."""
+    stderr = verdict.child.stderr
+    if stderr and verdict.outcome.details == f"stderr:\n{stderr.rstrip()}":
+        return ""
+    return stderr
+
+
+def describe_warnings(child: ChildResult) -> str:
+    """The child's warnings, one line each, as the report's 'warnings (child)' section."""
+    lines = [warning.render() for warning in child.warnings]
+    if child.warnings_dropped:
+        lines.append(f"[... {child.warnings_dropped} more distinct warnings not kept ...]")
+    return "\n".join(lines)
+
+
+def reissue_warnings(found: Iterable[ChildWarning]) -> None:
+    """Raise the child's warnings again here, so that pytest's warning summary shows them.
+
+    A builtin category is kept; any other (torch's, the case's own) becomes a
+    UserWarning whose message names it, as its class is not imported here.
+    """
+    for warning in found:
+        category = getattr(builtins, warning.category, None)
+        message = warning.message
+        if not (isinstance(category, type) and issubclass(category, Warning)):
+            category, message = UserWarning, f"{warning.category}: {message}"
+        warnings.warn_explicit(f"(in the case's child) {message}", category, warning.filename,
+                               warning.lineno, module=warning.filename.removesuffix(".py"),
+                               registry={})
+
+
+def describe_rerun(verdict: Verdict) -> str:
+    """The launch-blocking rerun in words: where it places the first error."""
+    rerun = verdict.localized
+    if rerun is None:
+        return ""
+    names = ", ".join(f"{k}={v}" for k, v in rerun.spec.env.items())
+    lines = [f"rerun in a new child with {names}:",
+             f"  first error as seen: {verdict.outcome.summary}",
+             f"  with launch blocking: {rerun.outcome.summary}"]
+    if rerun.outcome.details:
+        lines += ["", rerun.outcome.details.rstrip()]
+    line = assertion_line(rerun.child.stderr)
+    if line:
+        lines += ["", f"kernel assertion: {line}"]
+    return "\n".join(lines)

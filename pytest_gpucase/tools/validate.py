@@ -1,0 +1,383 @@
+"""The dry run behind ``gpucase validate``: everything that can be checked without running a case.
+
+For each case directory: ``case.toml`` loads; the payloads are present where
+needed and readable (headers and bounds; the hash when one is named); the
+call and reference resolve (a ``FILE.py`` defines the function, read with
+``ast``; a module is found with ``importlib.util.find_spec`` and never
+imported, on the ``sys.path`` a run gets from ``project.import_paths``); the
+inputs bind to the function's parameters; each variant axis is within the
+rank of the inputs that follow it, and its resized inputs within bounds.
+Case code is never executed here, and torch is not imported.
+
+``Parameters``, ``binding_problems`` and ``rng_problems`` are shared with the
+child (``execute``), so that a dry run and a run word the same mistake the same way.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.machinery
+import importlib.util
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pytest_gpucase.base.errors import CaseFormatError, display, regular_file
+from pytest_gpucase.case import payload, project
+from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.case.model import (
+    CASE_FILE,
+    EXPECTED_FILE,
+    INPUTS_FILE,
+    AxisSizes,
+    Case,
+    Requirements,
+    is_case_dir,
+)
+from pytest_gpucase.case.variants import (
+    Shape,
+    Variant,
+    VariantNotApplicable,
+    VariantTooLarge,
+    applicable,
+    case_shapes,
+    check_size,
+    class_indices_problem,
+    header_shapes,
+    index_dtype,
+    members_of,
+)
+
+__all__ = ["Parameters", "binding_problems", "hash_setting", "rng_problems", "validate"]
+
+# Files that only a case directory holds: a directory with one of them and no case.toml
+# is a case that lost its case.toml (or was never finished).
+_PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
+# A case's own source file is read whole to parse it: bounded like any file of a case.
+MAX_SOURCE_BYTES = 16 * 2**20
+
+
+def hash_setting(case_dir: Path) -> str | None:
+    """``inputs_sha256 = "sha256:<hex>"`` for the payload in ``case_dir``, ready to paste into its
+    case.toml; ``None`` without a payload that can be read (the dry run reports why).
+
+    Needs only the file, not a loadable case.toml: a malformed hash is the case it mends.
+    """
+    file = Path(case_dir) / INPUTS_FILE
+    if not os.path.lexists(file):
+        return None
+    try:
+        return f'inputs_sha256 = "{payload.content_hash(file)}"'
+    except (CaseFormatError, OSError):
+        return None
+
+
+def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]:
+    """Every problem of the case directories under ``paths``, one line each; empty when all good.
+
+    ``notes`` receives what was not checked here and why (a call into a package that
+    ``[matrix.packages]`` requires and this environment lacks: the run skips the case, so
+    the dry run must not fail it); notes are no problems.
+    """
+    problems: list[str] = []
+    notes = [] if notes is None else notes
+    for path in paths:
+        path = Path(path)
+        if path.name == CASE_FILE and not path.is_dir():
+            path = path.parent
+        if not os.path.lexists(path):
+            problems.append(f"{display(path)}: not found")
+            continue
+        if not path.is_dir():
+            problems.append(f"{display(path)}: not a directory; give a case directory or a "
+                            "folder of cases")
+            continue
+        found = False
+        for directory in _case_dirs(path):
+            found = True
+            problems.extend(_problems(directory, notes))
+        if not found:
+            problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
+                            f"{display(path)}")
+    return problems
+
+
+def _case_dirs(root: Path) -> Iterable[Path]:
+    """Case directories at or under ``root``, and directories that look like lost cases.
+
+    Hidden directories are skipped, as pytest's collection skips them: they hold
+    cases being written, not cases.
+    """
+    for current, dirs, files in os.walk(root):
+        here = Path(current)
+        if here != root and here.name.startswith("."):
+            dirs[:] = []
+            continue
+        if is_case_dir(here) or any(name in files for name in _PAYLOADS):
+            dirs[:] = []  # a case does not hold cases
+            yield here
+            continue
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
+
+
+def _problems(directory: Path, notes: list[str]) -> list[str]:
+    """The problems of one case directory, each as ``file: key: what is wrong``."""
+    if not is_case_dir(directory):
+        held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
+        return [str(CaseFormatError(directory / CASE_FILE, f"missing, but the directory holds "
+                                    f"{held}: an interrupted write or a deleted case.toml"))]
+    try:
+        case = load_case(directory)
+    except CaseFormatError as exc:
+        return [str(exc)]
+    except Exception as exc:  # whatever a file holds, the dry run reports it and goes on
+        return [f"{display(directory / CASE_FILE)}: cannot be loaded: {type(exc).__name__}: "
+                f"{exc}"]
+    problems: list[CaseFormatError] = []
+    infos = _payloads(case, problems)
+    shapes = None if infos is None else header_shapes(infos)
+    tensors = None if shapes is None else set(shapes)
+    readable = shapes is not None or not os.path.lexists(case.inputs_file)
+    clash = sorted((tensors or set()) & set(case.literals))
+    if clash:
+        problems.append(CaseFormatError(case.case_file, f"{', '.join(clash)} given both here "
+                                        f"and in {INPUTS_FILE}; keep one", key="[inputs]"))
+    if readable:
+        problems.extend(rng_problems(case, tensors or ()))
+    boundaries = case.variants.boundaries
+    # An unreadable payload is reported once, not again as a missing input.
+    if boundaries is not None and readable and (tensors is None
+                                                or boundaries.input not in tensors):
+        where = (f"{INPUTS_FILE} holds {', '.join(sorted(tensors)) or 'no tensors'}"
+                 if tensors is not None else f"there is no {INPUTS_FILE}")
+        problems.append(CaseFormatError(
+            case.case_file, f"input '{boundaries.input}' is not a saved tensor ({where})",
+            key="[variants] boundaries"))
+    elif boundaries is not None and infos is not None:
+        dtypes = {info.name: payload.DTYPES[info.dtype][0] for info in infos}
+        problem = class_indices_problem(boundaries.input, dtypes[boundaries.input],
+                                        [n for n, d in dtypes.items() if index_dtype(d)])
+        if problem is not None:
+            problems.append(CaseFormatError(case.case_file, problem, key="[variants] boundaries"))
+    targets = [("call", case.call)] + ([("reference", case.reference)]
+                                       if case.reference and case.reference != case.call else [])
+    unmet = _unmet_requirement(case)
+    if unmet is not None:  # the run skips the case here: its code is not checked either
+        notes.append(f"{display(case.case_file)}: call and reference not checked here: {unmet}")
+        targets = []
+    for key, target in targets:
+        params = _parameters(case, key, target, problems)
+        if params is not None and readable:
+            problems.extend(binding_problems(case, target, params, tensors))
+    if readable:
+        problems.extend(_variant_problems(case, shapes or {}))
+    return [str(problem) for problem in problems]
+
+
+def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.TensorInfo] | None:
+    """The saved inputs' header (``None`` without a readable payload); problems appended."""
+    shapes: list[payload.TensorInfo] | None = None
+    for file in (case.inputs_file, case.expected_file):
+        if not os.path.lexists(file):
+            continue
+        try:
+            infos = payload.describe(file)
+        except CaseFormatError as exc:
+            problems.append(exc)
+            continue
+        if file == case.inputs_file:
+            shapes = infos
+    if case.inputs_sha256 is not None:
+        if not os.path.lexists(case.inputs_file):
+            problems.append(CaseFormatError(
+                case.case_file, f"names a hash but {INPUTS_FILE} is missing; restore the file or "
+                "remove the key", key="inputs_sha256"))
+        elif shapes is not None:
+            found = payload.content_hash(case.inputs_file)
+            if found != case.inputs_sha256:
+                problems.append(CaseFormatError(
+                    case.inputs_file, f"content hash {found} differs from inputs_sha256 in "
+                    f"{CASE_FILE} (changed or corrupted since the case was saved); restore it, "
+                    f"or if the change is intended set inputs_sha256 = \"{found}\""))
+    return shapes
+
+
+def _unmet_requirement(case: Case) -> str | None:
+    """Why the run skips ``case`` here for a ``[matrix.packages]`` requirement this environment
+    does not meet (the reason ``pytest --gpu-cases`` gives), else None.
+
+    Any unmet requirement skips the whole case, so none of its code runs here and its
+    imports cannot be checked either, whatever module provides the package (flash-attn-3
+    installs flash_attn_interface: a name match missed it).
+    """
+    from pytest_gpucase.plan.environment import Environment, package_version
+    from pytest_gpucase.plan.runs import evaluate
+
+    if not case.matrix.packages:
+        return None
+    env = Environment(backend="cpu", device_types=("cpu",),
+                      packages={name: package_version(name) for name in case.matrix.packages})
+    return evaluate(Requirements(packages=dict(case.matrix.packages)), env)
+
+
+def _parameters(case: Case, key: str, target: str,
+                problems: list[CaseFormatError]) -> Parameters | None:
+    """The parameters of ``target`` read from its source, or ``None`` when they cannot be known
+    without running code (a decorated function, a method, an assigned name)."""
+    where, _, qualname = target.partition(":")
+    if where.endswith(".py"):
+        source = case.path / where
+    else:
+        with project.importable(case.path):  # as the run will import it
+            found = _find_module(where)
+        if found is None:
+            problems.append(CaseFormatError(
+                case.case_file, f"module '{where}' is not importable here; install it, or "
+                "correct the name", key=key))
+            return None
+        if not found.endswith(".py"):
+            return None  # an extension module or a namespace package: nothing to read
+        source = Path(found)
+    try:
+        regular_file(source, "make it a Python source file")
+        if source.stat().st_size > MAX_SOURCE_BYTES:
+            raise CaseFormatError(source, f"is over the limit of {MAX_SOURCE_BYTES} bytes")
+        tree = ast.parse(source.read_bytes(), filename=str(source))
+    except CaseFormatError as exc:
+        problems.append(exc)
+        return None
+    except SyntaxError as exc:
+        problems.append(CaseFormatError(source, f"line {exc.lineno}: {exc.msg}; the {key} cannot "
+                                        "be imported until the syntax is fixed"))
+        return None
+    except (OSError, ValueError) as exc:
+        problems.append(CaseFormatError(source, f"cannot be read: {exc}"))
+        return None
+    node = _defined(tree.body, qualname.split("."))
+    if node is _UNKNOWN:
+        return None
+    if node is None:
+        problems.append(CaseFormatError(
+            case.case_file, f"'{where}' has no '{qualname}'; check the name after the colon",
+            key=key))
+        return None
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and not node.decorator_list:
+        return Parameters.of_function(node)
+    return None  # a class, a method or a decorated function: its signature needs running code
+
+
+_UNKNOWN = ast.Pass()  # a name bound in a way the source alone cannot follow
+
+
+def _defined(body: list[ast.stmt], parts: list[str]) -> ast.AST | None:
+    """The statement defining ``parts[0]`` at the top of ``body`` (then ``parts[1]`` in it).
+
+    A name bound twice where one binding sits in a branch (``try``/``if``)
+    depends on which branch ran: it is ``_UNKNOWN``, as any binding but a
+    ``def`` or ``class`` is.
+    """
+    name = parts[0]
+    bindings: list[tuple[ast.AST, bool]] = []
+    for statement, nested in _top_statements(body, nested=False):
+        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            if statement.name == name:
+                bindings.append((statement, nested))
+        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
+            for alias in statement.names:
+                if alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name:
+                    bindings.append((_UNKNOWN, nested))
+        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For,
+                                    ast.AsyncFor, ast.With, ast.AsyncWith)):
+            targets = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)
+                       and isinstance(n.ctx, ast.Store)}
+            if name in targets:
+                bindings.append((_UNKNOWN, nested))
+        elif any(isinstance(n, ast.NamedExpr) for n in ast.walk(statement)):
+            bindings.append((_UNKNOWN, nested))
+    if not bindings:
+        return None
+    found = bindings[-1][0]
+    if len(bindings) > 1 and any(nested for _, nested in bindings):
+        found = _UNKNOWN
+    if found is _UNKNOWN or len(parts) == 1:
+        return found
+    if isinstance(found, ast.ClassDef):
+        inner = _defined(found.body, parts[1:])
+        return _UNKNOWN if inner is None else inner  # an inherited method is not in the source
+    return _UNKNOWN
+
+
+def _top_statements(body: list[ast.stmt], nested: bool) -> Iterable[tuple[ast.stmt, bool]]:
+    """Statements run at import, and whether they sit in a branch (``if``, ``try``, a loop)."""
+    for statement in body:
+        yield statement, nested
+        if isinstance(statement, (ast.If, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor,
+                                  ast.While)):
+            yield from _top_statements(statement.body, True)
+            yield from _top_statements(getattr(statement, "orelse", []), True)
+        elif isinstance(statement, ast.Try):
+            for block in (statement.body, statement.orelse, statement.finalbody,
+                          *(handler.body for handler in statement.handlers)):
+                yield from _top_statements(block, True)
+
+
+def _find_module(name: str) -> str | None:
+    """Where ``name`` would be imported from (a file, or "" for no file), without importing it.
+
+    ``importlib.util.find_spec`` imports the parent packages of a dotted name;
+    only the top-level name is looked up that way, the rest in its package's
+    search path.
+    """
+    parts = name.split(".")
+    try:
+        spec = importlib.util.find_spec(parts[0])
+        for depth in range(1, len(parts)):
+            if spec is None or spec.submodule_search_locations is None:
+                return None
+            spec = importlib.machinery.PathFinder.find_spec(
+                ".".join(parts[:depth + 1]), list(spec.submodule_search_locations))
+    except (ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    return spec.origin if spec.has_location and spec.origin else ""
+
+
+def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseFormatError]:
+    """Each ``batch``/``length`` axis within the rank of the inputs, its sizes within bounds."""
+    problems = []
+    shapes = case_shapes(case, shapes)  # as the variants see them: no RNG state, no state dict
+    tables = case.variants
+    anchor = tables.boundaries.input if tables.boundaries is not None else None
+    axes: tuple[tuple[Literal["batch", "length"], AxisSizes | None], ...] = (
+        ("batch", tables.batch), ("length", tables.length))
+    for kind, table in axes:
+        if table is None:
+            continue
+        key = f"[variants] {kind}"
+        try:
+            found = members_of(shapes, table.axis, anchor, table.inputs, table=kind)
+        except VariantNotApplicable as exc:
+            problems.append(CaseFormatError(case.case_file, str(exc), key=key))
+            continue
+        if found is None:
+            ranks = ", ".join(f"{name} {len(shape)}" for name, (shape, _) in sorted(shapes.items()))
+            held = f"ranks: {ranks}" if ranks else f"no tensor in {INPUTS_FILE}"
+            problems.append(CaseFormatError(
+                case.case_file, f"axis {table.axis} is beyond the rank of every tensor input "
+                f"({held}); give an axis the inputs have", key=key))
+            continue
+        for size in table.sizes:
+            variant = Variant(kind, size, axis=table.axis, input=anchor, inputs=table.inputs)
+            try:
+                applicable(variant, shapes)  # the rule the run and gpucase show apply
+                check_size(variant, shapes)
+            except VariantNotApplicable as exc:
+                problems.append(CaseFormatError(
+                    case.case_file, f"{variant.label}: {exc}, so its item is always skipped; "
+                    f"remove {size} from sizes", key=key))
+            except VariantTooLarge as exc:
+                problems.append(CaseFormatError(case.case_file, str(exc), key=key))
+    return problems
