@@ -85,6 +85,28 @@ def test_float64_and_the_cuda_switches() -> None:
     assert [row.name for row in backends.BACKEND_TABLE if row.cuda_switches] == ["cuda", "rocm"]
 
 
+def test_triage_reads_the_backend_and_its_notes_off_the_table_alone() -> None:
+    # Which texts mark a backend, and what its builds do with kernel asserts, are the table's:
+    # triage names no backend itself, so that adding one is one row.
+    import ast
+
+    from pytest_gpucase.verdict import triage
+
+    tree = ast.parse(Path(triage.__file__).read_text(encoding="utf-8"))
+    named = {node.value for node in ast.walk(tree)
+             if isinstance(node, ast.Constant) and node.value in backends.BACKENDS}
+    assert not named, f"triage names backends itself: {sorted(named)}"
+    rocm = triage.triage("RuntimeError", "HIP error: device-side assert triggered", "")
+    cuda = triage.triage("RuntimeError", "CUDA error: device-side assert triggered", "")
+    assert rocm is not None and cuda is not None
+    assert (rocm.backend, cuda.backend) == ("rocm", "cuda")
+    assert rocm.notes[-1] == backends.asserts_note("rocm")
+    assert backends.asserts_note("rocm") not in cuda.notes
+    # A log that names both is ROCm's: its builds keep CUDA spellings (the detection order).
+    assert backends.backend_of_text("hipErrorAssert (PYTORCH_CUDA_ALLOC_CONF)") == "rocm"
+    assert backends.backend_of_text("nothing of either") is None
+
+
 # ----------------------------------------------------------------------------- the markers
 
 

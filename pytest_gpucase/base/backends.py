@@ -20,6 +20,7 @@ Nothing here imports torch: collection reads these tables.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import ModuleType
@@ -31,7 +32,9 @@ __all__ = [
     "BY_NAME",
     "DEVICE_TYPES",
     "Backend",
+    "asserts_note",
     "backend",
+    "backend_of_text",
     "build_words",
     "detect",
     "dnn_name",
@@ -69,6 +72,12 @@ class Backend:
     visible_devices: tuple[str, ...] = ()  # variables that select devices; the first is set
     cuda_switches: bool = False      # torch.backends.cuda/cudnn switches (TF32, cuDNN) apply
     dnn_library: str | None = None   # "cuDNN", "MIOpen": what torch.backends.cudnn.version() names
+    # Texts that mark an error or a log as this backend's (regexes; triage reads the backend
+    # off a failure with them, in _DETECTION_ORDER): never seen in another backend's text.
+    text_markers: tuple[str, ...] = ()
+    # Said of a failure that a kernel assert would catch (triage rules with kernel_asserts):
+    # where this backend's release builds have the asserts off.
+    asserts_note: str | None = None
 
 
 # Detection order matters: a ROCm build also sets torch.version.cuda to None but reuses the
@@ -76,11 +85,32 @@ class Backend:
 BACKEND_TABLE: tuple[Backend, ...] = (
     Backend("cuda", "CUDA", "a CUDA build", "cuda", version="cuda",
             launch_blocking={"CUDA_LAUNCH_BLOCKING": "1"},
-            visible_devices=("CUDA_VISIBLE_DEVICES",), cuda_switches=True, dnn_library="cuDNN"),
+            visible_devices=("CUDA_VISIBLE_DEVICES",), cuda_switches=True, dnn_library="cuDNN",
+            text_markers=(
+                r"\bCUDA (driver )?error\b", r"\bCUDA out of memory", r"\bcuda runtime error\b",
+                r"\bTHCudaCheck\b", r"\bcudaError\w+", r"TORCH_USE_CUDA_DSA",
+                r"CUDA_LAUNCH_BLOCKING", r"\bCUBLAS(LT)?_STATUS|\bCUSOLVER_STATUS",
+                r"\bcuDNN error|\bCUDNN_STATUS", r"\.cu:\d+", r"CUDA capability sm_\d+",
+                r"\bNVIDIA\b", r"not compiled with CUDA",
+            )),
+    # A ROCm build's texts keep CUDA spellings in places (PYTORCH_CUDA_ALLOC_CONF, the 'CUDA'
+    # dispatch key, cuda:0): its markers are asked first, and never appear in an NVIDIA text.
     Backend("rocm", "ROCm", "a ROCm build", "cuda", version="hip",
             launch_blocking={"AMD_SERIALIZE_KERNEL": "3"},
             visible_devices=("HIP_VISIBLE_DEVICES",),
-            cuda_switches=True, dnn_library="MIOpen"),
+            cuda_switches=True, dnn_library="MIOpen",
+            text_markers=(
+                r"\bHIP (error|out of memory)\b", r"\bhipError\w+", r"TORCH_USE_HIP_DSA",
+                r"AMD_SERIALIZE_KERNEL", r"HIP_LAUNCH_BLOCKING", r"Memory access fault by GPU node",
+                r"PYTORCH_HIP_ALLOC_CONF", r"\bMIOpen\b|\bmiopenStatus",
+                r"\bHIPBLAS|\brocblas_status", r"\.hip:\d+", r"Device-side assertion `",
+                r"rocm\.docs\.amd\.com",
+            ),
+            asserts_note=(
+                "ROCm release wheels are built with kernel asserts off, so on another ROCm "
+                "install the same out-of-range index may not raise at all (or may surface as a "
+                "memory access fault or wrong values): validate indices and targets in data "
+                "preparation.")),
     Backend("cpu", "CPU", "a CPU-only build", "cpu"),
     Backend("mps", "MPS", "an MPS (Apple) build", "mps", built="mps"),
     Backend("xpu", "XPU", "an XPU build", "xpu", version="xpu"),
@@ -177,9 +207,28 @@ def visible_variable(name: str) -> str | None:
     return row.visible_devices[0] if row is not None and row.visible_devices else None
 
 
-def visible_variables() -> tuple[str, ...]:
-    """Every backend's visible-devices variables, as triage lists them."""
-    return tuple(v for row in BACKEND_TABLE for v in row.visible_devices)
+def _markers() -> tuple[tuple[str, re.Pattern[str]], ...]:
+    rows = [BY_NAME[name] for name in _DETECTION_ORDER]
+    return tuple((row.name, re.compile("|".join(row.text_markers)))
+                 for row in rows if row.text_markers)
+
+
+_TEXT_MARKERS = _markers()
+
+
+def backend_of_text(text: str) -> str | None:
+    """The backend an error text or a log was written by (``rocm``, ``cuda``), read off the
+    spellings only that backend's builds use; None when the text names none."""
+    for name, pattern in _TEXT_MARKERS:
+        if pattern.search(text):
+            return name
+    return None
+
+
+def asserts_note(name: str | None) -> str | None:
+    """What to know of kernel asserts on this backend (off in ROCm release wheels), or None."""
+    row = BY_NAME.get(name or "")
+    return row.asserts_note if row is not None else None
 
 
 def dnn_name(name: str) -> str | None:

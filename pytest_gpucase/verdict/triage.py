@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from pytest_gpucase.base.backends import launch_blocking_words, title
+from pytest_gpucase.base.backends import asserts_note, backend_of_text, launch_blocking_words, title
 
 __all__ = ["FAILURE_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded", "failure_class",
            "same_failure", "triage"]
@@ -18,12 +18,6 @@ _CPU_HINT = (
     "Replaying the same inputs on CPU usually turns this into a readable error "
     "(e.g. 'Target 4 is out of bounds.'); a CPU pass is a hint, not CUDA validation."
 )
-_ROCM_ASSERTS = (
-    "ROCm release wheels are built with kernel asserts off, so on another ROCm install the "
-    "same out-of-range index may not raise at all (or may surface as a memory access fault or "
-    "wrong values): validate indices and targets in data preparation."
-)
-
 
 @dataclass(frozen=True)
 class Triage:
@@ -88,7 +82,8 @@ class _Rule:
     asynchronous: bool = False
     sticky: bool = False
     notes: tuple[str, ...] = ()
-    rocm_notes: tuple[str, ...] = ()
+    # A kernel assert would catch it: the backend's note on kernel asserts applies.
+    kernel_asserts: bool = False
     # (regex with named groups, note template): a note for each one found in the message.
     details: tuple[tuple[str, str], ...] = ()
     # Quote the kernel's assertion line from stderr and say what its condition means.
@@ -121,7 +116,7 @@ _RULES: tuple[_Rule, ...] = (
         asynchronous=True,
         sticky=True,
         notes=(_CPU_HINT,),
-        rocm_notes=(_ROCM_ASSERTS,),
+        kernel_asserts=True,
         reads_assertion=True,
     ),
     _Rule(
@@ -145,7 +140,7 @@ _RULES: tuple[_Rule, ...] = (
         stderr_patterns=(r"Memory access fault by GPU node",),
         asynchronous=True,
         sticky=True,
-        rocm_notes=(_ROCM_ASSERTS,),
+        kernel_asserts=True,
     ),
     _Rule(
         clue="launch failure",
@@ -520,47 +515,6 @@ _ASSERTION_MEANINGS: tuple[tuple[str, str], ...] = (
     ),
 )
 
-# ROCm first: its texts keep CUDA spellings in places (PYTORCH_CUDA_ALLOC_CONF, the 'CUDA'
-# dispatch key, cuda:0), while the markers below never appear in an NVIDIA build's text.
-_BACKEND_MARKERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    (
-        "rocm",
-        (
-            r"\bHIP (error|out of memory)\b",
-            r"\bhipError\w+",
-            r"TORCH_USE_HIP_DSA",
-            r"AMD_SERIALIZE_KERNEL",
-            r"HIP_LAUNCH_BLOCKING",
-            r"Memory access fault by GPU node",
-            r"PYTORCH_HIP_ALLOC_CONF",
-            r"\bMIOpen\b|\bmiopenStatus",
-            r"\bHIPBLAS|\brocblas_status",
-            r"\.hip:\d+",
-            r"Device-side assertion `",
-            r"rocm\.docs\.amd\.com",
-        ),
-    ),
-    (
-        "cuda",
-        (
-            r"\bCUDA (driver )?error\b",
-            r"\bCUDA out of memory",
-            r"\bcuda runtime error\b",
-            r"\bTHCudaCheck\b",
-            r"\bcudaError\w+",
-            r"TORCH_USE_CUDA_DSA",
-            r"CUDA_LAUNCH_BLOCKING",
-            r"\bCUBLAS(LT)?_STATUS|\bCUSOLVER_STATUS",
-            r"\bcuDNN error|\bCUDNN_STATUS",
-            r"\.cu:\d+",
-            r"CUDA capability sm_\d+",
-            r"\bNVIDIA\b",
-            r"not compiled with CUDA",
-        ),
-    ),
-)
-
-
 @dataclass(frozen=True)
 class _CompiledRule:
     rule: _Rule
@@ -603,7 +557,6 @@ _EQUIVALENT: dict[str, frozenset[str]] = {
     "index-out-of-range": frozenset({"index-out-of-range", "device-side-assert"}),
     "value-out-of-range": frozenset({"value-out-of-range", "device-side-assert"}),
 }
-_COMPILED_MARKERS = tuple((name, re.compile("|".join(ps))) for name, ps in _BACKEND_MARKERS)
 
 
 # A child may print megabytes; its error is at the start or the end of what it printed. Only
@@ -636,7 +589,7 @@ def triage(error_type: str, message: str, stderr: str = "") -> Triage | None:
     if found is None:
         return None
     rule = found.rule
-    backend = _backend(f"{message}\n{stderr}")
+    backend = backend_of_text(f"{message}\n{stderr}")
     notes: list[str] = []
     for pattern, text in found.details:
         hit = pattern.search(message) or pattern.search(stderr)
@@ -645,8 +598,9 @@ def triage(error_type: str, message: str, stderr: str = "") -> Triage | None:
     if rule.reads_assertion:
         notes.extend(_assertion_notes(stderr))
     notes.extend(rule.notes)
-    if backend == "rocm":
-        notes.extend(rule.rocm_notes)
+    note = asserts_note(backend) if rule.kernel_asserts else None
+    if note is not None:
+        notes.append(note)
     return Triage(
         clue=rule.clue,
         first_check=rule.first_check,
@@ -711,10 +665,3 @@ def _assertion_notes(stderr: str) -> list[str]:
             notes.append(f"meaning: {meaning}")
             break
     return notes
-
-
-def _backend(text: str) -> str | None:
-    for name, pattern in _COMPILED_MARKERS:
-        if pattern.search(text):
-            return name
-    return None
