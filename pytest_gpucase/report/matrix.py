@@ -202,7 +202,7 @@ def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> boo
 
 def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
                         created: Sequence[datetime]) -> tuple[list[list[int]], list[str]]:
-    """The reports of each column (``same_environment``), columns in the order given.
+    """The reports of each column (``same_environment``, the one rule), columns in the order given.
 
     Reports naming more packages are placed first, so that one naming fewer meets the
     columns its packages cannot tell apart: it joins the one column it fits, and where it
@@ -210,28 +210,29 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
     a note, rather than a guess.
     """
     notes: list[str] = []
-    by_identity: dict[str, list[int]] = {}
-    for index, report in enumerate(reports):
-        by_identity.setdefault(_identity(report["environment"]), []).append(index)
-    groups: list[list[int]] = []
-    for indexes in by_identity.values():
-        known = {i: _packages(reports[i]["environment"]) for i in indexes}
-        placed: list[tuple[dict[str, str | None], list[int]]] = []
-        for index in sorted(indexes, key=lambda i: (-len(known[i]), created[i], names[i])):
-            mine = known[index]
-            fits = [group for group in placed if _packages_agree(group[0], mine)]
-            if len(fits) == 1:
-                fits[0][0].update(mine)
-                fits[0][1].append(index)
-                continue
-            if fits:
-                unnamed = sorted({name for group in fits for name in group[0]
-                                  if name not in mine and len({g[0].get(name) for g in fits}) > 1})
-                notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
-                             "apart the environments it would otherwise share a column with: "
-                             "it has a column of its own.")
-            placed.append((dict(mine), [index]))
-        groups += [members for _, members in placed]
+    environments = [report["environment"] for report in reports]
+    order = sorted(range(len(reports)),
+                   key=lambda i: (-len(environments[i]["packages"]), created[i], names[i]))
+    # Each column: its environment as far as its reports tell it (the packages any of them
+    # names), and its reports. A report joins the one column whose environment is its own.
+    placed: list[tuple[dict[str, Any], list[int]]] = []
+    for index in order:
+        mine = environments[index]
+        fits = [column for column in placed if same_environment(column[0], mine)]
+        if len(fits) == 1:
+            fits[0][0]["packages"].update(_packages(mine))
+            fits[0][1].append(index)
+            continue
+        if fits:
+            known = [_packages(column[0]) for column in fits]
+            unnamed = sorted({name for packages in known for name in packages
+                              if name not in _packages(mine)
+                              and len({other.get(name) for other in known}) > 1})
+            notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
+                         "apart the environments it would otherwise share a column with: "
+                         "it has a column of its own.")
+        placed.append(({**mine, "packages": _packages(mine)}, [index]))
+    groups = [members for _, members in placed]
     groups.sort(key=min)
     return groups, notes
 
