@@ -23,32 +23,8 @@ walk when the equality test (up to one chunk) or the screen alone (up to
 65,536 elements) settles it: a few torch calls, the same ops and verdict as
 the walk's chunk.
 
-Verdicts. An element passes when ``|actual - expected| <= atol + rtol *
-|expected|``, or it is within ``ulps`` units in the last place of the actual
-dtype, or both are equal (infinities of one sign), or both are NaN with
-``equal_nan``: ``torch.isclose``'s rule. The arithmetic is done in the
-promoted dtype of the pair, but never below float32. For float32, float64,
-integer and bool pairs, and for a low-precision output against a float64
-reference (the plugin's own path), that is exactly what
-``torch.testing.assert_close`` computes, and the verdicts are the same. For a
-bfloat16 or float16 output against an expected tensor of the same dtype,
-assert_close computes the difference and the bound in that dtype, rounding
-both to 8 (bfloat16) or 11 (float16) significant bits; this module computes
-them from the same stored values in float32. Both read the same tolerance,
-so they disagree only on pairs within a rounding of the bound, and there this
-module is the exact one, and deliberately stricter (in 400,000 constructed
-pairs near the bound, never the other way): bfloat16 ``1e-5`` against ``0``
-fails here (the difference, 1.0014e-5, exceeds atol = 1e-5; assert_close
-rounds the bound up to 1.0014e-5 too), and ``0.24707`` against ``0.24316``
-fails here (0.0039062 > 0.0039006) where assert_close rounds the bound to
-0.0039062. Exactness makes the verdict depend on the values only, not on
-their storage: the same bfloat16 output gets the same verdict against a
-bfloat16 golden as against the float64 reference (assert_close included),
-and a stated atol means what it says.
-
-Tolerances. ``ulps`` alone (atol = rtol = 0) means only the ULP test
-applies; with atol and rtol it is a second way to pass. Every failure
-message names the tolerance it applied and where it came from.
+What counts as close (the tolerances and the rule that applies them) is
+``tolerance``'s.
 """
 
 from __future__ import annotations
@@ -67,6 +43,17 @@ import torch
 
 from pytest_gpucase.base import backends
 from pytest_gpucase.base.tensors import field_names, readable_address, tuple_fields
+from pytest_gpucase.verdict.tolerance import (
+    DEFAULT_TOLERANCES,
+    EXACT,
+    Tolerance,
+    compute_dtype,
+    is_nan,
+    nan_max,
+    relative,
+    scalar_close,
+    spacing,
+)
 
 __all__ = [
     "CHUNK_ELEMENTS",
@@ -102,45 +89,6 @@ _GRAIN_ELEMENTS = 1 << 12
 # A chunk whose NaN and inf are at most one in this many elements decides them
 # by index, and the rest as a finite chunk; with more, every test on every element.
 _SPECIAL_SHARE = 4
-
-
-@dataclass(frozen=True)
-class Tolerance:
-    """How far one dtype's values may be from the expected ones."""
-
-    rtol: float = 0.0
-    atol: float = 0.0
-    # When set, also pass when |a - e| <= ulps * spacing(e) in the actual dtype;
-    # with atol = rtol = 0 it is the only test.
-    ulps: float | None = None
-    # Where the values came from, for failure messages ("float32 defaults",
-    # "case.toml [expect.tolerance.bfloat16]"); not part of equality.
-    source: str = field(default="", compare=False)
-
-    def __post_init__(self) -> None:
-        for name in ("rtol", "atol", "ulps"):
-            value = getattr(self, name)
-            if value is not None and not value >= 0:  # also refuses NaN
-                raise ValueError(f"Tolerance.{name} must be >= 0, got {value!r}")
-
-
-def _defaults(dtype: torch.dtype, rtol: float, atol: float) -> Tolerance:
-    return Tolerance(rtol=rtol, atol=atol, source=f"{str(dtype).removeprefix('torch.')} defaults")
-
-
-# torch.testing.assert_close's table; integer and bool dtypes compare exactly.
-DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    dtype: _defaults(dtype, rtol, atol)
-    for dtype, rtol, atol in (
-        (torch.float16, 1e-3, 1e-5),
-        (torch.bfloat16, 1.6e-2, 1e-5),
-        (torch.float32, 1.3e-6, 1e-5),
-        (torch.float64, 1e-7, 1e-7),
-        (torch.complex32, 1e-3, 1e-5),
-        (torch.complex64, 1.3e-6, 1e-5),
-        (torch.complex128, 1e-7, 1e-7),
-    )
-}
 
 
 @dataclass(frozen=True)
@@ -213,15 +161,8 @@ def _greatest(values: Iterable[float | None]) -> float | None:
     result: float | None = None
     for value in values:
         if value is not None:
-            result = value if result is None else _max(result, value)
+            result = value if result is None else nan_max(result, value)
     return result
-
-
-def _max(a: float, b: float) -> float:
-    """max() in which NaN wins, whatever the order (Python's max is order-dependent)."""
-    if a != a or b != b:  # NaN is the one value unequal to itself
-        return math.nan
-    return a if a >= b else b
 
 
 def compare(
@@ -334,7 +275,7 @@ def _small_close(
 def _screened(
     actual: torch.Tensor, expected: torch.Tensor, tolerances: Mapping[torch.dtype, Tolerance]
 ) -> Comparison | None:
-    tol = tolerances.get(actual.dtype, _EXACT)
+    tol = tolerances.get(actual.dtype, EXACT)
     screen = _screen(actual.dtype, expected.dtype, actual.device, tol)
     a, e = actual, expected
     if a.requires_grad or e.requires_grad:  # no graph is built for a verdict
@@ -357,7 +298,7 @@ def _screened(
         max_excess = float(torch.add(diff, scale, alpha=-tol.rtol).amax())
         if not screen.clears(max_abs, max_rel, max_excess):
             return None
-    return Comparison((), _max(0.0, max_abs), _max(0.0, max_rel))
+    return Comparison((), nan_max(0.0, max_abs), nan_max(0.0, max_rel))
 
 
 def _load_memcmp() -> Callable[[int, int, int], int] | None:
@@ -471,11 +412,11 @@ class _Walk:
         self.items.append(Mismatch(path, kind, f"{path}: {message}"))
 
     def note(self, max_abs: float, max_rel: float) -> None:
-        self.max_abs = max_abs if self.max_abs is None else _max(self.max_abs, max_abs)
-        self.max_rel = max_rel if self.max_rel is None else _max(self.max_rel, max_rel)
+        self.max_abs = max_abs if self.max_abs is None else nan_max(self.max_abs, max_abs)
+        self.max_rel = max_rel if self.max_rel is None else nan_max(self.max_rel, max_rel)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
-        return self.tolerances.get(dtype, _EXACT)
+        return self.tolerances.get(dtype, EXACT)
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
@@ -606,7 +547,7 @@ class _Walk:
         if kind_a in ("bool", "int"):
             assert isinstance(actual, int) and isinstance(expected, int)
             gap = _as_float(abs(actual - expected))
-            rel = _rel(gap, _as_float(abs(expected)))
+            rel = relative(gap, _as_float(abs(expected)))
             if kind_a == "int":
                 self.note(gap, rel)
             if actual != expected:
@@ -624,16 +565,16 @@ class _Walk:
                           f"{expected!r} (a modulus beyond a float's range: not measured)")
             return
         diff = abs(actual - expected)
-        verdict = _scalar_close(actual, expected, diff, tol, self.equal_nan, dtype)
+        verdict = scalar_close(actual, expected, diff, tol, self.equal_nan, dtype)
         # Matching specials count as no difference; a NaN or inf mismatch as itself.
         effective = 0.0 if verdict and not math.isfinite(diff) else diff
-        self.note(effective, _rel(effective, abs(expected)))
+        self.note(effective, relative(effective, abs(expected)))
         if not verdict:
             message = _scalar_message(
                 path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
             )
             self.items.append(
-                Mismatch(path, "values", message, 1, 1, diff, _rel(diff, abs(expected)))
+                Mismatch(path, "values", message, 1, 1, diff, relative(diff, abs(expected)))
             )
 
     # -- tensors -------------------------------------------------------------
@@ -696,7 +637,7 @@ class _Walk:
             # A sparse output of moderate size: its dense form is compared.
             actual, expected = actual.to_dense(), expected.to_dense()
         floating = a_dtype.is_floating_point or a_dtype.is_complex
-        tol = self.tolerance(a_dtype) if floating else _EXACT
+        tol = self.tolerance(a_dtype) if floating else EXACT
         numel = actual.numel()
         if numel <= SMALL_ELEMENTS:
             leaf = _Leaf(path, actual, expected, tol)
@@ -781,9 +722,6 @@ class _Walk:
         self.judge_batch(leaves[half:])
 
 
-_EXACT = Tolerance(source="exact")
-
-
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as one row for ``torch.cat``: itself when it is one already (no view made)."""
     return t if t.dim() == 1 else t.reshape(-1)
@@ -864,40 +802,6 @@ def _dtype_kind(dtype: torch.dtype) -> str:
 # Scalars (Python numbers; also the 0-dim tensor message)
 
 
-def _rel(diff: float, scale: float) -> float:
-    """Relative difference: 0 for no difference, NaN for NaN, inf for inf or a zero scale."""
-    if diff == 0:
-        return 0.0
-    if math.isnan(diff):
-        return math.nan
-    if math.isinf(diff) or scale == 0:
-        return math.inf
-    return diff / scale
-
-
-def _scalar_close(
-    actual: complex,
-    expected: complex,
-    diff: float,
-    tol: Tolerance,
-    equal_nan: bool,
-    dtype: torch.dtype,
-) -> bool:
-    if actual == expected:
-        return True
-    if equal_nan and _isnan(actual) and _isnan(expected):
-        return True
-    if not math.isfinite(diff):
-        return False
-    if diff <= tol.atol + tol.rtol * abs(expected):
-        return True
-    return tol.ulps is not None and diff <= tol.ulps * _spacing(abs(expected), dtype)
-
-
-def _isnan(x: complex) -> bool:
-    return math.isnan(x.real) or math.isnan(x.imag)
-
-
 def _scalar_message(
     path: str,
     actual: complex,
@@ -917,11 +821,10 @@ def _scalar_message(
         return lines[0]
     ulps_only = _ulps_only(tol)
     lines.append(f"  Absolute difference: {_num(diff)}{_allowed(tol.atol, ulps_only)}")
-    lines.append(
-        f"  Relative difference: {_num(_rel(diff, abs(expected)))}{_allowed(tol.rtol, ulps_only)}"
-    )
+    lines.append(f"  Relative difference: {_num(relative(diff, abs(expected)))}"
+                 f"{_allowed(tol.rtol, ulps_only)}")
     lines.append(f"  Tolerance: {_tolerance_text(tol, actual_dtype)}")
-    a_nan, e_nan = _isnan(actual), _isnan(expected)
+    a_nan, e_nan = is_nan(actual), is_nan(expected)
     counts = _NonFinite(
         nan_actual=int(a_nan),
         nan_both=int(a_nan and e_nan),
@@ -974,8 +877,8 @@ class _TensorStats:
 
     def note(self, max_abs: float, max_rel: float) -> None:
         self.compared = True
-        self.max_abs = _max(self.max_abs, max_abs)
-        self.max_rel = _max(self.max_rel, max_rel)
+        self.max_abs = nan_max(self.max_abs, max_abs)
+        self.max_rel = nan_max(self.max_rel, max_rel)
 
     def admits(self, rank: float) -> bool:
         """Whether a mismatch of this rank, later in the tensor than all kept, would be kept."""
@@ -1063,22 +966,6 @@ def _pieces(
     else:
         for r in range(rows):
             yield from _pieces(actual[r], expected[r], chunk, offset + r * inner)
-
-
-def _compute_dtype(actual: torch.dtype, expected: torch.dtype, device: torch.device) -> torch.dtype:
-    """The dtype differences are computed in: the pair's promoted dtype, at least 32-bit."""
-    try:
-        dtype = torch.promote_types(actual, expected)
-    except RuntimeError:  # mixed float8 formats
-        dtype = torch.float32
-    if dtype.is_complex:
-        if dtype == torch.complex32:
-            dtype = torch.complex64
-    elif dtype.itemsize < 4:
-        dtype = torch.float32
-    if not backends.float64_on(device.type):
-        dtype = {torch.float64: torch.float32, torch.complex128: torch.complex64}.get(dtype, dtype)
-    return dtype
 
 
 def _compare_values(
@@ -1209,7 +1096,7 @@ class _Screen:
 def _screen(
     actual: torch.dtype, expected: torch.dtype, device: torch.device, tol: Tolerance
 ) -> _Screen:
-    cdt = _compute_dtype(actual, expected, device)
+    cdt = compute_dtype(actual, expected, device)
     real = cdt.to_real()
     eps = _ranks(real)[0]
     margin = 1 - 4 * eps
@@ -1342,7 +1229,7 @@ class _Judge:
         scale.index_copy_(0, special, rank_s)
         worst_abs, worst_rel = self.account(stats, offset, mismatch, diff, scale, allowed)
         stats.note(
-            _max(finite_abs, self.unrank(worst_abs)), _max(finite_rel, self.unrank(worst_rel))
+            nan_max(finite_abs, self.unrank(worst_abs)), nan_max(finite_rel, self.unrank(worst_rel))
         )
         if special.numel() <= _FEW_SPECIALS:  # a few numbers: counted on the host
             stats.nonfinite.add(
@@ -1387,9 +1274,8 @@ class _Judge:
         torch.nan_to_num(rel, nan=self.nan_rank, posinf=self.inf_rank, out=scale)
         torch.nan_to_num(diff, nan=self.nan_rank, posinf=self.inf_rank, out=excess)
         worst_abs, worst_rel = self.account(stats, offset, mismatch, excess, scale, excess)
-        stats.note(
-            _max(passing_abs, self.unrank(worst_abs)), _max(passing_rel, self.unrank(worst_rel))
-        )
+        stats.note(nan_max(passing_abs, self.unrank(worst_abs)),
+                   nan_max(passing_rel, self.unrank(worst_rel)))
         if worst_abs > 0:
             stats.nonfinite.add(_nonfinite_counts(a, e, ~close))
 
@@ -1580,15 +1466,6 @@ def _spacing_tensor(magnitude: torch.Tensor, dtype: torch.dtype) -> torch.Tensor
     return torch.exp2((exponent - (1 + mantissa_bits)).to(magnitude.dtype))
 
 
-def _spacing(magnitude: float, dtype: torch.dtype) -> float:
-    info = torch.finfo(dtype.to_real())
-    mantissa_bits = round(-math.log2(info.eps))
-    if magnitude < info.tiny:
-        return float(info.tiny * info.eps)
-    _, exponent = math.frexp(magnitude)
-    return math.ldexp(1.0, exponent - 1 - mantissa_bits)
-
-
 # --------------------------------------------------------------------------
 # The values message
 
@@ -1674,7 +1551,7 @@ def _values_mismatch(
     e_values = _gather(expected, flat)
     diffs = [_abs_diff(a, e) for a, e in zip(a_values, e_values, strict=True)]
     max_abs = float(diffs[0])
-    max_rel = _rel(float(diffs[-1]), abs(e_values[-1]))
+    max_rel = relative(float(diffs[-1]), abs(e_values[-1]))
     total = actual.numel()
     exact = actual.dtype == torch.bool or not (
         actual.dtype.is_floating_point or actual.dtype.is_complex
@@ -1732,10 +1609,10 @@ def _ulp_line(
     name = _dtype_name(actual_dtype)
     if not (math.isfinite(diff) and math.isfinite(abs(expected))):
         return f"not finite, so no ULP distance in {name}"
-    spacing = _spacing(abs(expected), real)
+    unit = spacing(abs(expected), real)
     return (
-        f"{_num(diff / spacing)} ULP off in {name} "
-        f"(spacing {_num(spacing)} at {_fmt_value(expected, expected_dtype)})"
+        f"{_num(diff / unit)} ULP off in {name} "
+        f"(spacing {_num(unit)} at {_fmt_value(expected, expected_dtype)})"
     )
 
 
