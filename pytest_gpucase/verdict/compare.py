@@ -43,6 +43,7 @@ import torch
 
 from pytest_gpucase.base import backends
 from pytest_gpucase.base.tensors import field_names, readable_address, tuple_fields
+from pytest_gpucase.verdict.stats import NonFinite, TensorStats
 from pytest_gpucase.verdict.tolerance import (
     DEFAULT_TOLERANCES,
     EXACT,
@@ -825,7 +826,7 @@ def _scalar_message(
                  f"{_allowed(tol.rtol, ulps_only)}")
     lines.append(f"  Tolerance: {_tolerance_text(tol, actual_dtype)}")
     a_nan, e_nan = is_nan(actual), is_nan(expected)
-    counts = _NonFinite(
+    counts = NonFinite(
         nan_actual=int(a_nan),
         nan_both=int(a_nan and e_nan),
         inf_actual=int(not a_nan and math.isinf(abs(actual))),
@@ -843,65 +844,6 @@ def _scalar_message(
 
 # --------------------------------------------------------------------------
 # Tensor values: chunks, each settled by the cheapest test that can
-
-
-@dataclass
-class _NonFinite:
-    """Where the mismatches of a tensor are NaN or infinite, and whether expected is too."""
-
-    nan_actual: int = 0  # actual NaN
-    nan_both: int = 0  # ... and expected NaN there too
-    inf_actual: int = 0  # actual +-inf
-    inf_expected_too: int = 0  # ... and expected inf or NaN there too
-    nan_expected_only: int = 0  # expected NaN where actual is a number
-
-    def add(self, other: _NonFinite) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-
-@dataclass
-class _TensorStats:
-    """What the chunks of one tensor pair add up to."""
-
-    keep: int
-    compared: bool = False
-    max_abs: float = 0.0  # over all elements, for the run summary
-    max_rel: float = 0.0
-    mismatched: int = 0
-    # (rank, flat index) of the worst mismatches seen, greatest first, at most
-    # `keep`; rank is the difference, NaN above inf above every number.
-    worst: list[tuple[float, int]] = field(default_factory=list)
-    worst_rel: tuple[float, int] | None = None
-    nonfinite: _NonFinite = field(default_factory=_NonFinite)
-
-    def note(self, max_abs: float, max_rel: float) -> None:
-        self.compared = True
-        self.max_abs = nan_max(self.max_abs, max_abs)
-        self.max_rel = nan_max(self.max_rel, max_rel)
-
-    def admits(self, rank: float) -> bool:
-        """Whether a mismatch of this rank, later in the tensor than all kept, would be kept."""
-        return len(self.worst) < self.keep or rank > self.worst[-1][0]
-
-    def add_worst(self, rank: float, index: int) -> None:
-        self.worst.append((rank, index))
-        self.worst.sort(key=lambda c: (-c[0], c[1]))
-        del self.worst[self.keep :]
-
-    def add_rel(self, rank: float, index: int) -> None:
-        if self.worst_rel is None or (-rank, index) < (-self.worst_rel[0], self.worst_rel[1]):
-            self.worst_rel = (rank, index)
-
-    def merge(self, other: _TensorStats) -> None:
-        if other.compared:
-            self.note(other.max_abs, other.max_rel)
-        self.mismatched += other.mismatched
-        for rank, index in other.worst:
-            self.add_worst(rank, index)
-        if other.worst_rel is not None:
-            self.add_rel(*other.worst_rel)
-        self.nonfinite.add(other.nonfinite)
 
 
 class _Scratch:
@@ -975,9 +917,9 @@ def _compare_values(
     equal_nan: bool,
     keep: int,
     scratch: _Scratch,
-) -> _TensorStats:
+) -> TensorStats:
     """Compare the values of two strided tensors of one shape; return what they add up to."""
-    stats = _TensorStats(keep)
+    stats = TensorStats(keep)
     n = actual.numel()
     if n == 0:
         return stats
@@ -1024,15 +966,15 @@ def _in_threads(
     judge: _Judge,
     pieces: Iterator[tuple[int, torch.Tensor, torch.Tensor]],
     workers: int,
-    stats: _TensorStats,
+    stats: TensorStats,
 ) -> None:
     """Judge the pieces in `workers` threads (this one included), each taking the next piece."""
     lock = threading.Lock()
-    results: list[_TensorStats] = []
+    results: list[TensorStats] = []
     errors: list[BaseException] = []
 
     def work() -> None:
-        local, local_scratch = _TensorStats(stats.keep), _Scratch()
+        local, local_scratch = TensorStats(stats.keep), _Scratch()
         try:
             torch.set_num_threads(1)
             while not errors:
@@ -1138,7 +1080,7 @@ class _Judge:
     def __call__(
         self,
         scratch: _Scratch,
-        stats: _TensorStats,
+        stats: TensorStats,
         offset: int,
         a_piece: torch.Tensor,
         e_piece: torch.Tensor,
@@ -1154,7 +1096,7 @@ class _Judge:
     def floating_chunk(
         self,
         scratch: _Scratch,
-        stats: _TensorStats,
+        stats: TensorStats,
         offset: int,
         a_piece: torch.Tensor,
         e_piece: torch.Tensor,
@@ -1249,7 +1191,7 @@ class _Judge:
 
     def nonfinite_chunk(
         self,
-        stats: _TensorStats,
+        stats: TensorStats,
         offset: int,
         a: torch.Tensor,
         e: torch.Tensor,
@@ -1287,7 +1229,7 @@ class _Judge:
     def exact_chunk(
         self,
         scratch: _Scratch,
-        stats: _TensorStats,
+        stats: TensorStats,
         offset: int,
         a_piece: torch.Tensor,
         e_piece: torch.Tensor,
@@ -1316,7 +1258,7 @@ class _Judge:
 
     def account(
         self,
-        stats: _TensorStats,
+        stats: TensorStats,
         offset: int,
         mismatch: torch.Tensor,
         rank: torch.Tensor,
@@ -1365,9 +1307,9 @@ class _Judge:
 _FEW_SPECIALS = 64
 
 
-def _nonfinite_of(a: list[complex], e: list[complex], mismatched: list[bool]) -> _NonFinite:
+def _nonfinite_of(a: list[complex], e: list[complex], mismatched: list[bool]) -> NonFinite:
     """_nonfinite_counts of a few values on the host, where each torch op costs more."""
-    counts = _NonFinite()
+    counts = NonFinite()
     for x, y, bad in zip(a, e, mismatched, strict=True):
         if not bad:
             continue
@@ -1442,11 +1384,11 @@ def _nonzero_positions(flags: torch.Tensor, count: int) -> torch.Tensor:
     return candidates[flags.index_select(0, candidates).nonzero().view(-1)]
 
 
-def _nonfinite_counts(a: torch.Tensor, e: torch.Tensor, mismatched: torch.Tensor) -> _NonFinite:
+def _nonfinite_counts(a: torch.Tensor, e: torch.Tensor, mismatched: torch.Tensor) -> NonFinite:
     """Where mismatched elements are NaN or infinite, on either side."""
     a_nan, a_inf = torch.isnan(a) & mismatched, torch.isinf(a) & mismatched
     e_nan = torch.isnan(e)
-    return _NonFinite(
+    return NonFinite(
         nan_actual=int(a_nan.sum()),
         nan_both=int((a_nan & e_nan).sum()),
         inf_actual=int(a_inf.sum()),
@@ -1493,7 +1435,7 @@ def _tolerance_text(tol: Tolerance, dtype: torch.dtype) -> str:
 
 
 def _nonfinite_lines(
-    counts: _NonFinite, mismatched: int, expected_dtype: torch.dtype, equal_nan: bool
+    counts: NonFinite, mismatched: int, expected_dtype: torch.dtype, equal_nan: bool
 ) -> list[str]:
     """Say whether expected is non-finite where actual is, and what equal_nan would change."""
     lines = []
@@ -1540,7 +1482,7 @@ def _values_mismatch(
     actual: torch.Tensor,
     expected: torch.Tensor,
     tol: Tolerance,
-    stats: _TensorStats,
+    stats: TensorStats,
     worst: int,
     equal_nan: bool,
 ) -> Mismatch:
