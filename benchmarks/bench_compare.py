@@ -15,8 +15,8 @@ the ratios the project aims at: assert_close / compare >= 10 and compare /
 read pass <= 3. A small-tensor section times one 100-element pair per call
 and a dict of 10,000 of them. --busy starts one competing busy process for
 the whole run. Verdicts must agree with assert_close, except on the pairs
-compare.py documents (same-dtype bfloat16/float16 within rounding of the
-bound); the script exits with status 1 on any other disagreement.
+verdict/tolerance.py documents (same-dtype bfloat16/float16 within rounding
+of the bound); the script exits with status 1 on any other disagreement.
 
 --quick runs a small subset (under a minute on a 2-core machine).
 --min-bytes and --rows select cells: `--min-bytes 256M --max-bytes 256M
@@ -48,7 +48,8 @@ from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()  # first: without torch's "Failed to initialize NumPy" warning
 
-from pytest_gpucase.verdict.compare import CHUNK_ELEMENTS, DEFAULT_TOLERANCES, compare  # noqa: E402
+from pytest_gpucase.verdict._kernel import CHUNK_ELEMENTS  # noqa: E402
+from pytest_gpucase.verdict.compare import DEFAULT_TOLERANCES, compare  # noqa: E402
 
 SPEEDUP_TARGET = 10.0  # assert_close / compare
 READ_PASS_TARGET = 3.0  # compare / read pass

@@ -21,6 +21,7 @@ from typing import NamedTuple
 import pytest
 import torch
 
+from pytest_gpucase.verdict import _kernel
 from pytest_gpucase.verdict import compare as compare_module
 from pytest_gpucase.verdict.compare import (
     DEFAULT_TOLERANCES,
@@ -53,8 +54,8 @@ def only(result: Comparison) -> Mismatch:
 @pytest.fixture
 def small_chunks(monkeypatch: pytest.MonkeyPatch) -> int:
     """Chunks of 64 elements, so small tensors span many, judged without batching."""
-    monkeypatch.setattr(compare_module, "CHUNK_ELEMENTS", 64)
-    monkeypatch.setattr(compare_module, "SMALL_ELEMENTS", 0)
+    monkeypatch.setattr(_kernel, "CHUNK_ELEMENTS", 64)
+    monkeypatch.setattr(_kernel, "SMALL_ELEMENTS", 0)
     return 64
 
 
@@ -1124,7 +1125,7 @@ class TestFastPaths:
 
 def _full_path(monkeypatch: pytest.MonkeyPatch) -> None:
     """Turn off the single-pair fast paths: every pair goes through the walk."""
-    monkeypatch.setattr(compare_module, "_small_close", lambda *args: None)
+    monkeypatch.setattr(_kernel, "small_close", lambda *args: None)
 
 
 def _fast_path_pairs() -> list[tuple[str, object, object, dict[torch.dtype, Tolerance] | None]]:
@@ -1216,14 +1217,14 @@ class TestSinglePairFastPath:
 
     def test_results_equal_the_full_path_s(self, monkeypatch: pytest.MonkeyPatch) -> None:
         taken = []
-        small_close = compare_module._small_close
+        small_close = _kernel.small_close
 
-        def spy(*args: object) -> Comparison | None:
+        def spy(*args: object) -> tuple[float, float] | None:
             result = small_close(*args)  # type: ignore[arg-type]
             taken.append(result is not None)
             return result
 
-        monkeypatch.setattr(compare_module, "_small_close", spy)
+        monkeypatch.setattr(_kernel, "small_close", spy)
         pairs = _fast_path_pairs()
         fast = {}
         for name, a, e, tol in pairs:
@@ -1284,12 +1285,12 @@ class TestEqualityTest:
         self, memcmp: bool, monkeypatch: pytest.MonkeyPatch
     ) -> None:
         if not memcmp:
-            monkeypatch.setattr(compare_module, "_MEMCMP", None)
-        elif compare_module._MEMCMP is None:
+            monkeypatch.setattr(_kernel, "_MEMCMP", None)
+        elif _kernel._MEMCMP is None:
             pytest.skip("no C library memcmp to load here")
         gen = torch.Generator().manual_seed(23)
         n = 100_000  # past the 4 KiB where memcmp starts, in one chunk and in several
-        for size in (n, 3 * compare_module.CHUNK_ELEMENTS + 5):
+        for size in (n, 3 * _kernel.CHUNK_ELEMENTS + 5):
             base = torch.randn(size, generator=gen)
             assert compare(base.clone(), base).ok
             with_nan = base.clone()
@@ -1602,7 +1603,7 @@ def _snapshot_cases() -> Iterator[tuple[str, object, object, dict[str, object], 
                         label += f" equal_nan={equal_nan} tol={tol} worst={keywords['worst']}"
                         yield label, a, e, keywords, 0
     # Chunk boundaries: real chunks (CHUNK_ELEMENTS +- 1, several) and chunks of 64.
-    chunk = compare_module.CHUNK_ELEMENTS
+    chunk = _kernel.CHUNK_ELEMENTS
     for dtype, pattern, size in (
         (torch.float32, "few", chunk - 1),
         (torch.float32, "mixed", chunk + 1),
@@ -1642,13 +1643,13 @@ def _snapshot_name(dtype: torch.dtype) -> str:
 def _snapshot_results() -> dict[str, str]:
     results = {}
     for label, actual, expected, keywords, chunk in _snapshot_cases():
-        saved = compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS
+        saved = _kernel.CHUNK_ELEMENTS, _kernel.SMALL_ELEMENTS
         if chunk:
-            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = chunk, 0
+            _kernel.CHUNK_ELEMENTS, _kernel.SMALL_ELEMENTS = chunk, 0
         try:
             result = compare(actual, expected, **keywords)  # type: ignore[arg-type]
         finally:
-            compare_module.CHUNK_ELEMENTS, compare_module.SMALL_ELEMENTS = saved
+            _kernel.CHUNK_ELEMENTS, _kernel.SMALL_ELEMENTS = saved
         assert label not in results, label
         results[label] = repr(result)
     return results
@@ -1688,7 +1689,7 @@ class TestSpecialsByIndex:
     ) -> tuple[str, str]:
         by_index = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
         with monkeypatch.context() as patch:
-            patch.setattr(compare_module, "_SPECIAL_SHARE", 1 << 62)  # every chunk the long way
+            patch.setattr(_kernel, "_SPECIAL_SHARE", 1 << 62)  # every chunk the long way
             everywhere = repr(compare(actual, expected, **kw))  # type: ignore[arg-type]
         return by_index, everywhere
 
@@ -1731,67 +1732,6 @@ class TestSpecialsByIndex:
             ours, theirs = self.both_ways(monkeypatch, a, e, equal_nan=equal_nan)
             assert ours == theirs
             assert "values differ" in ours
-
-
-class TestBlockSearch:
-    """The block-by-block searches of a chunk give torch's own answers."""
-
-    @staticmethod
-    def rows() -> Iterator[torch.Tensor]:
-        gen = torch.Generator().manual_seed(16)
-        block = compare_module._BLOCK
-        for n in (5, 8 * block, 8 * block + 1, 20 * block, 20 * block + 37, 1 << 18):
-            yield torch.rand(n, generator=gen)  # distinct values
-            ties = torch.randint(0, 4, (n,), generator=gen).float()
-            yield ties  # many ties
-            sparse = torch.zeros(n)
-            sparse[torch.randint(0, n, (3,), generator=gen)] = 1.0
-            sparse[-1] = 1.0  # in the short last block
-            yield sparse
-
-    def test_top_values_and_the_first_greatest(self) -> None:
-        for row in self.rows():
-            for k in (1, 3, min(6, row.numel())):
-                values, indices = compare_module._top(row, k)
-                assert values == torch.topk(row, k).values.tolist()
-                assert [row[i].item() for i in indices] == values
-                assert len(set(indices)) == k
-            assert compare_module._first_max(row) == int(row.argmax())
-
-    def test_first_and_all_hits_in_order(self) -> None:
-        for row in self.rows():
-            flags = (row == row.amax()).float()
-            hits = flags.nonzero().view(-1).tolist()
-            for k in (1, 2, 5):
-                assert compare_module._first_hits(flags, k) == hits[:k]
-            positions = compare_module._nonzero_positions(flags, len(hits))
-            assert positions.tolist() == hits
-
-
-def _shortest_by_every_count(x: float, dtype: torch.dtype) -> str:
-    """The shortest text that reads back to x in dtype, trying 1, 2, ... digits, torch rounding."""
-    for digits in range(1, 18):
-        candidate = float(f"{x:.{digits}g}")
-        if torch.tensor(candidate, dtype=dtype).item() == x:
-            return repr(candidate)
-    return repr(x)
-
-
-class TestShortestValues:
-    @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-    def test_the_fewest_digits_as_by_trying_every_count(self, dtype: torch.dtype) -> None:
-        gen = torch.Generator().manual_seed(21)
-        bits = torch.randint(-(2**31), 2**31 - 1, (4000,), generator=gen, dtype=torch.int64)
-        values = bits.to(torch.int32).view(torch.float32).to(dtype)  # every binade
-        info = torch.finfo(dtype)
-        powers = [2.0**k for k in range(-30, 30)] + [info.max, info.tiny, info.tiny * info.eps]
-        extra = torch.tensor([*powers, *(-p for p in powers), 0.1, 1 / 3, 0.0], dtype=dtype)
-        checked = 0
-        for x in torch.cat((values, extra)).tolist():
-            if math.isfinite(x):
-                assert compare_module._shortest(x, dtype) == _shortest_by_every_count(x, dtype), x
-                checked += 1
-        assert checked > 2000  # float16 leaves out what overflows it
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["--write-snapshot"]:

@@ -1,0 +1,344 @@
+"""The words of a mismatch: what differs, by how much, and under which tolerance.
+
+``Mismatch`` is one problem at one path of an output, with its message. Here
+are the messages of a value that differs: a number's (``scalar_message``) and
+a tensor's (``values_mismatch``: mismatched count, greatest differences with
+their index and the allowed tolerance, NaN and inf, worst elements, ULPs),
+the text of a tolerance and where it came from, and numbers written as the
+shortest text that reads back in their dtype. The comparison decides; this
+module only words what it found, fetching the few elements it shows.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from pytest_gpucase.verdict.stats import NonFinite, TensorStats
+from pytest_gpucase.verdict.tolerance import Tolerance, is_nan, relative, spacing
+
+__all__ = ["Mismatch", "num", "scalar_message", "values_mismatch"]
+
+
+@dataclass(frozen=True)
+class Mismatch:
+    """One problem found at one path of the output."""
+
+    path: str
+    kind: str  # "structure" | "type" | "shape" | "dtype" | "device" | "values"
+    message: str
+    mismatched: int = 0
+    total: int = 0
+    max_abs: float | None = None
+    max_rel: float | None = None
+
+
+# --------------------------------------------------------------------------
+# Scalars (Python numbers; also the 0-dim tensor message)
+
+
+def scalar_message(
+    path: str,
+    actual: complex,
+    expected: complex,
+    actual_dtype: torch.dtype,
+    expected_dtype: torch.dtype,
+    tol: Tolerance,
+    equal_nan: bool,
+    exact: bool,
+) -> str:
+    """The message of one number that differs: a Python number, or a 0-dim tensor's."""
+    diff = _abs_diff(actual, expected)
+    lines = [
+        "{}: values differ: actual {} vs expected {}".format(
+            path, *_fmt_pair(actual, expected, actual_dtype, expected_dtype))
+    ]
+    if exact:
+        return lines[0]
+    ulps_only = _ulps_only(tol)
+    lines.append(f"  Absolute difference: {num(diff)}{_allowed(tol.atol, ulps_only)}")
+    lines.append(f"  Relative difference: {num(relative(diff, abs(expected)))}"
+                 f"{_allowed(tol.rtol, ulps_only)}")
+    lines.append(f"  Tolerance: {_tolerance_text(tol, actual_dtype)}")
+    a_nan, e_nan = is_nan(actual), is_nan(expected)
+    counts = NonFinite(
+        nan_actual=int(a_nan),
+        nan_both=int(a_nan and e_nan),
+        inf_actual=int(not a_nan and math.isinf(abs(actual))),
+        inf_expected_too=int(
+            not a_nan and math.isinf(abs(actual)) and not math.isfinite(abs(expected))
+        ),
+        nan_expected_only=int(e_nan and not a_nan),
+    )
+    lines.extend(_nonfinite_lines(counts, 1, expected_dtype, equal_nan))
+    ulp = _ulp_line(diff, expected, actual_dtype, expected_dtype, tol)
+    if ulp is not None:
+        lines.append(f"  Difference is {ulp}")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------
+# The values message
+
+
+def _ulps_only(tol: Tolerance) -> bool:
+    return tol.ulps is not None and tol.atol == 0 and tol.rtol == 0
+
+
+def _allowed(bound: float, ulps_only: bool) -> str:
+    return "" if ulps_only else f" (up to {num(bound)} allowed)"
+
+
+def _tolerance_text(tol: Tolerance, dtype: torch.dtype) -> str:
+    """Which tolerance was applied and where it came from."""
+    name = _dtype_name(dtype)
+    if not (dtype.is_floating_point or dtype.is_complex):
+        return f"none: {name} values must be equal"
+    source = tol.source or "compare(tolerances=...)"
+    if _ulps_only(tol):
+        return f"ulps={tol.ulps:g} in {name} ({source}); atol and rtol not used"
+    text = f"atol={tol.atol:g}, rtol={tol.rtol:g} ({source})"
+    if tol.ulps is not None:
+        text += f", or within ulps={tol.ulps:g} in {name}"
+    return text
+
+
+def _nonfinite_lines(
+    counts: NonFinite, mismatched: int, expected_dtype: torch.dtype, equal_nan: bool
+) -> list[str]:
+    """Say whether expected is non-finite where actual is, and what equal_nan would change."""
+    lines = []
+    theirs = f"expected ({_dtype_name(expected_dtype)})"
+    if counts.nan_actual:
+        where = _positions(counts.nan_actual)
+        if counts.nan_both == 0:
+            lines.append(f"  actual is NaN at {where}; {theirs} is a number at all of them")
+        else:
+            share = "all" if counts.nan_both == counts.nan_actual else str(counts.nan_both)
+            lines.append(
+                f"  actual is NaN at {where}; {theirs} is NaN at {share} of these "
+                "positions too: the input itself is degenerate"
+            )
+        if counts.nan_both and not equal_nan:
+            remain = mismatched - counts.nan_both
+            lines.append(
+                f"  equal_nan = true would accept the {counts.nan_both} where both are NaN "
+                f"({remain} mismatch{'' if remain == 1 else 'es'} would remain)"
+            )
+        elif not counts.nan_both:
+            lines.append(
+                "  equal_nan = true would not change this: it accepts NaN against NaN only"
+            )
+    if counts.nan_expected_only:
+        lines.append(
+            f"  {theirs} is NaN at {_positions(counts.nan_expected_only)} where actual is not: "
+            "the reference itself is degenerate there"
+        )
+    if counts.inf_actual:
+        lines.append(
+            f"  actual is infinite at {_positions(counts.inf_actual)}; {theirs} is infinite "
+            f"or NaN at {counts.inf_expected_too} of these too"
+        )
+    return lines
+
+
+def _positions(count: int) -> str:
+    return f"{count} mismatched position{'' if count == 1 else 's'}"
+
+
+def values_mismatch(
+    path: str,
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    tol: Tolerance,
+    stats: TensorStats,
+    worst: int,
+    equal_nan: bool,
+) -> Mismatch:
+    """The mismatch of a tensor pair whose values differ, worded from its tally."""
+    indices = [i for _, i in stats.worst]
+    rel_index = stats.worst_rel[1] if stats.worst_rel is not None else indices[0]
+    flat = [*indices, rel_index]
+    a_values = _gather(actual, flat)
+    e_values = _gather(expected, flat)
+    diffs = [_abs_diff(a, e) for a, e in zip(a_values, e_values, strict=True)]
+    max_abs = float(diffs[0])
+    max_rel = relative(float(diffs[-1]), abs(e_values[-1]))
+    total = actual.numel()
+    exact = actual.dtype == torch.bool or not (
+        actual.dtype.is_floating_point or actual.dtype.is_complex
+    )
+
+    if actual.dim() == 0:
+        message = scalar_message(
+            path, a_values[0], e_values[0], actual.dtype, expected.dtype, tol, equal_nan, exact
+        )
+        return Mismatch(path, "values", message, stats.mismatched, total, max_abs, max_rel)
+
+    shape = tuple(actual.shape)
+    ulps_only = _ulps_only(tol)
+    lines = [
+        f"{path}: values differ",
+        f"  Mismatched elements: {stats.mismatched} / {total} ({stats.mismatched / total:.1%})",
+    ]
+    if actual.dtype != torch.bool:
+        lines.append(
+            f"  Greatest absolute difference: {num(diffs[0])} at index "
+            f"{_unravel(indices[0], shape)}{_allowed(tol.atol, ulps_only)}"
+        )
+        lines.append(
+            f"  Greatest relative difference: {num(max_rel)} at index "
+            f"{_unravel(rel_index, shape)}{_allowed(tol.rtol, ulps_only)}"
+        )
+    lines.append(f"  Tolerance: {_tolerance_text(tol, actual.dtype)}")
+    lines.extend(_nonfinite_lines(stats.nonfinite, stats.mismatched, expected.dtype, equal_nan))
+    if worst:
+        lines.append("  Worst elements (index: actual vs expected, abs error):")
+        for i, index in enumerate(indices[:worst]):
+            shown_a, shown_e = _fmt_pair(a_values[i], e_values[i], actual.dtype, expected.dtype)
+            lines.append(f"    {_unravel(index, shape)}: {shown_a} vs {shown_e}, {num(diffs[i])}")
+    if not exact:
+        # A NaN at the top says nothing about rounding: measure the worst finite one.
+        finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
+        at = finite[0] if finite else 0
+        ulp = _ulp_line(diffs[at], e_values[at], actual.dtype, expected.dtype, tol)
+        if ulp is not None:
+            lines.append(f"  Worst {'' if at == 0 else 'finite '}element is {ulp}")
+    return Mismatch(path, "values", "\n".join(lines), stats.mismatched, total, max_abs, max_rel)
+
+
+def _ulp_line(
+    diff: float,
+    expected: complex,
+    actual_dtype: torch.dtype,
+    expected_dtype: torch.dtype,
+    tol: Tolerance,
+) -> str | None:
+    """Say how many units in the last place apart, to tell rounding from a bug."""
+    real = actual_dtype.to_real()
+    if real not in (torch.float16, torch.bfloat16) and tol.ulps is None:
+        return None
+    name = _dtype_name(actual_dtype)
+    if not (math.isfinite(diff) and math.isfinite(abs(expected))):
+        return f"not finite, so no ULP distance in {name}"
+    unit = spacing(abs(expected), real)
+    return (
+        f"{num(diff / unit)} ULP off in {name} "
+        f"(spacing {num(unit)} at {_fmt_value(expected, expected_dtype)})"
+    )
+
+
+def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
+    """Fetch a few elements by flat index: the only values that cross to the host.
+
+    One indexing op and one transfer for all of them, whatever the tensor's strides.
+    """
+    if t.dim() == 0:
+        return [t.item()] * len(flat)
+    shape = tuple(t.shape)
+    columns = zip(*(_coords(i, shape) for i in flat), strict=True)
+    index = tuple(torch.tensor(column, device=t.device) for column in columns)
+    values: list[complex] = t[index].tolist()
+    return values
+
+
+def _abs_diff(a: complex, e: complex) -> float:
+    if isinstance(a, bool) or isinstance(e, bool):
+        return float(a != e)
+    return abs(a - e)
+
+
+def _coords(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        flat, c = divmod(flat, size)
+        coords.append(c)
+    return tuple(reversed(coords))
+
+
+def _unravel(flat: int, shape: tuple[int, ...]) -> str:
+    return str(_coords(flat, shape))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def num(x: float) -> str:
+    """A derived quantity (difference, tolerance) to four significant digits."""
+    if isinstance(x, int):
+        return str(x)
+    return f"{x:.4g}"
+
+
+def _fmt_pair(
+    a: complex, e: complex, a_dtype: torch.dtype, e_dtype: torch.dtype
+) -> tuple[str, str]:
+    """Two elements as ``_fmt_value`` writes them, unless that writes different values
+    alike (bfloat16 1.1015625 and float64 1.1 both read "1.1"): then in full."""
+    shown = _fmt_value(a, a_dtype), _fmt_value(e, e_dtype)
+    if shown[0] == shown[1] and not (a == e or (a != a and e != e)):
+        return repr(a), repr(e)
+    return shown
+
+
+def _fmt_value(x: complex, dtype: torch.dtype) -> str:
+    """An element as the shortest text that reads back to the same value in its dtype."""
+    if isinstance(x, (bool, int)):
+        return repr(x)
+    if isinstance(x, complex):
+        real = dtype.to_real()
+        re, im = _shortest(x.real, real), _shortest(x.imag, real)
+        sign = "" if im.startswith("-") else "+"
+        return f"({re}{sign}{im}j)"
+    return _shortest(x, dtype)
+
+
+def _shortest(x: float, dtype: torch.dtype) -> str:
+    if dtype == torch.float64 or not math.isfinite(x):
+        return repr(x)
+    if dtype == torch.float32 and math.frexp(x)[0] not in (0.5, -0.5):
+        # Off a power of two the values that round to x lie within the same
+        # distance on both sides, and each added digit lands no farther from x:
+        # once a count of digits reads back, every greater one does. So the
+        # fewest is found by halving 1..9 (9 always read back a float32).
+        low, high = 1, 9
+        while low < high:
+            middle = (low + high) // 2
+            if _round(float(f"{x:.{middle}g}"), dtype) == x:
+                high = middle
+            else:
+                low = middle + 1
+        candidate = float(f"{x:.{low}g}")
+        if _round(candidate, dtype) == x:
+            return repr(candidate)
+    for digits in range(1, 18):
+        candidate = float(f"{x:.{digits}g}")
+        if _round(candidate, dtype) == x:
+            return repr(candidate)
+    return repr(x)
+
+
+_FLOAT32 = struct.Struct("f")
+_FLOAT16 = struct.Struct("e")
+_UINT32 = struct.Struct("I")
+
+
+def _round(x: float, dtype: torch.dtype) -> float:
+    """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
+    try:
+        if dtype == torch.float32:
+            return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+        if dtype == torch.float16:
+            x = float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+            return float(_FLOAT16.unpack(_FLOAT16.pack(x))[0])
+        if dtype == torch.bfloat16:
+            (bits,) = _UINT32.unpack(_FLOAT32.pack(x))
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+            return float(_FLOAT32.unpack(_UINT32.pack((bits & 0xFFFF) << 16))[0])
+    except OverflowError:  # beyond float16's range
+        return math.copysign(math.inf, x)
+    return float(torch.tensor(x, dtype=dtype).item())
