@@ -117,7 +117,7 @@ from pytest_gpucase.run.isolation.supervise import (
     RunInterrupted,
     _Interruptible,
     _Run,
-    _supervise,
+    _Supervisor,
     reap_pending,
 )
 from pytest_gpucase.run.isolation.wire import decode, encode
@@ -209,8 +209,8 @@ def run_in_child(
                 os.close(fd)
             out_w = err_w = res_w = -1
             run = _Run(pid, token, memory_limit, zygote=zygote)
-            return _supervise(run, out_r, err_r, res_r, timeout, start, start_method, guard,
-                              marks)
+            return _Supervisor(run, out_r, err_r, res_r, timeout, start, start_method,
+                               marks).watch(guard)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
             if fd >= 0:

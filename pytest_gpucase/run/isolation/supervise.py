@@ -176,144 +176,210 @@ class _Interruptible:
             raise RunInterrupted(self.pending)
 
 
-def _supervise(run: _Run, out_r: int, err_r: int, res_r: int, timeout: float, start: float,
-               start_method: StartMethod, guard: _Interruptible,
-               marks: Mapping[str, str] | None = None) -> ChildResult:
-    pid = run.pid
-    captures = {out_r: _Capture(marks=marks), err_r: _Capture(marks=marks)}
-    result = bytearray()
-    oversize = False
-    open_fds = {out_r, err_r, res_r}
-    poller = select.poll()
-    for fd in open_fds:
-        poller.register(fd, select.POLLIN)
-    pidfd: int | None = None
-    try:
-        pidfd = os.pidfd_open(pid)
-        poller.register(pidfd, select.POLLIN)
-    except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
-        pidfd = None
-    exited = False
-    deferred = False
-    timed_out = False
-    kill_at: float | None = None
-    drain_until = math.inf
-    dumped_at: float | None = None  # when the child last wrote to stderr after SIGUSR1
-    deadline = start + timeout
-    try:
-        guard.arm()
-        while not exited or open_fds:
-            now = time.monotonic()
-            if not exited and not timed_out and now >= deadline:
-                timed_out = True
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.kill(pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
-                kill_at = now + DUMP_GRACE
-            if not exited and not run.memory_exceeded and run.over_memory(now):
-                run.memory_exceeded = True
-                kill_at = now
-            if kill_at is not None and dumped_at is not None and now - dumped_at >= DUMP_QUIET:
-                kill_at = now  # the stack dump has been written and stderr is quiet again
-            if kill_at is not None and now >= kill_at:
-                run.kill()
-                kill_at = None
-            wait_until = kill_at if kill_at is not None else deadline
-            if dumped_at is not None and kill_at is not None:
-                wait_until = min(kill_at, dumped_at + DUMP_QUIET)
-            if exited:
-                if now >= drain_until:
+class _Supervisor:
+    """The parent's watch over one child, from its start until it has ended or been ended.
+
+    ``watch`` polls the child's pipes (and its pidfd) and hands what happens to a method:
+    the clock (``on_clock``: the deadline, the memory limit, the kill a stack dump waits
+    for), data on a pipe (``on_ready``: ``on_output``, ``on_result``), a whole clean result
+    (``done``) and the child's end (``on_exit``); ``settle`` leaves the child as it must be.
+    """
+
+    def __init__(self, child: _Run, out_r: int, err_r: int, res_r: int, timeout: float,
+                 start: float, start_method: StartMethod,
+                 marks: Mapping[str, str] | None = None) -> None:
+        self.child = child
+        self.err_r, self.res_r = err_r, res_r
+        self.out, self.err = _Capture(marks=marks), _Capture(marks=marks)
+        self.captures = {out_r: self.out, err_r: self.err}
+        self.result = bytearray()
+        self.oversize = False  # the result passed RESULT_LIMIT: read no more, end the child
+        self.open_fds = {out_r, err_r, res_r}
+        self.poller = select.poll()
+        for fd in self.open_fds:
+            self.poller.register(fd, select.POLLIN)
+        self.pidfd: int | None = None
+        try:
+            self.pidfd = os.pidfd_open(child.pid)
+            self.poller.register(self.pidfd, select.POLLIN)
+        except (AttributeError, OSError):  # no pidfd (old kernel, macOS): poll in small steps
+            self.pidfd = None
+        self.exited = False    # the child ended; its pipes are drained a little longer
+        self.deferred = False  # the child returned cleanly and is exiting: reaped later
+        self.timed_out = False
+        self.kill_at: float | None = None
+        self.drain_until = math.inf
+        self.dumped_at: float | None = None  # when the child last wrote to stderr after SIGUSR1
+        self.start, self.start_method = start, start_method
+        self.deadline = start + timeout
+
+    def watch(self, guard: _Interruptible) -> ChildResult:
+        """Wait until the child is done or ended, and say what became of it."""
+        try:
+            guard.arm()
+            while not self.exited or self.open_fds:
+                now = time.monotonic()
+                self.on_clock(now)
+                step = self.step(now)
+                if step is None:
                     break  # a process that escaped still holds a pipe: stop reading
-                wait_until = drain_until
-            step = min(max(0.0, wait_until - now), MAX_POLL_STEP)
-            if pidfd is None and not exited:
-                step = min(step, 0.05)
-            if run.memory_limit is not None and not exited:
-                step = min(step, MEMORY_SAMPLE)
-            events = poller.poll(step * 1000)
-            for fd, _ in events:
-                if fd == pidfd:
-                    poller.unregister(pidfd)
-                    continue
-                data = os.read(fd, 1 << 16)
-                if not data:
-                    poller.unregister(fd)
-                    open_fds.discard(fd)
-                elif fd == res_r:
-                    if len(result) + len(data) > RESULT_LIMIT:
-                        oversize = True  # read no more of it, and end the child
-                        poller.unregister(fd)
-                        open_fds.discard(fd)
-                        result.clear()
-                        kill_at = time.monotonic()
-                    else:
-                        result += data
-                else:
-                    captures[fd].add(data)
-                    if kill_at is not None and fd == err_r:
-                        dumped_at = time.monotonic()
-            flags = (_flags(result) if not open_fds and not oversize and not timed_out
-                     and not run.memory_exceeded else {})
-            clean = flags.get("alone") is True
-            if clean and not exited:
-                if run.reusable and flags.get("retire") is False:
-                    run.kept = True  # a worker, ready for the next call
+                for fd, _ in self.poller.poll(step * 1000):
+                    self.on_ready(fd)
+                if self.done():
                     break
-                # The child sent its result, closed every pipe and started nothing that
-                # lives: it is exiting. Reap it later (before the next fork, at the end).
-                deferred = True
-                break
-            if not exited and run.has_exited():
-                exited = True
-                if not clean:
-                    # Grandchildren may live on and hold the pipes open: end them all,
-                    # while the child's pid is still its own (not reaped).
-                    run.kill()
-                run.ended = True
-                drain_until = time.monotonic() + 1.0
-    finally:
-        guard.hold()
-        if run.kept:
+                if not self.exited and self.child.has_exited():
+                    self.on_exit()
+        finally:
+            guard.hold()
+            status = self.settle()
+        return self.outcome(status, time.monotonic() - self.start)
+
+    def on_clock(self, now: float) -> None:
+        """The deadline, the memory limit, and the kill that a stack dump waits for."""
+        child = self.child
+        if not self.exited and not self.timed_out and now >= self.deadline:
+            self.on_deadline(now)
+        if not self.exited and not child.memory_exceeded and child.over_memory(now):
+            child.memory_exceeded = True
+            self.kill_at = now
+        if (self.kill_at is not None and self.dumped_at is not None
+                and now - self.dumped_at >= DUMP_QUIET):
+            self.kill_at = now  # the stack dump has been written and stderr is quiet again
+        if self.kill_at is not None and now >= self.kill_at:
+            child.kill()
+            self.kill_at = None
+
+    def on_deadline(self, now: float) -> None:
+        """Time is up: ask for every thread's stack, and kill after ``DUMP_GRACE``."""
+        self.timed_out = True
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(self.child.pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
+        self.kill_at = now + DUMP_GRACE
+
+    def step(self, now: float) -> float | None:
+        """How long to poll: until the next thing on the clock, in bounded steps. None when
+        the pipes have been drained long enough after the child's end."""
+        wait_until = self.kill_at if self.kill_at is not None else self.deadline
+        if self.dumped_at is not None and self.kill_at is not None:
+            wait_until = min(self.kill_at, self.dumped_at + DUMP_QUIET)
+        if self.exited:
+            if now >= self.drain_until:
+                return None
+            wait_until = self.drain_until
+        step = min(max(0.0, wait_until - now), MAX_POLL_STEP)
+        if self.pidfd is None and not self.exited:
+            step = min(step, 0.05)
+        if self.child.memory_limit is not None and not self.exited:
+            step = min(step, MEMORY_SAMPLE)
+        return step
+
+    def on_ready(self, fd: int) -> None:
+        """``fd`` polled ready: a pipe's data or its end; the pidfd (``has_exited`` tells)."""
+        if fd == self.pidfd:
+            self.poller.unregister(fd)
+            return
+        data = os.read(fd, 1 << 16)
+        if not data:
+            self.stop_reading(fd)
+        elif fd == self.res_r:
+            self.on_result(data)
+        else:
+            self.on_output(fd, data)
+
+    def stop_reading(self, fd: int) -> None:
+        self.poller.unregister(fd)
+        self.open_fds.discard(fd)
+
+    def on_result(self, data: bytes) -> None:
+        """Data on the result pipe: kept, up to ``RESULT_LIMIT``; past it the child ends."""
+        if len(self.result) + len(data) > RESULT_LIMIT:
+            self.oversize = True
+            self.stop_reading(self.res_r)
+            self.result.clear()
+            self.kill_at = time.monotonic()
+        else:
+            self.result += data
+
+    def on_output(self, fd: int, data: bytes) -> None:
+        """Data on fd 1 or 2; on stderr while a kill waits, the stack dump going on."""
+        self.captures[fd].add(data)
+        if self.kill_at is not None and fd == self.err_r:
+            self.dumped_at = time.monotonic()
+
+    def done(self) -> bool:
+        """Whether the child sent a whole, clean result and closed every pipe, leaving
+        nothing that lives: then it is exiting (or, a worker, waiting for the next call),
+        and there is nothing more to watch."""
+        child = self.child
+        if (self.exited or self.open_fds or self.oversize or self.timed_out
+                or child.memory_exceeded):
+            return False
+        flags = _flags(self.result)
+        if flags.get("alone") is not True:
+            return False
+        if child.reusable and flags.get("retire") is False:
+            child.kept = True  # a worker, ready for the next call
+        else:
+            # The child sent its result, closed every pipe and started nothing that
+            # lives: it is exiting. Reap it later (before the next fork, at the end).
+            self.deferred = True
+        return True
+
+    def on_exit(self) -> None:
+        """The child ended without a clean result (see ``done``)."""
+        self.exited = True
+        # Grandchildren may live on and hold the pipes open: end them all,
+        # while the child's pid is still its own (not reaped).
+        self.child.kill()
+        self.child.ended = True
+        self.drain_until = time.monotonic() + 1.0
+
+    def settle(self) -> int:
+        """Leave the child kept, pending or killed and reaped; its wait status."""
+        child = self.child
+        if child.kept:
             status = 0
-        elif deferred:
-            _PENDING.append(run)
+        elif self.deferred:
+            _PENDING.append(child)
             status = 0  # what the child's os._exit(0) gives; checked when it is reaped
         else:
-            if not run.ended:
-                run.kill()
-            status = run.reap()
-        if pidfd is not None:
-            os.close(pidfd)
-    return _result(status, bytes(result), oversize, run, captures[out_r], captures[err_r],
-                   timed_out, time.monotonic() - start, start_method)
+            if not child.ended:
+                child.kill()
+            status = child.reap()
+        if self.pidfd is not None:
+            os.close(self.pidfd)
+        return status
 
-
-def _result(status: int, raw: bytes, oversize: bool, run: _Run, out: _Capture, err: _Capture,
-            timed_out: bool, duration: float, start_method: StartMethod) -> ChildResult:
-    exitcode = os.waitstatus_to_exitcode(status)
-    signum = -exitcode if exitcode < 0 else None
-    value, returned, child_error, bad_result = None, False, None, None
-    found: tuple[ChildWarning, ...] = ()
-    dropped = 0
-    phase, raw = _split_notes(raw)
-    if oversize:
-        bad_result = (f"sent too big a result: the child's result exceeded "
-                      f"{RESULT_LIMIT // 2**20} MiB and the child was killed; return less, or "
-                      "write big data to a file")
-    elif raw and not timed_out and not run.memory_exceeded:
-        try:
-            value, returned, child_error, found, dropped = _read_result(raw)
-        except BadResult as exc:
-            bad_result = f"sent a malformed result: {exc}"
-        except Exception as exc:  # the rebuilt class refused its fields, a hint we do not know
-            bad_result = f"sent a malformed result: {type(exc).__name__}: {str(exc)[:200]}"
-    return ChildResult(
-        value=value, returned=returned, exitcode=None if signum else exitcode, signal=signum,
-        timed_out=timed_out, stdout=out.text(), stderr=hide_machinery(err.text()),
-        duration=duration, start_method=start_method, child_error=child_error,
-        bad_result=bad_result, memory_exceeded=run.memory_exceeded,
-        memory_limit=run.memory_limit, resident=run.resident or None, warnings=found,
-        warnings_dropped=dropped, phase=phase,
-    )
+    def outcome(self, status: int, duration: float) -> ChildResult:
+        """What became of the child, from its wait status and what it sent."""
+        child = self.child
+        exitcode = os.waitstatus_to_exitcode(status)
+        signum = -exitcode if exitcode < 0 else None
+        value, returned, child_error, bad_result = None, False, None, None
+        found: tuple[ChildWarning, ...] = ()
+        dropped = 0
+        phase, raw = _split_notes(bytes(self.result))
+        if self.oversize:
+            bad_result = (f"sent too big a result: the child's result exceeded "
+                          f"{RESULT_LIMIT // 2**20} MiB and the child was killed; return less, "
+                          "or write big data to a file")
+        elif raw and not self.timed_out and not child.memory_exceeded:
+            try:
+                value, returned, child_error, found, dropped = _read_result(raw)
+            except BadResult as exc:
+                bad_result = f"sent a malformed result: {exc}"
+            except Exception as exc:
+                # The rebuilt class refused its fields, or a hint we do not know.
+                bad_result = f"sent a malformed result: {type(exc).__name__}: {str(exc)[:200]}"
+        return ChildResult(
+            value=value, returned=returned, exitcode=None if signum else exitcode,
+            signal=signum, timed_out=self.timed_out, stdout=self.out.text(),
+            stderr=hide_machinery(self.err.text()), duration=duration,
+            start_method=self.start_method, child_error=child_error, bad_result=bad_result,
+            memory_exceeded=child.memory_exceeded, memory_limit=child.memory_limit,
+            resident=child.resident or None, warnings=found, warnings_dropped=dropped,
+            phase=phase,
+        )
 
 
 _DUMP_HEADER = re.compile(r"^(?:Current thread|Thread) 0x[0-9a-fA-F]+ .*"
@@ -358,7 +424,7 @@ MAX_PENDING = 16  # exiting children left to finish on their own before one is w
 
 
 def reap_pending(block: bool = True) -> None:
-    """Reap the children whose results came back before they exited (see ``_supervise``).
+    """Reap the children whose results came back before they exited (see ``_Supervisor.done``).
 
     Before each fork (``block=False``) only those that have exited are reaped: a forked
     torch image takes milliseconds to tear down, which overlap the next run instead of

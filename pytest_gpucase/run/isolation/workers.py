@@ -33,7 +33,7 @@ from pytest_gpucase.run.isolation.supervise import (
     _PENDING,
     _Interruptible,
     _Run,
-    _supervise,
+    _Supervisor,
     reap_pending,
 )
 from pytest_gpucase.run.isolation.zygote import _receive_exactly, _Zygote, forkserver
@@ -150,8 +150,8 @@ class _Worker:
                     os.close(fd)
                 out_w = err_w = res_w = -1
                 run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True)
-                result = _supervise(run, out_r, err_r, res_r, timeout, start, self.start_method,
-                                    guard, marks)
+                result = _Supervisor(run, out_r, err_r, res_r, timeout, start,
+                                     self.start_method, marks).watch(guard)
         finally:
             for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
                 if fd >= 0:
