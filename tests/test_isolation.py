@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpucase.run import isolation
+from pytest_gpucase.run.isolation import clipping, supervise, zygote
 from pytest_gpucase.run.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
 
 from . import isolation_targets as targets
@@ -122,13 +123,13 @@ def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]
 
 def test_returned_children_are_reaped_bounded_and_all_at_the_end() -> None:
     pids = []
-    for _ in range(isolation.MAX_PENDING + 5):
+    for _ in range(supervise.MAX_PENDING + 5):
         result = run_in_child(os.getpid, timeout=60)
         assert result.returned and result.exitcode == 0
         pids.append(result.value)
-        assert len(isolation._PENDING) <= isolation.MAX_PENDING + 1
-    isolation.reap_pending()
-    assert not isolation._PENDING
+        assert len(supervise._PENDING) <= supervise.MAX_PENDING + 1
+    supervise.reap_pending()
+    assert not supervise._PENDING
     for pid in pids:
         with pytest.raises(ChildProcessError):  # reaped: no zombie is left
             os.waitpid(pid, os.WNOHANG)
@@ -142,23 +143,23 @@ needs_zygote = pytest.mark.skipif(not isolation.forkserver_available(),
 def test_forkserver_children_are_not_children_of_pytest() -> None:
     result = run_in_child(os.getppid, timeout=60, start_method="forkserver")
     assert result.returned and result.start_method == "forkserver"
-    assert result.value == isolation.forkserver().pid != os.getpid()
+    assert result.value == zygote.forkserver().pid != os.getpid()
 
 
 @needs_zygote
 def test_auto_picks_the_forkserver_once_cuda_is_initialized(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert isolation.default_start_method() == "fork"
-    monkeypatch.setattr(isolation, "_cuda_initialized", lambda: True)
+    monkeypatch.setattr(zygote, "_cuda_initialized", lambda: True)
     assert isolation.default_start_method() == "forkserver"
 
 
 @needs_zygote
 def test_the_zygote_ends_with_the_session() -> None:
-    zygote = isolation.forkserver().pid
+    zygote_pid = zygote.forkserver().pid
     isolation.shutdown()
     with pytest.raises(ChildProcessError):
-        os.waitpid(zygote, os.WNOHANG)  # reaped
+        os.waitpid(zygote_pid, os.WNOHANG)  # reaped
     assert run_in_child(os.getpid, timeout=60, start_method="forkserver").returned  # anew
 
 
@@ -167,8 +168,8 @@ def test_the_zygote_dies_with_a_killed_pytest(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    script = ("import os, sys, time\nfrom pytest_gpucase.run import isolation\n"
-              "print(isolation.forkserver().pid, flush=True)\ntime.sleep(600)\n")
+    script = ("import os, sys, time\nfrom pytest_gpucase.run.isolation import zygote\n"
+              "print(zygote.forkserver().pid, flush=True)\ntime.sleep(600)\n")
     owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
     try:
         assert owner.stdout is not None
@@ -286,7 +287,7 @@ def test_a_mark_in_the_omitted_middle_is_named_by_the_omission_line(chunk: int) 
     lost when the cut dropped it: the tail, all of it that part, read as what came before.
     Whatever the chunks the pipe delivers, and wherever the line falls against them."""
     def captured(text: str) -> list[str]:
-        capture = isolation._Capture(100, 200, marks={LABEL: SAID})
+        capture = clipping._Capture(100, 200, marks={LABEL: SAID})
         data = text.encode()
         for start in range(0, len(data), chunk):
             capture.add(data[start:start + chunk])

@@ -91,9 +91,9 @@ def test_collect_only_starts_no_zygote(pytester: pytest.Pytester, cases: Path) -
         import sys
 
         def pytest_collection_finish(session):
-            isolation = sys.modules.get("pytest_gpucase.run.isolation")
-            zygote = isolation._ZYGOTE if isolation is not None else None
-            print("zygote:", "none" if zygote is None else "started")
+            zygote = sys.modules.get("pytest_gpucase.run.isolation.zygote")
+            started = zygote._ZYGOTE if zygote is not None else None
+            print("zygote:", "none" if started is None else "started")
             print("execute loaded:", "pytest_gpucase.run.child" in sys.modules)
     """)
     listed = pytester.runpytest_subprocess("--gpu-cases", "--collect-only", "-q", "-s", "cases")

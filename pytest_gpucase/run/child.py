@@ -755,7 +755,8 @@ def _describe(exc: BaseException) -> str:
 
 
 # The machinery that calls the user's code; its frames only add noise to a traceback.
-_MACHINERY = {str(Path(__file__)), str(Path(__file__).with_name("isolation.py"))}
+_MACHINERY = {str(Path(__file__)),
+              *(str(path) for path in Path(__file__).with_name("isolation").glob("*.py"))}
 
 
 def user_traceback(exc: BaseException) -> str:
@@ -776,7 +777,8 @@ def _raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
     Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a
     ``BaseException`` subclass it raises are its result, told as any exception is. A real
     Ctrl-C never arrives as one: the child's SIGINT is at its default action
-    (``isolation._child_main``), so it ends the child, and pytest, which gets its own, stops.
+    (``isolation.child._child_main``), so it ends the child, and pytest, which gets its
+    own, stops.
     """
     text = user_traceback(exc)
     return Outcome("failed", f"{what} raised {_describe(exc).splitlines()[0]}", details=text,

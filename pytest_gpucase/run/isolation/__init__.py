@@ -1,0 +1,251 @@
+"""Run a function in a fresh child process, with its own environment, a timeout, and its output.
+
+The child is a fork of this process by default (cheap: torch is already
+imported) or, when CUDA was initialized here and a fork would inherit a broken
+context, a fresh interpreter started with ``posix_spawn``. Its fds 1 and 2 go
+to pipes the parent drains into bounded buffers: device-side assertion lines
+are printed to fd 2 by the kernel, and a child printing gigabytes must not
+fill memory or disk.
+
+Nothing the child sends is trusted. The child runs a case's code, which may do
+anything, so its result comes back as JSON data over a third pipe, never as a
+pickle: plain values, with NaN and infinities, tuples and dicts tagged, and
+dataclasses rebuilt only from the allow-list ``RESULT_TYPES``, each field
+checked against its annotation. Before it, the child may write short notes
+(``note``) of what it is doing, which the parent reads even from a child it
+killed: a timeout says what it interrupted. The parent reads at most ``RESULT_LIMIT``
+bytes of it (a bigger result kills the child and is a failure), and every
+string in it is cut to its head and tail (``TEXT_HEAD``/``TEXT_TAIL``) before
+it reaches a report. A malformed result is a failure that names the problem.
+
+The timeout lives in the parent: a hang inside a GIL-released CUDA call cannot
+be interrupted by a Python signal handler in the child. On expiry the parent
+asks the child's ``faulthandler`` for every thread's stack (SIGUSR1), waits a
+moment for it, then kills the run's whole process tree. Its frames from
+pytest, pluggy and gpucase itself are hidden from the dump (the stack of a
+forked child still holds the pytest process's frames below the case's own).
+
+The process tree of a run is found three ways, because a child may leave its
+process group (``setpgid``) or session (``setsid``) and orphan its children:
+
+- the child's process group, and the child by pid (all a system without
+  ``/proc``, such as macOS, offers);
+- on Linux, the child is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a
+  descendant orphaned while the child lives is reparented to the child, not
+  to init, so every living descendant is found by following parent pids in
+  ``/proc`` from the child. Before the parent kills it, the whole tree is
+  stopped (SIGSTOP, round after round until no new process appears, so that
+  nothing forks away during the kill), then killed. A child that returns also
+  kills what it started, while it is still everyone's ancestor;
+- a per-run marker ``GPUCASE_RUN=<random token>`` in the child's environment,
+  found in ``/proc/PID/environ`` of this user's processes: a descendant that
+  was ``exec``'d keeps it even after its ancestors died.
+
+Only those processes are ever signalled (each through a pidfd opened before it
+is checked again, so a reused pid is never hit): the pytest process's other
+children (xdist, pytester, user fixtures) are left alone. What escapes: a
+descendant forked without ``exec``, moved out of the group, after the child
+itself died on its own (a crash), before the parent saw it.
+
+The direct child dies with the pytest process even on SIGKILL
+(``PR_SET_PDEATHSIG``, set in the forked and in the spawned child; it fires
+when the *thread* that started the child ends, which ``run_in_child`` outlives
+as it waits for the child). Its descendants are then orphaned: best effort only
+(they keep the process group and the marker for whoever cleans up).
+
+SIGTERM and SIGHUP to the pytest process while a child runs (what CI runners
+send on cancel or timeout) kill the run's tree, then end pytest through a
+``KeyboardInterrupt`` (``RunInterrupted``): pytest's own Ctrl-C path, so its
+``sessionfinish`` hooks run and the JSON report gets its last write. The
+handlers are installed only while a child runs, only from the main thread,
+only over the default action (a handler someone else installed is called
+instead, an ignored signal stays ignored), and the previous ones are restored.
+
+A memory limit (``memory_limit``) is enforced by the parent, which samples the
+resident memory (``VmRSS``) of the child's whole tree while it waits: RLIMIT_AS
+would break CUDA's large virtual mappings. Resident memory counts the pages a
+forked child still shares with the pytest process (torch's libraries and
+heap), as ``ps`` and the OOM killer do: set a limit above the parent's size.
+
+Warnings raised in the child are recorded (pytest's warning filters, inherited
+by a fork, are reset to "always"), deduplicated, bounded, and returned as data
+with the result. Under coverage.py (``--cov``), a forked child saves its data
+to a file of its own before it ends, which ``coverage combine`` and pytest-cov
+pick up.
+
+The modules, by the process they run in: ``run_in_child`` here and ``supervise`` in the
+parent; ``child`` in the child; ``wire`` (the result pipe's format) and ``clipping`` (text
+kept head and tail) on both sides of the pipe; ``proctree`` (the run's processes in
+/proc) in the parent, and in the child for what it started; ``zygote`` and ``workers`` in
+the parent and in the zygote or worker process they start; ``result`` holds the values
+the parent returns.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import gc
+import os
+import pickle
+import secrets
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pytest_gpucase.run.isolation.child import _RESULT_FD, _forked_child, note
+from pytest_gpucase.run.isolation.clipping import (
+    CAPTURE_HEAD,
+    CAPTURE_TAIL,
+    TEXT_HEAD,
+    TEXT_TAIL,
+    clip,
+)
+from pytest_gpucase.run.isolation.proctree import MARKER_ENV, thread_count
+from pytest_gpucase.run.isolation.result import (
+    ChildResult,
+    ChildWarning,
+    StartMethod,
+    gib,
+    signal_name,
+)
+from pytest_gpucase.run.isolation.supervise import (
+    MAX_PENDING,
+    RESULT_LIMIT,
+    RunInterrupted,
+    _Interruptible,
+    _Run,
+    _Supervisor,
+    reap_pending,
+)
+from pytest_gpucase.run.isolation.wire import decode, encode
+from pytest_gpucase.run.isolation.workers import WorkerPool, close_pools
+from pytest_gpucase.run.isolation.zygote import (
+    default_start_method,
+    forkserver,
+    forkserver_available,
+    stop_forkserver,
+)
+
+__all__ = [
+    "CAPTURE_HEAD",
+    "CAPTURE_TAIL",
+    "MAX_PENDING",
+    "RESULT_LIMIT",
+    "TEXT_HEAD",
+    "TEXT_TAIL",
+    "ChildResult",
+    "ChildWarning",
+    "RunInterrupted",
+    "StartMethod",
+    "WorkerPool",
+    "clip",
+    "decode",
+    "default_start_method",
+    "encode",
+    "forkserver",
+    "forkserver_available",
+    "gib",
+    "note",
+    "reap_pending",
+    "run_in_child",
+    "shutdown",
+    "signal_name",
+]
+
+
+def run_in_child(
+    func: Callable[..., Any],
+    *args: Any,
+    timeout: float,
+    env: Mapping[str, str] | None = None,
+    start_method: StartMethod = "fork",
+    memory_limit: int | None = None,
+    marks: Mapping[str, str] | None = None,
+) -> ChildResult:
+    """Call ``func(*args)`` in a fresh child process and report what happened to it.
+
+    ``timeout`` is in seconds (any non-negative number, ``inf`` included);
+    ``memory_limit`` in bytes of resident memory of the child's whole tree; ``marks``: lines
+    of output that a clipped capture names when it omits where one begins
+    (``clipping._Capture``).
+    """
+    if not timeout >= 0:  # NaN fails this too
+        raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
+    if memory_limit is not None and memory_limit <= 0:
+        raise ValueError(f"memory_limit must be a number of bytes > 0, not {memory_limit!r}")
+    token = secrets.token_hex(16)
+    child_env = {**(env or {}), MARKER_ENV: token}
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    res_r, res_w = os.pipe()
+    job_file = None
+    # Started (once) before the clock: the zygote's preloading is no part of a run's time.
+    zygote = forkserver() if start_method == "forkserver" else None
+    start = time.monotonic()
+    try:
+        reap_pending(block=False)
+        with _Interruptible() as guard:
+            if start_method == "fork":
+                # Objects that exist now are never collected by the parent's later passes,
+                # and a collection in the child cannot touch (and so copy) their pages.
+                gc.freeze()
+                threaded = thread_count() > 1
+                parent = os.getpid()
+                pid = os.fork()
+                if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
+                    _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
+                                  threaded, parent, func, args)
+            elif zygote is not None:  # forkserver: its children are supervised by pid
+                pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
+            else:
+                job_file = _write_job(func, args)
+                pid = _spawn(job_file, out_w, err_w, res_w, child_env)
+            with contextlib.suppress(OSError):  # the child does it too; the first one wins
+                os.setpgid(pid, pid)
+            for fd in (out_w, err_w, res_w):
+                os.close(fd)
+            out_w = err_w = res_w = -1
+            run = _Run(pid, token, memory_limit, zygote=zygote)
+            return _Supervisor(run, out_r, err_r, res_r, timeout, start, start_method,
+                               marks).watch(guard)
+    finally:
+        for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
+            if fd >= 0:
+                os.close(fd)
+        if job_file is not None:
+            os.unlink(job_file)
+
+
+def _write_job(func: Callable[..., Any], args: tuple[Any, ...]) -> str:
+    # The job goes from the parent to the child: pickled, as it is the parent's own data.
+    fd, path = tempfile.mkstemp(prefix="gpucase-job-", suffix=".pickle")
+    with os.fdopen(fd, "wb") as handle:
+        pickle.dump(list(sys.path), handle)
+        pickle.dump((func, args), handle)
+    return path
+
+
+def _spawn(job_file: str, out_w: int, err_w: int, res_w: int, env: Mapping[str, str]) -> int:
+    child_env = dict(os.environ)
+    child_env.update(env)
+    actions = [
+        (os.POSIX_SPAWN_DUP2, out_w, 1),
+        (os.POSIX_SPAWN_DUP2, err_w, 2),
+        (os.POSIX_SPAWN_DUP2, res_w, _RESULT_FD),
+    ]
+    entry = "from pytest_gpucase.run.isolation.child import spawned_main; spawned_main()"
+    argv = [sys.executable, "-c", entry, job_file, str(os.getpid())]
+    return os.posix_spawn(sys.executable, argv, child_env, file_actions=actions, setpgroup=0)
+
+
+def shutdown() -> None:
+    """End of the session: end the workers, reap every child still pending, end the zygote."""
+    close_pools()
+    reap_pending()
+    stop_forkserver()
+
+
+atexit.register(shutdown)

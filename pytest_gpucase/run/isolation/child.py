@@ -1,0 +1,243 @@
+"""The child's side of a run: what a forked, spawned or zygote-forked child does.
+
+Runs in the child only: it contains itself (dies with the parent, keeps its orphans as a
+subreaper), points fds 1 and 2 at the parent's pipes, calls the function while recording
+its warnings and the phase notes (``note``), ends what it started, saves its coverage data,
+and writes its result on the result pipe (``wire``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import json
+import os
+import pickle
+import signal
+import sys
+import traceback
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pytest_gpucase.run.isolation.clipping import clip
+from pytest_gpucase.run.isolation.proctree import _children, _kill_tree
+from pytest_gpucase.run.isolation.wire import _FORMAT, _NOTE, MAX_WARNINGS, NOTE_LIMIT, encode
+
+__all__ = ["WARNING_TEXT", "note", "spawned_main"]
+
+WARNING_TEXT = 2000  # characters of one warning's message
+_RESULT_FD = 3  # where a spawned child writes its result
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _prctl(option: int, value: int) -> bool:  # pragma: no cover - child side
+    """Linux's prctl(2), or False where there is none."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return int(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0)) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _contain_self(parent: int) -> None:  # pragma: no cover - child side
+    """Die with the parent, and keep orphaned descendants as this process's own."""
+    _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != parent:  # the parent died before the line above: nobody waits
+        os._exit(70)
+    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+
+
+def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
+                  env: Mapping[str, str], threaded: bool, parent: int,
+                  func: Callable[..., Any], args: tuple[Any, ...]) -> None:  # pragma: no cover
+    try:
+        _contain_self(parent)
+        torch = sys.modules.get("torch")
+        if threaded and torch is not None:
+            # The parent may have run parallel CPU work: OpenMP's worker threads do
+            # not survive a fork, and a child's parallel region would wait for them
+            # forever. One intra-op thread never enters one (DataLoader workers do this).
+            torch.set_num_threads(1)
+        # A run is short: a collection pass would only touch (and so copy) pages
+        # shared with the parent.
+        gc.disable()
+        os.setpgid(0, 0)
+        for fd in parent_ends:
+            os.close(fd)
+        _flush_std_streams()
+        os.dup2(out_w, 1)
+        os.dup2(err_w, 2)
+        os.close(out_w)
+        os.close(err_w)
+        # pytest's capture may have replaced sys.stdout/err: write to the real fds again.
+        # Left open on purpose: they live as long as the child.
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+        sys.stderr = open(2, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+        os.environ.update(env)
+    except BaseException:
+        os._exit(70)
+    _child_main(res_w, func, args)
+
+
+def _flush_std_streams() -> None:  # pragma: no cover - child side
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or replaced stream: nothing to flush
+            stream.flush()
+
+
+class _WarningLog:
+    """The warnings of one call, each distinct one once with its count, at most MAX_WARNINGS."""
+
+    def __init__(self) -> None:
+        self.seen: dict[tuple[str, str, str, int], int] = {}
+        self.dropped = 0
+
+    def add(self, message: Warning | str, category: type[Warning], filename: str, lineno: int,
+            file: Any = None, line: str | None = None) -> None:
+        name = category.__qualname__
+        if category.__module__ != "builtins":
+            name = f"{category.__module__}.{name}"
+        key = (name, str(message)[:WARNING_TEXT], str(filename), int(lineno))
+        if key in self.seen:
+            self.seen[key] += 1
+        elif len(self.seen) < MAX_WARNINGS:
+            self.seen[key] = 1
+        else:
+            self.dropped += 1
+
+    def data(self) -> dict[str, Any]:
+        return {"items": [{"category": c, "message": m, "filename": f, "lineno": n, "count": k}
+                          for (c, m, f, n), k in self.seen.items()],
+                "dropped": self.dropped}
+
+
+# The child's end of its result pipe while a call runs, for ``note``; None elsewhere.
+_NOTE_FD: int | None = None
+
+
+def note(phase: str) -> None:
+    """Tell the parent what this child is doing now (``ChildResult.phase``): what a timeout
+    interrupted, beyond the stacks of the dump. Nothing outside a child run.
+
+    A line on the result pipe before the result, read by the parent also after a kill; a
+    write of a few bytes, cheap enough for every phase of every run.
+    """
+    if _NOTE_FD is None:
+        return
+    line = _NOTE + phase.replace("\n", " ").encode(errors="replace")[:NOTE_LIMIT] + b"\n"
+    with contextlib.suppress(OSError):  # the parent is gone: nobody to tell
+        _write_all(_NOTE_FD, line)
+
+
+def _child_main(res_w: int, func: Callable[..., Any],
+                args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    code = 0
+    payload = _envelope_noting(res_w, func, args)
+    _flush_std_streams()
+    _save_coverage()
+    try:
+        _write_all(res_w, payload)
+    except BaseException:
+        code = 71
+    # Every pipe closed: the parent has all it needs now and need not wait for the exit
+    # (tearing down a forked torch image takes milliseconds).
+    for fd in (1, 2, res_w):
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    os._exit(code)
+
+
+def _envelope_noting(res_w: int, func: Callable[..., Any], args: tuple[Any, ...],
+                     extra: Callable[[], dict[str, Any]] | None = None
+                     ) -> bytes:  # pragma: no cover - child side
+    """``_envelope``, with ``note`` writing to ``res_w`` (the call's result pipe) meanwhile."""
+    global _NOTE_FD
+    _NOTE_FD = res_w
+    payload = _envelope(func, args, extra)
+    _NOTE_FD = None
+    return payload
+
+
+def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
+              extra: Callable[[], dict[str, Any]] | None = None) -> bytes:  # pragma: no cover
+    """Call ``func(*args)`` and return what the parent reads: the value or the error, the
+    warnings, whether the child is alone, and the ``extra`` fields, as JSON."""
+    log = _WarningLog()
+    try:
+        with warnings.catch_warnings():
+            # The filters inherited from pytest (-W error, filterwarnings) would turn the
+            # replayed call's warnings into exceptions or hide them: record them all.
+            warnings.simplefilter("always")
+            warnings.showwarning = log.add
+            value = func(*args)
+        envelope: dict[str, Any] = {"kind": "value", "value": encode(value)}
+    except BaseException:
+        envelope = {"kind": "error", "error": clip(traceback.format_exc())}
+    # Before the result: the parent trusts "alone" only as a hint to skip its own search.
+    alone = _end_descendants()
+    envelope.update(format=_FORMAT, warnings=log.data(), alone=alone)
+    if extra is not None:
+        envelope.update(extra())
+    try:
+        return json.dumps(envelope, allow_nan=False).encode()
+    except BaseException:
+        return json.dumps({"format": _FORMAT, "kind": "error",
+                           "error": clip(traceback.format_exc())}).encode()
+
+
+def _end_descendants() -> bool:  # pragma: no cover - child side
+    """Kill what this child started, while it is still their ancestor (a subreaper).
+
+    True when it had started nothing that still lives: a subreaper with no child has no
+    living descendant, so the whole-system search is skipped (the common case).
+    """
+    if _children(os.getpid()) == []:
+        return True
+    with contextlib.suppress(Exception):
+        _kill_tree(os.getpid(), None, include_root=False)
+    return False
+
+
+def _save_coverage() -> None:  # pragma: no cover - child side, and only under coverage
+    """Save coverage.py's data of this child (``os._exit`` skips its atexit hook)."""
+    coverage = sys.modules.get("coverage")
+    current = getattr(getattr(coverage, "Coverage", None), "current", None)
+    cov = current() if current is not None else None
+    if cov is None:
+        return
+    with contextlib.suppress(Exception):
+        data = getattr(cov, "_data", None)
+        if data is not None and not getattr(data, "_suffix", True):
+            # Not a parallel run: a suffix of our own, never the parent's file. A forked
+            # CoverageData starts a new file on its own (pytest-cov asks for suffixes).
+            data._suffix = True
+        cov.stop()
+        cov.save()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        written = os.write(fd, view)
+        view = view[written:]
+
+
+def spawned_main() -> None:  # pragma: no cover - runs in a spawned child
+    """Entry point of a spawned child: load the job, run it, send the result on fd 3."""
+    _contain_self(int(sys.argv[2]))
+    with open(sys.argv[1], "rb") as handle:
+        sys.path[:] = pickle.load(handle)
+        func, args = pickle.load(handle)
+    _child_main(_RESULT_FD, func, args)

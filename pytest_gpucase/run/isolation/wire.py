@@ -1,0 +1,203 @@
+"""The wire format: what a child sends its parent on the result pipe, and how it is read.
+
+Phase notes first (``note`` writes them in the child), then one JSON envelope: the value as
+data (``encode``, in the child) or the error, and the warnings. The parent reads it
+(``_read_result``, ``decode``) trusting nothing: only known tags, and dataclasses of
+``RESULT_TYPES`` rebuilt field by field, each checked against its annotation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import math
+import types
+import typing
+from collections.abc import Mapping
+from typing import Any, Literal
+
+from pytest_gpucase.run.isolation.clipping import clip
+from pytest_gpucase.run.isolation.result import ChildWarning
+
+__all__ = ["MAX_WARNINGS", "NOTE_LIMIT", "RESULT_TYPES", "BadResult", "decode", "encode"]
+
+# Classes a child may return, rebuilt field by field; nothing else is ever constructed.
+RESULT_TYPES = frozenset({
+    "pytest_gpucase.run.child.Outcome",
+    "pytest_gpucase.plan.environment.Environment",
+    "pytest_gpucase.plan.environment.Device",
+})
+MAX_WARNINGS = 20  # distinct warnings returned by a child; the rest are counted
+_FORMAT = 1
+_NOTE = b"\x1e"  # begins a note line on the result pipe; the JSON envelope holds no newline
+NOTE_LIMIT = 1000  # bytes of one note: below PIPE_BUF, so that a note is written whole
+
+
+def _split_notes(raw: bytes) -> tuple[str | None, bytes]:
+    """(the last note, the result envelope) of what a child wrote to its result pipe."""
+    notes, newline, envelope = raw.rpartition(b"\n")
+    if not newline:
+        return None, raw
+    last = notes.rpartition(b"\n")[2]
+    phase = last[len(_NOTE):].decode(errors="replace") if last.startswith(_NOTE) else None
+    return (clip(phase, 200, 300) if phase else None), envelope
+
+
+def encode(value: Any) -> Any:
+    """``value`` as JSON data: NaN, infinities, tuples, dicts and allowed dataclasses tagged."""
+    if value is None or isinstance(value, (bool, str)):
+        return clip(value) if isinstance(value, str) else value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else {"$": "float", "value": repr(value)}
+    if isinstance(value, list):
+        return [encode(item) for item in value]
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return {"$": "tuple", "items": [encode(item) for item in value]}
+    if isinstance(value, Mapping):
+        return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
+    kind = type(value)
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if dataclasses.is_dataclass(value) and name in RESULT_TYPES:
+        return {"$": "dataclass", "type": name,
+                "fields": {f.name: encode(getattr(value, f.name))
+                           for f in dataclasses.fields(value)}}
+    raise TypeError(f"a {name} cannot be returned from a child: return plain data (None, bool, "
+                    "int, float, str, list, tuple, dict) or one of " + ", ".join(
+                        sorted(RESULT_TYPES)))
+
+
+class BadResult(ValueError):
+    """A child's result that is not what ``encode`` writes."""
+
+
+def decode(data: Any, depth: int = 0) -> Any:
+    """The value ``encode`` wrote, checked: only known tags, allowed and well-typed dataclasses."""
+    if depth > 100:
+        raise BadResult("nested more than 100 levels deep")
+    if data is None or isinstance(data, (bool, int, float)):
+        return data
+    if isinstance(data, str):
+        return clip(data)
+    if isinstance(data, list):
+        return [decode(item, depth + 1) for item in data]
+    if not isinstance(data, dict):
+        raise BadResult(f"unexpected {type(data).__name__}")
+    tag = data.get("$")
+    if tag == "float" and data.get("value") in ("nan", "inf", "-inf"):
+        return float(data["value"])
+    if tag in ("tuple", "dict") and isinstance(data.get("items"), list):
+        items = [decode(item, depth + 1) for item in data["items"]]
+        if tag == "tuple":
+            return tuple(items)
+        if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+            raise BadResult("a dict's items are not [key, value] pairs")
+        try:
+            return {key: value for key, value in items}  # the keys must hash
+        except TypeError:
+            raise BadResult("a dict has an unhashable key") from None
+    if tag == "dataclass" and isinstance(data.get("fields"), dict):
+        return _rebuild(data.get("type"), data["fields"], depth)
+    raise BadResult(f"unknown type tag {tag!r}" if tag is not None else "an untagged object")
+
+
+def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
+    if name not in RESULT_TYPES:
+        raise BadResult(f"type {name!r} is not one a child may return")
+    module, _, qualname = str(name).rpartition(".")
+    cls = getattr(importlib.import_module(module), qualname)
+    hints = typing.get_type_hints(cls)
+    wanted = {f.name for f in dataclasses.fields(cls) if f.init}
+    if set(fields) != wanted:
+        raise BadResult(f"{qualname} fields {sorted(fields)} are not {sorted(wanted)}")
+    values = {key: decode(value, depth + 1) for key, value in fields.items()}
+    for key, value in values.items():
+        if not _conforms(value, hints[key]):
+            raise BadResult(f"{qualname}.{key} is a {type(value).__name__}, not "
+                            f"{getattr(hints[key], '__name__', hints[key])}")
+    return cls(**values)
+
+
+def _conforms(value: Any, hint: Any) -> bool:
+    """Whether a decoded value fits an annotation (the shapes the allowed dataclasses use)."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin in (typing.Union, types.UnionType):
+        return any(_conforms(value, arg) for arg in args)
+    if origin is Literal:
+        return value in args
+    if origin is tuple:
+        if not isinstance(value, tuple):
+            return False
+        if len(args) == 2 and args[1] is Ellipsis:
+            return all(_conforms(item, args[0]) for item in value)
+        return len(args) == len(value) and all(map(_conforms, value, args))
+    if origin in (dict, Mapping):
+        return isinstance(value, dict) and all(
+            _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    if isinstance(hint, type):
+        return isinstance(value, hint)
+    return False
+
+
+def _read_result(raw: bytes) -> tuple[Any, bool, str | None, tuple[ChildWarning, ...], int]:
+    """(value, returned, child_error, warnings, warnings dropped) of the child's envelope."""
+    try:
+        envelope = json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        raise BadResult(f"not JSON ({str(exc)[:200]})") from None
+    if not isinstance(envelope, dict) or envelope.get("format") != _FORMAT:
+        raise BadResult("not a result envelope of this version")
+    found, dropped = _read_warnings(envelope.get("warnings"))
+    if envelope.get("kind") == "value" and "value" in envelope:
+        return decode(envelope["value"]), True, None, found, dropped
+    if envelope.get("kind") == "error" and isinstance(envelope.get("error"), str):
+        return None, False, clip(envelope["error"]), found, dropped
+    raise BadResult("neither a value nor an error")
+
+
+def _read_warnings(data: Any) -> tuple[tuple[ChildWarning, ...], int]:
+    if data is None:
+        return (), 0
+    if not isinstance(data, dict) or not isinstance(data.get("items"), list):
+        raise BadResult("no list of warnings")
+    found = []
+    for item in data["items"][:MAX_WARNINGS]:
+        try:
+            warning = ChildWarning(**item)
+        except TypeError:
+            raise BadResult(f"a malformed warning {str(item)[:200]}") from None
+        if not (isinstance(warning.category, str) and isinstance(warning.message, str)
+                and isinstance(warning.filename, str) and type(warning.lineno) is int
+                and type(warning.count) is int):
+            raise BadResult(f"a malformed warning {str(item)[:200]}")
+        found.append(dataclasses.replace(
+            warning, category=warning.category[:200], message=clip(warning.message, 512, 1488),
+            filename=warning.filename[-500:]))
+    dropped = data.get("dropped", 0)
+    extra = len(data["items"]) - len(found)
+    return tuple(found), (dropped if type(dropped) is int else 0) + extra
+
+
+def _flags(raw: bytearray) -> dict[str, Any]:
+    """The flags of a complete result: ``alone`` (the child left no living descendant, see
+    ``child._end_descendants``) and ``retire`` (a worker that ends after it); {} when unreadable,
+    and then the parent searches and kills as usual."""
+    if not raw.endswith(b"}"):
+        return {}
+    try:
+        envelope = json.loads(_split_notes(bytes(raw))[1])
+    except (ValueError, RecursionError):
+        return {}
+    if not isinstance(envelope, dict):
+        return {}
+    return {key: envelope.get(key) for key in ("alone", "retire")}

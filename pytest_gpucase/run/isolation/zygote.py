@@ -1,0 +1,261 @@
+"""The zygote (the forkserver start method): a warm process that forks each run's child.
+
+Two processes run this module. The parent (the pytest process) starts the zygote once per
+session, before CUDA is initialized if it can, and asks it over a socket to fork a child
+or to reap one (``_Zygote``). The zygote itself imports ``PRELOAD``, never touches the
+device, and serves the parent until the socket closes (``_zygote_loop``); each child it
+forks goes on as a forked child does (``child``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import os
+import pickle
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from pytest_gpucase.run.isolation.child import (
+    _PR_SET_PDEATHSIG,
+    _flush_std_streams,
+    _forked_child,
+    _prctl,
+)
+from pytest_gpucase.run.isolation.proctree import REAP_GRACE
+from pytest_gpucase.run.isolation.result import StartMethod
+
+__all__ = [
+    "PRELOAD",
+    "default_start_method",
+    "forkserver",
+    "forkserver_available",
+    "stop_forkserver",
+    "zygote_main",
+]
+
+_ZYGOTE: _Zygote | None = None
+_ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
+# Imported before the zygote starts, so that every child it forks has them already.
+PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.run.child",
+           "pytest_gpucase.verdict.compare")
+
+
+# --- in the parent ---------------------------------------------------------------------------
+
+def default_start_method() -> StartMethod:
+    """``fork`` unless this process already initialized CUDA (then a fork would inherit it):
+    then ``forkserver`` (a zygote started before CUDA was), or ``spawn`` where there is none."""
+    if not _cuda_initialized():
+        return "fork"
+    return "forkserver" if forkserver_available() else "spawn"
+
+
+def _cuda_initialized() -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())
+
+
+def forkserver_available() -> bool:
+    """Whether this system can serve runs from a zygote (Linux: pidfds, fd passing, /proc)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
+            and hasattr(socket, "send_fds"))
+
+
+def forkserver() -> _Zygote:
+    """The session's zygote, started now if it is not running yet.
+
+    Started as a fork of this process when CUDA is not initialized here (the plugin
+    does it at ``pytest_configure``, before anything can initialize it), else as a
+    fresh interpreter, once: either way it imports ``PRELOAD`` and never touches the
+    device, so each child it forks starts from a clean, warm image.
+    """
+    global _ZYGOTE
+    if _ZYGOTE is not None and _ZYGOTE.alive():
+        return _ZYGOTE
+    if not forkserver_available():
+        raise RuntimeError("the forkserver start method needs Linux (pidfd_open, fd passing); "
+                           "use --gpu-start-method=spawn")
+    mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    parent = os.getpid()
+    try:
+        if _cuda_initialized():
+            actions = [(os.POSIX_SPAWN_DUP2, theirs.fileno(), _ZYGOTE_FD),
+                       (os.POSIX_SPAWN_OPEN, 0, os.devnull, os.O_RDONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 1, os.devnull, os.O_WRONLY, 0),
+                       (os.POSIX_SPAWN_OPEN, 2, os.devnull, os.O_WRONLY, 0)]
+            entry = "from pytest_gpucase.run.isolation.zygote import zygote_main; zygote_main()"
+            pid = os.posix_spawn(sys.executable, [sys.executable, "-c", entry, str(parent)],
+                                 {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+                                 file_actions=actions)
+        else:
+            for name in PRELOAD:
+                importlib.import_module(name)
+            _flush_std_streams()
+            pid = os.fork()
+            if pid == 0:  # pragma: no cover - the zygote
+                try:
+                    mine.close()
+                    null = os.open(os.devnull, os.O_RDWR)
+                    for fd in (0, 1, 2):
+                        os.dup2(null, fd)
+                    keep = theirs.fileno()
+                    os.closerange(3, keep)
+                    os.closerange(keep + 1, 1 << 16)
+                except BaseException:
+                    os._exit(70)
+                _zygote_loop(theirs, parent)
+    finally:
+        theirs.close()
+    _ZYGOTE = _Zygote(pid, mine)
+    return _ZYGOTE
+
+
+def stop_forkserver() -> None:
+    """End the session's zygote, if one runs (a later ``forkserver`` starts a new one)."""
+    global _ZYGOTE
+    if _ZYGOTE is not None:
+        zygote, _ZYGOTE = _ZYGOTE, None
+        zygote.stop()
+
+
+class _Zygote:
+    """This process's end of the zygote: ask it to fork a run's child, or to reap one.
+
+    The zygote reaps a child only when asked, so that the child's pid stays its own
+    while this process checks and kills its tree, as with a child of its own.
+    """
+
+    def __init__(self, pid: int, sock: socket.socket) -> None:
+        self.pid, self.sock = pid, sock
+
+    def alive(self) -> bool:
+        try:
+            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
+        except ChildProcessError:
+            return False
+
+    def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> int:
+        data = pickle.dumps(message)  # the parent's own data, to a process of its own
+        blob = len(data).to_bytes(8, "little") + data
+        sent = socket.send_fds(self.sock, [blob], list(fds))
+        self.sock.sendall(blob[sent:])
+        reply = _receive_exactly(self.sock, 8)
+        if len(reply) < 8:
+            raise RuntimeError(f"the gpucase zygote (pid {self.pid}) ended; each run's child "
+                               "is forked by it. Use --gpu-start-method=spawn if it keeps ending")
+        return int.from_bytes(reply, "little", signed=True)
+
+    def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
+              env: Mapping[str, str], fd_argument: bool = False) -> int:
+        """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result);
+        with ``fd_argument``, ``func(*args, result_fd)``."""
+        return self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
+                          "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env),
+                          "fd_argument": fd_argument}, fds)
+
+    def reap(self, pid: int) -> int:
+        status = self._ask({"op": "reap", "pid": pid})
+        if status < 0:
+            raise ChildProcessError(f"pid {pid} is not a child of the zygote")
+        return status
+
+    def stop(self) -> None:
+        """Close the zygote's socket (it exits on that) and reap it."""
+        self.sock.close()
+        end = time.monotonic() + REAP_GRACE
+        while time.monotonic() < end:
+            with contextlib.suppress(ChildProcessError):
+                if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    time.sleep(0.005)
+                    continue
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+
+
+def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
+    data = bytearray(start)
+    while len(data) < size:
+        chunk = sock.recv(size - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return bytes(data)
+
+
+# --- in the zygote ---------------------------------------------------------------------------
+
+def zygote_main() -> None:  # pragma: no cover - runs in a spawned zygote
+    """Entry point of a zygote started as a fresh interpreter (CUDA was initialized)."""
+    for name in PRELOAD:
+        importlib.import_module(name)
+    _zygote_loop(socket.socket(fileno=_ZYGOTE_FD), int(sys.argv[1]))
+
+
+def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover - the zygote
+    """Serve the parent until it closes the socket: fork children, reap them when asked."""
+    try:
+        _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() != parent:
+            os._exit(0)
+        os.setpgid(0, 0)  # Ctrl-C goes to pytest's group, not here; pytest ends us
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        gc.collect()
+        gc.freeze()
+        me = os.getpid()
+        while True:
+            data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            if len(data) < 8:
+                os._exit(0)
+            size = int.from_bytes(data[:8], "little")
+            message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
+            if message["op"] == "run":
+                pid = os.fork()
+                if pid == 0:
+                    _zygote_child(sock, message, fds, me)
+                with contextlib.suppress(OSError):
+                    os.setpgid(pid, pid)
+                for fd in fds:
+                    os.close(fd)
+                reply = pid
+            else:
+                try:
+                    reply = os.waitpid(message["pid"], 0)[1]
+                except ChildProcessError:
+                    reply = -1
+            sock.sendall(reply.to_bytes(8, "little", signed=True))
+    except BaseException:
+        os._exit(0)
+
+
+def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
+                  zygote: int) -> None:  # pragma: no cover - a child of the zygote
+    try:
+        sock.close()
+        os.environ.clear()
+        os.environ.update(message["environ"])
+        sys.path[:] = message["path"]
+        with contextlib.suppress(OSError):
+            os.chdir(message["cwd"])
+        out_w, err_w, res_w = fds
+    except BaseException:
+        os._exit(70)
+    job = message["job"]
+
+    def call() -> Any:
+        func, args = pickle.loads(job)
+        if message.get("fd_argument"):  # a worker: its socket came as the result fd
+            return func(*args, res_w)
+        return func(*args)
+
+    _forked_child(out_w, err_w, res_w, (), message["env"], False, zygote, call, ())
+
+
