@@ -1,4 +1,4 @@
-"""Files and case directories written atomically, and the walk over nested tensors: once each.
+"""Files written atomically, and the temporaries of dead writers removed: once, here.
 
 A reader (a collecting pytest, a restart, a CI uploader) must never see half a
 file, and a killed writer must not leave its half where it is read:
@@ -12,13 +12,9 @@ file, and a killed writer must not leave its half where it is read:
   collection skip them); every write first removes those beside its target
   whose writer is gone: written on this host by a pid that no longer runs, or
   untouched for a day (a writer on another host, whose pid means nothing here).
-* ``write_case_dir`` writes a whole case directory (``case.toml`` through
-  tomli-w, the payload, ``case.py`` and other files) into a hidden temporary
-  directory beside the target, then renames it into place; an existing case
-  is never overwritten.
 
-``named_tensors`` is the one walk over nested outputs (dicts, lists, tuples of
-tensors) that names each tensor by its path.
+A whole case directory is written the same way by ``case.write``; the walk over nested
+tensors is ``base.tensors.named_tensors``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
-"""The plugin's state for one pytest session, and the writer of its JSON report.
+"""The plugin's state for one pytest session.
 
 ``GpuCaseSession`` (in ``config.stash[session_key]``) holds the resolved settings,
 the environment probed once, the notes for the terminal summary, and the JSON
-records of finished items; ``ReportWriter``, registered on the process that writes
-the report (the controller under xdist), keeps it current and writes it on every
-way out.
+records of finished items, which ``plugin.report_writer`` writes.
 """
 
 from __future__ import annotations

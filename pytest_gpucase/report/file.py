@@ -1,8 +1,8 @@
-"""JSON results of a run, the compatibility matrix across runs, and GitHub step summaries.
+"""The JSON report of a run: its schema facts, writing it, and reading one back checked.
 
 The JSON report (schema in docs/report-schema.md) is the one file a run leaves
-behind; ``gpucase matrix`` reads several of them, one per runner, and shows
-which cases pass where. Everything here is pure data in, text out: no torch,
+behind; ``gpucase matrix`` reads several of them, one per runner (``report.matrix``),
+and shows which cases pass where. Everything here is pure data in, text out: no torch,
 no pytest, so the command stays fast and the functions are tested directly.
 """
 
