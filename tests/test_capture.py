@@ -22,7 +22,8 @@ import torch.nn.functional as F
 
 from pytest_gpucase.tools import record as capture
 from pytest_gpucase.case import payload
-from pytest_gpucase.tools.record import REPLAY_ENV, Recorder
+from pytest_gpucase.case.keys import REPLAY_ENV
+from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.tools.validate import validate
 
