@@ -324,7 +324,7 @@ class Recorder:
         watched = _watched(fn, name, call, ids)
         if watched.call is None and call is None:
             # Said now, not after hours of training: the case could not be replayed as is.
-            self._say(f"gpucase: warning: {watched.why_not}")
+            say(f"gpucase: warning: {watched.why_not}")
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -443,17 +443,17 @@ class Recorder:
             if first and save is not None:
                 save(exc)
         except Exception as internal:  # never raise over the user's exception
-            self._say(f"gpucase: could not record the failure ({type(internal).__name__}: "
-                      f"{internal}); the original error follows")
+            say(f"gpucase: could not record the failure ({type(internal).__name__}: "
+                f"{internal}); the original error follows")
 
     def _write_later_errors(self, exc: BaseException) -> None:
         if self._case_dir is None:
             return  # still being written, or not written: the count is written with it
         if "later" not in self._notes_given:
             self._notes_given.add("later")
-            self._say(f"gpucase: another error after the first failure, counted in "
-                      f"{_shown(self._case_dir)} [origin] later_errors (likely a consequence): "
-                      f"{_error_line(exc)}")
+            say(f"gpucase: another error after the first failure, counted in "
+                f"{_shown(self._case_dir)} [origin] later_errors (likely a consequence): "
+                f"{_error_line(exc)}")
         _set_later_errors(self._case_dir, self._later)
 
     def _context(self) -> _Context:
@@ -463,74 +463,11 @@ class Recorder:
                             self._last_step, self._ids)
 
     def _snapshot_before(self, watched: _Watched, args: Any, kwargs: Any) -> _Before:
-        """Host copies of the tensor arguments while they fit ``snapshot_limit`` (device ones
-        first: a sticky error would lose them), and every one's version counter.
-
-        A host tensor is copied too: the call may change it in place before it raises,
-        and the case must hold what was passed. The version counters cost a read each,
-        and tell, after a failure, which tensors without a copy the call changed.
-        """
-        tensors = list({id(t): t for t in _tensors_of(args, kwargs)}.values())
-        if not tensors:
-            return _Before()
-        versions = tensor_versions(tensors)
-        try:
-            device = [t for t in tensors if t.device.type != "cpu"]
-            self._remember_device_names(device)
-            if self.snapshot != "before":
-                return _Before(versions=versions, why_not=(
-                    'snapshot="after"; Recorder(snapshot="before") copies them before each call, '
-                    "as passed"))
-            stored = [t for t in tensors if _storable(t)]
-            total = sum(nbytes(t) for t in stored)
-            taken = stored
-            why_not = ""
-            if total > self.snapshot_limit:
-                on_device = [t for t in stored if t.device.type != "cpu"]
-                device_total = sum(nbytes(t) for t in on_device)
-                taken = on_device if on_device and device_total <= self.snapshot_limit else []
-                what = ("only the device ones are copied before each call" if taken else
-                        "they are not copied before the call: device ones are copied after "
-                        "a failure, if the device still answers")
-                limit = _mib(self.snapshot_limit)
-                why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
-                           f"of {_mib(total)} or more copies them before each call, "
-                           "as passed")
-                self._note_once(f"limit:{watched.name}", (
-                    f"gpucase: note: the inputs of {watched.name} hold {_mib(total)}, "
-                    f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
-                    "they are after a failure (Recorder(snapshot_limit=...) to change)"))
-            copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
-            host = sum(nbytes(t) for t in taken if t.device.type == "cpu")
-            if host >= _HOST_COPY_NOTE:
-                # Paid by every step of a loop that never fails: said once, with the way out.
-                self._note_once(f"host-copy:{watched.name}", (
-                    f"gpucase: note: {_mib(host)} of host inputs of {watched.name} are "
-                    "copied before each call, so that a failure saves them as passed; "
-                    "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
-                    "skips the copy"))
-            return _Before(copies, versions, why_not)
-        except Exception:
-            # The device did not answer before the call; the call itself will tell.
-            return _Before(versions=versions, why_not="the copy before the call failed")
-
-    def _remember_device_names(self, tensors: list[torch.Tensor]) -> None:
-        """Ask each device its name while it answers, so a sticky error cannot hide it."""
-        import torch
-
-        for tensor in tensors:
-            device = str(tensor.device)
-            if device in self._device_names:
-                continue
-            name = device
-            try:
-                if tensor.device.type == "cuda":
-                    name = torch.cuda.get_device_name(tensor.device)
-                elif tensor.device.type == "xpu":
-                    name = torch.xpu.get_device_name(tensor.device)
-            except Exception:
-                pass
-            self._device_names[device] = name
+        """The call's tensor arguments as they are before it runs: ``snapshot_before`` under
+        this Recorder's snapshot settings."""
+        return snapshot_before(watched, args, kwargs, snapshot=self.snapshot,
+                               snapshot_limit=self.snapshot_limit,
+                               device_names=self._device_names, note=self._note_once)
 
     def _save_first(self, exc: BaseException, watched: _Watched | None, args: Any, kwargs: Any,
                     before: _Before, rng: Mapping[str, torch.Tensor] | None = None,
@@ -559,7 +496,7 @@ class Recorder:
                     literals={**inputs.literals, **extra_literals})
         else:
             inputs, ids = _Inputs(), context.ids
-        draft = self._draft(exc, watched, inputs, context, ids, stderr_text)
+        draft = case_draft(exc, watched, inputs, context, ids, stderr_text, self._device_names)
         draft = dataclasses.replace(draft, context=numeric)
         case_dir, new = _write_case(self.root, draft)
         with self._lock:
@@ -567,23 +504,23 @@ class Recorder:
             if self._later:
                 _set_later_errors(case_dir, self._later)
         if new:  # else _count_seen said which case holds it, and that no copy was written
-            self._say(f"gpucase: saved {_shown(case_dir)} "
-                      f"({_sized(case_dir)}first failure{_where(context)})")
+            say(f"gpucase: saved {_shown(case_dir)} "
+                f"({_sized(case_dir)}first failure{_where(context)})")
         if inputs.changed:
-            self._say(f"gpucase: note: the failing call of {draft.name} changed "
-                      f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
-                      f"not as passed (not copied before the call: {before.why_not})")
+            say(f"gpucase: note: the failing call of {draft.name} changed "
+                f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
+                f"not as passed (not copied before the call: {before.why_not})")
         if inputs.shared:
-            self._say(f"gpucase: note: arguments of {draft.name} share memory "
-                      f"({'; '.join(inputs.shared)}); the case holds each on its own, so a "
-                      "failure that needs a write through one to show in another may not "
-                      "replay (pass them apart, or rebuild the view in case.py)")
+            say(f"gpucase: note: arguments of {draft.name} share memory "
+                f"({'; '.join(inputs.shared)}); the case holds each on its own, so a "
+                "failure that needs a write through one to show in another may not "
+                "replay (pass them apart, or rebuild the view in case.py)")
         if found is not None:
-            self._say(found.render())
+            say(found.render())
         if draft.xfail is None:
             reasons = "".join(f"\n  - {reason}" for reason in draft.origin.get("incomplete", ()))
-            self._say("gpucase: warning: the case is incomplete, so it has no xfail line and its "
-                      f"replay fails until it is completed:{reasons}")
+            say("gpucase: warning: the case is incomplete, so it has no xfail line and its "
+                f"replay fails until it is completed:{reasons}")
         return case_dir
 
     def _watch_module(self, module: torch.nn.Module, name: str | None, factory: str | None,
@@ -591,7 +528,7 @@ class Recorder:
         rebuild = _rebuild(module, factory, kwargs)
         if rebuild.factory is None:
             # Said now, not after hours of training: the case could not be replayed as is.
-            self._say(f"gpucase: warning: {rebuild.why_not}")
+            say(f"gpucase: warning: {rebuild.why_not}")
         case = _case_name(name or type(module).__name__)
         self._modules.append(_ModuleWatch(self, module, case, rebuild, ids))
 
@@ -618,207 +555,24 @@ class Recorder:
             return  # nothing narrower than a module that cannot be rebuilt
         written = len(self._narrowed_new)
         with contextlib.suppress(Exception):
-            self._narrow(exc, watch, inner[1], inner[2], inner[3], inner[4], inner[5], case_dir)
+            write_narrowed(exc, case_dir, module, inner[1:], watch.rng, root=self.root,
+                           stderr_file=self.stderr_file, context=self._context(),
+                           device_names=self._device_names, kept=self.narrowed,
+                           written=self._narrowed_new)
         with contextlib.suppress(Exception):
-            self._note_narrowed_size(case_dir, self._narrowed_new[written:])
-
-    def _narrow(self, exc: BaseException, watch: _ModuleWatch, qualname: str,
-                sub: torch.nn.Module, args: Any, kwargs: Any, versions: Mapping[int, int],
-                case_dir: Path) -> None:
-        """Write the innermost failing submodule's case and its failing op's case beside
-        ``case_dir``, each kept only if it reproduces the failure class in a fresh child.
-
-        The submodule's inputs are the tensors it was called with, as they are now: when
-        its forward changed one in place (its version counter moved since the call), they
-        are not what was passed, so no submodule case is written and the op is searched
-        for in a replay of the whole module's case, whose inputs were copied before."""
-        import torch
-
-        from pytest_gpucase.verdict.triage import failure_class
-
-        failure = failure_class(type(exc).__name__, str(exc), _read_tail(self.stderr_file)
-                                if self.stderr_file is not None else "")
-        start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
-        base = case_dir.name
-        module_dir = case_dir
-        if sub is not watch.module:
-            rebuild = _rebuild(sub, None, None)
-            if rebuild.factory is None:
-                self._say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
-                return
-            inner = _watched(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
-            recipe = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
-                      "training": bool(sub.training), "backward": False}
-            found = _triage(exc, "")
-            inputs = _collect(inner, args, kwargs, _Before(versions=versions), found, exc)
-            if inputs.changed:
-                self._say(f"gpucase: note: {qualname} not narrowed: its forward changed "
-                          f"{', '.join(inputs.changed)} in place before it raised, so its "
-                          f"inputs as passed are gone ({_shown(case_dir)} holds the "
-                          "module's inputs as passed)")
-                self._narrow_op(exc, case_dir, base, failure, start)
-                return
-            numeric, rng_tensors = _numeric_context(inputs.devices, watch.rng)
-            inputs = dataclasses.replace(
-                inputs, tensors={**inputs.tensors, **_state(sub), **rng_tensors},
-                literals={**inputs.literals, MODULE_KEY: recipe})
-            draft = self._draft(exc, inner, inputs, self._context(), self._context().ids, "")
-            draft = dataclasses.replace(draft, context=numeric, origin={
-                **draft.origin, "narrowed_from": base, "module": qualname})
-            kept, new = _write_kept(self.root, draft,
-                                    lambda tmp: _reproduces(tmp, failure, start))
-            self._report_narrowed(kept, f"module {qualname}", new)
-            if kept is None:
-                return
-            module_dir = kept
-        self._narrow_op(exc, module_dir, base, failure, start)
-
-    def _narrow_op(self, exc: BaseException, module_dir: Path, base: str, failure: str | None,
-                   start: Any) -> None:
-        import tempfile
-
-        from pytest_gpucase.case.load import load_case
-        from pytest_gpucase.run.isolation import run_in_child
-
-        with tempfile.TemporaryDirectory() as scratch:
-            out = Path(scratch) / INPUTS_FILE
-            child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
-                                 start_method=start)
-            table = child.value if child.returned else None
-            if not isinstance(table, dict) or not out.exists():
-                # Nothing was written, so nothing was tried: say why, not "did not reproduce".
-                why = (table if isinstance(table, str)
-                       else f"the search for the op that raised failed ({child.problem})")
-                self._say(f"gpucase: note: {why}: no op case written")
-                return
-            tensors = payload.load(out)
-        case = load_case(module_dir)
-        op = str(table["op"])
-        draft = _Draft(
-            name=f"{base}.{op}", call=REPLAY_OP,
-            summary=f"{op} raised {_error_line(exc)} (narrowed from {base})",
-            xfail=case.xfail, literals={OP_KEY: table},
-            origin={**case.origin, "narrowed_from": base, "op": op},
-            tensors=tensors, files={},
-            context={k: v for k, v in _context_doc(case).items() if k != "rng"})
-        kept, new = _write_kept(self.root, draft, lambda tmp: _reproduces(tmp, failure, start))
-        self._report_narrowed(kept, f"op {op}", new)
-
-    def _report_narrowed(self, kept: Path | None, what: str, new: bool) -> None:
-        """Say what became of a narrowed case; ``new``: this call wrote ``kept`` (else it is
-        the earlier copy of the same failure, and _count_seen has said so)."""
-        if kept is None:
-            self._say(f"gpucase: note: the narrowed case of {what} did not reproduce the "
-                      "failure in a fresh child, so it was not kept")
-            return
-        self.narrowed.append(kept)
-        if new:
-            self._narrowed_new.append(kept)
-            self._say(f"gpucase: saved {_shown(kept)} ({_sized(kept)}narrowed to {what})")
-
-    def _draft(self, exc: BaseException, watched: _Watched | None, inputs: _Inputs,
-               context: _Context, ids: tuple[str | int, ...] | None,
-               stderr_text: str) -> _Draft:
-        import torch
-
-        error = _error_line(exc)
-        incomplete = list(inputs.problems)
-        files: dict[str, str] = {}
-        if watched is None:
-            name = _case_name(f"step_{context.stage}" if context.stage else "failure")
-            incomplete.insert(0, "the failure happened outside any watched call, so no inputs "
-                              "were saved: watch the function that raised with rec.watch(fn)")
-            what = "a step"
-        else:
-            name = watched.name
-            what = str(getattr(watched.fn, "__qualname__", watched.name))
-            what = watched.call if watched.call and watched.call != REPLAY_MODULE else what
-            if watched.call is None:
-                incomplete.insert(0, watched.why_not)
-        if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
-            incomplete.append(_rebuild_hint(inputs, ids))
-        call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
-        if call.startswith(STUB_FILE):
-            files[STUB_FILE] = _stub(incomplete[0])
-        summary = f"{what} raised {error}{_where(context)}"
-        if incomplete:
-            summary = f"INCOMPLETE: {'; '.join(incomplete)}. Captured: {summary}"
-        devices = inputs.devices
-        backend = _backend(devices, torch)
-        origin: dict[str, Any] = {"error": error}
-        with contextlib.suppress(Exception):
-            from pytest_gpucase.verdict.triage import failure_class
-
-            kind = failure_class(type(exc).__name__, str(exc), stderr_text)
-            if kind is not None:
-                origin["failure_class"] = kind
-        excerpt = _stderr_excerpt(stderr_text)
-        if excerpt:
-            origin["stderr"] = excerpt
-        if context.iteration is not None:
-            origin["iteration"] = context.iteration
-        if context.stage is not None:
-            origin["stage"] = context.stage
-        if context.last_step is not None:
-            origin["last_step"] = context.last_step
-        revision = _revision()
-        if revision:
-            origin["revision"] = revision
-        origin["python"] = platform.python_version()
-        origin["torch"] = torch.__version__
-        origin["backend"] = backend
-        device = next((d for d in devices if d != "cpu"), None)
-        if device is not None:
-            origin["device"] = self._device_names.get(device, device)
-        # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
-        row = backends.backend(backend)
-        version = getattr(torch.version, row.version, None) if row and row.version else None
-        if row is not None and row.version in VERSION_KEYS and version:
-            origin[row.version] = version
-        if ids is not None:
-            origin["sample_ids"] = list(ids)
-        if inputs.snapshot is not None:
-            origin["snapshot"] = inputs.snapshot
-        origin["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
-            "%Y-%m-%dT%H:%M:%SZ")
-        origin["later_errors"] = 0
-        if incomplete:
-            origin["incomplete"] = incomplete
-        if inputs.described:
-            origin["inputs"] = dict(inputs.described)
-        if inputs.skipped:
-            origin["skipped_inputs"] = dict(inputs.skipped)
-        xfail = None if incomplete else (f"captured failure: {error}; remove this line once "
-                                         "fixed")
-        return _Draft(name=name, call=call, summary=summary, xfail=xfail,
-                      literals=inputs.literals, origin=origin, tensors=inputs.tensors,
-                      files=files)
+            note_narrowed_size(case_dir, self._narrowed_new[written:])
 
     def _note_once(self, key: str, message: str) -> None:
         if key not in self._notes_given:
             self._notes_given.add(key)
-            self._say(message)
+            say(message)
 
-    def _note_narrowed_size(self, case_dir: Path, written: list[Path]) -> None:
-        """One note when the narrowed cases written for one failure are large: each holds
-        its own copy of what it needs (a module's weights), so the bytes add up."""
-        total = sum(_case_bytes(path) for path in written)
-        if total <= _NARROWED_NOTE_SIZE:
-            return
-        count = (f"the {len(written)} narrowed cases" if len(written) > 1
-                 else "the narrowed case")
-        self._say(
-            f"gpucase: note: {count} of this failure ({', '.join(map(_shown, written))}) hold "
-            f"{_mib(total)} beside the {_mib(_case_bytes(case_dir))} of {_shown(case_dir)}: "
-            "each narrowed case holds its own copy of the tensors it needs (its module's "
-            "weights, its inputs). Keep the narrowest case that reproduces and delete the "
-            "others, or pass Recorder(narrow=False) to write the module's case alone")
 
-    @staticmethod
-    def _say(message: str) -> None:
-        # A closed or broken stderr must not turn into a second error.
-        with contextlib.suppress(Exception):
-            print(message, file=sys.stderr, flush=True)
+def say(message: str) -> None:
+    """Print one of the Recorder's lines on stderr."""
+    # A closed or broken stderr must not turn into a second error.
+    with contextlib.suppress(Exception):
+        print(message, file=sys.stderr, flush=True)
 
 
 def _watched(fn: Callable[..., Any], name: str | None, call: str | None,
@@ -885,8 +639,8 @@ def _call_ids(watched: _Watched, args: Any, kwargs: Any) -> tuple[str | int, ...
         assert watched.ids is not None
         return _id_tuple(watched.ids(*args, **kwargs))
     except Exception as exc:
-        Recorder._say(f"gpucase: the ids callable of {watched.name} raised "
-                      f"{type(exc).__name__}: {exc}; sample ids not recorded")
+        say(f"gpucase: the ids callable of {watched.name} raised "
+            f"{type(exc).__name__}: {exc}; sample ids not recorded")
         return None
 
 
@@ -947,6 +701,82 @@ def _stderr_excerpt(text: str) -> str | None:
         return line
     lines = [line for line in text.splitlines() if line.strip()]
     return "\n".join(lines[-_STDERR_LINES:])
+
+
+def snapshot_before(watched: _Watched, args: Any, kwargs: Any, *, snapshot: str,
+                    snapshot_limit: int, device_names: dict[str, str],
+                    note: Callable[[str, str], None]) -> _Before:
+    """Host copies of the tensor arguments while they fit ``snapshot_limit`` (device ones
+    first: a sticky error would lose them), and every one's version counter.
+
+    A host tensor is copied too: the call may change it in place before it raises,
+    and the case must hold what was passed. The version counters cost a read each,
+    and tell, after a failure, which tensors without a copy the call changed. Each
+    device's name is asked for on the way (into ``device_names``); ``note(key, line)`` says
+    a line once per key.
+    """
+    tensors = list({id(t): t for t in _tensors_of(args, kwargs)}.values())
+    if not tensors:
+        return _Before()
+    versions = tensor_versions(tensors)
+    try:
+        device = [t for t in tensors if t.device.type != "cpu"]
+        _remember_device_names(device, device_names)
+        if snapshot != "before":
+            return _Before(versions=versions, why_not=(
+                'snapshot="after"; Recorder(snapshot="before") copies them before each call, '
+                "as passed"))
+        stored = [t for t in tensors if _storable(t)]
+        total = sum(nbytes(t) for t in stored)
+        taken = stored
+        why_not = ""
+        if total > snapshot_limit:
+            on_device = [t for t in stored if t.device.type != "cpu"]
+            device_total = sum(nbytes(t) for t in on_device)
+            taken = on_device if on_device and device_total <= snapshot_limit else []
+            what = ("only the device ones are copied before each call" if taken else
+                    "they are not copied before the call: device ones are copied after "
+                    "a failure, if the device still answers")
+            limit = _mib(snapshot_limit)
+            why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
+                       f"of {_mib(total)} or more copies them before each call, "
+                       "as passed")
+            note(f"limit:{watched.name}", (
+                f"gpucase: note: the inputs of {watched.name} hold {_mib(total)}, "
+                f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
+                "they are after a failure (Recorder(snapshot_limit=...) to change)"))
+        copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
+        host = sum(nbytes(t) for t in taken if t.device.type == "cpu")
+        if host >= _HOST_COPY_NOTE:
+            # Paid by every step of a loop that never fails: said once, with the way out.
+            note(f"host-copy:{watched.name}", (
+                f"gpucase: note: {_mib(host)} of host inputs of {watched.name} are "
+                "copied before each call, so that a failure saves them as passed; "
+                "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
+                "skips the copy"))
+        return _Before(copies, versions, why_not)
+    except Exception:
+        # The device did not answer before the call; the call itself will tell.
+        return _Before(versions=versions, why_not="the copy before the call failed")
+
+
+def _remember_device_names(tensors: list[torch.Tensor], names: dict[str, str]) -> None:
+    """Ask each device its name while it answers, so a sticky error cannot hide it."""
+    import torch
+
+    for tensor in tensors:
+        device = str(tensor.device)
+        if device in names:
+            continue
+        name = device
+        try:
+            if tensor.device.type == "cuda":
+                name = torch.cuda.get_device_name(tensor.device)
+            elif tensor.device.type == "xpu":
+                name = torch.xpu.get_device_name(tensor.device)
+        except Exception:
+            pass
+        names[device] = name
 
 
 def _tensors_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
@@ -1196,6 +1026,88 @@ def _literal(value: Any) -> Any:
     return _NOT_LITERAL
 
 
+def case_draft(exc: BaseException, watched: _Watched | None, inputs: _Inputs, context: _Context,
+               ids: tuple[str | int, ...] | None, stderr_text: str,
+               device_names: Mapping[str, str]) -> _Draft:
+    """The case of a failure: its call (or a stand-in ``case.py``), summary, xfail line (none
+    when the case is incomplete) and ``[origin]`` table; ``device_names`` are the names the
+    devices gave while they answered."""
+    import torch
+
+    error = _error_line(exc)
+    incomplete = list(inputs.problems)
+    files: dict[str, str] = {}
+    if watched is None:
+        name = _case_name(f"step_{context.stage}" if context.stage else "failure")
+        incomplete.insert(0, "the failure happened outside any watched call, so no inputs "
+                          "were saved: watch the function that raised with rec.watch(fn)")
+        what = "a step"
+    else:
+        name = watched.name
+        what = str(getattr(watched.fn, "__qualname__", watched.name))
+        what = watched.call if watched.call and watched.call != REPLAY_MODULE else what
+        if watched.call is None:
+            incomplete.insert(0, watched.why_not)
+    if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
+        incomplete.append(_rebuild_hint(inputs, ids))
+    call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
+    if call.startswith(STUB_FILE):
+        files[STUB_FILE] = _stub(incomplete[0])
+    summary = f"{what} raised {error}{_where(context)}"
+    if incomplete:
+        summary = f"INCOMPLETE: {'; '.join(incomplete)}. Captured: {summary}"
+    devices = inputs.devices
+    backend = _backend(devices, torch)
+    origin: dict[str, Any] = {"error": error}
+    with contextlib.suppress(Exception):
+        from pytest_gpucase.verdict.triage import failure_class
+
+        kind = failure_class(type(exc).__name__, str(exc), stderr_text)
+        if kind is not None:
+            origin["failure_class"] = kind
+    excerpt = _stderr_excerpt(stderr_text)
+    if excerpt:
+        origin["stderr"] = excerpt
+    if context.iteration is not None:
+        origin["iteration"] = context.iteration
+    if context.stage is not None:
+        origin["stage"] = context.stage
+    if context.last_step is not None:
+        origin["last_step"] = context.last_step
+    revision = _revision()
+    if revision:
+        origin["revision"] = revision
+    origin["python"] = platform.python_version()
+    origin["torch"] = torch.__version__
+    origin["backend"] = backend
+    device = next((d for d in devices if d != "cpu"), None)
+    if device is not None:
+        origin["device"] = device_names.get(device, device)
+    # The build's version _where [matrix] can require it (cuda, hip): backends.py says which.
+    row = backends.backend(backend)
+    version = getattr(torch.version, row.version, None) if row and row.version else None
+    if row is not None and row.version in VERSION_KEYS and version:
+        origin[row.version] = version
+    if ids is not None:
+        origin["sample_ids"] = list(ids)
+    if inputs.snapshot is not None:
+        origin["snapshot"] = inputs.snapshot
+    origin["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+    origin["later_errors"] = 0
+    if incomplete:
+        origin["incomplete"] = incomplete
+    if inputs.described:
+        origin["inputs"] = dict(inputs.described)
+    if inputs.skipped:
+        origin["skipped_inputs"] = dict(inputs.skipped)
+    xfail = None if incomplete else (f"captured failure: {error}; remove this line once "
+                                     "fixed")
+    return _Draft(name=name, call=call, summary=summary, xfail=xfail,
+                  literals=inputs.literals, origin=origin, tensors=inputs.tensors,
+                  files=files)
+
+
 def _case_document(draft: _Draft) -> dict[str, Any]:
     """The ``case.toml`` document of a draft."""
     doc: dict[str, Any] = {"format": 1, "summary": draft.summary, "call": draft.call}
@@ -1332,8 +1244,8 @@ def _count_seen(case_dir: Path) -> None:
     origin["seen"] = int(origin.get("seen", 1)) + 1
     origin["last_seen"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
     files.write_text_atomic(case_dir / CASE_FILE, tomli_w.dumps(doc))
-    Recorder._say(f"gpucase: the same failure as {_shown(case_dir)} (seen {origin['seen']} "
-                  "times): its [origin] seen and last_seen were updated, no copy written")
+    say(f"gpucase: the same failure as {_shown(case_dir)} (seen {origin['seen']} "
+        "times): its [origin] seen and last_seen were updated, no copy written")
 
 
 def _context_doc(case: Any) -> dict[str, Any]:
@@ -1485,6 +1397,130 @@ def _state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     state: dict[str, Any] = module.state_dict(keep_vars=True)
     return {f"{STATE_PREFIX}{name}": _host(value).clone() for name, value in state.items()
             if isinstance(value, torch.Tensor) and _storable(value)}
+
+
+def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
+                   entered: tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]],
+                   rng: Mapping[str, torch.Tensor], *, root: Path,
+                   stderr_file: Path | None, context: _Context,
+                   device_names: Mapping[str, str], kept: list[Path],
+                   written: list[Path]) -> None:
+    """Write the innermost failing submodule's case and its failing op's case beside
+    ``case_dir``, each kept only if it reproduces the failure class in a fresh child.
+
+    ``case_dir`` is the case of ``module``, the watched module, which took the RNG states
+    ``rng``; ``entered`` is the innermost submodule still open when ``exc`` passed (its
+    name, itself, its arguments and their version counters at the call). The cases kept
+    are added to ``kept``, and those of them written here to ``written`` too.
+
+    The submodule's inputs are the tensors it was called with, as they are now: when
+    its forward changed one in place (its version counter moved since the call), they
+    are not what was passed, so no submodule case is written and the op is searched
+    for in a replay of the whole module's case, whose inputs were copied before."""
+    import torch
+
+    from pytest_gpucase.verdict.triage import failure_class
+
+    qualname, sub, args, kwargs, versions = entered
+    failure = failure_class(type(exc).__name__, str(exc), _read_tail(stderr_file)
+                            if stderr_file is not None else "")
+    start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+    base = case_dir.name
+    module_dir = case_dir
+    if sub is not module:
+        rebuild = _rebuild(sub, None, None)
+        if rebuild.factory is None:
+            say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
+            return
+        inner = _watched(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
+        recipe = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
+                  "training": bool(sub.training), "backward": False}
+        found = _triage(exc, "")
+        inputs = _collect(inner, args, kwargs, _Before(versions=versions), found, exc)
+        if inputs.changed:
+            say(f"gpucase: note: {qualname} not narrowed: its forward changed "
+                f"{', '.join(inputs.changed)} in place before it raised, so its "
+                f"inputs as passed are gone ({_shown(case_dir)} holds the "
+                "module's inputs as passed)")
+            _narrow_op(exc, case_dir, base, failure, start, root=root, kept=kept,
+                       written=written)
+            return
+        numeric, rng_tensors = _numeric_context(inputs.devices, rng)
+        inputs = dataclasses.replace(
+            inputs, tensors={**inputs.tensors, **_state(sub), **rng_tensors},
+            literals={**inputs.literals, MODULE_KEY: recipe})
+        draft = case_draft(exc, inner, inputs, context, context.ids, "", device_names)
+        draft = dataclasses.replace(draft, context=numeric, origin={
+            **draft.origin, "narrowed_from": base, "module": qualname})
+        saved, new = _write_kept(root, draft, lambda tmp: _reproduces(tmp, failure, start))
+        _report(saved, f"module {qualname}", new, kept, written)
+        if saved is None:
+            return
+        module_dir = saved
+    _narrow_op(exc, module_dir, base, failure, start, root=root, kept=kept, written=written)
+
+
+def _narrow_op(exc: BaseException, module_dir: Path, base: str, failure: str | None,
+               start: Any, *, root: Path, kept: list[Path], written: list[Path]) -> None:
+    """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
+    import tempfile
+
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.run.isolation import run_in_child
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / INPUTS_FILE
+        child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
+                             start_method=start)
+        table = child.value if child.returned else None
+        if not isinstance(table, dict) or not out.exists():
+            # Nothing was written, so nothing was tried: say why, not "did not reproduce".
+            why = (table if isinstance(table, str)
+                   else f"the search for the op that raised failed ({child.problem})")
+            say(f"gpucase: note: {why}: no op case written")
+            return
+        tensors = payload.load(out)
+    case = load_case(module_dir)
+    op = str(table["op"])
+    draft = _Draft(
+        name=f"{base}.{op}", call=REPLAY_OP,
+        summary=f"{op} raised {_error_line(exc)} (narrowed from {base})",
+        xfail=case.xfail, literals={OP_KEY: table},
+        origin={**case.origin, "narrowed_from": base, "op": op},
+        tensors=tensors, files={},
+        context={k: v for k, v in _context_doc(case).items() if k != "rng"})
+    saved, new = _write_kept(root, draft, lambda tmp: _reproduces(tmp, failure, start))
+    _report(saved, f"op {op}", new, kept, written)
+
+
+def _report(saved: Path | None, what: str, new: bool, kept: list[Path],
+            written: list[Path]) -> None:
+    """Say what became of a narrowed case; ``new``: this call wrote ``saved`` (else it is
+    the earlier copy of the same failure, and ``_write_kept`` has said so)."""
+    if saved is None:
+        say(f"gpucase: note: the narrowed case of {what} did not reproduce the "
+            "failure in a fresh child, so it was not kept")
+        return
+    kept.append(saved)
+    if new:
+        written.append(saved)
+        say(f"gpucase: saved {_shown(saved)} ({_sized(saved)}narrowed to {what})")
+
+
+def note_narrowed_size(case_dir: Path, written: list[Path]) -> None:
+    """One note when the narrowed cases written for one failure are large: each holds
+    its own copy of what it needs (a module's weights), so the bytes add up."""
+    total = sum(_case_bytes(path) for path in written)
+    if total <= _NARROWED_NOTE_SIZE:
+        return
+    count = (f"the {len(written)} narrowed cases" if len(written) > 1
+             else "the narrowed case")
+    say(
+        f"gpucase: note: {count} of this failure ({', '.join(map(_shown, written))}) hold "
+        f"{_mib(total)} beside the {_mib(_case_bytes(case_dir))} of {_shown(case_dir)}: "
+        "each narrowed case holds its own copy of the tensors it needs (its module's "
+        "weights, its inputs). Keep the narrowest case that reproduces and delete the "
+        "others, or pass Recorder(narrow=False) to write the module's case alone")
 
 
 # --- single ATen op -----------------------------------------------------------------------------
