@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpucase.tools import record as capture
+from pytest_gpucase.tools.record import narrow, write
 from pytest_gpucase.case import payload
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
@@ -285,8 +285,8 @@ def test_large_narrowed_cases_are_sized_and_noted(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """Each narrowed case holds its own copy of its weights: the saved lines give sizes and
     one note gives the total and what to do (thresholds lowered to the test's tiny model)."""
-    monkeypatch.setattr(capture, "_SHOWN_SIZE", 0)
-    monkeypatch.setattr(capture, "_NARROWED_NOTE_SIZE", 0)
+    monkeypatch.setattr(write, "_SHOWN_SIZE", 0)
+    monkeypatch.setattr(narrow, "_NARROWED_NOTE_SIZE", 0)
     torch.manual_seed(0)
     rec = Recorder(tmp_path / "cases")
     model = rec.watch(model_targets.TinyLM())
