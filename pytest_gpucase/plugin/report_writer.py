@@ -75,6 +75,13 @@ class ReportWriter:
             self._done.add(report.nodeid)
             self._running.pop(report.nodeid, None)
 
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """An xdist worker's notes (a reference cache refused, say), said once here."""
+        notes = getattr(node, "workeroutput", None) or {}
+        for note in notes.get("gpucase_notes", ()):
+            self.state.note(str(note))
+
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         # A bare KeyboardInterrupt is what Python raises for SIGINT.
         self._interrupt = str(excinfo.value) or "SIGINT (Ctrl-C)"
