@@ -469,3 +469,94 @@ def test_a_refusal_is_one_inert_line_whatever_the_file_is_named(tmp_path: Path) 
     assert line.endswith("name\\u202e.json: not JSON: Expecting property name enclosed in "
                          "double quotes at line 1 column 2")
 
+
+def _matrix_of(paths: list[Path], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "matrix",
+                           *map(str, paths), *args],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _report_file(path: Path, environment: dict[str, object],
+                 results: list[dict[str, object]]) -> Path:
+    from pytest_gpucase.report.file import new_report, write_report
+
+    report = new_report(environment, created="2026-12-02T16:00:00+00:00")
+    report.update(results=results, complete=True)
+    write_report(path, report)
+    return path
+
+
+def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> None:
+    """0.4 MB of reports made 110 MB of HTML (each column's label in every cell's title),
+    and a 100 MB message 200 MB: labels are said once per column now, a message is cut as
+    the writer cuts a run's text (and a string over a mebibyte refused: string_of_2_mib)."""
+    from .test_report import H100, result
+
+    paths = []
+    for n in range(12):   # a long label that tells the columns apart: a package version
+        env = dict(H100, packages={"ext": f"{n}." + "9" * 4000})
+        rows = [result(f"case{i:03}", "cuda", "float32", "failed" if i % 2 else "passed",
+                       message=f"failure {i}") for i in range(300)]
+        paths.append(_report_file(tmp_path / f"r{n}.json", env, rows))
+    flood = [result("flood", "cuda", "float32", "failed", message="y" * 10**6)]
+    paths.append(_report_file(tmp_path / "flood.json", H100, flood))
+    given = sum(path.stat().st_size for path in paths[:-1])
+    output = tmp_path / "matrix.html"
+    done = _matrix_of(paths, "--format", "html", "-o", str(output))
+    assert done.returncode == 0, done.stderr
+    page = output.read_text(encoding="utf-8")
+    assert len(page) < given + 2**20, (len(page), given)
+    # Each column's label and environment, in its header and in the list of environments.
+    assert page.count("9" * 4000) == 4 * 12
+    assert "bytes omitted" in page and page.count("y" * 1000) < 40
+
+
+def test_no_escape_or_bidi_override_reaches_the_html_or_the_terminal(tmp_path: Path) -> None:
+    from .test_report import H100, result
+
+    forged = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\u202eok\u2066"
+    env = dict(H100, platform=f"Linux{forged}", packages={"ext": f"1{forged}"})
+    rows = [result(f"ce{forged}", "cuda", "float32", "failed", message=f"boom {forged}",
+                   case_path=f"cases/{forged}"),
+            result("skipped", "cuda", "float32", "skipped", skip_reason=f"why {forged}")]
+    path = _report_file(tmp_path / "r.json", env, rows)
+    other = _report_file(tmp_path / "s.json", dict(H100, packages={"ext": "2"}), rows[:1])
+    for form in ("html", "markdown"):
+        done = _matrix_of([path, other], "--format", form)
+        assert done.returncode == 0, done.stderr
+        for control in ("\x1b", "\x07", "\u202e", "\u2066"):
+            assert control not in done.stdout, (form, control)
+        assert "\\u202eok" in done.stdout
+
+
+def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path) -> None:
+    """The run-id pattern was quadratic in a node id's length (a 1 MB one: 50 minutes), and
+    each cell scanned its runs once per device type (quadratic in their number)."""
+    import time
+
+    from .test_report import H100, result
+
+    long_id = "a[" * 500_000
+    rows = [result("ce", "cuda", "float32", "failed", message="boom", nodeid=long_id),
+            result("ce", "cpu", "float32", "passed"),
+            *(result("ce", f"dev{n}", "float32", "skipped", skip_reason="not here")
+              for n in range(20_000))]
+    path = _report_file(tmp_path / "r.json", H100, rows)
+    began = time.monotonic()
+    done = _matrix_of([path])
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    assert "dev19999: skipped" in done.stdout
+
+
+def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
+    """int() on "²" ("²".isdigit() is True) and on 5,000 digits raised a traceback."""
+    from .test_report import H100, result
+
+    rows = [result("ce", "cuda", "float32", "passed")]
+    paths = [_report_file(tmp_path / f"r{n}.json", dict(H100, cudnn=cudnn, cuda=cuda), rows)
+             for n, (cudnn, cuda) in enumerate([("²", "¹².⁴"), ("9" * 5000, "1" * 5000 + ".2"),
+                                                ("90100", "12.4")])]
+    done = _matrix_of(paths)
+    assert done.returncode == 0, done.stderr
+    assert "cuDNN ²" in done.stdout and "CUDA ¹².⁴" in done.stdout and "cuDNN 9.1.0" in done.stdout

@@ -22,6 +22,7 @@ from pytest_gpucase.report.file import (
     describe_environment,
     load_report,
 )
+from pytest_gpucase.run.isolation import clip
 
 __all__ = [
     "STATUSES",
@@ -369,9 +370,12 @@ def _status(results: Sequence[Mapping[str, Any]]) -> Status:
 
 def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
     counts = Counter(result["outcome"] for result in results)
-    on_device = [[r for r in results if r["device"] == device] for device in kinds]
+    # Grouped in one pass: a scan per device type made a cell quadratic in their number.
+    on_device: dict[str, list[Mapping[str, Any]]] = {}
+    for result in results:
+        on_device.setdefault(result["device"], []).append(result)
     devices = tuple(DeviceCell(device, _status(runs), _reasons(runs))
-                    for device, runs in zip(kinds, on_device, strict=True))
+                    for device in kinds for runs in (on_device.get(device, []),))
     statuses = {device.status for device in devices}
     status: Status
     if not results:
@@ -438,17 +442,22 @@ def _named_runs(group: Sequence[Mapping[str, Any]], runs_on: Mapping[str, int]) 
 
 
 def reason_text(result: Mapping[str, Any]) -> str:
+    """Why a result did not pass, on one line, cut as the writer cuts a run's text."""
     if result["outcome"] == "skipped":
         text = result["skip_reason"] or result["message"]
     else:
         text = result["message"] or result["error_type"]
-    return " ".join(str(text or "").split())
+    return " ".join(clip(str(text or "")).split())
 
 
 def _run_id(result: Mapping[str, Any]) -> str:
-    found = re.search(r"\[(.+)\]$", result["nodeid"])
-    if found:
-        return found.group(1)
+    """``cpu-float32-batch[1]``: the parameters that end the node id (a case folder's name
+    may hold brackets too), else the fields. String operations, not a regex: a pattern
+    searched from every ``[`` of a megabyte node id took minutes."""
+    nodeid: str = result["nodeid"]
+    start = nodeid.rfind(f"[{result['device']}-{result['dtype']}")
+    if nodeid.endswith("]") and start >= 0:
+        return nodeid[start + 1:-1]
     parts = [result["device"], result["dtype"]] + ([result["variant"]] if result["variant"] else [])
     return "-".join(parts)
 
@@ -501,16 +510,16 @@ def _fields(env: Mapping[str, Any], packages: Iterable[str]) -> dict[str, str | 
 def _cuda_token(version: str | None) -> str | None:
     if not version:
         return None
-    parts = version.split(".")
-    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+    parts = version.split(".", 2)
+    if len(parts) >= 2 and all(re.fullmatch(r"[0-9]{1,4}", part) for part in parts[:2]):
         return f"cu{parts[0]}{parts[1]}"   # the name of PyTorch's wheel index: cu121
     return f"CUDA {version}"
 
 
 def _arch(capability: str) -> str:
-    if re.fullmatch(r"\d+\.\d+", capability):
+    if re.fullmatch(r"[0-9]{1,4}\.[0-9]{1,4}", capability):
         return "sm_" + capability.replace(".", "")
-    return capability.split(":")[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
+    return capability.split(":", 1)[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
 
 
 def short_names(paths: Sequence[Path]) -> list[str]:
