@@ -349,6 +349,82 @@ def test_request_scrubs_each_form(text: str, scrubbed: str) -> None:
     assert _scrub(text) == scrubbed
 
 
+PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0t\n"
+       "Ab12==\n-----END RSA PRIVATE KEY-----")
+
+
+@pytest.mark.parametrize(("text", "scrubbed"), [
+    # Names that hold PASS, PWD, SECRET, TOKEN or KEY anywhere, in any case, any form.
+    ("PGPASSWORD=hunter2 psql -h db", "PGPASSWORD=<secret> psql -h db"),
+    ("MYSQL_PWD=hunter2 mysql", "MYSQL_PWD=<secret> mysql"),
+    ("export DB_PASS=hunter2", "export DB_PASS=<secret>"),
+    ("{'PGPASSWORD': 'hunter 2', 'user': 'x'}", "{'PGPASSWORD': '<secret>', 'user': 'x'}"),
+    ('{"db_password": "s3 cr3t", "port": 5432}', '{"db_password": "<secret>", "port": 5432}'),
+    ("pass: hunter2", "pass: <secret>"),
+    ("  Password : hunter2", "  Password : <secret>"),
+    ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLE",
+     "AWS_SECRET_ACCESS_KEY=<secret>"),
+    ("PGPASSWORD hunter2", "PGPASSWORD <secret>"),
+    ("machine db login me password hunter2", "machine db login me password <secret>"),
+    ("| `PGPASSWORD=hunter2` | float32 |", "| `PGPASSWORD=<secret>` | float32 |"),
+    # URL credentials up to the last @ of the authority.
+    ("postgres://alice:pa/ss#w@rd@db.example.com:5432/prod",
+     "postgres://<user>:<secret>@<host>:5432/<path>"),
+    # PEM blocks whole, the short last line too, and a key in a service account's JSON.
+    (f"key:\n{PEM}\nafter", "key:\n-----BEGIN RSA PRIVATE KEY-----<secret>-----END RSA "
+     "PRIVATE KEY-----\nafter"),
+    ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjE\nxy1",
+     "-----BEGIN OPENSSH PRIVATE KEY-----<secret>-----END OPENSSH PRIVATE KEY-----"),
+    ('{"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----\\nMIIE\\nQk==\\n'
+     '-----END PRIVATE KEY-----\\n", "project_id": "p"}',
+     '{"type": "service_account", "private_key": "<secret>", "project_id": "p"}'),
+    # Vendor token shapes, wherever they stand (after an underscore too).
+    ("gh ghp_0123456789abcdefghijABCDEFGHIJ0123 github_pat_11ABCDEFG0123456789_abcdefghij",
+     "gh <secret> <secret>"),
+    ("MY_hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "MY_<secret>"),
+    ("glpat-abcdefghijklmnopqrst12 xoxb-1234567890-abcdefghij", "<secret> <secret>"),
+    ("AKIAIOSFODNN7EXAMPLE ASIAIOSFODNN7EXAMPLE", "<secret> <secret>"),
+    ("AIzaSyA-1234567890abcdefghijklmnopqrstu", "<secret>"),
+    ("sk-proj-abcdefghijklmnopqrstuvwxyz012345 sk-ant-api03-abcdefghijklmnopqrstuv",
+     "<secret> <secret>"),
+    ("npm_abcdefghijklmnopqrstuvwxyz0123456789 "
+     "pypi-AgEIcHlwaS5vcmcCJDEyMzQ1Njc4LTEyMzQtMTIzNC0xMjM0LTEy", "<secret> <secret>"),
+    ("nvapi-abcdefghijklmnopqrstuvwxyz0123", "<secret>"),
+    ("sv=2022-11-02&ss=b&sig=abc%2Bdef%3D&se=x", "sv=2022-11-02&ss=b&sig=<secret>"),
+    ('{"auths": {"reg.io": {"auth": "dXNlcjpwYXNz"}}}',
+     '{"auths": {"reg.io": {"auth": "<secret>"}}}'),
+    ("_auth=dXNlcjpwYXNz", "_auth=<secret>"),
+    # What is no secret stays: an exception's message, prose, a state_dict's keys.
+    ("KeyError: 'fc.weight'", "KeyError: 'fc.weight'"),
+    ('Missing key(s) in state_dict: "fc.weight".', 'Missing key(s) in state_dict: "fc.weight".'),
+])
+def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:
+    assert _scrub(text) == scrubbed
+
+
+def test_show_and_request_remove_secrets_and_escapes_from_a_case(tmp_path: Path) -> None:
+    """Run as a user runs them: the case's files reach the terminal only made inert (an OSC 52
+    clipboard write, a screen clear, a window title), and secrets are gone from both."""
+    import subprocess
+    import sys
+
+    hostile = RICH.replace(
+        'summary = "CrossEntropyLoss target holds class 4 on a 4-class head"',
+        'summary = "x\\u001b]52;c;cm0gLXJmIH4K\\u0007\\u001b[2J\\u001b]0;pwned\\u0007 y '
+        'MYSQL_PWD=hunter4 hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"'
+    ).replace('revision = "3f2c1ab"', 'revision = "3f2c1ab"\npgpassword = "DB_PASS=hunter2"\n'
+              'conn = "postgres://alice:pa/ss@db.example.com/x"\n'
+              'note = "\\u001b[31mred\\u202e PGPASSWORD=hunter3"')
+    case = rich_case(tmp_path, "ce", hostile)
+    for command in ("show", "request"):
+        done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", command, str(case)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        for raw in ("\x1b", "\x07", "\u202e", "hunter2", "hunter3", "hunter4", "pa/ss", "hf_AbC"):
+            assert raw not in done.stdout, (command, raw)
+        assert "x y" in done.stdout or "x  y" in done.stdout
+
+
 def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
     ids = (*(f"patient_{n:05d}" for n in range(20_000)), "img-0001.png")
     assert _scrub("batch patient_00412, patient_19999 and img-0001.png; patient_x",
@@ -372,13 +448,30 @@ def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
     "a:" * 500_000,
     "-p " * 330_000,
     "\\" * 1_000_000,
+    "PASS" * 250_000,
+    " ".join(["PASS" * 16] * 15_000),
+    "a='" * 330_000,
+    "a: " * 330_000,
+    "x://a@" * 160_000,
+    "x://" + "a/" * 500_000,
+    "-----BEGIN A-----\n" * 55_000,
+    "-----BEGIN A-----\nAAAA" * 45_000,
+    "sig=" * 250_000,
+    "{'PGPASSWORD': '" * 60_000,
+    "KeyErrorKey=" * 80_000,
+    "ghp_" * 250_000,
 ], ids=["word", "plus", "dots", "ats", "dashes", "url-host", "urls", "token-eq", "token-ws",
-        "authorization", "slashes", "path", "digits", "colons", "flags", "backslashes"])
+        "authorization", "slashes", "path", "digits", "colons", "flags", "backslashes",
+        "pass", "pass-names", "quotes", "yaml", "url-ats", "url-slashes", "pem-heads",
+        "pem-blocks", "sig", "dict", "exception-names", "token-prefixes"])
 def test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time(text: str) -> None:
     import time
 
+    from pytest_gpucase.tools.scrub import remove_secrets
+
     start = time.process_time()
     _scrub(text)
+    remove_secrets(text)   # gpucase show's, on the whole text
     # A hang guard on a loaded machine, not a benchmark: a quadratic pattern takes minutes.
     assert time.process_time() - start < 5
 

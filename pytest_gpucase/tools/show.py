@@ -19,7 +19,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import INPUTS_FILE, Case
 from pytest_gpucase.report.file import load_report
-from pytest_gpucase.tools.scrub import Scrubber
+from pytest_gpucase.tools.scrub import Scrubber, remove_secrets
 from pytest_gpucase.tools.validate import hash_setting
 from pytest_gpucase.verdict.triage import assertion_line, triage
 
@@ -37,8 +37,9 @@ def show(case_dir: Path, report: Path | None = None) -> str:
 
     Everything it says comes from files anyone may have written: the text is made safe
     for a terminal (no escape sequence: a window title, a clipboard write, a screen
-    clear). A ``report`` is read as ``gpucase matrix`` reads one; ``ReportError`` when it
-    cannot be.
+    clear), and secrets are removed by their shape (``scrub.remove_secrets``; paths and
+    names stay, as this is for the person who has the case). A ``report`` is read as
+    ``gpucase matrix`` reads one; ``ReportError`` when it cannot be.
     """
     case = load_case(Path(case_dir))
     lines = [f"{case.name}  ({case.path})"]
@@ -90,7 +91,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     if report is not None:
         lines.append(f"last verdicts ({report}):")
         lines.extend(f"  {line}" for line in _verdicts(Path(report), case))
-    return terminal_safe("\n".join(lines))
+    return remove_secrets(terminal_safe("\n".join(lines)))
 
 
 def request(case_dir: Path) -> str:
