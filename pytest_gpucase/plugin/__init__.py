@@ -74,7 +74,9 @@ def pytest_configure(config: pytest.Config) -> None:
         start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         _report_folder(state.settings["gpu_cases_report"])
-        config.pluginmanager.register(ReportWriter(state), "gpucase-recorder")
+        writer = ReportWriter(state)
+        config.pluginmanager.register(writer, "gpucase-recorder")
+        writer.lock()   # registered first: its unconfigure releases the lock, however it ends
         config.pluginmanager.register(SigintWatch(state), "gpucase-sigint")
     if state.enabled and config.getoption("forked", False):
         # Registered after pytest-forked (an entry point), so called before its tryfirst hook.

@@ -44,6 +44,7 @@ class GpuCaseSession:
     report_failed: bool = False  # the last write of the JSON report failed (a note says why)
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
     _reference_cache: ReferenceCache | None = None
+    _written: tuple[int, int, int] | None = None   # the report file as this session left it
     _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
@@ -125,21 +126,31 @@ class GpuCaseSession:
         return report
 
     def write_report(self, *, complete: bool) -> None:
-        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished."""
+        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished.
+
+        A report that changed since this session last wrote it was written by another
+        writer (where no lock could be taken, or one without a lock): it is left as it is,
+        and the run fails saying so, rather than erasing that writer's results in silence.
+        """
         import time
 
         path: Path | None = self.settings["gpu_cases_report"]
         if path is not None:
             from pytest_gpucase.report.file import write_report
 
+            if self._written is not None and _signature(path) != self._written:
+                self.note(f"another writer changed the JSON report {path} while this session "
+                          "ran, so this session's results were not written over it: give "
+                          "each run its own --gpu-cases-report path")
+                self.report_failed = True
+                return
             try:
                 write_report(path, self.build_report(complete=complete))
             except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
-                note = f"could not write the JSON report {path}: {exc.strerror or exc}"
-                if note not in self.notes:
-                    self.notes.append(note)
+                self.note(f"could not write the JSON report {path}: {exc.strerror or exc}")
                 self.report_failed = True
                 return
+            self._written = _signature(path)
             self._written_at = time.monotonic()
             self._unwritten = False
             self.report_failed = False
@@ -239,6 +250,17 @@ class GpuCaseSession:
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells one write of a file from another (each write replaces it: a new inode)."""
+    import os
+
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
 
 
 def _now() -> str:
