@@ -536,17 +536,20 @@ def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path
 
     from .test_report import H100, result
 
+    # The failing run is named in its cell's reason (the other CUDA run passed): its run id
+    # is read from its node id.
     long_id = "a[" * 500_000
     rows = [result("ce", "cuda", "float32", "failed", message="boom", nodeid=long_id),
-            result("ce", "cpu", "float32", "passed"),
+            result("ce", "cuda", "bfloat16", "passed"),
             *(result("ce", f"dev{n}", "float32", "skipped", skip_reason="not here")
-              for n in range(20_000))]
+              for n in range(40_000))]
     path = _report_file(tmp_path / "r.json", H100, rows)
     began = time.monotonic()
     done = _matrix_of([path])
     assert done.returncode == 0, done.stderr
     assert time.monotonic() - began < 60
-    assert "dev19999: skipped" in done.stdout
+    assert "dev39999: skipped" in done.stdout
+    assert "cuda-float32: failed: boom" in done.stdout   # the fields, where the id has none
 
 
 def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
