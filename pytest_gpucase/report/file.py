@@ -24,7 +24,6 @@ from pytest_gpucase.base.files import write_text_atomic
 from pytest_gpucase.base.text import one_line
 from pytest_gpucase.base.version import __version__
 from pytest_gpucase.plan.environment import Device, Environment
-from pytest_gpucase.run.isolation import clip
 
 __all__ = [
     "ENVIRONMENT_IDENTITY",
@@ -236,6 +235,9 @@ def load_report(path: Path | str) -> dict[str, Any]:
                                 f"reads (up to {VERSION}); upgrade pytest-gpucase")
     check_report(report, path)
     _check_claims(path, report)
+    # Here, not at the top: every pytest session imports this module (its report's time).
+    from pytest_gpucase.run.isolation import clip
+
     for result in report["results"]:
         for key in ("max_abs", "max_rel"):
             if isinstance(result[key], str):

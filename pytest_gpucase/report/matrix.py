@@ -22,7 +22,6 @@ from pytest_gpucase.report.file import (
     describe_environment,
     load_report,
 )
-from pytest_gpucase.run.isolation import clip
 
 __all__ = [
     "STATUSES",
@@ -443,6 +442,8 @@ def _named_runs(group: Sequence[Mapping[str, Any]], runs_on: Mapping[str, int]) 
 
 def reason_text(result: Mapping[str, Any]) -> str:
     """Why a result did not pass, on one line, cut as the writer cuts a run's text."""
+    from pytest_gpucase.run.isolation import clip
+
     if result["outcome"] == "skipped":
         text = result["skip_reason"] or result["message"]
     else:

@@ -279,8 +279,8 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
     try:
         secret = read_key(Path(key_file))
         name = f"{key(spec, reference)}{SUFFIX}"
-    except (OSError, Unusable):  # the case file vanished: the run will say what is wrong
-        return None
+    except (OSError, Unusable):  # no key to check with (no cache), or the case file
+        return None              # vanished (the run will say what is wrong)
     return Entry(Path(folder) / name, name, secret, spec.case.name)
 
 
