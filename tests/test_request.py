@@ -394,8 +394,13 @@ PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lg
     ('{"auths": {"reg.io": {"auth": "dXNlcjpwYXNz"}}}',
      '{"auths": {"reg.io": {"auth": "<secret>"}}}'),
     ("_auth=dXNlcjpwYXNz", "_auth=<secret>"),
-    # What is no secret stays: an exception's message, prose, a state_dict's keys.
+    ("dbPassword: hunter2 apiKey=abc", "dbPassword: <secret> apiKey=<secret>"),
+    ("DB_PASSWORDS=hunter2", "DB_PASSWORDS=<secret>"),
+    # What is no secret stays: an exception's message, prose, a state_dict's keys, words
+    # that begin with a secret word, what show itself prints.
     ("KeyError: 'fc.weight'", "KeyError: 'fc.weight'"),
+    ("cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert",
+     "cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert"),
     ('Missing key(s) in state_dict: "fc.weight".', 'Missing key(s) in state_dict: "fc.weight".'),
 ])
 def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:

@@ -37,13 +37,16 @@ _QUOTED = r"(?P<quote>[\"'])[^\"'\n]{0,16384}(?P=quote)"
 _SECRET_NAMES = (r"token|secret|password|passwd|passphrase|api[_-]?key|access[_-]?key|"
                  r"private[_-]?key|client[_-]?secret|credentials?")
 # What makes a name a secret's, wherever it stands in the name: PGPASSWORD, MYSQL_PWD,
-# DB_PASS, HF_TOKEN, client_secret, AWS_SECRET_ACCESS_KEY, private_key, pass (YAML).
-_SECRET_WORD = r"(?:pass|pwd|secret|token|key)"
+# DB_PASS, HF_TOKEN, client_secret, AWS_SECRET_ACCESS_KEY, private_key, apiKey, pass
+# (YAML). The word ends a segment of the name (an end, a separator, a capital letter):
+# "passed: 3", "keyboard" and "tokenizer" are words, not secrets.
+_SECRET_WORD = r"(?i:pass(?:word|wd|phrase)?s?|pwd|secrets?|tokens?|keys?)(?![a-z])"
+_SECRET_WORD_UPPER = r"(?:PASS(?:WORD|WD|PHRASE)?S?|PWD|SECRETS?|TOKENS?|KEYS?)(?![A-Z])"
 _NAME_CHARS = r"[A-Za-z0-9_.-]"
 # A name (a run of name characters, starting where one starts) that holds a secret word and
 # is not an exception's (KeyError: 'fc.weight' is a message, not a key). The lookaheads
 # are bounded, and a name is tried only where a run begins: linear in the text.
-_SECRET_NAME = (rf"(?<!{_NAME_CHARS})(?=(?i:{_NAME_CHARS}{{0,64}}{_SECRET_WORD}))"
+_SECRET_NAME = (rf"(?<!{_NAME_CHARS})(?={_NAME_CHARS}{{0,64}}{_SECRET_WORD})"
                 rf"(?!(?i:{_NAME_CHARS}{{0,64}}(?:error|exception|warning|interrupt))"
                 rf"(?!{_NAME_CHARS})){_NAME_CHARS}{{1,128}}")
 # Token shapes that are keys wherever they appear, after a letter or digit only (a token
@@ -74,7 +77,7 @@ _SECRETS = (
     re.compile(r"(?i)\b(bearer[ \t]{1,8})" + _VALUE),
     # HF_TOKEN secret123, PGPASSWORD hunter2: with a space only, the name must read as a
     # variable (upper case), so that prose ("token ids") is left alone.
-    re.compile(rf"(?<!{_NAME_CHARS})((?=[A-Z0-9_]{{0,64}}(?:PASS|PWD|SECRET|TOKEN|KEY))"
+    re.compile(rf"(?<!{_NAME_CHARS})((?=[A-Z0-9_]{{0,64}}{_SECRET_WORD_UPPER})"
                r"[A-Z0-9_]{1,128}[ \t]{1,8})" + _VALUE),
     re.compile(rf"(?i)(?<=[_-])((?:{_SECRET_NAMES}|key)[ \t]{{1,8}})" + _VALUE),
     # netrc: machine host login me password hunter2.
