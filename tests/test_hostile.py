@@ -405,6 +405,12 @@ HOSTILE_REPORTS: dict[str, tuple[Callable[[Path], None], str]] = {
                                   'results[[]0[]]: passed on "cuda", a device type its '
                                   'environment does not have (device_types: "cpu"): a run '
                                   "that cannot have happened there"),
+    "cuda_pass_said_lost": (_written(_report_text(lambda r: (
+        _cpu_only(r), r["results"][0].update(error_type="WorkerCrash")))),  # type: ignore
+        'results[[]0[]]: passed on "cuda", a device type its environment does not have *'),
+    "pass_on_all": (_written(_report_text(lambda r: (
+        _cpu_only(r), r["results"][0].update(device="all")))),  # type: ignore[index]
+        'results[[]0[]]: passed on "all", a device type its environment does not have *'),
     "accelerator_without_device": (_written(_report_text(
         lambda r: r["environment"].update(devices=[]))),  # type: ignore[attr-defined]
         'environment.device_types names "cuda" but environment.devices lists no device: *'),
