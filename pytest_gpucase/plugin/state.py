@@ -206,7 +206,7 @@ class GpuCaseSession:
         # Where pytest keeps its cache (the ini key cache_dir, as pytest resolves it), computed
         # rather than made: pytest's mkdir would create folders through a link.
         given = os.path.expandvars(os.path.expanduser(str(self.config.getini("cache_dir"))))
-        folder = Path(root_path, given, "d", "gpucase-references")
+        folder = Path(os.path.abspath(Path(root_path, given, "d", "gpucase-references")))
         # Links above the rootdir are the user's own layout; below it, a link may come
         # with the project (a pull request can commit one).
         base = root_path if folder.is_relative_to(root_path) else folder.parent.parent.parent
