@@ -569,3 +569,24 @@ def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
     done = _matrix_of(paths)
     assert done.returncode == 0, done.stderr
     assert "cuDNN ²" in done.stdout and "CUDA ¹².⁴" in done.stdout and "cuDNN 9.1.0" in done.stdout
+
+
+def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
+    """Each column's label was made from every package any report named (environments ×
+    packages), and every report's packages were rebuilt for each column it was compared
+    with."""
+    import time
+
+    from .test_report import H100, result
+
+    paths = [_report_file(tmp_path / f"r{n}.json",
+                          dict(H100, revision=f"r{n}",
+                               packages={f"ext{n}-{p}": "1.0" for p in range(400)}),
+                          [result("ce", "cuda", "float32", "passed")])
+             for n in range(400)]
+    began = time.monotonic()
+    done = _matrix_of(paths, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    columns = json.loads(done.stdout)["columns"]
+    assert len(columns) == 400 and columns[0]["label"].startswith("ext0-0 1.0 · ext0-1 1.0")
