@@ -135,9 +135,20 @@ def _fifo(entry: Path, wrong: Path) -> None:
     os.mkfifo(entry)
 
 
-@pytest.mark.parametrize("forge", [_forged_plain, _forged_tag, _copied, _linked, _fifo],
+def _folder(entry: Path, wrong: Path) -> None:
+    entry.unlink()
+    entry.mkdir()
+
+
+def _huge(entry: Path, wrong: Path) -> None:
+    with open(entry, "r+b") as handle:   # sparse: costs no disk
+        handle.truncate(reference_cache.MAX_BYTES + 1)
+
+
+@pytest.mark.parametrize("forge", [_forged_plain, _forged_tag, _copied, _linked, _fifo, _folder,
+                                   _huge],
                          ids=["plain-golden", "tag-without-key", "genuine-of-another-case",
-                              "symlink", "fifo"])
+                              "symlink", "fifo", "folder", "over-the-cache-size"])
 def test_a_poisoned_entry_never_turns_a_failure_into_a_pass(
         tmp_path: Path, forge: Callable[[Path, Path], None]) -> None:
     """The call returns x + 1, the reference x + 2: the item fails. An entry rewritten to
@@ -159,6 +170,8 @@ def test_a_poisoned_entry_never_turns_a_failure_into_a_pass(
     assert note.startswith(f"the reference cache entry of case counted ({entry.name[:12]}...) ")
     assert note.endswith(": not trusted; the reference was computed again and the entry "
                          "rewritten")
+    if entry.is_dir():
+        return   # nothing can be written over a folder: the run goes on without the cache
     assert torch.equal(stored(entry)["out"], torch.full((4,), 3.0, dtype=torch.float64))
 
 

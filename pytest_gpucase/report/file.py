@@ -12,15 +12,19 @@ import json
 import math
 import os
 import re
-import stat
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from pytest_gpucase.base.errors import file_kind, printable
-from pytest_gpucase.base.files import write_text_atomic
+from pytest_gpucase.base.errors import printable
+from pytest_gpucase.base.files import (
+    FileTooLarge,
+    NotRegularFile,
+    read_regular,
+    write_text_atomic,
+)
 from pytest_gpucase.base.text import one_line
 from pytest_gpucase.base.version import __version__
 from pytest_gpucase.plan.environment import Device, Environment
@@ -253,37 +257,18 @@ _FREE_TEXT = ("message", "skip_reason", "localized", "error_type")
 
 
 def _read_bounded(path: Path | str) -> str:
-    """The text of a regular file of at most ``MAX_REPORT_BYTES``, opened without blocking
-    (a FIFO swapped in after a check cannot hang the reader) and checked on the open file."""
-    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    """The text of a regular file of at most ``MAX_REPORT_BYTES`` (``read_regular``: a FIFO
+    or a device is refused without blocking), whose nesting is bounded."""
     try:
-        fd = os.open(path, flags)
+        data = read_regular(path, MAX_REPORT_BYTES)
+    except NotRegularFile as exc:
+        raise ReportError(path, f"is {exc.kind}, not a regular file; give the JSON report "
+                                "that --gpu-cases-report wrote") from None
+    except FileTooLarge as exc:
+        raise ReportError(path, f"is {exc.size} bytes, over the limit of {MAX_REPORT_BYTES} "
+                                "for a report") from None
     except OSError as exc:
         raise ReportError(path, f"cannot read: {exc.strerror or exc}") from None
-    try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode):
-            raise ReportError(path, f"is {file_kind(found.st_mode)}, not a regular file; give "
-                                    "the JSON report that --gpu-cases-report wrote")
-        if found.st_size > MAX_REPORT_BYTES:
-            raise ReportError(path, f"is {found.st_size} bytes, over the limit of "
-                                    f"{MAX_REPORT_BYTES} for a report")
-        chunks, size = [], 0
-        while size <= MAX_REPORT_BYTES:
-            chunk = os.read(fd, min(1 << 20, MAX_REPORT_BYTES + 1 - size))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            size += len(chunk)
-    except OSError as exc:
-        raise ReportError(path, f"cannot read: {exc.strerror or exc}") from None
-    finally:
-        os.close(fd)
-    if size > MAX_REPORT_BYTES:
-        raise ReportError(path, f"grew past the limit of {MAX_REPORT_BYTES} bytes for a report "
-                                "while it was read")
-    data = b"".join(chunks)
     if not _nesting_bounded(data):
         raise ReportError(path, f"not a pytest-gpucase report: arrays and objects nest deeper "
                                 f"than {MAX_DEPTH} levels")

@@ -76,7 +76,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import display
-from pytest_gpucase.base.files import write_atomic
+from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular, write_atomic
 
 if TYPE_CHECKING:
     from pytest_gpucase.plan.runs import RunSpec
@@ -323,34 +323,32 @@ def load(cached: Entry | None) -> dict[str, Any] | None:
     if cached is None:
         return None
     try:
-        fd = os.open(cached.path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
+        data = read_regular(cached.path, MAX_BYTES, follow_symlinks=False)
     except FileNotFoundError:
+        return None
+    except NotRegularFile as exc:
+        _refused(cached, f"is {exc.kind}, not a regular file")
+        return None
+    except FileTooLarge as exc:
+        _refused(cached, f"is {exc.size} bytes, over the cache's {MAX_BYTES}")
         return None
     except OSError as exc:
         _refused(cached, "is a symlink" if exc.errno == errno.ELOOP
                  else f"cannot be opened ({exc.strerror or exc})")
         return None
-    with open(fd, "rb") as handle:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode):
-            _refused(cached, "is not a regular file")
-            return None
-        if found.st_size > MAX_BYTES:
-            _refused(cached, f"is {found.st_size} bytes, over the cache's {MAX_BYTES}")
-            return None
-        head = handle.read(len(MAGIC) + _TAG_BYTES)
-        body = handle.read(MAX_BYTES)
-    if not head.startswith(MAGIC) or len(head) != len(MAGIC) + _TAG_BYTES:
+    start = len(MAGIC) + _TAG_BYTES
+    body = memoryview(data)[start:]   # checked as it lies in what was read: no copy
+    if len(data) < start or not data.startswith(MAGIC):
         _refused(cached, "is not an entry of this version (no tag)")
         return None
-    if not hmac.compare_digest(head[len(MAGIC):], _tag(cached.secret, cached.name, [body])):
+    if not hmac.compare_digest(data[len(MAGIC):start], _tag(cached.secret, cached.name, [body])):
         _refused(cached, "failed authentication (changed since it was written, or written "
                  "with another key)")
         return None
     from pytest_gpucase.case import golden
 
     try:
-        results = golden.load(cached.path, data=body)
+        results = golden.load(cached.path, data=bytes(body))
     except Exception as exc:  # an authentic entry this version cannot read: computed again
         _refused(cached, f"cannot be read ({type(exc).__name__})")
         return None
