@@ -30,13 +30,18 @@ RUNNER_ENVIRONMENT = ("CI", "BUILD_NUMBER",  # pytest prints failures untrimmed 
 
 
 @pytest.fixture(autouse=True)
-def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch,
+                       tmp_path_factory: pytest.TempPathFactory) -> None:
     """pytest sessions started by a test run their items in order, whatever plugins are installed:
     their output is what the test reads (pytest-randomly would shuffle it), in an environment
-    without the runner's own settings (``RUNNER_ENVIRONMENT``) and 80 columns wide."""
+    without the runner's own settings (``RUNNER_ENVIRONMENT``) and 80 columns wide. The
+    reference cache's key lives in a folder of the test run, never the user's own."""
     for name in RUNNER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setenv("COLUMNS", "80")
+    monkeypatch.delenv("GPUCASE_REFERENCE_KEY_FILE", raising=False)
+    for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
+        monkeypatch.setenv(name, str(tmp_path_factory.getbasetemp() / name.lower()))
     if "pytester" in request.fixturenames:
         request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
         monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import hashlib
+import io
 import json
 import os
 from collections.abc import Callable, Iterable, Mapping
@@ -43,8 +44,8 @@ from pytest_gpucase.base.tensors import readable_address
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "LAYOUT_KEY", "TensorInfo", "content_hash", "describe", "load", "read_header",
-           "readable", "save", "to_device"]
+__all__ = ["DTYPES", "LAYOUT_KEY", "TensorInfo", "content_hash", "describe", "encode", "load",
+           "read_header", "readable", "save", "to_device"]
 
 LAYOUT_KEY = "gpucase.layout"
 # Bounds, checked from the header before anything is allocated (the table "Bounds" in
@@ -137,6 +138,12 @@ def _reached(tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
 def save(path: Path, tensors: Mapping[str, torch.Tensor],
          metadata: Mapping[str, str] | None = None) -> None:
     """Write ``tensors`` to ``path`` atomically, each with its exact layout."""
+    _write_atomic(Path(path), encode(tensors, metadata))
+
+
+def encode(tensors: Mapping[str, torch.Tensor],
+           metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
+    """The bytes ``save`` writes, in order (what a caller that wraps them writes itself)."""
     import torch
 
     codes = {getattr(torch, name): code for code, (name, _) in DTYPES.items()
@@ -191,8 +198,8 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         begin = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
-    _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
-                               *(_bytes_of(flat, name) for name, _, flat in runs)])
+    return [len(raw).to_bytes(8, "little"), raw,
+            *(_bytes_of(flat, name) for name, _, flat in runs)]
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -209,7 +216,9 @@ def _bytes_of(flat: torch.Tensor, name: str = "tensor") -> memoryview:
     address = readable_address(flat, nbytes)
     if address is None:  # ``readable`` let it through: reading it would crash the process
         raise TypeError(f"{name}: its {nbytes} bytes of values have no readable memory")
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    values = (ctypes.c_char * nbytes).from_address(address)
+    values.tensor = flat  # type: ignore[attr-defined]  # the memory lives as long as the view
+    return memoryview(values).cast("B")
 
 
 def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -289,19 +298,24 @@ def _storage_bytes(tensor: torch.Tensor) -> int | str:
         return "unknown"
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def read_header(path: Path, data: bytes | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Parse and check a safetensors header (tensor entries, metadata) without reading data.
 
     Every entry is checked against the file: a known dtype, a shape of at most
     ``MAX_ELEMENTS`` elements, and data offsets inside the file that hold
     exactly that many bytes. A file that is not safetensors (a ``torch.save``
-    pickle, say) is refused from its first bytes and never unpickled.
+    pickle, say) is refused from its first bytes and never unpickled. ``data``: the
+    file's bytes, read (and checked) already by the caller; ``path`` then only names it.
     """
     path = Path(path)
-    link_inside(path, path.parent)  # a payload lives in its case directory
+    if data is None:
+        link_inside(path, path.parent)  # a payload lives in its case directory
     try:
-        size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
-        with _open_regular(path) as handle:
+        if data is None:
+            size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
+        else:
+            size = len(data)
+        with _open_regular(path) if data is None else io.BytesIO(data) as handle:
             start = handle.read(8)
             if len(start) < 8:
                 raise _not_safetensors(path, start, f"is {size} bytes, too short for a "
@@ -460,17 +474,18 @@ def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), tuple(stride), offset, stored_from)
 
 
-def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a payload with its exact saved layout, on ``device``."""
+def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a payload with its exact saved layout, on ``device`` (``data``:
+    the file's bytes, read already, as for ``read_header``)."""
     import torch
     from safetensors import SafetensorError
 
-    header, metadata = read_header(path)
+    header, metadata = read_header(path, data)
     infos = _infos(path, header, metadata)  # every check runs before any data is read
     tensors: dict[str, torch.Tensor] = {}
     try:
         with contextlib.ExitStack() as stack:
-            stored_tensor = _reader(path, stack)
+            stored_tensor = _reader(path, stack, data)
             for info in infos:
                 stored = stored_tensor(info.name)
                 if info.stored_from:  # zeros stand for the part of the storage not read
@@ -488,11 +503,15 @@ def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+def _reader(path: Path, stack: contextlib.ExitStack,
+            data: bytes | None = None) -> Callable[[str], torch.Tensor]:
     """Reads stored tensors by name, as safetensors reads them (``read_header`` checked them)."""
     from safetensors import safe_open
     from safetensors.torch import load as load_bytes
 
+    if data is not None:
+        held: dict[str, torch.Tensor] = load_bytes(data)
+        return held.__getitem__
     text = str(path)
     if text != printable(text):
         # safetensors takes a path as UTF-8 text: a directory name that is not is read as bytes.

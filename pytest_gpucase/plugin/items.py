@@ -328,6 +328,8 @@ class CaseItem(pytest.Item):
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise KeyboardInterrupt("SIGINT while the case ran")
+        for note in verdict.outcome.notes:
+            state.note(note)
         from pytest_gpucase.plugin.records import verdict_fields
 
         fields = verdict_fields(verdict)

@@ -81,6 +81,8 @@ class Outcome:
     # "bad output" (one that cannot be walked: nested too deep, or holding itself),
     # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
     kind: str = ""
+    # What the session should say once, whatever the verdict (a cache entry not trusted).
+    notes: tuple[str, ...] = ()
 
     @property
     def broken_case(self) -> bool:
@@ -149,6 +151,13 @@ def run(spec: RunSpec) -> Outcome:
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
     project.prepend(project.import_paths(spec.case.path))
+    reference_cache.take_notes()  # a reused child's earlier run said its own
+    outcome = _judged(spec)
+    notes = reference_cache.take_notes()
+    return dataclasses.replace(outcome, notes=(*outcome.notes, *notes)) if notes else outcome
+
+
+def _judged(spec: RunSpec) -> Outcome:
     try:
         return _run(spec)
     except _Failed as failed:
