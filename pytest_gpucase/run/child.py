@@ -396,7 +396,28 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         # "case.py:make": imported from the case directory, as a "FILE.py" call is.
         literals[MODULE_KEY] = {**recipe, "factory": resolve(
             case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
+            recipe.get("checkpoint"), Mapping):
+        tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
     return {**literals, **tensors}, rng
+
+
+def _checkpoint_state(case: Case, reference: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state of a model case that references the user's checkpoint instead of holding
+    it (``[inputs.gpucase_module] checkpoint``), as ``state.*`` inputs, its hash checked."""
+    from pytest_gpucase.run.replay import load_checkpoint
+
+    key = f"[inputs] {MODULE_KEY}.checkpoint"
+    path = Path(str(reference.get("path", "")))
+    if not path.is_file():
+        raise CaseFormatError(case.case_file, f"names {path}, which is not a file here: the "
+                              "model's state lives in that checkpoint; make it reachable at "
+                              "that path", key=key)
+    try:
+        return load_checkpoint(path, str(reference.get("sha256", "")),
+                               str(reference.get("prefix", "")))
+    except ValueError as exc:
+        raise CaseFormatError(case.case_file, str(exc), key=key) from None
 
 
 def _tensor_dict(case: Case, name: str, members: Any,
