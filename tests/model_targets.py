@@ -20,28 +20,58 @@ class TinyLM(torch.nn.Module):
         return self.head(self.emb(tokens))
 
 
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+class NaNLM(TinyLM):
+    """Its output is infinite where the token is 7: a NaN loss follows."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        if not torch.isfinite(grad).all():
-            raise FloatingPointError("non-finite gradient reached Boom.backward")
-        return grad * 2
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out * torch.where(tokens == 7, float("inf"), 1.0).unsqueeze(-1)
 
 
-class BackwardBoom(torch.nn.Module):
-    """Raises in backward when the gradient that reaches it is not finite."""
+class SqrtLM(torch.nn.Module):
+    """Scales by the square root of a parameter: its gradient is infinite where it is 0."""
 
     def __init__(self, dim: int = 3) -> None:
         super().__init__()
         self.dim = dim
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.sqrt()
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.limit = limit
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not torch.isfinite(grad).all():
+            raise FloatingPointError("non-finite gradient reached Boom.backward")
+        if grad.abs().max() > ctx.limit:
+            raise FloatingPointError(f"gradient above {ctx.limit} reached Boom.backward")
+        return grad * 2, None
+
+
+class BackwardBoom(torch.nn.Module):
+    """Raises in backward when the gradient that reaches it is not finite (or above
+    ``limit``)."""
+
+    def __init__(self, dim: int = 3, limit: float = float("inf")) -> None:
+        super().__init__()
+        self.dim = dim
+        self.limit = limit
         self.lin = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Boom.apply(self.lin(x))  # type: ignore[no-any-return]
+        return _Boom.apply(self.lin(x), self.limit)  # type: ignore[no-any-return]
+
+
+def scaled_sum(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A loss: the sum of ``x`` times ``scale`` (a NaN scale sends NaN gradients back)."""
+    return (x * scale).sum()
 
 
 def mixed_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
