@@ -20,6 +20,48 @@ class TinyLM(torch.nn.Module):
         return self.head(self.emb(tokens))
 
 
+class DropLM(TinyLM):
+    """TinyLM with dropout, whose rate it keeps only inside its nn.Dropout."""
+
+    def __init__(self, vocab: int = 8, dim: int = 4, dropout: float = 0.1) -> None:
+        super().__init__(vocab, dim)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.emb(tokens)))
+
+
+class TiedLM(TinyLM):
+    """TinyLM whose head shares the embedding's weight (an LM head tied to its input)."""
+
+    def __init__(self, vocab: int = 8, dim: int = 4) -> None:
+        super().__init__(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class BagLM(torch.nn.Module):
+    """An EmbeddingBag of 64 rows: a token 64 raises an error no triage class names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(64, 4, mode="sum")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.bag(tokens)
+
+
+class ShapeLM(torch.nn.Module):
+    """A projection from 4 features: 5 raise a shape error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).relu()
+
+
 class NaNLM(TinyLM):
     """Its output is infinite where the token is 7: a NaN loss follows."""
 
