@@ -339,15 +339,17 @@ class Recorder:
             return
         save: Callable[[BaseException], object]
         if module is not None and method:
-            save = functools.partial(self._save_method, module=module, method=method,
+            save = functools.partial(self.save_method, module=module, method=method,
                                      args=args, kwargs=dict(kwargs or {}), before=before,
                                      backward=backward)
         else:
             save = functools.partial(self._save_step, anchored=False)
         self._failed(exc, save)
 
-    def _save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
-                     kwargs: Mapping[str, Any], before: Before | None, backward: bool) -> None:
+    def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any], before: Before | None, backward: bool) -> None:
+        """Save ``exc`` as the case of ``method`` of ``module`` called on ``args`` (for a
+        framework's step: ``record`` and ``nonfinite`` call it)."""
         inner = unwrap(module)
         watch = next((w for w in self._modules if w.module is inner), None)
         if watch is None:
