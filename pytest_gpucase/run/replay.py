@@ -97,7 +97,8 @@ def _backward(out: Any, recipe: Mapping[str, Any], inputs: Mapping[str, Any]) ->
             out = function(**given)
             if recipe.get("finite"):
                 require_finite("loss", out)
-        loss = _loss_of(out)
+        loss = (_loss_of(out) if "loss_index" not in recipe or isinstance(how, Mapping)
+                else list(tensors_in(out))[int(recipe["loss_index"])])
         if loss is None:
             raise TypeError("the case replays backward from the loss its call returns, but "
                             f"the call returned {type(out).__name__} without one")
@@ -128,7 +129,7 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     train/eval mode), ``method`` (a method called instead of forward: a LightningModule's
     ``training_step``), ``tied`` (alias = source: parameters shared in the model),
     ``backward`` (the failure was in backward: run it, from the loss the call returns when
-    ``loss = "output"``, from the loss function ``loss = {call, output, index, inputs}``
+    ``loss = "output"`` (its ``loss_index``-th output tensor when given), from the loss function ``loss = {call, output, index, inputs}``
     names called on output ``index`` as argument ``output`` with the ``loss.<name>``
     tensors, else from the saved ``grad_output.<i>`` tensors) and ``finite``
     (the failure was a non-finite value: outputs and gradients must be finite).

@@ -173,8 +173,10 @@ class ModuleSaver:
         the module's output), else from the gradients saved, unless they hold the
         symptom itself (a NaN that the loss sent back)."""
         watch = self.watch
-        if self.method or watch.seeded:
+        if self.method or watch.seeded is not None:
             recipe["loss"] = "output"
+            if not self.method and watch.seeded is not None:
+                recipe["loss_index"] = watch.seeded
             origin["grad_output"] = "recomputed: the replay runs backward from the loss " \
                                     "its call returns"
             return

@@ -120,7 +120,7 @@ class ModuleWatch:
         self.last_call: tuple[Any, Any] | None = None
         self.backward_open = False
         self.grad_output: dict[int, Any] = {}   # output index -> its gradient
-        self.seeded = False     # the gradients that arrived were a loss's seed (ones, 0-d)
+        self.seeded: int | None = None  # the output backward started from, as a loss
         # The autocast region the forward computes in, read by the first submodule entered:
         # a wrapper of forward (Accelerate's) may enter it after the module's own pre-hook.
         self.inner_context: tuple[str, str] | None = None
@@ -225,7 +225,7 @@ class ModuleWatch:
         on every step of a model whose inputs need no gradient.)"""
         outputs = [t for t in tensors_in(result) if t.requires_grad]
         self.grad_output = {}
-        self.seeded = False
+        self.seeded = None
         if not outputs:
             return
         hook = _GradHook(weakref.ref(self))
@@ -240,8 +240,11 @@ class ModuleWatch:
         first = not self.backward_open
         self.backward_open = True
         self.grad_output[index] = grad
-        self.seeded = (len(self.grad_output) == 1 and getattr(grad, "dim", lambda: 1)() == 0
-                       and bool((grad == 1).all()))
+        if first:
+            # Backward started at this output with a gradient of one: it is the loss, and a
+            # replay recomputes everything from it.
+            self.seeded = index if (getattr(grad, "dim", lambda: 1)() == 0
+                                    and bool((grad == 1).all())) else None
         if not (owner.checks("grad") and first):
             return
         problem = nonfinite_problem(f"gradient of {self.watched.name}'s output", grad)
