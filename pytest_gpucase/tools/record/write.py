@@ -232,7 +232,10 @@ def _case_document(draft: Draft) -> dict[str, Any]:
     doc["expect"] = {"outcome": "matches"}
     autocast = draft.context.get("autocast")
     if draft.call == REPLAY_MODULE and isinstance(autocast, Mapping):
-        doc["expect"]["tolerance"] = {autocast["dtype"]: _model_tolerance(autocast["dtype"])}
+        # Outputs a model casts up (logits.float(), a float32 loss) were computed in the
+        # autocast dtype all the same: they are held to its tolerance too.
+        tolerance = _model_tolerance(autocast["dtype"])
+        doc["expect"]["tolerance"] = {autocast["dtype"]: tolerance, "float32": tolerance}
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
