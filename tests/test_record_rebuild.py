@@ -25,7 +25,7 @@ from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.replay import replay_module, script_definitions
 from pytest_gpucase.tools.record import Recorder
-from pytest_gpucase.tools.record.narrow import same_failure
+from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.rebuild import rebuild_of
 from pytest_gpucase.tools.validate import validate
 from tests import model_targets
@@ -283,15 +283,16 @@ def test_failures_no_class_names_are_narrowed(tmp_path: Path, build: Any,
         replays(case_dir, error)
 
 
-def test_same_failure_is_the_class_or_the_message_shape() -> None:
+def test_narrowing_keeps_what_is_the_same_failure_by_class_or_shape() -> None:
+    """The definition narrowing uses: verdict.failure (the verdicts share it)."""
     bag = "Index 29 of input takes value 64 which is not in the valid range [0, 64)"
-    assert same_failure(("IndexError", bag, ""), ("IndexError", bag.replace("29", "3"), ""))
-    shape = ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x5 and 4x3)", "")
-    assert same_failure(shape, ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied "
-                                                "(1x5 and 4x3)", ""))
-    assert not same_failure(shape, ("RuntimeError", "The size of tensor a (3) must match the "
-                                                    "size of tensor b (4)", ""))
-    assert same_failure(("RuntimeError", "CUDA error: device-side assert triggered", ""),
-                        ("IndexError", "index out of range in self", ""))
-    assert not same_failure(("IndexError", "index out of range in self", ""),
-                            ("RuntimeError", "mat1 and mat2 shapes cannot be multiplied", ""))
+    assert same_failure(Failure("RuntimeError", bag, "", "cpu"),
+                        Failure("RuntimeError", bag.replace("29", "3"), "", "cpu"))
+    shape = Failure("RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x5 and 4x3)")
+    assert same_failure(shape, Failure("RuntimeError", "mat1 and mat2 shapes cannot be "
+                                                       "multiplied (1x5 and 4x3)"))
+    assert not same_failure(shape, Failure("RuntimeError", "The size of tensor a (3) must "
+                                                           "match the size of tensor b (4)"))
+    assert same_failure(Failure("RuntimeError", "CUDA error: device-side assert triggered",
+                                "", "cuda"),
+                        Failure("IndexError", "index out of range in self", "", "cpu"))

@@ -129,9 +129,11 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     train/eval mode), ``method`` (a method called instead of forward: a LightningModule's
     ``training_step``), ``tied`` (alias = source: parameters shared in the model),
     ``backward`` (the failure was in backward: run it, from the loss the call returns when
-    ``loss = "output"`` (its ``loss_index``-th output tensor when given), from the loss function ``loss = {call, output, index, inputs}``
-    names called on output ``index`` as argument ``output`` with the ``loss.<name>``
-    tensors, else from the saved ``grad_output.<i>`` tensors) and ``finite``
+    ``loss = "output"``, its ``loss_index``-th output tensor when given; from the loss
+    function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
+    argument ``output`` with the ``loss.<name>`` tensors; else from the saved
+    ``grad_output.<i>`` tensors), ``nested`` (arguments of lists, tuples and dicts of
+    tensors) and ``finite``
     (the failure was a non-finite value: outputs and gradients must be finite).
     ``state.<name>`` tensors are the state dict.
     """

@@ -1,15 +1,14 @@
 """Narrowing a watched module's failure: the cases of the innermost submodule that raised
 and of the single ATen op that raised (found in a child under a dispatch mode), each written
 beside the module's case and kept only if it reproduces the same failure in a fresh child:
-the same failure class, or for a failure no class names, the same exception type and
-message shape (``same_failure``).
+``verdict.failure.same_failure``, the failure class and the message's shape, so that a
+failure no class names (a shape error, EmbeddingBag's range check) is narrowed too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -24,6 +23,7 @@ from pytest_gpucase.case.keys import (
 )
 from pytest_gpucase.case.model import INPUTS_FILE
 from pytest_gpucase.run.replay import replay_module
+from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.inputs import (
     NOT_LITERAL,
     Before,
@@ -56,7 +56,7 @@ from pytest_gpucase.tools.record.write import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["context_doc_of", "note_narrowed_size", "same_failure", "write_narrowed"]
+__all__ = ["context_doc_of", "note_narrowed_size", "write_narrowed"]
 
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
 _NARROWED_NOTE_SIZE = 32 * 2**20
@@ -84,8 +84,9 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     for in a replay of the whole module's case, whose inputs were copied before."""
     import torch
 
-    recorded = (type(exc).__name__, message_of(exc),
-                read_tail(stderr_file) if stderr_file is not None else "")
+    recorded = Failure(type(exc).__name__, message_of(exc),
+                       read_tail(stderr_file) if stderr_file is not None else "",
+                       _device_of(module))
     start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
     base = case_dir.name
     module_dir = case_dir
@@ -131,6 +132,13 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written)
 
 
+def _device_of(module: torch.nn.Module) -> str | None:
+    """The device type the module computed on (where the failure happened)."""
+    for tensor in module.parameters():
+        return str(tensor.device.type)
+    return None
+
+
 def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
     """``{key: value}`` of the ``[context]`` of the case at ``case_dir``, if it has it: a
     narrowed case runs in the numeric context its module's case recorded."""
@@ -144,7 +152,7 @@ def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
 
 
 def _narrow_op(exc: BaseException, module_dir: Path, base: str,
-               recorded: tuple[str, str, str], start: Any, *, root: Path, kept: list[Path],
+               recorded: Failure, start: Any, *, root: Path, kept: list[Path],
                written: list[Path]) -> None:
     """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
     import tempfile
@@ -287,38 +295,10 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     return table
 
 
-_ADDRESS = re.compile(r"0x[0-9a-fA-F]+")
-_NUMBER = re.compile(r"[-+]?\d+(?:\.\d+)?(?:[eE][-+]?\d+)?")
-
-
-def _shape(message: str) -> str:
-    """A message with addresses and numbers replaced: what stays when the same failure
-    meets other sizes, indices, values or allocations."""
-    first = message.strip().splitlines()[0] if message.strip() else ""
-    text = _NUMBER.sub("<n>", _ADDRESS.sub("<address>", first))
-    return " ".join(text.split())
-
-
-def same_failure(recorded: tuple[str, str, str], found: tuple[str, str, str]) -> bool:
-    """Whether a failure (type name, message, stderr) is the recorded one: the same triage
-    failure class when either has one (a device-side assert on CUDA is met by the
-    IndexError the CPU raises), else the same exception type and message shape.
-
-    The Recorder's stand-in for the one definition of "same failure" the verdicts share
-    (the failure class plus the message shape); to be replaced by it."""
-    from pytest_gpucase.verdict.triage import failure_class
-    from pytest_gpucase.verdict.triage import same_failure as same_class
-
-    mine, theirs = failure_class(*recorded), failure_class(*found)
-    if mine is not None or theirs is not None:
-        return mine is not None and same_class(mine, theirs)
-    return (recorded[0].rsplit(".", 1)[-1] == found[0].rsplit(".", 1)[-1]
-            and _shape(recorded[1]) == _shape(found[1]))
-
-
-def _reproduces(case_dir: Path, recorded: tuple[str, str, str], start_method: Any) -> bool:
+def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
     """Whether a case written to ``case_dir`` raises the recorded failure on the CPU, in a
-    fresh child (the check that keeps a narrowed case)."""
+    fresh child (the check that keeps a narrowed case): ``verdict.failure.same_failure``,
+    the one definition the verdicts share (the failure class, and the message's shape)."""
     from pytest_gpucase.case.load import load_case
     from pytest_gpucase.plan.runs import RunSpec
     from pytest_gpucase.run.parent import run_spec
@@ -329,5 +309,5 @@ def _reproduces(case_dir: Path, recorded: tuple[str, str, str], start_method: An
     outcome = verdict.outcome
     if outcome.error_type is None or outcome.broken_case:
         return False
-    return same_failure(recorded, (outcome.error_type, outcome.error_message or "",
-                                   verdict.child.stderr))
+    return same_failure(recorded, Failure(outcome.error_type, outcome.error_message or "",
+                                          verdict.child.stderr, "cpu"))
