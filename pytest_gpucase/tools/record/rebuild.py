@@ -261,8 +261,11 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
     if factory is not None:
         literal = as_literal(dict(kwargs or {}))
         if literal is NOT_LITERAL:
-            return Rebuild(None, {}, f"rec.watch(..., kwargs=...) for {factory} holds values "
-                           "TOML cannot: pass numbers, strings, booleans and lists only")
+            bad = sorted(str(k) for k, v in dict(kwargs or {}).items()
+                         if as_literal(v) is NOT_LITERAL)
+            return Rebuild(None, {}, f"rec.watch(..., kwargs=...) for {factory}: "
+                           f"{', '.join(bad) or 'a key'} holds what TOML cannot (None, an "
+                           "object): pass numbers, strings, booleans, lists and tables only")
         rebuild = Rebuild(factory, literal, how=f"{factory}(**kwargs)")
         build = _builder(factory, None, dict(literal), None)
     else:

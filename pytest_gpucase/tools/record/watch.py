@@ -49,7 +49,11 @@ class Owner(Protocol):
 
 def nonfinite_problem(what: str, value: Any) -> str | None:
     """``"non-finite output of m: out['logits'] holds 3 NaN"`` for the first floating tensors
-    in ``value`` that hold NaN or inf, or None. One device sync for all of them."""
+    in ``value`` that hold NaN or inf, or None.
+
+    One pass over each tensor and one device sync per device: NaN and inf survive a sum,
+    so a finite sum of each device's tensors clears them all; only a sum that is not finite
+    (a NaN, or finite values that overflowed) looks at each tensor."""
     import torch
 
     tensors = [(n, t) for n, t in named_tensors(value, "out")
@@ -57,18 +61,21 @@ def nonfinite_problem(what: str, value: Any) -> str | None:
     if not tensors:
         return None
     with torch.no_grad():
-        flags = torch.stack([t.isfinite().all().to("cpu", non_blocking=False)
-                             for _, t in tensors])
-        if bool(flags.all()):
+        sums: dict[Any, list[torch.Tensor]] = {}
+        for _, tensor in tensors:
+            total = (tensor.abs().sum(dtype=torch.float32) if tensor.is_complex()
+                     else tensor.sum(dtype=torch.float32))
+            sums.setdefault(tensor.device, []).append(total)
+        if all(bool(torch.stack(group).sum().isfinite()) for group in sums.values()):
             return None
         problems = []
-        for (name, tensor), ok in zip(tensors, flags.tolist(), strict=True):
-            if not ok:
-                nan, inf = (int(n) for n in torch.stack((tensor.isnan().sum(),
-                                                         tensor.isinf().sum())).tolist())
+        for name, tensor in tensors:
+            nan, inf = (int(n) for n in torch.stack((tensor.isnan().sum(),
+                                                     tensor.isinf().sum())).tolist())
+            if nan or inf:
                 kinds = " and ".join(f"{n} {k}" for n, k in ((nan, "NaN"), (inf, "inf")) if n)
                 problems.append(f"{name} holds {kinds}")
-    return f"non-finite {what}: {'; '.join(problems[:4])}"
+    return f"non-finite {what}: {'; '.join(problems[:4])}" if problems else None
 
 
 def loss_in(value: Any) -> Any:
