@@ -212,12 +212,16 @@ def _run(spec: RunSpec) -> Outcome:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
         note(f"while computing the float64 reference on the CPU ({returned})")
+        saved = _as_saved(spec, run_inputs, versions)
+        # Nothing needs the run's inputs past here: this frame lets go of them, so that each
+        # is freed as its float64 copy is made (a module case's state is in memory about
+        # twice over, not three times: the float32 state and its float64 copy at once).
+        inputs = run_inputs = {}
         try:
             # The same random draws and grad mode, in float64 on the CPU.
             with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
                   _labelled_output(REFERENCE_OUTPUT)):
-                expected = _call(reference, upcast(_as_saved(spec, run_inputs, versions)),
-                                 expect.gradients, "cpu")
+                expected = _call(reference, _upcast_releasing(saved), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
         except _NothingDifferentiated as problem:
@@ -599,6 +603,15 @@ def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
         return value
 
     return {name: _each_tensor(value, up) for name, value in inputs.items()}
+
+
+def _upcast_releasing(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``upcast(inputs)``, emptying ``inputs`` as it goes: each input is let go of once its
+    float64 copy is made, so the largest of them is the only one held twice at a time."""
+    upcast_inputs: dict[str, Any] = {}
+    for name in list(inputs):
+        upcast_inputs.update(upcast({name: inputs.pop(name)}))
+    return upcast_inputs
 
 
 def _sync(device: str) -> None:

@@ -128,6 +128,7 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     which the child imports from the case directory) and its ``kwargs``, ``training`` (the
     train/eval mode), ``method`` (a method called instead of forward: a LightningModule's
     ``training_step``), ``tied`` (alias = source: parameters shared in the model),
+    ``buffers`` (the non-persistent buffers among the ``state.<name>`` tensors),
     ``backward`` (the failure was in backward: run it, from the loss the call returns when
     ``loss = "output"``, its ``loss_index``-th output tensor when given; from the loss
     function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
@@ -143,18 +144,10 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     factory = recipe["factory"]
     # A "FILE.py:make" factory arrives already imported from the case directory (execute).
     make = factory if callable(factory) else import_target(str(factory))
-    module = make(**dict(recipe.get("kwargs", {})))
     state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
              if k.startswith(STATE_PREFIX)}
     args = _arguments(recipe, inputs, (STATE_PREFIX, GRAD_PREFIX, LOSS_PREFIX))
-    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
-    for alias, source in tied.items():
-        if source in state:
-            state.setdefault(alias, state[source])
-    if state:
-        # assign: the saved tensors become the parameters, in the device and dtype of the run.
-        module.load_state_dict(state, strict=True, assign=True)
-        retie(module, tied)
+    module = _rebuilt(make, recipe, state)
     device = next((t.device for t in tensors_in(list(inputs.values()))), None)
     if device is not None:
         module.to(device)  # non-persistent buffers, made by the constructor on the host
@@ -178,6 +171,59 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     if finite:
         require_finite("gradient", grads)
     return {"out": out, "grad": grads}
+
+
+def _rebuilt(make: Any, recipe: Mapping[str, Any],
+             state: dict[str, Any]) -> torch.nn.Module:
+    """The module ``make`` builds, holding ``state``: its saved tensors become its parameters
+    and buffers (``assign``: in the device and dtype of the run, no copy).
+
+    A case that lists the module's non-persistent ``buffers`` holds every tensor the module
+    has, so the module is built on the meta device first: its constructor allocates and
+    initializes nothing, and a replay costs the state once, not twice. A module whose
+    constructor cannot run on meta, or that keeps a tensor the case lacks, is built on the
+    host as cases written before the list were.
+    """
+    import torch
+
+    kwargs = dict(recipe.get("kwargs", {}))
+    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    buffers = [str(name) for name in recipe.get("buffers", ())]
+    for alias, source in tied.items():
+        if source in state:
+            state.setdefault(alias, state[source])
+    loaded = {k: v for k, v in state.items() if k not in buffers}
+    if "buffers" in recipe and state:
+        try:
+            with torch.device("meta"):
+                module: torch.nn.Module = make(**kwargs)
+            module.load_state_dict(loaded, strict=True, assign=True)
+            retie(module, tied)
+            for name in buffers:
+                owner, _, attr = name.rpartition(".")
+                module.get_submodule(owner)._buffers[attr] = state[name]
+            if not any(_on_meta(m) for m in module.modules()):
+                return module
+        except Exception:  # built again on the host below
+            pass
+    module = make(**kwargs)
+    if state:
+        module.load_state_dict(loaded, strict=True, assign=True)
+        retie(module, tied)
+        for name in buffers:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._buffers[attr] = state[name]
+    return module
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    """Whether a module still holds a tensor on the meta device: a parameter or buffer the
+    case did not fill, or a plain tensor attribute its constructor made."""
+    import torch
+
+    values = [*module._parameters.values(), *module._buffers.values(),
+              *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in values)
 
 
 def replay_function(*, gpucase_function: Mapping[str, Any], **inputs: Any) -> Any:

@@ -114,11 +114,12 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                        written=written)
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
-        state, tied = module_state(sub)
-        if tied:
-            recipe["tied"] = tied
+        state = module_state(sub)
+        recipe["buffers"] = state.buffers
+        if state.tied:
+            recipe["tied"] = state.tied
         inputs = dataclasses.replace(
-            inputs, tensors={**inputs.tensors, **state, **rng_tensors},
+            inputs, tensors={**inputs.tensors, **state.tensors, **rng_tensors},
             literals={**inputs.literals, MODULE_KEY: recipe})
         draft = case_draft(exc, inner, inputs, context, context.ids, "", device_names,
                            files=rebuild_files(rebuild, root))

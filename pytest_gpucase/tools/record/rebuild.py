@@ -42,7 +42,8 @@ from pytest_gpucase.tools.record.origin import error_line, import_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "module_state", "on_host", "rebuild_files", "rebuild_of",
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "module_state", "on_host", "rebuild_files",
+           "rebuild_of",
            "script_function_files"]
 
 # The factory of a model a case.py builds (model.json describes it).
@@ -73,9 +74,21 @@ def on_host(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.detach() if tensor.device.type == "cpu" else payload.to_device(tensor, "cpu")
 
 
-def module_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """Parameters and persistent buffers on the host under ``state.<name>``, each tensor
-    once, and the tied ones: alias -> the name it is stored under.
+@dataclass(frozen=True)
+class State:
+    """A module's tensors as a case holds them."""
+
+    tensors: dict[str, torch.Tensor]  # state.<name>: parameters and buffers, each once
+    tied: dict[str, str]               # alias -> the name its Parameter is stored under
+    buffers: list[str]                 # names of non-persistent buffers among the tensors
+
+
+def module_state(module: torch.nn.Module) -> State:
+    """Parameters and buffers on the host under ``state.<name>``, each tensor once, the
+    tied parameters (alias -> the name it is stored under), and which of the tensors are
+    buffers the state dict leaves out (``persistent=False``: position ids, rotary
+    frequencies), so that a replay needs nothing the constructor computes and can build
+    the module on the meta device.
 
     Written before training goes on, so host tensors are not copied.
     """
@@ -94,7 +107,12 @@ def module_state(module: torch.nn.Module) -> tuple[dict[str, torch.Tensor], dict
             continue
         stored[id(value)] = name
         tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
-    return tensors, tied
+    buffers = []
+    for name, value in module.named_buffers(remove_duplicate=False):
+        if name not in state and isinstance(value, torch.Tensor) and storable(value):
+            tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
+            buffers.append(name)
+    return State(tensors, tied, buffers)
 
 
 def _lightning(module: Any) -> bool:
