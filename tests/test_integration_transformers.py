@@ -34,6 +34,17 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 
+@pytest.fixture(autouse=True)
+def _fresh_accelerate() -> Any:
+    """Accelerate keeps one process-wide state: each test (a Trainer in float32 or bf16, a
+    plain loop) starts from none, as a script does."""
+    from accelerate.state import AcceleratorState
+
+    AcceleratorState._reset_state(reset_partial_state=True)
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 def toml(case_dir: Path) -> dict[str, Any]:
     return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
 
