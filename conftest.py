@@ -54,6 +54,9 @@ SLOW_MODULES = frozenset({
     "test_ablate", "test_containment", "test_example_model", "test_example_training",
     "test_gpu", "test_gpu_ablate", "test_isolation", "test_isolation_modes", "test_minimize",
     "test_model_capture", "test_runner",
+    # The Recorder in training stacks: real Trainer runs, replays in children.
+    "test_example_integrations", "test_integration_lightning", "test_integration_transformers",
+    "test_record_rebuild", "test_record_steps",
 })
 # ... and single tests elsewhere that start a process or kill one at random moments.
 SLOW_TESTS = frozenset({
@@ -73,6 +76,8 @@ SLOW_TESTS = frozenset({
     "test_validate_minimize_and_ablate_find_the_src_layout_from_elsewhere",
     "test_pytest_children_import_as_the_parent_does",
     "test_loading_does_not_import_torch",
+    "test_a_failure_inside_a_compiled_model_is_a_case_of_the_eager_module",
+    "test_a_killed_interpreter_leaves_no_case_that_looks_valid",
 })
 
 

@@ -13,16 +13,17 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base import backends
-from pytest_gpucase.base.tensors import is_tensor, nbytes, tensor_versions
+from pytest_gpucase.base.tensors import is_tensor, nbytes, tensor_versions, tensors_in
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.keys import DICT_PREFIX, RNG_NAMES, TENSORS_KEY
+from pytest_gpucase.case.keys import DICT_PREFIX, NESTED_PREFIX, RNG_NAMES, TENSORS_KEY
 from pytest_gpucase.tools.record.origin import INT64, Watched, error_line, mib
 from pytest_gpucase.verdict.triage import Triage
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NOT_LITERAL", "Before", "Inputs", "as_literal", "collect", "numeric_context",
+__all__ = ["NOT_LITERAL", "Before", "Inputs", "as_literal", "collect", "encode_nested",
+           "numeric_context",
            "rng_state", "snapshot_before", "storable", "synchronize", "tensors_of", "unusable"]
 
 # Host inputs copied before each call from this size up are named once (the copy is paid at
@@ -54,6 +55,9 @@ class Inputs:
     devices: tuple[str, ...] = ()
     changed: tuple[str, ...] = ()  # changed in place by the failing call, saved as changed
     shared: tuple[str, ...] = ()   # "buf, view": arguments sharing memory, held apart in a case
+    # Arguments nesting tensors in lists, tuples and dicts (a batch (x, y)): name -> the
+    # structure, its tensors named ``nested.<name>.<path>`` among ``tensors``.
+    nested: Mapping[str, Any] = field(default_factory=dict)
 
 
 def snapshot_before(watched: Watched, args: Any, kwargs: Any, *, snapshot: str,
@@ -133,12 +137,9 @@ def _remember_device_names(tensors: list[torch.Tensor], names: dict[str, str]) -
 
 
 def tensors_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
-    """The tensors among the arguments, and those of any dict-of-tensors argument."""
-    import torch
-
-    values = list(args) + list(kwargs.values())
-    values += [v for d in values if isinstance(d, Mapping) for v in d.values()]
-    return [v for v in values if isinstance(v, torch.Tensor)]
+    """The tensors among the arguments, and those nested in lists, tuples and dicts of them
+    (a batch ``(x, y)``, a dict of tensors)."""
+    return list(tensors_in([list(args), list(kwargs.values())]))
 
 
 def _tensor_dict(value: Any) -> dict[str, torch.Tensor] | None:
@@ -248,10 +249,19 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
         else:
             pending[name] = value
 
+    nested: dict[str, Any] = {}
     for name, value, param in named:
         if isinstance(value, torch.Tensor):
             take(name, value)
             continue
+        if isinstance(value, (list, tuple, Mapping)) and _tensor_dict(value) is None:
+            found_tensors: dict[str, torch.Tensor] = {}
+            spec = encode_nested(value, f"{NESTED_PREFIX}{name}", found_tensors)
+            if spec is not None and found_tensors:
+                for key, tensor in found_tensors.items():
+                    take(key, tensor)
+                nested[name] = spec
+                continue
         group = _tensor_dict(value)
         if group is not None:
             # Each tensor under its own payload name; [inputs] says how to rebuild the dict.
@@ -306,7 +316,36 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
                         "skipped_inputs): add them to [inputs] or to inputs.safetensors")
     return Inputs(tensors=tensors, literals=literals, described=described, skipped=skipped,
                   snapshot=snapshot, problems=tuple(problems), devices=tuple(devices),
-                  changed=tuple(changed), shared=shared)
+                  changed=tuple(changed), shared=shared, nested=nested)
+
+
+def encode_nested(value: Any, path: str, tensors: dict[str, torch.Tensor],
+                  depth: int = 0) -> Any:
+    """``value`` (lists, tuples, dicts under string keys of tensors and literals) as plain
+    data naming its tensors (``{tensor = "nested.batch.0"}``), which go to ``tensors``; None
+    when it holds anything else. ``run.replay.decode_nested`` reads it back."""
+    import torch
+
+    if depth > 16:
+        return None
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return {"tensor": path}
+    if value is None:
+        return {"none": True}
+    if isinstance(value, (list, tuple)):
+        items = [encode_nested(v, f"{path}.{i}", tensors, depth + 1) for i, v in enumerate(value)]
+        if any(i is None for i in items):
+            return None
+        return {"tuple" if isinstance(value, tuple) else "list": items}
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            return None
+        table = {k: encode_nested(v, f"{path}.{k}", tensors, depth + 1)
+                 for k, v in value.items()}
+        return None if any(v is None for v in table.values()) else {"dict": table}
+    literal = as_literal(value)
+    return None if literal is NOT_LITERAL else {"value": literal}
 
 
 def unusable(found: Triage | None) -> str | None:

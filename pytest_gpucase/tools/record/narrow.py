@@ -1,21 +1,18 @@
-"""Narrowing a watched module's failure: how a replay rebuilds a module (a factory, or a
-torch.nn built-in's constructor arguments read back), its state on the host, and the cases
-of the innermost submodule that raised and of the single ATen op that raised (found in a
-child under a dispatch mode), each written beside the module's case and kept only if it
-reproduces the failure class in a fresh child.
+"""Narrowing a watched module's failure: the cases of the innermost submodule that raised
+and of the single ATen op that raised (found in a child under a dispatch mode), each written
+beside the module's case and kept only if it reproduces the same failure in a fresh child:
+``verdict.failure.same_failure``, the failure class and the message's shape, so that a
+failure no class names (a shape error, EmbeddingBag's range check) is narrowed too.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from pytest_gpucase.base.tensors import is_tensor
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import (
     MODULE_KEY,
@@ -23,22 +20,22 @@ from pytest_gpucase.case.keys import (
     REPLAY_ENV,
     REPLAY_MODULE,
     REPLAY_OP,
-    STATE_PREFIX,
 )
 from pytest_gpucase.case.model import INPUTS_FILE
 from pytest_gpucase.run.replay import replay_module
+from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.inputs import (
     NOT_LITERAL,
     Before,
     as_literal,
     collect,
     numeric_context,
-    storable,
 )
 from pytest_gpucase.tools.record.origin import (
     Context,
+    class_of,
     error_line,
-    import_name,
+    message_of,
     mib,
     read_tail,
     say,
@@ -46,6 +43,7 @@ from pytest_gpucase.tools.record.origin import (
     triage_of,
     watched_call,
 )
+from pytest_gpucase.tools.record.rebuild import module_state, rebuild_files, rebuild_of
 from pytest_gpucase.tools.record.write import (
     Draft,
     case_bytes,
@@ -58,91 +56,27 @@ from pytest_gpucase.tools.record.write import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Rebuild", "module_state", "note_narrowed_size", "on_host", "rebuild_of",
-           "write_narrowed"]
+__all__ = ["context_doc_of", "note_narrowed_size", "write_narrowed"]
 
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
 _NARROWED_NOTE_SIZE = 32 * 2**20
 
 
-@dataclass(frozen=True)
-class Rebuild:
-    """How a replay rebuilds a module: an importable factory and its literal arguments."""
-
-    factory: str | None
-    kwargs: Mapping[str, Any]
-    why_not: str = ""
-
-
-def rebuild_of(module: torch.nn.Module, factory: str | None,
-               kwargs: Mapping[str, Any] | None) -> Rebuild:
-    """The factory given at watch time, or the module's class called with the constructor
-    arguments read back from its same-named attributes (what torch.nn built-ins keep)."""
-    if factory is not None:
-        literal = as_literal(dict(kwargs or {}))
-        if literal is NOT_LITERAL:
-            return Rebuild(None, {}, f"rec.watch(..., kwargs=...) for {factory} holds values "
-                           "TOML cannot: pass numbers, strings, booleans and lists only")
-        return Rebuild(factory, literal)
-    cls = type(module)
-    fix = ("pass rec.watch(model, factory=\"package.module:make_model\", kwargs={...}) naming "
-           "a function that builds it")
-    target, why_not = import_name(cls, cls.__qualname__)
-    if target is None:
-        return Rebuild(None, {}, f"{cls.__qualname__} cannot be rebuilt by a replay "
-                       f"({why_not.split(';')[0]}): {fix}")
-    try:
-        signature = inspect.signature(cls.__init__)
-    except (TypeError, ValueError):
-        return Rebuild(None, {}, f"the constructor of {cls.__qualname__} has no readable "
-                       f"signature: {fix}")
-    found: dict[str, Any] = {}
-    for name, param in list(signature.parameters.items())[1:]:
-        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in ("device",
-                                                                                 "dtype"):
-            continue
-        value = getattr(module, name, NOT_LITERAL)
-        if isinstance(param.default, bool) and not isinstance(value, bool) and (
-                value is None or is_tensor(value)):
-            value = value is not None  # Linear(bias=True) keeps bias as a Parameter or None
-        literal = NOT_LITERAL if value is None else as_literal(value)
-        if literal is not NOT_LITERAL:
-            found[name] = literal
-        elif value is None and param.default is None:
-            continue
-        elif param.default is param.empty:
-            return Rebuild(None, {}, f"{cls.__qualname__}({name}=...) cannot be read back "
-                           f"from the module: {fix}")
-    return Rebuild(target, found)
-
-
-def on_host(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` on the host: itself, detached, when it is there already."""
-    return tensor.detach() if tensor.device.type == "cpu" else payload.to_device(tensor, "cpu")
-
-
-def module_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Parameters and persistent buffers on the host, under ``state.<name>``."""
-    import torch
-
-    state: dict[str, Any] = module.state_dict(keep_vars=True)
-    return {f"{STATE_PREFIX}{name}": on_host(value).clone() for name, value in state.items()
-            if isinstance(value, torch.Tensor) and storable(value)}
-
-
 def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
-                   entered: tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]],
+                   entered: tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]] | None,
                    rng: Mapping[str, torch.Tensor], *, root: Path,
                    stderr_file: Path | None, context: Context,
                    device_names: Mapping[str, str], kept: list[Path],
                    written: list[Path]) -> None:
     """Write the innermost failing submodule's case and its failing op's case beside
-    ``case_dir``, each kept only if it reproduces the failure class in a fresh child.
+    ``case_dir``, each kept only if it reproduces the same failure in a fresh child.
 
     ``case_dir`` is the case of ``module``, the watched module, which took the RNG states
     ``rng``; ``entered`` is the innermost submodule still open when ``exc`` passed (its
-    name, itself, its arguments and their version counters at the call). The cases kept
-    are added to ``kept``, and those of them written here to ``written`` too.
+    name, itself, its arguments and their version counters at the call), or None when
+    only the op is looked for (a compiled forward, whose submodules' hooks do not run; a
+    backward pass). The cases kept are added to ``kept``, and those of them written here
+    to ``written`` too.
 
     The submodule's inputs are the tensors it was called with, as they are now: when
     its forward changed one in place (its version counter moved since the call), they
@@ -150,49 +84,77 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     for in a replay of the whole module's case, whose inputs were copied before."""
     import torch
 
-    from pytest_gpucase.verdict.triage import failure_class
-
-    qualname, sub, args, kwargs, versions = entered
-    failure = failure_class(type(exc).__name__, str(exc), read_tail(stderr_file)
-                            if stderr_file is not None else "")
+    recorded = Failure(type(exc).__name__, message_of(exc),
+                       read_tail(stderr_file) if stderr_file is not None else "",
+                       _device_of(module))
     start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
     base = case_dir.name
     module_dir = case_dir
-    if sub is not module:
+    if entered is not None and entered[1] is not module:
+        qualname, sub, args, kwargs, versions = entered
         rebuild = rebuild_of(sub, None, None)
         if rebuild.factory is None:
             say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
+                       written=written)
             return
         inner = watched_call(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
-        recipe = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
-                  "training": bool(sub.training), "backward": False}
+        recipe: dict[str, Any] = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
+                                  "training": bool(sub.training), "backward": False}
         found = triage_of(exc, "")
+        if class_of(exc) == "nan":
+            recipe["finite"] = True
         inputs = collect(inner, args, kwargs, Before(versions=versions), found, exc)
         if inputs.changed:
             say(f"gpucase: note: {qualname} not narrowed: its forward changed "
                 f"{', '.join(inputs.changed)} in place before it raised, so its "
                 f"inputs as passed are gone ({shown(case_dir)} holds the "
                 "module's inputs as passed)")
-            _narrow_op(exc, case_dir, base, failure, start, root=root, kept=kept,
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
                        written=written)
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
+        state = module_state(sub)
+        recipe["buffers"] = state.buffers
+        if state.tied:
+            recipe["tied"] = state.tied
         inputs = dataclasses.replace(
-            inputs, tensors={**inputs.tensors, **module_state(sub), **rng_tensors},
+            inputs, tensors={**inputs.tensors, **state.tensors, **rng_tensors},
             literals={**inputs.literals, MODULE_KEY: recipe})
-        draft = case_draft(exc, inner, inputs, context, context.ids, "", device_names)
+        draft = case_draft(exc, inner, inputs, context, context.ids, "", device_names,
+                           files=rebuild_files(rebuild, root))
+        numeric.update(context_doc_of(case_dir, "autocast"))
         draft = dataclasses.replace(draft, context=numeric, origin={
             **draft.origin, "narrowed_from": base, "module": qualname})
-        saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, failure, start))
+        saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
         _report(saved, f"module {qualname}", new, kept, written)
-        if saved is None:
-            return
-        module_dir = saved
-    _narrow_op(exc, module_dir, base, failure, start, root=root, kept=kept, written=written)
+        if saved is not None:
+            module_dir = saved
+    _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written)
 
 
-def _narrow_op(exc: BaseException, module_dir: Path, base: str, failure: str | None,
-               start: Any, *, root: Path, kept: list[Path], written: list[Path]) -> None:
+def _device_of(module: torch.nn.Module) -> str | None:
+    """The device type the module computed on (where the failure happened)."""
+    for tensor in module.parameters():
+        return str(tensor.device.type)
+    return None
+
+
+def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
+    """``{key: value}`` of the ``[context]`` of the case at ``case_dir``, if it has it: a
+    narrowed case runs in the numeric context its module's case recorded."""
+    from pytest_gpucase.case.load import load_case
+
+    try:
+        table = context_doc(load_case(case_dir))
+    except Exception:
+        return {}
+    return {key: table[key]} if key in table else {}
+
+
+def _narrow_op(exc: BaseException, module_dir: Path, base: str,
+               recorded: Failure, start: Any, *, root: Path, kept: list[Path],
+               written: list[Path]) -> None:
     """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
     import tempfile
 
@@ -220,7 +182,7 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str, failure: str | N
         origin={**case.origin, "narrowed_from": base, "op": op},
         tensors=tensors, files={},
         context={k: v for k, v in context_doc(case).items() if k != "rng"})
-    saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, failure, start))
+    saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
     _report(saved, f"op {op}", new, kept, written)
 
 
@@ -239,19 +201,23 @@ def _report(saved: Path | None, what: str, new: bool, kept: list[Path],
 
 
 def note_narrowed_size(case_dir: Path, written: list[Path]) -> None:
-    """One note when the narrowed cases written for one failure are large: each holds
-    its own copy of what it needs (a module's weights), so the bytes add up."""
-    total = sum(case_bytes(path) for path in written)
+    """One note when the narrowed cases written for one failure add much beside the module's
+    case: the tensors they share with it (a module's weights) are stored once, in the capture
+    folder's store, so this counts only what each holds of its own."""
+    total = 0
+    seen = [case_dir]
+    for path in written:
+        total += case_bytes(path, besides=seen)
+        seen.append(path)
     if total <= _NARROWED_NOTE_SIZE:
         return
     count = (f"the {len(written)} narrowed cases" if len(written) > 1
              else "the narrowed case")
     say(
-        f"gpucase: note: {count} of this failure ({', '.join(map(shown, written))}) hold "
-        f"{mib(total)} beside the {mib(case_bytes(case_dir))} of {shown(case_dir)}: "
-        "each narrowed case holds its own copy of the tensors it needs (its module's "
-        "weights, its inputs). Keep the narrowest case that reproduces and delete the "
-        "others, or pass Recorder(narrow=False) to write the module's case alone")
+        f"gpucase: note: {count} of this failure ({', '.join(map(shown, written))}) add "
+        f"{mib(total)} beside the {mib(case_bytes(case_dir))} of {shown(case_dir)} (what they "
+        "share with it is stored once): keep the narrowest case that reproduces and delete "
+        "the others, or pass Recorder(narrow=False) to write the module's case alone")
 
 
 def _encode_arg(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
@@ -330,21 +296,19 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     return table
 
 
-def _reproduces(case_dir: Path, failure: str | None, start_method: Any) -> bool:
-    """Whether a case written to ``case_dir`` raises the captured failure class on the CPU,
-    in a fresh child (the check that keeps a narrowed case)."""
+def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
+    """Whether a case written to ``case_dir`` raises the recorded failure on the CPU, in a
+    fresh child (the check that keeps a narrowed case): ``verdict.failure.same_failure``,
+    the one definition the verdicts share (the failure class, and the message's shape)."""
     from pytest_gpucase.case.load import load_case
     from pytest_gpucase.plan.runs import RunSpec
     from pytest_gpucase.run.parent import run_spec
-    from pytest_gpucase.verdict.triage import failure_class, same_failure
 
-    if failure is None:
-        return False
     case = load_case(case_dir)
     verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method=start_method,
                        backend="cpu", localize=False)
     outcome = verdict.outcome
     if outcome.error_type is None or outcome.broken_case:
         return False
-    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
-    return same_failure(failure, found)
+    return same_failure(recorded, Failure(outcome.error_type, outcome.error_message or "",
+                                          verdict.child.stderr, "cpu"))

@@ -6,7 +6,6 @@ lines on stderr (``say``), with paths (``shown``) and sizes (``mib``) written on
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import os
 import re
@@ -18,9 +17,10 @@ from typing import Any
 
 from pytest_gpucase.verdict.triage import Triage, triage
 
-__all__ = ["INT64", "Context", "SampleIds", "Watched", "call_ids", "case_name", "error_line",
-           "id_tuple", "import_name", "mib", "read_tail", "say", "shown", "triage_of",
-           "watched_call", "where"]
+__all__ = ["INT64", "Context", "SampleIds", "Watched", "call_ids", "case_name", "class_of",
+           "error_line",
+           "id_tuple", "import_name", "message_of", "mib", "read_tail", "say", "shown",
+           "triage_of", "watched_call", "where"]
 
 _MAX_ERROR_CHARS = 300
 _STDERR_TAIL_BYTES = 64 * 1024
@@ -122,7 +122,7 @@ def call_ids(watched: Watched, args: Any, kwargs: Any) -> tuple[str | int, ...] 
         return id_tuple(watched.ids(*args, **kwargs))
     except Exception as exc:
         say(f"gpucase: the ids callable of {watched.name} raised "
-            f"{type(exc).__name__}: {exc}; sample ids not recorded")
+            f"{error_line(exc)}; sample ids not recorded")
         return None
 
 
@@ -140,9 +140,26 @@ def where(context: Context) -> str:
     return " " + ", ".join(parts) if parts else ""
 
 
+def message_of(exc: BaseException) -> str:
+    """``str(exc)``, or a stand-in when the exception cannot be printed: its ``__str__`` may
+    raise anything, SystemExit included, and the Recorder must not (only KeyboardInterrupt
+    goes through: the user asked to stop)."""
+    try:
+        text = str(exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as problem:
+        try:
+            why = type(problem).__name__
+        except BaseException:  # pragma: no cover - a type always has a name
+            why = "an error"
+        return f"<unprintable {type(exc).__name__}: its __str__ raised {why}>"
+    return text if isinstance(text, str) else f"<unprintable {type(exc).__name__}>"
+
+
 def error_line(exc: BaseException) -> str:
     """``Type: first line of the message``, cut to a length a summary can hold."""
-    lines = str(exc).strip().splitlines()
+    lines = message_of(exc).strip().splitlines()
     first = lines[0].strip() if lines else ""
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
     return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 1] + "…"
@@ -151,7 +168,18 @@ def error_line(exc: BaseException) -> str:
 def triage_of(exc: BaseException, stderr_text: str) -> Triage | None:
     """What to check first for ``exc``, or None; never raises over the failure."""
     try:
-        return triage(type(exc).__name__, str(exc), stderr_text)
+        return triage(type(exc).__name__, message_of(exc), stderr_text)
+    except Exception:
+        return None
+
+
+def class_of(exc: BaseException, stderr_text: str = "") -> str | None:
+    """The failure class of ``exc`` (``verdict.triage.failure_class``), or None; never raises
+    over the failure."""
+    from pytest_gpucase.verdict.triage import failure_class
+
+    try:
+        return failure_class(type(exc).__name__, message_of(exc), stderr_text)
     except Exception:
         return None
 
@@ -169,9 +197,13 @@ def read_tail(path: Path) -> str:
 
 def say(message: str) -> None:
     """Print one of the Recorder's lines on stderr."""
-    # A closed or broken stderr must not turn into a second error.
-    with contextlib.suppress(Exception):
+    # A closed or broken stderr (or a replaced one that raises) must not become a second error.
+    try:
         print(message, file=sys.stderr, flush=True)
+    except KeyboardInterrupt:
+        raise
+    except BaseException:
+        pass
 
 
 def shown(path: Path) -> str:

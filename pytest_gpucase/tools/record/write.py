@@ -14,7 +14,7 @@ import os
 import platform
 import re
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -26,12 +26,14 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
+from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
 from pytest_gpucase.tools.record.origin import (
     Context,
     Watched,
     case_name,
     error_line,
+    message_of,
     mib,
     say,
     shown,
@@ -74,84 +76,97 @@ class Draft:
 
 def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, context: Context,
                ids: tuple[str | int, ...] | None, stderr_text: str,
-               device_names: Mapping[str, str]) -> Draft:
+               device_names: Mapping[str, str], *, what: str | None = None,
+               incomplete: tuple[str, ...] = (), origin: Mapping[str, Any] | None = None,
+               files: Mapping[str, str] | None = None, call: str | None = None,
+               literals: Mapping[str, Any] | None = None, rank: Rank | None = None) -> Draft:
     """The case of a failure: its call (or a stand-in ``case.py``), summary, xfail line (none
     when the case is incomplete) and ``[origin]`` table; ``device_names`` are the names the
-    devices gave while they answered."""
+    devices gave while they answered. ``what`` names what raised in the summary, ``incomplete``
+    adds reasons the case cannot replay, ``origin`` entries, ``files`` (name -> text) files
+    of the case, ``call`` and ``literals`` replace the watched call's, ``rank`` is the
+    process's place in a run of several."""
     import torch
 
     error = error_line(exc)
-    incomplete = list(inputs.problems)
-    files: dict[str, str] = {}
+    reasons = list(inputs.problems)
+    case_files: dict[str, str] = dict(files or {})
     if watched is None:
-        name = case_name(f"step_{context.stage}" if context.stage else "failure")
-        incomplete.insert(0, "the failure happened outside any watched call, so no inputs "
-                          "were saved: watch the function that raised with rec.watch(fn)")
-        what = "a step"
+        name = case_name(what or (f"step_{context.stage}" if context.stage else "failure"))
+        if not incomplete:
+            reasons.insert(0, "the failure happened outside any watched call, so no inputs "
+                           "were saved: watch the function that raised with rec.watch(fn)")
+        label = what or "a step"
     else:
         name = watched.name
-        what = str(getattr(watched.fn, "__qualname__", watched.name))
-        what = watched.call if watched.call and watched.call != REPLAY_MODULE else what
-        if watched.call is None:
-            incomplete.insert(0, watched.why_not)
+        label = str(getattr(watched.fn, "__qualname__", watched.name))
+        label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
+        label = what or label
+        if watched.call is None and call is None:
+            reasons.insert(0, watched.why_not)
+    reasons.extend(incomplete)
     if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
-        incomplete.append(_rebuild_hint(inputs, ids))
-    call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
-    if call.startswith(STUB_FILE):
-        files[STUB_FILE] = _stub(incomplete[0])
-    summary = f"{what} raised {error}{where(context)}"
-    if incomplete:
-        summary = f"INCOMPLETE: {'; '.join(incomplete)}. Captured: {summary}"
+        reasons.append(_rebuild_hint(inputs, ids))
+    if call is None:
+        call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
+    if call == f"{STUB_FILE}:run" and STUB_FILE not in case_files:
+        case_files[STUB_FILE] = _stub(reasons[0] if reasons else "no call was recorded")
+    summary = f"{label} raised {error}{where(context)}"
+    if reasons:
+        summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
     devices = inputs.devices
     backend = _backend(devices, torch)
-    origin: dict[str, Any] = {"error": error}
+    table: dict[str, Any] = {"error": error}
     with contextlib.suppress(Exception):
         from pytest_gpucase.verdict.triage import failure_class
 
-        kind = failure_class(type(exc).__name__, str(exc), stderr_text)
+        kind = failure_class(type(exc).__name__, message_of(exc), stderr_text)
         if kind is not None:
-            origin["failure_class"] = kind
+            table["failure_class"] = kind
     excerpt = _stderr_excerpt(stderr_text)
     if excerpt:
-        origin["stderr"] = excerpt
+        table["stderr"] = excerpt
     if context.iteration is not None:
-        origin["iteration"] = context.iteration
+        table["iteration"] = context.iteration
     if context.stage is not None:
-        origin["stage"] = context.stage
+        table["stage"] = context.stage
     if context.last_step is not None:
-        origin["last_step"] = context.last_step
+        table["last_step"] = context.last_step
     revision = _revision()
     if revision:
-        origin["revision"] = revision
-    origin["python"] = platform.python_version()
-    origin["torch"] = torch.__version__
-    origin["backend"] = backend
+        table["revision"] = revision
+    table["python"] = platform.python_version()
+    table["torch"] = torch.__version__
+    table["backend"] = backend
     device = next((d for d in devices if d != "cpu"), None)
     if device is not None:
-        origin["device"] = device_names.get(device, device)
+        table["device"] = device_names.get(device, device)
     # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
     row = backends.backend(backend)
     version = getattr(torch.version, row.version, None) if row and row.version else None
     if row is not None and row.version in VERSION_KEYS and version:
-        origin[row.version] = version
+        table[row.version] = version
+    if rank is not None:
+        table.update(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size)
     if ids is not None:
-        origin["sample_ids"] = list(ids)
+        table["sample_ids"] = list(ids)
     if inputs.snapshot is not None:
-        origin["snapshot"] = inputs.snapshot
-    origin["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+        table["snapshot"] = inputs.snapshot
+    table.update(origin or {})
+    table["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%dT%H:%M:%SZ")
-    origin["later_errors"] = 0
-    if incomplete:
-        origin["incomplete"] = incomplete
+    table["later_errors"] = 0
+    if reasons:
+        table["incomplete"] = reasons
     if inputs.described:
-        origin["inputs"] = dict(inputs.described)
+        table["inputs"] = dict(inputs.described)
     if inputs.skipped:
-        origin["skipped_inputs"] = dict(inputs.skipped)
-    xfail = None if incomplete else (f"captured failure: {error}; remove this line once "
-                                     "fixed")
+        table["skipped_inputs"] = dict(inputs.skipped)
+    xfail = None if reasons else (f"captured failure: {error}; remove this line once "
+                                  "fixed")
     return Draft(name=name, call=call, summary=summary, xfail=xfail,
-                 literals=inputs.literals, origin=origin, tensors=inputs.tensors,
-                 files=files)
+                 literals={**inputs.literals, **dict(literals or {})}, origin=table,
+                 tensors=inputs.tensors, files=case_files)
 
 
 def _rebuild_hint(inputs: Inputs, ids: tuple[str | int, ...] | None) -> str:
@@ -217,7 +232,10 @@ def _case_document(draft: Draft) -> dict[str, Any]:
     doc["expect"] = {"outcome": "matches"}
     autocast = draft.context.get("autocast")
     if draft.call == REPLAY_MODULE and isinstance(autocast, Mapping):
-        doc["expect"]["tolerance"] = {autocast["dtype"]: _model_tolerance(autocast["dtype"])}
+        # Outputs a model casts up (logits.float(), a float32 loss) were computed in the
+        # autocast dtype all the same: they are held to its tolerance too.
+        tolerance = _model_tolerance(autocast["dtype"])
+        doc["expect"]["tolerance"] = {autocast["dtype"]: tolerance, "float32": tolerance}
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
@@ -286,7 +304,7 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
     files: dict[str, FileContent] = dict(draft.files)
     if draft.tensors:
         tensors = draft.tensors
-        files[INPUTS_FILE] = lambda path: payload.save(path, tensors)
+        files[INPUTS_FILE] = lambda path: payload.save(path, tensors, store=True)
 
     def check(staged: Path) -> None:
         seen = _same_failure_case(root, draft, staged)
@@ -365,10 +383,27 @@ def set_later_errors(case_dir: Path, count: int) -> None:
     files.write_text_atomic(file, tomli_w.dumps(doc))
 
 
-def case_bytes(case_dir: Path) -> int:
-    """The bytes of the files a case directory holds."""
+def case_bytes(case_dir: Path, besides: Iterable[Path] = ()) -> int:
+    """The bytes of the files a case directory holds, and of the store files its payload
+    names that none of the cases ``besides`` names too (those it shares with them)."""
     try:
-        return sum(entry.stat().st_size for entry in os.scandir(case_dir) if entry.is_file())
+        own = sum(entry.stat().st_size for entry in os.scandir(case_dir) if entry.is_file())
+    except OSError:
+        return 0
+    shared = set().union(*(_stored(other) for other in besides))
+    return own + sum(_size(blob) for blob in _stored(case_dir) - shared)
+
+
+def _stored(case_dir: Path) -> set[Path]:
+    try:
+        return set(payload.store_files(case_dir / INPUTS_FILE).values())
+    except Exception:
+        return set()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
     except OSError:
         return 0
 
