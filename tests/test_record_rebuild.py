@@ -183,6 +183,60 @@ def test_script_definitions_keep_definitions_and_drop_what_runs() -> None:
                                          "class M", "def helper"))
 
 
+def test_script_definitions_keep_the_computed_constants_definitions_read() -> None:
+    """``VOCAB = len(CHARS)`` read by a class's default is kept (with what it reads); a call
+    only a function's local of the same name matches, or that nothing reads, is not run."""
+    kept = script_definitions(textwrap.dedent('''
+        import torch
+        CHARS = "abcdefgh"
+        VOCAB = len(CHARS)
+        WIDTH = max(VOCAB, 4)
+        model = build_everything()
+        class M(torch.nn.Module):
+            def __init__(self, vocab=VOCAB):
+                super().__init__()
+                self.emb = torch.nn.Embedding(vocab, WIDTH)
+        def helper(x):
+            model = x
+            return model
+    '''))
+    assert all(line in kept for line in ("VOCAB = len(CHARS)", "WIDTH = max(VOCAB, 4)"))
+    assert "build_everything" not in kept
+    namespace: dict[str, Any] = {}
+    exec(compile(kept, "train.py", "exec"), namespace)
+    assert namespace["M"]().emb.num_embeddings == 8
+
+
+def test_a_function_of_the_script_that_was_run_replays_its_nan(tmp_path: Path) -> None:
+    """A loss function defined in the script that was run, watched with nonfinite=True:
+    its case calls it from the script (case.py:run, from the case directory) and fails
+    again with the NaN."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(textwrap.dedent('''
+        import torch
+        from pytest_gpucase import Recorder
+
+        def log_loss(out, target):
+            return (out - target).log().mean()
+
+        if __name__ == "__main__":
+            rec = Recorder("cases", nonfinite=True)
+            loss_fn = rec.watch(log_loss)
+            for step in range(3):
+                with rec.step(step):
+                    loss_fn(torch.full((4,), 2.0), torch.full((4,), 1.0 + step))
+    '''))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert "FloatingPointError" in done.stderr, done.stderr
+    (case_dir,) = [p for p in (project / "cases").iterdir() if not p.name.startswith(".")]
+    assert toml(case_dir)["inputs"]["gpucase_function"]["target"] == "case.py:run"
+    assert validate([case_dir]) == []
+    replays(case_dir, "FloatingPointError")
+
+
 # -- bounded size --------------------------------------------------------------------------
 
 

@@ -32,7 +32,14 @@ from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.tensors import field_names, indexed, named_tensors, tensor_versions
 from pytest_gpucase.case import golden, payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
-from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
+from pytest_gpucase.case.keys import (
+    FUNCTION_KEY,
+    MODULE_KEY,
+    REPLAY_ENV,
+    REPLAY_FUNCTION,
+    REPLAY_MODULE,
+    tensor_dicts,
+)
 from pytest_gpucase.case.model import Case, Expectation, ReplayContext
 from pytest_gpucase.case.variants import (
     BrokenVariant,
@@ -409,6 +416,12 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         # "case.py:make": imported from the case directory, as a "FILE.py" call is.
         literals[MODULE_KEY] = {**recipe, "factory": resolve(
             case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    function = literals.get(FUNCTION_KEY)
+    if (case.call == REPLAY_FUNCTION and isinstance(function, Mapping)
+            and str(function.get("target", "")).partition(":")[0].endswith(".py")):
+        # "case.py:run" (a function of the script that was run): from the case directory.
+        literals[FUNCTION_KEY] = {**function, "target": resolve(
+            case, str(function["target"]), f"[inputs] {FUNCTION_KEY}.target")}
     if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
             recipe.get("checkpoint"), Mapping):
         tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
