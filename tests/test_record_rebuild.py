@@ -71,6 +71,41 @@ def test_a_module_changed_after_construction_is_not_rebuilt_as_constructed() -> 
     assert "head.weight is [8, 4] in the rebuilt model, [3, 4] in the model" in rebuild.why_not
 
 
+class NeedsNet(torch.nn.Module):
+    """A network passed in, and a value kept under another name: the constructor cannot
+    be called back with what the module holds, and ``offset`` is not readable."""
+
+    def __init__(self, net: torch.nn.Module, offset: int = 0) -> None:
+        super().__init__()
+        self.net = net
+        self.shift = offset
+
+
+class Shifted(torch.nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 4, offset: int = 0) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.shift = offset
+
+
+def test_a_rebuild_that_cannot_run_is_refused_with_its_error() -> None:
+    rebuild = rebuild_of(NeedsNet(torch.nn.Linear(2, 2)), "tests.test_record_rebuild:NeedsNet",
+                         {})
+    assert rebuild.factory is None
+    assert "building it again raised TypeError" in rebuild.why_not, rebuild.why_not
+    assert "'net'" in rebuild.why_not
+
+
+def test_a_constructor_argument_no_check_can_see_is_named_in_a_note() -> None:
+    """vocab and dim change the shapes the rebuild is checked against; offset is read only
+    by forward: the rebuild takes its default, and the note says so and how to name it."""
+    rebuild = rebuild_of(Shifted(offset=1), None, None)
+    assert rebuild.factory is not None
+    (note,) = rebuild.notes
+    assert "offset=0" in note and "vocab" not in note and "dim=" not in note
+    assert "rec.watch(model, factory=..., kwargs=...)" in note
+
+
 def test_an_unfaithful_rebuild_is_an_incomplete_case_validate_reports(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path / "cases")
