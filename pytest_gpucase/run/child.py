@@ -56,6 +56,7 @@ __all__ = [
     "load_arguments",
     "load_inputs",
     "prepare",
+    "prepare_in_parent",
     "replay_context",
     "resolve",
     "run",
@@ -145,12 +146,42 @@ def _abridged(root: str, keys: list[object]) -> str:
     return path
 
 
+# What the parent found for the run it is about to fork (``prepare_in_parent``): the
+# child inherits it instead of finding it again, on pages that its own work would copy.
+_PREPARED: dict[str, Any] = {}
+
+
+@contextlib.contextmanager
+def prepare_in_parent(spec: RunSpec) -> Iterator[None]:
+    """Find, in the parent around the fork of the child that runs ``spec``, what the child
+    would find the same way: the paths the case's code is imported from, and the parts of
+    its reference-cache key that are plain files (``reference_cache.prepare``). Only that
+    child uses them (its parent is this process), once; any other child (a reused worker, a
+    zygote's, a spawned one) finds them itself. Dropped here when the block ends."""
+    _PREPARED.update(case=spec.case.path, parent=os.getpid(),
+                     import_paths=project.import_paths(spec.case.path))
+    reference_cache.prepare(spec)
+    try:
+        yield
+    finally:
+        _PREPARED.clear()
+        reference_cache.forget_prepared()
+
+
+def _import_paths(case: Case) -> tuple[str, ...]:
+    if _PREPARED.get("case") == case.path and _PREPARED["parent"] == os.getppid():
+        paths: tuple[str, ...] = _PREPARED["import_paths"]
+        _PREPARED.clear()
+        return paths
+    return project.import_paths(case.path)
+
+
 def run(spec: RunSpec) -> Outcome:
     """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
-    project.prepend(project.import_paths(spec.case.path))
+    project.prepend(_import_paths(spec.case))
     reference_cache.take_notes()  # a reused child's earlier run said its own
     outcome = _judged(spec)
     notes = reference_cache.take_notes()
@@ -504,6 +535,8 @@ def grad_mode(context: ReplayContext) -> bool:
 
 
 _MISSING = object()
+# Compiled once, in the parent at import: a child compiling it costs more than the import.
+_NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
 
 
 def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
@@ -512,7 +545,7 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     try:
         if where.endswith(".py"):
             file = case.path / where
-            name = f"gpucase_case_{re.sub(r'[^0-9A-Za-z_]', '_', case.name)}_{Path(where).stem}"
+            name = f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
             module = sys.modules.get(name)
             if module is None:
                 module_spec = importlib.util.spec_from_file_location(name, file)

@@ -14,7 +14,7 @@ from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
+from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, prepare_in_parent, run, write_golden
 from pytest_gpucase.run.isolation import (
     ChildResult,
     ChildWarning,
@@ -78,9 +78,10 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
                          start_method=start_method, memory_limit=memory_limit,
                          exclusive=isolation == "case", marks=OUTPUT_MARKS)
     else:
-        child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                             start_method=start_method, memory_limit=memory_limit,
-                             marks=OUTPUT_MARKS)
+        with prepare_in_parent(spec):  # read once here, not again in the forked child
+            child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                                 start_method=start_method, memory_limit=memory_limit,
+                                 marks=OUTPUT_MARKS)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(
