@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DTYPES", "LAYOUT_KEY", "STORE_DIR", "STORE_FROM", "STORE_KEY", "TensorInfo",
-           "content_hash", "describe", "encode", "load", "read_header", "readable", "save",
-           "store_files", "to_device"]
+           "content_hash", "describe", "encode", "load", "load_small", "read_header", "readable",
+           "save", "store_files", "to_device"]
 
 LAYOUT_KEY = "gpucase.layout"
 # Tensors a payload names in the store of its capture folder instead of holding them: the
@@ -639,6 +639,20 @@ def _small_file(path: Path) -> bytes | None:
     except (OSError, CaseFormatError):
         return None  # read_header says what is wrong, as before
     return data if len(data) <= _SMALL_PAYLOAD else None
+
+
+def load_small(path: Path) -> dict[str, torch.Tensor] | None:
+    """``load(path)`` for a payload of at most 64 KiB that holds its tensors itself (no
+    store files), else None; None too where ``load`` would refuse it (it then says why)."""
+    data = _small_file(path)
+    if data is None:
+        return None
+    try:
+        if STORE_KEY in read_header(path, data)[1]:
+            return None
+        return load(path, data=data)
+    except CaseFormatError:
+        return None
 
 
 def _reader(path: Path, stack: contextlib.ExitStack,

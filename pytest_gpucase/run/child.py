@@ -155,11 +155,17 @@ _PREPARED: dict[str, Any] = {}
 def prepare_in_parent(spec: RunSpec) -> Iterator[None]:
     """Find, in the parent around the fork of the child that runs ``spec``, what the child
     would find the same way: the paths the case's code is imported from, and the parts of
-    its reference-cache key that are plain files (``reference_cache.prepare``). Only that
-    child uses them (its parent is this process), once; any other child (a reused worker, a
-    zygote's, a spawned one) finds them itself. Dropped here when the block ends."""
-    _PREPARED.update(case=spec.case.path, parent=os.getpid(),
-                     import_paths=project.import_paths(spec.case.path))
+    its reference-cache key that are plain files (``reference_cache.prepare``), and a small
+    payload's tensors. Only that child uses them (its parent is this process), once; any
+    other child (a reused worker, a zygote's, a spawned one) finds them itself. Dropped
+    here when the block ends."""
+    case = spec.case
+    _PREPARED.update(case=case.path, parent=os.getpid(),
+                     import_paths=project.import_paths(case.path))
+    if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
+        # A small payload is loaded here: data parsed, no code run, as the header already
+        # is; the child finds its tensors in memory, on pages it copies only if it writes.
+        _PREPARED["tensors"] = payload.load_small(case.inputs_file)
     reference_cache.prepare(spec)
     try:
         yield
@@ -168,12 +174,16 @@ def prepare_in_parent(spec: RunSpec) -> Iterator[None]:
         reference_cache.forget_prepared()
 
 
-def _import_paths(case: Case) -> tuple[str, ...]:
+def _prepared(case: Case, name: str) -> Any:
+    """What the parent prepared for this run under ``name`` (taken: once), or None."""
     if _PREPARED.get("case") == case.path and _PREPARED["parent"] == os.getppid():
-        paths: tuple[str, ...] = _PREPARED["import_paths"]
-        _PREPARED.clear()
-        return paths
-    return project.import_paths(case.path)
+        return _PREPARED.pop(name, None)
+    return None
+
+
+def _import_paths(case: Case) -> tuple[str, ...]:
+    paths: tuple[str, ...] | None = _prepared(case, "import_paths")
+    return project.import_paths(case.path) if paths is None else paths
 
 
 def run(spec: RunSpec) -> Outcome:
@@ -421,8 +431,10 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
                                   f"inputs_sha256 in {case.case_file.name} (changed or corrupted "
                                   "since the case was saved); restore it, or if the change is "
                                   f"intended set inputs_sha256 = \"{found}\"")
-    # lexists: a dangling symlink is a broken payload, not an absent one.
-    tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
+    tensors: dict[str, torch.Tensor] | None = _prepared(case, "tensors")
+    if tensors is None:
+        # lexists: a dangling symlink is a broken payload, not an absent one.
+        tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
     missing = rng_problems(case, tensors)
     if missing:
         raise missing[0]  # validate reports the same, from the header alone
