@@ -172,29 +172,46 @@ REF_FLOOR_TEST = textwrap.dedent("""
 
 
 ITEM_TIMER_CONFTEST = textwrap.dedent("""
+    import resource
+    import sys
     import time
 
     _seen = {}
 
+
+    def _cpu():
+        # This process and its reaped descendants: user + system seconds.
+        return sum(usage.ru_utime + usage.ru_stime for usage in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
     def pytest_runtest_logstart(nodeid, location):
-        _seen.setdefault("first", time.perf_counter())
+        if "first" not in _seen:
+            _seen["first"], _seen["cpu"] = time.perf_counter(), _cpu()
 
     def pytest_runtest_logfinish(nodeid, location):
         _seen["last"] = time.perf_counter()
         _seen["items"] = _seen.get("items", 0) + 1
 
     def pytest_sessionfinish(session):
+        isolation = sys.modules.get("pytest_gpucase.run.isolation")
+        if isolation is not None:  # the children still pending, and the workers: counted
+            isolation.close_pools()
+            isolation.reap_pending()
         with open("item_seconds", "w") as handle:
-            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']}")
+            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']} "
+                         f"{_cpu() - _seen['cpu']}")
 """)
 
 
-def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
+def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Seconds per item of one pytest run: from the first item's start to the last one's
-    end, over the items (start-up and collection left out, inside the same process)."""
+    end, over the items (start-up and collection left out, inside the same process); and the
+    CPU seconds per item of the pytest process and its children over the same span."""
     pytest_seconds(root, *args, env=env)
-    elapsed, items = (root / "item_seconds").read_text().split()
-    return float(elapsed) / int(items)
+    elapsed, items, cpu = (root / "item_seconds").read_text().split()
+    return float(elapsed) / int(items), float(cpu) / int(items)
 
 
 BARE = "bare fork floor"
@@ -214,6 +231,7 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
         runs += [("--gpu-cases, baseline src", ("--gpu-cases", "cases"), baseline_env),
                  ("worker, baseline src", worker, baseline_env)]
     seconds: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -226,18 +244,26 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
             loads.append(os.getloadavg()[0])
             order = runs if round_ % 2 == 0 else runs[::-1]
             for name, args, env in order:
-                seconds.setdefault(name, []).append(per_item(root, *args, env=env))
+                wall, used = per_item(root, *args, env=env)
+                seconds.setdefault(name, []).append(wall)
+                cpu.setdefault(name, []).append(used)
     loads.append(os.getloadavg()[0])
     print(f"   load average {min(loads):.2f}-{max(loads):.2f} over the rounds")
     # Ratios are taken within each round (the floors and the row measured minutes apart
-    # at most), then their median across rounds.
-    print(f"   {'what':<30}{'ms/item':>9}{'x bare':>9}{'x ref floor':>13}   per round x bare")
+    # at most), then their median across rounds. CPU: the pytest process and its children
+    # (user + system) over the same span; it moves far less with other processes' load.
+    print(f"   {'what':<30}{'ms/item':>9}{'x bare':>8}{'x ref':>7}{'CPU ms':>8}{'x bare':>8}"
+          f"{'x ref':>7}   per round x bare (wall)")
     for name, values in seconds.items():
-        bare = [value / floor for value, floor in zip(values, seconds[BARE], strict=True)]
-        ref = [value / floor for value, floor in zip(values, seconds[REF], strict=True)]
-        rounds = " ".join(f"{ratio:.2f}" for ratio in bare)
+        ratios = [[value / floor for value, floor in zip(column[name], column[base],
+                                                           strict=True)]
+                  for column in (seconds, cpu) for base in (BARE, REF)]
+        rounds = " ".join(f"{ratio:.2f}" for ratio in ratios[0])
         print(f"   {name:<30}{statistics.median(values) * 1000:>9.2f}"
-              f"{statistics.median(bare):>9.2f}{statistics.median(ref):>13.2f}   {rounds}")
+              f"{statistics.median(ratios[0]):>8.2f}{statistics.median(ratios[1]):>7.2f}"
+              f"{statistics.median(cpu[name]) * 1000:>8.2f}"
+              f"{statistics.median(ratios[2]):>8.2f}{statistics.median(ratios[3]):>7.2f}   "
+              f"{rounds}")
 
 
 def collection(count: int, repeat: int, baseline_src: str | None = None) -> None:
