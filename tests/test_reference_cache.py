@@ -507,7 +507,7 @@ def _key_in_child(spec: RunSpec) -> str:
 
 
 def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Path) -> None:
-    from pytest_gpucase.run.child import prepare_in_parent
+    from pytest_gpucase.run.prepared import prepare_in_parent
     from pytest_gpucase.run.isolation import run_in_child
 
     path = make(tmp_path)

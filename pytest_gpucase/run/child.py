@@ -43,7 +43,7 @@ from pytest_gpucase.case.variants import (
     apply as apply_variant,
 )
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run import reference_cache
+from pytest_gpucase.run import prepared, reference_cache
 from pytest_gpucase.run.isolation import note
 from pytest_gpucase.verdict.compare import Comparison, Tolerance, combine, compare
 
@@ -56,7 +56,6 @@ __all__ = [
     "load_arguments",
     "load_inputs",
     "prepare",
-    "prepare_in_parent",
     "replay_context",
     "resolve",
     "run",
@@ -146,52 +145,12 @@ def _abridged(root: str, keys: list[object]) -> str:
     return path
 
 
-# What the parent found for the run it is about to fork (``prepare_in_parent``): the
-# child inherits it instead of finding it again, on pages that its own work would copy.
-_PREPARED: dict[str, Any] = {}
-
-
-@contextlib.contextmanager
-def prepare_in_parent(spec: RunSpec) -> Iterator[None]:
-    """Find, in the parent around the fork of the child that runs ``spec``, what the child
-    would find the same way: the paths the case's code is imported from, and the parts of
-    its reference-cache key that are plain files (``reference_cache.prepare``), and a small
-    payload's tensors. Only that child uses them (its parent is this process), once; any
-    other child (a reused worker, a zygote's, a spawned one) finds them itself. Dropped
-    here when the block ends."""
-    case = spec.case
-    _PREPARED.update(case=case.path, parent=os.getpid(),
-                     import_paths=project.import_paths(case.path))
-    if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
-        # A small payload is loaded here: data parsed, no code run, as the header already
-        # is; the child finds its tensors in memory, on pages it copies only if it writes.
-        _PREPARED["tensors"] = payload.load_small(case.inputs_file)
-    reference_cache.prepare(spec)
-    try:
-        yield
-    finally:
-        _PREPARED.clear()
-        reference_cache.forget_prepared()
-
-
-def _prepared(case: Case, name: str) -> Any:
-    """What the parent prepared for this run under ``name`` (taken: once), or None."""
-    if _PREPARED.get("case") == case.path and _PREPARED["parent"] == os.getppid():
-        return _PREPARED.pop(name, None)
-    return None
-
-
-def _import_paths(case: Case) -> tuple[str, ...]:
-    paths: tuple[str, ...] | None = _prepared(case, "import_paths")
-    return project.import_paths(case.path) if paths is None else paths
-
-
 def run(spec: RunSpec) -> Outcome:
     """Run ``spec`` in this process and judge its outputs (call it in a fresh child)."""
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
-    project.prepend(_import_paths(spec.case))
+    project.prepend(prepared.import_paths(spec.case))
     reference_cache.take_notes()  # a reused child's earlier run said its own
     outcome = _judged(spec)
     notes = reference_cache.take_notes()
@@ -431,7 +390,7 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
                                   f"inputs_sha256 in {case.case_file.name} (changed or corrupted "
                                   "since the case was saved); restore it, or if the change is "
                                   f"intended set inputs_sha256 = \"{found}\"")
-    tensors: dict[str, torch.Tensor] | None = _prepared(case, "tensors")
+    tensors: dict[str, torch.Tensor] | None = prepared.taken(case, "tensors")
     if tensors is None:
         # lexists: a dangling symlink is a broken payload, not an absent one.
         tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}

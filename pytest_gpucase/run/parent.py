@@ -14,7 +14,7 @@ from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, prepare_in_parent, run, write_golden
+from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
 from pytest_gpucase.run.isolation import (
     ChildResult,
     ChildWarning,
@@ -22,6 +22,7 @@ from pytest_gpucase.run.isolation import (
     WorkerPool,
     run_in_child,
 )
+from pytest_gpucase.run.prepared import prepare_in_parent
 from pytest_gpucase.run.reference_cache import ReferenceCache
 from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
 
@@ -78,7 +79,7 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
                          start_method=start_method, memory_limit=memory_limit,
                          exclusive=isolation == "case", marks=OUTPUT_MARKS)
     else:
-        with prepare_in_parent(spec):  # read once here, not again in the forked child
+        with prepare_in_parent(spec, forked=start_method == "fork"):  # read here, once
             child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
                                  start_method=start_method, memory_limit=memory_limit,
                                  marks=OUTPUT_MARKS)
