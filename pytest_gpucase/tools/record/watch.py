@@ -160,10 +160,12 @@ class ModuleWatch:
         owner = self.owner
         if module is self.module:
             self.outer.append(sys.exc_info()[1])
-            # A forward replaced on the instance for this call (Lightning's DDP strategies
-            # point it at training_step for one call): not the class's forward, which is
-            # what a case of this module replays; the framework's step records it.
-            self.redirected.append("forward" in vars(module))
+            # A forward replaced on the instance for this call while a framework names the
+            # step's call (Lightning's DDP strategies point forward at training_step for one
+            # call): that call is the case, not the class's forward. A wrapper that calls
+            # the forward itself (Accelerate's autocast) names no step call.
+            self.redirected.append("forward" in vars(module)
+                                   and owner.step_call(module) is not None)
             self.open += 1
             owner.enter_scope()
         try:
@@ -233,8 +235,8 @@ class ModuleWatch:
         if redirected:
             # The call is the step a framework named (rec.step_call): its case calls that
             # method again; with none named, the exception is the step's to record.
-            call = owner.step_call(module) if exc is not None and not owner.taken() else None
-            if call is None:
+            call = owner.step_call(module)
+            if exc is None or owner.taken() or call is None:
                 owner.leave(None, None)
                 return
             method, step_args, before = call
