@@ -170,3 +170,58 @@ def hold_memory(nbytes: int) -> int:
 
 def raise_message(text: str) -> None:
     raise ValueError(text)
+
+
+def daemon_and_die(pid_file: str) -> None:
+    """Fork a daemon (its own session, no exec) that outlives this child, which then dies
+    without a result: the daemon is an orphan nobody in the run's tree holds any more."""
+    _daemon(pid_file)
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    os._exit(3)
+
+
+def capped_fork_bomb(cap: int, pid_file: str) -> None:
+    """A fork bomb that never has more than ``cap`` processes: each forks while a counter
+    shared by all of them (a page of shared memory, under a lock) is below ``cap``; past
+    it, each keeps forking a child that exits at once, so that every process spends its
+    time inside ``fork()``. Every pid is appended to ``pid_file``. ``RLIMIT_NPROC`` caps it
+    too where it applies (not to root)."""
+    import fcntl
+    import mmap
+    import resource
+
+    if os.geteuid() != 0:
+        with open("/proc/loadavg") as handle:  # running/total ... : total is field 4
+            total = int(handle.read().split()[3].split("/")[1])
+        resource.setrlimit(resource.RLIMIT_NPROC, (total + 2 * cap, total + 2 * cap))
+    counter = mmap.mmap(-1, 8)  # shared with every fork
+    lock = os.open(pid_file + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    log = os.open(pid_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def claim() -> bool:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # per process: every fork takes it in turn
+        try:
+            count = int.from_bytes(counter[:8], "little")
+            if count >= cap:
+                return False
+            counter[:8] = (count + 1).to_bytes(8, "little")
+            return True
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+
+    os.write(log, f"{os.getpid()}\n".encode())
+    while True:
+        grow = claim()
+        try:
+            pid = os.fork()
+        except OSError:
+            continue
+        if pid == 0:
+            if not grow:
+                os._exit(0)
+            os.write(log, f"{os.getpid()}\n".encode())
+            continue  # a new member of the bomb: it forks too
+        if not grow:
+            os.waitpid(pid, 0)
+

@@ -27,7 +27,13 @@ from pytest_gpucase.run.isolation.child import (
     _save_coverage,
     _write_all,
 )
-from pytest_gpucase.run.isolation.proctree import MARKER_ENV, thread_count
+from pytest_gpucase.run.isolation.proctree import (
+    MARKER_ENV,
+    adopt_orphans,
+    now_ticks,
+    own,
+    thread_count,
+)
 from pytest_gpucase.run.isolation.result import ChildResult, StartMethod
 from pytest_gpucase.run.isolation.supervise import (
     _PENDING,
@@ -113,12 +119,15 @@ class _Worker:
                 self.pid = self.zygote.start(_worker_serve, (), (*nulls, theirs.fileno()),
                                              child_env, fd_argument=True)
             else:
+                adopt_orphans()
                 gc.freeze()
                 threaded, parent = thread_count() > 1, os.getpid()
                 pid = os.fork()
                 if pid == 0:  # pragma: no cover - the worker
                     _forked_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
-                                  child_env, threaded, parent, _worker_serve, (theirs.fileno(),))
+                                  child_env, threaded, parent, _worker_serve, (theirs.fileno(),),
+                                  name="worker")
+                own(pid)
                 self.pid = pid
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)
@@ -137,6 +146,7 @@ class _Worker:
         err_r, err_w = os.pipe()
         res_r, res_w = os.pipe()
         start = time.monotonic()
+        since = now_ticks()  # what the worker starts from now on is this call's
         try:
             with _Interruptible() as guard:
                 job = pickle.dumps((func, args))  # the parent's own data, as for spawn
@@ -149,7 +159,8 @@ class _Worker:
                 for fd in (out_w, err_w, res_w):
                     os.close(fd)
                 out_w = err_w = res_w = -1
-                run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True)
+                run = _Run(self.pid, self.token, memory_limit, zygote=self.zygote, reusable=True,
+                           started=since)
                 result = _Supervisor(run, out_r, err_r, res_r, timeout, start,
                                      self.start_method, marks).watch(guard)
         finally:
