@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 
 def echo(x: int) -> int:
@@ -225,3 +226,118 @@ def capped_fork_bomb(cap: int, pid_file: str) -> None:
         if not grow:
             os.waitpid(pid, 0)
 
+
+# --- state a call leaves behind in a reused worker --------------------------------------------
+
+def _leak_thread() -> None:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(600,), name="left-behind", daemon=True).start()
+
+
+def _leak_function_mode() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    TorchFunctionMode().__enter__()  # never left
+
+
+def _leak_linear_forward() -> None:
+    import torch
+
+    torch.nn.Linear.forward = lambda self, x: x  # type: ignore[method-assign]
+
+
+def _leak_helper_global() -> None:
+    from tests import leak_helper
+
+    leak_helper.VALUE = 2
+
+
+def _leak_helper_config() -> None:
+    from tests import leak_helper
+
+    leak_helper.CONFIG["scale"] = 0.0
+
+
+def _leak(statement: str) -> Callable[[], None]:
+    def leak() -> None:
+        import torch  # noqa: F401 - the statements below use it
+
+        exec(statement)
+    return leak
+
+
+# kind -> (what leaves the state, a word the worker's reason for ending holds)
+LEAKS: dict[str, tuple[Callable[[], None], str]] = {
+    "torch.exp replaced": (_leak("torch.exp = lambda x, *a, **k: torch.zeros_like(x)"),
+                           "torch.exp"),
+    "an attribute set on torch": (_leak("torch.POISON = True"), "torch.POISON"),
+    "a torch.nn layer patched": (_leak_linear_forward, "Linear.forward"),
+    "a shared helper's global": (_leak_helper_global, "leak_helper.VALUE"),
+    "a shared helper's dict changed in place": (_leak_helper_config, "leak_helper.CONFIG"),
+    "builtins patched": (_leak("import builtins; builtins.sum = min"), "builtins.sum"),
+    "math patched": (_leak("import math; math.exp = math.sqrt"), "math.exp"),
+    "flush-denormal": (_leak("torch.set_flush_denormal(True)"), "flush_denormal"),
+    "anomaly mode": (_leak("torch.autograd.set_detect_anomaly(True)"), "anomaly"),
+    "default device": (_leak("torch.set_default_device('meta')"), "set_default_device"),
+    "a torch function mode left on": (_leak_function_mode, "torch mode"),
+    "warn always": (_leak("torch.set_warn_always(True)"), "warnAlways"),
+    "interop threads": (_leak("torch.set_num_interop_threads(3)"), "interop"),
+    "a thread left running": (_leak_thread, "thread"),
+    "an environment variable": (_leak("import os; os.environ['GPUCASE_LEAK'] = '1'"),
+                                "GPUCASE_LEAK"),
+    "os.putenv": (_leak("import os; os.putenv('GPUCASE_LEAK', '1')"), "environment"),
+    "a signal handler": (_leak("import signal; signal.signal(signal.SIGUSR2, lambda *a: None)"),
+                         "signal handlers"),
+    "a pending alarm": (_leak("import signal; signal.signal(signal.SIGALRM, signal.SIG_IGN); "
+                              "signal.alarm(600)"), "timer"),
+    "the recursion limit": (_leak("import sys; sys.setrecursionlimit(123456)"), "recursion"),
+    "an import hook": (_leak("import sys; sys.meta_path.insert(0, object())"), "import hook"),
+    "a module replaced in sys.modules": (_leak("import sys, types; "
+                                               "sys.modules['json'] = types.ModuleType('json')"),
+                                         "json"),
+}
+
+
+def leave(kind: str) -> int:
+    """Leave the state of ``kind`` behind, and say which process did."""
+    LEAKS[kind][0]()
+    return os.getpid()
+
+
+# Restored between calls, not a reason to end the worker: -> a probe of the fresh value.
+RESTORED: dict[str, tuple[str, str]] = {
+    "default dtype": ("torch.set_default_dtype(torch.float64)", "str(torch.get_default_dtype())"),
+    "grad mode": ("torch.set_grad_enabled(False)", "torch.is_grad_enabled()"),
+    "thread count": ("torch.set_num_threads(1 + torch.get_num_threads())",
+                     "torch.get_num_threads()"),
+    "torch's random state": ("torch.manual_seed(1234)", "torch.rand(1).item()"),
+    "the working directory": ("import os; os.chdir('/')", "__import__('os').getcwd()"),
+    "deterministic algorithms": ("torch._C._set_deterministic_algorithms(True, warn_only=True)",
+                                 "torch.are_deterministic_algorithms_enabled()"),
+}
+
+
+def change_restored(kind: str) -> int:
+    exec(RESTORED[kind][0], {"torch": __import__("torch")})
+    return os.getpid()
+
+
+def probe_restored(kind: str) -> tuple[int, object]:
+    return os.getpid(), eval(RESTORED[kind][1], {"torch": __import__("torch")})
+
+
+def import_helper_from(folder: str, value: int) -> int:
+    """Import a helper module first imported by this call, and change its global."""
+    sys.path.insert(0, folder)
+    import new_helper  # type: ignore[import-not-found]
+
+    new_helper.VALUE = value
+    return os.getpid()
+
+
+def helper_value(folder: str) -> tuple[int, int]:
+    sys.path.insert(0, folder)
+    import new_helper  # type: ignore[import-not-found]
+
+    return os.getpid(), new_helper.VALUE

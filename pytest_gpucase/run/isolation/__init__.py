@@ -78,7 +78,8 @@ The modules, by the process they run in: ``run_in_child`` here and ``supervise``
 parent; ``child`` in the child; ``wire`` (the result pipe's format) and ``clipping`` (text
 kept head and tail) on both sides of the pipe; ``proctree`` (the run's processes in
 /proc) in the parent, and in the child for what it started; ``zygote`` and ``workers`` in
-the parent and in the zygote or worker process they start; ``result`` holds the values the
+the parent and in the zygote or worker process they start; ``state`` in a worker, which
+checks after each call that it is still as a fresh child; ``result`` holds the values the
 parent returns.
 """
 
