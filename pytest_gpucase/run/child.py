@@ -81,6 +81,8 @@ class Outcome:
     # "bad output" (one that cannot be walked: nested too deep, or holding itself),
     # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
     kind: str = ""
+    # What the session should say once, whatever the verdict (a cache entry not trusted).
+    notes: tuple[str, ...] = ()
 
     @property
     def broken_case(self) -> bool:
@@ -149,6 +151,13 @@ def run(spec: RunSpec) -> Outcome:
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
     project.prepend(project.import_paths(spec.case.path))
+    reference_cache.take_notes()  # a reused child's earlier run said its own
+    outcome = _judged(spec)
+    notes = reference_cache.take_notes()
+    return dataclasses.replace(outcome, notes=(*outcome.notes, *notes)) if notes else outcome
+
+
+def _judged(spec: RunSpec) -> Outcome:
     try:
         return _run(spec)
     except _Failed as failed:
@@ -212,12 +221,16 @@ def _run(spec: RunSpec) -> Outcome:
         # Computed here on a miss, and again on a failure: a failure never rests on the cache.
         began = time.perf_counter()
         note(f"while computing the float64 reference on the CPU ({returned})")
+        saved = _as_saved(spec, run_inputs, versions)
+        # Nothing needs the run's inputs past here: this frame lets go of them, so that each
+        # is freed as its float64 copy is made (a module case's state is in memory about
+        # twice over, not three times: the float32 state and its float64 copy at once).
+        inputs = run_inputs = {}
         try:
             # The same random draws and grad mode, in float64 on the CPU.
             with (_rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
                   _labelled_output(REFERENCE_OUTPUT)):
-                expected = _call(reference, upcast(_as_saved(spec, run_inputs, versions)),
-                                 expect.gradients, "cpu")
+                expected = _call(reference, _upcast_releasing(saved), expect.gradients, "cpu")
         except _BadOutput as problem:
             return problem.outcome("the reference's")
         except _NothingDifferentiated as problem:
@@ -407,7 +420,28 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         # "case.py:make": imported from the case directory, as a "FILE.py" call is.
         literals[MODULE_KEY] = {**recipe, "factory": resolve(
             case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
+            recipe.get("checkpoint"), Mapping):
+        tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
     return {**literals, **tensors}, rng
+
+
+def _checkpoint_state(case: Case, reference: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state of a model case that references the user's checkpoint instead of holding
+    it (``[inputs.gpucase_module] checkpoint``), as ``state.*`` inputs, its hash checked."""
+    from pytest_gpucase.run.replay import load_checkpoint
+
+    key = f"[inputs] {MODULE_KEY}.checkpoint"
+    path = Path(str(reference.get("path", "")))
+    if not path.is_file():
+        raise CaseFormatError(case.case_file, f"names {path}, which is not a file here: the "
+                              "model's state lives in that checkpoint; make it reachable at "
+                              "that path", key=key)
+    try:
+        return load_checkpoint(path, str(reference.get("sha256", "")),
+                               str(reference.get("prefix", "")))
+    except ValueError as exc:
+        raise CaseFormatError(case.case_file, str(exc), key=key) from None
 
 
 def _tensor_dict(case: Case, name: str, members: Any,
@@ -589,6 +623,15 @@ def upcast(inputs: Mapping[str, Any]) -> dict[str, Any]:
         return value
 
     return {name: _each_tensor(value, up) for name, value in inputs.items()}
+
+
+def _upcast_releasing(inputs: dict[str, Any]) -> dict[str, Any]:
+    """``upcast(inputs)``, emptying ``inputs`` as it goes: each input is let go of once its
+    float64 copy is made, so the largest of them is the only one held twice at a time."""
+    upcast_inputs: dict[str, Any] = {}
+    for name in list(inputs):
+        upcast_inputs.update(upcast({name: inputs.pop(name)}))
+    return upcast_inputs
 
 
 def _sync(device: str) -> None:

@@ -1,0 +1,98 @@
+"""What "the same failure" means (verdict/failure.py): class, then message shape."""
+
+from __future__ import annotations
+
+import pytest
+
+from pytest_gpucase.verdict.failure import Failure, message_shape, same_failure
+
+CUDA_ASSERT = Failure.from_text(
+    "RuntimeError: CUDA error: device-side assert triggered\nCUDA kernel errors might be ...",
+    stderr="Loss.cu:250: nll_loss_forward: block: [0,0,0], thread: [2,0,0] Assertion "
+           "`t >= 0 && t < n_classes` failed.", device="cuda")
+
+
+@pytest.mark.parametrize(("text", "shape"), [
+    ("index 7 is out of bounds for dimension 0 with size 5",
+     "index N is out of bounds for dimension N with size N"),
+    ("The size of tensor a (5) must match the size of tensor b (3) at non-singleton "
+     "dimension 1",
+     "The size of tensor a (N) must match the size of tensor b (N) at non-singleton dimension N"),
+    ("mat1 and mat2 shapes cannot be multiplied (4x3 and 5x6)",
+     "mat1 and mat2 shapes cannot be multiplied (N and N)"),
+    ("shape '[2, 3, 4]' is invalid for input of size 12", "shape '[N]' is invalid for input of "
+     "size N"),
+    ("Expected all tensors to be on the same device, but found at least two devices, cuda:0 "
+     "and cpu!", "Expected all tensors to be on the same device, but found at least two "
+                 "devices, cuda:N and cpu!"),
+    ("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)",
+     "CUDA out of memory. Tried to allocate N GiB (GPU N; N GiB total capacity)"),
+    ("object at 0x7f3a2c0d1e50 in /home/me/proj/model.py failed",
+     "object at 0x? in <path> failed"),
+    ("expected scalar type Float but found Double", "expected scalar type Float but found Double"),
+    ("\n\n  float32 mat1 on sm_80 failed with lr=1e-05\nsecond line",
+     "float32 mat1 on sm_80 failed with lr=N"),
+])
+def test_a_message_shape_keeps_the_words_and_drops_what_changes(text: str, shape: str) -> None:
+    assert message_shape(text) == shape
+
+
+def test_from_text_reads_the_type_as_a_traceback_ends() -> None:
+    failure = Failure.from_text("torch.OutOfMemoryError: CUDA out of memory.", device="cuda:1")
+    assert (failure.error_type, failure.message, failure.device) == (
+        "torch.OutOfMemoryError", "CUDA out of memory.", "cuda")
+    assert failure.kind == "oom"
+    assert Failure.from_text("ValueError").error_type == "ValueError"
+    assert Failure.from_text("x", device="rocm").device == "cuda"
+    silent = Failure.from_text("silent: NaN loss at iteration 880")
+    assert silent.error_type is None
+    assert silent.describe() == "silent: NaN loss at iteration 880"
+    assert CUDA_ASSERT.describe() == "RuntimeError: CUDA error: device-side assert triggered"
+
+
+def test_a_cuda_assert_is_met_by_the_cpus_index_error_and_by_itself() -> None:
+    cpu = Failure("IndexError", "Target 4 is out of bounds.", device="cpu")
+    assert CUDA_ASSERT.kind == "index-out-of-range"
+    assert same_failure(CUDA_ASSERT, cpu)
+    again = Failure("RuntimeError", "CUDA error: device-side assert triggered", device="cuda")
+    assert same_failure(CUDA_ASSERT, again)  # a cross-device class: the words do not decide
+    assert not same_failure(CUDA_ASSERT, Failure("ValueError", "bad", device="cpu"))
+
+
+def test_the_same_class_on_the_same_device_needs_the_same_message_shape() -> None:
+    recorded = Failure("RuntimeError", "CUDA out of memory. Tried to allocate 2.00 GiB",
+                       device="cuda")
+    assert same_failure(recorded, Failure("torch.OutOfMemoryError",
+                                          "CUDA out of memory. Tried to allocate 1.50 GiB",
+                                          device="cuda"))
+    assert not same_failure(recorded, Failure(
+        "RuntimeError", "CUDA out of memory while creating the cuBLAS handle", device="cuda"))
+    # On another device type (or where the recorded device is unknown), the class decides.
+    assert same_failure(recorded, Failure(
+        "RuntimeError", "CUDA out of memory while creating the cuBLAS handle", device="cpu"))
+
+
+def test_without_a_class_the_type_and_the_message_shape_decide() -> None:
+    original = Failure("RuntimeError", "The size of tensor a (5) must match the size of "
+                       "tensor b (3) at non-singleton dimension 1", device="cpu")
+    smaller = Failure("RuntimeError", "The size of tensor a (2) must match the size of "
+                      "tensor b (1) at non-singleton dimension 1", device="cpu")
+    other = Failure("RuntimeError", "shape '[0, 3]' is invalid for input of size 0",
+                    device="cpu")
+    assert original.kind is None
+    assert same_failure(original, smaller)
+    assert not same_failure(original, other)
+    assert not same_failure(original, Failure("ValueError", original.message, device="cpu"))
+    mismatch = Failure(None, "outputs differ from the reference: out: 3 / 8 elements differ")
+    assert same_failure(mismatch, Failure(None, "outputs differ from the reference: out: 1 / 2 "
+                                                "elements differ"))
+    assert not same_failure(mismatch, Failure(None, "outputs differ from the reference: "
+                                                    "out['loss']: values differ"))
+
+
+def test_a_class_given_by_the_record_wins_over_the_text() -> None:
+    recorded = Failure("RuntimeError", "CUDA error: device-side assert triggered",
+                       device="cuda", failure_class="index-out-of-range")
+    assert recorded.kind == "index-out-of-range"
+    assert same_failure(recorded, Failure("IndexError", "index out of range in self",
+                                          device="cpu"))
