@@ -247,6 +247,14 @@ def _leak_linear_forward() -> None:
     torch.nn.Linear.forward = lambda self, x: x  # type: ignore[method-assign]
 
 
+def _leak_aten_kernel() -> None:
+    import torch
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("exp", lambda t: torch.zeros_like(t), "CPU")
+    torch._kept_library = library  # type: ignore[attr-defined] # its kernel lives while it does
+
+
 def _leak_helper_global() -> None:
     from tests import leak_helper
 
@@ -273,6 +281,9 @@ LEAKS: dict[str, tuple[Callable[[], None], str]] = {
                            "torch.exp"),
     "an attribute set on torch": (_leak("torch.POISON = True"), "torch.POISON"),
     "a torch.nn layer patched": (_leak_linear_forward, "Linear.forward"),
+    "an optimizer patched": (_leak("torch.optim.SGD.step = lambda self, closure=None: None"),
+                             "SGD.step"),
+    "an aten kernel overridden": (_leak_aten_kernel, "torch.library"),
     "a shared helper's global": (_leak_helper_global, "leak_helper.VALUE"),
     "a shared helper's dict changed in place": (_leak_helper_config, "leak_helper.CONFIG"),
     "builtins patched": (_leak("import builtins; builtins.sum = min"), "builtins.sum"),

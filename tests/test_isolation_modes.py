@@ -208,6 +208,11 @@ def test_a_helper_the_call_imported_is_imported_afresh(pool: WorkerPool, tmp_pat
 # kind -> (what the case leaves behind, what its victim asserts: true only with the state left)
 LEFT_BEHIND = {
     "exp": ("torch.exp = lambda t, *a, **k: torch.zeros_like(t)", None),
+    "aten_kernel": ("lib = torch.library.Library('aten', 'IMPL'); "
+                    "lib.impl('exp', lambda t: torch.zeros_like(t), 'CPU'); torch._lib = lib",
+                    None),
+    "optim": ("torch.optim.SGD.step = lambda self, closure=None: None",
+              "torch.optim.SGD.step.__name__ == '<lambda>'"),
     "torch_attr": ("torch.GPUCASE_POISON = True", "getattr(torch, 'GPUCASE_POISON', False)"),
     "helper_global": ("shared_helper.SCALE = 0.0", "shared_helper.SCALE == 0.0"),
     "denormal": ("torch.set_flush_denormal(True)", "torch.tensor([1e-39]).mul(1.0).item() == 0"),

@@ -22,15 +22,18 @@ What ends the worker, because putting it back would not be complete (or not chea
   them once, at an arbitrary first use (cuBLAS's workspace, OpenMP, the CUDA context);
 - an attribute of torch (public names of every torch module, functions and classes of
   its private ones), of the standard library's numeric and process modules, of NumPy,
-  of ``builtins``, of the user's modules (which may be shared helpers), or of torch's
-  main classes, replaced, added or removed; a list, dict or set global of a user module
-  changed in place; a module of ``sys.modules`` replaced or removed; an import hook;
+  of ``builtins``, of the user's modules (which may be shared helpers), or of a class
+  torch's public modules hold (``torch.nn.Linear.forward``, ``torch.optim.SGD.step``),
+  replaced, added or removed; a list, dict or set global of a user module changed in
+  place; a kernel registered from Python (``torch.library``, an aten kernel overridden);
+  a module of ``sys.modules`` replaced or removed; an import hook;
 - torch's flags that are not restored: flush-denormal, anomaly mode, default device,
   warn-always, autocast and inference mode left on, a torch function or dispatch mode
   left on its stack, saved-tensor hooks, interop threads, and the other backend switches;
-- a Python thread left running; signal handlers, the signal mask, a pending timer;
-  resource limits, umask, nice, CPU affinity, process group or session, user ids; the
-  interpreter's recursion limit, switch interval, trace or profile function, gc settings;
+- a Python thread left running; warnings filters, the locale; signal handlers, the
+  signal mask, a pending timer; resource limits, umask, nice, CPU affinity, process group
+  or session, user ids; the interpreter's recursion limit, switch interval, trace or
+  profile function, gc settings;
 - a device left in an error state (a sticky CUDA error raises at the synchronize).
 
 Not seen (and so not confirmed to be absent): private data of torch's and third-party
@@ -207,6 +210,7 @@ class WorkerState:  # pragma: no cover - the worker
         self.path_hooks = list(sys.path_hooks)
         self.probes: list[tuple[str, Callable[[], Any]]] = []
         self.namespaces = _Namespaces()
+        self.classes: set[int] = set()  # the classes whose dicts are watched
         self.cuda_started = False  # CUDA was first used by a call of this worker
         torch = sys.modules.get("torch")
         self.torch: dict[str, Any] = {}
@@ -281,10 +285,11 @@ class WorkerState:  # pragma: no cover - the worker
         for cls in (torch.Tensor, torch.nn.Module, torch.nn.Parameter,
                     torch.autograd.Function):
             self._watch_class(f"{cls.__module__}.{cls.__qualname__}", cls, strict=True)
-        for value in list(vars(torch.nn).values()):  # the layers: Linear.forward, say
-            if isinstance(value, type) and str(value.__module__).startswith("torch.nn"):
-                self._watch_class(f"{value.__module__}.{value.__qualname__}", value,
-                                  strict=False)
+        self.registrations = _count_registrations(torch)
+        if self.registrations is not None:
+            counter = self.registrations
+            self.probes.append(("kernels or operators registered from Python (torch.library)",
+                                lambda: counter[0]))
 
     def _watch(self, name: str, module: Any) -> None:
         namespace = getattr(module, "__dict__", None)
@@ -296,6 +301,13 @@ class WorkerState:  # pragma: no cover - the worker
             # torch.ops and torch.classes, registries filled on first use.
             if _public_library_module(name):
                 self.namespaces.add(name, namespace, strict=False)
+                for value in list(namespace.values()):
+                    # Its classes too (torch.nn.Linear.forward, torch.optim.SGD.step), where
+                    # they are defined in torch, public or not (torch.optim.sgd).
+                    if (isinstance(value, type) and id(value) not in self.classes
+                            and str(getattr(value, "__module__", "")).startswith(top)):
+                        self._watch_class(f"{value.__module__}.{value.__qualname__}", value,
+                                          strict=False)
         elif _machinery(name):
             self.namespaces.add(name, namespace, strict=False)
         elif name in WATCHED_STDLIB or name in ("__main__", "__mp_main__"):
@@ -311,6 +323,7 @@ class WorkerState:  # pragma: no cover - the worker
                     self._watch_class(f"{name}.{value.__qualname__}", value, strict=True)
 
     def _watch_class(self, name: str, cls: type, strict: bool) -> None:
+        self.classes.add(id(cls))  # the classes live as long as their modules: ids are stable
         referents = gc.get_referents(cls.__dict__)  # the dict behind the mappingproxy
         if len(referents) == 1 and isinstance(referents[0], dict):
             self.namespaces.add(name, referents[0], strict)
@@ -547,6 +560,35 @@ def _c_environ() -> frozenset[bytes] | None:
     return frozenset(found)
 
 
+def _count_registrations(torch: Any) -> list[int] | None:  # pragma: no cover - the worker
+    """Count, from now on, the libraries of kernels and operators that code outside torch
+    registers with the dispatcher (``torch.library``: ``Library``, ``custom_op``, ``impl``).
+
+    A kernel that overrides an aten one (aten::exp on CPU) changes ``torch.exp`` without
+    changing its identity, and outlives the call while its ``Library`` lives; the registry
+    of names ``torch.library`` keeps can forget it (a second ``Library`` for the same
+    kernel, then the first collected). Every such library passes through
+    ``torch._C._dispatch_library``, wrapped here; those torch makes for itself, lazily, at
+    the first use of a feature (a fresh child makes them alike) are not counted."""
+    original = getattr(torch._C, "_dispatch_library", None)
+    if original is None:
+        return None
+    root = os.path.join(os.path.dirname(torch.__file__), "")
+    machinery = (os.path.join(root, "library.py"), os.path.join(root, "_library", ""))
+    count = [0]
+
+    def dispatch_library(*args: Any, **kwargs: Any) -> Any:
+        frame: types.FrameType | None = sys._getframe(1)
+        while frame is not None and frame.f_code.co_filename.startswith(machinery):
+            frame = frame.f_back  # torch.library's own frames: who called it?
+        if frame is None or not frame.f_code.co_filename.startswith(root):
+            count[0] += 1
+        return original(*args, **kwargs)
+
+    torch._C._dispatch_library = dispatch_library
+    return count
+
+
 def _process_probes() -> list[tuple[str, Callable[[], Any]]]:
     """Per-process settings a call may change and a fresh child would not have."""
     import resource
@@ -581,6 +623,15 @@ def _process_probes() -> list[tuple[str, Callable[[], Any]]]:
         ("sys.getdlopenflags()", sys.getdlopenflags),
         ("gc settings", lambda: (gc.isenabled(), gc.get_threshold(), len(gc.callbacks))),
     ]
+    try:
+        import locale
+
+        probes.append(("the locale", lambda: locale.setlocale(locale.LC_ALL)))  # a query
+    except ImportError:
+        pass
+    filters = sys.modules.get("warnings")
+    if filters is not None:  # changed in place (simplefilter): the list is the same object
+        probes.append(("warnings filters", lambda: list(filters.filters)))
     if hasattr(os, "sched_getaffinity"):
         probes.append(("CPU affinity", lambda: os.sched_getaffinity(0)))
     if hasattr(sys, "get_int_max_str_digits"):
