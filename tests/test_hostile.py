@@ -315,12 +315,22 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
 
 
 def test_each_broken_case_fails_alone_with_its_message(pytester: pytest.Pytester) -> None:
+    broken_cases_fail_alone(pytester)
+
+
+def test_each_broken_case_fails_alone_in_a_reused_worker_too(pytester: pytest.Pytester) -> None:
+    """One worker serves the whole table: each case that crashes, hangs, forks or leaves a
+    daemon ends it, and the next case gets the verdict and message a fresh child gives."""
+    broken_cases_fail_alone(pytester, "--gpu-isolation", "worker")
+
+
+def broken_cases_fail_alone(pytester: pytest.Pytester, *args: str) -> None:
     ce_case(pytester.path, "good", [0, 2, 4], RAISES)
     for name, (toml, code, tensors, extra, _) in BROKEN.items():
         build(pytester.path, name, toml, code, tensors, extra)
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
                                            "no:cacheprovider", "--gpu-cases-report",
-                                           "report.json", "cases", timeout=600)
+                                           "report.json", *args, "cases", timeout=600)
     result.assert_outcomes(passed=1, failed=len(BROKEN))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     text = result.stdout.str()
