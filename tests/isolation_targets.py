@@ -267,6 +267,14 @@ def _leak_helper_config() -> None:
     leak_helper.CONFIG["scale"] = 0.0
 
 
+def _leak_helper_data(statement: str) -> Callable[[], None]:
+    def leak() -> None:
+        from tests import leak_helper
+
+        exec(statement, {"leak_helper": leak_helper, "torch": __import__("torch")})
+    return leak
+
+
 def _leak(statement: str) -> Callable[[], None]:
     def leak() -> None:
         import torch  # noqa: F401 - the statements below use it
@@ -286,6 +294,14 @@ LEAKS: dict[str, tuple[Callable[[], None], str]] = {
     "an aten kernel overridden": (_leak_aten_kernel, "torch.library"),
     "a shared helper's global": (_leak_helper_global, "leak_helper.VALUE"),
     "a shared helper's dict changed in place": (_leak_helper_config, "leak_helper.CONFIG"),
+    "a shared helper's tensor changed in place": (_leak_helper_data("leak_helper.TABLE.mul_(0)"),
+                                                  "leak_helper.TABLE"),
+    "a shared helper's layer trained": (_leak_helper_data(
+        "with torch.no_grad(): leak_helper.LAYER.weight.zero_()"), "leak_helper.LAYER"),
+    "a shared helper's layer put in eval mode": (_leak_helper_data("leak_helper.LAYER.eval()"),
+                                                 "leak_helper.LAYER.training"),
+    "a shared helper's settings object": (_leak_helper_data("leak_helper.SETTINGS.scale = 0.0"),
+                                          "leak_helper.SETTINGS.scale"),
     "builtins patched": (_leak("import builtins; builtins.sum = min"), "builtins.sum"),
     "math patched": (_leak("import math; math.exp = math.sqrt"), "math.exp"),
     "flush-denormal": (_leak("torch.set_flush_denormal(True)"), "flush_denormal"),

@@ -215,6 +215,8 @@ LEFT_BEHIND = {
               "torch.optim.SGD.step.__name__ == '<lambda>'"),
     "torch_attr": ("torch.GPUCASE_POISON = True", "getattr(torch, 'GPUCASE_POISON', False)"),
     "helper_global": ("shared_helper.SCALE = 0.0", "shared_helper.SCALE == 0.0"),
+    "helper_tensor": ("shared_helper.TABLE.mul_(0)", "shared_helper.TABLE.sum().item() == 0"),
+    "helper_object": ("shared_helper.SETTINGS.scale = 0.0", "shared_helper.SETTINGS.scale == 0"),
     "denormal": ("torch.set_flush_denormal(True)", "torch.tensor([1e-39]).mul(1.0).item() == 0"),
     "anomaly": ("torch.autograd.set_detect_anomaly(True)", "torch.is_anomaly_enabled()"),
     "device": ("torch.set_default_device('meta')", "torch.get_default_device().type == 'meta'"),
@@ -247,7 +249,9 @@ def write_run_case(root: Path, name: str, body: str, toml: str = "") -> None:
 
 def leaky_project(root: Path) -> None:
     # Imported by the conftest, before any child is forked: a module every run shares.
-    (root / "shared_helper.py").write_text("SCALE = 1.0\n")
+    (root / "shared_helper.py").write_text("import types\nimport torch\n\nSCALE = 1.0\n"
+                                           "TABLE = torch.ones(3)\n"
+                                           "SETTINGS = types.SimpleNamespace(scale=1.0)\n")
     (root / "conftest.py").write_text("import shared_helper  # noqa: F401\n")
     for index, (kind, (leave, holds)) in enumerate(sorted(LEFT_BEHIND.items())):
         write_run_case(root, f"k{index:02}_{kind}", leave)

@@ -24,9 +24,10 @@ What ends the worker, because putting it back would not be complete (or not chea
   its private ones), of the standard library's numeric and process modules, of NumPy,
   of ``builtins``, of the user's modules (which may be shared helpers), or of a class
   torch's public modules hold (``torch.nn.Linear.forward``, ``torch.optim.SGD.step``),
-  replaced, added or removed; a list, dict or set global of a user module changed in
-  place; a kernel registered from Python (``torch.library``, an aten kernel overridden);
-  a module of ``sys.modules`` replaced or removed; an import hook;
+  replaced, added or removed; a global of a user module changed in place (a list, dict
+  or set by content, a tensor or a torch module by version counters, another object by
+  its attributes); a kernel registered from Python (``torch.library``, an aten kernel
+  overridden); a module of ``sys.modules`` replaced or removed; an import hook;
 - torch's flags that are not restored: flush-denormal, anomaly mode, default device,
   warn-always, autocast and inference mode left on, a torch function or dispatch mode
   left on its stack, saved-tensor hooks, interop threads, and the other backend switches;
@@ -166,6 +167,7 @@ class _Namespaces:
         self.keys: list[list[str]] = []
         self.values: list[Any] = []
         self.containers: list[tuple[str, Any, Any]] = []  # (where, the object, a copy)
+        self.tensors: list[tuple[str, Any, Any]] = []  # (where, the object, its versions)
 
     def add(self, name: str, namespace: dict[str, Any], strict: bool) -> None:
         self.names.append(name)
@@ -321,6 +323,14 @@ class WorkerState:  # pragma: no cover - the worker
                     self.namespaces.containers.append((f"{name}.{key}", value, _copy(value)))
                 elif isinstance(value, type) and value.__module__ == name:
                     self._watch_class(f"{name}.{value.__qualname__}", value, strict=True)
+                    continue
+                versions = _versions(value)
+                if versions is not None:  # a tensor, or a module's, changed in place
+                    self.namespaces.tensors.append((f"{name}.{key}", value, versions))
+                attributes = getattr(value, "__dict__", None)
+                if type(attributes) is dict and not isinstance(value, _NOT_DATA):
+                    # An object's attributes (a settings namespace, a module's training flag).
+                    self.namespaces.add(f"{name}.{key}", attributes, strict=True)
 
     def _watch_class(self, name: str, cls: type, strict: bool) -> None:
         self.classes.add(id(cls))  # the classes live as long as their modules: ids are stable
@@ -431,6 +441,9 @@ class WorkerState:  # pragma: no cover - the worker
         for where, value, copy in self.namespaces.containers:
             if not _same_contents(value, copy):
                 reasons.append(f"{where} was changed in place")
+        for where, value, versions in self.namespaces.tensors:
+            if _versions(value) != versions:
+                reasons.append(f"{where} was changed in place (its tensors)")
         kept = [name for name in new if name not in dropped and name in sys.modules]
         cuda_started = bool(self.torch) and not self.torch["cuda"] and not self.cuda_started
         if cuda_started and sys.modules["torch"].cuda.is_initialized():
@@ -477,6 +490,26 @@ class WorkerState:  # pragma: no cover - the worker
 
 
 _ABSENT = object()
+# Globals whose ``__dict__`` is code, not data a later case reads.
+_NOT_DATA = (type, types.ModuleType, types.FunctionType, types.BuiltinFunctionType,
+             types.MethodType, functools.partial)
+
+
+def _versions(value: Any) -> Any:
+    """A tensor's version counter (every in-place change bumps it), or those of a torch
+    module's parameters and buffers with their identities; None for anything else."""
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return None
+    try:
+        if isinstance(value, torch.Tensor):
+            return value._version
+        if isinstance(value, torch.nn.Module):
+            return [(name, id(tensor), tensor._version) for name, tensor in itertools.chain(
+                value.named_parameters(), value.named_buffers())]
+    except Exception:  # a tensor without versions (an inference tensor), a broken module
+        return None
+    return None
 
 
 def _code(value: Any) -> bool:
