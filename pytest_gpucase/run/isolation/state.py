@@ -93,6 +93,7 @@ _TORCH_GETTERS = (
     "_are_functorch_transforms_active", "_len_torch_function_stack",
     "_len_torch_dispatch_stack",
 )
+_IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: setattr on the class raises
 _DEFAULT_CUDA_SEED = 67280421310721  # c10::default_rng_seed_val: a fresh CUDA generator's
 
 
@@ -188,11 +189,20 @@ class _Namespaces:
         except Exception:  # a replacement whose == raises (a tensor of several values)
             return False
 
-    def saved(self) -> list[dict[str, Any]]:
-        """What each dict held when frozen."""
-        values = iter(self.values)
-        return [dict(zip(keys, itertools.islice(values, len(keys)), strict=True))
-                for keys in self.keys]
+    def changed(self) -> list[tuple[int, dict[str, Any]]]:
+        """The index of each dict that differs from its frozen self, with what it held."""
+        found, start = [], 0
+        for index, (namespace, keys) in enumerate(zip(self.dicts, self.keys, strict=True)):
+            end = start + len(keys)
+            before = self.values[start:end]
+            try:
+                same = len(namespace) == len(keys) and list(namespace.values()) == before
+            except Exception:  # a replacement whose == raises
+                same = False
+            if not same:
+                found.append((index, dict(zip(keys, before, strict=True))))
+            start = end
+        return found
 
 
 class WorkerState:  # pragma: no cover - the worker
@@ -334,6 +344,8 @@ class WorkerState:  # pragma: no cover - the worker
 
     def _watch_class(self, name: str, cls: type, strict: bool) -> None:
         self.classes.add(id(cls))  # the classes live as long as their modules: ids are stable
+        if cls.__flags__ & _IMMUTABLE_TYPE:
+            return  # a C type nothing can assign to (torch._C's, the legacy tensor types)
         referents = gc.get_referents(cls.__dict__)  # the dict behind the mappingproxy
         if len(referents) == 1 and isinstance(referents[0], dict):
             self.namespaces.add(name, referents[0], strict)
@@ -467,9 +479,9 @@ class WorkerState:  # pragma: no cover - the worker
         the build has), which a fresh child's first use sets alike; the rest is frozen
         anew."""
         found: list[str] = []
-        for name, namespace, strict, before in zip(self.namespaces.names, self.namespaces.dicts,
-                                                   self.namespaces.strict,
-                                                   self.namespaces.saved(), strict=True):
+        spaces = self.namespaces
+        for index, before in spaces.changed():
+            name, namespace, strict = spaces.names[index], spaces.dicts[index], spaces.strict[index]
             for key in set(before) | set(namespace):
                 old, new = before.get(key, _ABSENT), namespace.get(key, _ABSENT)
                 if old is new:
