@@ -302,6 +302,17 @@ LEAKS: dict[str, tuple[Callable[[], None], str]] = {
                                                  "leak_helper.LAYER.training"),
     "a shared helper's settings object": (_leak_helper_data("leak_helper.SETTINGS.scale = 0.0"),
                                           "leak_helper.SETTINGS.scale"),
+    "a shared helper's nested dict": (_leak_helper_data("leak_helper.NESTED['opts']['scale'] = 0"),
+                                      "leak_helper.NESTED"),
+    "a shared helper's nested tensor": (_leak_helper_data(
+        "leak_helper.NESTED['tables'][0].mul_(0)"), "leak_helper.NESTED"),
+    "gpucase's tolerance table": (_leak(
+        "from pytest_gpucase.verdict import tolerance as t; "
+        "t.DEFAULT_TOLERANCES[torch.float32] = t.Tolerance(rtol=1.0, atol=1.0)"),
+        "DEFAULT_TOLERANCES"),
+    "gpucase's comparison patched": (_leak(
+        "from pytest_gpucase.verdict.compare import Comparison; "
+        "Comparison.ok = property(lambda self: True)"), "Comparison.ok"),
     "builtins patched": (_leak("import builtins; builtins.sum = min"), "builtins.sum"),
     "math patched": (_leak("import math; math.exp = math.sqrt"), "math.exp"),
     "flush-denormal": (_leak("torch.set_flush_denormal(True)"), "flush_denormal"),

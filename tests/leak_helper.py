@@ -9,4 +9,5 @@ VALUE = 1
 CONFIG = {"scale": 1.0}
 SETTINGS = types.SimpleNamespace(scale=1.0)
 TABLE = torch.ones(3)
+NESTED = {"opts": {"scale": 1.0}, "tables": [torch.ones(2)]}
 LAYER = torch.nn.Linear(2, 2)

@@ -211,6 +211,11 @@ LEFT_BEHIND = {
     "aten_kernel": ("lib = torch.library.Library('aten', 'IMPL'); "
                     "lib.impl('exp', lambda t: torch.zeros_like(t), 'CPU'); torch._lib = lib",
                     None),
+    "gpucase_table": ("from pytest_gpucase.verdict import tolerance as t; "
+                      "t.DEFAULT_TOLERANCES[torch.float32] = t.Tolerance(rtol=1.0, atol=1.0)",
+                      "OFF_BY_1E-3"),
+    "gpucase_compare": ("from pytest_gpucase.verdict.compare import Comparison; "
+                        "Comparison.ok = property(lambda self: True)", "OFF_BY_1E-3"),
     "optim": ("torch.optim.SGD.step = lambda self, closure=None: None",
               "torch.optim.SGD.step.__name__ == '<lambda>'"),
     "torch_attr": ("torch.GPUCASE_POISON = True", "getattr(torch, 'GPUCASE_POISON', False)"),
@@ -227,6 +232,10 @@ LEFT_BEHIND = {
                ".start()", "'left' in [t.name for t in threading.enumerate()]"),
     "environ": ("os.environ['GPUCASE_LEFT'] = '1'", "os.environ.get('GPUCASE_LEFT') == '1'"),
 }
+# Victims that fail by their values, not by an assert: a float32 overflow against a finite
+# float64 reference, an output 1e-3 off the reference.
+VICTIMS = {None: "return torch.exp(x * 100.0)",
+           "OFF_BY_1E-3": "return x + 1e-3 if x.dtype == torch.float32 else x"}
 # Past what the worker checks (private data of a library): only the fresh confirmation of
 # every outcome of a strict xfail keeps its victim from XPASS(strict).
 UNSEEN = ("torch._gpucase_unseen = True", "getattr(torch, '_gpucase_unseen', False)")
@@ -256,8 +265,7 @@ def leaky_project(root: Path) -> None:
     for index, (kind, (leave, holds)) in enumerate(sorted(LEFT_BEHIND.items())):
         write_run_case(root, f"k{index:02}_{kind}", leave)
         # Fails in a fresh child; passes only where the state was left behind.
-        write_run_case(root, f"k{index:02}_{kind}_victim",
-                       "return torch.exp(x * 100.0)" if holds is None else f"assert {holds}")
+        write_run_case(root, f"k{index:02}_{kind}_victim", VICTIMS.get(holds, f"assert {holds}"))
     write_run_case(root, "u1_unseen", UNSEEN[0])
     write_run_case(root, "u1_unseen_xfail", f"assert {UNSEEN[1]}", 'xfail = "never fixed"')
 

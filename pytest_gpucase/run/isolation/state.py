@@ -24,9 +24,10 @@ What ends the worker, because putting it back would not be complete (or not chea
   its private ones), of the standard library's numeric and process modules, of NumPy,
   of ``builtins``, of the user's modules (which may be shared helpers), or of a class
   torch's public modules hold (``torch.nn.Linear.forward``, ``torch.optim.SGD.step``),
-  replaced, added or removed; a global of a user module changed in place (a list, dict
-  or set by content, a tensor or a torch module by version counters, another object by
-  its attributes); a kernel registered from Python (``torch.library``, an aten kernel
+  replaced, added or removed; a global of a user module, or a public one of gpucase's
+  own, changed in place (a list, dict or set by content, four levels deep, a tensor or a
+  torch module by version counters, another object by its attributes, a class by its
+  methods); a kernel registered from Python (``torch.library``, an aten kernel
   overridden); a module of ``sys.modules`` replaced or removed; an import hook;
 - torch's flags that are not restored: flush-denormal, anomaly mode, default device,
   warn-always, autocast and inference mode left on, a torch function or dispatch mode
@@ -321,26 +322,36 @@ class WorkerState:  # pragma: no cover - the worker
                         self._watch_class(f"{value.__module__}.{value.__qualname__}", value,
                                           strict=False)
         elif _machinery(name):
+            # gpucase's own code runs the next case (its comparison, its tolerance tables):
+            # its functions, classes and tables, not its private data (caches).
             self.namespaces.add(name, namespace, strict=False)
+            self._watch_globals(name, namespace, strict=False)
         elif name in WATCHED_STDLIB or name in ("__main__", "__mp_main__"):
             self.namespaces.add(name, namespace, strict=True)
         elif _user_code(module):
             self.namespaces.add(name, namespace, strict=True)
-            for key, value in list(namespace.items()):
-                if key.startswith("__"):
-                    continue  # __builtins__ (the builtins' own dict, watched), __all__, ...
-                if type(value) in (list, dict, set):
-                    self.namespaces.containers.append((f"{name}.{key}", value, _copy(value)))
-                elif isinstance(value, type) and value.__module__ == name:
-                    self._watch_class(f"{name}.{value.__qualname__}", value, strict=True)
-                    continue
-                versions = _versions(value)
-                if versions is not None:  # a tensor, or a module's, changed in place
-                    self.namespaces.tensors.append((f"{name}.{key}", value, versions))
-                attributes = getattr(value, "__dict__", None)
-                if type(attributes) is dict and not isinstance(value, _NOT_DATA):
-                    # An object's attributes (a settings namespace, a module's training flag).
-                    self.namespaces.add(f"{name}.{key}", attributes, strict=True)
+            self._watch_globals(name, namespace, strict=True)
+
+    def _watch_globals(self, name: str, namespace: dict[str, Any], strict: bool) -> None:
+        """What a module's globals hold: its containers' contents, its tensors' versions,
+        its classes' and other objects' attributes (``strict``: private names too)."""
+        for key, value in list(namespace.items()):
+            if key.startswith("__"):
+                continue  # __builtins__ (the builtins' own dict, watched), __all__, ...
+            if type(value) in (list, dict, set):
+                self.namespaces.containers.append((f"{name}.{key}", value, _copy(value)))
+                continue
+            if isinstance(value, type):
+                if value.__module__ == name:
+                    self._watch_class(f"{name}.{value.__qualname__}", value, strict=strict)
+                continue
+            versions = _versions(value)
+            if versions is not None:  # a tensor, or a module's, changed in place
+                self.namespaces.tensors.append((f"{name}.{key}", value, versions))
+            attributes = getattr(value, "__dict__", None)
+            if type(attributes) is dict and not isinstance(value, _NOT_DATA):
+                # An object's attributes (a settings namespace, a module's training flag).
+                self.namespaces.add(f"{name}.{key}", attributes, strict=strict)
 
     def _watch_class(self, name: str, cls: type, strict: bool) -> None:
         self.classes.add(id(cls))  # the classes live as long as their modules: ids are stable
@@ -528,19 +539,46 @@ def _code(value: Any) -> bool:
     return callable(value) or isinstance(value, types.ModuleType)
 
 
-def _copy(value: Any) -> Any:
+_CONTAINERS = (list, dict, set)
+_NESTED_DEPTH = 4  # containers inside containers compared this deep
+_NESTED_MAX = 1000  # inner containers and tensors of one global compared at most
+
+
+def _copy(value: Any, depth: int = 0) -> Any:
+    """A container's snapshot: its items by identity (a list compared in C), and those
+    containers and tensors among them, each with its own snapshot or versions
+    (``CONFIG["opts"]["scale"] = 0``, ``TABLES["exp"].mul_(0)``)."""
     if type(value) is dict:
-        return list(value.items())
-    return list(value) if type(value) is list else set(value)
+        shallow: Any = list(value.items())
+        items: Any = value.values()
+    elif type(value) is list:
+        shallow = items = list(value)
+    else:
+        return set(value), ()  # hashable items: nothing inside them to change in place
+    nested: list[tuple[Any, bool, Any]] = []
+    if depth < _NESTED_DEPTH:
+        for item in items:
+            if type(item) in _CONTAINERS:
+                nested.append((item, True, _copy(item, depth + 1)))
+            elif (versions := _versions(item)) is not None:
+                nested.append((item, False, versions))
+            if len(nested) >= _NESTED_MAX:
+                break
+    return shallow, tuple(nested)
 
 
 def _same_contents(value: Any, copy: Any) -> bool:
-    if type(value) is dict:
-        return len(value) == len(copy) and all(
-            key in value and value[key] is item for key, item in copy)
-    if type(value) is list:
-        return len(value) == len(copy) and all(map(operator.is_, value, copy))
-    return bool(value == copy)
+    shallow, nested = copy
+    try:  # in C: each pair is the same object, or (rarely) a replacement equal to it
+        if type(value) is dict:
+            same = len(value) == len(shallow) and list(value.items()) == shallow
+        else:
+            same = len(value) == len(shallow) and (list(value) if type(value) is list
+                                                   else value) == shallow
+    except Exception:  # a replacement whose == raises (a tensor of several values)
+        return False
+    return same and all(_same_contents(item, inner) if container else _versions(item) == inner
+                        for item, container, inner in nested)
 
 
 def _identity(value: Any) -> Any:
