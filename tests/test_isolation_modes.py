@@ -149,6 +149,8 @@ def test_session_end_leaves_no_worker() -> None:
 def pool() -> Iterator[WorkerPool]:
     from tests import leak_helper  # noqa: F401 - imported before the workers fork, as a
     # conftest's import would be: a module the workers share with the parent
+    import pytest_gpucase.run.child  # noqa: F401 - as run_spec has it imported: its
+    # comparison and tolerance tables are the workers' from their start
 
     found = WorkerPool()
     try:
@@ -293,3 +295,17 @@ def test_a_reused_worker_runs_a_first_call_failure_and_a_hang_once(
     runs = (pytester.path / "runs.log").read_text().split()
     assert runs.count("a_fails_first") == 1 and runs.count("c_hangs") == 1, runs
     assert runs.count("b_passes") == 2, runs  # the call and its float64 reference
+
+
+def test_the_summary_names_the_case_that_left_its_worker_changed(
+        pytester: pytest.Pytester) -> None:
+    (pytester.path / "shared_helper.py").write_text("SCALE = 1.0\n")
+    write_run_case(pytester.path, "a_leaves", LEFT_BEHIND["exp"][0])
+    write_run_case(pytester.path, "b_passes", "pass")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-isolation", "worker",
+                                           "-p", "no:cacheprovider", "--rootdir",
+                                           str(pytester.path), "cases")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["gpucase: --gpu-isolation: cases/a_leaves [[]cpu-float32[]] "
+                                 "left its worker unlike a fresh child (torch.exp was "
+                                 "replaced); the next run got a new worker"])

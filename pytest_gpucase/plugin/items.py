@@ -334,6 +334,14 @@ class CaseItem(pytest.Item):
             raise KeyboardInterrupt("SIGINT while the case ran")
         for note in verdict.outcome.notes:
             state.note(note)
+        pool = state.pool()
+        for label, why in pool.take_retired() if pool is not None else ():
+            from pytest_gpucase.base.text import terminal_safe
+
+            # The worker runs the case's code: its words are bounded there, made safe here.
+            state.note(terminal_safe(f"--gpu-isolation: {label} left its worker unlike a "
+                                     f"fresh child ({why[0][:200]}); the next run got a "
+                                     "new worker"))
         from pytest_gpucase.plugin.records import verdict_fields
 
         fields = verdict_fields(verdict)

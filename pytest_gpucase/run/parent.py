@@ -83,7 +83,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         assert pool is not None
         child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
                          start_method=start_method, memory_limit=memory_limit,
-                         exclusive=isolation == "case", marks=OUTPUT_MARKS)
+                         exclusive=isolation == "case", marks=OUTPUT_MARKS,
+                         label=f"{display(spec.case.path)} [{spec.id}]")
     else:
         child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
                              start_method=start_method, memory_limit=memory_limit,

@@ -73,17 +73,20 @@ class WorkerPool:
 
     def __init__(self) -> None:
         self.workers: dict[Any, _Worker] = {}
-        self.retired: list[tuple[Any, tuple[str, ...]]] = []  # (key, why), the latest last
+        # (key, why, the label of the call that left it so), the latest last
+        self.retired: list[tuple[Any, tuple[str, ...], str]] = []
+        self.unread = 0  # retirements at the end of ``retired`` not yet taken (``take_retired``)
         _POOLS.append(self)
         prime()
 
     def run(self, key: Any, func: Callable[..., Any], *args: Any, timeout: float,
             env: Mapping[str, str] | None = None, start_method: StartMethod = "fork",
             memory_limit: int | None = None, exclusive: bool = False,
-            marks: Mapping[str, str] | None = None) -> ChildResult:
+            marks: Mapping[str, str] | None = None, label: str = "") -> ChildResult:
         """``func(*args)`` in the worker of ``key`` (started now if there is none, or if the
         one there ended after its last call); with ``exclusive``, the other workers end first
-        (one case's worker at a time). ``marks`` as ``run_in_child`` has them."""
+        (one case's worker at a time). ``marks`` as ``run_in_child`` has them; ``label``
+        names the call where a retirement it causes is told."""
         if exclusive:
             for other in [k for k in self.workers if k != key]:
                 self.retire(other)
@@ -91,16 +94,24 @@ class WorkerPool:
         if worker is not None:
             reasons = worker.settled()
             if reasons:
-                self.retired.append((key, reasons))
+                self.retired.append((key, reasons, worker.label))
                 del self.retired[:-_RETIRED_KEPT]
+                self.unread = min(self.unread + 1, len(self.retired))
                 self.retire(key)
                 worker = None
         if worker is None:
             worker = self.workers[key] = _Worker(start_method, env or {})
+        worker.label = label
         result = worker.call(func, args, timeout, memory_limit, marks)
         if not worker.usable:
             del self.workers[key]
         return result
+
+    def take_retired(self) -> list[tuple[str, tuple[str, ...]]]:
+        """The retirements for state left behind since the last take: (label, why)."""
+        taken = self.retired[len(self.retired) - self.unread:] if self.unread else []
+        self.unread = 0
+        return [(label, why) for _, why, label in taken]
 
     def retire(self, key: Any) -> None:
         """End the worker of ``key``, if there is one."""
@@ -129,6 +140,7 @@ class _Worker:
         self.token = secrets.token_hex(16)
         self.start_method = start_method
         self.calls = 0
+        self.label = ""  # the current call's (``WorkerPool.run``)
         child_env = {**env, MARKER_ENV: self.token}
         mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         nulls = (os.open(os.devnull, os.O_WRONLY), os.open(os.devnull, os.O_WRONLY))
