@@ -37,6 +37,8 @@ __all__ = ["WARNING_TEXT", "note", "spawned_main"]
 
 WARNING_TEXT = 2000  # characters of one warning's message
 _RESULT_FD = 3  # where a spawned child writes its result
+
+
 def _contain_self(parent: int, name: str = "run") -> None:  # pragma: no cover - child side
     """Die with the parent, keep orphaned descendants as this process's own, and carry
     gpucase's name (``proctree.TAG``), which forks of this process inherit."""

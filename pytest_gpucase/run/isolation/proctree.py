@@ -62,6 +62,13 @@ def _libc() -> Any:
     return _LIBC
 
 
+if sys.platform.startswith("linux"):
+    # Looked up once, at import in the parent: a child that opens the C library again pays
+    # for it in every run.
+    with contextlib.suppress(OSError):
+        _libc()
+
+
 def _prctl(option: int, value: int | bytes) -> bool:
     """Linux's prctl(2), or False where there is none."""
     if not sys.platform.startswith("linux"):
