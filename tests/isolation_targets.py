@@ -6,6 +6,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 
 
 def echo(x: int) -> int:
@@ -170,3 +171,211 @@ def hold_memory(nbytes: int) -> int:
 
 def raise_message(text: str) -> None:
     raise ValueError(text)
+
+
+def daemon_and_die(pid_file: str) -> None:
+    """Fork a daemon (its own session, no exec) that outlives this child, which then dies
+    without a result: the daemon is an orphan nobody in the run's tree holds any more."""
+    _daemon(pid_file)
+    while not os.path.exists(pid_file):
+        time.sleep(0.01)
+    os._exit(3)
+
+
+def capped_fork_bomb(cap: int, pid_file: str) -> None:
+    """A fork bomb that never has more than ``cap`` processes: each forks while a counter
+    shared by all of them (a page of shared memory, under a lock) is below ``cap``; past
+    it, each keeps forking a child that exits at once, so that every process spends its
+    time inside ``fork()``. Every pid is appended to ``pid_file``. ``RLIMIT_NPROC`` caps it
+    too where it applies (not to root)."""
+    import fcntl
+    import mmap
+    import resource
+
+    if os.geteuid() != 0:
+        with open("/proc/loadavg") as handle:  # running/total ... : total is field 4
+            total = int(handle.read().split()[3].split("/")[1])
+        resource.setrlimit(resource.RLIMIT_NPROC, (total + 2 * cap, total + 2 * cap))
+    counter = mmap.mmap(-1, 8)  # shared with every fork
+    lock = os.open(pid_file + ".lock", os.O_RDWR | os.O_CREAT, 0o600)
+    log = os.open(pid_file, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+
+    def claim() -> bool:
+        fcntl.lockf(lock, fcntl.LOCK_EX)  # per process: every fork takes it in turn
+        try:
+            count = int.from_bytes(counter[:8], "little")
+            if count >= cap:
+                return False
+            counter[:8] = (count + 1).to_bytes(8, "little")
+            return True
+        finally:
+            fcntl.lockf(lock, fcntl.LOCK_UN)
+
+    os.write(log, f"{os.getpid()}\n".encode())
+    while True:
+        grow = claim()
+        try:
+            pid = os.fork()
+        except OSError:
+            continue
+        if pid == 0:
+            if not grow:
+                os._exit(0)
+            os.write(log, f"{os.getpid()}\n".encode())
+            continue  # a new member of the bomb: it forks too
+        if not grow:
+            os.waitpid(pid, 0)
+
+
+# --- state a call leaves behind in a reused worker --------------------------------------------
+
+def _leak_thread() -> None:
+    import threading
+
+    threading.Thread(target=time.sleep, args=(600,), name="left-behind", daemon=True).start()
+
+
+def _leak_function_mode() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    TorchFunctionMode().__enter__()  # never left
+
+
+def _leak_linear_forward() -> None:
+    import torch
+
+    torch.nn.Linear.forward = lambda self, x: x  # type: ignore[method-assign]
+
+
+def _leak_aten_kernel() -> None:
+    import torch
+
+    library = torch.library.Library("aten", "IMPL")
+    library.impl("exp", lambda t: torch.zeros_like(t), "CPU")
+    torch._kept_library = library  # type: ignore[attr-defined] # its kernel lives while it does
+
+
+def _leak_helper_global() -> None:
+    from tests import leak_helper
+
+    leak_helper.VALUE = 2
+
+
+def _leak_helper_config() -> None:
+    from tests import leak_helper
+
+    leak_helper.CONFIG["scale"] = 0.0
+
+
+def _leak_helper_data(statement: str) -> Callable[[], None]:
+    def leak() -> None:
+        from tests import leak_helper
+
+        exec(statement, {"leak_helper": leak_helper, "torch": __import__("torch")})
+    return leak
+
+
+def _leak(statement: str) -> Callable[[], None]:
+    def leak() -> None:
+        import torch  # noqa: F401 - the statements below use it
+
+        exec(statement)
+    return leak
+
+
+# kind -> (what leaves the state, a word the worker's reason for ending holds)
+LEAKS: dict[str, tuple[Callable[[], None], str]] = {
+    "torch.exp replaced": (_leak("torch.exp = lambda x, *a, **k: torch.zeros_like(x)"),
+                           "torch.exp"),
+    "an attribute set on torch": (_leak("torch.POISON = True"), "torch.POISON"),
+    "a torch.nn layer patched": (_leak_linear_forward, "Linear.forward"),
+    "an optimizer patched": (_leak("torch.optim.SGD.step = lambda self, closure=None: None"),
+                             "SGD.step"),
+    "an aten kernel overridden": (_leak_aten_kernel, "torch.library"),
+    "a shared helper's global": (_leak_helper_global, "leak_helper.VALUE"),
+    "a shared helper's dict changed in place": (_leak_helper_config, "leak_helper.CONFIG"),
+    "a shared helper's tensor changed in place": (_leak_helper_data("leak_helper.TABLE.mul_(0)"),
+                                                  "leak_helper.TABLE"),
+    "a shared helper's layer trained": (_leak_helper_data(
+        "with torch.no_grad(): leak_helper.LAYER.weight.zero_()"), "leak_helper.LAYER"),
+    "a shared helper's layer put in eval mode": (_leak_helper_data("leak_helper.LAYER.eval()"),
+                                                 "leak_helper.LAYER.training"),
+    "a shared helper's settings object": (_leak_helper_data("leak_helper.SETTINGS.scale = 0.0"),
+                                          "leak_helper.SETTINGS.scale"),
+    "a shared helper's nested dict": (_leak_helper_data("leak_helper.NESTED['opts']['scale'] = 0"),
+                                      "leak_helper.NESTED"),
+    "a shared helper's nested tensor": (_leak_helper_data(
+        "leak_helper.NESTED['tables'][0].mul_(0)"), "leak_helper.NESTED"),
+    "gpucase's tolerance table": (_leak(
+        "from pytest_gpucase.verdict import tolerance as t; "
+        "t.DEFAULT_TOLERANCES[torch.float32] = t.Tolerance(rtol=1.0, atol=1.0)"),
+        "DEFAULT_TOLERANCES"),
+    "gpucase's comparison patched": (_leak(
+        "from pytest_gpucase.verdict.compare import Comparison; "
+        "Comparison.ok = property(lambda self: True)"), "Comparison.ok"),
+    "builtins patched": (_leak("import builtins; builtins.sum = min"), "builtins.sum"),
+    "math patched": (_leak("import math; math.exp = math.sqrt"), "math.exp"),
+    "flush-denormal": (_leak("torch.set_flush_denormal(True)"), "flush_denormal"),
+    "anomaly mode": (_leak("torch.autograd.set_detect_anomaly(True)"), "anomaly"),
+    "default device": (_leak("torch.set_default_device('meta')"), "set_default_device"),
+    "a torch function mode left on": (_leak_function_mode, "torch mode"),
+    "warn always": (_leak("torch.set_warn_always(True)"), "warnAlways"),
+    "interop threads": (_leak("torch.set_num_interop_threads(3)"), "interop"),
+    "a thread left running": (_leak_thread, "thread"),
+    "an environment variable": (_leak("import os; os.environ['GPUCASE_LEAK'] = '1'"),
+                                "GPUCASE_LEAK"),
+    "os.putenv": (_leak("import os; os.putenv('GPUCASE_LEAK', '1')"), "environment"),
+    "a signal handler": (_leak("import signal; signal.signal(signal.SIGUSR2, lambda *a: None)"),
+                         "signal handlers"),
+    "a pending alarm": (_leak("import signal; signal.signal(signal.SIGALRM, signal.SIG_IGN); "
+                              "signal.alarm(600)"), "timer"),
+    "the recursion limit": (_leak("import sys; sys.setrecursionlimit(123456)"), "recursion"),
+    "an import hook": (_leak("import sys; sys.meta_path.insert(0, object())"), "import hook"),
+    "a module replaced in sys.modules": (_leak("import sys, types; "
+                                               "sys.modules['json'] = types.ModuleType('json')"),
+                                         "json"),
+}
+
+
+def leave(kind: str) -> int:
+    """Leave the state of ``kind`` behind, and say which process did."""
+    LEAKS[kind][0]()
+    return os.getpid()
+
+
+# Restored between calls, not a reason to end the worker: -> a probe of the fresh value.
+RESTORED: dict[str, tuple[str, str]] = {
+    "default dtype": ("torch.set_default_dtype(torch.float64)", "str(torch.get_default_dtype())"),
+    "grad mode": ("torch.set_grad_enabled(False)", "torch.is_grad_enabled()"),
+    "thread count": ("torch.set_num_threads(1 + torch.get_num_threads())",
+                     "torch.get_num_threads()"),
+    "torch's random state": ("torch.manual_seed(1234)", "torch.rand(1).item()"),
+    "the working directory": ("import os; os.chdir('/')", "__import__('os').getcwd()"),
+    "deterministic algorithms": ("torch._C._set_deterministic_algorithms(True, warn_only=True)",
+                                 "torch.are_deterministic_algorithms_enabled()"),
+}
+
+
+def change_restored(kind: str) -> int:
+    exec(RESTORED[kind][0], {"torch": __import__("torch")})
+    return os.getpid()
+
+
+def probe_restored(kind: str) -> tuple[int, object]:
+    return os.getpid(), eval(RESTORED[kind][1], {"torch": __import__("torch")})
+
+
+def import_helper_from(folder: str, value: int) -> int:
+    """Import a helper module first imported by this call, and change its global."""
+    sys.path.insert(0, folder)
+    import new_helper  # type: ignore[import-not-found]
+
+    new_helper.VALUE = value
+    return os.getpid()
+
+
+def helper_value(folder: str) -> tuple[int, int]:
+    sys.path.insert(0, folder)
+    import new_helper  # type: ignore[import-not-found]
+
+    return os.getpid(), new_helper.VALUE

@@ -385,3 +385,174 @@ def test_code_a_case_runs_counts_as_covered(pytester: pytest.Pytester) -> None:
     result.assert_outcomes(passed=1)
     # Line 4 runs only in the case's child; line 5 never runs.
     result.stdout.fnmatch_lines(["cases/covered/case.py * 4 * 1 * 75% * 5"])
+
+
+# --- nothing left behind: orphans, a fork bomb, a SIGKILLed xdist worker ----------------------
+
+def reap_now() -> None:
+    from pytest_gpucase.run.isolation import reap_pending
+
+    reap_pending(block=False)  # the killed orphans this process adopted are reaped here
+
+
+@needs_proc
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_daemon_of_a_child_that_died_without_a_result_is_killed(tmp_path: Path,
+                                                                method: str) -> None:
+    """The daemon left its session and its parent before the child died: no group, no
+    living ancestor in the run. Its parent's parent (this process, or the zygote) is a
+    subreaper: the daemon is adopted there, found and killed with the run."""
+    pid_file = tmp_path / "daemon.pid"
+    result = run_in_child(targets.daemon_and_die, str(pid_file), timeout=60,
+                          start_method=method)
+    assert result.exitcode == 3 and not result.returned
+    daemon = read_pid(pid_file)
+    reap_now()
+    assert wait_gone(daemon), f"daemon {daemon} outlived its run"
+
+
+DAEMON_CASE = '''
+import os, time
+
+def run():
+    middle = os.fork()
+    if middle == 0:
+        os.setsid()
+        if os.fork() == 0:
+            with open({pid_file!r} + ".tmp", "w") as handle:
+                handle.write(str(os.getpid()))
+            os.replace({pid_file!r} + ".tmp", {pid_file!r})
+            time.sleep(600)
+        os._exit(0)
+    os.waitpid(middle, 0)
+    while not os.path.exists({pid_file!r}):
+        time.sleep(0.01)
+    os._exit(3)  # no result: the daemon lives on, holding what this child held
+'''
+
+
+@needs_proc
+def test_a_session_whose_case_left_a_daemon_ends_at_once_and_leaves_nothing(
+        tmp_path: Path) -> None:
+    """The daemon of a child that died held the zygote's socket the pytest process forked
+    it with, and pytest waited 10 s at its exit for the zygote; then the daemon lived on."""
+    case = tmp_path / "cases" / "daemon"
+    case.mkdir(parents=True)
+    pid_file = tmp_path / "daemon.pid"
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\ntimeout = 60\n')
+    (case / "case.py").write_text(DAEMON_CASE.format(pid_file=str(pid_file)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--gpu-cases", "--gpu-devices", "cpu", "-p",
+         "no:cacheprovider", "cases"], cwd=tmp_path, capture_output=True, timeout=300,
+        check=False)
+    ended = time.time()
+    daemon = read_pid(pid_file, seconds=1)
+    try:
+        assert done.returncode == 1, done.stdout.decode(errors="replace")
+        assert not alive(daemon), f"daemon {daemon} outlived the session"
+        # From the daemon's start to pytest's end: the run, the report, the exit; not 10 s.
+        assert ended - pid_file.stat().st_mtime < 8, done.stdout.decode(errors="replace")
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(daemon, signal.SIGKILL)
+
+
+@needs_proc
+def test_a_fork_bomb_dies_within_seconds_of_its_timeout(tmp_path: Path) -> None:
+    """Capped at 300 processes by a shared counter (and RLIMIT_NPROC where it applies), each
+    forking without end. The kill stops the run's group with one signal before it reads
+    anything; reading every process's environment first (each read waits while that
+    process is inside fork()) took minutes. The bound is generous: CI is loaded; the
+    benchmark-quality figure is in docs/isolation.md."""
+    pids = tmp_path / "bomb.pids"
+    result = run_in_child(targets.capped_fork_bomb, 300, str(pids), timeout=2.0)
+    members = [int(line) for line in pids.read_text().split()]
+    try:
+        assert result.timed_out
+        assert result.duration < 2.0 + 10, f"the bomb died {result.duration - 2:.1f} s late"
+        assert len(members) > 100  # it was a bomb
+        reap_now()
+        assert not [pid for pid in members if not wait_gone(pid, 10)]
+    finally:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(members[0], signal.SIGKILL)  # the child led the bomb's group
+
+
+XDIST_CASE = '''
+import os, signal, time
+
+def run(x):
+    sleeper = os.fork()  # a helper of the run (a DataLoader worker, say): no exec
+    if sleeper == 0:
+        time.sleep(600)
+        os._exit(0)
+    with open({pids!r}, "a") as handle:
+        handle.write(f"{{os.getpid()}} {{sleeper}}\\n")
+    # Then the xdist worker that runs this is SIGKILLed (the OOM killer, say): the topmost
+    # ancestor with execnet's command line (its forks, the zygote, have it too).
+    def parent(pid):
+        with open(f"/proc/{{pid}}/stat") as handle:
+            stat = handle.read()
+        return int(stat[stat.rfind(")") + 2:].split()[1])
+
+    def execnet(pid):
+        with open(f"/proc/{{pid}}/cmdline", "rb") as handle:
+            return b"exec(eval(" in handle.read()
+
+    worker = parent(os.getpid())
+    while not execnet(worker) or execnet(parent(worker)):
+        worker = parent(worker)
+    os.kill(worker, signal.SIGKILL)
+    time.sleep(600)
+'''
+
+
+@needs_proc
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_sigkilled_xdist_workers_processes_are_swept_at_session_end(
+        tmp_path: Path, method: str) -> None:
+    """The worker's helpers (its pooled worker, its zygote) die with it (PR_SET_PDEATHSIG);
+    what they started is adopted by the controller, a subreaper, and swept at its end."""
+    pytest.importorskip("xdist")
+    pids = tmp_path / "pids"
+    case = tmp_path / "cases" / "kills_its_worker"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\ntimeout = 120\n'
+                                    '[inputs]\nx = 1\n')
+    (case / "case.py").write_text(XDIST_CASE.format(pids=str(pids)))
+    (tmp_path / "pytest.ini").write_text("[pytest]\n")
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--gpu-cases", "--gpu-devices", "cpu", "-p",
+         "no:cacheprovider", "-n", "2", "--gpu-isolation", "worker", "--gpu-start-method",
+         method, "cases"], cwd=tmp_path, capture_output=True, timeout=300, check=False)
+    found = [int(pid) for pid in pids.read_text().split()]
+    try:
+        assert b"crashed" in done.stdout, done.stdout.decode(errors="replace")
+        left = [pid for pid in found if not wait_gone(pid, 5)]
+        assert not left, f"{left} outlived the session"
+    finally:
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+
+@needs_proc
+def test_orphans_of_the_users_own_processes_are_left_alone(tmp_path: Path) -> None:
+    """This process is a subreaper now: an orphan of a subprocess a test started is adopted
+    here too, and the session's sweep must not take it for a run's."""
+    from pytest_gpucase.run.isolation import adopt_orphans, shutdown
+
+    assert run_in_child(targets.echo, 1, timeout=60).returned
+    assert adopt_orphans()
+    done = subprocess.run(["sh", "-c", "setsid sleep 600 >/dev/null 2>&1 & echo $!"],
+                          capture_output=True, text=True, check=True, timeout=60)
+    orphan = int(done.stdout)
+    try:
+        shutdown()
+        assert alive(orphan)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(orphan, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(orphan, 0)  # adopted here: reaped here

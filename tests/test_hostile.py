@@ -117,6 +117,41 @@ def sparse_case_toml(path: Path) -> None:
 
 
 ONE = {"x": torch.ones(3)}
+# A fork bomb that never has more than 200 processes (a counter in shared memory, under a
+# lock every fork takes in turn); past that, each keeps forking children that exit at once.
+FORK_BOMB = """import fcntl, mmap, os, tempfile
+
+def run(x):
+    counter = mmap.mmap(-1, 8)
+    lock = tempfile.TemporaryFile()
+    while True:
+        fcntl.lockf(lock, fcntl.LOCK_EX)
+        count = int.from_bytes(counter[:8], "little")
+        grow = count < 200
+        if grow:
+            counter[:8] = (count + 1).to_bytes(8, "little")
+        fcntl.lockf(lock, fcntl.LOCK_UN)
+        try:
+            pid = os.fork()
+        except OSError:
+            continue
+        if pid == 0 and not grow:
+            os._exit(0)
+        if pid and not grow:
+            os.waitpid(pid, 0)
+"""
+# A daemon (its own session, no exec) left behind by a child that then dies without a result.
+DAEMON_THEN_DIES = """import os, time
+
+def run(x):
+    if os.fork() == 0:
+        os.setsid()
+        if os.fork() == 0:
+            time.sleep(600)
+        os._exit(0)
+    os.wait()
+    os._exit(3)
+"""
 NOT_UTF8 = os.fsdecode(b"name_\xff_not_utf8")
 # name -> (case.toml, case.py, tensors, extra step, the line the user must see)
 BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
@@ -262,6 +297,11 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
                            "import os, time\n\ndef run(x):\n    os.fork()\n    time.sleep(600)\n",
                            ONE, None,
                            "cases/grandchildren_hang/case.toml: run timed out after 1 s*"),
+    "fork_bomb": ('format = 1\ncall = "case.py:run"\ntimeout = 2\n', FORK_BOMB, ONE, None,
+                  "cases/fork_bomb/case.toml: run timed out after 2 s*"),
+    "daemon_then_dies": (GOOD_CALL, DAEMON_THEN_DIES, ONE, None,
+                         "cases/daemon_then_dies/case.toml: run exited with code 3 without "
+                         "returning a result"),
     "floods_output": (GOOD_CALL, "import sys\n\ndef run(x):\n    for _ in range(200000):\n"
                       "        sys.stdout.write('y' * 1000 + '\\n')\n    raise ValueError('after "
                       "the flood')\n", ONE, None,
@@ -274,12 +314,22 @@ BROKEN: dict[str, tuple[str, str | None, dict[str, torch.Tensor] | None,
 
 
 def test_each_broken_case_fails_alone_with_its_message(pytester: pytest.Pytester) -> None:
+    broken_cases_fail_alone(pytester)
+
+
+def test_each_broken_case_fails_alone_in_a_reused_worker_too(pytester: pytest.Pytester) -> None:
+    """One worker serves the whole table: each case that crashes, hangs, forks or leaves a
+    daemon ends it, and the next case gets the verdict and message a fresh child gives."""
+    broken_cases_fail_alone(pytester, "--gpu-isolation", "worker")
+
+
+def broken_cases_fail_alone(pytester: pytest.Pytester, *args: str) -> None:
     ce_case(pytester.path, "good", [0, 2, 4], RAISES)
     for name, (toml, code, tensors, extra, _) in BROKEN.items():
         build(pytester.path, name, toml, code, tensors, extra)
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
                                            "no:cacheprovider", "--gpu-cases-report",
-                                           "report.json", "cases", timeout=600)
+                                           "report.json", *args, "cases", timeout=600)
     result.assert_outcomes(passed=1, failed=len(BROKEN))
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     text = result.stdout.str()

@@ -7,13 +7,14 @@ import json
 import os
 import shutil
 import textwrap
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
 from pytest_gpucase.case import payload
-from pytest_gpucase.run.isolation import WorkerPool, shutdown
+from pytest_gpucase.run.isolation import WorkerPool, run_in_child, shutdown
 
 from . import isolation_targets as targets
 
@@ -140,3 +141,171 @@ def test_session_end_leaves_no_worker() -> None:
     assert not pool.workers
     with pytest.raises(ChildProcessError):
         os.waitpid(pid, os.WNOHANG)
+
+
+# --- a reused worker ends after any call that left state a fresh child would not have --------
+
+@pytest.fixture
+def pool() -> Iterator[WorkerPool]:
+    from tests import leak_helper  # noqa: F401 - imported before the workers fork, as a
+    # conftest's import would be: a module the workers share with the parent
+    import pytest_gpucase.run.child  # noqa: F401 - as run_spec has it imported: its
+    # comparison and tolerance tables are the workers' from their start
+
+    found = WorkerPool()
+    try:
+        yield found
+    finally:
+        found.close()
+
+
+def test_a_call_that_changes_nothing_keeps_its_worker(pool: WorkerPool) -> None:
+    first = pool.run("k", targets.echo, 1, timeout=60)
+    second = pool.run("k", os.getpid, timeout=60)
+    third = pool.run("k", os.getpid, timeout=60)
+    assert (first.reused, second.reused, third.reused) == (False, True, True)
+    assert second.value == third.value
+    assert pool.retired == []
+
+
+@pytest.mark.parametrize("kind", sorted(targets.LEAKS))
+def test_a_worker_that_a_call_left_changed_ends(pool: WorkerPool, kind: str) -> None:
+    first = pool.run("k", targets.leave, kind, timeout=60)
+    assert first.returned, first.problem
+    after = pool.run("k", os.getpid, timeout=60)
+    assert after.returned and after.value != first.value, "the worker was reused"
+    assert not after.reused  # a new worker's first call: a fresh child
+    assert len(pool.retired) == 1
+    reasons = " ".join(pool.retired[0][1])
+    assert targets.LEAKS[kind][1] in reasons, reasons
+
+
+def test_a_forkserver_worker_ends_too(pool: WorkerPool) -> None:
+    first = pool.run("k", targets.leave, "torch.exp replaced", timeout=60,
+                     start_method="forkserver")
+    after = pool.run("k", os.getpid, timeout=60, start_method="forkserver")
+    assert after.value != first.value and "torch.exp" in " ".join(pool.retired[0][1])
+
+
+@pytest.mark.parametrize("kind", sorted(targets.RESTORED))
+def test_what_is_restored_keeps_the_worker(pool: WorkerPool, kind: str) -> None:
+    fresh = run_in_child(targets.probe_restored, kind, timeout=60).value
+    changed = pool.run("k", targets.change_restored, kind, timeout=60)
+    assert changed.returned, changed.problem
+    pid, value = pool.run("k", targets.probe_restored, kind, timeout=60).value
+    assert pid == changed.value, pool.retired  # the same worker
+    assert value == fresh[1]
+
+
+def test_a_helper_the_call_imported_is_imported_afresh(pool: WorkerPool, tmp_path: Path) -> None:
+    (tmp_path / "new_helper.py").write_text("VALUE = 1\n")
+    first = pool.run("k", targets.import_helper_from, str(tmp_path), 2, timeout=60)
+    pid, value = pool.run("k", targets.helper_value, str(tmp_path), timeout=60).value
+    assert pid == first.value and value == 1  # forgotten, not kept: as a fresh child has it
+
+
+
+# --- verdict parity with fresh children, on cases that leave state behind ---------------------
+
+# kind -> (what the case leaves behind, what its victim asserts: true only with the state left)
+LEFT_BEHIND = {
+    "exp": ("torch.exp = lambda t, *a, **k: torch.zeros_like(t)", None),
+    "aten_kernel": ("lib = torch.library.Library('aten', 'IMPL'); "
+                    "lib.impl('exp', lambda t: torch.zeros_like(t), 'CPU'); torch._lib = lib",
+                    None),
+    "gpucase_table": ("from pytest_gpucase.verdict import tolerance as t; "
+                      "t.DEFAULT_TOLERANCES[torch.float32] = t.Tolerance(rtol=1.0, atol=1.0)",
+                      "OFF_BY_1E-3"),
+    "gpucase_compare": ("from pytest_gpucase.verdict.compare import Comparison; "
+                        "Comparison.ok = property(lambda self: True)", "OFF_BY_1E-3"),
+    "optim": ("torch.optim.SGD.step = lambda self, closure=None: None",
+              "torch.optim.SGD.step.__name__ == '<lambda>'"),
+    "torch_attr": ("torch.GPUCASE_POISON = True", "getattr(torch, 'GPUCASE_POISON', False)"),
+    "helper_global": ("shared_helper.SCALE = 0.0", "shared_helper.SCALE == 0.0"),
+    "helper_tensor": ("shared_helper.TABLE.mul_(0)", "shared_helper.TABLE.sum().item() == 0"),
+    "helper_object": ("shared_helper.SETTINGS.scale = 0.0", "shared_helper.SETTINGS.scale == 0"),
+    "denormal": ("torch.set_flush_denormal(True)", "torch.tensor([1e-39]).mul(1.0).item() == 0"),
+    "anomaly": ("torch.autograd.set_detect_anomaly(True)", "torch.is_anomaly_enabled()"),
+    "device": ("torch.set_default_device('meta')", "torch.get_default_device().type == 'meta'"),
+    "dtype": ("torch.set_default_dtype(torch.float64)",
+              "torch.get_default_dtype() == torch.float64"),
+    "threads": ("torch.set_num_threads(7)", "torch.get_num_threads() == 7"),
+    "thread": ("threading.Thread(target=time.sleep, args=(60,), name='left', daemon=True)"
+               ".start()", "'left' in [t.name for t in threading.enumerate()]"),
+    "environ": ("os.environ['GPUCASE_LEFT'] = '1'", "os.environ.get('GPUCASE_LEFT') == '1'"),
+}
+# Victims that fail by their values, not by an assert: a float32 overflow against a finite
+# float64 reference, an output 1e-3 off the reference.
+VICTIMS = {None: "return torch.exp(x * 100.0)",
+           "OFF_BY_1E-3": "return x + 1e-3 if x.dtype == torch.float32 else x"}
+# Past what the worker checks (private data of a library): only the fresh confirmation of
+# every outcome of a strict xfail keeps its victim from XPASS(strict).
+UNSEEN = ("torch._gpucase_unseen = True", "getattr(torch, '_gpucase_unseen', False)")
+
+
+def write_run_case(root: Path, name: str, body: str, toml: str = "") -> None:
+    """A case whose run appends its name to runs.log, then runs ``body`` (statements)."""
+    path = root / "cases" / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\ntimeout = 2\n{toml}\n'
+                                    '[matrix]\ndevices = ["cpu"]\n')
+    log = str(root / "runs.log")
+    (path / "case.py").write_text(
+        "import os, threading, time\nimport torch\nimport shared_helper\n\n"
+        "def run(x):\n"
+        f"    with open({log!r}, 'a') as f:\n        f.write({name!r} + '\\n')\n"
+        f"    {body}\n    return x + 1\n")
+    payload.save(path / "inputs.safetensors", {"x": torch.ones(4)})
+
+
+def leaky_project(root: Path) -> None:
+    # Imported by the conftest, before any child is forked: a module every run shares.
+    (root / "shared_helper.py").write_text("import types\nimport torch\n\nSCALE = 1.0\n"
+                                           "TABLE = torch.ones(3)\n"
+                                           "SETTINGS = types.SimpleNamespace(scale=1.0)\n")
+    (root / "conftest.py").write_text("import shared_helper  # noqa: F401\n")
+    for index, (kind, (leave, holds)) in enumerate(sorted(LEFT_BEHIND.items())):
+        write_run_case(root, f"k{index:02}_{kind}", leave)
+        # Fails in a fresh child; passes only where the state was left behind.
+        write_run_case(root, f"k{index:02}_{kind}_victim", VICTIMS.get(holds, f"assert {holds}"))
+    write_run_case(root, "u1_unseen", UNSEEN[0])
+    write_run_case(root, "u1_unseen_xfail", f"assert {UNSEEN[1]}", 'xfail = "never fixed"')
+
+
+def test_verdicts_match_fresh_children_on_cases_that_leave_state_behind(
+        pytester: pytest.Pytester) -> None:
+    leaky_project(pytester.path)
+    fresh = verdicts(pytester, "--gpu-isolation", "item")
+    victims = {node: outcome for node, outcome in fresh.items() if "_victim[" in node}
+    assert len(victims) == len(LEFT_BEHIND) and set(victims.values()) == {"failed"}, fresh
+    assert fresh["cases/u1_unseen_xfail/case.toml::u1_unseen_xfail[cpu-float32]"] == "xfailed"
+    assert verdicts(pytester, "--gpu-isolation", "worker") == fresh
+
+
+def test_a_reused_worker_runs_a_first_call_failure_and_a_hang_once(
+        pytester: pytest.Pytester) -> None:
+    (pytester.path / "shared_helper.py").write_text("SCALE = 1.0\n")
+    write_run_case(pytester.path, "a_fails_first", "assert False, 'fails'")
+    write_run_case(pytester.path, "b_passes", "pass")
+    write_run_case(pytester.path, "c_hangs", "time.sleep(600)")
+    outcomes = verdicts(pytester, "--gpu-isolation", "worker", "--rootdir", str(pytester.path))
+    assert list(outcomes.values()) == ["failed", "passed", "failed"]
+    # a_fails_first ran in a worker's first call (a fresh child's); c_hangs in a reused
+    # worker, whose state was checked: neither is run again.
+    runs = (pytester.path / "runs.log").read_text().split()
+    assert runs.count("a_fails_first") == 1 and runs.count("c_hangs") == 1, runs
+    assert runs.count("b_passes") == 2, runs  # the call and its float64 reference
+
+
+def test_the_summary_names_the_case_that_left_its_worker_changed(
+        pytester: pytest.Pytester) -> None:
+    (pytester.path / "shared_helper.py").write_text("SCALE = 1.0\n")
+    write_run_case(pytester.path, "a_leaves", LEFT_BEHIND["exp"][0])
+    write_run_case(pytester.path, "b_passes", "pass")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-isolation", "worker",
+                                           "-p", "no:cacheprovider", "--rootdir",
+                                           str(pytester.path), "cases")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["gpucase: --gpu-isolation: cases/a_leaves [[]cpu-float32[]] "
+                                 "left its worker unlike a fresh child (torch.exp was "
+                                 "replaced); the next run got a new worker"])

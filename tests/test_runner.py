@@ -185,3 +185,21 @@ def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Pa
     assert hung.outcome.summary.endswith(
         "case.toml: run timed out after 5 s and was killed with its process group and every "
         "process it started; the stack of every thread at the timeout is in the captured stderr")
+
+
+def test_deterministic_false_does_not_import_inductor(tmp_path: Path) -> None:
+    """``[context] deterministic = false`` turns the flag off without importing inductor
+    (some 800 modules, a second per run, and a worker's namespaces changed by the import)."""
+    toml = TOML + "[context]\ndeterministic = false\n"
+    code = """
+        import sys
+
+        import torch
+
+        def run(index):
+            assert "torch._inductor" not in sys.modules, "inductor was imported"
+            assert not torch.are_deterministic_algorithms_enabled()
+            return torch.tensor([index])
+    """
+    verdict = run_spec(make_case(tmp_path, toml, code), start_method="fork", backend="cpu")
+    assert verdict.outcome.status == "passed", verdict.outcome.details

@@ -71,6 +71,11 @@ def pytest_configure(config: pytest.Config) -> None:
         from pytest_gpucase.run.reference_cache import forget_primed
 
         forget_primed()  # a previous session's module rows must not reach this one's zygote
+        from pytest_gpucase.run.isolation import adopt_orphans
+
+        # Every process of the session (the xdist controller too) adopts the orphans below
+        # it, so that what a run or a SIGKILLed worker leaves is swept at unconfigure.
+        adopt_orphans()
         start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         _report_folder(state.settings["gpu_cases_report"])

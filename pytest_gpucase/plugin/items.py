@@ -325,11 +325,23 @@ class CaseItem(pytest.Item):
                                          or state.settings["gpu_memory_limit"]),
                            reference_cache=state.reference_cache(),
                            isolation=state.settings["gpu_isolation"], pool=state.pool(),
+                           # A pass is reported as a failure too (XPASS(strict)): a reused
+                           # child's verdict is confirmed in a fresh child, whatever it is.
+                           expects_failure=(xfail_reason(self.spec) is not None
+                                            or self.get_closest_marker("xfail") is not None),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise KeyboardInterrupt("SIGINT while the case ran")
         for note in verdict.outcome.notes:
             state.note(note)
+        pool = state.pool()
+        for label, why in pool.take_retired() if pool is not None else ():
+            from pytest_gpucase.base.text import terminal_safe
+
+            # The worker runs the case's code: its words are bounded there, made safe here.
+            state.note(terminal_safe(f"--gpu-isolation: {label} left its worker unlike a "
+                                     f"fresh child ({why[0][:200]}); the next run got a "
+                                     "new worker"))
         from pytest_gpucase.plugin.records import verdict_fields
 
         fields = verdict_fields(verdict)

@@ -68,9 +68,10 @@ SETTINGS = (
             choices=("auto", "fork", "forkserver", "spawn"), default="auto"),
     Setting("gpu_isolation", "how fresh each run's child is: item (a fresh child per run), "
             "case (one child runs a case's runs in turn), worker (one child per device runs "
-            "them all, keeping its device context); a reused child ends on a crash, timeout or "
-            "state it cannot restore, and every failure in one is judged again in a fresh "
-            "child", kind="choice", choices=("item", "case", "worker"), default="item"),
+            "them all, keeping its device context); a reused child ends on a crash, a timeout "
+            "or any state a fresh child would not have, and a failure after its first run (any "
+            "outcome of a strict xfail) is judged again in a fresh child; a timeout is not",
+            kind="choice", choices=("item", "case", "worker"), default="item"),
 )
 
 

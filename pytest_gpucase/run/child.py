@@ -356,6 +356,17 @@ def _deterministic() -> None:
         torch._C._set_deterministic_algorithms(True)
 
 
+def _nondeterministic() -> None:
+    if "torch._inductor.config" in sys.modules or not hasattr(torch._C,
+                                                               "_set_deterministic_algorithms"):
+        torch.use_deterministic_algorithms(False)
+    else:
+        # The public call imports inductor (a second, some 800 modules) only to set its
+        # flag, which is off unless TORCHINDUCTOR_DETERMINISTIC says otherwise.
+        os.environ.pop("TORCHINDUCTOR_DETERMINISTIC", None)
+        torch._C._set_deterministic_algorithms(False)
+
+
 def _compile_off() -> None:
     if "torch._dynamo" in sys.modules:
         torch._dynamo.config.disable = True
@@ -489,7 +500,7 @@ def replay_context(context: ReplayContext, device: str,
     if context.deterministic:
         _deterministic()
     elif context.deterministic is False:
-        torch.use_deterministic_algorithms(False)
+        _nondeterministic()
     if context.tf32_matmul is not None:
         torch.backends.cuda.matmul.allow_tf32 = context.tf32_matmul
     if context.tf32_cudnn is not None:

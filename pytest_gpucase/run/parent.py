@@ -12,6 +12,7 @@ from typing import Literal
 
 from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
+from pytest_gpucase.case.keys import REPLAY_ENV
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
@@ -53,7 +54,7 @@ class Verdict:
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
              localize: bool = True, memory_limit: int | None = None,
              reference_cache: ReferenceCache | None = None, isolation: Isolation = "item",
-             pool: WorkerPool | None = None) -> Verdict:
+             pool: WorkerPool | None = None, expects_failure: bool = False) -> Verdict:
     """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
 
     ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
@@ -62,12 +63,18 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
     variant and reused (``reference_cache`` module).
 
     With ``isolation`` ``case`` or ``worker`` and a ``pool``, the run goes to a reused
-    child (one per case, or one per device and environment); a failure seen there is
-    never reported: that child ends, and the run is judged again in a fresh child.
+    child (one per case, or one per device and environment). What such a child says is
+    reported only when it was a fresh child's (the worker's first call), or when it cannot
+    be a failure: a failure seen after an earlier call, or any outcome when the item
+    ``expects_failure`` (a strict xfail reports a pass as XPASS(strict), a failure as an
+    expected one), ends that child and is judged again in a fresh child. A timeout is the
+    exception: the worker's state was checked after its last call (``WorkerPool``), and a
+    second run would pay the timeout twice, so it is reported as it is, saying where it ran.
     """
     if memory_limit is None:
         memory_limit = getattr(spec.case, "memory_limit", None)
-    env = dict(spec.env)
+    # Set by the child's run too: given here, it is no change a worker has to answer for.
+    env = {**spec.env, REPLAY_ENV: "1"}
     if reference_cache is not None:
         env.update(reference_cache.env())
     reused = isolation != "item" and pool is not None and start_method != "spawn"
@@ -77,7 +84,8 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         assert pool is not None
         child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
                          start_method=start_method, memory_limit=memory_limit,
-                         exclusive=isolation == "case", marks=OUTPUT_MARKS)
+                         exclusive=isolation == "case", marks=OUTPUT_MARKS,
+                         label=f"{display(spec.case.path)} [{spec.id}]")
     else:
         with prepare_in_parent(spec, forked=start_method == "fork"):  # read here, once
             child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
@@ -91,6 +99,15 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
     if reused and outcome.status == "failed":
         assert pool is not None
         pool.retire(key)  # whatever failed may have left the child unfit
+    if reused and child.reused and child.timed_out:
+        outcome = replace(outcome, summary=outcome.summary + (
+            "; it ran in a reused worker, whose state was found as a fresh child's after "
+            "its last call, and was not run again so that the timeout is paid once "
+            "(--gpu-isolation item runs every item in a fresh child)"))
+    elif reused and child.reused and (outcome.status == "failed" or expects_failure):
+        if outcome.status != "failed":
+            assert pool is not None
+            pool.retire(key)  # the fresh child's verdict is the one reported
         return run_spec(spec, start_method=start_method, backend=backend, localize=localize,
                         memory_limit=memory_limit, reference_cache=reference_cache)
     found = None

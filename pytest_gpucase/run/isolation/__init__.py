@@ -25,33 +25,34 @@ moment for it, then kills the run's whole process tree. Its frames from
 pytest, pluggy and gpucase itself are hidden from the dump (the stack of a
 forked child still holds the pytest process's frames below the case's own).
 
-The process tree of a run is found three ways, because a child may leave its
-process group (``setpgid``) or session (``setsid``) and orphan its children:
+No process of a run outlives it. Every process that starts or supervises a child is a
+child subreaper (``PR_SET_CHILD_SUBREAPER``): the child itself, for its own tree while it
+lives; the pytest process (each xdist worker, and the controller) and the zygote, which run
+no case code, for the orphans of a child that died. A descendant that leaves the group
+(``setsid``) and outlives its parent is adopted by one of them, never by init. A run's
+processes are found in /proc (``proctree``): the child's process group, its descendants by
+parent pid, the orphans its parent adopted since the run began (told from the user's own
+processes by the name every gpucase child carries and its forks inherit, ``gpucase-run``,
+by the process group, and last by a per-run marker ``GPUCASE_RUN=<token>`` in their
+environment, which an ``exec``'d descendant keeps). The kill signals first and inspects
+after: one SIGSTOP to the child and one to its group before anything is read, then rounds
+of SIGSTOP to what ``/proc/PID/stat`` shows (a read that never waits on the process, unlike
+``/proc/PID/environ``, which waits while the process is inside ``fork()``), then SIGKILL to
+all, each through a pidfd checked against its start time, so that a reused pid is never
+hit. A fork bomb in the group stops at the first signal. A child that returns also kills
+what it started, while it is still everyone's ancestor. The zygote ends the orphans it
+adopted each time it reaps a child, and the pytest process those it adopted at the end of
+the session (``shutdown``): under xdist the controller sweeps what a SIGKILLed worker's
+helpers left. A forked child holds none of its parent's pipes and sockets but its
+standard streams (they point at /dev/null in it): the zygote's socket, an xdist worker's
+channel to its controller.
 
-- the child's process group, and the child by pid (all a system without
-  ``/proc``, such as macOS, offers);
-- on Linux, the child is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a
-  descendant orphaned while the child lives is reparented to the child, not
-  to init, so every living descendant is found by following parent pids in
-  ``/proc`` from the child. Before the parent kills it, the whole tree is
-  stopped (SIGSTOP, round after round until no new process appears, so that
-  nothing forks away during the kill), then killed. A child that returns also
-  kills what it started, while it is still everyone's ancestor;
-- a per-run marker ``GPUCASE_RUN=<random token>`` in the child's environment,
-  found in ``/proc/PID/environ`` of this user's processes: a descendant that
-  was ``exec``'d keeps it even after its ancestors died.
-
-Only those processes are ever signalled (each through a pidfd opened before it
-is checked again, so a reused pid is never hit): the pytest process's other
-children (xdist, pytester, user fixtures) are left alone. What escapes: a
-descendant forked without ``exec``, moved out of the group, after the child
-itself died on its own (a crash), before the parent saw it.
-
-The direct child dies with the pytest process even on SIGKILL
-(``PR_SET_PDEATHSIG``, set in the forked and in the spawned child; it fires
-when the *thread* that started the child ends, which ``run_in_child`` outlives
-as it waits for the child). Its descendants are then orphaned: best effort only
-(they keep the process group and the marker for whoever cleans up).
+The direct child dies with the pytest process even on SIGKILL (``PR_SET_PDEATHSIG``, set in
+the forked and in the spawned child, in the zygote and in each worker; it fires when the
+*thread* that started the child ends, which ``run_in_child`` outlives as it waits for the
+child). The child's own descendants are then adopted by the nearest living subreaper: under
+xdist the controller, which sweeps them; a pytest process SIGKILLed without one leaves them
+to init (best effort only: they keep the process group, the name and the marker).
 
 SIGTERM and SIGHUP to the pytest process while a child runs (what CI runners
 send on cancel or timeout) kill the run's tree, then end pytest through a
@@ -77,8 +78,9 @@ The modules, by the process they run in: ``run_in_child`` here and ``supervise``
 parent; ``child`` in the child; ``wire`` (the result pipe's format) and ``clipping`` (text
 kept head and tail) on both sides of the pipe; ``proctree`` (the run's processes in
 /proc) in the parent, and in the child for what it started; ``zygote`` and ``workers`` in
-the parent and in the zygote or worker process they start; ``result`` holds the values
-the parent returns.
+the parent and in the zygote or worker process they start; ``state`` in a worker, which
+checks after each call that it is still as a fresh child; ``result`` holds the values the
+parent returns.
 """
 
 from __future__ import annotations
@@ -103,7 +105,14 @@ from pytest_gpucase.run.isolation.clipping import (
     TEXT_TAIL,
     clip,
 )
-from pytest_gpucase.run.isolation.proctree import MARKER_ENV, thread_count
+from pytest_gpucase.run.isolation.proctree import (
+    MARKER_ENV,
+    REAP_GRACE,
+    adopt_orphans,
+    own,
+    sweep_adopted,
+    thread_count,
+)
 from pytest_gpucase.run.isolation.result import (
     ChildResult,
     ChildWarning,
@@ -141,6 +150,7 @@ __all__ = [
     "RunInterrupted",
     "StartMethod",
     "WorkerPool",
+    "adopt_orphans",
     "clip",
     "decode",
     "default_start_method",
@@ -184,6 +194,7 @@ def run_in_child(
     job_file = None
     # Started (once) before the clock: the zygote's preloading is no part of a run's time.
     zygote = forkserver() if start_method == "forkserver" else None
+    adopt_orphans()  # the orphans of a child that dies come here, not to init
     start = time.monotonic()
     try:
         reap_pending(block=False)
@@ -198,11 +209,13 @@ def run_in_child(
                 if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
                     _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
                                   threaded, parent, func, args)
+                own(pid)
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:
                 job_file = _write_job(func, args)
                 pid = _spawn(job_file, out_w, err_w, res_w, child_env)
+                own(pid)
             with contextlib.suppress(OSError):  # the child does it too; the first one wins
                 os.setpgid(pid, pid)
             for fd in (out_w, err_w, res_w):
@@ -242,10 +255,13 @@ def _spawn(job_file: str, out_w: int, err_w: int, res_w: int, env: Mapping[str, 
 
 
 def shutdown() -> None:
-    """End of the session: end the workers, reap every child still pending, end the zygote."""
+    """End of the session: end the workers, reap every child still pending, end the zygote,
+    and kill what this process adopted from its runs (or, under xdist, from a worker that
+    died): no process of a run outlives the session."""
     close_pools()
     reap_pending()
     stop_forkserver()
+    sweep_adopted(time.monotonic() + REAP_GRACE)
 
 
 atexit.register(shutdown)

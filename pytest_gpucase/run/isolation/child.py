@@ -9,12 +9,12 @@ and writes its result on the result pipe (``wire``).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import gc
 import json
 import os
 import pickle
 import signal
+import stat
 import sys
 import traceback
 import warnings
@@ -22,55 +22,75 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pytest_gpucase.run.isolation.clipping import clip
-from pytest_gpucase.run.isolation.proctree import _children, _kill_tree
+from pytest_gpucase.run.isolation.proctree import (
+    _PR_SET_PDEATHSIG,
+    _children,
+    _kill_tree,
+    _prctl,
+    adopt_orphans,
+    forget_parent,
+    name_process,
+)
 from pytest_gpucase.run.isolation.wire import _FORMAT, _NOTE, MAX_WARNINGS, NOTE_LIMIT, encode
 
 __all__ = ["WARNING_TEXT", "note", "spawned_main"]
 
 WARNING_TEXT = 2000  # characters of one warning's message
 _RESULT_FD = 3  # where a spawned child writes its result
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
 
 
-def _load_prctl() -> Callable[..., int] | None:
-    """Linux's prctl(2) from the C library, or None where there is none."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True).prctl
-    except (OSError, AttributeError):
-        return None
-
-
-# Looked up once, at import in the parent: a child that opens the C library again pays for
-# it in every run.
-_PRCTL = _load_prctl()
-
-
-def _prctl(option: int, value: int) -> bool:  # pragma: no cover - child side
-    """Linux's prctl(2), or False where there is none."""
-    if _PRCTL is None:
-        return False
-    try:
-        return int(_PRCTL(option, ctypes.c_ulong(value), 0, 0, 0)) == 0
-    except (OSError, AttributeError):
-        return False
-
-
-def _contain_self(parent: int) -> None:  # pragma: no cover - child side
-    """Die with the parent, and keep orphaned descendants as this process's own."""
+def _contain_self(parent: int, name: str = "run") -> None:  # pragma: no cover - child side
+    """Die with the parent, keep orphaned descendants as this process's own, and carry
+    gpucase's name (``proctree.TAG``), which forks of this process inherit."""
     _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     if os.getppid() != parent:  # the parent died before the line above: nobody waits
         os._exit(70)
-    _prctl(_PR_SET_CHILD_SUBREAPER, 1)
+    forget_parent()
+    adopt_orphans()
+    name_process(name)
+
+
+def _drop_channels(keep: tuple[int, ...]) -> None:  # pragma: no cover - child side
+    """Point every pipe and socket this child inherited, but ``keep``, at /dev/null.
+
+    They are the parent's channels to other processes (the zygote's and each worker's
+    socket, an xdist worker's link to its controller, a test runner's pipes): a process a
+    case leaves behind must hold none of them, or whoever waits for their end (the zygote
+    at the end of the session, xdist for a worker that died) waits for that process. The
+    fd numbers stay taken, so that an object still holding one never closes a file of the
+    case's later. Regular files are left open.
+    """
+    try:
+        names = os.listdir("/proc/self/fd")
+    except OSError:
+        return
+    null = -1
+    for name in names:
+        fd = int(name)
+        if fd <= 2 or fd in keep:
+            continue
+        try:
+            mode = os.fstat(fd).st_mode
+        except OSError:
+            continue  # the listing's own fd, closed by now
+        if stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode):
+            if null < 0:
+                null = os.open(os.devnull, os.O_RDWR)
+            if fd != null:
+                os.dup2(null, fd)
+    if null >= 0:
+        os.close(null)
 
 
 def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
                   env: Mapping[str, str], threaded: bool, parent: int,
-                  func: Callable[..., Any], args: tuple[Any, ...]) -> None:  # pragma: no cover
+                  func: Callable[..., Any], args: tuple[Any, ...],
+                  name: str = "run") -> None:  # pragma: no cover
     try:
-        _contain_self(parent)
+        _contain_self(parent, name)
+        for fd in parent_ends:
+            os.close(fd)
+        _drop_channels((out_w, err_w, res_w))
         torch = sys.modules.get("torch")
         if threaded and torch is not None:
             # The parent may have run parallel CPU work: OpenMP's worker threads do
@@ -81,8 +101,6 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
         # shared with the parent.
         gc.disable()
         os.setpgid(0, 0)
-        for fd in parent_ends:
-            os.close(fd)
         _flush_std_streams()
         os.dup2(out_w, 1)
         os.dup2(err_w, 2)

@@ -51,6 +51,8 @@ class ChildResult:
     warnings: tuple[ChildWarning, ...] = ()
     warnings_dropped: int = 0       # distinct warnings past MAX_WARNINGS
     phase: str | None = None        # what the child said it was doing last (``note``)
+    # A reused worker's call after its first: not a fresh child (``WorkerPool``).
+    reused: bool = False
 
     @property
     def problem(self) -> str | None:

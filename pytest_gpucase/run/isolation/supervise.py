@@ -28,6 +28,8 @@ from pytest_gpucase.run.isolation.proctree import (
     _resident,
     _stat,
     _tree,
+    disown,
+    reap_killed,
 )
 from pytest_gpucase.run.isolation.result import ChildResult, ChildWarning, StartMethod, signal_name
 from pytest_gpucase.run.isolation.wire import BadResult, _flags, _read_result, _split_notes
@@ -84,35 +86,49 @@ class _Run:
     reusable: bool = False  # a worker: left running after a clean call
     kept: bool = False      # the worker was left running after this call
     sampled_at: float = field(default=-math.inf)
-    started: int = 0     # the child's start time in clock ticks: no older process is marked
+    # Clock ticks since boot: no process started before is an orphan or a marked process
+    # of this run. The child's start time, or (a worker's call) when the call began.
+    started: int = -1
 
     def __post_init__(self) -> None:
-        stat = _stat(self.pid)
-        self.started = stat[2] if stat is not None else 0
+        if self.started < 0:
+            stat = _stat(self.pid)
+            self.started = stat.start if stat is not None else 0
 
     def has_exited(self) -> bool:
         """Whether the child ended (it stays unreaped, its pid its own, until ``reap``)."""
         if self.zygote is None:
             return _has_exited(self.pid)
         stat = _stat(self.pid)  # the zygote reaps only when asked: a zombie until then
-        return stat is None or stat[1] in (b"Z", b"X")
+        return stat is None or stat.state in (b"Z", b"X")
 
     def reap(self) -> int:
         """Wait for the child and return its wait status."""
         if self.zygote is None:
-            return os.waitpid(self.pid, 0)[1]
+            try:
+                return os.waitpid(self.pid, 0)[1]
+            finally:
+                disown(self.pid)
         return self.zygote.reap(self.pid)
 
     def kill(self) -> None:
-        """Kill the whole tree; only before the child is reaped (its pid is its own till then)."""
-        _kill_tree(self.pid, self.token, include_root=True, since=self.started)
+        """Kill the whole tree; only before the child is reaped (its pid is its own till then).
+
+        The orphans of a child that died are adopted by its parent, a subreaper: this
+        process, or the zygote (which also ends them when it reaps the child).
+        """
+        adopter = self.zygote.pid if self.zygote is not None else os.getpid()
+        _kill_tree(self.pid, self.token, include_root=True, since=self.started,
+                   adopter=adopter)
 
     def over_memory(self, now: float) -> bool:
         """Sample the tree's resident memory now and then; True once over the limit."""
         if self.memory_limit is None or now - self.sampled_at < MEMORY_SAMPLE:
             return False
         self.sampled_at = now
-        resident = _resident(self.pid, _tree(self.pid, self.token, self.started))
+        # The child is a subreaper: while it lives, its group and descendants are all.
+        resident = _resident(self.pid, _tree(self.pid, self.token, self.started,
+                                             markers=False))
         self.resident = max(self.resident, resident)
         return resident > self.memory_limit
 
@@ -346,6 +362,9 @@ class _Supervisor:
             if not child.ended:
                 child.kill()
             status = child.reap()
+            # What the kill left as zombies of this process (orphans it adopted), reaped now:
+            # a killed process is gone when the run is.
+            reap_killed(time.monotonic() + 1.0)
         if self.pidfd is not None:
             os.close(self.pidfd)
         return status
@@ -434,6 +453,7 @@ def reap_pending(block: bool = True) -> None:
     a driver's teardown) is killed with its tree.
     """
     if not block:
+        reap_killed()
         for run in [run for run in _PENDING if run.has_exited()]:
             _PENDING.remove(run)
             with contextlib.suppress(ChildProcessError, OSError):
@@ -447,3 +467,5 @@ def reap_pending(block: bool = True) -> None:
             run.kill()
         with contextlib.suppress(ChildProcessError, OSError):
             run.reap()
+    if block:
+        reap_killed(time.monotonic() + 1.0)

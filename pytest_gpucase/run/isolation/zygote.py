@@ -22,12 +22,21 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pytest_gpucase.run.isolation.child import (
-    _PR_SET_PDEATHSIG,
     _flush_std_streams,
     _forked_child,
-    _prctl,
 )
-from pytest_gpucase.run.isolation.proctree import REAP_GRACE
+from pytest_gpucase.run.isolation.proctree import (
+    _PR_SET_PDEATHSIG,
+    REAP_GRACE,
+    _children,
+    _kill_tree,
+    _prctl,
+    adopt_orphans,
+    disown,
+    forget_parent,
+    name_process,
+    own,
+)
 from pytest_gpucase.run.isolation.result import StartMethod
 
 __all__ = [
@@ -112,6 +121,7 @@ def forkserver() -> _Zygote:
                 _zygote_loop(theirs, parent)
     finally:
         theirs.close()
+    own(pid)
     _ZYGOTE = _Zygote(pid, mine)
     return _ZYGOTE
 
@@ -160,25 +170,34 @@ class _Zygote:
                           "fd_argument": fd_argument}, fds)
 
     def reap(self, pid: int) -> int:
-        status = self._ask({"op": "reap", "pid": pid})
+        try:
+            status = self._ask({"op": "reap", "pid": pid})
+        except (OSError, RuntimeError):
+            # The zygote died (a case may kill it): its children were adopted by this
+            # process, a subreaper, and are reaped here.
+            return os.waitpid(pid, 0)[1]
         if status < 0:
             raise ChildProcessError(f"pid {pid} is not a child of the zygote")
         return status
 
     def stop(self) -> None:
-        """Close the zygote's socket (it exits on that) and reap it."""
+        """Close the zygote's socket (it exits on that, ending the orphans it adopted) and
+        reap it."""
         self.sock.close()
-        end = time.monotonic() + REAP_GRACE
-        while time.monotonic() < end:
+        try:
+            end = time.monotonic() + REAP_GRACE
+            while time.monotonic() < end:
+                with contextlib.suppress(ChildProcessError):
+                    if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                        time.sleep(0.005)
+                        continue
+                return
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
             with contextlib.suppress(ChildProcessError):
-                if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                    time.sleep(0.005)
-                    continue
-            return
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(self.pid, signal.SIGKILL)
-        with contextlib.suppress(ChildProcessError):
-            os.waitpid(self.pid, 0)
+                os.waitpid(self.pid, 0)
+        finally:
+            disown(self.pid)
 
 
 def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
@@ -201,19 +220,30 @@ def zygote_main() -> None:  # pragma: no cover - runs in a spawned zygote
 
 
 def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover - the zygote
-    """Serve the parent until it closes the socket: fork children, reap them when asked."""
+    """Serve the parent until it closes the socket: fork children, reap them when asked.
+
+    The zygote is the subreaper of every child it forks: an orphan of a run whose child
+    died is adopted here, not by init. Each reap, and the zygote's own end, kills and reaps
+    every child it did not fork itself (``_end_adopted``): the zygote runs no case code, so
+    any such child is a run's.
+    """
     try:
         _prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() != parent:
             os._exit(0)
         os.setpgid(0, 0)  # Ctrl-C goes to pytest's group, not here; pytest ends us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        forget_parent()
+        adopt_orphans()
+        name_process("zygote")
         gc.collect()
         gc.freeze()
         me = os.getpid()
+        forked: set[int] = set()
         while True:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
             if len(data) < 8:
+                _end_adopted(forked)
                 os._exit(0)
             size = int.from_bytes(data[:8], "little")
             message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
@@ -221,6 +251,7 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
                 pid = os.fork()
                 if pid == 0:
                     _zygote_child(sock, message, fds, me)
+                forked.add(pid)
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)
                 for fd in fds:
@@ -231,9 +262,31 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
                     reply = os.waitpid(message["pid"], 0)[1]
                 except ChildProcessError:
                     reply = -1
+                forked.discard(message["pid"])
+                _end_adopted(forked)
             sock.sendall(reply.to_bytes(8, "little", signed=True))
     except BaseException:
         os._exit(0)
+
+
+def _end_adopted(forked: set[int]) -> None:  # pragma: no cover - the zygote
+    """Kill and reap the zygote's children that it did not fork: orphans it adopted from
+    its runs. Never a wait for any child: the parent asks for its runs' statuses."""
+    me = os.getpid()
+    adopted = [pid for pid in _children(me) or () if pid not in forked]
+    if not adopted:
+        return
+    for pid in adopted:
+        _kill_tree(pid, None, include_root=True)  # its group and descendants: the run's
+    deadline = time.monotonic() + REAP_GRACE
+    while adopted and time.monotonic() < deadline:
+        for pid in adopted:
+            with contextlib.suppress(ChildProcessError, OSError):
+                os.waitpid(pid, os.WNOHANG)
+        # The kills' zombies, and their children adopted as they died.
+        adopted = [pid for pid in _children(me) or () if pid not in forked]
+        if adopted:
+            time.sleep(0.002)
 
 
 def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
@@ -256,6 +309,7 @@ def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
             return func(*args, res_w)
         return func(*args)
 
-    _forked_child(out_w, err_w, res_w, (), message["env"], False, zygote, call, ())
+    _forked_child(out_w, err_w, res_w, (), message["env"], False, zygote, call, (),
+                  name="worker" if message.get("fd_argument") else "run")
 
 
