@@ -29,6 +29,8 @@ CUDA_ASSERT = Failure.from_text(
      "CUDA out of memory. Tried to allocate N GiB (GPU N; N GiB total capacity)"),
     ("object at 0x7f3a2c0d1e50 in /home/me/proj/model.py failed",
      "object at 0x? in <path> failed"),
+    ("cases/x/case.toml: run timed out after 5 s", "<path>: run timed out after N s"),
+    ("ratio 8/16 of a/b", "ratio N/N of a/b"),
     ("expected scalar type Float but found Double", "expected scalar type Float but found Double"),
     ("\n\n  float32 mat1 on sm_80 failed with lr=1e-05\nsecond line",
      "float32 mat1 on sm_80 failed with lr=N"),

@@ -45,7 +45,8 @@ class Failure:
     """One failure: exception type, message, captured stderr, and the device type it hit.
 
     ``error_type`` None is a failure without an exception (outputs that differ: the
-    message is then the verdict's summary). ``failure_class`` is the triage class when it
+    message is then the verdict's summary). ``device`` is kept as its type (``cuda:1`` and
+    a ROCm build's ``rocm`` are ``cuda``). ``failure_class`` is the triage class when it
     is known already (``[origin] failure_class``); left None, it is read off the texts.
     """
 
@@ -55,6 +56,9 @@ class Failure:
     device: str | None = None
     failure_class: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _device_type(self.device))
+
     @classmethod
     def from_text(cls, text: str, stderr: str = "", device: str | None = None,
                   failure_class: str | None = None) -> Failure:
@@ -62,8 +66,8 @@ class Failure:
         ``[origin] error`` holds it; text without a type is a message alone."""
         found = re.match(r"\s*([A-Za-z_][\w.]*)(?::\s?|\s*$)", text)
         if found is None or not _looks_like_type(found[1]):
-            return cls(None, text, stderr, _device_type(device), failure_class)
-        return cls(found[1], text[found.end():], stderr, _device_type(device), failure_class)
+            return cls(None, text, stderr, device, failure_class)
+        return cls(found[1], text[found.end():], stderr, device, failure_class)
 
     @property
     def kind(self) -> str | None:
@@ -111,9 +115,10 @@ def first_line(text: str) -> str:
 
 
 _ADDRESS = re.compile(r"\b0[xX][0-9a-fA-F]+\b")
-# Two or more path components (``/tmp/x/case.py``, ``C:\\work\\m.py``), so that "a/b" in
-# prose and fractions ("8/16") are left alone.
-_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
+# A file path: one ending in a file name (``cases/x/case.toml``, ``C:\\work\\m.py``), or of
+# two or more components (``/tmp/x``); "a/b" in prose and fractions ("8/16") are left alone.
+_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\w.+~\-]*(?:[\\/][\w.+\-]+)+\.[A-Za-z]\w*"
+                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
 _SIZES = re.compile(r"(?<![\w.])\d+(?:[x\u00d7]\d+)+(?![\w.])")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])"
                      r"|(?<![\w.])[-+]?(?:inf|nan)(?![\w.])")
