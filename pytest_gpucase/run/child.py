@@ -73,6 +73,8 @@ class Outcome:
     summary: str                       # one line a person reads first
     details: str = ""                  # the mismatch report or traceback
     error_type: str | None = None      # the exception raised by the call, if any
+    # Its text; for outputs that differ, where and what (Comparison.where): what "the same
+    # failure" compares (verdict.failure), as the numbers of the summary change with inputs.
     error_message: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
@@ -229,7 +231,7 @@ def _run(spec: RunSpec) -> Outcome:
         comparison = _compare(actual, expected, expect)
     if not comparison.ok:
         return Outcome("failed", f"outputs differ from the reference: {comparison.headline()}",
-                       details=comparison.report(),
+                       details=comparison.report(), error_message=comparison.where(),
                        kind="mismatch",
                        max_abs=comparison.max_abs, max_rel=comparison.max_rel)
     if spec.variant is None and case.expected_file.exists():
@@ -239,6 +241,7 @@ def _run(spec: RunSpec) -> Outcome:
                 "failed", f"outputs match the reference but differ from the golden "
                 f"{case.expected_file.name}; if the change is intended, rewrite it with "
                 "--gpu-cases-regen", details=against_golden.report(),
+                error_message=against_golden.where(),
                 max_abs=against_golden.max_abs, max_rel=against_golden.max_rel,
                 kind="golden mismatch")
         return Outcome("passed", f"outputs match the reference and {case.expected_file.name}",

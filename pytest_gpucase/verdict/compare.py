@@ -75,6 +75,15 @@ class Comparison:
             line += f"; {more} more path{'s' if more > 1 else ''} differ{'' if more > 1 else 's'}"
         return line
 
+    def where(self) -> str:
+        """Where the first mismatch is and of what kind (``out['loss']: values differ``):
+        what stays the same when the same bug is met on other inputs (``verdict.failure``),
+        where the counts and differences of ``headline`` change."""
+        if not self.mismatches:
+            return "nothing differs"
+        first = self.mismatches[0]
+        return f"{first.path}: {first.kind} differ"
+
     def report(self) -> str:
         """Return all mismatch messages, top-down, ready for a pytest failure; with more
         than a few, a first line says how many (a long report is clipped in the middle)."""
