@@ -14,6 +14,7 @@ from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.base.tensors import field_names, indexed, named_tensors
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.run.outcome import Outcome
+from pytest_gpucase.verdict.structure import parts
 
 __all__ = [
     "MAX_OUTPUT_DEPTH", "BadOutput", "NothingDifferentiated", "call", "detached", "each_tensor",
@@ -62,6 +63,8 @@ def _abridged(root: str, keys: list[object]) -> str:
     for key in shown:
         if key is ...:
             path = f"{path}..."
+        elif isinstance(key, _Spelled):
+            path = f"{path}{key}"
         elif isinstance(key, _Field):
             path = f"{path}.{key}"
         else:
@@ -189,19 +192,27 @@ def detached(value: Any, above: dict[int, int] | None = None) -> Any:
         del above[id(value)]
 
 
+class _Spelled(str):
+    """A path suffix spelled already (``.layers``, ``[0]``), as ``structure.parts`` gives it."""
+
+
 class _Field(str):
     """A dataclass or named tuple field on a path, spelled ``.name``."""
 
 
 def _walked_children(value: Any) -> list[tuple[object, Any]] | None:
     """What the comparison walks into besides dicts, lists and tuples: a dataclass's fields,
-    any other sequence's items (a UserList); None for a leaf."""
+    any other sequence's items (a UserList), the parts of an object registered with pytree
+    or holding tensors in its attributes (``structure.parts``); None for a leaf."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return [(_Field(f.name), getattr(value, f.name)) for f in dataclasses.fields(value)]
     if isinstance(value, Sequence) and not isinstance(
             value, (str, bytes, bytearray, memoryview, range)):
         return list(enumerate(value))
-    return None
+    found = parts(value)
+    if found is None:
+        return None
+    return [(_Spelled(suffix), item) for suffix, item in found]
 
 
 def _enter(value: Any, above: dict[int, int]) -> None:

@@ -7,12 +7,12 @@ attributes before values, and collects every mismatch with its path.
 What counts as close (the tolerances and the rule that applies them) is
 ``tolerance``'s; the words of a mismatch are ``messages``'s. Tensor values are
 judged by ``_kernel``, which only makes that fast: the walk asks it through a
-few names and reads its tally (``stats``).
+few names and reads its tally (``stats``). Objects other than dicts, lists and
+tuples are walked by the parts ``structure`` finds in them.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pytest_gpucase.base.tensors import field_names, tuple_fields
-from pytest_gpucase.verdict import _kernel
+from pytest_gpucase.verdict import _kernel, structure
 from pytest_gpucase.verdict.messages import Mismatch, num, scalar_message, values_mismatch
 from pytest_gpucase.verdict.tolerance import (
     DEFAULT_TOLERANCES,
@@ -185,6 +185,7 @@ class _Walk:
     max_abs: float | None = None
     max_rel: float | None = None
     scratch: _kernel.Scratch = field(default_factory=_kernel.Scratch)
+    inside: set[int] = field(default_factory=set)
     batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
     batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
@@ -284,18 +285,41 @@ class _Walk:
         if type(actual) is not type(expected):
             self.type_differs(actual, expected, path)
             return
-        if dataclasses.is_dataclass(actual) and not isinstance(actual, type):
-            # Field by field, with tolerances: a dataclass's own == compares tensors
-            # exactly, broadcasts them, or cannot decide at all.
-            for item in dataclasses.fields(actual):
-                self.value(getattr(actual, item.name), getattr(expected, item.name),
-                           f"{path}.{item.name}")
+        if isinstance(actual, torch.device):
+            return  # the reference runs on the CPU by design: where a value lives is no value
+        if isinstance(actual, torch.dtype):
+            assert isinstance(expected, torch.dtype)
+            if actual != expected and (self.check_dtype
+                                       or _dtype_kind(actual) != _dtype_kind(expected)):
+                self.fail(path, "dtype", f"values differ: actual {actual} vs expected {expected}")
             return
-        by_value = ("outputs compared by value are tensors, numbers, strings, and lists, "
-                    "tuples, dicts or dataclasses of them")
         if isinstance(actual, torch.nn.Module):
             self.fail(path, "type", f"cannot compare values of type {_type_name(actual)} (a "
-                      f"module): return its outputs or its state_dict(); {by_value}")
+                      f"module): return its outputs or its state_dict(); {_BY_VALUE}")
+            return
+        if id(actual) in self.inside:
+            return  # an object met again inside itself (a back reference): compared once
+        found = structure.parts(actual)
+        if found is not None:
+            # Field by field, with tolerances: a dataclass's own == compares tensors exactly,
+            # and a cache object (transformers' DynamicCache) has none at all.
+            theirs = structure.parts(expected) or []
+            names, their_names = [k for k, _ in found], [k for k, _ in theirs]
+            if names != their_names:
+                missing = [k for k in their_names if k not in names]
+                extra = [k for k in names if k not in their_names]
+                self.fail(path, "structure", f"parts of {_type_name(actual)} differ: "
+                          + "; ".join(part for part in (
+                              f"missing {', '.join(missing)}" if missing else "",
+                              f"extra {', '.join(extra)}" if extra else "",
+                              "in another order" if not (missing or extra) else "") if part))
+                return
+            self.inside.add(id(actual))
+            try:
+                for (suffix, a), (_, e) in zip(found, theirs, strict=True):
+                    self.value(a, e, path + suffix)
+            finally:
+                self.inside.discard(id(actual))
             return
         try:
             equal = bool(actual == expected)
@@ -303,7 +327,8 @@ class _Walk:
             self.fail(
                 path,
                 "type",
-                f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: {exc}",
+                f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: "
+                f"{exc}; {_BY_VALUE}",
             )
             return
         if equal:
@@ -314,7 +339,7 @@ class _Walk:
             # Only the same object is equal: right for an enum member or a dtype (which
             # say who they are), never for a generator or a plain object (shown by address).
             note = (f" (type {_type_name(actual)} defines no ==, so only the same object is "
-                    f"equal; {by_value})")
+                    f"equal, and holds no tensor to compare by; {_BY_VALUE})")
         self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}{note}")
 
     # -- Python numbers ------------------------------------------------------
@@ -518,6 +543,11 @@ def _number_kind(x: object) -> str | None:
             return kind
     return None
 
+
+_BY_VALUE = ("outputs compared by value are tensors, numbers, strings, lists, tuples, dicts and "
+             "dataclasses of them, objects registered with torch.utils._pytree, and objects "
+             "holding tensors in their attributes; return one of those (the object's tensors "
+             "in a dict, say)")
 
 # What torch raises for an operation a dtype, layout or tensor kind does not support
 # ("equal_cpu" not implemented for 'ComplexHalf', a promotion of uint32, a nested
