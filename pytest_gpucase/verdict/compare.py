@@ -9,10 +9,20 @@ What counts as close (the tolerances and the rule that applies them) is
 judged by ``_kernel``, which only makes that fast: the walk asks it through a
 few names and reads its tally (``stats``). Objects other than dicts, lists and
 tuples are walked by the parts ``structure`` finds in them.
+
+The run's precision (``precision``): every floating value, a Python number
+included, is held at least to the tolerance of the precision the run computed in,
+so that ``loss.item()`` of a bfloat16 run and a float32 logit of a bfloat16
+autocast run are judged as bfloat16, not as float64 or float32. A leaf that fails
+its default tolerance gets a second look (``second_look``, ``rounding``): the
+rounding budget of its computation, and on a device the CPU's own error in the same
+dtype. An explicit tolerance for the leaf's dtype (or for the run's precision, when
+coarser) is applied as given, with no second look.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -21,7 +31,15 @@ import torch
 
 from pytest_gpucase.base.tensors import field_names, tuple_fields
 from pytest_gpucase.verdict import _kernel, structure
-from pytest_gpucase.verdict.messages import Mismatch, num, scalar_message, values_mismatch
+from pytest_gpucase.verdict.messages import (
+    Mismatch,
+    num,
+    scalar_message,
+    values_mismatch,
+    with_note,
+)
+from pytest_gpucase.verdict.rounding import SecondLook, baseline_problem, coarser
+from pytest_gpucase.verdict.stats import NonFinite
 from pytest_gpucase.verdict.tolerance import (
     DEFAULT_TOLERANCES,
     EXACT,
@@ -120,16 +138,26 @@ def compare(
     check_dtype: bool = True,
     path: str = "out",
     worst: int = 5,
+    precision: torch.dtype | None = None,
+    second_look: SecondLook | None = None,
+    device: str = "cpu",
 ) -> Comparison:
-    """Compare a nested output against the expected one and collect every mismatch."""
+    """Compare a nested output against the expected one and collect every mismatch.
+
+    ``tolerances`` are the explicit ones (``case.toml``); the rest come from the default
+    table. ``precision``: the dtype the run computed in, the least any floating value is
+    held to. ``second_look``: asked for a leaf that fails a default tolerance (the
+    rounding budget; ``device``'s run against the CPU's own in the same dtype).
+    """
     if worst < 0:
         raise ValueError(f"worst must be >= 0, got {worst}")
     table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
+    explicit = frozenset(tolerances or ())
     try:
         if _kernel.equal_tensors(actual, expected):
             return Comparison((), 0.0, 0.0)
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-            tol = table.get(actual.dtype, EXACT)
+            tol = _tolerance_for(table, explicit, actual.dtype, precision)
             close = _kernel.small_close(actual, expected, tol, check_dtype)
             if close is not None:
                 return Comparison((), *close)
@@ -140,6 +168,10 @@ def compare(
         equal_nan=equal_nan,
         check_dtype=check_dtype,
         worst=worst,
+        explicit=explicit,
+        precision=precision,
+        second_look=second_look,
+        device=device,
     )
     # Outputs may carry autograd history; out= kernels refuse such inputs.
     with torch.no_grad():
@@ -155,6 +187,25 @@ def compare(
 
 # Beyond this many mismatching paths, a report starts with their count.
 _COUNTED_FROM = 10
+
+
+def _tolerance_for(table: Mapping[torch.dtype, Tolerance], explicit: frozenset[torch.dtype],
+                   dtype: torch.dtype, precision: torch.dtype | None) -> Tolerance:
+    """The tolerance of a value of ``dtype`` in a run computed in ``precision``: an explicit
+    one for its dtype as given; else that of the coarser of the two dtypes (explicit for the
+    precision, or its defaults, saying so)."""
+    if dtype in explicit or precision is None or not (dtype.is_floating_point
+                                                       or dtype.is_complex):
+        return table.get(dtype, EXACT)
+    held = coarser(dtype, precision)
+    if held.to_real() == dtype.to_real():
+        return table.get(dtype, EXACT)
+    found = table.get(held, EXACT)
+    if held in explicit:
+        return found
+    name = str(held).removeprefix("torch.")
+    return Tolerance(rtol=found.rtol, atol=found.atol, ulps=found.ulps,
+                     source=f"{name} defaults: the run's precision")
 
 
 # --------------------------------------------------------------------------
@@ -180,6 +231,10 @@ class _Walk:
     equal_nan: bool
     check_dtype: bool
     worst: int
+    explicit: frozenset[torch.dtype] = frozenset()
+    precision: torch.dtype | None = None
+    second_look: SecondLook | None = None
+    device: str = "cpu"
     # Mismatches in walk order, with the batched leaves in their places.
     items: list[Mismatch | _Leaf] = field(default_factory=list)
     max_abs: float | None = None
@@ -197,7 +252,14 @@ class _Walk:
         self.max_rel = max_rel if self.max_rel is None else nan_max(self.max_rel, max_rel)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
-        return self.tolerances.get(dtype, EXACT)
+        return _tolerance_for(self.tolerances, self.explicit, dtype, self.precision)
+
+    def looks_again(self, dtype: torch.dtype) -> bool:
+        """Whether a leaf of ``dtype`` that fails gets a second look: a floating one whose
+        tolerance is a default, not one the case states."""
+        if self.second_look is None or not (dtype.is_floating_point or dtype.is_complex):
+            return False
+        return dtype not in self.explicit and coarser(dtype, self.precision) not in self.explicit
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
@@ -378,9 +440,27 @@ class _Walk:
             message = scalar_message(
                 path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
             )
-            self.items.append(
-                Mismatch(path, "values", message, 1, 1, diff, relative(diff, abs(expected)))
-            )
+            mismatch: Mismatch | None = Mismatch(path, "values", message, 1, 1, diff,
+                                                 relative(diff, abs(expected)))
+            if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
+                mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch)
+            if mismatch is not None:
+                self.items.append(mismatch)
+
+    def number_again(self, path: str, actual: complex, expected: complex, diff: float,
+                     tol: Tolerance, dtype: torch.dtype, mismatch: Mismatch) -> Mismatch | None:
+        """A Python number past its default tolerance, judged as a tensor leaf is."""
+        assert self.second_look is not None
+        budget = self.second_look.budget(path)
+        widened = budget.tolerance(tol) if budget is not None else None
+        if widened is None:
+            return mismatch
+        within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
+        if not within:
+            message = scalar_message(path, actual, expected, dtype, dtype, widened,
+                                     self.equal_nan, exact=False)
+            mismatch = dataclasses.replace(mismatch, message=message)
+        return self.against_baseline(path, actual, expected, widened, within, mismatch)
 
     # -- tensors -------------------------------------------------------------
 
@@ -490,8 +570,45 @@ class _Walk:
             leaf.mismatch = values_mismatch(
                 leaf.path, leaf.actual, leaf.expected, leaf.tol, stats, self.worst, self.equal_nan
             )
-            if record:
+            if self.looks_again(leaf.actual.dtype) and not _nonfinite(stats.nonfinite):
+                leaf.mismatch = self.look_again(leaf, leaf.mismatch)
+            if record and leaf.mismatch is not None:
                 self.items.append(leaf.mismatch)
+
+    def look_again(self, leaf: _Leaf, mismatch: Mismatch) -> Mismatch | None:
+        """A tensor leaf past its default tolerance, judged by its rounding budget and, on a
+        device, against the CPU's own run in the same dtype (``rounding``)."""
+        assert self.second_look is not None
+        budget = self.second_look.budget(leaf.path)
+        tol = budget.tolerance(leaf.tol) if budget is not None else None
+        if budget is None or tol is None:
+            return mismatch
+        stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
+                                       max(self.worst, 1), self.scratch)
+        within = not stats.mismatched
+        if not within:
+            mismatch = values_mismatch(leaf.path, leaf.actual, leaf.expected, tol, stats,
+                                       self.worst, self.equal_nan)
+        elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
+            within, mismatch = False, with_note(mismatch, problem)
+        return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
+                                     mismatch)
+
+    def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
+                         within: bool, mismatch: Mismatch) -> Mismatch | None:
+        """The device rule: past ``BASELINE_MULTIPLE`` times the CPU's own error fails; a run
+        the budget refuses passes when the CPU's own run is past the budget too."""
+        assert self.second_look is not None
+        baseline = self.second_look.baseline(path) if self.device != "cpu" else None
+        if baseline is None:
+            return None if within else mismatch
+        precision = coarser(_dtype_of(actual), self.precision)
+        problem = baseline_problem(actual, expected, baseline, precision, self.device)
+        if problem is not None:
+            return with_note(mismatch, problem)
+        if within or not _within(baseline, expected, budget, self.equal_nan):
+            return None
+        return mismatch
 
     def flush(self) -> None:
         for key in list(self.batches):
@@ -525,6 +642,31 @@ class _Walk:
         half = len(leaves) // 2
         self.judge_batch(leaves[:half])
         self.judge_batch(leaves[half:])
+
+
+def _nonfinite(counts: NonFinite) -> bool:
+    """Whether any mismatch is NaN or infinite on either side: never rounding, always a failure."""
+    return bool(counts.nan_actual or counts.inf_actual or counts.nan_expected_only)
+
+
+def _dtype_of(value: object) -> torch.dtype:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return torch.complex128 if isinstance(value, complex) else torch.float64
+
+
+def _within(value: object, expected: object, tol: Tolerance, equal_nan: bool) -> bool:
+    """Whether ``value`` (the CPU's same-dtype run) is within ``tol`` of ``expected``."""
+    if isinstance(value, torch.Tensor) and isinstance(expected, torch.Tensor):
+        if value.shape != expected.shape:
+            return False
+        stats = _kernel.compare_values(value.detach().cpu(), expected.detach().cpu(), tol,
+                                       equal_nan, 1, _kernel.Scratch())
+        return not stats.mismatched
+    if isinstance(value, (int, float, complex)) and isinstance(expected, (int, float, complex)):
+        return scalar_close(value, expected, abs(value - expected), tol, equal_nan,
+                            _dtype_of(value))
+    return False
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
