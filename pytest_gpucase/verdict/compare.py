@@ -70,6 +70,9 @@ class Comparison:
     # difference anywhere makes these NaN, as the failure text says.
     max_abs: float | None
     max_rel: float | None
+    # What a pass says little about: a leaf that passed within a rounding budget as large as
+    # its own size (shown with the item, on a pass too).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -118,6 +121,7 @@ def combine(parts: Iterable[Comparison]) -> Comparison:
         mismatches=tuple(m for p in parts for m in p.mismatches),
         max_abs=_greatest(p.max_abs for p in parts),
         max_rel=_greatest(p.max_rel for p in parts),
+        notes=tuple(note for p in parts for note in p.notes),
     )
 
 
@@ -182,7 +186,8 @@ def compare(
         for item in walk.items
         if isinstance(item, Mismatch) or item.mismatch is not None
     )
-    return Comparison(mismatches, walk.max_abs, walk.max_rel)  # type: ignore[arg-type]
+    return Comparison(mismatches, walk.max_abs, walk.max_rel,  # type: ignore[arg-type]
+                      tuple(walk.notes))
 
 
 # Beyond this many mismatching paths, a report starts with their count.
@@ -241,6 +246,7 @@ class _Walk:
     max_rel: float | None = None
     scratch: _kernel.Scratch = field(default_factory=_kernel.Scratch)
     inside: set[int] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
     batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
     batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
@@ -591,8 +597,23 @@ class _Walk:
                                        self.worst, self.equal_nan)
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
             within, mismatch = False, with_note(mismatch, problem)
+        else:
+            self.vacuous(leaf.path, leaf.expected, tol, budget.precision)
         return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
                                      mismatch)
+
+    def vacuous(self, path: str, expected: torch.Tensor, tol: Tolerance,
+                precision: torch.dtype) -> None:
+        """Note a pass within a budget as large as the output's own RMS size: at that
+        precision the inputs decide the output only to within its size."""
+        size = float(_finite_abs(expected).square().mean().sqrt())
+        if tol.atol < size:
+            return
+        name = str(precision).removeprefix("torch.")
+        self.notes.append(f"{path} passed within a rounding budget (atol {num(tol.atol)}) as "
+                          f"large as its own RMS size ({num(size)}): in {name} these inputs "
+                          "decide it only to within its size, so the check says little; "
+                          "judge it in a finer dtype, or name an independent reference")
 
     def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
                          within: bool, mismatch: Mismatch) -> Mismatch | None:
@@ -647,6 +668,11 @@ class _Walk:
 def _nonfinite(counts: NonFinite) -> bool:
     """Whether any mismatch is NaN or infinite on either side: never rounding, always a failure."""
     return bool(counts.nan_actual or counts.inf_actual or counts.nan_expected_only)
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    size = t.detach().abs().to(torch.float64 if t.device.type == "cpu" else torch.float32)
+    return torch.where(torch.isfinite(size), size, 0)
 
 
 def _dtype_of(value: object) -> torch.dtype:
