@@ -446,6 +446,8 @@ def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
         sections.append(("warnings (child)", describe_warnings(child)))
     if verdict.triage is not None:
         sections.append(("gpucase triage", verdict.triage.render()))
+    if verdict.outcome.notes:  # what the verdict could not check: shown on a pass too (-rP)
+        sections.append(("gpucase notes", "\n".join(verdict.outcome.notes)))
     if verdict.localized is not None:
         sections.append(("gpucase launch-blocking rerun", describe_rerun(verdict)))
     for title, text in sections:

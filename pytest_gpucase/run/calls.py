@@ -1,5 +1,5 @@
-"""How the user's function is called (and differentiated, when asked), and its outputs
-made safe to walk: detached, checked for depth and cycles."""
+"""How the user's function is called (with gradients along random cotangents when asked),
+and its outputs made safe to walk: detached, checked for depth and cycles."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from pytest_gpucase.base import backends
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.base.tensors import field_names, indexed, named_tensors
 from pytest_gpucase.case.model import Case
+from pytest_gpucase.run import second_look
 from pytest_gpucase.run.outcome import Outcome
-from pytest_gpucase.verdict.structure import parts
+from pytest_gpucase.verdict.structure import named_leaves, parts
 
 __all__ = [
     "MAX_OUTPUT_DEPTH", "BadOutput", "NothingDifferentiated", "call", "detached", "each_tensor",
@@ -100,10 +101,15 @@ def synchronize(device: str) -> None:
 
 
 def call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
-          device: str) -> dict[str, Any]:
-    """Call ``func``; with ``gradients``, also d(sum of float outputs)/d(float inputs).
+          device: str, cotangents: dict[str, torch.Tensor] | None = None,
+          precision: torch.dtype | None = None) -> dict[str, Any]:
+    """Call ``func``; with ``gradients``, also the gradients of its float outputs along a
+    random cotangent with respect to its float inputs (``second_look.cotangent``).
 
-    In the grad mode the caller set (``grad_mode``): the same for the call and the reference.
+    ``cotangents`` (float64, by output path) are filled here when empty (the call, with
+    ``precision``) and read when given (the reference, so that both differentiate along the
+    same values). In the grad mode the caller set (``grad_mode``): the same for the call
+    and the reference.
     """
     if not gradients:
         out = func(**inputs)
@@ -117,11 +123,21 @@ def call(func: Callable[..., Any], inputs: Mapping[str, Any], gradients: bool,
               and (value.is_floating_point() or value.is_complex())}
     out = func(**{**inputs, **leaves})
     kept = detached(out)
-    total = sum((t.float().sum() if not t.is_complex() else t.abs().sum())
-                for t in tensors_of(out) if t.requires_grad)
+    outputs = [(path, t) for path, t in named_leaves(out, "out")
+               if isinstance(t, torch.Tensor) and t.requires_grad]
+    cotangents = {} if cotangents is None else cotangents
+    if not cotangents:
+        cotangents.update((path, second_look.cotangent(path, t, precision)) for path, t in outputs)
+    directions = []
+    for path, t in outputs:
+        given = cotangents.get(path)
+        if given is None or given.shape != t.shape:  # a structure the comparison will refuse
+            given = second_look.cotangent(path, t, precision)
+        directions.append(given.to(device=t.device, dtype=t.dtype))
     found: tuple[torch.Tensor | None, ...] = ()
-    if isinstance(total, torch.Tensor) and leaves:
-        found = torch.autograd.grad(total, list(leaves.values()), allow_unused=True)
+    if outputs and leaves:
+        found = torch.autograd.grad([t for _, t in outputs], list(leaves.values()),
+                                    directions, allow_unused=True)
     if all(grad is None for grad in found):  # some inputs without one are fine, not all
         raise NothingDifferentiated(torch.is_grad_enabled())
     synchronize(device)

@@ -40,7 +40,6 @@ from pytest_gpucase.case.variants import (
     apply as apply_variant,
 )
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run import reference_cache
 from pytest_gpucase.run.calls import (
     MAX_OUTPUT_DEPTH,
     BadOutput,
@@ -51,19 +50,14 @@ from pytest_gpucase.run.calls import (
     tensors_of,
     upcast,
 )
-from pytest_gpucase.run.context import (
-    SETTINGS,
-    apply_settings,
-    grad_mode,
-    replay_context,
-    rng_restored,
-)
+from pytest_gpucase.run.context import SETTINGS, apply_settings, grad_mode, replay_context
 from pytest_gpucase.run.isolation import note
 from pytest_gpucase.run.judge import (
     OUTPUT_MARKS,
     REFERENCE_OUTPUT,
-    compare_results,
-    labelled_output,
+    Judged,
+    reference_inputs,
+    run_precision,
 )
 from pytest_gpucase.run.outcome import (
     Outcome,
@@ -88,6 +82,7 @@ __all__ = [
     "replay_context",
     "resolve",
     "run",
+    "run_precision",
     "upcast",
     "user_traceback",
     "write_golden",
@@ -148,9 +143,11 @@ def _run(spec: RunSpec) -> Outcome:
                                  spec.variant if spec.variant and spec.variant.reject else None)
     began = time.perf_counter()
     versions = tensor_versions(tensors_of(run_inputs))
+    precision = run_precision(spec)
+    cotangents: dict[str, torch.Tensor] = {}  # filled by the call, given to the reference
     try:
         with replay_context(context, spec.device, rng):
-            actual = call(func, run_inputs, expect.gradients, spec.device)
+            actual = call(func, run_inputs, expect.gradients, spec.device, cotangents, precision)
     except BadOutput as problem:  # the call returned: what it returned is the problem
         return problem.outcome("the call's")
     except NothingDifferentiated as problem:
@@ -158,54 +155,14 @@ def _run(spec: RunSpec) -> Outcome:
     except BaseException as exc:  # SystemExit and the like too: see raised
         return raised("the call", exc)
     returned = f"the call itself returned after {time.perf_counter() - began:.3g} s"
-    comparing = f"while comparing the outputs ({returned})"
-    note(comparing)  # a timeout from here on is not the call's
+    note(f"while comparing the outputs ({returned})")  # a timeout from here on is not the call's
     reference = func
     if case.reference:
         reference = resolve(case, case.reference, "reference")
         check_binding(case, case.reference, reference, run_inputs)
-    cached = reference_cache.entry(spec, reference)
-    expected = reference_cache.load(cached)
-    comparison = compare_results(actual, expected, expect) if expected is not None else None
-    if comparison is None or not comparison.ok:
-        # Computed here on a miss, and again on a failure: a failure never rests on the cache.
-        began = time.perf_counter()
-        note(f"while computing the float64 reference on the CPU ({returned})")
-        try:
-            # The same random draws and grad mode, in float64 on the CPU.
-            with (rng_restored(rng, "cpu"), torch.set_grad_enabled(grad_mode(context)),
-                  labelled_output(REFERENCE_OUTPUT)):
-                expected = call(reference, upcast(_as_saved(spec, run_inputs, versions)),
-                                 expect.gradients, "cpu")
-        except BadOutput as problem:
-            return problem.outcome("the reference's")
-        except NothingDifferentiated as problem:
-            raise problem.error(case, "the reference") from None
-        except BaseException as exc:  # SystemExit and the like too: see raised
-            return raised("the reference (on CPU in float64)", exc, "reference raises")
-        reference_cache.store(cached, expected, time.perf_counter() - began)
-        note(comparing)
-        comparison = compare_results(actual, expected, expect)
-    if not comparison.ok:
-        return Outcome("failed", f"outputs differ from the reference: {comparison.headline()}",
-                       details=comparison.report(), error_message=comparison.where(),
-                       kind="mismatch",
-                       max_abs=comparison.max_abs, max_rel=comparison.max_rel)
-    if spec.variant is None and case.expected_file.exists():
-        against_golden = compare_results(actual, golden.load(case.expected_file), expect)
-        if not against_golden.ok:
-            return Outcome(
-                "failed", f"outputs match the reference but differ from the golden "
-                f"{case.expected_file.name}; if the change is intended, rewrite it with "
-                "--gpu-cases-regen", details=against_golden.report(),
-                error_message=against_golden.where(),
-                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel,
-                kind="golden mismatch")
-        return Outcome("passed", f"outputs match the reference and {case.expected_file.name}",
-                       kind="passed",
-                       max_abs=comparison.max_abs, max_rel=comparison.max_rel)
-    return Outcome("passed", "outputs match the reference", kind="passed",
-                   max_abs=comparison.max_abs, max_rel=comparison.max_rel)
+    run = Judged(spec, func, reference, lambda: _as_saved(spec, run_inputs, versions), rng,
+                 cotangents, precision, returned)
+    return run.verdict(actual)
 
 
 def write_golden(case: Case) -> dict[str, str]:
@@ -220,7 +177,8 @@ def write_golden(case: Case) -> dict[str, str]:
     not_written = f"{display(case.expected_file)} not written"
     try:
         with torch.set_grad_enabled(grad_mode(case.context)):
-            results = call(reference, upcast(inputs), case.expect.gradients, "cpu")
+            results = call(reference, reference_inputs(case, inputs), case.expect.gradients,
+                           "cpu")
     except BadOutput as problem:
         whose = f"the {key}'s"
         return {"refused": f"{not_written}: {problem.message(whose)}"}

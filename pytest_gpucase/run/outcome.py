@@ -30,6 +30,9 @@ class Outcome:
     # "bad output" (one that cannot be walked: nested too deep, or holding itself),
     # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
     kind: str = ""
+    # What the verdict could not check, and why, shown with the item's report on a pass too
+    # ("nothing independent checked the gradients": no reference, and no gradcheck).
+    notes: tuple[str, ...] = ()
 
     @property
     def broken_case(self) -> bool:
@@ -58,7 +61,8 @@ def describe_exception(exc: BaseException) -> str:
 
 # The machinery that calls the user's code; its frames only add noise to a traceback.
 _MACHINERY = {*(str(Path(__file__).with_name(name)) for name in (
-                  "child.py", "calls.py", "context.py", "judge.py", "outcome.py")),
+                  "child.py", "calls.py", "context.py", "judge.py", "outcome.py",
+                  "second_look.py")),
               *(str(path) for path in Path(__file__).with_name("isolation").glob("*.py"))}
 
 

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     from pytest_gpucase.plan.runs import RunSpec
 
 __all__ = [
-    "CACHE_ENV", "MIN_SECONDS", "entry", "forget_primed", "key", "load", "prime", "prune", "store",
+    "CACHE_ENV", "MIN_SECONDS", "companion", "entry", "forget_primed", "key", "load", "prime",
+    "prune", "store",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
@@ -201,6 +202,13 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Path | None:
         return Path(folder) / f"{key(spec, reference)}.safetensors"
     except OSError:  # the case file vanished: no caching, the run will say what is wrong
         return None
+
+
+def companion(path: Path | None, kind: str) -> Path | None:
+    """Where something computed beside the reference is kept (``kind``: the rounding budget,
+    the CPU's own run in the run's dtype, a gradcheck's pass): under the reference's own
+    key, so that whatever makes a new reference makes a new one too; pruned with it."""
+    return None if path is None else path.with_name(f"{path.stem}.{kind}{path.suffix}")
 
 
 def load(path: Path | None) -> dict[str, Any] | None:
