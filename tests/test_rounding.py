@@ -194,6 +194,34 @@ def test_round_every_op_rounds_results_and_leaves_views_and_integers() -> None:
     assert not torch.equal(acc, x)  # an in-place result is rounded where it is written
 
 
+def test_fused_normalizations_are_rounded_by_their_parts() -> None:
+    """A layer norm of 1e3 + N(0, 1) loses float32 digits in x - mean, inside the fused op:
+    rounding only the fused op's output would see a change the size of the output's last
+    place; its decomposition, each part rounded, sees the cancellation."""
+    x = 1e3 + torch.randn(32, 256, generator=GEN().manual_seed(0), dtype=torch.float64)
+    expected = torch.nn.functional.layer_norm(x, (256,))
+    u = unit_roundoff(torch.float32)
+    with RoundEveryOp(u, GEN().manual_seed(1)):
+        drawn = torch.nn.functional.layer_norm(x, (256,))
+    greatest, _ = spread(expected, drawn)
+    assert greatest > 100 * u * float(expected.abs().max())  # about u * 1e3, not u * |out|
+    assert greatest < 1e-2
+
+
+def test_infinities_stay_infinite_when_rounded() -> None:
+    """A masked attention score is -inf: rounding it must not make inf - inf = NaN, in the
+    scores or inside softmax's decomposition (x - max)."""
+    scores = torch.tensor([[0.5, float("-inf"), 1.0], [float("-inf"), 2.0, 0.0]],
+                          dtype=torch.float64)
+    expected = torch.softmax(scores, -1)
+    gen = GEN().manual_seed(0)
+    for _ in range(8):
+        with RoundEveryOp(1e-2, gen):
+            drawn = torch.softmax(perturbed(scores, 1e-2, gen), -1)
+        assert math.isfinite(spread(expected, drawn)[0])
+        assert bool((drawn[expected == 0] == 0).all())
+
+
 def test_perturbed_inputs_keep_integers_and_grad_flags() -> None:
     gen = GEN().manual_seed(0)
     inputs = {"x": torch.ones(4, dtype=torch.float64, requires_grad=True),

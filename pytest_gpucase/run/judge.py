@@ -96,6 +96,7 @@ class Judged:
         self.autocast = autocast_reference(self.case)
         self.notes: list[str] = []
         self._saved: dict[str, Any] | None = None
+        self._reference_rng: torch.Tensor | None = None
         self.reference_seconds = 0.0
 
     def saved(self) -> dict[str, Any]:
@@ -109,8 +110,16 @@ class Judged:
 
     def call_reference(self, inputs: Mapping[str, Any],
                        cotangents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
-        """The reference on the CPU, with the saved random draws and the call's grad mode."""
+        """The reference on the CPU, with the saved random draws and the call's grad mode.
+
+        Each later run (the budget's draws) starts from the random state the first one
+        started from, saved or not: a dropout draws the same mask in every draw, so that
+        the draws measure rounding, not other random numbers."""
         with rng_restored(self.rng, "cpu"), torch.set_grad_enabled(grad_mode(self.case.context)):
+            if self._reference_rng is None:
+                self._reference_rng = torch.get_rng_state()
+            else:
+                torch.set_rng_state(self._reference_rng)
             return call(self.reference, inputs, self.expect.gradients, "cpu", dict(cotangents))
 
     def verdict(self, actual: dict[str, Any]) -> Outcome:

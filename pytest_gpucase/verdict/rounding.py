@@ -36,6 +36,7 @@ the child's (``run.second_look``).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -119,8 +120,10 @@ def perturbed(value: Any, u: float, generator: torch.Generator) -> Any:
 
 
 def _rounded(t: torch.Tensor, u: float, generator: torch.Generator) -> torch.Tensor:
+    # A product, not t + t * (u z): an infinity (a masked score) stays itself, never
+    # inf - inf = NaN.
     noise = torch.randn(t.shape, generator=generator, dtype=t.dtype.to_real())
-    return t + t * (noise.to(t.device) * u)
+    return t * (1 + noise.to(t.device) * u)
 
 
 # Operations that only move values (no rounding happens in any dtype): not perturbed,
@@ -137,11 +140,42 @@ _MOVES = frozenset({
 })
 
 
+# Fused operations run as torch's own decompositions (torch._decomp) under RoundEveryOp, so
+# that their intermediate values are rounded too: a CPU kernel folds batch norm into
+# x * (w * invstd) + (b - mean * w * invstd), whose cancellation one rounding of the fused
+# op's output does not show. Normalizations, softmax and the losses built on them; never
+# random ops, whose decomposition would draw other numbers.
+_DECOMPOSED = (
+    "native_batch_norm.default", "_native_batch_norm_legit.default",
+    "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
+    "native_batch_norm_backward.default", "native_layer_norm.default",
+    "native_layer_norm_backward.default", "native_group_norm.default",
+    "native_group_norm_backward.default", "_fused_rms_norm.default", "_softmax.default",
+    "_softmax_backward_data.default", "_log_softmax.default",
+    "_log_softmax_backward_data.default", "_safe_softmax.default", "nll_loss_forward.default",
+    "nll_loss_backward.default",
+)
+
+
+@functools.cache
+def _decompositions() -> dict[Any, Any]:
+    from torch._decomp import decomposition_table
+
+    found = {}
+    for name in _DECOMPOSED:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None and op in decomposition_table:
+            found[op] = decomposition_table[op]
+    return found
+
+
 class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Multiply every floating result of every operation run under it by ``1 + u z``:
     the reference's computation as if each value it makes were rounded once at the run's
     precision. Views and pure data movement are left as they are; a result an operation
-    writes into an argument (``add_``, ``out=``) is perturbed where it was written."""
+    writes into an argument (``add_``, ``out=``) is perturbed where it was written; a fused
+    normalization or softmax runs as its decomposition, each part rounded (``_DECOMPOSED``)."""
 
     def __init__(self, u: float, generator: torch.Generator) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -149,6 +183,12 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
+        decomposition = _decompositions().get(func)
+        if decomposition is not None:
+            with self:  # its parts come back here, each rounded
+                out = decomposition(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
         out = func(*args, **(kwargs or {}))
         schema = func._schema
         if schema.name in _MOVES or func.is_view:
@@ -160,8 +200,8 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for result in out if isinstance(out, (tuple, list)) else (out,):
                 if _roundable(result):
                     data = result.data  # not tracked by autograd, as a rounding is not
-                    data.add_(data * (torch.randn(data.shape, generator=self.generator,
-                                                  dtype=data.dtype.to_real()) * self.u))
+                    data.mul_(1 + torch.randn(data.shape, generator=self.generator,
+                                              dtype=data.dtype.to_real()) * self.u)
             return out
         if isinstance(out, torch.Tensor):
             return _rounded(out, self.u, self.generator) if _roundable(out) else out
