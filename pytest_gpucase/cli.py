@@ -181,9 +181,12 @@ def _load_format_plugins(argv: list[str]) -> None:
 
 
 def _error(command: str | None, problem: object, code: int = 2) -> int:
-    """Print ``problem`` on stderr after the command's name and return ``code``."""
+    """Print ``problem`` on stderr after the command's name and return ``code``; what it
+    quotes from a file (a key, a name) cannot drive the terminal."""
+    from pytest_gpucase.base.text import terminal_safe
+
     name = "gpucase" if command is None else f"gpucase {command}"
-    print(f"{name}: {problem}", file=sys.stderr)
+    print(terminal_safe(f"{name}: {problem}"), file=sys.stderr)
     return code
 
 
@@ -225,14 +228,17 @@ def _matrix(args: argparse.Namespace) -> int:
 
 
 def _show(args: argparse.Namespace) -> int:
+    from pytest_gpucase.report.file import ReportError
     from pytest_gpucase.tools.show import show
     from pytest_gpucase.tools.validate import hash_setting
 
-    if args.report is not None and not args.report.is_file():
+    if args.report is not None and not os.path.lexists(args.report):
         return _error("show", f"--report {args.report}: no such file; give the JSON report "
                       "that --gpu-cases-report wrote")
     try:
         text = show(args.case, report=args.report)
+    except ReportError as exc:   # read as gpucase matrix reads a report: refused in one line
+        return _error("show", f"--report {exc}")
     except CaseFormatError as exc:
         # The payload's hash is what a malformed inputs_sha256 should say: shown all the same.
         setting = hash_setting(args.case) if "inputs_sha256" in str(exc.key) else None
@@ -257,10 +263,12 @@ def _validate(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     problems = validate(args.paths, notes)
+    from pytest_gpucase.base.text import terminal_safe
+
     for line in notes:  # what this environment cannot check: no problem, the exit stays 0
-        print(line)
+        print(terminal_safe(line))
     for problem in problems:
-        print(problem)
+        print(terminal_safe(problem))
     if problems:
         return 1
     print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")

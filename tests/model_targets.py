@@ -20,28 +20,100 @@ class TinyLM(torch.nn.Module):
         return self.head(self.emb(tokens))
 
 
-class _Boom(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
-        return x * 2
+class DropLM(TinyLM):
+    """TinyLM with dropout, whose rate it keeps only inside its nn.Dropout."""
 
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        if not torch.isfinite(grad).all():
-            raise FloatingPointError("non-finite gradient reached Boom.backward")
-        return grad * 2
+    def __init__(self, vocab: int = 8, dim: int = 4, dropout: float = 0.1) -> None:
+        super().__init__(vocab, dim)
+        self.drop = torch.nn.Dropout(dropout)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.emb(tokens)))
 
 
-class BackwardBoom(torch.nn.Module):
-    """Raises in backward when the gradient that reaches it is not finite."""
+class TiedLM(TinyLM):
+    """TinyLM whose head shares the embedding's weight (an LM head tied to its input)."""
+
+    def __init__(self, vocab: int = 8, dim: int = 4) -> None:
+        super().__init__(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab, bias=False)
+        self.head.weight = self.emb.weight
+
+
+class BagLM(torch.nn.Module):
+    """An EmbeddingBag of 64 rows: a token 64 raises an error no triage class names."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bag = torch.nn.EmbeddingBag(64, 4, mode="sum")
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.bag(tokens)
+
+
+class ShapeLM(torch.nn.Module):
+    """A projection from 4 features: 5 raise a shape error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(4, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x).relu()
+
+
+class NaNLM(TinyLM):
+    """Its output is infinite where the token is 7: a NaN loss follows."""
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        out = super().forward(tokens)
+        return out * torch.where(tokens == 7, float("inf"), 1.0).unsqueeze(-1)
+
+
+class SqrtLM(torch.nn.Module):
+    """Scales by the square root of a parameter: its gradient is infinite where it is 0."""
 
     def __init__(self, dim: int = 3) -> None:
         super().__init__()
         self.dim = dim
+        self.scale = torch.nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.scale.sqrt()
+
+
+class _Boom(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, limit: float) -> torch.Tensor:
+        ctx.limit = limit
+        return x * 2
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        if not torch.isfinite(grad).all():
+            raise FloatingPointError("non-finite gradient reached Boom.backward")
+        if grad.abs().max() > ctx.limit:
+            raise FloatingPointError(f"gradient above {ctx.limit} reached Boom.backward")
+        return grad * 2, None
+
+
+class BackwardBoom(torch.nn.Module):
+    """Raises in backward when the gradient that reaches it is not finite (or above
+    ``limit``)."""
+
+    def __init__(self, dim: int = 3, limit: float = float("inf")) -> None:
+        super().__init__()
+        self.dim = dim
+        self.limit = limit
         self.lin = torch.nn.Linear(dim, dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Boom.apply(self.lin(x))  # type: ignore[no-any-return]
+        return _Boom.apply(self.lin(x), self.limit)  # type: ignore[no-any-return]
+
+
+def scaled_sum(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """A loss: the sum of ``x`` times ``scale`` (a NaN scale sends NaN gradients back)."""
+    return (x * scale).sum()
 
 
 def mixed_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pytest_gpucase.case import payload
-from pytest_gpucase.tools.record import REPLAY_MODULE
+from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure

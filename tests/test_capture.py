@@ -20,9 +20,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pytest_gpucase.tools import record as capture
+from pytest_gpucase.tools.record import recorder
 from pytest_gpucase.case import payload
-from pytest_gpucase.tools.record import REPLAY_ENV, Recorder
+from pytest_gpucase.case.keys import REPLAY_ENV
+from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.tools.validate import validate
 
@@ -233,10 +234,13 @@ def test_writer_killed_mid_write_leaves_no_visible_case(tmp_path: Path) -> None:
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
 
     assert visible(root) == []
-    (hidden,) = root.iterdir()
+    # The staged case, and the capture's store, where the large tensor was being written.
+    (hidden,) = [p for p in root.iterdir() if p.name != ".gpucase-store"]
     assert hidden.name.startswith(".big.")
     left = [p.name for p in hidden.iterdir()]
-    assert "case.toml" not in left and any(n.startswith(".inputs.safetensors") for n in left)
+    assert "case.toml" not in left
+    store = [p.name for p in (root / ".gpucase-store").iterdir()]
+    assert store and all(n.startswith(".") for n in store)  # a temporary, no finished file
     # Nothing half-written is seen as a case: the folder holds none.
     assert validate([root]) == [f"{root}: no case directory (with a case.toml) under {root}"]
     # The next writer is not confused by the leftover.
@@ -489,7 +493,7 @@ def test_unreadable_inputs_still_leave_the_origin(tmp_path: Path,
     def broken(*args: Any, **kwargs: Any) -> None:
         raise MemoryError("no room for a copy")
 
-    monkeypatch.setattr(capture, "_collect", broken)
+    monkeypatch.setattr(recorder, "collect", broken)
     rec = Recorder(tmp_path)
     with pytest.raises(ValueError), rec.step(2, "loss", ids=["z9"]):
         rec.watch(failing_op)(torch.ones(1))
@@ -701,9 +705,9 @@ def test_a_large_host_copy_before_each_call_is_named_once(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
     """The copy is paid at every step of a loop that never fails: said once, with the way out."""
-    from pytest_gpucase.tools import record as capture
+    from pytest_gpucase.tools.record import inputs
 
-    monkeypatch.setattr(capture, "_HOST_COPY_NOTE", 64)
+    monkeypatch.setattr(inputs, "_HOST_COPY_NOTE", 64)
     step = Recorder(tmp_path).watch(torch.add, name="add")
     for _ in range(3):
         step(torch.ones(32), torch.ones(32))   # 128 bytes each

@@ -255,7 +255,8 @@ class TestCraftedResults:
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
-         b'"max_rel": null, "kind": ""}}}', "Outcome.summary is a int, not str"),
+         b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}}}}',
+         "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed"}}}', "fields"),
         (b'{"format": 1, "kind": "value", "value": 1, "warnings": {"items": [{"x": 1}]}}',
@@ -275,8 +276,9 @@ class TestCraftedResults:
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
             "$": "dataclass", "type": "pytest_gpucase.run.child.Outcome",
-            "fields": {**{k: v for k, v in sent.__dict__.items() if k != "max_abs"},
-                       "max_abs": {"$": "float", "value": "nan"}}}}).encode()
+            "fields": {**{k: v for k, v in sent.__dict__.items() if k not in ("max_abs", "notes")},
+                       "max_abs": {"$": "float", "value": "nan"},
+                       "notes": {"$": "tuple", "items": []}}}}).encode()
         result = run_in_child(targets.send_raw_result, crafted, timeout=30)
         assert result.returned, result.problem
         assert isinstance(result.value, Outcome)

@@ -321,3 +321,272 @@ def test_a_directory_name_that_is_not_utf8(pytester: pytest.Pytester) -> None:
                      for entry in report["results"])
     assert entries == [(shown, f"cases/{shown}", "passed"),
                        (f"{shown}_broken", f"cases/{shown}_broken", "failed")]
+
+
+# ----------------------------------------------------------------------------- hostile reports
+# Reports arrive as artifacts of other CI jobs: any file, any content. Every reader
+# (gpucase matrix, gpucase show --report) refuses a bad one in one line naming the file,
+# with exit status 2, in bounded time and memory, and never with a traceback.
+
+
+def _report_text(change: Callable[[dict[str, object]], object] | None = None) -> str:
+    from .test_report import H100, result
+
+    report = {"schema": "pytest-gpucase/report", "version": 1,
+              "created": "2026-12-02T16:00:00+00:00", "environment": H100,
+              "results": [result("ce", "cuda", "float32", "passed")], "complete": True}
+    report = json.loads(json.dumps(report))
+    if change is not None:
+        change(report)
+    return json.dumps(report)
+
+
+def _written(text: str | bytes) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        if isinstance(text, str):
+            path.write_text(text, encoding="utf-8")
+        else:
+            path.write_bytes(text)
+    return make
+
+
+def _sparse(size: int) -> Callable[[Path], None]:
+    def make(path: Path) -> None:
+        with open(path, "wb") as handle:  # gigabytes that cost no disk
+            handle.truncate(size)
+    return make
+
+
+def _cpu_only(report: dict[str, object]) -> None:
+    from pytest_gpucase.plan.environment import Environment
+
+    report["environment"] = Environment(backend="cpu", device_types=("cpu",)).to_dict()
+
+
+def _result(**fields: object) -> Callable[[dict[str, object]], None]:
+    return lambda report: report["results"][0].update(fields)  # type: ignore[index]
+
+
+# name -> (how the file is made, the one line gpucase matrix prints after "gpucase: <file>: ")
+HOSTILE_REPORTS: dict[str, tuple[Callable[[Path], None], str]] = {
+    "fifo": (os.mkfifo, "is a FIFO (named pipe), not a regular file; give the JSON report that "
+             "--gpu-cases-report wrote"),
+    "dev_zero": (lambda p: p.symlink_to("/dev/zero"),
+                 "is a character device, not a regular file; *"),
+    "directory": (Path.mkdir, "is a directory, not a regular file; *"),
+    "three_gb": (_sparse(3 * 10**9), "is 3000000000 bytes, over the limit of 134217728 for a "
+                 "report"),
+    "nested_arrays": (_written("[" * 200_000 + "]" * 200_000),
+                      "not a pytest-gpucase report: arrays and objects nest deeper than 32 "
+                      "levels"),
+    "nested_objects": (_written('{"a": ' * 100_000 + "1" + "}" * 100_000),
+                       "not a pytest-gpucase report: arrays and objects nest deeper than 32 *"),
+    "unclosed_arrays": (_written("[" * 200_000), "not a pytest-gpucase report: arrays and "
+                        "objects nest deeper than 32 levels"),
+    "nested_in_unknown_key": (_written(_report_text(
+        lambda r: r.update(extra=json.loads("[" * 40 + "]" * 40)))),
+        "not a pytest-gpucase report: arrays and objects nest deeper than 32 levels"),
+    "int_of_5000_digits": (_written(_report_text().replace('"duration": 0.25',
+                                                           '"duration": ' + "9" * 5000)),
+                           "not a pytest-gpucase report: an integer of 5000 digits; *"),
+    "float_overflow": (_written(_report_text().replace('"duration": 0.25', '"duration": 1e999')),
+                       "not a pytest-gpucase report: 1e999 overflows a float; *"),
+    "nan": (_written(_report_text().replace('"duration": 0.25', '"duration": NaN')),
+            "not a pytest-gpucase report: NaN is not JSON; *"),
+    "duplicate_key": (_written(_report_text().replace('"outcome": "passed"',
+                                                      '"outcome": "failed", "outcome": "passed"')),
+                      'not a pytest-gpucase report: the key "outcome" appears twice in one '
+                      "object"),
+    "duplicate_item": (_written(_report_text(lambda r: r["results"].append(  # type: ignore
+        dict(r["results"][0], outcome="failed")))),  # type: ignore[index]
+        'results[[]1[]].nodeid: "cases/ce::ce[[]cuda-float32[]]" is the node id of results[[]0[]] '
+        "too; a report holds each item once"),
+    "cuda_pass_from_cpu_runner": (_written(_report_text(_cpu_only)),
+                                  'results[[]0[]]: passed on "cuda", a device type its '
+                                  'environment does not have (device_types: "cpu"): a run '
+                                  "that cannot have happened there"),
+    "cuda_pass_said_lost": (_written(_report_text(lambda r: (
+        _cpu_only(r), r["results"][0].update(error_type="WorkerCrash")))),  # type: ignore
+        'results[[]0[]]: passed on "cuda", a device type its environment does not have *'),
+    "pass_on_all": (_written(_report_text(lambda r: (
+        _cpu_only(r), r["results"][0].update(device="all")))),  # type: ignore[index]
+        'results[[]0[]]: passed on "all", a device type its environment does not have *'),
+    "accelerator_without_device": (_written(_report_text(
+        lambda r: r["environment"].update(devices=[]))),  # type: ignore[attr-defined]
+        'environment.device_types names "cuda" but environment.devices lists no device: *'),
+    "string_of_2_mib": (_written(_report_text(_result(case="x" * 2**21))),
+                        "not a pytest-gpucase report: a string of 2097152 characters, over the "
+                        "limit of 1048576"),
+    "not_utf8": (_written(b'{"schema": "\xff"}'), "cannot read: not UTF-8 (invalid start byte "
+                 "at byte 12)"),
+    "device_an_object": (_written(_report_text(_result(device={"cuda": True}))),
+                         "results[[]0[]].device: expected a string, found an object"),
+    "outcome_a_megabyte": (_written(_report_text(_result(outcome="p" * 10**6))),
+                           'results[[]0[]].outcome: "ppppp*… is not one of passed, *'),
+}
+
+
+def test_each_hostile_report_is_refused_in_one_line(tmp_path: Path) -> None:
+    """All of them in one gpucase matrix: each named on a line of its own, exit 2, in
+    seconds (a FIFO blocked forever, 3 GB were read whole, 200,000 nested arrays and a
+    5,000-digit number raised tracebacks, a duplicate key read as a pass)."""
+    import time
+
+    paths = []
+    for name, (make, _) in HOSTILE_REPORTS.items():
+        make(tmp_path / f"{name}.json")
+        paths.append(tmp_path / f"{name}.json")
+    began = time.monotonic()
+    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "matrix", *map(str, paths)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert time.monotonic() - began < 120
+    assert done.returncode == 2, done.stderr
+    assert done.stdout == "" and "Traceback" not in done.stderr
+    lines = done.stderr.splitlines()
+    assert len(lines) == len(HOSTILE_REPORTS), done.stderr
+    for line, (name, (_, message)) in zip(lines, HOSTILE_REPORTS.items(), strict=True):
+        assert fnmatch.fnmatch(line, f"gpucase: {tmp_path / name}.json: {message}"), (name, line)
+
+
+def test_gpucase_show_refuses_a_hostile_report_the_same_way(tmp_path: Path) -> None:
+    from .test_request import rich_case
+
+    case = rich_case(tmp_path / "cases")
+    for name in ("fifo", "nested_arrays", "duplicate_key", "cuda_pass_from_cpu_runner"):
+        make, message = HOSTILE_REPORTS[name]
+        report = tmp_path / f"{name}.json"
+        make(report)
+        done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "show", str(case),
+                               "--report", str(report)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 2 and done.stdout == "", (name, done.stderr)
+        (line,) = done.stderr.splitlines()
+        assert fnmatch.fnmatch(line, f"gpucase show: --report {report}: {message}"), line
+
+
+def test_a_refusal_is_one_inert_line_whatever_the_file_is_named(tmp_path: Path) -> None:
+    path = tmp_path / "evil\x1b]0;owned\x07\nname\u202e.json"
+    path.write_text("{not json")
+    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "matrix", str(path)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2
+    (line,) = done.stderr.splitlines()
+    assert "\x1b" not in line and "\x07" not in line and "\u202e" not in line
+    assert line.endswith("name\\u202e.json: not JSON: Expecting property name enclosed in "
+                         "double quotes at line 1 column 2")
+
+
+def _matrix_of(paths: list[Path], *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "matrix",
+                           *map(str, paths), *args],
+                          capture_output=True, text=True, timeout=300, check=False)
+
+
+def _report_file(path: Path, environment: dict[str, object],
+                 results: list[dict[str, object]]) -> Path:
+    from pytest_gpucase.report.file import new_report, write_report
+
+    report = new_report(environment, created="2026-12-02T16:00:00+00:00")
+    report.update(results=results, complete=True)
+    write_report(path, report)
+    return path
+
+
+def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> None:
+    """0.4 MB of reports made 110 MB of HTML (each column's label in every cell's title),
+    and a 100 MB message 200 MB: labels are said once per column now, a message is cut as
+    the writer cuts a run's text (and a string over a mebibyte refused: string_of_2_mib)."""
+    from .test_report import H100, result
+
+    paths = []
+    for n in range(12):   # a long label that tells the columns apart: a package version
+        env = dict(H100, packages={"ext": f"{n}." + "9" * 4000})
+        rows = [result(f"case{i:03}", "cuda", "float32", "failed" if i % 2 else "passed",
+                       message=f"failure {i}") for i in range(300)]
+        paths.append(_report_file(tmp_path / f"r{n}.json", env, rows))
+    flood = [result("flood", "cuda", "float32", "failed", message="y" * 10**6)]
+    paths.append(_report_file(tmp_path / "flood.json", H100, flood))
+    given = sum(path.stat().st_size for path in paths[:-1])
+    output = tmp_path / "matrix.html"
+    done = _matrix_of(paths, "--format", "html", "-o", str(output))
+    assert done.returncode == 0, done.stderr
+    page = output.read_text(encoding="utf-8")
+    assert len(page) < given + 2**20, (len(page), given)
+    # Each column's label and environment, in its header and in the list of environments.
+    assert page.count("9" * 4000) == 4 * 12
+    assert "bytes omitted" in page and page.count("y" * 1000) < 40
+
+
+def test_no_escape_or_bidi_override_reaches_the_html_or_the_terminal(tmp_path: Path) -> None:
+    from .test_report import H100, result
+
+    forged = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\u202eok\u2066"
+    env = dict(H100, platform=f"Linux{forged}", packages={"ext": f"1{forged}"})
+    rows = [result(f"ce{forged}", "cuda", "float32", "failed", message=f"boom {forged}",
+                   case_path=f"cases/{forged}"),
+            result("skipped", "cuda", "float32", "skipped", skip_reason=f"why {forged}")]
+    path = _report_file(tmp_path / "r.json", env, rows)
+    other = _report_file(tmp_path / "s.json", dict(H100, packages={"ext": "2"}), rows[:1])
+    for form in ("html", "markdown"):
+        done = _matrix_of([path, other], "--format", form)
+        assert done.returncode == 0, done.stderr
+        for control in ("\x1b", "\x07", "\u202e", "\u2066"):
+            assert control not in done.stdout, (form, control)
+        assert "\\u202eok" in done.stdout
+
+
+def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path) -> None:
+    """The run-id pattern was quadratic in a node id's length (a 1 MB one: 50 minutes), and
+    each cell scanned its runs once per device type (quadratic in their number)."""
+    import time
+
+    from .test_report import H100, result
+
+    # The failing run is named in its cell's reason (the other CUDA run passed): its run id
+    # is read from its node id.
+    long_id = "a[" * 500_000
+    rows = [result("ce", "cuda", "float32", "failed", message="boom", nodeid=long_id),
+            result("ce", "cuda", "bfloat16", "passed"),
+            *(result("ce", f"dev{n}", "float32", "skipped", skip_reason="not here")
+              for n in range(40_000))]
+    path = _report_file(tmp_path / "r.json", H100, rows)
+    began = time.monotonic()
+    done = _matrix_of([path])
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    assert "dev39999: skipped" in done.stdout
+    assert "cuda-float32: failed: boom" in done.stdout   # the fields, where the id has none
+
+
+def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
+    """int() on "²" ("²".isdigit() is True) and on 5,000 digits raised a traceback."""
+    from .test_report import H100, result
+
+    rows = [result("ce", "cuda", "float32", "passed")]
+    paths = [_report_file(tmp_path / f"r{n}.json", dict(H100, cudnn=cudnn, cuda=cuda), rows)
+             for n, (cudnn, cuda) in enumerate([("²", "¹².⁴"), ("9" * 5000, "1" * 5000 + ".2"),
+                                                ("90100", "12.4")])]
+    done = _matrix_of(paths)
+    assert done.returncode == 0, done.stderr
+    assert "cuDNN ²" in done.stdout and "CUDA ¹².⁴" in done.stdout and "cuDNN 9.1.0" in done.stdout
+
+
+def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
+    """Each column's label was made from every package any report named (environments ×
+    packages), and every report's packages were rebuilt for each column it was compared
+    with."""
+    import time
+
+    from .test_report import H100, result
+
+    paths = [_report_file(tmp_path / f"r{n}.json",
+                          dict(H100, revision=f"r{n}",
+                               packages={f"ext{n}-{p}": "1.0" for p in range(400)}),
+                          [result("ce", "cuda", "float32", "passed")])
+             for n in range(400)]
+    began = time.monotonic()
+    done = _matrix_of(paths, "--format", "json")
+    assert done.returncode == 0, done.stderr
+    assert time.monotonic() - began < 60
+    columns = json.loads(done.stdout)["columns"]
+    assert len(columns) == 400 and columns[0]["label"].startswith("ext0-0 1.0 · ext0-1 1.0")

@@ -209,9 +209,6 @@ def test_torch_free_layers_import_no_torch_at_module_level(package: str) -> None
     assert not problems, "torch imported at module level:\n" + "\n".join(problems)
 
 
-# The three modules that still mix responsibilities are split next, each in a change of its own.
-@pytest.mark.xfail(reason="verdict/compare.py, run/isolation.py and tools/record.py are split "
-                   "in the next changes", strict=True)
 def test_no_module_is_over_900_lines() -> None:
     long = {str(path.relative_to(PACKAGE.parent)): n for path in PACKAGE.rglob("*.py")
             if (n := len(path.read_text(encoding="utf-8").splitlines())) > 900}

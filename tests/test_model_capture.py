@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from pytest_gpucase.tools import record as capture
+from pytest_gpucase.tools.record import narrow, write
 from pytest_gpucase.case import payload
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
@@ -114,7 +114,9 @@ def test_rerun_of_the_same_failure_counts_instead_of_copying(
         assert f"the same failure as {tmp_path / 'cases' / name} (seen 2 times)" in said[1]
 
 
-def test_backward_failure_replays_forward_and_backward(tmp_path: Path) -> None:
+def test_a_backward_failure_from_a_nan_the_loss_sent_is_not_frozen(tmp_path: Path) -> None:
+    """Issue 21 item 6: the NaN gradient came from a loss computed outside the watched calls,
+    so a replay from it would fail forever: the case says so, and is incomplete."""
     torch.manual_seed(0)
     model = model_targets.BackwardBoom()
     rec = Recorder(tmp_path / "cases")
@@ -123,11 +125,56 @@ def test_backward_failure_replays_forward_and_backward(tmp_path: Path) -> None:
     with pytest.raises(FloatingPointError), rec.step(0, "backward"):
         (out * float("nan")).sum().backward()
     case_dir = tmp_path / "cases" / "BackwardBoom"
-    recipe = toml(case_dir)["inputs"]["gpucase_module"]
-    assert recipe["backward"] is True and recipe["grad_outputs"] == ["grad_output.0"]
-    assert torch.isnan(payload.load(case_dir / "inputs.safetensors")["grad_output.0"]).all()
+    doc = toml(case_dir)
+    assert doc["inputs"]["gpucase_module"]["backward"] is True
+    assert "xfail" not in doc
+    assert doc["summary"].startswith("INCOMPLETE: the gradient that reached BackwardBoom's "
+                                     "output holds NaN or inf")
+    assert doc["origin"]["grad_output"] == "saved as captured, not finite"
+    assert "the backward pass of BackwardBoom raised FloatingPointError" in doc["summary"]
+
+
+def test_a_backward_failure_replays_from_the_watched_loss(tmp_path: Path) -> None:
+    """The watched loss function took the model's output: the case calls it again and runs
+    backward from its loss, so the gradient is recomputed, not saved."""
+    torch.manual_seed(0)
+    model = model_targets.BackwardBoom()
+    rec = Recorder(tmp_path / "cases2")
+    rec.watch(model)
+    loss_fn = rec.watch(model_targets.scaled_sum)
+    with pytest.raises(FloatingPointError), rec.step(0):
+        loss = loss_fn(model(torch.ones(2, 3)), scale=torch.tensor(float("nan")))
+        loss.backward()
+    case_dir = tmp_path / "cases2" / "BackwardBoom"
+    doc = toml(case_dir)
+    recipe = doc["inputs"]["gpucase_module"]
+    assert recipe["loss"] == {"call": "tests.model_targets:scaled_sum", "output": "x",
+                              "index": 0}
+    assert "grad_outputs" not in recipe and doc["xfail"].startswith("captured failure")
+    assert doc["origin"]["grad_output"].startswith("recomputed")
+    saved = payload.load(case_dir / "inputs.safetensors")
+    assert torch.isnan(saved["loss.scale"]) and not any(k.startswith("grad_output") for k in saved)
     verdict = replay(case_dir)
     assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)
+
+
+def test_a_backward_failure_with_a_finite_gradient_replays_from_it(tmp_path: Path) -> None:
+    """A gradient that is not the symptom (finite, from a loss outside the watched calls) is
+    an input of the backward pass like any other: saved, and the case says so."""
+    torch.manual_seed(0)
+    model = model_targets.BackwardBoom(limit=1.0)
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model)
+    with pytest.raises(FloatingPointError), rec.step(0):
+        (model(torch.ones(2, 3)) * 100).sum().backward()
+    case_dir = tmp_path / "cases" / "BackwardBoom"
+    doc = toml(case_dir)
+    assert doc["inputs"]["gpucase_module"]["grad_outputs"] == {"0": "grad_output.0"}
+    assert doc["origin"]["grad_output"].startswith("saved as captured: the loss was computed")
+    verdict = replay(case_dir)
+    assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)
 
 
 def test_autocast_context_is_recorded_and_replayed(tmp_path: Path) -> None:
@@ -284,10 +331,10 @@ def test_a_submodule_that_changed_its_input_is_not_narrowed_from_changed_values(
 def test_large_narrowed_cases_are_sized_and_noted(
         tmp_path: Path, capsys: pytest.CaptureFixture[str],
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Each narrowed case holds its own copy of its weights: the saved lines give sizes and
-    one note gives the total and what to do (thresholds lowered to the test's tiny model)."""
-    monkeypatch.setattr(capture, "_SHOWN_SIZE", 0)
-    monkeypatch.setattr(capture, "_NARROWED_NOTE_SIZE", 0)
+    """The saved lines give sizes, and one note says what the narrowed cases add beside the
+    module's case (thresholds lowered to the test's tiny model)."""
+    monkeypatch.setattr(write, "_SHOWN_SIZE", 0)
+    monkeypatch.setattr(narrow, "_NARROWED_NOTE_SIZE", 0)
     torch.manual_seed(0)
     rec = Recorder(tmp_path / "cases")
     model = rec.watch(model_targets.TinyLM())
@@ -305,11 +352,11 @@ def test_large_narrowed_cases_are_sized_and_noted(
     assert len(notes) == 1
     assert notes[0].startswith(
         f"gpucase: note: the 2 narrowed cases of this failure ({cases / 'TinyLM.emb'}, "
-        f"{cases / 'TinyLM.aten.embedding.default'}) hold ")
+        f"{cases / 'TinyLM.aten.embedding.default'}) add ")
     assert notes[0].endswith(
-        "each narrowed case holds its own copy of the tensors it needs (its module's weights, "
-        "its inputs). Keep the narrowest case that reproduces and delete the others, or pass "
-        "Recorder(narrow=False) to write the module's case alone")
+        "(what they share with it is stored once): keep the narrowest case that reproduces "
+        "and delete the others, or pass Recorder(narrow=False) to write the module's case "
+        "alone")
 
 
 def test_narrow_false_writes_the_module_case_alone(

@@ -563,3 +563,88 @@ def test_a_cancel_under_xdist_records_the_item_a_worker_was_running(
     assert by_id["cases/a_fast/case.toml::a_fast[cpu-float32]"]["outcome"] == "passed"
     assert (by_id[slow]["case"], by_id[slow]["outcome"]) == ("z_slow", "interrupted")
     assert by_id[slow]["message"] == f"terminated by signal 15 (SIGTERM) while {slow} ran", output
+
+
+def test_items_lost_with_sigkilled_workers_are_recorded_whatever_their_folder_holds(
+        pytester: pytest.Pytester) -> None:
+    """Under -n 4, a case whose worker was SIGKILLed was missing from a report that said
+    complete: true when its folder's name held brackets (the node-id parser refused '[')."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    names = ["k[1]", "k]2[", "k[[3]]", "k-4[cpu-float32]"]
+    for name in names:
+        _marker_case(pytester.path, name, "import os, signal\n\ndef run():\n"
+                     "    os.kill(os.getppid(), signal.SIGKILL)\n")
+    report = run_with_report(pytester, "-p", "no:benchmark", "--gpu-devices", "cpu", "-n", "4")
+    by_id = {r["nodeid"]: r for r in report["results"]}
+    lost = {f"cases/{name}/case.toml::{name}[cpu-float32]" for name in names}
+    assert set(by_id) == lost | {"cases/good/case.toml::good[cpu-float32]"}
+    for name in names:
+        record = by_id[f"cases/{name}/case.toml::{name}[cpu-float32]"]
+        assert (record["case"], record["case_path"], record["device"], record["dtype"],
+                record["outcome"], record["error_type"]) == (
+            name, f"cases/{name}", "cpu", "float32", "failed", "WorkerCrash")
+    assert report["complete"] is True   # every selected item has its record
+
+
+def _waiting_case(root: Path, name: str, started: Path, release: Path) -> None:
+    _marker_case(root, name, f"import pathlib, time\n\ndef run():\n"
+                 f"    pathlib.Path({str(started)!r}).write_text('x')\n"
+                 f"    while not pathlib.Path({str(release)!r}).exists():\n"
+                 "        time.sleep(0.05)\n")
+
+
+def test_two_sessions_on_one_report_path_cannot_both_succeed(pytester: pytest.Pytester) -> None:
+    """Two jobs given one --gpu-cases-report both exited 0, and the one that wrote last
+    erased the other's results. The second now stops at its start, saying why."""
+    started, release = pytester.path / "started", pytester.path / "release"
+    _waiting_case(pytester.path, "slow", started, release)
+    report = pytester.path / "out" / "report.json"
+    args = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:benchmark",
+            "--gpu-cases", "--gpu-cases-report", str(report), "cases"]
+    first = subprocess.Popen(args, cwd=pytester.path, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline = time.monotonic() + 300   # a hang guard for a loaded machine, not a timing
+        while not started.exists():
+            assert first.poll() is None, first.communicate()[0]
+            assert time.monotonic() < deadline, "the first session never started its case"
+            time.sleep(0.1)
+        second = subprocess.run(args, cwd=pytester.path, capture_output=True, text=True,
+                                timeout=300, check=False)
+        release.write_text("go")
+        output, _ = first.communicate(timeout=300)
+    finally:
+        if first.poll() is None:
+            first.kill()
+            first.wait()
+    assert second.returncode == pytest.ExitCode.USAGE_ERROR, second.stdout + second.stderr
+    assert ("ERROR: --gpu-cases-report out/report.json: another pytest session is writing "
+            f"this report (pid {first.pid} on ") in second.stderr
+    assert "Give each run its own path" in second.stderr
+    assert first.returncode == 0, output
+    assert [r["case"] for r in load_report(report)["results"]] == ["slow"]
+    assert not (report.parent / ".report.json.lock").exists()
+    # One after the other, as a rerun: the lock is gone with its session.
+    started.unlink()
+    again = subprocess.run(args, cwd=pytester.path, capture_output=True, text=True,
+                           timeout=300, check=False)
+    assert again.returncode == 0, again.stdout
+
+
+def test_a_report_another_writer_changed_is_not_written_over(pytester: pytest.Pytester) -> None:
+    """Where no lock holds (another host, an older writer), a report that changed under the
+    session is left to that writer, and the run fails saying so."""
+    report = pytester.path / "report.json"
+    ce_case(pytester.path, "a_first", [0, 2, 4], RAISES)
+    _marker_case(pytester.path, "b_other_writer", "import json, pathlib, time\n\ndef run():\n"
+                 f"    path = pathlib.Path({str(report)!r})\n"
+                 "    while not path.exists():\n"
+                 "        time.sleep(0.05)\n"
+                 "    path.write_text(json.dumps({'written by': 'another session'}))\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-report", str(report),
+                                           "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=2)
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.stdout.fnmatch_lines([f"gpucase: another writer changed the JSON report {report} "
+                                 "while this session ran*"])
+    assert json.loads(report.read_text()) == {"written by": "another session"}

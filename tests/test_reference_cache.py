@@ -4,6 +4,7 @@ depends on changes, and never trusted for a failure."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.run import reference_cache
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.child import Outcome
 from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.verdict.rounding import DRAWS
 
@@ -34,7 +36,7 @@ def ref(x):
 
 def make(root: Path, offset: int = 1) -> Path:
     path = root / "counted"
-    path.mkdir(exist_ok=True)
+    path.mkdir(parents=True, exist_ok=True)
     (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
                                     'reference = "case.py:ref"\n')
     (path / "case.py").write_text(CODE.format(offset=offset))
@@ -42,10 +44,20 @@ def make(root: Path, offset: int = 1) -> Path:
     return path
 
 
-def run(path: Path, cache: Path, device: str = "cpu") -> str:
+def cache_at(folder: Path, key: str = "key") -> reference_cache.ReferenceCache:
+    """A cache folder and its key, as a session makes them (the key beside the folder)."""
+    folder.mkdir(exist_ok=True)
+    return reference_cache.ReferenceCache(folder, reference_cache.make_key(folder.parent / key))
+
+
+def judged(path: Path, cache: Path, device: str = "cpu", key: str = "key") -> Outcome:
     spec = RunSpec(load_case(path), device, "float32", cast=False)
-    verdict = run_spec(spec, start_method="fork", backend="cpu", reference_cache=cache)
-    return verdict.outcome.status
+    return run_spec(spec, start_method="fork", backend="cpu",
+                    reference_cache=cache_at(cache, key)).outcome
+
+
+def run(path: Path, cache: Path, device: str = "cpu") -> str:
+    return judged(path, cache, device).status
 
 
 def calls(path: Path) -> int:
@@ -57,7 +69,7 @@ def test_the_reference_is_computed_once_and_reused(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert [run(path, cache) for _ in range(3)] == ["passed"] * 3
     assert calls(path) == 1
-    assert len(list(cache.glob("*.safetensors"))) == 1
+    assert len(list(cache.glob("*.reference"))) == 1
 
 
 def test_a_cast_dtype_is_a_reference_of_its_own(tmp_path: Path) -> None:
@@ -85,14 +97,99 @@ def test_a_changed_reference_function_invalidates_it(tmp_path: Path) -> None:
     assert calls(path) == 2 + DRAWS
 
 
+def stored(entry: Path) -> dict[str, object]:
+    """An entry's results, read past its tag (as the cache does once the tag is checked)."""
+    data = entry.read_bytes()
+    return golden.load(entry, data=data[len(reference_cache.MAGIC) + 32:])
+
+
 def test_a_failure_never_rests_on_the_cache(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
-    (entry,) = cache.glob("*.safetensors")
+    (entry,) = cache.glob("*.reference")
     golden.save(entry, {"out": torch.zeros(4, dtype=torch.float64)})  # a wrong cached value
     assert run(path, cache) == "passed"  # recomputed before any failure is reported
     assert calls(path) == 2
-    assert torch.equal(golden.load(entry)["out"], torch.full((4,), 2.0, dtype=torch.float64))
+    assert torch.equal(stored(entry)["out"], torch.full((4,), 2.0, dtype=torch.float64))
+
+
+def _forged_plain(entry: Path, wrong: Path) -> None:
+    golden.save(entry, {"out": torch.full((4,), 2.0, dtype=torch.float64)})
+
+
+def _forged_tag(entry: Path, wrong: Path) -> None:
+    """The entry's own format and a tag, made without the key."""
+    chunks = golden.encode(entry, {"out": torch.full((4,), 2.0, dtype=torch.float64)})
+    entry.write_bytes(reference_cache.MAGIC + bytes(32) + b"".join(bytes(c) for c in chunks))
+
+
+def _copied(entry: Path, wrong: Path) -> None:
+    """A genuine entry, with a valid tag, of another case whose reference is the wrong value."""
+    entry.write_bytes(wrong.read_bytes())
+
+
+def _linked(entry: Path, wrong: Path) -> None:
+    entry.unlink()
+    entry.symlink_to(wrong)
+
+
+def _fifo(entry: Path, wrong: Path) -> None:
+    entry.unlink()
+    os.mkfifo(entry)
+
+
+def _folder(entry: Path, wrong: Path) -> None:
+    entry.unlink()
+    entry.mkdir()
+
+
+def _huge(entry: Path, wrong: Path) -> None:
+    with open(entry, "r+b") as handle:   # sparse: costs no disk
+        handle.truncate(reference_cache.MAX_BYTES + 1)
+
+
+@pytest.mark.parametrize("forge", [_forged_plain, _forged_tag, _copied, _linked, _fifo, _folder,
+                                   _huge],
+                         ids=["plain-golden", "tag-without-key", "genuine-of-another-case",
+                              "symlink", "fifo", "folder", "over-the-cache-size"])
+def test_a_poisoned_entry_never_turns_a_failure_into_a_pass(
+        tmp_path: Path, forge: Callable[[Path, Path], None]) -> None:
+    """The call returns x + 1, the reference x + 2: the item fails. An entry rewritten to
+    hold x + 1 (the wrong output) made it pass; every such entry is now refused, noted, and
+    the reference computed again."""
+    cache = tmp_path / "cache"
+    wrong_case = make(tmp_path / "wrong", offset=1)   # a case whose reference IS x + 1
+    assert run(wrong_case, cache) == "passed"
+    (wrong,) = cache.glob("*.reference")
+    path = make(tmp_path, offset=2)
+    first = judged(path, cache)
+    assert first.status == "failed" and not first.notes
+    # The reference's own entry, not the budget computed beside it for the failing leaf.
+    (entry,) = {p for p in cache.glob("*.reference") if p.name.count(".") == 1} - {wrong}
+    forge(entry, wrong)
+    outcome = judged(path, cache)
+    assert outcome.status == "failed", outcome.summary
+    # Computed again, not read (each failing run also ran the DRAWS of its budget).
+    assert calls(path) == 2 * (1 + DRAWS)
+    (note,) = outcome.notes
+    assert note.startswith(f"the reference cache entry of case counted ({entry.name[:12]}...) ")
+    assert note.endswith(": not trusted; the reference was computed again and the entry "
+                         "rewritten")
+    if entry.is_dir():
+        return   # nothing can be written over a folder: the run goes on without the cache
+    assert torch.equal(stored(entry)["out"], torch.full((4,), 3.0, dtype=torch.float64))
+
+
+def test_entries_written_with_another_key_are_computed_again(tmp_path: Path) -> None:
+    """A CI cache restored on a runner whose home (and key) is new: never trusted."""
+    path, cache = make(tmp_path), tmp_path / "cache"
+    assert judged(path, cache, key="first").status == "passed"
+    outcome = judged(path, cache, key="second")
+    assert outcome.status == "passed" and calls(path) == 2
+    assert "failed authentication (changed since it was written, or written with another " \
+           "key)" in outcome.notes[0]
+    assert judged(path, cache, key="second").notes == ()  # rewritten with this key: trusted
+    assert calls(path) == 2
 
 
 def test_without_a_cache_folder_nothing_is_written(tmp_path: Path) -> None:
@@ -112,7 +209,7 @@ def test_a_fast_reference_is_not_cached(tmp_path: Path, monkeypatch: pytest.Monk
                                                                          "pass"))
     assert [run(path, cache) for _ in range(2)] == ["passed"] * 2
     assert calls(path) == 2
-    assert not list(cache.glob("*.safetensors"))
+    assert not list(cache.glob("*.reference"))
 
 
 def _aged(folder: Path, name: str, size: int, days_ago: float, now: float) -> Path:
@@ -122,11 +219,15 @@ def _aged(folder: Path, name: str, size: int, days_ago: float, now: float) -> Pa
     return path
 
 
+def _name(n: int, suffix: str = ".reference") -> str:
+    return f"{n:064x}{suffix}"
+
+
 def test_prune_drops_unused_entries_then_the_least_recently_used(tmp_path: Path) -> None:
     now = 2_000_000_000.0
-    stale = _aged(tmp_path, "stale.safetensors", 10, 30, now)
-    older = _aged(tmp_path, "older.safetensors", 100, 2, now)
-    newer = _aged(tmp_path, "newer.safetensors", 100, 1, now)
+    stale = _aged(tmp_path, _name(1), 10, 30, now)
+    older = _aged(tmp_path, _name(2), 100, 2, now)
+    newer = _aged(tmp_path, _name(3), 100, 1, now)
     assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=1000, now=now) == 1
     assert not stale.exists() and older.exists() and newer.exists()
     assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=150, now=now) == 1
@@ -137,24 +238,65 @@ def test_prune_drops_unused_entries_then_the_least_recently_used(tmp_path: Path)
 def test_prune_spares_writes_in_progress_and_survives_what_it_cannot_remove(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     now = 2_000_000_000.0
-    writing = _aged(tmp_path, ".abc.safetensors.host.1.ff.tmp", 500, 0.01, now)
-    kept = _aged(tmp_path, "kept.safetensors", 10, 30, now)
+    writing = _aged(tmp_path, f".{_name(1)}.0123abcd.42.89abcdef.tmp", 500, 0.01, now)
+    kept = _aged(tmp_path, _name(2), 10, 30, now)
     real_unlink = os.unlink
 
-    def refused(path: str) -> None:
-        if path.endswith("kept.safetensors"):
+    def refused(path: str, *, dir_fd: int | None = None) -> None:
+        if path.endswith(_name(2)):
             raise PermissionError(1, "Operation not permitted", path)
-        real_unlink(path)
+        real_unlink(path, dir_fd=dir_fd)
 
     monkeypatch.setattr(os, "unlink", refused)
     assert reference_cache.prune(tmp_path, keep_days=14, max_bytes=100, now=now) == 0
     assert writing.exists() and kept.exists()
 
 
+def test_prune_removes_only_names_it_writes_and_follows_no_link(tmp_path: Path) -> None:
+    """Whatever else the folder holds (a committed file, a link named like an entry, a
+    folder), prune removes entries and their temporaries, and nothing they point to."""
+    now = 2_000_000_000.0
+    folder, outside = tmp_path / "cache", tmp_path / "outside"
+    folder.mkdir()
+    outside.mkdir()
+    precious = _aged(outside, "thesis.pdf", 10, 400, now)
+    own = [_aged(folder, _name(1), 10, 30, now),
+           _aged(folder, _name(2, ".safetensors"), 10, 30, now),   # the earlier format
+           _aged(folder, f".{_name(3)}.0123abcd.42.89abcdef.tmp", 10, 30, now)]
+    foreign = [_aged(folder, name, 10, 400, now) for name in (
+        "id_rsa", "notes.safetensors", _name(4) + ".bak", _name(5).upper(), "x" + _name(6),
+        f".{_name(7)}.0123abcd.42.89abcdef.tmp.old", _name(8)[:-1] + "\n")]
+    (folder / _name(9)).symlink_to(precious)           # a link named like an entry
+    (folder / _name(10)).mkdir()                       # a folder named like one
+    assert reference_cache.prune(folder, keep_days=14, max_bytes=0, now=now) == len(own)
+    assert not any(path.exists() for path in own)
+    assert all(path.exists() for path in foreign)
+    assert precious.exists() and (folder / _name(9)).is_symlink() and (folder / _name(10)).is_dir()
+
+
+def test_prune_leaves_a_folder_that_is_or_passes_through_a_link(tmp_path: Path) -> None:
+    now = 2_000_000_000.0
+    target = tmp_path / "home"
+    target.mkdir()
+    victim = _aged(target, _name(1), 10, 400, now)
+    project = tmp_path / "project"
+    (project / ".pytest_cache").mkdir(parents=True)
+    (project / ".pytest_cache" / "d").symlink_to(target)
+    (tmp_path / "link").symlink_to(target)
+    assert reference_cache.prune(tmp_path / "link", keep_days=0, max_bytes=0, now=now) == 0
+    assert reference_cache.prune(project / ".pytest_cache" / "d" / "gpucase-references",
+                                 keep_days=0, max_bytes=0, now=now, base=project) == 0
+    (target / "gpucase-references").mkdir()
+    moved = _aged(target / "gpucase-references", _name(2), 10, 400, now)
+    assert reference_cache.prune(project / ".pytest_cache" / "d" / "gpucase-references",
+                                 keep_days=0, max_bytes=0, now=now, base=project) == 0
+    assert victim.exists() and moved.exists()
+
+
 def test_a_cache_hit_marks_the_entry_used(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
-    (entry,) = cache.glob("*.safetensors")
+    (entry,) = cache.glob("*.reference")
     os.utime(entry, (1.0, 1.0))  # looks unused for decades
     assert run(path, cache) == "passed"
     assert calls(path) == 1  # read back, not recomputed
@@ -166,14 +308,15 @@ def test_the_session_prunes_the_folder_it_used(pytester: pytest.Pytester) -> Non
     make(pytester.path / "cases")
     cache = pytester.path / ".pytest_cache" / "d" / "gpucase-references"
     cache.mkdir(parents=True)
-    forgotten = cache / "0123.safetensors"
+    forgotten = cache / _name(1)
     forgotten.write_bytes(b"old")
     os.utime(forgotten, (1.0, 1.0))
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
                                            "-p", "no:randomly")
     result.assert_outcomes(passed=1)
     assert not forgotten.exists()
-    assert len(list(cache.glob("*.safetensors"))) == 1  # this run's entry stays
+    assert len(list(cache.glob("*.reference"))) == 1  # this run's entry stays
+    assert "gpucase: reference cache" not in result.stdout.str()
 
 
 def test_an_edited_module_the_reference_calls_invalidates_it(pytester: pytest.Pytester) -> None:
@@ -214,8 +357,8 @@ def test_a_zero_tensor_reference_is_cached_by_its_values(tmp_path: Path) -> None
         .replace("return x + 0", "import torch\n    return torch._efficientzerotensor(4)"))
     assert [run(path, cache) for _ in range(2)] == ["passed"] * 2
     assert calls(path) == 1  # cached, then read back
-    (entry,) = cache.glob("*.safetensors")
-    assert torch.equal(golden.load(entry)["out"], torch.zeros(4))
+    (entry,) = cache.glob("*.reference")
+    assert torch.equal(stored(entry)["out"], torch.zeros(4))
 
 
 def test_module_rows_are_made_once_per_session_and_afresh_for_the_next(tmp_path: Path) -> None:
@@ -267,6 +410,101 @@ def test_modules_imported_after_priming_are_keyed_even_when_the_last_primed_one_
         reference_cache.prime()
 
 
+def _tree(folder: Path) -> dict[str, tuple[int, float]]:
+    return {str(path.relative_to(folder)): (path.lstat().st_size, path.lstat().st_mtime)
+            for path in sorted(folder.rglob("*"))}
+
+
+@pytest.mark.parametrize("linked", [".pytest_cache", ".pytest_cache/d",
+                                    ".pytest_cache/d/gpucase-references"])
+def test_a_cache_folder_that_passes_through_a_symlink_is_refused(
+        pytester: pytest.Pytester, linked: str) -> None:
+    """A pull request commits the link; the prune at the session's end deleted every old
+    file in the folder it points to. Now: one note, nothing deleted or written there."""
+    make(pytester.path / "cases")
+    victim = pytester.path.parent / f"{pytester.path.name}-home"
+    below = Path(".pytest_cache/d/gpucase-references").relative_to(linked)
+    (victim / below).mkdir(parents=True)
+    now = 2_000_000_000.0
+    for name in ("thesis.pdf", "id_rsa", _name(1), _name(2, ".safetensors")):
+        _aged(victim, name, 10, 400, now)
+        _aged(victim / below, name, 10, 400, now)
+    link = pytester.path / linked
+    link.parent.mkdir(parents=True, exist_ok=True)
+    link.symlink_to(victim)
+    compared = victim / "d" if linked == ".pytest_cache" else victim  # pytest's own go in v/
+    before = _tree(compared)
+    # Under xdist: each worker finds the link, the controller says it once.
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
+                                           "-n", "2", "-p", "no:benchmark")
+    result.assert_outcomes(passed=1)
+    assert _tree(compared) == before
+    result.stdout.fnmatch_lines([f"gpucase: reference cache: {linked} is a symlink -> {victim}: "
+                                 "the reference cache is never read or pruned through a link*; "
+                                 "references are cached for this session only, in a private "
+                                 "temporary folder"])
+    assert result.stdout.str().count("gpucase: reference cache") == 1
+
+
+def test_without_a_private_place_for_the_key_references_are_cached_for_the_session_only(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A read-only home (here: a file where the folders would go) degrades to a cache of the
+    session, never to an unchecked one."""
+    path = make(pytester.path / "cases")
+    blocker = pytester.path.parent / f"{pytester.path.name}-file"
+    blocker.write_text("")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(blocker / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(blocker / "cache"))
+    for _ in range(2):
+        result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+        result.assert_outcomes(passed=1)
+        result.stdout.fnmatch_lines(["gpucase: reference cache: no private place for the "
+                                     "reference cache's key: cannot make *; cannot make *"])
+    assert calls(path) == 2  # nothing kept from one session to the next
+    assert not list((pytester.path / ".pytest_cache").rglob("*.reference"))
+
+
+def test_a_key_inside_the_project_or_readable_by_others_is_never_used(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    make(pytester.path / "cases")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(pytester.path / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(pytester.path / "cache"))
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["gpucase: reference cache: no private place for the reference "
+                                 "cache's key: config/pytest-gpucase is inside the project *"])
+    assert not (pytester.path / "config" / "pytest-gpucase").exists()
+    key = pytester.path.parent / f"{pytester.path.name}-key"
+    key.write_text("ab" * 32)
+    key.chmod(0o644)
+    monkeypatch.setenv(reference_cache.KEY_FILE_ENV, str(key))
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines([f"gpucase: reference cache: the key file {key} may be read or "
+                                 "written by others (mode 644); chmod 600 it*"])
+
+
+def test_a_users_key_is_made_private_once_and_shared(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    first = reference_cache.user_key((tmp_path / "project",))
+    assert first == tmp_path / "config" / "pytest-gpucase" / "reference-cache.key"
+    assert first.stat().st_mode & 0o777 == 0o600
+    assert first.parent.stat().st_mode & 0o777 == 0o700
+    assert reference_cache.user_key(()) == first
+    assert len(reference_cache.read_key(first)) == 32
+    repository = tmp_path / "dotfiles"
+    (repository / ".git").mkdir(parents=True)
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(repository / "config"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert reference_cache.user_key(()) == tmp_path / "cache" / "pytest-gpucase" / \
+        "reference-cache.key"   # never inside a repository: the next place
+    (tmp_path / "elsewhere").write_text("ab" * 32)
+    (tmp_path / "link.key").symlink_to(tmp_path / "elsewhere")
+    with pytest.raises(reference_cache.Unusable, match="is a symlink"):
+        reference_cache.read_key(tmp_path / "link.key")
+
+
 ROUNDED = '''
 import os
 import time
@@ -300,10 +538,17 @@ def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> Non
     assert calls(path) == 1 + 1 + DRAWS
     assert run(path, cache) == "passed"
     assert calls(path) == 1 + 1 + DRAWS + 1
-    (entry,) = [p for p in cache.glob("*.safetensors") if p.name.count(".") == 1]
-    budget = reference_cache.companion(entry, "budget1-float32")
-    assert budget is not None and budget.exists()
-    assert set(golden.load(budget)["spreads"]) == {"out"}
+    (budget,) = cache.glob("*.budget1-float32.reference")
+    assert set(stored(budget)["spreads"]) == {"out"}
+    # Authenticated as the reference is: another genuine entry's bytes under its name (the
+    # reference's own) are refused.
+    (entry,) = [p for p in cache.glob("*.reference") if p.name.count(".") == 1]
+    budget.write_bytes(entry.read_bytes())
+    outcome = judged(path, cache)
+    assert outcome.status == "passed"
+    # Refused, so the call's leaf had no budget to pass on: a fresh reference and draws.
+    assert calls(path) == 1 + 1 + DRAWS + 1 + (1 + 1 + DRAWS)
+    assert any("failed authentication" in note for note in outcome.notes)
 
 
 def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Path) -> None:
@@ -315,12 +560,19 @@ def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Pat
     rounded_case(tmp_path, change="+ 0.0", seed=1)  # edited code: both again
     assert run(path, cache) == "passed"
     assert calls(path) == 3 * (1 + 1 + DRAWS)
-    names = sorted(p.name.split(".", 1)[1] for p in cache.glob("*.safetensors"))
-    assert names == ["budget1-float32.safetensors"] * 3 + ["safetensors"] * 3
+    names = sorted(p.name.split(".", 1)[1] for p in cache.glob("*.reference"))
+    assert names == ["budget1-float32.reference"] * 3 + ["reference"] * 3
+    assert all(reference_cache.OWN_NAME.fullmatch(p.name) for p in cache.iterdir())
     spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    entry = reference_cache.Entry(tmp_path / f"{'a' * 64}.reference", f"{'a' * 64}.reference",
+                                  b"secret", "rounded")
     for kind in ("budget1-float32", "baseline1-float32", "gradcheck1"):
-        where = reference_cache.companion(tmp_path / "x.safetensors", kind)
-        assert where == tmp_path / f"x.{kind}.safetensors"
+        where = reference_cache.companion(entry, kind)
+        assert where is not None and where.secret == entry.secret
+        assert where.path == tmp_path / f"{'a' * 64}.{kind}.reference"
+        assert where.path.name == where.name
+    with pytest.raises(ValueError):
+        reference_cache.companion(entry, "../x")
     assert reference_cache.key(spec, len) != reference_cache.key(
         RunSpec(load_case(path), "cpu", "bfloat16", cast=True), len)
 
@@ -348,4 +600,4 @@ def test_a_gradcheck_pass_is_kept_beside_the_reference(tmp_path: Path) -> None:
     first = calls(path)  # the call, the reference, and gradcheck's evaluations
     assert run(path, cache) == "passed"
     assert calls(path) == first + 1  # the call alone: reference and gradcheck pass cached
-    assert len(list(cache.glob("*.gradcheck1.safetensors"))) == 1
+    assert len(list(cache.glob("*.gradcheck1.reference"))) == 1

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import socket
 import textwrap
 from pathlib import Path
@@ -78,20 +77,27 @@ def rich_case(root: Path, name: str = "ce_class4", toml: str = RICH) -> Path:
     return write_case(root, name, toml, {"logits": logits, "target": torch.tensor([0, 2, 4])})
 
 
+def report_of(path: Path, results: list[dict[str, object]]) -> Path:
+    """A JSON report of a CPU runner holding ``results``, as the plugin writes it."""
+    from pytest_gpucase.plan.environment import Environment
+    from pytest_gpucase.report.file import new_report, write_report
+
+    report = new_report(Environment(backend="cpu", device_types=("cpu",)).to_dict())
+    report.update(results=results, complete=True)
+    write_report(path, report)
+    return path
+
+
 def test_show_gives_the_case_at_a_glance(tmp_path: Path) -> None:
+    from .test_report import result
+
     case_dir = rich_case(tmp_path)
-    report = tmp_path / "report.json"
-    report.write_text(json.dumps({"results": [
-        {"nodeid": "cases/ce_class4::ce_class4[cpu-float32]", "case": "cases/ce_class4",
-         "device": "cpu", "dtype": "float32", "outcome": "failed", "message": "stale\nlines"},
-        {"nodeid": "cases/other::other[cpu-float32]", "case": "other", "outcome": "passed"},
-        "not an entry",
-        {"nodeid": "cases/ce_class4::ce_class4[cuda-bfloat16-batch=1]", "device": "cuda",
-         "dtype": "bfloat16", "variant": "batch=1", "outcome": "skipped", "message": None},
-        {"nodeid": "cases/ce_class4::ce_class4[cpu-float32]", "case": "cases/ce_class4",
-         "device": "cpu", "dtype": "float32", "outcome": "xfailed",
-         "message": "the call raised IndexError: Target 4 is out of bounds."},
-    ]}))
+    report = report_of(tmp_path / "report.json", [
+        result("other", "cpu", "float32", "passed"),
+        result("ce_class4", "cuda", "bfloat16", "skipped", "batch=1", case_path="ce_class4"),
+        result("ce_class4", "cpu", "float32", "xfailed", case_path="ce_class4",
+               message="the call raised IndexError: Target 4 is out of bounds.\nmore"),
+    ])
     text = show(case_dir, report=report)
     pytest.LineMatcher(text.splitlines()).fnmatch_lines([
         "ce_class4  (*ce_class4)",
@@ -118,23 +124,42 @@ def test_show_gives_the_case_at_a_glance(tmp_path: Path) -> None:
         "variants:  batch axis 0 sizes 1, 2; boundaries of 'target' (4 classes, ignore_index -100)",
         f"last verdicts ({report}):",
         "  cuda-bfloat16-batch=1: skipped",
-        "  cpu-float32: xfailed: the call raised IndexError: Target 4 is out of bounds.",
+        "  cpu-float32: xfailed: the call raised IndexError: Target 4 is out of bounds. ...",
     ])
-    assert "stale" not in text and "other" not in text
+    assert "other" not in text
 
 
-@pytest.mark.parametrize(("content", "says"), [
-    (None, "cannot read the report: *No such file*"),
-    ("{not json", "cannot read the report: *"),
-    ('{"results": {"a": 1}}', "the report has no results list"),
-    ('{"results": []}', "no verdict of this case in the report"),
+@pytest.mark.parametrize(("content", "says", "code"), [
+    (None, "gpucase show: --report report.json: no such file; give the JSON report that "
+     "--gpu-cases-report wrote", 2),
+    ("{not json", "gpucase show: --report report.json: not JSON: Expecting property name *", 2),
+    ('{"results": {"a": 1}}', 'gpucase show: --report report.json: not a pytest-gpucase '
+     'report: "schema" is missing, expected "pytest-gpucase/report"', 2),
+    ("fifo", "gpucase show: --report report.json: is a FIFO (named pipe), not a regular file; "
+     "give the JSON report that --gpu-cases-report wrote", 2),
+    ("[]", "  no verdict of this case in the report", 0),
 ])
-def test_show_reads_reports_defensively(tmp_path: Path, content: str | None, says: str) -> None:
-    case_dir = rich_case(tmp_path)
-    report = tmp_path / "report.json"
-    if content is not None:
+def test_show_reads_a_report_as_the_matrix_does(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        content: str | None, says: str, code: int) -> None:
+    """A report is untrusted input here too: refused in one line with exit status 2 (a FIFO
+    without blocking), never read whole when it is not a file, never a traceback."""
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    rich_case(tmp_path / "cases")
+    report = Path("report.json")
+    if content == "fifo":
+        os.mkfifo(report)
+    elif content == "[]":
+        report_of(report, [])
+    elif content is not None:
         report.write_text(content)
-    pytest.LineMatcher(show(case_dir, report=report).splitlines()).fnmatch_lines([f"  {says}"])
+    assert main(["show", "cases/ce_class4", "--report", str(report)]) == code
+    out, err = capsys.readouterr()
+    pytest.LineMatcher((err if code else out).splitlines()).fnmatch_lines([says])
+    if code:
+        assert len(err.splitlines()) == 1 and not out
 
 
 def test_show_survives_a_broken_payload_and_lists_unsaved_inputs(tmp_path: Path) -> None:
@@ -324,6 +349,87 @@ def test_request_scrubs_each_form(text: str, scrubbed: str) -> None:
     assert _scrub(text) == scrubbed
 
 
+PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lgOEePzNm0t\n"
+       "Ab12==\n-----END RSA PRIVATE KEY-----")
+
+
+@pytest.mark.parametrize(("text", "scrubbed"), [
+    # Names that hold PASS, PWD, SECRET, TOKEN or KEY anywhere, in any case, any form.
+    ("PGPASSWORD=hunter2 psql -h db", "PGPASSWORD=<secret> psql -h db"),
+    ("MYSQL_PWD=hunter2 mysql", "MYSQL_PWD=<secret> mysql"),
+    ("export DB_PASS=hunter2", "export DB_PASS=<secret>"),
+    ("{'PGPASSWORD': 'hunter 2', 'user': 'x'}", "{'PGPASSWORD': '<secret>', 'user': 'x'}"),
+    ('{"db_password": "s3 cr3t", "port": 5432}', '{"db_password": "<secret>", "port": 5432}'),
+    ("pass: hunter2", "pass: <secret>"),
+    ("  Password : hunter2", "  Password : <secret>"),
+    ("AWS_SECRET_ACCESS_KEY=wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLE",
+     "AWS_SECRET_ACCESS_KEY=<secret>"),
+    ("PGPASSWORD hunter2", "PGPASSWORD <secret>"),
+    ("machine db login me password hunter2", "machine db login me password <secret>"),
+    ("| `PGPASSWORD=hunter2` | float32 |", "| `PGPASSWORD=<secret>` | float32 |"),
+    # URL credentials up to the last @ of the authority.
+    ("postgres://alice:pa/ss#w@rd@db.example.com:5432/prod",
+     "postgres://<user>:<secret>@<host>:5432/<path>"),
+    # PEM blocks whole, the short last line too, and a key in a service account's JSON.
+    (f"key:\n{PEM}\nafter", "key:\n-----BEGIN RSA PRIVATE KEY-----<secret>-----END RSA "
+     "PRIVATE KEY-----\nafter"),
+    ("-----BEGIN OPENSSH PRIVATE KEY-----\nb3BlbnNzaC1rZXktdjE\nxy1",
+     "-----BEGIN OPENSSH PRIVATE KEY-----<secret>-----END OPENSSH PRIVATE KEY-----"),
+    ('{"type": "service_account", "private_key": "-----BEGIN PRIVATE KEY-----\\nMIIE\\nQk==\\n'
+     '-----END PRIVATE KEY-----\\n", "project_id": "p"}',
+     '{"type": "service_account", "private_key": "<secret>", "project_id": "p"}'),
+    # Vendor token shapes, wherever they stand (after an underscore too).
+    ("gh ghp_0123456789abcdefghijABCDEFGHIJ0123 github_pat_11ABCDEFG0123456789_abcdefghij",
+     "gh <secret> <secret>"),
+    ("MY_hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345", "MY_<secret>"),
+    ("glpat-abcdefghijklmnopqrst12 xoxb-1234567890-abcdefghij", "<secret> <secret>"),
+    ("AKIAIOSFODNN7EXAMPLE ASIAIOSFODNN7EXAMPLE", "<secret> <secret>"),
+    ("AIzaSyA-1234567890abcdefghijklmnopqrstu", "<secret>"),
+    ("sk-proj-abcdefghijklmnopqrstuvwxyz012345 sk-ant-api03-abcdefghijklmnopqrstuv",
+     "<secret> <secret>"),
+    ("npm_abcdefghijklmnopqrstuvwxyz0123456789 "
+     "pypi-AgEIcHlwaS5vcmcCJDEyMzQ1Njc4LTEyMzQtMTIzNC0xMjM0LTEy", "<secret> <secret>"),
+    ("nvapi-abcdefghijklmnopqrstuvwxyz0123", "<secret>"),
+    ("sv=2022-11-02&ss=b&sig=abc%2Bdef%3D&se=x", "sv=2022-11-02&ss=b&sig=<secret>"),
+    ('{"auths": {"reg.io": {"auth": "dXNlcjpwYXNz"}}}',
+     '{"auths": {"reg.io": {"auth": "<secret>"}}}'),
+    ("_auth=dXNlcjpwYXNz", "_auth=<secret>"),
+    ("dbPassword: hunter2 apiKey=abc", "dbPassword: <secret> apiKey=<secret>"),
+    ("DB_PASSWORDS=hunter2", "DB_PASSWORDS=<secret>"),
+    # What is no secret stays: an exception's message, prose, a state_dict's keys, words
+    # that begin with a secret word, what show itself prints.
+    ("KeyError: 'fc.weight'", "KeyError: 'fc.weight'"),
+    ("cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert",
+     "cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert"),
+    ('Missing key(s) in state_dict: "fc.weight".', 'Missing key(s) in state_dict: "fc.weight".'),
+])
+def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:
+    assert _scrub(text) == scrubbed
+
+
+def test_show_and_request_remove_secrets_and_escapes_from_a_case(tmp_path: Path) -> None:
+    """Run as a user runs them: the case's files reach the terminal only made inert (an OSC 52
+    clipboard write, a screen clear, a window title), and secrets are gone from both."""
+    import subprocess
+    import sys
+
+    hostile = RICH.replace(
+        'summary = "CrossEntropyLoss target holds class 4 on a 4-class head"',
+        'summary = "x\\u001b]52;c;cm0gLXJmIH4K\\u0007\\u001b[2J\\u001b]0;pwned\\u0007 y '
+        'MYSQL_PWD=hunter4 hf_AbCdEfGhIjKlMnOpQrStUvWxYz012345"'
+    ).replace('revision = "3f2c1ab"', 'revision = "3f2c1ab"\npgpassword = "DB_PASS=hunter2"\n'
+              'conn = "postgres://alice:pa/ss@db.example.com/x"\n'
+              'note = "\\u001b[31mred\\u202e PGPASSWORD=hunter3"')
+    case = rich_case(tmp_path, "ce", hostile)
+    for command in ("show", "request"):
+        done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", command, str(case)],
+                              capture_output=True, text=True, timeout=120, check=False)
+        assert done.returncode == 0, done.stderr
+        for raw in ("\x1b", "\x07", "\u202e", "hunter2", "hunter3", "hunter4", "pa/ss", "hf_AbC"):
+            assert raw not in done.stdout, (command, raw)
+        assert "x y" in done.stdout or "x  y" in done.stdout
+
+
 def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
     ids = (*(f"patient_{n:05d}" for n in range(20_000)), "img-0001.png")
     assert _scrub("batch patient_00412, patient_19999 and img-0001.png; patient_x",
@@ -347,30 +453,47 @@ def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
     "a:" * 500_000,
     "-p " * 330_000,
     "\\" * 1_000_000,
+    "PASS" * 250_000,
+    " ".join(["PASS" * 16] * 15_000),
+    "a='" * 330_000,
+    "a: " * 330_000,
+    "x://a@" * 160_000,
+    "x://" + "a/" * 500_000,
+    "-----BEGIN A-----\n" * 55_000,
+    "-----BEGIN A-----\nAAAA" * 45_000,
+    "sig=" * 250_000,
+    "{'PGPASSWORD': '" * 60_000,
+    "KeyErrorKey=" * 80_000,
+    "ghp_" * 250_000,
 ], ids=["word", "plus", "dots", "ats", "dashes", "url-host", "urls", "token-eq", "token-ws",
-        "authorization", "slashes", "path", "digits", "colons", "flags", "backslashes"])
+        "authorization", "slashes", "path", "digits", "colons", "flags", "backslashes",
+        "pass", "pass-names", "quotes", "yaml", "url-ats", "url-slashes", "pem-heads",
+        "pem-blocks", "sig", "dict", "exception-names", "token-prefixes"])
 def test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time(text: str) -> None:
     import time
 
+    from pytest_gpucase.tools.scrub import remove_secrets
+
     start = time.process_time()
     _scrub(text)
+    remove_secrets(text)   # gpucase show's, on the whole text
     # A hang guard on a loaded machine, not a benchmark: a quadratic pattern takes minutes.
     assert time.process_time() - start < 5
 
 
 def test_show_tells_two_cases_of_one_name_apart_by_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .test_report import result
+
     monkeypatch.chdir(tmp_path)
     first = rich_case(tmp_path / "cases" / "a", "ce")
     rich_case(tmp_path / "cases" / "b", "ce")
-    report = tmp_path / "report.json"
 
     def entry(folder: str, outcome: str) -> dict[str, object]:
-        return {"nodeid": f"cases/{folder}/ce::ce[cpu-float32]", "case": "ce",
-                "case_path": f"cases/{folder}/ce", "device": "cpu", "dtype": "float32",
-                "variant": None, "outcome": outcome, "message": f"{folder} said so"}
+        return result("ce", "cpu", "float32", outcome, nodeid=f"cases/{folder}/ce::ce[cpu-float32]",
+                      case_path=f"cases/{folder}/ce", message=f"{folder} said so")
 
-    report.write_text(json.dumps({"results": [entry("a", "passed"), entry("b", "failed")]}))
+    report = report_of(tmp_path / "report.json", [entry("a", "passed"), entry("b", "failed")])
     assert show(Path("cases/b/ce"), report=report).splitlines()[-1] == (
         "  cpu-float32: failed: b said so")
     # The report was written from another directory: its paths end the case's path.

@@ -8,7 +8,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "CaseFormatError", "display", "display_posix", "link_inside", "printable", "regular_file",
+    "CaseFormatError", "display", "display_posix", "file_kind", "link_inside", "printable",
+    "regular_file",
 ]
 
 
@@ -68,6 +69,11 @@ _KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
           (stat.S_ISSOCK, "a socket"))
 
 
+def file_kind(mode: int) -> str:
+    """What a file of ``mode`` is, in words (``a FIFO (named pipe)``), for a refusal."""
+    return next((name for test, name in _KINDS if test(mode)), "not a regular file")
+
+
 def regular_file(path: Path, fix: str) -> os.stat_result:
     """The ``stat`` of ``path`` (symlinks followed) when it is a regular file.
 
@@ -77,8 +83,7 @@ def regular_file(path: Path, fix: str) -> os.stat_result:
     """
     info = os.stat(path)
     if not stat.S_ISREG(info.st_mode):
-        kind = next((name for test, name in _KINDS if test(info.st_mode)), "not a regular file")
-        raise CaseFormatError(path, f"is {kind}, not a regular file; {fix}")
+        raise CaseFormatError(path, f"is {file_kind(info.st_mode)}, not a regular file; {fix}")
     return info
 
 

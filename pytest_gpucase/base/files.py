@@ -1,4 +1,4 @@
-"""Files and case directories written atomically, and the walk over nested tensors: once each.
+"""Files written atomically, and the temporaries of dead writers removed: once, here.
 
 A reader (a collecting pytest, a restart, a CI uploader) must never see half a
 file, and a killed writer must not leave its half where it is read:
@@ -12,13 +12,9 @@ file, and a killed writer must not leave its half where it is read:
   collection skip them); every write first removes those beside its target
   whose writer is gone: written on this host by a pid that no longer runs, or
   untouched for a day (a writer on another host, whose pid means nothing here).
-* ``write_case_dir`` writes a whole case directory (``case.toml`` through
-  tomli-w, the payload, ``case.py`` and other files) into a hidden temporary
-  directory beside the target, then renames it into place; an existing case
-  is never overwritten.
 
-``named_tensors`` is the one walk over nested outputs (dicts, lists, tuples of
-tensors) that names each tensor by its path.
+A whole case directory is written the same way by ``case.write``; the walk over nested
+tensors is ``base.tensors.named_tensors``.
 """
 
 from __future__ import annotations
@@ -29,17 +25,17 @@ import os
 import re
 import secrets
 import socket
+import stat
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
+from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
-    "HOST", "fsync_directory", "new_temporary", "remove_stale_temporaries", "replace", "running",
-    "temporary_path", "write_atomic", "write_text_atomic",
+    "HOST", "FileTooLarge", "NotRegularFile", "fsync_directory", "new_temporary", "read_regular",
+    "remove_stale_temporaries", "replace", "running", "temporary_path", "write_atomic",
+    "write_text_atomic",
 ]
 
 # A writer's temporary file that has not changed for this long is abandoned,
@@ -163,3 +159,54 @@ def write_text_atomic(path: Path, text: str, *, mode: int | None = None,
                       errors: str = "strict") -> None:
     """``write_atomic`` for text, encoded as UTF-8."""
     write_atomic(path, [text.encode("utf-8", errors)], mode=mode)
+
+
+class NotRegularFile(OSError):
+    """A path that is no regular file (``kind`` says what it is: a FIFO, a device...)."""
+
+    def __init__(self, path: Path | str, kind: str) -> None:
+        super().__init__(f"{path}: is {kind}, not a regular file")
+        self.kind = kind
+
+
+class FileTooLarge(OSError):
+    """A file over the size its reader allows (``size``: what it holds, or has been read)."""
+
+    def __init__(self, path: Path | str, size: int, limit: int) -> None:
+        super().__init__(f"{path}: is {size} bytes, over the limit of {limit}")
+        self.size = size
+
+
+def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes: for files anyone may have
+    written (a report from another job, a cache entry).
+
+    The file is opened without blocking (a FIFO put in its place cannot hang the reader),
+    and its kind and size are checked on the open file before it is read; a file that
+    grows while it is read is cut off at ``limit`` and refused. Raises ``NotRegularFile``,
+    ``FileTooLarge``, and ``OSError`` as ``os.open`` does (``ELOOP``: a link, where
+    ``follow_symlinks`` is false).
+    """
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise NotRegularFile(path, file_kind(found.st_mode))
+        if found.st_size > limit:
+            raise FileTooLarge(path, found.st_size, limit)
+        chunks, size = [], 0
+        while size <= limit:
+            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileTooLarge(path, size, limit)
+    return b"".join(chunks)

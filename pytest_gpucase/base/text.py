@@ -8,9 +8,10 @@ linear time.
 
 from __future__ import annotations
 
+import html
 import re
 
-__all__ = ["markdown_code", "markdown_text", "terminal_safe"]
+__all__ = ["html_text", "markdown_code", "markdown_text", "one_line", "terminal_safe"]
 
 _TERMINAL = re.compile(
     r"\x1b\[[0-?]{0,64}[ -/]{0,16}[@-~]"          # CSI: colours, cursor moves, screen clears
@@ -43,19 +44,28 @@ def terminal_safe(text: str) -> str:
     return _TERMINAL.sub(replace, text)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(terminal_safe(text).split())
+def one_line(text: str, limit: int | None = None) -> str:
+    """``text`` made safe for the terminal on one line (runs of whitespace, newlines
+    included, become one space), cut to ``limit`` characters with an ellipsis."""
+    line = " ".join(terminal_safe(text).split())
+    return line if limit is None or len(line) <= limit else line[:limit - 1] + "…"
+
+
+def html_text(text: str) -> str:
+    """``text`` as HTML character data or an attribute value: markup escaped, and no
+    control, escape sequence or bidirectional override left (shown as ``\\xNN``)."""
+    return html.escape(terminal_safe(text))
 
 
 def markdown_text(text: str) -> str:
     """``text`` as literal Markdown on one line (messages hold ``*``, ``|``, ``__init__``)."""
-    line = _MARKDOWN.sub(lambda found: "\\" + found.group(0), _one_line(text))
+    line = _MARKDOWN.sub(lambda found: "\\" + found.group(0), one_line(text))
     return "\\" + line if _MARKDOWN_LINE_START.match(line) else line
 
 
 def markdown_code(text: str) -> str:
     """``text`` as one Markdown code span, whatever backticks or newlines it holds."""
-    line = _one_line(text)
+    line = one_line(text)
     longest = max((len(run) for run in re.findall(r"`+", line)), default=0)
     fence = "`" * (longest + 1)
     pad = " " if line.startswith("`") or line.endswith("`") else ""

@@ -28,7 +28,7 @@ from typing import Any
 from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.case import payload
 
-__all__ = ["STRUCTURE_KEY", "Unstorable", "load", "save"]
+__all__ = ["STRUCTURE_KEY", "Unstorable", "encode", "load", "save"]
 
 STRUCTURE_KEY = "gpucase.structure"
 
@@ -44,24 +44,39 @@ def save(path: Path, results: Mapping[str, Any]) -> None:
     Raises ``Unstorable`` naming the output's path, and writes nothing, when a value
     could not read back equal.
     """
+    tensors, metadata = _prepared(path, results)
+    try:
+        payload.save(path, tensors, metadata=metadata)
+    except TypeError as exc:  # a dtype or kind of tensor payload refuses, with its reason
+        raise Unstorable(f"{display(path)} not written: {exc}") from None
+
+
+def encode(path: Path, results: Mapping[str, Any]) -> list[bytes | memoryview]:
+    """The bytes ``save`` would write to ``path``, for a caller that writes them itself
+    (the reference cache, which authenticates them); ``Unstorable`` as for ``save``."""
+    tensors, metadata = _prepared(path, results)
+    try:
+        return payload.encode(tensors, metadata)
+    except TypeError as exc:
+        raise Unstorable(f"{display(path)} not written: {exc}") from None
+
+
+def _prepared(path: Path, results: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, str]]:
     tensors: dict[str, Any] = {}
     try:
         structure = {key: _encode(value, key, tensors) for key, value in results.items()}
     except Unstorable as exc:
         raise Unstorable(f"{display(path)} not written: {exc}") from None
-    try:
-        payload.save(path, tensors, metadata={STRUCTURE_KEY: json.dumps(structure)})
-    except TypeError as exc:  # a dtype or kind of tensor payload refuses, with its reason
-        raise Unstorable(f"{display(path)} not written: {exc}") from None
+    return tensors, {STRUCTURE_KEY: json.dumps(structure)}
 
 
-def load(path: Path) -> dict[str, Any]:
-    """Read the results written by ``save``."""
-    _, metadata = payload.read_header(path)
+def load(path: Path, data: bytes | None = None) -> dict[str, Any]:
+    """Read the results written by ``save`` (``data``: the file's bytes, read already)."""
+    _, metadata = payload.read_header(path, data)
     if STRUCTURE_KEY not in metadata:
         raise CaseFormatError(path, f"no '{STRUCTURE_KEY}' metadata; rewrite it with "
                               "pytest --gpu-cases --gpu-cases-regen")
-    tensors = payload.load(path)
+    tensors = payload.load(path, data=data)
     try:
         structure = json.loads(metadata[STRUCTURE_KEY])
         if not isinstance(structure, dict):

@@ -10,18 +10,40 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-__all__ = ["DICT_PREFIX", "GRAD_PREFIX", "MODULE_KEY", "OP_KEY", "REPLAY_ENV", "REPLAY_MODULE",
-           "REPLAY_OP", "RNG_NAMES", "STATE_PREFIX", "TENSORS_KEY", "tensor_dicts"]
+__all__ = [
+    "DICT_PREFIX",
+    "FUNCTION_KEY",
+    "GRAD_PREFIX",
+    "LOSS_PREFIX",
+    "MODULE_KEY",
+    "NESTED_PREFIX",
+    "OP_KEY",
+    "REPLAY_ENV",
+    "REPLAY_FUNCTION",
+    "REPLAY_MODULE",
+    "REPLAY_OP",
+    "RNG_NAMES",
+    "STATE_PREFIX",
+    "TENSORS_KEY",
+    "tensor_dicts",
+]
 
 # Set in a replay's child so that a watched function imported there records nothing.
 REPLAY_ENV = "GPUCASE_REPLAY"
 # The generated calls of module and op cases, and the [inputs] tables they read.
 REPLAY_MODULE = "pytest_gpucase.capture:replay_module"
 REPLAY_OP = "pytest_gpucase.capture:replay_op"
+REPLAY_FUNCTION = "pytest_gpucase.capture:replay_function"
 MODULE_KEY = "gpucase_module"
 OP_KEY = "gpucase_op"
+FUNCTION_KEY = "gpucase_function"
 STATE_PREFIX = "state."
 GRAD_PREFIX = "grad_output."
+# A backward case's loss function inputs besides the module's output (docs/case-format.md).
+LOSS_PREFIX = "loss."
+# Tensors of an argument nesting them in lists, tuples and dicts (a batch (x, y)), which the
+# module's or function's table rebuilds (docs/case-format.md).
+NESTED_PREFIX = "nested."
 # A dict-of-tensors argument: [inputs] <arg> = { gpucase_tensors = { <key> = "dict.<arg>.<key>" } },
 # each tensor saved under that payload name (docs/case-format.md, "Dicts of tensors").
 TENSORS_KEY = "gpucase_tensors"

@@ -1,4 +1,5 @@
-"""The ``Case`` model: load and validate a case directory's ``case.toml`` (format 1).
+"""The ``Case`` model of a ``case.toml`` (format 1), its file names and its bounds; read by
+``case.load``.
 
 Nothing here imports torch or reads tensor data: collection of thousands of
 cases must stay cheap, and a broken case must be reported before anything runs.

@@ -26,9 +26,12 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import hashlib
+import io
 import json
 import os
+import re
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,10 +46,18 @@ from pytest_gpucase.base.tensors import readable_address
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DTYPES", "LAYOUT_KEY", "TensorInfo", "content_hash", "describe", "load", "read_header",
-           "readable", "save", "to_device"]
+__all__ = ["DTYPES", "LAYOUT_KEY", "STORE_DIR", "STORE_FROM", "STORE_KEY", "TensorInfo",
+           "content_hash", "describe", "encode", "load", "read_header", "readable", "save",
+           "store_files", "to_device"]
 
 LAYOUT_KEY = "gpucase.layout"
+# Tensors a payload names in the store of its capture folder instead of holding them: the
+# metadata maps each name to the hex sha256 of the store file that holds it, named so.
+STORE_KEY = "gpucase.store"
+STORE_DIR = ".gpucase-store"
+STORE_FROM = 2**20  # bytes: smaller tensors stay in the payload
+STORED_NAME = "tensor"  # the one tensor of a store file
+_HEX = re.compile(r"[0-9a-f]{64}")
 # Bounds, checked from the header before anything is allocated (the table "Bounds" in
 # docs/case-format.md); a case is a minimal reproduction, not a dataset. MAX_ELEMENTS bounds
 # each declared shape (stored or viewed) and the storage a view is rebuilt in: its
@@ -135,17 +146,79 @@ def _reached(tensor: torch.Tensor, start: int = 0) -> torch.Tensor:
 
 
 def save(path: Path, tensors: Mapping[str, torch.Tensor],
-         metadata: Mapping[str, str] | None = None) -> None:
-    """Write ``tensors`` to ``path`` atomically, each with its exact layout."""
+         metadata: Mapping[str, str] | None = None, *, store: bool = False,
+         store_from: int = STORE_FROM) -> None:
+    """Write ``tensors`` to ``path`` atomically, each with its exact layout.
+
+    With ``store``, each tensor of ``store_from`` bytes or more is written once to the
+    capture's store instead (``STORE_DIR`` beside the case directory that holds ``path``),
+    in a file named by its content hash, and the payload names it (``STORE_KEY``).
+    """
+    header_meta = dict(metadata or {})
+    header_meta.pop(STORE_KEY, None)
+    if store:
+        kept: dict[str, torch.Tensor] = {}
+        stored: dict[str, str] = {}
+        for name, tensor in tensors.items():
+            if _reach_bytes(tensor) >= store_from:
+                stored[name] = _store(Path(path).parent.parent / STORE_DIR, tensor, name)
+            else:
+                kept[name] = tensor
+        if stored:
+            header_meta[STORE_KEY] = json.dumps(stored, sort_keys=True)
+        tensors = kept
+    chunks, alive = _serialized(tensors, header_meta)
+    _write_atomic(Path(path), chunks)
+    del alive
+
+
+def encode(tensors: Mapping[str, torch.Tensor],
+           metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
+    """The bytes ``save`` writes (without a store), in order, for a caller that wraps them
+    and writes them itself; each view keeps the tensor it reads alive."""
+    return _serialized(tensors, dict(metadata or {}))[0]
+
+
+def _reach_bytes(tensor: Any) -> int:
+    from pytest_gpucase.base.tensors import nbytes
+
+    try:
+        return nbytes(tensor)
+    except Exception:
+        return 0
+
+
+def _store(folder: Path, tensor: torch.Tensor, name: str) -> str:
+    """Write ``tensor`` to the store ``folder`` under the hex sha256 of its file (once: a file
+    of that name holds the same bytes already), and return that hex."""
+    chunks, alive = _serialized({STORED_NAME: tensor}, {}, name)
+    digest = hashlib.sha256()
+    for chunk in chunks:
+        digest.update(chunk)
+    hexdigest = digest.hexdigest()
+    target = folder / f"{hexdigest}.safetensors"
+    if not target.is_file() or target.is_symlink():
+        folder.mkdir(parents=True, exist_ok=True)
+        _write_atomic(target, chunks)
+    del alive
+    return hexdigest
+
+
+def _serialized(tensors: Mapping[str, torch.Tensor], header_meta: dict[str, str],
+                label: str | None = None,
+                ) -> tuple[list[bytes | memoryview], list[torch.Tensor]]:
+    """The bytes of a payload holding ``tensors``, each with its exact layout, and the
+    tensors those bytes are views of (to be kept alive while the bytes are used)."""
     import torch
 
     codes = {getattr(torch, name): code for code, (name, _) in DTYPES.items()
              if hasattr(torch, name)}
     runs: list[tuple[str, str, torch.Tensor]] = []
     layout: dict[str, dict[str, Any]] = {}
-    for name, tensor in tensors.items():
-        if not isinstance(name, str):
-            raise TypeError(f"{name!r}: tensor names must be strings")
+    for key, tensor in tensors.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{key!r}: tensor names must be strings")
+        name = label or key
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"{name}: expected a tensor, got {type(tensor).__name__}")
         if tensor.layout != torch.strided:
@@ -163,7 +236,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         with _outside_transforms():  # inside torch.func.grad an op's result is wrapped again
             tensor = tensor.detach()
             if _plain(tensor):  # stored in its own shape: any safetensors reader sees it
-                runs.append((name, code, tensor.cpu().contiguous()))
+                runs.append((key, code, tensor.cpu().contiguous()))
                 continue
             offset = int(tensor.storage_offset())
             if offset * tensor.element_size() > MAX_PADDING_BYTES:
@@ -171,10 +244,9 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
                                  f"{offset * tensor.element_size()} bytes, past the "
                                  f"{MAX_PADDING_BYTES}-byte bound of a case payload; save a "
                                  ".clone() of it unless the offset is what the case is about")
-            runs.append((name, code, _reached(tensor, offset).cpu().contiguous()))
-        layout[name] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
-                        "storage_offset": offset, "stored_from": offset}
-    header_meta = dict(metadata or {})
+            runs.append((key, code, _reached(tensor, offset).cpu().contiguous()))
+        layout[key] = {"shape": list(tensor.shape), "stride": list(tensor.stride()),
+                       "storage_offset": offset, "stored_from": offset}
     for key, value in header_meta.items():
         if not isinstance(key, str) or not isinstance(value, str):
             raise TypeError(f"metadata {key!r}: keys and values must be strings")
@@ -191,8 +263,8 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
         begin = end
     raw = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
     raw += b" " * (-len(raw) % 8)
-    _write_atomic(Path(path), [len(raw).to_bytes(8, "little"), raw,
-                               *(_bytes_of(flat, name) for name, _, flat in runs)])
+    return ([len(raw).to_bytes(8, "little"), raw,
+             *(_bytes_of(flat, name) for name, _, flat in runs)], [flat for _, _, flat in runs])
 
 
 def _plain(tensor: torch.Tensor) -> bool:
@@ -209,7 +281,9 @@ def _bytes_of(flat: torch.Tensor, name: str = "tensor") -> memoryview:
     address = readable_address(flat, nbytes)
     if address is None:  # ``readable`` let it through: reading it would crash the process
         raise TypeError(f"{name}: its {nbytes} bytes of values have no readable memory")
-    return memoryview((ctypes.c_char * nbytes).from_address(address)).cast("B")
+    values = (ctypes.c_char * nbytes).from_address(address)
+    values.tensor = flat  # type: ignore[attr-defined]  # the memory lives as long as the view
+    return memoryview(values).cast("B")
 
 
 def readable(tensor: torch.Tensor, name: str = "tensor") -> torch.Tensor:
@@ -289,19 +363,24 @@ def _storage_bytes(tensor: torch.Tensor) -> int | str:
         return "unknown"
 
 
-def read_header(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+def read_header(path: Path, data: bytes | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Parse and check a safetensors header (tensor entries, metadata) without reading data.
 
     Every entry is checked against the file: a known dtype, a shape of at most
     ``MAX_ELEMENTS`` elements, and data offsets inside the file that hold
     exactly that many bytes. A file that is not safetensors (a ``torch.save``
-    pickle, say) is refused from its first bytes and never unpickled.
+    pickle, say) is refused from its first bytes and never unpickled. ``data``: the
+    file's bytes, read (and checked) already by the caller; ``path`` then only names it.
     """
     path = Path(path)
-    link_inside(path, path.parent)  # a payload lives in its case directory
+    if data is None:
+        link_inside(path, path.parent)  # a payload lives in its case directory
     try:
-        size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
-        with _open_regular(path) as handle:
+        if data is None:
+            size = regular_file(path, f"replace it with the safetensors file; {_RESAVE}").st_size
+        else:
+            size = len(data)
+        with _open_regular(path) if data is None else io.BytesIO(data) as handle:
             start = handle.read(8)
             if len(start) < 8:
                 raise _not_safetensors(path, start, f"is {size} bytes, too short for a "
@@ -381,9 +460,57 @@ def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
 
 
 def describe(path: Path) -> list[TensorInfo]:
-    """List the tensors of a payload with their saved layout, reading only its header."""
+    """List the tensors of a payload with their saved layout, reading only its header (and
+    the headers of the store files it names)."""
     header, metadata = read_header(path)
-    return _infos(path, header, metadata)
+    infos = _infos(path, header, metadata)
+    for name, blob in store_files(path, metadata).items():
+        blob_header, blob_metadata = read_header(blob)
+        found = [i for i in _infos(blob, blob_header, blob_metadata) if i.name == STORED_NAME]
+        if not found:
+            raise CaseFormatError(blob, f"holds no tensor '{STORED_NAME}': not a store file")
+        infos.append(dataclasses.replace(found[0], name=name))
+    return infos
+
+
+def store_files(path: Path, metadata: Mapping[str, str] | None = None) -> dict[str, Path]:
+    """The store files a payload names: tensor name -> file (``STORE_KEY``), each checked to
+    be a regular file of the store beside the case directory, named by a sha256."""
+    if metadata is None:
+        metadata = read_header(path)[1]
+    if STORE_KEY not in metadata:
+        return {}
+    try:
+        table = json.loads(metadata[STORE_KEY])
+    except (ValueError, RecursionError) as exc:
+        raise CaseFormatError(path, f"metadata '{STORE_KEY}' is not JSON ({exc}); "
+                              f"{_RESAVE}") from None
+    if not isinstance(table, dict):
+        raise CaseFormatError(path, f"metadata '{STORE_KEY}' is not a JSON object; {_RESAVE}")
+    store = Path(path).parent.parent / STORE_DIR
+    found: dict[str, Path] = {}
+    for name, digest in table.items():
+        if not isinstance(digest, str) or not _HEX.fullmatch(digest):
+            raise CaseFormatError(path, f"tensor '{name}': store entry {json.dumps(digest)} is "
+                                  "not a sha256 in hex")
+        blob = store / f"{digest}.safetensors"
+        if blob.is_symlink() or store.is_symlink() or not blob.is_file():
+            raise CaseFormatError(path, f"tensor '{name}' is kept in {STORE_DIR}/{digest[:12]}… "
+                                  "beside the case directory, which is missing: keep the "
+                                  f"capture folder's {STORE_DIR} with its cases (copy them "
+                                  "together)")
+        found[str(name)] = blob
+    return found
+
+
+def _stored_tensor(name: str, blob: Path) -> torch.Tensor:
+    """The tensor of a store file, after its content is checked against its name."""
+    digest = content_hash(blob)
+    if digest != f"sha256:{blob.stem}":
+        raise CaseFormatError(blob, f"content hash {digest} differs from the file's name: the "
+                              f"store file of '{name}' changed or is corrupted; capture the "
+                              "case again")
+    return load(blob)[STORED_NAME]
 
 
 def _infos(path: Path, header: Mapping[str, Any], metadata: Mapping[str, str]) -> list[TensorInfo]:
@@ -460,17 +587,18 @@ def _view(path: Path, name: str, dtype: str, view: Any) -> TensorInfo:
     return TensorInfo(name, dtype, tuple(shape), tuple(stride), offset, stored_from)
 
 
-def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
-    """Load every tensor of a payload with its exact saved layout, on ``device``."""
+def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a payload with its exact saved layout, on ``device`` (``data``:
+    the file's bytes, read already, as for ``read_header``)."""
     import torch
     from safetensors import SafetensorError
 
-    header, metadata = read_header(path)
+    header, metadata = read_header(path, data)
     infos = _infos(path, header, metadata)  # every check runs before any data is read
     tensors: dict[str, torch.Tensor] = {}
     try:
         with contextlib.ExitStack() as stack:
-            stored_tensor = _reader(path, stack)
+            stored_tensor = _reader(path, stack, data)
             for info in infos:
                 stored = stored_tensor(info.name)
                 if info.stored_from:  # zeros stand for the part of the storage not read
@@ -483,16 +611,22 @@ def load(path: Path, device: str = "cpu") -> dict[str, torch.Tensor]:
                                                        info.storage_offset)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CaseFormatError(path, f"cannot load tensors: {exc}") from None
+    for name, blob in store_files(path, metadata).items():
+        tensors[name] = _stored_tensor(name, blob)
     if device != "cpu":
         tensors = {name: to_device(t, device) for name, t in tensors.items()}
     return tensors
 
 
-def _reader(path: Path, stack: contextlib.ExitStack) -> Callable[[str], torch.Tensor]:
+def _reader(path: Path, stack: contextlib.ExitStack,
+            data: bytes | None = None) -> Callable[[str], torch.Tensor]:
     """Reads stored tensors by name, as safetensors reads them (``read_header`` checked them)."""
     from safetensors import safe_open
     from safetensors.torch import load as load_bytes
 
+    if data is not None:
+        held: dict[str, torch.Tensor] = load_bytes(data)
+        return held.__getitem__
     text = str(path)
     if text != printable(text):
         # safetensors takes a path as UTF-8 text: a directory name that is not is read as bytes.

@@ -92,7 +92,9 @@ def dnn_library(cudnn: str | None, backend: str) -> str | None:
     if not cudnn:
         return None
     name = backends.dnn_name(backend) or "cuDNN"
-    if not cudnn.isdigit():
+    # ASCII digits only, and few of them: "²".isdigit() is true and int() refuses it, and a
+    # report is read from anywhere (int() refuses 5,000 digits too).
+    if not (cudnn.isascii() and cudnn.isdigit() and len(cudnn) <= 12):
         return f"{name} {cudnn}"  # already written out
     number = int(cudnn)
     if backend == "rocm":       # MAJOR*1000000 + MINOR*1000 + PATCH

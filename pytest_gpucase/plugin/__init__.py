@@ -74,7 +74,9 @@ def pytest_configure(config: pytest.Config) -> None:
         start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
         _report_folder(state.settings["gpu_cases_report"])
-        config.pluginmanager.register(ReportWriter(state), "gpucase-recorder")
+        writer = ReportWriter(state)
+        config.pluginmanager.register(writer, "gpucase-recorder")
+        writer.lock()   # registered first: its unconfigure releases the lock, however it ends
         config.pluginmanager.register(SigintWatch(state), "gpucase-sigint")
     if state.enabled and config.getoption("forked", False):
         # Registered after pytest-forked (an entry point), so called before its tryfirst hook.
@@ -99,15 +101,22 @@ def pytest_unconfigure(config: pytest.Config) -> None:
     state = config.stash.get(session_key, None)
     for path in state._temporary if state is not None else ():
         shutil.rmtree(path, ignore_errors=True)
-    if state is not None and state._reference_cache is not None:
+    cache = state._reference_cache if state is not None else None
+    if cache is not None and cache.temporary is None:  # a temporary one is gone already
         from pytest_gpucase.run.reference_cache import prune
 
-        prune(state._reference_cache)  # a temporary one is gone already: nothing to do
+        prune(cache.folder, base=cache.base)
     if state is not None and state.renderers:
         from pytest_gpucase.report.render import RENDERERS
 
         for name in state.renderers:
             RENDERERS.pop(name, None)   # the next session in this process asks its own plugins
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: its notes go to the controller's summary
+        workeroutput["gpucase_notes"] = list(session.config.stash[session_key].notes)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:

@@ -1,10 +1,10 @@
-"""What pytest collects and runs: case directories, their items, and the fixtures.
+"""What pytest collects and runs: case directories and their items.
 
 A case directory is a ``CaseDirectory`` whose one file node is its ``case.toml``
 (``CaseFile``), with one ``CaseItem`` per run (device x dtype x variant) planned
-by ``plan.py``, or one ``BrokenCaseItem`` when the case cannot load. Each item
-runs in a fresh child (``runner.run_spec``) and reads its verdict back. The
-``gpu_device``, ``gpu_dtype`` and ``gpu_case`` fixtures serve hand-written tests.
+by ``plan.runs``, or one ``BrokenCaseItem`` when the case cannot load. Each item
+runs in a fresh child (``run.parent.run_spec``) and reads its verdict back; the
+known-failure rule of a strict xfail is here too. Fixtures are ``plugin.fixtures``.
 Nothing here imports torch at module level.
 """
 
@@ -329,6 +329,8 @@ class CaseItem(pytest.Item):
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise KeyboardInterrupt("SIGINT while the case ran")
+        for note in verdict.outcome.notes:
+            state.note(note)
         from pytest_gpucase.plugin.records import verdict_fields
 
         fields = verdict_fields(verdict)

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import display_posix
+from pytest_gpucase.case.model import CASE_FILE
 from pytest_gpucase.plan.environment import canonical_name
 from pytest_gpucase.report.file import property_value
 
@@ -18,8 +19,8 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
-    "crash_record", "item_packages", "item_record", "nodeid_fields", "result_record",
-    "spec_fields", "verdict_fields",
+    "crash_record", "is_case_nodeid", "item_packages", "item_record", "nodeid_fields",
+    "result_record", "spec_fields", "verdict_fields",
 ]
 
 
@@ -108,7 +109,7 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
 
     pytest-xdist reports such an item as failed in a phase named "???", with no user
     properties: the controller never collected it, so what it was is read from the id
-    (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``).
+    (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``), whatever its folder's name holds.
     """
     if report.when not in ("???", None) or not report.failed:
         return None
@@ -119,19 +120,42 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
                        error_type="WorkerCrash", duration=report.duration)
 
 
+# The parameters that end a case item's id: device, dtype and an optional variant. Found at
+# the end (a case folder's name may hold brackets, dashes, anything), bounded: linear.
+_PARAMS = re.compile(r"\[(?P<device>[a-z]{1,16})-(?P<dtype>[a-z0-9_]{1,32})"
+                     r"(?:-(?P<kind>[a-z]{1,16})\[(?P<value>-?[0-9]{1,20})\])?\]\Z")
+
+
+def is_case_nodeid(nodeid: str) -> bool:
+    """Whether ``nodeid`` is the id of a case item (an item of a ``case.toml``)."""
+    return f"/{CASE_FILE}::" in nodeid or nodeid.startswith(f"{CASE_FILE}::")
+
+
 def nodeid_fields(nodeid: str) -> dict[str, Any] | None:
     """What a case item is (``spec_fields``), read from its node id where the item is not
-    at hand (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``); None for another item."""
+    at hand (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``); None for another item.
+
+    Read from the right, so that a case folder may be named anything a file system allows
+    (``cases/ce[1]``): the case's name follows the last ``/case.toml::`` (a name holds no
+    ``/``), and the run's parameters end the id. An id whose parameters cannot be read (a
+    broken case's item has none) is recorded as the broken case's is, for every device.
+    """
     from pytest_gpucase.base.backends import DEVICE_TYPES
 
-    found = re.fullmatch(r"(?P<path>[^\[]+?)(?:/case\.toml)?::(?P<name>[^:\[]+)"
-                         r"\[(?P<device>[a-z]+)-(?P<dtype>[a-z0-9]+)(?:-(?P<kind>[a-z]+)\[(?P<value>-?\d+)\])?\]",
-                         nodeid)
-    if found is None or found["device"] not in DEVICE_TYPES:
-        return None
-    variant = f"{found['kind']}={found['value']}" if found["kind"] else None
-    return {"case": found["name"], "case_path": found["path"], "device": found["device"],
-            "dtype": found["dtype"], "variant": variant, "launch_blocking": False}
+    head, separator, tail = nodeid.rpartition(f"/{CASE_FILE}::")
+    if not separator:
+        if not nodeid.startswith(f"{CASE_FILE}::"):
+            return None
+        head, tail = ".", nodeid[len(CASE_FILE) + 2:]
+    found = _PARAMS.search(tail)
+    device = dtype = "all"
+    variant = None
+    name = tail
+    if found is not None and found["device"] in DEVICE_TYPES:
+        name, device, dtype = tail[:found.start()], found["device"], found["dtype"]
+        variant = f"{found['kind']}={found['value']}" if found["kind"] else None
+    return {"case": name, "case_path": head, "device": device, "dtype": dtype,
+            "variant": variant, "launch_blocking": False}
 
 
 def item_record(nodeid: str, fields: Mapping[str, Any], outcome: str,

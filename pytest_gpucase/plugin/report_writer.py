@@ -63,6 +63,8 @@ class ReportWriter:
         self._done: set[str] = set()   # items whose last report came (teardown, or xdist's crash)
         self._running: dict[str, float] = {}  # started, not finished (one per xdist worker)
         self._interrupt: str | None = None    # what stopped the run, as pytest printed it
+        self._unrecorded: set[str] = set()    # case items that ended without a record
+        self._lock: int | None = None         # the report's lock, held for the session
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         import time
@@ -70,10 +72,24 @@ class ReportWriter:
         self._running[nodeid] = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        from pytest_gpucase.plugin.records import is_case_nodeid
+
         self.state.record(report)
         if report.when in ("teardown", "???"):
             self._done.add(report.nodeid)
             self._running.pop(report.nodeid, None)
+        # xdist reports an item lost with its worker in a phase named "???".
+        if (report.when not in ("setup", "call", "teardown")
+                and report.nodeid not in self.state.results
+                and is_case_nodeid(report.nodeid)):
+            self._unrecorded.add(report.nodeid)   # lost, and not in the report: incomplete
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node: Any, error: object) -> None:
+        """An xdist worker's notes (a reference cache refused, say), said once here."""
+        notes = getattr(node, "workeroutput", None) or {}
+        for note in notes.get("gpucase_notes", ()):
+            self.state.note(str(note))
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
         # A bare KeyboardInterrupt is what Python raises for SIGINT.
@@ -162,7 +178,7 @@ class ReportWriter:
         # after -x or --maxfail stopped early, nor when a cancel reached the xdist workers
         # first and the controller ended "normally" without the item they were running.
         complete = (session.exitstatus != pytest.ExitCode.INTERRUPTED
-                    and len(self._done) >= session.testscollected)
+                    and len(self._done) >= session.testscollected and not self._unrecorded)
         self._record_unfinished(session, complete)
         self.state.write_report(complete=complete)
         self.state._finished = True
@@ -211,6 +227,20 @@ class ReportWriter:
             if session.exitstatus == pytest.ExitCode.OK:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
+    def lock(self) -> None:
+        """Hold the report's lock for the session; a second session aiming at the same path
+        (one ini key, two CI jobs on one runner) is a usage error that says who holds it,
+        rather than two green runs of which one's results are silently gone."""
+        from pytest_gpucase.plugin.report_lock import ReportLocked, lock_report
+
+        path = self.state.settings["gpu_cases_report"]
+        if path is None:
+            return
+        try:
+            self._lock = lock_report(path)
+        except ReportLocked as exc:
+            raise pytest.UsageError(str(exc)) from None
+
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         import signal
 
@@ -220,3 +250,8 @@ class ReportWriter:
         # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
         if not self.state._finished and (self.state._unwritten or self.state.results):
             self.state.write_report(complete=False)
+        if self._lock is not None:
+            from pytest_gpucase.plugin.report_lock import unlock_report
+
+            unlock_report(self.state.settings["gpu_cases_report"], self._lock)
+            self._lock = None

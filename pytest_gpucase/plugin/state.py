@@ -1,10 +1,8 @@
-"""The plugin's state for one pytest session, and the writer of its JSON report.
+"""The plugin's state for one pytest session.
 
 ``GpuCaseSession`` (in ``config.stash[session_key]``) holds the resolved settings,
 the environment probed once, the notes for the terminal summary, and the JSON
-records of finished items; ``ReportWriter``, registered on the process that writes
-the report (the controller under xdist), keeps it current and writes it on every
-way out.
+records of finished items, which ``plugin.report_writer`` writes.
 """
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ if TYPE_CHECKING:
     from pytest_gpucase.case.model import Case
     from pytest_gpucase.plan.environment import Environment
     from pytest_gpucase.run.isolation import StartMethod
+    from pytest_gpucase.run.reference_cache import ReferenceCache
 
 __all__ = ["GpuCaseSession", "add_case_paths", "session_key", "start_zygote"]
 
@@ -42,7 +41,8 @@ class GpuCaseSession:
     _finished: bool = False     # the report of the whole session has been written
     report_failed: bool = False  # the last write of the JSON report failed (a note says why)
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
-    _reference_cache: Path | None = None
+    _reference_cache: ReferenceCache | None = None
+    _written: tuple[int, int, int] | None = None   # the report file as this session left it
     _pool: Any = None  # isolation.WorkerPool, for --gpu-isolation case or worker
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
@@ -124,21 +124,31 @@ class GpuCaseSession:
         return report
 
     def write_report(self, *, complete: bool) -> None:
-        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished."""
+        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished.
+
+        A report that changed since this session last wrote it was written by another
+        writer (where no lock could be taken, or one without a lock): it is left as it is,
+        and the run fails saying so, rather than erasing that writer's results in silence.
+        """
         import time
 
         path: Path | None = self.settings["gpu_cases_report"]
         if path is not None:
             from pytest_gpucase.report.file import write_report
 
+            if self._written is not None and _signature(path) != self._written:
+                self.note(f"another writer changed the JSON report {path} while this session "
+                          "ran, so this session's results were not written over it: give "
+                          "each run its own --gpu-cases-report path")
+                self.report_failed = True
+                return
             try:
                 write_report(path, self.build_report(complete=complete))
             except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
-                note = f"could not write the JSON report {path}: {exc.strerror or exc}"
-                if note not in self.notes:
-                    self.notes.append(note)
+                self.note(f"could not write the JSON report {path}: {exc.strerror or exc}")
                 self.report_failed = True
                 return
+            self._written = _signature(path)
             self._written_at = time.monotonic()
             self._unwritten = False
             self.report_failed = False
@@ -155,22 +165,62 @@ class GpuCaseSession:
         env = self.environment()
         return pin_env(worker, env.backend, len(env.devices), os.environ)
 
-    def reference_cache(self) -> Path:
-        """Where children cache the float64 references (pytest's cache, else a temporary
-        folder removed at the end of the session)."""
+    def reference_cache(self) -> ReferenceCache:
+        """Where children cache the float64 references, and the key that authenticates them:
+        pytest's cache with the user's key; else (no pytest cache, a folder that passes
+        through a symlink, no private place for a key: said once in a note) a private
+        temporary folder with a key of its own, removed at the end of the session."""
         if self._reference_cache is None:
-            from pytest_gpucase.run.reference_cache import prime
+            from pytest_gpucase.run.reference_cache import Unusable, prime, session_cache
 
             prime()  # before the first fork: children inherit the rows of what is loaded
-            cache = getattr(self.config, "cache", None)
-            if cache is not None:
-                self._reference_cache = Path(cache.mkdir("gpucase-references"))
-            else:
-                import tempfile
-
-                self._reference_cache = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
-                self._temporary.append(self._reference_cache)
+            try:
+                self._reference_cache = self._persistent_cache()
+            except Unusable as exc:
+                self.note(f"reference cache: {exc}; references are cached for this session "
+                          "only, in a private temporary folder")
+            if self._reference_cache is None:
+                self._reference_cache = session_cache()
+                assert self._reference_cache.temporary is not None
+                self._temporary.append(self._reference_cache.temporary)
         return self._reference_cache
+
+    def _persistent_cache(self) -> ReferenceCache | None:
+        """pytest's cache folder of references with the user's key; None without a pytest
+        cache (-p no:cacheprovider); ``Unusable`` when either cannot be trusted."""
+        import os
+
+        from pytest_gpucase.run.reference_cache import (
+            ReferenceCache,
+            check_folder,
+            open_folder,
+            user_key,
+        )
+
+        cache = getattr(self.config, "cache", None)
+        if cache is None:
+            return None
+        root_path = self.config.rootpath
+        # Where pytest keeps its cache (the ini key cache_dir, as pytest resolves it), computed
+        # rather than made: pytest's mkdir would create folders through a link.
+        given = os.path.expandvars(os.path.expanduser(str(self.config.getini("cache_dir"))))
+        folder = Path(os.path.abspath(Path(root_path, given, "d", "gpucase-references")))
+        # Links above the rootdir are the user's own layout; below it, a link may come
+        # with the project (a pull request can commit one).
+        base = root_path if folder.is_relative_to(root_path) else folder.parent.parent.parent
+        check_folder(folder, base)
+        made = Path(cache.mkdir("gpucase-references"))
+        if made != folder:
+            base = made.parent.parent.parent
+            check_folder(made, base)
+        os.close(open_folder(made, base))
+        return ReferenceCache(made, user_key((root_path,)), base=base)
+
+    def note(self, text: str) -> None:
+        """A line for the terminal summary, said once (under xdist, the workers' reach the
+        controller's summary: ``pytest_testnodedown``)."""
+        if text not in self.notes:
+            self.notes.append(text)
 
     def pool(self) -> Any:
         """The session's reusable children (``--gpu-isolation``), or None for ``item``."""
@@ -198,6 +248,17 @@ class GpuCaseSession:
 
 
 REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells one write of a file from another (each write replaces it: a new inode)."""
+    import os
+
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
 
 
 def _now() -> str:

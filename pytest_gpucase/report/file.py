@@ -1,8 +1,8 @@
-"""JSON results of a run, the compatibility matrix across runs, and GitHub step summaries.
+"""The JSON report of a run: its schema facts, writing it, and reading one back checked.
 
 The JSON report (schema in docs/report-schema.md) is the one file a run leaves
-behind; ``gpucase matrix`` reads several of them, one per runner, and shows
-which cases pass where. Everything here is pure data in, text out: no torch,
+behind; ``gpucase matrix`` reads several of them, one per runner (``report.matrix``),
+and shows which cases pass where. Everything here is pure data in, text out: no torch,
 no pytest, so the command stays fast and the functions are tested directly.
 """
 
@@ -11,25 +11,32 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from collections.abc import Iterable, Mapping
 from datetime import datetime, timezone
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pytest_gpucase.base.files import write_text_atomic
+from pytest_gpucase.base.errors import printable
+from pytest_gpucase.base.files import (
+    FileTooLarge,
+    NotRegularFile,
+    read_regular,
+    write_text_atomic,
+)
+from pytest_gpucase.base.text import one_line
 from pytest_gpucase.base.version import __version__
 from pytest_gpucase.plan.environment import Device, Environment
-
-if TYPE_CHECKING:
-
-    pass
 
 __all__ = [
     "ENVIRONMENT_IDENTITY",
     "FAILING",
     "MATRIX_SCHEMA",
     "MATRIX_VERSION",
+    "MAX_DEPTH",
+    "MAX_REPORT_BYTES",
+    "MAX_STRING",
     "OUTCOMES",
     "SCHEMA",
     "VERSION",
@@ -108,13 +115,24 @@ _OPTIONAL_TOP_KEYS = {key: _kind_of(spec) for key, spec in _SCHEMA["properties"]
 ENVIRONMENT_IDENTITY = tuple(_ENVIRONMENT_KEYS)
 
 
+# Bounds on a report read from disk, checked before the work they bound (a report is
+# untrusted input: an artifact of another job, a file anyone may have written). An honest
+# report holds about a kilobyte per item and nests 5 levels deep.
+MAX_REPORT_BYTES = 128 * 2**20
+MAX_DEPTH = 32
+MAX_STRING = 2**20          # characters of any one string (a node id, a package name)
+_MAX_NUMBER = 40            # characters of a number as written: a 5000-digit one is refused
+_MAX_SHOWN = 80             # characters of a value quoted in a refusal
+_MAX_MESSAGE = 1000         # characters of a refusal, which is one line
+
+
 class ReportError(ValueError):
-    """A JSON report that cannot be read as written; the message names the file and the problem."""
+    """A JSON report that cannot be read as written: one line naming the file and the problem."""
 
     def __init__(self, path: Path | str, problem: str) -> None:
         self.path = Path(path)
         self.problem = problem
-        super().__init__(f"{path}: {problem}")
+        super().__init__(one_line(f"{printable(str(path))}: {problem}", _MAX_MESSAGE))
 
 
 # ----------------------------------------------------------------------------- the JSON report
@@ -197,22 +215,22 @@ def json_safe(value: Any) -> Any:
 
 
 def load_report(path: Path | str) -> dict[str, Any]:
-    """Read and validate one JSON report; ``ReportError`` names the file and what is wrong."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else str(exc)
-        raise ReportError(path, f"cannot read: {reason}") from None
-    try:
-        report = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ReportError(path, f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-                          ) from None
+    """Read and validate one JSON report; ``ReportError`` names the file and what is wrong.
+
+    The file is untrusted: its type and size are checked before it is read (a FIFO or a
+    device is refused without blocking), its nesting before it is parsed, and while it is
+    parsed every number is bounded, a repeated key refused and NaN refused; then every
+    value is checked against the schema, strings are bounded, and a result that claims a
+    run on a device type its environment lacks is refused. Free text (messages, reasons)
+    is cut to its head and tail as the writer cuts what a run returns.
+    """
+    text = _read_bounded(path)
+    report = _parse(path, text)
     if not isinstance(report, dict):
         raise ReportError(path, f"not a pytest-gpucase report: the top level is {_kind(report)}, "
                                 "expected an object")
     if report.get("schema") != SCHEMA:
-        found = "missing" if "schema" not in report else json.dumps(report["schema"])
+        found = "missing" if "schema" not in report else _shown(report["schema"])
         raise ReportError(path, f"not a pytest-gpucase report: \"schema\" is {found}, "
                                 f"expected \"{SCHEMA}\"")
     version = report.get("version")
@@ -220,11 +238,204 @@ def load_report(path: Path | str) -> dict[str, Any]:
         raise ReportError(path, f"report version {version} is newer than this pytest-gpucase "
                                 f"reads (up to {VERSION}); upgrade pytest-gpucase")
     check_report(report, path)
+    _check_claims(path, report)
+    # Here, not at the top: every pytest session imports this module (its report's time).
+    from pytest_gpucase.run.isolation import clip
+
     for result in report["results"]:
         for key in ("max_abs", "max_rel"):
             if isinstance(result[key], str):
                 result[key] = _NON_FINITE[result[key]]
+        for key in _FREE_TEXT:
+            if isinstance(result.get(key), str):
+                result[key] = clip(result[key])
     return report
+
+
+# What a person reads, of any length a run gave it: cut as a run's own result is cut.
+_FREE_TEXT = ("message", "skip_reason", "localized", "error_type")
+
+
+def _read_bounded(path: Path | str) -> str:
+    """The text of a regular file of at most ``MAX_REPORT_BYTES`` (``read_regular``: a FIFO
+    or a device is refused without blocking), whose nesting is bounded."""
+    try:
+        data = read_regular(path, MAX_REPORT_BYTES)
+    except NotRegularFile as exc:
+        raise ReportError(path, f"is {exc.kind}, not a regular file; give the JSON report "
+                                "that --gpu-cases-report wrote") from None
+    except FileTooLarge as exc:
+        raise ReportError(path, f"is {exc.size} bytes, over the limit of {MAX_REPORT_BYTES} "
+                                "for a report") from None
+    except OSError as exc:
+        raise ReportError(path, f"cannot read: {exc.strerror or exc}") from None
+    if not _nesting_bounded(data):
+        raise ReportError(path, f"not a pytest-gpucase report: arrays and objects nest deeper "
+                                f"than {MAX_DEPTH} levels")
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ReportError(path, f"cannot read: not UTF-8 ({exc.reason} at byte {exc.start})"
+                          ) from None
+
+
+# A JSON string, whatever it holds (an escaped quote included): its brackets are not structure.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"')
+_NOT_BRACKETS = bytes(sorted(set(range(256)) - set(b"[]{}")))
+
+
+def _nesting_bounded(data: bytes) -> bool:
+    """Whether ``data`` nests at most about ``MAX_DEPTH`` levels, found before any parser
+    recurses into it (200,000 nested arrays end json's parser with a RecursionError, or a
+    crash where the recursion limit was raised). The brackets outside strings are paired
+    off innermost first, a level or two per round, each round a C-speed pass; what cannot
+    be paired (a truncated file) is left for the parser, whose depth it then bounds."""
+    skeleton = _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS)
+    for _ in range(MAX_DEPTH + 1):
+        paired = skeleton.replace(b"[]", b"").replace(b"{}", b"")
+        if len(paired) == len(skeleton):
+            return len(skeleton) <= MAX_DEPTH
+        skeleton = paired
+    return not skeleton
+
+
+class _Refused(Exception):
+    """Raised from inside the JSON parser's hooks: what is wrong with the text."""
+
+
+def _integer(text: str) -> int:
+    if len(text) > _MAX_NUMBER:
+        raise _Refused(f"an integer of {len(text)} digits; a report holds no number that long")
+    return int(text)
+
+
+def _number(text: str) -> float:
+    if len(text) > _MAX_NUMBER:
+        raise _Refused(f"a number written with {len(text)} characters; a report holds no "
+                       "number that long")
+    value = float(text)
+    if not math.isfinite(value):
+        raise _Refused(f"{text} overflows a float; non-finite values are written \"inf\"")
+    return value
+
+
+def _constant(text: str) -> Any:
+    raise _Refused(f"{text} is not JSON; non-finite values are written \"nan\", \"inf\", "
+                   "\"-inf\"")
+
+
+def _object(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    found: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in found:
+            # {"outcome": "failed", "outcome": "passed"} read as a pass by any other reader.
+            raise _Refused(f"the key {_shown(key)} appears twice in one object")
+        found[key] = value
+    return found
+
+
+def _parse(path: Path | str, text: str) -> Any:
+    """``text`` as JSON, strictly (see ``load_report``), every string bounded and printable."""
+    try:
+        data = json.loads(text, object_pairs_hook=_object, parse_int=_integer,
+                          parse_float=_number, parse_constant=_constant)
+    except _Refused as exc:
+        raise ReportError(path, f"not a pytest-gpucase report: {exc}") from None
+    except json.JSONDecodeError as exc:
+        raise ReportError(path, f"not JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
+                          ) from None
+    except RecursionError:  # bounded by _nesting_bounded; said rather than raised regardless
+        raise ReportError(path, f"not a pytest-gpucase report: arrays and objects nest deeper "
+                                f"than {MAX_DEPTH} levels") from None
+    stack: list[tuple[Any, int]] = [(data, 0)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_DEPTH:
+            raise ReportError(path, f"not a pytest-gpucase report: arrays and objects nest "
+                                    f"deeper than {MAX_DEPTH} levels")
+        if isinstance(value, dict):
+            items = list(value.items())
+            value.clear()
+            for key, item in items:
+                shown = _check_string(path, key)
+                if shown in value:   # two keys that differ only in bytes that are not UTF-8
+                    raise ReportError(path, f"not a pytest-gpucase report: the key "
+                                            f"{_shown(shown)} appears twice in one object")
+                if isinstance(item, str):
+                    item = _check_string(path, item)
+                else:
+                    stack.append((item, depth + 1))
+                value[shown] = item
+        elif isinstance(value, list):
+            for index, item in enumerate(value):
+                if isinstance(item, str):
+                    value[index] = _check_string(path, item)
+                else:
+                    stack.append((item, depth + 1))
+    if isinstance(data, str):
+        data = _check_string(path, data)
+    return data
+
+
+def _check_string(path: Path | str, text: str) -> str:
+    """``text`` when it is at most ``MAX_STRING`` characters; a lone surrogate (a name that
+    was not UTF-8) shown as ``\\xNN``, so that it can be printed and written."""
+    if len(text) > MAX_STRING:
+        raise ReportError(path, f"not a pytest-gpucase report: a string of {len(text)} "
+                                f"characters, over the limit of {MAX_STRING}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        try:
+            return printable(text)
+        except UnicodeEncodeError:
+            return text.encode("utf-8", "backslashreplace").decode("utf-8")
+    return text
+
+
+def _shown(value: Any) -> str:
+    """A value quoted in a refusal, as JSON (ASCII: nothing in it can act on a terminal),
+    cut short."""
+    text = json.dumps(value)
+    return text if len(text) <= _MAX_SHOWN else text[:_MAX_SHOWN - 1] + "…"
+
+
+# Outcomes that say a run happened (not a skip, not a run a cancel or a lost worker cut
+# short, which a device type missing here can still name).
+_RAN = frozenset({"passed", "failed", "xfailed", "xpassed"})
+
+
+def _check_claims(path: Path | str, report: Mapping[str, Any]) -> None:
+    """Refuse a report that claims what its own environment says cannot have happened: a
+    run on a device type it lacks (a passed CUDA item from a CPU-only runner would read as
+    CUDA compatibility), or an accelerator type with no device; and one that holds an item
+    twice (which record would a reader take?)."""
+    seen: dict[str, int] = {}
+    for index, result in enumerate(report["results"]):
+        first = seen.setdefault(result["nodeid"], index)
+        if first != index:
+            raise ReportError(path, f"results[{index}].nodeid: {_shown(result['nodeid'])} is "
+                                    f"the node id of results[{first}] too; a report holds each "
+                                    "item once")
+    environment = report["environment"]
+    types = set(environment["device_types"]) - {"all"}
+    accelerators = sorted(types - {"cpu"})
+    if accelerators and not environment["devices"]:
+        raise ReportError(path, f"environment.device_types names {_shown(accelerators[0])} but "
+                                "environment.devices lists no device: not the environment of "
+                                "a run")
+    for index, result in enumerate(report["results"]):
+        device, outcome = result["device"], result["outcome"]
+        if device in types or outcome not in _RAN:
+            continue
+        # Failures that name no device the run had: a broken case ("all", every device
+        # type), an item lost with its worker (read from its id, maybe while skipping).
+        if outcome == "failed" and (device == "all" or result["error_type"] == "WorkerCrash"):
+            continue
+        shown = ", ".join(_shown(kind) for kind in sorted(types)) or "none"
+        raise ReportError(path, f"results[{index}]: {outcome} on {_shown(device)}, a "
+                                f"device type its environment does not have (device_types: "
+                                f"{shown}): a run that cannot have happened there")
 
 
 def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> None:
@@ -237,7 +448,7 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
     _check_keys(path, report, {key: kind for key, kind in _OPTIONAL_TOP_KEYS.items()
                                if key in report}, "")
     if version not in range(1, VERSION + 1) or isinstance(version, bool):
-        raise ReportError(path, f"version: {json.dumps(version)} is not a report version "
+        raise ReportError(path, f"version: {_shown(version)} is not a report version "
                                 f"this pytest-gpucase reads (1 to {VERSION})")
     _check_created(path, report["created"])
     environment = report["environment"]
@@ -246,18 +457,18 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
         _check_keys(path, device, _DEVICE_KEYS, f"environment.devices[{index}]")
     for name, version_found in environment["packages"].items():
         if not _is(version_found, "string or null"):
-            raise ReportError(path, f"environment.packages.{name}: expected a string or null, "
-                                    f"found {_kind(version_found)}")
+            raise ReportError(path, f"environment.packages.{one_line(name, _MAX_SHOWN)}: expected "
+                                    f"a string or null, found {_kind(version_found)}")
     for index, result in enumerate(report["results"]):
         where = f"results[{index}]"
         _check_keys(path, result, _RESULT_KEYS, where)
         optional = {key: kind for key, kind in _OPTIONAL_RESULT_KEYS.items() if key in result}
         _check_keys(path, result, optional, where)
         if result["outcome"] not in OUTCOMES:
-            raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} is not "
+            raise ReportError(path, f"{where}.outcome: {_shown(result['outcome'])} is not "
                                     f"one of {', '.join(OUTCOMES)}")
         if version == 1 and result["outcome"] not in _V1_OUTCOMES:
-            raise ReportError(path, f"{where}.outcome: {json.dumps(result['outcome'])} needs "
+            raise ReportError(path, f"{where}.outcome: {_shown(result['outcome'])} needs "
                                     "report version 2; write \"version\": 2")
 
 
@@ -312,11 +523,11 @@ def _check_created(path: Path | str, created: str) -> None:
     try:
         moment = datetime.fromisoformat(created)
     except ValueError:
-        raise ReportError(path, f"created: {json.dumps(created)} is not an ISO 8601 time"
+        raise ReportError(path, f"created: {_shown(created)} is not an ISO 8601 time"
                           ) from None
     # Reports of one environment are ordered by this time; a naive time cannot be compared.
     if moment.tzinfo is None:
-        raise ReportError(path, f"created: {json.dumps(created)} has no UTC offset")
+        raise ReportError(path, f"created: {_shown(created)} has no UTC offset")
 
 
 def describe_environment(environment: Mapping[str, Any]) -> str:

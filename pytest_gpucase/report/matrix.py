@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import re
 from collections import Counter
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -215,24 +215,27 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
                    key=lambda i: (-len(environments[i]["packages"]), created[i], names[i]))
     # Each column: its environment as far as its reports tell it (the packages any of them
     # names), and its reports. A report joins the one column whose environment is its own.
-    placed: list[tuple[dict[str, Any], list[int]]] = []
+    # same_environment's rule, with each report's identity and packages made once (not once
+    # per column it is compared with).
+    placed: list[tuple[str, dict[str, str | None], list[int]]] = []
     for index in order:
-        mine = environments[index]
-        fits = [column for column in placed if same_environment(column[0], mine)]
+        identity, mine = _identity(environments[index]), _packages(environments[index])
+        fits = [column for column in placed
+                if column[0] == identity and _packages_agree(column[1], mine)]
         if len(fits) == 1:
-            fits[0][0]["packages"].update(_packages(mine))
-            fits[0][1].append(index)
+            fits[0][1].update(mine)
+            fits[0][2].append(index)
             continue
         if fits:
-            known = [_packages(column[0]) for column in fits]
+            known = [column[1] for column in fits]
             unnamed = sorted({name for packages in known for name in packages
-                              if name not in _packages(mine)
+                              if name not in mine
                               and len({other.get(name) for other in known}) > 1})
             notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
                          "apart the environments it would otherwise share a column with: "
                          "it has a column of its own.")
-        placed.append(({**mine, "packages": _packages(mine)}, [index]))
-    groups = [members for _, members in placed]
+        placed.append((identity, dict(mine), [index]))
+    groups = [members for _, _, members in placed]
     groups.sort(key=min)
     return groups, notes
 
@@ -369,9 +372,12 @@ def _status(results: Sequence[Mapping[str, Any]]) -> Status:
 
 def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
     counts = Counter(result["outcome"] for result in results)
-    on_device = [[r for r in results if r["device"] == device] for device in kinds]
+    # Grouped in one pass: a scan per device type made a cell quadratic in their number.
+    on_device: dict[str, list[Mapping[str, Any]]] = {}
+    for result in results:
+        on_device.setdefault(result["device"], []).append(result)
     devices = tuple(DeviceCell(device, _status(runs), _reasons(runs))
-                    for device, runs in zip(kinds, on_device, strict=True))
+                    for device in kinds for runs in (on_device.get(device, []),))
     statuses = {device.status for device in devices}
     status: Status
     if not results:
@@ -438,31 +444,60 @@ def _named_runs(group: Sequence[Mapping[str, Any]], runs_on: Mapping[str, int]) 
 
 
 def reason_text(result: Mapping[str, Any]) -> str:
+    """Why a result did not pass, on one line, cut as the writer cuts a run's text."""
+    from pytest_gpucase.run.isolation import clip
+
     if result["outcome"] == "skipped":
         text = result["skip_reason"] or result["message"]
     else:
         text = result["message"] or result["error_type"]
-    return " ".join(str(text or "").split())
+    return " ".join(clip(str(text or "")).split())
 
 
 def _run_id(result: Mapping[str, Any]) -> str:
-    found = re.search(r"\[(.+)\]$", result["nodeid"])
-    if found:
-        return found.group(1)
+    """``cpu-float32-batch[1]``: the parameters that end the node id (a case folder's name
+    may hold brackets too), else the fields. String operations, not a regex: a pattern
+    searched from every ``[`` of a megabyte node id took minutes."""
+    nodeid: str = result["nodeid"]
+    start = nodeid.rfind(f"[{result['device']}-{result['dtype']}")
+    if nodeid.endswith("]") and start >= 0:
+        return nodeid[start + 1:-1]
     parts = [result["device"], result["dtype"]] + ([result["variant"]] if result["variant"] else [])
     return "-".join(parts)
 
 
 def _labels(environments: Sequence[Mapping[str, Any]],
             sources: Sequence[tuple[str, ...]]) -> list[str]:
-    """Label each column by what differs between the environments, falling back to file names."""
-    packages = sorted({name for env in environments for name in env["packages"]})
-    fields = [_fields(env, packages) for env in environments]
-    keys = list(fields[0]) if fields else []
-    differing = [key for key in keys if len({f[key] for f in fields}) > 1]
-    if "arch" in differing and "gpu" in differing:
-        differing.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
-    labels = [" · ".join(token for key in differing if (token := f[key])) for f in fields]
+    """Label each column by what differs between the environments, falling back to file names.
+
+    Linear in the environments and the packages they name: a package is a field only of
+    the environments that name it (unknown elsewhere, which shows nothing), so each
+    environment's label is built from its own packages, never from every package any
+    report named.
+    """
+    fields = [_fields(env) for env in environments]
+    heads, tails = [head for head, _ in fields], [tail for _, tail in fields]
+    differing = [key for key in (heads[0] if heads else {})
+                 if len({head[key] for head in heads}) > 1]
+    differing_tail = [key for key in (tails[0] if tails else {})
+                      if len({tail[key] for tail in tails}) > 1]
+    if "arch" in differing_tail and "gpu" in differing_tail:
+        differing_tail.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
+    tokens: dict[str, set[str | None]] = {}
+    named: Counter[str] = Counter()
+    for env in environments:
+        for name, version in env["packages"].items():
+            tokens.setdefault(name, set()).add(_package_token(name, version))
+            named[name] += 1
+    differs = {name for name, found in tokens.items()
+               if len(found) + (named[name] < len(environments)) > 1}
+    labels = []
+    for env, head, tail in zip(environments, heads, tails, strict=True):
+        parts = [head[key] for key in differing]
+        parts += [_package_token(name, env["packages"][name])
+                  for name in sorted(env["packages"]) if name in differs]
+        parts += [tail[key] for key in differing_tail]
+        labels.append(" · ".join(token for token in parts if token))
     counts = Counter(labels)
     return [
         label if label and counts[label] == 1
@@ -471,46 +506,47 @@ def _labels(environments: Sequence[Mapping[str, Any]],
     ]
 
 
-def _fields(env: Mapping[str, Any], packages: Iterable[str]) -> dict[str, str | None]:
-    """The label token of every field of an environment, in label order; None shows nothing."""
-    fields: dict[str, str | None] = {
+def _package_token(name: str, version: str | None) -> str:
+    return f"{name} {version}" if version else f"no {name}"
+
+
+def _fields(env: Mapping[str, Any]) -> tuple[dict[str, str | None], dict[str, str | None]]:
+    """The label tokens of an environment's fields before its packages and after them, in
+    label order; None shows nothing."""
+    head: dict[str, str | None] = {
         "backend": env["backend"],
         "torch": f"torch {env['torch'].split('+')[0]}" if env["torch"] else "no torch",
         "cuda": _cuda_token(env["cuda"]),
         "hip": f"rocm{'.'.join(env['hip'].split('.')[:2])}" if env["hip"] else None,
         "cudnn": dnn_library(env["cudnn"], env["backend"]),
     }
-    for name in packages:
-        if name not in env["packages"]:
-            fields[f"package {name}"] = None   # not probed there: nothing is known
-        else:
-            version = env["packages"][name]
-            fields[f"package {name}"] = f"{name} {version}" if version else f"no {name}"
     devices = env["devices"]
     arches = sorted({_arch(d["capability"]) for d in devices if d["capability"]})
-    fields["arch"] = "+".join(arches) or None
     gpus = Counter(d["name"] for d in devices)
-    fields["gpu"] = " + ".join(f"{n} × {name}" if n > 1 else name
-                               for name, n in sorted(gpus.items())) or None
-    fields["python"] = f"Python {env['python']}"
-    fields["platform"] = env["platform"]
-    fields["revision"] = f"rev {env['revision']}" if env["revision"] else None
-    return fields
+    tail: dict[str, str | None] = {
+        "arch": "+".join(arches) or None,
+        "gpu": " + ".join(f"{n} × {name}" if n > 1 else name
+                          for name, n in sorted(gpus.items())) or None,
+        "python": f"Python {env['python']}",
+        "platform": env["platform"],
+        "revision": f"rev {env['revision']}" if env["revision"] else None,
+    }
+    return head, tail
 
 
 def _cuda_token(version: str | None) -> str | None:
     if not version:
         return None
-    parts = version.split(".")
-    if len(parts) >= 2 and parts[0].isdigit() and parts[1].isdigit():
+    parts = version.split(".", 2)
+    if len(parts) >= 2 and all(re.fullmatch(r"[0-9]{1,4}", part) for part in parts[:2]):
         return f"cu{parts[0]}{parts[1]}"   # the name of PyTorch's wheel index: cu121
     return f"CUDA {version}"
 
 
 def _arch(capability: str) -> str:
-    if re.fullmatch(r"\d+\.\d+", capability):
+    if re.fullmatch(r"[0-9]{1,4}\.[0-9]{1,4}", capability):
         return "sm_" + capability.replace(".", "")
-    return capability.split(":")[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
+    return capability.split(":", 1)[0]   # ROCm: gfx90a:sramecc+:xnack- -> gfx90a
 
 
 def short_names(paths: Sequence[Path]) -> list[str]:

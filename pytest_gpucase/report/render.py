@@ -3,11 +3,10 @@ plugins add (``pytest_gpucase_report_formats``)."""
 
 from __future__ import annotations
 
-import html
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
-from pytest_gpucase.base.text import markdown_text
+from pytest_gpucase.base.text import html_text, markdown_text
 from pytest_gpucase.report.file import MATRIX_SCHEMA, MATRIX_VERSION, json_safe
 from pytest_gpucase.report.matrix import (
     DEVICE_WORDS,
@@ -150,8 +149,15 @@ def _html_notes(reasons: Sequence[str], numbers: Mapping[str, int]) -> str:
 
 
 def render_html(matrix: Matrix) -> str:
-    """The matrix as one self-contained HTML page: inline CSS, reasons listed below the table."""
-    esc = html.escape
+    """The matrix as one self-contained HTML page: inline CSS, reasons listed below the table.
+
+    Every text from a report is escaped for HTML and made inert (no control character,
+    escape sequence or bidirectional override survives). Each text appears once where it
+    belongs: a column's label in its header, a reason in its footnote; a cell's tooltip
+    says only its own counts, so that the page grows with the reports, not with their
+    product.
+    """
+    esc = html_text
     numbers = _footnotes(matrix)
     cases = len({row.case_path for row in matrix.rows})
     title = "pytest-gpucase compatibility matrix"
@@ -177,9 +183,8 @@ def render_html(matrix: Matrix) -> str:
     out += ["</tr>", "</thead>", "<tbody>"]
     for row in matrix.rows:
         out.append(f'<tr><th scope="row" title="{esc(row.case_path)}">{esc(row.label)}</th>')
-        for column, cell in zip(matrix.columns, row.cells, strict=True):
-            hover = "\n".join([f"{row.label} on {column.label}: {cell.status}",
-                               _counts_text(cell), *cell.reasons])
+        for cell in row.cells:
+            hover = f"{cell.status}: {_counts_text(cell)}"
             css = cell.status.replace(" ", "-")
             body = "".join(
                 f'<span class="device d-{device.status.replace(" ", "-")}">'

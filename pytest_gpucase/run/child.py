@@ -40,6 +40,7 @@ from pytest_gpucase.case.variants import (
     apply as apply_variant,
 )
 from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run import reference_cache
 from pytest_gpucase.run.calls import (
     MAX_OUTPUT_DEPTH,
     BadOutput,
@@ -103,6 +104,13 @@ def run(spec: RunSpec) -> Outcome:
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
     project.prepend(project.import_paths(spec.case.path))
+    reference_cache.take_notes()  # a reused child's earlier run said its own
+    outcome = _judged(spec)
+    notes = reference_cache.take_notes()
+    return dataclasses.replace(outcome, notes=(*outcome.notes, *notes)) if notes else outcome
+
+
+def _judged(spec: RunSpec) -> Outcome:
     try:
         return _run(spec)
     except _Failed as failed:
@@ -160,8 +168,11 @@ def _run(spec: RunSpec) -> Outcome:
     if case.reference:
         reference = resolve(case, case.reference, "reference")
         check_binding(case, case.reference, reference, run_inputs)
+    # The loaded inputs are not needed past here (the run's are in run_inputs, or loaded
+    # again): let go of them, so that the reference's float64 copy is not a third copy.
+    del inputs
     run = Judged(spec, func, reference, lambda: _as_saved(spec, run_inputs, versions), rng,
-                 cotangents, precision, returned)
+                 cotangents, precision, returned, reload=lambda: _loaded_again(spec))
     return run.verdict(actual)
 
 
@@ -229,7 +240,28 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         # "case.py:make": imported from the case directory, as a "FILE.py" call is.
         literals[MODULE_KEY] = {**recipe, "factory": resolve(
             case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
+            recipe.get("checkpoint"), Mapping):
+        tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
     return {**literals, **tensors}, rng
+
+
+def _checkpoint_state(case: Case, reference: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The state of a model case that references the user's checkpoint instead of holding
+    it (``[inputs.gpucase_module] checkpoint``), as ``state.*`` inputs, its hash checked."""
+    from pytest_gpucase.run.replay import load_checkpoint
+
+    key = f"[inputs] {MODULE_KEY}.checkpoint"
+    path = Path(str(reference.get("path", "")))
+    if not path.is_file():
+        raise CaseFormatError(case.case_file, f"names {path}, which is not a file here: the "
+                              "model's state lives in that checkpoint; make it reachable at "
+                              "that path", key=key)
+    try:
+        return load_checkpoint(path, str(reference.get("sha256", "")),
+                               str(reference.get("prefix", "")))
+    except ValueError as exc:
+        raise CaseFormatError(case.case_file, str(exc), key=key) from None
 
 
 def _tensor_dict(case: Case, name: str, members: Any,
@@ -331,6 +363,11 @@ def _as_saved(spec: RunSpec, run_inputs: dict[str, Any], versions: Mapping[int, 
     changes, or an in-place call that was fixed would never pass."""
     if tensor_versions(tensors_of(run_inputs)) == versions:
         return run_inputs
+    return _loaded_again(spec)
+
+
+def _loaded_again(spec: RunSpec) -> dict[str, Any]:
+    """The run's inputs loaded from the case again, as the run prepared them."""
     inputs = load_arguments(spec.case)[0]
     if spec.variant is not None:
         inputs = apply_variant(spec.variant, inputs)

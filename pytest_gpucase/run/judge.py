@@ -87,9 +87,9 @@ class Judged:
     def __init__(self, spec: RunSpec, func: Callable[..., Any], reference: Callable[..., Any],
                  saved: Callable[[], dict[str, Any]], rng: Mapping[str, torch.Tensor],
                  cotangents: dict[str, torch.Tensor], precision: torch.dtype,
-                 returned: str) -> None:
+                 returned: str, reload: Callable[[], dict[str, Any]] | None = None) -> None:
         self.spec, self.case, self.func, self.reference = spec, spec.case, func, reference
-        self._load_saved, self.rng = saved, rng
+        self._load_saved, self._reload, self.rng = saved, reload, rng
         self.cotangents, self.precision, self.returned = cotangents, precision, returned
         self.expect = self.case.expect
         self.cached = reference_cache.entry(spec, reference)
@@ -107,6 +107,20 @@ class Judged:
 
     def reference_inputs(self) -> dict[str, Any]:
         return reference_inputs(self.case, self.saved())
+
+    def reference_inputs_releasing(self) -> dict[str, Any]:
+        """``reference_inputs()``, letting go of the run's inputs as it goes when they can be
+        loaded again (``reload``): each is freed as its float64 copy is made, so a module
+        case's state is in memory about twice over, not three times. A second look that
+        needs them later loads them again from the case."""
+        if self._reload is None:
+            return self.reference_inputs()
+        saved = self.saved()
+        self._saved, self._load_saved = None, self._reload
+        found: dict[str, Any] = {}
+        for name in list(saved):
+            found.update(reference_inputs(self.case, {name: saved.pop(name)}))
+        return found
 
     def call_reference(self, inputs: Mapping[str, Any],
                        cotangents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
@@ -183,7 +197,8 @@ class Judged:
         note(f"while computing {_reference_words(self.case)} on the CPU ({self.returned})")
         try:
             with labelled_output(REFERENCE_OUTPUT):
-                expected = self.call_reference(self.reference_inputs(), self.cotangents)
+                expected = self.call_reference(self.reference_inputs_releasing(),
+                                               self.cotangents)
         except BadOutput as problem:
             return problem.outcome("the reference's")
         except NothingDifferentiated as problem:

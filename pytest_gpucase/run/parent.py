@@ -8,7 +8,6 @@ import builtins
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from pathlib import Path
 from typing import Literal
 
 from pytest_gpucase.base.backends import launch_blocking_env
@@ -23,7 +22,7 @@ from pytest_gpucase.run.isolation import (
     WorkerPool,
     run_in_child,
 )
-from pytest_gpucase.run.reference_cache import CACHE_ENV
+from pytest_gpucase.run.reference_cache import ReferenceCache
 from pytest_gpucase.verdict.failure import Failure
 from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
 
@@ -68,14 +67,14 @@ def failure_of(verdict: Verdict) -> Failure | None:
 
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
              localize: bool = True, memory_limit: int | None = None,
-             reference_cache: Path | None = None, isolation: Isolation = "item",
+             reference_cache: ReferenceCache | None = None, isolation: Isolation = "item",
              pool: WorkerPool | None = None) -> Verdict:
     """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
 
     ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
-    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder),
-    the float64 reference is computed once per case and variant and reused
-    (``reference_cache`` module).
+    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder and
+    the key that authenticates it), the float64 reference is computed once per case and
+    variant and reused (``reference_cache`` module).
 
     With ``isolation`` ``case`` or ``worker`` and a ``pool``, the run goes to a reused
     child (one per case, or one per device and environment); a failure seen there is
@@ -85,7 +84,7 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
         memory_limit = getattr(spec.case, "memory_limit", None)
     env = dict(spec.env)
     if reference_cache is not None:
-        env[CACHE_ENV] = str(reference_cache)
+        env.update(reference_cache.env())
     reused = isolation != "item" and pool is not None and start_method != "spawn"
     key = (spec.device, tuple(sorted(env.items())),
            str(spec.case.path) if isolation == "case" else None)

@@ -36,36 +36,119 @@ Old names are never read again, so the folder is pruned when a session that
 used it ends (``prune``): an entry unused for ``KEEP_DAYS`` goes, then the
 least recently used ones until the folder holds at most ``MAX_BYTES``. A read
 marks an entry used (its modification time).
+
+The folder is not trusted (a pull request can commit files, or a symlink, under
+``.pytest_cache``; a CI cache can be restored from another branch):
+
+* No pass rests on an entry nobody checked. Each entry carries an HMAC-SHA256 of
+  its name and bytes, keyed by a secret of the user's (``user_key``: a 0600 file
+  under ``$XDG_CONFIG_HOME`` or ``~/.config``, else the user cache folder, never
+  inside the project or a repository; ``GPUCASE_REFERENCE_KEY_FILE`` names another).
+  An entry whose tag does not match (changed since it was written, or written
+  with another key) is computed again and rewritten, with a note. Where no key
+  can be kept (a read-only home), references are cached for the session only, in
+  a private temporary folder with a key of its own: never trusted unchecked.
+* The folder is opened from a trusted base (the rootdir) one component at a
+  time, never through a symlink (``open_folder``): a folder that is or passes
+  through one is refused, and nothing in it is read or removed.
+* What is computed beside a reference (the rounding budget, the CPU's same-dtype
+  run, a gradcheck's pass: ``companion``) is an entry of its own, named by the
+  reference's key and its kind, and authenticated the same way.
+* ``prune`` removes only names this module writes (``OWN_NAME``: 64 hex digits,
+  a companion's kind, the entry suffix, and their temporaries), never follows a link, and works
+  on the opened folder, so that it cannot leave it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import errno
 import functools
 import hashlib
+import hmac
 import inspect
 import os
+import re
+import secrets
+import stat
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from pytest_gpucase.base.errors import display
+from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular, write_atomic
 
 if TYPE_CHECKING:
     from pytest_gpucase.plan.runs import RunSpec
 
 __all__ = [
-    "CACHE_ENV", "MIN_SECONDS", "companion", "entry", "forget_primed", "key", "load", "prime",
-    "prune", "store",
+    "CACHE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_SECONDS", "OWN_NAME", "Entry", "ReferenceCache",
+    "Unusable", "check_folder", "companion", "entry", "forget_primed", "key", "load", "make_key",
+    "open_folder", "prime", "prune", "read_key", "session_cache", "store", "take_notes", "user_key",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
+# In a run's child: the path of the key file (never the key: a child's environment is
+# printed by cases, and ends in CI logs).
+KEY_ENV = "GPUCASE_REFERENCE_KEY"
+# Set by the user: the key file to use instead of the one under ~/.config.
+KEY_FILE_ENV = "GPUCASE_REFERENCE_KEY_FILE"
+KEY_NAME = "reference-cache.key"
 # A reference computed faster than this is not cached: reading the file back would cost
 # more (a trivial case's float64 reference takes a fraction of a millisecond).
 MIN_SECONDS = 0.005
-_VERSION = b"gpucase-reference-1"
+# Part of every key: a new format gives every entry a new name, so old entries are never
+# read (and prune removes them as they age).
+_VERSION = b"gpucase-reference-2"
+SUFFIX = ".reference"
+# What an entry file starts with, then the 32 bytes of its tag, then a safetensors payload.
+MAGIC = b"gpucase-reference-2\n"
+_TAG_BYTES = 32
 KEEP_DAYS = 14
 MAX_BYTES = 2 << 30
+# The names prune may remove: entries and their companions (``<key>.<kind>.reference``),
+# those of the earlier format (written as .safetensors into the same folder), and
+# write_atomic's temporaries of them.
+OWN_NAME = re.compile(r"(?P<temporary>\.)?[0-9a-f]{64}(?:\.[a-z][a-z0-9-]{0,31})?"
+                      r"(?:\.reference|\.safetensors)"
+                      r"(?(temporary)\.[0-9a-f]{8}\.[0-9]{1,10}\.[0-9a-f]{8}\.tmp)")
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_O_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+class Unusable(Exception):
+    """No cache here: the message says why (a symlink, no private place for a key)."""
+
+
+@dataclass(frozen=True)
+class ReferenceCache:
+    """A session's cache: the folder of entries, the key that authenticates them, and the
+    trusted folder it was opened from (links above ``base`` are the user's own layout)."""
+
+    folder: Path
+    key_file: Path
+    base: Path | None = None
+    temporary: Path | None = None    # the private folder of a session-only cache, removed after
+
+    def env(self) -> dict[str, str]:
+        """What a run's child needs to use the cache."""
+        return {CACHE_ENV: str(self.folder), KEY_ENV: str(self.key_file)}
+
+
+@dataclass(frozen=True)
+class Entry:
+    """Where one reference is cached, and the secret that authenticates it (in the child)."""
+
+    path: Path
+    name: str
+    secret: bytes
+    case: str
 
 
 def _file_signature(path: Path) -> bytes:
@@ -193,73 +276,239 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
     return digest.hexdigest()
 
 
-def entry(spec: RunSpec, reference: Callable[..., Any]) -> Path | None:
-    """Where ``spec``'s reference is cached, or None when this child has no cache."""
-    folder = os.environ.get(CACHE_ENV)
-    if not folder:
+def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
+    """Where ``spec``'s reference is cached, or None when this child has no cache (no folder,
+    or no key it can read: then nothing is read or written, never an unchecked entry)."""
+    folder, key_file = os.environ.get(CACHE_ENV), os.environ.get(KEY_ENV)
+    if not folder or not key_file:
         return None
     try:
-        return Path(folder) / f"{key(spec, reference)}.safetensors"
-    except OSError:  # the case file vanished: no caching, the run will say what is wrong
-        return None
+        secret = read_key(Path(key_file))
+        name = f"{key(spec, reference)}{SUFFIX}"
+    except (OSError, Unusable):  # no key to check with (no cache), or the case file
+        return None              # vanished (the run will say what is wrong)
+    return Entry(Path(folder) / name, name, secret, spec.case.name)
 
 
-def companion(path: Path | None, kind: str) -> Path | None:
+_KIND = re.compile(r"[a-z][a-z0-9-]{0,31}")
+
+
+def companion(cached: Entry | None, kind: str) -> Entry | None:
     """Where something computed beside the reference is kept (``kind``: the rounding budget,
     the CPU's own run in the run's dtype, a gradcheck's pass): under the reference's own
-    key, so that whatever makes a new reference makes a new one too; pruned with it."""
-    return None if path is None else path.with_name(f"{path.stem}.{kind}{path.suffix}")
+    key, so that whatever makes a new reference makes a new one too; pruned with it, and
+    authenticated like it (its name, kind included, is bound into its tag, so an entry
+    copied to another kind's name is refused)."""
+    if cached is None:
+        return None
+    if not _KIND.fullmatch(kind):
+        raise ValueError(f"not a companion kind: {kind!r}")
+    stem = cached.name.removesuffix(SUFFIX)
+    name = f"{stem}.{kind}{SUFFIX}"
+    return dataclasses.replace(cached, path=cached.path.with_name(name), name=name)
 
 
-def load(path: Path | None) -> dict[str, Any] | None:
-    """The cached reference results at ``path``, or None when absent or unreadable."""
-    if path is None or not path.exists():
+# Notes of this run for the pytest process (an entry that failed authentication), taken
+# with the run's outcome (``take_notes``).
+_NOTES: list[str] = []
+
+
+def take_notes() -> list[str]:
+    """The notes of the run that just ended, cleared for the next (a reused child runs many)."""
+    notes = list(dict.fromkeys(_NOTES))
+    _NOTES.clear()
+    return notes
+
+
+def _refused(cached: Entry, why: str) -> None:
+    _NOTES.append(f"the reference cache entry of case {cached.case} ({cached.name[:12]}...) "
+                  f"{why}: not trusted; the reference was computed again and the entry "
+                  "rewritten")
+
+
+def _tag(secret: bytes, name: str, chunks: Iterable[bytes | memoryview]) -> bytes:
+    """The HMAC-SHA256 of an entry's name and payload: the name is bound too, so that a
+    genuine entry copied under another name (another case's reference) is refused."""
+    mac = hmac.new(secret, digestmod=hashlib.sha256)
+    for part in (_VERSION, len(name).to_bytes(8, "little"), name.encode()):
+        mac.update(part)
+    for chunk in chunks:
+        mac.update(chunk)
+    return mac.digest()
+
+
+def load(cached: Entry | None) -> dict[str, Any] | None:
+    """The cached reference results, or None when absent or not authentic (then noted).
+
+    The file is opened without following a link and without blocking, read whole (it
+    must be a regular file under ``MAX_BYTES``), and its tag checked before a byte of it
+    is parsed; what is parsed is the bytes that were checked.
+    """
+    if cached is None:
+        return None
+    try:
+        data = read_regular(cached.path, MAX_BYTES, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except NotRegularFile as exc:
+        _refused(cached, f"is {exc.kind}, not a regular file")
+        return None
+    except FileTooLarge as exc:
+        _refused(cached, f"is {exc.size} bytes, over the cache's {MAX_BYTES}")
+        return None
+    except OSError as exc:
+        _refused(cached, "is a symlink" if exc.errno == errno.ELOOP
+                 else f"cannot be opened ({exc.strerror or exc})")
+        return None
+    start = len(MAGIC) + _TAG_BYTES
+    body = memoryview(data)[start:]   # checked as it lies in what was read: no copy
+    if len(data) < start or not data.startswith(MAGIC):
+        _refused(cached, "is not an entry of this version (no tag)")
+        return None
+    if not hmac.compare_digest(data[len(MAGIC):start], _tag(cached.secret, cached.name, [body])):
+        _refused(cached, "failed authentication (changed since it was written, or written "
+                 "with another key)")
         return None
     from pytest_gpucase.case import golden
 
     try:
-        found = golden.load(path)
-    except Exception:  # a torn or foreign file: computed again, and rewritten
+        results = golden.load(cached.path, data=bytes(body))
+    except Exception as exc:  # an authentic entry this version cannot read: computed again
+        _refused(cached, f"cannot be read ({type(exc).__name__})")
         return None
-    with contextlib.suppress(OSError):
-        os.utime(path)  # used now: prune keeps it
-    return found
+    with contextlib.suppress(OSError, NotImplementedError):
+        os.utime(cached.path, follow_symlinks=False)  # used now: prune keeps it
+    return results
+
+
+def store(cached: Entry | None, results: dict[str, Any], seconds: float) -> None:
+    """Cache ``results`` (atomically, with their tag) when computing them took
+    ``MIN_SECONDS`` or more; results golden files cannot hold are not cached."""
+    if cached is None or seconds < MIN_SECONDS:
+        return
+    from pytest_gpucase.case import golden
+
+    with contextlib.suppress(Exception):
+        chunks = golden.encode(cached.path, results)
+        write_atomic(cached.path, [MAGIC, _tag(cached.secret, cached.name, chunks), *chunks])
+
+
+# ------------------------------------------------------------------------- the folder
+
+
+def check_folder(folder: Path, base: Path | None) -> None:
+    """Refuse (``Unusable``) a ``folder`` that is, or passes below ``base`` through, a symlink;
+    components that do not exist yet are fine. Nothing is created, read or followed."""
+    for path in _components(folder, base):
+        try:
+            found = os.lstat(path)
+        except FileNotFoundError:
+            return
+        except OSError as exc:
+            raise Unusable(f"{display(path)} cannot be examined ({exc.strerror or exc})"
+                           ) from None
+        if stat.S_ISLNK(found.st_mode):
+            raise Unusable(_link_problem(path))
+        if not stat.S_ISDIR(found.st_mode):
+            raise Unusable(f"{display(path)} is not a folder")
+
+
+def _components(folder: Path, base: Path | None) -> list[Path]:
+    folder = Path(os.path.abspath(folder))
+    if base is None:
+        return [folder]
+    base = Path(os.path.abspath(base))
+    if not folder.is_relative_to(base):
+        raise Unusable(f"{display(folder)} is not inside {display(base)}")
+    parts = folder.relative_to(base).parts
+    return [base.joinpath(*parts[:n]) for n in range(1, len(parts) + 1)] or [folder]
+
+
+def _link_problem(path: Path) -> str:
+    try:
+        target = f" -> {os.readlink(path)}"
+    except OSError:
+        target = ""
+    return (f"{display(path)} is a symlink{target}: the reference cache is never read or "
+            "pruned through a link (a link committed under .pytest_cache would have it "
+            "delete files elsewhere)")
+
+
+def open_folder(folder: Path, base: Path | None = None) -> int:
+    """A descriptor of ``folder``, opened from ``base`` (or its parent) one component at a
+    time without following a link; ``Unusable`` when one is a link or not a folder."""
+    parts = _components(folder, base)
+    start = parts[0].parent
+    fd = os.open(start, os.O_RDONLY | _O_DIRECTORY | _O_CLOEXEC)
+    try:
+        for path in parts:
+            try:
+                inner = os.open(path.name, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW | _O_CLOEXEC,
+                                dir_fd=fd)
+            except OSError as exc:
+                if os.path.islink(path):
+                    raise Unusable(_link_problem(path)) from None
+                raise Unusable(f"{display(path)} cannot be opened as a folder "
+                               f"({exc.strerror or exc})") from None
+            os.close(fd)
+            fd = inner
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def prune(folder: Path, keep_days: float = KEEP_DAYS, max_bytes: int = MAX_BYTES,
-          now: float | None = None) -> int:
+          now: float | None = None, base: Path | None = None) -> int:
     """Remove entries of ``folder`` unused for ``keep_days``, then the least recently
     used until at most ``max_bytes`` remain; return how many were removed.
 
-    Other sessions may be pruning or writing the same folder: an entry that is gone
-    already, or that cannot be removed (another user's, a read-only mount), is
-    skipped, and a writer's temporary (a hidden file) younger than ``keep_days`` is
-    left to it, whatever the size. Nothing here raises: pruning is housekeeping.
+    Only names this module writes (``OWN_NAME``) are looked at, each without following
+    a link, in the folder opened by ``open_folder`` (from ``base``): a folder that is or
+    passes through a link is left alone. Other sessions may be pruning or writing the
+    same folder: an entry that is gone already, or that cannot be removed (another
+    user's, a read-only mount), is skipped, and a writer's temporary younger than
+    ``keep_days`` is left to it, whatever the size. Nothing here raises: pruning is
+    housekeeping.
     """
     import time
 
     now = time.time() if now is None else now
-    entries: list[tuple[float, int, str]] = []
     try:
-        with os.scandir(folder) as found:
-            for item in found:
-                with contextlib.suppress(OSError):
-                    if item.is_file(follow_symlinks=False):
-                        info = item.stat(follow_symlinks=False)
-                        entries.append((info.st_mtime, info.st_size, item.path))
+        fd = open_folder(folder, base)
+    except (OSError, Unusable):
+        return 0
+    try:
+        return _prune_open(fd, keep_days, max_bytes, now)
+    finally:
+        os.close(fd)
+
+
+def _prune_open(fd: int, keep_days: float, max_bytes: int, now: float) -> int:
+    entries: list[tuple[float, int, str, bool]] = []
+    try:
+        names = os.listdir(fd)
     except OSError:
         return 0
+    for name in names:
+        found = OWN_NAME.fullmatch(name)
+        if found is None:
+            continue  # not a name this module writes: never touched
+        with contextlib.suppress(OSError):
+            info = os.stat(name, dir_fd=fd, follow_symlinks=False)
+            if stat.S_ISREG(info.st_mode):
+                entries.append((info.st_mtime, info.st_size, name, bool(found["temporary"])))
     entries.sort()
-    total = sum(size for _, size, _ in entries)
+    total = sum(size for _, size, _, _ in entries)
     removed = 0
-    for used, size, path in entries:
+    for used, size, name, temporary in entries:
         recent = used > now - keep_days * 86400
         if recent and total <= max_bytes:
             break
-        if recent and os.path.basename(path).startswith("."):
+        if recent and temporary:
             continue  # a write in progress: its writer renames or removes it
         try:
-            os.unlink(path)
+            os.unlink(name, dir_fd=fd)
         except FileNotFoundError:
             pass
         except OSError:
@@ -270,13 +519,152 @@ def prune(folder: Path, keep_days: float = KEEP_DAYS, max_bytes: int = MAX_BYTES
     return removed
 
 
-def store(path: Path | None, results: dict[str, Any], seconds: float) -> None:
-    """Cache ``results`` at ``path`` (atomically) when computing them took ``MIN_SECONDS``
-    or more; results golden files cannot hold are not cached."""
-    if path is None or seconds < MIN_SECONDS:
-        return
-    from pytest_gpucase.case import golden
+# ------------------------------------------------------------------------- the key
 
-    with contextlib.suppress(Exception):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        golden.save(path, results)
+
+def read_key(path: Path) -> bytes:
+    """The secret in a key file: a regular file (not a link) of this user's that no one
+    else may read, holding at least 32 bytes as hex. ``Unusable`` says what is wrong;
+    ``FileNotFoundError`` when there is none."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | _O_NONBLOCK | _O_CLOEXEC)
+    except FileNotFoundError:
+        raise
+    except OSError as exc:
+        what = "is a symlink" if exc.errno == errno.ELOOP else f"cannot be read ({exc.strerror})"
+        raise Unusable(f"the key file {display(path)} {what}") from None
+    with open(fd, "rb") as handle:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise Unusable(f"the key file {display(path)} is not a regular file")
+        if hasattr(os, "getuid") and found.st_uid != os.getuid():
+            raise Unusable(f"the key file {display(path)} belongs to another user")
+        if os.name == "posix" and found.st_mode & 0o077:
+            raise Unusable(f"the key file {display(path)} may be read or written by others "
+                           f"(mode {found.st_mode & 0o777:o}); chmod 600 it, or remove it to "
+                           "have a new one made")
+        text = handle.read(4097).strip()
+    try:
+        secret = bytes.fromhex(text.decode("ascii"))
+    except (UnicodeDecodeError, ValueError):
+        secret = b""
+    if len(secret) < 32:
+        raise Unusable(f"the key file {display(path)} does not hold a key (64 hex digits or "
+                       "more); remove it to have a new one made")
+    return secret
+
+
+def make_key(path: Path) -> Path:
+    """The key file at ``path``, made (0600, 32 random bytes) when there is none; ``Unusable``
+    when it cannot be made or is not private. Two sessions making it at once agree: it is
+    written aside and linked into place, never seen half written."""
+    with contextlib.suppress(FileNotFoundError):
+        read_key(path)
+        return path
+    aside = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_NOFOLLOW | _O_CLOEXEC,
+                     0o600)
+        try:
+            os.write(fd, secrets.token_hex(32).encode() + b"\n")
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.link(aside, path)
+        except FileExistsError:
+            pass  # another session was first: its key is the key
+        except OSError:  # no hard links here (some network or FUSE file systems)
+            if not os.path.lexists(path):
+                os.replace(aside, path)
+    except OSError as exc:
+        raise Unusable(f"cannot write the key file {display(path)} "
+                       f"({exc.strerror or exc})") from None
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(aside)
+    read_key(path)
+    return path
+
+
+def _key_folders() -> list[Path]:
+    """Where a user's key may live: the config folder, else the user cache folder."""
+    found = []
+    home = os.path.expanduser("~")
+    for variable, default in (("XDG_CONFIG_HOME", ".config"), ("XDG_CACHE_HOME", ".cache")):
+        value = os.environ.get(variable, "")
+        if os.path.isabs(value):
+            found.append(Path(value) / "pytest-gpucase")
+        elif os.path.isabs(home) and home != "/":
+            found.append(Path(home) / default / "pytest-gpucase")
+    return found
+
+
+def _shared_place(folder: Path, projects: Sequence[Path]) -> str | None:
+    """Why ``folder`` is no place for a secret (inside a project or a repository), or None."""
+    resolved = Path(os.path.realpath(folder))
+    for project in projects:
+        if resolved.is_relative_to(os.path.realpath(project)):
+            return f"{display(folder)} is inside the project {display(project)}"
+    for above in (resolved, *resolved.parents):
+        for marker in (".git", ".hg"):
+            if os.path.lexists(above / marker):
+                return f"{display(folder)} is inside the repository {display(above)}"
+    return None
+
+
+def _private_folder(folder: Path) -> None:
+    try:
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        found = os.stat(folder)
+    except OSError as exc:
+        raise Unusable(f"cannot make {display(folder)} ({exc.strerror or exc})") from None
+    if hasattr(os, "getuid") and found.st_uid != os.getuid():
+        raise Unusable(f"{display(folder)} belongs to another user")
+    if os.name == "posix" and found.st_mode & 0o022:
+        raise Unusable(f"{display(folder)} may be written by others "
+                       f"(mode {found.st_mode & 0o777:o}); chmod 700 it")
+
+
+def user_key(projects: Sequence[Path] = ()) -> Path:
+    """This user's key file for the reference cache, made on first use.
+
+    ``GPUCASE_REFERENCE_KEY_FILE`` when set (it must exist, or be makeable, and be
+    private), else ``pytest-gpucase/reference-cache.key`` under ``$XDG_CONFIG_HOME``
+    (``~/.config``), else under ``$XDG_CACHE_HOME`` (``~/.cache``): the first of those
+    outside ``projects`` and outside any repository where a key exists or can be made.
+    ``Unusable`` says why there is none (a read-only home, say).
+    """
+    chosen = os.environ.get(KEY_FILE_ENV)
+    if chosen:
+        path = Path(os.path.abspath(chosen))
+        problem = _shared_place(path.parent, projects)
+        if problem is not None:
+            raise Unusable(f"{KEY_FILE_ENV}: {problem}; keep the key outside any project "
+                           "and repository")
+        return make_key(path)
+    problems = []
+    for folder in _key_folders():
+        problem = _shared_place(folder, projects)
+        if problem is None:
+            try:
+                _private_folder(folder)
+                return make_key(folder / KEY_NAME)
+            except Unusable as exc:
+                problem = str(exc)
+        problems.append(problem)
+    if not problems:
+        problems.append("no home folder, and neither XDG_CONFIG_HOME nor XDG_CACHE_HOME is set")
+    raise Unusable("no private place for the reference cache's key: " + "; ".join(problems)
+                   + f" (set {KEY_FILE_ENV} to a file outside the project and any repository)")
+
+
+def session_cache() -> ReferenceCache:
+    """A cache for this session only: a private temporary folder and a key of its own
+    (removed with ``temporary`` when the session ends)."""
+    import tempfile
+
+    root = Path(tempfile.mkdtemp(prefix="gpucase-references-"))
+    folder = root / "entries"
+    folder.mkdir(mode=0o700)
+    return ReferenceCache(folder, make_key(root / KEY_NAME), base=root, temporary=root)

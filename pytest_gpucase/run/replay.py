@@ -1,21 +1,38 @@
 """The child's side of module and op cases: the generated calls a recorded case names.
 
-``call = "pytest_gpucase.capture:replay_module"`` (and ``replay_op``) in a saved
-``case.toml`` resolve here through the ``pytest_gpucase.capture`` facade.
+``call = "pytest_gpucase.capture:replay_module"`` (and ``replay_op``, ``replay_function``)
+in a saved ``case.toml`` resolve here through the ``pytest_gpucase.capture`` facade, as does
+``build_model``, which the ``case.py`` the Recorder writes beside a model it cannot name by
+an import (a Hugging Face model and its config, a LightningModule and its hyperparameters, a
+class defined in the script that was run) calls to build it.
 """
 
 from __future__ import annotations
 
+import ast
+import hashlib
+import importlib.util
+import json
+import sys
+import warnings
 from collections.abc import Mapping
-from typing import Any
+from pathlib import Path
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
-from pytest_gpucase.base.tensors import tensors_in
-from pytest_gpucase.case.keys import GRAD_PREFIX, STATE_PREFIX
+from pytest_gpucase.base.tensors import named_tensors, tensors_in
+from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, STATE_PREFIX
 
-__all__ = ["import_target", "replay_module", "replay_op"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["build_model", "decode_nested", "file_sha256", "import_target", "load_checkpoint",
+           "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
+           "retie", "script_definitions"]
 
 
 def import_target(target: str) -> Any:
+    """The object ``"package.module:Qual.name"`` names, imported."""
     import importlib
 
     where, _, qualname = target.partition(":")
@@ -25,14 +42,101 @@ def import_target(target: str) -> Any:
     return obj
 
 
+def require_finite(what: str, value: Any) -> None:
+    """Raise FloatingPointError naming each floating tensor in ``value`` that holds NaN or
+    inf: how a case captured from a non-finite value fails again, and passes once fixed."""
+    import torch
+
+    problems = []
+    for name, tensor in named_tensors(value, "out"):
+        if not (tensor.is_floating_point() or tensor.is_complex()) or tensor.is_meta:
+            continue
+        nan, inf = (int(n) for n in torch.stack((tensor.isnan().sum(),
+                                                 tensor.isinf().sum())).tolist())
+        if nan or inf:
+            kinds = " and ".join(f"{n} {k}" for n, k in ((nan, "NaN"), (inf, "inf")) if n)
+            problems.append(f"{name} holds {kinds}")
+    if problems:
+        raise FloatingPointError(f"non-finite {what}: {'; '.join(problems)}")
+
+
+def retie(module: torch.nn.Module, tied: Mapping[str, str]) -> None:
+    """Make each ``alias`` parameter the very Parameter at ``source`` again (an embedding and
+    an LM head sharing one weight), as the model had them: a state dict holds them apart."""
+    for alias, source in tied.items():
+        owner_name, _, attr = alias.rpartition(".")
+        owner = module.get_submodule(owner_name) if owner_name else module
+        target_name, _, target_attr = source.rpartition(".")
+        target = module.get_submodule(target_name) if target_name else module
+        setattr(owner, attr, getattr(target, target_attr))
+
+
+def _loss_of(out: Any) -> torch.Tensor | None:
+    """The loss a training step returns: the tensor itself, ``out["loss"]`` or ``out.loss``."""
+    import torch
+
+    if isinstance(out, torch.Tensor):
+        return out
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    return loss if isinstance(loss, torch.Tensor) else None
+
+
+def _backward(out: Any, recipe: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
+    """Run the captured backward pass from ``out``: from the loss when the case recomputes
+    it (``loss = "output"``), else from the saved ``grad_output`` tensors."""
+    import torch
+
+    how = recipe.get("loss")
+    if how == "output" or isinstance(how, Mapping):
+        if isinstance(how, Mapping):  # the watched loss function, called on the output again
+            function = import_target(str(how["call"]))
+            given = {k.removeprefix(LOSS_PREFIX): v for k, v in inputs.items()
+                     if k.startswith(LOSS_PREFIX)}
+            given.update(dict(how.get("inputs", {})))
+            given[str(how["output"])] = list(tensors_in(out))[int(how.get("index", 0))]
+            out = function(**given)
+            if recipe.get("finite"):
+                require_finite("loss", out)
+        loss = (_loss_of(out) if "loss_index" not in recipe or isinstance(how, Mapping)
+                else list(tensors_in(out))[int(recipe["loss_index"])])
+        if loss is None:
+            raise TypeError("the case replays backward from the loss its call returns, but "
+                            f"the call returned {type(out).__name__} without one")
+        loss.backward()  # type: ignore[no-untyped-call]
+        return
+    outs = [t for t in tensors_in(out) if t.requires_grad]
+    saved = recipe.get("grad_outputs", [])
+    if isinstance(saved, Mapping):  # output index -> payload name
+        pairs = [(outs[int(i)], inputs[name]) for i, name in saved.items() if int(i) < len(outs)]
+        if pairs and len(pairs) == len(saved):
+            torch.autograd.backward([o for o, _ in pairs], [g.to(o.dtype) for o, g in pairs])
+            return
+    else:  # cases written before the index was kept: one gradient per output
+        grads = [inputs[name] for name in saved]
+        if grads and len(grads) == len(outs):
+            torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs,
+                                                                          strict=True)])
+            return
+    torch.autograd.backward(sum((t.float().sum() for t in outs), torch.zeros(())))
+
+
 def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     """Rebuild a captured module, load its saved state and call it on the saved inputs.
 
     The generated ``call`` of a module case. ``gpucase_module`` is the ``[inputs]`` table
-    capture writes: ``factory`` ("pkg.mod:make" or a torch.nn class; a bundled case may name
-    "case.py:make", which the child imports from the case directory) and its ``kwargs``,
-    ``training`` (the train/eval mode), ``backward`` (the failure was in backward: run it
-    with the saved ``grad_output.<i>`` tensors). ``state.<name>`` tensors are the state dict.
+    capture writes: ``factory`` ("pkg.mod:make" or a torch.nn class; "case.py:make_model",
+    which the child imports from the case directory) and its ``kwargs``, ``training`` (the
+    train/eval mode), ``method`` (a method called instead of forward: a LightningModule's
+    ``training_step``), ``tied`` (alias = source: parameters shared in the model),
+    ``buffers`` (the non-persistent buffers among the ``state.<name>`` tensors),
+    ``backward`` (the failure was in backward: run it, from the loss the call returns when
+    ``loss = "output"``, its ``loss_index``-th output tensor when given; from the loss
+    function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
+    argument ``output`` with the ``loss.<name>`` tensors; else from the saved
+    ``grad_output.<i>`` tensors), ``nested`` (arguments of lists, tuples and dicts of
+    tensors) and ``finite``
+    (the failure was a non-finite value: outputs and gradients must be finite).
+    ``state.<name>`` tensors are the state dict.
     """
     import torch
 
@@ -40,28 +144,118 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     factory = recipe["factory"]
     # A "FILE.py:make" factory arrives already imported from the case directory (execute).
     make = factory if callable(factory) else import_target(str(factory))
-    module = make(**dict(recipe.get("kwargs", {})))
     state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
              if k.startswith(STATE_PREFIX)}
-    grads = [inputs[name] for name in recipe.get("grad_outputs", [])]
-    args = {k: v for k, v in inputs.items() if not k.startswith((STATE_PREFIX, GRAD_PREFIX))}
-    # assign: the saved tensors become the parameters, in the device and dtype of the run.
-    module.load_state_dict(state, strict=True, assign=True)
+    args = _arguments(recipe, inputs, (STATE_PREFIX, GRAD_PREFIX, LOSS_PREFIX))
+    module = _rebuilt(make, recipe, state)
     device = next((t.device for t in tensors_in(list(inputs.values()))), None)
     if device is not None:
         module.to(device)  # non-persistent buffers, made by the constructor on the host
     module.train(bool(recipe.get("training", False)))
-    if not recipe.get("backward"):
-        return module(**args)
-    with torch.enable_grad():
-        out = module(**args)
-        outs = [t for t in tensors_in(out) if t.requires_grad]
-        if grads and len(grads) == len(outs):
-            torch.autograd.backward(outs, [g.to(o.dtype) for g, o in zip(grads, outs,
-                                                                          strict=True)])
-        else:
-            torch.autograd.backward(sum((t.float().sum() for t in outs), torch.zeros(())))
-    return {"out": out, "grad": {name: p.grad for name, p in module.named_parameters()}}
+    call = getattr(module, str(recipe["method"])) if recipe.get("method") else module
+    finite = bool(recipe.get("finite"))
+    with warnings.catch_warnings():
+        # A LightningModule's self.log() without a Trainer says so and does nothing.
+        warnings.filterwarnings("ignore", message=r"You are trying to `self\.log\(\)`")
+        if not recipe.get("backward"):
+            out = call(**args)
+            if finite:
+                require_finite("output", out)
+            return out
+        with torch.enable_grad():
+            out = call(**args)
+            if finite:
+                require_finite("output", out)
+            _backward(out, recipe, inputs)
+    grads = {name: p.grad for name, p in module.named_parameters()}
+    if finite:
+        require_finite("gradient", grads)
+    return {"out": out, "grad": grads}
+
+
+def _rebuilt(make: Any, recipe: Mapping[str, Any],
+             state: dict[str, Any]) -> torch.nn.Module:
+    """The module ``make`` builds, holding ``state``: its saved tensors become its parameters
+    and buffers (``assign``: in the device and dtype of the run, no copy).
+
+    A case that lists the module's non-persistent ``buffers`` holds every tensor the module
+    has, so the module is built on the meta device first: its constructor allocates and
+    initializes nothing, and a replay costs the state once, not twice. A module whose
+    constructor cannot run on meta, or that keeps a tensor the case lacks, is built on the
+    host as cases written before the list were.
+    """
+    import torch
+
+    kwargs = dict(recipe.get("kwargs", {}))
+    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    buffers = [str(name) for name in recipe.get("buffers", ())]
+    for alias, source in tied.items():
+        if source in state:
+            state.setdefault(alias, state[source])
+    loaded = {k: v for k, v in state.items() if k not in buffers}
+    if "buffers" in recipe and state:
+        try:
+            with torch.device("meta"):
+                module: torch.nn.Module = make(**kwargs)
+            module.load_state_dict(loaded, strict=True, assign=True)
+            retie(module, tied)
+            for name in buffers:
+                owner, _, attr = name.rpartition(".")
+                module.get_submodule(owner)._buffers[attr] = state[name]
+            if not any(_on_meta(m) for m in module.modules()):
+                return module
+        except Exception:  # built again on the host below
+            pass
+    module = make(**kwargs)
+    if state:
+        module.load_state_dict(loaded, strict=True, assign=True)
+        retie(module, tied)
+        for name in buffers:
+            owner, _, attr = name.rpartition(".")
+            module.get_submodule(owner)._buffers[attr] = state[name]
+    return module
+
+
+def _on_meta(module: torch.nn.Module) -> bool:
+    """Whether a module still holds a tensor on the meta device: a parameter or buffer the
+    case did not fill, or a plain tensor attribute its constructor made."""
+    import torch
+
+    values = [*module._parameters.values(), *module._buffers.values(),
+              *(v for v in vars(module).values() if isinstance(v, torch.Tensor))]
+    return any(isinstance(t, torch.Tensor) and t.is_meta for t in values)
+
+
+def replay_function(*, gpucase_function: Mapping[str, Any], **inputs: Any) -> Any:
+    """Call the function ``target`` names on the saved inputs (the ``nested`` ones rebuilt);
+    with ``finite``, its outputs must be finite (a case captured from the first non-finite
+    value a function returned)."""
+    target = gpucase_function["target"]
+    func = target if callable(target) else import_target(str(target))
+    out = func(**_arguments(gpucase_function, inputs, ()))
+    if gpucase_function.get("finite"):
+        require_finite("output", out)
+    return out
+
+
+def decode_nested(spec: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
+    """An argument that nested tensors in lists, tuples and dicts, rebuilt from the table the
+    Recorder wrote (``record.inputs.encode_nested``) and the tensors it names."""
+    if "tuple" in spec:
+        return tuple(decode_nested(item, tensors) for item in spec["tuple"])
+    if "dict" in spec:
+        return {str(k): decode_nested(v, tensors) for k, v in spec["dict"].items()}
+    return _decode_arg(spec, tensors)
+
+
+def _arguments(table: Mapping[str, Any], inputs: Mapping[str, Any],
+               skip: tuple[str, ...]) -> dict[str, Any]:
+    """The call's keyword arguments: the inputs but those under ``skip`` prefixes and the
+    nested tensors, with the nested arguments the table describes rebuilt."""
+    args = {k: v for k, v in inputs.items() if not k.startswith((*skip, NESTED_PREFIX))}
+    for name, spec in dict(table.get("nested", {})).items():
+        args[str(name)] = decode_nested(spec, inputs)
+    return args
 
 
 def _decode_arg(spec: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
@@ -76,7 +270,7 @@ def _decode_arg(spec: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
     if "device" in spec:
         return torch.device(spec["device"])
     if "list" in spec:
-        return [_decode_arg(item, tensors) for item in spec["list"]]
+        return [decode_nested(item, tensors) for item in spec["list"]]
     return spec["value"]
 
 
@@ -93,3 +287,130 @@ def replay_op(*, gpucase_op: Mapping[str, Any], **tensors: Any) -> Any:
     args = [_decode_arg(a, tensors) for a in gpucase_op.get("args", [])]
     kwargs = {k: _decode_arg(v, tensors) for k, v in gpucase_op.get("kwargs", {}).items()}
     return op(*args, **kwargs)
+
+
+# Statements of a script kept when its definitions are loaded without running it.
+_DEFINITIONS = (ast.Import, ast.ImportFrom, ast.ClassDef, ast.FunctionDef,
+                ast.AsyncFunctionDef)
+
+
+def _call_free(node: ast.AST) -> bool:
+    """No call outside a lambda's body: evaluating it runs no one's code."""
+    if isinstance(node, ast.Lambda):
+        return True
+    if isinstance(node, (ast.Call, ast.Await, ast.Yield, ast.YieldFrom, ast.NamedExpr)):
+        return False
+    return all(_call_free(child) for child in ast.iter_child_nodes(node))
+
+
+def _kept(node: ast.stmt) -> bool:
+    if isinstance(node, _DEFINITIONS):
+        return True
+    if isinstance(node, ast.Assign | ast.AnnAssign):
+        return node.value is not None and _call_free(node.value)
+    if isinstance(node, ast.Expr):
+        return isinstance(node.value, ast.Constant)  # a docstring
+    if isinstance(node, ast.Try):  # try: import fast except ImportError: import slow
+        return all(_kept(n) or isinstance(n, ast.Pass) for n in
+                   [*node.body, *(n for h in node.handlers for n in h.body), *node.orelse,
+                    *node.finalbody])
+    return False
+
+
+def script_definitions(source: str) -> str:
+    """The definitions of a script (imports, classes, functions, call-free assignments),
+    without what it runs: its training loop, under ``if __name__ == "__main__":`` or not."""
+    tree = ast.parse(source)
+    tree.body = [node for node in tree.body if _kept(node)]
+    return ast.unparse(tree)
+
+
+def load_script(path: Path) -> ModuleType:
+    """The definitions of the script at ``path`` as a module of their own (see
+    ``script_definitions``): how a replay finds a model class defined in ``__main__``."""
+    path = Path(path).resolve()
+    digest = hashlib.sha256(str(path).encode()).hexdigest()[:8]
+    name = f"gpucase_script_{''.join(c if c.isalnum() else '_' for c in path.stem)}_{digest}"
+    module = sys.modules.get(name)
+    if module is not None:
+        return module
+    source = script_definitions(path.read_text(encoding="utf-8"))
+    spec = importlib.util.spec_from_loader(name, loader=None, origin=str(path))
+    assert spec is not None
+    module = importlib.util.module_from_spec(spec)
+    module.__file__ = str(path)
+    sys.modules[name] = module  # dataclasses and pickle look their module up there
+    # The script's own folder first, as when it was run: its sibling modules import.
+    added = str(path.parent) not in sys.path
+    if added:
+        sys.path.insert(0, str(path.parent))
+    try:
+        exec(compile(source, str(path), "exec"), module.__dict__)
+    except BaseException:
+        sys.modules.pop(name, None)
+        raise
+    return module
+
+
+def build_model(recipe_file: Path) -> torch.nn.Module:
+    """Build the model a ``model.json`` describes (the Recorder writes it, with the
+    ``case.py`` that calls this): ``class`` ("pkg.mod:Qual", or "Qual" of ``script``, a path
+    relative to that file), then either ``config`` (a Hugging Face config file, read with
+    the class's ``config_class``) or ``kwargs`` (the constructor's keyword arguments)."""
+    recipe_file = Path(recipe_file)
+    recipe = json.loads(recipe_file.read_text(encoding="utf-8"))
+    target = str(recipe["class"])
+    if recipe.get("script"):
+        obj: Any = load_script(recipe_file.parent / str(recipe["script"]))
+        for part in target.split("."):
+            obj = getattr(obj, part)
+        cls = obj
+    else:
+        cls = import_target(target)
+    if recipe.get("config"):
+        config = cls.config_class.from_json_file(str(recipe_file.parent / recipe["config"]))
+        attention = recipe.get("attn_implementation")
+        if attention:
+            config._attn_implementation = attention
+        return cls(config)  # type: ignore[no-any-return]
+    return cls(**dict(recipe.get("kwargs", {})))  # type: ignore[no-any-return]
+
+
+def load_checkpoint(path: Path, sha256: str | None, prefix: str = "",
+                    ) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint a model case references (``[inputs.gpucase_module]
+    checkpoint``), under ``state.<name>``, after its hash is checked: a safetensors file
+    read lazily, else a ``torch.save`` file read with ``weights_only=True`` and ``mmap``.
+    ``prefix`` keeps the tensors below it (a submodule's), named without it; a ``sha256`` of
+    None skips the check (the Recorder comparing the file with the model it holds)."""
+    import torch
+
+    found = file_sha256(path) if sha256 is not None else None
+    if found != sha256:
+        raise ValueError(f"checkpoint {path}: sha256 {found} differs from the {sha256} the "
+                         "case recorded: the file changed since the failure was captured")
+    tensors: dict[str, torch.Tensor] = {}
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as handle:
+            for key in handle.keys():  # noqa: SIM118 - safe_open is not a mapping
+                if key.startswith(prefix):
+                    tensors[key[len(prefix):]] = handle.get_tensor(key)
+    else:
+        loaded = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        if isinstance(loaded, Mapping) and isinstance(loaded.get("state_dict"), Mapping):
+            loaded = loaded["state_dict"]  # a Lightning checkpoint
+        for key, value in dict(loaded).items():
+            if isinstance(value, torch.Tensor) and str(key).startswith(prefix):
+                tensors[str(key)[len(prefix):]] = value
+    return {f"{STATE_PREFIX}{k}": v for k, v in tensors.items()}
+
+
+def file_sha256(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(2**22):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"

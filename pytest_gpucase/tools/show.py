@@ -14,11 +14,12 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpucase.base.errors import CaseFormatError
-from pytest_gpucase.base.text import markdown_code
+from pytest_gpucase.base.text import markdown_code, terminal_safe
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import INPUTS_FILE, Case
-from pytest_gpucase.tools.scrub import Scrubber
+from pytest_gpucase.report.file import load_report
+from pytest_gpucase.tools.scrub import Scrubber, remove_secrets
 from pytest_gpucase.tools.validate import hash_setting
 from pytest_gpucase.verdict.triage import assertion_line, triage
 
@@ -32,7 +33,14 @@ _STDERR_LINES = 20
 
 
 def show(case_dir: Path, report: Path | None = None) -> str:
-    """The case at a glance: what it calls and expects, where it came from, its inputs."""
+    """The case at a glance: what it calls and expects, where it came from, its inputs.
+
+    Everything it says comes from files anyone may have written: the text is made safe
+    for a terminal (no escape sequence: a window title, a clipboard write, a screen
+    clear), and secrets are removed by their shape (``scrub.remove_secrets``; paths and
+    names stay, as this is for the person who has the case). A ``report`` is read as
+    ``gpucase matrix`` reads one; ``ReportError`` when it cannot be.
+    """
     case = load_case(Path(case_dir))
     lines = [f"{case.name}  ({case.path})"]
     if case.summary:
@@ -83,7 +91,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     if report is not None:
         lines.append(f"last verdicts ({report}):")
         lines.extend(f"  {line}" for line in _verdicts(Path(report), case))
-    return "\n".join(lines)
+    return remove_secrets(terminal_safe("\n".join(lines)))
 
 
 def request(case_dir: Path) -> str:
@@ -142,7 +150,9 @@ def request(case_dir: Path) -> str:
     if case.xfail:
         parts += ["", f"The case is a strict xfail (`{case.xfail}`); add `--runxfail` to see the "
                   "failure itself."]
-    text = "\n".join(parts) + "\n"
+    # Made safe for the terminal first: an escape sequence inside a secret's name must not
+    # keep the scrubber from seeing it.
+    text = terminal_safe("\n".join(parts) + "\n")
     return Scrubber.here(case, ids if isinstance(ids, list) else []).scrub(text)
 
 
@@ -284,26 +294,19 @@ def _resized(case: Case) -> list[str]:
 
 
 def _verdicts(report: Path, case: Case) -> list[str]:
-    """This case's last verdict per item from a JSON report, read defensively."""
-    try:
-        data = json.loads(report.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError) as exc:
-        return [f"cannot read the report: {exc}"]
-    results = data.get("results") if isinstance(data, dict) else None
-    if not isinstance(results, list):
-        return ["the report has no results list"]
+    """This case's last verdict per item from a JSON report (``load_report`` checks it)."""
     last: dict[str, Mapping[str, Any]] = {}
-    for entry in results:
-        if isinstance(entry, dict) and _is_this_case(entry, case):
-            key = str(entry.get("nodeid") or _run_id(entry))
+    for entry in load_report(report)["results"]:
+        if _is_this_case(entry, case):
+            key = entry["nodeid"]
             last.pop(key, None)  # a later entry for the same item wins, in its new place
             last[key] = entry
     if not last:
         return ["no verdict of this case in the report"]
     lines = []
     for entry in last.values():
-        message = _one_line(entry.get("message") or "")
-        line = f"{_run_id(entry)}: {entry.get('outcome', '?')}"
+        message = _one_line(entry["message"] or "")
+        line = f"{_run_id(entry)}: {entry['outcome']}"
         lines.append(f"{line}: {message}" if message else line)
     return lines
 
@@ -324,7 +327,7 @@ def _is_this_case(entry: Mapping[str, Any], case: Case) -> bool:
     if isinstance(recorded, str) and recorded:
         where = Path(recorded)
         mine = case.path.resolve()
-        with contextlib.suppress(OSError):
+        with contextlib.suppress(OSError, ValueError):  # too long, or a NUL in it
             if where.resolve() == mine:
                 return True
         parts = where.parts

@@ -26,6 +26,7 @@ from typing import Literal
 from pytest_gpucase.base.errors import CaseFormatError, display, regular_file
 from pytest_gpucase.case import payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
+from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import (
     CASE_FILE,
@@ -136,6 +137,8 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
         return [f"{display(directory / CASE_FILE)}: cannot be loaded: {type(exc).__name__}: "
                 f"{exc}"]
     problems: list[CaseFormatError] = []
+    problems.extend(_incomplete(case))
+    problems.extend(_module_problems(case))
     infos = _payloads(case, problems)
     shapes = None if infos is None else header_shapes(infos)
     tensors = None if shapes is None else set(shapes)
@@ -220,6 +223,16 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.Tenso
             continue
         if file == case.inputs_file:
             shapes = infos
+        try:
+            for name, blob in payload.store_files(file).items():
+                if payload.content_hash(blob) != f"sha256:{blob.stem}":
+                    problems.append(CaseFormatError(
+                        file, f"tensor '{name}': its store file {blob.parent.name}/"
+                        f"{blob.stem[:12]}… does not hold what its name (its sha256) says: "
+                        "changed or corrupted since the capture; capture the case again"))
+        except (CaseFormatError, OSError) as exc:
+            problems.append(exc if isinstance(exc, CaseFormatError)
+                            else CaseFormatError(file, f"cannot be read: {exc}"))
     if case.inputs_sha256 is not None:
         if not os.path.lexists(case.inputs_file):
             problems.append(CaseFormatError(
@@ -233,6 +246,68 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.Tenso
                     f"{CASE_FILE} (changed or corrupted since the case was saved); restore it, "
                     f"or if the change is intended set inputs_sha256 = \"{found}\""))
     return shapes
+
+
+def _incomplete(case: Case) -> list[CaseFormatError]:
+    """What the Recorder wrote it could not save (``[origin] incomplete``): each a problem,
+    since such a case cannot replay its failure until it is completed."""
+    reasons = case.origin.get("incomplete", ())
+    if isinstance(reasons, str):
+        reasons = [reasons]
+    if not isinstance(reasons, (list, tuple)):
+        return []
+    return [CaseFormatError(case.case_file, str(reason), key="[origin] incomplete")
+            for reason in reasons]
+
+
+def _module_problems(case: Case) -> list[CaseFormatError]:
+    """A module case's rebuild: the files its ``case.py`` reads (``model.json``, a config, the
+    script it loads the class from) and the checkpoint it references, present and unchanged."""
+    import json
+
+    recipe = case.literals.get(MODULE_KEY)
+    if case.call != REPLAY_MODULE or not isinstance(recipe, dict):
+        return []
+    key = f"[inputs] {MODULE_KEY}"
+    problems: list[CaseFormatError] = []
+    reference = recipe.get("checkpoint")
+    if isinstance(reference, dict):
+        path = Path(str(reference.get("path", "")))
+        if not path.is_file():
+            problems.append(CaseFormatError(case.case_file, f"names {path}, which is not a file "
+                                            "here: the model's state is in that checkpoint",
+                                            key=f"{key}.checkpoint"))
+        else:
+            found = _file_hash(path)
+            if found != reference.get("sha256"):
+                problems.append(CaseFormatError(
+                    case.case_file, f"{path} has sha256 {found}, not the {reference.get('sha256')} "
+                    "recorded: the checkpoint changed since the capture, so the case would "
+                    "replay another model", key=f"{key}.checkpoint"))
+    model_file = case.path / "model.json"
+    if str(recipe.get("factory", "")).startswith("case.py:") and model_file.exists():
+        try:
+            model = json.loads(model_file.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as exc:
+            return [*problems, CaseFormatError(model_file, f"cannot be read: {exc}")]
+        for name in ("config", "script"):
+            if isinstance(model, dict) and model.get(name):
+                needed = case.path / str(model[name])
+                if not needed.is_file():
+                    problems.append(CaseFormatError(
+                        model_file, f"{name} {model[name]} is not a file here: the model is "
+                        "rebuilt from it"))
+    return problems
+
+
+def _file_hash(path: Path) -> str:
+    import hashlib
+
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(2**22):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _unmet_requirement(case: Case) -> str | None:

@@ -469,7 +469,12 @@ _RULES: tuple[_Rule, ...] = (
             r"is non-finite, so it cannot be clipped",
             r"probability tensor contains either `inf`, `nan` or element < 0",
             r"to satisfy the constraint .{0,1024}, but found invalid values",
+            # The Recorder's nonfinite= and its replays, and checks.finite.
+            r"\bnon-finite (?:value|output|loss|gradient)",
+            r"\bholds \d+ (?:NaN|inf)\b",
+            r"\bis [-+]?(?:nan|inf)$",
         ),
+        error_types=("FloatingPointError",),
         details=(
             (
                 r"Function '(?P<function>\w+)' returned nan values",

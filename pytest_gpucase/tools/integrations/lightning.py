@@ -1,0 +1,150 @@
+"""The Recorder as a Lightning ``Callback``: ``Trainer(callbacks=[GpuCaseCallback("cases")])``.
+
+Each stage's LightningModule is watched when the Trainer sets it up (in every process:
+``ddp``, ``ddp_spawn``). Every training and validation batch is a step: its batch is
+copied before ``training_step`` runs, so that a failure of the step saves a case that
+calls ``training_step(batch, batch_idx)`` again on that batch (and runs the backward pass
+of the loss it returns, when the failure came from there): the forward, the loss, the
+metric and the backward are replayed as they ran. A failure in the module's own forward
+is the module's case, as ``rec.watch`` makes it. The LightningModule is rebuilt from the
+hyperparameters ``save_hyperparameters()`` kept; ``precision="bf16-mixed"`` (or
+``"16-mixed"``) is the case's autocast context.
+
+Importing this module imports Lightning (``lightning.pytorch``, else ``pytorch_lightning``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+try:
+    from lightning.pytorch.callbacks import Callback
+except ImportError:  # pragma: no cover - the standalone package
+    from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+
+from pytest_gpucase.tools.record import Recorder, Step
+from pytest_gpucase.tools.record.inputs import Before
+from pytest_gpucase.tools.record.origin import watched_call
+
+__all__ = ["GpuCaseCallback"]
+
+# Lightning's precision names -> the autocast dtype they compute in.
+_AUTOCAST = {"bf16-mixed": "bfloat16", "16-mixed": "float16"}
+
+
+class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
+    """Save the first failure of a Lightning run as a case that ``pytest --gpu-cases``
+    replays.
+
+    ``root`` and the keyword ``options`` make the ``Recorder`` (``nonfinite=True``,
+    ``narrow=False``, ...); or pass one as ``recorder``. ``name``, ``factory``, ``kwargs``
+    and ``checkpoint`` are ``rec.watch``'s for the LightningModule; ``ids`` is called with
+    each batch and returns its sample ids.
+    """
+
+    def __init__(self, root: str | os.PathLike[str] = "cases", *,
+                 recorder: Recorder | None = None, name: str | None = None,
+                 factory: str | None = None, kwargs: Mapping[str, Any] | None = None,
+                 checkpoint: str | os.PathLike[str] | None = None,
+                 ids: Callable[[Any], Iterable[object]] | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        self.recorder = recorder if recorder is not None else Recorder(root, **options)
+        self._watch: dict[str, Any] = {"name": name, "factory": factory, "kwargs": kwargs,
+                       "checkpoint": checkpoint}
+        self._ids = ids
+        self._step: Step | None = None
+        self._call: tuple[str, tuple[Any, ...], Before] | None = None
+        self._in_backward = False
+
+    # -- the module ------------------------------------------------------------------
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.recorder.watch(pl_module, **self._watch)
+
+    def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self._close()
+        self.recorder.unwatch(pl_module)
+
+    # -- the steps -------------------------------------------------------------------
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        self._open(trainer, pl_module, "training_step", trainer.global_step, batch, batch_idx)
+
+    def on_train_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        self._close()
+
+    def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                                  batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._open(trainer, pl_module, "validation_step", f"validation {batch_idx}", batch,
+                   batch_idx)
+
+    def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
+                                batch_idx: int, dataloader_idx: int = 0) -> None:
+        self._close()
+
+    def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
+        self._in_backward = True
+        rec = self.recorder
+        if not rec.checks("loss") or rec.taken() or self._call is None:
+            return
+        from pytest_gpucase.tools.record.watch import nonfinite_problem
+
+        problem = nonfinite_problem(f"loss of {type(pl_module).__qualname__}", loss)
+        if problem is not None:
+            method, args, before = self._call
+            rec.nonfinite(problem, lambda exc: rec.save_method(
+                exc, pl_module, method, args, {}, before, backward=False))
+
+    def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
+        self._in_backward = False
+
+    def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:
+        # Outside a step (a spawned rank's error raised again in the launching process,
+        # an error in setup) there is no call of this process to replay.
+        if self._call is not None:
+            method, args, before = self._call
+            self.recorder.record(exception, module=pl_module, method=method, args=args,
+                                 before=before, backward=self._in_backward)
+        self._close(exception)
+
+    # -- helpers ---------------------------------------------------------------------
+
+    def _open(self, trainer: Any, pl_module: Any, method: str, iteration: int | str,
+              batch: Any, batch_idx: int) -> None:
+        self._close()
+        rec = self.recorder
+        ids = None
+        if self._ids is not None:
+            try:
+                ids = list(self._ids(batch))
+            except Exception:
+                ids = None
+        self._step = rec.step(iteration, method, sample_ids=ids)  # type: ignore[arg-type]
+        self._step.__enter__()
+        self._in_backward = False
+        args = (batch, batch_idx)
+        before = Before()
+        if not rec.taken():
+            watched = watched_call(getattr(pl_module, method), method, None, None)
+            before = rec.snapshot_of(watched, args, {})
+        self._call = (method, args, before)
+        autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
+        if autocast is not None:
+            device = str(getattr(pl_module, "device", "cpu")).split(":")[0]
+            rec.step_context["autocast"] = {"device_type": device, "dtype": autocast,
+                                            "enabled": True}
+
+    def _close(self, exception: BaseException | None = None) -> None:
+        step, self._step = self._step, None
+        self._call = None
+        if step is None:
+            return
+        if exception is None:
+            step.__exit__(None, None, None)
+        else:
+            step.__exit__(type(exception), exception, exception.__traceback__)

@@ -1,0 +1,427 @@
+"""A watched call's inputs: the snapshot taken before each call, the arguments bound to
+names and sorted into what a case holds (tensors on the host, TOML literals, dicts of
+tensors) and what it cannot, and the numeric context (RNG states, autocast and math flags)
+the call ran under.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpucase.base import backends
+from pytest_gpucase.base.tensors import is_tensor, nbytes, tensor_versions, tensors_in
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import DICT_PREFIX, NESTED_PREFIX, RNG_NAMES, TENSORS_KEY
+from pytest_gpucase.tools.record.origin import INT64, Watched, error_line, mib
+from pytest_gpucase.verdict.triage import Triage
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["NOT_LITERAL", "Before", "Inputs", "as_literal", "collect", "encode_nested",
+           "numeric_context",
+           "rng_state", "snapshot_before", "storable", "synchronize", "tensors_of", "unusable"]
+
+# Host inputs copied before each call from this size up are named once (the copy is paid at
+# every step of a loop that never fails).
+_HOST_COPY_NOTE = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class Before:
+    """A watched call's tensor arguments as they were before it ran, keyed by ``id``: host
+    copies where the snapshot rule took them, and every one's version counter (a read)."""
+
+    copies: Mapping[int, torch.Tensor] = field(default_factory=dict)
+    versions: Mapping[int, int] = field(default_factory=dict)
+    # Why a tensor without a copy has none, and how to get one: the fix a note names.
+    why_not: str = ""
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """A watched call's arguments, sorted into what a case can hold and what it cannot."""
+
+    tensors: Mapping[str, torch.Tensor] = field(default_factory=dict)  # on the host
+    literals: Mapping[str, Any] = field(default_factory=dict)
+    described: Mapping[str, str] = field(default_factory=dict)
+    skipped: Mapping[str, str] = field(default_factory=dict)
+    snapshot: str | None = None
+    problems: tuple[str, ...] = ()
+    devices: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()  # changed in place by the failing call, saved as changed
+    shared: tuple[str, ...] = ()   # "buf, view": arguments sharing memory, held apart in a case
+    # Arguments nesting tensors in lists, tuples and dicts (a batch (x, y)): name -> the
+    # structure, its tensors named ``nested.<name>.<path>`` among ``tensors``.
+    nested: Mapping[str, Any] = field(default_factory=dict)
+
+
+def snapshot_before(watched: Watched, args: Any, kwargs: Any, *, snapshot: str,
+                    snapshot_limit: int, device_names: dict[str, str],
+                    note: Callable[[str, str], None]) -> Before:
+    """Host copies of the tensor arguments while they fit ``snapshot_limit`` (device ones
+    first: a sticky error would lose them), and every one's version counter.
+
+    A host tensor is copied too: the call may change it in place before it raises,
+    and the case must hold what was passed. The version counters cost a read each,
+    and tell, after a failure, which tensors without a copy the call changed. Each
+    device's name is asked for on the way (into ``device_names``); ``note(key, line)`` says
+    a line once per key.
+    """
+    tensors = list({id(t): t for t in tensors_of(args, kwargs)}.values())
+    if not tensors:
+        return Before()
+    versions = tensor_versions(tensors)
+    try:
+        device = [t for t in tensors if t.device.type != "cpu"]
+        _remember_device_names(device, device_names)
+        if snapshot != "before":
+            return Before(versions=versions, why_not=(
+                'snapshot="after"; Recorder(snapshot="before") copies them before each call, '
+                "as passed"))
+        stored = [t for t in tensors if storable(t)]
+        total = sum(nbytes(t) for t in stored)
+        taken = stored
+        why_not = ""
+        if total > snapshot_limit:
+            on_device = [t for t in stored if t.device.type != "cpu"]
+            device_total = sum(nbytes(t) for t in on_device)
+            taken = on_device if on_device and device_total <= snapshot_limit else []
+            what = ("only the device ones are copied before each call" if taken else
+                    "they are not copied before the call: device ones are copied after "
+                    "a failure, if the device still answers")
+            limit = mib(snapshot_limit)
+            why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
+                       f"of {mib(total)} or more copies them before each call, "
+                       "as passed")
+            note(f"limit:{watched.name}", (
+                f"gpucase: note: the inputs of {watched.name} hold {mib(total)}, "
+                f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
+                "they are after a failure (Recorder(snapshot_limit=...) to change)"))
+        copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
+        host = sum(nbytes(t) for t in taken if t.device.type == "cpu")
+        if host >= _HOST_COPY_NOTE:
+            # Paid by every step of a loop that never fails: said once, with the way out.
+            note(f"host-copy:{watched.name}", (
+                f"gpucase: note: {mib(host)} of host inputs of {watched.name} are "
+                "copied before each call, so that a failure saves them as passed; "
+                "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
+                "skips the copy"))
+        return Before(copies, versions, why_not)
+    except Exception:
+        # The device did not answer before the call; the call itself will tell.
+        return Before(versions=versions, why_not="the copy before the call failed")
+
+
+def _remember_device_names(tensors: list[torch.Tensor], names: dict[str, str]) -> None:
+    """Ask each device its name while it answers, so a sticky error cannot hide it."""
+    import torch
+
+    for tensor in tensors:
+        device = str(tensor.device)
+        if device in names:
+            continue
+        name = device
+        try:
+            if tensor.device.type == "cuda":
+                name = torch.cuda.get_device_name(tensor.device)
+            elif tensor.device.type == "xpu":
+                name = torch.xpu.get_device_name(tensor.device)
+        except Exception:
+            pass
+        names[device] = name
+
+
+def tensors_of(args: Any, kwargs: Any) -> list[torch.Tensor]:
+    """The tensors among the arguments, and those nested in lists, tuples and dicts of them
+    (a batch ``(x, y)``, a dict of tensors)."""
+    return list(tensors_in([list(args), list(kwargs.values())]))
+
+
+def _tensor_dict(value: Any) -> dict[str, torch.Tensor] | None:
+    """``value`` when it is a non-empty dict of tensors under string keys, else None."""
+    if (isinstance(value, Mapping) and value and all(isinstance(k, str) for k in value)
+            and all(is_tensor(v) for v in value.values())):
+        return dict(value)
+    return None
+
+
+def storable(tensor: torch.Tensor) -> bool:
+    """Whether the payload format holds ``tensor``: strided, of a dtype it knows."""
+    import torch
+
+    names = {name for name, _ in payload.DTYPES.values()}
+    return tensor.layout == torch.strided and str(tensor.dtype).removeprefix("torch.") in names
+
+
+def synchronize(tensors: list[torch.Tensor]) -> None:
+    """Wait for the devices of ``tensors``, so that an asynchronous error is raised now."""
+    import torch
+
+    for device in {t.device for t in tensors if t.device.type != "cpu"}:
+        backends.synchronize(torch, device)
+
+
+def _describe(tensor: torch.Tensor) -> str:
+    dtype = str(tensor.dtype).removeprefix("torch.")
+    text = f"{dtype} {tuple(tensor.shape)} stride {tuple(tensor.stride())}"
+    if tensor.storage_offset():
+        text += f" offset {tensor.storage_offset()}"
+    return f"{text} {tensor.device}"
+
+
+def _bind(watched: Watched, args: Any, kwargs: Any,
+          ) -> tuple[list[tuple[str, Any, inspect.Parameter | None]], list[str]]:
+    """The call's arguments by name, and why some could not be passed by keyword in a replay."""
+    problems: list[str] = []
+    if watched.signature is None:
+        if args:
+            problems.append(f"the signature of {watched.name} cannot be read, so its positional "
+                            "arguments are saved as arg0, arg1, ...: rename them in the case")
+        return ([(f"arg{i}", v, None) for i, v in enumerate(args)]
+                + [(k, v, None) for k, v in kwargs.items()], problems)
+    try:
+        bound = watched.signature.bind(*args, **kwargs)
+    except TypeError as exc:
+        problems.append(f"the arguments do not fit the signature of {watched.name} ({exc})")
+        return ([(f"arg{i}", v, None) for i, v in enumerate(args)]
+                + [(k, v, None) for k, v in kwargs.items()], problems)
+    named: list[tuple[str, Any, inspect.Parameter | None]] = []
+    for name, value in bound.arguments.items():
+        param = watched.signature.parameters[name]
+        if param.kind is inspect.Parameter.VAR_POSITIONAL:
+            if value:
+                problems.append(f"*{name} got {len(value)} extra positional arguments, which a "
+                                "replay cannot pass by keyword")
+                named.extend((f"{name}{i}", v, None) for i, v in enumerate(value))
+        elif param.kind is inspect.Parameter.VAR_KEYWORD:
+            named.extend((key, v, None) for key, v in value.items())
+        else:
+            if param.kind is inspect.Parameter.POSITIONAL_ONLY:
+                problems.append(f"{name} is positional-only, and a replay passes inputs by "
+                                "keyword: wrap the function")
+            named.append((name, value, param))
+    return named, problems
+
+
+def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
+            found: Triage | None, exc: BaseException) -> Inputs:
+    """Sort the arguments into tensors (on the host), literals and skipped values."""
+    import torch
+
+    named, problems = _bind(watched, args, kwargs)
+    tensors: dict[str, torch.Tensor] = {}
+    pending: dict[str, torch.Tensor] = {}
+    literals: dict[str, Any] = {}
+    described: dict[str, str] = {}
+    skipped: dict[str, str] = {}
+    devices: list[str] = []
+    copied: list[str] = []
+    host_after: list[str] = []
+    device_after: list[str] = []
+    changed: list[str] = []
+    storages: dict[tuple[str, int], list[str]] = {}
+
+    def take(name: str, value: torch.Tensor) -> None:
+        described[name] = _describe(value)
+        devices.append(str(value.device))
+        with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
+            where = value.untyped_storage().data_ptr()
+            if where:
+                storages.setdefault((str(value.device), where), []).append(name)
+        if not storable(value):
+            skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
+            return
+        if id(value) in before.copies:
+            tensors[name] = before.copies[id(value)]
+            copied.append(name)
+            return
+        version = before.versions.get(id(value))
+        if version is not None and tensor_versions([value]).get(id(value), version) != version:
+            changed.append(name)
+        if value.device.type == "cpu":
+            tensors[name] = value.detach()
+            host_after.append(name)
+        else:
+            pending[name] = value
+
+    nested: dict[str, Any] = {}
+    for name, value, param in named:
+        if isinstance(value, torch.Tensor):
+            take(name, value)
+            continue
+        if isinstance(value, (list, tuple, Mapping)) and _tensor_dict(value) is None:
+            found_tensors: dict[str, torch.Tensor] = {}
+            spec = encode_nested(value, f"{NESTED_PREFIX}{name}", found_tensors)
+            if spec is not None and found_tensors:
+                for key, tensor in found_tensors.items():
+                    take(key, tensor)
+                nested[name] = spec
+                continue
+        group = _tensor_dict(value)
+        if group is not None:
+            # Each tensor under its own payload name; [inputs] says how to rebuild the dict.
+            members = {key: f"{DICT_PREFIX}{name}.{key}" for key in group}
+            for key, tensor in group.items():
+                take(members[key], tensor)
+            literals[name] = {TENSORS_KEY: members}
+            continue
+        if value is None and param is not None and param.default is None:
+            continue  # the replay gets the same None from the default
+        literal = as_literal(value)
+        if literal is NOT_LITERAL:
+            skipped[name] = _type_name(value)
+        else:
+            literals[name] = literal
+    unsaved = None
+    if pending:
+        reason = unusable(found)
+        if reason is None:
+            try:
+                for name, value in pending.items():
+                    tensors[name] = payload.to_device(value, "cpu")
+                device_after.extend(pending)
+            except Exception as copy_error:
+                reason = (f"{found.clue if found else type(exc).__name__} (copying {name} to the "
+                          f"host raised {error_line(copy_error)})")
+                for name in pending:
+                    tensors.pop(name, None)
+        if reason is not None:
+            unsaved = f"not saved: device unusable after {reason}"
+            if tensors:
+                unsaved += f"; saved from the host: {', '.join(sorted(tensors))}"
+    groups = [(label, names) for label, names in (
+        ("tensors copied before the call", copied),
+        ("host tensors, as they were after the failure", host_after),
+        ("device tensors copied after the failure", device_after)) if names]
+    snapshot = unsaved
+    if snapshot is None and groups:
+        snapshot = (groups[0][0] if len(groups) == 1 else
+                    "; ".join(f"{label}: {', '.join(names)}" for label, names in groups))
+    changed = [name for name in changed if name in tensors]
+    if changed and snapshot is not None:
+        snapshot += (f"; changed in place by the failing call, so saved as changed: "
+                     f"{', '.join(changed)} (not copied before the call: {before.why_not})")
+    # A case holds each tensor on its own: a failure that needs a write through one argument
+    # to show in another (a buffer and a view of it) cannot replay as captured.
+    shared = tuple(", ".join(names) for names in storages.values() if len(names) > 1)
+    if shared and snapshot is not None:
+        snapshot += f"; shared memory in the call, held apart in the case: {'; '.join(shared)}"
+    if skipped:
+        problems.append(f"{', '.join(sorted(skipped))} could not be saved (see [origin] "
+                        "skipped_inputs): add them to [inputs] or to inputs.safetensors")
+    return Inputs(tensors=tensors, literals=literals, described=described, skipped=skipped,
+                  snapshot=snapshot, problems=tuple(problems), devices=tuple(devices),
+                  changed=tuple(changed), shared=shared, nested=nested)
+
+
+def encode_nested(value: Any, path: str, tensors: dict[str, torch.Tensor],
+                  depth: int = 0) -> Any:
+    """``value`` (lists, tuples, dicts under string keys of tensors and literals) as plain
+    data naming its tensors (``{tensor = "nested.batch.0"}``), which go to ``tensors``; None
+    when it holds anything else. ``run.replay.decode_nested`` reads it back."""
+    import torch
+
+    if depth > 16:
+        return None
+    if isinstance(value, torch.Tensor):
+        tensors[path] = value
+        return {"tensor": path}
+    if value is None:
+        return {"none": True}
+    if isinstance(value, (list, tuple)):
+        items = [encode_nested(v, f"{path}.{i}", tensors, depth + 1) for i, v in enumerate(value)]
+        if any(i is None for i in items):
+            return None
+        return {"tuple" if isinstance(value, tuple) else "list": items}
+    if isinstance(value, Mapping):
+        if not all(isinstance(k, str) for k in value):
+            return None
+        table = {k: encode_nested(v, f"{path}.{k}", tensors, depth + 1)
+                 for k, v in value.items()}
+        return None if any(v is None for v in table.values()) else {"dict": table}
+    literal = as_literal(value)
+    return None if literal is NOT_LITERAL else {"value": literal}
+
+
+def unusable(found: Triage | None) -> str | None:
+    """Why the device must not be touched again, or None when it may still answer."""
+    return found.clue if found is not None and found.sticky else None
+
+
+def _type_name(value: Any) -> str:
+    cls = type(value)
+    if cls.__module__ == "builtins":
+        return cls.__qualname__
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+class _NotLiteral:
+    """Marks a value TOML cannot hold."""
+
+
+NOT_LITERAL: Any = _NotLiteral()
+
+
+def as_literal(value: Any) -> Any:
+    """``value`` as plain TOML data (tuples become arrays), or ``NOT_LITERAL``."""
+    if isinstance(value, bool):
+        return bool(value)
+    if isinstance(value, int):
+        return int(value) if INT64[0] <= value <= INT64[1] else NOT_LITERAL
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, (list, tuple)):
+        items = [as_literal(v) for v in value]
+        return NOT_LITERAL if any(i is NOT_LITERAL for i in items) else items
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            return NOT_LITERAL
+        table = {k: as_literal(v) for k, v in value.items()}
+        return NOT_LITERAL if any(v is NOT_LITERAL for v in table.values()) else table
+    return NOT_LITERAL
+
+
+def rng_state(tensors: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The RNG states random ops will consume, taken before the call (a few KB, no sync)."""
+    import torch
+
+    states = {"cpu": torch.get_rng_state()}
+    cuda = next((t.device for t in tensors if t.device.type == "cuda"), None)
+    if cuda is not None:
+        with contextlib.suppress(Exception):
+            states["cuda"] = torch.cuda.get_rng_state(cuda)
+    return states
+
+
+def numeric_context(devices: Iterable[str], rng: Mapping[str, torch.Tensor],
+                     ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """The ``[context]`` table of the failing call, read while still inside its regions, and
+    the RNG state tensors it names (docs/case-format.md, "[context]")."""
+    import torch
+
+    kinds = [d.split(":")[0] for d in devices]
+    device_type = next((k for k in kinds if k != "cpu"), "cpu")
+    context: dict[str, Any] = {}
+    for kind in dict.fromkeys((device_type, "cpu")):
+        with contextlib.suppress(Exception):  # a device type this build does not know
+            if torch.is_autocast_enabled(kind):
+                dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+                context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
+                break
+    context["grad"] = torch.is_grad_enabled()
+    context["inference"] = torch.is_inference_mode_enabled()
+    context["deterministic"] = torch.are_deterministic_algorithms_enabled()
+    context["tf32"] = {"matmul": bool(torch.backends.cuda.matmul.allow_tf32),
+                       "cudnn": bool(torch.backends.cudnn.allow_tf32)}
+    context["default_dtype"] = str(torch.get_default_dtype()).removeprefix("torch.")
+    tensors = {RNG_NAMES[kind]: state for kind, state in rng.items() if kind in RNG_NAMES}
+    if tensors:
+        context["rng"] = {kind: RNG_NAMES[kind] for kind in rng if kind in RNG_NAMES}
+    return context, tensors

@@ -1,0 +1,314 @@
+"""Narrowing a watched module's failure: the cases of the innermost submodule that raised
+and of the single ATen op that raised (found in a child under a dispatch mode), each written
+beside the module's case and kept only if it reproduces the same failure in a fresh child:
+``verdict.failure.same_failure``, the failure class and the message's shape, so that a
+failure no class names (a shape error, EmbeddingBag's range check) is narrowed too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import (
+    MODULE_KEY,
+    OP_KEY,
+    REPLAY_ENV,
+    REPLAY_MODULE,
+    REPLAY_OP,
+)
+from pytest_gpucase.case.model import INPUTS_FILE
+from pytest_gpucase.run.replay import replay_module
+from pytest_gpucase.verdict.failure import Failure, same_failure
+from pytest_gpucase.tools.record.inputs import (
+    NOT_LITERAL,
+    Before,
+    as_literal,
+    collect,
+    numeric_context,
+)
+from pytest_gpucase.tools.record.origin import (
+    Context,
+    class_of,
+    error_line,
+    message_of,
+    mib,
+    read_tail,
+    say,
+    shown,
+    triage_of,
+    watched_call,
+)
+from pytest_gpucase.tools.record.rebuild import module_state, rebuild_files, rebuild_of
+from pytest_gpucase.tools.record.write import (
+    Draft,
+    case_bytes,
+    case_draft,
+    context_doc,
+    sized,
+    write_kept,
+)
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["context_doc_of", "note_narrowed_size", "write_narrowed"]
+
+# The narrowed cases of one failure above this size in total get a note: each is a copy.
+_NARROWED_NOTE_SIZE = 32 * 2**20
+
+
+def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
+                   entered: tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]] | None,
+                   rng: Mapping[str, torch.Tensor], *, root: Path,
+                   stderr_file: Path | None, context: Context,
+                   device_names: Mapping[str, str], kept: list[Path],
+                   written: list[Path]) -> None:
+    """Write the innermost failing submodule's case and its failing op's case beside
+    ``case_dir``, each kept only if it reproduces the same failure in a fresh child.
+
+    ``case_dir`` is the case of ``module``, the watched module, which took the RNG states
+    ``rng``; ``entered`` is the innermost submodule still open when ``exc`` passed (its
+    name, itself, its arguments and their version counters at the call), or None when
+    only the op is looked for (a compiled forward, whose submodules' hooks do not run; a
+    backward pass). The cases kept are added to ``kept``, and those of them written here
+    to ``written`` too.
+
+    The submodule's inputs are the tensors it was called with, as they are now: when
+    its forward changed one in place (its version counter moved since the call), they
+    are not what was passed, so no submodule case is written and the op is searched
+    for in a replay of the whole module's case, whose inputs were copied before."""
+    import torch
+
+    recorded = Failure(type(exc).__name__, message_of(exc),
+                       read_tail(stderr_file) if stderr_file is not None else "",
+                       _device_of(module))
+    start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+    base = case_dir.name
+    module_dir = case_dir
+    if entered is not None and entered[1] is not module:
+        qualname, sub, args, kwargs, versions = entered
+        rebuild = rebuild_of(sub, None, None)
+        if rebuild.factory is None:
+            say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
+                       written=written)
+            return
+        inner = watched_call(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
+        recipe: dict[str, Any] = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
+                                  "training": bool(sub.training), "backward": False}
+        found = triage_of(exc, "")
+        if class_of(exc) == "nan":
+            recipe["finite"] = True
+        inputs = collect(inner, args, kwargs, Before(versions=versions), found, exc)
+        if inputs.changed:
+            say(f"gpucase: note: {qualname} not narrowed: its forward changed "
+                f"{', '.join(inputs.changed)} in place before it raised, so its "
+                f"inputs as passed are gone ({shown(case_dir)} holds the "
+                "module's inputs as passed)")
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
+                       written=written)
+            return
+        numeric, rng_tensors = numeric_context(inputs.devices, rng)
+        state = module_state(sub)
+        recipe["buffers"] = state.buffers
+        if state.tied:
+            recipe["tied"] = state.tied
+        inputs = dataclasses.replace(
+            inputs, tensors={**inputs.tensors, **state.tensors, **rng_tensors},
+            literals={**inputs.literals, MODULE_KEY: recipe})
+        draft = case_draft(exc, inner, inputs, context, context.ids, "", device_names,
+                           files=rebuild_files(rebuild, root))
+        numeric.update(context_doc_of(case_dir, "autocast"))
+        draft = dataclasses.replace(draft, context=numeric, origin={
+            **draft.origin, "narrowed_from": base, "module": qualname})
+        saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
+        _report(saved, f"module {qualname}", new, kept, written)
+        if saved is not None:
+            module_dir = saved
+    _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written)
+
+
+def _device_of(module: torch.nn.Module) -> str | None:
+    """The device type the module computed on (where the failure happened)."""
+    for tensor in module.parameters():
+        return str(tensor.device.type)
+    return None
+
+
+def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
+    """``{key: value}`` of the ``[context]`` of the case at ``case_dir``, if it has it: a
+    narrowed case runs in the numeric context its module's case recorded."""
+    from pytest_gpucase.case.load import load_case
+
+    try:
+        table = context_doc(load_case(case_dir))
+    except Exception:
+        return {}
+    return {key: table[key]} if key in table else {}
+
+
+def _narrow_op(exc: BaseException, module_dir: Path, base: str,
+               recorded: Failure, start: Any, *, root: Path, kept: list[Path],
+               written: list[Path]) -> None:
+    """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
+    import tempfile
+
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.run.isolation import run_in_child
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / INPUTS_FILE
+        child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
+                             start_method=start)
+        table = child.value if child.returned else None
+        if not isinstance(table, dict) or not out.exists():
+            # Nothing was written, so nothing was tried: say why, not "did not reproduce".
+            why = (table if isinstance(table, str)
+                   else f"the search for the op that raised failed ({child.problem})")
+            say(f"gpucase: note: {why}: no op case written")
+            return
+        tensors = payload.load(out)
+    case = load_case(module_dir)
+    op = str(table["op"])
+    draft = Draft(
+        name=f"{base}.{op}", call=REPLAY_OP,
+        summary=f"{op} raised {error_line(exc)} (narrowed from {base})",
+        xfail=case.xfail, literals={OP_KEY: table},
+        origin={**case.origin, "narrowed_from": base, "op": op},
+        tensors=tensors, files={},
+        context={k: v for k, v in context_doc(case).items() if k != "rng"})
+    saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
+    _report(saved, f"op {op}", new, kept, written)
+
+
+def _report(saved: Path | None, what: str, new: bool, kept: list[Path],
+            written: list[Path]) -> None:
+    """Say what became of a narrowed case; ``new``: this call wrote ``saved`` (else it is
+    the earlier copy of the same failure, and ``write_kept`` has said so)."""
+    if saved is None:
+        say(f"gpucase: note: the narrowed case of {what} did not reproduce the "
+            "failure in a fresh child, so it was not kept")
+        return
+    kept.append(saved)
+    if new:
+        written.append(saved)
+        say(f"gpucase: saved {shown(saved)} ({sized(saved)}narrowed to {what})")
+
+
+def note_narrowed_size(case_dir: Path, written: list[Path]) -> None:
+    """One note when the narrowed cases written for one failure add much beside the module's
+    case: the tensors they share with it (a module's weights) are stored once, in the capture
+    folder's store, so this counts only what each holds of its own."""
+    total = 0
+    seen = [case_dir]
+    for path in written:
+        total += case_bytes(path, besides=seen)
+        seen.append(path)
+    if total <= _NARROWED_NOTE_SIZE:
+        return
+    count = (f"the {len(written)} narrowed cases" if len(written) > 1
+             else "the narrowed case")
+    say(
+        f"gpucase: note: {count} of this failure ({', '.join(map(shown, written))}) add "
+        f"{mib(total)} beside the {mib(case_bytes(case_dir))} of {shown(case_dir)} (what they "
+        "share with it is stored once): keep the narrowest case that reproduces and delete "
+        "the others, or pass Recorder(narrow=False) to write the module's case alone")
+
+
+def _encode_arg(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
+    """An op argument as TOML data; tensors go to ``tensors`` as ``arg<i>``; None if not."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        name = f"arg{len(tensors)}"
+        tensors[name] = value.detach().clone()
+        return {"tensor": name}
+    if value is None:
+        return {"none": True}
+    if isinstance(value, torch.dtype):
+        return {"dtype": str(value).removeprefix("torch.")}
+    if isinstance(value, torch.device):
+        return {"device": str(value)}
+    if isinstance(value, (list, tuple)):
+        items = [_encode_arg(v, tensors) for v in value]
+        return None if any(i is None for i in items) else {"list": items}
+    literal = as_literal(value)
+    return None if literal is NOT_LITERAL else {"value": literal}
+
+
+def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
+    """In a child: replay a module case under a dispatch mode and save the op that raises.
+
+    Returns the ``[inputs] gpucase_op`` table and writes the op's tensors to ``out_file``;
+    else why there is no op case: no single op raised (the failure is in Python code, or
+    nothing raised), or the op's arguments cannot be saved.
+    """
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_map_only
+
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.run.child import load_arguments, replay_context
+
+    class Finder(TorchDispatchMode):  # type: ignore[no-untyped-call]
+        failed: tuple[Any, Any, Any] | None = None
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            passed = (args, kwargs)
+            if self.failed is None and func._schema.is_mutable:
+                # An in-place op may write before it raises: keep its arguments as passed.
+                passed = tree_map_only(torch.Tensor, lambda t: t.clone(), passed)
+            try:
+                return func(*args, **kwargs)
+            except Exception:
+                if self.failed is None:
+                    self.failed = (func, *passed)
+                raise
+
+    os.environ[REPLAY_ENV] = "1"
+    case = load_case(Path(case_dir))
+    inputs, rng = load_arguments(case)
+    finder = Finder()  # type: ignore[no-untyped-call]
+    try:
+        with replay_context(case.context, "cpu", rng), finder:
+            replay_module(**inputs)
+    except Exception:
+        pass
+    if finder.failed is None:
+        return "no single ATen op raised"
+    func, args, kwargs = finder.failed
+    tensors: dict[str, Any] = {}
+    encoded = [_encode_arg(a, tensors) for a in args]
+    encoded_kwargs = {k: _encode_arg(v, tensors) for k, v in kwargs.items()}
+    if any(e is None for e in [*encoded, *encoded_kwargs.values()]):
+        return f"{func} raised, with arguments a case cannot hold"
+    payload.save(Path(out_file), tensors)
+    table: dict[str, Any] = {"op": str(func), "args": encoded}
+    if encoded_kwargs:
+        table["kwargs"] = encoded_kwargs
+    return table
+
+
+def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
+    """Whether a case written to ``case_dir`` raises the recorded failure on the CPU, in a
+    fresh child (the check that keeps a narrowed case): ``verdict.failure.same_failure``,
+    the one definition the verdicts share (the failure class, and the message's shape)."""
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.plan.runs import RunSpec
+    from pytest_gpucase.run.parent import run_spec
+
+    case = load_case(case_dir)
+    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method=start_method,
+                       backend="cpu", localize=False)
+    outcome = verdict.outcome
+    if outcome.error_type is None or outcome.broken_case:
+        return False
+    return same_failure(recorded, Failure(outcome.error_type, outcome.error_message or "",
+                                          verdict.child.stderr, "cpu"))

@@ -1,0 +1,420 @@
+"""How a replay rebuilds a watched module, and the proof that the rebuild is the model.
+
+In order: a factory the user names; a Hugging Face ``PreTrainedModel`` (its config saved as
+the config's own JSON, ``config.json``, and rebuilt with its class); a LightningModule whose
+``save_hyperparameters()`` kept its constructor's arguments; otherwise the class called
+with the constructor arguments read back from its same-named attributes (what torch.nn
+built-ins keep). A class defined in the script that was run (``__main__``) is found again
+in that script, whose definitions a replay loads without running it (``load_script``): the
+replay sees the script as it is then, so a fix to the class shows as XPASS, where a copy
+kept with the case would fail forever.
+
+Every rebuild is checked when it is chosen: the model is built again on the ``meta`` device
+(no memory, no time, the RNG untouched) and must print as the watched one does and hold the
+same state names and shapes. A dropout of 0.2 the rebuild would make 0.1, a head replaced
+after construction, a hyperparameter not saved: each makes the rebuild unfaithful, and the
+case says so with the difference, instead of replaying another model.
+
+Which parameters are tied (an embedding and an LM head sharing one weight) is kept beside
+the state, which holds them once; the replay ties them again.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import json
+import math
+import os
+import sys
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pytest_gpucase.base.tensors import is_tensor
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import STATE_PREFIX
+from pytest_gpucase.tools.record.inputs import NOT_LITERAL, as_literal, storable
+from pytest_gpucase.tools.record.origin import error_line, import_name
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "module_state", "on_host", "rebuild_files",
+           "rebuild_of",
+           "script_function_files"]
+
+# The factory of a model a case.py builds (model.json describes it).
+CASE_BUILDER = "case.py:make_model"
+_MODEL_FILE = "model.json"
+_CONFIG_FILE = "config.json"
+_FIX = ("pass rec.watch(model, factory=\"package.module:make_model\", kwargs={...}) naming a "
+        "function that builds it")
+
+
+@dataclass(frozen=True)
+class Rebuild:
+    """How a replay rebuilds a module: an importable factory and its literal arguments, or a
+    ``model.json`` recipe that the case's ``case.py`` builds; ``why_not`` when it cannot."""
+
+    factory: str | None
+    kwargs: Mapping[str, Any]
+    why_not: str = ""
+    recipe: Mapping[str, Any] | None = None   # model.json, when a case.py builds the model
+    script: str | None = None                  # the __main__ script the class is defined in
+    config: str | None = None                  # a Hugging Face config, as its own JSON
+    how: str = ""                              # how it is rebuilt, in words
+    notes: tuple[str, ...] = field(default=())  # said once: what could not be checked
+
+
+def on_host(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` on the host: itself, detached, when it is there already."""
+    return tensor.detach() if tensor.device.type == "cpu" else payload.to_device(tensor, "cpu")
+
+
+@dataclass(frozen=True)
+class State:
+    """A module's tensors as a case holds them."""
+
+    tensors: dict[str, torch.Tensor]  # state.<name>: parameters and buffers, each once
+    tied: dict[str, str]               # alias -> the name its Parameter is stored under
+    buffers: list[str]                 # names of non-persistent buffers among the tensors
+
+
+def module_state(module: torch.nn.Module) -> State:
+    """Parameters and buffers on the host under ``state.<name>``, each tensor once, the
+    tied parameters (alias -> the name it is stored under), and which of the tensors are
+    buffers the state dict leaves out (``persistent=False``: position ids, rotary
+    frequencies), so that a replay needs nothing the constructor computes and can build
+    the module on the meta device.
+
+    Written before training goes on, so host tensors are not copied.
+    """
+    import torch
+
+    state: dict[str, Any] = module.state_dict(keep_vars=True)
+    stored: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    tied: dict[str, str] = {}
+    for name, value in state.items():
+        if not isinstance(value, torch.Tensor) or not storable(value):
+            continue
+        first = stored.get(id(value))
+        if first is not None and isinstance(value, torch.nn.Parameter):
+            tied[name] = first
+            continue
+        stored[id(value)] = name
+        tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
+    buffers = []
+    for name, value in module.named_buffers(remove_duplicate=False):
+        if name not in state and isinstance(value, torch.Tensor) and storable(value):
+            tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
+            buffers.append(name)
+    return State(tensors, tied, buffers)
+
+
+def _lightning(module: Any) -> bool:
+    return any(cls.__name__ == "LightningModule"
+               and cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
+               for cls in type(module).__mro__)
+
+
+def _hugging_face(module: Any) -> bool:
+    config = getattr(module, "config", None)
+    return (hasattr(config, "to_json_string") and hasattr(type(module), "config_class")
+            and any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__))
+
+
+def _json_value(value: Any) -> Any:
+    """``value`` as JSON data (None and tuples included), or NOT_LITERAL."""
+    if value is None or isinstance(value, (bool, str)):
+        return value
+    if isinstance(value, int):
+        return int(value)
+    if isinstance(value, float):
+        return float(value) if math.isfinite(value) else NOT_LITERAL
+    if isinstance(value, (list, tuple)):
+        items = [_json_value(v) for v in value]
+        return NOT_LITERAL if any(i is NOT_LITERAL for i in items) else items
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        table = {k: _json_value(v) for k, v in value.items()}
+        return NOT_LITERAL if any(v is NOT_LITERAL for v in table.values()) else table
+    return NOT_LITERAL
+
+
+def _script_of(cls: type) -> tuple[str | None, str]:
+    """The script (run as ``__main__``) whose top level defines ``cls``, or why not."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or not os.path.isfile(script):
+        return None, (f"{cls.__qualname__} is defined in __main__ with no script file (an "
+                      f"interactive session or python -c): {_FIX}")
+    if "." in cls.__qualname__:
+        return None, (f"{cls.__qualname__} is not at the top level of {Path(script).name}, "
+                      f"so a replay cannot find it there: {_FIX}")
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError) as exc:
+        return None, f"{Path(script).name} cannot be read again ({error_line(exc)}): {_FIX}"
+    if not any(isinstance(node, ast.ClassDef) and node.name == cls.__name__
+               for node in tree.body):
+        return None, (f"{cls.__qualname__} is not defined at the top level of "
+                      f"{Path(script).name}: {_FIX}")
+    return str(Path(script).resolve()), ""
+
+
+def _class_target(cls: type) -> tuple[str | None, str | None, str]:
+    """(import target, script, why not) of a module's class."""
+    if cls.__module__ == "__main__":
+        script, why = _script_of(cls)
+        return (cls.__qualname__, script, why) if script else (None, None, why)
+    target, why_not = import_name(cls, cls.__qualname__)
+    if target is None:
+        return None, None, (f"{cls.__qualname__} cannot be rebuilt by a replay "
+                            f"({why_not.split(';')[0]}): {_FIX}")
+    return target, None, ""
+
+
+def _read_back(module: Any) -> tuple[dict[str, Any] | None, str]:
+    """The constructor's arguments read back from the module's same-named attributes."""
+    cls = type(module)
+    try:
+        signature = inspect.signature(cls.__init__)
+    except (TypeError, ValueError):
+        return None, f"the constructor of {cls.__qualname__} has no readable signature: {_FIX}"
+    found: dict[str, Any] = {}
+    for name, param in list(signature.parameters.items())[1:]:
+        if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in ("device",
+                                                                                 "dtype"):
+            continue
+        value = getattr(module, name, NOT_LITERAL)
+        if isinstance(param.default, bool) and not isinstance(value, bool) and (
+                value is None or is_tensor(value)):
+            value = value is not None  # Linear(bias=True) keeps bias as a Parameter or None
+        literal = NOT_LITERAL if value is None else _json_value(value)
+        if literal is not NOT_LITERAL:
+            found[name] = literal
+        elif value is None and param.default is None:
+            continue
+        elif param.default is param.empty:
+            return None, (f"{cls.__qualname__}({name}=...) cannot be read back from the "
+                          f"module: {_FIX}")
+    return found, ""
+
+
+def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
+    """A LightningModule's saved constructor arguments (``save_hyperparameters()``)."""
+    hparams = getattr(module, "hparams_initial", None)
+    if not hparams:
+        return None, ""
+    if getattr(module, "_hparams_name", "kwargs") not in (None, "kwargs"):
+        return None, (f"{type(module).__qualname__} saved its hyperparameters as one "
+                      f"argument ({module._hparams_name}), which a replay cannot pass back: "
+                      f"{_FIX}")
+    values = {str(k): _json_value(v) for k, v in dict(hparams).items()}
+    bad = sorted(k for k, v in values.items() if v is NOT_LITERAL)
+    if bad:
+        return None, (f"the saved hyperparameters {', '.join(bad)} of "
+                      f"{type(module).__qualname__} are not plain data (numbers, strings, "
+                      f"lists, dicts, None), so a replay cannot pass them back: {_FIX}")
+    return values, ""
+
+
+def _builder(cls_target: str, script: str | None, kwargs: Mapping[str, Any],
+             config: str | None) -> Callable[[], Any]:
+    """A function that builds the module as a replay will (for the check on ``meta``)."""
+    from pytest_gpucase.run.replay import import_target, load_script
+
+    def build() -> Any:
+        if script is not None:
+            obj: Any = load_script(Path(script))
+            for part in cls_target.split("."):
+                obj = getattr(obj, part)
+        else:
+            obj = import_target(cls_target)
+        if config is not None:
+            return obj(obj.config_class.from_dict(json.loads(config)))
+        return obj(**dict(kwargs))
+    return build
+
+
+def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str | None]:
+    """(how the rebuilt module differs from ``module``, or why it could not be checked)."""
+    import torch
+
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), \
+                contextlib.redirect_stdout(sys.stderr):
+            fresh = build()
+    except Exception as exc:
+        return None, f"building it again on the meta device raised {error_line(exc)}"
+    theirs = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
+    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    missing = sorted(set(mine) - set(theirs))
+    extra = sorted(set(theirs) - set(mine))
+    if missing or extra:
+        parts = ([f"lacks {', '.join(missing[:5])}"] if missing else []) + (
+            [f"has {', '.join(extra[:5])} the model has not"] if extra else [])
+        return "the rebuilt model " + " and ".join(parts), None
+    shapes = [k for k in mine if mine[k] != theirs[k]]
+    if shapes:
+        k = shapes[0]
+        return f"{k} is {list(theirs[k])} in the rebuilt model, {list(mine[k])} in the model", None
+    for line_mine, line_theirs in zip(repr(module).splitlines(), repr(fresh).splitlines(),
+                                      strict=False):
+        if line_mine != line_theirs:
+            return (f"the rebuilt model has {line_theirs.strip()} where the model has "
+                    f"{line_mine.strip()}"), None
+    if len(repr(module).splitlines()) != len(repr(fresh).splitlines()):
+        return "the rebuilt model's modules differ from the model's", None
+    return None, None
+
+
+def rebuild_of(module: torch.nn.Module, factory: str | None,
+               kwargs: Mapping[str, Any] | None, *, check: bool = True) -> Rebuild:
+    """How a replay rebuilds ``module`` (see the module's docstring), checked on ``meta``
+    unless ``check`` is False."""
+    name = type(module).__qualname__
+    if factory is not None:
+        literal = as_literal(dict(kwargs or {}))
+        if literal is NOT_LITERAL:
+            bad = sorted(str(k) for k, v in dict(kwargs or {}).items()
+                         if as_literal(v) is NOT_LITERAL)
+            return Rebuild(None, {}, f"rec.watch(..., kwargs=...) for {factory}: "
+                           f"{', '.join(bad) or 'a key'} holds what TOML cannot (None, an "
+                           "object): pass numbers, strings, booleans, lists and tables only")
+        rebuild = Rebuild(factory, literal, how=f"{factory}(**kwargs)")
+        build = _builder(factory, None, dict(literal), None)
+    else:
+        found = _found_rebuild(module)
+        if isinstance(found, str):
+            return Rebuild(None, {}, found)
+        rebuild = found
+        target = str(rebuild.recipe["class"]) if rebuild.recipe else str(rebuild.factory)
+        args = (dict(rebuild.recipe.get("kwargs", {})) if rebuild.recipe
+                else dict(rebuild.kwargs))
+        build = _builder(target, rebuild.script, args, rebuild.config)
+    if not check:
+        return rebuild
+    differs, unchecked = _difference(module, build)
+    if differs is not None:
+        return Rebuild(None, {}, f"{rebuild.how} would not be the watched model: {differs}; "
+                       f"{_FIX}")
+    if unchecked is not None:
+        return replace(rebuild, notes=(f"the rebuild of {name} could not be checked "
+                                       f"({unchecked})",))
+    return rebuild
+
+
+def _found_rebuild(module: Any) -> Rebuild | str:
+    """The rebuild of a module no factory was named for, or why there is none."""
+    name = type(module).__qualname__
+    target, script, why = _class_target(type(module))
+    if target is None:
+        return why
+    config: str | None = None
+    if _hugging_face(module):
+        with contextlib.suppress(Exception):
+            config = str(module.config.to_json_string(use_diff=False))
+    args: dict[str, Any] | None = {}
+    how = f"{name}(config) from config.json"
+    if config is None:
+        args, why = _lightning_hparams(module) if _lightning(module) else (None, "")
+        how = f"{name}(**hyperparameters saved by save_hyperparameters())"
+        if args is None and why:
+            return why
+        if args is None:
+            args, why = _read_back(module)
+            how = f"{name}(**constructor arguments read back from the model)"
+            if args is None:
+                return why
+    literal = as_literal(args)
+    if script is None and config is None and literal is not NOT_LITERAL:
+        return Rebuild(target, literal, how=how)
+    recipe: dict[str, Any] = {"class": target}
+    if config is not None:
+        recipe["config"] = _CONFIG_FILE
+        attention = getattr(module.config, "_attn_implementation", None)
+        if isinstance(attention, str):
+            recipe["attn_implementation"] = attention
+    else:
+        recipe["kwargs"] = args
+    if script is not None:
+        how += f", {name} loaded from {Path(script).name}"
+    return Rebuild(CASE_BUILDER, {}, recipe=recipe, script=script, config=config, how=how)
+
+
+def script_function_files(fn: Any, root: Path) -> tuple[str, dict[str, str]] | None:
+    """``("case.py:run", files)`` for a function defined at the top level of the script
+    that was run (``__main__``): the case's ``case.py`` loads the script's definitions
+    (``load_script``) and calls it. None for any other function."""
+    if getattr(fn, "__module__", None) != "__main__" or not inspect.isfunction(fn):
+        return None
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not script or "." in fn.__qualname__:
+        return None
+    try:
+        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
+    except (OSError, SyntaxError, ValueError):
+        return None
+    if not any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+               and node.name == fn.__name__ for node in tree.body):
+        return None
+    path = _relative(str(Path(script).resolve()), root)
+    return "case.py:run", {"case.py": _SCRIPT_CALL_PY.format(
+        name=fn.__name__, script=Path(script).name, path=json.dumps(path))}
+
+
+def _relative(path: str, root: Path) -> str:
+    """``path`` relative to a case directory under ``root``, so the project moves as a whole
+    (a CI checkout); absolute where it cannot be (another drive)."""
+    try:
+        return str(Path("..") / os.path.relpath(path, root))
+    except ValueError:
+        return path
+
+
+def rebuild_files(rebuild: Rebuild, root: Path) -> dict[str, str]:
+    """The files a case directory under ``root`` needs to build the model: ``case.py``,
+    ``model.json`` and ``config.json``, when the rebuild is not a plain import."""
+    if rebuild.recipe is None:
+        return {}
+    recipe = dict(rebuild.recipe)
+    if rebuild.script is not None:
+        recipe["script"] = _relative(rebuild.script, root)
+    files = {_MODEL_FILE: json.dumps(recipe, indent=2) + "\n",
+             "case.py": _CASE_PY.format(how=rebuild.how)}
+    if rebuild.config is not None:
+        files[_CONFIG_FILE] = rebuild.config
+    return files
+
+
+_CASE_PY = '''"""Builds the model this case replays: {how}.
+
+Written by the gpucase Recorder; model.json says what is built.
+"""
+
+from pathlib import Path
+
+from pytest_gpucase.capture import build_model
+
+
+def make_model():
+    return build_model(Path(__file__).with_name("model.json"))
+'''
+
+
+_SCRIPT_CALL_PY = '''"""Calls {name} as defined in {script}, the script that was run.
+
+Written by the gpucase Recorder: the script's definitions are loaded without running it.
+"""
+
+from pathlib import Path
+
+from pytest_gpucase.capture import load_script
+
+
+def run(**inputs):
+    return load_script(Path(__file__).parent / {path}).{name}(**inputs)
+'''

@@ -1,0 +1,284 @@
+"""A module's failure as cases: the whole module (its state once, or a reference to the
+checkpoint that holds it), a backward pass replayed from the forward where the loss is known,
+then the narrowed cases; and a rank's failure that is another rank's consequence.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import inspect
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+import tomli_w
+
+from pytest_gpucase.base import files
+from pytest_gpucase.base.tensors import is_tensor, nbytes
+from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, MODULE_KEY, STATE_PREFIX
+from pytest_gpucase.tools.record.distributed import Rank, without_addresses
+from pytest_gpucase.tools.record.inputs import Before, collect, unusable
+from pytest_gpucase.tools.record.narrow import note_narrowed_size, write_narrowed
+from pytest_gpucase.tools.record.origin import (
+    Context,
+    Watched,
+    class_of,
+    error_line,
+    mib,
+    say,
+    shown,
+    triage_of,
+)
+from pytest_gpucase.tools.record.rebuild import module_state, on_host, rebuild_files
+
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpucase.tools.record.watch import ModuleWatch
+
+__all__ = ["CONSEQUENCE_FILE", "ModuleSaver", "checkpoint_reference", "write_consequence"]
+
+CONSEQUENCE_FILE = "consequence.toml"
+
+
+class _Recorder(Protocol):
+    """What the saver needs of its Recorder."""
+
+    narrow: bool
+    state_limit: int | None
+    stderr_file: Path | None
+    root: Path
+    narrowed: list[Path]
+    _narrowed_new: list[Path]
+    _device_names: dict[str, str]
+
+    def case_root(self) -> Path: ...
+    def _context(self) -> Context: ...
+    def _save_first(self, exc: BaseException, watched: Watched | None, args: Any, kwargs: Any,
+                    before: Before, rng: Mapping[str, Any] | None = None, *,
+                    module: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
+                    files: Mapping[str, str] | None = None,
+                    origin: Mapping[str, Any] | None = None,
+                    incomplete: Iterable[str] = (), what: str | None = None,
+                    finite: bool = False, context: Mapping[str, Any] | None = None,
+                    ) -> Path: ...
+
+
+def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor],
+                         ) -> tuple[dict[str, str] | None, str]:
+    """``{path, sha256}`` of the checkpoint file ``path`` when it holds ``state`` (the
+    ``state.<name>`` tensors) exactly, else why it cannot stand for it."""
+    import torch
+
+    from pytest_gpucase.run.replay import file_sha256, load_checkpoint
+
+    if path is None:
+        return None, "no checkpoint was named to reference instead (rec.watch(model, " \
+                     "checkpoint=PATH))"
+    try:
+        sha = file_sha256(Path(path))
+        theirs = load_checkpoint(Path(path), None)
+    except Exception as exc:
+        return None, f"its checkpoint {path} cannot be read ({error_line(exc)})"
+    missing = sorted(set(state) - set(theirs))
+    if missing:
+        names = ", ".join(m.partition(".")[2] for m in missing[:3])
+        return None, f"its checkpoint {path} lacks {names}"
+    for name, tensor in state.items():
+        other = theirs[name]
+        if other.shape != tensor.shape or not torch.equal(other.to(tensor.dtype), tensor):
+            return None, (f"the model has changed since its checkpoint {path} was written "
+                          f"({name.partition('.')[2]} differs): training went on after it")
+    return {"path": str(path), "sha256": sha}, ""
+
+
+class ModuleSaver:
+    """Saves one module failure: the module's case, then its narrowed cases."""
+
+    def __init__(self, recorder: _Recorder, watch: ModuleWatch, args: Any, kwargs: Any,
+                 backward: bool, method: str | None, before: Before | None = None) -> None:
+        self.rec = recorder
+        self.watch = watch
+        self.args = args
+        self.kwargs = kwargs
+        self.backward = backward
+        self.method = method
+        self.before = before
+
+    def save(self, exc: BaseException) -> None:
+        rec, watch = self.rec, self.watch
+        module = watch.module
+        found = triage_of(exc, "")
+        nan = class_of(exc) == "nan"
+        rebuild = watch.rebuild
+        root = rec.case_root()
+        recipe: dict[str, Any] = {"factory": rebuild.factory or "",
+                                  "kwargs": dict(rebuild.kwargs),
+                                  "training": bool(module.training), "backward": self.backward}
+        if self.method:
+            recipe["method"] = self.method
+        if nan:
+            recipe["finite"] = True
+        incomplete: list[str] = []
+        origin: dict[str, Any] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        if unusable(found) is None:
+            held = module_state(module)
+            state = held.tensors
+            recipe["buffers"] = held.buffers
+            if held.tied:
+                recipe["tied"] = held.tied
+            size = sum(nbytes(t) for t in state.values())
+            limit = rec.state_limit
+            if limit is not None and size > limit:
+                # A checkpoint holds the state dict; the buffers it leaves out stay here.
+                extra = {f"{STATE_PREFIX}{name}" for name in held.buffers}
+                reference, why = checkpoint_reference(
+                    watch.checkpoint, {k: v for k, v in state.items() if k not in extra})
+                if reference is not None:
+                    tensors.update({k: v for k, v in state.items() if k in extra})
+                    recipe["checkpoint"] = reference
+                    origin["state"] = (f"{mib(size)}, above Recorder(state_limit="
+                                       f"{mib(limit)}): referenced in its checkpoint")
+                else:
+                    incomplete.append(
+                        f"the state of {watch.watched.name} ({mib(size)}) is above "
+                        f"Recorder(state_limit={mib(limit)}) and {why}, so it was not saved: "
+                        "name a checkpoint that holds the model as it is when it fails, or "
+                        "raise state_limit")
+            else:
+                tensors.update(state)
+        if self.backward:
+            self._gradients(recipe, tensors, origin, incomplete)
+        watched = watch.watched
+        what: str | None = None
+        if self.method:
+            bound = getattr(module, self.method)
+            with contextlib.suppress(TypeError, ValueError):
+                watched = Watched(bound, f"{watched.name}.{self.method}", watched.call,
+                                  watched.why_not, inspect.signature(bound), watched.ids)
+            what = f"{type(module).__qualname__}.{self.method}"
+        if self.backward:
+            what = f"the backward pass of {type(module).__qualname__}"
+        context: dict[str, Any] = {}
+        if watch.inner_context is not None and watch.inner_context[0]:
+            kind, dtype = watch.inner_context
+            context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
+        case_dir = rec._save_first(
+            exc, watched, self.args, self.kwargs,
+            self.before if self.before is not None else watch.before, watch.rng,
+            module=(tensors, {MODULE_KEY: recipe}), files=rebuild_files(rebuild, root),
+            origin=origin, incomplete=incomplete, what=what, context=context)
+        self._narrow(exc, case_dir)
+
+    def _gradients(self, recipe: dict[str, Any], tensors: dict[str, torch.Tensor],
+                   origin: dict[str, Any], incomplete: list[str]) -> None:
+        """How the replay starts the backward pass: from the loss it recomputes, where the
+        call returns it (a model that computes its loss, a training_step, a loss that is
+        the module's output), else from the gradients saved, unless they hold the
+        symptom itself (a NaN that the loss sent back)."""
+        watch = self.watch
+        if self.method or watch.seeded is not None:
+            recipe["loss"] = "output"
+            if not self.method and watch.seeded is not None:
+                recipe["loss_index"] = watch.seeded
+            origin["grad_output"] = "recomputed: the replay runs backward from the loss " \
+                                    "its call returns"
+            return
+        if watch.consumer is not None and self._consumer(recipe, tensors, origin):
+            return
+        grads = {int(i): g for i, g in watch.grad_output.items() if is_tensor(g)}
+        names = {str(i): f"{GRAD_PREFIX}{i}" for i in grads}
+        for index, grad in grads.items():
+            tensors[f"{GRAD_PREFIX}{index}"] = on_host(grad)
+        recipe["grad_outputs"] = names
+        nonfinite = any(not bool(g.isfinite().all()) for g in grads.values()
+                        if g.is_floating_point())
+        if nonfinite:
+            incomplete.append(
+                f"the gradient that reached {watch.watched.name}'s output holds NaN or inf, "
+                "sent back by code outside the watched calls (the loss): a replay from it "
+                "starts from the symptom and fails forever; compute the loss in the model's "
+                "forward, or watch a function that takes the model's output and returns the "
+                "loss, so that the replay recomputes it")
+            origin["grad_output"] = "saved as captured, not finite"
+        else:
+            origin["grad_output"] = ("saved as captured: the loss was computed outside the "
+                                     "watched calls, so the replay cannot recompute it")
+
+    def _consumer(self, recipe: dict[str, Any], tensors: dict[str, torch.Tensor],
+                  origin: dict[str, Any]) -> bool:
+        """The loss function that took the module's output, saved to be called again."""
+        consumer = self.watch.consumer
+        assert consumer is not None
+        try:
+            inputs = collect(consumer.watched, consumer.args, consumer.kwargs, consumer.before,
+                             None, RuntimeError())
+        except Exception:
+            return False
+        if inputs.skipped or inputs.problems:
+            return False
+        loss: dict[str, Any] = {"call": consumer.watched.call, "output": consumer.name,
+                                "index": consumer.index}
+        literals = {k: v for k, v in inputs.literals.items() if k != consumer.name}
+        if literals:
+            loss["inputs"] = literals
+        for name, tensor in inputs.tensors.items():
+            if name != consumer.name:
+                tensors[f"{LOSS_PREFIX}{name}"] = tensor
+        recipe["loss"] = loss
+        origin["grad_output"] = (f"recomputed: the replay calls {consumer.watched.call} on the "
+                                 "module's output again and runs backward from its loss")
+        return True
+
+    def _narrow(self, exc: BaseException, case_dir: Path) -> None:
+        rec, watch = self.rec, self.watch
+        if not rec.narrow:
+            return
+        inner = watch.innermost
+        entered = inner[1:] if inner is not None and inner[0] is exc else None
+        if self.backward:
+            say(f"gpucase: note: the backward failure is not narrowed to a submodule (a "
+                "submodule's backward needs the gradient of its output, which only the "
+                f"whole model recomputes): {shown(case_dir)} replays forward and backward; "
+                "the op that raised is looked for in it")
+            entered = None
+        if entered is not None and entered[1] is watch.module:
+            entered = None
+        if not watch.rebuild.factory:
+            return  # nothing narrower than a module that cannot be rebuilt
+        written = len(rec._narrowed_new)
+        with contextlib.suppress(Exception):
+            write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
+                           root=rec.case_root(), stderr_file=rec.stderr_file,
+                           context=rec._context(), device_names=rec._device_names,
+                           kept=rec.narrowed, written=rec._narrowed_new)
+        with contextlib.suppress(Exception):
+            note_narrowed_size(case_dir, rec._narrowed_new[written:])
+
+
+def write_consequence(root: Path, rank: Rank, exc: BaseException, why: str,
+                      context: Context) -> Path | None:
+    """Record a rank's failure that another rank's caused: not a case (replayed alone it
+    cannot fail so), a ``consequence.toml`` in the rank's folder, and one line."""
+    folder = root / f"rank{rank.rank}"
+    record: dict[str, Any] = {
+        "error": without_addresses(error_line(exc)), "consequence_of": why,
+        "rank": rank.rank, "local_rank": rank.local_rank, "world_size": rank.world_size,
+        "captured": datetime.datetime.now(datetime.timezone.utc).strftime(
+            "%Y-%m-%dT%H:%M:%SZ")}
+    if context.iteration is not None:
+        record["iteration"] = context.iteration
+    path = folder / CONSEQUENCE_FILE
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        files.write_text_atomic(path, tomli_w.dumps({"consequence": record}))
+    except OSError:
+        return None
+    finally:
+        say(f"gpucase: {rank.shown()}: {without_addresses(error_line(exc))} is the "
+            f"consequence of another rank's failure ({why}); recorded in {shown(path)}, "
+            "not saved as a case: the failing rank saves its own")
+    return path
+

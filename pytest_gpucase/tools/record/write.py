@@ -1,0 +1,415 @@
+"""The case a failure becomes, and writing it: the draft (call, summary, the expect policy's
+xfail line, the ``[origin]`` table), its ``case.toml`` document, a free name claimed and the
+directory written whole, a rerun's same failure counted in the case it wrote before instead
+of copied, ``[origin] later_errors`` rewritten, and the sizes the saved lines show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import itertools
+import json
+import os
+import platform
+import re
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import tomli_w
+
+from pytest_gpucase.base import backends, files
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import REPLAY_MODULE
+from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
+from pytest_gpucase.case.write import FileContent, write_case_dir
+from pytest_gpucase.tools.record.distributed import Rank
+from pytest_gpucase.tools.record.inputs import Inputs
+from pytest_gpucase.tools.record.origin import (
+    Context,
+    Watched,
+    case_name,
+    error_line,
+    message_of,
+    mib,
+    say,
+    shown,
+    where,
+)
+from pytest_gpucase.verdict.triage import assertion_line
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "set_later_errors", "sized",
+           "write_case", "write_kept"]
+
+# A "gpucase: saved" line shows the case's size from this size on.
+_SHOWN_SIZE = 2**20
+STUB_FILE = "case.py"
+_STDERR_LINES = 10
+_MAX_NAMES = 10_000
+
+
+@dataclass(frozen=True)
+class Draft:
+    """Everything a case directory will hold, before it is written."""
+
+    name: str
+    call: str
+    summary: str
+    xfail: str | None
+    literals: Mapping[str, Any]
+    origin: Mapping[str, Any]
+    tensors: Mapping[str, torch.Tensor]
+    files: Mapping[str, str]
+    context: Mapping[str, Any] = field(default_factory=dict)
+
+
+def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, context: Context,
+               ids: tuple[str | int, ...] | None, stderr_text: str,
+               device_names: Mapping[str, str], *, what: str | None = None,
+               incomplete: tuple[str, ...] = (), origin: Mapping[str, Any] | None = None,
+               files: Mapping[str, str] | None = None, call: str | None = None,
+               literals: Mapping[str, Any] | None = None, rank: Rank | None = None) -> Draft:
+    """The case of a failure: its call (or a stand-in ``case.py``), summary, xfail line (none
+    when the case is incomplete) and ``[origin]`` table; ``device_names`` are the names the
+    devices gave while they answered. ``what`` names what raised in the summary, ``incomplete``
+    adds reasons the case cannot replay, ``origin`` entries, ``files`` (name -> text) files
+    of the case, ``call`` and ``literals`` replace the watched call's, ``rank`` is the
+    process's place in a run of several."""
+    import torch
+
+    error = error_line(exc)
+    reasons = list(inputs.problems)
+    case_files: dict[str, str] = dict(files or {})
+    if watched is None:
+        name = case_name(what or (f"step_{context.stage}" if context.stage else "failure"))
+        if not incomplete:
+            reasons.insert(0, "the failure happened outside any watched call, so no inputs "
+                           "were saved: watch the function that raised with rec.watch(fn)")
+        label = what or "a step"
+    else:
+        name = watched.name
+        label = str(getattr(watched.fn, "__qualname__", watched.name))
+        label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
+        label = what or label
+        if watched.call is None and call is None:
+            reasons.insert(0, watched.why_not)
+    reasons.extend(incomplete)
+    if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
+        reasons.append(_rebuild_hint(inputs, ids))
+    if call is None:
+        call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
+    if call == f"{STUB_FILE}:run" and STUB_FILE not in case_files:
+        case_files[STUB_FILE] = _stub(reasons[0] if reasons else "no call was recorded")
+    summary = f"{label} raised {error}{where(context)}"
+    if reasons:
+        summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
+    devices = inputs.devices
+    backend = _backend(devices, torch)
+    table: dict[str, Any] = {"error": error}
+    with contextlib.suppress(Exception):
+        from pytest_gpucase.verdict.triage import failure_class
+
+        kind = failure_class(type(exc).__name__, message_of(exc), stderr_text)
+        if kind is not None:
+            table["failure_class"] = kind
+    excerpt = _stderr_excerpt(stderr_text)
+    if excerpt:
+        table["stderr"] = excerpt
+    if context.iteration is not None:
+        table["iteration"] = context.iteration
+    if context.stage is not None:
+        table["stage"] = context.stage
+    if context.last_step is not None:
+        table["last_step"] = context.last_step
+    revision = _revision()
+    if revision:
+        table["revision"] = revision
+    table["python"] = platform.python_version()
+    table["torch"] = torch.__version__
+    table["backend"] = backend
+    device = next((d for d in devices if d != "cpu"), None)
+    if device is not None:
+        table["device"] = device_names.get(device, device)
+    # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
+    row = backends.backend(backend)
+    version = getattr(torch.version, row.version, None) if row and row.version else None
+    if row is not None and row.version in VERSION_KEYS and version:
+        table[row.version] = version
+    if rank is not None:
+        table.update(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size)
+    if ids is not None:
+        table["sample_ids"] = list(ids)
+    if inputs.snapshot is not None:
+        table["snapshot"] = inputs.snapshot
+    table.update(origin or {})
+    table["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
+        "%Y-%m-%dT%H:%M:%SZ")
+    table["later_errors"] = 0
+    if reasons:
+        table["incomplete"] = reasons
+    if inputs.described:
+        table["inputs"] = dict(inputs.described)
+    if inputs.skipped:
+        table["skipped_inputs"] = dict(inputs.skipped)
+    xfail = None if reasons else (f"captured failure: {error}; remove this line once "
+                                  "fixed")
+    return Draft(name=name, call=call, summary=summary, xfail=xfail,
+                 literals={**inputs.literals, **dict(literals or {})}, origin=table,
+                 tensors=inputs.tensors, files=case_files)
+
+
+def _rebuild_hint(inputs: Inputs, ids: tuple[str | int, ...] | None) -> str:
+    missing = sorted(set(inputs.described) - set(inputs.tensors) - set(inputs.skipped))
+    names = ", ".join(missing)
+    if ids:
+        source = (f"rebuild the batch from the {len(ids)} [origin] sample_ids with the same data "
+                  "pipeline")
+    else:
+        source = ("no sample ids were recorded (pass rec.step(it, stage, ids=...) or "
+                  "rec.watch(fn, ids=...) next time), so rebuild the batch from the iteration")
+    why = (inputs.snapshot or "").removeprefix("not saved: ")
+    return (f"{names} not saved ({why}): {source}, then save it with "
+            f"pytest_gpucase.payload.save(<case>/{INPUTS_FILE}, {{...}}) under the names {names}")
+
+
+def _revision() -> str | None:
+    """``git describe`` of the working directory, if it is a repository (bounded in time)."""
+    from pytest_gpucase.plan.environment import git_revision
+
+    try:
+        return git_revision(os.getcwd())
+    except OSError:
+        return None
+
+
+def _stderr_excerpt(text: str) -> str | None:
+    """The kernel's assertion line if stderr holds one, else its last few lines."""
+    if not text.strip():
+        return None
+    line = assertion_line(text)
+    if line is not None:
+        return line
+    lines = [line for line in text.splitlines() if line.strip()]
+    return "\n".join(lines[-_STDERR_LINES:])
+
+
+def _backend(devices: tuple[str, ...], torch: Any) -> str:
+    kinds = [d.split(":")[0] for d in devices if not d.startswith("cpu")]
+    if not kinds:
+        return "cpu"
+    return backends.run_backend(kinds[0], backends.detect(torch))
+
+
+def _stub(reason: str) -> str:
+    message = json.dumps(f"gpucase: this case cannot be replayed as captured: {reason}",
+                         ensure_ascii=False)
+    return (
+        '"""Stand-in written by pytest_gpucase.capture: the failing call could not be named."""\n'
+        "\n\n"
+        "def run(**inputs: object) -> object:\n"
+        f"    raise NotImplementedError({message})\n"
+    )
+
+
+def _case_document(draft: Draft) -> dict[str, Any]:
+    """The ``case.toml`` document of a draft."""
+    doc: dict[str, Any] = {"format": 1, "summary": draft.summary, "call": draft.call}
+    if draft.xfail is not None:
+        doc["xfail"] = draft.xfail
+    if draft.literals:
+        doc["inputs"] = dict(draft.literals)
+    doc["expect"] = {"outcome": "matches"}
+    autocast = draft.context.get("autocast")
+    if draft.call == REPLAY_MODULE and isinstance(autocast, Mapping):
+        # Outputs a model casts up (logits.float(), a float32 loss) were computed in the
+        # autocast dtype all the same: they are held to its tolerance too.
+        tolerance = _model_tolerance(autocast["dtype"])
+        doc["expect"]["tolerance"] = {autocast["dtype"]: tolerance, "float32": tolerance}
+    if draft.context:
+        doc["context"] = dict(draft.context)
+    doc["origin"] = dict(draft.origin)
+    return doc
+
+
+def _model_tolerance(dtype: str) -> dict[str, float]:
+    """What "matches" means for a whole module computed under autocast against float64.
+
+    The dtype's default tolerance is for one op; a module rounds at every layer, so a
+    correct model under bf16 autocast lands a few units of epsilon away (4 bf16 ULPs on
+    the example's logits). Four epsilons, relative and absolute.
+    """
+    import torch
+
+    eps = torch.finfo(getattr(torch, dtype)).eps
+    return {"rtol": 4 * eps, "atol": 4 * eps}
+
+
+def _claim(root: Path, name: str) -> Path:
+    """Create the first free ``name``, ``name-2``, ... as an empty directory; mkdir is the lock."""
+    for number in itertools.count(1):
+        candidate = root / (name if number == 1 else f"{name}-{number}")
+        try:
+            candidate.mkdir()
+        except FileExistsError:
+            if number >= _MAX_NAMES:
+                raise
+            continue
+        return candidate
+    raise AssertionError("unreachable")  # itertools.count never ends
+
+
+def write_case(root: Path, draft: Draft) -> tuple[Path, bool]:
+    """Write a case directory atomically under ``root``; never overwrite one. Returns the
+    case and whether this call wrote it.
+
+    A rerun that hits the same failure (same call, failure class and inputs) finds the
+    case it wrote before: that one's ``[origin] seen`` and ``last_seen`` are updated instead,
+    and it is returned with False.
+    """
+    written, new = write_kept(root, draft, None)
+    assert written is not None  # nothing to refuse without ``keep``
+    return written, new
+
+
+class _NotWritten(Exception):
+    """The staged case is not kept: the same failure was saved before, or ``keep`` said no."""
+
+    def __init__(self, existing: Path | None) -> None:
+        super().__init__(str(existing))
+        self.existing = existing
+
+
+def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
+                ) -> tuple[Path | None, bool]:
+    """Write a case as ``write_case`` does, once ``keep(staged directory)`` says yes.
+
+    Returns the case and whether this call wrote it: (None, False) when ``keep`` said
+    no, (the earlier case, False) when it holds the same failure.
+
+    ``write_case_dir`` writes it into a hidden temporary directory beside the
+    target (hidden directories are not collected), ``case.toml`` last; the directory
+    is then renamed onto a freshly claimed empty name.
+    """
+    files: dict[str, FileContent] = dict(draft.files)
+    if draft.tensors:
+        tensors = draft.tensors
+        files[INPUTS_FILE] = lambda path: payload.save(path, tensors, store=True)
+
+    def check(staged: Path) -> None:
+        seen = _same_failure_case(root, draft, staged)
+        if seen is not None:
+            raise _NotWritten(seen)
+        if keep is not None and not keep(staged):
+            raise _NotWritten(None)
+
+    try:
+        return write_case_dir(root / draft.name, _case_document(draft), files,
+                              check=check, claim=lambda: _claim(root, draft.name)), True
+    except _NotWritten as stop:
+        if stop.existing is not None:
+            _count_seen(stop.existing)
+        return stop.existing, False
+
+
+def _read_doc(case_dir: Path) -> dict[str, Any] | None:
+    try:
+        return tomllib.loads((case_dir / CASE_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def _same_failure_case(root: Path, draft: Draft, staged: Path) -> Path | None:
+    """An earlier case of ``draft.name`` (or ``name-N``) with the same call, failure class
+    and inputs hash: the same failure, met again by a rerun."""
+    failure = draft.origin.get("failure_class")
+    if failure is None:
+        return None
+    mine = payload.content_hash(staged / INPUTS_FILE) if (staged / INPUTS_FILE).exists() else ""
+    pattern = re.compile(rf"{re.escape(draft.name)}(-\d+)?")
+    for candidate in sorted(root.iterdir()):
+        if not pattern.fullmatch(candidate.name) or not candidate.is_dir():
+            continue
+        doc = _read_doc(candidate)
+        if doc is None or doc.get("call") != draft.call:
+            continue
+        if doc.get("origin", {}).get("failure_class") != failure:
+            continue
+        inputs = candidate / INPUTS_FILE
+        theirs = payload.content_hash(inputs) if inputs.exists() else ""
+        if theirs == mine:
+            return candidate
+    return None
+
+
+def _count_seen(case_dir: Path) -> None:
+    """``[origin] seen += 1`` and ``last_seen`` = today, rewritten atomically."""
+    doc = _read_doc(case_dir)
+    if doc is None:
+        return
+    origin = doc.setdefault("origin", {})
+    origin["seen"] = int(origin.get("seen", 1)) + 1
+    origin["last_seen"] = datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d")
+    files.write_text_atomic(case_dir / CASE_FILE, tomli_w.dumps(doc))
+    say(f"gpucase: the same failure as {shown(case_dir)} (seen {origin['seen']} "
+        "times): its [origin] seen and last_seen were updated, no copy written")
+
+
+def context_doc(case: Any) -> dict[str, Any]:
+    """The ``[context]`` table of a written case, as its ``case.toml`` holds it."""
+    doc = _read_doc(case.path)
+    table = doc.get("context", {}) if doc else {}
+    return dict(table) if isinstance(table, dict) else {}
+
+
+def set_later_errors(case_dir: Path, count: int) -> None:
+    """Rewrite ``[origin] later_errors`` of a case in place, atomically (through tomli-w)."""
+    file = case_dir / CASE_FILE
+    doc = tomllib.loads(file.read_text(encoding="utf-8"))
+    origin = doc.get("origin")
+    if not isinstance(origin, dict) or "later_errors" not in origin:
+        return
+    origin["later_errors"] = count
+    files.write_text_atomic(file, tomli_w.dumps(doc))
+
+
+def case_bytes(case_dir: Path, besides: Iterable[Path] = ()) -> int:
+    """The bytes of the files a case directory holds, and of the store files its payload
+    names that none of the cases ``besides`` names too (those it shares with them)."""
+    try:
+        own = sum(entry.stat().st_size for entry in os.scandir(case_dir) if entry.is_file())
+    except OSError:
+        return 0
+    shared = set().union(*(_stored(other) for other in besides))
+    return own + sum(_size(blob) for blob in _stored(case_dir) - shared)
+
+
+def _stored(case_dir: Path) -> set[Path]:
+    try:
+        return set(payload.store_files(case_dir / INPUTS_FILE).values())
+    except Exception:
+        return set()
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return 0
+
+
+def sized(case_dir: Path) -> str:
+    """``"98.1 MiB; "`` for a case of ``_SHOWN_SIZE`` or more (one to commit with care), else
+    nothing."""
+    size = case_bytes(case_dir)
+    return f"{mib(size)}; " if size >= _SHOWN_SIZE else ""

@@ -1,0 +1,62 @@
+"""Importable LightningModules for tests/test_integration_lightning.py (a replay imports them)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a custom backward rejected its gradient")
+
+
+class TinyLit(pl.LightningModule):
+    """An embedding, dropout and a head, trained on next-token classes; ``blow`` makes the
+    loss NaN at that step, ``boom_backward`` raises in the backward pass."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1,
+                 blow: int = -1, boom_backward: int = -1) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.drop = torch.nn.Dropout(dropout)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.head(self.drop(self.emb(tokens)))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        logits = self(tokens)
+        loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), target.reshape(-1))
+        if batch_idx == self.hparams.blow:
+            loss = loss * torch.tensor(float("nan"))
+        if batch_idx == self.hparams.boom_backward:
+            loss = _RaiseInBackward.apply(loss)
+        self.log("loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def loader(bad_target: bool = False, bad_token: bool = False, batches: int = 4) -> DataLoader:
+    """``batches`` batches of 4 sequences of 3 tokens; batch 2 holds the bad value asked for."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 16, (4 * batches, 3), generator=generator)
+    target = torch.randint(0, 16, (4 * batches, 3), generator=generator)
+    if bad_target:
+        target[9, 1] = 99
+    if bad_token:
+        tokens[9, 1] = 99
+    return DataLoader(TensorDataset(tokens, target), batch_size=4)
