@@ -208,6 +208,27 @@ def test_fused_normalizations_are_rounded_by_their_parts() -> None:
     assert greatest < 1e-2
 
 
+def test_low_precision_fused_ops_round_only_what_they_read_and_write() -> None:
+    """A bfloat16 kernel keeps a softmax's intermediate values in float32: at bfloat16's
+    precision the fused op is rounded as one, where at float32's it runs as its parts."""
+    x = 3 * torch.randn(16, 256, generator=GEN().manual_seed(0), dtype=torch.float64)
+    assert RoundEveryOp(unit_roundoff(torch.float32), GEN()).decomposed
+    assert not RoundEveryOp(unit_roundoff(torch.bfloat16), GEN()).decomposed
+    calls: list[str] = []
+
+    class Seen(RoundEveryOp):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            calls.append(func.__name__)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+    for dtype in (torch.bfloat16, torch.float32):
+        calls.clear()
+        with Seen(unit_roundoff(dtype), GEN().manual_seed(0)):
+            torch.softmax(x, -1)
+        parts = {name.split(".")[0] for name in calls}
+        assert ("exp" in parts) == (dtype == torch.float32), (dtype, parts)
+
+
 def test_infinities_stay_infinite_when_rounded() -> None:
     """A masked attention score is -inf: rounding it must not make inf - inf = NaN, in the
     scores or inside softmax's decomposition (x - max)."""

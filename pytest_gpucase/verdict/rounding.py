@@ -49,6 +49,7 @@ from pytest_gpucase.verdict.tolerance import Tolerance
 
 __all__ = [
     "BASELINE_MULTIPLE",
+    "DECOMPOSE_BELOW",
     "DRAWS",
     "MULTIPLIER",
     "Budget",
@@ -144,7 +145,10 @@ _MOVES = frozenset({
 # that their intermediate values are rounded too: a CPU kernel folds batch norm into
 # x * (w * invstd) + (b - mean * w * invstd), whose cancellation one rounding of the fused
 # op's output does not show. Normalizations, softmax and the losses built on them; never
-# random ops, whose decomposition would draw other numbers.
+# random ops, whose decomposition would draw other numbers. Only at float32's precision or
+# finer (``DECOMPOSE_BELOW``): a bfloat16 or float16 kernel keeps its intermediate values in
+# float32 (torch's "opmath"), so rounding them at the storage format's precision would
+# budget for errors no kernel makes (a bfloat16 cross-entropy's budget doubles).
 _DECOMPOSED = (
     "native_batch_norm.default", "_native_batch_norm_legit.default",
     "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
@@ -155,6 +159,9 @@ _DECOMPOSED = (
     "_log_softmax_backward_data.default", "_safe_softmax.default", "nll_loss_forward.default",
     "nll_loss_backward.default",
 )
+
+
+DECOMPOSE_BELOW = 2.0 ** -20  # unit roundoffs below it (float32's, float64's) decompose
 
 
 @functools.cache
@@ -174,16 +181,18 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Multiply every floating result of every operation run under it by ``1 + u z``:
     the reference's computation as if each value it makes were rounded once at the run's
     precision. Views and pure data movement are left as they are; a result an operation
-    writes into an argument (``add_``, ``out=``) is perturbed where it was written; a fused
-    normalization or softmax runs as its decomposition, each part rounded (``_DECOMPOSED``)."""
+    writes into an argument (``add_``, ``out=``) is perturbed where it was written; at
+    float32's precision, a fused normalization or softmax runs as its decomposition, each
+    part rounded (``_DECOMPOSED``)."""
 
     def __init__(self, u: float, generator: torch.Generator) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.u, self.generator = u, generator
+        self.decomposed = _decompositions() if u < DECOMPOSE_BELOW else {}
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
                            kwargs: Any = None) -> Any:
-        decomposition = _decompositions().get(func)
+        decomposition = self.decomposed.get(func)
         if decomposition is not None:
             with self:  # its parts come back here, each rounded
                 out = decomposition(*args, **(kwargs or {}))
