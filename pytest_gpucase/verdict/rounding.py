@@ -65,11 +65,11 @@ __all__ = [
 
 # The budget's multiplier per precision. float32 and float64 reductions accumulate in
 # their own dtype, so their error grows with the reduction's length inside one operation,
-# unseen by the draws: measured on the CPU (benchmarks/bench_verdicts.py), torch's float32
-# matmul of 1024 terms needs 4.6 times the spread, a serial loop of float32 products 12
-# (as a naive GPU kernel accumulates), attention 4. bfloat16 and float16 are storage
-# formats whose kernels accumulate in float32: their error is the rounding of what they
-# read and write, which the draws see (measured needs of 0.1 to 2.1 times the spread).
+# unseen by the draws: measured on the CPU (benchmarks/bench_verdicts.py needs), torch's
+# float32 matmul of 1024 terms needs 2.6 times the spread of a float64 matmul, a loop
+# accumulating one float32 product at a time (as a naive GPU kernel does) 8. bfloat16 and
+# float16 are storage formats whose kernels accumulate in float32: their error is the
+# rounding of what they read and write, which the draws see (measured needs up to 1.2).
 MULTIPLIER: Mapping[torch.dtype, float] = {
     torch.float64: 16.0, torch.float32: 16.0, torch.bfloat16: 8.0, torch.float16: 8.0,
 }
