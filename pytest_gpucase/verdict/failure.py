@@ -7,8 +7,9 @@ exception type, its message, the captured stderr and the device type it happened
 - both have a triage class (``triage.failure_class``): the classes must be equivalent
   (``triage.same_failure``: a CUDA device-side assert is met by the IndexError the CPU
   raises for the same inputs); and when both happened on the same device type and
-  neither class is one whose words change with the device (``CROSS_DEVICE_CLASSES``),
-  the message *shapes* must be equal too;
+  neither class is one whose words change with the device (``CROSS_DEVICE_CLASSES``)
+  or with the check that caught it (``CAUGHT_BY_ANY_CHECK``: a NaN), the message
+  *shapes* must be equal too;
 - otherwise the exception types must be equal and so must the message shapes.
 
 A message's shape is its first line with what changes from run to run written as
@@ -31,13 +32,19 @@ from dataclasses import dataclass
 from pytest_gpucase.verdict.triage import failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
-__all__ = ["CROSS_DEVICE_CLASSES", "Failure", "first_line", "message_shape", "same_failure"]
+__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "Failure", "first_line",
+           "message_shape", "same_failure"]
 
 # Classes whose message is written by a different layer on each device (a kernel's assert
 # on CUDA, the operator's own check on the CPU), so that their words say nothing about
 # whether two failures are the same: the class alone decides.
 CROSS_DEVICE_CLASSES = frozenset({"device-side-assert", "index-out-of-range",
                                   "value-out-of-range"})
+# Classes whose message is written by whichever check caught the failure, on any device: a
+# NaN is told by the Recorder's guard at capture ("non-finite loss of f: ..."), by the
+# replay's finiteness check ("non-finite output: ..."), by anomaly mode or by the user's
+# own check. Their words say where it was caught, not what failed: the class decides.
+CAUGHT_BY_ANY_CHECK = frozenset({"nan"})
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,8 @@ def same_failure(recorded: Failure, found: Failure) -> bool:
         if not same_class(recorded_class, found_class):
             return False
         if (recorded.device is None or recorded.device != found.device
-                or {recorded_class, found_class} & CROSS_DEVICE_CLASSES):
+                or {recorded_class, found_class} & (CROSS_DEVICE_CLASSES
+                                                    | CAUGHT_BY_ANY_CHECK)):
             return True
         return recorded.shape == found.shape
     return (_short(recorded.error_type) == _short(found.error_type)
