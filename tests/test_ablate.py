@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import json
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
-from pytest_gpucase.case import payload
 from pytest_gpucase.tools.ablate import (
     CPU_HINT,
     FAILS_DIFFERENTLY,
@@ -27,6 +25,7 @@ from pytest_gpucase.cli import main
 from pytest_gpucase.plan.environment import Device, Environment
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plan.runs import NotRunnable, choose_device
+from tests.helpers import make_case, recorded_ce_case
 
 ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 NOT_ON_CPU = {
@@ -36,16 +35,6 @@ NOT_ON_CPU = {
     "extensions": "the case declares no optional extension ([matrix.packages]) and no "
                   "[ablate] env",
 }
-
-
-def make_case(root: Path, name: str, toml: str, case_py: str,
-              tensors: dict[str, torch.Tensor]) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "case.toml").write_text(textwrap.dedent(toml))
-    (path / "case.py").write_text(textwrap.dedent(case_py))
-    payload.save(path / "inputs.safetensors", tensors)
-    return path
 
 
 def rows_of(result_rows: tuple[Row, ...]) -> list[tuple[str, str, str | None]]:
@@ -242,7 +231,6 @@ def test_unknown_dtype_or_missing_device_cannot_run(
         choose_device(load_case(path), ENV, "cuda")
 
 
-
 def test_a_broken_case_is_an_error_not_a_reading(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """A typo in the call: every change "still failed" and the reading sent the user to
@@ -306,7 +294,6 @@ def test_reading(verdicts: dict[str, RowVerdict], reading: str) -> None:
 
 def test_ablates_recommendation_to_minimize_runs_on_a_recorded_case(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from tests.test_minimize import recorded_ce_case
 
     path = recorded_ce_case(tmp_path)
     capsys.readouterr()

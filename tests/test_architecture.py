@@ -17,9 +17,7 @@ from pytest_gpucase.cli import main
 from pytest_gpucase.plugin.items import run_markers
 from pytest_gpucase.report.render import RENDERERS
 from pytest_gpucase.case.variants import VARIANT_KINDS
-
-from .test_plugin import write_case
-from .test_report import A100, report_file, result
+from tests.helpers import A100, report_file, result, write_case
 
 # ----------------------------------------------------------------------------- the tables
 

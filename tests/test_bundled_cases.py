@@ -16,7 +16,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.run.parent import run_spec
-from tests.test_model_capture import replay
+from tests.helpers import replay_cpu
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
 
@@ -44,7 +44,7 @@ def test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index
     assert doc["origin"]["failure_class"] == "index-out-of-range"
     assert "srcIndex < srcSelectDimSize" in doc["origin"]["stderr"]
 
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
     # Captured as a RuntimeError on CUDA: known by its failure class, not by its type.
     assert is_known_failure(load_case(case_dir), verdict)
@@ -65,7 +65,7 @@ def test_attention_masked_row_is_nan_exactly_at_the_fully_masked_rows() -> None:
     fixed = code.reference(**as_float64)
     assert fixed.isfinite().all() and not fixed[fully_masked].any()
 
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.kind == "mismatch", verdict.outcome.summary
     assert "actual is NaN at 16 mismatched positions; expected (float64) is a number" in (
         verdict.outcome.details)

@@ -20,8 +20,7 @@ from pytest_gpucase.tools import validate as validate_module
 from pytest_gpucase.cli import EXIT_BROKEN_PIPE, main
 from pytest_gpucase.report.render import RENDERERS
 from pytest_gpucase.plugin.settings import SETTINGS
-
-from .test_request import RICH, rich_case, write_case
+from tests.helpers import RICH, rich_case, write_bare_case
 
 ROOT = Path(pytest_gpucase.__file__).resolve().parents[1]
 
@@ -78,7 +77,7 @@ def test_bad_numbers_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
 def test_output_cut_short_by_head_ends_quietly(tmp_path: Path) -> None:
     # 2000 context lines: far more than a pipe holds, so the reader leaves while we write.
     notes = "".join(f'note_{i} = "{"x" * 80}"\n' for i in range(2000))
-    case = write_case(tmp_path, "chatty", textwrap.dedent(RICH) + notes)
+    case = write_bare_case(tmp_path, "chatty", textwrap.dedent(RICH) + notes)
     pythonpath = [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(pythonpath)}
     with (tmp_path / "stderr").open("w+b") as errors:
@@ -106,7 +105,7 @@ def test_validate_exit_code_follows_the_problems(
     assert main(["validate", str(good)]) == 0
     assert capsys.readouterr().out == f"gpucase validate: no problems in {good}\n"
 
-    bad = write_case(tmp_path / "bad", "typo", 'format = 1\ncalll = "case.py:run"\n')
+    bad = write_bare_case(tmp_path / "bad", "typo", 'format = 1\ncalll = "case.py:run"\n')
     assert main(["validate", str(good), str(bad)]) == 1
     assert "calll: unknown key; did you mean 'call'?" in capsys.readouterr().out
 

@@ -24,6 +24,7 @@ from pytest_gpucase.plan.environment import (
 )
 from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.run.probe import probe
+from tests.helpers import install_fake_distribution
 
 H100 = Device(0, "NVIDIA H100 80GB HBM3", "9.0", 79.1)
 CUDA = Environment(backend="cuda", device_types=("cuda", "cpu"),
@@ -240,17 +241,6 @@ def test_the_snapshot_crosses_process_and_file_boundaries() -> None:
 ])
 def test_launch_blocking_env(backend: str, variables: dict[str, str]) -> None:
     assert launch_blocking_env(backend) == variables
-
-
-def install_fake_distribution(site: Path, name: str, version: str, module: str) -> Path:
-    """A distribution as pip leaves it (dist-info with top_level.txt), without pip."""
-    (site / module).mkdir(parents=True, exist_ok=True)
-    (site / module / "__init__.py").write_text("def pool(x, mask):\n    return x\n")
-    info = site / f"{name.replace('-', '_')}-{version}.dist-info"
-    info.mkdir()
-    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
-    (info / "top_level.txt").write_text(module + "\n")
-    return site
 
 
 def test_the_distribution_a_call_imports_is_found_without_importing_it(

@@ -9,8 +9,7 @@ import tomllib
 from pathlib import Path
 
 import pytest
-
-from tests.test_example_training import PYTEST, apply_fix, run
+from tests.helpers import PYTEST, apply_fix, run
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 XFAIL = "captured failure: IndexError: Target -1 is out of bounds.; remove this line once fixed"

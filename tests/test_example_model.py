@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpucase.tools.validate import validate
-from tests.test_example_training import PYTEST, apply_fix, run, without_xfail
+from tests.helpers import PYTEST, apply_fix, run, without_xfail
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_capture"
 BUG = "    for row, char in enumerate(alphabet, start=1):  # the bug: rows must count from 0\n"

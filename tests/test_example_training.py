@@ -4,59 +4,26 @@ same case is replayed again, each step run as a user runs it.
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
-import time
 import tomllib
 from pathlib import Path
 
 import pytest
 
 from pytest_gpucase.tools.validate import validate
+from tests.helpers import PYTEST, apply_fix, run, without_xfail
 
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "training_capture"
 BUG = "    return labels  # the bug: used as annotated; the fix is `return labels - 1`\n"
 FIX = "    return labels - 1\n"
 XFAIL = "captured failure: IndexError: Target 4 is out of bounds.; remove this line once fixed"
-# The `pytest` console script: the working directory is not on sys.path (`python -m` would
-# put it there and hide a missing `pythonpath` setting).
-PYTEST = ("import os, sys\n"
-          "if sys.path and sys.path[0] in ('', os.getcwd()):\n"
-          "    sys.path.pop(0)\n"
-          "import pytest\n"
-          "sys.exit(pytest.console_main())\n")
-
-
-def run(project: Path, *args: str) -> pytest.RunResult:
-    """Run a command in ``project`` without PYTHONPATH (pytester's runners set it to the cwd)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTEST_ADDOPTS")}
-    env["PYTEST_ADDOPTS"] = "-p no:randomly"  # the outputs read here keep their order
-    start = time.monotonic()
-    done = subprocess.run(args, cwd=project, env=env, capture_output=True, text=True,
-                          timeout=300, check=False)
-    return pytest.RunResult(done.returncode, done.stdout.splitlines(), done.stderr.splitlines(),
-                            time.monotonic() - start)
-
-
-def apply_fix(source_file: Path, bug: str, fix: str) -> None:
-    """Make the fix a user makes: the buggy line, which must be there, replaced."""
-    source = source_file.read_text()
-    assert bug in source
-    source_file.write_text(source.replace(bug, fix))
 
 
 def replay(project: Path) -> pytest.RunResult:
     # CPU items only, so that the outcomes are the same on a GPU runner.
     return run(project, sys.executable, "-c", PYTEST, "--gpu-cases", "cases", "-rxX",
                "--gpu-devices", "cpu", "-p", "no:cacheprovider")
-
-
-def without_xfail(case_dir: Path) -> None:
-    toml = case_dir / "case.toml"
-    lines = toml.read_text().splitlines(keepends=True)
-    toml.write_text("".join(line for line in lines if not line.startswith("xfail = ")))
 
 
 def test_training_failure_is_captured_replayed_and_fixed(pytester: pytest.Pytester) -> None:

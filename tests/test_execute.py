@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from pytest_gpucase.run.child import MAX_OUTPUT_DEPTH
-
-from .test_plugin import write_case
+from tests.helpers import write_case
 
 TOML = 'format = 1\ncall = "case.py:run"\n[matrix]\ndevices = ["cpu"]\n'
 

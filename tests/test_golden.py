@@ -18,8 +18,7 @@ from pytest_gpucase.case import golden
 from pytest_gpucase.case import payload
 from pytest_gpucase.verdict.compare import compare
 from pytest_gpucase.base.errors import CaseFormatError
-
-from .test_plugin import write_case
+from tests.helpers import write_case
 
 
 class Pair(typing.NamedTuple):

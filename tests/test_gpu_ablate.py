@@ -16,8 +16,7 @@ from pytest_gpucase.tools.ablate import CPU_HINT, PASSES, STILL_FAILS, ablate
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.run.probe import probe
-
-from .test_ablate import make_case
+from tests.helpers import make_case
 
 pytestmark = pytest.mark.gpu
 

@@ -21,8 +21,7 @@ import pytest
 import torch
 
 from pytest_gpucase.base.errors import printable
-
-from .test_plugin import RAISES, ce_case, write_case
+from tests.helpers import H100, RAISES, ce_case, result, rich_case, write_case
 
 GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
 RUN_X = "def run(x):\n    return x + 1\n"
@@ -330,7 +329,6 @@ def test_a_directory_name_that_is_not_utf8(pytester: pytest.Pytester) -> None:
 
 
 def _report_text(change: Callable[[dict[str, object]], object] | None = None) -> str:
-    from .test_report import H100, result
 
     report = {"schema": "pytest-gpucase/report", "version": 1,
               "created": "2026-12-02T16:00:00+00:00", "environment": H100,
@@ -449,7 +447,6 @@ def test_each_hostile_report_is_refused_in_one_line(tmp_path: Path) -> None:
 
 
 def test_gpucase_show_refuses_a_hostile_report_the_same_way(tmp_path: Path) -> None:
-    from .test_request import rich_case
 
     case = rich_case(tmp_path / "cases")
     for name in ("fifo", "nested_arrays", "duplicate_key", "cuda_pass_from_cpu_runner"):
@@ -496,7 +493,6 @@ def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> N
     """0.4 MB of reports made 110 MB of HTML (each column's label in every cell's title),
     and a 100 MB message 200 MB: labels are said once per column now, a message is cut as
     the writer cuts a run's text (and a string over a mebibyte refused: string_of_2_mib)."""
-    from .test_report import H100, result
 
     paths = []
     for n in range(12):   # a long label that tells the columns apart: a package version
@@ -518,7 +514,6 @@ def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> N
 
 
 def test_no_escape_or_bidi_override_reaches_the_html_or_the_terminal(tmp_path: Path) -> None:
-    from .test_report import H100, result
 
     forged = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\u202eok\u2066"
     env = dict(H100, platform=f"Linux{forged}", packages={"ext": f"1{forged}"})
@@ -540,8 +535,6 @@ def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path
     each cell scanned its runs once per device type (quadratic in their number)."""
     import time
 
-    from .test_report import H100, result
-
     # The failing run is named in its cell's reason (the other CUDA run passed): its run id
     # is read from its node id.
     long_id = "a[" * 500_000
@@ -560,7 +553,6 @@ def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path
 
 def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
     """int() on "²" ("²".isdigit() is True) and on 5,000 digits raised a traceback."""
-    from .test_report import H100, result
 
     rows = [result("ce", "cuda", "float32", "passed")]
     paths = [_report_file(tmp_path / f"r{n}.json", dict(H100, cudnn=cudnn, cuda=cuda), rows)
@@ -576,8 +568,6 @@ def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
     packages), and every report's packages were rebuilt for each column it was compared
     with."""
     import time
-
-    from .test_report import H100, result
 
     paths = [_report_file(tmp_path / f"r{n}.json",
                           dict(H100, revision=f"r{n}",

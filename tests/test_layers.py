@@ -188,7 +188,8 @@ def test_no_private_name_crosses_a_module_boundary_outside_its_subpackage() -> N
     problems = []
     for imp in all_imports():
         crossing = imp.importer.split(".")[:2] != imp.target.split(".")[:2]
-        private = [name for name in imp.names if name.startswith("_") and name != "__version__"]
+        private = [name for name in imp.names
+                   if name.startswith("_") and not (name.startswith("__") and name.endswith("__"))]
         if crossing and private:
             problems.append(f"{imp.shown()}: private {', '.join(private)}")
     assert not problems, "\n".join(problems)
@@ -275,3 +276,24 @@ def test_saved_cases_resolve_their_generated_calls_as_the_child_does() -> None:
         assert resolve(case, case.call, "call") in (replay_module, replay_op), case.name
     assert {resolve(saved[0], call, "call") for call in (REPLAY_MODULE, REPLAY_OP)} == {
         replay_module, replay_op}
+
+
+def test_test_modules_share_helpers_only_through_tests_helpers() -> None:
+    """A test module imports what it shares with others from ``tests/helpers.py`` (or a
+    ``*_targets`` module a child imports), never from another test module: running one
+    test file must not collect or depend on another's."""
+    tests = Path(__file__).resolve().parent
+    offenders = []
+    for path in sorted(tests.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ImportFrom):
+                module = node.module or ""
+                names = [module, *(f"{module}.{alias.name}" for alias in node.names)]
+            elif isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            else:
+                continue
+            if any(name.rpartition(".")[2].startswith("test_") for name in names):
+                offenders.append(f"{path.name}:{node.lineno} imports {names[0] or '.'}"
+                                 f" {[alias.name for alias in node.names]}")
+    assert not offenders, "move the shared names to tests/helpers.py:\n" + "\n".join(offenders)

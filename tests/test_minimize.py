@@ -37,6 +37,7 @@ from pytest_gpucase.tools.minimize import (
     with_minimized_from,
 )
 from pytest_gpucase.run.parent import run_spec
+from tests.helpers import recorded_ce_case
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -565,23 +566,6 @@ def test_minimize_follows_the_inputs_a_case_names(tmp_path: Path) -> None:
         inputs = ["x"]
         """, code, tensors)
     assert plan_axes(load_case(named), tensors).batch_members == {"x"}
-
-
-def recorded_loss(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits, target)
-
-
-def recorded_ce_case(root: Path) -> Path:
-    """The case a Recorder writes for a batch of 8 whose entry 5 holds class 4 of 4: its
-    payload holds the RNG state ``[context] rng`` names, as every recorded case does."""
-    from pytest_gpucase.tools.record import Recorder
-
-    rec = Recorder(root / "cases")
-    loss = rec.watch(recorded_loss, name="ce")
-    logits = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    with pytest.raises(IndexError):
-        loss(logits, torch.tensor([0, 1, 2, 3, 0, 4, 1, 2]))
-    return root / "cases" / "ce"
 
 
 def test_a_recorded_case_is_shrunk_and_its_rng_state_kept_whole(tmp_path: Path) -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 import torch
@@ -15,22 +13,10 @@ from pytest_gpucase.tools.record import narrow, write
 from pytest_gpucase.case import payload
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure
-from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.verdict.triage import failure_class, same_failure
 from tests import model_targets
-
-
-def replay(case_dir: Path) -> Any:
-    """Run a case's CPU item in a fresh child and return its verdict."""
-    case = load_case(case_dir)
-    return run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                    backend="cpu", localize=False)
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text())
+from tests.helpers import read_toml, replay_cpu
 
 
 def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path: Path) -> None:
@@ -46,7 +32,7 @@ def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path
 
     whole = tmp_path / "cases" / "TinyLM"
     assert rec.case_dir == whole
-    doc = toml(whole)
+    doc = read_toml(whole)
     assert doc["call"] == "pytest_gpucase.capture:replay_module"
     recipe = doc["inputs"]["gpucase_module"]
     assert recipe["factory"] == "tests.model_targets:TinyLM"
@@ -59,11 +45,11 @@ def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path
 
     names = sorted(p.name for p in rec.narrowed)
     assert names == ["TinyLM.aten.embedding.default", "TinyLM.emb"]
-    emb = toml(tmp_path / "cases" / "TinyLM.emb")["inputs"]["gpucase_module"]
+    emb = read_toml(tmp_path / "cases" / "TinyLM.emb")["inputs"]["gpucase_module"]
     assert emb["factory"] == "torch.nn.modules.sparse:Embedding"
     assert (emb["kwargs"]["num_embeddings"], emb["kwargs"]["embedding_dim"]) == (8, 4)
     for case_dir in (whole, *rec.narrowed):
-        verdict = replay(case_dir)
+        verdict = replay_cpu(case_dir)
         assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
         assert is_known_failure(load_case(case_dir), verdict)
 
@@ -89,7 +75,7 @@ def test_a_failure_no_op_raised_is_told_so(tmp_path: Path,
     err = capsys.readouterr().err
     assert "gpucase: note: no single ATen op raised: no op case written" in err.splitlines()
     assert "did not reproduce" not in err
-    verdict = replay(tmp_path / "cases" / "checked")
+    verdict = replay_cpu(tmp_path / "cases" / "checked")
     assert verdict.outcome.error_type == "ValueError", verdict.outcome.summary
 
 
@@ -106,7 +92,7 @@ def test_rerun_of_the_same_failure_counts_instead_of_copying(
         said.append(capsys.readouterr().err)
     names = ["TinyLM", "TinyLM.aten.embedding.default", "TinyLM.emb"]
     assert sorted(p.name for p in (tmp_path / "cases").iterdir()) == names
-    assert toml(tmp_path / "cases" / "TinyLM")["origin"]["seen"] == 2
+    assert read_toml(tmp_path / "cases" / "TinyLM")["origin"]["seen"] == 2
     assert said[0].count("gpucase: saved ") == 3
     # The rerun says what it did, and only that: no "saved" line for a copy it did not write.
     assert "gpucase: saved" not in said[1]
@@ -125,7 +111,7 @@ def test_a_backward_failure_from_a_nan_the_loss_sent_is_not_frozen(tmp_path: Pat
     with pytest.raises(FloatingPointError), rec.step(0, "backward"):
         (out * float("nan")).sum().backward()
     case_dir = tmp_path / "cases" / "BackwardBoom"
-    doc = toml(case_dir)
+    doc = read_toml(case_dir)
     assert doc["inputs"]["gpucase_module"]["backward"] is True
     assert "xfail" not in doc
     assert doc["summary"].startswith("INCOMPLETE: the gradient that reached BackwardBoom's "
@@ -146,7 +132,7 @@ def test_a_backward_failure_replays_from_the_watched_loss(tmp_path: Path) -> Non
         loss = loss_fn(model(torch.ones(2, 3)), scale=torch.tensor(float("nan")))
         loss.backward()
     case_dir = tmp_path / "cases2" / "BackwardBoom"
-    doc = toml(case_dir)
+    doc = read_toml(case_dir)
     recipe = doc["inputs"]["gpucase_module"]
     assert recipe["loss"] == {"call": "tests.model_targets:scaled_sum", "output": "x",
                               "index": 0}
@@ -154,7 +140,7 @@ def test_a_backward_failure_replays_from_the_watched_loss(tmp_path: Path) -> Non
     assert doc["origin"]["grad_output"].startswith("recomputed")
     saved = payload.load(case_dir / "inputs.safetensors")
     assert torch.isnan(saved["loss.scale"]) and not any(k.startswith("grad_output") for k in saved)
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
     assert is_known_failure(load_case(case_dir), verdict)
 
@@ -169,10 +155,10 @@ def test_a_backward_failure_with_a_finite_gradient_replays_from_it(tmp_path: Pat
     with pytest.raises(FloatingPointError), rec.step(0):
         (model(torch.ones(2, 3)) * 100).sum().backward()
     case_dir = tmp_path / "cases" / "BackwardBoom"
-    doc = toml(case_dir)
+    doc = read_toml(case_dir)
     assert doc["inputs"]["gpucase_module"]["grad_outputs"] == {"0": "grad_output.0"}
     assert doc["origin"]["grad_output"].startswith("saved as captured: the loss was computed")
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
     assert is_known_failure(load_case(case_dir), verdict)
 
@@ -184,11 +170,11 @@ def test_autocast_context_is_recorded_and_replayed(tmp_path: Path) -> None:
     with pytest.raises(IndexError), torch.autocast("cpu", dtype=torch.bfloat16):
         matmul(x, w, torch.tensor([5]))
     case_dir = tmp_path / "cases" / "mixed_matmul"
-    context = toml(case_dir)["context"]
+    context = read_toml(case_dir)["context"]
     assert context["autocast"] == {"device_type": "cpu", "dtype": "bfloat16", "enabled": True}
     case = load_case(case_dir)
     assert case.context.compute_dtype == "bfloat16"  # the item id names bfloat16
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     # Without autocast the replay would raise "expected m1 and m2 to have the same dtype".
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
 
@@ -268,7 +254,7 @@ def test_a_module_whose_forward_changes_its_input(
     assert tokens.tolist() == [[2, 10, 6]]
     case_dir = tmp_path / "cases" / "inplace"
     saved = payload.load(case_dir / "inputs.safetensors")["tokens"].tolist()
-    snapshot = toml(case_dir)["origin"]["snapshot"]
+    snapshot = read_toml(case_dir)["origin"]["snapshot"]
     err = capsys.readouterr().err
     if limit is None:
         assert saved == [[1, 5, 3]]
@@ -280,7 +266,7 @@ def test_a_module_whose_forward_changes_its_input(
                                    "place by the failing call, so saved as changed: tokens (not "
                                    "copied before the call: over the snapshot limit of 0.0 MiB")
         assert "gpucase: note: the failing call of inplace changed tokens in place" in err
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
     assert rec.narrowed == []
 
@@ -370,5 +356,5 @@ def test_narrow_false_writes_the_module_case_alone(
     assert rec.narrowed == [] and rec.case_dir == tmp_path / "cases" / "TinyLM"
     err = capsys.readouterr().err
     assert "narrowed" not in err and "no op case" not in err
-    verdict = replay(tmp_path / "cases" / "TinyLM")
+    verdict = replay_cpu(tmp_path / "cases" / "TinyLM")
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary

@@ -3,62 +3,13 @@
 from __future__ import annotations
 
 import re
-import textwrap
 from pathlib import Path
 
 import pytest
 import torch
 
 from pytest_gpucase.run import isolation
-from pytest_gpucase.case import payload
-
-CE_CASE_PY = """
-import torch
-import torch.nn.functional as F
-
-def run(logits, target, num_classes, ignore_index):
-    bad = (target != ignore_index) & ((target < 0) | (target >= num_classes))
-    if bad.any():
-        raise ValueError(f"target out of range: {target[bad].tolist()}")
-    return F.cross_entropy(logits, target, ignore_index=ignore_index)
-"""
-
-
-def write_case(root: Path, name: str, toml: str, case_py: str | None = None,
-               tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    """Write a case directory as a user would by hand."""
-    path = root / "cases" / name
-    path.mkdir(parents=True)
-    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
-    if case_py is not None:
-        (path / "case.py").write_text(textwrap.dedent(case_py).lstrip())
-    if tensors is not None:
-        payload.save(path / "inputs.safetensors", tensors)
-    return path
-
-
-def ce_case(root: Path, name: str, target: list[int], expect: str, top: str = "") -> Path:
-    logits = torch.arange(12, dtype=torch.float32).reshape(3, 4) / 7
-    toml = f"""
-        format = 1
-        call = "case.py:run"
-        timeout = 60
-        {top}
-        [inputs]
-        num_classes = 4
-        ignore_index = -100
-        {expect}
-    """
-    return write_case(root, name, toml, CE_CASE_PY,
-                      {"logits": logits, "target": torch.tensor(target)})
-
-
-RAISES = """
-        [expect]
-        outcome = "raises"
-        exception = "ValueError"
-        match = "out of range"
-"""
+from tests.helpers import CE_CASE_PY, RAISES, ce_case, write_case
 
 
 @pytest.fixture

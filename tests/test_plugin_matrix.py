@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from pytest_gpucase.report.file import load_report
-
-from .test_plugin import RAISES, ce_case
+from tests.helpers import RAISES, ce_case, install_fake_distribution, write_case
 
 
 def test_gpu_requires_marker(pytester: pytest.Pytester) -> None:
@@ -333,8 +332,6 @@ def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session(
 def test_gpu_ablate_adds_the_table_to_a_failing_item(pytester: pytest.Pytester) -> None:
     import torch
 
-    from .test_plugin import write_case
-
     # exp(12) is past float16's largest value (65504): the naive softmax gives NaN.
     write_case(pytester.path, "softmax_fp16", """
         format = 1
@@ -359,8 +356,6 @@ def test_gpu_ablate_leaves_a_broken_case_alone(pytester: pytest.Pytester) -> Non
     """A call that does not import: the case is what to fix, not something to ablate."""
     import torch
 
-    from .test_plugin import write_case
-
     write_case(pytester.path, "typo", 'format = 1\ncall = "case.py:runn"\n[matrix]\n'
                'devices = ["cpu"]\n', "def run(x):\n    return x\n", {"x": torch.ones(2)})
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-ablate", "cases")
@@ -370,7 +365,6 @@ def test_gpu_ablate_leaves_a_broken_case_alone(pytester: pytest.Pytester) -> Non
 
 def test_broken_case_is_in_the_json_report_and_the_step_summary(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    from .test_plugin import write_case
 
     ce_case(pytester.path, "good", [0, 2, 4], RAISES)
     write_case(pytester.path, "typo", 'format = 1\ncalll = "case.py:run"\n')
@@ -447,7 +441,6 @@ def _terminated_once_started(cwd: Path, started: Path, *args: str) -> tuple[int,
 
 
 def _marker_case(root: Path, name: str, body: str) -> None:
-    from .test_plugin import write_case
 
     write_case(root, name, 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
                '[matrix]\ndevices = ["cpu"]\n', body)
@@ -515,9 +508,6 @@ def test_the_report_records_the_packages_its_cases_use_serial_or_xdist(
     import torch
 
     from pytest_gpucase.report.matrix import build_matrix
-
-    from .test_environment import install_fake_distribution
-    from .test_plugin import write_case
 
     inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
     # one case names the extension in [matrix.packages], one only calls into it

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-
-from .test_plugin import write_case
+from tests.helpers import write_case
 
 TOML = 'format = 1\ncall = "case.py:run"\n[matrix]\ndevices = ["cpu"]\n'
 X = {"x": torch.tensor([1.0, 2.0])}

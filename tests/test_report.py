@@ -18,7 +18,7 @@ import pytest
 
 import pytest_gpucase
 from pytest_gpucase.cli import main
-from pytest_gpucase.plan.environment import Device, Environment
+from pytest_gpucase.plan.environment import Device
 from pytest_gpucase.report.file import (
     SCHEMA,
     VERSION,
@@ -34,6 +34,7 @@ from pytest_gpucase.report.summary import append_step_summary, step_summary
 from pytest_gpucase.report.matrix import build_matrix, same_environment, short_names
 from pytest_gpucase.base.text import markdown_code, markdown_text, terminal_safe
 from pytest_gpucase.report.render import render_html, render_json, render_markdown
+from tests.helpers import A100, H100, environment, report_file, result
 
 A100_LABEL = "torch 2.3.1 · cu121 · flash-attn 2.5.8 · sm_80"
 H100_LABEL = "torch 2.4.0 · cu124 · flash-attn 2.6.3 · sm_90"
@@ -55,45 +56,6 @@ LEGEND = (
     "— not run: no report holds a run of this case on this device type here, or its run "
     "stopped before it started"
 )
-
-
-def environment(torch: str, cuda: str | None, flash_attn: str | None, gpu: str, capability: str,
-                **changes: Any) -> dict[str, Any]:
-    """A CUDA runner's environment, as the plugin probes it."""
-    fields: dict[str, Any] = {
-        "backend": "cuda", "device_types": ("cuda", "cpu"),
-        "devices": (Device(0, gpu, capability, 79.1),), "torch": torch, "cuda": cuda,
-        "cudnn": "90100", "python": "3.11.9", "platform": "Linux-x86_64",
-        "packages": {"flash-attn": flash_attn}, "revision": "3f2c1ab",
-    }
-    fields.update(changes)
-    return Environment(**fields).to_dict()
-
-
-A100 = environment("2.3.1+cu121", "12.1", "2.5.8", "NVIDIA A100-SXM4-80GB", "8.0")
-H100 = environment("2.4.0+cu124", "12.4", "2.6.3", "NVIDIA H100 80GB HBM3", "9.0")
-
-
-def result(case: str, device: str, dtype: str, outcome: str, variant: str | None = None,
-           **fields: Any) -> dict[str, Any]:
-    """One item's record, as the plugin writes it."""
-    token = "-".join([device, dtype] + ([variant] if variant else []))
-    record: dict[str, Any] = {
-        "nodeid": f"cases/{case}::{case}[{token}]", "case": case, "case_path": f"cases/{case}",
-        "device": device, "dtype": dtype, "variant": variant, "outcome": outcome,
-        "error_type": None, "message": None, "max_abs": None, "max_rel": None,
-        "duration": 0.25, "skip_reason": None, "triage": None, "launch_blocking": False,
-    }
-    record.update(fields)
-    return record
-
-
-def report_file(path: Path, env: dict[str, Any], results: list[dict[str, Any]], *,
-                created: str = "2026-12-02T16:00:00+00:00", complete: bool = True) -> Path:
-    report = new_report(env)
-    report.update(created=created, results=results, complete=complete)
-    write_report(path, report)
-    return path
 
 
 A100_RESULTS = [

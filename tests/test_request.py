@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import socket
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,68 +12,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.cli import main
 from pytest_gpucase.tools.show import request, show
 from pytest_gpucase.tools.validate import validate
-
-CASE_PY = "def run(logits, target, num_classes):\n    return logits.sum()\n"
-
-RICH = """
-    format = 1
-    summary = "CrossEntropyLoss target holds class 4 on a 4-class head"
-    call = "case.py:run"
-    reference = "case.py:run"
-    timeout = 60
-    xfail = "labels not remapped yet"
-
-    [inputs]
-    num_classes = 4
-
-    [expect]
-    gradients = true
-    [expect.tolerance.bfloat16]
-    rtol = 2e-2
-    atol = 1e-3
-
-    [matrix]
-    devices = ["cuda", "cpu"]
-    dtypes = ["float32", "bfloat16"]
-    torch = ">=2.1"
-
-    [variants]
-    batch = { axis = 0, sizes = [1, 2] }
-    boundaries = { input = "target", classes = 4, ignore_index = -100 }
-    [variants.reject]
-    exception = "ValueError"
-
-    [origin]
-    error = "RuntimeError: CUDA error: device-side assert triggered"
-    stderr = "Loss.cu:250: nll_loss: block: [0,0] Assertion `t >= 0 && t < n_classes` failed."
-    iteration = 1834
-    stage = "loss"
-    last_step = "optimizer.step"
-    revision = "3f2c1ab"
-    python = "3.11.7"
-    torch = "2.3.1"
-    cuda = "12.1"
-    backend = "cuda"
-    device = "NVIDIA A100-SXM4-80GB"
-    later_errors = 12
-    sample_ids = ["img_00412", "img_00413", "img_00414"]
-"""
-
-
-def write_case(root: Path, name: str, toml: str,
-               tensors: dict[str, torch.Tensor] | None = None) -> Path:
-    path = root / name
-    path.mkdir(parents=True)
-    (path / "case.toml").write_text(textwrap.dedent(toml).lstrip())
-    (path / "case.py").write_text(CASE_PY)
-    if tensors is not None:
-        payload.save(path / "inputs.safetensors", tensors)
-    return path
-
-
-def rich_case(root: Path, name: str = "ce_class4", toml: str = RICH) -> Path:
-    logits = (torch.arange(15, dtype=torch.float32).reshape(3, 5) / 7)[:, 1:].t()
-    return write_case(root, name, toml, {"logits": logits, "target": torch.tensor([0, 2, 4])})
+from tests.helpers import RICH, result, rich_case, write_bare_case
 
 
 def report_of(path: Path, results: list[dict[str, object]]) -> Path:
@@ -89,7 +27,6 @@ def report_of(path: Path, results: list[dict[str, object]]) -> Path:
 
 
 def test_show_gives_the_case_at_a_glance(tmp_path: Path) -> None:
-    from .test_report import result
 
     case_dir = rich_case(tmp_path)
     report = report_of(tmp_path / "report.json", [
@@ -163,7 +100,7 @@ def test_show_reads_a_report_as_the_matrix_does(
 
 
 def test_show_survives_a_broken_payload_and_lists_unsaved_inputs(tmp_path: Path) -> None:
-    case_dir = write_case(tmp_path, "meta_only", """
+    case_dir = write_bare_case(tmp_path, "meta_only", """
         format = 1
         call = "case.py:run"
         [expect]
@@ -257,11 +194,11 @@ def test_validate_reports_every_problem_once_per_line(
     cases = tmp_path / "cases"
     good = rich_case(cases, "good")
     rich_case(cases / "group", "nested")
-    write_case(cases, "typo", 'format = 1\ncalll = "case.py:run"\n')
+    write_bare_case(cases, "typo", 'format = 1\ncalll = "case.py:run"\n')
     truncated = rich_case(cases, "truncated")
     data = (truncated / "inputs.safetensors").read_bytes()
     (truncated / "inputs.safetensors").write_bytes(data[:-8])
-    write_case(cases, "clash", 'format = 1\ncall = "case.py:run"\n[inputs]\ntarget = 1\n'
+    write_bare_case(cases, "clash", 'format = 1\ncall = "case.py:run"\n[inputs]\ntarget = 1\n'
                "num_classes = 4\n", {"target": torch.tensor([1]), "logits": torch.ones(1, 4)})
     rich_case(cases, "noboundary", RICH.replace('input = "target"', 'input = "labels"'))
     (cases / "lost").mkdir()
@@ -298,7 +235,7 @@ def test_cli_commands(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     assert capsys.readouterr().out.startswith("good  (cases/good)\n")
     assert main(["request", "cases/good"]) == 0
     assert "pytest --gpu-cases cases/good -k good" in capsys.readouterr().out
-    write_case(tmp_path / "cases", "bad", "format = 2\n")
+    write_bare_case(tmp_path / "cases", "bad", "format = 2\n")
     assert main(["validate", "cases"]) == 1
     assert capsys.readouterr().out.startswith("cases/bad/case.toml: format: unsupported format 2")
     assert main(["show", "cases/bad"]) == 2
@@ -483,7 +420,6 @@ def test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time(text: str) -> 
 
 def test_show_tells_two_cases_of_one_name_apart_by_path(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from .test_report import result
 
     monkeypatch.chdir(tmp_path)
     first = rich_case(tmp_path / "cases" / "a", "ce")
@@ -518,7 +454,7 @@ def test_request_text_cannot_break_out_of_its_code(tmp_path: Path) -> None:
 
 
 def test_show_says_which_inputs_each_variant_resizes(tmp_path: Path) -> None:
-    case_dir = write_case(tmp_path, "weighted", """
+    case_dir = write_bare_case(tmp_path, "weighted", """
         format = 1
         call = "case.py:run"
         [variants.batch]

@@ -6,8 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
-
-from tests.test_plugin import RAISES, ce_case
+from tests.helpers import RAISES, ce_case, write_case
 
 VARIANTS = """
         [expect]
@@ -233,7 +232,6 @@ def run():
 
 @pytest.mark.parametrize("where", ["ini", "case"])
 def test_memory_limit_from_the_ini_or_the_case(pytester: pytest.Pytester, where: str) -> None:
-    from tests.test_plugin import write_case
 
     top = "memory_limit = 0.1\n" if where == "case" else ""
     write_case(pytester.path, "hog", f'format = 1\ncall = "case.py:run"\ntimeout = 120\n{top}'

@@ -15,7 +15,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.run.child import load_inputs, prepare, upcast
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.tools.validate import validate
-from tests.test_model_capture import replay, toml
+from tests.helpers import read_toml, replay_cpu
 
 
 def lookup(ids: torch.Tensor, params: dict[str, torch.Tensor], scale: float = 1.0
@@ -49,7 +49,7 @@ def test_a_dict_of_tensors_is_saved_and_rebuilt_and_its_failure_replays(tmp_path
         watched(torch.tensor([[0, 5]]), params=weights, scale=2.0)
 
     case_dir = tmp_path / "cases" / "lookup"
-    doc = toml(case_dir)
+    doc = read_toml(case_dir)
     assert doc["inputs"]["params"] == {"gpucase_tensors": {"table": "dict.params.table",
                                                            "bias": "dict.params.bias"}}
     assert doc["inputs"]["scale"] == 2.0
@@ -64,7 +64,7 @@ def test_a_dict_of_tensors_is_saved_and_rebuilt_and_its_failure_replays(tmp_path
     assert all(torch.equal(rebuilt["params"][k], weights[k]) for k in weights)
     assert validate([case_dir]) == []
 
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
     assert is_known_failure(load_case(case_dir), verdict)
 
@@ -82,7 +82,7 @@ def test_the_fixed_call_matches_its_float64_reference_through_the_dict(tmp_path:
     text = (case_dir / "case.toml").read_text()
     (case_dir / "case.toml").write_text("\n".join(line for line in text.splitlines()
                                                   if not line.startswith("xfail =")))
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.status == "passed", verdict.outcome.summary + verdict.outcome.details
     inputs = load_inputs(load_case(case_dir))
     assert {t.dtype for t in upcast(inputs)["params"].values()} == {torch.float64}
@@ -100,12 +100,12 @@ def test_a_module_forward_dict_argument_replays(tmp_path: Path) -> None:
     with pytest.raises(IndexError, match="out of bounds"):
         model(torch.ones(2, 3), extra=extra)
     case_dir = tmp_path / "cases" / "Scaled"
-    doc = toml(case_dir)
+    doc = read_toml(case_dir)
     assert doc["inputs"]["extra"] == {"gpucase_tensors": {"adapter": "dict.extra.adapter",
                                                           "shift": "dict.extra.shift"}}
     saved = payload.load(case_dir / "inputs.safetensors")
     assert {"state.lin.weight", "dict.extra.adapter", "dict.extra.shift"} <= set(saved)
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
     assert is_known_failure(load_case(case_dir), verdict)
 
@@ -118,7 +118,7 @@ def test_a_table_naming_a_missing_tensor_is_a_broken_case(tmp_path: Path) -> Non
         'params = { gpucase_tensors = { table = "dict.params.table", bias = "dict.params.b" } }\n')
     payload.save(case_dir / "inputs.safetensors",
                  {"ids": torch.tensor([0]), "dict.params.table": torch.ones(2, 4)})
-    verdict = replay(case_dir)
+    verdict = replay_cpu(case_dir)
     assert verdict.outcome.broken_case
     assert "[inputs] params.gpucase_tensors" in verdict.outcome.summary
     assert "dict.params.b" in verdict.outcome.summary

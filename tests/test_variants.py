@@ -26,6 +26,7 @@ from pytest_gpucase.case.variants import (
     named_parameter,
     resized_elements,
 )
+from tests.helpers import recorded_ce_case
 
 REJECT = Expectation(outcome="raises", exception="ValueError", match="out of range")
 
@@ -530,7 +531,6 @@ def test_a_module_cases_state_dict_never_anchors_or_follows_the_batch() -> None:
 
 def test_a_recorded_cases_rng_state_is_no_batch_input(tmp_path: Path) -> None:
     from pytest_gpucase.tools.validate import validate
-    from tests.test_minimize import recorded_ce_case
 
     path = recorded_ce_case(tmp_path)
     with (path / "case.toml").open("a", encoding="utf-8") as toml:

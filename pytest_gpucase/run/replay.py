@@ -10,12 +10,13 @@ class defined in the script that was run) calls to build it.
 from __future__ import annotations
 
 import ast
+import contextlib
 import hashlib
 import importlib.util
 import json
 import sys
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -128,7 +129,6 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     which the child imports from the case directory) and its ``kwargs``, ``training`` (the
     train/eval mode), ``method`` (a method called instead of forward: a LightningModule's
     ``training_step``), ``tied`` (alias = source: parameters shared in the model),
-    ``buffers`` (the non-persistent buffers among the ``state.<name>`` tensors),
     ``backward`` (the failure was in backward: run it, from the loss the call returns when
     ``loss = "output"``, its ``loss_index``-th output tensor when given; from the loss
     function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
@@ -176,49 +176,63 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
 def _rebuilt(make: Any, recipe: Mapping[str, Any],
              state: dict[str, Any]) -> torch.nn.Module:
     """The module ``make`` builds, holding ``state``: its saved tensors become its parameters
-    and buffers (``assign``: in the device and dtype of the run, no copy).
+    and persistent buffers (``assign``: in the device and dtype of the run, no copy).
 
-    A case that lists the module's non-persistent ``buffers`` holds every tensor the module
-    has, so the module is built on the meta device first: its constructor allocates and
-    initializes nothing, and a replay costs the state once, not twice. A module whose
-    constructor cannot run on meta, or that keeps a tensor the case lacks, is built on the
-    host as cases written before the list were.
+    While the constructor runs, each parameter it registers is moved to the meta device
+    (``torch.empty`` touches no memory, and the initialization then runs on meta), so that
+    the weights the saved state replaces are never written: a replay holds the state once,
+    not twice. Non-persistent buffers (position ids, rotary frequencies, lookup tables) are
+    built as the constructor builds them, from the code as it is now, so a fix to how they
+    are computed shows. A module that keeps a parameter the state lacks, or whose
+    constructor cannot run so, is built again the ordinary way.
     """
-    import torch
-
     kwargs = dict(recipe.get("kwargs", {}))
     tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
-    buffers = [str(name) for name in recipe.get("buffers", ())]
     for alias, source in tied.items():
         if source in state:
             state.setdefault(alias, state[source])
-    loaded = {k: v for k, v in state.items() if k not in buffers}
-    if "buffers" in recipe and state:
+    if state:
         try:
-            with torch.device("meta"):
+            with _parameters_on_meta():
                 module: torch.nn.Module = make(**kwargs)
-            module.load_state_dict(loaded, strict=True, assign=True)
+            module.load_state_dict(state, strict=True, assign=True)
             retie(module, tied)
-            for name in buffers:
-                owner, _, attr = name.rpartition(".")
-                module.get_submodule(owner)._buffers[attr] = state[name]
             if not any(_on_meta(m) for m in module.modules()):
                 return module
-        except Exception:  # built again on the host below
+        except Exception:  # built again the ordinary way below
             pass
     module = make(**kwargs)
     if state:
-        module.load_state_dict(loaded, strict=True, assign=True)
+        module.load_state_dict(state, strict=True, assign=True)
         retie(module, tied)
-        for name in buffers:
-            owner, _, attr = name.rpartition(".")
-            module.get_submodule(owner)._buffers[attr] = state[name]
     return module
 
 
+@contextlib.contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Parameters registered meanwhile go to the meta device (as Accelerate's
+    ``init_empty_weights(include_buffers=False)`` does); buffers stay where they are made."""
+    import torch
+
+    register = torch.nn.Module.register_parameter
+
+    def on_meta(module: torch.nn.Module, name: str, param: Any) -> None:
+        register(module, name, param)
+        held = module._parameters.get(name)
+        if held is not None and not held.is_meta:
+            module._parameters[name] = torch.nn.Parameter(
+                held.to("meta"), requires_grad=held.requires_grad)
+
+    torch.nn.Module.register_parameter = on_meta  # type: ignore[method-assign,assignment]
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register  # type: ignore[method-assign]
+
+
 def _on_meta(module: torch.nn.Module) -> bool:
-    """Whether a module still holds a tensor on the meta device: a parameter or buffer the
-    case did not fill, or a plain tensor attribute its constructor made."""
+    """Whether a module still holds a tensor on the meta device: a parameter the state did
+    not fill, or a buffer or tensor attribute its constructor made from one."""
     import torch
 
     values = [*module._parameters.values(), *module._buffers.values(),

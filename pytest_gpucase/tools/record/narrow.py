@@ -115,7 +115,6 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
         state = module_state(sub)
-        recipe["buffers"] = state.buffers
         if state.tied:
             recipe["tied"] = state.tied
         inputs = dataclasses.replace(

@@ -80,15 +80,13 @@ class State:
 
     tensors: dict[str, torch.Tensor]  # state.<name>: parameters and buffers, each once
     tied: dict[str, str]               # alias -> the name its Parameter is stored under
-    buffers: list[str]                 # names of non-persistent buffers among the tensors
 
 
 def module_state(module: torch.nn.Module) -> State:
-    """Parameters and buffers on the host under ``state.<name>``, each tensor once, the
-    tied parameters (alias -> the name it is stored under), and which of the tensors are
-    buffers the state dict leaves out (``persistent=False``: position ids, rotary
-    frequencies), so that a replay needs nothing the constructor computes and can build
-    the module on the meta device.
+    """The state dict's tensors on the host under ``state.<name>``, each tensor once, and
+    the tied parameters (alias -> the name it is stored under). Buffers the state dict
+    leaves out (``persistent=False``: position ids, rotary frequencies) are left out too:
+    the replay builds them from the code as it is then, so a fix to them shows.
 
     Written before training goes on, so host tensors are not copied.
     """
@@ -107,12 +105,7 @@ def module_state(module: torch.nn.Module) -> State:
             continue
         stored[id(value)] = name
         tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
-    buffers = []
-    for name, value in module.named_buffers(remove_duplicate=False):
-        if name not in state and isinstance(value, torch.Tensor) and storable(value):
-            tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
-            buffers.append(name)
-    return State(tensors, tied, buffers)
+    return State(tensors, tied)
 
 
 def _lightning(module: Any) -> bool:

@@ -16,7 +16,7 @@ import tomli_w
 
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import is_tensor, nbytes
-from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, MODULE_KEY, STATE_PREFIX
+from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, MODULE_KEY
 from pytest_gpucase.tools.record.distributed import Rank, without_addresses
 from pytest_gpucase.tools.record.inputs import Before, collect, unusable
 from pytest_gpucase.tools.record.narrow import note_narrowed_size, write_narrowed
@@ -126,18 +126,13 @@ class ModuleSaver:
         if unusable(found) is None:
             held = module_state(module)
             state = held.tensors
-            recipe["buffers"] = held.buffers
             if held.tied:
                 recipe["tied"] = held.tied
             size = sum(nbytes(t) for t in state.values())
             limit = rec.state_limit
             if limit is not None and size > limit:
-                # A checkpoint holds the state dict; the buffers it leaves out stay here.
-                extra = {f"{STATE_PREFIX}{name}" for name in held.buffers}
-                reference, why = checkpoint_reference(
-                    watch.checkpoint, {k: v for k, v in state.items() if k not in extra})
+                reference, why = checkpoint_reference(watch.checkpoint, state)
                 if reference is not None:
-                    tensors.update({k: v for k, v in state.items() if k in extra})
                     recipe["checkpoint"] = reference
                     origin["state"] = (f"{mib(size)}, above Recorder(state_limit="
                                        f"{mib(limit)}): referenced in its checkpoint")
