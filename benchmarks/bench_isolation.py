@@ -5,7 +5,9 @@
 Measured in one process that has imported torch (as the plugin's pytest
 process has), so every child is a fork of the same image:
 
-- bare fork: ``os.fork`` + ``os._exit(0)`` + ``waitpid``, nothing else (the floor)
+- bare fork: ``os.fork`` + ``os._exit(0)`` + ``waitpid``, nothing else
+- bare fork floor: the child computes ``x + 1`` and sends it back through a pipe, as
+  ``bench_scale.py``'s floor does inside pytest (the floor the ratios are taken to)
 - run_in_child: gpucase's child with its pipes, fd capture, process group and
   result pickling, calling ``os.getpid``
 - run_spec: a whole trivial case (load the case's payload in the child, call,
@@ -16,13 +18,19 @@ process has), so every child is a fork of the same image:
   again (``--gpu-start-method=spawn``; fewer runs)
 
 Printed as milliseconds per item (median of the runs) and as ratios to the bare
-fork measured in the same run: these machines are noisy, ratios travel better.
+fork floor measured in the same run: these machines are noisy, ratios travel better.
+Beside the wall clock, the CPU time of the child (user + system, from the kernel's
+accounting of reaped children, its exit included): it counts the copy-on-write
+page faults of the child and the work it does, and hardly moves with the load that
+other processes put on the machine, which the wall clock does.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
+import resource
 import statistics
 import tempfile
 import time
@@ -35,7 +43,12 @@ torch = import_torch()  # first: without torch's "Failed to initialize NumPy" wa
 
 from pytest_gpucase.case import payload  # noqa: E402
 from pytest_gpucase.case.load import load_case  # noqa: E402
-from pytest_gpucase.run.isolation import ChildResult, run_in_child, shutdown  # noqa: E402
+from pytest_gpucase.run.isolation import (  # noqa: E402
+    ChildResult,
+    reap_pending,
+    run_in_child,
+    shutdown,
+)
 from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
 from pytest_gpucase.run.parent import Verdict, run_spec  # noqa: E402
 
@@ -47,6 +60,22 @@ def bare_fork() -> None:
     os.waitpid(pid, 0)
 
 
+X = torch.ones(4)
+
+
+def bare_floor() -> None:
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, (X + 1).numpy().tobytes())
+        os._exit(0)
+    os.close(write)
+    os.read(read, 64)
+    os.close(read)
+    os.waitpid(pid, 0)
+
+
 def checked(result: ChildResult) -> None:
     assert result.returned, result.problem
 
@@ -55,14 +84,29 @@ def passed(verdict: Verdict) -> None:
     assert verdict.outcome.status == "passed", verdict.outcome
 
 
-def timed(action: Callable[[], object], runs: int) -> list[float]:
+def children_usage() -> tuple[float, int]:
+    """CPU seconds (user + system) and page faults of the reaped children so far."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime, usage.ru_minflt
+
+
+def timed(action: Callable[[], object],
+          runs: int) -> tuple[list[float], list[float], list[int]]:
+    """Wall seconds of each run, and the CPU seconds and page faults of its child (reaped
+    after the clock stops)."""
     action()  # warm up: first-touch page faults, imports in the child
-    samples = []
+    reap_pending()
+    samples, cpu, faults = [], [], []
     for _ in range(runs):
+        cpu_before, faults_before = children_usage()
         start = time.perf_counter()
         action()
         samples.append(time.perf_counter() - start)
-    return samples
+        reap_pending()  # outside the clock: a run's child exits after its result came back
+        cpu_after, faults_after = children_usage()
+        cpu.append(cpu_after - cpu_before)
+        faults.append(faults_after - faults_before)
+    return samples, cpu, faults
 
 
 def trivial_case(root: Path) -> RunSpec:
@@ -84,6 +128,7 @@ def main() -> None:
         spec = trivial_case(Path(tmp))
         rows = [
             ("bare os.fork", timed(bare_fork, runs)),
+            ("bare fork floor (x + 1)", timed(bare_floor, runs)),
             ("run_in_child (fork)", timed(lambda: checked(run_in_child(os.getpid, timeout=60)),
                                           runs)),
             ("run_spec, trivial case", timed(
@@ -95,14 +140,19 @@ def main() -> None:
                 max(5, runs // 20))),
         ]
     shutdown()
-    floor = statistics.median(rows[0][1])
+    floor, floor_cpu, _ = (statistics.median(values) for values in rows[1][1])
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}, "
-          f"{runs} runs each "
-          "(spawn: fewer), median per item")
-    print(f"{'what':<26}{'ms/item':>10}{'x bare fork':>14}")
-    for name, samples in rows:
-        median = statistics.median(samples)
-        print(f"{name:<26}{median * 1000:>10.2f}{median / floor:>14.2f}")
+          f"{runs} runs each (spawn: fewer), median per item; the forkserver's children are "
+          "the zygote's: their CPU is not counted here")
+    print(f"{'what':<26}{'ms/item':>10}{'x floor':>10}{'child CPU ms':>14}{'x floor':>10}"
+          f"{'page faults':>13}")
+    for name, (samples, cpu, faults) in rows:
+        median, median_cpu = statistics.median(samples), statistics.median(cpu)
+        counted = median_cpu > 0
+        print(f"{name:<26}{median * 1000:>10.2f}{median / floor:>10.2f}"
+              f"{median_cpu * 1000 if counted else math.nan:>14.2f}"
+              f"{median_cpu / floor_cpu if counted else math.nan:>10.2f}"
+              f"{statistics.median(faults) if counted else math.nan:>13.0f}")
 
 
 if __name__ == "__main__":

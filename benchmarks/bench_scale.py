@@ -9,14 +9,17 @@ baseline measured in the same run, as a ratio (these machines are noisy;
 ratios travel better than seconds); the load average is printed with them:
 
 1. isolation per trivial item inside pytest: ``pytest --gpu-cases`` on N
-   trivial cases (x + 1, float64 reference, compare) vs the fork floor: N
-   parametrized tests in a file that imports torch, each forking a child that
-   does the same op and sends its verdict back through a pipe. Also
-   ``--gpu-isolation worker``, and with ``--baseline-src`` the same cases run
-   by an older checkout of the package. Per item = the time from the first
-   item's start to the last item's end over N, timed by a conftest inside the
-   same pytest process, so start-up and collection are left out; best of
-   ``--repeat`` interleaved runs.
+   trivial cases (x + 1, float64 reference, compare) and ``--gpu-isolation
+   worker`` against two floors: the bare fork floor (N parametrized tests in a
+   file that imports torch, each forking a child that computes x + 1 and returns
+   it through a pipe, then ``waitpid``) and beside it the same floor whose child
+   also computes the float64 reference and compares (so that both are visible:
+   the second one holds some of our own work). With ``--baseline-src`` the same
+   cases run by an older checkout of the package too. Per item = the time from
+   the first item's start to the last item's end over N, timed by a conftest
+   inside the same pytest process, so start-up and collection are left out;
+   ``--repeat`` interleaved rounds (the order turning each round), each ratio
+   taken within a round, the medians printed with the load average.
 2. collection of ``--cases`` case directories (4 items each) vs one test file
    that imports torch with one test parametrized 4 x ``--cases`` ways (as many
    items) and ``--cases`` ways (one test per case, the issue's baseline); pytest's
@@ -33,6 +36,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -114,7 +118,7 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
             (path / name).write_bytes(content)
 
 
-FORK_FLOOR_TEST = textwrap.dedent("""
+BARE_FLOOR_TEST = textwrap.dedent("""
     import os
 
     import pytest
@@ -124,9 +128,34 @@ FORK_FLOOR_TEST = textwrap.dedent("""
 
 
     @pytest.mark.parametrize("i", range({count}))
-    def test_fork_floor(i):
-        # The floor: a fresh forked child doing the case's op (x + 1, float64 reference,
-        # compare) and sending its verdict back through a pipe.
+    def test_bare_floor(i):
+        # The bare floor: a fresh forked child computing x + 1 and returning it through a
+        # pipe; the parent reads it and waits for the child. Nothing else.
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(read)
+            os.write(write, (X + 1).numpy().tobytes())
+            os._exit(0)
+        os.close(write)
+        data = os.read(read, 64)
+        os.close(read)
+        os.waitpid(pid, 0)
+        assert len(data) == 16
+""")
+REF_FLOOR_TEST = textwrap.dedent("""
+    import os
+
+    import pytest
+    import torch
+
+    X = torch.ones(4)
+
+
+    @pytest.mark.parametrize("i", range({count}))
+    def test_ref_floor(i):
+        # The bare floor plus the case's own work done plainly: x + 1, its float64
+        # reference, a comparison, the verdict sent back through a pipe.
         read, write = os.pipe()
         pid = os.fork()
         if pid == 0:
@@ -143,55 +172,98 @@ FORK_FLOOR_TEST = textwrap.dedent("""
 
 
 ITEM_TIMER_CONFTEST = textwrap.dedent("""
+    import resource
+    import sys
     import time
 
     _seen = {}
 
+
+    def _cpu():
+        # This process and its reaped descendants: user + system seconds.
+        return sum(usage.ru_utime + usage.ru_stime for usage in (
+            resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
     def pytest_runtest_logstart(nodeid, location):
-        _seen.setdefault("first", time.perf_counter())
+        if "first" not in _seen:
+            _seen["first"], _seen["cpu"] = time.perf_counter(), _cpu()
 
     def pytest_runtest_logfinish(nodeid, location):
         _seen["last"] = time.perf_counter()
         _seen["items"] = _seen.get("items", 0) + 1
 
     def pytest_sessionfinish(session):
+        isolation = sys.modules.get("pytest_gpucase.run.isolation")
+        if isolation is not None:  # the children still pending, and the workers: counted
+            isolation.close_pools()
+            isolation.reap_pending()
         with open("item_seconds", "w") as handle:
-            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']}")
+            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']} "
+                         f"{_cpu() - _seen['cpu']}")
 """)
 
 
-def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
+def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Seconds per item of one pytest run: from the first item's start to the last one's
-    end, over the items (start-up and collection left out, inside the same process)."""
+    end, over the items (start-up and collection left out, inside the same process); and the
+    CPU seconds per item of the pytest process and its children over the same span."""
     pytest_seconds(root, *args, env=env)
-    elapsed, items = (root / "item_seconds").read_text().split()
-    return float(elapsed) / int(items)
+    elapsed, items, cpu = (root / "item_seconds").read_text().split()
+    return float(elapsed) / int(items), float(cpu) / int(items)
+
+
+BARE = "bare fork floor"
+REF = "floor + reference + compare"
 
 
 def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
-    print(f"\n1. isolation per trivial item inside pytest ({items} items, CPU, best of {repeat})")
+    print(f"\n1. isolation per trivial item inside pytest ({items} items, CPU, "
+          f"{repeat} interleaved rounds, medians)")
     baseline_env = {**os.environ, "PYTHONPATH": baseline_src} if baseline_src else None
-    runs = [("fork floor (torch session)", ("floor",), None),
+    worker = ("--gpu-cases", "--gpu-isolation", "worker", "cases")
+    runs = [(BARE, ("bare",), None),
+            (REF, ("floor",), None),
             ("pytest --gpu-cases", ("--gpu-cases", "cases"), None),
-            ("--gpu-isolation worker", ("--gpu-cases", "--gpu-isolation", "worker", "cases"),
-             None)]
+            ("--gpu-isolation worker", worker, None)]
     if baseline_env is not None:
-        runs.append(("--gpu-cases, baseline src", ("--gpu-cases", "cases"), baseline_env))
+        runs += [("--gpu-cases, baseline src", ("--gpu-cases", "cases"), baseline_env),
+                 ("worker, baseline src", worker, baseline_env)]
     seconds: dict[str, list[float]] = {}
+    cpu: dict[str, list[float]] = {}
+    loads = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        (root / "floor").mkdir()
-        (root / "floor" / "test_floor.py").write_text(FORK_FLOOR_TEST.format(count=items))
+        for folder, text in (("bare", BARE_FLOOR_TEST), ("floor", REF_FLOOR_TEST)):
+            (root / folder).mkdir()
+            (root / folder / "test_floor.py").write_text(text.format(count=items))
         (root / "conftest.py").write_text(ITEM_TIMER_CONFTEST)
-        for _ in range(repeat):  # interleaved, so that a burst of load hits every row
-            for name, args, env in runs:
-                seconds.setdefault(name, []).append(per_item(root, *args, env=env))
-    best = {name: min(values) for name, values in seconds.items()}
-    floor = best["fork floor (torch session)"]
-    print(f"   {'what':<32}{'ms/item':>10}{'x floor':>10}")
-    for name, value in best.items():
-        print(f"   {name:<32}{value * 1000:>10.1f}{value / floor:>10.2f}")
+        for round_ in range(repeat):  # interleaved, so that a burst of load hits every row
+            loads.append(os.getloadavg()[0])
+            order = runs if round_ % 2 == 0 else runs[::-1]
+            for name, args, env in order:
+                wall, used = per_item(root, *args, env=env)
+                seconds.setdefault(name, []).append(wall)
+                cpu.setdefault(name, []).append(used)
+    loads.append(os.getloadavg()[0])
+    print(f"   load average {min(loads):.2f}-{max(loads):.2f} over the rounds")
+    # Ratios are taken within each round (the floors and the row measured minutes apart
+    # at most), then their median across rounds. CPU: the pytest process and its children
+    # (user + system) over the same span; it moves far less with other processes' load.
+    print(f"   {'what':<30}{'ms/item':>9}{'x bare':>8}{'x ref':>7}{'CPU ms':>8}{'x bare':>8}"
+          f"{'x ref':>7}   per round x bare (wall)")
+    for name, values in seconds.items():
+        ratios = [[value / floor for value, floor in zip(column[name], column[base],
+                                                           strict=True)]
+                  for column in (seconds, cpu) for base in (BARE, REF)]
+        rounds = " ".join(f"{ratio:.2f}" for ratio in ratios[0])
+        print(f"   {name:<30}{statistics.median(values) * 1000:>9.2f}"
+              f"{statistics.median(ratios[0]):>8.2f}{statistics.median(ratios[1]):>7.2f}"
+              f"{statistics.median(cpu[name]) * 1000:>8.2f}"
+              f"{statistics.median(ratios[2]):>8.2f}{statistics.median(ratios[3]):>7.2f}   "
+              f"{rounds}")
 
 
 def collection(count: int, repeat: int, baseline_src: str | None = None) -> None:

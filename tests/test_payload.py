@@ -910,3 +910,15 @@ def test_tensors_inside_torch_func_grad_are_saved_by_their_values(tmp_path: Path
     assert torch.equal(back["x"], torch.arange(3.0))
     assert torch.equal(back["y"], torch.arange(3.0) * 2)
     assert torch.equal(back["strided"], torch.tensor([0.0, 4.0]))
+
+
+def test_a_small_payload_is_loaded_whole_and_a_large_one_not(tmp_path: Path) -> None:
+    small, large = tmp_path / "small.safetensors", tmp_path / "large.safetensors"
+    x = torch.arange(12.0).reshape(3, 4).t()  # a layout of its own: kept
+    payload.save(small, {"x": x})
+    payload.save(large, {"y": torch.zeros(1 << 15)})  # 128 KiB
+    loaded = payload.load_small(small)
+    assert loaded is not None and torch.equal(loaded["x"], x)
+    assert loaded["x"].stride() == payload.load(small)["x"].stride() == x.stride()
+    assert payload.load_small(large) is None
+    assert payload.load_small(tmp_path / "absent.safetensors") is None

@@ -71,6 +71,41 @@ def test_a_module_changed_after_construction_is_not_rebuilt_as_constructed() -> 
     assert "head.weight is [8, 4] in the rebuilt model, [3, 4] in the model" in rebuild.why_not
 
 
+class NeedsNet(torch.nn.Module):
+    """A network passed in, and a value kept under another name: the constructor cannot
+    be called back with what the module holds, and ``offset`` is not readable."""
+
+    def __init__(self, net: torch.nn.Module, offset: int = 0) -> None:
+        super().__init__()
+        self.net = net
+        self.shift = offset
+
+
+class Shifted(torch.nn.Module):
+    def __init__(self, vocab: int = 16, dim: int = 4, offset: int = 0) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.shift = offset
+
+
+def test_a_rebuild_that_cannot_run_is_refused_with_its_error() -> None:
+    rebuild = rebuild_of(NeedsNet(torch.nn.Linear(2, 2)), "tests.test_record_rebuild:NeedsNet",
+                         {})
+    assert rebuild.factory is None
+    assert "building it again raised TypeError" in rebuild.why_not, rebuild.why_not
+    assert "'net'" in rebuild.why_not
+
+
+def test_a_constructor_argument_no_check_can_see_is_named_in_a_note() -> None:
+    """vocab and dim change the shapes the rebuild is checked against; offset is read only
+    by forward: the rebuild takes its default, and the note says so and how to name it."""
+    rebuild = rebuild_of(Shifted(offset=1), None, None)
+    assert rebuild.factory is not None
+    (note,) = rebuild.notes
+    assert "offset=0" in note and "vocab" not in note and "dim=" not in note
+    assert "rec.watch(model, factory=..., kwargs=...)" in note
+
+
 def test_an_unfaithful_rebuild_is_an_incomplete_case_validate_reports(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path / "cases")
@@ -181,6 +216,60 @@ def test_script_definitions_keep_definitions_and_drop_what_runs() -> None:
     assert "load_everything" not in kept and "train()" not in kept and "main()" not in kept
     assert all(name in kept for name in ("import torch", "SIZE = 4", "ACT = torch.nn.GELU",
                                          "class M", "def helper"))
+
+
+def test_script_definitions_keep_the_computed_constants_definitions_read() -> None:
+    """``VOCAB = len(CHARS)`` read by a class's default is kept (with what it reads); a call
+    only a function's local of the same name matches, or that nothing reads, is not run."""
+    kept = script_definitions(textwrap.dedent('''
+        import torch
+        CHARS = "abcdefgh"
+        VOCAB = len(CHARS)
+        WIDTH = max(VOCAB, 4)
+        model = build_everything()
+        class M(torch.nn.Module):
+            def __init__(self, vocab=VOCAB):
+                super().__init__()
+                self.emb = torch.nn.Embedding(vocab, WIDTH)
+        def helper(x):
+            model = x
+            return model
+    '''))
+    assert all(line in kept for line in ("VOCAB = len(CHARS)", "WIDTH = max(VOCAB, 4)"))
+    assert "build_everything" not in kept
+    namespace: dict[str, Any] = {}
+    exec(compile(kept, "train.py", "exec"), namespace)
+    assert namespace["M"]().emb.num_embeddings == 8
+
+
+def test_a_function_of_the_script_that_was_run_replays_its_nan(tmp_path: Path) -> None:
+    """A loss function defined in the script that was run, watched with nonfinite=True:
+    its case calls it from the script (case.py:run, from the case directory) and fails
+    again with the NaN."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(textwrap.dedent('''
+        import torch
+        from pytest_gpucase import Recorder
+
+        def log_loss(out, target):
+            return (out - target).log().mean()
+
+        if __name__ == "__main__":
+            rec = Recorder("cases", nonfinite=True)
+            loss_fn = rec.watch(log_loss)
+            for step in range(3):
+                with rec.step(step):
+                    loss_fn(torch.full((4,), 2.0), torch.full((4,), 1.0 + step))
+    '''))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert "FloatingPointError" in done.stderr, done.stderr
+    (case_dir,) = [p for p in (project / "cases").iterdir() if not p.name.startswith(".")]
+    assert toml(case_dir)["inputs"]["gpucase_function"]["target"] == "case.py:run"
+    assert validate([case_dir]) == []
+    replays(case_dir, "FloatingPointError")
 
 
 # -- bounded size --------------------------------------------------------------------------

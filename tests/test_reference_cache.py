@@ -505,6 +505,33 @@ def test_a_users_key_is_made_private_once_and_shared(tmp_path: Path,
         reference_cache.read_key(tmp_path / "link.key")
 
 
+def _key_in_child(spec: RunSpec) -> str:
+    from pytest_gpucase.run.child import resolve
+
+    return reference_cache.key(spec, resolve(spec.case, "case.py:ref", "reference"))
+
+
+def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Path) -> None:
+    from pytest_gpucase.run.prepared import prepare_in_parent
+    from pytest_gpucase.run.isolation import run_in_child
+
+    path = make(tmp_path)
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    plain = run_in_child(_key_in_child, spec, timeout=60)
+    before = reference_cache.key(spec, len)
+    with prepare_in_parent(spec):
+        prepared = run_in_child(_key_in_child, spec, timeout=60)
+        # Used by that child only: this process (not its parent) reads the files itself.
+        (path / "case.toml").write_text((path / "case.toml").read_text() + "# edited\n")
+        here = reference_cache.key(spec, len)
+    assert plain.returned and prepared.returned, (plain.problem, prepared.problem)
+    assert prepared.value == plain.value
+    assert here != before
+    assert here == reference_cache.key(spec, len)
+    after = run_in_child(_key_in_child, spec, timeout=60)
+    assert after.value != plain.value  # dropped when the block ended: the edit is seen
+
+
 ROUNDED = '''
 import os
 import time

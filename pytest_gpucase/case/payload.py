@@ -47,8 +47,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["DTYPES", "LAYOUT_KEY", "STORE_DIR", "STORE_FROM", "STORE_KEY", "TensorInfo",
-           "content_hash", "describe", "encode", "load", "read_header", "readable", "save",
-           "store_files", "to_device"]
+           "content_hash", "describe", "encode", "load", "load_small", "read_header", "readable",
+           "save", "store_files", "to_device"]
 
 LAYOUT_KEY = "gpucase.layout"
 # Tensors a payload names in the store of its capture folder instead of holding them: the
@@ -593,6 +593,8 @@ def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str
     import torch
     from safetensors import SafetensorError
 
+    if data is None:
+        data = _small_file(path)
     header, metadata = read_header(path, data)
     infos = _infos(path, header, metadata)  # every check runs before any data is read
     tensors: dict[str, torch.Tensor] = {}
@@ -616,6 +618,41 @@ def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str
     if device != "cpu":
         tensors = {name: to_device(t, device) for name, t in tensors.items()}
     return tensors
+
+
+# A payload up to this size is read whole, in one read, and parsed from memory: for the
+# few bytes of a small case, opening it again to map it costs more than the bytes.
+_SMALL_PAYLOAD = 64 << 10
+
+
+def _small_file(path: Path) -> bytes | None:
+    """The bytes of ``path`` when it is a regular file of at most ``_SMALL_PAYLOAD`` bytes (the
+    checks ``read_header`` makes of a path), else None: it is then read as a path."""
+    path = Path(path)
+    try:
+        link_inside(path, path.parent)
+        if regular_file(path, f"replace it with the safetensors file; {_RESAVE}"
+                        ).st_size > _SMALL_PAYLOAD:
+            return None
+        with _open_regular(path) as handle:
+            data: bytes = handle.read(_SMALL_PAYLOAD + 1)
+    except (OSError, CaseFormatError):
+        return None  # read_header says what is wrong, as before
+    return data if len(data) <= _SMALL_PAYLOAD else None
+
+
+def load_small(path: Path) -> dict[str, torch.Tensor] | None:
+    """``load(path)`` for a payload of at most 64 KiB that holds its tensors itself (no
+    store files), else None; None too where ``load`` would refuse it (it then says why)."""
+    data = _small_file(path)
+    if data is None:
+        return None
+    try:
+        if STORE_KEY in read_header(path, data)[1]:
+            return None
+        return load(path, data=data)
+    except CaseFormatError:
+        return None
 
 
 def _reader(path: Path, stack: contextlib.ExitStack,

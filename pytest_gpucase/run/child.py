@@ -29,7 +29,14 @@ from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.tensors import tensor_versions
 from pytest_gpucase.case import golden, payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
-from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_ENV, REPLAY_MODULE, tensor_dicts
+from pytest_gpucase.case.keys import (
+    FUNCTION_KEY,
+    MODULE_KEY,
+    REPLAY_ENV,
+    REPLAY_FUNCTION,
+    REPLAY_MODULE,
+    tensor_dicts,
+)
 from pytest_gpucase.case.model import Case, Expectation
 from pytest_gpucase.case.variants import (
     BrokenVariant,
@@ -40,7 +47,7 @@ from pytest_gpucase.case.variants import (
     apply as apply_variant,
 )
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run import reference_cache
+from pytest_gpucase.run import prepared, reference_cache
 from pytest_gpucase.run.calls import (
     MAX_OUTPUT_DEPTH,
     BadOutput,
@@ -103,7 +110,7 @@ def run(spec: RunSpec) -> Outcome:
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
-    project.prepend(project.import_paths(spec.case.path))
+    project.prepend(prepared.import_paths(spec.case))
     reference_cache.take_notes()  # a reused child's earlier run said its own
     outcome = _judged(spec)
     notes = reference_cache.take_notes()
@@ -221,8 +228,10 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
                                   f"inputs_sha256 in {case.case_file.name} (changed or corrupted "
                                   "since the case was saved); restore it, or if the change is "
                                   f"intended set inputs_sha256 = \"{found}\"")
-    # lexists: a dangling symlink is a broken payload, not an absent one.
-    tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
+    tensors: dict[str, torch.Tensor] | None = prepared.taken(case, "tensors")
+    if tensors is None:
+        # lexists: a dangling symlink is a broken payload, not an absent one.
+        tensors = payload.load(case.inputs_file) if os.path.lexists(case.inputs_file) else {}
     missing = rng_problems(case, tensors)
     if missing:
         raise missing[0]  # validate reports the same, from the header alone
@@ -240,6 +249,12 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
         # "case.py:make": imported from the case directory, as a "FILE.py" call is.
         literals[MODULE_KEY] = {**recipe, "factory": resolve(
             case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
+    function = literals.get(FUNCTION_KEY)
+    if (case.call == REPLAY_FUNCTION and isinstance(function, Mapping)
+            and str(function.get("target", "")).partition(":")[0].endswith(".py")):
+        # "case.py:run" (a function of the script that was run): from the case directory.
+        literals[FUNCTION_KEY] = {**function, "target": resolve(
+            case, str(function["target"]), f"[inputs] {FUNCTION_KEY}.target")}
     if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
             recipe.get("checkpoint"), Mapping):
         tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
@@ -281,6 +296,8 @@ def _tensor_dict(case: Case, name: str, members: Any,
 
 
 _MISSING = object()
+# Compiled once, in the parent at import: a child compiling it costs more than the import.
+_NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
 
 
 def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
@@ -289,7 +306,7 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     try:
         if where.endswith(".py"):
             file = case.path / where
-            name = f"gpucase_case_{re.sub(r'[^0-9A-Za-z_]', '_', case.name)}_{Path(where).stem}"
+            name = f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
             module = sys.modules.get(name)
             if module is None:
                 module_spec = importlib.util.spec_from_file_location(name, file)

@@ -22,6 +22,7 @@ from pytest_gpucase.run.isolation import (
     WorkerPool,
     run_in_child,
 )
+from pytest_gpucase.run.prepared import prepare_in_parent
 from pytest_gpucase.run.reference_cache import ReferenceCache
 from pytest_gpucase.verdict.failure import Failure
 from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
@@ -94,9 +95,10 @@ def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
                          start_method=start_method, memory_limit=memory_limit,
                          exclusive=isolation == "case", marks=OUTPUT_MARKS)
     else:
-        child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                             start_method=start_method, memory_limit=memory_limit,
-                             marks=OUTPUT_MARKS)
+        with prepare_in_parent(spec, forked=start_method == "fork"):  # read here, once
+            child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                                 start_method=start_method, memory_limit=memory_limit,
+                                 marks=OUTPUT_MARKS)
     if child.returned and not isinstance(child.value, Outcome):
         # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(

@@ -87,8 +87,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_SECONDS", "OWN_NAME", "Entry", "ReferenceCache",
-    "Unusable", "check_folder", "companion", "entry", "forget_primed", "key", "load", "make_key",
-    "open_folder", "prime", "prune", "read_key", "session_cache", "store", "take_notes", "user_key",
+    "Unusable", "check_folder", "companion", "entry", "forget_prepared", "forget_primed", "key",
+    "load", "make_key", "open_folder", "prepare", "prime", "prune", "read_key", "session_cache",
+    "store", "take_notes", "user_key",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
@@ -161,6 +162,10 @@ def _file_signature(path: Path) -> bytes:
 
 def _source_of(func: Callable[..., Any]) -> bytes:
     """The bytes of the file that defines ``func``, or its name when it has none (a builtin)."""
+    code = getattr(inspect.unwrap(func), "__code__", None)
+    read = _PREPARED.pop("sources", {}).get(getattr(code, "co_filename", None))
+    if read is not None:  # the case's own file, read by the parent before it forked
+        return read  # type: ignore[no-any-return]
     with contextlib.suppress(TypeError, OSError):
         source = inspect.getsourcefile(inspect.unwrap(func))
         if source is not None:
@@ -253,15 +258,54 @@ def prime() -> None:
     _PRIMED = frozenset(name for name, _ in loaded), _rows(loaded, {}), last_name, last_module
 
 
+# The files of the run the parent is about to fork (``prepare``), read there.
+_PREPARED: dict[str, Any] = {}
+
+
+def prepare(spec: RunSpec) -> None:
+    """Read, in the parent just before it forks the child of ``spec``, the files its key
+    reads: ``case.toml``, the inputs' signature, and the case's own source file when the
+    reference is defined in one (``FILE.py:func``). Only that child uses them (a process
+    whose parent is this one), once; any other child reads them itself, and the parent
+    drops them when the run ends (``forget_prepared``)."""
+    _PREPARED.clear()
+    case = spec.case
+    sources: dict[str, bytes] = {}
+    where = (case.reference or case.call).partition(":")[0]
+    if where.endswith(".py"):
+        file = case.path / where
+        with contextlib.suppress(OSError):
+            sources[str(file)] = file.read_bytes()
+    try:
+        toml = case.case_file.read_bytes()
+    except OSError:
+        return  # the child will say what is wrong
+    _PREPARED.update(case=case.case_file, toml=toml, sources=sources, parent=os.getpid(),
+                     inputs=(case.inputs_sha256 or "").encode()
+                     or _file_signature(case.inputs_file))
+
+
+def forget_prepared() -> None:
+    """Drop what ``prepare`` read (in the parent, once its child has forked and run)."""
+    _PREPARED.clear()
+
+
 def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
     """The hash naming ``spec``'s reference in the cache."""
     import torch
 
     case = spec.case
     digest = hashlib.sha256(_VERSION)
+    if _PREPARED.get("case") == case.case_file and _PREPARED["parent"] == os.getppid():
+        toml, inputs = _PREPARED.pop("toml"), _PREPARED.pop("inputs")
+        del _PREPARED["case"]  # once: the sources go in _source_of, just below
+    else:
+        _PREPARED.clear()
+        toml = case.case_file.read_bytes()
+        inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
     parts: list[bytes] = [
-        case.case_file.read_bytes(),
-        (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file),
+        toml,
+        inputs,
         _source_of(reference),
         (case.reference or case.call).encode(),
         (spec.variant.id if spec.variant is not None else "").encode(),

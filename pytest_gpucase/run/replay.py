@@ -332,11 +332,52 @@ def _kept(node: ast.stmt) -> bool:
 
 
 def script_definitions(source: str) -> str:
-    """The definitions of a script (imports, classes, functions, call-free assignments),
-    without what it runs: its training loop, under ``if __name__ == "__main__":`` or not."""
+    """The definitions of a script (imports, classes, functions, call-free assignments, and
+    the assignments with calls those need: ``VOCAB = len(CHARS)`` read by a class), without
+    what it runs: its training loop, under ``if __name__ == "__main__":`` or not."""
     tree = ast.parse(source)
-    tree.body = [node for node in tree.body if _kept(node)]
+    kept = [_kept(node) for node in tree.body]
+    changed = True
+    while changed:  # a needed assignment may need another, defined above it
+        changed = False
+        needed = set().union(
+            *(_free_names(node) for node, k in zip(tree.body, kept, strict=True) if k))
+        for i, node in enumerate(tree.body):
+            if (not kept[i] and isinstance(node, ast.Assign | ast.AnnAssign)
+                    and node.value is not None and _assigned(node) & needed):
+                kept[i] = changed = True
+    tree.body = [node for node, k in zip(tree.body, kept, strict=True) if k]
     return ast.unparse(tree)
+
+
+def _assigned(node: ast.Assign | ast.AnnAssign) -> set[str]:
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    return {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """The names ``node`` reads from the module (approximately: in a function, those it
+    reads that are neither its parameters nor assigned in it)."""
+    if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+        args = node.args
+        local = {a.arg for a in [*args.posonlyargs, *args.args, *args.kwonlyargs,
+                                 *([args.vararg] if args.vararg else []),
+                                 *([args.kwarg] if args.kwarg else [])]}
+        inner: set[str] = set()
+        body = node.body if isinstance(node.body, list) else [node.body]
+        for stmt in body:
+            local |= {n.id for n in ast.walk(stmt)
+                      if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+            inner |= _free_names(stmt)
+        outer = {name for default in [*args.defaults, *args.kw_defaults] if default
+                 for name in _free_names(default)}
+        decorators = {name for d in getattr(node, "decorator_list", ())
+                      for name in _free_names(d)}
+        return (inner - local) | outer | decorators
+    names = {node.id} if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Load) else set()
+    for child in ast.iter_child_nodes(node):
+        names |= _free_names(child)
+    return names
 
 
 def load_script(path: Path) -> ModuleType:

@@ -33,13 +33,27 @@ _PR_SET_PDEATHSIG = 1
 _PR_SET_CHILD_SUBREAPER = 36
 
 
+def _load_prctl() -> Callable[..., int] | None:
+    """Linux's prctl(2) from the C library, or None where there is none."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+
+
+# Looked up once, at import in the parent: a child that opens the C library again pays for
+# it in every run.
+_PRCTL = _load_prctl()
+
+
 def _prctl(option: int, value: int) -> bool:  # pragma: no cover - child side
     """Linux's prctl(2), or False where there is none."""
-    if not sys.platform.startswith("linux"):
+    if _PRCTL is None:
         return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return int(libc.prctl(option, ctypes.c_ulong(value), 0, 0, 0)) == 0
+        return int(_PRCTL(option, ctypes.c_ulong(value), 0, 0, 0)) == 0
     except (OSError, AttributeError):
         return False
 

@@ -170,7 +170,9 @@ def _class_target(cls: type) -> tuple[str | None, str | None, str]:
 
 
 def _read_back(module: Any) -> tuple[dict[str, Any] | None, str]:
-    """The constructor's arguments read back from the module's same-named attributes."""
+    """The constructor's arguments read back from the module's same-named attributes
+    (an argument the module keeps under no such name is left to its default: see
+    ``_assumed_defaults``)."""
     cls = type(module)
     try:
         signature = inspect.signature(cls.__init__)
@@ -194,6 +196,47 @@ def _read_back(module: Any) -> tuple[dict[str, Any] | None, str]:
             return None, (f"{cls.__qualname__}({name}=...) cannot be read back from the "
                           f"module: {_FIX}")
     return found, ""
+
+
+def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
+    """A note per constructor argument that has a default but no same-named attribute: the
+    rebuild takes the default, which training may not have passed (``self.shift = offset``)."""
+    cls = type(module)
+    try:
+        parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    assumed = [f"{p.name}={p.default!r}" for p in parameters
+               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+               and p.name not in found and p.name not in ("device", "dtype")
+               and p.default is not p.empty and p.default is not None
+               and not hasattr(module, p.name)
+               and not _shapes_tell(cls, dict(found), p.name, p.default)]
+    if not assumed:
+        return ()
+    return (f"{cls.__qualname__} keeps no attribute named like its constructor's "
+            f"{', '.join(assumed)}: a replay rebuilds it with these defaults; if training "
+            "passed other values, name them: rec.watch(model, factory=..., kwargs=...)",)
+
+
+def _shapes_tell(cls: type, found: dict[str, Any], name: str, default: Any) -> bool:
+    """Whether another value of argument ``name`` builds (on meta) a model of other shapes,
+    so that the rebuild's check against the model's shapes already tells a wrong one
+    (``vocab``, ``dim``); False for a value only the forward reads (``offset``)."""
+    import torch
+
+    if isinstance(default, bool) or not isinstance(default, int | float):
+        return False
+    other = default * 2 + 1
+    try:
+        with torch.random.fork_rng(devices=[]), torch.device("meta"), \
+                contextlib.redirect_stdout(sys.stderr):
+            one = cls(**found)
+            two = cls(**{**found, name: other})
+    except Exception:
+        return False
+    return bool({k: tuple(v.shape) for k, v in one.state_dict().items()}
+                != {k: tuple(v.shape) for k, v in two.state_dict().items()})
 
 
 def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
@@ -240,8 +283,14 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
         with torch.random.fork_rng(devices=[]), torch.device("meta"), \
                 contextlib.redirect_stdout(sys.stderr):
             fresh = build()
-    except Exception as exc:
-        return None, f"building it again on the meta device raised {error_line(exc)}"
+    except Exception:
+        # Some constructors cannot run on meta; one that cannot run at all (a missing
+        # argument, a name the script computes) is a rebuild that would fail every replay.
+        try:
+            with torch.random.fork_rng(devices=[]), contextlib.redirect_stdout(sys.stderr):
+                fresh = build()
+        except Exception as exc:
+            return f"building it again raised {error_line(exc)}", None
     theirs = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
     mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
     missing = sorted(set(mine) - set(theirs))
@@ -295,8 +344,8 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
         return Rebuild(None, {}, f"{rebuild.how} would not be the watched model: {differs}; "
                        f"{_FIX}")
     if unchecked is not None:
-        return replace(rebuild, notes=(f"the rebuild of {name} could not be checked "
-                                       f"({unchecked})",))
+        return replace(rebuild, notes=(*rebuild.notes, f"the rebuild of {name} could not be "
+                                       f"checked ({unchecked})"))
     return rebuild
 
 
@@ -311,6 +360,7 @@ def _found_rebuild(module: Any) -> Rebuild | str:
         with contextlib.suppress(Exception):
             config = str(module.config.to_json_string(use_diff=False))
     args: dict[str, Any] | None = {}
+    notes: tuple[str, ...] = ()
     how = f"{name}(config) from config.json"
     if config is None:
         args, why = _lightning_hparams(module) if _lightning(module) else (None, "")
@@ -322,9 +372,10 @@ def _found_rebuild(module: Any) -> Rebuild | str:
             how = f"{name}(**constructor arguments read back from the model)"
             if args is None:
                 return why
+            notes = _assumed_defaults(module, args)
     literal = as_literal(args)
     if script is None and config is None and literal is not NOT_LITERAL:
-        return Rebuild(target, literal, how=how)
+        return Rebuild(target, literal, how=how, notes=notes)
     recipe: dict[str, Any] = {"class": target}
     if config is not None:
         recipe["config"] = _CONFIG_FILE
@@ -335,7 +386,8 @@ def _found_rebuild(module: Any) -> Rebuild | str:
         recipe["kwargs"] = args
     if script is not None:
         how += f", {name} loaded from {Path(script).name}"
-    return Rebuild(CASE_BUILDER, {}, recipe=recipe, script=script, config=config, how=how)
+    return Rebuild(CASE_BUILDER, {}, recipe=recipe, script=script, config=config, how=how,
+                   notes=notes)
 
 
 def script_function_files(fn: Any, root: Path) -> tuple[str, dict[str, str]] | None:
