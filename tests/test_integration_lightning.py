@@ -4,6 +4,7 @@ hyperparameters come with it (issue 22 items 3-6)."""
 
 from __future__ import annotations
 
+import os
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -40,9 +41,10 @@ def replays(case_dir: Path, error: str) -> None:
 
 
 def fit(tmp_path: Path, model: Any, data: Any, error: type[BaseException] | None,
-        precision: str = "32-true", **options: Any) -> GpuCaseCallback:
+        precision: str = "32-true", strategy: str = "auto", **options: Any) -> GpuCaseCallback:
     callback = GpuCaseCallback(tmp_path / "cases", **options)
     trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, precision=precision,
+                         strategy=strategy,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False, callbacks=[callback])
     if error is None:
@@ -71,6 +73,28 @@ def test_a_loss_failure_in_training_step_replays_the_step(tmp_path: Path) -> Non
     op = tmp_path / "cases" / "TinyLit.training_step.aten.nll_loss2d_forward.default"
     assert op.is_dir() or (tmp_path / "cases" /
                            "TinyLit.training_step.aten.nll_loss_forward.default").is_dir()
+
+
+def test_under_ddp_the_step_forward_points_at_is_the_case(tmp_path: Path) -> None:
+    """The DDP strategies call training_step through the module's forward (replaced on the
+    instance for that call, then DDP's forward): the case is still the training_step's,
+    not a forward(batch, batch_idx) no replay can call. One process: the same code path."""
+    torch.manual_seed(0)
+    model = lightning_targets.TinyLit(dropout=0.0)
+    environ = dict(os.environ)
+    try:
+        fit(tmp_path, model, lightning_targets.loader(bad_target=True), IndexError,
+            strategy="ddp")
+    finally:  # the process group and the variables DDP set, as a fresh process has them
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    case_dir = tmp_path / "cases" / "TinyLit.training_step"
+    doc = toml(case_dir)
+    assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    replays(case_dir, "IndexError")
 
 
 def test_a_forward_failure_is_the_module_case_narrowed(tmp_path: Path) -> None:

@@ -170,6 +170,36 @@ def test_a_failure_inside_a_compiled_model_is_a_case_of_the_eager_module(
     assert [p.name for p in rec.narrowed] == ["TinyLM.aten.embedding.default"]
 
 
+class Flattening(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.proj = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.proj(x.flatten(1))
+
+
+def test_a_compiled_only_error_is_recorded_as_the_eager_failure(tmp_path: Path) -> None:
+    """A longer sequence meets a fixed-width layer while Dynamo traces: the compiled call
+    says only 'RuntimeError when making fake tensor call'. The case replays the eager module,
+    so its captured failure is the eager error, and the compiled one is kept beside it."""
+    torch._dynamo.reset()
+    rec = Recorder(tmp_path / "cases")
+    model = Flattening()
+    compiled = rec.watch(torch.compile(model, backend="eager"))
+    compiled(torch.randn(2, 2, 4))
+    with pytest.raises(Exception, match="fake tensor") as raised, rec.step(1):
+        compiled(torch.randn(2, 3, 4))
+    assert "mat1 and mat2" not in str(raised.value).partition("\n")[0]
+    case_dir = tmp_path / "cases" / "Flattening"
+    doc = toml(case_dir)
+    assert doc["origin"]["error"].startswith("RuntimeError: mat1 and mat2 shapes"), doc["origin"]
+    assert "fake tensor" in doc["origin"]["compiled_error"]
+    assert doc["xfail"].startswith("captured failure: RuntimeError: mat1 and mat2 shapes")
+    verdict = replay(case_dir)
+    assert is_known_failure(load_case(case_dir), verdict), verdict.outcome.summary
+
+
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")  # inductor's own use of torch.jit
 def test_inductor_compiles_a_watched_model_to_one_graph(tmp_path: Path) -> None:

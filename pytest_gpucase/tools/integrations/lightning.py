@@ -133,6 +133,7 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
             watched = watched_call(getattr(pl_module, method), method, None, None)
             before = rec.snapshot_of(watched, args, {})
         self._call = (method, args, before)
+        rec.framework_call = (pl_module, method, args, before)
         autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
         if autocast is not None:
             device = str(getattr(pl_module, "device", "cpu")).split(":")[0]
@@ -142,6 +143,7 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     def _close(self, exception: BaseException | None = None) -> None:
         step, self._step = self._step, None
         self._call = None
+        self.recorder.framework_call = None
         if step is None:
             return
         if exception is None:

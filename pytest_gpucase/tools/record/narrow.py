@@ -56,7 +56,7 @@ from pytest_gpucase.tools.record.write import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["context_doc_of", "note_narrowed_size", "write_narrowed"]
+__all__ = ["context_doc_of", "note_narrowed_size", "replayed_failure", "write_narrowed"]
 
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
 _NARROWED_NOTE_SIZE = 32 * 2**20
@@ -67,7 +67,7 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                    rng: Mapping[str, torch.Tensor], *, root: Path,
                    stderr_file: Path | None, context: Context,
                    device_names: Mapping[str, str], kept: list[Path],
-                   written: list[Path]) -> None:
+                   written: list[Path], recorded: Failure | None = None) -> None:
     """Write the innermost failing submodule's case and its failing op's case beside
     ``case_dir``, each kept only if it reproduces the same failure in a fresh child.
 
@@ -76,7 +76,8 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     name, itself, its arguments and their version counters at the call), or None when
     only the op is looked for (a compiled forward, whose submodules' hooks do not run; a
     backward pass). The cases kept are added to ``kept``, and those of them written here
-    to ``written`` too.
+    to ``written`` too. ``recorded``, when given, is the failure the narrowed cases must
+    keep instead of ``exc``'s (a compiled model's: the eager replay's failure).
 
     The submodule's inputs are the tensors it was called with, as they are now: when
     its forward changed one in place (its version counter moved since the call), they
@@ -84,9 +85,10 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     for in a replay of the whole module's case, whose inputs were copied before."""
     import torch
 
-    recorded = Failure(type(exc).__name__, message_of(exc),
-                       read_tail(stderr_file) if stderr_file is not None else "",
-                       _device_of(module))
+    if recorded is None:
+        recorded = Failure(type(exc).__name__, message_of(exc),
+                           read_tail(stderr_file) if stderr_file is not None else "",
+                           _device_of(module))
     start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
     base = case_dir.name
     module_dir = case_dir
@@ -299,6 +301,13 @@ def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
     """Whether a case written to ``case_dir`` raises the recorded failure on the CPU, in a
     fresh child (the check that keeps a narrowed case): ``verdict.failure.same_failure``,
     the one definition the verdicts share (the failure class, and the message's shape)."""
+    found = replayed_failure(case_dir, start_method)
+    return isinstance(found, Failure) and same_failure(recorded, found)
+
+
+def replayed_failure(case_dir: Path, start_method: Any) -> Failure | str:
+    """How the case in ``case_dir`` fails when replayed on the CPU in a fresh child: its
+    Failure, or in words why there is none (it passed; the case itself is broken)."""
     from pytest_gpucase.case.load import load_case
     from pytest_gpucase.plan.runs import RunSpec
     from pytest_gpucase.run.parent import run_spec
@@ -307,7 +316,9 @@ def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
     verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method=start_method,
                        backend="cpu", localize=False)
     outcome = verdict.outcome
-    if outcome.error_type is None or outcome.broken_case:
-        return False
-    return same_failure(recorded, Failure(outcome.error_type, outcome.error_message or "",
-                                          verdict.child.stderr, "cpu"))
+    if outcome.broken_case:
+        return f"the case cannot run: {outcome.summary}"
+    if outcome.error_type is None:
+        return "it passes"
+    return Failure(outcome.error_type, outcome.error_message or "", verdict.child.stderr,
+                   "cpu")

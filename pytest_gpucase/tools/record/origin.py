@@ -18,9 +18,8 @@ from typing import Any
 from pytest_gpucase.verdict.triage import Triage, triage
 
 __all__ = ["INT64", "Context", "SampleIds", "Watched", "call_ids", "case_name", "class_of",
-           "error_line",
-           "id_tuple", "import_name", "message_of", "mib", "read_tail", "say", "shown",
-           "triage_of", "watched_call", "where"]
+           "compiled", "error_line", "id_tuple", "import_name", "message_of", "mib",
+           "read_tail", "say", "shown", "triage_of", "watched_call", "where"]
 
 _MAX_ERROR_CHARS = 300
 _STDERR_TAIL_BYTES = 64 * 1024
@@ -155,6 +154,26 @@ def message_of(exc: BaseException) -> str:
             why = "an error"
         return f"<unprintable {type(exc).__name__}: its __str__ raised {why}>"
     return text if isinstance(text, str) else f"<unprintable {type(exc).__name__}>"
+
+
+def compiled(exc: BaseException) -> bool:
+    """Whether ``exc`` came out of code torch.compile made or traced (a frame of Dynamo or
+    Inductor, or an Inductor kernel's file, in its traceback or its causes')."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        if type(current).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            return True
+        tb = current.__traceback__
+        while tb is not None:
+            name = tb.tb_frame.f_code.co_filename.replace("\\", "/")
+            if ("/torch/_dynamo/" in name or "/torch/_inductor/" in name
+                    or "torchinductor_" in name):
+                return True
+            tb = tb.tb_next
+        current = current.__cause__ or current.__context__
+    return False
 
 
 def error_line(exc: BaseException) -> str:

@@ -204,6 +204,10 @@ class Recorder:
         # [context] entries a framework integration knows for the current step (Lightning's
         # precision="bf16-mixed" is autocast around training_step, not inside the failure).
         self.step_context: dict[str, Any] = {}
+        # The call a framework integration makes the current step (Lightning: the module,
+        # training_step, its (batch, batch_idx) and their copies), for a watch that sees the
+        # step through the module's redirected forward (DDP).
+        self.framework_call: tuple[Any, str, tuple[Any, ...], Before] | None = None
         self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
         self._narrowed_new: list[Path] = []  # those of them this process wrote
 
@@ -362,6 +366,10 @@ class Recorder:
 
     def taken(self) -> bool:
         return self._taken
+
+    def step_call(self, module: Any) -> tuple[str, tuple[Any, ...], Before] | None:
+        call = self.framework_call
+        return None if call is None or call[0] is not module else call[1:]
 
     def enter_scope(self) -> None:
         self._local.depth += 1

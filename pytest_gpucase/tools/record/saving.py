@@ -19,11 +19,16 @@ from pytest_gpucase.base.tensors import is_tensor, nbytes
 from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, MODULE_KEY
 from pytest_gpucase.tools.record.distributed import Rank, without_addresses
 from pytest_gpucase.tools.record.inputs import Before, collect, unusable
-from pytest_gpucase.tools.record.narrow import note_narrowed_size, write_narrowed
+from pytest_gpucase.tools.record.narrow import (
+    note_narrowed_size,
+    replayed_failure,
+    write_narrowed,
+)
 from pytest_gpucase.tools.record.origin import (
     Context,
     Watched,
     class_of,
+    compiled,
     error_line,
     mib,
     say,
@@ -31,6 +36,9 @@ from pytest_gpucase.tools.record.origin import (
     triage_of,
 )
 from pytest_gpucase.tools.record.rebuild import module_state, on_host, rebuild_files
+from pytest_gpucase.tools.record.write import mark_incomplete, recapture
+from pytest_gpucase.verdict.failure import Failure
+from pytest_gpucase.verdict.triage import failure_class
 
 if TYPE_CHECKING:
     import torch
@@ -165,7 +173,38 @@ class ModuleSaver:
             self.before if self.before is not None else watch.before, watch.rng,
             module=(tensors, {MODULE_KEY: recipe}), files=rebuild_files(rebuild, root),
             origin=origin, incomplete=incomplete, what=what, context=context)
-        self._narrow(exc, case_dir)
+        recorded = self._eager_failure(exc, case_dir) if compiled(exc) else None
+        self._narrow(exc, case_dir, recorded)
+
+    def _eager_failure(self, exc: BaseException, case_dir: Path) -> Failure | None:
+        """The case of a compiled model's failure replays the eager module: its failure (an
+        IndexError where inductor's kernel said 'index out of bounds', the real error where
+        the trace said 'when making fake tensor call') is the captured one; a failure the
+        eager module does not have makes the case incomplete. None when left as captured."""
+        import torch
+
+        if not self.watch.rebuild.factory:
+            return None
+        start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+        try:
+            found = replayed_failure(case_dir, start)
+        except Exception:
+            return None
+        if isinstance(found, str):
+            if found == "it passes":
+                mark_incomplete(case_dir, (
+                    f"the failure happens only under torch.compile ({error_line(exc)}): the "
+                    "eager module's replay passes, so this case cannot reproduce it; a "
+                    "compiler issue, reproduce it with the compiled call itself"))
+                say(f"gpucase: note: {shown(case_dir)} fails only compiled: its eager replay "
+                    "passes (marked incomplete)")
+            return None
+        line = f"{found.error_type}: {found.message.strip().partition(chr(10))[0]}"
+        recapture(case_dir, line, found.failure_class or failure_class(
+            found.error_type or "", found.message, found.stderr), error_line(exc))
+        say(f"gpucase: note: {shown(case_dir)}: the compiled model raised {error_line(exc)}; "
+            f"its eager replay raises {line}, recorded as the captured failure")
+        return found
 
     def _gradients(self, recipe: dict[str, Any], tensors: dict[str, torch.Tensor],
                    origin: dict[str, Any], incomplete: list[str]) -> None:
@@ -227,7 +266,8 @@ class ModuleSaver:
                                  "module's output again and runs backward from its loss")
         return True
 
-    def _narrow(self, exc: BaseException, case_dir: Path) -> None:
+    def _narrow(self, exc: BaseException, case_dir: Path,
+                recorded: Failure | None = None) -> None:
         rec, watch = self.rec, self.watch
         if not rec.narrow:
             return
@@ -248,7 +288,7 @@ class ModuleSaver:
             write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
                            root=rec.case_root(), stderr_file=rec.stderr_file,
                            context=rec._context(), device_names=rec._device_names,
-                           kept=rec.narrowed, written=rec._narrowed_new)
+                           kept=rec.narrowed, written=rec._narrowed_new, recorded=recorded)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec._narrowed_new[written:])
 

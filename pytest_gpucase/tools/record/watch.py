@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -45,6 +45,10 @@ class Owner(Protocol):
                     backward: bool) -> None: ...
     def nonfinite(self, problem: str, save: Callable[[BaseException], object]) -> None: ...
     def remember_output(self, key: object, value: Any) -> None: ...
+    def step_call(self, module: Any) -> tuple[str, tuple[Any, ...], Before] | None: ...
+    def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any], before: Before | None,
+                    backward: bool) -> None: ...
 
 
 def nonfinite_problem(what: str, value: Any) -> str | None:
@@ -122,6 +126,7 @@ class ModuleWatch:
         self.innermost: tuple[BaseException, str, torch.nn.Module, Any, Any,
                               dict[int, int]] | None = None
         self.outer: list[BaseException | None] = []
+        self.redirected: list[bool] = []  # per open call of the module: forward replaced
         self.before = Before()
         self.rng: dict[str, torch.Tensor] = {}
         self.last_call: tuple[Any, Any] | None = None
@@ -155,6 +160,10 @@ class ModuleWatch:
         owner = self.owner
         if module is self.module:
             self.outer.append(sys.exc_info()[1])
+            # A forward replaced on the instance for this call (Lightning's DDP strategies
+            # point it at training_step for one call): not the class's forward, which is
+            # what a case of this module replays; the framework's step records it.
+            self.redirected.append("forward" in vars(module))
             self.open += 1
             owner.enter_scope()
         try:
@@ -207,7 +216,8 @@ class ModuleWatch:
                 elif owner.checks("loss"):
                     problem = nonfinite_problem(f"loss of {self.watched.name}",
                                                 loss_in(result))
-            if root and exc is not None and not owner.taken():
+            if (root and exc is not None and not owner.taken()
+                    and not (self.redirected and self.redirected[-1])):
                 save = functools.partial(owner.save_module, watch=self, args=args,
                                          kwargs=kwargs, backward=False)
         except KeyboardInterrupt:
@@ -218,7 +228,20 @@ class ModuleWatch:
             return
         if self.outer:
             self.outer.pop()
+        redirected = bool(self.redirected) and self.redirected.pop()
         self.open = max(0, self.open - 1)
+        if redirected:
+            # The call is the step a framework named (rec.step_call): its case calls that
+            # method again; with none named, the exception is the step's to record.
+            call = owner.step_call(module) if exc is not None and not owner.taken() else None
+            if call is None:
+                owner.leave(None, None)
+                return
+            method, step_args, before = call
+            owner.leave(exc, functools.partial(owner.save_method, module=module, method=method,
+                                               args=step_args, kwargs={}, before=before,
+                                               backward=False))
+            return
         if problem is not None:
             owner.leave(None, None)
             owner.nonfinite(problem, functools.partial(

@@ -49,7 +49,8 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "set_later_errors", "sized",
+__all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "mark_incomplete", "recapture",
+           "set_later_errors", "sized",
            "write_case", "write_kept"]
 
 # A "gpucase: saved" line shows the case's size from this size on.
@@ -380,6 +381,39 @@ def set_later_errors(case_dir: Path, count: int) -> None:
     if not isinstance(origin, dict) or "later_errors" not in origin:
         return
     origin["later_errors"] = count
+    files.write_text_atomic(file, tomli_w.dumps(doc))
+
+
+def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: str) -> None:
+    """Make ``error`` (the eager replay's failure of a case captured from a compiled model)
+    the case's captured failure: its xfail line, summary and ``[origin] error``; the
+    compiled model's own error is kept as ``[origin] compiled_error``."""
+    file = case_dir / CASE_FILE
+    doc = tomllib.loads(file.read_text(encoding="utf-8"))
+    origin = doc.setdefault("origin", {})
+    before = str(origin.get("error", ""))
+    origin["compiled_error"] = compiled
+    origin["error"] = error
+    origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
+    if failure_class is None:
+        origin.pop("failure_class", None)
+    else:
+        origin["failure_class"] = failure_class
+    if "xfail" in doc:
+        doc["xfail"] = f"captured failure: {error}; remove this line once fixed"
+    if before and isinstance(doc.get("summary"), str):
+        doc["summary"] = doc["summary"].replace(before, error)
+    files.write_text_atomic(file, tomli_w.dumps(doc))
+
+
+def mark_incomplete(case_dir: Path, reason: str) -> None:
+    """Add ``reason`` to ``[origin] incomplete`` and drop the xfail line: the case does not
+    replay its failure, and ``gpucase validate`` says why."""
+    file = case_dir / CASE_FILE
+    doc = tomllib.loads(file.read_text(encoding="utf-8"))
+    origin = doc.setdefault("origin", {})
+    origin["incomplete"] = [*origin.get("incomplete", []), reason]
+    doc.pop("xfail", None)
     files.write_text_atomic(file, tomli_w.dumps(doc))
 
 
