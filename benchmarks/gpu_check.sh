@@ -4,6 +4,7 @@
 #   2. per-item cost on CUDA for each --gpu-isolation  <= 150 s
 #   3. item/worker verdict parity on the bundled cases <= 90 s
 #   4. comparison on device vs a device-to-device copy <= 30 s
+#   5. verdicts on CUDA: false alarms and missed bugs of the verdicts issue's ops <= 180 s
 # Results go to $OUT (default ./gpu_check_out) as text and JSON; summary.txt lists each
 # part's exit status. On a machine without CUDA parts 2-4 are skipped with the reason
 # and part 1's gpu tests are skipped by the suite's conftest: the script still runs end
@@ -45,6 +46,7 @@ part pytest_gpu 200 "$PYTHON" -m pytest -m gpu -p no:randomly -rs \
 part cost 150 "$PYTHON" benchmarks/gpu_check.py cost --out "$OUT" --items 12
 part parity 90 "$PYTHON" benchmarks/gpu_check.py parity --out "$OUT"
 part compare 30 "$PYTHON" benchmarks/gpu_check.py compare --out "$OUT" --mib 256
+part verdicts 180 "$PYTHON" benchmarks/bench_verdicts.py rates --seeds 3 --device cuda
 echo "load average after: $(cut -d' ' -f1-3 /proc/loadavg 2>/dev/null)" >> "$summary"
 "$PYTHON" - "$OUT" <<'PY'
 import json, pathlib, sys

@@ -159,6 +159,7 @@ class TestUlps:
               Mismatched elements: 1 / 1 (100.0%)
               Greatest absolute difference: 4.768e-07 at index (0,)
               Greatest relative difference: 4.768e-07 at index (0,)
+              Expected values: up to 1 in magnitude; the greatest difference is 4.77e-07 of that
               Tolerance: ulps=2 in float32 (compare(tolerances=...)); atol and rtol not used
               Worst elements (index: actual vs expected, abs error):
                 (0,): 1.0000005 vs 1.0, 4.768e-07
@@ -178,8 +179,9 @@ class TestTensorMessages:
             """\
             out['logits']: values differ
               Mismatched elements: 2 / 6 (33.3%)
-              Greatest absolute difference: 0.5 at index (1, 2) (up to 1e-05 allowed)
+              Greatest absolute difference: 0.5 at index (1, 2) (up to 1.78e-05 allowed there)
               Greatest relative difference: 0.25 at index (0, 0) (up to 1.3e-06 allowed)
+              Expected values: up to 6 in magnitude; the greatest difference is 8.3%
               Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 2): 6.5 vs 6.0, 0.5
@@ -202,8 +204,9 @@ class TestTensorMessages:
             """\
             out: values differ
               Mismatched elements: 1 / 8 (12.5%)
-              Greatest absolute difference: 2 at index (1, 3) (up to 1e-05 allowed)
+              Greatest absolute difference: 2 at index (1, 3) (up to 0.32 allowed there)
               Greatest relative difference: 0.1 at index (1, 3) (up to 0.016 allowed)
+              Expected values: up to 20 in magnitude; the greatest difference is 10.0%
               Tolerance: atol=1e-05, rtol=0.016 (bfloat16 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (1, 3): 22.0 vs 20.0, 2
@@ -218,6 +221,34 @@ class TestTensorMessages:
         assert report.splitlines()[-1] == (
             "  Worst element is 512 ULP off in float16 (spacing 0.0009766 at 1.0)"
         )
+
+    def test_no_ulp_figure_at_a_spacing_of_zero(self) -> None:
+        """A gradient element that is 0.0 in float64 and rounding noise in bfloat16 was
+        "5.732e+36 ULP off in bfloat16 (spacing 9.184e-41 at 0.0)": the spacing at zero is the
+        smallest subnormal's, no rounding of the computation. The units are those of the
+        output's scale, and the line says so."""
+        expected = torch.tensor([0.0, 2.0, -3.0], dtype=torch.float64)
+        actual = torch.tensor([5.264e-3, 2.0, -3.0]).to(torch.bfloat16)
+        report = compare(actual, expected, check_dtype=False).report()
+        assert "e+36" not in report and "9.184e-41" not in report
+        assert report.splitlines()[-1] == (
+            "  Worst element is at expected 0.0, below bfloat16's normal range; at the output's "
+            "scale it is 0.3359 ULP off (spacing 0.01562 at |expected| 3, the greatest)")
+        zeros = compare(actual[:1], expected[:1], check_dtype=False).report()
+        assert zeros.splitlines()[-1] == (
+            "  Worst element is at expected 0.0, below bfloat16's normal range: no ULP figure "
+            "(the spacing there is no rounding of this computation)")
+
+    def test_every_failure_shows_the_outputs_scale(self) -> None:
+        """The issue's matmul message, "86.68 (up to 1e-05 allowed)", said nothing of an output
+        of size 3e7: the bound at the worst element and the output's magnitude are shown."""
+        expected = torch.tensor([3.2e7, -1.0e7, 5.0], dtype=torch.float64)
+        actual = (expected + torch.tensor([86.68, 0.0, 0.0], dtype=torch.float64)).float()
+        lines = compare(actual, expected, check_dtype=False).report().splitlines()
+        assert lines[2] == ("  Greatest absolute difference: 86 at index (0,) (up to 41.6 "
+                            "allowed there)")
+        assert lines[4] == ("  Expected values: up to 3.2e+07 in magnitude; the greatest "
+                            "difference is 2.69e-06 of that")
 
     def test_worst_elements_are_ranked_and_limited(self) -> None:
         expected = torch.zeros(10)
@@ -241,7 +272,7 @@ class TestTensorMessages:
         assert mismatch.message == textwrap.dedent(
             """\
             out: values differ: actual 1.5 vs expected 1.0
-              Absolute difference: 0.5 (up to 1e-05 allowed)
+              Absolute difference: 0.5 (up to 1.13e-05 allowed there)
               Relative difference: 0.5 (up to 1.3e-06 allowed)
               Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)"""
         )
@@ -378,7 +409,7 @@ class TestKinds:
         assert compare(1 + 1j, 1 + 1j).ok
         assert only(compare(1 + 2j, 1 + 1j)).message.startswith(
             "out: values differ: actual (1.0+2.0j) vs expected (1.0+1.0j)\n"
-            "  Absolute difference: 1 (up to 1e-07 allowed)"
+            "  Absolute difference: 1 (up to 2.414e-07 allowed there)"
         )
 
     def test_integers_are_exact(self) -> None:
@@ -426,7 +457,7 @@ class TestKinds:
         assert mismatch.message == textwrap.dedent(
             """\
             out['loss']: values differ: actual 1.5 vs expected 1.0
-              Absolute difference: 0.5 (up to 1e-07 allowed)
+              Absolute difference: 0.5 (up to 2e-07 allowed there)
               Relative difference: 0.5 (up to 1e-07 allowed)
               Tolerance: atol=1e-07, rtol=1e-07 (float64 defaults)"""
         )
@@ -728,8 +759,9 @@ class TestLayoutAndChunks:
             """\
             out: values differ
               Mismatched elements: 2 / 2100 (0.1%)
-              Greatest absolute difference: 2 at index (0, 3) (up to 1e-05 allowed)
+              Greatest absolute difference: 2 at index (0, 3) (up to 1.273e-05 allowed there)
               Greatest relative difference: 1.95 at index (299, 6) (up to 1.3e-06 allowed)
+              Expected values: up to 4.101 in magnitude; the greatest difference is 48.8%
               Tolerance: atol=1e-05, rtol=1.3e-06 (float32 defaults)
               Worst elements (index: actual vs expected, abs error):
                 (0, 3): -0.10093808 vs -2.100938, 2

@@ -29,6 +29,8 @@ CUDA_ASSERT = Failure.from_text(
      "CUDA out of memory. Tried to allocate N GiB (GPU N; N GiB total capacity)"),
     ("object at 0x7f3a2c0d1e50 in /home/me/proj/model.py failed",
      "object at 0x? in <path> failed"),
+    ("cases/x/case.toml: run timed out after 5 s", "<path>: run timed out after N s"),
+    ("ratio 8/16 of a/b", "ratio N/N of a/b"),
     ("expected scalar type Float but found Double", "expected scalar type Float but found Double"),
     ("\n\n  float32 mat1 on sm_80 failed with lr=1e-05\nsecond line",
      "float32 mat1 on sm_80 failed with lr=N"),
@@ -96,3 +98,18 @@ def test_a_class_given_by_the_record_wins_over_the_text() -> None:
     assert recorded.kind == "index-out-of-range"
     assert same_failure(recorded, Failure("IndexError", "index out of range in self",
                                           device="cpu"))
+
+
+def test_a_nan_is_the_same_failure_whichever_check_caught_it() -> None:
+    """The Recorder's guard words a NaN loss one way at capture, the replay's finiteness
+    check another, anomaly mode a third: all the nan class, on the same device too."""
+    captured = Failure.from_text("FloatingPointError: non-finite loss of scaled_sum: out "
+                                 "holds 1 NaN", device="cpu", failure_class="nan")
+    assert same_failure(captured, Failure("FloatingPointError",
+                                          "non-finite output: out holds 1 NaN", device="cpu"))
+    assert same_failure(captured, Failure(
+        "RuntimeError", "Function 'SqrtBackward0' returned nan values in its 0th output.",
+        device="cpu"))
+    assert not same_failure(captured, Failure(
+        "RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)",
+        device="cpu"))

@@ -112,7 +112,9 @@ def test_one_bad_entry_among_64_is_found_and_written(
     assert dict(result.shapes) == {"logits": ((64, 4), (1, 4)), "target": ((64,), (1,))}
 
     out = capsys.readouterr().out
-    assert "gpucase minimize: ce_batch fails on cpu in float32 (ValueError); 64 entries on " \
+    # The failure kept is shown with its message (the same failure is class and message).
+    assert "gpucase minimize: ce_batch fails on cpu in float32 (ValueError: target holds 1 " \
+           "value out of range [0, 4) (ignore_index=-100): 4 at position 37); 64 entries on " \
            "axis 0; budget 200 tries, 600 s" in out
     for size in ("32 entries", "16 entries", "8 entries", "4 entries", "2 entries", "1 entry"):
         assert f": {size}, still ValueError [" in out
@@ -240,8 +242,9 @@ def test_crash_keeps_its_signal_and_other_failures_are_not_kept(tmp_path: Path) 
     assert str(result.failure) == "crash: SIGSEGV"
     assert result.selection.entries == (11,)
     # The first half holds entry 3 only: it fails, but with a ValueError, so it is not kept.
-    assert dict(result.failed_differently) == {"ValueError": 1}
-    assert "1 try failed differently (ValueError): not kept" in result.render()
+    assert dict(result.failed_differently) == {"ValueError: negative class index": 1}
+    assert ("1 try failed differently (ValueError: negative class index): not kept"
+            in result.render())
 
 
 def test_max_tries_stops_and_writes_the_best_so_far(tmp_path: Path) -> None:
@@ -597,3 +600,41 @@ def test_the_inputs_named_by_the_hint_shrink_without_a_variant_table(
     small = load_case(tmp_path / "doubt_min")
     assert small.variants.batch is None
     assert tuple(payload.load(small.inputs_file)["w1"].shape) == (64, 16)
+
+
+PACK_PY = """\
+import torch
+
+
+def run(x, lengths):
+    # Pack the valid steps of each sequence of x (B, T, D) by its lengths (B,).
+    packed = torch.cat([x[i, : int(n)] for i, n in enumerate(lengths)])
+    total = int(lengths.sum())
+    if packed.shape[0] != total:  # a length past T: slicing cut it short
+        raise RuntimeError(f"The size of tensor a ({packed.shape[0]}) must match the size of "
+                           f"tensor b ({total}) at non-singleton dimension 0")
+    return packed.view(total, -1)  # no step at all: RuntimeError, but another one
+"""
+
+
+def test_a_smaller_batch_raising_another_runtime_error_is_not_the_same_failure(
+        tmp_path: Path) -> None:
+    """x (B, T, D) with lengths (B,): the entries of length 0 alone raise another
+    RuntimeError (a view of 0 elements); counted by type alone, the search kept them and
+    reported a case that no longer shows the length past T as a success."""
+    lengths = torch.tensor([0, 0, 0, 0, 2, 3, 7, 1])
+    path = make_case(tmp_path, "pack", 'format = 1\ncall = "case.py:run"\ntimeout = 30\n',
+                     PACK_PY, {"x": torch.randn(8, 5, 3), "lengths": lengths})
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+
+    assert result.selection.entries == (6,)  # the entry whose length (7) is past T (5)
+    assert result.message == ("RuntimeError: The size of tensor a (11) must match the size of "
+                              "tensor b (13) at non-singleton dimension 0")
+    others = [found for found in result.failed_differently if "cannot reshape" in found]
+    assert others, result.failed_differently
+    summary = result.render()
+    assert result.message in summary.splitlines()[0]
+    assert f"differently ({others[0]}): not kept" in summary
+    assert result.output is not None
+    record = load_case(result.output).origin["minimized_from"]
+    assert record["error"] == result.message

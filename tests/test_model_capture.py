@@ -206,12 +206,13 @@ def test_device_side_assert_is_known_as_the_cpu_index_error() -> None:
                                             "triggered", "stderr": ASSERT_LINE})
     cpu = SimpleNamespace(outcome=SimpleNamespace(
         broken_case=False, error_type="IndexError", error_message="index out of range in self",
-        kind="raises"), child=SimpleNamespace(stderr=""))
+        kind="raises", status="failed"), child=SimpleNamespace(stderr=""),
+        spec=SimpleNamespace(device="cpu"))
     assert is_known_failure(case, cpu)  # type: ignore[arg-type]
     other = SimpleNamespace(outcome=SimpleNamespace(
         broken_case=False, error_type="RuntimeError",
-        error_message="expected m1 and m2 to have the same dtype", kind="raises"),
-        child=SimpleNamespace(stderr=""))
+        error_message="expected m1 and m2 to have the same dtype", kind="raises",
+        status="failed"), child=SimpleNamespace(stderr=""), spec=SimpleNamespace(device="cpu"))
     assert not is_known_failure(case, other)  # type: ignore[arg-type]
     # The recorded exception is gone and the outputs differ: another failure, not this one.
     mismatch = SimpleNamespace(outcome=SimpleNamespace(

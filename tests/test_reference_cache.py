@@ -17,6 +17,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import Outcome
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.verdict.rounding import DRAWS
 
 CODE = '''
 import os
@@ -91,7 +92,9 @@ def test_a_changed_reference_function_invalidates_it(tmp_path: Path) -> None:
     assert run(path, cache) == "passed"
     make(tmp_path, offset=2)  # the reference now disagrees with the call
     assert run(path, cache) == "failed"
-    assert calls(path) == 2
+    # Computed again (not read from the cache), and run DRAWS more times for the rounding
+    # budget that the failing leaf asks for before it is reported.
+    assert calls(path) == 2 + DRAWS
 
 
 def stored(entry: Path) -> dict[str, object]:
@@ -161,11 +164,13 @@ def test_a_poisoned_entry_never_turns_a_failure_into_a_pass(
     path = make(tmp_path, offset=2)
     first = judged(path, cache)
     assert first.status == "failed" and not first.notes
-    (entry,) = set(cache.glob("*.reference")) - {wrong}
+    # The reference's own entry, not the budget computed beside it for the failing leaf.
+    (entry,) = {p for p in cache.glob("*.reference") if p.name.count(".") == 1} - {wrong}
     forge(entry, wrong)
     outcome = judged(path, cache)
     assert outcome.status == "failed", outcome.summary
-    assert calls(path) == 2  # computed again, not read
+    # Computed again, not read (each failing run also ran the DRAWS of its budget).
+    assert calls(path) == 2 * (1 + DRAWS)
     (note,) = outcome.notes
     assert note.startswith(f"the reference cache entry of case counted ({entry.name[:12]}...) ")
     assert note.endswith(": not trusted; the reference was computed again and the entry "
@@ -525,3 +530,101 @@ def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Pa
     assert here == reference_cache.key(spec, len)
     after = run_in_child(_key_in_child, spec, timeout=60)
     assert after.value != plain.value  # dropped when the block ended: the edit is seen
+
+
+ROUNDED = '''
+import os
+import time
+
+def run(a, b):
+    with open(os.path.join(os.path.dirname(__file__), "calls"), "a") as handle:
+        handle.write("1")
+    time.sleep(0.02)  # slower than reference_cache.MIN_SECONDS: worth caching
+    return a @ b {change}
+'''
+
+
+def rounded_case(root: Path, change: str = "", seed: int = 0) -> Path:
+    """A float32 matmul of values ~1e3: past the default tolerance, within its rounding budget."""
+    path = root / "rounded"
+    path.mkdir(exist_ok=True)
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n')
+    (path / "case.py").write_text(ROUNDED.format(change=change))
+    gen = torch.Generator().manual_seed(seed)
+    payload.save(path / "inputs.safetensors",
+                 {"a": torch.randn(64, 512, generator=gen) * 1e3,
+                  "b": torch.randn(512, 64, generator=gen) * 1e3})
+    return path
+
+
+def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> None:
+    """A run past its default tolerance computes the reference and its DRAWS draws once; the
+    next run reads both, and runs only the call."""
+    path, cache = rounded_case(tmp_path), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS + 1
+    (budget,) = cache.glob("*.budget1-float32.reference")
+    assert set(stored(budget)["spreads"]) == {"out"}
+    # Authenticated as the reference is: another genuine entry's bytes under its name (the
+    # reference's own) are refused.
+    (entry,) = [p for p in cache.glob("*.reference") if p.name.count(".") == 1]
+    budget.write_bytes(entry.read_bytes())
+    outcome = judged(path, cache)
+    assert outcome.status == "passed"
+    # Refused, so the call's leaf had no budget to pass on: a fresh reference and draws.
+    assert calls(path) == 1 + 1 + DRAWS + 1 + (1 + 1 + DRAWS)
+    assert any("failed authentication" in note for note in outcome.notes)
+
+
+def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Path) -> None:
+    path, cache = rounded_case(tmp_path), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    rounded_case(tmp_path, seed=1)  # other inputs: a new reference, and a new budget
+    assert run(path, cache) == "passed"
+    assert calls(path) == 2 * (1 + 1 + DRAWS)
+    rounded_case(tmp_path, change="+ 0.0", seed=1)  # edited code: both again
+    assert run(path, cache) == "passed"
+    assert calls(path) == 3 * (1 + 1 + DRAWS)
+    names = sorted(p.name.split(".", 1)[1] for p in cache.glob("*.reference"))
+    assert names == ["budget1-float32.reference"] * 3 + ["reference"] * 3
+    assert all(reference_cache.OWN_NAME.fullmatch(p.name) for p in cache.iterdir())
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    entry = reference_cache.Entry(tmp_path / f"{'a' * 64}.reference", f"{'a' * 64}.reference",
+                                  b"secret", "rounded")
+    for kind in ("budget1-float32", "baseline1-float32", "gradcheck1"):
+        where = reference_cache.companion(entry, kind)
+        assert where is not None and where.secret == entry.secret
+        assert where.path == tmp_path / f"{'a' * 64}.{kind}.reference"
+        assert where.path.name == where.name
+    with pytest.raises(ValueError):
+        reference_cache.companion(entry, "../x")
+    assert reference_cache.key(spec, len) != reference_cache.key(
+        RunSpec(load_case(path), "cpu", "bfloat16", cast=True), len)
+
+
+def test_a_wrong_result_never_passes_on_a_stale_budget(tmp_path: Path) -> None:
+    """A cached budget may let a run pass, as a cached reference may; a failure is judged
+    against a fresh reference and a fresh budget."""
+    path, cache = rounded_case(tmp_path), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    (path / "case.py").write_text(ROUNDED.format(
+        change="* (1.01 if a.dtype != __import__('torch').float64 else 1.0)"))
+    assert run(path, cache) == "failed"
+
+
+def test_a_gradcheck_pass_is_kept_beside_the_reference(tmp_path: Path) -> None:
+    path = tmp_path / "square"
+    path.mkdir()
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                    '[expect]\ngradients = true\n')
+    (path / "case.py").write_text(CODE.replace("def ref(x):", "def run(x):").replace(
+        "def run(x):\n    return x + 1\n", "").format(offset="x * x"))
+    payload.save(path / "inputs.safetensors", {"x": torch.randn(4)})
+    cache = tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    first = calls(path)  # the call, the reference, and gradcheck's evaluations
+    assert run(path, cache) == "passed"
+    assert calls(path) == first + 1  # the call alone: reference and gradcheck pass cached
+    assert len(list(cache.glob("*.gradcheck1.reference"))) == 1

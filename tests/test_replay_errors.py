@@ -105,7 +105,8 @@ def test_the_references_base_exception_and_an_expected_system_exit(
         "*reference_exits[[]cpu-float32[]] FAILED*",
         "expected Exception; the call raised SystemExit: 2",
         "*",
-        "the reference (on CPU in float64) raised SystemExit: 3",
+        "the reference could not run: SystemExit: 3 (case.py:reference, on the CPU in "
+        "float64); fix it so that the call's outputs can be judged",
     ])
     assert "failed inside the child" not in result.stdout.str()
 

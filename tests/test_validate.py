@@ -305,3 +305,23 @@ def test_a_module_named_unlike_its_package_is_not_checked_either() -> None:
                      f"pytest>=900; found {pytest.__version__}",
                      "cases/uninstalled/case.toml: call and reference not checked here: requires "
                      "flash-attn-3>=3.0; not installed"]
+
+
+def test_a_minimized_case_that_keeps_another_failure() -> None:
+    """An older minimize compared exception types only: a case it shrank to another
+    RuntimeError documents a bug it no longer reproduces."""
+    origin = ('[origin]\nerror = "RuntimeError: The size of tensor a (5) must match the size '
+              'of tensor b (7) at non-singleton dimension 0"\nbackend = "cpu"\n')
+    case("same", origin + '[origin.minimized_from]\ncase = "../x"\ndevice = "cpu"\n'
+         'error = "RuntimeError: The size of tensor a (2) must match the size of tensor b (3) '
+         'at non-singleton dimension 0"\n')
+    case("other", origin + '[origin.minimized_from]\ncase = "../x"\ndevice = "cpu"\n'
+         'error = "RuntimeError: cannot reshape tensor of 0 elements into shape [0, -1]"\n')
+    case("old", origin + '[origin.minimized_from]\ncase = "../x"\nfailure = "RuntimeError"\n')
+    problems = validate([Path("cases")])
+    assert problems == [
+        "cases/other/case.toml: [origin.minimized_from] error: the minimized case fails with "
+        "'RuntimeError: cannot reshape tensor of 0 elements into shape [0, -1]', not the "
+        "captured failure 'RuntimeError: The size of tensor a (5) must match the size of "
+        "tensor b (7) at non-singleton dimension 0' ([origin] error): it reproduces another "
+        "bug; minimize the original again with this gpucase"]

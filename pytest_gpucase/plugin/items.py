@@ -221,38 +221,39 @@ class KnownFailure(CaseRunFailed):
 
 
 def is_known_failure(case: Case, verdict: Verdict) -> bool:
-    """Whether a failed run is the case's known failure, not a broken case or another error.
+    """Whether a failed run is the case's known failure: the *call* failing the same way.
 
-    Compared by failure class (pytest_gpucase.triage.failure_class) when both sides have
-    one, so that a device-side assert captured on CUDA is met by the IndexError the CPU
-    raises for the same inputs; else by the exception type named in ``[origin] error``.
+    "The same way" is ``verdict.failure.same_failure``: the failure class (a device-side
+    assert captured on CUDA is met by the IndexError the CPU raises for the same inputs),
+    and on the device type it was captured on the message's shape too; without a class,
+    the exception type named in ``[origin] error`` and the shape of its message. A broken
+    case, and a reference that could not run, are never the known failure: the call did
+    not fail, so a fix would stay a quiet xfail. A silent recorded failure (``[origin]
+    error`` without an exception type: wrong values, a NaN loss) is met by outputs that
+    differ; with no ``[origin] error`` at all, any failure of the call counts.
     """
-    import re
-
-    from pytest_gpucase.verdict.triage import failure_class, same_failure
+    from pytest_gpucase.run.parent import failure_of
+    from pytest_gpucase.verdict.failure import Failure, same_failure
 
     outcome = verdict.outcome
-    if outcome.broken_case:
+    if outcome.broken_case or outcome.kind == "reference raises":
         return False
-    error = str(case.origin.get("error", ""))
-    recorded = re.match(r"([A-Za-z_][\w.]*)(?::|$)", error)
-    if recorded is None:
-        return True  # nothing to tell them apart by: no recorded type
+    error = str(case.origin.get("error", "")).strip()
+    if not error:
+        return True  # nothing recorded to tell failures apart by
     known = case.origin.get("failure_class")
-    if not isinstance(known, str):
-        known = failure_class(recorded[1], error.partition(":")[2],
-                              str(case.origin.get("stderr", "")))
-    if known not in (None, "nan") and outcome.kind in ("mismatch", "golden mismatch",
-                                                        "no exception"):
+    recorded = Failure.from_text(error, str(case.origin.get("stderr", "")),
+                                 str(case.origin.get("backend", "")) or None,
+                                 known if isinstance(known, str) else None)
+    differs = outcome.kind in ("mismatch", "golden mismatch")
+    if recorded.error_type is None:
+        return differs  # a silent failure: met by the outputs that differ
+    if differs:
+        return recorded.kind == "nan"  # a NaN check's error is met by NaN outputs too
+    if outcome.kind in ("no exception", "bad output", "timeout"):
         return False  # the captured error is gone (a fix): another failure, not the known one
-    if outcome.error_type is None and outcome.kind in ("crash", "timeout"):
-        return False  # an exit without a result, or a hang: not the exception recorded
-    if outcome.error_type is None:
-        return True  # nothing to tell them apart by: a mismatch
-    found = failure_class(outcome.error_type, outcome.error_message or "", verdict.child.stderr)
-    if known is not None and found is not None:
-        return same_failure(known, found)
-    return recorded[1].rsplit(".", 1)[-1] == outcome.error_type
+    found = failure_of(verdict)
+    return found is not None and same_failure(recorded, found)
 
 
 def xfail_reason(spec: RunSpec) -> str | None:
@@ -435,6 +436,11 @@ def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     error = str(case.origin.get("error", "")).partition("\n")[0]
     known = case.origin.get("failure_class")
     captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
+    if outcome.kind == "reference raises":
+        return (f"The case's xfail expects the call to fail ({captured}); here the call ran "
+                "and its reference could not, so nothing judged the call's outputs: this is "
+                "never counted as the known failure. Make the reference run (above) to see "
+                "whether the call is fixed.")
     text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
             "counts as expected.")
     if outcome.error_type is not None and outcome.kind == "raises":  # the call raised it
@@ -454,6 +460,8 @@ def _add_sections(item: pytest.Item, verdict: Verdict) -> None:
         sections.append(("warnings (child)", describe_warnings(child)))
     if verdict.triage is not None:
         sections.append(("gpucase triage", verdict.triage.render()))
+    if verdict.outcome.notes:  # what the verdict could not check: shown on a pass too (-rP)
+        sections.append(("gpucase notes", "\n".join(verdict.outcome.notes)))
     if verdict.localized is not None:
         sections.append(("gpucase launch-blocking rerun", describe_rerun(verdict)))
     for title, text in sections:

@@ -25,11 +25,12 @@ from pytest_gpucase.run.isolation import (
 )
 from pytest_gpucase.run.prepared import prepare_in_parent
 from pytest_gpucase.run.reference_cache import ReferenceCache
+from pytest_gpucase.verdict.failure import Failure
 from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
 
 __all__ = [
-    "Verdict", "describe_rerun", "describe_warnings", "regenerate_golden", "reissue_warnings",
-    "run_spec", "stderr_section",
+    "Verdict", "describe_rerun", "describe_warnings", "failure_of", "regenerate_golden",
+    "reissue_warnings", "run_spec", "stderr_section",
 ]
 
 Isolation = Literal["item", "case", "worker"]
@@ -49,6 +50,21 @@ class Verdict:
     @property
     def failed(self) -> bool:
         return self.outcome.status == "failed"
+
+
+def failure_of(verdict: Verdict) -> Failure | None:
+    """What a failed run failed with, for ``verdict.failure.same_failure``; None when it
+    passed or was skipped. A failure without an exception is its kind and where it was met
+    (``mismatch: out['loss']: values differ``), else its one-line summary (a timeout)."""
+    outcome = verdict.outcome
+    if outcome.status != "failed":
+        return None
+    if outcome.error_type is not None:
+        return Failure(outcome.error_type, outcome.error_message or "", verdict.child.stderr,
+                       verdict.spec.device)
+    message = (f"{outcome.kind}: {outcome.error_message}" if outcome.error_message
+               else outcome.summary)
+    return Failure(None, message, verdict.child.stderr, verdict.spec.device)
 
 
 def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,

@@ -51,14 +51,18 @@ The folder is not trusted (a pull request can commit files, or a symlink, under
 * The folder is opened from a trusted base (the rootdir) one component at a
   time, never through a symlink (``open_folder``): a folder that is or passes
   through one is refused, and nothing in it is read or removed.
-* ``prune`` removes only names this module writes (``OWN_NAME``: 64 hex digits
-  and the entry suffix, and their temporaries), never follows a link, and works
+* What is computed beside a reference (the rounding budget, the CPU's same-dtype
+  run, a gradcheck's pass: ``companion``) is an entry of its own, named by the
+  reference's key and its kind, and authenticated the same way.
+* ``prune`` removes only names this module writes (``OWN_NAME``: 64 hex digits,
+  a companion's kind, the entry suffix, and their temporaries), never follows a link, and works
   on the opened folder, so that it cannot leave it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import errno
 import functools
 import hashlib
@@ -83,9 +87,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_SECONDS", "OWN_NAME", "Entry", "ReferenceCache",
-    "Unusable", "check_folder", "entry", "forget_prepared", "forget_primed", "key", "load",
-    "make_key", "open_folder", "prepare", "prime", "prune", "read_key", "session_cache", "store",
-    "take_notes", "user_key",
+    "Unusable", "check_folder", "companion", "entry", "forget_prepared", "forget_primed", "key",
+    "load", "make_key", "open_folder", "prepare", "prime", "prune", "read_key", "session_cache",
+    "store", "take_notes", "user_key",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
@@ -107,9 +111,11 @@ MAGIC = b"gpucase-reference-2\n"
 _TAG_BYTES = 32
 KEEP_DAYS = 14
 MAX_BYTES = 2 << 30
-# The names prune may remove: entries (and those of the earlier format, written as
-# .safetensors into the same folder), and write_atomic's temporaries of them.
-OWN_NAME = re.compile(r"(?P<temporary>\.)?[0-9a-f]{64}(?:\.reference|\.safetensors)"
+# The names prune may remove: entries and their companions (``<key>.<kind>.reference``),
+# those of the earlier format (written as .safetensors into the same folder), and
+# write_atomic's temporaries of them.
+OWN_NAME = re.compile(r"(?P<temporary>\.)?[0-9a-f]{64}(?:\.[a-z][a-z0-9-]{0,31})?"
+                      r"(?:\.reference|\.safetensors)"
                       r"(?(temporary)\.[0-9a-f]{8}\.[0-9]{1,10}\.[0-9a-f]{8}\.tmp)")
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 _O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
@@ -326,6 +332,24 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
     except (OSError, Unusable):  # no key to check with (no cache), or the case file
         return None              # vanished (the run will say what is wrong)
     return Entry(Path(folder) / name, name, secret, spec.case.name)
+
+
+_KIND = re.compile(r"[a-z][a-z0-9-]{0,31}")
+
+
+def companion(cached: Entry | None, kind: str) -> Entry | None:
+    """Where something computed beside the reference is kept (``kind``: the rounding budget,
+    the CPU's own run in the run's dtype, a gradcheck's pass): under the reference's own
+    key, so that whatever makes a new reference makes a new one too; pruned with it, and
+    authenticated like it (its name, kind included, is bound into its tag, so an entry
+    copied to another kind's name is refused)."""
+    if cached is None:
+        return None
+    if not _KIND.fullmatch(kind):
+        raise ValueError(f"not a companion kind: {kind!r}")
+    stem = cached.name.removesuffix(SUFFIX)
+    name = f"{stem}.{kind}{SUFFIX}"
+    return dataclasses.replace(cached, path=cached.path.with_name(name), name=name)
 
 
 # Notes of this run for the pytest process (an entry that failed authentication), taken

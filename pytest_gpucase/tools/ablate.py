@@ -6,9 +6,11 @@ TF32 off; cuDNN off; deterministic algorithms; ``torch.compile`` off; each
 optional extension switched off through the variables of ``[ablate] env``; and
 the case's reference operator in place of ``call``. A change that cannot apply
 here is "not applicable here", with the reason. The baseline (the case
-unchanged) runs first and must fail; each change is then judged against its
-failure class (``minimize.FailureClass``): still fails the same way, fails
-differently, or passes. A pass on the CPU is a hint, not a validation: the CPU
+unchanged) runs first and must fail; each change is then judged against that
+failure (``minimize.same_way``: the same kind of outcome and
+``verdict.failure.same_failure``, so the CPU's IndexError for a CUDA device-side
+assert is the same failure, and another RuntimeError is not): still fails the
+same way, fails differently, or passes. A pass on the CPU is a hint, not a validation: the CPU
 runs a different kernel.
 """
 
@@ -30,7 +32,7 @@ from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import RunSpec, choose_device, saved_dtype, unchanged_runs
 from pytest_gpucase.run.isolation import StartMethod
 from pytest_gpucase.run.parent import Verdict, run_spec
-from pytest_gpucase.tools.minimize import FailureClass, failure_class, first_failure
+from pytest_gpucase.tools.minimize import failure_class, first_failure, same_way
 
 __all__ = [
     "CPU_HINT",
@@ -217,7 +219,7 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
     return found
 
 
-def _row(change: Change, verdict: Verdict, baseline: FailureClass) -> Row:
+def _row(change: Change, verdict: Verdict, baseline: Verdict) -> Row:
     outcome = verdict.outcome
     found = failure_class(verdict)
     seconds = round(verdict.child.duration, 3)
@@ -228,8 +230,10 @@ def _row(change: Change, verdict: Verdict, baseline: FailureClass) -> Row:
     if outcome.status == "skipped" or found is None:
         return Row(change.key, change.label, NOT_APPLICABLE, note=outcome.summary,
                    summary=outcome.summary, seconds=seconds)
-    return Row(change.key, change.label, STILL_FAILS if found == baseline else FAILS_DIFFERENTLY,
-               failure=str(found), summary=outcome.summary, seconds=seconds)
+    return Row(change.key, change.label,
+               STILL_FAILS if same_way(baseline, verdict) else FAILS_DIFFERENTLY,
+               failure=str(found), summary=outcome.summary,
+               seconds=seconds)
 
 
 def read(rows: Sequence[Row], dtype: str, packages: Sequence[str] = ()) -> str:
@@ -325,7 +329,7 @@ def ablate(
         else:
             verdict = run_spec(change.spec, start_method=start_method, backend=env.backend,
                                localize=False)
-            row = _row(change, verdict, failure)
+            row = _row(change, verdict, found)
         rows.append(row)
         if progress is not None:
             progress(row)

@@ -1,12 +1,15 @@
 """Shrink a failing case to the fewest batch entries (and shortest length) that fail the same way.
 
-The original is run once first, so that "failing" has a meaning: its failure
-class (``FailureClass``: the exception type or signal, and the triage clue; a
-mismatch stays a mismatch). Then delta debugging (Zeller's ddmin) removes
-entries along the case's batch axis, and, where ``[variants] length`` names an
-axis, a binary search cuts the length to the shortest window that still fails.
+The original is run once first, so that "failing" has a meaning: the same kind of
+outcome (``FailureClass``: an exception, a crash, outputs that differ) and the same
+failure (``verdict.failure.same_failure``: the triage class and the shape of the message,
+so that a smaller batch raising *another* RuntimeError does not count). Then delta
+debugging (Zeller's ddmin) removes entries along the case's batch axis, and, where
+``[variants] length`` names an axis, a binary search cuts the length to the shortest
+window that still fails.
 Every try is a temporary copy of the case with a subset payload, run in a fresh
-child by ``runner.run_spec``; a try counts as failing only with the same class.
+child by ``runner.run_spec``; a try counts as failing only when it fails the same way
+(``same_way``), and the tries that fail otherwise are listed with their messages.
 
 Nothing is invented: a try holds subsets and slices of the saved tensors, with
 their dtype, the order of their strides in memory, their padding and their
@@ -56,7 +59,8 @@ from pytest_gpucase.case.write import copy_into, write_case_dir
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import NotRunnable, RunSpec, choose_device, unchanged_runs
 from pytest_gpucase.run.isolation import StartMethod, signal_name
-from pytest_gpucase.run.parent import Verdict, run_spec
+from pytest_gpucase.run.parent import Verdict, failure_of, run_spec
+from pytest_gpucase.verdict.failure import Failure, same_failure
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -69,7 +73,7 @@ if TYPE_CHECKING:
 __all__ = [
     "FailureClass", "OriginalPasses", "Selection", "Stop", "ddmin", "failure_class",
     "first_failure", "laid_out_like", "minimize", "minimize_command", "one_thread", "plan_axes",
-    "select", "strides_like", "with_minimized_from", "write_case",
+    "same_way", "select", "shown", "strides_like", "with_minimized_from", "write_case",
 ]
 
 FailureKind = Literal["raises", "reference raises", "no exception", "mismatch",
@@ -128,6 +132,28 @@ def failure_class(verdict: Verdict) -> FailureClass | None:
     if outcome.kind in ("no exception", "golden mismatch"):
         return FailureClass(cast(FailureKind, outcome.kind), clue=clue)
     return FailureClass("mismatch", clue=clue)
+
+
+def same_way(baseline: Verdict, found: Verdict) -> bool:
+    """Whether ``found`` failed as ``baseline`` did: the same kind of outcome (an exception
+    and a crash are one kind: a CUDA assert may abort or raise) and the same failure
+    (``verdict.failure.same_failure``)."""
+    expected, seen = failure_class(baseline), failure_class(found)
+    if expected is None or seen is None:
+        return False
+    if expected.kind != seen.kind and not {expected.kind, seen.kind} <= {"raises", "crash"}:
+        return False
+    recorded, again = failure_of(baseline), failure_of(found)
+    return recorded is not None and again is not None and same_failure(recorded, again)
+
+
+def shown(kind: FailureClass, failure: Failure | None) -> str:
+    """A failure as the summaries show it: its kind, and the first line of its message."""
+    if failure is None or failure.error_type is None:
+        return str(kind)
+    line = failure.describe()
+    line = line if len(line) <= 160 else line[:157] + "..."
+    return f"{line} ({kind.clue})" if kind.clue else line
 
 
 # --- how the original runs (shared with ablate; where and in which dtype: plan.py) ----------
@@ -363,11 +389,14 @@ class _Budget(Exception):
 class _Search:
     """The tries of one minimization: budget, cache, the best selection so far, progress."""
 
-    def __init__(self, *, spec: RunSpec, failure: FailureClass,
+    def __init__(self, *, spec: RunSpec, baseline: Verdict,
                  tensors: Mapping[str, torch.Tensor], axes: Axes, metadata: Mapping[str, str],
                  start_method: StartMethod, backend: str, max_tries: int, time_budget: float,
                  started: float, clock: Callable[[], float], out: TextIO) -> None:
-        self.spec, self.failure, self.tensors, self.axes = spec, failure, tensors, axes
+        self.spec, self.baseline, self.tensors, self.axes = spec, baseline, tensors, axes
+        kind = failure_class(baseline)
+        assert kind is not None
+        self.failure = str(kind)  # the progress lines name the kind; the header, the message
         self.metadata = metadata
         self.start_method, self.backend = start_method, backend
         self.max_tries, self.time_budget, self.started, self.clock = (
@@ -408,9 +437,10 @@ class _Search:
         verdict = run_spec(self.spec, start_method=self.start_method, backend=self.backend,
                            localize=False)
         found = failure_class(verdict)
-        same = found == self.failure
+        same = same_way(self.baseline, verdict)
         if found is not None and not same:
-            self.differently[str(found)] = self.differently.get(str(found), 0) + 1
+            other = shown(found, failure_of(verdict))
+            self.differently[other] = self.differently.get(other, 0) + 1
         self.cache[selection] = same
         return same
 
@@ -461,18 +491,23 @@ class Minimized:
     tries: int
     seconds: float
     stopped: Stop | None                         # None: ran until no single cut failed
-    failed_differently: Mapping[str, int]        # other failure classes met, with counts
+    failed_differently: Mapping[str, int]        # other failures met, with counts
     notes: tuple[str, ...] = ()                  # what the new case leaves out, and why
+    message: str = ""                            # the failure kept, as ``shown`` words it
+    error: str = ""                              # ... as ``Failure.describe`` writes it
 
     def render(self) -> str:
         """The summary printed at the end: sizes, tries, time, where the case went."""
         how = {None: "", "max tries": " (stopped at --max-tries)",
                "time budget": " (stopped at --time-budget)", "interrupted": " (interrupted)"}
         lines = [f"gpucase minimize: {display(self.original)} on {self.spec.device} in "
-                 f"{self.spec.dtype}, {self.failure}: {self.tries} tries in "
+                 f"{self.spec.dtype}, {self.message or self.failure}: {self.tries} tries in "
                  f"{self.seconds:.1f} s{how[self.stopped]}"]
         if self.output is None:
             lines.append("  no smaller case fails the same way; nothing written")
+            if self.failed_differently:
+                lines.append("  (a smaller case that fails otherwise is another failure, "
+                             "not this one: refused)")
         else:
             lines.append(f"  wrote {display(self.output)}")
         if self.selection.entries is not None:
@@ -536,6 +571,8 @@ def minimize(
         raise OriginalPasses(describe_passes(case, tried))
     failure = failure_class(baseline)
     assert failure is not None  # a failed verdict always has a class
+    kept_failure = failure_of(baseline)
+    message = shown(failure, kept_failure)
     if failure.kind == "broken case":
         raise NotRunnable(baseline.outcome.summary)
     if failure.kind == "golden mismatch":
@@ -551,7 +588,7 @@ def minimize(
         raise NotRunnable(f"{display(case.path)}: no saved tensor has axis {axes.batch_axis}: "
                           "nothing to shrink")
     stream.write(f"gpucase minimize: {display(case.path)} fails on {baseline.spec.device} in "
-                 f"{baseline.spec.dtype} ({failure}); {_sizes(axes)}; budget {max_tries} "
+                 f"{baseline.spec.dtype} ({message}); {_sizes(axes)}; budget {max_tries} "
                  f"tries, {time_budget:g} s\n")
     stream.flush()
     try:
@@ -563,7 +600,7 @@ def minimize(
     stopped: Stop | None = None
     try:
         search = _Search(spec=replace(baseline.spec, case=_scratch_case(case, scratch)),
-                         failure=failure, tensors=tensors, axes=axes, metadata=metadata,
+                         baseline=baseline, tensors=tensors, axes=axes, metadata=metadata,
                          start_method=start_method, backend=env.backend, max_tries=max_tries,
                          time_budget=time_budget, started=started, clock=clock, out=stream)
     except BaseException:
@@ -592,7 +629,9 @@ def minimize(
     result = Minimized(
         original=case.path, output=None, spec=baseline.spec, failure=failure, axes=axes,
         selection=best, shapes=shapes, tries=search.tries, seconds=clock() - started,
-        stopped=stopped, failed_differently=dict(search.differently))
+        stopped=stopped, failed_differently=dict(search.differently), message=message,
+        error=(kept_failure.describe()
+               if kept_failure is not None and kept_failure.error_type is not None else ""))
     if not shapes:
         return result
     target = output if output is not None else _free_name(case.path)
@@ -649,6 +688,8 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
         "dtype": result.spec.dtype,
         "failure": str(result.failure),
     }
+    if result.error:
+        record["error"] = result.error  # the failure the new case keeps (gpucase validate)
     axes, best = result.axes, result.selection
     if best.entries is not None:
         record["axis"] = axes.batch_axis

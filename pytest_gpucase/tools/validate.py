@@ -176,7 +176,38 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
             problems.extend(binding_problems(case, target, params, tensors))
     if readable:
         problems.extend(_variant_problems(case, shapes or {}))
+    problems.extend(_origin_problems(case))
     return [str(problem) for problem in problems]
+
+
+def _origin_problems(case: Case) -> list[CaseFormatError]:
+    """A minimized case that records another failure than the one it was captured with.
+
+    ``gpucase minimize`` keeps only tries that fail the same way (``verdict.failure``) and
+    writes the failure it kept as ``[origin.minimized_from] error``; a case whose kept
+    failure is not ``[origin] error`` (an older minimize compared exception types only, or
+    a hand edit) replays another bug than the one it documents.
+    """
+    from pytest_gpucase.verdict.failure import Failure, same_failure
+
+    origin = case.origin
+    minimized = origin.get("minimized_from")
+    if not isinstance(minimized, Mapping):
+        return []
+    kept, error = minimized.get("error"), origin.get("error")
+    if not isinstance(kept, str) or not isinstance(error, str) or not error.strip():
+        return []
+    known = origin.get("failure_class")
+    recorded = Failure.from_text(error, str(origin.get("stderr", "")),
+                                 str(origin.get("backend", "")) or None,
+                                 known if isinstance(known, str) else None)
+    found = Failure.from_text(kept, device=str(minimized.get("device", "")) or None)
+    if recorded.error_type is None or same_failure(recorded, found):
+        return []
+    return [CaseFormatError(case.case_file, f"the minimized case fails with {found.describe()!r}"
+                            f", not the captured failure {recorded.describe()!r} ([origin] "
+                            "error): it reproduces another bug; minimize the original again "
+                            "with this gpucase", key="[origin.minimized_from] error")]
 
 
 def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.TensorInfo] | None:

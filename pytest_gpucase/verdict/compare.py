@@ -7,7 +7,17 @@ attributes before values, and collects every mismatch with its path.
 What counts as close (the tolerances and the rule that applies them) is
 ``tolerance``'s; the words of a mismatch are ``messages``'s. Tensor values are
 judged by ``_kernel``, which only makes that fast: the walk asks it through a
-few names and reads its tally (``stats``).
+few names and reads its tally (``stats``). Objects other than dicts, lists and
+tuples are walked by the parts ``structure`` finds in them.
+
+The run's precision (``precision``): every floating value, a Python number
+included, is held at least to the tolerance of the precision the run computed in,
+so that ``loss.item()`` of a bfloat16 run and a float32 logit of a bfloat16
+autocast run are judged as bfloat16, not as float64 or float32. A leaf that fails
+its default tolerance gets a second look (``second_look``, ``rounding``): the
+rounding budget of its computation, and on a device the CPU's own error in the same
+dtype. An explicit tolerance for the leaf's dtype (or for the run's precision, when
+coarser) is applied as given, with no second look.
 """
 
 from __future__ import annotations
@@ -20,8 +30,16 @@ from dataclasses import dataclass, field
 import torch
 
 from pytest_gpucase.base.tensors import field_names, tuple_fields
-from pytest_gpucase.verdict import _kernel
-from pytest_gpucase.verdict.messages import Mismatch, num, scalar_message, values_mismatch
+from pytest_gpucase.verdict import _kernel, structure
+from pytest_gpucase.verdict.messages import (
+    Mismatch,
+    num,
+    scalar_message,
+    values_mismatch,
+    with_note,
+)
+from pytest_gpucase.verdict.rounding import SecondLook, baseline_problem, coarser
+from pytest_gpucase.verdict.stats import NonFinite
 from pytest_gpucase.verdict.tolerance import (
     DEFAULT_TOLERANCES,
     EXACT,
@@ -52,6 +70,9 @@ class Comparison:
     # difference anywhere makes these NaN, as the failure text says.
     max_abs: float | None
     max_rel: float | None
+    # What a pass says little about: a leaf that passed within a rounding budget as large as
+    # its own size (shown with the item, on a pass too).
+    notes: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -75,6 +96,15 @@ class Comparison:
             line += f"; {more} more path{'s' if more > 1 else ''} differ{'' if more > 1 else 's'}"
         return line
 
+    def where(self) -> str:
+        """Where the first mismatch is and of what kind (``out['loss']: values differ``):
+        what stays the same when the same bug is met on other inputs (``verdict.failure``),
+        where the counts and differences of ``headline`` change."""
+        if not self.mismatches:
+            return "nothing differs"
+        first = self.mismatches[0]
+        return f"{first.path}: {first.kind} differ"
+
     def report(self) -> str:
         """Return all mismatch messages, top-down, ready for a pytest failure; with more
         than a few, a first line says how many (a long report is clipped in the middle)."""
@@ -91,6 +121,7 @@ def combine(parts: Iterable[Comparison]) -> Comparison:
         mismatches=tuple(m for p in parts for m in p.mismatches),
         max_abs=_greatest(p.max_abs for p in parts),
         max_rel=_greatest(p.max_rel for p in parts),
+        notes=tuple(note for p in parts for note in p.notes),
     )
 
 
@@ -111,16 +142,26 @@ def compare(
     check_dtype: bool = True,
     path: str = "out",
     worst: int = 5,
+    precision: torch.dtype | None = None,
+    second_look: SecondLook | None = None,
+    device: str = "cpu",
 ) -> Comparison:
-    """Compare a nested output against the expected one and collect every mismatch."""
+    """Compare a nested output against the expected one and collect every mismatch.
+
+    ``tolerances`` are the explicit ones (``case.toml``); the rest come from the default
+    table. ``precision``: the dtype the run computed in, the least any floating value is
+    held to. ``second_look``: asked for a leaf that fails a default tolerance (the
+    rounding budget; ``device``'s run against the CPU's own in the same dtype).
+    """
     if worst < 0:
         raise ValueError(f"worst must be >= 0, got {worst}")
     table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
+    explicit = frozenset(tolerances or ())
     try:
         if _kernel.equal_tensors(actual, expected):
             return Comparison((), 0.0, 0.0)
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-            tol = table.get(actual.dtype, EXACT)
+            tol = _tolerance_for(table, explicit, actual.dtype, precision)
             close = _kernel.small_close(actual, expected, tol, check_dtype)
             if close is not None:
                 return Comparison((), *close)
@@ -131,6 +172,10 @@ def compare(
         equal_nan=equal_nan,
         check_dtype=check_dtype,
         worst=worst,
+        explicit=explicit,
+        precision=precision,
+        second_look=second_look,
+        device=device,
     )
     # Outputs may carry autograd history; out= kernels refuse such inputs.
     with torch.no_grad():
@@ -141,11 +186,31 @@ def compare(
         for item in walk.items
         if isinstance(item, Mismatch) or item.mismatch is not None
     )
-    return Comparison(mismatches, walk.max_abs, walk.max_rel)  # type: ignore[arg-type]
+    return Comparison(mismatches, walk.max_abs, walk.max_rel,  # type: ignore[arg-type]
+                      tuple(walk.notes))
 
 
 # Beyond this many mismatching paths, a report starts with their count.
 _COUNTED_FROM = 10
+
+
+def _tolerance_for(table: Mapping[torch.dtype, Tolerance], explicit: frozenset[torch.dtype],
+                   dtype: torch.dtype, precision: torch.dtype | None) -> Tolerance:
+    """The tolerance of a value of ``dtype`` in a run computed in ``precision``: an explicit
+    one for its dtype as given; else that of the coarser of the two dtypes (explicit for the
+    precision, or its defaults, saying so)."""
+    if dtype in explicit or precision is None or not (dtype.is_floating_point
+                                                       or dtype.is_complex):
+        return table.get(dtype, EXACT)
+    held = coarser(dtype, precision)
+    if held.to_real() == dtype.to_real():
+        return table.get(dtype, EXACT)
+    found = table.get(held, EXACT)
+    if held in explicit:
+        return found
+    name = str(held).removeprefix("torch.")
+    return Tolerance(rtol=found.rtol, atol=found.atol, ulps=found.ulps,
+                     source=f"{name} defaults: the run's precision")
 
 
 # --------------------------------------------------------------------------
@@ -171,11 +236,17 @@ class _Walk:
     equal_nan: bool
     check_dtype: bool
     worst: int
+    explicit: frozenset[torch.dtype] = frozenset()
+    precision: torch.dtype | None = None
+    second_look: SecondLook | None = None
+    device: str = "cpu"
     # Mismatches in walk order, with the batched leaves in their places.
     items: list[Mismatch | _Leaf] = field(default_factory=list)
     max_abs: float | None = None
     max_rel: float | None = None
     scratch: _kernel.Scratch = field(default_factory=_kernel.Scratch)
+    inside: set[int] = field(default_factory=set)
+    notes: list[str] = field(default_factory=list)
     batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
     batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
@@ -187,7 +258,14 @@ class _Walk:
         self.max_rel = max_rel if self.max_rel is None else nan_max(self.max_rel, max_rel)
 
     def tolerance(self, dtype: torch.dtype) -> Tolerance:
-        return self.tolerances.get(dtype, EXACT)
+        return _tolerance_for(self.tolerances, self.explicit, dtype, self.precision)
+
+    def looks_again(self, dtype: torch.dtype) -> bool:
+        """Whether a leaf of ``dtype`` that fails gets a second look: a floating one whose
+        tolerance is a default, not one the case states."""
+        if self.second_look is None or not (dtype.is_floating_point or dtype.is_complex):
+            return False
+        return dtype not in self.explicit and coarser(dtype, self.precision) not in self.explicit
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
@@ -275,18 +353,41 @@ class _Walk:
         if type(actual) is not type(expected):
             self.type_differs(actual, expected, path)
             return
-        if dataclasses.is_dataclass(actual) and not isinstance(actual, type):
-            # Field by field, with tolerances: a dataclass's own == compares tensors
-            # exactly, broadcasts them, or cannot decide at all.
-            for item in dataclasses.fields(actual):
-                self.value(getattr(actual, item.name), getattr(expected, item.name),
-                           f"{path}.{item.name}")
+        if isinstance(actual, torch.device):
+            return  # the reference runs on the CPU by design: where a value lives is no value
+        if isinstance(actual, torch.dtype):
+            assert isinstance(expected, torch.dtype)
+            if actual != expected and (self.check_dtype
+                                       or _dtype_kind(actual) != _dtype_kind(expected)):
+                self.fail(path, "dtype", f"values differ: actual {actual} vs expected {expected}")
             return
-        by_value = ("outputs compared by value are tensors, numbers, strings, and lists, "
-                    "tuples, dicts or dataclasses of them")
         if isinstance(actual, torch.nn.Module):
             self.fail(path, "type", f"cannot compare values of type {_type_name(actual)} (a "
-                      f"module): return its outputs or its state_dict(); {by_value}")
+                      f"module): return its outputs or its state_dict(); {_BY_VALUE}")
+            return
+        if id(actual) in self.inside:
+            return  # an object met again inside itself (a back reference): compared once
+        found = structure.parts(actual)
+        if found is not None:
+            # Field by field, with tolerances: a dataclass's own == compares tensors exactly,
+            # and a cache object (transformers' DynamicCache) has none at all.
+            theirs = structure.parts(expected) or []
+            names, their_names = [k for k, _ in found], [k for k, _ in theirs]
+            if names != their_names:
+                missing = [k for k in their_names if k not in names]
+                extra = [k for k in names if k not in their_names]
+                self.fail(path, "structure", f"parts of {_type_name(actual)} differ: "
+                          + "; ".join(part for part in (
+                              f"missing {', '.join(missing)}" if missing else "",
+                              f"extra {', '.join(extra)}" if extra else "",
+                              "in another order" if not (missing or extra) else "") if part))
+                return
+            self.inside.add(id(actual))
+            try:
+                for (suffix, a), (_, e) in zip(found, theirs, strict=True):
+                    self.value(a, e, path + suffix)
+            finally:
+                self.inside.discard(id(actual))
             return
         try:
             equal = bool(actual == expected)
@@ -294,7 +395,8 @@ class _Walk:
             self.fail(
                 path,
                 "type",
-                f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: {exc}",
+                f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: "
+                f"{exc}; {_BY_VALUE}",
             )
             return
         if equal:
@@ -305,7 +407,7 @@ class _Walk:
             # Only the same object is equal: right for an enum member or a dtype (which
             # say who they are), never for a generator or a plain object (shown by address).
             note = (f" (type {_type_name(actual)} defines no ==, so only the same object is "
-                    f"equal; {by_value})")
+                    f"equal, and holds no tensor to compare by; {_BY_VALUE})")
         self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}{note}")
 
     # -- Python numbers ------------------------------------------------------
@@ -344,9 +446,27 @@ class _Walk:
             message = scalar_message(
                 path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
             )
-            self.items.append(
-                Mismatch(path, "values", message, 1, 1, diff, relative(diff, abs(expected)))
-            )
+            mismatch: Mismatch | None = Mismatch(path, "values", message, 1, 1, diff,
+                                                 relative(diff, abs(expected)))
+            if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
+                mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch)
+            if mismatch is not None:
+                self.items.append(mismatch)
+
+    def number_again(self, path: str, actual: complex, expected: complex, diff: float,
+                     tol: Tolerance, dtype: torch.dtype, mismatch: Mismatch) -> Mismatch | None:
+        """A Python number past its default tolerance, judged as a tensor leaf is."""
+        assert self.second_look is not None
+        budget = self.second_look.budget(path)
+        widened = budget.tolerance(tol) if budget is not None else None
+        if widened is None:
+            return mismatch
+        within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
+        if not within:
+            message = scalar_message(path, actual, expected, dtype, dtype, widened,
+                                     self.equal_nan, exact=False)
+            mismatch = dataclasses.replace(mismatch, message=message)
+        return self.against_baseline(path, actual, expected, widened, within, mismatch)
 
     # -- tensors -------------------------------------------------------------
 
@@ -456,8 +576,60 @@ class _Walk:
             leaf.mismatch = values_mismatch(
                 leaf.path, leaf.actual, leaf.expected, leaf.tol, stats, self.worst, self.equal_nan
             )
-            if record:
+            if self.looks_again(leaf.actual.dtype) and not _nonfinite(stats.nonfinite):
+                leaf.mismatch = self.look_again(leaf, leaf.mismatch)
+            if record and leaf.mismatch is not None:
                 self.items.append(leaf.mismatch)
+
+    def look_again(self, leaf: _Leaf, mismatch: Mismatch) -> Mismatch | None:
+        """A tensor leaf past its default tolerance, judged by its rounding budget and, on a
+        device, against the CPU's own run in the same dtype (``rounding``)."""
+        assert self.second_look is not None
+        budget = self.second_look.budget(leaf.path)
+        tol = budget.tolerance(leaf.tol) if budget is not None else None
+        if budget is None or tol is None:
+            return mismatch
+        stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
+                                       max(self.worst, 1), self.scratch)
+        within = not stats.mismatched
+        if not within:
+            mismatch = values_mismatch(leaf.path, leaf.actual, leaf.expected, tol, stats,
+                                       self.worst, self.equal_nan)
+        elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
+            within, mismatch = False, with_note(mismatch, problem)
+        else:
+            self.vacuous(leaf.path, leaf.expected, tol, budget.precision)
+        return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
+                                     mismatch)
+
+    def vacuous(self, path: str, expected: torch.Tensor, tol: Tolerance,
+                precision: torch.dtype) -> None:
+        """Note a pass within a budget as large as the output's own RMS size: at that
+        precision the inputs decide the output only to within its size."""
+        size = float(_finite_abs(expected).square().mean().sqrt())
+        if tol.atol < size:
+            return
+        name = str(precision).removeprefix("torch.")
+        self.notes.append(f"{path} passed within a rounding budget (atol {num(tol.atol)}) as "
+                          f"large as its own RMS size ({num(size)}): in {name} these inputs "
+                          "decide it only to within its size, so the check says little; "
+                          "judge it in a finer dtype, or name an independent reference")
+
+    def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
+                         within: bool, mismatch: Mismatch) -> Mismatch | None:
+        """The device rule: past ``BASELINE_MULTIPLE`` times the CPU's own error fails; a run
+        the budget refuses passes when the CPU's own run is past the budget too."""
+        assert self.second_look is not None
+        baseline = self.second_look.baseline(path) if self.device != "cpu" else None
+        if baseline is None:
+            return None if within else mismatch
+        precision = coarser(_dtype_of(actual), self.precision)
+        problem = baseline_problem(actual, expected, baseline, precision, self.device)
+        if problem is not None:
+            return with_note(mismatch, problem)
+        if within or not _within(baseline, expected, budget, self.equal_nan):
+            return None
+        return mismatch
 
     def flush(self) -> None:
         for key in list(self.batches):
@@ -493,6 +665,36 @@ class _Walk:
         self.judge_batch(leaves[half:])
 
 
+def _nonfinite(counts: NonFinite) -> bool:
+    """Whether any mismatch is NaN or infinite on either side: never rounding, always a failure."""
+    return bool(counts.nan_actual or counts.inf_actual or counts.nan_expected_only)
+
+
+def _finite_abs(t: torch.Tensor) -> torch.Tensor:
+    size = t.detach().abs().to(torch.float64 if t.device.type == "cpu" else torch.float32)
+    return torch.where(torch.isfinite(size), size, 0)
+
+
+def _dtype_of(value: object) -> torch.dtype:
+    if isinstance(value, torch.Tensor):
+        return value.dtype
+    return torch.complex128 if isinstance(value, complex) else torch.float64
+
+
+def _within(value: object, expected: object, tol: Tolerance, equal_nan: bool) -> bool:
+    """Whether ``value`` (the CPU's same-dtype run) is within ``tol`` of ``expected``."""
+    if isinstance(value, torch.Tensor) and isinstance(expected, torch.Tensor):
+        if value.shape != expected.shape:
+            return False
+        stats = _kernel.compare_values(value.detach().cpu(), expected.detach().cpu(), tol,
+                                       equal_nan, 1, _kernel.Scratch())
+        return not stats.mismatched
+    if isinstance(value, (int, float, complex)) and isinstance(expected, (int, float, complex)):
+        return scalar_close(value, expected, abs(value - expected), tol, equal_nan,
+                            _dtype_of(value))
+    return False
+
+
 def _flat(t: torch.Tensor) -> torch.Tensor:
     """``t`` as one row for ``torch.cat``: itself when it is one already (no view made)."""
     return t if t.dim() == 1 else t.reshape(-1)
@@ -509,6 +711,11 @@ def _number_kind(x: object) -> str | None:
             return kind
     return None
 
+
+_BY_VALUE = ("outputs compared by value are tensors, numbers, strings, lists, tuples, dicts and "
+             "dataclasses of them, objects registered with torch.utils._pytree, and objects "
+             "holding tensors in their attributes; return one of those (the object's tensors "
+             "in a dict, say)")
 
 # What torch raises for an operation a dtype, layout or tensor kind does not support
 # ("equal_cpu" not implemented for 'ComplexHalf', a promotion of uint32, a nested

@@ -7,8 +7,9 @@ exception type, its message, the captured stderr and the device type it happened
 - both have a triage class (``triage.failure_class``): the classes must be equivalent
   (``triage.same_failure``: a CUDA device-side assert is met by the IndexError the CPU
   raises for the same inputs); and when both happened on the same device type and
-  neither class is one whose words change with the device (``CROSS_DEVICE_CLASSES``),
-  the message *shapes* must be equal too;
+  neither class is one whose words change with the device (``CROSS_DEVICE_CLASSES``)
+  or with the check that caught it (``CAUGHT_BY_ANY_CHECK``: a NaN), the message
+  *shapes* must be equal too;
 - otherwise the exception types must be equal and so must the message shapes.
 
 A message's shape is its first line with what changes from run to run written as
@@ -31,13 +32,19 @@ from dataclasses import dataclass
 from pytest_gpucase.verdict.triage import failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
-__all__ = ["CROSS_DEVICE_CLASSES", "Failure", "first_line", "message_shape", "same_failure"]
+__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "Failure", "first_line",
+           "message_shape", "same_failure"]
 
 # Classes whose message is written by a different layer on each device (a kernel's assert
 # on CUDA, the operator's own check on the CPU), so that their words say nothing about
 # whether two failures are the same: the class alone decides.
 CROSS_DEVICE_CLASSES = frozenset({"device-side-assert", "index-out-of-range",
                                   "value-out-of-range"})
+# Classes whose message is written by whichever check caught the failure, on any device: a
+# NaN is told by the Recorder's guard at capture ("non-finite loss of f: ..."), by the
+# replay's finiteness check ("non-finite output: ..."), by anomaly mode or by the user's
+# own check. Their words say where it was caught, not what failed: the class decides.
+CAUGHT_BY_ANY_CHECK = frozenset({"nan"})
 
 
 @dataclass(frozen=True)
@@ -45,7 +52,8 @@ class Failure:
     """One failure: exception type, message, captured stderr, and the device type it hit.
 
     ``error_type`` None is a failure without an exception (outputs that differ: the
-    message is then the verdict's summary). ``failure_class`` is the triage class when it
+    message is then the verdict's summary). ``device`` is kept as its type (``cuda:1`` and
+    a ROCm build's ``rocm`` are ``cuda``). ``failure_class`` is the triage class when it
     is known already (``[origin] failure_class``); left None, it is read off the texts.
     """
 
@@ -55,6 +63,9 @@ class Failure:
     device: str | None = None
     failure_class: str | None = None
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "device", _device_type(self.device))
+
     @classmethod
     def from_text(cls, text: str, stderr: str = "", device: str | None = None,
                   failure_class: str | None = None) -> Failure:
@@ -62,8 +73,8 @@ class Failure:
         ``[origin] error`` holds it; text without a type is a message alone."""
         found = re.match(r"\s*([A-Za-z_][\w.]*)(?::\s?|\s*$)", text)
         if found is None or not _looks_like_type(found[1]):
-            return cls(None, text, stderr, _device_type(device), failure_class)
-        return cls(found[1], text[found.end():], stderr, _device_type(device), failure_class)
+            return cls(None, text, stderr, device, failure_class)
+        return cls(found[1], text[found.end():], stderr, device, failure_class)
 
     @property
     def kind(self) -> str | None:
@@ -95,7 +106,8 @@ def same_failure(recorded: Failure, found: Failure) -> bool:
         if not same_class(recorded_class, found_class):
             return False
         if (recorded.device is None or recorded.device != found.device
-                or {recorded_class, found_class} & CROSS_DEVICE_CLASSES):
+                or {recorded_class, found_class} & (CROSS_DEVICE_CLASSES
+                                                    | CAUGHT_BY_ANY_CHECK)):
             return True
         return recorded.shape == found.shape
     return (_short(recorded.error_type) == _short(found.error_type)
@@ -111,9 +123,10 @@ def first_line(text: str) -> str:
 
 
 _ADDRESS = re.compile(r"\b0[xX][0-9a-fA-F]+\b")
-# Two or more path components (``/tmp/x/case.py``, ``C:\\work\\m.py``), so that "a/b" in
-# prose and fractions ("8/16") are left alone.
-_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
+# A file path: one ending in a file name (``cases/x/case.toml``, ``C:\\work\\m.py``), or of
+# two or more components (``/tmp/x``); "a/b" in prose and fractions ("8/16") are left alone.
+_PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\w.+~\-]*(?:[\\/][\w.+\-]+)+\.[A-Za-z]\w*"
+                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
 _SIZES = re.compile(r"(?<![\w.])\d+(?:[x\u00d7]\d+)+(?![\w.])")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])"
                      r"|(?<![\w.])[-+]?(?:inf|nan)(?![\w.])")

@@ -11,6 +11,7 @@ module only words what it found, fetching the few elements it shows.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import struct
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ import torch
 from pytest_gpucase.verdict.stats import NonFinite, TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance, is_nan, relative, spacing
 
-__all__ = ["Mismatch", "num", "scalar_message", "values_mismatch"]
+__all__ = ["Mismatch", "num", "scalar_message", "values_mismatch", "with_note"]
 
 
 @dataclass(frozen=True)
@@ -34,6 +35,11 @@ class Mismatch:
     total: int = 0
     max_abs: float | None = None
     max_rel: float | None = None
+
+
+def with_note(mismatch: Mismatch, note: str) -> Mismatch:
+    """The mismatch with one more line at the end of its message."""
+    return dataclasses.replace(mismatch, message=f"{mismatch.message}\n  {note}")
 
 
 # --------------------------------------------------------------------------
@@ -59,7 +65,7 @@ def scalar_message(
     if exact:
         return lines[0]
     ulps_only = _ulps_only(tol)
-    lines.append(f"  Absolute difference: {num(diff)}{_allowed(tol.atol, ulps_only)}")
+    lines.append(f"  Absolute difference: {num(diff)}{_bound(tol, expected, ulps_only)}")
     lines.append(f"  Relative difference: {num(relative(diff, abs(expected)))}"
                  f"{_allowed(tol.rtol, ulps_only)}")
     lines.append(f"  Tolerance: {_tolerance_text(tol, actual_dtype)}")
@@ -90,6 +96,38 @@ def _ulps_only(tol: Tolerance) -> bool:
 
 def _allowed(bound: float, ulps_only: bool) -> str:
     return "" if ulps_only else f" (up to {num(bound)} allowed)"
+
+
+def _bound(tol: Tolerance, expected: complex, ulps_only: bool) -> str:
+    """What an element was held to where it differs most: atol + rtol x |expected| there
+    (the tolerance line names both)."""
+    if ulps_only:
+        return ""
+    size = abs(expected)
+    if tol.rtol == 0 or not math.isfinite(size):
+        return _allowed(tol.atol, ulps_only)
+    return f" (up to {num(tol.atol + tol.rtol * size)} allowed there)"
+
+
+def _magnitude(expected: torch.Tensor) -> float:
+    """The greatest finite |expected|: the size of the output, next to which a difference
+    reads as rounding or as a bug."""
+    if expected.numel() == 0:
+        return 0.0
+    with torch.no_grad():
+        size = expected.detach().abs()
+        if not size.dtype.is_floating_point:
+            size = size.to(torch.float64)
+        size = torch.where(torch.isfinite(size), size, 0)
+        return float(size.amax())
+
+
+def _scale_line(diff: float, size: float) -> str:
+    if size == 0:
+        return "  Expected values: all 0"
+    share = diff / size
+    said = f"{share:.1%}" if share >= 1e-3 else f"{share:.3g} of that"
+    return f"  Expected values: up to {num(size)} in magnitude; the greatest difference is {said}"
 
 
 def _tolerance_text(tol: Tolerance, dtype: torch.dtype) -> str:
@@ -184,15 +222,21 @@ def values_mismatch(
         f"{path}: values differ",
         f"  Mismatched elements: {stats.mismatched} / {total} ({stats.mismatched / total:.1%})",
     ]
+    size = 0.0
     if actual.dtype != torch.bool:
+        held = _allowed(tol.atol, ulps_only) if exact else _bound(tol, e_values[0], ulps_only)
         lines.append(
             f"  Greatest absolute difference: {num(diffs[0])} at index "
-            f"{_unravel(indices[0], shape)}{_allowed(tol.atol, ulps_only)}"
+            f"{_unravel(indices[0], shape)}{held}"
         )
         lines.append(
             f"  Greatest relative difference: {num(max_rel)} at index "
             f"{_unravel(rel_index, shape)}{_allowed(tol.rtol, ulps_only)}"
         )
+        if not exact:
+            size = _magnitude(expected)
+            if math.isfinite(diffs[0]):
+                lines.append(_scale_line(float(diffs[0]), size))
     lines.append(f"  Tolerance: {_tolerance_text(tol, actual.dtype)}")
     lines.extend(_nonfinite_lines(stats.nonfinite, stats.mismatched, expected.dtype, equal_nan))
     if worst:
@@ -204,7 +248,7 @@ def values_mismatch(
         # A NaN at the top says nothing about rounding: measure the worst finite one.
         finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
         at = finite[0] if finite else 0
-        ulp = _ulp_line(diffs[at], e_values[at], actual.dtype, expected.dtype, tol)
+        ulp = _ulp_line(diffs[at], e_values[at], actual.dtype, expected.dtype, tol, size)
         if ulp is not None:
             lines.append(f"  Worst {'' if at == 0 else 'finite '}element is {ulp}")
     return Mismatch(path, "values", "\n".join(lines), stats.mismatched, total, max_abs, max_rel)
@@ -216,19 +260,35 @@ def _ulp_line(
     actual_dtype: torch.dtype,
     expected_dtype: torch.dtype,
     tol: Tolerance,
+    size: float = 0.0,
 ) -> str | None:
-    """Say how many units in the last place apart, to tell rounding from a bug."""
+    """Say how many units in the last place apart, to tell rounding from a bug.
+
+    Measured at the expected value when it is a normal number of the dtype; at zero or
+    below the normal range the spacing there (the smallest subnormal's) says nothing of a
+    computation's rounding, so the units are those of the output's greatest magnitude
+    (``size``), and the line says so; with no magnitude at all, no ULP figure is given.
+    """
     real = actual_dtype.to_real()
     if real not in (torch.float16, torch.bfloat16) and tol.ulps is None:
         return None
     name = _dtype_name(actual_dtype)
     if not (math.isfinite(diff) and math.isfinite(abs(expected))):
         return f"not finite, so no ULP distance in {name}"
-    unit = spacing(abs(expected), real)
-    return (
-        f"{num(diff / unit)} ULP off in {name} "
-        f"(spacing {num(unit)} at {_fmt_value(expected, expected_dtype)})"
-    )
+    if abs(expected) >= float(torch.finfo(real).tiny):
+        unit = spacing(abs(expected), real)
+        return (
+            f"{num(diff / unit)} ULP off in {name} "
+            f"(spacing {num(unit)} at {_fmt_value(expected, expected_dtype)})"
+        )
+    shown = _fmt_value(expected, expected_dtype)
+    if not size >= float(torch.finfo(real).tiny):
+        return (f"at expected {shown}, below {name}'s normal range: no ULP figure (the "
+                f"spacing there is no rounding of this computation)")
+    unit = spacing(size, real)
+    return (f"at expected {shown}, below {name}'s normal range; at the output's scale it "
+            f"is {num(diff / unit)} ULP off (spacing {num(unit)} at |expected| "
+            f"{num(size)}, the greatest)")
 
 
 def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:

@@ -1,0 +1,415 @@
+"""How far the verdicts can be trusted: false alarms on correct code, detection of wrong code,
+and what the new verdict path costs.
+
+    python benchmarks/bench_verdicts.py rates [--seeds 20 | --quick] [--device cpu] [--only NAME]
+    python benchmarks/bench_verdicts.py needs [--seeds 5]
+    python benchmarks/bench_verdicts.py cost --baseline-src DIR [--rounds 5]
+
+``rates``: each op of the verdicts issue, in each dtype, over fixed seeds (the inputs are
+drawn from ``torch.Generator().manual_seed(seed)``). A *correct* row is the op as users
+write it, judged against its own float64 run (the default reference; ``gradients = true``
+where the row says so): every failure is a false alarm. A *wrong* row is a deliberately
+wrong variant judged against the correct op as an independent ``reference``: every pass is
+a missed bug. Each seed is judged twice: *before*, as plain default tolerances judge it
+(``torch.testing.assert_close`` of the run against the float64 run, gradients of the sum
+of the outputs: what the plugin did before the verdicts issue), and *after*, written as a
+case and judged by the child's own code (``run.child.run`` in this process: load, call,
+reference, compare, second look, gradcheck; no reference cache). Printed as a Markdown
+table with the number of seeds; ``--quick`` runs 3 seeds; ``--device cuda`` runs the same
+cases on the GPU (and so also the CPU baseline rule).
+
+``needs``: for the correct rows, the smallest rounding-budget multiplier each seed would
+have needed (the greatest error, of the elements past the default tolerance, over the
+leaf's greatest change in the draws; and the RMS error over the RMS change), which is what
+``verdict.rounding.MULTIPLIER`` is chosen from.
+
+``cost``: per item of the bundled cases (``cases/``, CPU), the child's whole verdict path
+(call, reference, comparison, and whatever second look and gradcheck it asks for) against
+the same with the package of ``--baseline-src`` (the code before the verdicts issue: the
+call plus today's reference), each in its own process, interleaved rounds, medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from pytest_gpucase.base.torch_import import import_torch
+
+torch = import_torch()
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass(frozen=True)
+class Op:
+    """A case of one op: its code (``run``; ``reference`` for wrong variants), its inputs."""
+
+    name: str
+    code: str
+    inputs: Callable[[torch.Generator], dict[str, torch.Tensor]]
+    dtypes: tuple[str, ...]
+    gradients: bool = False
+    # Wrong variants: label -> the code of ``run`` replacing the correct one (same signature).
+    wrong: tuple[tuple[str, str], ...] = ()
+
+
+def uniform(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return (torch.rand(*shape, generator=gen, dtype=torch.float64) * 2 - 1) * scale
+
+
+OPS = (
+    Op("matmul 1024x1024, values ~1e3", """
+        def run(a, b):
+            return a @ b
+        """, lambda g: {"a": uniform(g, 1024, 1024, scale=1e3), "b": uniform(g, 1024, 1024,
+                                                                             scale=1e3)},
+        ("float32",),
+        wrong=(("1% scale", "return (a @ b) * 1.01"),
+               ("off-by-one row", "return (a @ b).roll(1, 0)"))),
+    Op("matmul 256x256, values ~1", """
+        def run(a, b):
+            return a @ b
+        """, lambda g: {"a": uniform(g, 256, 256), "b": uniform(g, 256, 256)},
+        ("bfloat16", "float16"),
+        wrong=(("1% scale", "return (a @ b) * 1.01"),
+               ("10% scale", "return (a @ b) * 1.1"),
+               ("off-by-one row", "return (a @ b).roll(1, 0)"))),
+    Op("layer_norm of 1e3 + N(0,1)", """
+        import torch.nn.functional as F
+        def run(x):
+            return F.layer_norm(x, (x.shape[-1],))
+        """, lambda g: {"x": 1e3 + torch.randn(64, 1024, generator=g, dtype=torch.float64)},
+        ("float32",),
+        wrong=(("one-pass variance", "m = x.mean(-1, keepdim=True)\n"
+                "    v = (x * x).mean(-1, keepdim=True) - m * m\n"
+                "    return (x - m) / (v + 1e-5).sqrt()"),
+               ("1% scale", "return F.layer_norm(x, (x.shape[-1],)) * 1.01"))),
+    Op("layer_norm two-pass, 1e3 + N(0,1)", """
+        def run(x):
+            mean = x.mean(-1, keepdim=True)
+            centred = x - mean
+            return centred / ((centred * centred).mean(-1, keepdim=True) + 1e-5).sqrt()
+        """, lambda g: {"x": 1e3 + torch.randn(64, 1024, generator=g, dtype=torch.float64)},
+        ("float32",)),
+    Op("softmax, gradients", """
+        import torch
+        def run(x):
+            return torch.softmax(x, -1)
+        """, lambda g: {"x": 3 * torch.randn(64, 512, generator=g, dtype=torch.float64)},
+        ("float32", "bfloat16", "float16"), gradients=True,
+        wrong=(("wrong dim", "return torch.softmax(x, 0)"),
+               ("detached normalizer (wrong gradient)",
+                "return torch.exp(x) / torch.exp(x).sum(-1, keepdim=True).detach()"))),
+    Op("layer_norm affine, gradients", """
+        import torch.nn.functional as F
+        def run(x, weight, bias):
+            return F.layer_norm(x, (x.shape[-1],), weight, bias)
+        """, lambda g: {"x": torch.randn(64, 512, generator=g, dtype=torch.float64),
+                        "weight": 1 + 0.1 * torch.randn(512, generator=g, dtype=torch.float64),
+                        "bias": 0.1 * torch.randn(512, generator=g, dtype=torch.float64)},
+        ("float32", "bfloat16", "float16"), gradients=True,
+        wrong=(("dropped bias", "return F.layer_norm(x, (x.shape[-1],), weight)"),
+               ("off-by-one row", "return F.layer_norm(x, (x.shape[-1],), weight, bias)"
+                ".roll(1, 0)"))),
+    Op("batch_norm training, 2 samples, gradients", """
+        import torch.nn.functional as F
+        def run(x, weight, bias):
+            return F.batch_norm(x, None, None, weight, bias, training=True)
+        """, lambda g: {"x": torch.randn(2, 64, generator=g, dtype=torch.float64),
+                        "weight": 0.5 + torch.rand(64, generator=g, dtype=torch.float64),
+                        "bias": torch.randn(64, generator=g, dtype=torch.float64)},
+        ("float32", "bfloat16"), gradients=True,
+        wrong=(("unbiased variance", "m = x.mean(0)\n"
+                "    return (x - m) / (x.var(0) + 1e-5).sqrt() * weight + bias"),)),
+    Op("causal attention, gradients", """
+        import torch.nn.functional as F
+        def run(q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        """, lambda g: {n: torch.randn(2, 4, 128, 64, generator=g, dtype=torch.float64)
+                        for n in "qkv"},
+        ("float32", "bfloat16", "float16"), gradients=True,
+        wrong=(("no 1/sqrt(d)", "return F.scaled_dot_product_attention(q, k, v, "
+                "is_causal=True, scale=1.0)"),
+               ("not causal", "return F.scaled_dot_product_attention(q, k, v)"))),
+    Op("cross_entropy .item()", """
+        import torch.nn.functional as F
+        def run(logits, target):
+            return F.cross_entropy(logits, target).item()
+        """, lambda g: {"logits": torch.randn(64, 100, generator=g, dtype=torch.float64),
+                        "target": torch.randint(0, 100, (64,), generator=g)},
+        ("float32", "bfloat16", "float16"),
+        wrong=(("5% scale", "return F.cross_entropy(logits, target).item() * 1.05"),
+               ("label smoothing 0.1", "return F.cross_entropy(logits, target, "
+                "label_smoothing=0.1).item()"))),
+)
+
+
+def write(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], dtype: str,
+          gradients: bool, reference: bool) -> Path:
+    from pytest_gpucase.case import payload
+
+    path = root / name
+    path.mkdir(parents=True)
+    toml = 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
+    if reference:
+        toml += 'reference = "case.py:reference"\n'
+    if gradients:
+        toml += "[expect]\ngradients = true\n"
+    (path / "case.toml").write_text(toml)
+    (path / "case.py").write_text(code)
+    # Saved in the run's dtype, as a case holds what the failing run saw.
+    payload.save(path / "inputs.safetensors",
+                 {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                  for k, v in tensors.items()})
+    return path
+
+
+def judge(path: Path, device: str, dtype: str) -> tuple[bool, float]:
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.plan.runs import RunSpec
+    from pytest_gpucase.run.child import run
+
+    for name in [m for m in sys.modules if m.startswith("gpucase_case_")]:
+        del sys.modules[name]
+    began = time.perf_counter()
+    outcome = run(RunSpec(load_case(path), device, dtype, cast=False))
+    if outcome.kind == "broken case" or outcome.status == "skipped":
+        raise RuntimeError(f"{path}: {outcome.summary}\n{outcome.details}")
+    return outcome.status == "passed", time.perf_counter() - began
+
+
+def _old_call(func: Callable[..., object], inputs: dict[str, torch.Tensor],
+              gradients: bool) -> dict[str, object]:
+    """The call as the plugin made it before: gradients of the sum of the float outputs."""
+    if not gradients:
+        out = func(**inputs)
+        return {"out": out.detach() if isinstance(out, torch.Tensor) else out}
+    leaves = {k: v.detach().requires_grad_() for k, v in inputs.items()
+              if v.is_floating_point()}
+    out = func(**{**inputs, **leaves})
+    assert isinstance(out, torch.Tensor)
+    grads = torch.autograd.grad(out.float().sum(), list(leaves.values()), allow_unused=True)
+    return {"out": out.detach(), "grad": dict(zip(leaves, grads, strict=True))}
+
+
+def before(code: str, tensors: dict[str, torch.Tensor], dtype: str, gradients: bool) -> bool:
+    """Whether plain default tolerances pass the run: ``assert_close`` of the call in
+    ``dtype`` against the reference (``reference``, else the call) in float64 on the same
+    (rounded) inputs."""
+    namespace: dict[str, object] = {}
+    exec(code, namespace)
+    func = namespace["run"]
+    reference = namespace.get("reference", func)
+    assert callable(func) and callable(reference)
+    precision = getattr(torch, dtype)
+    inputs = {k: v.to(precision) if v.is_floating_point() else v for k, v in tensors.items()}
+    wide = {k: v.double() if v.is_floating_point() else v for k, v in inputs.items()}
+    actual = _old_call(func, inputs, gradients)
+    expected = _old_call(reference, wide, gradients)
+    try:
+        torch.testing.assert_close(actual, expected, check_dtype=False)
+    except AssertionError:
+        return False
+    return True
+
+
+def wrong_code(op: Op, body: str) -> str:
+    """The op's correct ``run`` as ``reference``, and ``run`` replaced by the wrong body."""
+    correct = textwrap.dedent(op.code)
+    signature = correct.split("def run(", 1)[1].split(")", 1)[0]
+    return (correct.replace("def run(", "def reference(") + f"\ndef run({signature}):\n    "
+            + body + "\n")
+
+
+def rates(seeds: int, device: str, only: str | None) -> None:
+    if device != "cpu" and not getattr(torch, device.split(":")[0]).is_available():
+        print(f"skipped: no {device} device here")
+        return
+    rows = []
+    began = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        for op in OPS:
+            if only and only not in op.name:
+                continue
+            variants = [("correct", textwrap.dedent(op.code), False)]
+            variants += [(label, wrong_code(op, body), True) for label, body in op.wrong]
+            for dtype in op.dtypes:
+                for label, code, reference in variants:
+                    passed_before = passed_after = 0
+                    seconds = 0.0
+                    for seed in range(seeds):
+                        tensors = op.inputs(torch.Generator().manual_seed(seed))
+                        passed_before += before(code, tensors, dtype, op.gradients)
+                        path = write(root, f"{len(rows)}_{seed}", code, tensors, dtype,
+                                     op.gradients, reference)
+                        ok, took = judge(path, device, dtype)
+                        passed_after += ok
+                        seconds += took
+                    rows.append((op.name, dtype, label, passed_before, passed_after, seeds,
+                                 seconds / seeds))
+                    print(f"  {op.name} | {dtype} | {label}: passed {passed_before}/{seeds} "
+                          f"before, {passed_after}/{seeds} after", file=sys.stderr, flush=True)
+    print(f"\n{seeds} seeds per row, device {device}, torch {torch.__version__}, "
+          f"{time.perf_counter() - began:.0f} s in all, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| op | dtype | variant | seeds | before: default tolerances | after: verdict | "
+          "s per item |")
+    print("|---|---|---|---:|---:|---:|---:|")
+    for name, dtype, label, ok_before, ok_after, total, seconds in rows:
+        if label == "correct":
+            counts = (f"{total - ok_before} false alarms", f"{total - ok_after} false alarms")
+        else:
+            counts = (f"{ok_before} missed", f"{ok_after} missed")
+        print(f"| {name} | {dtype} | {label} | {total} | {counts[0]} | {counts[1]} | "
+              f"{seconds:.2f} |")
+
+
+def needs(seeds: int) -> None:
+    """The multiplier each correct row would have needed, the greatest over seeds and leaves:
+    of (|error| - default rtol * |expected|) / greatest spread over the elements past the
+    default tolerance, and of (RMS error - one rounding of the RMS size) / RMS spread."""
+
+    from pytest_gpucase.run import second_look
+    from pytest_gpucase.run.calls import call, upcast
+    from pytest_gpucase.verdict.rounding import coarser, unit_roundoff
+    from pytest_gpucase.verdict.tolerance import DEFAULT_TOLERANCES
+
+    print("| op | dtype | seeds | greatest need (element) | greatest need (RMS) |")
+    print("|---|---|---:|---:|---:|")
+    for op in OPS:
+        namespace: dict[str, object] = {}
+        exec(textwrap.dedent(op.code), namespace)
+        func = namespace["run"]
+        for dtype in op.dtypes:
+            precision = getattr(torch, dtype)
+            u = unit_roundoff(precision)
+            worst_max = worst_rms = 0.0
+            for seed in range(seeds):
+                tensors = op.inputs(torch.Generator().manual_seed(seed))
+                inputs = {k: v.to(precision) if v.is_floating_point() else v
+                          for k, v in tensors.items()}
+                cotangents: dict[str, torch.Tensor] = {}
+                actual = call(func, inputs, op.gradients, "cpu", cotangents,  # type: ignore[arg-type]
+                              precision)
+                reference_inputs = upcast(inputs)
+
+                def reference(values: object, cots: object, func: object = func,
+                              gradients: bool = op.gradients) -> dict[str, object]:
+                    return call(func, values, gradients, "cpu", dict(cots))  # type: ignore[arg-type]
+
+                expected = reference(reference_inputs, cotangents)
+                spreads = second_look.spreads_of(expected, second_look.drawn(
+                    reference, reference_inputs, cotangents, precision))
+                found = second_look.leaves_of(actual)
+                for path, value in second_look.leaves_of(expected).items():
+                    a = torch.as_tensor(found[path]).double()
+                    e = torch.as_tensor(value).double()
+                    error = (a - e).abs()
+                    greatest, rms = spreads[path]
+                    # Only where the default tolerance does not already accept the element.
+                    tol = DEFAULT_TOLERANCES[coarser(a.dtype if a.dtype != torch.float64
+                                                     else precision, precision)]
+                    past = error > tol.atol + tol.rtol * e.abs()
+                    if bool(past.any()) and greatest > 0:
+                        # The budget widens atol and keeps rtol: what atol had to cover.
+                        beyond = error - tol.rtol * e.abs()
+                        worst_max = max(worst_max, float(beyond[past].max()) / greatest)
+                    extra = u * float(e.square().mean().sqrt())
+                    over = max(float(error.square().mean().sqrt()) - extra, 0.0)
+                    worst_rms = max(worst_rms, over / rms if rms else 0.0)
+            print(f"| {op.name} | {dtype} | {seeds} | {worst_max:.3g} | {worst_rms:.3g} |")
+
+
+_TIMING = r"""
+import json, sys, time, warnings
+warnings.simplefilter("ignore")
+import torch
+torch.set_num_threads(1)
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec, expand
+from pytest_gpucase.plan.environment import Environment
+from pytest_gpucase.run.child import run
+env = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
+out = {}
+for path in sys.argv[1:]:
+    case = load_case(path)
+    for spec in expand(case, env, devices=("cpu",)):
+        if spec.skip:
+            continue
+        run(spec)  # warm: imports, first-touch
+        samples = []
+        for _ in range(5):
+            began = time.perf_counter()
+            run(spec)
+            samples.append(time.perf_counter() - began)
+        samples.sort()
+        out[f"{case.name}[{spec.id}]"] = samples[len(samples) // 2]
+print(json.dumps(out))
+"""
+
+
+def cost(baseline_src: Path, rounds: int) -> None:
+    """The child's verdict path on the bundled cases, this package against ``baseline_src``."""
+    cases = sorted(str(p.parent) for p in (ROOT / "cases").glob("*/case.toml"))
+    results: dict[str, dict[str, list[float]]] = {"new": {}, "old": {}}
+    for _ in range(rounds):
+        for which, src in (("old", baseline_src), ("new", ROOT)):
+            env = {**os.environ, "PYTHONPATH": str(src), "GPUCASE_REFERENCE_CACHE": ""}
+            env.pop("GPUCASE_REFERENCE_CACHE")
+            done = subprocess.run([sys.executable, "-c", _TIMING, *cases], env=env, cwd=src,
+                                  capture_output=True, text=True, check=True)
+            for item, seconds in json.loads(done.stdout.splitlines()[-1]).items():
+                results[which].setdefault(item, []).append(seconds)
+    print(f"\n{rounds} interleaved rounds, median of 5 runs each, load average "
+          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
+    print("| bundled item (CPU) | before: call + reference, ms | now, ms | ratio |")
+    print("|---|---:|---:|---:|")
+    total_old = total_new = 0.0
+    for item in sorted(results["new"]):
+        old = statistics.median(results["old"].get(item, [float("nan")]))
+        new = statistics.median(results["new"][item])
+        total_old += old
+        total_new += new
+        print(f"| {item} | {old * 1e3:.2f} | {new * 1e3:.2f} | {new / old:.2f} |")
+    print(f"| all items | {total_old * 1e3:.1f} | {total_new * 1e3:.1f} | "
+          f"{total_new / total_old:.2f} |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("rates")
+    p.add_argument("--seeds", type=int, default=20)
+    p.add_argument("--quick", action="store_true", help="3 seeds per row (a few minutes)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--only", help="only the ops whose name holds this text")
+    p = sub.add_parser("needs")
+    p.add_argument("--seeds", type=int, default=5)
+    p = sub.add_parser("cost")
+    p.add_argument("--baseline-src", type=Path, required=True,
+                   help="a checkout of the package before this work (git archive, worktree)")
+    p.add_argument("--rounds", type=int, default=5)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    if args.command == "rates":
+        rates(3 if args.quick else args.seeds, args.device, args.only)
+    elif args.command == "needs":
+        needs(args.seeds)
+    else:
+        cost(args.baseline_src.resolve(), args.rounds)
+
+
+if __name__ == "__main__":
+    main()

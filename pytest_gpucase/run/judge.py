@@ -1,0 +1,385 @@
+"""How one run's outputs are judged in the child: against the reference (cached, or computed
+afresh), the golden, the second look of ``verdict.rounding`` (``second_look`` runs it), and a
+float64 gradcheck where nothing independent checks the gradients."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Literal
+
+import torch
+
+from pytest_gpucase.case import golden
+from pytest_gpucase.case.model import Case, Expectation
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run import reference_cache, second_look
+from pytest_gpucase.run.calls import BadOutput, NothingDifferentiated, call, each_tensor, upcast
+from pytest_gpucase.run.context import grad_mode, replay_context, rng_restored
+from pytest_gpucase.run.isolation import note
+from pytest_gpucase.run.outcome import Outcome, describe_exception, exception_text, raised
+from pytest_gpucase.verdict.compare import Comparison, Tolerance, combine, compare
+
+__all__ = ["OUTPUT_MARKS", "REFERENCE_OUTPUT", "Judged", "autocast_reference", "compare_results",
+           "labelled_output", "reference_inputs", "run_precision"]
+
+
+# Written before the reference's output: a case that prints shows its lines twice, from the
+# call and from the reference, which is otherwise hard to tell apart.
+REFERENCE_OUTPUT = "--- gpucase: the reference (float64 on CPU) runs from here ---\n"
+# The capture's marks (isolation): a clipped capture whose omitted middle holds the label
+# says so, or its tail, all of it the reference's output, would read as the call's.
+OUTPUT_MARKS = {REFERENCE_OUTPUT: "the reference's output (float64 on CPU) begins inside them"}
+
+
+@contextlib.contextmanager
+def labelled_output(label: str) -> Iterator[None]:
+    """Write ``label`` to stdout and to stderr just before the block's first text on each.
+
+    Only a stream the block writes to is labelled, so that a quiet reference adds no captured
+    section to a report. Text written through ``sys.stdout``/``sys.stderr`` (print, logging,
+    warnings shown) is seen; a write to the file descriptor itself (C code, a subprocess)
+    is not, and stays unlabelled as before.
+    """
+    patched: list[Any] = []
+    for stream in {id(s): s for s in (sys.stdout, sys.stderr) if s is not None}.values():
+        def labelled(text: str, stream: Any = stream, write: Any = stream.write) -> Any:
+            if text:
+                delattr(stream, "write")  # the stream's own write again: one label
+                write(label)
+            return write(text)
+
+        try:
+            setattr(stream, "write", labelled)  # noqa: B010 - an instance's method, for a while
+        except AttributeError:  # a stream that takes no attribute: labelled at once
+            with contextlib.suppress(Exception):
+                stream.write(label)
+            continue
+        patched.append(stream)
+    try:
+        yield
+    finally:
+        for stream in patched:
+            with contextlib.suppress(AttributeError):  # gone at the first write
+                delattr(stream, "write")
+
+
+def run_precision(spec: RunSpec) -> torch.dtype:
+    """The dtype a run computes in: the autocast dtype under ``[context] autocast``, else the
+    run's dtype (the one its floating inputs are cast to, or the saved inputs' own)."""
+    autocast = spec.case.context.autocast
+    if autocast is not None and autocast.enabled:
+        return getattr(torch, autocast.dtype)  # type: ignore[no-any-return]
+    found = getattr(torch, spec.dtype, None)
+    return found if isinstance(found, torch.dtype) else torch.float32
+
+
+class Judged:
+    """The judging of one run's outputs: against the reference (cached, or computed here on a
+    miss and again on any failure: a failure never rests on the cache), the golden, and the
+    second look the comparison asks for (``second_look``); then a gradcheck where nothing
+    independent checks the gradients."""
+
+    def __init__(self, spec: RunSpec, func: Callable[..., Any], reference: Callable[..., Any],
+                 saved: Callable[[], dict[str, Any]], rng: Mapping[str, torch.Tensor],
+                 cotangents: dict[str, torch.Tensor], precision: torch.dtype,
+                 returned: str, reload: Callable[[], dict[str, Any]] | None = None) -> None:
+        self.spec, self.case, self.func, self.reference = spec, spec.case, func, reference
+        self._load_saved, self._reload, self.rng = saved, reload, rng
+        self.cotangents, self.precision, self.returned = cotangents, precision, returned
+        self.expect = self.case.expect
+        self.cached = reference_cache.entry(spec, reference)
+        self.autocast = autocast_reference(self.case)
+        self.notes: list[str] = []
+        self._saved: dict[str, Any] | None = None
+        self._reference_rng: torch.Tensor | None = None
+        self.reference_seconds = 0.0
+
+    def saved(self) -> dict[str, Any]:
+        """The run's inputs as the case holds them (loaded again if the call changed them)."""
+        if self._saved is None:
+            self._saved = self._load_saved()
+        return self._saved
+
+    def reference_inputs(self) -> dict[str, Any]:
+        return reference_inputs(self.case, self.saved())
+
+    def reference_inputs_releasing(self) -> dict[str, Any]:
+        """``reference_inputs()``, letting go of the run's inputs as it goes when they can be
+        loaded again (``reload``): each is freed as its float64 copy is made, so a module
+        case's state is in memory about twice over, not three times. A second look that
+        needs them later loads them again from the case."""
+        if self._reload is None:
+            return self.reference_inputs()
+        saved = self.saved()
+        self._saved, self._load_saved = None, self._reload
+        found: dict[str, Any] = {}
+        for name in list(saved):
+            found.update(reference_inputs(self.case, {name: saved.pop(name)}))
+        return found
+
+    def call_reference(self, inputs: Mapping[str, Any],
+                       cotangents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+        """The reference on the CPU, with the saved random draws and the call's grad mode.
+
+        Each later run (the budget's draws) starts from the random state the first one
+        started from, saved or not: a dropout draws the same mask in every draw, so that
+        the draws measure rounding, not other random numbers."""
+        with rng_restored(self.rng, "cpu"), torch.set_grad_enabled(grad_mode(self.case.context)):
+            if self._reference_rng is None:
+                self._reference_rng = torch.get_rng_state()
+            else:
+                torch.set_rng_state(self._reference_rng)
+            return call(self.reference, inputs, self.expect.gradients, "cpu", dict(cotangents))
+
+    def verdict(self, actual: dict[str, Any]) -> Outcome:
+        golden_file = self.case.expected_file
+        with_golden = self.spec.variant is None and golden_file.exists()
+        comparing = f"while comparing the outputs ({self.returned})"
+        expected = reference_cache.load(self.cached)
+        passed = False
+        if expected is not None:
+            look = self.stored_look()
+            comparison, against_golden = self.judged(actual, expected, look, with_golden)
+            passed = comparison.ok and (against_golden is None or against_golden.ok)
+        if not passed:
+            found = self.fresh_reference()
+            if isinstance(found, Outcome):
+                return found
+            note(comparing)
+            look = self.fresh_look(found)
+            comparison, against_golden = self.judged(actual, found, look, with_golden)
+        self.store(look)
+        self.notes.extend(look.notes())
+        self.notes.extend(comparison.notes)
+        fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel}
+        if not comparison.ok:
+            return self.outcome("failed", "outputs differ from the reference: "
+                                f"{comparison.headline()}", details=comparison.report(),
+                                error_message=comparison.where(), kind="mismatch", **fields)
+        if against_golden is not None and not against_golden.ok:
+            return self.outcome(
+                "failed", f"outputs match the reference but differ from the golden "
+                f"{golden_file.name}; if the change is intended, rewrite it with "
+                "--gpu-cases-regen", details=against_golden.report(),
+                error_message=against_golden.where(), kind="golden mismatch",
+                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel)
+        problem = self.gradients_checked(actual)
+        if problem is not None:
+            return self.outcome("failed", "the gradients disagree with finite differences of "
+                                "the call's own forward (torch.autograd.gradcheck, float64 on "
+                                f"the CPU): {problem}", error_message="gradients: gradcheck",
+                                details=_GRADCHECK_HELP, kind="mismatch", **fields)
+        also = f" and {golden_file.name}" if against_golden is not None else ""
+        return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
+                            **fields)
+
+    def outcome(self, status: Literal["passed", "failed", "skipped"], summary: str,
+                **fields: Any) -> Outcome:
+        return Outcome(status, summary, notes=tuple(self.notes), **fields)
+
+    def judged(self, actual: dict[str, Any], expected: dict[str, Any], look: second_look.Look,
+               with_golden: bool) -> tuple[Comparison, Comparison | None]:
+        """The comparison with the reference, and with the golden when it passed."""
+        comparison = compare_results(actual, expected, self.expect, self.precision,
+                                     self.spec.device, look)
+        if not (with_golden and comparison.ok):
+            return comparison, None
+        return comparison, compare_results(actual, golden.load(self.case.expected_file),
+                                           self.expect, self.precision, self.spec.device, look)
+
+    def fresh_reference(self) -> dict[str, Any] | Outcome:
+        began = time.perf_counter()
+        note(f"while computing {_reference_words(self.case)} on the CPU ({self.returned})")
+        try:
+            with labelled_output(REFERENCE_OUTPUT):
+                expected = self.call_reference(self.reference_inputs_releasing(),
+                                               self.cotangents)
+        except BadOutput as problem:
+            return problem.outcome("the reference's")
+        except NothingDifferentiated as problem:
+            raise problem.error(self.case, "the reference") from None
+        except BaseException as exc:  # SystemExit and the like too: see raised
+            return reference_failed(self.case, exc)
+        self.reference_seconds = time.perf_counter() - began
+        reference_cache.store(self.cached, expected, self.reference_seconds)
+        return expected
+
+    def stored_look(self) -> second_look.Look:
+        """The second look from what the cache holds beside the reference: read only when a
+        leaf asks (a passing run reads nothing more), and never computed: a leaf it cannot
+        clear sends the run to the fresh reference."""
+        budget = reference_cache.companion(self.cached, f"budget1-{_name(self.precision)}")
+        baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
+
+        def spreads() -> Mapping[str, tuple[float, float]]:
+            found = reference_cache.load(budget)
+            stored = found.get("spreads", {}) if found else {}
+            return {path: (float(pair[0]), float(pair[1])) for path, pair in stored.items()}
+
+        return second_look.Look(precision=self.precision, spreads=spreads,
+                                baseline=lambda: reference_cache.load(baseline) or {})
+
+    def fresh_look(self, expected: dict[str, Any]) -> second_look.Look:
+        inputs = self.reference_inputs()
+        draw = second_look.drawn(self.call_reference, inputs, self.cotangents, self.precision)
+        return second_look.Look(
+            precision=self.precision, fresh=True,
+            spreads=lambda: second_look.spreads_of(expected, draw),
+            baseline=self.baseline if self.spec.device != "cpu" else None)
+
+    def baseline(self) -> dict[str, Any]:
+        """The call again on the CPU in the run's dtype and context (autocast included)."""
+        note(f"while running the call on the CPU in {_name(self.precision)} as the baseline "
+             f"of this precision ({self.returned})")
+        inputs = {name: each_tensor(value, lambda t: t.detach().cpu().clone())
+                  for name, value in self.saved().items()}
+        cotangents = dict(self.cotangents)
+        with replay_context(self.case.context, "cpu", self.rng):
+            return call(self.func, inputs, self.expect.gradients, "cpu", cotangents,
+                         self.precision)
+
+    def store(self, look: second_look.Look) -> None:
+        if not look.fresh:
+            return
+        if "spreads" in look.computed and look.spreads:
+            finite = {path: list(value) for path, value in look.spreads.items()
+                      if all(math.isfinite(v) for v in value)}
+            reference_cache.store(
+                reference_cache.companion(self.cached, f"budget1-{_name(self.precision)}"),
+                {"spreads": finite}, look.seconds["spreads"])
+        if "baseline" in look.computed and look.baseline_results:
+            reference_cache.store(
+                reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}"),
+                dict(look.baseline_results), look.seconds["baseline"])
+
+    def gradients_checked(self, actual: Mapping[str, Any]) -> str | None:
+        """A float64 gradcheck of the call where its gradients met only its own float64 run
+        (no independent ``reference``), or a note saying why nothing independent checked
+        them; a pass is kept beside the reference."""
+        if not self.expect.gradients or self.case.reference:
+            return None
+        unchecked = ("the gradients were compared with the call's own run on the CPU, whose "
+                     "backward is the same code: nothing independent checked them")
+        if self.autocast:
+            self.notes.append(f"{unchecked} (under [context] autocast the reference runs in "
+                              "float32, too coarse for finite differences); name an "
+                              "independent reference to check them")
+            return None
+        passed = reference_cache.companion(self.cached, "gradcheck1")
+        if reference_cache.load(passed) is not None:
+            return None
+        note(f"while checking the gradients with torch.autograd.gradcheck ({self.returned})")
+        began = time.perf_counter()
+        rng = self.rng.get("cpu")
+        try:
+            with torch.set_grad_enabled(grad_mode(self.case.context)):
+                given = [name for name, grad in actual.get("grad", {}).items()
+                         if grad is not None]
+                problem = second_look.gradient_check(
+                    lambda inputs: self.reference(**inputs), upcast(self.saved()), given,
+                    rng.to(torch.uint8) if rng is not None else None,
+                    max(self.reference_seconds, 1e-4))
+        except second_look.NotChecked as why:
+            self.notes.append(f"{unchecked}: a float64 gradcheck was not run ({why}); name an "
+                              "independent reference to check them")
+            return None
+        except Exception as exc:  # the user's code under gradcheck: said, never raised
+            self.notes.append(f"{unchecked}: the float64 gradcheck could not run "
+                              f"({type(exc).__name__}: {_first_line(exc)})")
+            return None
+        if problem is None:
+            reference_cache.store(passed, {"gradcheck": "passed"},
+                                  max(time.perf_counter() - began, reference_cache.MIN_SECONDS))
+        return problem
+
+
+_GRADCHECK_HELP = (
+    "The case names no independent reference, so the gradients were compared with the "
+    "call's own backward run in float64, which a wrong backward formula (a custom "
+    "torch.autograd.Function, say) passes every time; gradcheck compares that backward with "
+    "finite differences of the forward instead. A kink at the inputs (relu at exactly 0, a "
+    "max with ties) can fail it too: then name an independent reference = "
+    "\"case.py:reference\" in case.toml.")
+
+
+def autocast_reference(case: Case) -> bool:
+    """Whether the reference is the call in float32 without autocast: a case recorded under
+    autocast whose reference is the call itself. Its code casts explicitly for mixed
+    precision (``.float()``, a float32 buffer), which float64 activations would meet with
+    "mat1 and mat2 must have the same dtype"; float32 is the dtype those casts are written
+    for, and at least six orders finer than the autocast dtype it is judged in."""
+    autocast = case.context.autocast
+    return autocast is not None and autocast.enabled and not case.reference
+
+
+def _reference_words(case: Case) -> str:
+    return ("the float32 reference (no autocast)" if autocast_reference(case)
+            else "the float64 reference")
+
+
+def reference_failed(case: Case, exc: BaseException) -> Outcome:
+    """A reference that cannot run: its own verdict, never the call's known failure."""
+    outcome = raised("the reference", exc, "reference raises")
+    error = describe_exception(exc).splitlines()[0]
+    if case.reference:
+        summary = (f"the reference could not run: {error} ({case.reference}, on the CPU in "
+                   "float64); fix it so that the call's outputs can be judged")
+    else:
+        words = _reference_words(case)
+        advice = ("name an independent reference = \"case.py:reference\" in case.toml"
+                  if autocast_reference(case) else
+                  "name an independent reference = \"case.py:reference\" in case.toml that "
+                  "runs in float64, or, if the code casts explicitly because it runs under "
+                  "autocast, set [context] autocast = { device_type = ..., dtype = ... } so "
+                  "that its reference runs in float32")
+        summary = f"{words} could not run: {error}; {advice}"
+    return dataclasses.replace(outcome, summary=summary)
+
+
+def reference_inputs(case: Case, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The reference's inputs: on the CPU, floating tensors in float64, or in float32 where
+    the reference is the call of an autocast case (``autocast_reference``)."""
+    return _in_float32(inputs) if autocast_reference(case) else upcast(inputs)
+
+
+def _in_float32(inputs: Mapping[str, Any]) -> dict[str, Any]:
+    """The autocast reference's inputs: on the CPU, floating tensors in float32."""
+    def down(value: torch.Tensor) -> torch.Tensor:
+        value = value.detach().cpu()
+        if value.is_floating_point():
+            return value.to(torch.float32)
+        if value.is_complex():
+            return value.to(torch.complex64)
+        return value
+
+    return {name: each_tensor(value, down) for name, value in inputs.items()}
+
+
+def compare_results(actual: dict[str, Any], expected: dict[str, Any], expect: Expectation,
+             precision: torch.dtype | None = None, device: str = "cpu",
+             look: second_look.Look | None = None) -> Comparison:
+    tolerances = {}
+    for name, override in expect.tolerance.items():
+        # ulps alone: only the ULP test applies (atol and rtol 0), as the message says.
+        tolerances[getattr(torch, name)] = Tolerance(
+            rtol=override.rtol or 0.0, atol=override.atol or 0.0, ulps=override.ulps,
+            source=f"case.toml [expect.tolerance.{name}]")
+    return combine(compare(actual[key], expected[key], tolerances=tolerances,
+                           equal_nan=expect.equal_nan, check_dtype=False, path=key,
+                           precision=precision, second_look=look,
+                           device=device.split(":", 1)[0])
+                   for key in actual)
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _first_line(exc: BaseException) -> str:
+    text = exception_text(exc).strip()
+    return text.splitlines()[0] if text else ""

@@ -1,0 +1,93 @@
+"""The verdict of one run as plain data (``Outcome``), and an exception of the user's code
+told as Python tells it, without gpucase's own frames."""
+
+# No ``from __future__ import annotations`` here: the parent rebuilds an Outcome field by
+# field, checking each against its annotation as resolved in its public module (run.child);
+# annotations kept as objects need no names resolved there.
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+__all__ = ["Outcome", "describe_exception", "exception_text", "raised", "user_traceback"]
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The verdict of one run, as plain data that crosses the process boundary."""
+
+    status: Literal["passed", "failed", "skipped"]
+    summary: str                       # one line a person reads first
+    details: str = ""                  # the mismatch report or traceback
+    error_type: str | None = None      # the exception raised by the call, if any
+    # Its text; for outputs that differ, where and what (Comparison.where): what "the same
+    # failure" compares (verdict.failure), as the numbers of the summary change with inputs.
+    error_message: str | None = None
+    max_abs: float | None = None
+    max_rel: float | None = None
+    # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
+    # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
+    # "bad output" (one that cannot be walked: nested too deep, or holding itself),
+    # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
+    kind: str = ""
+    # What the verdict could not check, and why, shown with the item's report on a pass too
+    # ("nothing independent checked the gradients": no reference, and no gradcheck).
+    notes: tuple[str, ...] = ()
+
+    @property
+    def broken_case(self) -> bool:
+        return self.kind == "broken case"
+
+
+# Its public home, and the name the result pipe allows (isolation.wire.RESULT_TYPES):
+# run.child, which re-exports it; it is defined here for the modules child imports.
+Outcome.__module__ = "pytest_gpucase.run.child"
+
+
+def exception_text(exc: BaseException) -> str:
+    """``str(exc)``, or what Python's traceback module prints when that raises: the user's
+    ``__str__`` may fail, and the report of their exception must not."""
+    try:
+        return str(exc)
+    except BaseException:  # anything at all: it is the user's code
+        return "<exception str() failed>"
+
+
+def describe_exception(exc: BaseException) -> str:
+    """``ValueError: bad``, or the bare name for an empty message, as a traceback ends."""
+    text = exception_text(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
+
+
+# The machinery that calls the user's code; its frames only add noise to a traceback.
+_MACHINERY = {*(str(Path(__file__).with_name(name)) for name in (
+                  "child.py", "calls.py", "context.py", "judge.py", "outcome.py",
+                  "second_look.py")),
+              *(str(path) for path in Path(__file__).with_name("isolation").glob("*.py"))}
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback of ``exc`` without the frames of gpucase's own calling machinery."""
+    try:
+        tb = traceback.TracebackException.from_exception(exc)
+        tb.stack = traceback.StackSummary.from_list(
+            [frame for frame in tb.stack if frame.filename not in _MACHINERY])
+        return "".join(tb.format())
+    except Exception as failed:  # an exception hostile enough to break the traceback module
+        return (f"{describe_exception(exc)}\n(its traceback could not be formatted: "
+                f"{describe_exception(failed)})\n")
+
+
+def raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
+    """``exc``, raised by the user's call or reference, as the run's failure.
+
+    Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a
+    ``BaseException`` subclass it raises are its result, told as any exception is. A real
+    Ctrl-C never arrives as one: the child's SIGINT is at its default action
+    (``isolation.child._child_main``), so it ends the child, and pytest, which gets its
+    own, stops.
+    """
+    text = user_traceback(exc)
+    first = describe_exception(exc).splitlines()[0]
+    return Outcome("failed", f"{what} raised {first}", details=text,
+                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind)

@@ -1,0 +1,233 @@
+"""The child's extra runs behind a verdict: the cotangents of a gradient check, the draws
+of a rounding budget, the CPU's own run in the same dtype, and a float64 gradcheck.
+
+What they are for, and the rules that judge by them, are ``verdict.rounding``'s; here
+they are run, each only when a verdict needs it (``Look`` computes nothing until the
+comparison asks), and handed to the reference cache by ``run.child``.
+
+Cotangents. With ``[expect] gradients = true`` the call and the reference are
+differentiated along the same random direction: each output tensor's cotangent is
+drawn in float64 from a seed made of its path and shape, rounded to the run's
+precision (the coarser of it and the output's dtype, so that the call's cotangent
+holds exactly those values) and given to the reference as those values in float64.
+The sum of the outputs, the cotangent before, differentiates a softmax or a
+normalization to exactly zero, where only rounding noise is left to compare.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch.autograd.gradcheck import GradcheckError, gradcheck
+
+from pytest_gpucase.verdict.rounding import (
+    Budget,
+    RoundEveryOp,
+    coarser,
+    draw_seeds,
+    perturbed,
+    spread,
+    unit_roundoff,
+)
+from pytest_gpucase.verdict.structure import named_leaves
+
+__all__ = [
+    "GRADCHECK_INPUTS",
+    "GRADCHECK_SECONDS",
+    "Look",
+    "NotChecked",
+    "cotangent",
+    "drawn",
+    "gradient_check",
+    "leaves_of",
+    "spreads_of",
+]
+
+# A float64 gradcheck in fast mode evaluates the call twice per floating input: with more
+# inputs than this (a model's every parameter), or an estimated cost above this many
+# seconds, it is not run, and the item says so.
+GRADCHECK_INPUTS = 64
+GRADCHECK_SECONDS = 60.0
+
+
+def cotangent(path: str, value: torch.Tensor, precision: torch.dtype | None) -> torch.Tensor:
+    """The cotangent of the output at ``path``: seeded by the path and the shape, drawn in
+    float64 on the CPU and rounded to the coarser of ``precision`` and the output's dtype."""
+    seed = int.from_bytes(hashlib.sha256(f"{path}|{tuple(value.shape)}".encode()).digest()[:8],
+                          "little") >> 1
+    generator = torch.Generator().manual_seed(seed)
+    real = value.dtype.to_real()
+    rounded = coarser(real, precision.to_real() if precision is not None else None)
+    drawn = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+    if value.is_complex():
+        imag = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+        return torch.complex(drawn.to(rounded).double(), imag.to(rounded).double())
+    return drawn.to(rounded).double()
+
+
+def leaves_of(results: Mapping[str, Any]) -> dict[str, object]:
+    """A run's results (``{"out": ..., "grad": ...}``) as leaf path -> tensor or number, with
+    the paths the comparison reports (``out['logits']``, ``grad['x']``)."""
+    found: dict[str, object] = {}
+    for key, value in results.items():
+        found.update(named_leaves(value, key))
+    return found
+
+
+def spreads_of(reference: Mapping[str, Any],
+               draw: Callable[[int], Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+    """Each leaf's spread: its greatest change over the draws, and its RMS change over all of
+    them (``draw(seed)`` runs one)."""
+    expected = leaves_of(reference)
+    greatest = dict.fromkeys(expected, 0.0)
+    square = dict.fromkeys(expected, 0.0)
+    seeds = draw_seeds()
+    for seed in seeds:
+        drawn = leaves_of(draw(seed))
+        for path, value in expected.items():
+            found = drawn.get(path)
+            most, rms = (math.inf, math.inf) if found is None else spread(value, found)
+            greatest[path] = max(greatest[path], most)
+            square[path] += rms * rms / len(seeds)
+    return {path: (greatest[path], math.sqrt(square[path])) for path in expected}
+
+
+def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
+          inputs: Mapping[str, Any], cotangents: Mapping[str, torch.Tensor],
+          precision: torch.dtype) -> Callable[[int], Mapping[str, Any]]:
+    """One draw of the rounding budget: ``call`` on the inputs and cotangents each rounded
+    once, every operation's result rounded once (``RoundEveryOp``), at ``precision``."""
+    u = unit_roundoff(precision)
+
+    def run(seed: int) -> Mapping[str, Any]:
+        generator = torch.Generator().manual_seed(seed)
+        inputs_now = perturbed(dict(inputs), u, generator)
+        cotangents_now = perturbed(dict(cotangents), u, generator)
+        with RoundEveryOp(u, generator):
+            return call(inputs_now, cotangents_now)
+
+    return run
+
+
+class Look:
+    """The second look of one comparison (``verdict.rounding.SecondLook``): the rounding
+    budget of each leaf and the CPU's same-dtype values, computed on the first question
+    (``spreads`` and ``baseline`` run them), or read from what the cache held."""
+
+    def __init__(self, *, precision: torch.dtype, fresh: bool = False,
+                 spreads: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
+                 baseline: Callable[[], Mapping[str, Any]] | None = None) -> None:
+        self.precision, self.fresh = precision, fresh  # fresh: computed here, to be kept
+        self._spreads_fn, self._baseline_fn = spreads, baseline
+        self.spreads: Mapping[str, tuple[float, float]] | None = None
+        self.baseline_results: Mapping[str, Any] | None = None
+        self._baseline_leaves: dict[str, object] | None = None
+        self.computed: set[str] = set()  # "spreads", "baseline": what to store
+        self.seconds: dict[str, float] = {}
+        self.problems: list[str] = []
+
+    def budget(self, path: str) -> Budget | None:
+        if self.spreads is None and self._spreads_fn is not None:
+            self.spreads = self._computed("spreads", self._spreads_fn,
+                                          "the rounding budget could not be computed")
+        value = (self.spreads or {}).get(path)
+        if value is None:
+            return None
+        greatest, rms = value
+        return Budget(greatest, rms, self.precision)
+
+    def baseline(self, path: str) -> object | None:
+        if self.baseline_results is None and self._baseline_fn is not None:
+            self.baseline_results = self._computed(
+                "baseline", self._baseline_fn,
+                "the same call could not run on the CPU in the same dtype (no baseline)")
+        if self.baseline_results is None:
+            return None
+        if self._baseline_leaves is None:
+            self._baseline_leaves = leaves_of(self.baseline_results)
+        return self._baseline_leaves.get(path)
+
+    def _computed(self, what: str, compute: Callable[[], Any], failed: str) -> Any:
+        began = time.perf_counter()
+        try:
+            found = compute()
+        except Exception as exc:  # the user's code under perturbation: said, never raised
+            self.problems.append(f"{failed}: {type(exc).__name__}: {_first(exc)}")
+            return {}
+        self.computed.add(what)
+        self.seconds[what] = time.perf_counter() - began
+        return found
+
+    @property
+    def unstable(self) -> list[str]:
+        """The leaves whose reference one rounding makes non-finite: no budget for them."""
+        return [path for path, (greatest, _) in (self.spreads or {}).items()
+                if not math.isfinite(greatest)]
+
+    def notes(self) -> Iterator[str]:
+        """What the second look could not do, for the item's notes."""
+        yield from self.problems
+        if self.unstable:
+            name = str(self.precision).removeprefix("torch.")
+            yield (f"one rounding of every value at {name} makes the reference non-finite at "
+                   f"{', '.join(self.unstable[:5])}: no rounding budget there, the default "
+                   "tolerance alone judged it")
+
+
+class NotChecked(Exception):
+    """A gradcheck that was not run, and why (said in the item's notes)."""
+
+
+def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str, Any],
+                   names: list[str], rng: torch.Tensor | None,
+                   seconds_per_call: float) -> str | None:
+    """Check the call's backward against finite differences of its forward in float64 on the
+    CPU (``torch.autograd.gradcheck``, fast mode): None when it agrees, else why not.
+
+    ``inputs`` are the float64 inputs; ``call(inputs)`` returns the outputs; ``names`` are
+    the inputs differentiated (those the call gave a gradient: an input it uses as a
+    constant, copied into a module under no_grad say, is left out). The RNG state
+    (``rng``, the saved one, else the current) is restored before each evaluation, so that
+    a dropout draws the same mask in every one. Raises ``NotChecked`` when the check would
+    cost too much (``GRADCHECK_INPUTS``, ``GRADCHECK_SECONDS``).
+    """
+    names = [name for name in names if isinstance(inputs.get(name), torch.Tensor)
+             and inputs[name].dtype in (torch.float64, torch.complex128)]
+    if not names:
+        return None
+    if len(names) > GRADCHECK_INPUTS:
+        raise NotChecked(f"{len(names)} floating inputs, above {GRADCHECK_INPUTS}")
+    estimate = (2 * len(names) + 4) * seconds_per_call
+    if estimate > GRADCHECK_SECONDS:
+        raise NotChecked(f"about {estimate:.0f} s of float64 runs, above {GRADCHECK_SECONDS:g} s")
+    state = rng if rng is not None else torch.get_rng_state()
+
+    def function(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        torch.set_rng_state(state)
+        out = call({**inputs, **dict(zip(names, values, strict=True))})
+        found = tuple(t for _, t in named_leaves(out) if isinstance(t, torch.Tensor)
+                      and t.requires_grad)
+        return found
+
+    values = tuple(inputs[name].detach().clone().requires_grad_() for name in names)
+    with torch.enable_grad():
+        if not function(*values):
+            return None
+        try:
+            gradcheck(function, values, fast_mode=True, check_undefined_grad=False,
+                      check_batched_grad=False, raise_exception=True)
+        except GradcheckError as exc:
+            lines = [line for line in str(exc).splitlines() if line.strip()]
+            return " ".join(lines[:2]) + (f" (inputs in order: {', '.join(names)})"
+                                          if len(names) > 1 else "")
+    return None
+
+
+def _first(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""

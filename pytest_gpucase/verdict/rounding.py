@@ -1,0 +1,376 @@
+"""What rounding at the run's precision may do to an output: the rounding budget, and the
+rule that holds a device run to the CPU's own error in the same dtype.
+
+The default check (``tolerance``'s table, as ``torch.testing``) knows the dtype of an
+output, not the computation that made it: a float32 matmul of 1024 terms of size 1e3
+is off the float64 result by tens, correctly; a float32 layer norm of 1e3 + N(0, 1)
+by 1e-4. A leaf that fails the default check gets a second look:
+
+**The rounding budget.** The float64 reference is computed again ``DRAWS`` times with
+every floating input (and cotangent) multiplied by ``1 + u z`` and every floating result
+of every operation it runs multiplied by ``1 + u z'`` (``RoundEveryOp``), where ``u``
+is the unit roundoff of the run's precision and ``z``, ``z'`` are seeded standard normal
+draws: the reference as if each value it reads and makes were rounded once to that
+precision. The greatest change of a leaf over the draws is its *spread* (one number
+per output tensor: the errors of a tensor share their sources, the inputs' rounding
+and the intermediate sizes, so a per-element figure would only be noisier). The leaf
+then passes when every element is within ``atol = max(default atol,
+MULTIPLIER[precision] * spread)`` and the default ``rtol``. The multiplier covers what
+the draws cannot see: the rounding inside one operation (a matmul's, a reduction's,
+whose accumulation error grows with its length) and the draws' own sampling.
+Non-finite mismatches (NaN or inf against a finite value, or the reverse) always fail.
+
+**The same-dtype baseline.** On a device other than the CPU, the same call runs again
+on the CPU in the same dtype, as ``torch._dynamo.utils.same(fp64_ref=...)`` judges a
+compiled model against its eager run: what this precision achieves with the CPU's
+kernels. A device leaf past the default check fails when its error against the float64
+reference is more than ``BASELINE_MULTIPLE`` times the baseline's own (greatest and
+RMS, each with a floor of one unit in the last place of the output's scale), so a CUDA
+result ten times worse than the CPU's fails even where the budget would allow it; and
+where the CPU's own result is past the budget (a computation the budget underrates),
+the device run is held to the baseline alone.
+
+Pure functions on tensors, and the dispatch mode that rounds; the runs themselves are
+the child's (``run.second_look``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from pytest_gpucase.verdict.tolerance import Tolerance
+
+__all__ = [
+    "BASELINE_MULTIPLE",
+    "DECOMPOSE_BELOW",
+    "DRAWS",
+    "MULTIPLIER",
+    "Budget",
+    "RoundEveryOp",
+    "SecondLook",
+    "baseline_problem",
+    "coarser",
+    "draw_seeds",
+    "perturbed",
+    "spread",
+    "unit_roundoff",
+]
+
+# The budget's multiplier per precision. float32 and float64 reductions accumulate in
+# their own dtype, so their error grows with the reduction's length inside one operation,
+# unseen by the draws: measured on the CPU (benchmarks/bench_verdicts.py needs), torch's
+# float32 matmul of 1024 terms needs 2.6 times the spread of a float64 matmul, a loop
+# accumulating one float32 product at a time (as a naive GPU kernel does) 8. bfloat16 and
+# float16 are storage formats whose kernels accumulate in float32: their error is the
+# rounding of what they read and write, which the draws see (measured needs up to 1.2).
+MULTIPLIER: Mapping[torch.dtype, float] = {
+    torch.float64: 16.0, torch.float32: 16.0, torch.bfloat16: 8.0, torch.float16: 8.0,
+}
+# Draws of the rounding budget: each a run of the float64 reference.
+DRAWS = 2
+# How much worse than the CPU's own same-dtype error a device run may be.
+BASELINE_MULTIPLE = 4.0
+_SEED = 0x6A7C5E
+
+
+class SecondLook(Protocol):
+    """What the comparison asks for a leaf that failed the default check (``compare``)."""
+
+    def budget(self, path: str) -> Budget | None:
+        """The rounding budget of the leaf at ``path``; None when none is known."""
+
+    def baseline(self, path: str) -> object | None:
+        """The same call's value at ``path`` in the same dtype on the CPU; None when there
+        is no baseline (a CPU run, or a call that could not run on the CPU)."""
+
+
+def unit_roundoff(dtype: torch.dtype) -> float:
+    """Half the distance from 1 to the next value of ``dtype``: one rounding's relative size."""
+    return float(torch.finfo(dtype.to_real()).eps) / 2
+
+
+def coarser(a: torch.dtype, b: torch.dtype | None) -> torch.dtype:
+    """Of two floating dtypes, the one with fewer significant bits (``a`` on a tie, or when
+    ``b`` is None or not floating); the real dtype of a complex one is what counts."""
+    if b is None or not (b.is_floating_point or b.is_complex):
+        return a
+    if not (a.is_floating_point or a.is_complex):
+        return b
+    return b if torch.finfo(b.to_real()).eps > torch.finfo(a.to_real()).eps else a
+
+
+def perturbed(value: Any, u: float, generator: torch.Generator) -> Any:
+    """``value`` with every floating tensor (in dicts, lists and tuples too) multiplied by
+    ``1 + u z``, z standard normal from ``generator``; integers and other values as they are."""
+    if isinstance(value, torch.Tensor):
+        if not (value.is_floating_point() or value.is_complex()) or value.numel() == 0:
+            return value
+        return _rounded(value.detach(), u, generator).requires_grad_(value.requires_grad)
+    if isinstance(value, Mapping):
+        return {key: perturbed(item, u, generator) for key, item in value.items()}
+    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
+        return type(value)(perturbed(item, u, generator) for item in value)
+    return value
+
+
+def _rounded(t: torch.Tensor, u: float, generator: torch.Generator) -> torch.Tensor:
+    # A product, not t + t * (u z): an infinity (a masked score) stays itself, never
+    # inf - inf = NaN.
+    noise = torch.randn(t.shape, generator=generator, dtype=t.dtype.to_real())
+    return t * (1 + noise.to(t.device) * u)
+
+
+# Operations that only move values (no rounding happens in any dtype): not perturbed,
+# so that a value copied many times is not counted as rounded each time.
+_MOVES = frozenset({
+    "aten::clone", "aten::_to_copy", "aten::copy_", "aten::lift_fresh_copy", "aten::cat",
+    "aten::stack", "aten::index_select", "aten::gather", "aten::index", "aten::embedding",
+    "aten::constant_pad_nd", "aten::zeros_like", "aten::ones_like", "aten::empty_like",
+    "aten::zeros", "aten::ones", "aten::empty", "aten::full", "aten::scalar_tensor",
+    "aten::empty_strided", "aten::new_zeros", "aten::new_empty", "aten::new_empty_strided",
+    "aten::fill_", "aten::zero_", "aten::masked_fill", "aten::masked_fill_", "aten::where",
+    "aten::slice_scatter", "aten::select_scatter", "aten::expand_copy",
+    "aten::_unsafe_view", "aten::repeat", "aten::contiguous", "aten::detach", "aten::alias",
+})
+
+
+# Fused operations run as torch's own decompositions (torch._decomp) under RoundEveryOp, so
+# that their intermediate values are rounded too: a CPU kernel folds batch norm into
+# x * (w * invstd) + (b - mean * w * invstd), whose cancellation one rounding of the fused
+# op's output does not show. Normalizations, softmax and the losses built on them; never
+# random ops, whose decomposition would draw other numbers. Only at float32's precision or
+# finer (``DECOMPOSE_BELOW``): a bfloat16 or float16 kernel keeps its intermediate values in
+# float32 (torch's "opmath"), so rounding them at the storage format's precision would
+# budget for errors no kernel makes (a bfloat16 cross-entropy's budget doubles).
+_DECOMPOSED = (
+    "native_batch_norm.default", "_native_batch_norm_legit.default",
+    "_native_batch_norm_legit.no_stats", "_native_batch_norm_legit_no_training.default",
+    "native_batch_norm_backward.default", "native_layer_norm.default",
+    "native_layer_norm_backward.default", "native_group_norm.default",
+    "native_group_norm_backward.default", "_fused_rms_norm.default", "_softmax.default",
+    "_softmax_backward_data.default", "_log_softmax.default",
+    "_log_softmax_backward_data.default", "_safe_softmax.default", "nll_loss_forward.default",
+    "nll_loss_backward.default",
+)
+
+
+DECOMPOSE_BELOW = 2.0 ** -20  # unit roundoffs below it (float32's, float64's) decompose
+
+
+@functools.cache
+def _decompositions() -> dict[Any, Any]:
+    from torch._decomp import decomposition_table
+
+    found = {}
+    for name in _DECOMPOSED:
+        packet, _, overload = name.partition(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None and op in decomposition_table:
+            found[op] = decomposition_table[op]
+    return found
+
+
+class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Multiply every floating result of every operation run under it by ``1 + u z``:
+    the reference's computation as if each value it makes were rounded once at the run's
+    precision. Views and pure data movement are left as they are; a result an operation
+    writes into an argument (``add_``, ``out=``) is perturbed where it was written; at
+    float32's precision, a fused normalization or softmax runs as its decomposition, each
+    part rounded (``_DECOMPOSED``)."""
+
+    def __init__(self, u: float, generator: torch.Generator) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.u, self.generator = u, generator
+        self.decomposed = _decompositions() if u < DECOMPOSE_BELOW else {}
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        decomposition = self.decomposed.get(func)
+        if decomposition is not None:
+            with self:  # its parts come back here, each rounded
+                out = decomposition(*args, **(kwargs or {}))
+            if out is not NotImplemented:
+                return out
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if schema.name in _MOVES or func.is_view:
+            return out
+        written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
+        if any(r.alias_info is not None for r in schema.returns) and not any(written):
+            return out  # a view or an alias of an argument: nothing was rounded
+        if any(written):
+            for result in out if isinstance(out, (tuple, list)) else (out,):
+                if _roundable(result):
+                    data = result.data  # not tracked by autograd, as a rounding is not
+                    data.mul_(1 + torch.randn(data.shape, generator=self.generator,
+                                              dtype=data.dtype.to_real()) * self.u)
+            return out
+        if isinstance(out, torch.Tensor):
+            return _rounded(out, self.u, self.generator) if _roundable(out) else out
+        if isinstance(out, (tuple, list)):
+            return type(out)(_rounded(t, self.u, self.generator) if _roundable(t) else t
+                             for t in out)
+        return out
+
+
+def _roundable(t: object) -> bool:
+    return (isinstance(t, torch.Tensor) and t.layout == torch.strided and not t.is_nested
+            and t.device.type == "cpu" and t.numel() > 0
+            and (t.dtype in (torch.float32, torch.float64)
+                 or t.dtype in (torch.complex64, torch.complex128)))
+
+
+def spread(reference: object, drawn: object) -> tuple[float, float]:
+    """The greatest and the RMS change of one leaf (a tensor or a number) in a draw; inf when
+    the draw made it non-finite where the reference is finite (or the reverse)."""
+    if isinstance(reference, torch.Tensor) and isinstance(drawn, torch.Tensor):
+        if reference.shape != drawn.shape:
+            return math.inf, math.inf
+        if reference.numel() == 0:
+            return 0.0, 0.0
+        r, d = _wide(reference), _wide(drawn)
+        both = torch.isfinite(r) & torch.isfinite(d)
+        if not bool((both | (r == d)).all()):
+            return math.inf, math.inf
+        moved = torch.where(both, (d - r).abs(), 0)
+        return float(moved.amax()), float(moved.square().mean().sqrt())
+    if isinstance(reference, (int, float, complex)) and isinstance(drawn, (int, float, complex)):
+        if reference == drawn:
+            return 0.0, 0.0
+        change = float(abs(drawn - reference))
+        return (change, change) if math.isfinite(change) else (math.inf, math.inf)
+    return math.inf, math.inf
+
+
+def _wide(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    if t.is_complex():
+        return t.to(torch.complex128)
+    return t.to(torch.float64)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What one rounding of every value at ``precision`` moves one leaf of the reference: its
+    greatest and its RMS change over the draws (its spread)."""
+
+    greatest: float
+    rms: float
+    precision: torch.dtype
+
+    @property
+    def multiplier(self) -> float:
+        return MULTIPLIER.get(self.precision.to_real(), MULTIPLIER[torch.float32])
+
+    def tolerance(self, default: Tolerance) -> Tolerance | None:
+        """The leaf's tolerance under its budget: the default's rtol, and an atol widened to
+        ``multiplier`` times the greatest spread; None when the spread is not finite (the
+        reference is not stable under one rounding: nothing to judge by)."""
+        if not math.isfinite(self.greatest):
+            return None
+        atol = self.multiplier * self.greatest
+        name = str(self.precision).removeprefix("torch.")
+        how = ("atol widened to" if atol > default.atol else "atol kept: above")
+        source = (f"{default.source or 'defaults'}; {how} the rounding budget "
+                  f"{self.multiplier:g} x {self.greatest:.4g}, the greatest change of the "
+                  f"reference when every input and every operation's result is rounded once "
+                  f"to {name}")
+        return Tolerance(rtol=default.rtol, atol=max(atol, default.atol), ulps=default.ulps,
+                         source=source)
+
+    def rms_problem(self, actual: object, expected: object) -> str | None:
+        """Why the leaf's RMS error is past ``multiplier`` times the RMS spread (plus one
+        rounding of the output's RMS size), or None: a formula wrong everywhere by a little
+        less than the greatest spread is still far past the typical one."""
+        a, e = _as_tensor(actual), _as_tensor(expected)
+        if a is None or e is None or a.shape != e.shape or e.numel() == 0:
+            return None
+        if not math.isfinite(self.rms):
+            return None
+        _, error = _errors(a, e)
+        size = torch.where(torch.isfinite(e), e.abs(), 0)
+        allowed = (self.multiplier * self.rms
+                   + unit_roundoff(self.precision) * float(size.square().mean().sqrt()))
+        if error <= allowed:
+            return None
+        name = str(self.precision).removeprefix("torch.")
+        return (f"within the rounding budget element by element, but its RMS error "
+                f"{_num(error)} is past {_num(allowed)}: {self.multiplier:g} x "
+                f"{_num(self.rms)}, the RMS change of the reference when every value is "
+                f"rounded once to {name}, plus one rounding of the output's RMS size; wrong "
+                "by a little everywhere is not rounding")
+
+
+def baseline_problem(actual: object, expected: object, baseline: object,
+                     precision: torch.dtype, device: str = "the device") -> str | None:
+    """Why a device run's leaf is markedly worse than the CPU's own run in the same dtype
+    (both against the float64 reference), or None when it is not.
+
+    It fails when its greatest or its RMS error exceeds ``BASELINE_MULTIPLE`` times the
+    baseline's plus one unit in the last place of the output's greatest (or RMS) size in
+    ``precision``: a floor, so that a baseline that happens to be exact does not fail a
+    result one rounding off. A baseline that is not finite where the reference is holds
+    the run to nothing here.
+    """
+    a, e, b = _as_tensor(actual), _as_tensor(expected), _as_tensor(baseline)
+    if a is None or e is None or b is None or not (a.shape == e.shape == b.shape):
+        return None
+    if e.numel() == 0:
+        return None
+    run_max, run_rms = _errors(a, e)
+    base_max, base_rms = _errors(b, e)
+    if not (math.isfinite(base_max) and math.isfinite(run_max)):
+        return None
+    eps = float(torch.finfo(precision.to_real()).eps)
+    size = e.abs()
+    finite = torch.isfinite(size)
+    size = torch.where(finite, size, 0)
+    floor_max = eps * float(size.amax())
+    floor_rms = eps * float(size.square().mean().sqrt())
+    allowed_max = BASELINE_MULTIPLE * base_max + floor_max
+    allowed_rms = BASELINE_MULTIPLE * base_rms + floor_rms
+    if run_max <= allowed_max and run_rms <= allowed_rms:
+        return None
+    name = str(precision).removeprefix("torch.")
+    which = "greatest" if run_max > allowed_max else "RMS"
+    ratio = (run_max / base_max if which == "greatest" else run_rms / base_rms) if (
+        base_max if which == "greatest" else base_rms) else math.inf
+    times = f"{ratio:.3g} times" if math.isfinite(ratio) else "infinitely"
+    return (f"{device}'s {which} error against the float64 reference is {times} the CPU's own "
+            f"in {name} (greatest {_num(run_max)} against {_num(base_max)}, RMS "
+            f"{_num(run_rms)} against {_num(base_rms)}); at most {BASELINE_MULTIPLE:g} times, "
+            "plus one unit in the last place of the output's size, is allowed")
+
+
+def _as_tensor(value: object) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return _wide(value)
+    if isinstance(value, (int, float, complex)) and not isinstance(value, bool):
+        return torch.tensor(value, dtype=torch.complex128 if isinstance(value, complex)
+                            else torch.float64)
+    return None
+
+
+def _errors(value: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    diff = (value - expected).abs()
+    both = torch.isfinite(value) & torch.isfinite(expected)
+    if not bool((both | (value == expected)).all()):
+        return math.inf, math.inf
+    diff = torch.where(both, diff, 0)
+    return float(diff.amax()), float(diff.square().mean().sqrt())
+
+
+def _num(x: float) -> str:
+    return f"{x:.4g}"
+
+
+def draw_seeds(draws: int = DRAWS) -> list[int]:
+    """The seeds of a rounding budget's draws: fixed, so that a budget is the same each time."""
+    return [_SEED + draw for draw in range(draws)]

@@ -1,0 +1,336 @@
+"""Verdicts on real modules and ops, as users meet them: correct low-precision and float32 code
+passes by default, code wrong by more than rounding still fails.
+
+Each case runs in a fresh child through the plugin's own path (``run_spec``). Each correct
+case here failed before the verdicts learned the computation's rounding (a false alarm of
+the default tolerances, a reference that could not run, a cache object that never compared);
+each wrong variant fails before and after. ``benchmarks/bench_verdicts.py`` measures the same
+ops over many seeds.
+"""
+
+from __future__ import annotations
+
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from pytest_gpucase.case import payload
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.parent import run_spec
+
+
+def judged(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], toml: str = "",
+           dtype: str = "float32", cast: bool = True) -> Outcome:
+    """Write a case (``call = "case.py:run"`` and the given tables) and run it on the CPU."""
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\ntimeout = 300\n'
+                                    + textwrap.dedent(toml))
+    (path / "case.py").write_text(textwrap.dedent(code))
+    payload.save(path / "inputs.safetensors", tensors)
+    spec = RunSpec(load_case(path), "cpu", dtype, cast=cast)
+    return run_spec(spec, start_method="fork", backend="cpu").outcome
+
+
+def variant(code: str, old: str, new: str) -> str:
+    """``code`` with ``old`` replaced (which it must hold): a variant of a case's code."""
+    assert old in code, old
+    return code.replace(old, new)
+
+
+def gen(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+GRADIENTS = "[expect]\ngradients = true\n"
+WITH_REFERENCE = 'reference = "case.py:reference"\n'
+
+
+def test_float32_matmul_at_scale(tmp_path: Path) -> None:
+    """1024 x 1024 of values ~1e3 with symmetric signs: each product element is a sum of 1024
+    terms of size 1e6; a correct float32 result is off by tens, and every seed failed."""
+    g = gen()
+    a = (torch.rand(1024, 1024, generator=g, dtype=torch.float64) * 2 - 1) * 1e3
+    b = (torch.rand(1024, 1024, generator=g, dtype=torch.float64) * 2 - 1) * 1e3
+    inputs = {"a": a.float(), "b": b.float()}
+    code = """
+        import torch
+        def run(a, b):
+            return torch.nn.functional.linear(a, b.t())
+        def reference(a, b):
+            return a @ b
+        """
+    assert judged(tmp_path, "matmul", code, inputs).status == "passed"
+    scaled = judged(tmp_path, "matmul_scaled", variant(
+        code, "return torch.nn.functional.linear(a, b.t())", "return (a @ b) * 1.01"),
+                    inputs, WITH_REFERENCE)
+    assert scaled.status == "failed"
+    assert "rounding budget" in scaled.details  # the bound it failed was the widened one
+    shifted = judged(tmp_path, "matmul_row", variant(
+        code, "return torch.nn.functional.linear(a, b.t())", "return (a @ b).roll(1, 0)"),
+        inputs, WITH_REFERENCE)
+    assert shifted.status == "failed"  # an off-by-one row
+
+
+LAYER_NORM = """
+    import torch
+    from torch import nn
+
+    def run(x):
+        norm = nn.LayerNorm(x.shape[-1], elementwise_affine=False).to(x.dtype)
+        return norm(x)
+
+    def two_pass(x):
+        mean = x.mean(-1, keepdim=True)
+        centred = x - mean
+        return centred / torch.sqrt((centred * centred).mean(-1, keepdim=True) + 1e-5)
+
+    def reference(x):
+        return torch.nn.functional.layer_norm(x, (x.shape[-1],))
+    """
+
+
+def test_float32_layer_norm_of_large_offset_values(tmp_path: Path) -> None:
+    """1e3 + N(0, 1): one float32 rounding of an input is 6e-5, a 6e-5 change of a normalized
+    output; torch's layer norm and a careful two-pass one are off by 1e-4 and failed."""
+    x = {"x": (1e3 + torch.randn(64, 1024, generator=gen(1), dtype=torch.float64)).float()}
+    assert judged(tmp_path, "ln", LAYER_NORM, x).status == "passed"
+    assert judged(tmp_path, "ln_two_pass", variant(
+        LAYER_NORM, "def run(x):\n        norm",
+        "def run(x):\n        return two_pass(x)\n        norm"),
+        x).status == "passed"
+    # One pass (E[x^2] - E[x]^2) cancels 1e6 against 1e6 in float32: not rounding.
+    one_pass = judged(tmp_path, "ln_one_pass", variant(
+        LAYER_NORM, "def run(x):\n        norm",
+        "def run(x):\n        m = x.mean(-1, keepdim=True)\n"
+        "        v = (x * x).mean(-1, keepdim=True) - m * m\n"
+        "        return (x - m) / torch.sqrt(v + 1e-5)\n        norm"), x, WITH_REFERENCE)
+    assert one_pass.status == "failed"
+
+
+BATCH_NORM = """
+    import torch
+    from torch import nn
+
+    def run(x, weight, bias):
+        norm = nn.BatchNorm1d(x.shape[1]).to(x.dtype).train()
+        return torch.func.functional_call(norm, {"weight": weight, "bias": bias}, (x,))
+
+    def reference(x, weight, bias):
+        mean = x.mean(0)
+        var = ((x - mean) ** 2).mean(0)
+        return (x - mean) / torch.sqrt(var + 1e-5) * weight + bias
+    """
+
+
+def test_batch_norm_training_over_two_samples_with_gradients(tmp_path: Path) -> None:
+    """With two samples every normalized output is about +-1 and the gradient of x nearly
+    cancels: the float32 gradient was 1.1e-5 off, just past float32's atol."""
+    g = gen(2)
+    inputs = {"x": torch.randn(2, 64, generator=g), "weight": torch.rand(64, generator=g) + 0.5,
+              "bias": torch.randn(64, generator=g)}
+    for name, toml in (("bn", GRADIENTS), ("bn_ref", WITH_REFERENCE + GRADIENTS)):
+        found = judged(tmp_path, name, BATCH_NORM, inputs, toml)
+        assert found.status == "passed", found.details
+    # The unbiased variance (N - 1) in place of the biased one: a wrong formula.
+    unbiased = variant(
+        BATCH_NORM,
+        'return torch.func.functional_call(norm, {"weight": weight, "bias": bias}, (x,))',
+        "mean = x.mean(0)\n        return (x - mean) / torch.sqrt(x.var(0) + 1e-5) * weight"
+        " + bias")
+    wrong = judged(tmp_path, "bn_unbiased", unbiased, inputs, WITH_REFERENCE + GRADIENTS)
+    assert wrong.status == "failed"
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_softmax_and_layer_norm_gradients(tmp_path: Path, dtype: str) -> None:
+    """The cotangent was the sum of the outputs, which makes these gradients zero in exact
+    arithmetic: atol 1e-5 against rounding noise decided (20 of 20 seeds)."""
+    code = """
+        import torch
+        import torch.nn.functional as F
+
+        def run(x, weight, bias):
+            return torch.softmax(x, -1), F.layer_norm(x, (x.shape[-1],)), F.layer_norm(
+                x, (x.shape[-1],), weight, bias)
+
+        def reference(x, weight, bias):
+            return run(x, weight, bias)
+        """
+    g = gen(3)
+    inputs = {"x": torch.randn(32, 256, generator=g) * 2,
+              "weight": 1 + 0.1 * torch.randn(256, generator=g),
+              "bias": 0.1 * torch.randn(256, generator=g)}
+    passed = judged(tmp_path, "norms", code, inputs, GRADIENTS, dtype=dtype)
+    assert passed.status == "passed", passed.details
+    wrong = judged(tmp_path, "softmax_dim", variant(variant(
+        code, "return torch.softmax(x, -1),", "return torch.softmax(x, 0),"),
+        "def reference(x, weight, bias):\n            return run(x, weight, bias)",
+        "def reference(x, weight, bias):\n            return torch.softmax(x, -1), "
+        "F.layer_norm(x, (x.shape[-1],)), F.layer_norm(x, (x.shape[-1],), weight, bias)"),
+        inputs, WITH_REFERENCE + GRADIENTS, dtype=dtype)
+    assert wrong.status == "failed"
+    assert "out[0]" in wrong.summary
+
+
+def test_attention(tmp_path: Path) -> None:
+    code = """
+        import math
+        import torch
+        from torch import nn
+
+        def run(x, in_proj, out_proj):
+            attention = nn.MultiheadAttention(64, 4, batch_first=True, bias=False).to(x.dtype)
+            mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            weights = {"in_proj_weight": in_proj, "out_proj.weight": out_proj}
+            return torch.func.functional_call(attention, weights, (x, x, x),
+                                              {"attn_mask": mask, "need_weights": False})[0]
+
+        def reference(x, in_proj, out_proj):
+            q, k, v = (x @ in_proj.t()).chunk(3, -1)
+            split = lambda t: t.unflatten(-1, (4, 16)).transpose(1, 2)
+            q, k, v = split(q), split(k), split(v)
+            scores = q @ k.transpose(-1, -2) / math.sqrt(16)
+            mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool), 1)
+            weights = scores.masked_fill(mask, float("-inf")).softmax(-1)
+            return (weights @ v).transpose(1, 2).flatten(2) @ out_proj.t()
+        """
+    g = gen(4)
+    inputs = {"x": torch.randn(2, 48, 64, generator=g),
+              "in_proj": torch.randn(192, 64, generator=g) / 8,
+              "out_proj": torch.randn(64, 64, generator=g) / 8}
+    for dtype in ("float32", "bfloat16"):
+        found = judged(tmp_path, f"mha_{dtype}", code, inputs, WITH_REFERENCE + GRADIENTS,
+                       dtype=dtype)
+        assert found.status == "passed", found.details
+    unscaled = judged(tmp_path, "mha_unscaled", variant(code, "/ math.sqrt(16)", ""), inputs,
+                      WITH_REFERENCE, dtype="bfloat16")
+    assert unscaled.status == "failed"  # the reference dropped the 1/sqrt(d) term
+
+
+def test_a_python_number_from_a_bfloat16_run(tmp_path: Path) -> None:
+    """loss.item() of a bfloat16 run was judged at float64's 1e-7; as a tensor it passed."""
+    code = """
+        import torch.nn.functional as F
+
+        def run(logits, target):
+            return F.cross_entropy(logits, target).item()
+        """
+    g = gen(5)
+    inputs = {"logits": torch.randn(64, 100, generator=g),
+              "target": torch.randint(0, 100, (64,), generator=g)}
+    found = judged(tmp_path, "loss_item", code, inputs, dtype="bfloat16")
+    assert found.status == "passed", found.details
+    wrong = judged(tmp_path, "loss_item_wrong", variant(variant(
+        code, ".item()", ".item() * (1.1 if logits.dtype != torch.float64 else 1.0)"),
+        "import torch.nn.functional as F", "import torch\nimport torch.nn.functional as F"),
+        inputs, dtype="bfloat16")
+    assert wrong.status == "failed"
+
+
+SQUARE = """
+    import torch
+
+    class Square(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return x * x
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return grad * x * {factor}
+
+    def run(x):
+        return Square.apply(x).sum(-1)
+    """
+
+
+def test_a_custom_function_with_a_wrong_backward_fails_without_a_reference(
+        tmp_path: Path) -> None:
+    """Checked against its own float64 run, a wrong backward formula always agreed."""
+    x = {"x": torch.randn(8, 16, generator=gen(6))}
+    right = judged(tmp_path, "square", SQUARE.format(factor=2), x, GRADIENTS)
+    assert right.status == "passed" and right.notes == ()
+    wrong = judged(tmp_path, "square_wrong", SQUARE.format(factor=1), x, GRADIENTS)
+    assert wrong.status == "failed"
+    assert wrong.summary.startswith("the gradients disagree with finite differences of the "
+                                    "call's own forward (torch.autograd.gradcheck")
+    assert "Jacobian mismatch for output 0 with respect to input 0" in wrong.summary
+
+
+def test_gradients_nothing_independent_checked_are_said_so(tmp_path: Path) -> None:
+    """Where gradcheck cannot run, the item says so, on a pass too."""
+    tensors = {f"x{i}": torch.randn(2, generator=gen(i)) for i in range(70)}
+    many = """
+        def run(**inputs):
+            return sum(t.sum() for t in inputs.values())
+        """
+    found = judged(tmp_path, "many_inputs", many, tensors, GRADIENTS)
+    assert found.status == "passed"
+    (note,) = found.notes
+    assert note.startswith("the gradients were compared with the call's own run on the CPU, "
+                           "whose backward is the same code: nothing independent checked them: "
+                           "a float64 gradcheck was not run (70 floating inputs, above 64)")
+
+
+def test_a_causal_lms_cache_object(tmp_path: Path) -> None:
+    """A transformers DynamicCache defines no ==: after a fix the replay still failed with
+    "out['cache']: values differ: actual DynamicCache(...) vs expected DynamicCache(...)"."""
+    pytest.importorskip("transformers")
+    code = """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        CONFIG = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+        def model(state, theta):
+            lm = LlamaForCausalLM(LlamaConfig(**CONFIG, rope_theta=theta)).eval()
+            lm.load_state_dict(state, assign=True)
+            return lm
+
+        def run(input_ids, **state):
+            out = model(state, {theta})(input_ids=input_ids, use_cache=True)
+            return {{"logits": out.logits, "cache": out.past_key_values}}
+
+        def reference(input_ids, **state):
+            out = model(state, 10000.0)(input_ids=input_ids, use_cache=True)
+            return {{"logits": out.logits, "cache": out.past_key_values}}
+        """
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=64)
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    inputs = {"input_ids": torch.randint(0, 64, (2, 7), generator=gen(7)), **state}
+    toml = WITH_REFERENCE + "[context]\ngrad = false\n"
+    found = judged(tmp_path, "llm", code.format(theta=10000.0), inputs, toml)
+    assert found.status == "passed", found.details
+    wrong = judged(tmp_path, "llm_rope", code.format(theta=500.0), inputs, toml)
+    assert wrong.status == "failed"
+    assert "out['cache'].layers[0].keys: values differ" in wrong.details
+
+
+def test_the_note_is_shown_with_a_passing_item(pytester: pytest.Pytester) -> None:
+    path = pytester.path / "cases" / "many"
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[expect]\n'
+                                    'gradients = true\n')
+    (path / "case.py").write_text("def run(**inputs):\n"
+                                  "    return sum(t.sum() for t in inputs.values())\n")
+    payload.save(path / "inputs.safetensors",
+                 {f"x{i}": torch.randn(2, generator=gen(i)) for i in range(70)})
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-rP", "cases")
+    result.assert_outcomes(passed=1)
+    result.stdout.fnmatch_lines(["*Captured gpucase notes call*",
+                                 "the gradients were compared with the call's own run on the "
+                                 "CPU, whose backward is the same code: nothing independent "
+                                 "checked them*"])
