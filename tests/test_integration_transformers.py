@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch._dynamo
 
 transformers = pytest.importorskip("transformers")
 accelerate = pytest.importorskip("accelerate")
@@ -57,11 +58,12 @@ def replays(case_dir: Path, error: str) -> None:
     assert is_known_failure(case, verdict)
 
 
-def train(tmp_path: Path, model: Any, data: Any, bf16: bool = False) -> None:
+def train(tmp_path: Path, model: Any, data: Any, bf16: bool = False,
+          **options: Any) -> None:
     args = transformers.TrainingArguments(
         output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, num_train_epochs=1,
         report_to=[], use_cpu=True, bf16=bf16, save_strategy="no", logging_strategy="no",
-        disable_tqdm=True)
+        disable_tqdm=True, **options)
     trainer = transformers.Trainer(model=model, args=args, train_dataset=data,
                                    callbacks=[GpuCaseCallback(tmp_path / "cases")])
     trainer.train()
@@ -90,6 +92,20 @@ def test_a_trainer_failure_is_the_model_case_rebuilt_from_its_config(
         assert "autocast" not in doc["context"]
     assert validate([tmp_path / "cases"]) == []
     replays(case_dir, "IndexError")
+
+
+def test_bf16_under_torch_compile_is_the_case_context(tmp_path: Path) -> None:
+    """Compiled, no submodule hook runs eagerly to read Accelerate's autocast: the callback
+    says it from the Trainer's arguments, so the case replays in bfloat16."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(targets.gpt2_config())
+    with pytest.raises(IndexError):
+        train(tmp_path, model, targets.Tokens(bad_token=True), bf16=True, torch_compile=True,
+              torch_compile_backend="eager")
+    doc = toml(tmp_path / "cases" / "GPT2LMHeadModel")
+    assert doc["context"]["autocast"] == {"device_type": "cpu", "dtype": "bfloat16",
+                                          "enabled": True}
 
 
 def test_tied_embeddings_of_a_causal_lm_are_stored_once(tmp_path: Path) -> None:

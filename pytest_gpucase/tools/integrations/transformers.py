@@ -73,6 +73,14 @@ class GpuCaseCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
         self._close()
         self._step = self.recorder.step(int(state.global_step))
         self._step.__enter__()
+        # Accelerate's autocast around the forward; said here too, since under
+        # torch_compile=True no submodule hook runs eagerly to read it.
+        dtype = "bfloat16" if getattr(args, "bf16", False) else (
+            "float16" if getattr(args, "fp16", False) else None)
+        if dtype is not None:
+            device = str(getattr(self._model, "device", "cpu")).split(":")[0]
+            self.recorder.step_context["autocast"] = {"device_type": device, "dtype": dtype,
+                                                      "enabled": True}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()
