@@ -30,6 +30,7 @@ from pytest_gpucase.tools.record.origin import (
     class_of,
     compiled,
     error_line,
+    message_of,
     mib,
     say,
     shown,
@@ -37,7 +38,7 @@ from pytest_gpucase.tools.record.origin import (
 )
 from pytest_gpucase.tools.record.rebuild import module_state, on_host, rebuild_files
 from pytest_gpucase.tools.record.write import mark_incomplete, recapture
-from pytest_gpucase.verdict.failure import Failure
+from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.verdict.triage import failure_class
 
 if TYPE_CHECKING:
@@ -199,6 +200,8 @@ class ModuleSaver:
                 say(f"gpucase: note: {shown(case_dir)} fails only compiled: its eager replay "
                     "passes (marked incomplete)")
             return None
+        if same_failure(Failure(type(exc).__name__, message_of(exc), "", found.device), found):
+            return None  # the eager module fails as the compiled one did: as captured
         line = f"{found.error_type}: {found.message.strip().partition(chr(10))[0]}"
         recapture(case_dir, line, found.failure_class or failure_class(
             found.error_type or "", found.message, found.stderr), error_line(exc))
