@@ -123,7 +123,8 @@ def test_validate_minimize_and_ablate_find_the_src_layout_from_elsewhere(
                      "--time-budget", "120"])
         out = capsys.readouterr().out
         assert code == 0, out
-        assert "(ValueError)" in out and "entries on axis 0: 8 -> 1 (kept entry 5)" in out
+        assert "(ValueError: class index 4 out of range)" in out
+        assert "entries on axis 0: 8 -> 1 (kept entry 5)" in out
         written = (cases / f"{name}_min" / "case.toml").read_text()
         # No absolute path: the call is as it was, the original relative to the new case.
         assert str(project.parent) not in written and os.path.expanduser("~") not in written
