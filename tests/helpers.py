@@ -177,6 +177,15 @@ def read_toml(case_dir: Path) -> dict[str, Any]:
     return tomllib.loads((case_dir / "case.toml").read_text())
 
 
+def replays(case_dir: Path, error: str) -> None:
+    """The case's CPU item raises ``error`` again, and it counts as the known failure."""
+    from pytest_gpucase.plugin.items import is_known_failure
+
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.error_type == error, verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)
+
+
 def environment(torch: str, cuda: str | None, flash_attn: str | None, gpu: str, capability: str,
                 **changes: Any) -> dict[str, Any]:
     """A CUDA runner's environment, as the plugin probes it."""

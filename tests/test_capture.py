@@ -10,7 +10,6 @@ import sys
 import textwrap
 import threading
 import time
-import tomllib
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,6 +25,7 @@ from pytest_gpucase.case.keys import REPLAY_ENV
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.tools.validate import validate
+from tests.helpers import read_toml as toml
 
 DEVICE_ASSERT = ("CUDA error: device-side assert triggered\nCUDA kernel errors might be "
                  "asynchronously reported at some other API call")
@@ -58,10 +58,6 @@ _module_recorder = Recorder("unused")  # root set by the one test that uses it
 @_module_recorder.watch(name="decorated")
 def decorated(x: torch.Tensor) -> torch.Tensor:
     raise ArithmeticError("from a decorated function")
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
 
 
 def visible(root: Path) -> list[str]:

@@ -5,7 +5,6 @@ hyperparameters come with it (issue 22 items 3-6)."""
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -14,30 +13,16 @@ import torch
 
 pl = pytest.importorskip("lightning.pytorch")
 
-from pytest_gpucase.case.load import load_case  # noqa: E402
 from pytest_gpucase.integrations.lightning import GpuCaseCallback  # noqa: E402
-from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
-from pytest_gpucase.plugin.items import is_known_failure  # noqa: E402
-from pytest_gpucase.run.parent import run_spec  # noqa: E402
 from pytest_gpucase.tools.validate import validate  # noqa: E402
 from tests import lightning_targets  # noqa: E402
+from tests.helpers import read_toml as toml  # noqa: E402
+from tests.helpers import replays  # noqa: E402
 
 # Lightning's own advice (workers, logging) and deprecations are not what is tested here.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
-
-
-def replays(case_dir: Path, error: str) -> None:
-    case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                       backend="cpu", localize=False)
-    assert verdict.outcome.error_type == error, verdict.outcome.summary
-    assert is_known_failure(case, verdict)
 
 
 def fit(tmp_path: Path, model: Any, data: Any, error: type[BaseException] | None,

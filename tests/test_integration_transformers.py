@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -21,13 +20,11 @@ accelerate = pytest.importorskip("accelerate")
 
 from pytest_gpucase import Recorder  # noqa: E402
 from pytest_gpucase.case import payload  # noqa: E402
-from pytest_gpucase.case.load import load_case  # noqa: E402
 from pytest_gpucase.integrations.transformers import GpuCaseCallback  # noqa: E402
-from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
-from pytest_gpucase.plugin.items import is_known_failure  # noqa: E402
-from pytest_gpucase.run.parent import run_spec  # noqa: E402
 from pytest_gpucase.tools.validate import validate  # noqa: E402
 from tests import transformers_targets as targets  # noqa: E402
+from tests.helpers import read_toml as toml  # noqa: E402
+from tests.helpers import replays  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -44,18 +41,6 @@ def _fresh_accelerate() -> Any:
     AcceleratorState._reset_state(reset_partial_state=True)
     yield
     AcceleratorState._reset_state(reset_partial_state=True)
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
-
-
-def replays(case_dir: Path, error: str) -> None:
-    case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                       backend="cpu", localize=False)
-    assert verdict.outcome.error_type == error, verdict.outcome.summary
-    assert is_known_failure(case, verdict)
 
 
 def train(tmp_path: Path, model: Any, data: Any, bf16: bool = False,

@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 import textwrap
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -19,33 +18,15 @@ import torch
 from safetensors.torch import save_file
 
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.load import load_case
-from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.plugin.items import is_known_failure
-from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.replay import replay_module, script_definitions
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.rebuild import rebuild_of
 from pytest_gpucase.tools.validate import validate
 from tests import model_targets
+from tests.helpers import replays, read_toml as toml, replay_cpu as verdict_of
 
 ROOT = Path(__file__).parent.parent
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
-
-
-def verdict_of(case_dir: Path) -> Any:
-    return run_spec(RunSpec(load_case(case_dir), "cpu", "float32", cast=False),
-                    start_method="fork", backend="cpu", localize=False)
-
-
-def replays(case_dir: Path, error: str) -> None:
-    verdict = verdict_of(case_dir)
-    assert verdict.outcome.error_type == error, verdict.outcome.summary
-    assert is_known_failure(load_case(case_dir), verdict)
 
 
 # -- faithful rebuilds ------------------------------------------------------------------

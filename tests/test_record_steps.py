@@ -4,7 +4,6 @@ the guard's NaN is traced to the watched call that produced it."""
 
 from __future__ import annotations
 
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -15,25 +14,10 @@ import torch.nn.functional as F
 from pytest_gpucase import checks
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import REPLAY_FUNCTION, REPLAY_MODULE
-from pytest_gpucase.case.load import load_case
-from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.plugin.items import is_known_failure
-from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.tools.validate import validate
 from tests import model_targets
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
-
-
-def replays(case_dir: Path, error: str) -> None:
-    """The case's CPU item raises ``error`` again, and it counts as the known failure."""
-    verdict = run_spec(RunSpec(load_case(case_dir), "cpu", "float32", cast=False),
-                       start_method="fork", backend="cpu", localize=False)
-    assert verdict.outcome.error_type == error, verdict.outcome.summary
-    assert is_known_failure(load_case(case_dir), verdict)
+from tests.helpers import replays, read_toml as toml
 
 
 def setup(tmp_path: Path, **options: Any) -> tuple[Recorder, torch.nn.Module]:

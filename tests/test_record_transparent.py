@@ -9,7 +9,6 @@ import io
 import pickle
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
@@ -20,20 +19,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure
-from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.tools.record import Recorder, inputs, watch
 from tests import model_targets
-
-
-def toml(case_dir: Path) -> dict[str, Any]:
-    return tomllib.loads((case_dir / "case.toml").read_text(encoding="utf-8"))
-
-
-def replay(case_dir: Path) -> Any:
-    return run_spec(RunSpec(load_case(case_dir), "cpu", "float32", cast=False),
-                    start_method="fork", backend="cpu", localize=False)
+from tests.helpers import replay_cpu as replay, read_toml as toml
 
 
 def watched_model(tmp_path: Path, **options: Any) -> tuple[Recorder, model_targets.TinyLM]:

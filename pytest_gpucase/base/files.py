@@ -33,8 +33,9 @@ from pathlib import Path
 from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
-    "HOST", "FileTooLarge", "NotRegularFile", "fsync_directory", "new_temporary", "read_regular",
-    "remove_stale_temporaries", "replace", "running", "temporary_path", "write_atomic",
+    "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
+    "read_regular", "remove_stale_temporaries", "replace", "running", "temporary_path",
+    "write_atomic",
     "write_text_atomic",
 ]
 
@@ -210,3 +211,12 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
     if size > limit:
         raise FileTooLarge(path, size, limit)
     return b"".join(chunks)
+
+
+def file_sha256(path: Path) -> str:
+    """``sha256:<hex>`` of a file's bytes, read in chunks."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as handle:
+        while chunk := handle.read(2**22):
+            digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"

@@ -21,13 +21,14 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpucase.base.files import file_sha256
 from pytest_gpucase.base.tensors import named_tensors, tensors_in
 from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, STATE_PREFIX
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_model", "decode_nested", "file_sha256", "import_target", "load_checkpoint",
+__all__ = ["build_model", "decode_nested", "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
            "retie", "script_definitions"]
 
@@ -462,10 +463,3 @@ def load_checkpoint(path: Path, sha256: str | None, prefix: str = "",
     return {f"{STATE_PREFIX}{k}": v for k, v in tensors.items()}
 
 
-def file_sha256(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes, read in chunks."""
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(2**22):
-            digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Literal
 
 from pytest_gpucase.base.errors import CaseFormatError, display, regular_file
+from pytest_gpucase.base.files import file_sha256
 from pytest_gpucase.case import payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
 from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE
@@ -278,7 +279,7 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
                                             "here: the model's state is in that checkpoint",
                                             key=f"{key}.checkpoint"))
         else:
-            found = _file_hash(path)
+            found = file_sha256(path)
             if found != reference.get("sha256"):
                 problems.append(CaseFormatError(
                     case.case_file, f"{path} has sha256 {found}, not the {reference.get('sha256')} "
@@ -298,16 +299,6 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
                         model_file, f"{name} {model[name]} is not a file here: the model is "
                         "rebuilt from it"))
     return problems
-
-
-def _file_hash(path: Path) -> str:
-    import hashlib
-
-    digest = hashlib.sha256()
-    with open(path, "rb") as handle:
-        while chunk := handle.read(2**22):
-            digest.update(chunk)
-    return f"sha256:{digest.hexdigest()}"
 
 
 def _unmet_requirement(case: Case) -> str | None:

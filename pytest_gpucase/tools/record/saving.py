@@ -80,7 +80,8 @@ def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor],
     ``state.<name>`` tensors) exactly, else why it cannot stand for it."""
     import torch
 
-    from pytest_gpucase.run.replay import file_sha256, load_checkpoint
+    from pytest_gpucase.base.files import file_sha256
+    from pytest_gpucase.run.replay import load_checkpoint
 
     if path is None:
         return None, "no checkpoint was named to reference instead (rec.watch(model, " \
