@@ -81,3 +81,19 @@ def test_embedding_oob_model_on_cuda_is_the_captured_device_side_assert() -> Non
     assert verdict.outcome.error_type is not None, verdict.outcome.summary
     assert "device-side assert" in (verdict.outcome.error_message or ""), verdict.outcome.summary
     assert is_known_failure(case, verdict)
+
+
+@pytest.mark.slow
+def test_the_readmes_first_command_passes_on_the_bundled_cases(tmp_path: Path) -> None:
+    """``pytest --gpu-cases cases`` as README.md and CI run it, in a fresh process: every
+    bundled case passes, is a strict xfail of its captured failure, or skips its CUDA items
+    (a change to verdicts that moves a golden file or a tolerance shows here)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--gpu-cases", str(CASES), "-q", "-rfE",
+         "-p", "no:cacheprovider", "-p", "no:randomly", "--rootdir", str(CASES.parent)],
+        cwd=CASES.parent, capture_output=True, text=True, timeout=600, check=False)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert " failed" not in done.stdout.splitlines()[-1]
