@@ -124,7 +124,16 @@ def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
             return Found("method", owner, args, kwargs, frame_line(*caller),
                          method=frame.f_code.co_name)
     if not anchored:
-        return "the traceback passes through no watched module"
+        users = [f.f_code for f, _ in entries
+                 if not any(part in f.f_code.co_filename.replace(os.sep, "/")
+                            for part in ("site-packages/", "dist-packages/", "/lib/python"))]
+        last = (users or [entries[-1][0].f_code])[-1]
+        return (f"the traceback passes through no watched module (the last code of yours "
+                f"in it: {last.co_name} in {os.path.basename(last.co_filename)}): where that "
+                "is a function, such as a loss given to the Trainer "
+                "(compute_loss_func=) or a compute_loss override, watch that function "
+                "(compute_loss_func=rec.watch(my_loss), or rec.watch it inside the "
+                "override) so that its inputs are saved")
     step_frame, step_line = entries[0]
     where = frame_line(step_frame, step_line)
     for frame, _ in entries[1:]:
