@@ -683,10 +683,10 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
         ("not-run", "— cuda: not run"), ("fail", "✗ cuda: fail4"),
     ]
     hovers = [attrs["title"] for tag, attrs, text in seen.cells if tag == "td"]
-    assert hovers[1] == (f"ce_class4 on {H100_LABEL}: fail\n2 passed, 2 failed\n"
-                         f"cuda-float32, cuda-float32-batch=1: failed: {ASSERT}")
-    assert hovers[2] == (f"flash_attn_mask on {A100_LABEL}: skip\n1 skipped\n"
-                         "skipped: requires flash-attn>=2.6; found 2.5.8")
+    # A cell's title holds only its counts (labels once per row and column, reasons once in
+    # the notes): the page's size stays linear in its reports.
+    assert hovers[1] == "fail: 2 passed, 2 failed"
+    assert hovers[2] == "skip: 1 skipped"
     column_hover = next(attrs["title"] for tag, attrs, text in seen.cells
                         if tag == "th" and text.startswith(H100_LABEL))
     assert column_hover == "from h100/report.json"
