@@ -333,8 +333,8 @@ class CaseItem(pytest.Item):
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise KeyboardInterrupt("SIGINT while the case ran")
-        for note in verdict.outcome.notes:
-            state.note(note)
+        for note in verdict.outcome.notes:  # in the session's summary: named by its item
+            state.note(f"{self.nodeid}: {note}")
         pool = state.pool()
         for label, why in pool.take_retired() if pool is not None else ():
             from pytest_gpucase.base.text import terminal_safe
