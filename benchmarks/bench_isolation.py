@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import struct
 import resource
 import statistics
 import tempfile
@@ -68,7 +69,7 @@ def bare_floor() -> None:
     pid = os.fork()
     if pid == 0:
         os.close(read)
-        os.write(write, (X + 1).numpy().tobytes())
+        os.write(write, struct.pack("4f", *(X + 1).tolist()))  # no numpy in a torch wheel
         os._exit(0)
     os.close(write)
     os.read(read, 64)
