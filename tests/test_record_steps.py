@@ -202,3 +202,24 @@ def test_a_module_case_names_its_generated_call(tmp_path: Path) -> None:
     with pytest.raises(IndexError):
         model(torch.tensor([[9]]))
     assert toml(tmp_path / "cases" / "TinyLM")["call"] == REPLAY_MODULE
+
+
+def test_a_gradient_clip_guard_is_traced_to_the_forward_that_made_the_nan(
+        tmp_path: Path) -> None:
+    """clip_grad_norm_(error_if_nonfinite=True) raises after backward, on gradients made
+    non-finite by an output the watched forward already held: the forward is the case (it
+    fails again while the NaN is made), not a backward case from the symptom's gradient."""
+    torch.manual_seed(0)
+    model = model_targets.NaNLM()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model)
+    with pytest.raises(RuntimeError, match="non-finite"), rec.step(3):
+        loss = model(torch.tensor([[1, 7, 2]])).float().pow(2).mean()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0, error_if_nonfinite=True)
+    case_dir = tmp_path / "cases" / "NaNLM"
+    doc = toml(case_dir)
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    assert doc["inputs"]["gpucase_module"]["backward"] is False
+    assert doc["inputs"]["gpucase_module"]["finite"] is True
+    replays(case_dir, "FloatingPointError")

@@ -700,6 +700,11 @@ class Recorder:
         """A failure in a step outside any watched call: the call it came from, found in
         the traceback (``step.failing_call``), or a watched call whose output a guard found
         not finite; else the case says why none can be replayed."""
+        nan = _nonfinite_failure(exc)
+        # A guard's NaN (clip_grad_norm_(error_if_nonfinite=True) after backward, a check of
+        # the loss) that a watched call of this step already output: that call made it.
+        if nan and not _raised_in_backward(exc) and self._save_producer(exc):
+            return
         backward = next((w for w in self._modules if w.backward_open and w.last_call), None)
         if backward is not None and backward.last_call is not None:
             args, kwargs = backward.last_call
@@ -707,7 +712,6 @@ class Recorder:
             return
         watched = {id(w.module): w for w in self._modules}
         found = failing_call(exc, watched, anchored=anchored)
-        nan = _nonfinite_failure(exc)
         if isinstance(found, Found) and nan and found.kind == "function" and _holds_nonfinite(
                 (found.args, found.kwargs)):
             found = (f"{getattr(found.target, '__qualname__', 'the check')} found a non-finite "
@@ -797,6 +801,15 @@ def _holds_nonfinite(value: Any) -> bool:
     with torch.no_grad():
         return any(bool((~t.isfinite()).any()) for t in tensors_in(value)
                    if (t.is_floating_point() or t.is_complex()) and not t.is_meta)
+
+
+def _raised_in_backward(exc: BaseException) -> bool:
+    """Whether ``exc`` was raised while autograd ran a backward pass (not after it, as a
+    gradient clip's check is)."""
+    import traceback
+
+    return any(frame.f_code.co_name == "_engine_run_backward"
+               for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
 def _hide_from_dynamo() -> None:
