@@ -223,3 +223,19 @@ def test_a_gradient_clip_guard_is_traced_to_the_forward_that_made_the_nan(
     assert doc["inputs"]["gpucase_module"]["backward"] is False
     assert doc["inputs"]["gpucase_module"]["finite"] is True
     replays(case_dir, "FloatingPointError")
+
+
+def test_a_failure_no_watched_call_saw_names_the_function_to_watch() -> None:
+    """Recorded from outside any step (a Trainer's compute_loss_func): the reason names the
+    user's last function in the traceback and how to watch it."""
+    from pytest_gpucase.tools.record.step import failing_call
+
+    def my_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits, labels)
+
+    try:
+        my_loss(torch.zeros(2, 3), torch.tensor([0, 5]))
+    except IndexError as exc:
+        why = failing_call(exc, {}, anchored=False)
+    assert isinstance(why, str)
+    assert "my_loss in test_record_steps.py" in why and "rec.watch(my_loss)" in why
