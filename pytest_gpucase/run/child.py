@@ -243,18 +243,17 @@ def load_arguments(case: Case) -> tuple[dict[str, Any], dict[str, torch.Tensor]]
     literals = dict(case.literals)
     for name, members in tensor_dicts(case.literals).items():
         literals[name] = _tensor_dict(case, name, members, tensors)
+    # A module's factory ("case.py:make_model") or a function's target ("case.py:run", a
+    # function of the script that was run): imported from the case directory, as a
+    # "FILE.py" call is.
+    for replayer, key, field in ((REPLAY_MODULE, MODULE_KEY, "factory"),
+                                 (REPLAY_FUNCTION, FUNCTION_KEY, "target")):
+        table = literals.get(key)
+        if (case.call == replayer and isinstance(table, Mapping)
+                and str(table.get(field, "")).partition(":")[0].endswith(".py")):
+            literals[key] = {**table, field: resolve(case, str(table[field]),
+                                                     f"[inputs] {key}.{field}")}
     recipe = literals.get(MODULE_KEY)
-    if (case.call == REPLAY_MODULE and isinstance(recipe, Mapping)
-            and str(recipe.get("factory", "")).partition(":")[0].endswith(".py")):
-        # "case.py:make": imported from the case directory, as a "FILE.py" call is.
-        literals[MODULE_KEY] = {**recipe, "factory": resolve(
-            case, str(recipe["factory"]), f"[inputs] {MODULE_KEY}.factory")}
-    function = literals.get(FUNCTION_KEY)
-    if (case.call == REPLAY_FUNCTION and isinstance(function, Mapping)
-            and str(function.get("target", "")).partition(":")[0].endswith(".py")):
-        # "case.py:run" (a function of the script that was run): from the case directory.
-        literals[FUNCTION_KEY] = {**function, "target": resolve(
-            case, str(function["target"]), f"[inputs] {FUNCTION_KEY}.target")}
     if case.call == REPLAY_MODULE and isinstance(recipe, Mapping) and isinstance(
             recipe.get("checkpoint"), Mapping):
         tensors.update(_checkpoint_state(case, recipe["checkpoint"]))
