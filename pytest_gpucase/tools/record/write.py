@@ -163,8 +163,7 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
         table["inputs"] = dict(inputs.described)
     if inputs.skipped:
         table["skipped_inputs"] = dict(inputs.skipped)
-    xfail = None if reasons else (f"captured failure: {error}; remove this line once "
-                                  "fixed")
+    xfail = None if reasons else _xfail_line(error)
     return Draft(name=name, call=call, summary=summary, xfail=xfail,
                  literals={**inputs.literals, **dict(literals or {})}, origin=table,
                  tensors=inputs.tensors, files=case_files)
@@ -373,48 +372,65 @@ def context_doc(case: Any) -> dict[str, Any]:
     return dict(table) if isinstance(table, dict) else {}
 
 
-def set_later_errors(case_dir: Path, count: int) -> None:
-    """Rewrite ``[origin] later_errors`` of a case in place, atomically (through tomli-w)."""
+def _rewrite(case_dir: Path, change: Callable[[dict[str, Any]], bool]) -> None:
+    """Read a case's ``case.toml``, let ``change`` edit the document, and write it back in
+    place, atomically (through tomli-w), unless ``change`` says there was nothing to do."""
     file = case_dir / CASE_FILE
     doc = tomllib.loads(file.read_text(encoding="utf-8"))
-    origin = doc.get("origin")
-    if not isinstance(origin, dict) or "later_errors" not in origin:
-        return
-    origin["later_errors"] = count
-    files.write_text_atomic(file, tomli_w.dumps(doc))
+    if change(doc):
+        files.write_text_atomic(file, tomli_w.dumps(doc))
+
+
+def set_later_errors(case_dir: Path, count: int) -> None:
+    """Rewrite ``[origin] later_errors`` of a case in place."""
+    def change(doc: dict[str, Any]) -> bool:
+        origin = doc.get("origin")
+        if not isinstance(origin, dict) or "later_errors" not in origin:
+            return False
+        origin["later_errors"] = count
+        return True
+
+    _rewrite(case_dir, change)
 
 
 def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: str) -> None:
     """Make ``error`` (the eager replay's failure of a case captured from a compiled model)
     the case's captured failure: its xfail line, summary and ``[origin] error``; the
     compiled model's own error is kept as ``[origin] compiled_error``."""
-    file = case_dir / CASE_FILE
-    doc = tomllib.loads(file.read_text(encoding="utf-8"))
-    origin = doc.setdefault("origin", {})
-    before = str(origin.get("error", ""))
-    origin["compiled_error"] = compiled
-    origin["error"] = error
-    origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
-    if failure_class is None:
-        origin.pop("failure_class", None)
-    else:
-        origin["failure_class"] = failure_class
-    if "xfail" in doc:
-        doc["xfail"] = f"captured failure: {error}; remove this line once fixed"
-    if before and isinstance(doc.get("summary"), str):
-        doc["summary"] = doc["summary"].replace(before, error)
-    files.write_text_atomic(file, tomli_w.dumps(doc))
+    def change(doc: dict[str, Any]) -> bool:
+        origin = doc.setdefault("origin", {})
+        before = str(origin.get("error", ""))
+        origin["compiled_error"] = compiled
+        origin["error"] = error
+        origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
+        if failure_class is None:
+            origin.pop("failure_class", None)
+        else:
+            origin["failure_class"] = failure_class
+        if "xfail" in doc:
+            doc["xfail"] = _xfail_line(error)
+        if before and isinstance(doc.get("summary"), str):
+            doc["summary"] = doc["summary"].replace(before, error)
+        return True
+
+    _rewrite(case_dir, change)
 
 
 def mark_incomplete(case_dir: Path, reason: str) -> None:
     """Add ``reason`` to ``[origin] incomplete`` and drop the xfail line: the case does not
     replay its failure, and ``gpucase validate`` says why."""
-    file = case_dir / CASE_FILE
-    doc = tomllib.loads(file.read_text(encoding="utf-8"))
-    origin = doc.setdefault("origin", {})
-    origin["incomplete"] = [*origin.get("incomplete", []), reason]
-    doc.pop("xfail", None)
-    files.write_text_atomic(file, tomli_w.dumps(doc))
+    def change(doc: dict[str, Any]) -> bool:
+        origin = doc.setdefault("origin", {})
+        origin["incomplete"] = [*origin.get("incomplete", []), reason]
+        doc.pop("xfail", None)
+        return True
+
+    _rewrite(case_dir, change)
+
+
+def _xfail_line(error: str) -> str:
+    """The xfail line of a case whose captured failure is ``error``."""
+    return f"captured failure: {error}; remove this line once fixed"
 
 
 def case_bytes(case_dir: Path, besides: Iterable[Path] = ()) -> int:
