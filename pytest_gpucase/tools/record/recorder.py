@@ -703,7 +703,9 @@ class Recorder:
         nan = _nonfinite_failure(exc)
         # A guard's NaN (clip_grad_norm_(error_if_nonfinite=True) after backward, a check of
         # the loss) that a watched call of this step already output: that call made it.
-        if nan and not _raised_in_backward(exc) and self._save_producer(exc):
+        # Raised inside backward, the backward case below comes first (it replays the loss).
+        producer_first = nan and not _raised_in_backward(exc)
+        if producer_first and self._save_producer(exc):
             return
         backward = next((w for w in self._modules if w.backward_open and w.last_call), None)
         if backward is not None and backward.last_call is not None:
@@ -719,7 +721,7 @@ class Recorder:
         if isinstance(found, Found):
             self._save_found(exc, found, watched, nan)
             return
-        if nan and self._save_producer(exc):
+        if nan and not producer_first and self._save_producer(exc):
             return
         self._save_first(exc, None, (), {}, Before(), incomplete=(
             f"the failure happened outside any watched call: {found}",))
