@@ -206,12 +206,16 @@ def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
         parameters = list(inspect.signature(cls.__init__).parameters.values())[1:]
     except (TypeError, ValueError):
         return ()
-    assumed = [f"{p.name}={p.default!r}" for p in parameters
-               if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
-               and p.name not in found and p.name not in ("device", "dtype")
-               and p.default is not p.empty and p.default is not None
-               and not hasattr(module, p.name)
-               and not _shapes_tell(cls, dict(found), p.name, p.default)]
+    unread = [p for p in parameters
+              if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+              and p.name not in found and p.name not in ("device", "dtype")
+              and p.default is not p.empty and p.default is not None
+              and not hasattr(module, p.name)]
+    if not unread:
+        return ()
+    shapes = _meta_shapes(cls, dict(found))
+    assumed = [f"{p.name}={p.default!r}" for p in unread
+               if not _shapes_tell(cls, dict(found), shapes, p.name, p.default)]
     if not assumed:
         return ()
     return (f"{cls.__qualname__} keeps no attribute named like its constructor's "
@@ -219,24 +223,29 @@ def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
             "passed other values, name them: rec.watch(model, factory=..., kwargs=...)",)
 
 
-def _shapes_tell(cls: type, found: dict[str, Any], name: str, default: Any) -> bool:
-    """Whether another value of argument ``name`` builds (on meta) a model of other shapes,
-    so that the rebuild's check against the model's shapes already tells a wrong one
-    (``vocab``, ``dim``); False for a value only the forward reads (``offset``)."""
+def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+    """The state dict's shapes of ``cls(**kwargs)`` built on meta, or None if it cannot be."""
     import torch
 
-    if isinstance(default, bool) or not isinstance(default, int | float):
-        return False
-    other = default * 2 + 1
     try:
         with torch.random.fork_rng(devices=[]), torch.device("meta"), \
                 contextlib.redirect_stdout(sys.stderr):
-            one = cls(**found)
-            two = cls(**{**found, name: other})
+            built = cls(**kwargs)
     except Exception:
+        return None
+    return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+
+
+def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, ...]] | None,
+                 name: str, default: Any) -> bool:
+    """Whether another value of argument ``name`` builds (on meta) a model of other shapes
+    than ``shapes`` (the model's with the defaults), so that the rebuild's check against the
+    model's shapes already tells a wrong one (``vocab``, ``dim``); False for a value only the
+    forward reads (``offset``)."""
+    if shapes is None or isinstance(default, bool) or not isinstance(default, int | float):
         return False
-    return bool({k: tuple(v.shape) for k, v in one.state_dict().items()}
-                != {k: tuple(v.shape) for k, v in two.state_dict().items()})
+    other = _meta_shapes(cls, {**found, name: default * 2 + 1})
+    return other is not None and other != shapes
 
 
 def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
