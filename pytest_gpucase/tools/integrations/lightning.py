@@ -56,7 +56,6 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
                        "checkpoint": checkpoint}
         self._ids = ids
         self._step: Step | None = None
-        self._call: tuple[str, tuple[Any, ...], Before] | None = None
         self._in_backward = False
 
     # -- the module ------------------------------------------------------------------
@@ -114,6 +113,13 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     # -- helpers ---------------------------------------------------------------------
 
+    @property
+    def _call(self) -> tuple[str, tuple[Any, ...], Before] | None:
+        """The current step's call (method, its arguments, their copies), as the Recorder
+        holds it for its watches (Recorder.framework_call)."""
+        call = self.recorder.framework_call
+        return None if call is None else call[1:]
+
     def _open(self, trainer: Any, pl_module: Any, method: str, iteration: int | str,
               batch: Any, batch_idx: int) -> None:
         self._close()
@@ -132,7 +138,6 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         if not rec.taken():
             watched = watched_call(getattr(pl_module, method), method, None, None)
             before = rec.snapshot_of(watched, args, {})
-        self._call = (method, args, before)
         rec.framework_call = (pl_module, method, args, before)
         autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
         if autocast is not None:
@@ -142,7 +147,6 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     def _close(self, exception: BaseException | None = None) -> None:
         step, self._step = self._step, None
-        self._call = None
         self.recorder.framework_call = None
         if step is None:
             return
