@@ -125,8 +125,9 @@ class ModuleWatch:
         self.stack: list[tuple[str, torch.nn.Module, Any, Any, dict[int, int]]] = []
         self.innermost: tuple[BaseException, str, torch.nn.Module, Any, Any,
                               dict[int, int]] | None = None
-        self.outer: list[BaseException | None] = []
-        self.redirected: list[bool] = []  # per open call of the module: forward replaced
+        # Per open call of the module: the exception already in flight when it began, and
+        # whether its forward was replaced on the instance for it (a redirected step).
+        self.outer: list[tuple[BaseException | None, bool]] = []
         self.before = Before()
         self.rng: dict[str, torch.Tensor] = {}
         self.last_call: tuple[Any, Any] | None = None
@@ -159,13 +160,12 @@ class ModuleWatch:
     def _enter(self, qualname: str, module: torch.nn.Module, args: Any, kwargs: Any) -> None:
         owner = self.owner
         if module is self.module:
-            self.outer.append(sys.exc_info()[1])
             # A forward replaced on the instance for this call while a framework names the
             # step's call (Lightning's DDP strategies point forward at training_step for one
             # call): that call is the case, not the class's forward. A wrapper that calls
             # the forward itself (Accelerate's autocast) names no step call.
-            self.redirected.append("forward" in vars(module)
-                                   and owner.step_call(module) is not None)
+            self.outer.append((sys.exc_info()[1], "forward" in vars(module)
+                               and owner.step_call(module) is not None))
             self.open += 1
             owner.enter_scope()
         try:
@@ -201,7 +201,7 @@ class ModuleWatch:
         save: Callable[[BaseException], object] | None = None
         problem: str | None = None
         try:
-            outer = self.outer[-1] if self.outer else None
+            outer, redirected = self.outer[-1] if self.outer else (None, False)
             current = sys.exc_info()[1]
             exc = current if isinstance(current, Exception) and current is not outer else None
             if self.stack and self.stack[-1][1] is module:
@@ -218,8 +218,7 @@ class ModuleWatch:
                 elif owner.checks("loss"):
                     problem = nonfinite_problem(f"loss of {self.watched.name}",
                                                 loss_in(result))
-            if (root and exc is not None and not owner.taken()
-                    and not (self.redirected and self.redirected[-1])):
+            if root and exc is not None and not owner.taken() and not redirected:
                 save = functools.partial(owner.save_module, watch=self, args=args,
                                          kwargs=kwargs, backward=False)
         except KeyboardInterrupt:
@@ -228,9 +227,7 @@ class ModuleWatch:
             owner.fault(f"the hooks of {self.watched.name}", fault)
         if not root:
             return
-        if self.outer:
-            self.outer.pop()
-        redirected = bool(self.redirected) and self.redirected.pop()
+        redirected = self.outer.pop()[1] if self.outer else False
         self.open = max(0, self.open - 1)
         if redirected:
             # The call is the step a framework named (rec.step_call): its case calls that
