@@ -34,3 +34,14 @@ class TestShortestValues:
                 assert messages._shortest(x, dtype) == _shortest_by_every_count(x, dtype), x
                 checked += 1
         assert checked > 2000  # float16 leaves out what overflows it
+
+    @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+    def test_every_16_bit_value_as_by_trying_every_count(self, dtype: torch.dtype) -> None:
+        # The halving search's premise (once a count of digits reads back, every greater
+        # one does), checked where it can be: on every value of the 16-bit dtypes.
+        bits = torch.arange(-(2**15), 2**15, dtype=torch.int32).to(torch.int16)
+        values = [x for x in bits.view(dtype).tolist() if math.isfinite(x)]
+        assert len(values) > 63000
+        wrong = [x for x in values if messages._shortest(x, dtype) != _shortest_by_every_count(
+            x, dtype)]
+        assert wrong == []

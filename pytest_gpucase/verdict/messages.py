@@ -12,8 +12,10 @@ module only words what it found, fetching the few elements it shows.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -114,12 +116,11 @@ def _magnitude(expected: torch.Tensor) -> float:
     reads as rounding or as a bug."""
     if expected.numel() == 0:
         return 0.0
-    with torch.no_grad():
-        size = expected.detach().abs()
-        if not size.dtype.is_floating_point:
-            size = size.to(torch.float64)
-        size = torch.where(torch.isfinite(size), size, 0)
-        return float(size.amax())
+    size = expected.detach().abs()  # a new tensor, rewritten in place below
+    if not size.dtype.is_floating_point:
+        size = size.to(torch.float64)
+    # |x| is never -inf: NaN and +inf are the non-finite ones, counted as 0.
+    return float(size.nan_to_num_(nan=0.0, posinf=0.0).amax())
 
 
 def _scale_line(diff: float, size: float) -> str:
@@ -200,8 +201,9 @@ def values_mismatch(
     indices = [i for _, i in stats.worst]
     rel_index = stats.worst_rel[1] if stats.worst_rel is not None else indices[0]
     flat = [*indices, rel_index]
-    a_values = _gather(actual, flat)
-    e_values = _gather(expected, flat)
+    shape = tuple(actual.shape)
+    coords = [_coords(i, shape) for i in flat]
+    a_values, e_values = _gather(actual, expected, flat, coords)
     diffs = [_abs_diff(a, e) for a, e in zip(a_values, e_values, strict=True)]
     max_abs = float(diffs[0])
     max_rel = relative(float(diffs[-1]), abs(e_values[-1]))
@@ -216,7 +218,6 @@ def values_mismatch(
         )
         return Mismatch(path, "values", message, stats.mismatched, total, max_abs, max_rel)
 
-    shape = tuple(actual.shape)
     ulps_only = _ulps_only(tol)
     lines = [
         f"{path}: values differ",
@@ -227,11 +228,11 @@ def values_mismatch(
         held = _allowed(tol.atol, ulps_only) if exact else _bound(tol, e_values[0], ulps_only)
         lines.append(
             f"  Greatest absolute difference: {num(diffs[0])} at index "
-            f"{_unravel(indices[0], shape)}{held}"
+            f"{coords[0]}{held}"
         )
         lines.append(
             f"  Greatest relative difference: {num(max_rel)} at index "
-            f"{_unravel(rel_index, shape)}{_allowed(tol.rtol, ulps_only)}"
+            f"{coords[-1]}{_allowed(tol.rtol, ulps_only)}"
         )
         if not exact:
             size = _magnitude(expected)
@@ -241,9 +242,9 @@ def values_mismatch(
     lines.extend(_nonfinite_lines(stats.nonfinite, stats.mismatched, expected.dtype, equal_nan))
     if worst:
         lines.append("  Worst elements (index: actual vs expected, abs error):")
-        for i, index in enumerate(indices[:worst]):
+        for i in range(min(worst, len(indices))):
             shown_a, shown_e = _fmt_pair(a_values[i], e_values[i], actual.dtype, expected.dtype)
-            lines.append(f"    {_unravel(index, shape)}: {shown_a} vs {shown_e}, {num(diffs[i])}")
+            lines.append(f"    {coords[i]}: {shown_a} vs {shown_e}, {num(diffs[i])}")
     if not exact:
         # A NaN at the top says nothing about rounding: measure the worst finite one.
         finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
@@ -291,18 +292,33 @@ def _ulp_line(
             f"{num(size)}, the greatest)")
 
 
-def _gather(t: torch.Tensor, flat: list[int]) -> list[complex]:
-    """Fetch a few elements by flat index: the only values that cross to the host.
+def _gather(
+    actual: torch.Tensor,
+    expected: torch.Tensor,
+    flat: list[int],
+    coords: list[tuple[int, ...]],
+) -> tuple[list[complex], list[complex]]:
+    """Fetch a few elements of both tensors by flat index (``coords``: the same as
+    coordinates): the only values that cross to the host.
 
-    One indexing op and one transfer for all of them, whatever the tensor's strides.
+    One indexing op and one transfer for all of them on each side, whatever the strides.
     """
-    if t.dim() == 0:
-        return [t.item()] * len(flat)
-    shape = tuple(t.shape)
-    columns = zip(*(_coords(i, shape) for i in flat), strict=True)
-    index = tuple(torch.tensor(column, device=t.device) for column in columns)
-    values: list[complex] = t[index].tolist()
-    return values
+    if actual.dim() == 0:
+        return [actual.item()] * len(flat), [expected.item()] * len(flat)
+    flat_index: torch.Tensor | None = None
+    index: tuple[torch.Tensor, ...] | None = None
+    values: list[list[complex]] = []
+    for t in (actual, expected):
+        if t.is_contiguous():  # a flat view: one index tensor, however many dimensions
+            if flat_index is None or flat_index.device != t.device:
+                flat_index = torch.tensor(flat, device=t.device)
+            values.append(t.view(-1)[flat_index].tolist())
+        else:
+            if index is None or index[0].device != t.device:
+                index = tuple(torch.tensor(column, device=t.device)
+                              for column in zip(*coords, strict=True))
+            values.append(t[index].tolist())
+    return values[0], values[1]
 
 
 def _abs_diff(a: complex, e: complex) -> float:
@@ -317,10 +333,6 @@ def _coords(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
         flat, c = divmod(flat, size)
         coords.append(c)
     return tuple(reversed(coords))
-
-
-def _unravel(flat: int, shape: tuple[int, ...]) -> str:
-    return str(_coords(flat, shape))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -360,24 +372,35 @@ def _fmt_value(x: complex, dtype: torch.dtype) -> str:
 def _shortest(x: float, dtype: torch.dtype) -> str:
     if dtype == torch.float64 or not math.isfinite(x):
         return repr(x)
-    if dtype == torch.float32 and math.frexp(x)[0] not in (0.5, -0.5):
+    rounder = _ROUNDERS.get(dtype)
+    if rounder is None:
+        rounder = functools.partial(_round, dtype=dtype)
+    elif math.frexp(x)[0] not in (0.5, -0.5):
         # Off a power of two the values that round to x lie within the same
         # distance on both sides, and each added digit lands no farther from x:
         # once a count of digits reads back, every greater one does. So the
-        # fewest is found by halving 1..9 (9 always read back a float32).
-        low, high = 1, 9
-        while low < high:
-            middle = (low + high) // 2
-            if _round(float(f"{x:.{middle}g}"), dtype) == x:
-                high = middle
-            else:
-                low = middle + 1
-        candidate = float(f"{x:.{low}g}")
-        if _round(candidate, dtype) == x:
-            return repr(candidate)
+        # fewest is found by halving 1..most (most always reads back: 9 digits
+        # a float32, 5 a float16, 4 a bfloat16; every 16-bit value was checked),
+        # first trying one less than most, the count most values need.
+        high = _MOST_DIGITS[dtype] - 1
+        best = float(f"{x:.{high}g}")
+        if rounder(best) != x:
+            best = float(f"{x:.{high + 1}g}")
+            if rounder(best) == x:
+                return repr(best)
+        else:
+            low = 1
+            while low < high:
+                middle = (low + high) // 2
+                candidate = float(f"{x:.{middle}g}")
+                if rounder(candidate) == x:
+                    high, best = middle, candidate
+                else:
+                    low = middle + 1
+            return repr(best)
     for digits in range(1, 18):
         candidate = float(f"{x:.{digits}g}")
-        if _round(candidate, dtype) == x:
+        if rounder(candidate) == x:
             return repr(candidate)
     return repr(x)
 
@@ -387,18 +410,41 @@ _FLOAT16 = struct.Struct("e")
 _UINT32 = struct.Struct("I")
 
 
-def _round(x: float, dtype: torch.dtype) -> float:
-    """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
+def _round_float32(x: float) -> float:
     try:
-        if dtype == torch.float32:
-            return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
-        if dtype == torch.float16:
-            x = float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
-            return float(_FLOAT16.unpack(_FLOAT16.pack(x))[0])
-        if dtype == torch.bfloat16:
-            (bits,) = _UINT32.unpack(_FLOAT32.pack(x))
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
-            return float(_FLOAT32.unpack(_UINT32.pack((bits & 0xFFFF) << 16))[0])
+        return float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+    except OverflowError:  # beyond float32's range
+        return math.copysign(math.inf, x)
+
+
+def _round_float16(x: float) -> float:
+    try:
+        x = float(_FLOAT32.unpack(_FLOAT32.pack(x))[0])
+        return float(_FLOAT16.unpack(_FLOAT16.pack(x))[0])
     except OverflowError:  # beyond float16's range
         return math.copysign(math.inf, x)
+
+
+def _round_bfloat16(x: float) -> float:
+    try:
+        (bits,) = _UINT32.unpack(_FLOAT32.pack(x))
+    except OverflowError:
+        return math.copysign(math.inf, x)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # round to nearest even
+    return float(_FLOAT32.unpack(_UINT32.pack((bits & 0xFFFF) << 16))[0])
+
+
+_ROUNDERS: dict[torch.dtype, Callable[[float], float]] = {
+    torch.float32: _round_float32,
+    torch.float16: _round_float16,
+    torch.bfloat16: _round_bfloat16,
+}
+_MOST_DIGITS = {torch.float32: 9, torch.float16: 5, torch.bfloat16: 4}
+
+
+def _round(x: float, dtype: torch.dtype) -> float:
+    """x rounded to dtype as torch rounds a Python float: through float32 for 16-bit dtypes."""
+    rounder = _ROUNDERS.get(dtype)
+    if rounder is not None:
+        return rounder(x)
     return float(torch.tensor(x, dtype=dtype).item())
