@@ -51,6 +51,7 @@ import math
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -134,6 +135,7 @@ def small_close(
     expected: torch.Tensor,
     tol: Tolerance,
     check_dtype: bool,
+    scratch: Scratch | None = None,
 ) -> tuple[float, float] | None:
     """The fast path of a small single floating pair that is close: the screen alone.
 
@@ -143,7 +145,9 @@ def small_close(
     torch calls, single-threaded past torch's grain size as the walk's are.
     Returns the pair's greatest absolute and relative differences; None when
     the screen cannot clear the pair (a mismatch, a NaN or inf, a value near
-    the bound): the full path then decides and words the message.
+    the bound): the full path then decides and words the message. With a
+    ``scratch``, the screen is computed in its rows and left there for
+    ``compare_values`` of the same pair, which then starts past it.
     """
     if not (
         actual.dtype in _SCREENED_DTYPES
@@ -159,16 +163,16 @@ def small_close(
         return None
     threads = torch.get_num_threads()
     if actual.numel() <= _GRAIN_ELEMENTS or threads <= 1 or actual.device.type != "cpu":
-        return _screened(actual, expected, tol)
+        return _screened(actual, expected, tol, scratch)
     torch.set_num_threads(1)  # as compare_values does: no barrier per op under load
     try:
-        return _screened(actual, expected, tol)
+        return _screened(actual, expected, tol, scratch)
     finally:
         torch.set_num_threads(threads)
 
 
 def _screened(
-    actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance
+    actual: torch.Tensor, expected: torch.Tensor, tol: Tolerance, scratch: Scratch | None
 ) -> tuple[float, float] | None:
     screen = _screen(actual.dtype, expected.dtype, actual.device, tol)
     a, e = actual, expected
@@ -182,17 +186,23 @@ def _screened(
     scale = torch.abs(e)
     rows = torch.stack((diff, torch.div(diff, scale)))
     # reshape: a channels_last or permuted pair stacks into rows no view can flatten.
-    max_abs, max_rel = (rows if a.dim() == 1 else rows.reshape(2, -1)).amax(1).tolist()
-    if not math.isfinite(max_abs):
-        return None
-    if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
-        max_rel = float(rows[1].nan_to_num_(nan=0.0, posinf=math.inf).amax())
-    # The third test's row only when the first two cannot clear the pair.
-    if not screen.clears(max_abs, max_rel, math.inf):
-        max_excess = float(torch.add(diff, scale, alpha=-tol.rtol).amax())
-        if not screen.clears(max_abs, max_rel, max_excess):
-            return None
-    return nan_max(0.0, max_abs), nan_max(0.0, max_rel)
+    rows = rows if a.dim() == 1 else rows.reshape(2, -1)
+    max_abs, max_rel = rows.amax(1).tolist()
+    if math.isfinite(max_abs):
+        if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
+            max_rel = float(rows[1].nan_to_num_(nan=0.0, posinf=math.inf).amax())
+        # The third test's row only when the first two cannot clear the pair.
+        if screen.clears(max_abs, max_rel, math.inf) or screen.clears(
+                max_abs, max_rel, float(torch.add(diff, scale, alpha=-tol.rtol).amax())):
+            return nan_max(0.0, max_abs), nan_max(0.0, max_rel)
+    if scratch is not None:
+        # Handed on in the layout of `_Judge.floating_chunk`'s rows: diff, rel, -, scale.
+        chunk = scratch.rows(5, rows.shape[1], screen.real, a.device)
+        chunk[:2].copy_(rows)
+        chunk[3].view(scale.shape).copy_(scale)
+        flat_a, flat_e = a.reshape(-1), e.reshape(-1)  # as the chunk's loaded rows
+        scratch.screened = (actual, expected, flat_a, flat_e, chunk, max_abs, max_rel)
+    return None
 
 
 def _load_memcmp() -> Callable[[int, int, int], int] | None:
@@ -276,6 +286,9 @@ class Scratch:
 
     def __init__(self) -> None:
         self._buffers: dict[tuple[str, torch.dtype, torch.device], torch.Tensor] = {}
+        # A pair the screen of `small_close` could not clear: (actual, expected, its
+        # loaded rows a and e, the five chunk rows, max_abs, max_rel), for its judging.
+        self.screened: tuple[Any, ...] | None = None
 
     def get(self, name: str, n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         key = (name, dtype, device)
@@ -360,6 +373,9 @@ def compare_values(
         stats.note(0.0, 0.0)
         return stats
     judge = _Judge(actual, expected, tol, equal_nan)
+    screened, scratch.screened = scratch.screened, None
+    if screened is not None and screened[0] is actual and screened[1] is expected:
+        judge.screened = screened[2:]  # its one chunk, screened and found unequal
     pieces = _pieces(actual, expected, chunk)
     cpu = actual.device.type == "cpu" and expected.device.type == "cpu"
     threads = torch.get_num_threads() if cpu and n > _GRAIN_ELEMENTS else 1
@@ -501,6 +517,7 @@ class _Judge:
             self.cdt = actual.dtype
             self.real = torch.float64 if backends.float64_on(actual.device.type) else torch.float32
         _, self.nan_rank, self.inf_rank = _ranks(self.real)
+        self.screened: tuple[Any, ...] | None = None
 
     def __call__(
         self,
@@ -510,7 +527,7 @@ class _Judge:
         a_piece: torch.Tensor,
         e_piece: torch.Tensor,
     ) -> None:
-        if self.screen_equal and _equal(a_piece, e_piece):
+        if self.screen_equal and self.screened is None and _equal(a_piece, e_piece):
             stats.note(0.0, 0.0)
             return
         if self.floating:
@@ -527,28 +544,33 @@ class _Judge:
         e_piece: torch.Tensor,
     ) -> None:
         tol = self.tol
-        a = scratch.load("a", a_piece, self.cdt, self.device)
-        e = scratch.load("e", e_piece, self.cdt, self.device)
-        n = a.numel()
-        rows = scratch.rows(5, n, self.real, self.device)
-        diff, rel, excess, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
-        # The screen: four cache-resident passes and one reduction of three rows.
-        if self.cdt.is_complex:
-            torch.abs(torch.sub(a, e), out=diff)
+        if self.screened is not None:  # small_close's screen, which did not clear it
+            (a, e, rows, max_abs, max_rel), self.screened = self.screened, None
+            n = a.numel()
+            finite = math.isfinite(max_abs)
         else:
-            torch.sub(a, e, out=diff).abs_()
-        torch.abs(e, out=scale)
-        torch.div(diff, scale, out=rel)
-        torch.add(diff, scale, alpha=-tol.rtol, out=excess)  # |a - e| - rtol * |e|
-        max_abs, max_rel, max_excess = rows[:3].amax(dim=1).tolist()
-        finite = math.isfinite(max_abs)
-        if finite:
-            if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
-                max_rel = float(rel.nan_to_num_(nan=0.0, posinf=math.inf).amax())
-            assert self.screen is not None
-            if self.screen.clears(max_abs, max_rel, max_excess):
-                stats.note(max_abs, max_rel)
-                return
+            a = scratch.load("a", a_piece, self.cdt, self.device)
+            e = scratch.load("e", e_piece, self.cdt, self.device)
+            n = a.numel()
+            rows = scratch.rows(5, n, self.real, self.device)
+            # The screen: four cache-resident passes and one reduction of three rows.
+            if self.cdt.is_complex:
+                torch.abs(torch.sub(a, e), out=rows[0])
+            else:
+                torch.sub(a, e, out=rows[0]).abs_()
+            torch.abs(e, out=rows[3])
+            torch.div(rows[0], rows[3], out=rows[1])
+            torch.add(rows[0], rows[3], alpha=-tol.rtol, out=rows[2])  # |a - e| - rtol * |e|
+            max_abs, max_rel, max_excess = rows[:3].amax(dim=1).tolist()
+            finite = math.isfinite(max_abs)
+            if finite:
+                if math.isnan(max_rel):  # 0/0 where both sides hold an exact zero
+                    max_rel = float(rows[1].nan_to_num_(nan=0.0, posinf=math.inf).amax())
+                assert self.screen is not None
+                if self.screen.clears(max_abs, max_rel, max_excess):
+                    stats.note(max_abs, max_rel)
+                    return
+        diff, rel, excess, scale, mismatch = rows[0], rows[1], rows[2], rows[3], rows[4]
         # Element by element, as torch.isclose decides; 1.0 marks a mismatch.
         allowed = excess
         if self.cdt.is_complex:
@@ -558,7 +580,7 @@ class _Judge:
         if finite:
             self.finite_mismatch(diff, allowed, scale, mismatch)
             torch.nan_to_num(rel, posinf=self.inf_rank, out=scale)
-            self.account(stats, offset, mismatch, diff, scale, allowed)
+            self.account(stats, offset, mismatch, diff, rows[2:4])
             stats.note(max_abs, max_rel)
             return
         # NaN and inf are usually few: found in one pass and decided by index,
@@ -594,7 +616,7 @@ class _Judge:
         mismatch.index_copy_(0, special, mismatched_s.to(mismatch.dtype))
         diff.index_copy_(0, special, rank_s)
         scale.index_copy_(0, special, rank_s)
-        worst_abs, worst_rel = self.account(stats, offset, mismatch, diff, scale, allowed)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, diff, rows[2:4])
         stats.note(
             nan_max(finite_abs, self.unrank(worst_abs)), nan_max(finite_rel, self.unrank(worst_rel))
         )
@@ -640,7 +662,7 @@ class _Judge:
         passing_rel = float(torch.nan_to_num(rel * close, nan=0.0, posinf=math.inf).amax())
         torch.nan_to_num(rel, nan=self.nan_rank, posinf=self.inf_rank, out=scale)
         torch.nan_to_num(diff, nan=self.nan_rank, posinf=self.inf_rank, out=excess)
-        worst_abs, worst_rel = self.account(stats, offset, mismatch, excess, scale, excess)
+        worst_abs, worst_rel = self.account(stats, offset, mismatch, excess, rows[2:4])
         stats.note(nan_max(passing_abs, self.unrank(worst_abs)),
                    nan_max(passing_rel, self.unrank(worst_rel)))
         if worst_abs > 0:
@@ -679,7 +701,7 @@ class _Judge:
         # differs by 0 in float64 and must still rank above the matches.
         torch.add(diff, 1.0, out=key)
         torch.nan_to_num(rel, posinf=self.inf_rank, out=scale).add_(1.0)
-        self.account(stats, offset, mismatch, key, scale, key)
+        self.account(stats, offset, mismatch, key, rows[2:4])
 
     def account(
         self,
@@ -687,28 +709,29 @@ class _Judge:
         offset: int,
         mismatch: torch.Tensor,
         rank: torch.Tensor,
-        rel_rank: torch.Tensor,
-        key: torch.Tensor,
+        ranks: torch.Tensor,
     ) -> tuple[float, float]:
         """Count a chunk's mismatches and keep its worst: a few reductions, however many.
 
         `mismatch` holds 1.0 at mismatches and 0.0 elsewhere; `rank` and
-        `rel_rank` rank the elements (positive at every mismatch); `key` may
-        be `rank` itself. `rel_rank`, `key` and `mismatch` are overwritten.
+        ``ranks[1]`` rank the elements (positive at every mismatch) by absolute
+        and relative difference; ``ranks`` is two rows of a chunk's scratch side
+        by side, whose first may be `rank` itself: both are overwritten (so is
+        `mismatch`), and both greatest ranks come from one reduction.
         Returns the chunk's greatest ranks among mismatches.
         """
         count = int(mismatch.sum())
         if not count:
             return 0.0, 0.0
         stats.mismatched += count
+        key, rel_rank = ranks[0], ranks[1]
         torch.mul(rel_rank, mismatch, out=rel_rank)
-        worst_rel = float(rel_rank.amax())
+        torch.mul(rank, mismatch, out=key)
+        worst, worst_rel = ranks.amax(dim=1).tolist()
         if stats.worst_rel is None or worst_rel > stats.worst_rel[0]:
             stats.add_rel(worst_rel, offset + _first_max(rel_rank))
-        key = torch.mul(rank, mismatch, out=key)
         # One max per chunk; indices only while this chunk can still hold one
         # of the worst `keep` (the first chunk, or one worse than all kept).
-        worst = float(key.amax())
         if not stats.admits(worst):
             return worst, worst_rel
         # The chunk's worst by (-rank, index), as add_worst orders them: the

@@ -157,12 +157,15 @@ def compare(
         raise ValueError(f"worst must be >= 0, got {worst}")
     table = {**DEFAULT_TOLERANCES, **tolerances} if tolerances else DEFAULT_TOLERANCES
     explicit = frozenset(tolerances or ())
+    # Shared with the walk: a screen that cannot clear a single pair is not computed twice.
+    scratch = None
     try:
         if _kernel.equal_tensors(actual, expected):
             return Comparison((), 0.0, 0.0)
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
+            scratch = _kernel.Scratch()
             tol = _tolerance_for(table, explicit, actual.dtype, precision)
-            close = _kernel.small_close(actual, expected, tol, check_dtype)
+            close = _kernel.small_close(actual, expected, tol, check_dtype, scratch)
             if close is not None:
                 return Comparison((), *close)
     except _TORCH_REFUSALS:
@@ -176,6 +179,7 @@ def compare(
         precision=precision,
         second_look=second_look,
         device=device,
+        scratch=_kernel.Scratch() if scratch is None else scratch,
     )
     # Outputs may carry autograd history; out= kernels refuse such inputs.
     with torch.no_grad():
