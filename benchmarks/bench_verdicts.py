@@ -311,7 +311,7 @@ def needs(seeds: int) -> None:
 
                 expected = reference(reference_inputs, cotangents)
                 spreads = second_look.spreads_of(expected, second_look.drawn(
-                    reference, reference_inputs, cotangents, precision))
+                    reference, lambda made=reference_inputs: made, cotangents, precision))
                 found = second_look.leaves_of(actual)
                 for path, value in second_look.leaves_of(expected).items():
                     a = torch.as_tensor(found[path]).double()

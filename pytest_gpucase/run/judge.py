@@ -225,8 +225,8 @@ class Judged:
                                 baseline=lambda: reference_cache.load(baseline) or {})
 
     def fresh_look(self, expected: dict[str, Any]) -> second_look.Look:
-        inputs = self.reference_inputs()
-        draw = second_look.drawn(self.call_reference, inputs, self.cotangents, self.precision)
+        draw = second_look.drawn(self.call_reference, self.reference_inputs, self.cotangents,
+                                 self.precision)
         return second_look.Look(
             precision=self.precision, fresh=True,
             spreads=lambda: second_look.spreads_of(expected, draw),

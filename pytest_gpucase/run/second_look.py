@@ -98,15 +98,21 @@ def spreads_of(reference: Mapping[str, Any],
 
 
 def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
-          inputs: Mapping[str, Any], cotangents: Mapping[str, torch.Tensor],
+          inputs: Callable[[], Mapping[str, Any]], cotangents: Mapping[str, torch.Tensor],
           precision: torch.dtype) -> Callable[[int], Mapping[str, Any]]:
     """One draw of the rounding budget: ``call`` on the inputs and cotangents each rounded
-    once, every operation's result rounded once (``RoundEveryOp``), at ``precision``."""
+    once, every operation's result rounded once (``RoundEveryOp``), at ``precision``.
+
+    ``inputs`` is asked for on the first draw, once: a run that passes without a budget
+    never makes them (loading a case's inputs again is most of what a draw would cost it)."""
     u = unit_roundoff(precision)
+    made: list[Mapping[str, Any]] = []
 
     def run(seed: int) -> Mapping[str, Any]:
+        if not made:
+            made.append(inputs())
         generator = torch.Generator().manual_seed(seed)
-        inputs_now = perturbed(dict(inputs), u, generator)
+        inputs_now = perturbed(dict(made[0]), u, generator)
         cotangents_now = perturbed(dict(cotangents), u, generator)
         with RoundEveryOp(u, generator):
             return call(inputs_now, cotangents_now)
