@@ -61,6 +61,7 @@ The folder is not trusted (a pull request can commit files, or a symlink, under
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import errno
@@ -74,7 +75,7 @@ import secrets
 import stat
 import sys
 import sysconfig
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -197,36 +198,42 @@ def _loaded_modules() -> bytes:
     user code (see the module's docstring), sorted; a ``stat`` each, never a read.
 
     Modules loaded when the session primed (in the pytest process, before it forks) have
-    their rows made then; a child looks only at the names added since. Reading every
-    module object in a forked child is what costs: each read writes the object's
-    reference count, and each write copies a page of the parent's memory (6-8 ms a
-    child for 1,200 modules, against 1 ms in the parent).
+    their rows made, sorted and joined then; a child looks only at the names added since
+    and splices their rows in. Reading every module object, or every row, in a forked
+    child is what costs: each read writes the object's reference count, and each write
+    copies a page of the parent's memory (6-8 ms a child for 1,200 modules, against 1 ms
+    in the parent).
     """
-    if _PRIMED is None:
-        rows = _rows(sys.modules.items(), {})
-    else:
-        names, primed_rows, last_name, last_module = _PRIMED
-        added = []
-        # sys.modules keeps insertion order: what was imported since priming is at its
-        # end, after the last module then loaded (unless that one left: then all is read).
-        for name in reversed(sys.modules):
-            if name == last_name and sys.modules.get(name) is last_module:
-                break
-            if name not in names:
-                added.append(name)
-        rows = _rows(((name, sys.modules[name]) for name in added), primed_rows)
-    return "\n".join(sorted(rows.values())).encode(errors="surrogateescape")
+    primed = _PRIMED
+    if primed is None:
+        return _joined(sorted(_rows(sys.modules.items(), {}).values()))
+    added = []
+    # sys.modules keeps insertion order: what was imported since priming is at its end,
+    # after the last module then loaded (unless that one left: then all is read).
+    for name in reversed(sys.modules):
+        if name == primed.last_name and sys.modules.get(name) is primed.last_module:
+            break
+        if name not in primed.names:
+            added.append(name)
+    return primed.with_rows(_rows(((name, sys.modules[name]) for name in added),
+                                  primed.rows).values())
 
 
-def _rows(modules: Iterable[tuple[str, Any]], primed: dict[str, str]) -> dict[str, str]:
-    """File -> row for ``modules`` that may hold user code, added to ``primed``."""
+def _joined(rows: Iterable[str]) -> bytes:
+    return "\n".join(rows).encode(errors="surrogateescape")
+
+
+def _rows(modules: Iterable[tuple[str, Any]], seen: Mapping[str, str]) -> dict[str, str]:
+    """File -> row for those of ``modules`` that may hold user code, whose file is not in
+    ``seen`` already."""
     torch_package, stdlib, site_packages = _outside_user_code()
-    found_rows = dict(primed)
+    found_rows: dict[str, str] = {}
     for name, module in modules:
         if name == "torch" or name.startswith("torch."):
             continue  # most of what is loaded: passed over by name, with no lookup
         file = getattr(module, "__file__", None)
-        if (not isinstance(file, str) or file in found_rows or file.startswith(torch_package)
+        if (not isinstance(file, str) or file in found_rows or file in seen
+                or file.startswith(torch_package)
                 or (file.startswith(stdlib) and not file.startswith(site_packages))):
             continue  # a builtin, a namespace package, seen, or not user code
         try:
@@ -237,9 +244,55 @@ def _rows(modules: Iterable[tuple[str, Any]], primed: dict[str, str]) -> dict[st
     return found_rows
 
 
-# The names loaded when the session primed, and the rows of their files (made afresh each
-# session: a process running several, pytest.main in a loop, sees edits between them).
-_PRIMED: tuple[frozenset[str], dict[str, str], str | None, Any] | None = None
+@dataclass(frozen=True)
+class _Primed:
+    """The modules loaded when the session primed and the rows of their files, sorted and
+    joined as ``_loaded_modules`` gives them, with where each row starts in the joined
+    bytes: a child adds a row by slicing there, touching none of the others."""
+
+    names: frozenset[str]
+    rows: dict[str, str]
+    last_name: str | None
+    last_module: Any
+    ordered: list[str]
+    joined: bytes
+    starts: list[int]
+
+    @classmethod
+    def made(cls, names: frozenset[str], rows: dict[str, str],
+             last: tuple[str | None, Any]) -> _Primed:
+        ordered = sorted(rows.values())
+        starts, offset = [], 0
+        for row in ordered:
+            starts.append(offset)
+            offset += len(row.encode(errors="surrogateescape")) + 1
+        return cls(names, rows, *last, ordered, _joined(ordered), starts)
+
+    def with_rows(self, added: Iterable[str]) -> bytes:
+        """The joined rows with ``added`` (rows of files not primed) in their sorted places."""
+        new = sorted(added)
+        if not new:
+            return self.joined
+        pieces, done, count = [], 0, len(self.ordered)
+        for row in new:
+            at = bisect.bisect_left(self.ordered, row)
+            if at > done:  # the primed rows before this one, as one slice
+                pieces.append(self._block(done, at))
+            pieces.append(_joined([row]))
+            done = at
+        if done < count:
+            pieces.append(self._block(done, count))
+        return b"\n".join(pieces)
+
+    def _block(self, first: int, end: int) -> bytes:
+        """Rows ``first`` to ``end`` (excluded) as joined, without a newline at the end."""
+        stop = self.starts[end] - 1 if end < len(self.starts) else len(self.joined)
+        return self.joined[self.starts[first]:stop]
+
+
+# What the session primed (made afresh each session: a process running several, pytest.main
+# in a loop, sees edits between them).
+_PRIMED: _Primed | None = None
 
 
 def forget_primed() -> None:
@@ -254,8 +307,28 @@ def prime() -> None:
     global _PRIMED
     _PRIMED = None
     loaded = list(sys.modules.items())
-    last_name, last_module = loaded[-1] if loaded else (None, None)
-    _PRIMED = frozenset(name for name, _ in loaded), _rows(loaded, {}), last_name, last_module
+    _PRIMED = _Primed.made(frozenset(name for name, _ in loaded), _rows(loaded, {}),
+                           loaded[-1] if loaded else (None, None))
+
+
+def _primed_again() -> None:
+    """Add the rows of what the pytest process imported since it primed (collection, the
+    first runs' own imports), before it forks the next child: a child that had to walk
+    them would touch, and so copy, each module object's page."""
+    global _PRIMED
+    primed = _PRIMED
+    if primed is None:
+        return
+    # Only the last name is looked at while nothing changed: every object this process
+    # touches after a fork costs it a page copy too, while that child lives.
+    last = next(reversed(sys.modules), None)
+    if last is not None and last == primed.last_name and (
+            sys.modules.get(last) is primed.last_module):
+        return  # nothing imported since (or only what then left again)
+    loaded = list(sys.modules.items())
+    added = [(name, module) for name, module in loaded if name not in primed.names]
+    _PRIMED = _Primed.made(primed.names | {name for name, _ in added},
+                           {**primed.rows, **_rows(added, primed.rows)}, loaded[-1])
 
 
 # The files of the run the parent is about to fork (``prepare``), read there.
@@ -269,6 +342,7 @@ def prepare(spec: RunSpec) -> None:
     whose parent is this one), once; any other child reads them itself, and the parent
     drops them when the run ends (``forget_prepared``)."""
     _PREPARED.clear()
+    _primed_again()
     case = spec.case
     sources: dict[str, bytes] = {}
     where = (case.reference or case.call).partition(":")[0]
