@@ -147,3 +147,18 @@ def test_pytest_children_import_as_the_parent_does(project: Path, pytester: pyte
                                            "--gpu-start-method", "spawn", "-p",
                                            "no:cacheprovider")
     result.assert_outcomes(passed=1)
+
+
+def test_a_configuration_file_edited_between_runs_is_read_again(tmp_path: Path) -> None:
+    """Each run asks; a file is parsed again only when it changed, and a new file nearer the
+    case is found at once."""
+    (tmp_path / "pyproject.toml").write_text('[tool.pytest.ini_options]\npythonpath = ["src"]\n')
+    case = tmp_path / "cases" / "one"
+    case.mkdir(parents=True)
+    assert import_paths(case) == (str(tmp_path / "src"), str(tmp_path))
+    (tmp_path / "pyproject.toml").write_text(
+        '[tool.pytest.ini_options]\npythonpath = ["lib", "src"]\n')
+    assert import_paths(case) == (str(tmp_path / "lib"), str(tmp_path / "src"),
+                                          str(tmp_path))
+    (tmp_path / "cases" / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
+    assert import_paths(case) == (str(tmp_path / "cases"),)

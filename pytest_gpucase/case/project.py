@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shlex
+import stat
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -78,20 +79,35 @@ _LOADERS: dict[str, Callable[[Path], Any]] = {
 }
 
 
+# Each configuration file's pytest table as last read, under what ``os.stat`` said of the
+# file then: a file is parsed again only when it changed (every run of every case asks).
+_READ: dict[str, tuple[tuple[int, int, int, int], Any]] = {}
+
+
 def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
     """The rootdir pytest would find for ``start`` and its configuration, or None."""
     fallback: Path | None = None
     for base in (start, *start.parents):
         for name, load in _LOADERS.items():
-            file = base / name
-            if not file.is_file():
+            file = os.path.join(base, name)
+            try:
+                found = os.stat(file)
+            except (OSError, ValueError):
+                continue
+            if not stat.S_ISREG(found.st_mode):
                 continue
             if name == "pyproject.toml" and fallback is None:
                 fallback = base
-            try:
-                table = load(file)
-            except (OSError, ValueError, iniconfig.ParseError):
-                continue  # pytest itself will name the broken file when it runs
+            signature = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+            read = _READ.get(file)
+            if read is not None and read[0] == signature:
+                table = read[1]
+            else:
+                try:
+                    table = load(Path(file))
+                except (OSError, ValueError, iniconfig.ParseError):
+                    continue  # pytest itself will name the broken file when it runs
+                _READ[file] = (signature, table)
             if isinstance(table, dict):
                 return base, table
     return (fallback, {}) if fallback is not None else None
