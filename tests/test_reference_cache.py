@@ -579,6 +579,28 @@ def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> Non
     assert any("failed authentication" in note for note in outcome.notes)
 
 
+def test_a_budget_is_kept_beside_a_reference_too_fast_to_keep(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The draws cost more than reading a few numbers back: kept even where the reference is
+    computed afresh each run, and written once, also by a run that keeps failing."""
+    monkeypatch.setattr(reference_cache, "MIN_SECONDS", 10.0)  # no reference is kept
+    path, cache = rounded_case(tmp_path), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS + (1 + 1)  # the call and its reference, no draws
+    (budget,) = cache.glob("*")
+    assert budget.name.endswith(".budget1-float32.reference")
+    written = budget.stat().st_mtime_ns
+    # A wrong result is judged against a fresh reference and fresh draws, never the kept ones.
+    (path / "case.py").write_text(ROUNDED.format(
+        change="* (1.01 if a.dtype != __import__('torch').float64 else 1.0)"))
+    assert run(path, cache) == "failed"
+    assert run(path, cache) == "failed"
+    assert len(list(cache.glob("*.budget1-float32.reference"))) == 2  # the new code's key
+    assert budget.stat().st_mtime_ns == written
+
+
 def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Path) -> None:
     path, cache = rounded_case(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
