@@ -23,8 +23,9 @@ coarser) is applied as given, with no second look.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -470,7 +471,8 @@ class _Walk:
             message = scalar_message(path, actual, expected, dtype, dtype, widened,
                                      self.equal_nan, exact=False)
             mismatch = dataclasses.replace(mismatch, message=message)
-        return self.against_baseline(path, actual, expected, widened, within, mismatch)
+        return self.against_baseline(path, actual, expected, widened, within,
+                                     lambda: mismatch)
 
     # -- tensors -------------------------------------------------------------
 
@@ -577,30 +579,39 @@ class _Walk:
         if stats.compared:
             self.note(stats.max_abs, stats.max_rel)
         if stats.mismatched:
-            leaf.mismatch = values_mismatch(
-                leaf.path, leaf.actual, leaf.expected, leaf.tol, stats, self.worst, self.equal_nan
-            )
+            def worded() -> Mismatch:
+                return values_mismatch(leaf.path, leaf.actual, leaf.expected, leaf.tol, stats,
+                                       self.worst, self.equal_nan)
+
             if self.looks_again(leaf.actual.dtype) and not _nonfinite(stats.nonfinite):
-                leaf.mismatch = self.look_again(leaf, leaf.mismatch)
+                # Worded only if the second look does not clear the leaf: a leaf it clears
+                # (low precision within its budget, every run of it) needs no message.
+                leaf.mismatch = self.look_again(leaf, functools.cache(worded))
+            else:
+                leaf.mismatch = worded()
             if record and leaf.mismatch is not None:
                 self.items.append(leaf.mismatch)
 
-    def look_again(self, leaf: _Leaf, mismatch: Mismatch) -> Mismatch | None:
-        """A tensor leaf past its default tolerance, judged by its rounding budget and, on a
-        device, against the CPU's own run in the same dtype (``rounding``)."""
+    def look_again(self, leaf: _Leaf, worded: Callable[[], Mismatch]) -> Mismatch | None:
+        """A tensor leaf past its default tolerance (``worded``: its mismatch under that
+        tolerance), judged by its rounding budget and, on a device, against the CPU's own run
+        in the same dtype (``rounding``)."""
         assert self.second_look is not None
         budget = self.second_look.budget(leaf.path)
         tol = budget.tolerance(leaf.tol) if budget is not None else None
         if budget is None or tol is None:
-            return mismatch
+            return worded()
         stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
                                        max(self.worst, 1), self.scratch)
         within = not stats.mismatched
+        mismatch = worded
         if not within:
-            mismatch = values_mismatch(leaf.path, leaf.actual, leaf.expected, tol, stats,
-                                       self.worst, self.equal_nan)
+            found = values_mismatch(leaf.path, leaf.actual, leaf.expected, tol, stats,
+                                    self.worst, self.equal_nan)
+            mismatch = lambda: found  # noqa: E731
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
-            within, mismatch = False, with_note(mismatch, problem)
+            within, noted = False, with_note(worded(), problem)
+            mismatch = lambda: noted  # noqa: E731
         else:
             self.vacuous(leaf.path, leaf.expected, tol, budget.precision)
         return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
@@ -620,20 +631,21 @@ class _Walk:
                           "judge it in a finer dtype, or name an independent reference")
 
     def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
-                         within: bool, mismatch: Mismatch) -> Mismatch | None:
+                         within: bool, mismatch: Callable[[], Mismatch]) -> Mismatch | None:
         """The device rule: past ``BASELINE_MULTIPLE`` times the CPU's own error fails; a run
-        the budget refuses passes when the CPU's own run is past the budget too."""
+        the budget refuses passes when the CPU's own run is past the budget too.
+        ``mismatch`` words the leaf's failure, asked for only when it fails."""
         assert self.second_look is not None
         baseline = self.second_look.baseline(path) if self.device != "cpu" else None
         if baseline is None:
-            return None if within else mismatch
+            return None if within else mismatch()
         precision = coarser(_dtype_of(actual), self.precision)
         problem = baseline_problem(actual, expected, baseline, precision, self.device)
         if problem is not None:
-            return with_note(mismatch, problem)
+            return with_note(mismatch(), problem)
         if within or not _within(baseline, expected, budget, self.equal_nan):
             return None
-        return mismatch
+        return mismatch()
 
     def flush(self) -> None:
         for key in list(self.batches):
