@@ -26,7 +26,9 @@ leaf's greatest change in the draws; and the RMS error over the RMS change), whi
 ``cost``: per item of the bundled cases (``cases/``, CPU), the child's whole verdict path
 (call, reference, comparison, and whatever second look and gradcheck it asks for) against
 the same with the package of ``--baseline-src`` (the code before the verdicts issue: the
-call plus today's reference), each in its own process, interleaved rounds, medians.
+call plus today's reference), each in its own process, interleaved rounds, medians; and
+this package once more with a reference cache (filled by the first, unmeasured run), which
+is what a second session pays.
 """
 
 from __future__ import annotations
@@ -333,22 +335,31 @@ def needs(seeds: int) -> None:
 
 
 _TIMING = r"""
-import json, sys, time, warnings
+import json, os, shutil, sys, time, warnings
 warnings.simplefilter("ignore")
 import torch
 torch.set_num_threads(1)
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.plan.runs import RunSpec, expand
+from pytest_gpucase.plan.runs import RunSpec, expand, saved_dtype
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.run.child import run
+cached = sys.argv[1] == "cached"
+if cached:
+    from pytest_gpucase.run.reference_cache import prime, session_cache
+    cache = session_cache()
+    os.environ.update(cache.env())
 env = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 out = {}
-for path in sys.argv[1:]:
+for path in sys.argv[2:]:
     case = load_case(path)
-    for spec in expand(case, env, devices=("cpu",)):
+    compute = getattr(case.context, "compute_dtype", None)
+    saved = None if case.matrix.dtypes else (compute or saved_dtype(case))
+    for spec in expand(case, env, saved_dtype=saved, devices=("cpu",)):
         if spec.skip:
             continue
-        run(spec)  # warm: imports, first-touch
+        run(spec)  # warm: imports, first-touch (and, cached, the entries)
+        if cached:
+            prime()  # what is loaded now is what a forked child would inherit
         samples = []
         for _ in range(5):
             began = time.perf_counter()
@@ -356,35 +367,54 @@ for path in sys.argv[1:]:
             samples.append(time.perf_counter() - began)
         samples.sort()
         out[f"{case.name}[{spec.id}]"] = samples[len(samples) // 2]
+if cached:
+    shutil.rmtree(cache.temporary)
 print(json.dumps(out))
 """
 
+# What each column runs: the package, and whether its runs use a reference cache.
+_COLUMNS = (("old", "baseline", False), ("new", "this", False), ("cached", "this", True))
+
 
 def cost(baseline_src: Path, rounds: int) -> None:
-    """The child's verdict path on the bundled cases, this package against ``baseline_src``."""
+    """The child's verdict path on the bundled cases, this package against ``baseline_src``;
+    and this package again with a reference cache the first run filled."""
     cases = sorted(str(p.parent) for p in (ROOT / "cases").glob("*/case.toml"))
-    results: dict[str, dict[str, list[float]]] = {"new": {}, "old": {}}
-    for _ in range(rounds):
-        for which, src in (("old", baseline_src), ("new", ROOT)):
-            env = {**os.environ, "PYTHONPATH": str(src), "GPUCASE_REFERENCE_CACHE": ""}
-            env.pop("GPUCASE_REFERENCE_CACHE")
-            done = subprocess.run([sys.executable, "-c", _TIMING, *cases], env=env, cwd=src,
-                                  capture_output=True, text=True, check=True)
+    results: dict[str, dict[str, list[float]]] = {name: {} for name, _, _ in _COLUMNS}
+    loads = []
+    for round_ in range(rounds):
+        loads.append(os.getloadavg()[0])
+        order = _COLUMNS if round_ % 2 == 0 else _COLUMNS[::-1]
+        for name, package, cached in order:
+            src = baseline_src if package == "baseline" else ROOT
+            env = {key: value for key, value in os.environ.items()
+                   if not key.startswith("GPUCASE_REFERENCE")}
+            env["PYTHONPATH"] = str(src)
+            done = subprocess.run([sys.executable, "-c", _TIMING,
+                                   "cached" if cached else "fresh", *cases],
+                                  env=env, cwd=src, capture_output=True, text=True)
+            if done.returncode:
+                raise SystemExit(f"{name} failed:\n{done.stderr[-3000:]}")
             for item, seconds in json.loads(done.stdout.splitlines()[-1]).items():
-                results[which].setdefault(item, []).append(seconds)
+                results[name].setdefault(item, []).append(seconds)
+    loads.append(os.getloadavg()[0])
     print(f"\n{rounds} interleaved rounds, median of 5 runs each, load average "
-          f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
-    print("| bundled item (CPU) | before: call + reference, ms | now, ms | ratio |")
-    print("|---|---:|---:|---:|")
-    total_old = total_new = 0.0
+          f"{min(loads):.2f}-{max(loads):.2f}\n")
+    print("| bundled item (CPU) | before: call + reference, ms | now, ms | x before "
+          "| now, cached reference, ms | x before |")
+    print("|---|---:|---:|---:|---:|---:|")
+    totals = dict.fromkeys(results, 0.0)
     for item in sorted(results["new"]):
-        old = statistics.median(results["old"].get(item, [float("nan")]))
-        new = statistics.median(results["new"][item])
-        total_old += old
-        total_new += new
-        print(f"| {item} | {old * 1e3:.2f} | {new * 1e3:.2f} | {new / old:.2f} |")
-    print(f"| all items | {total_old * 1e3:.1f} | {total_new * 1e3:.1f} | "
-          f"{total_new / total_old:.2f} |")
+        row = {name: statistics.median(results[name].get(item, [float("nan")]))
+               for name in results}
+        for name, value in row.items():
+            totals[name] += value
+        print(f"| {item} | {row['old'] * 1e3:.2f} | {row['new'] * 1e3:.2f} | "
+              f"{row['new'] / row['old']:.2f} | {row['cached'] * 1e3:.2f} | "
+              f"{row['cached'] / row['old']:.2f} |")
+    print(f"| all items | {totals['old'] * 1e3:.1f} | {totals['new'] * 1e3:.1f} | "
+          f"{totals['new'] / totals['old']:.2f} | {totals['cached'] * 1e3:.1f} | "
+          f"{totals['cached'] / totals['old']:.2f} |")
 
 
 def main() -> None:
