@@ -9,6 +9,7 @@ data (``encode``, in the child) or the error, and the warnings. The parent reads
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 import json
 import math
@@ -107,9 +108,7 @@ def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
     if name not in RESULT_TYPES:
         raise BadResult(f"type {name!r} is not one a child may return")
     module, _, qualname = str(name).rpartition(".")
-    cls = getattr(importlib.import_module(module), qualname)
-    hints = typing.get_type_hints(cls)
-    wanted = {f.name for f in dataclasses.fields(cls) if f.init}
+    cls, hints, wanted = _shape(module, qualname)
     if set(fields) != wanted:
         raise BadResult(f"{qualname} fields {sorted(fields)} are not {sorted(wanted)}")
     values = {key: decode(value, depth + 1) for key, value in fields.items()}
@@ -118,6 +117,15 @@ def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
             raise BadResult(f"{qualname}.{key} is a {type(value).__name__}, not "
                             f"{getattr(hints[key], '__name__', hints[key])}")
     return cls(**values)
+
+
+@functools.cache
+def _shape(module: str, qualname: str) -> tuple[type[Any], dict[str, Any], frozenset[str]]:
+    """An allowed dataclass, its fields' annotations and the names ``__init__`` takes: read
+    once a session (evaluating the annotations is most of what rebuilding one costs)."""
+    cls = getattr(importlib.import_module(module), qualname)
+    return (cls, typing.get_type_hints(cls),
+            frozenset(f.name for f in dataclasses.fields(cls) if f.init))
 
 
 def _conforms(value: Any, hint: Any) -> bool:
