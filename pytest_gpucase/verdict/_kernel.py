@@ -451,6 +451,10 @@ def _ranks(real: torch.dtype) -> tuple[float, float, float]:
     return info.eps, info.max, float(torch.nextafter(top, torch.zeros_like(top)))
 
 
+for _real in (torch.float64, torch.float32):  # the real dtypes comparisons compute in: made
+    _ranks(_real)  # at import, in the pytest process, not again in every child it forks
+
+
 @dataclass(frozen=True)
 class _Screen:
     """What proves a floating chunk close from its three greatest errors alone.
