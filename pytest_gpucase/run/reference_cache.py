@@ -30,7 +30,10 @@ no:cacheprovider``).
 
 A failing item never trusts the cache: its reference is computed again before
 it is reported (see ``execute``). A reference faster than ``MIN_SECONDS`` is not worth a file and
-is computed each time.
+is computed each time. What is kept beside a reference under its name (``companion``: the
+rounding budget, a gradcheck's pass, the CPU baseline) goes with it; a budget and a gradcheck
+pass, a few numbers, are kept however fast they were made (their draws and evaluations cost
+several runs of the reference), and are read beside a reference computed afresh too.
 
 Old names are never read again, so the folder is pruned when a session that
 used it ends (``prune``): an entry unused for ``KEEP_DAYS`` goes, then the
