@@ -13,7 +13,9 @@ it, the time and the page faults (each one a page of the parent's memory the
 child copied, or mapped, on first touch). Medians over the items of the best
 of ``--repeat`` runs (the first five items of each left out: imports, first
 touches), in milliseconds. With ``--baseline-src`` the same cases are run by an
-older checkout of the package, in interleaved runs, for a before/after.
+older checkout of the package, in interleaved runs, for a before/after; the
+bare fork floor of ``bench_scale.py`` runs in the same rounds, with the same
+borders where it has them (its test's body is the run).
 
 The plugin wraps functions by their names in the package (``run.parent.run``,
 ``run.parent.run_spec``, ``run.isolation.child._write_all`` and the steps):
@@ -33,7 +35,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scale import write_cases
+from bench_scale import BARE_FLOOR_TEST, write_cases
 
 PLUGIN = textwrap.dedent('''
     import functools, importlib, json, os, resource, time
@@ -124,6 +126,16 @@ PLUGIN = textwrap.dedent('''
                 pass  # a step an older checkout does not have
 
 
+    import pytest
+
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_pyfunc_call(pyfuncitem):  # the bare floor's plain test: its body is "the run"
+        _item["run_spec"] = _now()
+        yield
+        _item["returned"] = _now()
+
+
     def pytest_runtest_logstart(nodeid, location):
         _item.clear()
         _item["start"] = _now()
@@ -139,12 +151,14 @@ PLUGIN = textwrap.dedent('''
             json.dump(_items, handle)
 ''')
 
-PARENT = (("pytest: item start -> run_spec", "start", "run_spec"),
-          ("run_spec -> fork (the parent reads what the child would)", "run_spec", "fork"),
+FLOOR = "floor"  # instead of a package folder: run bench_scale's bare fork floor
+PARENT = (("pytest: item start -> the run begins (run_spec; the floor's test)", "start",
+           "run_spec"),
+          ("-> fork (ours: the parent reads what the child would)", "run_spec", "fork"),
           ("os.fork in the parent", "fork", "forked"),
-          ("fork returned -> run_spec returns (the child's life, then decode)", "forked",
-           "returned"),
-          ("run_spec returned -> pytest: item end (report)", "returned", "end"),
+          ("fork returned -> the run ends (ours: the child's life, decode; the floor: the "
+           "child's life and exit, waitpid)", "forked", "returned"),
+          ("the run ended -> pytest: item end (report)", "returned", "end"),
           ("item, whole", "start", "end"))
 CHILD = (("fork called -> the child runs Python (fork, schedule, at-fork hooks)", "fork",
           "started"),
@@ -154,21 +168,25 @@ CHILD = (("fork called -> the child runs Python (fork, schedule, at-fork hooks)"
 
 
 def one_run(root: Path, plugin_dir: Path, src: str | None) -> tuple[dict[str, float], ...]:
+    """One pytest run of the cases (``src``: the package's folder, None for this one), or of
+    the bare fork floor (``src`` ``FLOOR``): the items' and the children's timestamps."""
     out = root / "phases"
     for suffix in (".parent", ".child"):
         Path(str(out) + suffix).unlink(missing_ok=True)
-    paths = [str(plugin_dir)] + ([src] if src else [])
+    paths = [str(plugin_dir)] + ([src] if src and src != FLOOR else [])
     env = {**os.environ, "GPUCASE_PHASES_OUT": str(out),
            "PYTHONPATH": os.pathsep.join(paths)}
+    target = ["bare"] if src == FLOOR else ["--gpu-cases", "cases"]
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "no:benchmark", "-p", "no:randomly", "-p", "gpucase_phases",
-                           "--gpu-cases", "cases"], cwd=root, env=env, capture_output=True,
+                           *target], cwd=root, env=env, capture_output=True,
                           text=True, check=False)
     if done.returncode != 0:
         raise SystemExit(f"pytest failed:\n{done.stdout[-3000:]}{done.stderr[-3000:]}")
     items = json.loads(Path(str(out) + ".parent").read_text())[5:]
-    children = [json.loads(line) for line in
-                Path(str(out) + ".child").read_text().splitlines()][5:]
+    written = Path(str(out) + ".child")
+    children = ([json.loads(line) for line in written.read_text().splitlines()][5:]
+                if written.exists() else [])
     return tuple(items), tuple(children)  # type: ignore[return-value]
 
 
@@ -177,6 +195,8 @@ def medians(items: tuple[dict[str, float], ...],
     found: dict[str, float] = {}
     for label, start, end in PARENT:
         found[label] = statistics.median(i[end] - i[start] for i in items) * 1000
+    if not children:  # the bare floor: no run() of ours in its child
+        return found
     for label, start, end in CHILD:
         found[label] = statistics.median(float(c[end]) - float(c[start])  # type: ignore[arg-type]
                                          for c in children) * 1000
@@ -198,12 +218,15 @@ def main() -> None:
     parser.add_argument("--baseline-src", metavar="DIR",
                         help="also run with the pytest_gpucase package found in DIR")
     args = parser.parse_args()
-    sources = {"this": None} | ({"base": args.baseline_src} if args.baseline_src else {})
+    sources = ({"this": None} | ({"base": args.baseline_src} if args.baseline_src else {})
+               | {"bare fork floor": FLOOR})
     best: dict[str, dict[str, float]] = {}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, args.items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        (root / "bare").mkdir()
+        (root / "bare" / "test_floor.py").write_text(BARE_FLOOR_TEST.format(count=args.items))
         plugin_dir = root / "plugin"
         plugin_dir.mkdir()
         (plugin_dir / "gpucase_phases.py").write_text(PLUGIN)
