@@ -601,6 +601,26 @@ def test_a_budget_is_kept_beside_a_reference_too_fast_to_keep(
     assert budget.stat().st_mtime_ns == written
 
 
+def test_inputs_that_cannot_be_loaded_again_for_the_draws_fail_the_run(
+        tmp_path: Path) -> None:
+    """The draws load the case's inputs again when they need them: a payload broken by then
+    is the run's failure, told as the broken case it is, not a budget missing from a
+    comparison that then fails on the default tolerance."""
+    path = rounded_case(tmp_path)
+    (path / "case.py").write_text(
+        "import os\n\n"
+        "def run(a, b):\n"
+        "    if a.dtype == __import__('torch').float64:  # the reference run\n"
+        "        with open(os.path.join(os.path.dirname(__file__), 'inputs.safetensors'),\n"
+        "                  'wb') as handle:\n"
+        "            handle.write(b'garbage')\n"
+        "    return a @ b\n")
+    outcome = judged(path, tmp_path / "cache")
+    assert outcome.status == "failed"
+    assert outcome.kind == "broken case"
+    assert "inputs.safetensors" in outcome.summary and "too short" in outcome.summary
+
+
 def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Path) -> None:
     path, cache = rounded_case(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"

@@ -161,7 +161,10 @@ class Judged:
                 passed = comparison.ok and (against_golden is None or against_golden.ok)
         if not passed:
             look = self.fresh_look(found)
-            comparison, against_golden = self.judged(actual, found, look, with_golden)
+            try:
+                comparison, against_golden = self.judged(actual, found, look, with_golden)
+            except second_look.InputsFailed as failed:
+                raise failed.error from None  # as when the inputs were made before judging
         self.store(look)
         self.notes.extend(look.notes())
         self.notes.extend(comparison.notes)

@@ -39,6 +39,7 @@ from pytest_gpucase.verdict.structure import named_leaves
 __all__ = [
     "GRADCHECK_INPUTS",
     "GRADCHECK_SECONDS",
+    "InputsFailed",
     "Look",
     "NotChecked",
     "cotangent",
@@ -110,7 +111,10 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
 
     def run(seed: int) -> Mapping[str, Any]:
         if not made:
-            made.append(inputs())
+            try:
+                made.append(inputs())
+            except Exception as exc:  # the case's own inputs, not the code under perturbation
+                raise InputsFailed(exc) from exc
         generator = torch.Generator().manual_seed(seed)
         inputs_now = perturbed(dict(made[0]), u, generator)
         cotangents_now = perturbed(dict(cotangents), u, generator)
@@ -118,6 +122,16 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
             return call(inputs_now, cotangents_now)
 
     return run
+
+
+class InputsFailed(BaseException):
+    """The draws' inputs could not be made (the case's inputs loaded again, say): the run's
+    own failure, which ``Look`` must not take for a draw's and pass over; the caller raises
+    ``error`` again (a BaseException, so that no handler of the walk's keeps it)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class Look:
