@@ -3,8 +3,10 @@ depends on changes, and never trusted for a failure."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import random
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -684,6 +686,47 @@ def test_rows_added_in_a_child_land_where_sorting_all_of_them_puts_them() -> Non
         split = rng.randint(0, len(pool))
         primed = {row: row for row in pool[:split]}
         added = pool[split:split + rng.randint(0, 4)]
-        made = reference_cache._Primed.made(frozenset(), primed, (None, None))
+        made = reference_cache._Primed.made((frozenset(), primed))
         assert made.with_rows(added) == "\n".join(sorted([*primed, *added])).encode(
             errors="surrogateescape")
+
+
+def test_a_module_the_parent_replaces_after_priming_is_keyed_as_loaded(tmp_path: Path) -> None:
+    """The rows made before each fork follow what is loaded: a module imported after the
+    session primed, then replaced (in place or imported again) or removed, is keyed by the
+    file now loaded, as a key made from every loaded module is."""
+    def load(name: str, file: Path) -> object:
+        file.write_text("VALUE = 1\n")
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    def keyed() -> bytes:
+        return reference_cache._loaded_modules()
+
+    name = "gpucase_test_replaced_module"
+    saved = reference_cache._PRIMED
+    try:
+        reference_cache.prime()
+        sys.modules[name] = load(name, tmp_path / "first.py")
+        reference_cache._primed_again()
+        assert str(tmp_path / "first.py").encode() in keyed()
+        sys.modules[name] = load(name, tmp_path / "second.py")  # in place: same position
+        reference_cache._primed_again()
+        assert str(tmp_path / "second.py").encode() in keyed()
+        assert str(tmp_path / "first.py").encode() not in keyed()
+        del sys.modules[name]
+        sys.modules[name] = load(name, tmp_path / "third.py")  # imported again: at the end
+        reference_cache._primed_again()
+        assert str(tmp_path / "third.py").encode() in keyed()
+        del sys.modules[name]
+        reference_cache._primed_again()
+        assert str(tmp_path).encode() not in keyed()
+        # The same bytes as rows made of every module loaded now.
+        rows = reference_cache._rows(sys.modules.items(), {})
+        assert keyed() == "\n".join(sorted(rows.values())).encode(errors="surrogateescape")
+    finally:
+        sys.modules.pop(name, None)
+        reference_cache._PRIMED = saved

@@ -249,9 +249,13 @@ def _rows(modules: Iterable[tuple[str, Any]], seen: Mapping[str, str]) -> dict[s
 
 @dataclass(frozen=True)
 class _Primed:
-    """The modules loaded when the session primed and the rows of their files, sorted and
-    joined as ``_loaded_modules`` gives them, with where each row starts in the joined
-    bytes: a child adds a row by slicing there, touching none of the others."""
+    """The modules whose rows are made (``names``: the child skips them) and those rows,
+    sorted and joined as ``_loaded_modules`` gives them, with where each row starts in the
+    joined bytes: a child adds a row by slicing there, touching none of the others.
+
+    ``base``: the names and rows of the session's priming; ``after``: the modules the parent
+    imported since, whose rows are in too, each checked to be the one loaded under its name
+    before every fork (a module replaced or removed since makes them anew)."""
 
     names: frozenset[str]
     rows: dict[str, str]
@@ -260,16 +264,32 @@ class _Primed:
     ordered: list[str]
     joined: bytes
     starts: list[int]
+    base: tuple[frozenset[str], dict[str, str]]
+    after: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
-    def made(cls, names: frozenset[str], rows: dict[str, str],
-             last: tuple[str | None, Any]) -> _Primed:
+    def made(cls, base: tuple[frozenset[str], dict[str, str]],
+             after: Sequence[tuple[str, Any]] = ()) -> _Primed:
+        base_names, base_rows = base
+        rows = {**base_rows, **_rows(after, base_rows)} if after else base_rows
         ordered = sorted(rows.values())
         starts, offset = [], 0
         for row in ordered:
             starts.append(offset)
             offset += len(row.encode(errors="surrogateescape")) + 1
-        return cls(names, rows, *last, ordered, _joined(ordered), starts)
+        last = next(reversed(sys.modules), None)
+        return cls(base_names | {name for name, _ in after}, rows, last,
+                   None if last is None else sys.modules.get(last), ordered, _joined(ordered),
+                   starts, base, tuple(after))
+
+    def current(self) -> bool:
+        """Whether nothing was imported since (the last name of ``sys.modules`` is the one
+        then, as its module) and every module imported since priming is still the one loaded
+        under its name."""
+        last = next(reversed(sys.modules), None)
+        return (last is not None and last == self.last_name
+                and sys.modules.get(last) is self.last_module
+                and all(sys.modules.get(name) is module for name, module in self.after))
 
     def with_rows(self, added: Iterable[str]) -> bytes:
         """The joined rows with ``added`` (rows of files not primed) in their sorted places."""
@@ -310,28 +330,24 @@ def prime() -> None:
     global _PRIMED
     _PRIMED = None
     loaded = list(sys.modules.items())
-    _PRIMED = _Primed.made(frozenset(name for name, _ in loaded), _rows(loaded, {}),
-                           loaded[-1] if loaded else (None, None))
+    _PRIMED = _Primed.made((frozenset(name for name, _ in loaded), _rows(loaded, {})))
 
 
 def _primed_again() -> None:
     """Add the rows of what the pytest process imported since it primed (collection, the
     first runs' own imports), before it forks the next child: a child that had to walk
-    them would touch, and so copy, each module object's page."""
+    them would touch, and so copy, each module object's page. Made anew from what is
+    loaded now whenever a module was imported, replaced or removed since the last time."""
     global _PRIMED
     primed = _PRIMED
-    if primed is None:
+    # Only the last name and the few modules imported since priming are looked at while
+    # nothing changed: every object this process touches after a fork costs it a page copy
+    # too, while that child lives.
+    if primed is None or primed.current():
         return
-    # Only the last name is looked at while nothing changed: every object this process
-    # touches after a fork costs it a page copy too, while that child lives.
-    last = next(reversed(sys.modules), None)
-    if last is not None and last == primed.last_name and (
-            sys.modules.get(last) is primed.last_module):
-        return  # nothing imported since (or only what then left again)
-    loaded = list(sys.modules.items())
-    added = [(name, module) for name, module in loaded if name not in primed.names]
-    _PRIMED = _Primed.made(primed.names | {name for name, _ in added},
-                           {**primed.rows, **_rows(added, primed.rows)}, loaded[-1])
+    base_names = primed.base[0]
+    after = [(name, module) for name, module in sys.modules.items() if name not in base_names]
+    _PRIMED = _Primed.made(primed.base, after)
 
 
 # The files of the run the parent is about to fork (``prepare``), read there.
