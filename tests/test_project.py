@@ -162,3 +162,14 @@ def test_a_configuration_file_edited_between_runs_is_read_again(tmp_path: Path) 
                                           str(tmp_path))
     (tmp_path / "cases" / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
     assert import_paths(case) == (str(tmp_path / "cases"),)
+
+
+def test_a_configuration_rewritten_with_its_old_modification_time_is_read_again(
+        tmp_path: Path) -> None:
+    ini = tmp_path / "pytest.ini"
+    ini.write_text("[pytest]\npythonpath = ccc\n")
+    before = ini.stat()
+    assert import_paths(tmp_path) == (str(tmp_path / "ccc"), str(tmp_path))
+    ini.write_text("[pytest]\npythonpath = ddd\n")  # the same size
+    os.utime(ini, ns=(before.st_atime_ns, before.st_mtime_ns))
+    assert import_paths(tmp_path) == (str(tmp_path / "ddd"), str(tmp_path))

@@ -80,8 +80,9 @@ _LOADERS: dict[str, Callable[[Path], Any]] = {
 
 
 # Each configuration file's pytest table as last read, under what ``os.stat`` said of the
-# file then: a file is parsed again only when it changed (every run of every case asks).
-_READ: dict[str, tuple[tuple[int, int, int, int], Any]] = {}
+# file then (device, inode, size, modification and change times): a file is parsed again
+# only when one of them changed (every run of every case asks).
+_READ: dict[str, tuple[tuple[int, int, int, int, int], Any]] = {}
 
 
 def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
@@ -98,7 +99,9 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
                 continue
             if name == "pyproject.toml" and fallback is None:
                 fallback = base
-            signature = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns)
+            # ctime too: a rewrite that sets the modification time back still changes it.
+            signature = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns,
+                         found.st_ctime_ns)
             read = _READ.get(file)
             if read is not None and read[0] == signature:
                 table = read[1]
