@@ -11,6 +11,7 @@ import torch
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.child import run
 from pytest_gpucase.run.judge import Judged, _identical
 
 
@@ -64,3 +65,65 @@ def test_a_golden_is_taken_for_the_reference_only_when_it_holds_the_same_values(
         assert not _identical(other, reference)
     nan = torch.tensor([float("nan")])
     assert not _identical({"out": nan}, {"out": nan.clone()})  # NaN: compared on its own
+
+
+KEPT_BUFFER = """
+import torch
+_KEPT = {{}}
+
+def {name}(a, b):
+    buffer = _KEPT.setdefault("out", torch.empty(a.shape[0], b.shape[1], dtype={dtype}))
+    buffer.copy_(a @ b {change})
+    return {returned}
+"""
+
+
+def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:
+    """A float32 matmul of values ~1e3 (past the default tolerance, within its budget), its
+    case directory named apart in every test (a case module imported in this process stays
+    imported under its case's name)."""
+    root.mkdir()
+    (root / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                    + ('reference = "case.py:ref"\n' if reference else ""))
+    (root / "case.py").write_text(code)
+    gen = torch.Generator().manual_seed(0)
+    payload.save(root / "inputs.safetensors", {"a": torch.randn(64, 512, generator=gen) * 1e3,
+                                               "b": torch.randn(512, 64, generator=gen) * 1e3})
+    return RunSpec(load_case(root), "cpu", "float32", cast=False)
+
+
+def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
+        tmp_path: Path) -> None:
+    """A wrong call that returns a buffer it keeps: the float64 reference run writes the right
+    values into it, and comparing them with themselves passed the wrong call."""
+    wrong = "* (1.01 if a.dtype == torch.float32 else 1.0)"
+    spec = _buffer_case(tmp_path / "call_kept", KEPT_BUFFER.format(
+        name="run", dtype="torch.float32", change=wrong, returned="buffer"))
+    outcome = run(spec)
+    assert outcome.status == "failed" and outcome.kind == "broken case"
+    assert "the call's outputs (out) were written again while the float64 reference ran" in (
+        outcome.summary)
+    assert "return a new tensor" in outcome.summary
+    # The same code returning a copy of its buffer is judged, and fails as the bug it is.
+    spec = _buffer_case(tmp_path / "call_copied", KEPT_BUFFER.format(
+        name="run", dtype="torch.float32", change=wrong, returned="buffer.clone()"))
+    outcome = run(spec)
+    assert outcome.status == "failed" and outcome.kind == "mismatch"
+
+
+def test_a_reference_whose_outputs_a_budget_draw_writes_over_is_a_broken_case(
+        tmp_path: Path) -> None:
+    """The rounding budget calls the reference again: a reference returning a buffer it keeps
+    would have its first outputs replaced by a draw's before they were compared."""
+    code = ("def run(a, b):\n    return a @ b\n"
+            + KEPT_BUFFER.format(name="ref", dtype="torch.float64", change="",
+                                 returned="buffer"))
+    outcome = run(_buffer_case(tmp_path / "reference_kept", code, reference=True))
+    assert outcome.status == "failed" and outcome.kind == "broken case"
+    assert ("the reference's outputs (out) were written again while a draw of the rounding "
+            "budget ran") in outcome.summary
+    # Returning a copy, the same reference judges the call: within its budget, it passes.
+    code = ("def run(a, b):\n    return a @ b\n"
+            + KEPT_BUFFER.format(name="ref", dtype="torch.float64", change="",
+                                 returned="buffer.clone()"))
+    assert run(_buffer_case(tmp_path / "reference_copied", code, reference=True)).status == "passed"

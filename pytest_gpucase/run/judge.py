@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.base.tensors import named_tensors, tensor_versions
 from pytest_gpucase.case import golden
 from pytest_gpucase.case.model import Case, Expectation
 from pytest_gpucase.plan.runs import RunSpec
@@ -105,6 +107,9 @@ class Judged:
         self._saved: dict[str, Any] | None = None
         self._reference_rng: torch.Tensor | None = None
         self.reference_seconds = 0.0
+        # What the user's code returned and this run still compares: (whose, tensor by path,
+        # their version counters), checked after each later call of that code (``untouched``).
+        self._held: list[tuple[str, dict[str, torch.Tensor], dict[int, int]]] = []
 
     def saved(self) -> dict[str, Any]:
         """The run's inputs as the case holds them (loaded again if the call changed them)."""
@@ -129,6 +134,36 @@ class Judged:
             found.update(reference_inputs(self.case, {name: saved.pop(name)}))
         return found
 
+    def hold(self, whose: str, outputs: Mapping[str, Any]) -> None:
+        """Keep ``outputs`` (of the user's code) to be checked by ``untouched``."""
+        tensors = {path: tensor for key, value in outputs.items()
+                   for path, tensor in named_tensors(value, str(key))}
+        self._held.append((whose, tensors, tensor_versions(tensors.values())))
+
+    def untouched(self, by: str) -> None:
+        """Raise ``CaseFormatError`` if a later call of the user's code (``by``) wrote into a
+        tensor an earlier one returned: a buffer the code keeps between calls and returns,
+        whose earlier values are gone before they were compared (a wrong call would pass
+        with the reference's values in its outputs)."""
+        for whose, tensors, versions in self._held:
+            now = tensor_versions(tensors.values())
+            if now == versions:
+                continue
+            path = next((path for path, tensor in tensors.items()
+                         if now.get(id(tensor)) != versions.get(id(tensor))), "?")
+            raise CaseFormatError(
+                self.case.case_file, f"{whose} outputs ({path}) were written again while {by} "
+                "ran: the code returns a tensor it writes again on its next call (a buffer "
+                "kept between calls), so what it returned was changed before it was compared; "
+                "return a new tensor (a clone of the buffer)",
+                key="reference" if self.case.reference else "call")
+
+    def _untouched_in_draw(self, by: str) -> None:
+        try:
+            self.untouched(by)
+        except CaseFormatError as exc:  # out of the second look's handler of the draws
+            raise second_look.Abandoned(exc) from exc
+
     def call_reference(self, inputs: Mapping[str, Any],
                        cotangents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
         """The reference on the CPU, with the saved random draws and the call's grad mode.
@@ -147,6 +182,7 @@ class Judged:
         golden_file = self.case.expected_file
         with_golden = self.spec.variant is None and golden_file.exists()
         comparing = f"while comparing the outputs ({self.returned})"
+        self.hold("the call's", actual)
         expected = reference_cache.load(self.cached)
         found: dict[str, Any] = {}
         passed = False
@@ -158,6 +194,8 @@ class Judged:
             fresh = self.fresh_reference()
             if isinstance(fresh, Outcome):
                 return fresh
+            self.untouched(_reference_words(self.case))
+            self.hold("the reference's", fresh)
             found = fresh
             note(comparing)
             if expected is None and self.cached is not None:
@@ -170,8 +208,8 @@ class Judged:
             look = self.fresh_look(found)
             try:
                 comparison, against_golden = self.judged(actual, found, look, with_golden)
-            except second_look.InputsFailed as failed:
-                raise failed.error from None  # as when the inputs were made before judging
+            except second_look.Abandoned as failed:
+                raise failed.error from None  # as when it happened before judging
         self.store(look)
         self.notes.extend(look.notes())
         self.notes.extend(comparison.notes)
@@ -249,7 +287,13 @@ class Judged:
                                 baseline=lambda: reference_cache.load(baseline) or {})
 
     def fresh_look(self, expected: dict[str, Any]) -> second_look.Look:
-        draw = second_look.drawn(self.call_reference, self.reference_inputs, self.cotangents,
+        def drawn_call(inputs: Mapping[str, Any],
+                       cotangents: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+            outputs = self.call_reference(inputs, cotangents)
+            self._untouched_in_draw("a draw of the rounding budget")
+            return outputs
+
+        draw = second_look.drawn(drawn_call, self.reference_inputs, self.cotangents,
                                  self.precision)
         return second_look.Look(
             precision=self.precision, fresh=True,
@@ -264,8 +308,10 @@ class Judged:
                   for name, value in self.saved().items()}
         cotangents = dict(self.cotangents)
         with replay_context(self.case.context, "cpu", self.rng):
-            return call(self.func, inputs, self.expect.gradients, "cpu", cotangents,
-                         self.precision)
+            outputs = call(self.func, inputs, self.expect.gradients, "cpu", cotangents,
+                           self.precision)
+        self._untouched_in_draw("the call's CPU baseline")
+        return outputs
 
     def store(self, look: second_look.Look) -> None:
         if not look.fresh:

@@ -39,7 +39,7 @@ from pytest_gpucase.verdict.structure import named_leaves
 __all__ = [
     "GRADCHECK_INPUTS",
     "GRADCHECK_SECONDS",
-    "InputsFailed",
+    "Abandoned",
     "Look",
     "NotChecked",
     "cotangent",
@@ -114,7 +114,7 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
             try:
                 made.append(inputs())
             except Exception as exc:  # the case's own inputs, not the code under perturbation
-                raise InputsFailed(exc) from exc
+                raise Abandoned(exc) from exc
         generator = torch.Generator().manual_seed(seed)
         inputs_now = perturbed(dict(made[0]), u, generator)
         cotangents_now = perturbed(dict(cotangents), u, generator)
@@ -124,9 +124,10 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
     return run
 
 
-class InputsFailed(BaseException):
-    """The draws' inputs could not be made (the case's inputs loaded again, say): the run's
-    own failure, which ``Look`` must not take for a draw's and pass over; the caller raises
+class Abandoned(BaseException):
+    """The run's own failure, met while a draw or the baseline was made (the case's inputs
+    cannot be loaded again; the code overwrote what it returned before): not the user's code
+    failing under perturbation, which ``Look`` says and passes over. The caller raises
     ``error`` again (a BaseException, so that no handler of the walk's keeps it)."""
 
     def __init__(self, error: Exception) -> None:
