@@ -281,9 +281,15 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     stop.mkdir()
     (stop / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[matrix]\n'
                                     'devices = ["cpu"]\n')
-    # The child interrupts the pytest process, as Ctrl-C in the terminal would.
-    (stop / "case.py").write_text("import os, signal\n\ndef run():\n"
-                                  "    os.kill(os.getppid(), signal.SIGINT)\n")
+    # The child interrupts the pytest process, as one press of Ctrl-C in the terminal would:
+    # once (the reference run, the call again, must not press it a second time; a second
+    # SIGINT while pytest reports the first ends it as Python's own handler does).
+    (stop / "case.py").write_text(
+        "import os, signal\n\ndef run():\n"
+        "    pressed = os.path.join(os.path.dirname(__file__), 'pressed')\n"
+        "    if not os.path.exists(pressed):\n"
+        "        open(pressed, 'w').close()\n"
+        "        os.kill(os.getppid(), signal.SIGINT)\n")
     ce_case(pytester.path, "c_never", [0, 2, 4], RAISES)
     path = pytester.path / "report.json"
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
