@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from pytest_gpucase.plugin.report_writer import ReportWriter
+from pytest_gpucase.plugin.state import SigintLost
 from pytest_gpucase.report.file import load_report
 from tests.helpers import RAISES, ce_case, install_fake_distribution, write_case
 
@@ -306,6 +308,18 @@ def test_interrupted_run_leaves_a_valid_report(pytester: pytest.Pytester) -> Non
     assert (stopped["device"], stopped["dtype"], stopped["case_path"]) == (
         "cpu", "float32", "cases/b_stop")
     json.dumps(report)  # plain JSON all the way down
+
+
+def test_a_ctrl_c_the_item_raises_again_is_reported_as_the_ctrl_c_it_is() -> None:
+    """When the handler's KeyboardInterrupt is lost while a case runs (raised in a finalizer),
+    the item raises its own as the run returns: the report tells the same Ctrl-C as when the
+    handler's reached pytest, whichever came first."""
+    writer = ReportWriter(None)  # type: ignore[arg-type]  # the hook reads no state
+    for raised in (SigintLost("SIGINT while the case ran"), KeyboardInterrupt()):
+        with pytest.raises(KeyboardInterrupt) as excinfo:
+            raise raised
+        writer.pytest_keyboard_interrupt(excinfo)
+        assert writer._interrupt == "SIGINT (Ctrl-C)"
 
 
 def test_a_ctrl_c_whose_keyboard_interrupt_is_lost_still_stops_the_session(

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import pytest
 
 from pytest_gpucase.base.errors import display_posix
-from pytest_gpucase.plugin.state import session_key
+from pytest_gpucase.plugin.state import SigintLost, session_key
 
 if TYPE_CHECKING:
     from _pytest._code.code import TerminalRepr
@@ -332,7 +332,7 @@ class CaseItem(pytest.Item):
                                             or self.get_closest_marker("xfail") is not None),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
-            raise KeyboardInterrupt("SIGINT while the case ran")
+                raise SigintLost("SIGINT while the case ran")
         for note in verdict.outcome.notes:  # in the session's summary: named by its item
             state.note(f"{self.nodeid}: {note}")
         pool = state.pool()

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from pytest_gpucase.plugin.state import GpuCaseSession
+from pytest_gpucase.plugin.state import GpuCaseSession, SigintLost
 
 __all__ = ["ReportWriter", "SigintWatch"]
 
@@ -92,8 +92,11 @@ class ReportWriter:
             self.state.note(str(note))
 
     def pytest_keyboard_interrupt(self, excinfo: pytest.ExceptionInfo[BaseException]) -> None:
-        # A bare KeyboardInterrupt is what Python raises for SIGINT.
-        self._interrupt = str(excinfo.value) or "SIGINT (Ctrl-C)"
+        # A bare KeyboardInterrupt is what Python raises for SIGINT; the item raises its own
+        # when that one was lost on the way (SigintLost): the same Ctrl-C.
+        value = excinfo.value
+        self._interrupt = ("SIGINT (Ctrl-C)" if isinstance(value, SigintLost)
+                           else str(value) or "SIGINT (Ctrl-C)")
 
     def _record_unfinished(self, session: pytest.Session, complete: bool) -> None:
         """Record what a run that stopped early did not finish, so that the matrix has a

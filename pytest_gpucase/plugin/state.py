@@ -19,7 +19,13 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.isolation import StartMethod
     from pytest_gpucase.run.reference_cache import ReferenceCache
 
-__all__ = ["GpuCaseSession", "add_case_paths", "session_key", "start_zygote"]
+__all__ = ["GpuCaseSession", "SigintLost", "add_case_paths", "session_key", "start_zygote"]
+
+
+class SigintLost(KeyboardInterrupt):
+    """Ctrl-C came while a case ran and its own ``KeyboardInterrupt`` was lost on the way
+    (raised in a finalizer, say): raised again by the item when its run returns. The report
+    tells it as the SIGINT it is."""
 
 
 @dataclass
