@@ -34,8 +34,8 @@ from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
     "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
-    "read_regular", "remove_stale_temporaries", "replace", "running", "temporary_path",
-    "write_atomic",
+    "read_regular", "remove_stale_temporaries", "replace", "running", "stat_signature",
+    "temporary_path", "write_atomic",
     "write_text_atomic",
 ]
 
@@ -211,6 +211,13 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
     if size > limit:
         raise FileTooLarge(path, size, limit)
     return b"".join(chunks)
+
+
+def stat_signature(found: os.stat_result) -> tuple[int, int, int, int, int]:
+    """What tells one version of a file from another without reading it: its device, inode,
+    size, modification and change times (a rewrite that sets the modification time back
+    still changes the last; no user call sets it)."""
+    return found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns, found.st_ctime_ns
 
 
 def file_sha256(path: Path) -> str:

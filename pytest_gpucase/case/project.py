@@ -31,6 +31,8 @@ from typing import Any
 
 import iniconfig
 
+from pytest_gpucase.base.files import stat_signature
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
@@ -80,8 +82,8 @@ _LOADERS: dict[str, Callable[[Path], Any]] = {
 
 
 # Each configuration file's pytest table as last read, under what ``os.stat`` said of the
-# file then (device, inode, size, modification and change times): a file is parsed again
-# only when one of them changed (every run of every case asks).
+# file then (``stat_signature``): a file is parsed again only when that changed (every run
+# of every case asks).
 _READ: dict[str, tuple[tuple[int, int, int, int, int], Any]] = {}
 
 
@@ -99,9 +101,7 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
                 continue
             if name == "pyproject.toml" and fallback is None:
                 fallback = base
-            # ctime too: a rewrite that sets the modification time back still changes it.
-            signature = (found.st_dev, found.st_ino, found.st_size, found.st_mtime_ns,
-                         found.st_ctime_ns)
+            signature = stat_signature(found)
             read = _READ.get(file)
             if read is not None and read[0] == signature:
                 table = read[1]

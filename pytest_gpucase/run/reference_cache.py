@@ -15,8 +15,8 @@ dtype the inputs were cast to (a float32 item's reference starts from
 float32-rounded inputs), the switches, the torch version, and every module
 loaded in the child when the key is computed (after the call ran) that may
 hold user code: each module with a file that is neither in Python's standard
-library nor inside torch's own package is keyed by its path, size and
-modification and change times (a ``stat`` each, no reading: about a
+library nor inside torch's own package is keyed by its path and its
+``base.files.stat_signature`` (a ``stat`` each, no reading: about a
 millisecond for the 150 or so keyed of the 1200 modules a child of pytest has
 loaded), so that editing a helper the reference calls (``refimpl.ref``) makes a
 new name rather than a wrong pass. Any change makes a new name; an unreadable
@@ -84,7 +84,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import display
-from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular, write_atomic
+from pytest_gpucase.base.files import (
+    FileTooLarge,
+    NotRegularFile,
+    read_regular,
+    stat_signature,
+    write_atomic,
+)
 
 if TYPE_CHECKING:
     from pytest_gpucase.plan.runs import RunSpec
@@ -161,7 +167,11 @@ def _file_signature(path: Path) -> bytes:
         found = path.stat()
     except OSError:
         return b"absent"
-    return f"{found.st_size}:{found.st_ino}:{found.st_mtime_ns}:{found.st_ctime_ns}".encode()
+    return _signature_text(found).encode()
+
+
+def _signature_text(found: os.stat_result) -> str:
+    return ":".join(map(str, stat_signature(found)))
 
 
 def _source_of(func: Callable[..., Any]) -> bytes:
@@ -197,7 +207,7 @@ def _outside_user_code() -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, .
 
 
 def _loaded_modules() -> bytes:
-    """Path, size, modification and change times of every loaded module that may be
+    """Path and ``stat_signature`` of every loaded module that may be
     user code (see the module's docstring), sorted; a ``stat`` each, never a read.
 
     Modules loaded when the session primed (in the pytest process, before it forks) have
@@ -243,7 +253,7 @@ def _rows(modules: Iterable[tuple[str, Any]], seen: Mapping[str, str]) -> dict[s
             found = os.stat(file)
         except (OSError, ValueError):
             continue  # a module from a zip, or gone: nothing to compare with
-        found_rows[file] = f"{file}\0{found.st_size}:{found.st_mtime_ns}:{found.st_ctime_ns}"
+        found_rows[file] = f"{file}\0{_signature_text(found)}"
     return found_rows
 
 
