@@ -6,8 +6,9 @@ Measured in one process that has imported torch (as the plugin's pytest
 process has), so every child is a fork of the same image:
 
 - bare fork: ``os.fork`` + ``os._exit(0)`` + ``waitpid``, nothing else
-- bare fork floor: the child computes ``x + 1`` and sends it back through a pipe, as
-  ``bench_scale.py``'s floor does inside pytest (the floor the ratios are taken to)
+- bare fork floor: the child computes ``x + 1`` and sends it back through a pipe
+  (``bench_scale.bare_floor``, the floor bench_scale.py times inside pytest; the floor the
+  ratios are taken to)
 - run_in_child: gpucase's child with its pipes, fd capture, process group and
   result pickling, calling ``os.getpid``
 - run_spec: a whole trivial case (load the case's payload in the child, call,
@@ -30,7 +31,6 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import struct
 import resource
 import statistics
 import tempfile
@@ -53,27 +53,13 @@ from pytest_gpucase.run.isolation import (  # noqa: E402
 from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
 from pytest_gpucase.run.parent import Verdict, run_spec  # noqa: E402
 
+from bench_scale import bare_floor  # noqa: E402  (this folder: the script's own)
+
 
 def bare_fork() -> None:
     pid = os.fork()
     if pid == 0:
         os._exit(0)
-    os.waitpid(pid, 0)
-
-
-X = torch.ones(4)
-
-
-def bare_floor() -> None:
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        os.close(read)
-        os.write(write, struct.pack("4f", *(X + 1).tolist()))  # no numpy in a torch wheel
-        os._exit(0)
-    os.close(write)
-    os.read(read, 64)
-    os.close(read)
     os.waitpid(pid, 0)
 
 

@@ -35,7 +35,7 @@ import textwrap
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_scale import BARE_FLOOR_TEST, write_cases
+from bench_scale import BARE_FLOOR_TEST, BENCHMARKS, write_cases
 
 PLUGIN = textwrap.dedent('''
     import functools, importlib, json, os, resource, time
@@ -226,7 +226,8 @@ def main() -> None:
         root = Path(tmp)
         write_cases(root, args.items, matrix='[matrix]\ndevices = ["cpu"]\n')
         (root / "bare").mkdir()
-        (root / "bare" / "test_floor.py").write_text(BARE_FLOOR_TEST.format(count=args.items))
+        (root / "bare" / "test_floor.py").write_text(
+            BARE_FLOOR_TEST.format(count=args.items, benchmarks=BENCHMARKS))
         plugin_dir = root / "plugin"
         plugin_dir.mkdir()
         (plugin_dir / "gpucase_phases.py").write_text(PLUGIN)

@@ -37,6 +37,7 @@ import argparse
 import os
 import shutil
 import statistics
+import struct
 import subprocess
 import sys
 import tempfile
@@ -118,31 +119,41 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
             (path / name).write_bytes(content)
 
 
+BENCHMARKS = str(Path(__file__).resolve().parent)
+X = torch.ones(4)
+
+
+def bare_floor() -> bytes:
+    """The bare fork floor: a fresh forked child computing x + 1 and returning it through a
+    pipe; the parent reads it and waits for the child. Nothing else. Timed in-process by
+    bench_isolation.py, and inside pytest (``BARE_FLOOR_TEST``) here and in
+    bench_item_phases.py: one floor for all three."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(read)
+        os.write(write, struct.pack("4f", *(X + 1).tolist()))  # no numpy in a torch wheel
+        os._exit(0)
+    os.close(write)
+    data = os.read(read, 64)
+    os.close(read)
+    os.waitpid(pid, 0)
+    return data
+
+
+# A plain test in a torch-importing session, one per item: ``bare_floor`` and nothing else.
 BARE_FLOOR_TEST = textwrap.dedent("""
-    import os
-    import struct
+    import sys
 
     import pytest
-    import torch
 
-    X = torch.ones(4)
+    sys.path.insert(0, {benchmarks!r})
+    from bench_scale import bare_floor
 
 
     @pytest.mark.parametrize("i", range({count}))
     def test_bare_floor(i):
-        # The bare floor: a fresh forked child computing x + 1 and returning it through a
-        # pipe; the parent reads it and waits for the child. Nothing else.
-        read, write = os.pipe()
-        pid = os.fork()
-        if pid == 0:
-            os.close(read)
-            os.write(write, struct.pack("4f", *(X + 1).tolist()))  # no numpy in a torch wheel
-            os._exit(0)
-        os.close(write)
-        data = os.read(read, 64)
-        os.close(read)
-        os.waitpid(pid, 0)
-        assert len(data) == 16
+        assert len(bare_floor()) == 16
 """)
 REF_FLOOR_TEST = textwrap.dedent("""
     import os
@@ -239,7 +250,8 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
         for folder, text in (("bare", BARE_FLOOR_TEST), ("floor", REF_FLOOR_TEST)):
             (root / folder).mkdir()
-            (root / folder / "test_floor.py").write_text(text.format(count=items))
+            (root / folder / "test_floor.py").write_text(text.format(count=items,
+                                                                     benchmarks=BENCHMARKS))
         (root / "conftest.py").write_text(ITEM_TIMER_CONFTEST)
         for round_ in range(repeat):  # interleaved, so that a burst of load hits every row
             loads.append(os.getloadavg()[0])
