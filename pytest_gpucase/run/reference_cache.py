@@ -283,14 +283,15 @@ class _Primed:
         base_names, base_rows = base
         rows = {**base_rows, **_rows(after, base_rows)} if after else base_rows
         ordered = sorted(rows.values())
+        encoded = [_joined([row]) for row in ordered]  # each row once, as _joined writes it
         starts, offset = [], 0
-        for row in ordered:
+        for row in encoded:
             starts.append(offset)
-            offset += len(row.encode(errors="surrogateescape")) + 1
+            offset += len(row) + 1
         last = next(reversed(sys.modules), None)
         return cls(base_names | {name for name, _ in after}, rows, last,
-                   None if last is None else sys.modules.get(last), ordered, _joined(ordered),
-                   starts, base, tuple(after))
+                   None if last is None else sys.modules.get(last), ordered,
+                   b"\n".join(encoded), starts, base, tuple(after))
 
     def current(self) -> bool:
         """Whether nothing was imported since (the last name of ``sys.modules`` is the one
