@@ -332,7 +332,7 @@ class CaseItem(pytest.Item):
                                             or self.get_closest_marker("xfail") is not None),
                            localize=not self.config.stash[session_key].settings["gpu_no_localize"])
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
-                raise SigintLost("SIGINT while the case ran")
+            raise SigintLost("SIGINT while the case ran")
         for note in verdict.outcome.notes:  # in the session's summary: named by its item
             state.note(f"{self.nodeid}: {note}")
         pool = state.pool()
