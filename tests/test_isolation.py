@@ -85,6 +85,18 @@ def test_hang_is_killed_after_dumping_stacks(method: str) -> None:
     assert "in hang" in result.stderr  # faulthandler's dump of every thread
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_child_out_of_time_before_its_handler_is_in_place_still_times_out(
+        method: str) -> None:
+    # With no time at all, the stack request reaches the child while it is still starting
+    # (as on a loaded machine): it must wait there, not end the child by its default action.
+    result = run_in_child(targets.hang, timeout=0, start_method=method)
+    assert result.timed_out and result.problem == "timed out"
+    assert result.signal == signal.SIGKILL, result.signal
+    # Answered once the handler was in place: the stacks of a child still starting.
+    assert "most recent call first" in result.stderr
+
+
 def test_grandchildren_are_killed_with_the_group(tmp_path: Path) -> None:
     pid_file = tmp_path / "grandchild.pid"
     result = run_in_child(targets.fork_grandchild_and_hang, str(pid_file), timeout=1.0)

@@ -97,7 +97,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_gpucase.run.isolation.child import _RESULT_FD, _forked_child, note
+from pytest_gpucase.run.isolation.child import _RESULT_FD, _forked_child, held_dumps, note
 from pytest_gpucase.run.isolation.clipping import (
     CAPTURE_HEAD,
     CAPTURE_TAIL,
@@ -205,10 +205,11 @@ def run_in_child(
                 gc.freeze()
                 threaded = thread_count() > 1
                 parent = os.getpid()
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
-                    _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
-                                  threaded, parent, func, args)
+                with held_dumps():
+                    pid = os.fork()
+                    if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
+                        _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
+                                      threaded, parent, func, args)
                 own(pid)
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
@@ -251,7 +252,9 @@ def _spawn(job_file: str, out_w: int, err_w: int, res_w: int, env: Mapping[str, 
     ]
     entry = "from pytest_gpucase.run.isolation.child import spawned_main; spawned_main()"
     argv = [sys.executable, "-c", entry, job_file, str(os.getpid())]
-    return os.posix_spawn(sys.executable, argv, child_env, file_actions=actions, setpgroup=0)
+    with held_dumps():  # the new interpreter keeps the mask until its handler is in place
+        return os.posix_spawn(sys.executable, argv, child_env, file_actions=actions,
+                              setpgroup=0)
 
 
 def shutdown() -> None:

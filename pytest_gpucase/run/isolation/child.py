@@ -33,10 +33,29 @@ from pytest_gpucase.run.isolation.proctree import (
 )
 from pytest_gpucase.run.isolation.wire import _FORMAT, _NOTE, MAX_WARNINGS, NOTE_LIMIT, encode
 
-__all__ = ["WARNING_TEXT", "note", "spawned_main"]
+__all__ = ["DUMP_SIGNAL", "WARNING_TEXT", "held_dumps", "note", "spawned_main"]
 
 WARNING_TEXT = 2000  # characters of one warning's message
 _RESULT_FD = 3  # where a spawned child writes its result
+
+# The signal a timed-out child is sent for every thread's stack (faulthandler). A child is
+# started with it blocked and unblocks it once its handler is in place: its default action
+# ends the process, and a child still starting when its time ran out (a loaded machine) would
+# die of the request instead of reporting the timeout. A blocked one is delivered on unblocking.
+DUMP_SIGNAL = signal.SIGUSR1
+
+
+@contextlib.contextmanager
+def held_dumps() -> Any:
+    """Block ``DUMP_SIGNAL`` in this thread meanwhile: a process forked (or spawned) inside
+    starts with it blocked, until ``_child_main`` has its handler in place. A forked child
+    never leaves the block (it ends in ``os._exit``)."""
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
+    try:
+        yield
+    finally:
+        if DUMP_SIGNAL not in old:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
 
 
 def _contain_self(parent: int, name: str = "run") -> None:  # pragma: no cover - child side
@@ -171,7 +190,8 @@ def _child_main(res_w: int, func: Callable[..., Any],
     import faulthandler
 
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})  # held since the start
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)

@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpucase.run.isolation.child import DUMP_SIGNAL
 from pytest_gpucase.run.isolation.clipping import _Capture
 from pytest_gpucase.run.isolation.proctree import (
     REAP_GRACE,
@@ -269,7 +270,7 @@ class _Supervisor:
         """Time is up: ask for every thread's stack, and kill after ``DUMP_GRACE``."""
         self.timed_out = True
         with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(self.child.pid, signal.SIGUSR1)  # faulthandler: dump every thread's stack
+            os.kill(self.child.pid, DUMP_SIGNAL)  # faulthandler: dump every thread's stack
         self.kill_at = now + DUMP_GRACE
 
     def step(self, now: float) -> float | None:

@@ -31,6 +31,7 @@ from pytest_gpucase.run.isolation.child import (
     _forked_child,
     _save_coverage,
     _write_all,
+    held_dumps,
 )
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
@@ -155,11 +156,12 @@ class _Worker:
                 adopt_orphans()
                 gc.freeze()
                 threaded, parent = thread_count() > 1, os.getpid()
-                pid = os.fork()
-                if pid == 0:  # pragma: no cover - the worker
-                    _forked_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
-                                  child_env, threaded, parent, _worker_serve, (theirs.fileno(),),
-                                  name="worker")
+                with held_dumps():
+                    pid = os.fork()
+                    if pid == 0:  # pragma: no cover - the worker
+                        _forked_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
+                                      child_env, threaded, parent, _worker_serve,
+                                      (theirs.fileno(),), name="worker")
                 own(pid)
                 self.pid = pid
                 with contextlib.suppress(OSError):

@@ -22,6 +22,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pytest_gpucase.run.isolation.child import (
+    DUMP_SIGNAL,
     _flush_std_streams,
     _forked_child,
 )
@@ -233,6 +234,8 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
             os._exit(0)
         os.setpgid(0, 0)  # Ctrl-C goes to pytest's group, not here; pytest ends us
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        # Held for good: each child inherits it blocked until its handler is in place.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
         forget_parent()
         adopt_orphans()
         name_process("zygote")
