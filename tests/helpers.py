@@ -23,7 +23,10 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.environment import Device, Environment
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.report.file import new_report, write_report
+from pytest_gpucase.run.isolation import ChildResult, run_in_child
 from pytest_gpucase.run.parent import run_spec
+
+from . import isolation_targets
 
 
 CE_CASE_PY = """
@@ -269,3 +272,16 @@ def without_xfail(case_dir: Path) -> None:
     toml = case_dir / "case.toml"
     lines = toml.read_text().splitlines(keepends=True)
     toml.write_text("".join(line for line in lines if not line.startswith("xfail = ")))
+
+
+def run_reaching(target: Any, *args: Any, timeout: float, **options: Any) -> ChildResult:
+    """``run_in_child`` for a test of what happens to a target that is running when its time
+    runs out. A child still starting by then (a loaded CI machine: a spawned interpreter, a
+    zygote's first fork) tests nothing of the target, so it runs again with four times the
+    time, twice at most; the last result is returned whatever it is."""
+    for attempt in range(3):
+        result = run_in_child(isolation_targets.reach, target, *args,
+                              timeout=timeout * 4 ** attempt, **options)
+        if result.phase is not None or not result.timed_out:
+            return result
+    return result

@@ -9,6 +9,17 @@ import time
 from collections.abc import Callable
 
 
+REACHED = "reached the target"
+
+
+def reach(target: Callable[..., object], *args: object) -> object:
+    """Note that the child got as far as ``target``, then call it (``helpers.run_reaching``)."""
+    from pytest_gpucase.run.isolation import note
+
+    note(REACHED)
+    return target(*args)
+
+
 def echo(x: int) -> int:
     print("to stdout")
     os.write(2, b"to fd 2\n")
