@@ -274,14 +274,16 @@ def without_xfail(case_dir: Path) -> None:
     toml.write_text("".join(line for line in lines if not line.startswith("xfail = ")))
 
 
-def run_reaching(target: Any, *args: Any, timeout: float, **options: Any) -> ChildResult:
+def run_reaching(target: Any, *args: Any, timeout: float,
+                 **options: Any) -> tuple[ChildResult, float]:
     """``run_in_child`` for a test of what happens to a target that is running when its time
-    runs out. A child still starting by then (a loaded CI machine: a spawned interpreter, a
-    zygote's first fork) tests nothing of the target, so it runs again with four times the
-    time, twice at most; the last result is returned whatever it is."""
+    runs out, and the timeout it was given. A child still starting by then (a loaded CI
+    machine: a spawned interpreter, a zygote's first fork) tests nothing of the target, so
+    it runs again with four times the time, twice at most; the last result is returned
+    whatever it is."""
     for attempt in range(3):
-        result = run_in_child(isolation_targets.reach, target, *args,
-                              timeout=timeout * 4 ** attempt, **options)
+        given = timeout * 4 ** attempt
+        result = run_in_child(isolation_targets.reach, target, *args, timeout=given, **options)
         if result.phase is not None or not result.timed_out:
-            return result
-    return result
+            break
+    return result, given

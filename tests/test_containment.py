@@ -73,7 +73,7 @@ def read_pid(path: Path, seconds: float = 60) -> int:
 @pytest.mark.parametrize("method", ["fork", "forkserver", "spawn"])
 def test_child_that_joins_the_parents_group_is_killed(tmp_path: Path, method: str) -> None:
     pid_file = tmp_path / "child.pid"
-    result = run_reaching(targets.join_parent_group_and_hang, str(pid_file), timeout=1.0,
+    result, _ = run_reaching(targets.join_parent_group_and_hang, str(pid_file), timeout=1.0,
                           start_method=method)
     assert result.timed_out and result.signal == signal.SIGKILL
     assert not alive(read_pid(pid_file))  # reaped by run_in_child
@@ -83,7 +83,7 @@ def test_child_that_joins_the_parents_group_is_killed(tmp_path: Path, method: st
 @pytest.mark.parametrize("target", [targets.setsid_grandchild_and_hang, targets.daemon_and_hang])
 def test_grandchild_in_its_own_session_dies_at_the_timeout(tmp_path: Path, target: object) -> None:
     pid_file = tmp_path / "grandchild.pid"
-    result = run_reaching(target, str(pid_file), timeout=1.5)
+    result, _ = run_reaching(target, str(pid_file), timeout=1.5)
     assert result.timed_out
     grandchild = read_pid(pid_file)
     assert wait_gone(grandchild), f"grandchild {grandchild} survived the timeout"
@@ -320,7 +320,7 @@ def test_negative_or_nan_timeout_is_refused(timeout: float) -> None:
 # --- what the report shows --------------------------------------------------------------------
 
 def test_hang_dump_hides_pytests_frames() -> None:
-    result = run_reaching(targets.hang, timeout=1.0)
+    result, _ = run_reaching(targets.hang, timeout=1.0)
     assert result.timed_out
     assert "in hang" in result.stderr
     assert "frames of pytest, pluggy and gpucase hidden]" in result.stderr
