@@ -279,11 +279,12 @@ def run_reaching(target: Any, *args: Any, timeout: float,
     """``run_in_child`` for a test of what happens to a target that is running when its time
     runs out, and the timeout it was given. A child still starting by then (a loaded CI
     machine: a spawned interpreter, a zygote's first fork) tests nothing of the target, so
-    it runs again with four times the time, twice at most; the last result is returned
-    whatever it is."""
+    it runs again with four times the time, twice at most; one that never got there fails
+    the test."""
     for attempt in range(3):
         given = timeout * 4 ** attempt
         result = run_in_child(isolation_targets.reach, target, *args, timeout=given, **options)
         if result.phase is not None or not result.timed_out:
-            break
-    return result, given
+            return result, given
+    raise AssertionError(f"the child never reached {target.__name__} in {given:g} s: "
+                         f"{result.problem}\n{result.stderr}")

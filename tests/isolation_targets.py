@@ -20,6 +20,19 @@ def reach(target: Callable[..., object], *args: object) -> object:
     return target(*args)
 
 
+def stack_signal_blocked() -> dict[str, bool]:
+    """Whether SIGUSR1 (the stack-dump signal) is blocked in this child, and in a process it
+    starts: a case's code and what it starts must never inherit the start's hold."""
+    import subprocess
+
+    probe = ("import signal; "
+             "print(signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, ()))")
+    started = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                             check=True).stdout.strip()
+    return {"child": signal.SIGUSR1 in signal.pthread_sigmask(signal.SIG_BLOCK, ()),
+            "started": started == "True"}
+
+
 def echo(x: int) -> int:
     print("to stdout")
     os.write(2, b"to fd 2\n")

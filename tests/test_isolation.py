@@ -5,13 +5,15 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 
 from pytest_gpucase.run import isolation
-from pytest_gpucase.run.isolation import clipping, supervise, zygote
+from pytest_gpucase.run.isolation import child, clipping, proctree, supervise, zygote
 from pytest_gpucase.run.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
 
 from . import isolation_targets as targets
@@ -86,15 +88,88 @@ def test_hang_is_killed_after_dumping_stacks(method: str) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-def test_a_child_out_of_time_before_its_handler_is_in_place_still_times_out(
+def test_a_child_out_of_time_before_its_start_is_done_is_killed_not_signalled(
         method: str) -> None:
-    # With no time at all, the stack request reaches the child while it is still starting
-    # (as on a loaded machine): it must wait there, not end the child by its default action.
+    """With no time at all the deadline comes while the child is still starting (as on a
+    loaded machine). The stack request must not end it by the signal's default action: it is
+    killed at once as still starting, or, had its handler just come in place, it answers."""
     result = run_in_child(targets.hang, timeout=0, start_method=method)
-    assert result.timed_out and result.problem == "timed out"
-    assert result.signal == signal.SIGKILL, result.signal
-    # Answered once the handler was in place: the stacks of a child still starting.
-    assert "most recent call first" in result.stderr
+    assert result.timed_out and result.signal == signal.SIGKILL, result
+    if result.starting:
+        assert result.problem == "timed out while starting"
+        assert "most recent call first" not in result.stderr
+    else:
+        assert result.problem == "timed out"
+        assert "most recent call first" in result.stderr
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_worker_out_of_time_before_its_start_is_done_is_killed(method: str) -> None:
+    pool = isolation.WorkerPool()
+    try:
+        result = pool.run("k", targets.hang, timeout=0, start_method=method)
+        assert result.timed_out and result.signal == signal.SIGKILL, result
+    finally:
+        pool.close()
+
+
+def test_only_a_blocked_signal_without_a_handler_is_held() -> None:
+    """The parent's test of "still starting": the stack signal blocked and no handler for it.
+    A process that blocks it after its handler is in place is asked as any other."""
+    code = ("import faulthandler, signal, sys, time\n"
+            "if 'block' in sys.argv: signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGUSR1})\n"
+            "if 'handler' in sys.argv: faulthandler.register(signal.SIGUSR1)\n"
+            "print('ready', flush=True)\n"
+            "time.sleep(60)\n")
+    for flags, held in ((["block"], True), (["block", "handler"], False), ([], False)):
+        with subprocess.Popen([sys.executable, "-c", code, *flags],
+                              stdout=subprocess.PIPE) as process:
+            try:
+                assert process.stdout is not None and process.stdout.readline() == b"ready\n"
+                assert proctree._held(process.pid, signal.SIGUSR1) is held, flags
+            finally:
+                process.kill()
+    assert proctree._held(process.pid, signal.SIGUSR1) is False  # gone: not known to be held
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_the_parent_keeps_its_mask_and_the_case_has_the_signal_unblocked(method: str) -> None:
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    result = run_in_child(targets.stack_signal_blocked, timeout=60, start_method=method)
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before
+    assert result.value == {"child": False, "started": False}, result
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_worker_has_the_signal_unblocked_and_the_parent_its_mask(method: str) -> None:
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    pool = isolation.WorkerPool()
+    try:
+        result = pool.run("k", targets.stack_signal_blocked, timeout=60, start_method=method)
+    finally:
+        pool.close()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before
+    assert result.value == {"child": False, "started": False}, result
+
+
+def test_an_interrupt_while_the_signal_is_held_leaves_the_mask_as_it_was(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ctrl-C whose handler runs as the mask changes must not leave the pytest process
+    with the stack signal blocked for good (every process it starts later would inherit it)."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    real = signal.pthread_sigmask
+
+    def interrupted(how: int, mask: object) -> set[signal.Signals]:
+        old = real(how, mask)  # type: ignore[arg-type]
+        if how == signal.SIG_BLOCK and mask:
+            raise KeyboardInterrupt
+        return old
+
+    monkeypatch.setattr(child.signal, "pthread_sigmask", interrupted)
+    with pytest.raises(KeyboardInterrupt), child.held_dumps():
+        pass
+    monkeypatch.undo()
+    assert signal.pthread_sigmask(signal.SIG_BLOCK, ()) == before
 
 
 def test_grandchildren_are_killed_with_the_group(tmp_path: Path) -> None:

@@ -8,9 +8,9 @@ import textwrap
 from pathlib import Path
 
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.run.isolation import WorkerPool
+from pytest_gpucase.run.isolation import ChildResult, WorkerPool
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.parent import describe_rerun, run_spec
+from pytest_gpucase.run.parent import _crash_outcome, describe_rerun, run_spec
 
 # A test double, honest about being one: this machine has no GPU, so the case
 # fakes what CUDA does. Without CUDA_LAUNCH_BLOCKING the "kernel" error surfaces
@@ -186,6 +186,22 @@ def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Pa
     assert hung.outcome.summary.endswith(
         "case.toml: run timed out after 5 s and was killed with its process group and every "
         "process it started; the stack of every thread at the timeout is in the captured stderr")
+
+
+def test_a_timeout_before_the_child_started_says_so_without_pointing_at_stacks(
+        tmp_path: Path) -> None:
+    """A child killed while still starting (a loaded runner) has no stacks to point at."""
+    spec = make_case(tmp_path, TOML, SLOW_REFERENCE.format(hang_in_call=True))
+    starting = ChildResult(value=None, returned=False, exitcode=None, signal=9, timed_out=True,
+                           stdout="", stderr="", duration=30.0, start_method="spawn",
+                           starting=True)
+    outcome = _crash_outcome(spec, starting)
+    assert outcome.kind == "timeout"
+    assert outcome.summary.endswith(
+        "case.toml: run timed out after 30 s and was killed with its process group and every "
+        "process it started; its process was still starting, before the case's code ran, so "
+        "there are no stacks: raise timeout in case.toml if this machine is that loaded")
+    assert outcome.error_message == "timed out while starting"
 
 
 def test_deterministic_false_does_not_import_inductor(tmp_path: Path) -> None:

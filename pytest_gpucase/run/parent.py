@@ -155,11 +155,16 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     during = f" {child.phase}" if child.phase else ""
     if child.timed_out:
         summary = (f"{where}: run timed out after {spec.case.timeout:g} s{during} and was killed "
-                   "with its process group and every process it started; the stack of every "
-                   "thread at the timeout is in the captured stderr"
-                   + ("; the timeout counts the call, its float64 reference and the comparison "
-                      "together: raise timeout in case.toml if they are slow, not hung"
-                      if during else ""))
+                   "with its process group and every process it started")
+        if child.starting:
+            summary += ("; its process was still starting, before the case's code ran, so "
+                        "there are no stacks: raise timeout in case.toml if this machine is "
+                        "that loaded")
+        else:
+            summary += ("; the stack of every thread at the timeout is in the captured stderr"
+                        + ("; the timeout counts the call, its float64 reference and the "
+                           "comparison together: raise timeout in case.toml if they are slow, "
+                           "not hung" if during else ""))
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:

@@ -1,6 +1,7 @@
 """The child's side of a run: what a forked, spawned or zygote-forked child does.
 
-Runs in the child only: it contains itself (dies with the parent, keeps its orphans as a
+Runs in the child, but for ``held_dumps``, which the parent starts each child inside: the
+child contains itself (dies with the parent, keeps its orphans as a
 subreaper), points fds 1 and 2 at the parent's pipes, calls the function while recording
 its warnings and the phase notes (``note``), ends what it started, saves its coverage data,
 and writes its result on the result pipe (``wire``).
@@ -48,14 +49,28 @@ DUMP_SIGNAL = signal.SIGUSR1
 @contextlib.contextmanager
 def held_dumps() -> Any:
     """Block ``DUMP_SIGNAL`` in this thread meanwhile: a process forked (or spawned) inside
-    starts with it blocked, until ``_child_main`` has its handler in place. A forked child
+    starts with it blocked, until ``_answer_dumps`` has its handler in place. A forked child
     never leaves the block (it ends in ``os._exit``)."""
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
+    # Read first, block inside the try: a handler run as the mask changes (Ctrl-C) must
+    # not leave this process with the signal blocked for good.
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     try:
+        signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
         yield
     finally:
         if DUMP_SIGNAL not in old:
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
+
+
+def _answer_dumps() -> None:  # pragma: no cover - child side
+    """Put faulthandler in place, for a fatal signal and for ``DUMP_SIGNAL``, then unblock
+    the latter (held since the child started): a request made meanwhile is answered now.
+    Unblocked whatever the parent's own mask: a child's stacks are always asked for."""
+    import faulthandler
+
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
 
 
 def _contain_self(parent: int, name: str = "run") -> None:  # pragma: no cover - child side
@@ -187,11 +202,7 @@ def note(phase: str) -> None:
 
 def _child_main(res_w: int, func: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
-    import faulthandler
-
-    faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})  # held since the start
+    _answer_dumps()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGHUP, signal.SIG_DFL)
@@ -289,6 +300,9 @@ def _write_all(fd: int, data: bytes) -> None:
 def spawned_main() -> None:  # pragma: no cover - runs in a spawned child
     """Entry point of a spawned child: load the job, run it, send the result on fd 3."""
     _contain_self(int(sys.argv[2]))
+    # Before the job's imports (torch: seconds on a loaded machine): a timeout during them
+    # gets their stacks, and what they start (threads, processes) does not inherit the block.
+    _answer_dumps()
     with open(sys.argv[1], "rb") as handle:
         sys.path[:] = pickle.load(handle)
         func, args = pickle.load(handle)

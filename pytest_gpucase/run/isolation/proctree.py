@@ -141,6 +141,23 @@ def _read(path: str) -> bytes | None:
         return None
 
 
+def _held(pid: int, signum: int) -> bool:
+    """Whether ``pid``'s main thread has ``signum`` blocked with no handler for it
+    (/proc/PID/status): a child of ours before its start is done. False when unknown."""
+    raw = _read(f"/proc/{pid}/status")
+    if raw is None:
+        return False
+    masks = {}
+    for line in raw.splitlines():
+        key, _, value = line.partition(b":")
+        if key in (b"SigBlk", b"SigCgt"):
+            try:
+                masks[key] = int(value, 16) >> (signum - 1) & 1
+            except ValueError:
+                return False
+    return masks.get(b"SigBlk") == 1 and masks.get(b"SigCgt") == 0
+
+
 class _Proc(NamedTuple):
     ppid: int
     state: bytes

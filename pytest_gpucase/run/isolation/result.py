@@ -53,6 +53,9 @@ class ChildResult:
     phase: str | None = None        # what the child said it was doing last (``note``)
     # A reused worker's call after its first: not a fresh child (``WorkerPool``).
     reused: bool = False
+    # Timed out before its start was done (its stack signal still held, no handler yet;
+    # read on Linux): killed at once, as it could not answer with its stacks.
+    starting: bool = False
 
     @property
     def problem(self) -> str | None:
@@ -60,7 +63,7 @@ class ChildResult:
         if self.returned:
             return None
         if self.timed_out:
-            return "timed out"
+            return "timed out while starting" if self.starting else "timed out"
         if self.memory_exceeded:
             return (f"exceeded the memory limit of {gib(self.memory_limit or 0)} "
                     f"(resident {gib(self.resident or 0)})")

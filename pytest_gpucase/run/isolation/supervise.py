@@ -25,6 +25,7 @@ from pytest_gpucase.run.isolation.child import DUMP_SIGNAL
 from pytest_gpucase.run.isolation.clipping import _Capture
 from pytest_gpucase.run.isolation.proctree import (
     REAP_GRACE,
+    _held,
     _kill_tree,
     _resident,
     _stat,
@@ -224,6 +225,7 @@ class _Supervisor:
         self.exited = False    # the child ended; its pipes are drained a little longer
         self.deferred = False  # the child returned cleanly and is exiting: reaped later
         self.timed_out = False
+        self.starting = False  # timed out with its stack signal still held: no dump to wait for
         self.kill_at: float | None = None
         self.drain_until = math.inf
         self.dumped_at: float | None = None  # when the child last wrote to stderr after SIGUSR1
@@ -267,8 +269,13 @@ class _Supervisor:
             self.kill_at = None
 
     def on_deadline(self, now: float) -> None:
-        """Time is up: ask for every thread's stack, and kill after ``DUMP_GRACE``."""
+        """Time is up: ask for every thread's stack, and kill after ``DUMP_GRACE``; at once
+        for a child still starting, which would answer only once its start is done."""
         self.timed_out = True
+        if _held(self.child.pid, DUMP_SIGNAL):
+            self.starting = True
+            self.kill_at = now
+            return
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(self.child.pid, DUMP_SIGNAL)  # faulthandler: dump every thread's stack
         self.kill_at = now + DUMP_GRACE
@@ -398,7 +405,7 @@ class _Supervisor:
             start_method=self.start_method, child_error=child_error, bad_result=bad_result,
             memory_exceeded=child.memory_exceeded, memory_limit=child.memory_limit,
             resident=child.resident or None, warnings=found, warnings_dropped=dropped,
-            phase=phase,
+            phase=phase, starting=self.starting,
         )
 
 
