@@ -22,11 +22,13 @@ The timeout lives in the parent: a hang inside a GIL-released CUDA call cannot
 be interrupted by a Python signal handler in the child. On expiry the parent
 asks the child's ``faulthandler`` for every thread's stack (SIGUSR1), waits a
 moment for it, then kills the run's whole process tree. A child starts with
-SIGUSR1 blocked and unblocks it once the handler is in place, so a child still
-starting when its time runs out answers with its starting stacks instead of
-dying of the signal's default action. Its frames from
-pytest, pluggy and gpucase itself are hidden from the dump (the stack of a
-forked child still holds the pytest process's frames below the case's own).
+SIGUSR1 blocked and unblocks it once the handler is in place: a child whose
+start is not done at the deadline (blocked, no handler, in /proc/PID/status)
+is killed at once as ``starting`` instead of dying of the signal's default
+action, and a request that meets the block is answered once it is lifted.
+Frames of pytest, pluggy and gpucase itself are hidden from the dump (the
+stack of a forked child still holds the pytest process's frames below the
+case's own).
 
 No process of a run outlives it. Every process that starts or supervises a child is a
 child subreaper (``PR_SET_CHILD_SUBREAPER``): the child itself, for its own tree while it
