@@ -74,7 +74,7 @@ def read_pid(path: Path, seconds: float = 60) -> int:
 def test_child_that_joins_the_parents_group_is_killed(tmp_path: Path, method: str) -> None:
     pid_file = tmp_path / "child.pid"
     result, _ = run_reaching(targets.join_parent_group_and_hang, str(pid_file), timeout=1.0,
-                          start_method=method)
+                             start_method=method)
     assert result.timed_out and result.signal == signal.SIGKILL
     assert not alive(read_pid(pid_file))  # reaped by run_in_child
 

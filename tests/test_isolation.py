@@ -337,7 +337,7 @@ def test_the_last_note_says_what_a_timeout_interrupted(method: str) -> None:
     """The parent reads the child's notes even from the child it killed; a note with a
     newline in it stays one note."""
     hung, _ = run_reaching(note_and_wait, ["calling", "the reference\nline two"], 600,
-                        timeout=1.0, start_method=method)
+                           timeout=1.0, start_method=method)
     assert hung.timed_out and not hung.returned
     assert hung.phase == "the reference line two"
     done = run_in_child(note_and_wait, ["calling", "comparing"], 0, timeout=60,
