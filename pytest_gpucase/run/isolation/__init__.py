@@ -92,7 +92,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import os
 import pickle
 import secrets
@@ -102,7 +101,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from pytest_gpucase.run.isolation.child import _RESULT_FD, _forked_child, held_dumps, note
+from pytest_gpucase.run.isolation.child import _RESULT_FD, fork_child, held_dumps, note
 from pytest_gpucase.run.isolation.clipping import (
     CAPTURE_HEAD,
     CAPTURE_TAIL,
@@ -116,7 +115,6 @@ from pytest_gpucase.run.isolation.proctree import (
     adopt_orphans,
     own,
     sweep_adopted,
-    thread_count,
 )
 from pytest_gpucase.run.isolation.result import (
     ChildResult,
@@ -205,17 +203,8 @@ def run_in_child(
         reap_pending(block=False)
         with _Interruptible() as guard:
             if start_method == "fork":
-                # Objects that exist now are never collected by the parent's later passes,
-                # and a collection in the child cannot touch (and so copy) their pages.
-                gc.freeze()
-                threaded = thread_count() > 1
-                parent = os.getpid()
-                with held_dumps():
-                    pid = os.fork()
-                    if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
-                        _forked_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
-                                      threaded, parent, func, args)
-                own(pid)
+                pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
+                                 func, args)
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:

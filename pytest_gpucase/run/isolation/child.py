@@ -1,7 +1,7 @@
 """The child's side of a run: what a forked, spawned or zygote-forked child does.
 
-Runs in the child, but for ``held_dumps``, which the parent starts each child inside: the
-child contains itself (dies with the parent, keeps its orphans as a
+Runs in the child, but for ``fork_child`` and ``held_dumps``, with which the parent starts
+a child. The child contains itself (dies with the parent, keeps its orphans as a
 subreaper), points fds 1 and 2 at the parent's pipes, calls the function while recording
 its warnings and the phase notes (``note``), ends what it started, saves its coverage data,
 and writes its result on the result pipe (``wire``).
@@ -31,10 +31,12 @@ from pytest_gpucase.run.isolation.proctree import (
     adopt_orphans,
     forget_parent,
     name_process,
+    own,
+    thread_count,
 )
 from pytest_gpucase.run.isolation.wire import _FORMAT, _NOTE, MAX_WARNINGS, NOTE_LIMIT, encode
 
-__all__ = ["DUMP_SIGNAL", "WARNING_TEXT", "held_dumps", "note", "spawned_main"]
+__all__ = ["DUMP_SIGNAL", "WARNING_TEXT", "fork_child", "held_dumps", "note", "spawned_main"]
 
 WARNING_TEXT = 2000  # characters of one warning's message
 _RESULT_FD = 3  # where a spawned child writes its result
@@ -148,6 +150,25 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
     except BaseException:
         os._exit(70)
     _child_main(res_w, func, args)
+
+
+def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
+               env: Mapping[str, str], func: Callable[..., Any], args: tuple[Any, ...],
+               name: str = "run") -> int:
+    """Fork a child of this process that runs ``func(*args)`` (``_forked_child``), started
+    with the stack signal held (``held_dumps``); its pid, owned (``proctree.own``)."""
+    # Objects that exist now are never collected by the parent's later passes, and a
+    # collection in the child cannot touch (and so copy) their pages.
+    gc.freeze()
+    threaded = thread_count() > 1
+    parent = os.getpid()
+    with held_dumps():
+        pid = os.fork()
+        if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
+            _forked_child(out_w, err_w, res_w, parent_ends, env, threaded, parent, func, args,
+                          name=name)
+    own(pid)
+    return pid
 
 
 def _flush_std_streams() -> None:  # pragma: no cover - child side

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import json
 import os
 import pickle
@@ -28,18 +27,15 @@ from typing import Any
 from pytest_gpucase.run.isolation.child import (
     _envelope_noting,
     _flush_std_streams,
-    _forked_child,
     _save_coverage,
     _write_all,
-    held_dumps,
+    fork_child,
 )
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
     adopt_orphans,
     now_ticks,
-    own,
-    thread_count,
 )
 from pytest_gpucase.run.isolation.result import ChildResult, StartMethod
 from pytest_gpucase.run.isolation.state import WorkerState, prime
@@ -154,15 +150,8 @@ class _Worker:
                                              child_env, fd_argument=True)
             else:
                 adopt_orphans()
-                gc.freeze()
-                threaded, parent = thread_count() > 1, os.getpid()
-                with held_dumps():
-                    pid = os.fork()
-                    if pid == 0:  # pragma: no cover - the worker
-                        _forked_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
-                                      child_env, threaded, parent, _worker_serve,
-                                      (theirs.fileno(),), name="worker")
-                own(pid)
+                pid = fork_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
+                                 child_env, _worker_serve, (theirs.fileno(),), name="worker")
                 self.pid = pid
                 with contextlib.suppress(OSError):
                     os.setpgid(pid, pid)
