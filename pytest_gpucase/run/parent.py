@@ -161,10 +161,11 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
                         "there are no stacks: raise timeout in case.toml if this machine is "
                         "that loaded")
         else:
-            summary += ("; the stack of every thread at the timeout is in the captured stderr"
-                        + ("; the timeout counts the call, its float64 reference and the "
-                           "comparison together: raise timeout in case.toml if they are slow, "
-                           "not hung" if during else ""))
+            summary += "; the stack of every thread at the timeout is in the captured stderr"
+        if during:
+            summary += ("; the timeout counts the call, its float64 reference and the "
+                        "comparison together: raise timeout in case.toml if they are slow, "
+                        "not hung")
     elif child.child_error is not None:
         summary = f"{where}: the run failed inside the child"
     else:
