@@ -82,7 +82,7 @@ def test_bfloat16_counter_passes_in_float32_and_float64(tmp_path: Path) -> None:
         dtypes = ["float32", "bfloat16"]
         """, COUNTER_PY, {"x": x})
     seen: list[str] = []
-    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV, start_method="fork",
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV,
                     progress=lambda row: seen.append(row.change))
 
     assert result.failing and result.dtype == "bfloat16"
@@ -146,8 +146,7 @@ def test_float16_overflow_passes_in_float32_float64_and_the_reference(tmp_path: 
         [matrix]
         dtypes = ["float16"]
         """, SOFTMAX_PY, {"x": x})
-    result = ablate(load_case(path), device="cpu", dtype="float16", env=ENV,
-                    start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype="float16", env=ENV)
 
     verdicts = {row.change: row.verdict for row in result.rows}
     assert result.baseline.failure == "mismatch"
@@ -186,7 +185,7 @@ def test_extension_switched_off_through_the_case_env(tmp_path: Path) -> None:
                             "k": torch.randn(4, 80, generator=gen)})
     env = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__,
                       packages={"pytest": pytest.__version__})
-    result = ablate(load_case(path), device="cpu", dtype=None, env=env, start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype=None, env=env)
 
     assert result.baseline.failure == "RuntimeError"
     assert rows_of(result.rows) == [
@@ -212,7 +211,7 @@ def test_passing_case_has_nothing_to_ablate(
     path = make_case(tmp_path, "fine", 'format = 1\ntimeout = 30\ncall = "case.py:softmax"\n'
                      'reference = "case.py:reference"\n', SOFTMAX_PY,
                      {"x": torch.tensor([[1.0, 2.0]])})
-    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV, start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV)
     assert not result.failing and result.rows == ()
     assert result.reading == "passes unchanged on the CPU in float32: nothing to ablate"
 

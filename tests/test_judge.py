@@ -14,6 +14,7 @@ from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import Outcome
 from pytest_gpucase.run.judge import Judged, _identical
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 
 
 def test_the_run_inputs_are_let_go_of_as_the_reference_inputs_are_made(tmp_path: Path) -> None:
@@ -82,7 +83,7 @@ def {name}(a, b):
 def run(spec: RunSpec) -> Outcome:
     """The run's outcome, in a forked child as every item runs (a run in this process would
     leave it marked as a replay, and a Recorder of a later test would save nothing)."""
-    return run_spec(spec, start_method="fork", backend="cpu").outcome
+    return run_spec(spec, RunContext("fork", "cpu")).outcome
 
 
 def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:

@@ -21,6 +21,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import Outcome
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 
 
 def judged(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], toml: str = "",
@@ -33,7 +34,7 @@ def judged(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], t
     (path / "case.py").write_text(textwrap.dedent(code))
     payload.save(path / "inputs.safetensors", tensors)
     spec = RunSpec(load_case(path), "cpu", dtype, cast=cast)
-    return run_spec(spec, start_method="fork", backend="cpu").outcome
+    return run_spec(spec, RunContext("fork", "cpu")).outcome
 
 
 def variant(code: str, old: str, new: str) -> str:

@@ -20,6 +20,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import Outcome
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.rounding import DRAWS
 
 CODE = '''
@@ -55,8 +56,7 @@ def cache_at(folder: Path, key: str = "key") -> reference_cache.ReferenceCache:
 
 def judged(path: Path, cache: Path, device: str = "cpu", key: str = "key") -> Outcome:
     spec = RunSpec(load_case(path), device, "float32", cast=False)
-    return run_spec(spec, start_method="fork", backend="cpu",
-                    reference_cache=cache_at(cache, key)).outcome
+    return run_spec(spec, RunContext("fork", "cpu", reference_cache=cache_at(cache, key))).outcome
 
 
 def run(path: Path, cache: Path, device: str = "cpu") -> str:
@@ -198,7 +198,7 @@ def test_entries_written_with_another_key_are_computed_again(tmp_path: Path) -> 
 def test_without_a_cache_folder_nothing_is_written(tmp_path: Path) -> None:
     path = make(tmp_path)
     spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
-    assert run_spec(spec, start_method="fork", backend="cpu").outcome.status == "passed"
+    assert run_spec(spec, RunContext("fork", "cpu")).outcome.status == "passed"
     assert reference_cache.CACHE_ENV not in os.environ
     assert calls(path) == 1
 

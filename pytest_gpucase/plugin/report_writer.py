@@ -146,7 +146,7 @@ class ReportWriter:
         import os
         import signal
 
-        if self.state.settings["gpu_cases_report"] is None:
+        if self.state.settings.gpu_cases_report is None:
             return
         # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
         # Ctrl-C does, so that the report of what finished is written on the way out. A
@@ -214,7 +214,7 @@ class ReportWriter:
 
         if session.config.getoption("gpu_devices", None) is None:
             return
-        asked: tuple[str, ...] = self.state.settings["gpu_devices"] or ()
+        asked = self.state.settings.gpu_devices or ()
         env = self.state.environment()
         for device in asked:
             skipped = sum(1 for record in self.state.results.values()
@@ -236,7 +236,7 @@ class ReportWriter:
         rather than two green runs of which one's results are silently gone."""
         from pytest_gpucase.plugin.report_lock import ReportLocked, lock_report
 
-        path = self.state.settings["gpu_cases_report"]
+        path = self.state.settings.gpu_cases_report
         if path is None:
             return
         try:
@@ -256,5 +256,5 @@ class ReportWriter:
         if self._lock is not None:
             from pytest_gpucase.plugin.report_lock import unlock_report
 
-            unlock_report(self.state.settings["gpu_cases_report"], self._lock)
+            unlock_report(self.state.settings.gpu_cases_report, self._lock)
             self._lock = None

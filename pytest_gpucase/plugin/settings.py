@@ -1,13 +1,15 @@
 """The plugin's settings: each one a command-line option and an ini key of the same name.
 
-``SETTINGS`` is the one table of them: ``add_options`` declares them, ``setting``
-reads one (the command line wins over the ini), checked the same way from either
-place, a mistake being a usage error that names where it came from.
+``SETTINGS`` is the one table of them (name, help, kind, default): ``add_options``
+declares them, ``setting`` reads one (the command line wins over the ini), checked the
+same way from either place, a mistake being a usage error that names where it came from.
+``Settings`` is every one of them read once, as typed attributes of the same names
+(``Settings.read(config)``): nothing else reads an option by its string.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
@@ -15,7 +17,7 @@ import pytest
 
 from pytest_gpucase.base.errors import display_posix
 
-__all__ = ["SETTINGS", "Setting", "add_options", "setting"]
+__all__ = ["SETTINGS", "Setting", "Settings", "add_options", "setting"]
 
 
 @dataclass(frozen=True)
@@ -76,6 +78,45 @@ SETTINGS = (
 
 
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of ``SETTINGS``, resolved once per session: a field per row, of the same
+    name (a test holds the two together). Defaults and help live in the table."""
+
+    gpu_cases: bool
+    gpu_cases_paths: tuple[str, ...]
+    gpu_launch_blocking: bool
+    gpu_devices: tuple[str, ...] | None
+    gpu_dtypes: tuple[str, ...] | None
+    gpu_no_localize: bool
+    gpu_cases_regen: bool
+    gpu_cases_report: Path | None
+    gpu_ablate: bool
+    gpu_per_worker: bool
+    gpu_memory_limit: int | None    # bytes
+    gpu_start_method: Literal["auto", "fork", "forkserver", "spawn"]
+    gpu_isolation: Literal["item", "case", "worker"]
+
+    @classmethod
+    def read(cls, config: pytest.Config) -> Settings:
+        """Every setting from ``config`` (a mistake is a usage error naming its source)."""
+        return cls(**{spec.name: setting(config, spec.name) for spec in SETTINGS})
+
+    @classmethod
+    def defaults(cls, **given: Any) -> Settings:
+        """The table's defaults, with ``given`` instead where named (for callers without a
+        pytest session, and tests)."""
+        values = {spec.name: spec.default for spec in SETTINGS}
+        values["gpu_cases_paths"] = tuple(values["gpu_cases_paths"] or ())
+        unknown = set(given) - set(values)
+        if unknown:
+            raise TypeError(f"no setting named {sorted(unknown)[0]!r}")
+        return cls(**{**values, **given})
+
+
+assert {f.name for f in fields(Settings)} == set(_SETTINGS), "Settings and SETTINGS differ"
 
 
 def add_options(parser: pytest.Parser) -> None:

@@ -16,7 +16,7 @@ runs a different kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -30,8 +30,8 @@ from pytest_gpucase.case.model import Case
 from pytest_gpucase.case.variants import Variant
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import RunSpec, choose_device, saved_dtype, unchanged_runs
-from pytest_gpucase.run.isolation import StartMethod
 from pytest_gpucase.run.parent import Verdict, run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.tools.minimize import failure_class, first_failure, same_way
 
 __all__ = [
@@ -293,19 +293,22 @@ def ablate(
     device: str,
     dtype: str | None,
     env: Environment,
-    start_method: StartMethod,
+    ctx: RunContext | None = None,
     variant: Variant | None = None,
     progress: Callable[[Row], None] | None = None,
 ) -> Ablation:
     """Run ``case`` unchanged, then under each single change, each in a fresh child.
 
-    ``dtype`` None takes the case's dtypes in order and ablates the first that
-    fails; ``variant`` ablates an edge variant instead of the saved inputs.
-    ``progress`` is told of each row as it completes.
+    ``ctx`` is the run context of the session or command (its environment variables, memory
+    limit, reference cache; default: this process's, ``RunContext.here``): the unchanged
+    run is the run an item makes. ``dtype`` None takes the case's dtypes in order and
+    ablates the first that fails; ``variant`` ablates an edge variant instead of the saved
+    inputs. ``progress`` is told of each row as it completes.
     """
+    ctx = replace(ctx or RunContext.here(env.backend), localize=False).fresh()
     specs = [replace(spec, variant=variant)
              for spec in unchanged_runs(case, env, device=device, dtype=dtype)]
-    found, tried = first_failure(specs, start_method=start_method, backend=env.backend)
+    found, tried = first_failure(specs, ctx)
     if found is None:
         runs = " and ".join(v.spec.dtype for v in tried)
         baseline = Row("baseline", "unchanged", PASSES, summary=tried[-1].outcome.summary,
@@ -327,8 +330,7 @@ def ablate(
         if change.spec is None:
             row = Row(change.key, change.label, NOT_APPLICABLE, note=change.reason)
         else:
-            verdict = run_spec(change.spec, start_method=start_method, backend=env.backend,
-                               localize=False)
+            verdict = run_spec(change.spec, ctx)
             row = _row(change, verdict, found)
         rows.append(row)
         if progress is not None:
@@ -338,18 +340,19 @@ def ablate(
 
 
 def ablate_command(case: Path, *, device: str | None, dtype: str | None,
-                   progress: Callable[[Row], None] | None = None) -> Ablation:
-    """``gpucase ablate``: ablate the case at ``case`` on this machine (the command prints).
+                   progress: Callable[[Row], None] | None = None,
+                   run_env: Mapping[str, str] | None = None) -> Ablation:
+    """``gpucase ablate``: ablate the case at ``case`` on this machine (the command prints);
+    ``run_env``: variables every run's child gets (``--env NAME=VALUE``).
 
     Raises NotRunnable when the case cannot run here.
     """
     import torch  # noqa: F401 - imported before the children fork, so that each shares it
 
-    from pytest_gpucase.run.isolation import default_start_method
     from pytest_gpucase.run.probe import probe
 
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
     chosen = choose_device(loaded, env, device)
     return ablate(loaded, device=chosen, dtype=dtype, env=env,
-                  start_method=default_start_method(), progress=progress)
+                  ctx=RunContext.here(env.backend, env=run_env), progress=progress)
