@@ -2,16 +2,18 @@
 told as Python tells it, without gpucase's own frames."""
 
 # No ``from __future__ import annotations`` here: the parent rebuilds an Outcome field by
-# field, checking each against its annotation as resolved in its public module (run.child);
-# annotations kept as objects need no names resolved there.
+# field, checking each against its annotation; annotations kept as objects resolve anywhere.
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+from pytest_gpucase.base.results import result_type
+
 __all__ = ["Outcome", "describe_exception", "exception_text", "raised", "user_traceback"]
 
 
+@result_type   # what a run's child sends back (isolation.wire)
 @dataclass(frozen=True)
 class Outcome:
     """The verdict of one run, as plain data that crosses the process boundary."""
@@ -38,10 +40,6 @@ class Outcome:
     def broken_case(self) -> bool:
         return self.kind == "broken case"
 
-
-# Its public home, and the name the result pipe allows (isolation.wire.RESULT_TYPES):
-# run.child, which re-exports it; it is defined here for the modules child imports.
-Outcome.__module__ = "pytest_gpucase.run.child"
 
 
 def exception_text(exc: BaseException) -> str:
