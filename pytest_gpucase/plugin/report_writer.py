@@ -253,8 +253,9 @@ class ReportWriter:
         # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
         if not self.state._finished and (self.state._unwritten or self.state.results):
             self.state.write_report(complete=False)
-        if self._lock is not None:
+        path = self.state.settings.gpu_cases_report
+        if self._lock is not None and path is not None:
             from pytest_gpucase.plugin.report_lock import unlock_report
 
-            unlock_report(self.state.settings.gpu_cases_report, self._lock)
+            unlock_report(path, self._lock)
             self._lock = None

@@ -4,13 +4,31 @@ told as Python tells it, without gpucase's own frames."""
 # No ``from __future__ import annotations`` here: the parent rebuilds an Outcome field by
 # field, checking each against its annotation; annotations kept as objects resolve anywhere.
 import traceback
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 from pytest_gpucase.base.results import result_type
 
-__all__ = ["Outcome", "describe_exception", "exception_text", "raised", "user_traceback"]
+__all__ = ["OUTCOME_KINDS", "Outcome", "OutcomeKind", "describe_exception", "exception_text",
+           "raised", "user_traceback"]
+
+# What happened in a run, for the tools that sort failures (minimize, ablate, the known-failure
+# rule): the one list of them, checked by mypy wherever a kind is compared.
+OutcomeKind = Literal[
+    "",                 # not told (an outcome built by hand)
+    "passed", "skipped",
+    "mismatch",         # outputs differ from the reference
+    "golden mismatch",  # outputs differ from the saved golden
+    "raises",           # the call raised
+    "reference raises",  # the reference raised: nothing judged the call
+    "no exception",     # the call returned where the case expects it to raise
+    "bad output",       # an output that cannot be walked: nested too deep, or holding itself
+    "broken case",      # the case itself is wrong: its files, an import
+    "crash", "timeout",  # the child died, or was killed at its deadline
+]
+OUTCOME_KINDS: tuple[str, ...] = typing.get_args(OutcomeKind)
 
 
 @result_type   # what a run's child sends back (isolation.wire)
@@ -27,11 +45,7 @@ class Outcome:
     error_message: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
-    # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
-    # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
-    # "bad output" (one that cannot be walked: nested too deep, or holding itself),
-    # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
-    kind: str = ""
+    kind: OutcomeKind = ""             # what happened (OutcomeKind)
     # What the verdict could not check, and why, shown with the item's report on a pass too
     # ("nothing independent checked the gradients": no reference, and no gradcheck).
     notes: tuple[str, ...] = ()
@@ -76,7 +90,7 @@ def user_traceback(exc: BaseException) -> str:
                 f"{describe_exception(failed)})\n")
 
 
-def raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
+def raised(what: str, exc: BaseException, kind: OutcomeKind = "raises") -> Outcome:
     """``exc``, raised by the user's call or reference, as the run's failure.
 
     Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a

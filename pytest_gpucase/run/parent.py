@@ -14,6 +14,7 @@ from pytest_gpucase.base.errors import display
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
+from pytest_gpucase.run.outcome import OutcomeKind
 from pytest_gpucase.run.isolation import (
     ChildResult,
     ChildWarning,
@@ -162,7 +163,7 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     details = child.child_error or _stderr_pointer(child.stderr)
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")
-    kind = "timeout" if child.timed_out else "crash"
+    kind: OutcomeKind = "timeout" if child.timed_out else "crash"
     return Outcome("failed", summary, details=details, kind=kind,
                    error_type="Crash" if child.signal else None, error_message=message)
 

@@ -104,7 +104,7 @@ def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
     if cls is None:
         raise BadResult(f"type {name!r} is not one a child may return")
     qualname = cls.__qualname__
-    hints, wanted = _shape(cls)
+    hints, wanted = _shape(name)
     if set(fields) != wanted:
         raise BadResult(f"{qualname} fields {sorted(fields)} are not {sorted(wanted)}")
     values = {key: decode(value, depth + 1) for key, value in fields.items()}
@@ -116,9 +116,11 @@ def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
 
 
 @functools.cache
-def _shape(cls: type[Any]) -> tuple[dict[str, Any], frozenset[str]]:
-    """An allowed dataclass's fields' annotations and the names ``__init__`` takes: read
+def _shape(name: str) -> tuple[dict[str, Any], frozenset[str]]:
+    """A registered dataclass's fields' annotations and the names ``__init__`` takes: read
     once a session (evaluating the annotations is most of what rebuilding one costs)."""
+    cls = registered(name)
+    assert cls is not None
     return (typing.get_type_hints(cls),
             frozenset(f.name for f in dataclasses.fields(cls) if f.init))
 
