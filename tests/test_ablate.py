@@ -27,6 +27,8 @@ from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plan.runs import NotRunnable, choose_device
 from tests.helpers import make_case, recorded_ce_case
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 NOT_ON_CPU = {
     "cpu": "the run is already on the CPU",

@@ -31,6 +31,7 @@ def case_module(case_dir: Path) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index_error() -> None:
     case_dir = CASES / "embedding_oob_model"
     doc = tomllib.loads((case_dir / "case.toml").read_text())
@@ -51,6 +52,7 @@ def test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index
     assert is_known_failure(load_case(case_dir), verdict)
 
 
+@pytest.mark.slow
 def test_attention_masked_row_is_nan_exactly_at_the_fully_masked_rows() -> None:
     case_dir = CASES / "attention_masked_row"
     inputs = payload.load(case_dir / "inputs.safetensors")

@@ -31,6 +31,8 @@ from pytest_gpucase.run.isolation import (
 from . import isolation_targets as targets
 from .helpers import run_reaching
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LINUX = sys.platform.startswith("linux")
 needs_proc = pytest.mark.skipif(not LINUX, reason="finding escaped processes needs Linux /proc")
 

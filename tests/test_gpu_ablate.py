@@ -18,7 +18,7 @@ from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.run.probe import probe
 from tests.helpers import make_case
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 TIGHT = """\
     [expect.tolerance.float32]

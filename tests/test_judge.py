@@ -6,6 +6,7 @@ import gc
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_gpucase.case import payload
@@ -100,6 +101,7 @@ def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:
     return RunSpec(load_case(root), "cpu", "float32", cast=False)
 
 
+@pytest.mark.slow
 def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
         tmp_path: Path) -> None:
     """A wrong call that returns a buffer it keeps: the float64 reference run writes the right
@@ -119,6 +121,7 @@ def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
     assert outcome.status == "failed" and outcome.kind == "mismatch"
 
 
+@pytest.mark.slow
 def test_a_reference_whose_outputs_a_budget_draw_writes_over_is_a_broken_case(
         tmp_path: Path) -> None:
     """The rounding budget calls the reference again: a reference returning a buffer it keeps

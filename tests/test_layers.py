@@ -264,6 +264,7 @@ def test_no_string_edge_hides_an_import_or_renames_a_module() -> None:
     assert not problems, "\n".join(problems)
 
 
+@pytest.mark.slow
 def test_public_names_load_lazily_and_without_torch() -> None:
     assert sorted(pytest_gpucase.__all__) == sorted(PUBLIC)
     code = ("import sys, pytest_gpucase; assert 'torch' not in sys.modules; "

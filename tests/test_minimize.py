@@ -40,6 +40,8 @@ from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.runcontext import RunContext
 from tests.helpers import recorded_ce_case
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover

@@ -7,11 +7,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.run.isolation import ChildResult, WorkerPool
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.parent import _crash_outcome, describe_rerun, run_spec
 from pytest_gpucase.run.runcontext import RunContext
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 # A test double, honest about being one: this machine has no GPU, so the case
 # fakes what CUDA does. Without CUDA_LAUNCH_BLOCKING the "kernel" error surfaces
