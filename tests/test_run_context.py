@@ -155,3 +155,23 @@ def test_no_option_is_read_by_its_string_outside_the_table() -> None:
              for number, line in enumerate(path.read_text().splitlines(), 1)
              if re.search(r"""settings\[["']gpu_""", line)]
     assert found == []
+
+
+@pytest.mark.parametrize("folder", ["pinned", "we[ird]-name"])
+def test_an_item_id_reads_back_as_its_record(tmp_path: Path, folder: str) -> None:
+    """The item id is built (``RunSpec.item_name``) and read back (``ItemId.parse``) in one
+    module: a record made from the id equals the one made from the run."""
+    from pytest_gpucase.case.variants import Variant
+    from pytest_gpucase.plugin.records import item_fields, spec_fields
+
+    path = _pinned(tmp_path)
+    case = dataclasses.replace(load_case(path), name=folder)
+    for spec in (RunSpec(case, "cuda", "bfloat16", cast=True),
+                 RunSpec(case, "cpu", "float32", cast=False, variant=Variant("batch", 1)),
+                 RunSpec(case, "cpu", "float64", cast=False,
+                         variant=Variant("boundary", -1))):
+        nodeid = f"cases/{folder}/case.toml::{spec.item_name()}"
+        assert item_fields(nodeid) == spec_fields(spec, f"cases/{folder}")
+    assert item_fields("tests/test_x.py::test_y") is None
+    broken = item_fields(f"cases/{folder}/case.toml::{folder}")
+    assert broken is not None and broken["device"] == broken["dtype"] == "all"

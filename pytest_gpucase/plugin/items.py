@@ -127,7 +127,7 @@ class CaseFile(pytest.File):
         build = state.environment().backend
         case_path = display_posix(case_dir) if specs else ""  # once per case, not per item
         for spec in specs:
-            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+            item = CaseItem.from_parent(self, name=spec.item_name(), spec=spec,
                                         case_path=case_path,
                                         **_item_id(self, case.name, spec.id))
             # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
@@ -179,9 +179,10 @@ class BrokenCaseItem(pytest.Item):
 
         # Recorded like any run, so that the JSON report, the matrix and the step summary
         # show the broken case too; "all": it fails on every device type it would run on.
-        self.user_properties.append(("gpucase", property_json({
-            "case": self.name, "case_path": case_path, "device": "all", "dtype": "all",
-            "variant": None, "launch_blocking": False})))
+        from pytest_gpucase.plugin.records import broken_fields
+
+        self.user_properties.append(("gpucase", property_json(broken_fields(self.name,
+                                                                             case_path))))
         self.user_properties.append(("gpucase_result", property_json({
             "error_type": "CaseFormatError", "message": problem})))
 

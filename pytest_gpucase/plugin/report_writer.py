@@ -72,7 +72,7 @@ class ReportWriter:
         self._running[nodeid] = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        from pytest_gpucase.plugin.records import is_case_nodeid
+        from pytest_gpucase.plan.runs import ItemId
 
         self.state.record(report)
         if report.when in ("teardown", "???"):
@@ -81,7 +81,7 @@ class ReportWriter:
         # xdist reports an item lost with its worker in a phase named "???".
         if (report.when not in ("setup", "call", "teardown")
                 and report.nodeid not in self.state.results
-                and is_case_nodeid(report.nodeid)):
+                and ItemId.is_case_item(report.nodeid)):
             self._unrecorded.add(report.nodeid)   # lost, and not in the report: incomplete
 
     @pytest.hookimpl(optionalhook=True)
@@ -109,7 +109,7 @@ class ReportWriter:
         """
         import time
 
-        from pytest_gpucase.plugin.records import item_record, nodeid_fields
+        from pytest_gpucase.plugin.records import item_fields, item_record
         from pytest_gpucase.report.file import property_value
 
         stopped = session.shouldfail or session.shouldstop
@@ -121,7 +121,7 @@ class ReportWriter:
         def fields(nodeid: str) -> dict[str, Any] | None:
             item = items.get(nodeid)
             if item is None:
-                return nodeid_fields(nodeid)
+                return item_fields(nodeid)
             for name, value in item.user_properties:
                 if name == "gpucase":
                     found: dict[str, Any] = property_value(value)
