@@ -80,53 +80,66 @@ def run_spec(spec: RunSpec, ctx: RunContext, *, expects_failure: bool = False) -
     exception: the worker's state was checked after its last call (``WorkerPool``), and a
     second run would pay the timeout twice, so it is reported as it is, saying where it ran.
     """
-    memory_limit = ctx.memory_limit_for(spec.case)
     env = ctx.env(spec)
     reused = ctx.reuses()
     key = (spec.device, tuple(sorted(env.items())),
            str(spec.case.path) if ctx.isolation == "case" else None)
-    pool = ctx.pool
+    child = _start(spec, ctx, env, key if reused else None)
+    outcome = child.value if child.returned else _crash_outcome(spec, child)
     if reused:
-        assert pool is not None
-        child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
-                         start_method=ctx.start_method, memory_limit=memory_limit,
-                         exclusive=ctx.isolation == "case", marks=OUTPUT_MARKS,
-                         label=f"{display(spec.case.path)} [{spec.id}]")
+        assert ctx.pool is not None
+        if outcome.status == "failed" or (child.reused and expects_failure):
+            ctx.pool.retire(key)  # whatever failed may have left the child unfit
+        if child.reused and child.timed_out:
+            outcome = replace(outcome, summary=outcome.summary + _TIMED_OUT_REUSED)
+        elif child.reused and (outcome.status == "failed" or expects_failure):
+            return run_spec(spec, ctx.fresh())  # the fresh child's verdict is the one reported
+    found = None
+    if outcome.status == "failed":
+        found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
+                       child.stderr)
+    return _localized(Verdict(spec, outcome, child, found), ctx)
+
+
+_TIMED_OUT_REUSED = (
+    "; it ran in a reused worker, whose state was found as a fresh child's after its last "
+    "call, and was not run again so that the timeout is paid once (--gpu-isolation item "
+    "runs every item in a fresh child)")
+
+
+def _start(spec: RunSpec, ctx: RunContext, env: dict[str, str],
+           key: tuple[object, ...] | None) -> ChildResult:
+    """Run ``spec`` in a child: a reused one of ``ctx.pool`` under ``key``, else a fresh one.
+    Only an ``Outcome`` comes back as a value: the child runs a case's code, which may send
+    anything."""
+    memory_limit = ctx.memory_limit_for(spec.case)
+    if key is not None:
+        assert ctx.pool is not None
+        child = ctx.pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
+                             start_method=ctx.start_method, memory_limit=memory_limit,
+                             exclusive=ctx.isolation == "case", marks=OUTPUT_MARKS,
+                             label=f"{display(spec.case.path)} [{spec.id}]")
     else:
         with prepare_in_parent(spec, forked=ctx.start_method == "fork"):  # read here, once
             child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
                                  start_method=ctx.start_method, memory_limit=memory_limit,
                                  marks=OUTPUT_MARKS)
     if child.returned and not isinstance(child.value, Outcome):
-        # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
         child = replace(child, value=None, returned=False, bad_result=(
             f"sent a {type(child.value).__name__} instead of an Outcome"))
-    outcome = child.value if child.returned else _crash_outcome(spec, child)
-    if reused and outcome.status == "failed":
-        assert pool is not None
-        pool.retire(key)  # whatever failed may have left the child unfit
-    if reused and child.reused and child.timed_out:
-        outcome = replace(outcome, summary=outcome.summary + (
-            "; it ran in a reused worker, whose state was found as a fresh child's after "
-            "its last call, and was not run again so that the timeout is paid once "
-            "(--gpu-isolation item runs every item in a fresh child)"))
-    elif reused and child.reused and (outcome.status == "failed" or expects_failure):
-        if outcome.status != "failed":
-            assert pool is not None
-            pool.retire(key)  # the fresh child's verdict is the one reported
-        return run_spec(spec, ctx.fresh())
-    found = None
-    if outcome.status == "failed":
-        found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
-                       child.stderr)
-    verdict = Verdict(spec, outcome, child, found)
+    return child
+
+
+def _localized(verdict: Verdict, ctx: RunContext) -> Verdict:
+    """``verdict`` with its launch-blocking rerun, where the error was asynchronous and the
+    backend has such a variable (``ctx.localize``)."""
+    spec = verdict.spec
     blocking = launch_blocking_env(ctx.backend)
-    asynchronous = found is not None and found.asynchronous
-    if ctx.localize and asynchronous and blocking and not spec.launch_blocking:
-        rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
-        rerun = run_spec(rerun_spec, replace(ctx.fresh(), localize=False))
-        verdict = replace(verdict, localized=rerun)
-    return verdict
+    asynchronous = verdict.triage is not None and verdict.triage.asynchronous
+    if not (ctx.localize and asynchronous and blocking and not spec.launch_blocking):
+        return verdict
+    rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
+    return replace(verdict, localized=run_spec(rerun_spec, replace(ctx.fresh(), localize=False)))
 
 
 def regenerate_golden(case: Case, ctx: RunContext) -> ChildResult:
