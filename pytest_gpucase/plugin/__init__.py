@@ -219,8 +219,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         for path in written:
             terminalreporter.write_line(display_posix(Path(path)))
     report_path = state.settings.gpu_cases_report
-    if (report_path is not None and state.enabled and not hasattr(config, "workerinput")
-            and not state.report_failed):
+    writer = config.pluginmanager.get_plugin("gpucase-recorder")
+    if (report_path is not None and isinstance(writer, ReportWriter)
+            and not writer.report_failed):
         terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
 
 

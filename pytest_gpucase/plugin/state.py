@@ -45,14 +45,7 @@ class GpuCaseSession:
     cases_seen: int = 0  # case directories collected in this process
     sigint_seen: bool = False  # Ctrl-C came (SigintWatch): no item runs on
     filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
-    results: dict[str, dict[str, Any]] = field(default_factory=dict)   # nodeid -> JSON record
-    created: str = field(default_factory=lambda: _now())   # when the run started, said once
-    _written_at: float = 0.0
-    _unwritten: bool = False    # a record arrived since the report file was last written
-    _finished: bool = False     # the report of the whole session has been written
-    report_failed: bool = False  # the last write of the JSON report failed (a note says why)
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
-    _written: tuple[int, int, int] | None = None   # the report file as this session left it
     _context: RunContext | None = None
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
@@ -99,69 +92,6 @@ class GpuCaseSession:
         if "refused" in child.value:  # the output, not the code: its reason is the message
             pytest.fail(f"{display(case.case_file)}: {child.value['refused']}", pytrace=False)
         self.regenerated[case.path] = child.value["written"]
-
-    def record(self, report: pytest.TestReport) -> None:
-        """Keep the JSON record of a finished item; rewrite the report file now and then.
-
-        Rewrites are throttled (a large suite would otherwise rewrite the file once per
-        item); what a throttled rewrite leaves out is written at the end of the session,
-        however it ends (``pytest_sessionfinish``, else ``pytest_unconfigure``).
-        """
-        import time
-
-        from pytest_gpucase.plugin.records import crash_record, item_packages, result_record
-
-        record = result_record(report) or crash_record(report)
-        if record is None:
-            return
-        packages = item_packages(report)
-        if packages:
-            self.environment(packages)
-        self.results[report.nodeid] = record
-        self._unwritten = True
-        if time.monotonic() - self._written_at > REPORT_EVERY:
-            self.write_report(complete=False)
-
-    def build_report(self, *, complete: bool) -> dict[str, Any]:
-        """The JSON report of what has finished so far."""
-        from pytest_gpucase.report.file import check_report, new_report, report_version
-
-        report = new_report(self.environment().to_dict(), created=self.created)
-        report["results"] = list(self.results.values())
-        report["version"] = report_version(report["results"])
-        report["complete"] = complete
-        check_report(report)   # a record that breaks the schema is a bug here, not in the file
-        return report
-
-    def write_report(self, *, complete: bool) -> None:
-        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished.
-
-        A report that changed since this session last wrote it was written by another
-        writer (where no lock could be taken, or one without a lock): it is left as it is,
-        and the run fails saying so, rather than erasing that writer's results in silence.
-        """
-        import time
-
-        path = self.settings.gpu_cases_report
-        if path is not None:
-            from pytest_gpucase.report.file import write_report
-
-            if self._written is not None and _signature(path) != self._written:
-                self.note(f"another writer changed the JSON report {path} while this session "
-                          "ran, so this session's results were not written over it: give "
-                          "each run its own --gpu-cases-report path")
-                self.report_failed = True
-                return
-            try:
-                write_report(path, self.build_report(complete=complete))
-            except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
-                self.note(f"could not write the JSON report {path}: {exc.strerror or exc}")
-                self.report_failed = True
-                return
-            self._written = _signature(path)
-            self._written_at = time.monotonic()
-            self._unwritten = False
-            self.report_failed = False
 
     def run_context(self, item: pytest.Item | None = None) -> RunContext:
         """The session's ``RunContext``, built on first use; with ``item``, its
@@ -292,26 +222,6 @@ class GpuCaseSession:
                       "interpreter (spawn) instead of a fork: every run pays for importing "
                       "torch again")
         return method
-
-
-REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
-
-
-def _signature(path: Path) -> tuple[int, int, int] | None:
-    """What tells one write of a file from another (each write replaces it: a new inode)."""
-    import os
-
-    try:
-        found = os.stat(path)
-    except OSError:
-        return None
-    return found.st_ino, found.st_mtime_ns, found.st_size
-
-
-def _now() -> str:
-    from pytest_gpucase.report.file import now
-
-    return now()
 
 
 session_key = pytest.StashKey[GpuCaseSession]()
