@@ -274,7 +274,7 @@ class TestCraftedResults:
         assert problem in result.problem
 
     def test_an_outcome_is_rebuilt(self) -> None:
-        from pytest_gpucase.run.child import Outcome
+        from pytest_gpucase.run.outcome import Outcome
 
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {

@@ -12,7 +12,7 @@ import torch
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.judge import Judged, _identical
 from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.runcontext import RunContext

@@ -18,7 +18,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.run import reference_cache
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.rounding import DRAWS

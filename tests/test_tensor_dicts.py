@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from pytest_gpucase.case import payload
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.run.child import load_inputs, prepare, upcast
+from pytest_gpucase.run.child import load_inputs, prepare
+from pytest_gpucase.run.calls import upcast
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.tools.validate import validate
 from tests.helpers import read_toml, replay_cpu

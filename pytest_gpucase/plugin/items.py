@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
     from pytest_gpucase.case.model import Case
     from pytest_gpucase.plan.runs import RunSpec
-    from pytest_gpucase.run.child import Outcome
+    from pytest_gpucase.run.outcome import Outcome
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [

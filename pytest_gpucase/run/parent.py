@@ -13,7 +13,9 @@ from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
+from pytest_gpucase.run.child import run, write_golden
+from pytest_gpucase.run.judge import OUTPUT_MARKS
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.outcome import OutcomeKind
 from pytest_gpucase.run.isolation import (
     ChildResult,

@@ -255,7 +255,8 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     from torch.utils._pytree import tree_map_only
 
     from pytest_gpucase.case.load import load_case
-    from pytest_gpucase.run.child import load_arguments, replay_context
+    from pytest_gpucase.run.child import load_arguments
+    from pytest_gpucase.run.context import replay_context
 
     class Finder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         failed: tuple[Any, Any, Any] | None = None
