@@ -236,6 +236,32 @@ def _row(change: Change, verdict: Verdict, baseline: Verdict) -> Row:
                seconds=seconds)
 
 
+# What a pass under one switched-off feature points at, by the change's key.
+_SWITCH_READINGS = (
+    ("tf32_off", "TF32 off: TF32's 10-bit mantissa in matmul and convolution explains the "
+                 "difference; keep TF32 off for this operation or widen the float32 tolerance"),
+    ("cudnn_off", "cuDNN off: suspect the cuDNN kernel for this shape"),
+    ("deterministic", "deterministic algorithms: suspect a nondeterministic kernel (atomic "
+                      "adds, split reductions)"),
+    ("compile_off", "torch.compile off: suspect the compiled graph, not the eager operator"),
+)
+
+
+def _precision_reading(dtype: str, passes: Callable[[str], bool]) -> list[str]:
+    """What the dtype rows say: precision, rounding, or nothing."""
+    if dtype in LOW_PRECISION and passes("float32") and passes("float64"):
+        return [f"passes in float32 and float64 but fails in {dtype}: precision "
+                "(overflow/rounding), not a logic bug"]
+    if passes("float64") and not passes("float32"):
+        return [f"passes only in float64 but fails in {dtype}"
+                + (" and float32" if dtype in LOW_PRECISION else "")
+                + ": rounding (accumulation order, cancellation) or a tolerance too tight; "
+                "look at the reduction, not the kernel choice"]
+    if passes("float32"):
+        return [f"passes in float32 but fails in {dtype}: precision of {dtype}"]
+    return []
+
+
 def read(rows: Sequence[Row], dtype: str, packages: Sequence[str] = ()) -> str:
     """The one-line reading of an ablation's rows for a run in ``dtype``."""
     verdicts = {row.change: row.verdict for row in rows}
@@ -245,29 +271,8 @@ def read(rows: Sequence[Row], dtype: str, packages: Sequence[str] = ()) -> str:
 
     passing = [row for row in rows if row.verdict == PASSES]
     with_ = "passes only with" if len(passing) == 1 else "passes with"
-    found = []
-    if dtype in LOW_PRECISION and passes("float32") and passes("float64"):
-        found.append(f"passes in float32 and float64 but fails in {dtype}: precision "
-                     "(overflow/rounding), not a logic bug")
-    elif passes("float64") and not passes("float32"):
-        found.append(f"passes only in float64 but fails in {dtype}"
-                     + (" and float32" if dtype in LOW_PRECISION else "")
-                     + ": rounding (accumulation order, cancellation) or a tolerance too tight; "
-                     "look at the reduction, not the kernel choice")
-    elif passes("float32"):
-        found.append(f"passes in float32 but fails in {dtype}: precision of {dtype}")
-    if passes("tf32_off"):
-        found.append(f"{with_} TF32 off: TF32's 10-bit mantissa in matmul and convolution "
-                     "explains the difference; keep TF32 off for this operation or widen the "
-                     "float32 tolerance")
-    if passes("cudnn_off"):
-        found.append(f"{with_} cuDNN off: suspect the cuDNN kernel for this shape")
-    if passes("deterministic"):
-        found.append(f"{with_} deterministic algorithms: suspect a nondeterministic kernel "
-                     "(atomic adds, split reductions)")
-    if passes("compile_off"):
-        found.append(f"{with_} torch.compile off: suspect the compiled graph, not the eager "
-                     "operator")
+    found = _precision_reading(dtype, passes)
+    found += [f"{with_} {reading}" for key, reading in _SWITCH_READINGS if passes(key)]
     for row in passing:
         if row.change.startswith("env:"):
             which = f" ({', '.join(packages)})" if packages else ""
