@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import pytest
 
+from pytest_gpucase.base.backends import launch_blocking_words, visible_devices_words
 from pytest_gpucase.base.errors import display_posix
 
 __all__ = ["SETTINGS", "Setting", "Settings", "add_options", "setting"]
@@ -41,8 +42,8 @@ SETTINGS = (
             "fresh child process", default=False),
     Setting("gpu_cases_paths", "case folders collected by --gpu-cases when no path is given on "
             "the command line (ini only; relative to the rootdir)", kind="paths", default=()),
-    Setting("gpu_launch_blocking", "run device items with the backend's launch-blocking variable "
-            "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing", default=False,
+    Setting("gpu_launch_blocking", "run device items with the backend's launch-blocking variable, "
+            f"{launch_blocking_words(None)}; never for timing", default=False,
             needs_cases=True),
     Setting("gpu_devices", "only these device types, e.g. cuda,cpu (narrows each case's list)",
             kind="csv"),
@@ -58,8 +59,7 @@ SETTINGS = (
             "float64, TF32 off, cuDNN off, ...) and report which make it pass", default=False,
             needs_cases=True),
     Setting("gpu_per_worker", "under pytest-xdist, give each worker's runs one device of the "
-            "visible ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
-            default=False),
+            f"visible ones, round-robin ({visible_devices_words()})", default=False),
     Setting("gpu_memory_limit", "kill a run's whole process tree when its resident memory "
             "passes this many GiB, e.g. 8 (a case's own memory_limit wins)", kind="gib",
             needs_cases=True),
