@@ -70,6 +70,28 @@ class RunSpec:
             parts.append(self.variant.id)
         return "-".join(parts)
 
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the call computes in: the autocast dtype under ``[context] autocast``,
+        else the run's own."""
+        return self.case.context.compute_dtype or self.dtype
+
+    @property
+    def numeric(self) -> str:
+        """The run's real numeric context in words: ``float32``, or ``float32 under bfloat16
+        autocast`` (what ablate and minimize say they ran)."""
+        compute = self.case.context.compute_dtype
+        return f"{self.dtype} under {compute} autocast" if compute else self.dtype
+
+    def with_autocast(self, dtype: str | None) -> RunSpec:
+        """This run with its case's autocast off (None) or in ``dtype`` instead: a change of
+        the case's ``[context]``, so the child, the judge and the reference cache all see it."""
+        context = self.case.context
+        autocast = (None if dtype is None or context.autocast is None
+                    else replace(context.autocast, dtype=dtype, enabled=True))
+        case = replace(self.case, context=replace(context, autocast=autocast))
+        return replace(self, case=case)
+
     def item_name(self) -> str:
         """The name of this run's pytest item: ``ce_class4[cuda-float32-batch[1]]``."""
         return f"{self.case.name}[{self.id}]"

@@ -65,9 +65,10 @@ _TF32_OVERRIDE = {"NVIDIA_TF32_OVERRIDE": "0"}
 class Row:
     """One change and what became of the case under it."""
 
-    change: str                 # "cpu", "float32", "float64", "tf32_off", "cudnn_off",
-    #                             "deterministic", "compile_off", "env:NAME", "extensions",
-    #                             "reference"; "baseline" for the unchanged run
+    change: str                 # "cpu", "float32", "float64", "autocast_off",
+    #                             "autocast_float16", "autocast_bfloat16", "tf32_off",
+    #                             "cudnn_off", "deterministic", "compile_off", "env:NAME",
+    #                             "extensions", "reference"; "baseline" for the unchanged run
     label: str                  # the change in words: "on the CPU", "TF32 off", "USE_FLASH_ATTN=0"
     verdict: RowVerdict
     failure: str | None = None  # the failure class of a failing run
@@ -161,9 +162,13 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
                              replace(base, device="cpu", env={}, launch_blocking=False)))
 
     floats = saved_dtype(case) is not None
+    autocast = case.context.compute_dtype
     for dtype in ("float32", "float64"):
         if not floats:
             reason = "the case has no floating-point inputs to cast"
+        elif autocast is not None:
+            reason = (f"under {autocast} autocast the call computes in {autocast} whatever its "
+                      "inputs are: see autocast off")
         elif base.dtype == dtype:
             reason = f"the run is already in {dtype}"
         elif dtype == "float32" and base.dtype == "float64":
@@ -173,6 +178,7 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
             continue
         found.append(Change(dtype, dtype, None, reason))
 
+    found += _autocast_changes(base)
     capability = _capability(env)
     # TF32 and cuDNN are torch.backends.cuda/cudnn switches: backends.py says where they apply.
     row = backends.backend(backends.run_backend(base.device, env.backend))
@@ -219,6 +225,20 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
     return found
 
 
+def _autocast_changes(base: RunSpec) -> list[Change]:
+    """Autocast off, and in the other low-precision dtype: where the case records autocast."""
+    autocast = base.case.context.compute_dtype
+    if autocast is None:
+        why = "the case records no autocast ([context] autocast)"
+        return [Change("autocast_off", "autocast off", None, why)]
+    found = [Change("autocast_off", "autocast off", base.with_autocast(None))]
+    other = next((dtype for dtype in LOW_PRECISION if dtype != autocast), None)
+    if autocast in LOW_PRECISION and other is not None:
+        found.append(Change(f"autocast_{other}", f"autocast in {other} instead of {autocast}",
+                            base.with_autocast(other)))
+    return found
+
+
 def _row(change: Change, verdict: Verdict, baseline: Verdict) -> Row:
     outcome = verdict.outcome
     found = failure_class(verdict)
@@ -248,7 +268,16 @@ _SWITCH_READINGS = (
 
 
 def _precision_reading(dtype: str, passes: Callable[[str], bool]) -> list[str]:
-    """What the dtype rows say: precision, rounding, or nothing."""
+    """What the dtype and autocast rows say: precision, rounding, or nothing."""
+    if passes("autocast_off"):
+        return [f"passes with autocast off but fails under {dtype} autocast: precision of "
+                f"{dtype} in the autocast region (overflow/rounding), not the inputs"]
+    if passes("autocast_float16"):
+        return ["passes under float16 autocast but fails under bfloat16: bfloat16's 8-bit "
+                "mantissa (rounding), not the inputs"]
+    if passes("autocast_bfloat16"):
+        return ["passes under bfloat16 autocast but fails under float16: float16's range "
+                "(overflow past 65504), not the inputs"]
     if dtype in LOW_PRECISION and passes("float32") and passes("float64"):
         return [f"passes in float32 and float64 but fails in {dtype}: precision "
                 "(overflow/rounding), not a logic bug"]
@@ -315,7 +344,7 @@ def ablate(
              for spec in unchanged_runs(case, env, device=device, dtype=dtype)]
     found, tried = first_failure(specs, ctx)
     if found is None:
-        runs = " and ".join(v.spec.dtype for v in tried)
+        runs = " and ".join(v.spec.numeric for v in tried)
         baseline = Row("baseline", "unchanged", PASSES, summary=tried[-1].outcome.summary,
                        seconds=round(tried[-1].child.duration, 3))
         return Ablation(case.path, device, runs, baseline, (),
@@ -340,8 +369,8 @@ def ablate(
         rows.append(row)
         if progress is not None:
             progress(row)
-    return Ablation(case.path, device, found.spec.dtype, baseline, tuple(rows),
-                    read(rows, found.spec.dtype, tuple(case.matrix.packages)))
+    return Ablation(case.path, device, found.spec.numeric, baseline, tuple(rows),
+                    read(rows, found.spec.compute_dtype, tuple(case.matrix.packages)))
 
 
 def ablate_command(case: Path, *, device: str | None, dtype: str | None,

@@ -589,7 +589,7 @@ def minimize(
         raise NotRunnable(f"{display(case.path)}: no saved tensor has axis {axes.batch_axis}: "
                           "nothing to shrink")
     stream.write(f"gpucase minimize: {display(case.path)} fails on {baseline.spec.device} in "
-                 f"{baseline.spec.dtype} ({message}); {_sizes(axes)}; budget {max_tries} "
+                 f"{baseline.spec.numeric} ({message}); {_sizes(axes)}; budget {max_tries} "
                  f"tries, {time_budget:g} s\n")
     stream.flush()
     try:
