@@ -256,12 +256,12 @@ class TestCraftedResults:
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": "os.system", '
          b'"fields": {}}}', "type 'os.system' is not one a child may return"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed", "summary": 5, '
+         b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
          b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}}}}',
          "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed"}}}', "fields"),
+         b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed"}}}', "fields"),
         (b'{"format": 1, "kind": "value", "value": 1, "warnings": {"items": [{"x": 1}]}}',
          "a malformed warning"),
         (b'{"format": 9, "kind": "value", "value": 1}', "not a result envelope"),
@@ -278,7 +278,7 @@ class TestCraftedResults:
 
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
-            "$": "dataclass", "type": "pytest_gpucase.run.child.Outcome",
+            "$": "dataclass", "type": "pytest_gpucase.run.outcome.Outcome",
             "fields": {**{k: v for k, v in sent.__dict__.items() if k not in ("max_abs", "notes")},
                        "max_abs": {"$": "float", "value": "nan"},
                        "notes": {"$": "tuple", "items": []}}}}).encode()
