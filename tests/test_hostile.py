@@ -638,3 +638,61 @@ def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
     assert time.monotonic() - began < 60
     columns = json.loads(done.stdout)["columns"]
     assert len(columns) == 400 and columns[0]["label"].startswith("ext0-0 1.0 · ext0-1 1.0")
+
+
+# Round four: what the pytest process and the CLI read from a case, and run of it.
+
+SIDE_EFFECT = "import pathlib\npathlib.Path({path!r}).write_text('ran')\n"
+CASE_TOML = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n[inputs]\nx = 1\n'
+
+
+def _pytest_files_cases(root: Path) -> dict[str, str]:
+    """Case folders holding what pytest itself imports or reads, each leaving a file behind
+    if pytest ever ran it; name -> the line the user must see."""
+    expected = {}
+    for name, file in (("conftest", "conftest.py"), ("test_named", "conftest.py"),
+                       ("package", "__init__.py"), ("ini", "pytest.ini"),
+                       ("pyproject", "pyproject.toml"), ("tox", "tox.ini"),
+                       ("setup", "setup.cfg"), ("toml", "pytest.toml")):
+        path = write_case(root, name, CASE_TOML, RUN_X)
+        marker = str(root / f"ran_{name}")
+        if file.endswith(".py"):
+            (path / file).write_text(SIDE_EFFECT.format(path=marker))
+        else:   # a configuration that would load a plugin of the case's own
+            (path / "evil_plugin.py").write_text(SIDE_EFFECT.format(path=marker))
+            (path / file).write_text("[pytest]\naddopts = -p evil_plugin\npythonpath = .\n")
+        expected[name] = f"cases/{name}/{file}: *"
+    nested = write_case(root, "outer", CASE_TOML, RUN_X)
+    write_case(nested, "inner", CASE_TOML, RUN_X)
+    expected["outer"] = ("cases/outer/cases/inner/case.toml: a case folder inside the case "
+                         "folder outer: *")
+    return expected
+
+
+@pytest.mark.parametrize("args", [(), ("--collect-only",)], ids=["run", "collect-only"])
+def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Pytester,
+                                                              args: tuple[str, ...]) -> None:
+    """A conftest.py, __init__.py or pytest configuration in a case folder is never imported
+    or read: the case is one broken item naming the file, and validate says the same."""
+    (pytester.path / "pytest.ini").write_text("[pytest]\n")
+    expected = _pytest_files_cases(pytester.path)
+    write_case(pytester.path, "good", CASE_TOML, RUN_X)
+    # Given as folders too: pytest imports the conftests of the folders it is given (and
+    # of their test* subfolders) before collection starts.
+    result = pytester.runpytest_subprocess(
+        "--gpu-cases", "--gpu-devices", "cpu", "-p", "no:cacheprovider", *args, "cases",
+        "cases/conftest", "cases/test_named/case.toml", timeout=300)
+    assert not list(pytester.path.glob("ran_*")), result.stdout.str()
+    if not args:
+        result.assert_outcomes(passed=1, failed=len(expected))
+        text = result.stdout.str()
+        for name, line in expected.items():
+            section = text.split(f"_ {name} (broken case)")[1].split("\n____")[0]
+            assert any(fnmatch.fnmatch(got, line) for got in section.splitlines()), section
+    validated = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                               cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    lines = validated.stdout.splitlines()
+    for name, line in expected.items():
+        assert any(fnmatch.fnmatch(got, line) for got in lines), (name, lines)
+    assert not list(pytester.path.glob("ran_*"))

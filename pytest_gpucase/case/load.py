@@ -33,6 +33,7 @@ from pytest_gpucase.case.model import (
     FORMATS,
     MAX_AXIS,
     MAX_CASE_BYTES,
+    MAX_FOLDER_ENTRIES,
     MAX_MEMORY_LIMIT_GIB,
     MAX_TIMEOUT,
     MAX_TOML_DEPTH,
@@ -40,6 +41,7 @@ from pytest_gpucase.case.model import (
     MAX_VARIANT_SIZE,
     MAX_VARIANT_VALUES,
     OUTCOMES,
+    PYTEST_FILES,
     TF32_KEYS,
     TOML_INT_BITS,
     VARIANT_KINDS,
@@ -84,6 +86,7 @@ def load_case(path: Path) -> Case:
     """Read and validate the case directory at ``path``; raise ``CaseFormatError`` if wrong."""
     path = Path(path)
     file = path / CASE_FILE
+    _check_folder(path)
     text = _read_text(file, path)
     # Each level of nesting needs a bracket or a brace (or a dot in a key, which tomllib
     # does not recurse on): a text with fewer of them cannot nest too deep.
@@ -100,6 +103,58 @@ def load_case(path: Path) -> Case:
     if brackets + text.count(".") >= MAX_TOML_DEPTH or _LONG_NUMBER.search(text):
         _check_bounds(doc, file)
     return _parse(doc, path, file)
+
+
+def _check_folder(path: Path) -> None:
+    """Refuse a case folder that holds what pytest itself imports or reads (``PYTEST_FILES``)
+    or, at any depth, another case folder.
+
+    pytest imports a ``conftest.py`` (and a package's ``__init__.py``) in its own process,
+    and reads a configuration file of a folder it is given: a case's code runs only in a
+    run's child, so none of them is ever imported or read (``plugin.items``), and the case
+    is refused rather than run without them. A case below a case would never be collected:
+    refused too, naming it. Hidden folders are skipped, as collection skips them; the
+    names looked at are bounded (``MAX_FOLDER_ENTRIES``).
+    """
+    seen = 0
+    pending = [path]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = os.scandir(folder)
+        except OSError:
+            continue  # the case folder itself: reading case.toml says what is wrong
+        with entries:
+            for entry in entries:
+                seen += 1
+                if seen > MAX_FOLDER_ENTRIES:
+                    raise CaseFormatError(path / CASE_FILE, f"its folder holds over "
+                                          f"{MAX_FOLDER_ENTRIES} files and folders; a case is "
+                                          "a minimal reproduction: keep its own files only")
+                name = entry.name
+                if folder is path and name in PYTEST_FILES:
+                    raise CaseFormatError(Path(entry.path), _PYTEST_FILE_FIX[
+                        name in ("conftest.py", "__init__.py")])
+                if folder is not path and name == CASE_FILE:
+                    inner = os.path.relpath(folder, path)
+                    raise CaseFormatError(Path(entry.path), f"a case folder inside the case "
+                                          f"folder {case_name(path)}: a case does not hold "
+                                          "cases, and this one would never run; move "
+                                          f"{inner} beside {case_name(path)}")
+                with contextlib.suppress(OSError):
+                    if (not name.startswith(".") and name != "__pycache__"
+                            and entry.is_dir(follow_symlinks=False)):
+                        pending.append(Path(entry.path))
+
+
+_PYTEST_FILE_FIX = {
+    True: ("pytest would import it in its own process, and a case's code runs only in a run's "
+           "child: it is never imported; remove it (a conftest.py or a package belongs above "
+           "the cases folder)"),
+    False: ("a pytest configuration file in a case folder: pytest reads it as its own "
+            "configuration when given this folder, and it does not say where the case imports "
+            "from, so it is never read; remove it (configure pytest above the cases folder)"),
+}
 
 
 # An integer beyond 64 bits has at least 16 digits (hex), 19 decimal: a text without such a

@@ -8,7 +8,8 @@ in pytest's order (``pytest.toml``, ``.pytest.toml``, ``pytest.ini``,
 ``.pytest.ini``, ``pyproject.toml`` with ``[tool.pytest]`` or
 ``[tool.pytest.ini_options]``, ``tox.ini`` with ``[pytest]``, ``setup.cfg`` with
 ``[tool:pytest]``), else the nearest ``pyproject.toml`` as pytest falls back
-to. Its ``pythonpath`` entries (relative to the file) come first, then the
+to. A case folder's own files are never read (``case.load`` refuses them), and those
+above are read within ``MAX_CONFIG_BYTES``. Its ``pythonpath`` entries (relative to the file) come first, then the
 rootdir itself, which pytest's rootdir ``conftest.py`` and ``prepend`` import
 mode make importable.
 
@@ -31,7 +32,8 @@ from typing import Any
 
 import iniconfig
 
-from pytest_gpucase.base.files import stat_signature
+from pytest_gpucase.base.files import read_regular, stat_signature
+from pytest_gpucase.case.model import MAX_CONFIG_BYTES, is_case_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -43,8 +45,13 @@ __all__ = ["import_paths", "importable", "prepend"]
 _MISSING = object()
 
 
+def _text(path: Path) -> str:
+    """A configuration file's text, read within its bound (``MAX_CONFIG_BYTES``)."""
+    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
+
+
 def _toml(path: Path) -> dict[str, Any]:
-    return tomllib.loads(path.read_text(encoding="utf-8"))
+    return tomllib.loads(_text(path))
 
 
 def _pytest_table(path: Path) -> Any:
@@ -61,7 +68,7 @@ def _pyproject(path: Path) -> Any:
 
 def _ini(section: str, always: bool = False) -> Callable[[Path], Any]:
     def load(path: Path) -> Any:
-        config = iniconfig.IniConfig(str(path))
+        config = iniconfig.IniConfig(str(path), _text(path))
         if section in config:
             return dict(config[section].items())
         return {} if always else None
@@ -91,6 +98,8 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
     """The rootdir pytest would find for ``start`` and its configuration, or None."""
     fallback: Path | None = None
     for base in (start, *start.parents):
+        if is_case_dir(base):
+            continue  # a case folder configures nothing (case.load refuses such files)
         for name, load in _LOADERS.items():
             file = os.path.join(base, name)
             try:
@@ -108,7 +117,7 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
             else:
                 try:
                     table = load(Path(file))
-                except (OSError, ValueError, iniconfig.ParseError):
+                except (OSError, ValueError, RecursionError, iniconfig.ParseError):
                     continue  # pytest itself will name the broken file when it runs
                 _READ[file] = (signature, table)
             if isinstance(table, dict):

@@ -29,6 +29,7 @@ from pytest_gpucase.plugin.items import (
     CaseDirectory,
     CaseItem,
     _OwnIsolation,
+    refuse_case_conftests,
     run_markers,
     share_conftests,
 )
@@ -47,7 +48,14 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before pytest imports the conftests of the folders it is given: none in a case folder.
+    refuse_case_conftests(early_config.pluginmanager)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    refuse_case_conftests(config.pluginmanager)  # a plugin registered after the early hooks
     state = GpuCaseSession(config, Settings.read(config))
     config.stash[session_key] = state
     formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py

@@ -11,7 +11,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import functools
-import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BrokenCaseItem", "CaseDirectory", "CaseItem", "is_known_failure", "run_markers",
-    "share_conftests", "skip_here",
+    "refuse_case_conftests", "share_conftests", "skip_here",
 ]
 
 
@@ -68,22 +68,49 @@ class CaseDirectory(pytest.Directory):
 
 
 def share_conftests(path: Path, parent: pytest.Collector) -> None:
-    """Give a case directory without a ``conftest.py`` its parent's conftest modules.
+    """Give a case directory its parent's conftest modules, and never its own.
 
     pytest looks for ``conftest.py`` in every directory it collects, walking up from
-    it to the root: a dozen ``stat`` calls and path comparisons per case, an eighth
-    of collecting thousands of cases. A case directory that holds no ``conftest.py``
-    has exactly its parent's list (pytest builds a directory's list from its
-    parent's), so it is filled in from there. Only when pytest keeps the table this
-    relies on (a private one, checked here) and has the parent's entry; otherwise,
-    and for a case directory with its own conftest, pytest does its usual search.
+    it to the root, and imports what it finds: in a case folder, that would run a case's
+    code in the pytest process (``case.load`` refuses such a case instead). A case
+    directory's list is its parent's (pytest builds a directory's list from its
+    parent's), so it is filled in from there, which also saves a dozen ``stat`` calls
+    per case. Only when pytest keeps the table this relies on (a private one, checked
+    here) and has the parent's entry; otherwise pytest searches, and
+    ``refuse_case_conftests`` keeps it from importing a case folder's conftest.py.
     """
     known = getattr(parent.config.pluginmanager, "_dirpath2confmods", None)
     if (not isinstance(known, dict) or path in known or parent.path != path.parent
             or not isinstance(inherited := known.get(parent.path), list)):
         return
-    if not os.path.lexists(path / "conftest.py"):
-        known[path] = list(inherited)
+    known[path] = list(inherited)
+
+
+def refuse_case_conftests(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Make pytest skip every ``conftest.py`` that lies in a case folder, whatever asks for it.
+
+    pytest imports conftests of the folders on its command line before collection starts
+    (and of their ``test*`` subfolders), and of each folder it collects: all through
+    one private method, wrapped here so that a conftest.py in a case folder is never
+    imported (its case fails to load instead, naming it). Where pytest has no such method
+    (a later pytest), ``share_conftests`` still covers the folders collected.
+    """
+    original = getattr(pluginmanager, "_importconftest", None)
+    if original is None or getattr(original, "gpucase_refuses_cases", False):
+        return
+    from pytest_gpucase.case.model import inside_case
+
+    def _importconftest(conftestpath: Path, *args: Any, **kwargs: Any) -> Any:
+        if inside_case(conftestpath):
+            return _REFUSED  # an empty module: nothing of the file is read or run
+        return original(conftestpath, *args, **kwargs)
+
+    _importconftest.gpucase_refuses_cases = True  # type: ignore[attr-defined]
+    pluginmanager._importconftest = _importconftest  # type: ignore[method-assign]
+
+
+_REFUSED = types.ModuleType("gpucase_refused_conftest",
+                            "A case folder's conftest.py, never imported (plugin.items).")
 
 
 class CaseFile(pytest.File):
