@@ -161,6 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except CaseFormatError as exc:
         return _error(None, exc)
+    except (RecursionError, MemoryError) as exc:  # a pathological case: one line, not a trace
+        return _error(args.command, f"the case cannot be read: {type(exc).__name__}: {exc}")
     return code
 
 
@@ -279,7 +281,8 @@ def _validate(args: argparse.Namespace) -> int:
     from pytest_gpucase.tools.validate import validate
 
     notes: list[str] = []
-    problems = validate(args.paths, notes)
+    unchecked: list[str] = []
+    problems = validate(args.paths, notes, unchecked)
     from pytest_gpucase.base.text import terminal_safe
 
     for line in notes:  # what this environment cannot check: no problem, the exit stays 0
@@ -287,7 +290,7 @@ def _validate(args: argparse.Namespace) -> int:
     for problem in problems:
         print(terminal_safe(problem))
     if problems:
-        return 1
+        return 2 if unchecked else 1
     print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")
     return 0
 

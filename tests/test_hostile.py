@@ -696,3 +696,23 @@ def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Py
     for name, line in expected.items():
         assert any(fnmatch.fnmatch(got, line) for got in lines), (name, lines)
     assert not list(pytester.path.glob("ran_*"))
+
+
+def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:
+    """A 600 KB `Y = 1+1+...` case.py (RecursionError, or MemoryError, in the parser) is one
+    line for its case; the other cases are still checked."""
+    deep = write_case(tmp_path, "deep", CASE_TOML, "Y = " + "+".join(["1"] * 300_000)
+                      + "\n" + RUN_X)
+    write_case(tmp_path, "good", CASE_TOML, RUN_X)
+    write_case(tmp_path, "typo", CASE_TOML.replace("call", "calll"), RUN_X)
+    result = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert result.returncode == 1, result.stdout + result.stderr[-2000:]
+    assert [line for line in lines if line.startswith("cases/deep/")] == [
+        "cases/deep/case.py: cannot be parsed (RecursionError: maximum recursion depth "
+        "exceeded during ast construction); Python itself will fail to import it: write it "
+        "in plainer statements"], lines
+    assert any(line.startswith("cases/typo/case.toml: calll: unknown key") for line in lines)
+    assert deep.exists()

@@ -179,14 +179,15 @@ class FileTooLarge(OSError):
 
 
 def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes: for files anyone may have
-    written (a report from another job, a cache entry).
+    """The bytes of a regular file of at most ``limit`` bytes: the one reader of files anyone
+    may have written (a case's files, a report from another job, a cache entry).
 
     The file is opened without blocking (a FIFO put in its place cannot hang the reader),
     and its kind and size are checked on the open file before it is read; a file that
-    grows while it is read is cut off at ``limit`` and refused. Raises ``NotRegularFile``,
-    ``FileTooLarge``, and ``OSError`` as ``os.open`` does (``ELOOP``: a link, where
-    ``follow_symlinks`` is false).
+    grows while it is read is cut off at ``limit`` and refused. The first read asks for
+    the size ``fstat`` gave and one byte more (a bigger buffer is allocated whole, per
+    file, at scale). Raises ``NotRegularFile``, ``FileTooLarge``, and ``OSError`` as
+    ``os.open`` does (``ELOOP``: a link, where ``follow_symlinks`` is false).
     """
     flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
              | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
@@ -199,13 +200,15 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
             raise NotRegularFile(path, file_kind(found.st_mode))
         if found.st_size > limit:
             raise FileTooLarge(path, found.st_size, limit)
-        chunks, size = [], 0
+        chunks, size, step = [], 0, found.st_size + 1
         while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
-            if not chunk:
-                break
+            asked = min(step, 1 << 20, limit + 1 - size)
+            chunk = os.read(fd, asked)
             chunks.append(chunk)
             size += len(chunk)
+            if len(chunk) < asked:
+                break  # a regular file reads short only at its end
+            step = 1 << 20
     finally:
         os.close(fd)
     if size > limit:

@@ -25,7 +25,8 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from pytest_gpucase.base.backends import BACKENDS, DEVICE_TYPES
-from pytest_gpucase.base.errors import CaseFormatError, link_inside, regular_file
+from pytest_gpucase.base.errors import CaseFormatError, link_inside
+from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular
 from pytest_gpucase.case.model import (
     CASE_FILE,
     DEFAULT_TIMEOUT,
@@ -59,7 +60,7 @@ from pytest_gpucase.case.model import (
     case_name,
 )
 
-__all__ = ["load_case"]
+__all__ = ["load_case", "read_case_file"]
 
 _TOP_KEYS = (
     "format", "summary", "call", "reference", "timeout", "memory_limit", "launch_blocking",
@@ -162,16 +163,37 @@ _PYTEST_FILE_FIX = {
 _LONG_NUMBER = re.compile(r"[0-9a-fA-F_]{16}")
 
 
-def _read_text(file: Path, case_dir: Path) -> str:
-    """The text of ``case.toml``, refused before opening when it is not a small regular file.
+def read_case_file(file: Path, limit: int, fix: str, case_dir: Path | None = None, *,
+                   too_large: str | None = None) -> bytes:
+    """The bytes of a file read from a case, within ``limit``: the one way the pytest process
+    and the tools read a case's files (every bound in the table "Bounds" of
+    docs/case-format.md), on ``base.files.read_regular``.
 
-    A symlink must stay inside the case directory; a FIFO or device would block
-    or never end, so it is refused from its ``stat``, and the size is checked
-    before anything is read.
+    With ``case_dir``, a symlink must stay inside it; a FIFO, a device or a directory is
+    refused from the open file's ``fstat`` without blocking, and the size before any byte
+    is read. ``fix`` ends the refusal (``too_large``, when given, that of a file too large).
+    Raises ``CaseFormatError``, and ``OSError`` as
+    ``os.open`` does (``FileNotFoundError`` included) for the caller to word.
     """
+    if case_dir is not None:
+        link_inside(file, case_dir)
+    try:
+        return read_regular(file, limit)
+    except NotRegularFile as exc:
+        raise CaseFormatError(file, f"is {exc.kind}, not a regular file; {fix}") from None
+    except FileTooLarge as exc:
+        raise CaseFormatError(file, f"is {exc.size} bytes, over the limit of {limit}; "
+                              f"{too_large or fix}") from None
+
+
+def _read_text(file: Path, case_dir: Path) -> str:
+    """The text of ``case.toml``, refused before reading when it is not a small regular file
+    (a symlink must stay inside the case directory)."""
     target = link_inside(file, case_dir)
     try:
-        info = regular_file(file, "replace it with the case's TOML text file")
+        data = read_case_file(file, MAX_CASE_BYTES, "replace it with the case's TOML text file",
+                              too_large="a case.toml holds settings, not data: put tensors "
+                              "in inputs.safetensors")
     except FileNotFoundError:
         if target is not None:
             raise CaseFormatError(file, f"is a symlink to {target}, which does not exist; "
@@ -179,28 +201,13 @@ def _read_text(file: Path, case_dir: Path) -> str:
         raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
     except OSError as exc:
         raise CaseFormatError(file, f"cannot be read: {exc}") from None
-    if info.st_size > MAX_CASE_BYTES:
-        raise CaseFormatError(file, f"is {info.st_size} bytes, over the limit of "
-                              f"{MAX_CASE_BYTES}; a case.toml holds settings, not data: put "
-                              "tensors in inputs.safetensors")
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as handle:
-            # Read what the stat saw plus one byte (a bigger buffer is allocated whole, per
-            # case, at scale); only a file that grew since is read on, up to the limit.
-            data = handle.read(info.st_size + 1)
-            if len(data) > info.st_size:
-                data += handle.read(MAX_CASE_BYTES + 1 - len(data))
-    except OSError as exc:
-        raise CaseFormatError(file, f"cannot be read: {exc}") from None
-    if len(data) > MAX_CASE_BYTES:  # it grew since the stat
-        raise CaseFormatError(file, f"is over the limit of {MAX_CASE_BYTES} bytes")
     try:
         # A byte order mark (what some Windows editors write) is not TOML: left out.
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise CaseFormatError(file, f"is not UTF-8 text ({exc}); save it as UTF-8, as TOML "
                               "requires") from None
+
 
 
 # What tomllib recurses on: brackets and braces outside strings and comments.

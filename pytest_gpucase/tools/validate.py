@@ -23,16 +23,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pytest_gpucase.base.errors import CaseFormatError, display, regular_file
+from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.files import file_sha256
+from pytest_gpucase.base.text import one_line
 from pytest_gpucase.case import payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
 from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE
-from pytest_gpucase.case.load import load_case
+from pytest_gpucase.case.load import load_case, read_case_file
 from pytest_gpucase.case.model import (
     CASE_FILE,
     EXPECTED_FILE,
     INPUTS_FILE,
+    MAX_CASE_BYTES,
+    MAX_SOURCE_BYTES,
     AxisSizes,
     Case,
     Requirements,
@@ -57,8 +60,6 @@ __all__ = ["hash_setting", "validate"]
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
 _PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
-# A case's own source file is read whole to parse it: bounded like any file of a case.
-MAX_SOURCE_BYTES = 16 * 2**20
 
 
 def hash_setting(case_dir: Path) -> str | None:
@@ -76,15 +77,19 @@ def hash_setting(case_dir: Path) -> str | None:
         return None
 
 
-def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]:
+def validate(paths: Sequence[Path], notes: list[str] | None = None,
+             unchecked: list[str] | None = None) -> list[str]:
     """Every problem of the case directories under ``paths``, one line each; empty when all good.
 
     ``notes`` receives what was not checked here and why (a call into a package that
     ``[matrix.packages]`` requires and this environment lacks: the run skips the case, so
-    the dry run must not fail it); notes are no problems.
+    the dry run must not fail it); notes are no problems. ``unchecked`` receives the line
+    of each case that could not be checked at all (whatever it raised: a RecursionError,
+    a MemoryError), also among the problems: the other cases are checked all the same.
     """
     problems: list[str] = []
     notes = [] if notes is None else notes
+    unchecked = [] if unchecked is None else unchecked
     for path in paths:
         path = Path(path)
         if path.name == CASE_FILE and not path.is_dir():
@@ -99,7 +104,12 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]
         found = False
         for directory in _case_dirs(path):
             found = True
-            problems.extend(_problems(directory, notes))
+            try:
+                problems.extend(_problems(directory, notes))
+            except Exception as exc:  # noqa: BLE001 - whatever a case holds: one line for it
+                unchecked.append(f"{display(directory / CASE_FILE)}: cannot be checked: "
+                                 f"{type(exc).__name__}: {one_line(str(exc), 300)}")
+                problems.append(unchecked[-1])
         if not found:
             problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
                             f"{display(path)}")
@@ -288,8 +298,11 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
     model_file = case.path / "model.json"
     if str(recipe.get("factory", "")).startswith("case.py:") and model_file.exists():
         try:
-            model = json.loads(model_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            model = json.loads(read_case_file(model_file, MAX_CASE_BYTES, "write it as the "
+                                              "Recorder does", case.path))
+        except CaseFormatError as exc:
+            return [*problems, exc]
+        except (OSError, ValueError, RecursionError) as exc:
             return [*problems, CaseFormatError(model_file, f"cannot be read: {exc}")]
         for name in ("config", "script"):
             if isinstance(model, dict) and model.get(name):
@@ -338,10 +351,9 @@ def _parameters(case: Case, key: str, target: str,
             return None  # an extension module or a namespace package: nothing to read
         source = Path(found)
     try:
-        regular_file(source, "make it a Python source file")
-        if source.stat().st_size > MAX_SOURCE_BYTES:
-            raise CaseFormatError(source, f"is over the limit of {MAX_SOURCE_BYTES} bytes")
-        tree = ast.parse(source.read_bytes(), filename=str(source))
+        text = read_case_file(source, MAX_SOURCE_BYTES, "make it a Python source file",
+                              case.path if where.endswith(".py") else None)
+        tree = ast.parse(text, filename=str(source))
     except CaseFormatError as exc:
         problems.append(exc)
         return None
@@ -351,6 +363,11 @@ def _parameters(case: Case, key: str, target: str,
         return None
     except (OSError, ValueError) as exc:
         problems.append(CaseFormatError(source, f"cannot be read: {exc}"))
+        return None
+    except (RecursionError, MemoryError) as exc:  # `Y = 1+1+...`: too deep for the parser
+        problems.append(CaseFormatError(source, f"cannot be parsed ({type(exc).__name__}: "
+                                        f"{exc}); Python itself will fail to import it: "
+                                        "write it in plainer statements"))
         return None
     node = _defined(tree.body, qualname.split("."))
     if node is _UNKNOWN:
