@@ -716,3 +716,113 @@ def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:
         "in plainer statements"], lines
     assert any(line.startswith("cases/typo/case.toml: calll: unknown key") for line in lines)
     assert deep.exists()
+
+
+def _safetensors(header: dict[str, object], data: bytes = b"", pad: int = 0) -> bytes:
+    raw = json.dumps(header).encode() + b" " * pad
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+FLOAT = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+def _blob(store: Path, data: bytes) -> str:
+    store.mkdir(parents=True, exist_ok=True)
+    digest = __import__("hashlib").sha256(data).hexdigest()
+    (store / f"{digest}.safetensors").write_bytes(data)
+    return digest
+
+
+def _store_case(root: Path, blob: bytes, names: tuple[str, ...] = ("w",),
+                store_extra: Callable[[Path], None] | None = None) -> Path:
+    """A case of a capture folder whose payload keeps its tensors in the capture's store."""
+    store = root / "capture" / "cases" / ".gpucase-store"
+    digest = _blob(store, blob)
+    if store_extra is not None:
+        store_extra(store / f"{digest}.safetensors")
+        data = (store / f"{digest}.safetensors").read_bytes()
+        (store / f"{digest}.safetensors").unlink()
+        digest = _blob(store, data)
+    case = write_case(root / "capture", "c", 'format = 1\ncall = "case.py:run"\n',
+                      f"def run({', '.join(names)}):\n    return {names[0]}\n")
+    (case / "inputs.safetensors").write_bytes(_safetensors(
+        {"__metadata__": {"gpucase.store": json.dumps(dict.fromkeys(names, digest))}}))
+    return case
+
+
+def _holes(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(8 * 2**20)
+
+
+PLAIN_BLOB = _safetensors({"tensor": FLOAT}, b"\0\0\x80?")
+HOSTILE_STORE_FILES: dict[str, tuple[bytes, Callable[[Path], None] | None, str]] = {
+    "names_another_store_file": (
+        b"", None, "*holds tensor (metadata: gpucase.store): a store file holds exactly one "
+        "tensor 'tensor' and no store reference; not a store file; capture the case again"),
+    "two_tensors": (_safetensors({"tensor": FLOAT, "more": {**FLOAT, "data_offsets": [4, 8]}},
+                                 bytes(8)), None, "*holds more, tensor (metadata: none)*"),
+    "header_of_100_kb": (_safetensors({"tensor": FLOAT}, bytes(4), pad=100_000), None,
+                         "*header of 100* bytes is not within the 65536 a store file's holds*"),
+    "trailing_holes": (PLAIN_BLOB, _holes, "*is 8388608 bytes, not the * of its header and "
+                       "the 4 of its tensor; not a store file; capture the case again"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE_STORE_FILES)
+def test_a_store_file_is_checked_as_one_before_use(tmp_path: Path, kind: str) -> None:
+    """Exactly one tensor, no store reference, a small header, a size of exactly header and
+    data: else refused by validate and by a load, before any hash or recursion."""
+    from pytest_gpucase.base.errors import CaseFormatError
+    from pytest_gpucase.case import payload
+    from pytest_gpucase.tools.validate import validate
+
+    blob, extra, message = HOSTILE_STORE_FILES[kind]
+    if kind == "names_another_store_file":
+        inner = _blob(tmp_path / "capture" / "cases" / ".gpucase-store", PLAIN_BLOB)
+        blob = _safetensors({"__metadata__": {"gpucase.store": json.dumps({"v": inner})},
+                             "tensor": FLOAT}, b"\0\0\x80?")
+    case = _store_case(tmp_path, blob, store_extra=extra)
+    os.chdir(tmp_path)
+    problems = validate([case])
+    assert any(fnmatch.fnmatch(line, message) for line in problems), problems
+    with pytest.raises(CaseFormatError) as refused:
+        payload.load(case / "inputs.safetensors")
+    assert fnmatch.fnmatch(str(refused.value), message), str(refused.value)
+
+
+def test_a_store_file_named_for_thousands_of_tensors_is_read_once(tmp_path: Path) -> None:
+    """Collection describes each payload: one store file named 3,000 times (with a header
+    near its bound) is read once, not once per name."""
+    from pytest_gpucase.case import payload
+
+    names = tuple(f"t{i}" for i in range(3000))
+    case = _store_case(tmp_path, _safetensors({"tensor": FLOAT}, b"\0\0\x80?", pad=60_000),
+                       names)
+    io = Path("/proc/self/io")
+    if not io.exists():
+        pytest.skip("needs /proc/self/io to count the bytes read")
+
+    def read_so_far() -> int:
+        return int(dict(line.split(": ") for line in io.read_text().splitlines())["rchar"])
+
+    before = read_so_far()
+    infos = payload.describe(case / "inputs.safetensors")
+    assert len(infos) == 3000 and {info.shape for info in infos} == {(1,)}
+    assert read_so_far() - before < 2_000_000  # a 60 KB header 3,000 times: 180 MB
+
+
+def test_a_checkpoints_metadata_never_leads_outside_its_folder(tmp_path: Path) -> None:
+    """A downloaded .safetensors checkpoint naming ../.gpucase-store files is refused; the
+    store beside its folder is never read."""
+    from pytest_gpucase.tools.checkpoint import survey
+
+    digest = _blob(tmp_path / ".gpucase-store", PLAIN_BLOB)
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(_safetensors(
+        {"__metadata__": {"gpucase.store": json.dumps({"w": digest})}}))
+    [found] = survey([str(folder / "model.safetensors")]).results
+    assert any("names store files outside its folder" in problem
+               for problem in found.problems), found.problems

@@ -34,7 +34,7 @@ from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
     "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
-    "read_regular", "remove_stale_temporaries", "replace", "running", "stat_signature",
+    "read_head", "read_regular", "remove_stale_temporaries", "replace", "running", "stat_signature",
     "temporary_path", "write_atomic",
     "write_text_atomic",
 ]
@@ -214,6 +214,31 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
     if size > limit:
         raise FileTooLarge(path, size, limit)
     return b"".join(chunks)
+
+
+def read_head(path: Path | str, limit: int) -> tuple[bytes, os.stat_result]:
+    """The first ``limit`` bytes (at most) of a regular file and its ``fstat``, taken on the
+    open file: for a file whose head says how much of it to trust (a store file's header).
+    Opened as ``read_regular`` opens (no blocking, no link followed); raises
+    ``NotRegularFile`` and ``OSError`` as it does."""
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
+             | getattr(os, "O_NOFOLLOW", 0))
+    fd = os.open(path, flags)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise NotRegularFile(path, file_kind(found.st_mode))
+        chunks, size = [], 0
+        while size < limit:
+            chunk = os.read(fd, min(limit - size, max(found.st_size - size + 1, 1), 1 << 20))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            size += len(chunk)
+    finally:
+        os.close(fd)
+    return b"".join(chunks), found
 
 
 def stat_signature(found: os.stat_result) -> tuple[int, int, int, int, int]:

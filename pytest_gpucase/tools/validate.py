@@ -235,7 +235,12 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.Tenso
         if file == case.inputs_file:
             shapes = infos
         try:
+            hashed: set[Path] = set()
             for name, blob in payload.store_files(file).items():
+                if blob in hashed:
+                    continue  # one file named for several tensors: hashed once
+                hashed.add(blob)
+                payload.store_info(blob)  # checked as a store file before it is hashed
                 if payload.content_hash(blob) != f"sha256:{blob.stem}":
                     problems.append(CaseFormatError(
                         file, f"tensor '{name}': its store file {blob.parent.name}/"
