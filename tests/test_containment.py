@@ -559,3 +559,42 @@ def test_orphans_of_the_users_own_processes_are_left_alone(tmp_path: Path) -> No
             os.kill(orphan, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(orphan, 0)  # adopted here: reaped here
+
+
+# --- what the pytest process itself reads of a case: within bounds ---------------------------
+
+READS_WITHIN_BOUNDS = """
+import resource, sys
+from pathlib import Path
+from pytest_gpucase.case import project
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run import reference_cache
+
+case = Path(sys.argv[1])
+spec = RunSpec(load_case(case), "cpu", "float32", cast=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+reference_cache.prepare(spec)     # in the parent, before each fork: the key's files
+reference_cache.forget_prepared()
+project.import_paths(case)        # the project's configuration file, above the case
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_the_parent_reads_a_sparse_case_py_and_config_within_bounds(tmp_path: Path) -> None:
+    """A 1 GiB sparse case.py (the reference-cache key) and a 1 GiB sparse pyproject.toml above
+    the case (its import paths) cost the pytest process no more than their bounds."""
+    case = tmp_path / "cases" / "sparse"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                    'reference = "case.py:ref"\n[inputs]\nx = 1\n')
+    for name, text in (("case.py", "def run(x):\n    return x\n\ndef ref(x):\n    return x\n"),
+                       ("../../pyproject.toml", "[tool.pytest.ini_options]\n")):
+        file = case / name
+        file.write_text(text)
+        with open(file, "r+b") as handle:
+            handle.truncate(2**30)
+    done = subprocess.run([sys.executable, "-c", READS_WITHIN_BOUNDS, str(case)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) < 100, f"peak grew by {done.stdout.strip()} MiB"

@@ -34,7 +34,8 @@ from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
     "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
-    "read_head", "read_regular", "remove_stale_temporaries", "replace", "running", "stat_signature",
+    "read_head", "read_regular", "remove_stale_temporaries", "replace", "running",
+    "stat_signature",
     "temporary_path", "write_atomic",
     "write_text_atomic",
 ]

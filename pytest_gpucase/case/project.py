@@ -9,9 +9,9 @@ in pytest's order (``pytest.toml``, ``.pytest.toml``, ``pytest.ini``,
 ``[tool.pytest.ini_options]``, ``tox.ini`` with ``[pytest]``, ``setup.cfg`` with
 ``[tool:pytest]``), else the nearest ``pyproject.toml`` as pytest falls back
 to. A case folder's own files are never read (``case.load`` refuses them), and those
-above are read within ``MAX_CONFIG_BYTES``. Its ``pythonpath`` entries (relative to the file) come first, then the
-rootdir itself, which pytest's rootdir ``conftest.py`` and ``prepend`` import
-mode make importable.
+above are read within ``MAX_CONFIG_BYTES``. Its ``pythonpath`` entries (relative to
+the file) come first, then the rootdir itself, which pytest's rootdir ``conftest.py``
+and ``prepend`` import mode make importable.
 
 Nothing here is written into a case: the paths are found again, from wherever
 the case lies, each time it runs. pytest's own finder is private (its

@@ -46,8 +46,8 @@ import tomli_w
 
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.load import load_case
-from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case
+from pytest_gpucase.case.load import load_case, read_case_file
+from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, MAX_CASE_BYTES, Case
 from pytest_gpucase.case.variants import (
     InputsInDoubt,
     VariantNotApplicable,
@@ -727,7 +727,9 @@ def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
     """Write a new case directory at ``target`` atomically; never overwrite one."""
     if target.exists():
         raise FileExistsError(f"{display(target)} exists; minimize never overwrites")
-    text = case.case_file.read_text(encoding="utf-8")
+    # Within its bound, as load_case read it: the file may have changed since.
+    text = read_case_file(case.case_file, MAX_CASE_BYTES, "a case.toml holds settings, not "
+                          "data", case.path).decode("utf-8", "replace")
     try:
         return write_case_dir(
             target, with_minimized_from(text, record),
