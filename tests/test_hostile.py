@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pytest_gpucase.base.errors import printable
+from pytest_gpucase.case import payload
 from tests.helpers import H100, RAISES, ce_case, result, rich_case, write_case
 
 GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
@@ -826,3 +827,32 @@ def test_a_checkpoints_metadata_never_leads_outside_its_folder(tmp_path: Path) -
     [found] = survey([str(folder / "model.safetensors")]).results
     assert any("names store files outside its folder" in problem
                for problem in found.problems), found.problems
+
+
+def test_nothing_that_looks_like_a_case_is_passed_over_in_silence(
+        pytester: pytest.Pytester) -> None:
+    """A case folder pytest would not recurse into (norecursedirs: build, dist), a folder that
+    lost its case.toml, and a case below a case: each is an item or a note, and validate
+    names the same folders."""
+    (pytester.path / "pytest.ini").write_text("[pytest]\n")
+    write_case(pytester.path, "good", CASE_TOML, RUN_X)
+    write_case(pytester.path, "build", CASE_TOML, RUN_X)
+    write_case(pytester.path / "cases" / "group", "deep", CASE_TOML, RUN_X)
+    lost = write_case(pytester.path, "lost", CASE_TOML, RUN_X)
+    payload.save(lost / "inputs.safetensors", {"x": torch.ones(1)})
+    (lost / "case.toml").unlink()
+    outer = write_case(pytester.path, "outer", CASE_TOML, RUN_X)
+    write_case(outer, "inner", CASE_TOML, RUN_X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
+                                           "no:cacheprovider", "cases", timeout=300)
+    result.assert_outcomes(passed=2, failed=2)  # good and group/deep; lost and outer
+    result.stdout.fnmatch_lines([
+        "cases/lost/case.toml: missing, but the directory holds inputs.safetensors: an "
+        "interrupted write or a deleted case.toml",
+        "cases/outer/cases/inner/case.toml: a case folder inside the case folder outer: *",
+        "gpucase: case folder cases/build not collected: its name matches norecursedirs "
+        "'build'; rename it or set norecursedirs"], consecutive=False)
+    validated = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                               cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert [line.split(":")[0] for line in validated.stdout.splitlines()] == [
+        "cases/lost/case.toml", "cases/outer/cases/inner/case.toml"], validated.stdout

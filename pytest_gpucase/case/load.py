@@ -30,8 +30,10 @@ from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular
 from pytest_gpucase.case.model import (
     CASE_FILE,
     DEFAULT_TIMEOUT,
+    EXPECTED_FILE,
     FLOAT_DTYPES,
     FORMATS,
+    INPUTS_FILE,
     MAX_AXIS,
     MAX_CASE_BYTES,
     MAX_FOLDER_ENTRIES,
@@ -198,6 +200,11 @@ def _read_text(file: Path, case_dir: Path) -> str:
         if target is not None:
             raise CaseFormatError(file, f"is a symlink to {target}, which does not exist; "
                                   "replace it with the file itself") from None
+        held = [name for name in (INPUTS_FILE, EXPECTED_FILE)
+                if os.path.lexists(case_dir / name)]
+        if held:  # collected and validated as a case, not passed over in silence
+            raise CaseFormatError(file, f"missing, but the directory holds {', '.join(held)}: "
+                                  "an interrupted write or a deleted case.toml") from None
         raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
     except OSError as exc:
         raise CaseFormatError(file, f"cannot be read: {exc}") from None

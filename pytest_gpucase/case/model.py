@@ -56,6 +56,7 @@ __all__ = [
     "case_name",
     "inside_case",
     "is_case_dir",
+    "looks_like_case",
 ]
 
 CASE_FILE = "case.toml"
@@ -261,6 +262,14 @@ def is_case_dir(path: Path) -> bool:
     that cannot load, reported as such, rather than a case silently skipped.
     """
     return os.path.lexists(os.path.join(path, CASE_FILE))
+
+
+def looks_like_case(path: Path) -> bool:
+    """Whether a directory is a case (``is_case_dir``) or one that lost its ``case.toml``: it
+    holds a payload only a case holds. Both are collected and validated, the second as a
+    broken case, rather than passed over in silence."""
+    return is_case_dir(path) or any(os.path.lexists(os.path.join(path, name))
+                                    for name in (INPUTS_FILE, EXPECTED_FILE))
 
 
 def inside_case(path: Path | str) -> bool:

@@ -30,7 +30,8 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
-    "BrokenCaseItem", "CaseDirectory", "CaseItem", "is_known_failure", "run_markers",
+    "BrokenCaseItem", "CaseDirectory", "CaseItem", "ignored_case", "is_known_failure",
+    "run_markers",
     "refuse_case_conftests", "share_conftests", "skip_here",
 ]
 
@@ -107,6 +108,24 @@ def refuse_case_conftests(pluginmanager: pytest.PytestPluginManager) -> None:
 
     _importconftest.gpucase_refuses_cases = True  # type: ignore[attr-defined]
     pluginmanager._importconftest = _importconftest  # type: ignore[method-assign]
+
+
+def ignored_case(path: Path, config: pytest.Config) -> None:
+    """Say so when pytest ignores a case folder (``--ignore``, ``collect_ignore``, or a
+    ``norecursedirs`` pattern such as ``build`` or ``dist`` matching its name): a case is
+    never passed over in silence (``gpucase validate`` checks it all the same)."""
+    from pytest_gpucase.case.model import looks_like_case
+
+    if not looks_like_case(path):
+        return
+    import fnmatch
+
+    matched = [pattern for pattern in config.getini("norecursedirs")
+               if fnmatch.fnmatch(path.name, pattern)]
+    why = (f"its name matches norecursedirs {matched[0]!r}; rename it or set norecursedirs"
+           if matched else "pytest was told to ignore it (--ignore or collect_ignore)")
+    config.stash[session_key].notes.append(
+        f"case folder {display_posix(path)} not collected: {why}")
 
 
 _REFUSED = types.ModuleType("gpucase_refused_conftest",

@@ -136,11 +136,7 @@ def _case_dirs(root: Path) -> Iterable[Path]:
 
 def _problems(directory: Path, notes: list[str]) -> list[str]:
     """The problems of one case directory, each as ``file: key: what is wrong``."""
-    if not is_case_dir(directory):
-        held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
-        return [str(CaseFormatError(directory / CASE_FILE, f"missing, but the directory holds "
-                                    f"{held}: an interrupted write or a deleted case.toml"))]
-    try:
+    try:  # a directory holding payloads and no case.toml: load_case words it
         case = load_case(directory)
     except CaseFormatError as exc:
         return [str(exc)]
