@@ -55,7 +55,7 @@ from pytest_gpucase.case.variants import (
     members_of,
 )
 
-__all__ = ["hash_setting", "validate"]
+__all__ = ["NotChecked", "hash_setting", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
@@ -106,6 +106,9 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
             found = True
             try:
                 problems.extend(_problems(directory, notes))
+            except NotChecked as exc:
+                unchecked.append(str(exc))
+                problems.append(unchecked[-1])
             except Exception as exc:  # noqa: BLE001 - whatever a case holds: one line for it
                 unchecked.append(f"{display(directory / CASE_FILE)}: cannot be checked: "
                                  f"{type(exc).__name__}: {one_line(str(exc), 300)}")
@@ -114,6 +117,11 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
             problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
                             f"{display(path)}")
     return problems
+
+
+class NotChecked(CaseFormatError):
+    """A case that cannot be checked at all (its source defeats the parser): one line for
+    it, the other cases checked all the same, and validate exits 2."""
 
 
 def _case_dirs(root: Path) -> Iterable[Path]:
@@ -366,10 +374,9 @@ def _parameters(case: Case, key: str, target: str,
         problems.append(CaseFormatError(source, f"cannot be read: {exc}"))
         return None
     except (RecursionError, MemoryError) as exc:  # `Y = 1+1+...`: too deep for the parser
-        problems.append(CaseFormatError(source, f"cannot be parsed ({type(exc).__name__}: "
-                                        f"{exc}); Python itself will fail to import it: "
-                                        "write it in plainer statements"))
-        return None
+        raise NotChecked(source, f"cannot be parsed ({type(exc).__name__}: {exc}); Python "
+                         "itself will fail to import it: write it in plainer statements"
+                         ) from None
     node = _defined(tree.body, qualname.split("."))
     if node is _UNKNOWN:
         return None
