@@ -161,7 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except CaseFormatError as exc:
         return _error(None, exc)
-    except (RecursionError, MemoryError) as exc:  # a pathological case: one line, not a trace
+    except (RecursionError, MemoryError, OSError, UnicodeError) as exc:
+        # A case no check foresaw (too deep for a parser, unreadable): one line, not a trace.
         return _error(args.command, f"the case cannot be read: {type(exc).__name__}: {exc}")
     return code
 
