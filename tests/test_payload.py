@@ -700,7 +700,9 @@ def test_describe_reads_only_the_header(tmp_path: Path, monkeypatch: pytest.Monk
         handle.counts = counts
         return handle
 
-    monkeypatch.setattr(payload, "open", counting_open, raising=False)
+    from pytest_gpucase.base import files
+
+    monkeypatch.setattr(files, "open", counting_open, raising=False)  # payload's one opener
     assert [info.shape for info in payload.describe(path)] == [(1000, 100)]
     assert sum(counts) == 8 + header_len < path.stat().st_size
 

@@ -28,12 +28,14 @@ import socket
 import stat
 import time
 from collections.abc import Iterable
+from typing import BinaryIO
 from pathlib import Path
 
 from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
     "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
+    "open_regular",
     "read_head", "read_regular", "remove_stale_temporaries", "replace", "running",
     "stat_signature",
     "temporary_path", "write_atomic",
@@ -179,6 +181,32 @@ class FileTooLarge(OSError):
         self.size = size
 
 
+def _open_checked(path: Path | str, follow_symlinks: bool) -> tuple[int, os.stat_result]:
+    """A descriptor of ``path`` opened without blocking (a FIFO put in its place cannot hang
+    the reader), and the open file's ``fstat``, refused unless it is a regular file."""
+    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
+             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
+    if not follow_symlinks:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
+    fd = os.open(path, flags)
+    try:
+        found = os.fstat(fd)
+        if not stat.S_ISREG(found.st_mode):
+            raise NotRegularFile(path, file_kind(found.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, found
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """``path`` opened for reading as ``read_regular`` opens it (no blocking, a regular file
+    checked on the open file): for a reader that bounds what it reads itself (a payload's
+    header from its length field, a hash in chunks)."""
+    fd, _ = _open_checked(path, True)
+    return open(fd, "rb")
+
+
 def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) -> bytes:
     """The bytes of a regular file of at most ``limit`` bytes: the one reader of files anyone
     may have written (a case's files, a report from another job, a cache entry).
@@ -190,15 +218,8 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
     file, at scale). Raises ``NotRegularFile``, ``FileTooLarge``, and ``OSError`` as
     ``os.open`` does (``ELOOP``: a link, where ``follow_symlinks`` is false).
     """
-    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
-    if not follow_symlinks:
-        flags |= getattr(os, "O_NOFOLLOW", 0)
-    fd = os.open(path, flags)
+    fd, found = _open_checked(path, follow_symlinks)
     try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode):
-            raise NotRegularFile(path, file_kind(found.st_mode))
         if found.st_size > limit:
             raise FileTooLarge(path, found.st_size, limit)
         chunks, size, step = [], 0, found.st_size + 1
@@ -222,14 +243,8 @@ def read_head(path: Path | str, limit: int) -> tuple[bytes, os.stat_result]:
     open file: for a file whose head says how much of it to trust (a store file's header).
     Opened as ``read_regular`` opens (no blocking, no link followed); raises
     ``NotRegularFile`` and ``OSError`` as it does."""
-    flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
-             | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0)
-             | getattr(os, "O_NOFOLLOW", 0))
-    fd = os.open(path, flags)
+    fd, found = _open_checked(path, False)
     try:
-        found = os.fstat(fd)
-        if not stat.S_ISREG(found.st_mode):
-            raise NotRegularFile(path, file_kind(found.st_mode))
         chunks, size = [], 0
         while size < limit:
             chunk = os.read(fd, min(limit - size, max(found.st_size - size + 1, 1), 1 << 20))
@@ -250,9 +265,10 @@ def stat_signature(found: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def file_sha256(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes, read in chunks."""
+    """``sha256:<hex>`` of a regular file's bytes, read in chunks (opened as
+    ``open_regular`` opens: a FIFO in its place is refused, not waited on)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         while chunk := handle.read(2**22):
             digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import CaseFormatError, link_inside, printable, regular_file
-from pytest_gpucase.base.files import NotRegularFile, read_head, stat_signature
+from pytest_gpucase.base.files import NotRegularFile, open_regular, read_head, stat_signature
 from pytest_gpucase.base.files import (
     write_atomic as _write_atomic,  # a module name: tests slow it down
 )
@@ -415,9 +415,9 @@ def read_header(path: Path, data: bytes | None = None) -> tuple[dict[str, Any], 
 
 
 def _open_regular(path: Path) -> Any:
-    """Open for reading without blocking, should a FIFO replace the file after its ``stat``."""
-    return open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-                        | getattr(os, "O_BINARY", 0)), "rb")
+    """Open for reading without blocking, refused unless the open file is a regular file
+    (should a FIFO replace the file after its ``stat``): ``base.files.open_regular``."""
+    return open_regular(path)
 
 
 def _not_safetensors(path: Path, start: bytes, problem: str) -> CaseFormatError:
