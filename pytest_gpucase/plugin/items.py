@@ -123,7 +123,8 @@ def ignored_case(path: Path, config: pytest.Config) -> None:
     matched = [pattern for pattern in config.getini("norecursedirs")
                if fnmatch.fnmatch(path.name, pattern)]
     why = (f"its name matches norecursedirs {matched[0]!r}; rename it or set norecursedirs"
-           if matched else "pytest was told to ignore it (--ignore or collect_ignore)")
+           if matched else "pytest ignores it (--ignore, --ignore-glob, collect_ignore, or "
+           "a virtual environment's folder)")
     config.stash[session_key].notes.append(
         f"case folder {display_posix(path)} not collected: {why}")
 
