@@ -98,11 +98,7 @@ def test_a_worker_serves_every_bundled_case_of_a_configured_project(
                                            "--gpu-devices", "cpu", "-p", "no:cacheprovider",
                                            "cases")
     retired = [line for line in result.stdout.lines if "left its worker" in line]
-    assert not any("pytest_gpucase" in line for line in retired), retired
-    # Known, and not the plugin's: the first gradient check of a session imports
-    # torch._dynamo, whose import patches torch._C._distributed's classes.
-    assert all("cases/layernorm_bf16 " in line and "torch._C._distributed" in line
-               for line in retired), retired
+    assert not retired, retired
     assert result.parseoutcomes().get("passed", 0) >= 8
 
 
