@@ -697,6 +697,15 @@ def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Py
     for name, line in expected.items():
         assert any(fnmatch.fnmatch(got, line) for got in lines), (name, lines)
     assert not list(pytester.path.glob("ran_*"))
+    if args:
+        return
+    # Given the case folder itself, pytest takes its pytest.ini before any plugin loads (and
+    # applies its pythonpath and -p): the session stops at once, naming the file.
+    alone = pytester.runpytest_subprocess("--gpu-cases", "-p", "no:cacheprovider",
+                                          "cases/ini", timeout=300)
+    assert alone.ret == pytest.ExitCode.USAGE_ERROR
+    alone.stderr.fnmatch_lines(["ERROR: cases/ini/pytest.ini: pytest took its configuration "
+                                "from a file inside a case folder*"])
 
 
 def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:

@@ -30,6 +30,7 @@ from pytest_gpucase.plugin.items import (
     CaseItem,
     _OwnIsolation,
     ignored_case,
+    refuse_case_configuration,
     refuse_case_conftests,
     run_markers,
     share_conftests,
@@ -51,8 +52,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
-    # Before pytest imports the conftests of the folders it is given: none in a case folder.
+    # Before pytest imports the conftests of the folders it is given: none in a case folder;
+    # and before it applies a configuration file's pythonpath: none of a case folder's.
     refuse_case_conftests(early_config.pluginmanager)
+    refuse_case_configuration(early_config)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "BrokenCaseItem", "CaseDirectory", "CaseItem", "ignored_case", "is_known_failure",
-    "run_markers",
+    "refuse_case_configuration", "run_markers",
     "refuse_case_conftests", "share_conftests", "skip_here",
 ]
 
@@ -108,6 +108,23 @@ def refuse_case_conftests(pluginmanager: pytest.PytestPluginManager) -> None:
 
     _importconftest.gpucase_refuses_cases = True  # type: ignore[attr-defined]
     pluginmanager._importconftest = _importconftest  # type: ignore[method-assign]
+
+
+def refuse_case_configuration(config: pytest.Config) -> None:
+    """Stop the session when pytest took its configuration file from a case folder (it was
+    given that folder, or a path in it): a case's file would set the session's options and
+    its ``pythonpath``. pytest reads the file before any plugin loads; this runs before it
+    applies ``pythonpath`` or imports a conftest."""
+    inipath = getattr(config, "inipath", None)
+    if inipath is None:
+        return
+    from pytest_gpucase.case.model import inside_case
+
+    if inside_case(inipath):
+        raise pytest.UsageError(
+            f"{display_posix(inipath)}: pytest took its configuration from a file inside a case "
+            "folder, which a case may not hold (docs/case-format.md); run pytest on the "
+            "folder of cases (pytest --gpu-cases cases), or give the project's file with -c")
 
 
 def ignored_case(path: Path, config: pytest.Config) -> None:
