@@ -581,6 +581,38 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
 """
 
 
+HEADER_WITHIN_BOUNDS = """
+import resource, sys
+from pathlib import Path
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.case import payload
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    payload.describe(Path(sys.argv[1]))   # what collection reads of each case's inputs
+except CaseFormatError as exc:
+    print(exc, file=sys.stderr)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_payload_header_costs_the_collecting_process_its_bound(tmp_path: Path) -> None:
+    """A 60 MiB JSON header of 900,000 tensor entries was parsed whole at collection (some
+    500 MiB); it is refused from its length field."""
+    import json
+
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+              for i in range(900_000)}
+    raw = json.dumps(header).encode()
+    file = tmp_path / "inputs.safetensors"
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    done = subprocess.run([sys.executable, "-c", HEADER_WITHIN_BOUNDS, str(file)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "over the limit of 16777216" in done.stderr, done.stderr[-2000:]
+    assert int(done.stdout) < 100, f"peak grew by {done.stdout.strip()} MiB"
+
+
 def test_the_parent_reads_a_sparse_case_py_and_config_within_bounds(tmp_path: Path) -> None:
     """A 1 GiB sparse case.py (the reference-cache key) and a 1 GiB sparse pyproject.toml above
     the case (its import paths) cost the pytest process no more than their bounds."""

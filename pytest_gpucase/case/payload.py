@@ -65,7 +65,9 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 # storage_offset, stored_from, and stored_from plus the stored elements (the zeros before
 # the stored run are allocated, not read from the file).
 MAX_ELEMENTS = 2**34
-MAX_HEADER_BYTES = 100 * 2**20
+# A header is parsed whole, in the collecting process, at about nine times its size in
+# memory: 16 MiB holds some 100,000 tensors' entries.
+MAX_HEADER_BYTES = 16 * 2**20
 # The zeros allocated before a stored run (``stored_from`` elements) cost memory but hold
 # nothing from the file: a 220-byte payload must not make a child allocate gigabytes.
 MAX_PADDING_BYTES = 2**30
