@@ -708,6 +708,7 @@ def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Py
                                 "from a file inside a case folder*"])
 
 
+@pytest.mark.slow  # an interpreter of its own
 def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:
     """A 600 KB `Y = 1+1+...` case.py (RecursionError, or MemoryError, in the parser) is one
     line for its case; the other cases are still checked."""
