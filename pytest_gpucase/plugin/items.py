@@ -30,9 +30,16 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
-    "BrokenCaseItem", "CaseDirectory", "CaseItem", "ignored_case", "is_known_failure",
-    "refuse_case_configuration", "run_markers",
-    "refuse_case_conftests", "share_conftests", "skip_here",
+    "BrokenCaseItem",
+    "CaseDirectory",
+    "CaseItem",
+    "ignored_case",
+    "is_known_failure",
+    "refuse_case_configuration",
+    "refuse_case_conftests",
+    "run_markers",
+    "share_conftests",
+    "skip_here",
 ]
 
 

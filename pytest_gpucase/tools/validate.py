@@ -109,7 +109,7 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
             except NotChecked as exc:
                 unchecked.append(str(exc))
                 problems.append(unchecked[-1])
-            except Exception as exc:  # noqa: BLE001 - whatever a case holds: one line for it
+            except Exception as exc:
                 unchecked.append(f"{display(directory / CASE_FILE)}: cannot be checked: "
                                  f"{type(exc).__name__}: {one_line(str(exc), 300)}")
                 problems.append(unchecked[-1])
