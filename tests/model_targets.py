@@ -119,3 +119,17 @@ def scaled_sum(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def mixed_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """bf16 activations times fp32 weights: fine under autocast, a dtype error without it."""
     return torch.mm(x, w)[rows]
+
+
+class InplaceSigmoid(torch.nn.Module):
+    """Scales sigmoid's output in place, which sigmoid's backward needs: backward raises
+    autograd's long "modified by an inplace operation" message."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).sigmoid()
+        y.mul_(2)
+        return y.sum()

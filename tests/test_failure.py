@@ -113,3 +113,33 @@ def test_a_nan_is_the_same_failure_whichever_check_caught_it() -> None:
     assert not same_failure(captured, Failure(
         "RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)",
         device="cpu"))
+
+
+INPLACE = ("one of the variables needed for gradient computation has been modified by an "
+           "inplace operation: [torch.FloatTensor [2, 4]], which is output 0 of Sigmoid, is at "
+           "version 1; expected version 0 instead. Hint: enable anomaly detection to find the "
+           "operation that failed to compute its gradient, with "
+           "torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
+@pytest.mark.parametrize("limit", [256, 300, 120, 97, 95])
+def test_a_message_the_capture_cut_matches_its_full_form(limit: int) -> None:
+    """Issue 30: ``[origin] error`` cut at a bound with an ellipsis (anywhere: inside a word,
+    inside a number, inside a list of sizes) is the replay's full message again."""
+    from pytest_gpucase.verdict.failure import cut
+
+    recorded = Failure.from_text(cut(f"RuntimeError: {INPLACE}", limit))
+    assert recorded.message.endswith("\u2026")
+    assert same_failure(recorded, Failure("RuntimeError", INPLACE, device="cpu"))
+    # Another failure is still another, cut or not.
+    other = INPLACE.replace("gradient computation", "the forward pass")
+    assert not same_failure(recorded, Failure("RuntimeError", other))
+    assert not same_failure(recorded, Failure("ValueError", INPLACE))
+
+
+def test_too_little_kept_of_a_cut_message_matches_nothing_else() -> None:
+    from pytest_gpucase.verdict.failure import cut
+
+    recorded = Failure.from_text(cut(f"RuntimeError: {INPLACE}", 30))
+    assert not same_failure(recorded, Failure("RuntimeError", INPLACE))
+    assert same_failure(recorded, recorded)

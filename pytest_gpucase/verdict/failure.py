@@ -12,6 +12,10 @@ exception type, its message, the captured stderr and the device type it happened
   *shapes* must be equal too;
 - otherwise the exception types must be equal and so must the message shapes.
 
+A message a capture shortened (``cut``: its first line cut to a bound, ending in
+``CUT_MARK``) still matches its full form: the kept prefix's shape, up to its last whole
+word, must begin the other's shape (``same_shape``).
+
 A message's shape is its first line with what changes from run to run written as
 placeholders: numbers (``N``), runs of sizes (``[N]``, ``N``), hexadecimal addresses
 (``0x?``) and file paths (``<path>``). So "index 7 is out of bounds for dimension 0
@@ -32,8 +36,8 @@ from dataclasses import dataclass
 from pytest_gpucase.verdict.triage import failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
-__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "Failure", "first_line",
-           "message_shape", "same_failure"]
+__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "CUT_MARK", "Failure", "cut",
+           "first_line", "message_shape", "same_failure", "same_shape"]
 
 # Classes whose message is written by a different layer on each device (a kernel's assert
 # on CUDA, the operator's own check on the CPU), so that their words say nothing about
@@ -45,6 +49,10 @@ CROSS_DEVICE_CLASSES = frozenset({"device-side-assert", "index-out-of-range",
 # replay's finiteness check ("non-finite output: ..."), by anomaly mode or by the user's
 # own check. Their words say where it was caught, not what failed: the class decides.
 CAUGHT_BY_ANY_CHECK = frozenset({"nan"})
+# What ends a message cut to a bound (``cut``), and the least of it that must be kept for the
+# prefix to say anything: below it, a cut message matches nothing but itself.
+CUT_MARK = "\u2026"
+_MIN_KEPT = 48
 
 
 @dataclass(frozen=True)
@@ -109,9 +117,33 @@ def same_failure(recorded: Failure, found: Failure) -> bool:
                 or {recorded_class, found_class} & (CROSS_DEVICE_CLASSES
                                                     | CAUGHT_BY_ANY_CHECK)):
             return True
-        return recorded.shape == found.shape
+        return same_shape(recorded.shape, found.shape)
     return (_short(recorded.error_type) == _short(found.error_type)
-            and recorded.shape == found.shape)
+            and same_shape(recorded.shape, found.shape))
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``CUT_MARK`` when it was: the one way
+    a message is shortened, so that ``same_shape`` knows a shortened one."""
+    return text if len(text) <= limit else text[:max(limit - 1, 0)] + CUT_MARK
+
+
+def same_shape(one: str, other: str) -> bool:
+    """Whether two message shapes are the same, one of them possibly ``cut``: then what was
+    kept of it, up to its last whole word (the cut may end inside a word or a number),
+    begins the other."""
+    if one == other:
+        return True
+    for short, full in ((one, other), (other, one)):
+        if not short.endswith(CUT_MARK):
+            continue
+        kept = short[:-len(CUT_MARK)]
+        # The last word may be cut short ("gradie…"), a number too ("[N, N…" of "[N, N]").
+        head, space, _ = kept.rpartition(" ")
+        kept = head if space else ""
+        if len(kept) >= _MIN_KEPT and full.removesuffix(CUT_MARK).startswith(kept):
+            return True
+    return False
 
 
 def first_line(text: str) -> str:

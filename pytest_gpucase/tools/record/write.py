@@ -29,6 +29,8 @@ from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
 from pytest_gpucase.tools.record.origin import (
+    ORIGIN_ERROR_CHARS,
+    SUMMARY_ERROR_CHARS,
     Context,
     Watched,
     case_name,
@@ -39,6 +41,7 @@ from pytest_gpucase.tools.record.origin import (
     shown,
     where,
 )
+from pytest_gpucase.verdict.failure import cut
 from pytest_gpucase.verdict.triage import assertion_line
 
 if sys.version_info >= (3, 11):
@@ -117,7 +120,7 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
         summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
     devices = inputs.devices
     backend = _backend(devices, torch)
-    table: dict[str, Any] = {"error": error}
+    table: dict[str, Any] = {"error": error_line(exc, ORIGIN_ERROR_CHARS)}
     with contextlib.suppress(Exception):
         from pytest_gpucase.verdict.triage import failure_class
 
@@ -399,18 +402,18 @@ def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: s
     compiled model's own error is kept as ``[origin] compiled_error``."""
     def change(doc: dict[str, Any]) -> bool:
         origin = doc.setdefault("origin", {})
-        before = str(origin.get("error", ""))
+        before = _summary_error(str(origin.get("error", "")))
         origin["compiled_error"] = compiled
-        origin["error"] = error
+        origin["error"] = cut(error, ORIGIN_ERROR_CHARS)
         origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
         if failure_class is None:
             origin.pop("failure_class", None)
         else:
             origin["failure_class"] = failure_class
         if "xfail" in doc:
-            doc["xfail"] = _xfail_line(error)
+            doc["xfail"] = _xfail_line(_summary_error(error))
         if before and isinstance(doc.get("summary"), str):
-            doc["summary"] = doc["summary"].replace(before, error)
+            doc["summary"] = doc["summary"].replace(before, _summary_error(error))
         return True
 
     _rewrite(case_dir, change)
@@ -426,6 +429,11 @@ def mark_incomplete(case_dir: Path, reason: str) -> None:
         return True
 
     _rewrite(case_dir, change)
+
+
+def _summary_error(error: str) -> str:
+    """An ``[origin] error`` as a summary and an xfail line show it (``error_line``'s bound)."""
+    return cut(error, SUMMARY_ERROR_CHARS)
 
 
 def _xfail_line(error: str) -> str:
