@@ -133,3 +133,51 @@ class InplaceSigmoid(torch.nn.Module):
         y = self.lin(x).sigmoid()
         y.mul_(2)
         return y.sum()
+
+
+class KindsModel(torch.nn.Module):
+    """State of the kinds a safetensors file cannot hold as they are: a complex128 parameter,
+    a sparse COO and a sparse CSR buffer, a quantized buffer. Its forward raises while any
+    of them holds more than ``limit`` (what training put there, not the constructor)."""
+
+    def __init__(self, n: int = 4, limit: float = 10.0) -> None:
+        super().__init__()
+        self.n = n
+        self.limit = limit
+        self.spectrum = torch.nn.Parameter(torch.ones(n, dtype=torch.complex128))
+        self.register_buffer("mask", torch.eye(n).to_sparse())
+        self.register_buffer("graph", torch.eye(n).to_sparse_csr())
+        self.register_buffer("codes", torch.quantize_per_tensor(torch.zeros(n), 0.5, 0,
+                                                                torch.qint8))
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = {"spectrum": float(self.spectrum.abs().max()),
+                 "mask": float(self.mask.to_dense().abs().max()),
+                 "graph": float(self.graph.to_dense().abs().max()),
+                 "codes": float(self.codes.dequantize().abs().max())}
+        for name, size in sizes.items():
+            if size > self.limit:
+                raise ValueError(f"{name} grew to {size}, above {self.limit}")
+        spectrum = torch.fft.fft(self.lin(x).double()) * self.spectrum
+        return torch.fft.ifft(spectrum).real.float() @ self.mask.to_dense()
+
+
+class ExtraStateModel(torch.nn.Module):
+    """Keeps a count in its extra state (``get_extra_state``), which no payload holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls > 2:
+            raise ValueError(f"called {self.calls} times")
+        return self.lin(x)

@@ -407,10 +407,11 @@ def test_save_leaves_only_the_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(("tensors", "metadata", "expected"), [
     ({"x": torch.ones(2), "y": [1, 2]}, None, "y: expected a tensor, got list"),
-    ({"x": torch.ones(2, dtype=torch.complex128)}, None,
-     "x: safetensors cannot store torch.complex128"),
-    ({"s": torch.eye(2).to_sparse()}, None,
-     "s: only strided (dense) tensors can be saved, not torch.sparse_coo"),
+    # complex128, sparse COO and CSR, quantized: saved as their exact parts (case.kinds).
+    ({"x": torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.quint4x2)}, None,
+     "x: safetensors cannot store torch.quint4x2"),
+    ({"s": torch.eye(2).to_sparse_bsr((1, 1))}, None,
+     "s: only strided (dense) tensors can be saved, not torch.sparse_bsr"),
     ({3: torch.ones(2)}, None, "3: tensor names must be strings"),
     ({"x": torch.ones(2)}, {"origin": 3}, "metadata 'origin': keys and values must be strings"),
 ])

@@ -43,13 +43,14 @@ from pytest_gpucase.base.files import (
     write_atomic as _write_atomic,  # a module name: tests slow it down
 )
 from pytest_gpucase.base.tensors import readable_address
+from pytest_gpucase.case import kinds
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DTYPES", "LAYOUT_KEY", "STORE_DIR", "STORE_FROM", "STORE_KEY", "TensorInfo",
            "content_hash", "describe", "encode", "load", "load_small", "read_header", "readable",
-           "save", "store_files", "store_info", "to_device"]
+           "save", "store_files", "store_info", "to_device", "unstorable"]
 
 LAYOUT_KEY = "gpucase.layout"
 # Tensors a payload names in the store of its capture folder instead of holding them: the
@@ -159,6 +160,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
     """
     header_meta = dict(metadata or {})
     header_meta.pop(STORE_KEY, None)
+    tensors = _split_kinds(tensors, header_meta)
     if store:
         kept: dict[str, torch.Tensor] = {}
         stored: dict[str, str] = {}
@@ -179,7 +181,72 @@ def encode(tensors: Mapping[str, torch.Tensor],
            metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
     """The bytes ``save`` writes (without a store), in order, for a caller that wraps them
     and writes them itself; each view keeps the tensor it reads alive."""
-    return _serialized(tensors, dict(metadata or {}))[0]
+    header_meta = dict(metadata or {})
+    return _serialized(_split_kinds(tensors, header_meta), header_meta)[0]
+
+
+def unstorable(tensor: Any) -> str | None:
+    """Why a payload cannot hold ``tensor`` exactly (what it is, in words), or None when it
+    can: as it is, or as the parts of its kind (``case.kinds``)."""
+    return kinds.unstorable(tensor, {name for name, _ in DTYPES.values()})
+
+
+def _split_kinds(tensors: Mapping[str, torch.Tensor],
+                 header_meta: dict[str, str]) -> Mapping[str, torch.Tensor]:
+    """``tensors`` with the kinds safetensors cannot hold as they are (complex128, sparse,
+    quantized: ``case.kinds``) as their plain parts, said in ``header_meta``."""
+    header_meta.pop(kinds.KINDS_KEY, None)
+    plain, found = kinds.split(tensors)
+    if found:
+        header_meta[kinds.KINDS_KEY] = json.dumps(found, sort_keys=True)
+    return plain
+
+
+def _join_kinds(path: Path, tensors: dict[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors of a payload with the parts of each kind joined again (``case.kinds``)."""
+    if kinds.KINDS_KEY not in metadata:
+        return tensors
+    try:
+        return kinds.join(tensors, metadata[kinds.KINDS_KEY])
+    except ValueError as exc:
+        raise CaseFormatError(path, f"{exc}; {_RESAVE}") from None
+
+
+def _described_kinds(infos: list[TensorInfo], metadata: Mapping[str, str]) -> list[TensorInfo]:
+    """One entry per tensor held as parts (``case.kinds``), named as it was saved: its first
+    part's dtype and its own shape; the parts themselves are not inputs a call takes."""
+    if kinds.KINDS_KEY not in metadata:
+        return infos
+    try:
+        table = json.loads(metadata[kinds.KINDS_KEY])
+    except (ValueError, RecursionError):
+        return infos
+    if not isinstance(table, dict):
+        return infos
+    by_name = {info.name: info for info in infos}
+
+    def main(name: str) -> TensorInfo | None:  # the part that holds the values
+        for part in ("values", "real", "int_repr"):
+            key = f"{name}{kinds.PART}{part}"
+            if key in by_name:
+                return by_name[key]
+            if key in table:
+                return main(key)
+        return None
+
+    kept = [info for info in infos if kinds.PART not in info.name]
+    for name, described in table.items():
+        values = main(name)
+        if kinds.PART in name or values is None or not isinstance(described, dict):
+            continue
+        shape = described.get("size")
+        if not isinstance(shape, list):
+            shape = list(values.shape[:-1] if described.get("kind") == "complex"
+                         else values.shape)
+        shape_t = tuple(int(n) for n in shape)
+        kept.append(TensorInfo(name, values.dtype, shape_t, _contiguous_stride(shape_t), 0))
+    return kept
 
 
 def _reach_bytes(tensor: Any) -> int:
@@ -469,7 +536,7 @@ def describe(path: Path) -> list[TensorInfo]:
     infos = _infos(path, header, metadata)
     for name, blob in store_files(path, metadata).items():
         infos.append(dataclasses.replace(store_info(blob), name=name))
-    return infos
+    return _described_kinds(infos, metadata)
 
 
 # A store file's header names one tensor and at most its layout: a few hundred bytes.
@@ -681,8 +748,10 @@ def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str
             tensors[name] = loaded[blob].clone()
             continue
         tensors[name] = loaded[blob] = _stored_tensor(name, blob)
+    tensors = _join_kinds(path, tensors, metadata)
     if device != "cpu":
-        tensors = {name: to_device(t, device) for name, t in tensors.items()}
+        tensors = {name: to_device(t, device) if t.layout == torch.strided and not t.is_quantized
+                   else t.to(device) for name, t in tensors.items()}
     return tensors
 
 

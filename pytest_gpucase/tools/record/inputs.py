@@ -150,12 +150,14 @@ def _tensor_dict(value: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def storable(tensor: torch.Tensor) -> bool:
-    """Whether the payload format holds ``tensor``: strided, of a dtype it knows."""
+def storable(tensor: Any) -> bool:
+    """Whether the payload format holds ``tensor`` as it is: a plain tensor, strided, of a
+    dtype it knows (other kinds it holds as parts: ``payload.unstorable`` says which)."""
     import torch
 
     names = {name for name, _ in payload.DTYPES.values()}
-    return tensor.layout == torch.strided and str(tensor.dtype).removeprefix("torch.") in names
+    return (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
+            and not tensor.is_quantized and str(tensor.dtype).removeprefix("torch.") in names)
 
 
 def synchronize(tensors: list[torch.Tensor]) -> None:
@@ -234,7 +236,11 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
             if where:
                 storages.setdefault((str(value.device), where), []).append(name)
         if not storable(value):
-            skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
+            why = payload.unstorable(value)
+            if why is not None:
+                skipped[name] = f"Tensor ({why}): not storable"
+            else:  # complex128, sparse, quantized: saved as their exact parts
+                tensors[name] = value.detach().to("cpu", copy=True)
             return
         if id(value) in before.copies:
             tensors[name] = before.copies[id(value)]

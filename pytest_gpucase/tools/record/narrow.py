@@ -118,6 +118,12 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
         state = module_state(sub)
+        if state.unsaved:
+            say(f"gpucase: note: {qualname} not narrowed: "
+                f"{state.why_incomplete(qualname)}")
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
+                       written=written)
+            return
         if state.tied:
             recipe["tied"] = state.tied
         inputs = dataclasses.replace(

@@ -80,6 +80,21 @@ class State:
 
     tensors: dict[str, torch.Tensor]  # state.<name>: parameters and buffers, each once
     tied: dict[str, str]               # alias -> the name its Parameter is stored under
+    # name -> what it is, for each state entry a case cannot hold exactly (not saved)
+    unsaved: dict[str, str] = field(default_factory=dict)
+
+    def why_incomplete(self, module_name: str) -> str | None:
+        """The reason a case of a module with this state is incomplete, or None."""
+        if not self.unsaved:
+            return None
+        named = "; ".join(f"{name} ({what})" for name, what in sorted(self.unsaved.items())[:8])
+        more = len(self.unsaved) - 8
+        named += f"; and {more} more" if more > 0 else ""
+        return (f"the state of {module_name} holds what a case cannot hold exactly, so it "
+                f"was not saved: {named}; a replay would rebuild these with the "
+                "constructor's values, not the trained ones: save the module so that these "
+                "are plain, complex, sparse or quantized tensors, or rebuild them in a "
+                "factory (rec.watch(model, factory=...))")
 
 
 def module_state(module: torch.nn.Module) -> State:
@@ -96,16 +111,20 @@ def module_state(module: torch.nn.Module) -> State:
     stored: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
+    unsaved: dict[str, str] = {}
     for name, value in state.items():
-        if not isinstance(value, torch.Tensor) or not storable(value):
+        why = None if storable(value) else payload.unstorable(value)
+        if why is not None:
+            unsaved[name] = why
             continue
         first = stored.get(id(value))
         if first is not None and isinstance(value, torch.nn.Parameter):
             tied[name] = first
             continue
         stored[id(value)] = name
-        tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
-    return State(tensors, tied)
+        tensors[f"{STATE_PREFIX}{name}"] = (on_host(value) if storable(value)
+                                            else value.detach().to("cpu", copy=True))
+    return State(tensors, tied, unsaved)
 
 
 def _lightning(module: Any) -> bool:
@@ -223,7 +242,7 @@ def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
             "passed other values, name them: rec.watch(model, factory=..., kwargs=...)",)
 
 
-def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...] | str] | None:
     """The state dict's shapes of ``cls(**kwargs)`` built on meta, or None if it cannot be."""
     import torch
 
@@ -233,10 +252,10 @@ def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, .
             built = cls(**kwargs)
     except Exception:
         return None
-    return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    return {k: _shape(v) for k, v in built.state_dict().items()}
 
 
-def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, ...]] | None,
+def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, ...] | str] | None,
                  name: str, default: Any) -> bool:
     """Whether another value of argument ``name`` builds (on meta) a model of other shapes
     than ``shapes`` (the model's with the defaults), so that the rebuild's check against the
@@ -300,8 +319,8 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
                 fresh = build()
         except Exception as exc:
             return f"building it again raised {error_line(exc)}", None
-    theirs = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
-    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    theirs = {k: _shape(v) for k, v in fresh.state_dict().items()}
+    mine = {k: _shape(v) for k, v in module.state_dict().items()}
     missing = sorted(set(mine) - set(theirs))
     extra = sorted(set(theirs) - set(mine))
     if missing or extra:
@@ -320,6 +339,12 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
     if len(repr(module).splitlines()) != len(repr(fresh).splitlines()):
         return "the rebuilt model's modules differ from the model's", None
     return None, None
+
+
+def _shape(value: Any) -> tuple[int, ...] | str:
+    """A state entry's shape, or what it is when it is no tensor (an extra state, a packed
+    parameter)."""
+    return tuple(value.shape) if is_tensor(value) else type(value).__qualname__
 
 
 def rebuild_of(module: torch.nn.Module, factory: str | None,

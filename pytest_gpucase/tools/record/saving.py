@@ -136,6 +136,10 @@ class ModuleSaver:
         if unusable(found) is None:
             held = module_state(module)
             state = held.tensors
+            unsaved = held.why_incomplete(watch.watched.name)
+            if unsaved is not None:
+                incomplete.append(unsaved)
+                origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
             size = sum(nbytes(t) for t in state.values())
