@@ -181,3 +181,23 @@ class ExtraStateModel(torch.nn.Module):
         if self.calls > 2:
             raise ValueError(f"called {self.calls} times")
         return self.lin(x)
+
+
+# Issue 30: secrets a user's exception carries (a URL's password, a GitHub token).
+DB_URL = "postgres://alice:hunter2pw@db.example.com:5432/prod"
+GH_TOKEN = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+
+
+def load_shard(x: torch.Tensor) -> torch.Tensor:
+    """Fails as a data loader does when its database refuses it: the message holds secrets."""
+    if float(x.sum()) > 0:
+        raise ConnectionError(f"cannot reach {DB_URL} with token {GH_TOKEN}: refused")
+    return x
+
+
+def clamp_check(x: torch.Tensor) -> torch.Tensor:
+    """Raises with prose that holds "pass:" and "key:", no secret."""
+    if float(x.max()) > 1:
+        raise ValueError("logits above 1: do not clamp them to make it pass: mask the "
+                         "padding instead; the sort key: length")
+    return x

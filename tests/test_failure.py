@@ -143,3 +143,20 @@ def test_too_little_kept_of_a_cut_message_matches_nothing_else() -> None:
     recorded = Failure.from_text(cut(f"RuntimeError: {INPLACE}", 30))
     assert not same_failure(recorded, Failure("RuntimeError", INPLACE))
     assert same_failure(recorded, recorded)
+
+
+def test_a_message_the_capture_scrubbed_is_the_raw_failure() -> None:
+    """Issue 30: the Recorder writes [origin] error without secrets (URL credentials, tokens,
+    the home as ~); the replay raises the raw message, which is the same failure."""
+    import os
+
+    from pytest_gpucase.tools.scrub import capture_text
+
+    home = os.path.expanduser("~")
+    raw = (f"cannot reach postgres://alice:pw@db.example.com:5432/prod with token "
+           f"ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8 reading {home}/data/shards: refused")
+    written = capture_text(raw)
+    assert "alice:pw" not in written and "ghp_" not in written
+    assert same_failure(Failure("ConnectionError", written), Failure("ConnectionError", raw))
+    assert not same_failure(Failure("ConnectionError", written),
+                            Failure("ConnectionError", raw.replace("refused", "timed out")))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -304,11 +305,18 @@ def test_a_state_above_the_limit_references_its_checkpoint(tmp_path: Path, suffi
     checkpoint = tmp_path / f"model{suffix}"
     case_dir = _big_model_failure(tmp_path, checkpoint)
     recipe = toml(case_dir)["inputs"]["gpucase_module"]
-    assert recipe["checkpoint"]["path"] == str(checkpoint)
+    # Issue 30: relative to the case directory, never absolute (no home folder in a case).
+    assert recipe["checkpoint"]["path"] == f"../../model{suffix}"
+    assert str(tmp_path) not in (case_dir / "case.toml").read_text()
     assert recipe["checkpoint"]["sha256"].startswith("sha256:")
     assert not any(k.startswith("state.") for k in payload.load(case_dir / "inputs.safetensors"))
     assert validate([case_dir]) == []
     replays(case_dir, "IndexError")
+    # The project moved as a whole (another checkout): the case still finds its checkpoint.
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    shutil.copytree(tmp_path, moved)
+    assert validate([moved / "cases" / "TinyLM"]) == []
+    replays(moved / "cases" / "TinyLM", "IndexError")
     checkpoint.write_bytes(checkpoint.read_bytes() + b"\0")
     assert any("the checkpoint changed since the capture" in p for p in validate([case_dir]))
 

@@ -28,7 +28,7 @@ from pytest_gpucase.base.files import file_sha256
 from pytest_gpucase.base.text import one_line
 from pytest_gpucase.case import payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
-from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE
+from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE, checkpoint_path
 from pytest_gpucase.case.load import load_case, read_case_file
 from pytest_gpucase.case.model import (
     CASE_FILE,
@@ -292,7 +292,7 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
     problems: list[CaseFormatError] = []
     reference = recipe.get("checkpoint")
     if isinstance(reference, dict):
-        path = Path(str(reference.get("path", "")))
+        path = checkpoint_path(case.path, reference)
         if not path.is_file():
             problems.append(CaseFormatError(case.case_file, f"names {path}, which is not a file "
                                             "here: the model's state is in that checkpoint",

@@ -18,10 +18,11 @@ word, must begin the other's shape (``same_shape``).
 
 A message's shape is its first line with what changes from run to run written as
 placeholders: numbers (``N``), runs of sizes (``[N]``, ``N``), hexadecimal addresses
-(``0x?``) and file paths (``<path>``). So "index 7 is out of bounds for dimension 0
-with size 5" and "index 2 is out of bounds for dimension 0 with size 1" are the same
-failure, while "The size of tensor a (5) must match the size of tensor b (3) ..." and
-"shape '[0, 3]' is invalid for input of size 12" are not, though both are RuntimeErrors.
+(``0x?``) and file paths (``<path>``), its secrets removed (``base.secrets``). So "index 7
+is out of bounds for dimension 0 with size 5" and "index 2 is out of bounds for dimension 0
+with size 1" are the same failure, while "The size of tensor a (5) must match the size of
+tensor b (3) ..." and "shape '[0, 3]' is invalid for input of size 12" are not, though
+both are RuntimeErrors.
 
 Used by ``gpucase minimize`` (a smaller case must fail the same way), ``gpucase ablate``
 (still fails / fails differently), the xfail match of a case (``plugin.items``) and
@@ -33,6 +34,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pytest_gpucase.base.secrets import remove_secrets
 from pytest_gpucase.verdict.triage import failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
@@ -158,7 +160,8 @@ _ADDRESS = re.compile(r"\b0[xX][0-9a-fA-F]+\b")
 # A file path: one ending in a file name (``cases/x/case.toml``, ``C:\\work\\m.py``), or of
 # two or more components (``/tmp/x``); "a/b" in prose and fractions ("8/16") are left alone.
 _PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\w.+~\-]*(?:[\\/][\w.+\-]+)+\.[A-Za-z]\w*"
-                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
+                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?"
+                   r"|(?<![\w.])~(?:[\\/][\w.+\-]+)+[\\/]?")  # below a home the capture wrote as ~
 _SIZES = re.compile(r"(?<![\w.])\d+(?:[x\u00d7]\d+)+(?![\w.])")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])"
                      r"|(?<![\w.])[-+]?(?:inf|nan)(?![\w.])")
@@ -167,8 +170,10 @@ _SPACE = re.compile(r"\s+")
 
 
 def message_shape(text: str) -> str:
-    """The first line of a message with numbers, sizes, addresses and paths as placeholders."""
-    line = first_line(text)
+    """The first line of a message with numbers, sizes, addresses and paths as placeholders,
+    and without secrets (``base.secrets``: a message the capture wrote without them is the
+    same failure as the raw one)."""
+    line = remove_secrets(first_line(text))
     line = _ADDRESS.sub("0x?", line)
     line = _PATH.sub("<path>", line)
     line = _SIZES.sub("N", line)

@@ -17,7 +17,8 @@ from typing import Any
 
 from pytest_gpucase.verdict.triage import Triage, triage
 
-__all__ = ["INT64", "ORIGIN_ERROR_CHARS", "SUMMARY_ERROR_CHARS", "Context", "SampleIds", "Watched", "call_ids", "case_name", "class_of",
+__all__ = ["INT64", "ORIGIN_ERROR_CHARS", "SUMMARY_ERROR_CHARS", "Context", "SampleIds",
+           "Watched", "call_ids", "case_name", "class_of",
            "compiled", "error_line", "id_tuple", "import_name", "message_of", "mib",
            "read_tail", "say", "shown", "triage_of", "watched_call", "where"]
 

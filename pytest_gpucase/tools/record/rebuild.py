@@ -42,7 +42,7 @@ from pytest_gpucase.tools.record.origin import error_line, import_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "State", "module_state", "on_host", "rebuild_files",
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "module_state", "on_host", "rebuild_files",
            "rebuild_of",
            "script_function_files"]
 
@@ -440,12 +440,12 @@ def script_function_files(fn: Any, root: Path) -> tuple[str, dict[str, str]] | N
     if not any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                and node.name == fn.__name__ for node in tree.body):
         return None
-    path = _relative(str(Path(script).resolve()), root)
+    path = case_relative(str(Path(script).resolve()), root)
     return "case.py:run", {"case.py": _SCRIPT_CALL_PY.format(
         name=fn.__name__, script=Path(script).name, path=json.dumps(path))}
 
 
-def _relative(path: str, root: Path) -> str:
+def case_relative(path: str, root: Path) -> str:
     """``path`` relative to a case directory under ``root``, so the project moves as a whole
     (a CI checkout); absolute where it cannot be (another drive)."""
     try:
@@ -461,7 +461,7 @@ def rebuild_files(rebuild: Rebuild, root: Path) -> dict[str, str]:
         return {}
     recipe = dict(rebuild.recipe)
     if rebuild.script is not None:
-        recipe["script"] = _relative(rebuild.script, root)
+        recipe["script"] = case_relative(rebuild.script, root)
     files = {_MODEL_FILE: json.dumps(recipe, indent=2) + "\n",
              "case.py": _CASE_PY.format(how=rebuild.how)}
     if rebuild.config is not None:

@@ -7,6 +7,7 @@ of copied, ``[origin] later_errors`` rewritten, and the sizes the saved lines sh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -23,6 +24,7 @@ import tomli_w
 
 from pytest_gpucase.base import backends, files
 from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import MODULE_KEY as REPLAY_MODULE_KEY
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
@@ -53,8 +55,7 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "mark_incomplete", "recapture",
-           "set_later_errors", "sized",
-           "write_case", "write_kept"]
+           "set_later_errors", "sized", "without_secrets", "write_case", "write_kept"]
 
 # A "gpucase: saved" line shows the case's size from this size on.
 _SHOWN_SIZE = 2**20
@@ -304,6 +305,7 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
     target (hidden directories are not collected), ``case.toml`` last; the directory
     is then renamed onto a freshly claimed empty name.
     """
+    draft = without_secrets(draft)
     files: dict[str, FileContent] = dict(draft.files)
     if draft.tensors:
         tensors = draft.tensors
@@ -323,6 +325,60 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
         if stop.existing is not None:
             _count_seen(stop.existing)
         return stop.existing, False
+
+
+_MAX_SCRUBBED_NAMES = 50
+
+
+def without_secrets(draft: Draft) -> Draft:
+    """``draft`` with no secret in what it writes as text (``tools.scrub``: the rules
+    ``gpucase request`` applies, URLs kept but for their credentials, the home as ``~``):
+    its summary, xfail line, ``[origin]`` (error, stderr, sample ids), literal arguments
+    and the JSON files it writes (``model.json``'s hyperparameters, a ``config.json``);
+    fields whose names say they hold a secret (``wandb_api_key``, ``hub_token``) become
+    ``<secret>``. ``[origin] scrubbed`` lists where, and a line says so."""
+    from pytest_gpucase.tools.scrub import capture_text, scrub_data
+
+    removed: list[str] = []
+    summary = scrub_data(draft.summary, removed, "summary")
+    xfail = None if draft.xfail is None else scrub_data(draft.xfail, removed, "xfail")
+    literals = scrub_data(dict(draft.literals), removed, "inputs")
+    origin = scrub_data(dict(draft.origin), removed, "origin")
+    case_files = dict(draft.files)
+    for name, text in draft.files.items():
+        if name.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except ValueError:
+                continue
+            found: list[str] = []
+            cleaned = scrub_data(data, found, "")
+            if found:
+                case_files[name] = json.dumps(cleaned, indent=2) + "\n"
+                removed.extend(f"{name}: {place}" for place in found)
+        elif name == STUB_FILE and capture_text(text) != text:
+            case_files[name] = capture_text(text)
+            removed.append(name)
+    if not removed:
+        return draft
+    places = sorted(set(removed))
+    shown_places = places[:_MAX_SCRUBBED_NAMES] + (
+        [f"and {len(places) - _MAX_SCRUBBED_NAMES} more"]
+        if len(places) > _MAX_SCRUBBED_NAMES else [])
+    origin["scrubbed"] = shown_places
+    rebuilt = [p for p in places if p.startswith(("model.json", "config.json",
+                                                  f"inputs.{REPLAY_MODULE_KEY}"))]
+    if rebuilt:
+        origin["scrubbed_note"] = (
+            "secret-looking hyperparameters or config fields were replaced by <secret>: the "
+            "replay builds the model with <secret> for them; if building the model reads "
+            "them, pass rec.watch(model, factory=...) naming a function that reads them from "
+            "the environment")
+    say(f"gpucase: note: secrets removed from the case {draft.name} before it was written "
+        f"({', '.join(shown_places[:6])}{', ...' if len(shown_places) > 6 else ''}): "
+        "[origin] scrubbed lists where")
+    return dataclasses.replace(draft, summary=summary, xfail=xfail, literals=literals,
+                               origin=origin, files=case_files)
 
 
 def _read_doc(case_dir: Path) -> dict[str, Any] | None:
@@ -400,20 +456,23 @@ def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: s
     """Make ``error`` (the eager replay's failure of a case captured from a compiled model)
     the case's captured failure: its xfail line, summary and ``[origin] error``; the
     compiled model's own error is kept as ``[origin] compiled_error``."""
+    from pytest_gpucase.tools.scrub import capture_text
+
     def change(doc: dict[str, Any]) -> bool:
         origin = doc.setdefault("origin", {})
         before = _summary_error(str(origin.get("error", "")))
-        origin["compiled_error"] = compiled
-        origin["error"] = cut(error, ORIGIN_ERROR_CHARS)
+        origin["compiled_error"] = capture_text(compiled)
+        origin["error"] = cut(capture_text(error), ORIGIN_ERROR_CHARS)
         origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
         if failure_class is None:
             origin.pop("failure_class", None)
         else:
             origin["failure_class"] = failure_class
+        short = _summary_error(capture_text(error))
         if "xfail" in doc:
-            doc["xfail"] = _xfail_line(_summary_error(error))
+            doc["xfail"] = _xfail_line(short)
         if before and isinstance(doc.get("summary"), str):
-            doc["summary"] = doc["summary"].replace(before, _summary_error(error))
+            doc["summary"] = doc["summary"].replace(before, short)
         return True
 
     _rewrite(case_dir, change)
@@ -422,9 +481,11 @@ def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: s
 def mark_incomplete(case_dir: Path, reason: str) -> None:
     """Add ``reason`` to ``[origin] incomplete`` and drop the xfail line: the case does not
     replay its failure, and ``gpucase validate`` says why."""
+    from pytest_gpucase.tools.scrub import capture_text
+
     def change(doc: dict[str, Any]) -> bool:
         origin = doc.setdefault("origin", {})
-        origin["incomplete"] = [*origin.get("incomplete", []), reason]
+        origin["incomplete"] = [*origin.get("incomplete", []), capture_text(reason)]
         doc.pop("xfail", None)
         return True
 
