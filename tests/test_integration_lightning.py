@@ -163,3 +163,41 @@ def test_ddp_spawn_takes_a_watched_module_and_the_callback(tmp_path: Path) -> No
     assert saved and all(p.parent.parent.name.startswith("rank") for p in saved)
     origin = toml(saved[0].parent)["origin"]
     assert origin["world_size"] == 2
+
+
+def test_secret_hyperparameters_never_reach_the_case(tmp_path: Path) -> None:
+    """Issue 30: save_hyperparameters() kept a logger key and a database URL with a password;
+    the case holds <secret> in their place, lists them, and still replays."""
+    torch.manual_seed(0)
+    model = lightning_targets.SecretLit(
+        wandb_api_key="wk0123456789abcdef0123456789abcdef01234567",
+        db_url="postgresql://trainer:s3cretpw@db.internal:5432/runs")
+    fit(tmp_path, model, lightning_targets.loader(bad_target=True), IndexError)
+    case_dir = tmp_path / "cases" / "SecretLit.training_step"
+    for file in case_dir.iterdir():
+        if file.suffix in (".toml", ".json", ".py"):
+            text = file.read_text()
+            assert "wk0123456789abcdef" not in text and "s3cretpw" not in text, file
+    doc = toml(case_dir)
+    kwargs = doc["inputs"]["gpucase_module"]["kwargs"]
+    assert kwargs["wandb_api_key"] == "<secret>"
+    assert kwargs["db_url"] == "postgresql://<user>:<secret>@db.internal:5432/runs"
+    scrubbed = doc["origin"]["scrubbed"]
+    assert "inputs.gpucase_module.kwargs.wandb_api_key" in scrubbed
+    assert "inputs.gpucase_module.kwargs.db_url" in scrubbed
+    assert "<secret>" in doc["origin"]["scrubbed_note"]
+    replays(case_dir, "IndexError")
+
+
+def test_a_rebuild_that_needs_a_secret_says_so(tmp_path: Path) -> None:
+    """Issue 30: the secret is not written, so a rebuild that reads it would be another model:
+    the case is incomplete and says which field and what to pass."""
+    torch.manual_seed(0)
+    model = lightning_targets.KeyedLit(api_key="live-3")
+    fit(tmp_path, model, lightning_targets.loader(bad_target=True), IndexError)
+    doc = toml(tmp_path / "cases" / "KeyedLit.training_step")
+    assert "xfail" not in doc
+    assert any("building the model needs api_key, which look secret" in reason
+               for reason in doc["origin"]["incomplete"])
+    assert "live-3" not in (tmp_path / "cases" / "KeyedLit.training_step" / "case.toml"
+                            ).read_text()

@@ -42,9 +42,8 @@ from pytest_gpucase.tools.record.origin import error_line, import_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "module_state", "on_host", "rebuild_files",
-           "rebuild_of",
-           "script_function_files"]
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "module_state", "needs_secrets",
+           "on_host", "rebuild_files", "rebuild_of", "script_function_files"]
 
 # The factory of a model a case.py builds (model.json describes it).
 CASE_BUILDER = "case.py:make_model"
@@ -381,6 +380,34 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
         return replace(rebuild, notes=(*rebuild.notes, f"the rebuild of {name} could not be "
                                        f"checked ({unchecked})"))
     return rebuild
+
+
+def needs_secrets(module: torch.nn.Module, rebuild: Rebuild) -> str | None:
+    """Why the rebuild cannot do without the secrets a case never holds (``tools.scrub``:
+    hyperparameters and config fields that look secret are written as ``<secret>``), or None
+    when it builds the same model with them so replaced (checked on ``meta``, as any rebuild)."""
+    from pytest_gpucase.tools.scrub import scrub_data
+
+    removed: list[str] = []
+    kwargs = scrub_data(dict(rebuild.kwargs), removed)
+    recipe = scrub_data(dict(rebuild.recipe or {}), removed)
+    config = rebuild.config
+    if config is not None:
+        with contextlib.suppress(ValueError):
+            config = json.dumps(scrub_data(json.loads(config), removed))
+    if not removed:
+        return None
+    if rebuild.recipe is not None:
+        build = _builder(str(recipe["class"]), rebuild.script, dict(recipe.get("kwargs", {})),
+                         config)
+    else:
+        build = _builder(str(rebuild.factory), None, kwargs, None)
+    differs, _ = _difference(module, build)
+    if differs is None:
+        return None
+    return (f"building the model needs {', '.join(sorted(set(removed))[:5])}, which look secret "
+            f"and are written as <secret> ({differs}): pass rec.watch(model, factory=...) "
+            "naming a function that reads them from the environment")
 
 
 def _found_rebuild(module: Any) -> Rebuild | str:

@@ -39,6 +39,7 @@ from pytest_gpucase.tools.record.origin import (
 from pytest_gpucase.tools.record.rebuild import (
     case_relative,
     module_state,
+    needs_secrets,
     on_host,
     rebuild_files,
 )
@@ -138,6 +139,10 @@ class ModuleSaver:
         if nan:
             recipe["finite"] = True
         incomplete: list[str] = []
+        with contextlib.suppress(Exception):
+            secret = needs_secrets(module, rebuild)
+            if secret is not None:
+                incomplete.append(secret)
         origin: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         if unusable(found) is None:
