@@ -201,3 +201,31 @@ def clamp_check(x: torch.Tensor) -> torch.Tensor:
         raise ValueError("logits above 1: do not clamp them to make it pass: mask the "
                          "padding instead; the sort key: length")
     return x
+
+
+class MetaPart(torch.nn.Module):
+    """A model one of whose submodules is on the meta device (offloaded, or lazily
+    initialized); its forward fails before it reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.offloaded = torch.nn.Linear(3, 3, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.max()) > 1:
+            raise ValueError("input above 1")
+        return self.lin(x)
+
+
+class Wide(torch.nn.Module):
+    """A model of 2 MiB of weights (above the store's 1 MiB) that fails on a negative input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(512, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.min()) < 0:
+            raise ValueError("negative input")
+        return self.lin(x)

@@ -24,6 +24,7 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 import time
@@ -37,7 +38,7 @@ __all__ = [
     "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
     "open_regular",
     "read_head", "read_regular", "remove_stale_temporaries", "replace", "running",
-    "stat_signature",
+    "stat_signature", "sweep_temporaries",
     "temporary_path", "write_atomic",
     "write_text_atomic",
 ]
@@ -86,9 +87,48 @@ def remove_stale_temporaries(path: Path) -> None:
             continue  # Gone already: its writer finished, or another cleaner was first.
         mine = match["host"] == HOST
         if idle > STALE_AFTER_SECONDS or (mine and not running(int(match["pid"]))):
-            # Another cleaner may be first, or it is not a file after all: leave it.
+            # Another cleaner may be first: leave it. A staged directory goes whole.
             with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+
+
+# Any temporary this module names (``temporary_path``), whatever it was written for: a
+# hidden file, or a hidden directory (a case staged whole, ``case.write``).
+_ANY_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)"
+                            r"\.[0-9a-f]{8}\.tmp")
+
+
+def sweep_temporaries(folder: Path) -> list[str]:
+    """Remove every temporary in ``folder`` (files and staged directories) whose writer is
+    gone: on this host and no longer running, or idle for ``STALE_AFTER_SECONDS``. A writer
+    killed midway (a capture's staging folder, a store file's partial bytes) leaves them
+    hidden forever otherwise. Returns the names removed."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        match = _ANY_TEMPORARY.fullmatch(entry.name)
+        if match is None:
+            continue
+        try:
+            idle = now - entry.stat(follow_symlinks=False).st_mtime
+            if not (idle > STALE_AFTER_SECONDS
+                    or (match["host"] == HOST and not running(int(match["pid"])))):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
                 os.unlink(entry.path)
+        except OSError:
+            continue  # gone already, or another cleaner's: leave it
+        removed.append(entry.name)
+    return removed
 
 
 def running(pid: int) -> bool:

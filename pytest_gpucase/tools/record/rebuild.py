@@ -112,7 +112,7 @@ def module_state(module: torch.nn.Module) -> State:
     tied: dict[str, str] = {}
     unsaved: dict[str, str] = {}
     for name, value in state.items():
-        why = None if storable(value) else payload.unstorable(value)
+        why = payload.unstorable(value)  # a meta tensor too: a shape, no values
         if why is not None:
             unsaved[name] = why
             continue

@@ -21,7 +21,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
+from pytest_gpucase.base.files import sweep_temporaries
 from pytest_gpucase.base.tensors import is_tensor, tensors_in
+from pytest_gpucase.case.payload import STORE_DIR
 from pytest_gpucase.case.keys import (
     FUNCTION_KEY,
     MODULE_KEY,
@@ -62,7 +64,13 @@ from pytest_gpucase.tools.record.rebuild import Rebuild, rebuild_of, script_func
 from pytest_gpucase.tools.record.saving import ModuleSaver, write_consequence
 from pytest_gpucase.tools.record.step import Found, failing_call
 from pytest_gpucase.tools.record.watch import ModuleWatch, nonfinite_problem
-from pytest_gpucase.tools.record.write import case_draft, set_later_errors, sized, write_case
+from pytest_gpucase.tools.record.write import (
+    case_draft,
+    origin_only,
+    set_later_errors,
+    sized,
+    write_case,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -669,7 +677,15 @@ class Recorder:
                            origin=origin, files=files, call=call, literals=literals,
                            rank=rank_of())
         draft = replace(draft, context=numeric)
-        case_dir, new = write_case(root, draft)
+        for folder in (root, root / STORE_DIR):  # what a capture killed midway left
+            sweep_temporaries(folder)
+        try:
+            case_dir, new = write_case(root, draft)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as problem:  # the origin at least: error, iteration, ids
+            draft = origin_only(draft, problem)
+            case_dir, new = write_case(root, draft)
         with self._lock:
             self._case_dir = case_dir
             if self._later:

@@ -55,7 +55,8 @@ if TYPE_CHECKING:
     import torch
 
 __all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "mark_incomplete", "recapture",
-           "set_later_errors", "sized", "without_secrets", "write_case", "write_kept"]
+           "origin_only", "set_later_errors", "sized", "fit_name", "without_secrets", "write_case",
+           "write_kept"]
 
 # A "gpucase: saved" line shows the case's size from this size on.
 _SHOWN_SIZE = 2**20
@@ -305,11 +306,11 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
     target (hidden directories are not collected), ``case.toml`` last; the directory
     is then renamed onto a freshly claimed empty name.
     """
-    draft = without_secrets(draft)
+    draft = dataclasses.replace(without_secrets(draft), name=fit_name(draft.name))
     files: dict[str, FileContent] = dict(draft.files)
     if draft.tensors:
         tensors = draft.tensors
-        files[INPUTS_FILE] = lambda path: payload.save(path, tensors, store=True)
+        files[INPUTS_FILE] = lambda path: _save_inputs(path, tensors)
 
     def check(staged: Path) -> None:
         seen = _same_failure_case(root, draft, staged)
@@ -379,6 +380,57 @@ def without_secrets(draft: Draft) -> Draft:
         "[origin] scrubbed lists where")
     return dataclasses.replace(draft, summary=summary, xfail=xfail, literals=literals,
                                origin=origin, files=case_files)
+
+
+# A case's name in bytes at most: its staging name adds about 35 (``.<name>.<host>.<pid>.
+# <token>.tmp``) and a free name ``-N``, and some file systems hold 143 bytes (eCryptfs).
+MAX_NAME_BYTES = 100
+
+
+def fit_name(name: str) -> str:
+    """``name`` when it fits ``MAX_NAME_BYTES``, else its beginning and a hash of the whole
+    (``<first 91 bytes>-<8 hex>``): names of any length fit any file system, and two long
+    names that begin alike stay apart."""
+    import hashlib
+
+    raw = name.encode("utf-8", "surrogatepass")
+    if len(raw) <= MAX_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:8]
+    head = raw[:MAX_NAME_BYTES - 9].decode("utf-8", "ignore").rstrip("._-")
+    return f"{head}-{digest}"
+
+
+def origin_only(draft: Draft, problem: BaseException) -> Draft:
+    """The least a failure's case keeps when the whole case cannot be written (a payload the
+    file system refused, a tensor with no values): its ``[origin]`` (error, iteration,
+    sample ids, versions), incomplete, saying what is missing and why."""
+    held = sorted(draft.tensors)
+    missing = (f"its inputs ({', '.join(held[:6])}{', ...' if len(held) > 6 else ''})"
+               if held else "its inputs")
+    why = (f"the full case could not be written ({error_line(problem)}), so it holds the "
+           f"failure's origin only (error, iteration, sample ids), not {missing}: capture "
+           "it again once that is fixed, or rebuild them from the sample ids")
+    origin = dict(draft.origin)
+    origin["incomplete"] = [*origin.get("incomplete", []), why]
+    captured = draft.summary.partition("Captured: ")[2] or draft.summary
+    return Draft(name=draft.name, call=f"{STUB_FILE}:run",
+                 summary=f"INCOMPLETE: {why}. Captured: {captured}", xfail=None,
+                 literals={}, origin=origin, tensors={}, files={STUB_FILE: _stub(why)})
+
+
+def _save_inputs(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The payload of a case, its large tensors in the capture's store; when the store
+    cannot be written (not writable, full) while the case folder can, they stay in the
+    payload itself, said once."""
+    try:
+        payload.save(path, tensors, store=True)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        payload.save(path, tensors, store=False)
+        say(f"gpucase: note: the store {shown(path.parent.parent / payload.STORE_DIR)} could "
+            f"not be written ({exc.strerror or exc}): the case holds its tensors itself")
 
 
 def _read_doc(case_dir: Path) -> dict[str, Any] | None:
