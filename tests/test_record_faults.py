@@ -153,3 +153,38 @@ def test_a_file_system_that_refuses_the_payload_still_keeps_the_origin(
     assert "xfail" not in doc and doc["summary"].startswith("INCOMPLETE: the full case could")
     assert "state.lin.weight" in origin["incomplete"][-1]
     assert not (tmp_path / "cases" / "wide" / "inputs.safetensors").exists()
+
+
+def test_store_files_no_case_names_are_listed_and_pruned(tmp_path: Path) -> None:
+    """A case deleted leaves the store files only it named: validate notes them, `gpucase
+    store` lists them, `--prune` removes them and keeps those another case still names."""
+    torch.manual_seed(0)
+    root = tmp_path / "cases"
+    for name, seed in (("kept", 0), ("deleted", 1)):
+        torch.manual_seed(seed)
+        rec = Recorder(root, narrow=False)
+        model = rec.watch(model_targets.Wide(), name=name)
+        with pytest.raises(ValueError), rec.step(0):
+            model(-torch.ones(1, 512))
+    kept = set(payload.store_files(root / "kept" / "inputs.safetensors").values())
+    gone = set(payload.store_files(root / "deleted" / "inputs.safetensors").values()) - kept
+    assert kept and gone
+    import shutil
+
+    shutil.rmtree(root / "deleted")
+    notes: list[str] = []
+    assert validate([root], notes) == []
+    assert any(f"{len(gone)} file(s) no case names" in note for note in notes), notes
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cli = [sys.executable, "-m", "pytest_gpucase.cli", "store"]
+    listed = subprocess.run([*cli, str(root)], env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert listed.returncode == 0, listed.stderr
+    for blob in gone:
+        assert blob.name in listed.stdout
+    assert all(blob.exists() for blob in gone)
+    pruned = subprocess.run([*cli, "--prune", str(root)], env=env, capture_output=True,
+                            text=True, timeout=300)
+    assert f"removed {len(gone)} file(s)" in pruned.stdout, pruned.stdout + pruned.stderr
+    assert not any(blob.exists() for blob in gone) and all(blob.exists() for blob in kept)
+    replays(root / "kept", "ValueError")

@@ -35,10 +35,9 @@ from pathlib import Path
 from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
-    "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
-    "open_regular",
-    "read_head", "read_regular", "remove_stale_temporaries", "replace", "running",
-    "stat_signature", "sweep_temporaries",
+    "HOST", "FileTooLarge", "NotRegularFile", "abandoned", "file_sha256", "fsync_directory",
+    "new_temporary", "open_regular", "read_head", "read_regular", "remove_stale_temporaries",
+    "replace", "running", "stat_signature", "sweep_temporaries",
     "temporary_path", "write_atomic",
     "write_text_atomic",
 ]
@@ -101,6 +100,20 @@ _ANY_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-
                             r"\.[0-9a-f]{8}\.tmp")
 
 
+def abandoned(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a temporary (``temporary_path``) whose writer is gone: on this
+    host and no longer running, or idle for ``STALE_AFTER_SECONDS``."""
+    match = _ANY_TEMPORARY.fullmatch(entry.name)
+    if match is None:
+        return False
+    try:
+        idle = time.time() - entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return False
+    return idle > STALE_AFTER_SECONDS or (match["host"] == HOST
+                                          and not running(int(match["pid"])))
+
+
 def sweep_temporaries(folder: Path) -> list[str]:
     """Remove every temporary in ``folder`` (files and staged directories) whose writer is
     gone: on this host and no longer running, or idle for ``STALE_AFTER_SECONDS``. A writer
@@ -111,15 +124,9 @@ def sweep_temporaries(folder: Path) -> list[str]:
         entries = list(os.scandir(folder))
     except OSError:
         return removed
-    now = time.time()
     for entry in entries:
-        match = _ANY_TEMPORARY.fullmatch(entry.name)
-        if match is None:
-            continue
         try:
-            idle = now - entry.stat(follow_symlinks=False).st_mtime
-            if not (idle > STALE_AFTER_SECONDS
-                    or (match["host"] == HOST and not running(int(match["pid"])))):
+            if not abandoned(entry):
                 continue
             if entry.is_dir(follow_symlinks=False):
                 shutil.rmtree(entry.path)

@@ -116,12 +116,29 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
         if not found:
             problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
                             f"{display(path)}")
+    notes.extend(_store_notes(paths))
     return problems
 
 
 class NotChecked(CaseFormatError):
     """A case that cannot be checked at all (its source defeats the parser): one line for
     it, the other cases checked all the same, and validate exits 2."""
+
+
+def _store_notes(paths: Sequence[Path]) -> list[str]:
+    """A note per capture store holding files no case names (``tools.store``): they cost
+    disk and get committed with the cases; ``gpucase store --prune`` removes them."""
+    from pytest_gpucase.tools.record.origin import mib
+    from pytest_gpucase.tools.store import orphans, stores_under
+
+    lines = []
+    for store in stores_under([Path(p) for p in paths]):
+        found = orphans(store)
+        if found.files:
+            lines.append(f"{display(store)}: {len(found.files)} file(s) no case names "
+                         f"({mib(found.total)}): gpucase store --prune "
+                         f"{display(store.parent)} removes them")
+    return lines
 
 
 def _case_dirs(root: Path) -> Iterable[Path]:
