@@ -394,18 +394,22 @@ def test_inputs_toml_cannot_hold_are_listed_with_their_type(tmp_path: Path) -> N
     sparse = torch.eye(2).to_sparse()
     fail(rec.watch(takes_anything), object(), None, 2**70, torch.float16,
          kw_list=(1, 2.5, "x"), kw_map={"a": [True], "b c": {"d": -1}}, kw_bad={1: 2},
-         kw_sparse=sparse, kw_none=None)
+         kw_sparse=sparse, kw_meta=torch.empty(2, device="meta"), kw_none=None)
     doc = toml(tmp_path / "takes_anything")
     assert doc["inputs"] == {"kw_list": [1, 2.5, "x"], "kw_map": {"a": [True], "b c": {"d": -1}}}
     assert doc["origin"]["skipped_inputs"] == {
         "a": "object", "rest0": "int", "rest1": "torch.dtype", "kw_bad": "dict",
-        "kw_sparse": "Tensor (torch.sparse_coo, torch.float32): not storable",
+        "kw_meta": "Tensor (a meta tensor of float32: it has a shape but no values): "
+                   "not storable",
         "kw_none": "NoneType",
     }
+    # A sparse tensor is saved exactly, as its indices and values (issue 30).
+    saved = payload.load(tmp_path / "takes_anything" / "inputs.safetensors")["kw_sparse"]
+    assert saved.layout == torch.sparse_coo and torch.equal(saved.to_dense(), torch.eye(2))
     assert "b" not in doc["inputs"]  # None where the default is None: the replay gets it too
     incomplete = doc["origin"]["incomplete"]
     assert any("*rest got 2 extra positional arguments" in line for line in incomplete)
-    assert any("a, kw_bad, kw_none, kw_sparse, rest0, rest1 could not be saved" in line
+    assert any("a, kw_bad, kw_meta, kw_none, rest0, rest1 could not be saved" in line
                for line in incomplete)
     assert "xfail" not in doc and doc["summary"].startswith("INCOMPLETE: ")
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-__all__ = ["SECRET", "remove_secrets"]
+__all__ = ["LOCAL_HOSTS", "SECRET", "remove_secrets"]
 
 SECRET = "<secret>"
 # An unquoted value: up to whitespace, a quote, a separator or a backtick (a Markdown code
@@ -88,7 +88,7 @@ _URL = re.compile(r"(?i)\b([a-z][a-z0-9+.-]{0,15})://((?:[^\s@\"'<>]{0,256}@){1,
                   r"([/?#][^\s\"'<>()\[\]{}]{0,4096})?")
 _BUCKETS = ("s3", "s3a", "s3n", "gs", "gcs", "hdfs", "az", "abfs", "abfss", "wasb", "wasbs",
             "oss", "r2")
-_LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "0.0.0.0")
+LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "0.0.0.0")
 # Bare words that are a label before a colon only where a line (or a list item, a table)
 # starts with them: in prose ("to make it pass: ...", "the primary key: ...") they are words.
 _BARE_WORDS = frozenset({"pass", "passes", "key", "keys", "token", "tokens", "secret",
@@ -151,7 +151,7 @@ def _url(found: re.Match[str]) -> str:
         said += "<user>:<secret>@" if ":" in user else "<user>@"
     if scheme.lower() in _BUCKETS:
         said += "<bucket>" if host else ""
-    elif host and host.lower() not in _LOCAL_HOSTS:
+    elif host and host.lower() not in LOCAL_HOSTS:
         said += "<host>"
     else:
         said += host or ""

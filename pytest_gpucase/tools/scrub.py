@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 from pathlib import Path
 
-from pytest_gpucase.base.secrets import _LOCAL_HOSTS, SECRET, remove_secrets
+from pytest_gpucase.base.secrets import LOCAL_HOSTS, SECRET, remove_secrets
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.verdict.triage import bounded
 
@@ -112,7 +112,7 @@ class Scrubber:
         text = remove_secrets(text)
         text = _EMAIL.sub("<email>", text)
         text = _IP_CANDIDATE.sub(_ip, text)
-        text = _HOST.sub(lambda m: m.group(0) if m.group(0).lower() in _LOCAL_HOSTS
+        text = _HOST.sub(lambda m: m.group(0) if m.group(0).lower() in LOCAL_HOSTS
                          else "<host>", text)
         text = _HOMES.sub("~", text)
         text = _ABSOLUTE.sub(_path_placeholder, text)
