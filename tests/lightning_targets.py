@@ -83,3 +83,15 @@ class KeyedLit(TinyLit):
         super().__init__(vocab, dim, dropout, blow, boom_backward)
         self.save_hyperparameters()
         self.extra = torch.nn.Linear(dim, int(api_key.rsplit("-", 1)[-1]))
+
+
+class SparseAdamLit(TinyLit):
+    """A sparse embedding trained with Adam: Adam's step raises, after training_step
+    returned (outside any call a case can replay)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__(vocab, dim)
+        self.emb = torch.nn.Embedding(vocab, dim, sparse=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.1)

@@ -741,3 +741,20 @@ def test_a_large_host_copy_before_each_call_is_named_once(
     assert 'snapshot="after"' in err
     Recorder(tmp_path, snapshot="after").watch(torch.add, name="add2")(torch.ones(32), 1)
     assert capsys.readouterr().err == ""
+
+
+def token_loss(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reads both, writes neither (the Hugging Face ``labels=input_ids`` convention)."""
+    if int(labels.max()) >= 8:
+        raise IndexError(f"label {int(labels.max())} out of 8 classes")
+    return input_ids.float().sum()
+
+
+def test_the_same_tensor_passed_twice_and_never_written_is_no_shared_memory_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: labels=input_ids shares memory, but the call writes into neither: the case
+    holding them apart replays the same, so no note."""
+    ids = torch.tensor([[1, 9, 3]])
+    fail(Recorder(tmp_path).watch(token_loss), ids, labels=ids)
+    assert "share memory" not in capsys.readouterr().err
+    assert "shared memory" not in toml(tmp_path / "token_loss")["origin"]["snapshot"]

@@ -201,3 +201,16 @@ def test_a_rebuild_that_needs_a_secret_says_so(tmp_path: Path) -> None:
                for reason in doc["origin"]["incomplete"])
     assert "live-3" not in (tmp_path / "cases" / "KeyedLit.training_step" / "case.toml"
                             ).read_text()
+
+
+def test_a_failure_in_the_optimizer_step_is_not_a_training_step_case_that_passes(
+        tmp_path: Path) -> None:
+    """Issue 30: Adam raises on a sparse gradient after training_step returned; a replay of
+    training_step would pass (XPASS: "fixed"), so the case is incomplete and says where."""
+    torch.manual_seed(0)
+    model = lightning_targets.SparseAdamLit()
+    fit(tmp_path, model, lightning_targets.loader(), RuntimeError)
+    doc = toml(tmp_path / "cases" / "SparseAdamLit.training_step")
+    assert "xfail" not in doc
+    assert any("outside SparseAdamLit.training_step" in reason and "adam.py" in reason
+               for reason in doc["origin"]["incomplete"])

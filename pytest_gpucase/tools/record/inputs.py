@@ -227,10 +227,14 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
     device_after: list[str] = []
     changed: list[str] = []
     storages: dict[tuple[str, int], list[str]] = {}
+    unwritten: set[str] = set()  # the call wrote nothing into these (version counters)
 
     def take(name: str, value: torch.Tensor) -> None:
         described[name] = _describe(value)
         devices.append(str(value.device))
+        known = before.versions.get(id(value))
+        if known is not None and tensor_versions([value]).get(id(value)) == known:
+            unwritten.add(name)
         with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
             where = value.untyped_storage().data_ptr()
             if where:
@@ -314,7 +318,10 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
                      f"{', '.join(changed)} (not copied before the call: {before.why_not})")
     # A case holds each tensor on its own: a failure that needs a write through one argument
     # to show in another (a buffer and a view of it) cannot replay as captured.
-    shared = tuple(", ".join(names) for names in storages.values() if len(names) > 1)
+    # Memory shared by arguments the call never wrote into (labels=input_ids, the Hugging
+    # Face convention) holds the same values apart as together: nothing to say then.
+    shared = tuple(", ".join(names) for names in storages.values()
+                   if len(names) > 1 and not set(names) <= unwritten)
     if shared and snapshot is not None:
         snapshot += f"; shared memory in the call, held apart in the case: {'; '.join(shared)}"
     if skipped:

@@ -351,24 +351,28 @@ class Recorder:
             return
         save: Callable[[BaseException], object]
         if module is not None and method:
+            outside = None if backward else raised_outside(exc, unwrap(module), method)
             save = functools.partial(self.save_method, module=module, method=method,
                                      args=args, kwargs=dict(kwargs or {}), before=before,
-                                     backward=backward)
+                                     backward=backward,
+                                     incomplete=() if outside is None else (outside,))
         else:
             save = functools.partial(self._save_step, anchored=False)
         self._failed(exc, save)
 
     def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
-                    kwargs: Mapping[str, Any], before: Before | None, backward: bool) -> None:
+                    kwargs: Mapping[str, Any], before: Before | None, backward: bool,
+                    incomplete: tuple[str, ...] = ()) -> None:
         """Save ``exc`` as the case of ``method`` of ``module`` called on ``args`` (for a
-        framework's step: ``record`` and ``nonfinite`` call it)."""
+        framework's step: ``record`` and ``nonfinite`` call it); ``incomplete``: why its
+        replay cannot reproduce the failure."""
         inner = unwrap(module)
         watch = next((w for w in self._modules if w.module is inner), None)
         if watch is None:
             watch = ModuleWatch.detached(self, inner, case_name(type(inner).__name__),
                                          rebuild_of(inner, None, None))
         self.save_module(exc, watch, args, kwargs, backward=backward, method=method,
-                         before=before)
+                         before=before, incomplete=incomplete)
 
     # -- what the hooks of a watch ask (watch.Owner) ------------------------------------
 
@@ -439,9 +443,10 @@ class Recorder:
 
     def save_module(self, exc: BaseException, watch: ModuleWatch, args: Any, kwargs: Any,
                     backward: bool, method: str | None = None,
-                    before: Before | None = None) -> None:
+                    before: Before | None = None, incomplete: tuple[str, ...] = ()) -> None:
         """The whole-module case, then the narrowest module and op cases that reproduce."""
-        ModuleSaver(self, watch, args, kwargs, backward, method, before).save(exc)
+        ModuleSaver(self, watch, args, kwargs, backward, method, before,
+                    incomplete).save(exc)
 
     # -- the steps ------------------------------------------------------------------
 
@@ -819,6 +824,29 @@ def _holds_nonfinite(value: Any) -> bool:
     with torch.no_grad():
         return any(bool((~t.isfinite()).any()) for t in tensors_in(value)
                    if (t.is_floating_point() or t.is_complex()) and not t.is_meta)
+
+
+def raised_outside(exc: BaseException, module: Any, method: str) -> str | None:
+    """Why a framework's step case cannot replay ``exc`` when it was raised after
+    ``module.method`` returned (no frame of that call in its traceback: the optimizer's
+    step, a trainer's hook), else None."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    last = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
+            return None
+        last = tb
+        tb = tb.tb_next
+    assert last is not None
+    code = last.tb_frame.f_code
+    where_raised = f"{code.co_name} ({os.path.basename(code.co_filename)}:{last.tb_lineno})"
+    return (f"the failure was raised in {where_raised}, outside "
+            f"{type(module).__qualname__}.{method} (after it returned: the optimizer's step "
+            f"or a hook of the trainer), so a replay of {method} cannot reproduce it: the "
+            "case holds the step's batch and the model's state, to replay that code by hand")
 
 
 def _raised_in_backward(exc: BaseException) -> bool:

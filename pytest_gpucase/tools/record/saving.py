@@ -115,7 +115,8 @@ class ModuleSaver:
     """Saves one module failure: the module's case, then its narrowed cases."""
 
     def __init__(self, recorder: _Recorder, watch: ModuleWatch, args: Any, kwargs: Any,
-                 backward: bool, method: str | None, before: Before | None = None) -> None:
+                 backward: bool, method: str | None, before: Before | None = None,
+                 incomplete: tuple[str, ...] = ()) -> None:
         self.rec = recorder
         self.watch = watch
         self.args = args
@@ -123,6 +124,7 @@ class ModuleSaver:
         self.backward = backward
         self.method = method
         self.before = before
+        self.incomplete = incomplete
 
     def save(self, exc: BaseException) -> None:
         rec, watch = self.rec, self.watch
@@ -138,7 +140,7 @@ class ModuleSaver:
             recipe["method"] = self.method
         if nan:
             recipe["finite"] = True
-        incomplete: list[str] = []
+        incomplete: list[str] = list(self.incomplete)
         with contextlib.suppress(Exception):
             secret = needs_secrets(module, rebuild)
             if secret is not None:
