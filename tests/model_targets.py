@@ -229,3 +229,19 @@ class Wide(torch.nn.Module):
         if float(x.min()) < 0:
             raise ValueError("negative input")
         return self.lin(x)
+
+
+class Float32Attention(torch.nn.Module):
+    """Scores in float32 with autocast off (as attention code keeps its softmax exact), but
+    the values stay in the bfloat16 autocast made them: bmm of float32 and bfloat16 raises."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, v = self.q(x), self.v(x)     # bfloat16 under autocast
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.bmm(q.float(), q.float().transpose(1, 2)).softmax(-1)
+            return torch.bmm(scores, v)

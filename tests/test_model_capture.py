@@ -384,3 +384,27 @@ def test_a_long_backward_message_replays_as_the_captured_failure(tmp_path: Path)
     whole = doc["origin"]["error"]
     (case_dir / "case.toml").write_text(text.replace(whole, whole[:255] + "\u2026"))
     assert is_known_failure(load_case(case_dir), verdict)
+
+
+def test_the_op_case_of_a_bf16_run_replays_its_recorded_dtypes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: bmm raised on float32 scores and bfloat16 values (autocast off around it);
+    the op case replays those dtypes as recorded, without autocast casting them alike."""
+    torch.manual_seed(0)
+    model = model_targets.Float32Attention()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model, name="attn")
+    with pytest.raises(RuntimeError), rec.step(0), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.ones(1, 3, 4))
+    op = tmp_path / "cases" / "attn.aten.bmm.default"
+    assert op.is_dir(), capsys.readouterr().err
+    assert "autocast" not in read_toml(op).get("context", {})
+    saved = payload.load(op / "inputs.safetensors")
+    assert {t.dtype for t in saved.values()} >= {torch.float32, torch.bfloat16}
+    replays_as_known(op, "RuntimeError")
+
+
+def replays_as_known(case_dir: Path, error: str) -> None:
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.error_type == error, verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)
