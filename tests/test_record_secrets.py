@@ -62,3 +62,17 @@ def test_prose_without_a_secret_is_kept_as_it_was(tmp_path: Path) -> None:
         "ValueError: logits above 1: do not clamp them to make it pass: mask the padding "
         "instead; the sort key: length")
     assert "scrubbed" not in doc["origin"]
+
+
+def test_inputs_named_like_secrets_are_not_scrubbed(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """An input called ``tokens`` (its description "int64 (1, 3) ...") is no secret field:
+    names tell secrets among hyperparameters and config fields only."""
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    model = rec.watch(model_targets.TinyLM())
+    with pytest.raises(IndexError), rec.step(0):
+        model(torch.tensor([[1, 9, 3]]))
+    doc = read_toml(tmp_path / "cases" / "TinyLM")
+    assert "scrubbed" not in doc["origin"]
+    assert doc["origin"]["inputs"]["tokens"].startswith("int64 (1, 3)")
+    assert "secrets removed" not in capsys.readouterr().err

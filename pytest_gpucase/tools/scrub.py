@@ -177,22 +177,25 @@ def secret_field(name: str, value: object) -> bool:
     return any(part.lower() in _SECRET_SEGMENTS for part in _SEGMENT.split(name) if part)
 
 
-def scrub_data(data: Any, removed: list[str], where: str = "") -> Any:
-    """``data`` (JSON or TOML values) with each secret field replaced by ``SECRET`` and each
-    text without its secrets (``capture_text``); the dotted place of each change is added to
-    ``removed``."""
+def scrub_data(data: Any, removed: list[str], where: str = "", *,
+               fields: bool = True) -> Any:
+    """``data`` (JSON or TOML values) without secrets: each text without its secrets
+    (``capture_text``), and with ``fields`` (hyperparameters, a config: not the names of
+    a call's inputs, ``tokens = "int64 (1, 2)"``) each field whose name says it holds a
+    secret replaced by ``SECRET``; the dotted place of each change is added to ``removed``."""
     if isinstance(data, Mapping):
         table = {}
         for key, value in data.items():
             place = f"{where}.{key}" if where else str(key)
-            if secret_field(str(key), value):
+            if fields and secret_field(str(key), value):
                 removed.append(place)
                 table[key] = SECRET
             else:
-                table[key] = scrub_data(value, removed, place)
+                table[key] = scrub_data(value, removed, place, fields=fields)
         return table
     if isinstance(data, list | tuple):
-        items = [scrub_data(value, removed, f"{where}[{i}]") for i, value in enumerate(data)]
+        items = [scrub_data(value, removed, f"{where}[{i}]", fields=fields)
+                 for i, value in enumerate(data)]
         return type(data)(items) if isinstance(data, tuple) else items
     if isinstance(data, str):
         text = capture_text(data)

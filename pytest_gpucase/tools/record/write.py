@@ -343,8 +343,14 @@ def without_secrets(draft: Draft) -> Draft:
     removed: list[str] = []
     summary = scrub_data(draft.summary, removed, "summary")
     xfail = None if draft.xfail is None else scrub_data(draft.xfail, removed, "xfail")
-    literals = scrub_data(dict(draft.literals), removed, "inputs")
-    origin = scrub_data(dict(draft.origin), removed, "origin")
+    # Fields are told secret by their names in hyperparameters only: an input's name
+    # ("tokens") says nothing of its value.
+    literals = scrub_data(dict(draft.literals), removed, "inputs", fields=False)
+    recipe = literals.get(REPLAY_MODULE_KEY)
+    if isinstance(recipe, dict) and isinstance(recipe.get("kwargs"), dict):
+        literals[REPLAY_MODULE_KEY] = {**recipe, "kwargs": scrub_data(
+            recipe["kwargs"], removed, f"inputs.{REPLAY_MODULE_KEY}.kwargs")}
+    origin = scrub_data(dict(draft.origin), removed, "origin", fields=False)
     case_files = dict(draft.files)
     for name, text in draft.files.items():
         if name.endswith(".json"):
