@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -152,7 +153,35 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         table = {k: _json_value(v) for k, v in value.items()}
         return NOT_LITERAL if any(v is NOT_LITERAL for v in table.values()) else table
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _dataclass_value(value)
     return NOT_LITERAL
+
+
+def _dataclass_value(value: Any) -> Any:
+    """A dataclass instance (a model's config object) as ``model.json`` holds it: its class
+    and the fields its constructor takes (``run.replay.decode_dataclasses`` builds it again),
+    or NOT_LITERAL when its class cannot be found by a replay or a field is no plain data."""
+    from pytest_gpucase.run.replay import DATACLASS_KEY
+
+    target, _, why = _class_target(type(value))
+    if target is None or why:
+        return NOT_LITERAL
+    fields = {f.name: _json_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+              if f.init}
+    if any(v is NOT_LITERAL for v in fields.values()):
+        return NOT_LITERAL
+    return {DATACLASS_KEY: target, "fields": fields}
+
+
+def _holds_dataclass(value: Any) -> bool:
+    from pytest_gpucase.run.replay import DATACLASS_KEY
+
+    if isinstance(value, list):
+        return any(map(_holds_dataclass, value))
+    if isinstance(value, Mapping):
+        return DATACLASS_KEY in value or any(map(_holds_dataclass, value.values()))
+    return False
 
 
 def _script_of(cls: type) -> tuple[str | None, str]:
@@ -287,18 +316,19 @@ def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
 def _builder(cls_target: str, script: str | None, kwargs: Mapping[str, Any],
              config: str | None) -> Callable[[], Any]:
     """A function that builds the module as a replay will (for the check on ``meta``)."""
-    from pytest_gpucase.run.replay import import_target, load_script
+    from pytest_gpucase.run.replay import decode_dataclasses, import_target, load_script
 
     def build() -> Any:
-        if script is not None:
-            obj: Any = load_script(Path(script))
+        module = load_script(Path(script)) if script is not None else None
+        if module is not None:
+            obj: Any = module
             for part in cls_target.split("."):
                 obj = getattr(obj, part)
         else:
             obj = import_target(cls_target)
         if config is not None:
             return obj(obj.config_class.from_dict(json.loads(config)))
-        return obj(**dict(kwargs))
+        return obj(**decode_dataclasses(dict(kwargs), module))
     return build
 
 
@@ -435,7 +465,8 @@ def _found_rebuild(module: Any) -> Rebuild | str:
                 return why
             notes = _assumed_defaults(module, args)
     literal = as_literal(args)
-    if script is None and config is None and literal is not NOT_LITERAL:
+    if (script is None and config is None and literal is not NOT_LITERAL
+            and not _holds_dataclass(args)):  # a dataclass argument: model.json builds it
         return Rebuild(target, literal, how=how, notes=notes)
     recipe: dict[str, Any] = {"class": target}
     if config is not None:
