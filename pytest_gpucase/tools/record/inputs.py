@@ -83,7 +83,7 @@ def snapshot_before(watched: Watched, args: Any, kwargs: Any, *, snapshot: str,
             return Before(versions=versions, why_not=(
                 'snapshot="after"; Recorder(snapshot="before") copies them before each call, '
                 "as passed"))
-        stored = [t for t in tensors if storable(t) and t.device.type != "meta"]
+        stored = [t for t in tensors if storable(t)]
         total = sum(nbytes(t) for t in stored)
         taken = stored
         why_not = ""
@@ -239,12 +239,12 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
             where = value.untyped_storage().data_ptr()
             if where:
                 storages.setdefault((str(value.device), where), []).append(name)
-        why = payload.unstorable(value)
-        if why is not None:
-            skipped[name] = f"Tensor ({why}): not storable"
-            return
         if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
-            tensors[name] = value.detach().to("cpu", copy=True)
+            why = payload.unstorable(value)
+            if why is not None:
+                skipped[name] = f"Tensor ({why}): not storable"
+            else:
+                tensors[name] = value.detach().to("cpu", copy=True)
             return
         if id(value) in before.copies:
             tensors[name] = before.copies[id(value)]
