@@ -130,3 +130,19 @@ def test_state_no_payload_holds_makes_the_case_incomplete_and_validate_says_so(
                              "0._packed_params.dtype": "a dtype, not a tensor"}
     assert "0._packed_params._packed_params (a tuple, not a tensor)" in str(
         found.why_incomplete("packed"))
+
+
+def test_the_item_of_an_incomplete_case_says_what_is_missing(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: the item of a case whose state was not saved says so, naming it."""
+    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent.parent))
+    model = model_targets.ExtraStateModel()
+    model.calls = 5
+    rec = Recorder(pytester.path / "cases", narrow=False)
+    rec.watch(model, name="extra")
+    with pytest.raises(ValueError), rec.step(0):
+        model(torch.ones(1, 3))
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "-p", "no:randomly")
+    out = result.stdout.str()
+    assert "This case is INCOMPLETE ([origin] incomplete)" in out
+    assert "_extra_state (a dict, not a tensor)" in out

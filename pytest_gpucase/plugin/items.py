@@ -483,7 +483,20 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
     if (spec is not None and not outcome.broken_case and not known
             and xfail_reason(spec) is not None):
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
+    if spec is not None:
+        text += _incomplete_text(spec.case)
     return terminal_safe(text)   # the child's words must not drive the terminal
+
+
+def _incomplete_text(case: Case) -> str:
+    """What the Recorder could not save of the case (``[origin] incomplete``), said by its
+    item: the failure above is the missing part's, not a verdict on the code."""
+    reasons = case.origin.get("incomplete")
+    if not isinstance(reasons, list) or not reasons:
+        return ""
+    listed = "".join(f"\n  - {str(reason)[:2000]}" for reason in reasons[:10])
+    return ("\n\nThis case is INCOMPLETE ([origin] incomplete): it cannot replay its "
+            f"failure as captured until what is missing is added:{listed}")
 
 
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
