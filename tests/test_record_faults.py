@@ -105,6 +105,7 @@ def test_a_killed_captures_staging_folder_and_partial_store_file_are_swept(
     assert writer.stdout is not None and writer.stdout.readline() == "writing\n"
     writer.send_signal(signal.SIGKILL)
     writer.wait(timeout=60)
+    writer.stdout.close()
     left = [p.name for p in root.iterdir() if p.name.endswith(".tmp")]
     left += [p.name for p in (root / ".gpucase-store").iterdir()]
     assert any(name.startswith(".TinyLM.") for name in left), left
