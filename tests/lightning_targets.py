@@ -89,9 +89,24 @@ class SparseAdamLit(TinyLit):
     """A sparse embedding trained with Adam: Adam's step raises, after training_step
     returned (outside any call a case can replay)."""
 
-    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
-        super().__init__(vocab, dim)
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
         self.emb = torch.nn.Embedding(vocab, dim, sparse=True)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.Adam(self.parameters(), lr=0.1)
+
+
+class CriterionLit(TinyLit):
+    """The loss is a criterion module called in training_step, outside the forward."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.criterion = torch.nn.CrossEntropyLoss()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        logits = self(tokens)
+        return self.criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

@@ -214,3 +214,28 @@ def test_a_failure_in_the_optimizer_step_is_not_a_training_step_case_that_passes
     assert "xfail" not in doc
     assert any("outside SparseAdamLit.training_step" in reason and "adam.py" in reason
                for reason in doc["origin"]["incomplete"])
+
+
+def test_a_criterion_failure_outside_the_forward_is_saved_or_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: the loss fails in a criterion training_step calls after the forward. With
+    the callback it is the training_step case; with a plain rec.watch of the module (no
+    callback) nothing can see it, and a line at watch time says so and what to pass."""
+    from pytest_gpucase import Recorder
+
+    torch.manual_seed(0)
+    fit(tmp_path / "callback", lightning_targets.CriterionLit(),
+        lightning_targets.loader(bad_target=True), IndexError)
+    replays(tmp_path / "callback" / "cases" / "CriterionLit.training_step", "IndexError")
+    assert "watched without GpuCaseCallback" not in capsys.readouterr().err
+
+    rec = Recorder(tmp_path / "plain" / "cases")
+    model = rec.watch(lightning_targets.CriterionLit())
+    err = capsys.readouterr().err
+    assert ("CriterionLit is a LightningModule watched without GpuCaseCallback" in err
+            and "GpuCaseCallback(recorder=rec)" in err), err
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(IndexError):
+        trainer.fit(model, lightning_targets.loader(bad_target=True))

@@ -43,7 +43,8 @@ from pytest_gpucase.tools.record.origin import error_line, import_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "module_state", "needs_secrets",
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "lightning_module",
+           "module_state", "needs_secrets",
            "on_host", "rebuild_files", "rebuild_of", "script_function_files"]
 
 # The factory of a model a case.py builds (model.json describes it).
@@ -127,7 +128,8 @@ def module_state(module: torch.nn.Module) -> State:
     return State(tensors, tied, unsaved)
 
 
-def _lightning(module: Any) -> bool:
+def lightning_module(module: Any) -> bool:
+    """Whether ``module`` is a LightningModule (without importing Lightning)."""
     return any(cls.__name__ == "LightningModule"
                and cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
                for cls in type(module).__mro__)
@@ -454,7 +456,7 @@ def _found_rebuild(module: Any) -> Rebuild | str:
     notes: tuple[str, ...] = ()
     how = f"{name}(config) from config.json"
     if config is None:
-        args, why = _lightning_hparams(module) if _lightning(module) else (None, "")
+        args, why = _lightning_hparams(module) if lightning_module(module) else (None, "")
         how = f"{name}(**hyperparameters saved by save_hyperparameters())"
         if args is None and why:
             return why

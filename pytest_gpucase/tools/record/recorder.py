@@ -60,7 +60,12 @@ from pytest_gpucase.tools.record.origin import (
     watched_call,
     where,
 )
-from pytest_gpucase.tools.record.rebuild import Rebuild, rebuild_of, script_function_files
+from pytest_gpucase.tools.record.rebuild import (
+    Rebuild,
+    lightning_module,
+    rebuild_of,
+    script_function_files,
+)
 from pytest_gpucase.tools.record.saving import ModuleSaver, write_consequence
 from pytest_gpucase.tools.record.step import Found, failing_call
 from pytest_gpucase.tools.record.watch import ModuleWatch, nonfinite_problem
@@ -216,6 +221,9 @@ class Recorder:
         # training_step, its (batch, batch_idx) and their copies), for a watch that sees the
         # step through the module's redirected forward (DDP).
         self.framework_call: tuple[Any, str, tuple[Any, ...], Before] | None = None
+        # The framework integration that watches through this Recorder ("lightning"), which
+        # sees the steps a plain rec.watch of its module does not.
+        self.integration: str | None = None
         self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
         self._narrowed_new: list[Path] = []  # those of them this process wrote
 
@@ -804,6 +812,13 @@ class Recorder:
             say(f"gpucase: warning: {rebuild.why_not}")
         for note in rebuild.notes:
             say(f"gpucase: note: {note}")
+        if self.integration != "lightning" and lightning_module(module):
+            # Said now: such a failure would raise unsaved, with no line at all.
+            say(f"gpucase: note: {type(module).__qualname__} is a LightningModule watched "
+                "without GpuCaseCallback: its forward's failures are saved, but one outside "
+                "it (a criterion or loss in training_step, the backward, the optimizer step) "
+                "only inside `with rec.step(...)`; pass Trainer(callbacks=["
+                "GpuCaseCallback(recorder=rec)]) to save those too")
         case = case_name(name or type(module).__name__)
         self._modules.append(ModuleWatch(self, module, case, rebuild, ids, checkpoint))
 
