@@ -79,6 +79,7 @@ def test_under_ddp_the_step_forward_points_at_is_the_case(tmp_path: Path) -> Non
     case_dir = tmp_path / "cases" / "TinyLit.training_step"
     doc = toml(case_dir)
     assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    replays(tmp_path / "cases" / "CriterionLit.training_step", "IndexError")
     assert "incomplete" not in doc["origin"], doc["origin"]
     replays(case_dir, "IndexError")
 
@@ -239,3 +240,26 @@ def test_a_criterion_failure_outside_the_forward_is_saved_or_said(
                          enable_model_summary=False)
     with pytest.raises(IndexError):
         trainer.fit(model, lightning_targets.loader(bad_target=True))
+
+
+def test_a_fit_inside_a_step_saves_the_training_step_not_optimizer_step(
+        tmp_path: Path) -> None:
+    """Issue 30: without the callback, trainer.fit inside rec.step: the traceback passes
+    through the module's optimizer_step (its optimizer and closure no case holds) and then
+    its training_step, which raised: the case is training_step's, and it replays."""
+    from pytest_gpucase import Recorder
+
+    torch.manual_seed(0)
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    model = lightning_targets.CriterionLit()
+    rec.watch(model)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(IndexError), rec.step(0):
+        trainer.fit(model, lightning_targets.loader(bad_target=True))
+    found = sorted(p.name for p in (tmp_path / "cases").iterdir())
+    assert found == ["CriterionLit.training_step"], found
+    doc = toml(tmp_path / "cases" / "CriterionLit.training_step")
+    assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    replays(tmp_path / "cases" / "CriterionLit.training_step", "IndexError")

@@ -8,7 +8,8 @@ saved, with its arguments as its frame holds them when it raised:
 1. the call of a watched module that raised outside its forward (a forward hook registered
    after ``rec.watch``, say): that module's case, from the inputs copied before the call;
 2. a method of a watched module (a LightningModule's ``training_step``): the module rebuilt,
-   and that method called;
+   and that method called; one whose arguments a case cannot hold (``optimizer_step``'s
+   optimizer and closure) gives way to the method it ran below it (``training_step``);
 3. below the step's own frame, the first call it made that can be made again: a module
    (``criterion(logits, y)``) or an importable function (``F.cross_entropy(...)``,
    ``my_loss(...)``).
@@ -96,6 +97,12 @@ def _method_of(frame: FrameType, watched: Mapping[int, Any]) -> Any:
     return owner if getattr(method, "__code__", None) is frame.f_code else None
 
 
+def _replayable(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a method's arguments are what a case can hold: no optimizer, no closure."""
+    return not any(callable(value) or hasattr(value, "param_groups")
+                   for value in (*args, *kwargs.values()))
+
+
 def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
                  anchored: bool) -> Found | str:
     """The call a failure in a step is saved as (see the module's docstring), or why none.
@@ -120,6 +127,11 @@ def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
         if owner is not None:
             args, kwargs = _arguments(frame)
             kwargs.pop("self", None)
+            if not _replayable(args, kwargs) and any(
+                    _method_of(f, watched) is not None for f, _ in entries[index + 1:]):
+                # Lightning's optimizer_step(epoch, batch_idx, optimizer, closure): the
+                # training_step the closure ran, below it, is the call that raised.
+                continue
             caller = entries[index - 1] if index else (frame, lineno)
             return Found("method", owner, args, kwargs, frame_line(*caller),
                          method=frame.f_code.co_name)
