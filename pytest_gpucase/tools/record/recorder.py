@@ -67,7 +67,7 @@ from pytest_gpucase.tools.record.rebuild import (
     script_function_files,
 )
 from pytest_gpucase.tools.record.saving import ModuleSaver, write_consequence
-from pytest_gpucase.tools.record.step import Found, failing_call
+from pytest_gpucase.tools.record.step import Found, failing_call, raised_outside
 from pytest_gpucase.tools.record.watch import ModuleWatch, nonfinite_problem
 from pytest_gpucase.tools.record.write import (
     case_draft,
@@ -839,29 +839,6 @@ def _holds_nonfinite(value: Any) -> bool:
     with torch.no_grad():
         return any(bool((~t.isfinite()).any()) for t in tensors_in(value)
                    if (t.is_floating_point() or t.is_complex()) and not t.is_meta)
-
-
-def raised_outside(exc: BaseException, module: Any, method: str) -> str | None:
-    """Why a framework's step case cannot replay ``exc`` when it was raised after
-    ``module.method`` returned (no frame of that call in its traceback: the optimizer's
-    step, a trainer's hook), else None."""
-    tb = exc.__traceback__
-    if tb is None:
-        return None
-    last = None
-    while tb is not None:
-        frame = tb.tb_frame
-        if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
-            return None
-        last = tb
-        tb = tb.tb_next
-    assert last is not None
-    code = last.tb_frame.f_code
-    where_raised = f"{code.co_name} ({os.path.basename(code.co_filename)}:{last.tb_lineno})"
-    return (f"the failure was raised in {where_raised}, outside "
-            f"{type(module).__qualname__}.{method} (after it returned: the optimizer's step "
-            f"or a hook of the trainer), so a replay of {method} cannot reproduce it: the "
-            "case holds the step's batch and the model's state, to replay that code by hand")
 
 
 def _raised_in_backward(exc: BaseException) -> bool:

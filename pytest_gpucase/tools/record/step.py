@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Found", "failing_call", "frame_line"]
+__all__ = ["Found", "failing_call", "frame_line", "raised_outside"]
 
 _MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")
 
@@ -171,3 +171,26 @@ def _source_line(frame: FrameType, lineno: int) -> str:
     import linecache
 
     return linecache.getline(frame.f_code.co_filename, lineno).strip()[:120]
+
+
+def raised_outside(exc: BaseException, module: Any, method: str) -> str | None:
+    """Why a framework's step case cannot replay ``exc`` when it was raised after
+    ``module.method`` returned (no frame of that call in its traceback: the optimizer's
+    step, a trainer's hook), else None."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    last = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
+            return None
+        last = tb
+        tb = tb.tb_next
+    assert last is not None
+    code = last.tb_frame.f_code
+    where_raised = f"{code.co_name} ({os.path.basename(code.co_filename)}:{last.tb_lineno})"
+    return (f"the failure was raised in {where_raised}, outside "
+            f"{type(module).__qualname__}.{method} (after it returned: the optimizer's step "
+            f"or a hook of the trainer), so a replay of {method} cannot reproduce it: the "
+            "case holds the step's batch and the model's state, to replay that code by hand")
