@@ -377,10 +377,9 @@ def without_secrets(draft: Draft) -> Draft:
                                                   f"inputs.{REPLAY_MODULE_KEY}"))]
     if rebuilt:
         origin["scrubbed_note"] = (
-            "secret-looking hyperparameters or config fields were replaced by <secret>: the "
-            "replay builds the model with <secret> for them; if building the model reads "
-            "them, pass rec.watch(model, factory=...) naming a function that reads them from "
-            "the environment")
+            "hyperparameters or config fields that held secrets (or the home folder) were "
+            "rewritten: the replay builds the model with <secret> (or ~) in their place; "
+            "where building the model needs them, the case says so in [origin] incomplete")
     say(f"gpucase: note: secrets removed from the case {draft.name} before it was written "
         f"({', '.join(shown_places[:6])}{', ...' if len(shown_places) > 6 else ''}): "
         "[origin] scrubbed lists where")
