@@ -345,6 +345,8 @@ PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lg
     ("KeyError: key: 3 not in the table; the primary key: id", "KeyError: key: 3 not in the "
      "table; the primary key: id"),
     ("  key: abc123\n- token: t0k3n", "  key: <secret>\n- token: <secret>"),
+    # ... but a value that reads as a key is a secret in prose too.
+    ("connection refused, token: abc123xyz", "connection refused, token: <secret>"),
 ])
 def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:
     assert _scrub(text) == scrubbed

@@ -132,7 +132,13 @@ def _prose(found: re.Match[str]) -> bool:
     start = found.start()
     before = found.string[max(0, start - _LINE_BEFORE):start]
     before = before.rpartition("\n")[2]
-    return not before.endswith(("'", '"')) and re.search(r"\w", before) is not None
+    if before.endswith(("'", '"')) or re.search(r"\w", before) is None:
+        return False
+    # A word after it ("pass: mask the padding", "key: 3") is prose; a value that reads as
+    # a key (letters and digits mixed, or a long run) is a secret wherever it stands.
+    value = found.group(0)[len(found["lead"]):].strip("'\"")
+    return not (len(value) >= 16 or (re.search(r"[A-Za-z]", value) is not None
+                                      and re.search(r"\d", value) is not None))
 
 
 def _url_kept(found: re.Match[str]) -> str:
