@@ -54,9 +54,21 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "mark_incomplete", "recapture",
-           "origin_only", "set_later_errors", "sized", "fit_name", "without_secrets", "write_case",
-           "write_kept"]
+__all__ = [
+    "Draft",
+    "case_bytes",
+    "case_draft",
+    "context_doc",
+    "fit_name",
+    "mark_incomplete",
+    "origin_only",
+    "recapture",
+    "set_later_errors",
+    "sized",
+    "without_secrets",
+    "write_case",
+    "write_kept",
+]
 
 # A "gpucase: saved" line shows the case's size from this size on.
 _SHOWN_SIZE = 2**20
