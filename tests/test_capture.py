@@ -753,6 +753,7 @@ def token_loss(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return input_ids.float().sum()
 
 
+@pytest.mark.slow
 def test_the_same_tensor_passed_twice_and_never_written_is_no_shared_memory_note(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 30: labels=input_ids shares memory, but the call writes into neither: the case
