@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     import torch
@@ -165,35 +165,36 @@ def join(tensors: dict[str, torch.Tensor], text: str) -> dict[str, torch.Tensor]
 
 
 def _joined(described: Mapping[str, Any], parts: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    torch = _torch()
+    th = _torch()
     kind = described.get("kind")
     if kind == "complex":
         dtype = described.get("dtype")
         if dtype not in _COMPLEX:
             raise ValueError(f"dtype {dtype!r} is not one of {', '.join(_COMPLEX)}")
         real = parts["real"]
-        joined = torch.view_as_complex(real)
+        joined = cast("torch.Tensor", th.view_as_complex(real))
         if _dtype_name(joined.dtype) != dtype:
             raise ValueError(f"its real view of {_dtype_name(real.dtype)} makes "
                              f"{_dtype_name(joined.dtype)}, not {dtype}")
         return joined
     if kind == "sparse_coo":
-        return torch.sparse_coo_tensor(parts["indices"], parts["values"],
+        return cast("torch.Tensor", th.sparse_coo_tensor(parts["indices"], parts["values"],
                                        _size(described), check_invariants=True,
-                                       is_coalesced=bool(described.get("coalesced")))
+                                       is_coalesced=bool(described.get("coalesced"))))
     if kind == "sparse_csr":
-        return torch.sparse_csr_tensor(parts["crow_indices"], parts["col_indices"],
-                                       parts["values"], _size(described), check_invariants=True)
+        return cast("torch.Tensor", th.sparse_csr_tensor(
+            parts["crow_indices"], parts["col_indices"], parts["values"], _size(described),
+            check_invariants=True))
     if kind == "quantized":
         dtype = described.get("dtype")
         ints = parts["int_repr"]
         if _QUANTIZED.get(str(dtype)) != _dtype_name(ints.dtype):
             raise ValueError(f"{dtype!r} is not held as {_dtype_name(ints.dtype)}")
         if "axis" in described:
-            return torch._make_per_channel_quantized_tensor(
-                ints.contiguous(), parts["scales"], parts["zero_points"], int(described["axis"]))
-        return torch._make_per_tensor_quantized_tensor(
-            ints.contiguous(), float(described["scale"]), int(described["zero_point"]))
+            return cast("torch.Tensor", th._make_per_channel_quantized_tensor(
+                ints.contiguous(), parts["scales"], parts["zero_points"], int(described["axis"])))
+        return cast("torch.Tensor", th._make_per_tensor_quantized_tensor(
+            ints.contiguous(), float(described["scale"]), int(described["zero_point"])))
     raise ValueError(f"unknown kind {kind!r}")
 
 

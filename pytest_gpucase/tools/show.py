@@ -73,7 +73,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     return remove_secrets(terminal_safe("\n".join(lines)))
 
 
-def _origin_lines(origin: dict[str, Any]) -> list[str]:
+def _origin_lines(origin: Mapping[str, Any]) -> list[str]:
     """The ``[origin]`` table as ``show`` lists it: the error first, versions and sample ids
     summed up, what the capture could not keep last."""
     if not origin:
