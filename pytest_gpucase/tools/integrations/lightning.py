@@ -25,6 +25,7 @@ except ImportError:  # pragma: no cover - the standalone package
     from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
 
 from pytest_gpucase.tools.record import Recorder, Step
+from pytest_gpucase.tools.record.recorder import hooks_of
 from pytest_gpucase.tools.record.inputs import Before
 from pytest_gpucase.tools.record.origin import watched_call
 
@@ -61,7 +62,8 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     # -- the module ------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
-        self.recorder.integration = "lightning"  # it sees the steps: no note to the contrary
+        # It sees the steps: no note to the contrary.
+        hooks_of(self.recorder).integration = "lightning"
         self.recorder.watch(pl_module, **self._watch)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:
@@ -89,15 +91,15 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     def on_before_backward(self, trainer: Any, pl_module: Any, loss: Any) -> None:
         self._in_backward = True
-        rec = self.recorder
-        if not rec.checks("loss") or rec.taken() or self._call is None:
+        hooks = hooks_of(self.recorder)
+        if not hooks.checks("loss") or hooks.taken() or self._call is None:
             return
         from pytest_gpucase.tools.record.watch import nonfinite_problem
 
         problem = nonfinite_problem(f"loss of {type(pl_module).__qualname__}", loss)
         if problem is not None:
             method, args, before = self._call
-            rec.nonfinite(problem, lambda exc: rec.save_method(
+            hooks.nonfinite(problem, lambda exc: hooks.save_method(
                 exc, pl_module, method, args, {}, before, backward=False))
 
     def on_after_backward(self, trainer: Any, pl_module: Any) -> None:
@@ -117,14 +119,14 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     @property
     def _call(self) -> tuple[str, tuple[Any, ...], Before] | None:
         """The current step's call (method, its arguments, their copies), as the Recorder
-        holds it for its watches (Recorder.framework_call)."""
-        call = self.recorder.framework_call
+        holds it for its watches (Hooks.framework_call)."""
+        call = hooks_of(self.recorder).framework_call
         return None if call is None else call[1:]
 
     def _open(self, trainer: Any, pl_module: Any, method: str, iteration: int | str,
               batch: Any, batch_idx: int) -> None:
         self._close()
-        rec = self.recorder
+        rec, hooks = self.recorder, hooks_of(self.recorder)
         ids = None
         if self._ids is not None:
             try:
@@ -136,19 +138,19 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         self._in_backward = False
         args = (batch, batch_idx)
         before = Before()
-        if not rec.taken():
+        if not hooks.taken():
             watched = watched_call(getattr(pl_module, method), method, None, None)
-            before = rec.snapshot_of(watched, args, {})
-        rec.framework_call = (pl_module, method, args, before)
+            before = hooks.snapshot_of(watched, args, {})
+        hooks.framework_call = (pl_module, method, args, before)
         autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
         if autocast is not None:
             device = str(getattr(pl_module, "device", "cpu")).split(":")[0]
-            rec.step_context["autocast"] = {"device_type": device, "dtype": autocast,
-                                            "enabled": True}
+            hooks.step_context["autocast"] = {"device_type": device, "dtype": autocast,
+                                              "enabled": True}
 
     def _close(self, exception: BaseException | None = None) -> None:
         step, self._step = self._step, None
-        self.recorder.framework_call = None
+        hooks_of(self.recorder).framework_call = None
         if step is None:
             return
         if exception is None:

@@ -28,6 +28,7 @@ from typing import Any
 from transformers import TrainerCallback
 
 from pytest_gpucase.tools.record import Recorder, Step
+from pytest_gpucase.tools.record.recorder import hooks_of
 
 __all__ = ["GpuCaseCallback"]
 
@@ -79,8 +80,8 @@ class GpuCaseCallback(TrainerCallback):  # type: ignore[misc,unused-ignore]
             "float16" if getattr(args, "fp16", False) else None)
         if dtype is not None:
             device = str(getattr(self._model, "device", "cpu")).split(":")[0]
-            self.recorder.step_context["autocast"] = {"device_type": device, "dtype": dtype,
-                                                      "enabled": True}
+            hooks_of(self.recorder).step_context["autocast"] = {
+                "device_type": device, "dtype": dtype, "enabled": True}
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         self._close()

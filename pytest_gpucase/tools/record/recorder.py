@@ -31,7 +31,7 @@ from pytest_gpucase.case.keys import (
     REPLAY_FUNCTION,
     REPLAY_MODULE,
 )
-from pytest_gpucase.tools.record.distributed import Rank, consequence_of, rank_of
+from pytest_gpucase.tools.record.distributed import consequence_of, rank_of
 from pytest_gpucase.tools.record.hooks import compiling, invisible_to_dynamo, unwrap
 from pytest_gpucase.tools.record.inputs import (
     Before,
@@ -80,7 +80,8 @@ from pytest_gpucase.tools.record.write import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DEFAULT_SNAPSHOT_LIMIT", "DEFAULT_STATE_LIMIT", "NONFINITE_KINDS", "Recorder", "Step"]
+__all__ = ["DEFAULT_SNAPSHOT_LIMIT", "DEFAULT_STATE_LIMIT", "NONFINITE_KINDS", "Hooks", "Recorder",
+           "Step", "hooks_of"]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -214,16 +215,7 @@ class Recorder:
         self._modules: list[ModuleWatch] = []
         self._outputs: list[tuple[object, list[Any]]] = []
         self._functions: dict[str, _FunctionCall] = {}
-        # [context] entries a framework integration knows for the current step (Lightning's
-        # precision="bf16-mixed" is autocast around training_step, not inside the failure).
-        self.step_context: dict[str, Any] = {}
-        # The call a framework integration makes the current step (Lightning: the module,
-        # training_step, its (batch, batch_idx) and their copies), for a watch that sees the
-        # step through the module's redirected forward (DDP).
-        self.framework_call: tuple[Any, str, tuple[Any, ...], Before] | None = None
-        # The framework integration that watches through this Recorder ("lightning"), which
-        # sees the steps a plain rec.watch of its module does not.
-        self.integration: str | None = None
+        self._owner = Hooks(self)   # what its watches and the integrations call
         self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
         self._narrowed_new: list[Path] = []  # those of them this process wrote
 
@@ -360,103 +352,13 @@ class Recorder:
         save: Callable[[BaseException], object]
         if module is not None and method:
             outside = None if backward else raised_outside(exc, unwrap(module), method)
-            save = functools.partial(self.save_method, module=module, method=method,
+            save = functools.partial(self._owner.save_method, module=module, method=method,
                                      args=args, kwargs=dict(kwargs or {}), before=before,
                                      backward=backward,
                                      incomplete=() if outside is None else (outside,))
         else:
             save = functools.partial(self._save_step, anchored=False)
         self._failed(exc, save)
-
-    def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
-                    kwargs: Mapping[str, Any], before: Before | None, backward: bool,
-                    incomplete: tuple[str, ...] = ()) -> None:
-        """Save ``exc`` as the case of ``method`` of ``module`` called on ``args`` (for a
-        framework's step: ``record`` and ``nonfinite`` call it); ``incomplete``: why its
-        replay cannot reproduce the failure."""
-        inner = unwrap(module)
-        watch = next((w for w in self._modules if w.module is inner), None)
-        if watch is None:
-            watch = ModuleWatch.detached(self, inner, case_name(type(inner).__name__),
-                                         rebuild_of(inner, None, None))
-        self.save_module(exc, watch, args, kwargs, backward=backward, method=method,
-                         before=before, incomplete=incomplete)
-
-    # -- what the hooks of a watch ask (watch.Owner) ------------------------------------
-
-    def taken(self) -> bool:
-        return self._taken
-
-    def step_call(self, module: Any) -> tuple[str, tuple[Any, ...], Before] | None:
-        call = self.framework_call
-        return None if call is None or call[0] is not module else call[1:]
-
-    def enter_scope(self) -> None:
-        self._local.depth += 1
-
-    def checks(self, kind: str) -> bool:
-        return kind in self.nonfinite_kinds
-
-    def fault(self, where: str, problem: BaseException) -> None:
-        """A fault in the Recorder's own code: said once per place; the call goes on as if
-        unwatched."""
-        self._note_once("fault", (
-            f"gpucase: note: {where} failed ({error_line(problem)}); the call runs as "
-            "unwatched there (no snapshot), and training is not affected (said once)"))
-
-    def snapshot_of(self, watched: Watched, args: Any, kwargs: Any) -> Before:
-        """The call's tensor arguments as they are before it runs: ``snapshot_before`` under
-        this Recorder's settings; no snapshot (with a note) when that fails."""
-        try:
-            return snapshot_before(watched, args, kwargs, snapshot=self.snapshot,
-                                   snapshot_limit=self.snapshot_limit,
-                                   device_names=self._device_names, note=self._note_once)
-        except KeyboardInterrupt:
-            raise
-        except BaseException as problem:
-            self.fault(f"the snapshot of {watched.name}'s inputs", problem)
-            return Before(why_not=f"the snapshot before the call failed ({error_line(problem)})")
-
-    def remember_output(self, key: object, value: Any) -> None:
-        """Keep a watched call's floating outputs (detached: no graph) until the step ends,
-        for the search of where a NaN that a guard in the step found came from."""
-        kept = [t.detach() for t in tensors_in(value) if t.is_floating_point() or t.is_complex()]
-        if kept:
-            self._outputs = [*[o for o in self._outputs[-(_REMEMBERED - 1):] if o[0] is not key],
-                             (key, kept)]
-
-    def leave(self, exc: BaseException | None,
-              save: Callable[[BaseException], object] | None) -> None:
-        """Close a scope: handle its exception once, however many scopes it crosses."""
-        local = self._local
-        local.depth -= 1
-        try:
-            if exc is not None and exc is not local.handled and exc is not self._first:
-                self._failed(exc, save)
-        finally:
-            # Kept only while an enclosing scope may still see the same exception.
-            local.handled = exc if exc is not None and local.depth > 0 else None
-
-    def nonfinite(self, problem: str, save: Callable[[BaseException], object]) -> None:
-        """A watched value is not finite: save the case as the first failure, then raise a
-        FloatingPointError where the value appeared (Recorder(nonfinite=...))."""
-        with self._lock:
-            iteration = self._iteration
-        text = problem if iteration is None else f"{problem} (at iteration {iteration})"
-        exc = FloatingPointError(text)
-        self._failed(exc, save)
-        if self._local.depth > 0:
-            self._local.handled = exc
-        raise exc
-
-    def save_module(self, exc: BaseException, watch: ModuleWatch, args: Any, kwargs: Any,
-                    backward: bool, method: str | None = None,
-                    before: Before | None = None, incomplete: tuple[str, ...] = ()) -> None:
-        """The whole-module case, then the narrowest module and op cases that reproduce."""
-        ModuleSaver(self, watch, args, kwargs, backward, method, before,
-                    incomplete).save(exc)
-
-    # -- the steps ------------------------------------------------------------------
 
     def _watched_call(self, fn: Callable[..., Any], watched: Watched, args: Any,
                       kwargs: Any) -> Any:
@@ -469,26 +371,26 @@ class Recorder:
             result = fn(*args, **kwargs)
             self._synchronize(args, kwargs)
         except Exception as exc:
-            self.leave(exc, functools.partial(self._save_first, watched=watched, args=args,
+            self._owner.leave(exc, functools.partial(self._save_first, watched=watched, args=args,
                                               kwargs=kwargs, before=before, rng=rng))
             raise
         except BaseException:
-            self.leave(None, None)
+            self._owner.leave(None, None)
             raise
         self._returned(watched, args, kwargs, before, rng, result)
         return result
 
     def _before_call(self, watched: Watched, args: Any,
                      kwargs: Any) -> tuple[Before, Mapping[str, Any]]:
-        before = self.snapshot_of(watched, args, kwargs)
+        before = self._owner.snapshot_of(watched, args, kwargs)
         try:
             rng = rng_state(tensors_of(args, kwargs))
         except KeyboardInterrupt:
             raise
         except BaseException as problem:
-            self.fault(f"the RNG state before {watched.name}", problem)
+            self._owner.fault(f"the RNG state before {watched.name}", problem)
             rng = {}
-        self.enter_scope()
+        self._owner.enter_scope()
         return before, rng
 
     def _synchronize(self, args: Any, kwargs: Any) -> None:
@@ -504,26 +406,26 @@ class Recorder:
         problem = None
         try:
             self._functions[watched.name] = _FunctionCall(watched, args, kwargs, before, rng)
-            self.remember_output(watched, result)
+            self._owner.remember_output(watched, result)
             for watch in self._modules:
                 watch.link_consumer(watched, args, kwargs, before)
             scalar = all(t.dim() == 0 for t in tensors_in(result))
-            if self.checks("output") or (self.checks("loss") and scalar):
+            if self._owner.checks("output") or (self._owner.checks("loss") and scalar):
                 problem = nonfinite_problem(
                     f"{'loss' if scalar else 'output'} of {watched.name}", result)
         except KeyboardInterrupt:
             raise
         except BaseException as fault:
-            self.fault(f"the output check of {watched.name}", fault)
-        self.leave(None, None)
+            self._owner.fault(f"the output check of {watched.name}", fault)
+        self._owner.leave(None, None)
         if problem is not None:
-            self.nonfinite(problem, functools.partial(
+            self._owner.nonfinite(problem, functools.partial(
                 self._save_first, watched=watched, args=args, kwargs=kwargs, before=before,
                 rng=rng, finite=True))
 
     def _call_after_first(self, fn: Callable[P, R], args: Any, kwargs: Any) -> R:
         """After the first failure: no snapshots, only counting."""
-        self.enter_scope()
+        self._owner.enter_scope()
         caught: BaseException | None = None
         try:
             return fn(*args, **kwargs)
@@ -531,7 +433,7 @@ class Recorder:
             caught = exc
             raise
         finally:
-            self.leave(caught, None)
+            self._owner.leave(caught, None)
 
     def _enter_step(self, step: Step) -> None:
         with self._lock:
@@ -539,7 +441,7 @@ class Recorder:
                 self._ids = None  # a new iteration is a new batch
                 self._outputs = []
                 self._functions = {}
-                self.step_context = {}
+                self._owner.step_context = {}
             self._iteration = step.iteration
             if step.ids is not None:
                 self._ids = step.ids
@@ -566,7 +468,7 @@ class Recorder:
             caught = exc if isinstance(exc, Exception) else None
             save = (None if caught is None
                     else functools.partial(self._save_step, anchored=True))
-            self.leave(caught, save)
+            self._owner.leave(caught, save)
         finally:
             # Popped last: a failure is recorded as happening in this stage.
             if self._local.stages:
@@ -614,13 +516,10 @@ class Recorder:
             return Context(self._iteration, stages[-1] if stages and stages[-1] else None,
                            self._last_step, self._ids)
 
-    def case_root(self) -> Path:
+    def _case_root(self) -> Path:
         """Where this process writes its cases: the root, or its rank's folder in it."""
         rank = rank_of()
         return self.root if rank is None else self.root / f"rank{rank.rank}"
-
-    def rank(self) -> Rank | None:
-        return rank_of()
 
     # -- saving -------------------------------------------------------------------------
 
@@ -636,7 +535,7 @@ class Recorder:
         found = triage_of(exc, stderr_text)
         where_now = self._context()
         numeric: dict[str, Any] = {}
-        root = self.case_root()
+        root = self._case_root()
         root.mkdir(parents=True, exist_ok=True)
         files = dict(files or {})
         call: str | None = None
@@ -683,7 +582,7 @@ class Recorder:
             inputs, ids = Inputs(), where_now.ids
         if context:
             numeric.update(context)
-        for key, value in self.step_context.items():
+        for key, value in self._owner.step_context.items():
             numeric.setdefault(key, value)
         draft = case_draft(exc, watched, inputs, where_now, ids, stderr_text,
                            self._device_names, what=what, incomplete=tuple(incomplete),
@@ -739,7 +638,7 @@ class Recorder:
         backward = next((w for w in self._modules if w.backward_open and w.last_call), None)
         if backward is not None and backward.last_call is not None:
             args, kwargs = backward.last_call
-            self.save_module(exc, backward, args, kwargs, backward=True)
+            self._owner.save_module(exc, backward, args, kwargs, backward=True)
             return
         watched = {id(w.module): w for w in self._modules}
         found = failing_call(exc, watched, anchored=anchored)
@@ -767,19 +666,19 @@ class Recorder:
                     "run",), what=watch.watched.name)
                 return
             args, kwargs = watch.last_call or (found.args, found.kwargs)
-            self.save_module(exc, watch, args, kwargs, backward=False)
+            self._owner.save_module(exc, watch, args, kwargs, backward=False)
             return
         if found.kind == "method":
             watch = watched[id(found.target)]
-            self.save_module(exc, watch, found.args, found.kwargs, backward=False,
+            self._owner.save_module(exc, watch, found.args, found.kwargs, backward=False,
                              method=found.method)
             return
         if found.kind == "module":
             module = found.target
             rebuild = rebuild_of(module, None, None)
             name = case_name(type(module).__name__)
-            watch = ModuleWatch.detached(self, module, name, rebuild)
-            self.save_module(exc, watch, found.args, found.kwargs, backward=False)
+            watch = ModuleWatch.detached(self._owner, module, name, rebuild)
+            self._owner.save_module(exc, watch, found.args, found.kwargs, backward=False)
             return
         call_watched = watched_call(found.target, None, None, None)
         self._save_first(exc, call_watched, found.args, found.kwargs, Before(
@@ -792,7 +691,7 @@ class Recorder:
                 continue
             if isinstance(key, ModuleWatch) and key.last_call is not None:
                 args, kwargs = key.last_call
-                self.save_module(exc, key, args, kwargs, backward=False)
+                self._owner.save_module(exc, key, args, kwargs, backward=False)
                 return True
             if isinstance(key, Watched) and key.name in self._functions:
                 call = self._functions[key.name]
@@ -812,7 +711,7 @@ class Recorder:
             say(f"gpucase: warning: {rebuild.why_not}")
         for note in rebuild.notes:
             say(f"gpucase: note: {note}")
-        if self.integration != "lightning" and lightning_module(module):
+        if self._owner.integration != "lightning" and lightning_module(module):
             # Said now: such a failure would raise unsaved, with no line at all.
             say(f"gpucase: note: {type(module).__qualname__} is a LightningModule watched "
                 "without GpuCaseCallback: its forward's failures are saved, but one outside "
@@ -820,7 +719,7 @@ class Recorder:
                 "only inside `with rec.step(...)`; pass Trainer(callbacks=["
                 "GpuCaseCallback(recorder=rec)]) to save those too")
         case = case_name(name or type(module).__name__)
-        self._modules.append(ModuleWatch(self, module, case, rebuild, ids, checkpoint))
+        self._modules.append(ModuleWatch(self._owner, module, case, rebuild, ids, checkpoint))
 
     def _note_once(self, key: str, message: str) -> None:
         if key not in self._notes_given:
@@ -850,12 +749,127 @@ def _raised_in_backward(exc: BaseException) -> bool:
                for frame, _ in traceback.walk_tb(exc.__traceback__))
 
 
+
+
+class Hooks:
+    """The Recorder as its watches and the framework integrations see it (``watch.Owner``):
+    what a module's hooks ask when a call starts, returns or raises, and where an
+    integration says which step it is running. Kept apart from ``Recorder``, whose public
+    surface is what docs/recorder.md documents; reached with ``hooks_of(recorder)``."""
+
+    def __init__(self, rec: Recorder) -> None:
+        self._rec = rec
+        # [context] entries a framework integration knows for the current step (Lightning's
+        # precision="bf16-mixed" is autocast around training_step, not inside the failure).
+        self.step_context: dict[str, Any] = {}
+        # The call a framework integration makes the current step (Lightning: the module,
+        # training_step, its (batch, batch_idx) and their copies), for a watch that sees the
+        # step through the module's redirected forward (DDP).
+        self.framework_call: tuple[Any, str, tuple[Any, ...], Before] | None = None
+        # The framework integration that watches through this Recorder ("lightning"), which
+        # sees the steps a plain rec.watch of its module does not.
+        self.integration: str | None = None
+
+    def taken(self) -> bool:
+        return self._rec._taken
+
+    def step_call(self, module: Any) -> tuple[str, tuple[Any, ...], Before] | None:
+        call = self.framework_call
+        return None if call is None or call[0] is not module else call[1:]
+
+    def enter_scope(self) -> None:
+        self._rec._local.depth += 1
+
+    def checks(self, kind: str) -> bool:
+        return kind in self._rec.nonfinite_kinds
+
+    def fault(self, where: str, problem: BaseException) -> None:
+        """A fault in the Recorder's own code: said once per place; the call goes on as if
+        unwatched."""
+        self._rec._note_once("fault", (
+            f"gpucase: note: {where} failed ({error_line(problem)}); the call runs as "
+            "unwatched there (no snapshot), and training is not affected (said once)"))
+
+    def snapshot_of(self, watched: Watched, args: Any, kwargs: Any) -> Before:
+        """The call's tensor arguments as they are before it runs: ``snapshot_before`` under
+        this Recorder's settings; no snapshot (with a note) when that fails."""
+        try:
+            return snapshot_before(watched, args, kwargs, snapshot=self._rec.snapshot,
+                                   snapshot_limit=self._rec.snapshot_limit,
+                                   device_names=self._rec._device_names, note=self._rec._note_once)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as problem:
+            self.fault(f"the snapshot of {watched.name}'s inputs", problem)
+            return Before(why_not=f"the snapshot before the call failed ({error_line(problem)})")
+
+    def remember_output(self, key: object, value: Any) -> None:
+        """Keep a watched call's floating outputs (detached: no graph) until the step ends,
+        for the search of where a NaN that a guard in the step found came from."""
+        kept = [t.detach() for t in tensors_in(value) if t.is_floating_point() or t.is_complex()]
+        if kept:
+            outputs = self._rec._outputs[-(_REMEMBERED - 1):]
+            self._rec._outputs = [*[o for o in outputs if o[0] is not key], (key, kept)]
+
+    def leave(self, exc: BaseException | None,
+              save: Callable[[BaseException], object] | None) -> None:
+        """Close a scope: handle its exception once, however many scopes it crosses."""
+        local = self._rec._local
+        local.depth -= 1
+        try:
+            if exc is not None and exc is not local.handled and exc is not self._rec._first:
+                self._rec._failed(exc, save)
+        finally:
+            # Kept only while an enclosing scope may still see the same exception.
+            local.handled = exc if exc is not None and local.depth > 0 else None
+
+    def nonfinite(self, problem: str, save: Callable[[BaseException], object]) -> None:
+        """A watched value is not finite: save the case as the first failure, then raise a
+        FloatingPointError where the value appeared (Recorder(nonfinite=...))."""
+        with self._rec._lock:
+            iteration = self._rec._iteration
+        text = problem if iteration is None else f"{problem} (at iteration {iteration})"
+        exc = FloatingPointError(text)
+        self._rec._failed(exc, save)
+        if self._rec._local.depth > 0:
+            self._rec._local.handled = exc
+        raise exc
+
+    def save_module(self, exc: BaseException, watch: ModuleWatch, args: Any, kwargs: Any,
+                    backward: bool, method: str | None = None,
+                    before: Before | None = None, incomplete: tuple[str, ...] = ()) -> None:
+        """The whole-module case, then the narrowest module and op cases that reproduce."""
+        ModuleSaver(self._rec, watch, args, kwargs, backward, method, before,
+                    incomplete).save(exc)
+
+    def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
+                    kwargs: Mapping[str, Any], before: Before | None, backward: bool,
+                    incomplete: tuple[str, ...] = ()) -> None:
+        """Save ``exc`` as the case of ``method`` of ``module`` called on ``args`` (for a
+        framework's step: ``record`` and ``nonfinite`` call it); ``incomplete``: why its
+        replay cannot reproduce the failure."""
+        inner = unwrap(module)
+        watch = next((w for w in self._rec._modules if w.module is inner), None)
+        if watch is None:
+            watch = ModuleWatch.detached(self, inner, case_name(type(inner).__name__),
+                                         rebuild_of(inner, None, None))
+        self.save_module(exc, watch, args, kwargs, backward=backward, method=method,
+                         before=before, incomplete=incomplete)
+
+    # -- the steps ------------------------------------------------------------------
+
+
+def hooks_of(recorder: Recorder) -> Hooks:
+    """What a framework integration drives a Recorder through (``Hooks``)."""
+    return recorder._owner
+
+
 def _hide_from_dynamo() -> None:
     """The Recorder's code runs eagerly whoever calls it: under a compiled region's hooks
     nothing of it is compiled. Only the frames that call the user's function let Dynamo
     compile that function as usual."""
     calls_user = {Recorder._watched_call, Recorder._call_after_first}
-    for value in vars(Recorder).values():
+    for value in [*vars(Recorder).values(), *vars(Hooks).values()]:
         if callable(value) and hasattr(value, "__code__"):
             invisible_to_dynamo(value.__code__, recursive=value not in calls_user)
 

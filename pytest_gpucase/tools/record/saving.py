@@ -68,7 +68,7 @@ class _Recorder(Protocol):
     _narrowed_new: list[Path]
     _device_names: dict[str, str]
 
-    def case_root(self) -> Path: ...
+    def _case_root(self) -> Path: ...
     def _context(self) -> Context: ...
     def _save_first(self, exc: BaseException, watched: Watched | None, args: Any, kwargs: Any,
                     before: Before, rng: Mapping[str, Any] | None = None, *,
@@ -132,7 +132,7 @@ class ModuleSaver:
         found = triage_of(exc, "")
         nan = class_of(exc) == "nan"
         rebuild = watch.rebuild
-        root = rec.case_root()
+        root = rec._case_root()
         recipe: dict[str, Any] = {"factory": rebuild.factory or "",
                                   "kwargs": dict(rebuild.kwargs),
                                   "training": bool(module.training), "backward": self.backward}
@@ -312,7 +312,7 @@ class ModuleSaver:
         written = len(rec._narrowed_new)
         with contextlib.suppress(Exception):
             write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
-                           root=rec.case_root(), stderr_file=rec.stderr_file,
+                           root=rec._case_root(), stderr_file=rec.stderr_file,
                            context=rec._context(), device_names=rec._device_names,
                            kept=rec.narrowed, written=rec._narrowed_new, recorded=recorded)
         with contextlib.suppress(Exception):
