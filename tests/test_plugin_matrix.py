@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -658,3 +659,40 @@ def test_a_report_another_writer_changed_is_not_written_over(pytester: pytest.Py
     result.stdout.fnmatch_lines([f"gpucase: another writer changed the JSON report {report} "
                                  "while this session ran*"])
     assert json.loads(report.read_text()) == {"written by": "another session"}
+
+
+def test_two_builds_of_one_extension_version_are_two_columns(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rowext 2.0 built twice, one build wrong: each session records its build, and the
+    merged matrix has two columns labelled by build, one passing and one failing, instead
+    of one column where the working build reads as failing or flaky."""
+    import torch
+
+    from pytest_gpucase.report.matrix import build_matrix
+    from tests.extension_builds import install_compiled_distribution
+
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    write_case(pytester.path, "rowcase", 'format = 1\ncall = "rowext:pool"\n'
+               'reference = "case.py:reference"\n[matrix]\ndevices = ["cpu"]\n'
+               'dtypes = ["float32"]\n',
+               "def reference(x, mask):\n    return x\n", inputs)
+    reports = []
+    for name, factor in (("good", 1.0), ("bad", 2.0)):
+        site = install_compiled_distribution(pytester.path / f"site-{name}", "rowext", "2.0",
+                                             factor=factor)
+        # the site first, then this checkout (what the session imports gpucase from)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        report = run_with_report(pytester, "-p", "no:benchmark")
+        (pytester.path / "report.json").rename(pytester.path / f"{name}.json")
+        assert report["environment"]["packages"] == {"rowext": "2.0"}
+        assert len(report["environment"]["builds"]["rowext"]["fingerprint"]) == 12
+        assert [r["outcome"] for r in report["results"]] == (
+            ["passed"] if factor == 1.0 else ["failed"])
+        reports.append(report)
+    fingerprints = [r["environment"]["builds"]["rowext"]["fingerprint"] for r in reports]
+    assert fingerprints[0] != fingerprints[1]
+    matrix = build_matrix(reports, detail=False, names=["good.json", "bad.json"])
+    assert [column.label for column in matrix.columns] == [
+        f"rowext 2.0 (build {fingerprint})" for fingerprint in fingerprints]
+    assert [cell.status for cell in matrix.rows[0].cells] == ["pass", "fail"]
