@@ -19,8 +19,8 @@ import pytest
 __all__ = ["MODULE_SOURCE", "compile_extension", "compiler", "install_compiled_distribution"]
 
 # The package's Python side: ``pool`` scales by what the compiled module says (1.0 is right).
-MODULE_SOURCE = ("def pool(x, mask):\n"
-                 "    from {module} import _C\n"
+MODULE_SOURCE = ("from . import _C\n\n\n"
+                 "def pool(x, mask):\n"
                  "    return x * _C.factor()\n")
 
 _C_SOURCE = r"""
@@ -98,7 +98,7 @@ def install_compiled_distribution(site: Path, name: str, version: str, *, factor
     keeps them in the source tree)."""
     package = site / name
     package.mkdir(parents=True)
-    (package / "__init__.py").write_text(MODULE_SOURCE.format(module=name))
+    (package / "__init__.py").write_text(MODULE_SOURCE)
     compiled = compile_extension(package, factor=factor, defines=defines)
     info = site / f"{name}-{version}.dist-info"
     info.mkdir()

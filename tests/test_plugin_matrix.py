@@ -696,3 +696,48 @@ def test_two_builds_of_one_extension_version_are_two_columns(
     assert [column.label for column in matrix.columns] == [
         f"rowext 2.0 (build {fingerprint})" for fingerprint in fingerprints]
     assert [cell.status for cell in matrix.rows[0].cells] == ["pass", "fail"]
+
+
+def test_a_loader_error_is_told_in_its_own_words_and_is_no_broken_case(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built for another torch raised "undefined symbol: _ZN5torch..." at
+    import; the one-line message said only "importing 'rowext' failed", the outcome was a
+    broken case blaming the case, and triage was null."""
+    import torch
+
+    from tests.extension_builds import install_compiled_distribution
+
+    site = pytester.path / "site"
+    install_compiled_distribution(site, "rowabi", "2.0", defines=("NEEDS_TORCH_SYMBOL",),
+                                  requires="torch==2.9.1")
+    install_compiled_distribution(site, "rowlib", "1.0", defines=("NEEDS_LIBRARY",))
+    (site / "rowops.py").write_text("import torch\n\ndef pool(x, mask):\n"
+                                    "    return torch.ops.rowops.logsumexp(x)\n")
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    for name in ("rowabi", "rowlib", "rowops"):
+        write_case(pytester.path, name, f'format = 1\ncall = "{name}:pool"\n[matrix]\n'
+                   'devices = ["cpu"]\ndtypes = ["float32"]\n', None, inputs)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    report = run_with_report(pytester, "-p", "no:benchmark")
+    results = {r["case"]: r for r in report["results"]}
+    here = torch.__version__
+    abi = results["rowabi"]
+    assert abi["outcome"] == "failed"
+    assert abi["error_type"] == "ImportError"
+    assert abi["message"].startswith("cases/rowabi/case.toml: call: importing 'rowabi' failed: ")
+    assert "undefined symbol: _ZN5torch7Library4_defEPKc" in abi["message"]
+    assert abi["message"].endswith(f"(torch {here} here, rowabi 2.0 built for torch 2.9.1)")
+    assert abi["triage"]["clue"] == "extension built for another torch or CUDA"
+    assert "Do not call the case broken" in abi["triage"]["avoid"]
+    assert (f"rebuild rowabi 2.0 against torch {here}, the torch it runs with here (it was "
+            "built for torch 2.9.1)") in abi["triage"]["notes"]
+    lib = results["rowlib"]
+    assert "libgpucase_missing.so: cannot open shared object file" in lib["message"]
+    assert lib["triage"]["clue"] == "shared library not found"
+    assert "the loader could not find libgpucase_missing.so" in lib["triage"]["notes"]
+    ops = results["rowops"]
+    assert "'_OpNamespace' 'rowops' object has no attribute 'logsumexp'" in ops["message"]
+    assert ops["triage"]["clue"] == "operator not available"
+    # and the step summary / junit message is the same one line: the report's "message"
+    assert all("\n" not in r["message"] for r in results.values())

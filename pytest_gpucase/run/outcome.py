@@ -28,7 +28,9 @@ class Outcome:
     # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
     # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
     # "bad output" (one that cannot be walked: nested too deep, or holding itself),
-    # "broken case" (the case itself is wrong: file, import), "crash", "timeout".
+    # "broken case" (the case itself is wrong: file, import), "environment" (the dynamic
+    # loader refused a module the case imports: a package built for another torch, a
+    # library missing), "crash", "timeout".
     kind: str = ""
     # What the verdict could not check, and why, shown with the item's report on a pass too
     # ("nothing independent checked the gradients": no reference, and no gradcheck).
