@@ -741,3 +741,43 @@ def test_a_loader_error_is_told_in_its_own_words_and_is_no_broken_case(
     assert ops["triage"]["clue"] == "operator not available"
     # and the step summary / junit message is the same one line: the report's "message"
     assert all("\n" not in r["message"] for r in results.values())
+
+
+def test_a_demanded_package_missing_or_out_of_range_fails_the_session_at_start(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without rowext installed every case skipped and the job passed: a missing extension
+    gated green. --gpu-require (or the ini's gpu_require) fails the session before anything
+    runs, in one line naming the package, as --gpu-devices does for a device."""
+    import torch
+
+    site = install_fake_distribution(pytester.path / "site", "tinyext", "1.0", "tinyext")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    write_case(pytester.path, "declared", 'format = 1\ncall = "rowext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n[matrix.packages]\nrowext = ">=2"\n', None,
+               {"x": torch.ones(2)})
+    # what passed before: every case skipped, exit 0
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(skipped=1)
+    assert result.ret == 0
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-require", "rowext", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require rowext: rowext is not installed in this "
+                                 "environment (Python at *); install it, or leave it out where "
+                                 "it is not expected"])
+    assert "collected" not in result.stdout.str()
+    # from the ini, as a TOML list; a range the installed version is outside of
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ngpu_require = ["tinyext>=2,<3"]\n')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require tinyext>=2,<3: tinyext 1.0 is installed, "
+                                 "outside <3,>=2 (Python at *)"])
+    # met: the session runs (its case skips as before: the demand is for tinyext)
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ngpu_require = ["tinyext>=1", '
+                               '"torch>=2"]\n')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(skipped=1)
+    # a typo is named with the fix
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-require", "rowext>=>2", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require: 'rowext>=>2' is not a requirement *"])
