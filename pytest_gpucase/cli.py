@@ -19,13 +19,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.base.version import __version__
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), on every platform.
 EXIT_BROKEN_PIPE = 141
+# Commands that import neither torch nor pytest: a CI matrix's merge job installs neither
+# (docs/ci.md, "A merge job without torch"). tests/test_cli.py runs them without either.
+_WITHOUT_TORCH = frozenset({"matrix", "show"})
 
 
 def _positive_int(text: str) -> int:
@@ -129,9 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, ValueError, TypeError) as exc:
         return _error("matrix", f"--plugin: {exc}")
     args = _parser().parse_args(argv)
-    from pytest_gpucase.base.torch_import import import_torch
+    if args.command not in _WITHOUT_TORCH:
+        from pytest_gpucase.base.torch_import import import_torch
 
-    import_torch()
+        import_torch()
     try:
         code = _dispatch(args)
         # Flushed here, so that a reader gone away is met in this try and not at exit.
@@ -158,26 +161,21 @@ def _load_format_plugins(argv: list[str]) -> None:
     modules = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--plugin"]
     modules += [arg.removeprefix("--plugin=") for arg in argv if arg.startswith("--plugin=")]
     import importlib
+    from importlib import metadata
 
-    import pluggy
-
-    from pytest_gpucase.plugin import hookspecs
     from pytest_gpucase.report.render import add_renderers
 
-    class Manager(pluggy.PluginManager):
-        # As pytest does: a plugin's hook functions need no @hookimpl marker.
-        def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
-            found = super().parse_hookimpl_opts(plugin, name)
-            if found is None and name.startswith("pytest_gpucase_"):
-                return {}
-            return found
-
-    manager = Manager("pytest")
-    manager.add_hookspecs(hookspecs)
-    manager.load_setuptools_entrypoints("gpucase")
-    for name in modules:
-        manager.register(importlib.import_module(name), name)
-    add_renderers(manager.hook.pytest_gpucase_report_formats())
+    # The hook as pytest would call it (plugin/hookspecs.py), without pytest or pluggy: a
+    # merge job installs neither. Entry points of the group "gpucase" first, then --plugin.
+    plugins = [entry.load() for entry in metadata.entry_points(group="gpucase")]
+    plugins += [importlib.import_module(name) for name in modules]
+    plugins = list({id(plugin): plugin for plugin in plugins}.values())   # once each
+    found = []
+    for plugin in plugins:
+        hook = getattr(plugin, "pytest_gpucase_report_formats", None)
+        if callable(hook) and (formats := hook()) is not None:
+            found.append(formats)
+    add_renderers(found)
 
 
 def _error(command: str | None, problem: object, code: int = 2) -> int:

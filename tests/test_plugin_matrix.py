@@ -781,3 +781,58 @@ def test_a_demanded_package_missing_or_out_of_range_fails_the_session_at_start(
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-require", "rowext>=>2", "cases")
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     result.stderr.fnmatch_lines(["ERROR: --gpu-require: 'rowext>=>2' is not a requirement *"])
+
+
+@pytest.mark.slow
+def test_matrix_and_show_run_in_an_environment_without_torch_or_pytest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The merge job of a CI matrix installed torch and its CUDA libraries (about 3 GB) to
+    merge JSON files: `gpucase matrix` imported torch and pytest at start, and printed a
+    traceback without them. In a venv holding only this package and packaging (the light
+    install of docs/ci.md), matrix and show --report work, and print what they print with
+    torch."""
+    import packaging
+
+    import pytest_gpucase
+    from pytest_gpucase.cli import main
+    from tests.helpers import environment, report_file, result
+
+    venv = tmp_path / "merge-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                "get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "packaging").symlink_to(Path(packaging.__file__).parent)
+    (site / "gpucase-source.pth").write_text(str(Path(pytest_gpucase.__file__).parents[1]) + "\n")
+    missing = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True)
+    assert "No module named 'torch'" in missing.stderr
+    missing = subprocess.run([str(python), "-c", "import pytest"], capture_output=True, text=True)
+    assert "No module named 'pytest'" in missing.stderr
+    reports = []
+    for n, (torch_version, rowext) in enumerate([("2.13.0", "2.0"), ("2.9.1", "1.0"),
+                                                 ("2.9.1", "2.0"), ("2.13.0", "1.0")]):
+        env = environment(torch_version, None, None, "x", "9.0", packages={"rowext": rowext})
+        outcomes = ["passed", "failed" if rowext == "1.0" else "passed"]
+        reports.append(report_file(tmp_path / f"r{n}.json", env, [
+            result(f"case{i}", "cpu", "float32", outcome, message="outputs differ")
+            for i, outcome in enumerate(outcomes)]))
+    args = ["matrix", *map(str, reports)]
+    start = time.monotonic()
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args],
+                          capture_output=True, text=True, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert main(args) == 0
+    assert done.stdout == capsys.readouterr().out   # the same matrix as with torch
+    assert seconds < 10, f"gpucase matrix without torch took {seconds:.1f} s"
+    html = tmp_path / "matrix.html"
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args, "--format", "html",
+                           "-o", str(html)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert html.read_text().startswith("<!DOCTYPE html>")
+    case = Path(pytest_gpucase.__file__).parents[1] / "cases" / "ce_class4"
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", "show", str(case),
+                           "--report", str(reports[0])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "no verdict of this case in the report" in done.stdout
