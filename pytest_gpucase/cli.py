@@ -51,6 +51,13 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _axes(text: str) -> tuple[str, str]:
+    parts = tuple(part.strip() for part in text.split(","))
+    if len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected ROWS,COLUMNS (e.g. rowext,torch), got {text!r}")
+    return parts[0], parts[1]
+
+
 def _parser() -> argparse.ArgumentParser:
     # neither torch nor pytest: cheap, and the one list of formats
     from pytest_gpucase.report.render import RENDERERS
@@ -72,6 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     matrix.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="write here instead of stdout")
     matrix.add_argument("--detail", action="store_true", help="one row per case x variant")
+    matrix.add_argument("--pivot", type=_axes, metavar="ROWS,COLUMNS",
+                        help="one table per case (and one of all) of two environment axes "
+                        "in version order, e.g. rowext,torch: a package the reports record, or "
+                        "torch, cuda, hip, cudnn, python, backend, gpu, platform, revision "
+                        "(markdown or html)")
 
     show = commands.add_parser("show", help="a case at a glance")
     show.add_argument("case", type=Path, metavar="CASE", help="the case directory")
@@ -212,7 +224,23 @@ def _matrix(args: argparse.Namespace) -> int:
         for error in exc.errors:
             _error(None, error)
         return 2
-    text = RENDERERS[args.format](matrix)
+    if args.pivot is not None:
+        from pytest_gpucase.report.pivot import (
+            PivotError,
+            pivot,
+            render_pivot_html,
+            render_pivot_markdown,
+        )
+
+        pivots = {"markdown": render_pivot_markdown, "html": render_pivot_html}
+        if args.format not in pivots:
+            return _error("matrix", f"--pivot writes markdown or html, not {args.format}")
+        try:
+            text = pivots[args.format](pivot(matrix, *args.pivot))
+        except PivotError as exc:
+            return _error("matrix", exc)
+    else:
+        text = RENDERERS[args.format](matrix)
     if args.output is None:
         sys.stdout.write(text)
         return 0

@@ -471,3 +471,62 @@ def test_a_report_without_builds_joins_the_one_column_its_version_fits() -> None
     matrix = build_matrix(reports, detail=False, names=["old.json", "new.json"])
     assert len(matrix.columns) == 1
     assert matrix.columns[0].environment["builds"]["rowext"]["fingerprint"] == "aaaaaaaaaaaa"
+
+
+# --- The pivot: extension x torch, in version order ---------------------------------------
+
+from pytest_gpucase.report.pivot import (  # noqa: E402
+    PivotError,
+    pivot,
+    render_pivot_html,
+    render_pivot_markdown,
+)
+
+
+def _grid_reports(builds: bool = False) -> list[dict]:
+    """rowext 1.0 fails, 2.0 passes, on torch 2.13.0, 2.9.1 and 2.14.1, given out of order."""
+    reports = []
+    for n, (torch_version, rowext) in enumerate([("2.13.0", "2.0"), ("2.9.1", "10.0"),
+                                                 ("2.14.1", "1.0"), ("2.9.1", "1.0"),
+                                                 ("2.13.0", "1.0"), ("2.14.1", "2.0")]):
+        env = runner_environment(torch_version, None, None, "x", "9.0",
+                                 packages={"rowext": rowext})
+        report = _report(env, "failed" if rowext == "1.0" else "passed",
+                         f"2026-12-01T10:00:0{n}+00:00")
+        reports.append(report)
+    return reports
+
+
+def test_the_pivot_orders_rows_and_columns_by_version() -> None:
+    matrix = build_matrix(_grid_reports(), detail=False)
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("1.0", "2.0", "10.0")        # not "1.0", "10.0", "2.0"
+    assert view.column_values == ("2.9.1", "2.13.0", "2.14.1")
+    text = render_pivot_markdown(view)
+    assert "| rowext \\ torch | **torch 2.9.1** | **torch 2.13.0** | **torch 2.14.1** |" in text
+    assert "| **rowext 1.0** | ❌ cpu: fail[^1] | ❌ cpu: fail[^1] | ❌ cpu: fail[^1] |" in text
+    assert "| **rowext 10.0** | ✅ cpu: pass | — | — |" in text   # no report: no cell
+    assert "| **rowext 2.0** | — | ✅ 1 pass | ✅ 1 pass |" in text   # the all-cases table
+    page = render_pivot_html(pivot(matrix, "torch", "rowext"))
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page
+    assert "http" not in page.replace("http-equiv", "")   # one self-contained file
+
+
+def test_two_builds_are_two_values_of_their_axis() -> None:
+    env_a = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                               builds={"rowext": {"fingerprint": "aaaaaaaaaaaa", "tag": None,
+                                                  "torch": "2.13"}})
+    env_b = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                               builds={"rowext": {"fingerprint": "bbbbbbbbbbbb", "tag": None,
+                                                  "torch": "2.9"}})
+    matrix = build_matrix([_report(env_a, "passed", "2026-12-01T10:00:00+00:00"),
+                           _report(env_b, "failed", "2026-12-01T10:00:01+00:00")], detail=False)
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("2.0 (build aaaaaaaaaaaa, for torch 2.13)",
+                               "2.0 (build bbbbbbbbbbbb, for torch 2.9)")
+
+
+def test_an_axis_no_report_records_is_named_with_the_axes_there_are() -> None:
+    matrix = build_matrix(_grid_reports(), detail=False)
+    with pytest.raises(PivotError, match="no report records 'torh'; axes: torch, .*rowext"):
+        pivot(matrix, "rowext", "torh")
