@@ -836,3 +836,44 @@ def test_matrix_and_show_run_in_an_environment_without_torch_or_pytest(
                            "--report", str(reports[0])], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "no verdict of this case in the report" in done.stdout
+
+
+_WORKFLOW = Path(__file__).parents[1] / "examples" / "ci" / "extension-matrix.yml"
+
+
+def test_the_documented_workflow_is_the_example_and_shows_every_red_cell() -> None:
+    """docs/ci.md's workflow cancelled the other cells at the first red one, never uploaded
+    a failing job's report, had no torch axis and built extensions in pip's isolation."""
+    yaml = pytest.importorskip("yaml", reason="needs PyYAML to read the workflow")
+    text = _WORKFLOW.read_text()
+    docs = (Path(__file__).parents[1] / "docs" / "ci.md").read_text()
+    assert f"```yaml\n{text}```" in docs   # the page shows the file a test checks
+    workflow = yaml.safe_load(text)
+    cases, merge = workflow["jobs"]["cases"], workflow["jobs"]["matrix"]
+    assert cases["strategy"]["fail-fast"] is False
+    assert "torch" in cases["strategy"]["matrix"]
+    runs = [step.get("run", "") for step in cases["steps"]]
+    assert any("--no-build-isolation" in run for run in runs)
+    assert any("--gpu-require" in run and "--gpu-cases-report" in run for run in runs)
+    upload = next(step for step in cases["steps"]
+                  if step.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "${{ !cancelled() }}"
+    assert merge["if"] == "${{ !cancelled() }}"
+    merge_runs = " ".join(step.get("run", "") for step in merge["steps"])
+    assert "pip install --no-deps pytest-gpucase packaging" in merge_runs
+    assert "torch" not in merge_runs.replace("--pivot rowext,torch", "")
+    assert '>> "$GITHUB_STEP_SUMMARY"' in merge_runs
+    assert any(step.get("with", {}).get("path") == "matrix.html" for step in merge["steps"])
+
+
+@pytest.mark.slow
+def test_the_example_workflow_passes_githubs_workflow_schema() -> None:
+    import shutil
+
+    checker = shutil.which("check-jsonschema")
+    if checker is None:
+        pytest.skip("needs check-jsonschema (pip install check-jsonschema): it vendors "
+                    "GitHub's workflow schema and checks offline")
+    done = subprocess.run([checker, "--builtin-schema", "vendor.github-workflows",
+                           str(_WORKFLOW)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
