@@ -27,7 +27,7 @@ from pytest_gpucase.base.version import __version__
 EXIT_BROKEN_PIPE = 141
 # Commands that import neither torch nor pytest: a CI matrix's merge job installs neither
 # (docs/ci.md, "A merge job without torch"). tests/test_cli.py runs them without either.
-_WITHOUT_TORCH = frozenset({"matrix", "show"})
+_WITHOUT_TORCH = frozenset({"matrix", "show", "durations"})
 
 
 def _positive_int(text: str) -> int:
@@ -84,6 +84,14 @@ def _parser() -> argparse.ArgumentParser:
                         "in version order, e.g. rowext,torch: a package the reports record, or "
                         "torch, cuda, hip, cudnn, python, backend, gpu, platform, revision "
                         "(markdown or html)")
+
+    durations = commands.add_parser(
+        "durations", help="item durations from JSON reports, as pytest-split reads them, to "
+        "shard cases across runners (pytest --splits N --group I --durations-path FILE)")
+    durations.add_argument("reports", nargs="+", type=Path, metavar="REPORT",
+                           help="a JSON report written by pytest --gpu-cases-report")
+    durations.add_argument("-o", "--output", type=Path, metavar="FILE",
+                           help="write here (e.g. .test_durations) instead of stdout")
 
     show = commands.add_parser("show", help="a case at a glance")
     show.add_argument("case", type=Path, metavar="CASE", help="the case directory")
@@ -204,6 +212,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     command: str = args.command
     handlers = {
         "matrix": _matrix,
+        "durations": _durations,
         "show": _show,
         "request": _request,
         "validate": _validate,
@@ -250,6 +259,29 @@ def _matrix(args: argparse.Namespace) -> int:
         return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
     print(f"gpucase: wrote {args.output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
           f"environments)")
+    return 0
+
+
+def _durations(args: argparse.Namespace) -> int:
+    import json
+
+    from pytest_gpucase.report.durations import durations
+    from pytest_gpucase.report.file import ReportError, load_report
+
+    loaded = []
+    for path in args.reports:
+        try:
+            loaded.append(load_report(path))
+        except ReportError as exc:
+            return _error(None, exc)
+    text = json.dumps(durations(loaded), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        args.output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
     return 0
 
 

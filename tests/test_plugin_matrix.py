@@ -878,3 +878,39 @@ def test_the_example_workflow_passes_githubs_workflow_schema() -> None:
     done = subprocess.run([checker, "--builtin-schema", "vendor.github-workflows",
                            str(_WORKFLOW)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_shards_split_by_recorded_durations_merge_into_one_column(
+        pytester: pytest.Pytester) -> None:
+    """The reports hold every item's duration: `gpucase durations` writes them as
+    pytest-split reads them, the shards take about equal time (the slow case alone in one),
+    and their reports merge into one column holding every item once."""
+    pytest.importorskip("pytest_split", reason="needs pytest-split (pip install pytest-split)")
+    from pytest_gpucase.cli import main
+    from pytest_gpucase.report.matrix import build_matrix
+
+    for name, seconds in (("slow", 1.5), ("a", 0.0), ("b", 0.0), ("c", 0.0)):
+        write_case(pytester.path, name, f'format = 1\ncall = "case.py:run"\n'
+                   f'reference = "case.py:run"\n[inputs]\nseconds = {seconds}\n'
+                   '[matrix]\ndevices = ["cpu"]\ndtypes = ["float32"]\n',
+                   "import time\nimport torch\n\ndef run(seconds):\n"
+                   "    time.sleep(seconds / 2)\n    return torch.zeros(1)\n")
+    whole = run_with_report(pytester, "-p", "no:benchmark")
+    assert len(whole["results"]) == 4
+    durations_file = pytester.path / ".test_durations"
+    assert main(["durations", str(pytester.path / "report.json"), "-o",
+                 str(durations_file)]) == 0
+    recorded = json.loads(durations_file.read_text())
+    assert set(recorded) == {r["nodeid"] for r in whole["results"]}
+    shards = []
+    for group in (1, 2):
+        report = run_with_report(pytester, "-p", "no:benchmark", "--splits", "2", "--group",
+                                 str(group), "--durations-path", str(durations_file),
+                                 "--splitting-algorithm", "least_duration")
+        shards.append(report)
+    names = [{r["case"] for r in shard["results"]} for shard in shards]
+    assert sorted(names, key=len) == [{"slow"}, {"a", "b", "c"}]   # by time, not by count
+    matrix = build_matrix(shards, detail=False, names=["shard-1.json", "shard-2.json"])
+    assert len(matrix.columns) == 1
+    assert sorted(row.case for row in matrix.rows) == ["a", "b", "c", "slow"]
+    assert all(row.cells[0].status == "pass" for row in matrix.rows)
