@@ -528,5 +528,5 @@ def test_two_builds_are_two_values_of_their_axis() -> None:
 
 def test_an_axis_no_report_records_is_named_with_the_axes_there_are() -> None:
     matrix = build_matrix(_grid_reports(), detail=False)
-    with pytest.raises(PivotError, match="no report records 'torh'; axes: torch, .*rowext"):
+    with pytest.raises(PivotError, match=r"no report records 'torh'; axes: torch, .*rowext"):
         pivot(matrix, "rowext", "torh")

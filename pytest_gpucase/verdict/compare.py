@@ -739,7 +739,8 @@ _BY_VALUE = ("outputs compared by value are tensors, numbers, strings, lists, tu
 _TORCH_REFUSALS = (RuntimeError, NotImplementedError, TypeError)
 # torch.uint16/32/64 came with torch 2.3: read where they exist, so that older releases
 # import this module (every case item's verdict) at all.
-_WIDE_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32") if hasattr(torch, name))
+_WIDE_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32")
+                       if hasattr(torch, name))
 _WIDENED_UNSIGNED = frozenset(_WIDE_UNSIGNED)
 # A sparse pair of more elements than this is compared by its stored values, not densely.
 _DENSE_ELEMENTS = 1 << 26

@@ -295,10 +295,12 @@ _RULES: tuple[_Rule, ...] = (
             r"DLL load failed while importing \w{1,256}: The specified procedure could not be "
             r"found",
         ),
-        details=_LOADER_DETAILS + (
+        details=(
+            *_LOADER_DETAILS,
             (r"(?P<lib>[^\s:'\"]{1,512}): undefined symbol: (?P<symbol>[^\s,]{1,512})",
              "{lib} needs {symbol}, which no library loaded here defines"),
-            (r"undefined symbol: (?P<symbol>_ZN[KRVO]{0,3}(?:3c10|2at|5torch|6caffe2)[^\s,]{0,512})",
+            (r"undefined symbol: (?P<symbol>_ZN[KRVO]{0,3}(?:3c10|2at|5torch|6caffe2)"
+             r"[^\s,]{0,512})",
              "{symbol} is torch's own C++ API: the extension was built against another torch"),
             (r"undefined symbol: (?P<symbol>(?:cuda|cublas|cudnn|nccl|cusparse|cufft|curand|nvrtc)"
              r"\w{0,256})",
@@ -422,7 +424,8 @@ _RULES: tuple[_Rule, ...] = (
                 "{op} has no kernel for the {key} dispatch key in this build",
             ),
             (
-                r"'_OpNamespace' '(?P<ns>[^']{1,256})' object has no attribute '(?P<op>[^']{1,256})'",
+                (r"'_OpNamespace' '(?P<ns>[^']{1,256})' object has no attribute "
+                 r"'(?P<op>[^']{1,256})'"),
                 (
                     "torch.ops.{ns} has no {op}: the extension that registers it was not "
                     "imported, did not load, or is a version or build without it"
