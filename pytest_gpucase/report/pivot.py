@@ -99,7 +99,7 @@ def _value(matrix: Matrix, column: Column, axis: str) -> str | None:
         build = (env.get("builds") or {}).get(name)
         if isinstance(build, Mapping) and _builds_differ(matrix, wanted, version):
             return f"{version} ({build_label(build)})"
-        return version
+        return str(version)
     return None
 
 
