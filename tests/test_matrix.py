@@ -386,6 +386,7 @@ def _build_in(site: Path, monkeypatch: pytest.MonkeyPatch, name: str = "rowext")
         return package_build(name)
 
 
+@pytest.mark.slow   # compiles a real extension module
 def test_two_builds_of_one_version_have_two_fingerprints(
         two_builds: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
     first, second = (_build_in(site, monkeypatch) for site in two_builds)
@@ -405,6 +406,7 @@ def test_a_pure_python_distribution_has_no_build(tmp_path: Path,
     assert package_build("not-installed-anywhere") is None
 
 
+@pytest.mark.slow   # compiles a real extension module
 def test_an_editable_build_is_fingerprinted_from_its_files(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # RECORD lists no compiled file (an editable install): the files under the package are read
@@ -416,12 +418,16 @@ def test_an_editable_build_is_fingerprinted_from_its_files(
     assert found[0]["fingerprint"] != found[1]["fingerprint"]
 
 
+@pytest.mark.slow   # compiles a real extension module
 @pytest.mark.parametrize(("requires", "version", "expected"), [
     ("torch==2.13.0", "2.0", "2.13.0"),
     ("torch>=2.1", "2.0", None),              # a range says nothing of the build's torch
     ("", "2.1.2+pt21cu121", "2.1"),           # PyG's local labels
     ("", "2.0+pt213cpu", "2.13"),
     ("", "2.6.3+cu123torch2.4cxx11abiFALSE", "2.4"),
+    ("", "1.0+pt113cu117", "1.13"),
+    ("", "1.0+opt2", None),                   # no "pt" label: a word that holds the letters
+    ("", "1.0+pt2", None),                    # no minor version: any 2.x
 ])
 def test_the_torch_a_build_was_made_for_is_read_where_it_says_so(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requires: str, version: str,

@@ -1037,6 +1037,7 @@ def _import_error(folder: Path, defines: tuple[str, ...]) -> str:
     return str(raised.value)
 
 
+@pytest.mark.slow   # compiles a real extension module
 def test_a_real_undefined_torch_symbol(tmp_path: Path) -> None:
     text = _import_error(tmp_path, ("NEEDS_TORCH_SYMBOL",))
     assert "undefined symbol: _ZN5torch7Library4_defEPKc" in text   # glibc's own words
@@ -1050,6 +1051,7 @@ def test_a_real_undefined_torch_symbol(tmp_path: Path) -> None:
     assert loader_words(message) == message
 
 
+@pytest.mark.slow   # compiles a real extension module
 def test_a_real_missing_library(tmp_path: Path) -> None:
     text = _import_error(tmp_path, ("NEEDS_LIBRARY",))
     assert text == "libgpucase_missing.so: cannot open shared object file: No such file or directory"

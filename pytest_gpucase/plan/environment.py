@@ -199,8 +199,10 @@ _ENDS = 1 << 20       # bytes hashed from each end of a compiled file that RECOR
 _MAX_WALK = 20_000    # files looked at under an editable install's package folder
 # The torch a build names in its version or wheel file name: "+pt21cu121" (PyG), "+pt2.4",
 # "torch2.4" (flash-attn's wheels).
-_TORCH_LABEL = re.compile(r"(?:pt|torch)(?P<major>[0-9]{1,2})(?:\.(?P<minor>[0-9]{1,3})|"
-                          r"(?P<rest>[0-9]{1,3}))?", re.IGNORECASE)
+# "pt" or "torch" starts a word ("opt2" is none), and a minor version is there: "pt2" alone
+# could be any 2.x.
+_TORCH_LABEL = re.compile(r"(?<![a-z])(?:pt|torch)(?P<major>[0-9])\.?(?P<minor>[0-9]{1,2})"
+                          r"(?![0-9])", re.IGNORECASE)
 
 
 def package_build(name: str) -> dict[str, str | None] | None:
@@ -344,12 +346,7 @@ def _built_for(dist: Any) -> str | None:
 
 def _torch_label(label: str) -> str | None:
     found = _TORCH_LABEL.search(label)
-    if found is None:
-        return None
-    if found["minor"]:
-        return f"{found['major']}.{found['minor']}"
-    digits = found["major"] + (found["rest"] or "")
-    return f"{digits[0]}.{digits[1:]}" if len(digits) > 1 else digits
+    return None if found is None else f"{found['major']}.{found['minor']}"
 
 
 def canonical_name(name: str) -> str:
