@@ -536,3 +536,23 @@ def test_an_axis_no_report_records_is_named_with_the_axes_there_are() -> None:
     matrix = build_matrix(_grid_reports(), detail=False)
     with pytest.raises(PivotError, match=r"no report records 'torh'; axes: torch, .*rowext"):
         pivot(matrix, "rowext", "torh")
+
+
+def test_the_packages_a_case_file_imports_are_its_call_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """call = "case.py:run" whose case.py imports the extension recorded no package: its
+    builds could not tell two columns apart."""
+    from pytest_gpucase.plan.environment import call_distributions
+
+    site = install_fake_distribution(tmp_path / "site", "Tiny-Ext", "1.0", "tinyext")
+    monkeypatch.syspath_prepend(str(site))
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "case.py").write_text("from __future__ import annotations\nimport json\n"
+                                  "import torch\n\ndef run(x):\n    import tinyext.ops\n"
+                                  "    from . import helper\n    return x\n")
+    assert call_distributions("case.py:run", case) == ("Tiny-Ext",)
+    assert call_distributions("case.py:run") == ()           # no folder to read it from
+    assert call_distributions("missing.py:run", case) == ()
+    (case / "broken.py").write_text("def run(:\n")
+    assert call_distributions("broken.py:run", case) == ()   # the run says what is wrong

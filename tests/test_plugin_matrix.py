@@ -718,6 +718,10 @@ def test_a_loader_error_is_told_in_its_own_words_and_is_no_broken_case(
     for name in ("rowabi", "rowlib", "rowops"):
         write_case(pytester.path, name, f'format = 1\ncall = "{name}:pool"\n[matrix]\n'
                    'devices = ["cpu"]\ndtypes = ["float32"]\n', None, inputs)
+    # a case whose own file imports the extension
+    write_case(pytester.path, "fileabi", 'format = 1\ncall = "case.py:pool"\n[matrix]\n'
+               'devices = ["cpu"]\ndtypes = ["float32"]\n',
+               "import rowabi\n\ndef pool(x, mask):\n    return rowabi.pool(x, mask)\n", inputs)
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
     report = run_with_report(pytester, "-p", "no:benchmark")
@@ -733,6 +737,12 @@ def test_a_loader_error_is_told_in_its_own_words_and_is_no_broken_case(
     assert "Do not call the case broken" in abi["triage"]["avoid"]
     assert (f"rebuild rowabi 2.0 against torch {here}, the torch it runs with here (it was "
             "built for torch 2.9.1)") in abi["triage"]["notes"]
+    from_file = results["fileabi"]
+    assert from_file["message"].startswith(
+        "cases/fileabi/case.toml: call: importing 'case.py' failed: ")
+    assert from_file["message"].endswith(f"(torch {here} here, rowabi 2.0 built for torch 2.9.1)")
+    assert from_file["triage"]["clue"] == "extension built for another torch or CUDA"
+    assert report["environment"]["builds"]["rowabi"]["torch"] == "2.9.1"
     lib = results["rowlib"]
     assert "libgpucase_missing.so: cannot open shared object file" in lib["message"]
     assert lib["triage"]["clue"] == "shared library not found"

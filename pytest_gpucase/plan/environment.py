@@ -359,26 +359,64 @@ def canonical_name(name: str) -> str:
 _RECORDED_ELSEWHERE = frozenset({"torch", "pytest-gpucase"})
 
 
-def call_distributions(call: str) -> tuple[str, ...]:
+def call_distributions(call: str, case_dir: Path | str | None = None) -> tuple[str, ...]:
     """The installed distributions that provide the module a case's ``call`` imports.
 
     ``tinyext:pool`` and ``mypkg.losses:step`` name an installed package whose version
     decides the verdict as much as torch's does, listed in ``[matrix.packages]`` or not.
-    A ``FILE.py:func`` in the case directory, a standard-library module, a module of the
+    A ``FILE.py:func`` of the case directory gives the distributions its own imports name
+    (``import rowext`` in ``case.py``, at the top or inside a function), read from its
+    source when ``case_dir`` is given, never run. The standard library, a module of the
     project that no distribution installed, and torch itself (recorded already) give
     none. Nothing is imported: the top-level name is looked up in the metadata of what
     is installed (``importlib.metadata.packages_distributions``), read once per
     ``sys.path``.
     """
     target = call.partition(":")[0]
-    if target.endswith(".py") or not target:
+    if not target:
         return ()
-    top = target.split(".")[0]
-    if top in sys.stdlib_module_names:
+    if target.endswith(".py"):
+        if case_dir is None:
+            return ()
+        tops: tuple[str, ...] = _file_imports(Path(case_dir) / target)
+    else:
+        tops = (target.split(".")[0],)
+    by_module = _distributions_by_module(tuple(sys.path))
+    found = {name for top in tops if top not in sys.stdlib_module_names
+             for name in by_module.get(top, ())}
+    return tuple(sorted(name for name in found
+                        if canonical_name(name) not in _RECORDED_ELSEWHERE))
+
+
+_MAX_SOURCE = 1 << 20   # bytes of a case's .py file read for its imports
+
+
+def _file_imports(path: Path) -> tuple[str, ...]:
+    """The top-level modules a Python file imports (absolute imports), read, never run."""
+    try:
+        found = path.stat()
+    except OSError:
         return ()
-    found = _distributions_by_module(tuple(sys.path)).get(top, ())
-    return tuple(sorted({name for name in found
-                         if canonical_name(name) not in _RECORDED_ELSEWHERE}))
+    return _imports_of(str(path), found.st_mtime_ns, found.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _imports_of(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    import ast
+
+    if size > _MAX_SOURCE:
+        return ()
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return ()   # the run says what is wrong with the file
+    tops: dict[str, None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops.update((alias.name.split(".")[0], None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops[node.module.split(".")[0]] = None
+    return tuple(tops)
 
 
 @functools.lru_cache(maxsize=4)

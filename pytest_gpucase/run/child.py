@@ -356,24 +356,26 @@ def _import_failure(case: Case, key: str, where: str, exc: BaseException,
     if words is None:
         return Outcome("failed", summary, details=detail, error_type="ImportError",
                        kind="broken case")
-    said = f"{words} (torch {torch.__version__} here{_build_words(where)})"
+    said = f"{words} (torch {torch.__version__} here{_build_words(case, where)})"
     return Outcome("failed", f"{summary}: {said}", details=detail,
                    error_type=type(exc).__name__, error_message=said, kind="environment")
 
 
-def _build_words(where: str) -> str:
-    """``, rowext 2.0 built for torch 2.9``: the package a failed import belongs to, its
-    version and the torch its build names (``plan.environment.package_build``)."""
+def _build_words(case: Case, where: str) -> str:
+    """``, rowext 2.0 built for torch 2.9``: the package a failed import belongs to (of
+    those the target imports, the first with compiled files), its version and the torch
+    its build names (``plan.environment.package_build``)."""
     from pytest_gpucase.plan.environment import call_distributions, package_build, package_version
 
-    for name in call_distributions(where):
-        version = package_version(name)
-        if version is None:
-            continue
-        build = package_build(name)
-        built = build.get("torch") if build else None
-        return f", {name} {version}" + (f" built for torch {built}" if built else "")
-    return ""
+    found = [(name, package_version(name), package_build(name))
+             for name in call_distributions(where, case.path)]
+    found = [entry for entry in found if entry[1] is not None]
+    found.sort(key=lambda entry: entry[2] is None)   # a compiled one first
+    if not found:
+        return ""
+    name, version, build = found[0]
+    built = build.get("torch") if build else None
+    return f", {name} {version}" + (f" built for torch {built}" if built else "")
 
 
 def check_binding(case: Case, target: str, func: Callable[..., Any],
