@@ -924,3 +924,25 @@ def test_shards_split_by_recorded_durations_merge_into_one_column(
     assert len(matrix.columns) == 1
     assert sorted(row.case for row in matrix.rows) == ["a", "b", "c", "slow"]
     assert all(row.cells[0].status == "pass" for row in matrix.rows)
+
+
+@pytest.mark.slow
+def test_the_noxfile_example_has_a_session_per_torch_and_extension_pair() -> None:
+    """examples/nox/noxfile.py (docs/ci.md, "Environments with nox"), as nox reads it: one
+    cases session per torch × extension version, then the merge. The whole file was run
+    on this project's machine with two source builds (docs/ci.md says what it printed)."""
+    import shutil
+
+    nox = shutil.which("nox")
+    if nox is None:
+        pytest.skip("needs nox (pip install nox) to read the example noxfile")
+    noxfile = Path(__file__).parents[1] / "examples" / "nox" / "noxfile.py"
+    done = subprocess.run([nox, "-f", str(noxfile), "--list", "--json"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    sessions = json.loads(done.stdout)
+    pairs = {(s["call_spec"]["torch"], s["call_spec"]["rowext"]) for s in sessions
+             if s["name"] == "cases"}
+    assert pairs == {(t, e) for t in ("2.9.1", "2.13.0") for e in ("1.0", "2.0")}
+    assert sessions[-1]["name"] == "matrix"
+    source = noxfile.read_text()
+    assert '"--no-build-isolation"' in source and "--gpu-require" in source
