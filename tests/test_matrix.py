@@ -556,3 +556,22 @@ def test_the_packages_a_case_file_imports_are_its_call_packages(
     assert call_distributions("missing.py:run", case) == ()
     (case / "broken.py").write_text("def run(:\n")
     assert call_distributions("broken.py:run", case) == ()   # the run says what is wrong
+
+
+def test_each_torch_with_its_own_build_is_no_news_in_a_label_or_a_pivot() -> None:
+    """Every torch gets its own build of rowext 2.0 (the usual matrix): torch tells the
+    columns apart, so neither the labels nor the pivot name the builds."""
+    reports = []
+    for n, (torch_version, fingerprint) in enumerate([("2.13.0", "aaaaaaaaaaaa"),
+                                                      ("2.9.1", "bbbbbbbbbbbb")]):
+        env = runner_environment(torch_version, None, None, "x", "9.0",
+                                 packages={"rowext": "2.0"},
+                                 builds={"rowext": {"fingerprint": fingerprint, "tag": None,
+                                                    "torch": None}})
+        reports.append(_report(env, "passed", f"2026-12-01T10:00:0{n}+00:00"))
+    matrix = build_matrix(reports, detail=False)
+    assert [c.label for c in matrix.columns] == ["torch 2.13.0 · rowext 2.0",
+                                                 "torch 2.9.1 · rowext 2.0"]
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("2.0",)
+    assert view.column_values == ("2.9.1", "2.13.0")

@@ -516,8 +516,8 @@ def _labels(environments: Sequence[Mapping[str, Any]],
         differing_tail.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
     tokens: dict[str, set[str | None]] = {}
     named: Counter[str] = Counter()
-    # Builds of one version that differ: their label says the build (the torch it was made
-    # for where recorded, else its fingerprint), as a version alone would name two columns alike.
+    # Builds of one version that differ: a label that would name two columns alike says the
+    # build (its fingerprint, and the torch it was made for where recorded).
     builds_of: dict[tuple[str, str | None], set[str | None]] = {}
     for env in environments:
         for name, version in env["packages"].items():
@@ -527,19 +527,29 @@ def _labels(environments: Sequence[Mapping[str, Any]],
     differs = {name for name, found in tokens.items()
                if len(found) + (named[name] < len(environments)) > 1}
     differs |= {name for (name, _), found in builds_of.items() if len(found) > 1}
-    labels = []
-    for env, head, tail in zip(environments, heads, tails, strict=True):
+
+    def label(env: Mapping[str, Any], head: Mapping[str, str | None],
+              tail: Mapping[str, str | None], builds: bool) -> str:
         parts = [head[key] for key in differing]
         for name in sorted(env["packages"]):
             if name not in differs:
                 continue
             token = _package_token(name, env["packages"][name])
             build = _build_token(env, name)
-            if len(builds_of[(name, env["packages"][name])]) > 1 and build:
+            if builds and build and len(builds_of[(name, env["packages"][name])]) > 1:
                 token += f" ({build})"
             parts.append(token)
         parts += [tail[key] for key in differing_tail]
-        labels.append(" · ".join(token for token in parts if token))
+        return " · ".join(token for token in parts if token)
+
+    labels = [label(env, head, tail, False)
+              for env, head, tail in zip(environments, heads, tails, strict=True)]
+    # A build is named only where the label would otherwise name two columns alike: where
+    # torch already tells them apart, its build for each torch is no news.
+    alike = Counter(labels)
+    labels = [label(env, head, tail, True) if alike[labels[index]] > 1 else labels[index]
+              for index, (env, head, tail) in enumerate(zip(environments, heads, tails,
+                                                            strict=True))]
     counts = Counter(labels)
     return [
         label if label and counts[label] == 1

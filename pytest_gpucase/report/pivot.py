@@ -60,8 +60,13 @@ def pivot(matrix: Matrix, rows: str, columns: str) -> Pivot:
     """Place each column of ``matrix`` by its values of the two axes."""
     if rows == columns:
         raise PivotError(f"--pivot {rows},{columns}: give two different axes")
-    places = [(_value(matrix, column, rows), _value(matrix, column, columns))
-              for column in matrix.columns]
+    places = [(_value(column, rows), _value(column, columns)) for column in matrix.columns]
+    # Two builds of one version in one cell (nothing else tells them apart there): that
+    # version's values name the build. Each torch with its own build keeps one row.
+    split = _colliding_builds(matrix, places, rows) | _colliding_builds(matrix, places, columns)
+    if split:
+        places = [(_value(column, rows, split), _value(column, columns, split))
+                  for column in matrix.columns]
     for axis, values in ((rows, [p[0] for p in places]), (columns, [p[1] for p in places])):
         if all(value is None for value in values):
             raise PivotError(f"--pivot: no report records {axis!r}; axes: "
@@ -78,8 +83,10 @@ def _known_axes(matrix: Matrix) -> list[str]:
     return [*ENVIRONMENT_AXES, *names]
 
 
-def _value(matrix: Matrix, column: Column, axis: str) -> str | None:
-    """A column's value of an axis, as the pivot shows it; None where it does not record it."""
+def _value(column: Column, axis: str,
+           split: frozenset[tuple[str, str]] = frozenset()) -> str | None:
+    """A column's value of an axis, as the pivot shows it; None where it does not record
+    it. A package version in ``split`` (canonical name, version) names its build too."""
     env = column.environment
     if axis in ENVIRONMENT_AXES:
         if axis == "gpu":
@@ -96,23 +103,34 @@ def _value(matrix: Matrix, column: Column, axis: str) -> str | None:
             continue
         if version is None:
             return "not installed"
-        build = (env.get("builds") or {}).get(name)
-        if isinstance(build, Mapping) and _builds_differ(matrix, wanted, version):
+        build = _build(env, name)
+        if build is not None and (wanted, str(version)) in split:
             return f"{version} ({build_label(build)})"
         return str(version)
     return None
 
 
-def _builds_differ(matrix: Matrix, wanted: str, version: str) -> bool:
-    """Whether columns hold two builds of this version of the package."""
-    seen = set()
-    for column in matrix.columns:
+def _build(env: Mapping[str, Any], name: str) -> Mapping[str, Any] | None:
+    build = (env.get("builds") or {}).get(name)
+    return build if isinstance(build, Mapping) else None
+
+
+def _colliding_builds(matrix: Matrix, places: Sequence[tuple[str | None, str | None]],
+                      axis: str) -> frozenset[tuple[str, str]]:
+    """The (package, version) pairs of which two builds fall into one pivot cell."""
+    if axis in ENVIRONMENT_AXES:
+        return frozenset()
+    wanted = canonical_name(axis)
+    builds: dict[tuple[tuple[str | None, str | None], str], set[Any]] = {}
+    for column, place in zip(matrix.columns, places, strict=True):
         env = column.environment
-        for name, found in env.get("packages", {}).items():
-            if canonical_name(name) == wanted and found == version:
-                build = (env.get("builds") or {}).get(name)
-                seen.add(build.get("fingerprint") if isinstance(build, Mapping) else None)
-    return len(seen) > 1
+        for name, version in env.get("packages", {}).items():
+            if canonical_name(name) == wanted and version is not None:
+                build = _build(env, name)
+                builds.setdefault((place, str(version)), set()).add(
+                    build.get("fingerprint") if build is not None else None)
+    return frozenset((wanted, version) for (_, version), found in builds.items()
+                     if len(found) > 1)
 
 
 def _ordered(values: Any) -> tuple[str, ...]:
