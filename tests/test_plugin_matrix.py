@@ -842,6 +842,16 @@ def test_matrix_and_show_run_in_an_environment_without_torch_or_pytest(
                            "-o", str(html)], capture_output=True, text=True, cwd=tmp_path)
     assert done.returncode == 0, done.stderr
     assert html.read_text().startswith("<!DOCTYPE html>")
+    for extra in (["--pivot", "rowext,torch"], ["--pivot", "rowext,torch", "--format", "html"]):
+        done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args, *extra],
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert "| **rowext 1.0** | ✅ 1 pass · ❌ 1 fail | ✅ 1 pass · ❌ 1 fail |" in subprocess.run(
+        [str(python), "-m", "pytest_gpucase.cli", *args, "--pivot", "rowext,torch"],
+        capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", "durations",
+                           str(reports[0])], capture_output=True, text=True)
+    assert done.returncode == 0 and json.loads(done.stdout), done.stderr
     case = Path(pytest_gpucase.__file__).parents[1] / "cases" / "ce_class4"
     done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", "show", str(case),
                            "--report", str(reports[0])], capture_output=True, text=True)

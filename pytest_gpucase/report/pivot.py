@@ -148,7 +148,7 @@ def _ordered(values: Any) -> tuple[str, ...]:
 
 
 def _summary(cells: Sequence[Cell]) -> str:
-    """All cases in one pivot cell: how many rows end in each status, worst first."""
+    """All cases in one pivot cell: how many rows end in each status, in the legend's order."""
     counts = Counter(cell.status for cell in cells)
     order: Sequence[Status] = (*STATUSES[:2], "partial", *STATUSES[2:])
     return " · ".join(f"{_MARKDOWN_SYMBOLS[s]} {counts[s]} {DEVICE_WORDS[s]}"
