@@ -48,45 +48,34 @@ def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
 
 
 # The inner loop, `pytest -m "not slow"`, leaves out what starts other processes: pytest
-# sessions (the pytester fixture), runs in children, interpreters. pytest's own suite marks
-# its pytester tests the same way. Whole modules where nearly every test forks a run:
-SLOW_MODULES = frozenset({
-    "test_ablate", "test_containment", "test_example_model", "test_example_training",
-    "test_gpu", "test_gpu_ablate", "test_isolation", "test_isolation_modes", "test_minimize",
-    "test_model_capture", "test_runner",
-    # The Recorder in training stacks: real Trainer runs, replays in children.
-    "test_example_integrations", "test_integration_lightning", "test_integration_transformers",
-    "test_record_rebuild", "test_record_steps",
-})
-# ... and single tests elsewhere that start a process or kill one at random moments.
-SLOW_TESTS = frozenset({
-    "test_plain_write_killed_midway_is_detected",
-    "test_atomic_save_killed_midway_keeps_previous_checkpoint",
-    "test_resave_killed_at_random_moments_always_leaves_a_valid_checkpoint",
-    "test_output_cut_short_by_head_ends_quietly",
-    "test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index_error",
-    "test_public_names_load_lazily_and_without_torch",
-    "test_a_regenerated_golden_passes_the_next_run",
-    "test_regen_refuses_an_output_it_cannot_store",
-    "test_reading_a_golden_imports_nothing",
-    "test_step_summary_of_a_run_outside_the_rootdir",
-    "test_report_modules_import_neither_torch_nor_pytest",
-    "test_request_scrubs_a_megabyte_of_hostile_text_in_linear_time",
-    "test_triage_of_a_pathological_text_is_linear",
-    "test_validate_minimize_and_ablate_find_the_src_layout_from_elsewhere",
-    "test_pytest_children_import_as_the_parent_does",
-    "test_loading_does_not_import_torch",
-    "test_a_failure_inside_a_compiled_model_is_a_case_of_the_eager_module",
-    "test_a_killed_interpreter_leaves_no_case_that_looks_valid",
-})
-
-
+# sessions, runs in children, interpreters. The rule, held by a guard rather than a list: a test
+# that uses pytester is slow; any other that starts a process says so with the `slow` marker
+# (on the test, or `pytestmark` on its module), and an unmarked test that forks, spawns or runs
+# a subprocess fails at that call, naming the marker (`_no_process_in_the_fast_loop`).
 def _slow(item: pytest.Item) -> bool:
-    module = getattr(item, "module", None)
-    name = getattr(item, "originalname", item.name)
     return ("pytester" in getattr(item, "fixturenames", ())
-            or (module is not None and module.__name__.rpartition(".")[2] in SLOW_MODULES)
-            or name in SLOW_TESTS)
+            or item.get_closest_marker("slow") is not None)
+
+
+class StartsAProcess(Exception):
+    """A test outside the slow loop started a process."""
+
+
+@pytest.fixture(autouse=True)
+def _no_process_in_the_fast_loop(request: pytest.FixtureRequest,
+                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    if _slow(request.node):
+        return
+    import os
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise StartsAProcess(f"{request.node.nodeid} starts a process: mark it "
+                             "@pytest.mark.slow (the fast loop, -m 'not slow', starts none)")
+
+    for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
+        if hasattr(os, name):
+            monkeypatch.setattr(os, name, refuse)
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

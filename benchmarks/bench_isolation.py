@@ -52,6 +52,7 @@ from pytest_gpucase.run.isolation import (  # noqa: E402
 )
 from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
 from pytest_gpucase.run.parent import Verdict, run_spec  # noqa: E402
+from pytest_gpucase.run.runcontext import RunContext  # noqa: E402
 
 from bench_scale import bare_floor  # noqa: E402  (this folder: the script's own)
 
@@ -119,11 +120,11 @@ def main() -> None:
             ("run_in_child (fork)", timed(lambda: checked(run_in_child(os.getpid, timeout=60)),
                                           runs)),
             ("run_spec, trivial case", timed(
-                lambda: passed(run_spec(spec, start_method="fork", backend="cpu")), runs)),
+                lambda: passed(run_spec(spec, RunContext("fork", "cpu"))), runs)),
             ("run_spec, forkserver", timed(
-                lambda: passed(run_spec(spec, start_method="forkserver", backend="cpu")), runs)),
+                lambda: passed(run_spec(spec, RunContext("forkserver", "cpu"))), runs)),
             ("run_spec, spawn", timed(
-                lambda: passed(run_spec(spec, start_method="spawn", backend="cpu")),
+                lambda: passed(run_spec(spec, RunContext("spawn", "cpu"))),
                 max(5, runs // 20))),
         ]
     shutdown()

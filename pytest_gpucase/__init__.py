@@ -17,25 +17,35 @@ from typing import TYPE_CHECKING
 from pytest_gpucase.base.version import __version__
 
 if TYPE_CHECKING:
+    from pytest_gpucase.case.load import load_case
     from pytest_gpucase.case.model import Case
     from pytest_gpucase.plan.runs import RunSpec
     from pytest_gpucase.plugin.fixtures import GpuCaseHandle
-    from pytest_gpucase.report.matrix import Cell, Column, DeviceCell, Matrix, Row
-    from pytest_gpucase.run.child import Outcome
-    from pytest_gpucase.run.parent import Verdict
-    from pytest_gpucase.tools.record import Recorder, Step
-    from pytest_gpucase.verdict.compare import Comparison, Tolerance
+    from pytest_gpucase.report.file import load_report
+    from pytest_gpucase.report.matrix import Cell, Column, DeviceCell, Matrix, Row, build_matrix
+    from pytest_gpucase.run.outcome import Outcome
+    from pytest_gpucase.run.parent import Verdict, run_spec
+    from pytest_gpucase.run.runcontext import RunContext
+    from pytest_gpucase.tools.record.recorder import Recorder, Step
+    from pytest_gpucase.verdict.compare import Comparison, compare
+    from pytest_gpucase.verdict.tolerance import Tolerance
 
 # Public name -> the module that defines it.
 _PUBLIC = {
-    "Recorder": "pytest_gpucase.tools.record",
-    "Step": "pytest_gpucase.tools.record",
+    "Recorder": "pytest_gpucase.tools.record.recorder",
+    "Step": "pytest_gpucase.tools.record.recorder",
     "Case": "pytest_gpucase.case.model",
+    "load_case": "pytest_gpucase.case.load",
     "RunSpec": "pytest_gpucase.plan.runs",
-    "Outcome": "pytest_gpucase.run.child",
+    "RunContext": "pytest_gpucase.run.runcontext",
+    "run_spec": "pytest_gpucase.run.parent",
+    "Outcome": "pytest_gpucase.run.outcome",
     "Verdict": "pytest_gpucase.run.parent",
     "Comparison": "pytest_gpucase.verdict.compare",
-    "Tolerance": "pytest_gpucase.verdict.compare",
+    "compare": "pytest_gpucase.verdict.compare",
+    "Tolerance": "pytest_gpucase.verdict.tolerance",
+    "load_report": "pytest_gpucase.report.file",
+    "build_matrix": "pytest_gpucase.report.matrix",
     "Matrix": "pytest_gpucase.report.matrix",
     "Row": "pytest_gpucase.report.matrix",
     "Cell": "pytest_gpucase.report.matrix",
@@ -45,7 +55,8 @@ _PUBLIC = {
 }
 
 __all__ = ["Case", "Cell", "Column", "Comparison", "DeviceCell", "GpuCaseHandle", "Matrix",
-           "Outcome", "Recorder", "Row", "RunSpec", "Step", "Tolerance", "Verdict", "__version__"]
+           "Outcome", "Recorder", "Row", "RunContext", "RunSpec", "Step", "Tolerance", "Verdict",
+           "__version__", "build_matrix", "compare", "load_case", "load_report", "run_spec"]
 
 
 def __getattr__(name: str) -> object:

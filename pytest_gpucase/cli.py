@@ -124,6 +124,7 @@ def _parser() -> argparse.ArgumentParser:
     minimize.add_argument("--time-budget", type=_positive_float, default=600.0, metavar="SECONDS",
                           help="stop shrinking after this long and keep the best case so far "
                           "(default: %(default)g)")
+    _env_option(minimize)
 
     ablate = commands.add_parser(
         "ablate", help="rerun a failing case under one change at a time")
@@ -133,6 +134,7 @@ def _parser() -> argparse.ArgumentParser:
     ablate.add_argument("--dtype", default=None,
                         help="run in this dtype (default: the first of the case's dtypes that "
                         "fails)")
+    _env_option(ablate)
 
     checkpoint = commands.add_parser(
         "checkpoint", help="list checkpoints newest first with their verdict")
@@ -142,6 +144,21 @@ def _parser() -> argparse.ArgumentParser:
                             help="the model to compare keys and shapes with: a reference "
                             "checkpoint file or 'pkg.mod:attr'")
     return parser
+
+
+def _env_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--env", type=_assignment, action="append", default=[],
+                        metavar="NAME=VALUE",
+                        help="a variable every run's child gets (repeatable), as a "
+                        "pytest_gpucase_run_env hook gives it to the items of a pytest run "
+                        "(a command loads no conftest)")
+
+
+def _assignment(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or not name or "\0" in text:
+        raise argparse.ArgumentTypeError(f"{text!r} is not NAME=VALUE")
+    return name, value
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -340,7 +357,8 @@ def _minimize(args: argparse.Namespace) -> int:
     try:
         result = minimize_command(args.case, output=args.output, device=args.device,
                                   max_tries=args.max_tries, time_budget=args.time_budget,
-                                  progress=sys.stdout, inputs=args.inputs)
+                                  progress=sys.stdout, inputs=args.inputs,
+                                  run_env=dict(args.env))
     except KeyboardInterrupt:
         # Ctrl-C during the search writes the best case so far; here it came before one.
         return _error("minimize", "interrupted before any smaller case; nothing written", 130)
@@ -362,7 +380,8 @@ def _ablate(args: argparse.Namespace) -> int:
 
     try:
         result = ablate_command(args.case, device=args.device, dtype=args.dtype,
-                                progress=show if sys.stderr.isatty() else None)
+                                progress=show if sys.stderr.isatty() else None,
+                                run_env=dict(args.env))
     except NotRunnable as problem:
         return _error("ablate", problem)
     except KeyboardInterrupt:

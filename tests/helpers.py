@@ -25,6 +25,7 @@ from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.report.file import new_report, write_report
 from pytest_gpucase.run.isolation import ChildResult, run_in_child
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 
 from . import isolation_targets
 
@@ -172,8 +173,8 @@ def recorded_ce_case(root: Path) -> Path:
 def replay_cpu(case_dir: Path) -> Any:
     """Run a case's CPU item in a fresh child and return its verdict."""
     case = load_case(case_dir)
-    return run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                    backend="cpu", localize=False)
+    return run_spec(RunSpec(case, "cpu", "float32", cast=False),
+                    RunContext("fork", "cpu", localize=False))
 
 
 def read_toml(case_dir: Path) -> dict[str, Any]:

@@ -25,11 +25,14 @@ from pytest_gpucase.cli import main
 from pytest_gpucase.plan.environment import Device, Environment
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plan.runs import NotRunnable, choose_device
-from tests.helpers import make_case, recorded_ce_case
+from tests.helpers import ce_case, make_case, recorded_ce_case, write_case
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 ENV = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__)
 NOT_ON_CPU = {
     "cpu": "the run is already on the CPU",
+    "autocast_off": "the case records no autocast ([context] autocast)",
     "tf32_off": "TF32 is a CUDA matmul and convolution mode; this run is on the CPU",
     "cudnn_off": "cuDNN (MIOpen on ROCm) serves CUDA devices only; this run is on the CPU",
     "extensions": "the case declares no optional extension ([matrix.packages]) and no "
@@ -82,7 +85,7 @@ def test_bfloat16_counter_passes_in_float32_and_float64(tmp_path: Path) -> None:
         dtypes = ["float32", "bfloat16"]
         """, COUNTER_PY, {"x": x})
     seen: list[str] = []
-    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV, start_method="fork",
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV,
                     progress=lambda row: seen.append(row.change))
 
     assert result.failing and result.dtype == "bfloat16"
@@ -91,6 +94,7 @@ def test_bfloat16_counter_passes_in_float32_and_float64(tmp_path: Path) -> None:
         ("cpu", NOT_APPLICABLE, None),
         ("float32", PASSES, None),
         ("float64", PASSES, None),
+        ("autocast_off", NOT_APPLICABLE, None),
         ("tf32_off", NOT_APPLICABLE, None),
         ("cudnn_off", NOT_APPLICABLE, None),
         ("deterministic", STILL_FAILS, "mismatch"),
@@ -146,8 +150,7 @@ def test_float16_overflow_passes_in_float32_float64_and_the_reference(tmp_path: 
         [matrix]
         dtypes = ["float16"]
         """, SOFTMAX_PY, {"x": x})
-    result = ablate(load_case(path), device="cpu", dtype="float16", env=ENV,
-                    start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype="float16", env=ENV)
 
     verdicts = {row.change: row.verdict for row in result.rows}
     assert result.baseline.failure == "mismatch"
@@ -186,13 +189,14 @@ def test_extension_switched_off_through_the_case_env(tmp_path: Path) -> None:
                             "k": torch.randn(4, 80, generator=gen)})
     env = Environment(backend="cpu", device_types=("cpu",), torch=torch.__version__,
                       packages={"pytest": pytest.__version__})
-    result = ablate(load_case(path), device="cpu", dtype=None, env=env, start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype=None, env=env)
 
     assert result.baseline.failure == "RuntimeError"
     assert rows_of(result.rows) == [
         ("cpu", NOT_APPLICABLE, None),
         ("float32", NOT_APPLICABLE, None),
         ("float64", STILL_FAILS, "RuntimeError"),
+        ("autocast_off", NOT_APPLICABLE, None),
         ("tf32_off", NOT_APPLICABLE, None),
         ("cudnn_off", NOT_APPLICABLE, None),
         ("deterministic", STILL_FAILS, "RuntimeError"),
@@ -212,7 +216,7 @@ def test_passing_case_has_nothing_to_ablate(
     path = make_case(tmp_path, "fine", 'format = 1\ntimeout = 30\ncall = "case.py:softmax"\n'
                      'reference = "case.py:reference"\n', SOFTMAX_PY,
                      {"x": torch.tensor([[1.0, 2.0]])})
-    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV, start_method="fork")
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV)
     assert not result.failing and result.rows == ()
     assert result.reading == "passes unchanged on the CPU in float32: nothing to ablate"
 
@@ -302,3 +306,49 @@ def test_ablates_recommendation_to_minimize_runs_on_a_recorded_case(
     # The advice, followed: the payload's RNG state is no third batch candidate.
     assert main(["minimize", str(path), "--max-tries", "20"]) == 0
     assert "entries on axis 0: 8 -> 1 (kept entry 5)" in capsys.readouterr().out
+
+
+AUTOCAST_TOML = """
+    format = 1
+    call = "case.py:run"
+    timeout = 60
+    [context]
+    autocast = { device_type = "cuda", dtype = "bfloat16", enabled = true }
+"""
+# Fails only where its matmul computes in bfloat16: a precision bug, not the data.
+AUTOCAST_PY = """
+    import torch
+
+    def run(x):
+        y = x @ x.T
+        if y.dtype == torch.bfloat16:
+            raise RuntimeError(f"lost precision: the product was computed in {y.dtype}")
+        return y.float()
+"""
+
+
+def test_an_autocast_failure_is_read_as_precision_not_the_inputs(tmp_path: Path) -> None:
+    """Recorded under bf16 autocast, the run computes in bf16 though its inputs are float32:
+    the ablation says so, has an autocast-off row and the other low-precision dtype's, and
+    never blames the inputs for a failure one precision change removes."""
+    path = write_case(tmp_path, "amp", AUTOCAST_TOML, AUTOCAST_PY,
+                      {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))})
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV)
+    assert result.failing
+    assert result.dtype == "float32 under bfloat16 autocast"
+    rows = {row.change: row for row in result.rows}
+    assert rows["autocast_off"].verdict == PASSES
+    assert rows["autocast_float16"].verdict == PASSES
+    assert rows["float32"].verdict == NOT_APPLICABLE
+    assert "see autocast off" in rows["float32"].note
+    assert "passes with autocast off but fails under bfloat16 autocast" in result.reading
+    assert "the trigger is in the inputs" not in result.reading
+    assert "under bfloat16 autocast" in result.render().splitlines()[0]
+
+
+def test_a_case_without_autocast_says_why_it_has_no_autocast_row(tmp_path: Path) -> None:
+    path = ce_case(tmp_path, "ce_plain", [0, 1, 4], "")
+    result = ablate(load_case(path), device="cpu", dtype=None, env=ENV)
+    rows = {row.change: row for row in result.rows}
+    assert rows["autocast_off"].verdict == NOT_APPLICABLE
+    assert "records no autocast" in rows["autocast_off"].note

@@ -256,3 +256,22 @@ def test_a_failing_variant_says_which_inputs_it_resized(pytester: pytest.Pyteste
     result.assert_outcomes(failed=2)
     result.stdout.fnmatch_lines(
         ["batch[[]1]: resized logits (4, 4) -> (1, 4), target (4,) -> (1,)"])
+
+
+def test_the_layout_tree_names_every_module() -> None:
+    """docs/architecture.md's layout tree is what a newcomer reads first: every module and
+    subpackage of the package is in it, and it names none that is gone."""
+    import re
+
+    package = Path(__file__).resolve().parent.parent / "pytest_gpucase"
+    doc = (package.parent / "docs" / "architecture.md").read_text()
+    tree = doc[doc.index("```\npytest_gpucase/"):]
+    tree = tree[:tree.index("```", 4)]
+    files = {path.name for path in package.rglob("*.py")} | {"report_schema.json"}
+    missing = sorted(str(path.relative_to(package)) for path in package.rglob("*.py")
+                     if path.name != "__init__.py" and path.name not in tree)
+    missing += sorted(f"{path.parent.relative_to(package)}/" for path in package.rglob(
+        "__init__.py") if path.parent != package and f"{path.parent.name}/" not in tree)
+    named = set(re.findall(r"\b([a-z_]+\.(?:py|json))\b", tree)) - {"case.py"}  # a case's file
+    assert not missing, f"add to the layout tree: {missing}"
+    assert named <= files, f"gone, still in the tree: {sorted(named - files)}"

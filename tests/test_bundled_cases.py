@@ -16,6 +16,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from tests.helpers import replay_cpu
 
 CASES = Path(__file__).resolve().parents[1] / "cases"
@@ -30,6 +31,7 @@ def case_module(case_dir: Path) -> ModuleType:
     return module
 
 
+@pytest.mark.slow
 def test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index_error() -> None:
     case_dir = CASES / "embedding_oob_model"
     doc = tomllib.loads((case_dir / "case.toml").read_text())
@@ -50,6 +52,7 @@ def test_embedding_oob_model_is_a_module_case_whose_cuda_assert_replays_as_index
     assert is_known_failure(load_case(case_dir), verdict)
 
 
+@pytest.mark.slow
 def test_attention_masked_row_is_nan_exactly_at_the_fully_masked_rows() -> None:
     case_dir = CASES / "attention_masked_row"
     inputs = payload.load(case_dir / "inputs.safetensors")
@@ -76,8 +79,8 @@ def test_attention_masked_row_is_nan_exactly_at_the_fully_masked_rows() -> None:
 def test_embedding_oob_model_on_cuda_is_the_captured_device_side_assert() -> None:
     case_dir = CASES / "embedding_oob_model"
     case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cuda", "float32", cast=False), start_method="spawn",
-                       backend="cuda", localize=False)
+    verdict = run_spec(RunSpec(case, "cuda", "float32", cast=False),
+                       RunContext("spawn", "cuda", localize=False))
     assert verdict.outcome.error_type is not None, verdict.outcome.summary
     assert "device-side assert" in (verdict.outcome.error_message or ""), verdict.outcome.summary
     assert is_known_failure(case, verdict)

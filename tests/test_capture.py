@@ -70,6 +70,7 @@ def fail(fn: Any, *args: Any, **kwargs: Any) -> BaseException:
     return info.value
 
 
+@pytest.mark.slow
 def test_first_failure_becomes_a_complete_case(tmp_path: Path,
                                                capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path / "cases")
@@ -115,6 +116,7 @@ def test_first_failure_becomes_a_complete_case(tmp_path: Path,
     assert "clue: index out of range (CPU)" in err and "first check:" in err
 
 
+@pytest.mark.slow
 def test_original_exception_propagates_unchanged(tmp_path: Path) -> None:
     rec = Recorder(tmp_path)
     error = LookupError("the planted one")
@@ -127,6 +129,7 @@ def test_original_exception_propagates_unchanged(tmp_path: Path) -> None:
     assert rec.case_dir is not None
 
 
+@pytest.mark.slow
 def test_later_errors_are_counted_in_place_not_saved(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path)
@@ -147,6 +150,7 @@ def test_later_errors_are_counted_in_place_not_saved(tmp_path: Path,
     assert capsys.readouterr().err.count("another error after the first failure") == 1
 
 
+@pytest.mark.slow
 def test_existing_cases_are_never_overwritten(tmp_path: Path) -> None:
     (tmp_path / "op").mkdir()
     (tmp_path / "op" / "case.toml").write_text("format = 1\ncall = \"m:f\"\n")
@@ -158,6 +162,7 @@ def test_existing_cases_are_never_overwritten(tmp_path: Path) -> None:
     assert not any((tmp_path / "op-3").iterdir())
 
 
+@pytest.mark.slow
 def test_concurrent_writers_get_distinct_names(tmp_path: Path) -> None:
     barrier = threading.Barrier(6)
 
@@ -196,6 +201,7 @@ def _slow_writes(write_fd: int) -> None:
     payload._write_atomic = slow
 
 
+@pytest.mark.slow
 def test_writer_killed_mid_write_leaves_no_visible_case(tmp_path: Path) -> None:
     """SIGKILL a real writer in the middle of a 64 MiB payload: only a hidden directory remains.
 
@@ -244,6 +250,7 @@ def test_writer_killed_mid_write_leaves_no_visible_case(tmp_path: Path) -> None:
     assert visible(root) == ["big"]
 
 
+@pytest.mark.slow
 def test_sticky_device_error_writes_metadata_only(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     """A device-side assert with inputs on a device that cannot be read back.
@@ -276,6 +283,7 @@ def test_sticky_device_error_writes_metadata_only(tmp_path: Path,
     assert "first check: Check the indices, targets and operator conditions" in err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kwargs", [{"snapshot": "after"}, {"snapshot_limit": 0}, {}],
                          ids=["after", "over-limit", "before-fails"])
 def test_device_copy_that_fails_writes_metadata_only(
@@ -296,6 +304,7 @@ def test_device_copy_that_fails_writes_metadata_only(
     assert over == (kwargs == {"snapshot_limit": 0})
 
 
+@pytest.mark.slow
 def test_mixed_host_and_unreadable_device_inputs_keep_the_host_ones(tmp_path: Path) -> None:
     rec = Recorder(tmp_path)
     fail(rec.watch(device_assert), torch.empty(2, 4, device="meta"), torch.tensor([1, 4]))
@@ -306,6 +315,7 @@ def test_mixed_host_and_unreadable_device_inputs_keep_the_host_ones(tmp_path: Pa
         "not saved: device unusable after device-side assert; saved from the host: target")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fails_at", [0, 5])
 def test_plain_steps_record_the_last_completed_step(tmp_path: Path, fails_at: int) -> None:
     """README's loop, ``with rec.step(step, sample_ids=...)``: [origin] says which step was
@@ -322,6 +332,7 @@ def test_plain_steps_record_the_last_completed_step(tmp_path: Path, fails_at: in
     assert "stage" not in origin
 
 
+@pytest.mark.slow
 def test_a_failure_between_steps_is_after_the_last_one(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # Outside any step once step 0 completed: "after iteration 0", not "at iteration 0, after
@@ -335,6 +346,7 @@ def test_a_failure_between_steps_is_after_the_last_one(
     assert "(first failure after iteration 0)" in err, err
 
 
+@pytest.mark.slow
 def test_named_stages_inside_a_plain_step_are_the_last_step(tmp_path: Path) -> None:
     rec = Recorder(tmp_path / "cases")
     op = rec.watch(failing_op, name="nested")
@@ -350,6 +362,7 @@ def test_named_stages_inside_a_plain_step_are_the_last_step(tmp_path: Path) -> N
         2, "optimizer.step", "forward")
 
 
+@pytest.mark.slow
 def test_ids_from_the_watch_callable_win_over_the_step(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path)
@@ -375,6 +388,7 @@ def test_ids_from_the_watch_callable_win_over_the_step(
     assert "sample_ids" not in toml(tmp_path / "c" / "failing_op")["origin"]
 
 
+@pytest.mark.slow
 def test_inputs_toml_cannot_hold_are_listed_with_their_type(tmp_path: Path) -> None:
     rec = Recorder(tmp_path)
     sparse = torch.eye(2).to_sparse()
@@ -396,6 +410,7 @@ def test_inputs_toml_cannot_hold_are_listed_with_their_type(tmp_path: Path) -> N
     assert "xfail" not in doc and doc["summary"].startswith("INCOMPLETE: ")
 
 
+@pytest.mark.slow
 def test_unimportable_function_gets_a_stub_and_precise_advice(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     def local_loss(x: torch.Tensor) -> torch.Tensor:
@@ -420,6 +435,7 @@ def test_unimportable_function_gets_a_stub_and_precise_advice(
     assert "the case is incomplete, so it has no xfail line" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_script_function_and_call_override(tmp_path: Path,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     def script_loss(x: torch.Tensor) -> torch.Tensor:
@@ -440,6 +456,7 @@ def test_script_function_and_call_override(tmp_path: Path,
         rec.watch(script_loss, call="train.py:script_loss")
 
 
+@pytest.mark.slow
 def test_decorator_form_names_the_module_function(tmp_path: Path) -> None:
     _module_recorder.root = tmp_path
     fail(decorated, torch.ones(1))
@@ -447,6 +464,7 @@ def test_decorator_form_names_the_module_function(tmp_path: Path) -> None:
     assert decorated.__wrapped__.__name__ == "decorated"  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 def test_failure_outside_any_watched_call(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     rec = Recorder(tmp_path)
@@ -462,6 +480,7 @@ def test_failure_outside_any_watched_call(tmp_path: Path,
     assert "(first failure at iteration 5, in backward, after loss)" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_kernel_assertion_is_read_from_a_stderr_file(tmp_path: Path,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     log = tmp_path / "train.err"
@@ -484,6 +503,7 @@ def test_an_internal_failure_is_one_line_and_the_error_still_propagates(
     assert len(lines) == 1 and lines[0].startswith("gpucase: could not record the failure (")
 
 
+@pytest.mark.slow
 def test_unreadable_inputs_still_leave_the_origin(tmp_path: Path,
                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     def broken(*args: Any, **kwargs: Any) -> None:
@@ -509,6 +529,7 @@ def test_replay_children_record_nothing(tmp_path: Path, monkeypatch: pytest.Monk
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 def test_literals_round_trip_through_toml(tmp_path: Path) -> None:
     tricky = {
         "text": 'quote " backslash \\ newline \n tab \t del \x7f bell \x07 é 😀',
@@ -624,6 +645,7 @@ def test_a_host_input_changed_in_place_is_saved_as_passed_and_the_fix_shows(
     result.assert_outcomes(failed=1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kwargs", "fix"), [
     ({"snapshot_limit": 4}, "over the snapshot limit of 0.0 MiB; Recorder(snapshot_limit=...) "
                             "of 0.0 MiB or more copies them before each call, as passed"),
@@ -650,6 +672,7 @@ def test_an_input_not_copied_before_and_changed_in_place_is_said(
         "snapshot_limit" in kwargs)  # the limit's own note, once, before the call
 
 
+@pytest.mark.slow
 def test_an_unchanged_input_not_copied_before_gets_no_note(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     fail(Recorder(tmp_path, snapshot="after").watch(failing_op), torch.ones(2))
@@ -658,6 +681,7 @@ def test_an_unchanged_input_not_copied_before_gets_no_note(
     assert "changed in place" not in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_a_large_case_says_its_size(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Cases are committed: a saved line names the size from 1 MiB on, and not below."""
     fail(Recorder(tmp_path / "big").watch(failing_op), torch.zeros(2**18))  # 1 MiB of float32
@@ -680,6 +704,7 @@ def aliased_step(buf: torch.Tensor, view: torch.Tensor) -> torch.Tensor:
     return buf.sum()
 
 
+@pytest.mark.slow
 def test_arguments_sharing_memory_are_named(tmp_path: Path,
                                             capsys: pytest.CaptureFixture[str]) -> None:
     """A buffer and a view of it: a case holds each apart, so the capture says so (the replay

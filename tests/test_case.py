@@ -796,6 +796,7 @@ def test_bundled_cases_load(name: str) -> None:
     assert target.startswith("case.py:")
 
 
+@pytest.mark.slow
 def test_loading_does_not_import_torch(case_dir: Path) -> None:
     (case_dir / CASE_FILE).write_text(DESIGN_EXAMPLE)
     code = ("import sys; from pathlib import Path; from pytest_gpucase.case.load import load_case; "

@@ -229,6 +229,7 @@ def test_safetensors_refuses_nested_objects(tmp_path: Path) -> None:
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.slow
 @posix_only
 def test_plain_write_killed_midway_is_detected(tmp_path: Path) -> None:
     path = tmp_path / "latest.pt"
@@ -248,6 +249,7 @@ def test_plain_write_killed_midway_is_detected(tmp_path: Path) -> None:
     assert validate(path).problems == (CANNOT_LOAD_ZIP, NO_MANIFEST)
 
 
+@pytest.mark.slow
 @posix_only
 def test_atomic_save_killed_midway_keeps_previous_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "latest.pt"
@@ -267,6 +269,7 @@ def test_atomic_save_killed_midway_keeps_previous_checkpoint(tmp_path: Path) -> 
     assert [r.path for r in scan(tmp_path)] == [path]
 
 
+@pytest.mark.slow
 @posix_only
 def test_resave_killed_at_random_moments_always_leaves_a_valid_checkpoint(tmp_path: Path) -> None:
     path = tmp_path / "latest.pt"
@@ -368,6 +371,7 @@ def test_resave_interrupted_at_each_rename_stays_valid(
     assert validate(path).manifest == final
 
 
+@pytest.mark.slow
 @posix_only
 def test_temporaries_of_gone_writers_are_removed(tmp_path: Path) -> None:
     gone = subprocess.run(

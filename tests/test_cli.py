@@ -73,6 +73,7 @@ def test_bad_numbers_are_usage_errors(capsys: pytest.CaptureFixture[str]) -> Non
     assert "argument --time-budget: must be positive, got nan" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(shutil.which("head") is None, reason="needs head")
 def test_output_cut_short_by_head_ends_quietly(tmp_path: Path) -> None:
     # 2000 context lines: far more than a pipe holds, so the reader leaves while we write.

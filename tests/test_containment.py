@@ -31,6 +31,8 @@ from pytest_gpucase.run.isolation import (
 from . import isolation_targets as targets
 from .helpers import run_reaching
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 LINUX = sys.platform.startswith("linux")
 needs_proc = pytest.mark.skipif(not LINUX, reason="finding escaped processes needs Linux /proc")
 
@@ -272,7 +274,7 @@ class TestCraftedResults:
         assert problem in result.problem
 
     def test_an_outcome_is_rebuilt(self) -> None:
-        from pytest_gpucase.run.child import Outcome
+        from pytest_gpucase.run.outcome import Outcome
 
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {

@@ -50,6 +50,7 @@ def build_backend() -> str:
     return "mps" if torch.backends.mps.is_built() else "cpu"
 
 
+@pytest.mark.slow
 def test_probe_runs_in_a_child_and_leaves_cuda_alone() -> None:
     env = probe(["pytest", "no-such-distribution-gpucase"], rootdir=None)
     assert env.backend == build_backend()
@@ -63,6 +64,7 @@ def test_probe_runs_in_a_child_and_leaves_cuda_alone() -> None:
     assert not cuda_initialized()
 
 
+@pytest.mark.slow
 @needs_cpu_only_build
 def test_probe_of_a_cpu_only_build() -> None:
     env = probe()
@@ -107,6 +109,7 @@ def repo(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_git_revision_is_the_short_commit(repo: Path) -> None:
     commit = git(repo, "rev-parse", "HEAD")
     revision = git_revision(str(repo))
@@ -116,6 +119,7 @@ def test_git_revision_is_the_short_commit(repo: Path) -> None:
     assert git_revision(str(repo / "sub")) == revision
 
 
+@pytest.mark.slow
 def test_git_revision_is_dirty_after_a_change_to_a_tracked_file(repo: Path) -> None:
     clean = git_revision(str(repo))
     (repo / "notes.txt").write_text("untracked files do not count\n")
@@ -128,11 +132,13 @@ def test_git_revision_is_dirty_after_a_change_to_a_tracked_file(repo: Path) -> N
     assert git_revision(str(repo)) == git(repo, "rev-parse", "--short=7", "HEAD")
 
 
+@pytest.mark.slow
 def test_git_revision_names_the_commit_even_when_it_is_tagged(repo: Path) -> None:
     git(repo, "tag", "-a", "v1.0", "-m", "release")
     assert git_revision(str(repo)) == git(repo, "rev-parse", "--short=7", "HEAD")
 
 
+@pytest.mark.slow
 def test_no_revision_outside_a_repository(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
     assert git_revision(str(tmp_path)) is None
@@ -140,6 +146,7 @@ def test_no_revision_outside_a_repository(tmp_path: Path, monkeypatch: pytest.Mo
     assert git_revision(None) is None
 
 
+@pytest.mark.slow
 def test_no_revision_before_the_first_commit(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("GIT_CEILING_DIRECTORIES", str(tmp_path.parent))
@@ -147,6 +154,7 @@ def test_no_revision_before_the_first_commit(tmp_path: Path,
     assert git_revision(str(tmp_path)) is None
 
 
+@pytest.mark.slow
 def test_the_probe_records_the_revision(repo: Path) -> None:
     assert probe(rootdir=str(repo)).revision == git_revision(str(repo))
 

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 from tests.helpers import PYTEST, apply_fix, run
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 XFAIL = "captured failure: IndexError: Target -1 is out of bounds.; remove this line once fixed"
 

@@ -14,6 +14,8 @@ import pytest
 from pytest_gpucase.tools.validate import validate
 from tests.helpers import PYTEST, apply_fix, run, without_xfail
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_capture"
 BUG = "    for row, char in enumerate(alphabet, start=1):  # the bug: rows must count from 0\n"
 FIX = "    for row, char in enumerate(alphabet):\n"

@@ -14,6 +14,8 @@ import pytest
 from pytest_gpucase.tools.validate import validate
 from tests.helpers import PYTEST, apply_fix, run, without_xfail
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "training_capture"
 BUG = "    return labels  # the bug: used as annotated; the fix is `return labels - 1`\n"
 FIX = "    return labels - 1\n"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pytest_gpucase.run.child import MAX_OUTPUT_DEPTH
+from pytest_gpucase.run.calls import MAX_OUTPUT_DEPTH
 from tests.helpers import write_case
 
 TOML = 'format = 1\ncall = "case.py:run"\n[matrix]\ndevices = ["cpu"]\n'

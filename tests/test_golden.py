@@ -186,6 +186,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 def test_a_regenerated_golden_passes_the_next_run(pytester: pytest.Pytester) -> None:
     for name, source in CASES.items():
         write_case(pytester.path, name, 'format = 1\ncall = "case.py:run"\n[matrix]\n'
@@ -199,6 +200,7 @@ def test_a_regenerated_golden_passes_the_next_run(pytester: pytest.Pytester) -> 
     again.stdout.no_fnmatch_line("*differ from the golden*")
 
 
+@pytest.mark.slow
 def test_regen_refuses_an_output_it_cannot_store(pytester: pytest.Pytester) -> None:
     """The call and the reference return the same class, so the run passes; its golden
     could never be read back as that class, so none is written and regen says why."""
@@ -263,6 +265,7 @@ print(sorted(name for name in ("torch._dynamo", "torch._inductor") if name in sy
 """
 
 
+@pytest.mark.slow
 def test_reading_a_golden_imports_nothing(tmp_path: Path) -> None:
     """A golden from a pull request names a dtype or a class: torch's module __getattr__
     would import the submodule it names (torch._dynamo, torch._inductor.config)."""

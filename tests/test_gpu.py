@@ -14,7 +14,7 @@ import torch
 
 from pytest_gpucase.case import payload
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 BAD_TARGET = """
 import torch.nn.functional as F

@@ -18,7 +18,7 @@ from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.run.probe import probe
 from tests.helpers import make_case
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.slow]
 
 TIGHT = """\
     [expect.tolerance.float32]
@@ -70,8 +70,7 @@ def test_tf32_off_changes_a_float32_matmul_verdict(tmp_path: Path,
 
         {TIGHT}""", MATMUL_PY, {"x": torch.randn(64, 1024, generator=gen),
                                 "w": torch.randn(1024, 64, generator=gen)})
-    result = ablate(load_case(path), device="cuda", dtype="float32", env=ampere_env,
-                    start_method="fork")
+    result = ablate(load_case(path), device="cuda", dtype="float32", env=ampere_env)
 
     verdicts = {row.change: row.verdict for row in result.rows}
     assert result.baseline.failure == "mismatch", result.baseline.summary
@@ -111,8 +110,7 @@ def test_cudnn_off_changes_a_float32_conv_verdict(tmp_path: Path,
 
         {TIGHT}""", CONV_PY, {"x": torch.randn(4, 64, 16, 16, generator=gen),
                               "weight": torch.randn(64, 64, 3, 3, generator=gen)})
-    result = ablate(load_case(path), device="cuda", dtype="float32", env=ampere_env,
-                    start_method="fork")
+    result = ablate(load_case(path), device="cuda", dtype="float32", env=ampere_env)
 
     verdicts = {row.change: row.verdict for row in result.rows}
     assert result.baseline.failure == "mismatch", result.baseline.summary

@@ -474,6 +474,7 @@ HOSTILE_REPORTS: dict[str, tuple[Callable[[Path], None], str]] = {
 }
 
 
+@pytest.mark.slow
 def test_each_hostile_report_is_refused_in_one_line(tmp_path: Path) -> None:
     """All of them in one gpucase matrix: each named on a line of its own, exit 2, in
     seconds (a FIFO blocked forever, 3 GB were read whole, 200,000 nested arrays and a
@@ -496,6 +497,7 @@ def test_each_hostile_report_is_refused_in_one_line(tmp_path: Path) -> None:
         assert fnmatch.fnmatch(line, f"gpucase: {tmp_path / name}.json: {message}"), (name, line)
 
 
+@pytest.mark.slow
 def test_gpucase_show_refuses_a_hostile_report_the_same_way(tmp_path: Path) -> None:
 
     case = rich_case(tmp_path / "cases")
@@ -511,6 +513,7 @@ def test_gpucase_show_refuses_a_hostile_report_the_same_way(tmp_path: Path) -> N
         assert fnmatch.fnmatch(line, f"gpucase show: --report {report}: {message}"), line
 
 
+@pytest.mark.slow
 def test_a_refusal_is_one_inert_line_whatever_the_file_is_named(tmp_path: Path) -> None:
     path = tmp_path / "evil\x1b]0;owned\x07\nname\u202e.json"
     path.write_text("{not json")
@@ -539,6 +542,7 @@ def _report_file(path: Path, environment: dict[str, object],
     return path
 
 
+@pytest.mark.slow
 def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> None:
     """0.4 MB of reports made 110 MB of HTML (each column's label in every cell's title),
     and a 100 MB message 200 MB: labels are said once per column now, a message is cut as
@@ -563,6 +567,7 @@ def test_html_grows_with_the_reports_not_with_their_product(tmp_path: Path) -> N
     assert "bytes omitted" in page and page.count("y" * 1000) < 40
 
 
+@pytest.mark.slow
 def test_no_escape_or_bidi_override_reaches_the_html_or_the_terminal(tmp_path: Path) -> None:
 
     forged = "\x1b]52;c;cm0gLXJmIH4=\x07\x1b[2J\u202eok\u2066"
@@ -580,6 +585,7 @@ def test_no_escape_or_bidi_override_reaches_the_html_or_the_terminal(tmp_path: P
         assert "\\u202eok" in done.stdout
 
 
+@pytest.mark.slow
 def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path) -> None:
     """The run-id pattern was quadratic in a node id's length (a 1 MB one: 50 minutes), and
     each cell scanned its runs once per device type (quadratic in their number)."""
@@ -601,6 +607,7 @@ def test_a_megabyte_node_id_and_thousands_of_devices_cost_seconds(tmp_path: Path
     assert "cuda-float32: failed: boom" in done.stdout   # the fields, where the id has none
 
 
+@pytest.mark.slow
 def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
     """int() on "²" ("²".isdigit() is True) and on 5,000 digits raised a traceback."""
 
@@ -613,6 +620,7 @@ def test_version_strings_of_any_digits_are_only_shown(tmp_path: Path) -> None:
     assert "cuDNN ²" in done.stdout and "CUDA ¹².⁴" in done.stdout and "cuDNN 9.1.0" in done.stdout
 
 
+@pytest.mark.slow
 def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
     """Each column's label was made from every package any report named (environments ×
     packages), and every report's packages were rebuilt for each column it was compared

@@ -20,7 +20,8 @@ from tests.helpers import read_toml as toml  # noqa: E402
 from tests.helpers import replays  # noqa: E402
 
 # Lightning's own advice (workers, logging) and deprecations are not what is tested here.
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.slow,  # real training runs and replays in children
+              pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

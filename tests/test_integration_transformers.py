@@ -27,7 +27,8 @@ from tests.helpers import read_toml as toml  # noqa: E402
 from tests.helpers import replays  # noqa: E402
 
 ROOT = Path(__file__).parent.parent
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.slow,  # real training runs and replays in children
+              pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 

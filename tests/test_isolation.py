@@ -19,6 +19,8 @@ from pytest_gpucase.run.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_chil
 from . import isolation_targets as targets
 from .helpers import run_reaching
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 METHODS = ["fork", "forkserver", "spawn"]
 
 

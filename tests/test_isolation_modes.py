@@ -18,6 +18,8 @@ from pytest_gpucase.run.isolation import WorkerPool, run_in_child, shutdown
 
 from . import isolation_targets as targets
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 BUNDLED = Path(__file__).resolve().parents[1] / "cases"
 
 # Each poisoning case passes on its own; the victim after it fails if the state leaked.

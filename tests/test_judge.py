@@ -6,14 +6,16 @@ import gc
 import weakref
 from pathlib import Path
 
+import pytest
 import torch
 
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.judge import Judged, _identical
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 
 
 def test_the_run_inputs_are_let_go_of_as_the_reference_inputs_are_made(tmp_path: Path) -> None:
@@ -82,7 +84,7 @@ def {name}(a, b):
 def run(spec: RunSpec) -> Outcome:
     """The run's outcome, in a forked child as every item runs (a run in this process would
     leave it marked as a replay, and a Recorder of a later test would save nothing)."""
-    return run_spec(spec, start_method="fork", backend="cpu").outcome
+    return run_spec(spec, RunContext("fork", "cpu")).outcome
 
 
 def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:
@@ -99,6 +101,7 @@ def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:
     return RunSpec(load_case(root), "cpu", "float32", cast=False)
 
 
+@pytest.mark.slow
 def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
         tmp_path: Path) -> None:
     """A wrong call that returns a buffer it keeps: the float64 reference run writes the right
@@ -118,6 +121,7 @@ def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
     assert outcome.status == "failed" and outcome.kind == "mismatch"
 
 
+@pytest.mark.slow
 def test_a_reference_whose_outputs_a_budget_draw_writes_over_is_a_broken_case(
         tmp_path: Path) -> None:
     """The rounding budget calls the reference again: a reference returning a buffer it keeps

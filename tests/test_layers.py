@@ -230,9 +230,41 @@ def test_every_module_says_what_it_exports() -> None:
 
 
 PUBLIC = ["Case", "Cell", "Column", "Comparison", "DeviceCell", "GpuCaseHandle", "Matrix",
-          "Outcome", "Recorder", "Row", "RunSpec", "Step", "Tolerance", "Verdict", "__version__"]
+          "Outcome", "Recorder", "Row", "RunContext", "RunSpec", "Step", "Tolerance", "Verdict",
+          "__version__", "build_matrix", "compare", "load_case", "load_report", "run_spec"]
 
 
+def test_public_names_resolve_to_their_homes() -> None:
+    """Each public name is taken from the module that defines it, never from a re-export."""
+    import importlib
+
+    for name, module in pytest_gpucase._PUBLIC.items():
+        value = getattr(importlib.import_module(module), name)
+        assert getattr(value, "__module__", module) == module, (name, module)
+
+
+def test_no_string_edge_hides_an_import_or_renames_a_module() -> None:
+    """Imports the layer test cannot see: ``importlib.import_module("pytest_gpucase...")``
+    with a literal, and ``X.__module__ = ...`` rewrites that keep such a string true."""
+    problems = []
+    for path in PACKAGE.rglob("*.py"):
+        where = path.relative_to(PACKAGE.parent)
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"), str(path))):
+            if isinstance(node, (ast.Assign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                if any(isinstance(t, ast.Attribute) and t.attr == "__module__"
+                       for t in targets):
+                    problems.append(f"{where}:{node.lineno} assigns __module__")
+            if (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+                    and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
+                        "import_module", "__import__")
+                    and node.args and isinstance(node.args[0], ast.Constant)
+                    and str(node.args[0].value).startswith(NAME + ".")):
+                problems.append(f"{where}:{node.lineno} imports {node.args[0].value} by string")
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.slow
 def test_public_names_load_lazily_and_without_torch() -> None:
     assert sorted(pytest_gpucase.__all__) == sorted(PUBLIC)
     code = ("import sys, pytest_gpucase; assert 'torch' not in sys.modules; "

@@ -37,7 +37,10 @@ from pytest_gpucase.tools.minimize import (
     with_minimized_from,
 )
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from tests.helpers import recorded_ce_case
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -142,8 +145,8 @@ def test_one_bad_entry_among_64_is_found_and_written(
     assert torch.equal(kept["logits"], saved["logits"][37:38])
     assert kept["target"].tolist() == [4]
 
-    replay = run_spec(RunSpec(written, "cpu", "float32", False), start_method="fork",
-                      backend="cpu", localize=False)
+    replay = run_spec(RunSpec(written, "cpu", "float32", False),
+                      RunContext("fork", "cpu", localize=False))
     assert failure_class(replay) == result.failure
     assert "4 at position 0" in (replay.outcome.error_message or "")
 

@@ -18,6 +18,8 @@ from pytest_gpucase.verdict.triage import failure_class, same_failure
 from tests import model_targets
 from tests.helpers import read_toml, replay_cpu
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def test_watched_module_stays_a_module_and_its_failure_replays_narrowed(tmp_path: Path) -> None:
     torch.manual_seed(0)

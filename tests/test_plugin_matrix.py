@@ -433,11 +433,12 @@ def test_report_keeps_the_time_the_session_started(pytester: pytest.Pytester) ->
     state._env = Environment(backend="cpu", device_types=("cpu",), devices=(), torch=None,
                              cuda=None, hip=None, cudnn=None, python="3.11.9",
                              platform="Linux-x86_64", packages={}, revision=None)
-    started = state.created
+    writer = config.pluginmanager.get_plugin("gpucase-recorder")
+    started = writer.created
     assert started.endswith("+00:00")
-    state.created = "2026-12-02T16:00:00+00:00"   # as if the session had started then
-    state.write_report(complete=False)
-    state.write_report(complete=True)
+    writer.created = "2026-12-02T16:00:00+00:00"   # as if the session had started then
+    writer.write_report(complete=False)
+    writer.write_report(complete=True)
     assert load_report(path)["created"] == "2026-12-02T16:00:00+00:00"
 
 

@@ -111,6 +111,7 @@ def test_importable_restores_sys_path(project: Path) -> None:
     assert sys.path == before
 
 
+@pytest.mark.slow
 def test_validate_minimize_and_ablate_find_the_src_layout_from_elsewhere(
         project: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cases = project / "cases"
@@ -137,6 +138,7 @@ def test_validate_minimize_and_ablate_find_the_src_layout_from_elsewhere(
     assert "broken case" not in out and "importing" not in out
 
 
+@pytest.mark.slow
 def test_pytest_children_import_as_the_parent_does(project: Path, pytester: pytest.Pytester,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """Under pytest the ini's pythonpath is applied in the parent; a spawned child gets the

@@ -19,8 +19,9 @@ import torch
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 
 
 def judged(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], toml: str = "",
@@ -33,7 +34,7 @@ def judged(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], t
     (path / "case.py").write_text(textwrap.dedent(code))
     payload.save(path / "inputs.safetensors", tensors)
     spec = RunSpec(load_case(path), "cpu", dtype, cast=cast)
-    return run_spec(spec, start_method="fork", backend="cpu").outcome
+    return run_spec(spec, RunContext("fork", "cpu")).outcome
 
 
 def variant(code: str, old: str, new: str) -> str:
@@ -50,6 +51,7 @@ GRADIENTS = "[expect]\ngradients = true\n"
 WITH_REFERENCE = 'reference = "case.py:reference"\n'
 
 
+@pytest.mark.slow
 def test_float32_matmul_at_scale(tmp_path: Path) -> None:
     """1024 x 1024 of values ~1e3 with symmetric signs: each product element is a sum of 1024
     terms of size 1e6; a correct float32 result is off by tens, and every seed failed."""
@@ -94,6 +96,7 @@ LAYER_NORM = """
     """
 
 
+@pytest.mark.slow
 def test_float32_layer_norm_of_large_offset_values(tmp_path: Path) -> None:
     """1e3 + N(0, 1): one float32 rounding of an input is 6e-5, a 6e-5 change of a normalized
     output; torch's layer norm and a careful two-pass one are off by 1e-4 and failed."""
@@ -127,6 +130,7 @@ BATCH_NORM = """
     """
 
 
+@pytest.mark.slow
 def test_batch_norm_training_over_two_samples_with_gradients(tmp_path: Path) -> None:
     """With two samples every normalized output is about +-1 and the gradient of x nearly
     cancels: the float32 gradient was 1.1e-5 off, just past float32's atol."""
@@ -146,6 +150,7 @@ def test_batch_norm_training_over_two_samples_with_gradients(tmp_path: Path) -> 
     assert wrong.status == "failed"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_low_precision_softmax_and_layer_norm_gradients(tmp_path: Path, dtype: str) -> None:
     """The cotangent was the sum of the outputs, which makes these gradients zero in exact
@@ -177,6 +182,7 @@ def test_low_precision_softmax_and_layer_norm_gradients(tmp_path: Path, dtype: s
     assert "out[0]" in wrong.summary
 
 
+@pytest.mark.slow
 def test_attention(tmp_path: Path) -> None:
     code = """
         import math
@@ -212,6 +218,7 @@ def test_attention(tmp_path: Path) -> None:
     assert unscaled.status == "failed"  # the reference dropped the 1/sqrt(d) term
 
 
+@pytest.mark.slow
 def test_a_python_number_from_a_bfloat16_run(tmp_path: Path) -> None:
     """loss.item() of a bfloat16 run was judged at float64's 1e-7; as a tensor it passed."""
     code = """
@@ -251,6 +258,7 @@ SQUARE = """
     """
 
 
+@pytest.mark.slow
 def test_a_custom_function_with_a_wrong_backward_fails_without_a_reference(
         tmp_path: Path) -> None:
     """Checked against its own float64 run, a wrong backward formula always agreed."""
@@ -264,6 +272,7 @@ def test_a_custom_function_with_a_wrong_backward_fails_without_a_reference(
     assert "Jacobian mismatch for output 0 with respect to input 0" in wrong.summary
 
 
+@pytest.mark.slow
 def test_gradients_nothing_independent_checked_are_said_so(tmp_path: Path) -> None:
     """Where gradcheck cannot run, the item says so, on a pass too."""
     tensors = {f"x{i}": torch.randn(2, generator=gen(i)) for i in range(70)}
@@ -279,6 +288,7 @@ def test_gradients_nothing_independent_checked_are_said_so(tmp_path: Path) -> No
                            "a float64 gradcheck was not run (70 floating inputs, above 64)")
 
 
+@pytest.mark.slow
 def test_a_causal_lms_cache_object(tmp_path: Path) -> None:
     """A transformers DynamicCache defines no ==: after a fix the replay still failed with
     "out['cache']: values differ: actual DynamicCache(...) vs expected DynamicCache(...)"."""

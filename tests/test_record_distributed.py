@@ -19,6 +19,7 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.tools.record.distributed import (
     Rank,
     consequence_of,
@@ -77,8 +78,8 @@ def free_port() -> str:
 
 def replays_alone(case_dir: Path) -> None:
     case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method="fork",
-                       backend="cpu", localize=False)
+    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False),
+                       RunContext("fork", "cpu", localize=False))
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
     assert is_known_failure(case, verdict)
 

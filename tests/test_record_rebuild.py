@@ -26,6 +26,8 @@ from pytest_gpucase.tools.validate import validate
 from tests import model_targets
 from tests.helpers import replays, read_toml as toml, replay_cpu as verdict_of
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 ROOT = Path(__file__).parent.parent
 
 

@@ -19,6 +19,8 @@ from pytest_gpucase.tools.validate import validate
 from tests import model_targets
 from tests.helpers import replays, read_toml as toml
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def setup(tmp_path: Path, **options: Any) -> tuple[Recorder, torch.nn.Module]:
     torch.manual_seed(0)

@@ -109,6 +109,7 @@ def graphs_of(model: torch.nn.Module, fullgraph: bool, backend: str = "eager") -
     return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fullgraph", [True, False])
 @pytest.mark.parametrize("order", ["watch, compile", "compile, watch", "module.compile"])
 def test_compile_sees_no_hook(tmp_path: Path, fullgraph: bool, order: str) -> None:
@@ -139,6 +140,7 @@ def test_compile_sees_no_hook(tmp_path: Path, fullgraph: bool, order: str) -> No
     assert rec.case_dir == tmp_path / "cases" / "TinyLM"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", ["eager", "aot_eager"])
 def test_a_failure_inside_a_compiled_model_is_a_case_of_the_eager_module(
         tmp_path: Path, backend: str) -> None:
@@ -168,6 +170,7 @@ class Flattening(torch.nn.Module):
         return self.proj(x.flatten(1))
 
 
+@pytest.mark.slow
 def test_a_compiled_only_error_is_recorded_as_the_eager_failure(tmp_path: Path) -> None:
     """A longer sequence meets a fixed-width layer while Dynamo traces: the compiled call
     says only 'RuntimeError when making fake tensor call'. The case replays the eager module,
@@ -233,6 +236,7 @@ def raise_it(x: torch.Tensor, error: BaseException) -> None:
     raise error
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("raised", [ValueError("nested"), SystemExit(3)],
                          ids=["error", "SystemExit"])
 def test_an_unprintable_exception_propagates_unchanged(
@@ -289,6 +293,7 @@ def test_a_fault_in_the_snapshot_runs_the_call_as_unwatched(
         model(BAD)
 
 
+@pytest.mark.slow
 def test_a_fault_in_a_watched_function_snapshot_runs_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from pytest_gpucase.tools.record import recorder
@@ -303,6 +308,7 @@ def test_a_fault_in_a_watched_function_snapshot_runs_it(
     assert rec.case_dir is not None  # saved from the inputs as they are after the failure
 
 
+@pytest.mark.slow
 def test_a_killed_interpreter_leaves_no_case_that_looks_valid(tmp_path: Path) -> None:
     """A process that dies while its case is written leaves nothing `pytest --gpu-cases`
     or `gpucase validate` takes for a case (a large model, so its store is written too)."""

@@ -18,8 +18,9 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.run import reference_cache
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import Outcome
+from pytest_gpucase.run.outcome import Outcome
 from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.rounding import DRAWS
 
 CODE = '''
@@ -55,8 +56,7 @@ def cache_at(folder: Path, key: str = "key") -> reference_cache.ReferenceCache:
 
 def judged(path: Path, cache: Path, device: str = "cpu", key: str = "key") -> Outcome:
     spec = RunSpec(load_case(path), device, "float32", cast=False)
-    return run_spec(spec, start_method="fork", backend="cpu",
-                    reference_cache=cache_at(cache, key)).outcome
+    return run_spec(spec, RunContext("fork", "cpu", reference_cache=cache_at(cache, key))).outcome
 
 
 def run(path: Path, cache: Path, device: str = "cpu") -> str:
@@ -68,6 +68,7 @@ def calls(path: Path) -> int:
     return len(file.read_text()) if file.exists() else 0
 
 
+@pytest.mark.slow
 def test_the_reference_is_computed_once_and_reused(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert [run(path, cache) for _ in range(3)] == ["passed"] * 3
@@ -82,6 +83,7 @@ def test_a_cast_dtype_is_a_reference_of_its_own(tmp_path: Path) -> None:
     assert reference_cache.key(saved, len) != reference_cache.key(cast, len)
 
 
+@pytest.mark.slow
 def test_changed_inputs_invalidate_it(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
@@ -90,6 +92,7 @@ def test_changed_inputs_invalidate_it(tmp_path: Path) -> None:
     assert calls(path) == 2
 
 
+@pytest.mark.slow
 def test_a_changed_reference_function_invalidates_it(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
@@ -106,6 +109,7 @@ def stored(entry: Path) -> dict[str, object]:
     return golden.load(entry, data=data[len(reference_cache.MAGIC) + 32:])
 
 
+@pytest.mark.slow
 def test_a_failure_never_rests_on_the_cache(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
@@ -151,6 +155,7 @@ def _huge(entry: Path, wrong: Path) -> None:
         handle.truncate(reference_cache.MAX_BYTES + 1)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("forge", [_forged_plain, _forged_tag, _copied, _linked, _fifo, _folder,
                                    _huge],
                          ids=["plain-golden", "tag-without-key", "genuine-of-another-case",
@@ -183,6 +188,7 @@ def test_a_poisoned_entry_never_turns_a_failure_into_a_pass(
     assert torch.equal(stored(entry)["out"], torch.full((4,), 3.0, dtype=torch.float64))
 
 
+@pytest.mark.slow
 def test_entries_written_with_another_key_are_computed_again(tmp_path: Path) -> None:
     """A CI cache restored on a runner whose home (and key) is new: never trusted."""
     path, cache = make(tmp_path), tmp_path / "cache"
@@ -195,14 +201,16 @@ def test_entries_written_with_another_key_are_computed_again(tmp_path: Path) -> 
     assert calls(path) == 2
 
 
+@pytest.mark.slow
 def test_without_a_cache_folder_nothing_is_written(tmp_path: Path) -> None:
     path = make(tmp_path)
     spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
-    assert run_spec(spec, start_method="fork", backend="cpu").outcome.status == "passed"
+    assert run_spec(spec, RunContext("fork", "cpu")).outcome.status == "passed"
     assert reference_cache.CACHE_ENV not in os.environ
     assert calls(path) == 1
 
 
+@pytest.mark.slow
 def test_a_fast_reference_is_not_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The threshold, not the machine's speed, decides: an unsleeping reference took over 5 ms
     # on a loaded 2-core runner. (The forked child inherits the patched module.)
@@ -296,6 +304,7 @@ def test_prune_leaves_a_folder_that_is_or_passes_through_a_link(tmp_path: Path) 
     assert victim.exists() and moved.exists()
 
 
+@pytest.mark.slow
 def test_a_cache_hit_marks_the_entry_used(tmp_path: Path) -> None:
     path, cache = make(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
@@ -351,6 +360,7 @@ def test_an_edited_module_the_reference_calls_invalidates_it(pytester: pytest.Py
     assert calls(case) >= 2
 
 
+@pytest.mark.slow
 def test_a_zero_tensor_reference_is_cached_by_its_values(tmp_path: Path) -> None:
     # A zero tensor has no memory to read: caching it once crashed the child (SIGSEGV).
     path, cache = make(tmp_path), tmp_path / "cache"
@@ -514,6 +524,7 @@ def _key_in_child(spec: RunSpec) -> str:
     return reference_cache.key(spec, resolve(spec.case, "case.py:ref", "reference"))
 
 
+@pytest.mark.slow
 def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Path) -> None:
     from pytest_gpucase.run.prepared import prepare_in_parent
     from pytest_gpucase.run.isolation import run_in_child
@@ -560,6 +571,7 @@ def rounded_case(root: Path, change: str = "", seed: int = 0) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> None:
     """A run past its default tolerance computes the reference and its DRAWS draws once; the
     next run reads both, and runs only the call."""
@@ -581,6 +593,7 @@ def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> Non
     assert any("failed authentication" in note for note in outcome.notes)
 
 
+@pytest.mark.slow
 def test_a_budget_is_kept_beside_a_reference_too_fast_to_keep(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The draws cost more than reading a few numbers back: kept even where the reference is
@@ -603,6 +616,7 @@ def test_a_budget_is_kept_beside_a_reference_too_fast_to_keep(
     assert budget.stat().st_mtime_ns == written
 
 
+@pytest.mark.slow
 def test_inputs_that_cannot_be_loaded_again_for_the_draws_fail_the_run(
         tmp_path: Path) -> None:
     """The draws load the case's inputs again when they need them: a payload broken by then
@@ -623,6 +637,7 @@ def test_inputs_that_cannot_be_loaded_again_for_the_draws_fail_the_run(
     assert "inputs.safetensors" in outcome.summary and "too short" in outcome.summary
 
 
+@pytest.mark.slow
 def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Path) -> None:
     path, cache = rounded_case(tmp_path), tmp_path / "cache"
     assert run(path, cache) == "passed"
@@ -649,6 +664,7 @@ def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Pat
         RunSpec(load_case(path), "cpu", "bfloat16", cast=True), len)
 
 
+@pytest.mark.slow
 def test_a_wrong_result_never_passes_on_a_stale_budget(tmp_path: Path) -> None:
     """A cached budget may let a run pass, as a cached reference may; a failure is judged
     against a fresh reference and a fresh budget."""
@@ -659,6 +675,7 @@ def test_a_wrong_result_never_passes_on_a_stale_budget(tmp_path: Path) -> None:
     assert run(path, cache) == "failed"
 
 
+@pytest.mark.slow
 def test_a_gradcheck_pass_is_kept_beside_the_reference(tmp_path: Path) -> None:
     path = tmp_path / "square"
     path.mkdir()

@@ -123,7 +123,7 @@ def test_sys_exit_while_the_case_file_is_imported_is_a_broken_case(
 
 def test_a_traceback_the_traceback_module_cannot_format_still_names_the_exception() -> None:
     """``user_traceback`` must not raise in place of the user's exception."""
-    from pytest_gpucase.run.child import user_traceback
+    from pytest_gpucase.run.outcome import user_traceback
 
     class Hostile(Exception):
         @property
@@ -195,7 +195,7 @@ def test_the_references_output_is_labelled_and_only_when_it_runs(
     """A case printing in its function showed the call's lines, then the reference's, with
     nothing between them. The label goes before the reference's first text on each stream;
     a quiet reference adds none, and one read from the cache prints nothing."""
-    from pytest_gpucase.run.child import REFERENCE_OUTPUT
+    from pytest_gpucase.run.judge import REFERENCE_OUTPUT
 
     marker = REFERENCE_OUTPUT.rstrip("\n")
     write_case(pytester.path, "prints", TOML, """
@@ -239,7 +239,7 @@ def test_a_label_lost_in_the_clipped_middle_is_told_by_the_omission_line(
         pytester: pytest.Pytester) -> None:
     """The call and the reference each print more than the capture keeps: the label fell in
     the omitted middle, and the tail, all of it the reference's output, read as the call's."""
-    from pytest_gpucase.run.child import OUTPUT_MARKS, REFERENCE_OUTPUT
+    from pytest_gpucase.run.judge import OUTPUT_MARKS, REFERENCE_OUTPUT
 
     write_case(pytester.path, "floods", TOML, """
         def run(x):

@@ -612,6 +612,7 @@ def test_gpucase_matrix_names_every_bad_file_and_exits_2(
     ]
 
 
+@pytest.mark.slow
 def test_report_modules_import_neither_torch_nor_pytest() -> None:
     code = ("import sys, pytest_gpucase.report.file, pytest_gpucase.report.matrix, "
             "pytest_gpucase.report.render, pytest_gpucase.report.summary; "
@@ -742,6 +743,7 @@ def test_step_summary_names_a_case_as_its_node_id_does(tmp_path: Path) -> None:
         "/ci/work/cases/bomb/case.toml nor /ci/work/cases/bom.old")
 
 
+@pytest.mark.slow
 def test_step_summary_of_a_run_outside_the_rootdir(pytester: pytest.Pytester,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     pytester.makeini("[pytest]\n")

@@ -344,6 +344,7 @@ def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:
     assert _scrub(text) == scrubbed
 
 
+@pytest.mark.slow
 def test_show_and_request_remove_secrets_and_escapes_from_a_case(tmp_path: Path) -> None:
     """Run as a user runs them: the case's files reach the terminal only made inert (an OSC 52
     clipboard write, a screen clear, a window title), and secrets are gone from both."""
@@ -373,6 +374,7 @@ def test_request_scrubs_many_sample_ids_in_one_pass() -> None:
                   ids) == "batch <sample id>, <sample id> and <sample id>; patient_x"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("text", [
     "a" * 1_000_000,
     "a+" * 500_000,

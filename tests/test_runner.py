@@ -7,10 +7,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.run.isolation import ChildResult, WorkerPool
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run.parent import _crash_outcome, describe_rerun, run_spec
+from pytest_gpucase.run.runcontext import RunContext
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 # A test double, honest about being one: this machine has no GPU, so the case
 # fakes what CUDA does. Without CUDA_LAUNCH_BLOCKING the "kernel" error surfaces
@@ -53,7 +58,7 @@ TOML = """
 
 def test_asynchronous_error_is_rerun_with_launch_blocking(tmp_path: Path) -> None:
     spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
-    verdict = run_spec(spec, start_method="fork", backend="cuda")  # pretend: a CUDA build
+    verdict = run_spec(spec, RunContext("fork", "cuda"))  # pretend: a CUDA build
     assert verdict.failed
     assert verdict.triage is not None and verdict.triage.asynchronous
     rerun = verdict.localized
@@ -76,20 +81,20 @@ def test_asynchronous_error_is_rerun_with_launch_blocking(tmp_path: Path) -> Non
 
 def test_rocm_rerun_uses_its_own_variable(tmp_path: Path) -> None:
     spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
-    verdict = run_spec(spec, start_method="fork", backend="rocm")
+    verdict = run_spec(spec, RunContext("fork", "rocm"))
     assert verdict.localized is not None
     assert dict(verdict.localized.spec.env) == {"AMD_SERIALIZE_KERNEL": "3"}
 
 
 def test_no_rerun_on_cpu_backend_or_when_disabled(tmp_path: Path) -> None:
     spec = make_case(tmp_path, TOML, ASYNC_DOUBLE)
-    assert run_spec(spec, start_method="fork", backend="cpu").localized is None
-    assert run_spec(spec, start_method="fork", backend="cuda", localize=False).localized is None
+    assert run_spec(spec, RunContext("fork", "cpu")).localized is None
+    assert run_spec(spec, RunContext("fork", "cuda", localize=False)).localized is None
 
 
 def test_synchronous_error_is_not_rerun(tmp_path: Path) -> None:
     spec = make_case(tmp_path, TOML, "def run(index):\n    raise ValueError('bad label')\n")
-    verdict = run_spec(spec, start_method="fork", backend="cuda")
+    verdict = run_spec(spec, RunContext("fork", "cuda"))
     assert verdict.failed and verdict.localized is None
 
 
@@ -103,7 +108,7 @@ def test_crash_outcome_names_the_signal_and_keeps_the_assertion_line(tmp_path: P
             os.kill(os.getpid(), signal.SIGABRT)
     """
     spec = make_case(tmp_path, TOML, code)
-    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    verdict = run_spec(spec, RunContext("fork", "cpu"))
     assert verdict.outcome.summary.endswith("run crashed with signal 6 (SIGABRT)")
     assert verdict.outcome.error_message == (
         "Loss.cu:250: block: [0,0,0] Assertion `t >= 0 && t < n_classes` failed.")
@@ -118,7 +123,7 @@ def test_fork_after_parallel_cpu_work_in_the_parent_does_not_hang(tmp_path: Path
     float(torch.randn(4_000_000).sum())
     spec = make_case(tmp_path, 'format = 1\ncall = "case.py:run"\ntimeout = 20\n',
                      "import torch\n\ndef run():\n    return torch.ones(4_000_000).sum()\n")
-    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    verdict = run_spec(spec, RunContext("fork", "cpu"))
     assert verdict.outcome.status == "passed", verdict.outcome
     assert verdict.child.duration < 15
 
@@ -151,7 +156,7 @@ CRASHING_REFERENCE = """
 def test_a_crash_in_the_reference_says_the_call_returned(tmp_path: Path) -> None:
     toml = TOML.replace("timeout = 30", 'timeout = 30\nreference = "case.py:reference"')
     spec = make_case(tmp_path, toml, CRASHING_REFERENCE)
-    verdict = run_spec(spec, start_method="fork", backend="cpu")
+    verdict = run_spec(spec, RunContext("fork", "cpu"))
     assert verdict.outcome.kind == "crash"
     assert re.fullmatch(r"\S+case\.toml: run exited with code 3 without returning a result "
                         r"while computing the float64 reference on the CPU \(the call itself "
@@ -167,9 +172,8 @@ def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Pa
     spec = make_case(tmp_path, toml, SLOW_REFERENCE.format(hang_in_call=False))
     pool = WorkerPool()
     try:
-        for verdict in (run_spec(spec, start_method="fork", backend="cpu"),
-                        run_spec(spec, start_method="fork", backend="cpu", isolation="worker",
-                                 pool=pool)):
+        for verdict in (run_spec(spec, RunContext("fork", "cpu")),
+                        run_spec(spec, RunContext("fork", "cpu", isolation="worker", pool=pool))):
             assert verdict.outcome.kind == "timeout"
             assert re.fullmatch(
                 r"\S+case\.toml: run timed out after 5 s while computing the float64 reference "
@@ -182,7 +186,7 @@ def test_a_timeout_in_the_reference_is_not_told_as_the_call_hanging(tmp_path: Pa
         pool.close()
     (tmp_path / "hung").mkdir()
     spec = make_case(tmp_path / "hung", toml, SLOW_REFERENCE.format(hang_in_call=True))
-    hung = run_spec(spec, start_method="fork", backend="cpu")
+    hung = run_spec(spec, RunContext("fork", "cpu"))
     assert hung.outcome.summary.endswith(
         "case.toml: run timed out after 5 s and was killed with its process group and every "
         "process it started; the stack of every thread at the timeout is in the captured stderr")
@@ -221,5 +225,5 @@ def test_deterministic_false_does_not_import_inductor(tmp_path: Path) -> None:
             assert not torch.are_deterministic_algorithms_enabled()
             return torch.tensor([index])
     """
-    verdict = run_spec(make_case(tmp_path, toml, code), start_method="fork", backend="cpu")
+    verdict = run_spec(make_case(tmp_path, toml, code), RunContext("fork", "cpu"))
     assert verdict.outcome.status == "passed", verdict.outcome.details

@@ -12,7 +12,8 @@ import torch.nn.functional as F
 from pytest_gpucase.case import payload
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.run.child import load_inputs, prepare, upcast
+from pytest_gpucase.run.child import load_inputs, prepare
+from pytest_gpucase.run.calls import upcast
 from pytest_gpucase.plugin.items import is_known_failure
 from pytest_gpucase.tools.validate import validate
 from tests.helpers import read_toml, replay_cpu
@@ -41,6 +42,7 @@ def params() -> dict[str, torch.Tensor]:
     return {"table": torch.randn(5, 4, generator=gen), "bias": torch.randn(4, generator=gen)}
 
 
+@pytest.mark.slow
 def test_a_dict_of_tensors_is_saved_and_rebuilt_and_its_failure_replays(tmp_path: Path) -> None:
     rec = Recorder(tmp_path / "cases")
     watched = rec.watch(lookup)
@@ -69,6 +71,7 @@ def test_a_dict_of_tensors_is_saved_and_rebuilt_and_its_failure_replays(tmp_path
     assert is_known_failure(load_case(case_dir), verdict)
 
 
+@pytest.mark.slow
 def test_the_fixed_call_matches_its_float64_reference_through_the_dict(tmp_path: Path) -> None:
     """The dict's tensors are cast and upcast like plain inputs, so the reference really runs
     in float64, and the replay of the fix passes against it."""
@@ -91,6 +94,7 @@ def test_the_fixed_call_matches_its_float64_reference_through_the_dict(tmp_path:
     assert prepare(inputs, "cpu", "bfloat16")["ids"].dtype == torch.int64
 
 
+@pytest.mark.slow
 def test_a_module_forward_dict_argument_replays(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = Scaled()
@@ -110,6 +114,7 @@ def test_a_module_forward_dict_argument_replays(tmp_path: Path) -> None:
     assert is_known_failure(load_case(case_dir), verdict)
 
 
+@pytest.mark.slow
 def test_a_table_naming_a_missing_tensor_is_a_broken_case(tmp_path: Path) -> None:
     case_dir = tmp_path / "named"
     case_dir.mkdir()

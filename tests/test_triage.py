@@ -951,6 +951,7 @@ def test_assertion_line_is_none_without_a_kernel_assertion(stderr: str) -> None:
     assert assertion_line(stderr) is None
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "text",
     [

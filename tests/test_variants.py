@@ -529,6 +529,7 @@ def test_a_module_cases_state_dict_never_anchors_or_follows_the_batch() -> None:
         apply(Variant("batch", 1), {k: v for k, v in inputs.items() if k != "gpucase_module"})
 
 
+@pytest.mark.slow
 def test_a_recorded_cases_rng_state_is_no_batch_input(tmp_path: Path) -> None:
     from pytest_gpucase.tools.validate import validate
 

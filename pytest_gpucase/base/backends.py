@@ -69,6 +69,9 @@ class Backend:
     version: str | None = None       # the torch.version attribute that marks the build: "hip"
     built: str | None = None         # else the torch.backends module whose is_built() does
     launch_blocking: Mapping[str, str] = field(default_factory=dict)  # makes launches synchronous
+    # Set (if unset) where a run asks for deterministic algorithms: cuBLAS needs a fixed
+    # workspace for deterministic results (CUDA >= 10.2).
+    deterministic_env: Mapping[str, str] = field(default_factory=dict)
     visible_devices: tuple[str, ...] = ()  # variables that select devices; the first is set
     cuda_switches: bool = False      # torch.backends.cuda/cudnn switches (TF32, cuDNN) apply
     dnn_library: str | None = None   # "cuDNN", "MIOpen": what torch.backends.cudnn.version() names
@@ -85,6 +88,7 @@ class Backend:
 BACKEND_TABLE: tuple[Backend, ...] = (
     Backend("cuda", "CUDA", "a CUDA build", "cuda", version="cuda",
             launch_blocking={"CUDA_LAUNCH_BLOCKING": "1"},
+            deterministic_env={"CUBLAS_WORKSPACE_CONFIG": ":4096:8"},
             visible_devices=("CUDA_VISIBLE_DEVICES",), cuda_switches=True, dnn_library="cuDNN",
             text_markers=(
                 r"\bCUDA (driver )?error\b", r"\bCUDA out of memory", r"\bcuda runtime error\b",
@@ -182,12 +186,23 @@ def launch_blocking_env(name: str) -> dict[str, str]:
     return dict(row.launch_blocking) if row is not None else {}
 
 
+def deterministic_env() -> dict[str, str]:
+    """The variables deterministic algorithms need, every backend's (a run sets those unset)."""
+    return {key: value for row in BACKEND_TABLE for key, value in row.deterministic_env.items()}
+
+
+def visible_devices_words() -> str:
+    """Every backend's visible-devices variable, as help texts name them."""
+    return " / ".join(name for row in BACKEND_TABLE for name in row.visible_devices[:1])
+
+
 def _assignments(row: Backend) -> str:
     return " ".join(f"{key}={value}" for key, value in row.launch_blocking.items())
 
 
 def launch_blocking_words(name: str | None) -> str:
-    """How to make launches blocking, as triage tells it; every backend's when not known.
+    """How to make launches blocking, as triage and help texts tell it; every backend's when
+    not known.
 
     ``CUDA_LAUNCH_BLOCKING=1`` on CUDA; with no backend,
     ``CUDA_LAUNCH_BLOCKING=1 (ROCm: AMD_SERIALIZE_KERNEL=3)``.

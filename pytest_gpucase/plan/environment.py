@@ -25,11 +25,13 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpucase.base import backends
+from pytest_gpucase.base.results import result_type
 
 __all__ = ["Device", "Environment", "build_label", "call_distributions", "canonical_name",
            "dnn_library", "git_revision", "package_build", "package_version", "probe_here"]
 
 
+@result_type   # the probe's child sends it back (isolation.wire)
 @dataclass(frozen=True)
 class Device:
     """One visible accelerator."""
@@ -40,6 +42,7 @@ class Device:
     memory_gib: float | None = None
 
 
+@result_type
 @dataclass(frozen=True)
 class Environment:
     """What this run has: the backend of the torch build and what it can see."""

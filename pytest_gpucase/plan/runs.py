@@ -25,15 +25,15 @@ from dataclasses import dataclass, field, replace
 from packaging.specifiers import SpecifierSet
 from packaging.version import InvalidVersion, Version
 
-from pytest_gpucase.base.backends import build_words, launch_blocking_env
+from pytest_gpucase.base.backends import DEVICE_TYPES, build_words, launch_blocking_env
 from pytest_gpucase.base.errors import display
-from pytest_gpucase.case.model import FLOAT_DTYPES, Case, Requirements
+from pytest_gpucase.case.model import CASE_FILE, FLOAT_DTYPES, Case, Requirements
 from pytest_gpucase.case.payload import DTYPES, TensorInfo
 from pytest_gpucase.case.variants import Variant
 from pytest_gpucase.case.variants import expand as expand_variants
 from pytest_gpucase.plan.environment import Environment
 
-__all__ = ["DEFAULT_DEVICES", "NotRunnable", "RunSpec", "choose_device", "device_list",
+__all__ = ["DEFAULT_DEVICES", "ItemId", "NotRunnable", "RunSpec", "choose_device", "device_list",
            "device_skip", "evaluate", "expand", "one_dtype_without_floats", "run_skip",
            "saved_dtype", "saved_float_dtype", "single_run", "unchanged_runs"]
 
@@ -63,11 +63,81 @@ class RunSpec:
 
     @property
     def id(self) -> str:
-        """The parametrization token: ``cpu-float32``, ``cuda-bfloat16-batch[1]``."""
+        """The parametrization token: ``cpu-float32``, ``cuda-bfloat16-batch[1]``
+        (``ItemId.parse`` reads it back from a node id)."""
         parts = [self.device, self.dtype]
         if self.variant is not None:
             parts.append(self.variant.id)
         return "-".join(parts)
+
+    @property
+    def compute_dtype(self) -> str:
+        """The dtype the call computes in: the autocast dtype under ``[context] autocast``,
+        else the run's own."""
+        return self.case.context.compute_dtype or self.dtype
+
+    @property
+    def numeric(self) -> str:
+        """The run's real numeric context in words: ``float32``, or ``float32 under bfloat16
+        autocast`` (what ablate and minimize say they ran)."""
+        compute = self.case.context.compute_dtype
+        return f"{self.dtype} under {compute} autocast" if compute else self.dtype
+
+    def with_autocast(self, dtype: str | None) -> RunSpec:
+        """This run with its case's autocast off (None) or in ``dtype`` instead: a change of
+        the case's ``[context]``, so the child, the judge and the reference cache all see it."""
+        context = self.case.context
+        autocast = (None if dtype is None or context.autocast is None
+                    else replace(context.autocast, dtype=dtype, enabled=True))
+        case = replace(self.case, context=replace(context, autocast=autocast))
+        return replace(self, case=case)
+
+    def item_name(self) -> str:
+        """The name of this run's pytest item: ``ce_class4[cuda-float32-batch[1]]``."""
+        return f"{self.case.name}[{self.id}]"
+
+
+# The parameters that end a case item's id (``RunSpec.id``): device, dtype and an optional
+# variant. Found at the end (a case folder's name may hold brackets, dashes, anything),
+# bounded: linear.
+_PARAMS = re.compile(r"\[(?P<device>[a-z]{1,16})-(?P<dtype>[a-z0-9_]{1,32})"
+                     r"(?:-(?P<kind>[a-z]{1,16})\[(?P<value>-?[0-9]{1,20})\])?\]\Z")
+
+
+@dataclass(frozen=True)
+class ItemId:
+    """A case item's node id read back (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``),
+    where the item is not at hand: an xdist worker that crashed, a cancelled run."""
+
+    case: str
+    case_path: str
+    device: str | None = None     # None: the id holds no run parameters (a broken case)
+    dtype: str | None = None
+    variant: str | None = None    # ``Variant.label``: ``batch=1``
+
+    @staticmethod
+    def is_case_item(nodeid: str) -> bool:
+        """Whether ``nodeid`` is the id of a case item (an item of a ``case.toml``)."""
+        return f"/{CASE_FILE}::" in nodeid or nodeid.startswith(f"{CASE_FILE}::")
+
+    @classmethod
+    def parse(cls, nodeid: str) -> ItemId | None:
+        """The case item ``nodeid`` names, or None for another item.
+
+        Read from the right, so that a case folder may be named anything a file system
+        allows (``cases/ce[1]``): the case's name follows the last ``/case.toml::`` (a name
+        holds no ``/``), and the run's parameters (``RunSpec.id``) end the id.
+        """
+        head, separator, tail = nodeid.rpartition(f"/{CASE_FILE}::")
+        if not separator:
+            if not nodeid.startswith(f"{CASE_FILE}::"):
+                return None
+            head, tail = ".", nodeid[len(CASE_FILE) + 2:]
+        found = _PARAMS.search(tail)
+        if found is None or found["device"] not in DEVICE_TYPES:
+            return cls(tail, head)
+        variant = f"{found['kind']}={found['value']}" if found["kind"] else None
+        return cls(tail[:found.start()], head, found["device"], found["dtype"], variant)
 
 
 def _version(found: str) -> Version | None:

@@ -34,7 +34,7 @@ from pytest_gpucase.plugin.items import (
     share_conftests,
 )
 from pytest_gpucase.plugin.report_writer import ReportWriter, SigintWatch
-from pytest_gpucase.plugin.settings import SETTINGS, add_options, setting
+from pytest_gpucase.plugin.settings import SETTINGS, Settings, add_options
 from pytest_gpucase.plugin.state import GpuCaseSession, add_case_paths, session_key, start_zygote
 
 
@@ -49,9 +49,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    state = GpuCaseSession(config, {spec.name: setting(config, spec.name) for spec in SETTINGS})
+    state = GpuCaseSession(config, Settings.read(config))
     config.stash[session_key] = state
-    if unmet := unmet_requirement(state.settings["gpu_require"]):   # --gpu-require
+    if unmet := unmet_requirement(state.settings.gpu_require):   # --gpu-require
         raise pytest.UsageError(unmet)
     formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py
     if any(formats):   # report.py is imported only when a plugin adds a format
@@ -66,7 +66,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"{given[0]} needs --gpu-cases (or gpu_cases = true in the ini): without it no "
                 "case is collected, so it would change nothing")
     else:
-        add_case_paths(config, state.settings["gpu_cases_paths"])
+        add_case_paths(config, state.settings.gpu_cases_paths)
     if state.enabled:
         from pytest_gpucase.base.torch_import import import_torch
 
@@ -81,7 +81,7 @@ def pytest_configure(config: pytest.Config) -> None:
         adopt_orphans()
         start_zygote(config, state)
     if state.enabled and not hasattr(config, "workerinput"):
-        _report_folder(state.settings["gpu_cases_report"])
+        _report_folder(state.settings.gpu_cases_report)
         writer = ReportWriter(state)
         config.pluginmanager.register(writer, "gpucase-recorder")
         writer.lock()   # registered first: its unconfigure releases the lock, however it ends
@@ -100,20 +100,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    import shutil
     import sys
 
     isolation = sys.modules.get("pytest_gpucase.run.isolation")
     if isolation is not None:
         isolation.shutdown()  # no child, zombie or zygote outlives the session
     state = config.stash.get(session_key, None)
-    for path in state._temporary if state is not None else ():
-        shutil.rmtree(path, ignore_errors=True)
-    cache = state._reference_cache if state is not None else None
-    if cache is not None and cache.temporary is None:  # a temporary one is gone already
-        from pytest_gpucase.run.reference_cache import prune
-
-        prune(cache.folder, base=cache.base)
+    if state is not None:
+        state.close()
     if state is not None and state.renderers:
         from pytest_gpucase.report.render import RENDERERS
 
@@ -227,9 +221,10 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         terminalreporter.write_sep("-", "gpucase: golden files written")
         for path in written:
             terminalreporter.write_line(display_posix(Path(path)))
-    report_path = state.settings["gpu_cases_report"]
-    if (report_path is not None and state.enabled and not hasattr(config, "workerinput")
-            and not state.report_failed):
+    report_path = state.settings.gpu_cases_report
+    writer = config.pluginmanager.get_plugin("gpucase-recorder")
+    if (report_path is not None and isinstance(writer, ReportWriter)
+            and not writer.report_failed):
         terminalreporter.write_line(f"gpucase: JSON report written to {report_path}")
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,9 +75,10 @@ def requirements_from_marker(where: str, args: tuple[Any, ...], kwargs: dict[str
 class GpuCaseHandle:
     """What the ``gpu_case`` fixture gives a hand-written test: the case, its inputs, its runs."""
 
-    def __init__(self, case: Case, state: GpuCaseSession) -> None:
+    def __init__(self, case: Case, state: GpuCaseSession, item: pytest.Item | None = None) -> None:
         self.case = case
         self._state = state
+        self._item = item   # the test: its pytest_gpucase_run_env hook reaches every run
 
     def inputs(self, device: str = "cpu", dtype: str | None = None) -> dict[str, Any]:
         """The case's keyword arguments in this process, on ``device``, floats cast to ``dtype``."""
@@ -102,8 +104,7 @@ class GpuCaseHandle:
         if reason is not None:
             raise skip_here(reason)
         spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)
-        return run_spec(spec, start_method=self._state.start_method(), backend=env.backend,
-                        localize=False)
+        return run_spec(spec, replace(self._state.run_context(self._item), localize=False))
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def gpu_case(request: pytest.FixtureRequest) -> GpuCaseHandle:
         case = load_case(path)
     except CaseFormatError as exc:
         pytest.fail(str(exc), pytrace=False)
-    return GpuCaseHandle(case, request.config.stash[session_key])
+    return GpuCaseHandle(case, request.config.stash[session_key], request.node)
 
 
 def parametrize(metafunc: pytest.Metafunc) -> None:
@@ -151,7 +152,7 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
         from pytest_gpucase.plan.runs import device_list, device_skip
 
         env = metafunc.config.stash[session_key].environment()
-        asked = metafunc.config.stash[session_key].settings["gpu_devices"]
+        asked = metafunc.config.stash[session_key].settings.gpu_devices
         params = []
         for device in device_list(env, asked=asked):
             reason = device_skip(device, env)
@@ -159,5 +160,5 @@ def parametrize(metafunc: pytest.Metafunc) -> None:
             params.append(pytest.param(device, marks=marks, id=device))
         metafunc.parametrize("gpu_device", params, indirect=True)
     if "gpu_dtype" in metafunc.fixturenames:
-        dtypes = metafunc.config.stash[session_key].settings["gpu_dtypes"] or ("float32",)
+        dtypes = metafunc.config.stash[session_key].settings.gpu_dtypes or ("float32",)
         metafunc.parametrize("gpu_dtype", list(dtypes), indirect=True)

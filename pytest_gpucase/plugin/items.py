@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 import os
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +26,7 @@ if TYPE_CHECKING:
 
     from pytest_gpucase.case.model import Case
     from pytest_gpucase.plan.runs import RunSpec
-    from pytest_gpucase.run.child import Outcome
+    from pytest_gpucase.run.outcome import Outcome
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
@@ -107,9 +106,9 @@ class CaseFile(pytest.File):
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
-                devices=state.settings["gpu_devices"],
-                dtypes=state.settings["gpu_dtypes"],
-                launch_blocking=state.settings["gpu_launch_blocking"],
+                devices=state.settings.gpu_devices,
+                dtypes=state.settings.gpu_dtypes,
+                launch_blocking=state.settings.gpu_launch_blocking,
             )
             specs = one_dtype_without_floats(case, specs)
         except Exception as exc:  # whatever the files hold: one failed item, the session goes on
@@ -125,13 +124,10 @@ class CaseFile(pytest.File):
         state.cases_seen += 1
         if not specs:
             state.filtered_out.append(f"{case.name} (its runs: {_case_runs(case, saved)})")
-        pin = state.worker_env()
         build = state.environment().backend
         case_path = display_posix(case_dir) if specs else ""  # once per case, not per item
         for spec in specs:
-            if pin and spec.device != "cpu":
-                spec = replace(spec, env={**spec.env, **pin})
-            item = CaseItem.from_parent(self, name=f"{case.name}[{spec.id}]", spec=spec,
+            item = CaseItem.from_parent(self, name=spec.item_name(), spec=spec,
                                         case_path=case_path,
                                         **_item_id(self, case.name, spec.id))
             # torch.cuda is CUDA on NVIDIA builds and HIP on ROCm builds: backends.py knows.
@@ -183,9 +179,10 @@ class BrokenCaseItem(pytest.Item):
 
         # Recorded like any run, so that the JSON report, the matrix and the step summary
         # show the broken case too; "all": it fails on every device type it would run on.
-        self.user_properties.append(("gpucase", property_json({
-            "case": self.name, "case_path": case_path, "device": "all", "dtype": "all",
-            "variant": None, "launch_blocking": False})))
+        from pytest_gpucase.plugin.records import broken_fields
+
+        self.user_properties.append(("gpucase", property_json(broken_fields(self.name,
+                                                                             case_path))))
         self.user_properties.append(("gpucase_result", property_json({
             "error_type": "CaseFormatError", "message": problem})))
 
@@ -312,30 +309,19 @@ class CaseItem(pytest.Item):
         from pytest_gpucase.run.parent import run_spec
 
         state = self.config.stash[session_key]
-        if (self.config.stash[session_key].settings["gpu_cases_regen"] and self.spec.variant is None
+        if (state.settings.gpu_cases_regen and self.spec.variant is None
                 and self.spec.case.expect.outcome == "matches"):
             state.regenerate(self.spec.case)
-        spec = self.spec
-        for found in self.ihook.pytest_gpucase_run_env(item=self, spec=spec):
-            if found:   # hookspecs.pytest_gpucase_run_env: merged into the child's environment
-                spec = replace(spec, env={**spec.env, **{str(k): str(v)
-                                                         for k, v in found.items()}})
-        verdict = run_spec(spec, start_method=state.start_method(),
-                           backend=state.environment().backend,
-                           memory_limit=(self.spec.case.memory_limit
-                                         or state.settings["gpu_memory_limit"]),
-                           reference_cache=state.reference_cache(),
-                           isolation=state.settings["gpu_isolation"], pool=state.pool(),
-                           # A pass is reported as a failure too (XPASS(strict)): a reused
-                           # child's verdict is confirmed in a fresh child, whatever it is.
-                           expects_failure=(xfail_reason(self.spec) is not None
-                                            or self.get_closest_marker("xfail") is not None),
-                           localize=not self.config.stash[session_key].settings["gpu_no_localize"])
+        ctx = state.run_context(self)
+        # A pass is reported as a failure too (XPASS(strict)): a reused child's verdict is
+        # confirmed in a fresh child, whatever it is.
+        verdict = run_spec(self.spec, ctx, expects_failure=(
+            xfail_reason(self.spec) is not None or self.get_closest_marker("xfail") is not None))
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise SigintLost("SIGINT while the case ran")
         for note in verdict.outcome.notes:  # in the session's summary: named by its item
             state.note(f"{self.nodeid}: {note}")
-        pool = state.pool()
+        pool = ctx.pool
         for label, why in pool.take_retired() if pool is not None else ():
             from pytest_gpucase.base.text import terminal_safe
 
@@ -350,12 +336,11 @@ class CaseItem(pytest.Item):
         _reissue_warnings(verdict)
         if (verdict.failed and not verdict.outcome.broken_case   # the case is what to fix
                 and verdict.outcome.kind != "environment"   # or a package's build
-                and self.config.stash[session_key].settings["gpu_ablate"]):
+                and state.settings.gpu_ablate):
             from pytest_gpucase.tools.ablate import ablate
 
             found = ablate(self.spec.case, device=self.spec.device, dtype=self.spec.dtype,
-                           env=state.environment(), start_method=state.start_method(),
-                           variant=self.spec.variant)
+                           env=state.environment(), ctx=ctx.fresh(), variant=self.spec.variant)
             self.add_report_section("call", "gpucase ablation", found.render())
             fields["ablation"] = found.to_dict()
         from pytest_gpucase.report.file import property_json

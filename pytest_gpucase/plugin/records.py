@@ -3,12 +3,10 @@ stores for each item (checked against ``report_schema.json``)."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import display_posix
-from pytest_gpucase.case.model import CASE_FILE
 from pytest_gpucase.plan.environment import canonical_name
 from pytest_gpucase.report.file import property_value
 
@@ -19,7 +17,7 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
-    "crash_record", "is_case_nodeid", "item_packages", "item_record", "nodeid_fields",
+    "broken_fields", "crash_record", "item_fields", "item_packages", "item_record",
     "result_record", "spec_fields", "verdict_fields",
 ]
 
@@ -114,49 +112,34 @@ def crash_record(report: pytest.TestReport) -> dict[str, Any] | None:
     """
     if report.when not in ("???", None) or not report.failed:
         return None
-    fields = nodeid_fields(report.nodeid)
+    fields = item_fields(report.nodeid)
     if fields is None:
         return None
     return item_record(report.nodeid, fields, "failed", str(report.longrepr),
                        error_type="WorkerCrash", duration=report.duration)
 
 
-# The parameters that end a case item's id: device, dtype and an optional variant. Found at
-# the end (a case folder's name may hold brackets, dashes, anything), bounded: linear.
-_PARAMS = re.compile(r"\[(?P<device>[a-z]{1,16})-(?P<dtype>[a-z0-9_]{1,32})"
-                     r"(?:-(?P<kind>[a-z]{1,16})\[(?P<value>-?[0-9]{1,20})\])?\]\Z")
+def item_fields(nodeid: str) -> dict[str, Any] | None:
+    """What a case item is (``spec_fields``), read from its node id where the item is not at
+    hand (``plan.runs.ItemId``); None for another item. An id without run parameters is
+    recorded as a broken case's item is, for every device."""
+    from pytest_gpucase.plan.runs import ItemId
+
+    found = ItemId.parse(nodeid)
+    if found is None:
+        return None
+    if found.device is None:
+        return broken_fields(found.case, found.case_path)
+    return {"case": found.case, "case_path": found.case_path, "device": found.device,
+            "dtype": found.dtype, "variant": found.variant, "launch_blocking": False}
 
 
-def is_case_nodeid(nodeid: str) -> bool:
-    """Whether ``nodeid`` is the id of a case item (an item of a ``case.toml``)."""
-    return f"/{CASE_FILE}::" in nodeid or nodeid.startswith(f"{CASE_FILE}::")
-
-
-def nodeid_fields(nodeid: str) -> dict[str, Any] | None:
-    """What a case item is (``spec_fields``), read from its node id where the item is not
-    at hand (``cases/ce/case.toml::ce[cuda-float32-batch[1]]``); None for another item.
-
-    Read from the right, so that a case folder may be named anything a file system allows
-    (``cases/ce[1]``): the case's name follows the last ``/case.toml::`` (a name holds no
-    ``/``), and the run's parameters end the id. An id whose parameters cannot be read (a
-    broken case's item has none) is recorded as the broken case's is, for every device.
-    """
-    from pytest_gpucase.base.backends import DEVICE_TYPES
-
-    head, separator, tail = nodeid.rpartition(f"/{CASE_FILE}::")
-    if not separator:
-        if not nodeid.startswith(f"{CASE_FILE}::"):
-            return None
-        head, tail = ".", nodeid[len(CASE_FILE) + 2:]
-    found = _PARAMS.search(tail)
-    device = dtype = "all"
-    variant = None
-    name = tail
-    if found is not None and found["device"] in DEVICE_TYPES:
-        name, device, dtype = tail[:found.start()], found["device"], found["dtype"]
-        variant = f"{found['kind']}={found['value']}" if found["kind"] else None
-    return {"case": name, "case_path": head, "device": device, "dtype": dtype,
-            "variant": variant, "launch_blocking": False}
+def broken_fields(name: str, case_path: str) -> dict[str, Any]:
+    """What the JSON report says of a case that cannot be loaded (or of an item whose id holds
+    no parameters): it fails on every device type it would run on, so device and dtype are
+    ``"all"``, which ``report.file`` reads as such."""
+    return {"case": name, "case_path": case_path, "device": "all", "dtype": "all",
+            "variant": None, "launch_blocking": False}
 
 
 def item_record(nodeid: str, fields: Mapping[str, Any], outcome: str,

@@ -4,13 +4,14 @@ under xdist): ``ReportWriter`` keeps the report current and writes it on every w
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pytest_gpucase.plugin.state import GpuCaseSession, SigintLost
 
-__all__ = ["ReportWriter", "SigintWatch"]
+__all__ = ["REPORT_EVERY", "ReportWriter", "SigintWatch"]
 
 
 class SigintWatch:
@@ -65,6 +66,76 @@ class ReportWriter:
         self._interrupt: str | None = None    # what stopped the run, as pytest printed it
         self._unrecorded: set[str] = set()    # case items that ended without a record
         self._lock: int | None = None         # the report's lock, held for the session
+        self.results: dict[str, dict[str, Any]] = {}   # nodeid -> JSON record
+        self.created = _now()           # when the run started, said once
+        self._written_at = 0.0
+        self._unwritten = False         # a record arrived since the report file was last written
+        self._finished = False          # the report of the whole session has been written
+        self.report_failed = False      # the last write of the report failed (a note says why)
+        self._written: tuple[int, int, int] | None = None   # the file as this session left it
+
+    def record(self, report: pytest.TestReport) -> None:
+        """Keep the JSON record of a finished item; rewrite the report file now and then.
+
+        Rewrites are throttled (a large suite would otherwise rewrite the file once per
+        item); what a throttled rewrite leaves out is written at the end of the session,
+        however it ends (``pytest_sessionfinish``, else ``pytest_unconfigure``).
+        """
+        import time
+
+        from pytest_gpucase.plugin.records import crash_record, item_packages, result_record
+
+        record = result_record(report) or crash_record(report)
+        if record is None:
+            return
+        packages = item_packages(report)
+        if packages:
+            self.state.environment(packages)
+        self.results[report.nodeid] = record
+        self._unwritten = True
+        if time.monotonic() - self._written_at > REPORT_EVERY:
+            self.write_report(complete=False)
+
+    def build_report(self, *, complete: bool) -> dict[str, Any]:
+        """The JSON report of what has finished so far."""
+        from pytest_gpucase.report.file import check_report, new_report, report_version
+
+        report = new_report(self.state.environment().to_dict(), created=self.created)
+        report["results"] = list(self.results.values())
+        report["version"] = report_version(report["results"])
+        report["complete"] = complete
+        check_report(report)   # a record that breaks the schema is a bug here, not in the file
+        return report
+
+    def write_report(self, *, complete: bool) -> None:
+        """Rewrite the JSON report atomically, so a crash or Ctrl-C leaves what finished.
+
+        A report that changed since this session last wrote it was written by another
+        writer (where no lock could be taken, or one without a lock): it is left as it is,
+        and the run fails saying so, rather than erasing that writer's results in silence.
+        """
+        import time
+
+        path = self.state.settings.gpu_cases_report
+        if path is not None:
+            from pytest_gpucase.report.file import write_report
+
+            if self._written is not None and _signature(path) != self._written:
+                self.state.note(f"another writer changed the JSON report {path} while this session "
+                          "ran, so this session's results were not written over it: give "
+                          "each run its own --gpu-cases-report path")
+                self.report_failed = True
+                return
+            try:
+                write_report(path, self.build_report(complete=complete))
+            except OSError as exc:   # a full disk, a folder removed: said once, the run goes on
+                self.state.note(f"could not write the JSON report {path}: {exc.strerror or exc}")
+                self.report_failed = True
+                return
+            self._written = _signature(path)
+            self._written_at = time.monotonic()
+            self._unwritten = False
+            self.report_failed = False
 
     def pytest_runtest_logstart(self, nodeid: str) -> None:
         import time
@@ -72,16 +143,16 @@ class ReportWriter:
         self._running[nodeid] = time.monotonic()
 
     def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
-        from pytest_gpucase.plugin.records import is_case_nodeid
+        from pytest_gpucase.plan.runs import ItemId
 
-        self.state.record(report)
+        self.record(report)
         if report.when in ("teardown", "???"):
             self._done.add(report.nodeid)
             self._running.pop(report.nodeid, None)
         # xdist reports an item lost with its worker in a phase named "???".
         if (report.when not in ("setup", "call", "teardown")
-                and report.nodeid not in self.state.results
-                and is_case_nodeid(report.nodeid)):
+                and report.nodeid not in self.results
+                and ItemId.is_case_item(report.nodeid)):
             self._unrecorded.add(report.nodeid)   # lost, and not in the report: incomplete
 
     @pytest.hookimpl(optionalhook=True)
@@ -109,7 +180,7 @@ class ReportWriter:
         """
         import time
 
-        from pytest_gpucase.plugin.records import item_record, nodeid_fields
+        from pytest_gpucase.plugin.records import item_fields, item_record
         from pytest_gpucase.report.file import property_value
 
         stopped = session.shouldfail or session.shouldstop
@@ -121,7 +192,7 @@ class ReportWriter:
         def fields(nodeid: str) -> dict[str, Any] | None:
             item = items.get(nodeid)
             if item is None:
-                return nodeid_fields(nodeid)
+                return item_fields(nodeid)
             for name, value in item.user_properties:
                 if name == "gpucase":
                     found: dict[str, Any] = property_value(value)
@@ -130,23 +201,23 @@ class ReportWriter:
 
         why = self._interrupt or "the run was stopped"
         for nodeid, started in self._running.items():
-            if nodeid in self.state.results or (spec := fields(nodeid)) is None:
+            if nodeid in self.results or (spec := fields(nodeid)) is None:
                 continue
-            self.state.results[nodeid] = item_record(
+            self.results[nodeid] = item_record(
                 nodeid, spec, "interrupted", why, duration=time.monotonic() - started)
         stop = (f"the run was interrupted before it started: {why}" if self._interrupt
                 else f"the run stopped before it started ({stopped or 'it ended early'})")
         for nodeid, item in items.items():
-            if nodeid in self.state.results or nodeid in self._done or nodeid in self._running:
+            if nodeid in self.results or nodeid in self._done or nodeid in self._running:
                 continue
             if (spec := fields(nodeid)) is not None and hasattr(item, "spec"):
-                self.state.results[nodeid] = item_record(nodeid, spec, "not run", stop)
+                self.results[nodeid] = item_record(nodeid, spec, "not run", stop)
 
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         import os
         import signal
 
-        if self.state.settings["gpu_cases_report"] is None:
+        if self.state.settings.gpu_cases_report is None:
             return
         # SIGTERM (a CI job cancelled, a batch system's time limit) ends the session as
         # Ctrl-C does, so that the report of what finished is written on the way out. A
@@ -183,20 +254,20 @@ class ReportWriter:
         complete = (session.exitstatus != pytest.ExitCode.INTERRUPTED
                     and len(self._done) >= session.testscollected and not self._unrecorded)
         self._record_unfinished(session, complete)
-        self.state.write_report(complete=complete)
-        self.state._finished = True
-        if self.state.report_failed:
+        self.write_report(complete=complete)
+        self._finished = True
+        if self.report_failed:
             # Asked for and missing (or out of date): a CI job would go green and its runner's
             # column drop out of the matrix without a word.
             self.state.notes.append("the run fails: the JSON report --gpu-cases-report asked "
                                     "for is missing or out of date")
             if session.exitstatus == pytest.ExitCode.OK:
                 session.exitstatus = pytest.ExitCode.TESTS_FAILED
-        if os.environ.get("GITHUB_STEP_SUMMARY") and self.state.results:
+        if os.environ.get("GITHUB_STEP_SUMMARY") and self.results:
             from pytest_gpucase.report.summary import append_step_summary
 
             try:
-                append_step_summary(self.state.build_report(complete=complete))
+                append_step_summary(self.build_report(complete=complete))
             except OSError as exc:
                 # A side output: the run's verdict and its other reports (junit) stand.
                 self.state.notes.append(
@@ -214,10 +285,10 @@ class ReportWriter:
 
         if session.config.getoption("gpu_devices", None) is None:
             return
-        asked: tuple[str, ...] = self.state.settings["gpu_devices"] or ()
+        asked = self.state.settings.gpu_devices or ()
         env = self.state.environment()
         for device in asked:
-            skipped = sum(1 for record in self.state.results.values()
+            skipped = sum(1 for record in self.results.values()
                           if record.get("device") == device and record["outcome"] == "skipped")
             if device_skip(device, env) is None or not skipped:
                 continue
@@ -236,7 +307,7 @@ class ReportWriter:
         rather than two green runs of which one's results are silently gone."""
         from pytest_gpucase.plugin.report_lock import ReportLocked, lock_report
 
-        path = self.state.settings["gpu_cases_report"]
+        path = self.state.settings.gpu_cases_report
         if path is None:
             return
         try:
@@ -251,10 +322,31 @@ class ReportWriter:
             signal.signal(signal.SIGTERM, self._previous)
         # The session ended before pytest_sessionfinish could write (an error in another
         # plugin's hook, a second Ctrl-C): write what finished, as unfinished.
-        if not self.state._finished and (self.state._unwritten or self.state.results):
-            self.state.write_report(complete=False)
-        if self._lock is not None:
+        if not self._finished and (self._unwritten or self.results):
+            self.write_report(complete=False)
+        path = self.state.settings.gpu_cases_report
+        if self._lock is not None and path is not None:
             from pytest_gpucase.plugin.report_lock import unlock_report
 
-            unlock_report(self.state.settings["gpu_cases_report"], self._lock)
+            unlock_report(path, self._lock)
             self._lock = None
+
+
+REPORT_EVERY = 2.0  # seconds between incremental rewrites of the JSON report
+
+
+def _signature(path: Path) -> tuple[int, int, int] | None:
+    """What tells one write of a file from another (each write replaces it: a new inode)."""
+    import os
+
+    try:
+        found = os.stat(path)
+    except OSError:
+        return None
+    return found.st_ino, found.st_mtime_ns, found.st_size
+
+
+def _now() -> str:
+    from pytest_gpucase.report.file import now
+
+    return now()

@@ -1,21 +1,24 @@
 """The plugin's settings: each one a command-line option and an ini key of the same name.
 
-``SETTINGS`` is the one table of them: ``add_options`` declares them, ``setting``
-reads one (the command line wins over the ini), checked the same way from either
-place, a mistake being a usage error that names where it came from.
+``SETTINGS`` is the one table of them (name, help, kind, default): ``add_options``
+declares them, ``setting`` reads one (the command line wins over the ini), checked the
+same way from either place, a mistake being a usage error that names where it came from.
+``Settings`` is every one of them read once, as typed attributes of the same names
+(``Settings.read(config)``): nothing else reads an option by its string.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
 import pytest
 
+from pytest_gpucase.base.backends import launch_blocking_words, visible_devices_words
 from pytest_gpucase.base.errors import display_posix
 
-__all__ = ["SETTINGS", "Setting", "add_options", "setting"]
+__all__ = ["SETTINGS", "Setting", "Settings", "add_options", "setting"]
 
 
 @dataclass(frozen=True)
@@ -39,8 +42,8 @@ SETTINGS = (
             "fresh child process", default=False),
     Setting("gpu_cases_paths", "case folders collected by --gpu-cases when no path is given on "
             "the command line (ini only; relative to the rootdir)", kind="paths", default=()),
-    Setting("gpu_launch_blocking", "run device items with the backend's launch-blocking variable "
-            "(CUDA_LAUNCH_BLOCKING=1, AMD_SERIALIZE_KERNEL=3); never for timing", default=False,
+    Setting("gpu_launch_blocking", "run device items with the backend's launch-blocking variable, "
+            f"{launch_blocking_words(None)}; never for timing", default=False,
             needs_cases=True),
     Setting("gpu_devices", "only these device types, e.g. cuda,cpu (narrows each case's list)",
             kind="csv"),
@@ -56,8 +59,7 @@ SETTINGS = (
             "float64, TF32 off, cuDNN off, ...) and report which make it pass", default=False,
             needs_cases=True),
     Setting("gpu_per_worker", "under pytest-xdist, give each worker's runs one device of the "
-            "visible ones, round-robin (CUDA_VISIBLE_DEVICES / HIP_VISIBLE_DEVICES)",
-            default=False),
+            f"visible ones, round-robin ({visible_devices_words()})", default=False),
     Setting("gpu_memory_limit", "kill a run's whole process tree when its resident memory "
             "passes this many GiB, e.g. 8 (a case's own memory_limit wins)", kind="gib",
             needs_cases=True),
@@ -66,19 +68,59 @@ SETTINGS = (
             "zygote started with the session, before CUDA could be initialized), spawn (a fresh "
             "interpreter per run)", kind="choice",
             choices=("auto", "fork", "forkserver", "spawn"), default="auto"),
-    Setting("gpu_require", "fail the session at its start unless this package is installed, "
-            "in this range: e.g. rowext or \"rowext>=2,<3\" (repeatable; the ini key takes a "
-            "list)", kind="list", default=()),
     Setting("gpu_isolation", "how fresh each run's child is: item (a fresh child per run), "
             "case (one child runs a case's runs in turn), worker (one child per device runs "
             "them all, keeping its device context); a reused child ends on a crash, a timeout "
             "or any state a fresh child would not have, and a failure after its first run (any "
             "outcome of a strict xfail) is judged again in a fresh child; a timeout is not",
             kind="choice", choices=("item", "case", "worker"), default="item"),
+    Setting("gpu_require", "fail the session at its start unless this package is installed, "
+            "in this range: e.g. rowext or \"rowext>=2,<3\" (repeatable; the ini key takes a "
+            "list)", kind="list", default=()),
 )
 
 
 _SETTINGS = {setting.name: setting for setting in SETTINGS}
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting of ``SETTINGS``, resolved once per session: a field per row, of the same
+    name (a test holds the two together). Defaults and help live in the table."""
+
+    gpu_cases: bool
+    gpu_cases_paths: tuple[str, ...]
+    gpu_launch_blocking: bool
+    gpu_devices: tuple[str, ...] | None
+    gpu_dtypes: tuple[str, ...] | None
+    gpu_no_localize: bool
+    gpu_cases_regen: bool
+    gpu_cases_report: Path | None
+    gpu_ablate: bool
+    gpu_per_worker: bool
+    gpu_memory_limit: int | None    # bytes
+    gpu_start_method: Literal["auto", "fork", "forkserver", "spawn"]
+    gpu_isolation: Literal["item", "case", "worker"]
+    gpu_require: tuple[str, ...]    # pip requirements, checked at the session's start
+
+    @classmethod
+    def read(cls, config: pytest.Config) -> Settings:
+        """Every setting from ``config`` (a mistake is a usage error naming its source)."""
+        return cls(**{spec.name: setting(config, spec.name) for spec in SETTINGS})
+
+    @classmethod
+    def defaults(cls, **given: Any) -> Settings:
+        """The table's defaults, with ``given`` instead where named (for callers without a
+        pytest session, and tests)."""
+        values = {spec.name: spec.default for spec in SETTINGS}
+        values["gpu_cases_paths"] = tuple(values["gpu_cases_paths"] or ())
+        unknown = set(given) - set(values)
+        if unknown:
+            raise TypeError(f"no setting named {sorted(unknown)[0]!r}")
+        return cls(**{**values, **given})
+
+
+assert {f.name for f in fields(Settings)} == set(_SETTINGS), "Settings and SETTINGS differ"
 
 
 def add_options(parser: pytest.Parser) -> None:

@@ -49,20 +49,16 @@ from pytest_gpucase.case.variants import (
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import prepared, reference_cache
 from pytest_gpucase.run.calls import (
-    MAX_OUTPUT_DEPTH,
     BadOutput,
     NothingDifferentiated,
     call,
     each_tensor,
     synchronize,
     tensors_of,
-    upcast,
 )
-from pytest_gpucase.run.context import SETTINGS, apply_settings, grad_mode, replay_context
+from pytest_gpucase.run.context import apply_settings, grad_mode, replay_context
 from pytest_gpucase.run.isolation import note
 from pytest_gpucase.run.judge import (
-    OUTPUT_MARKS,
-    REFERENCE_OUTPUT,
     Judged,
     reference_inputs,
     run_precision,
@@ -72,29 +68,10 @@ from pytest_gpucase.run.outcome import (
     describe_exception,
     exception_text,
     raised,
-    user_traceback,
 )
 
-__all__ = [
-    "MAX_OUTPUT_DEPTH",
-    "OUTPUT_MARKS",
-    "REFERENCE_OUTPUT",
-    "SETTINGS",
-    "Outcome",
-    "apply_settings",
-    "exception_text",
-    "grad_mode",
-    "load_arguments",
-    "load_inputs",
-    "prepare",
-    "replay_context",
-    "resolve",
-    "run",
-    "run_precision",
-    "upcast",
-    "user_traceback",
-    "write_golden",
-]
+__all__ = ["check_binding", "load_arguments", "load_inputs", "prepare", "resolve", "run",
+           "write_golden"]
 
 
 class _Failed(Exception):

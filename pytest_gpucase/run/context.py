@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
+from pytest_gpucase.base.backends import deterministic_env
 from pytest_gpucase.case.model import ReplayContext
 
 __all__ = ["SETTINGS", "apply_settings", "grad_mode", "replay_context", "rng_restored"]
@@ -26,8 +27,8 @@ def _cudnn_off() -> None:
 
 
 def _deterministic() -> None:
-    # cuBLAS needs a fixed workspace for deterministic results (CUDA >= 10.2).
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    for name, value in deterministic_env().items():  # cuBLAS's workspace (base.backends)
+        os.environ.setdefault(name, value)
     if "torch._inductor.config" in sys.modules or not hasattr(torch._C,
                                                                "_set_deterministic_algorithms"):
         torch.use_deterministic_algorithms(True)

@@ -2,16 +2,38 @@
 told as Python tells it, without gpucase's own frames."""
 
 # No ``from __future__ import annotations`` here: the parent rebuilds an Outcome field by
-# field, checking each against its annotation as resolved in its public module (run.child);
-# annotations kept as objects need no names resolved there.
+# field, checking each against its annotation; annotations kept as objects resolve anywhere.
 import traceback
+import typing
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-__all__ = ["Outcome", "describe_exception", "exception_text", "raised", "user_traceback"]
+from pytest_gpucase.base.results import result_type
+
+__all__ = ["OUTCOME_KINDS", "Outcome", "OutcomeKind", "describe_exception", "exception_text",
+           "raised", "user_traceback"]
+
+# What happened in a run, for the tools that sort failures (minimize, ablate, the known-failure
+# rule): the one list of them, checked by mypy wherever a kind is compared.
+OutcomeKind = Literal[
+    "",                 # not told (an outcome built by hand)
+    "passed", "skipped",
+    "mismatch",         # outputs differ from the reference
+    "golden mismatch",  # outputs differ from the saved golden
+    "raises",           # the call raised
+    "reference raises",  # the reference raised: nothing judged the call
+    "no exception",     # the call returned where the case expects it to raise
+    "bad output",       # an output that cannot be walked: nested too deep, or holding itself
+    "broken case",      # the case itself is wrong: its files, an import
+    "environment",      # the dynamic loader refused a module the case imports: a package
+                        # built for another torch or CUDA, a library missing (not the case)
+    "crash", "timeout",  # the child died, or was killed at its deadline
+]
+OUTCOME_KINDS: tuple[str, ...] = typing.get_args(OutcomeKind)
 
 
+@result_type   # what a run's child sends back (isolation.wire)
 @dataclass(frozen=True)
 class Outcome:
     """The verdict of one run, as plain data that crosses the process boundary."""
@@ -25,13 +47,7 @@ class Outcome:
     error_message: str | None = None
     max_abs: float | None = None
     max_rel: float | None = None
-    # What happened, for tools that sort failures (minimize, ablate): "passed", "skipped",
-    # "mismatch", "golden mismatch", "raises", "reference raises", "no exception",
-    # "bad output" (one that cannot be walked: nested too deep, or holding itself),
-    # "broken case" (the case itself is wrong: file, import), "environment" (the dynamic
-    # loader refused a module the case imports: a package built for another torch, a
-    # library missing), "crash", "timeout".
-    kind: str = ""
+    kind: OutcomeKind = ""             # what happened (OutcomeKind)
     # What the verdict could not check, and why, shown with the item's report on a pass too
     # ("nothing independent checked the gradients": no reference, and no gradcheck).
     notes: tuple[str, ...] = ()
@@ -40,10 +56,6 @@ class Outcome:
     def broken_case(self) -> bool:
         return self.kind == "broken case"
 
-
-# Its public home, and the name the result pipe allows (isolation.wire.RESULT_TYPES):
-# run.child, which re-exports it; it is defined here for the modules child imports.
-Outcome.__module__ = "pytest_gpucase.run.child"
 
 
 def exception_text(exc: BaseException) -> str:
@@ -80,7 +92,7 @@ def user_traceback(exc: BaseException) -> str:
                 f"{describe_exception(failed)})\n")
 
 
-def raised(what: str, exc: BaseException, kind: str = "raises") -> Outcome:
+def raised(what: str, exc: BaseException, kind: OutcomeKind = "raises") -> Outcome:
     """``exc``, raised by the user's call or reference, as the run's failure.
 
     Any ``BaseException``: ``sys.exit()`` in a case, a ``KeyboardInterrupt`` or a

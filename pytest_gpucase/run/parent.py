@@ -8,23 +8,22 @@ import builtins
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
-from typing import Literal
 
 from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
-from pytest_gpucase.case.keys import REPLAY_ENV
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
-from pytest_gpucase.run.child import OUTPUT_MARKS, Outcome, run, write_golden
+from pytest_gpucase.run.child import run, write_golden
+from pytest_gpucase.run.judge import OUTPUT_MARKS
+from pytest_gpucase.run.outcome import Outcome
+from pytest_gpucase.run.outcome import OutcomeKind
 from pytest_gpucase.run.isolation import (
     ChildResult,
     ChildWarning,
-    StartMethod,
-    WorkerPool,
     run_in_child,
 )
 from pytest_gpucase.run.prepared import prepare_in_parent
-from pytest_gpucase.run.reference_cache import ReferenceCache
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.failure import Failure
 from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
 
@@ -33,7 +32,6 @@ __all__ = [
     "reissue_warnings", "run_spec", "stderr_section",
 ]
 
-Isolation = Literal["item", "case", "worker"]
 STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
 
 
@@ -67,84 +65,91 @@ def failure_of(verdict: Verdict) -> Failure | None:
     return Failure(None, message, verdict.child.stderr, verdict.spec.device)
 
 
-def run_spec(spec: RunSpec, *, start_method: StartMethod, backend: str,
-             localize: bool = True, memory_limit: int | None = None,
-             reference_cache: ReferenceCache | None = None, isolation: Isolation = "item",
-             pool: WorkerPool | None = None, expects_failure: bool = False) -> Verdict:
-    """Run ``spec`` in a fresh child and judge it; rerun with launch blocking when that helps.
+def run_spec(spec: RunSpec, ctx: RunContext, *, expects_failure: bool = False) -> Verdict:
+    """Run ``spec`` in a child as ``ctx`` says and judge it; rerun with launch blocking when
+    that helps (``ctx.localize``).
 
-    ``memory_limit`` (bytes of resident memory of the child's tree) defaults to the
-    case's own ``memory_limit``, when it has one. With ``reference_cache`` (a folder and
-    the key that authenticates it), the float64 reference is computed once per case and
-    variant and reused (``reference_cache`` module).
+    The child's environment is ``ctx.env(spec)``; its memory limit the case's own, else the
+    context's. With a reference cache in ``ctx``, the float64 reference is computed once per
+    case and variant and reused (``reference_cache`` module).
 
-    With ``isolation`` ``case`` or ``worker`` and a ``pool``, the run goes to a reused
-    child (one per case, or one per device and environment). What such a child says is
-    reported only when it was a fresh child's (the worker's first call), or when it cannot
-    be a failure: a failure seen after an earlier call, or any outcome when the item
+    With ``ctx.isolation`` ``case`` or ``worker`` and a pool, the run goes to a reused child
+    (one per case, or one per device and environment). What such a child says is reported
+    only when it was a fresh child's (the worker's first call), or when it cannot be a
+    failure: a failure seen after an earlier call, or any outcome when the item
     ``expects_failure`` (a strict xfail reports a pass as XPASS(strict), a failure as an
     expected one), ends that child and is judged again in a fresh child. A timeout is the
     exception: the worker's state was checked after its last call (``WorkerPool``), and a
     second run would pay the timeout twice, so it is reported as it is, saying where it ran.
     """
-    if memory_limit is None:
-        memory_limit = getattr(spec.case, "memory_limit", None)
-    # Set by the child's run too: given here, it is no change a worker has to answer for.
-    env = {**spec.env, REPLAY_ENV: "1"}
-    if reference_cache is not None:
-        env.update(reference_cache.env())
-    reused = isolation != "item" and pool is not None and start_method != "spawn"
+    env = ctx.env(spec)
+    reused = ctx.reuses()
     key = (spec.device, tuple(sorted(env.items())),
-           str(spec.case.path) if isolation == "case" else None)
-    if reused:
-        assert pool is not None
-        child = pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
-                         start_method=start_method, memory_limit=memory_limit,
-                         exclusive=isolation == "case", marks=OUTPUT_MARKS,
-                         label=f"{display(spec.case.path)} [{spec.id}]")
-    else:
-        with prepare_in_parent(spec, forked=start_method == "fork"):  # read here, once
-            child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                                 start_method=start_method, memory_limit=memory_limit,
-                                 marks=OUTPUT_MARKS)
-    if child.returned and not isinstance(child.value, Outcome):
-        # Only an Outcome is a verdict; the child runs a case's code, which may send anything.
-        child = replace(child, value=None, returned=False, bad_result=(
-            f"sent a {type(child.value).__name__} instead of an Outcome"))
+           str(spec.case.path) if ctx.isolation == "case" else None)
+    child = _start(spec, ctx, env, key if reused else None)
     outcome = child.value if child.returned else _crash_outcome(spec, child)
-    if reused and outcome.status == "failed":
-        assert pool is not None
-        pool.retire(key)  # whatever failed may have left the child unfit
-    if reused and child.reused and child.timed_out:
-        outcome = replace(outcome, summary=outcome.summary + (
-            "; it ran in a reused worker, whose state was found as a fresh child's after "
-            "its last call, and was not run again so that the timeout is paid once "
-            "(--gpu-isolation item runs every item in a fresh child)"))
-    elif reused and child.reused and (outcome.status == "failed" or expects_failure):
-        if outcome.status != "failed":
-            assert pool is not None
-            pool.retire(key)  # the fresh child's verdict is the one reported
-        return run_spec(spec, start_method=start_method, backend=backend, localize=localize,
-                        memory_limit=memory_limit, reference_cache=reference_cache)
+    if reused:
+        assert ctx.pool is not None
+        if outcome.status == "failed" or (child.reused and expects_failure):
+            ctx.pool.retire(key)  # whatever failed may have left the child unfit
+        if child.reused and child.timed_out:
+            outcome = replace(outcome, summary=outcome.summary + _TIMED_OUT_REUSED)
+        elif child.reused and (outcome.status == "failed" or expects_failure):
+            return run_spec(spec, ctx.fresh())  # the fresh child's verdict is the one reported
     found = None
     if outcome.status == "failed":
         found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
                        child.stderr)
-    verdict = Verdict(spec, outcome, child, found)
-    blocking = launch_blocking_env(backend)
-    asynchronous = found is not None and found.asynchronous
-    if localize and asynchronous and blocking and not spec.launch_blocking:
-        rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
-        verdict = replace(verdict, localized=run_spec(rerun_spec, start_method=start_method,
-                                                      backend=backend, localize=False,
-                                                      memory_limit=memory_limit,
-                                                      reference_cache=reference_cache))
-    return verdict
+    return _localized(Verdict(spec, outcome, child, found), ctx)
 
 
-def regenerate_golden(case: Case, *, start_method: StartMethod) -> ChildResult:
-    """Write the case's golden outputs from its reference run, in a fresh child."""
-    return run_in_child(write_golden, case, timeout=case.timeout, start_method=start_method)
+_TIMED_OUT_REUSED = (
+    "; it ran in a reused worker, whose state was found as a fresh child's after its last "
+    "call, and was not run again so that the timeout is paid once (--gpu-isolation item "
+    "runs every item in a fresh child)")
+
+
+def _start(spec: RunSpec, ctx: RunContext, env: dict[str, str],
+           key: tuple[object, ...] | None) -> ChildResult:
+    """Run ``spec`` in a child: a reused one of ``ctx.pool`` under ``key``, else a fresh one.
+    Only an ``Outcome`` comes back as a value: the child runs a case's code, which may send
+    anything."""
+    memory_limit = ctx.memory_limit_for(spec.case)
+    if key is not None:
+        assert ctx.pool is not None
+        child = ctx.pool.run(key, run, spec, timeout=spec.case.timeout, env=env,
+                             start_method=ctx.start_method, memory_limit=memory_limit,
+                             exclusive=ctx.isolation == "case", marks=OUTPUT_MARKS,
+                             label=f"{display(spec.case.path)} [{spec.id}]")
+    else:
+        with prepare_in_parent(spec, forked=ctx.start_method == "fork"):  # read here, once
+            child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                                 start_method=ctx.start_method, memory_limit=memory_limit,
+                                 marks=OUTPUT_MARKS)
+    if child.returned and not isinstance(child.value, Outcome):
+        child = replace(child, value=None, returned=False, bad_result=(
+            f"sent a {type(child.value).__name__} instead of an Outcome"))
+    return child
+
+
+def _localized(verdict: Verdict, ctx: RunContext) -> Verdict:
+    """``verdict`` with its launch-blocking rerun, where the error was asynchronous and the
+    backend has such a variable (``ctx.localize``)."""
+    spec = verdict.spec
+    blocking = launch_blocking_env(ctx.backend)
+    asynchronous = verdict.triage is not None and verdict.triage.asynchronous
+    if not (ctx.localize and asynchronous and blocking and not spec.launch_blocking):
+        return verdict
+    rerun_spec = replace(spec, env={**spec.env, **blocking}, launch_blocking=True)
+    return replace(verdict, localized=run_spec(rerun_spec, replace(ctx.fresh(), localize=False)))
+
+
+def regenerate_golden(case: Case, ctx: RunContext) -> ChildResult:
+    """Write the case's golden outputs from its reference run, in a fresh child, with the
+    environment a CPU run of the case gets in ``ctx``."""
+    env = ctx.env(RunSpec(case, "cpu", "float64", cast=False))
+    return run_in_child(write_golden, case, timeout=case.timeout, env=env,
+                        start_method=ctx.start_method, memory_limit=ctx.memory_limit_for(case))
 
 
 def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
@@ -173,7 +178,7 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
     details = child.child_error or _stderr_pointer(child.stderr)
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")
-    kind = "timeout" if child.timed_out else "crash"
+    kind: OutcomeKind = "timeout" if child.timed_out else "crash"
     return Outcome("failed", summary, details=details, kind=kind,
                    error_type="Crash" if child.signal else None, error_message=message)
 

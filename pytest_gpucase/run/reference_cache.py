@@ -415,6 +415,7 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
         (spec.variant.id if spec.variant is not None else "").encode(),
         (spec.dtype if spec.cast else "saved").encode(),
         ",".join(spec.settings).encode(),
+        repr(case.context.autocast).encode(),   # a run may change it (ablate's autocast rows)
         torch.__version__.encode(),
         _loaded_modules(),
     ]

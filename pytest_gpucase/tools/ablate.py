@@ -16,7 +16,7 @@ runs a different kernel.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any, Final, Literal
@@ -30,8 +30,8 @@ from pytest_gpucase.case.model import Case
 from pytest_gpucase.case.variants import Variant
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import RunSpec, choose_device, saved_dtype, unchanged_runs
-from pytest_gpucase.run.isolation import StartMethod
 from pytest_gpucase.run.parent import Verdict, run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.tools.minimize import failure_class, first_failure, same_way
 
 __all__ = [
@@ -65,9 +65,10 @@ _TF32_OVERRIDE = {"NVIDIA_TF32_OVERRIDE": "0"}
 class Row:
     """One change and what became of the case under it."""
 
-    change: str                 # "cpu", "float32", "float64", "tf32_off", "cudnn_off",
-    #                             "deterministic", "compile_off", "env:NAME", "extensions",
-    #                             "reference"; "baseline" for the unchanged run
+    change: str                 # "cpu", "float32", "float64", "autocast_off",
+    #                             "autocast_float16", "autocast_bfloat16", "tf32_off",
+    #                             "cudnn_off", "deterministic", "compile_off", "env:NAME",
+    #                             "extensions", "reference"; "baseline" for the unchanged run
     label: str                  # the change in words: "on the CPU", "TF32 off", "USE_FLASH_ATTN=0"
     verdict: RowVerdict
     failure: str | None = None  # the failure class of a failing run
@@ -161,9 +162,13 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
                              replace(base, device="cpu", env={}, launch_blocking=False)))
 
     floats = saved_dtype(case) is not None
+    autocast = case.context.compute_dtype
     for dtype in ("float32", "float64"):
         if not floats:
             reason = "the case has no floating-point inputs to cast"
+        elif autocast is not None:
+            reason = (f"under {autocast} autocast the call computes in {autocast} whatever its "
+                      "inputs are: see autocast off")
         elif base.dtype == dtype:
             reason = f"the run is already in {dtype}"
         elif dtype == "float32" and base.dtype == "float64":
@@ -173,6 +178,7 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
             continue
         found.append(Change(dtype, dtype, None, reason))
 
+    found += _autocast_changes(base)
     capability = _capability(env)
     # TF32 and cuDNN are torch.backends.cuda/cudnn switches: backends.py says where they apply.
     row = backends.backend(backends.run_backend(base.device, env.backend))
@@ -219,6 +225,20 @@ def changes(case: Case, base: RunSpec, env: Environment) -> list[Change]:
     return found
 
 
+def _autocast_changes(base: RunSpec) -> list[Change]:
+    """Autocast off, and in the other low-precision dtype: where the case records autocast."""
+    autocast = base.case.context.compute_dtype
+    if autocast is None:
+        why = "the case records no autocast ([context] autocast)"
+        return [Change("autocast_off", "autocast off", None, why)]
+    found = [Change("autocast_off", "autocast off", base.with_autocast(None))]
+    other = next((dtype for dtype in LOW_PRECISION if dtype != autocast), None)
+    if autocast in LOW_PRECISION and other is not None:
+        found.append(Change(f"autocast_{other}", f"autocast in {other} instead of {autocast}",
+                            base.with_autocast(other)))
+    return found
+
+
 def _row(change: Change, verdict: Verdict, baseline: Verdict) -> Row:
     outcome = verdict.outcome
     found = failure_class(verdict)
@@ -236,6 +256,41 @@ def _row(change: Change, verdict: Verdict, baseline: Verdict) -> Row:
                seconds=seconds)
 
 
+# What a pass under one switched-off feature points at, by the change's key.
+_SWITCH_READINGS = (
+    ("tf32_off", "TF32 off: TF32's 10-bit mantissa in matmul and convolution explains the "
+                 "difference; keep TF32 off for this operation or widen the float32 tolerance"),
+    ("cudnn_off", "cuDNN off: suspect the cuDNN kernel for this shape"),
+    ("deterministic", "deterministic algorithms: suspect a nondeterministic kernel (atomic "
+                      "adds, split reductions)"),
+    ("compile_off", "torch.compile off: suspect the compiled graph, not the eager operator"),
+)
+
+
+def _precision_reading(dtype: str, passes: Callable[[str], bool]) -> list[str]:
+    """What the dtype and autocast rows say: precision, rounding, or nothing."""
+    if passes("autocast_off"):
+        return [f"passes with autocast off but fails under {dtype} autocast: precision of "
+                f"{dtype} in the autocast region (overflow/rounding), not the inputs"]
+    if passes("autocast_float16"):
+        return ["passes under float16 autocast but fails under bfloat16: bfloat16's 8-bit "
+                "mantissa (rounding), not the inputs"]
+    if passes("autocast_bfloat16"):
+        return ["passes under bfloat16 autocast but fails under float16: float16's range "
+                "(overflow past 65504), not the inputs"]
+    if dtype in LOW_PRECISION and passes("float32") and passes("float64"):
+        return [f"passes in float32 and float64 but fails in {dtype}: precision "
+                "(overflow/rounding), not a logic bug"]
+    if passes("float64") and not passes("float32"):
+        return [f"passes only in float64 but fails in {dtype}"
+                + (" and float32" if dtype in LOW_PRECISION else "")
+                + ": rounding (accumulation order, cancellation) or a tolerance too tight; "
+                "look at the reduction, not the kernel choice"]
+    if passes("float32"):
+        return [f"passes in float32 but fails in {dtype}: precision of {dtype}"]
+    return []
+
+
 def read(rows: Sequence[Row], dtype: str, packages: Sequence[str] = ()) -> str:
     """The one-line reading of an ablation's rows for a run in ``dtype``."""
     verdicts = {row.change: row.verdict for row in rows}
@@ -245,29 +300,8 @@ def read(rows: Sequence[Row], dtype: str, packages: Sequence[str] = ()) -> str:
 
     passing = [row for row in rows if row.verdict == PASSES]
     with_ = "passes only with" if len(passing) == 1 else "passes with"
-    found = []
-    if dtype in LOW_PRECISION and passes("float32") and passes("float64"):
-        found.append(f"passes in float32 and float64 but fails in {dtype}: precision "
-                     "(overflow/rounding), not a logic bug")
-    elif passes("float64") and not passes("float32"):
-        found.append(f"passes only in float64 but fails in {dtype}"
-                     + (" and float32" if dtype in LOW_PRECISION else "")
-                     + ": rounding (accumulation order, cancellation) or a tolerance too tight; "
-                     "look at the reduction, not the kernel choice")
-    elif passes("float32"):
-        found.append(f"passes in float32 but fails in {dtype}: precision of {dtype}")
-    if passes("tf32_off"):
-        found.append(f"{with_} TF32 off: TF32's 10-bit mantissa in matmul and convolution "
-                     "explains the difference; keep TF32 off for this operation or widen the "
-                     "float32 tolerance")
-    if passes("cudnn_off"):
-        found.append(f"{with_} cuDNN off: suspect the cuDNN kernel for this shape")
-    if passes("deterministic"):
-        found.append(f"{with_} deterministic algorithms: suspect a nondeterministic kernel "
-                     "(atomic adds, split reductions)")
-    if passes("compile_off"):
-        found.append(f"{with_} torch.compile off: suspect the compiled graph, not the eager "
-                     "operator")
+    found = _precision_reading(dtype, passes)
+    found += [f"{with_} {reading}" for key, reading in _SWITCH_READINGS if passes(key)]
     for row in passing:
         if row.change.startswith("env:"):
             which = f" ({', '.join(packages)})" if packages else ""
@@ -293,21 +327,24 @@ def ablate(
     device: str,
     dtype: str | None,
     env: Environment,
-    start_method: StartMethod,
+    ctx: RunContext | None = None,
     variant: Variant | None = None,
     progress: Callable[[Row], None] | None = None,
 ) -> Ablation:
     """Run ``case`` unchanged, then under each single change, each in a fresh child.
 
-    ``dtype`` None takes the case's dtypes in order and ablates the first that
-    fails; ``variant`` ablates an edge variant instead of the saved inputs.
-    ``progress`` is told of each row as it completes.
+    ``ctx`` is the run context of the session or command (its environment variables, memory
+    limit, reference cache; default: this process's, ``RunContext.here``): the unchanged
+    run is the run an item makes. ``dtype`` None takes the case's dtypes in order and
+    ablates the first that fails; ``variant`` ablates an edge variant instead of the saved
+    inputs. ``progress`` is told of each row as it completes.
     """
+    ctx = replace(ctx or RunContext.here(env.backend), localize=False).fresh()
     specs = [replace(spec, variant=variant)
              for spec in unchanged_runs(case, env, device=device, dtype=dtype)]
-    found, tried = first_failure(specs, start_method=start_method, backend=env.backend)
+    found, tried = first_failure(specs, ctx)
     if found is None:
-        runs = " and ".join(v.spec.dtype for v in tried)
+        runs = " and ".join(v.spec.numeric for v in tried)
         baseline = Row("baseline", "unchanged", PASSES, summary=tried[-1].outcome.summary,
                        seconds=round(tried[-1].child.duration, 3))
         return Ablation(case.path, device, runs, baseline, (),
@@ -327,29 +364,29 @@ def ablate(
         if change.spec is None:
             row = Row(change.key, change.label, NOT_APPLICABLE, note=change.reason)
         else:
-            verdict = run_spec(change.spec, start_method=start_method, backend=env.backend,
-                               localize=False)
+            verdict = run_spec(change.spec, ctx)
             row = _row(change, verdict, found)
         rows.append(row)
         if progress is not None:
             progress(row)
-    return Ablation(case.path, device, found.spec.dtype, baseline, tuple(rows),
-                    read(rows, found.spec.dtype, tuple(case.matrix.packages)))
+    return Ablation(case.path, device, found.spec.numeric, baseline, tuple(rows),
+                    read(rows, found.spec.compute_dtype, tuple(case.matrix.packages)))
 
 
 def ablate_command(case: Path, *, device: str | None, dtype: str | None,
-                   progress: Callable[[Row], None] | None = None) -> Ablation:
-    """``gpucase ablate``: ablate the case at ``case`` on this machine (the command prints).
+                   progress: Callable[[Row], None] | None = None,
+                   run_env: Mapping[str, str] | None = None) -> Ablation:
+    """``gpucase ablate``: ablate the case at ``case`` on this machine (the command prints);
+    ``run_env``: variables every run's child gets (``--env NAME=VALUE``).
 
     Raises NotRunnable when the case cannot run here.
     """
     import torch  # noqa: F401 - imported before the children fork, so that each shares it
 
-    from pytest_gpucase.run.isolation import default_start_method
     from pytest_gpucase.run.probe import probe
 
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
     chosen = choose_device(loaded, env, device)
     return ablate(loaded, device=chosen, dtype=dtype, env=env,
-                  start_method=default_start_method(), progress=progress)
+                  ctx=RunContext.here(env.backend, env=run_env), progress=progress)

@@ -8,7 +8,7 @@ debugging (Zeller's ddmin) removes entries along the case's batch axis, and, whe
 ``[variants] length`` names an axis, a binary search cuts the length to the shortest
 window that still fails.
 Every try is a temporary copy of the case with a subset payload, run in a fresh
-child by ``runner.run_spec``; a try counts as failing only when it fails the same way
+child by ``run.parent.run_spec``; a try counts as failing only when it fails the same way
 (``same_way``), and the tries that fail otherwise are listed with their messages.
 
 Nothing is invented: a try holds subsets and slices of the saved tensors, with
@@ -58,8 +58,9 @@ from pytest_gpucase.case.variants import (
 from pytest_gpucase.case.write import copy_into, write_case_dir
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import NotRunnable, RunSpec, choose_device, unchanged_runs
-from pytest_gpucase.run.isolation import StartMethod, signal_name
+from pytest_gpucase.run.isolation import signal_name
 from pytest_gpucase.run.parent import Verdict, failure_of, run_spec
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.failure import Failure, same_failure
 
 if sys.version_info >= (3, 11):
@@ -160,12 +161,12 @@ def shown(kind: FailureClass, failure: Failure | None) -> str:
 # --- how the original runs (shared with ablate; where and in which dtype: plan.py) ----------
 
 
-def first_failure(specs: Sequence[RunSpec], *, start_method: StartMethod,
-                  backend: str) -> tuple[Verdict | None, tuple[Verdict, ...]]:
+def first_failure(specs: Sequence[RunSpec],
+                  ctx: RunContext) -> tuple[Verdict | None, tuple[Verdict, ...]]:
     """Run ``specs`` in order until one fails; return that verdict (or None) and every verdict."""
     seen: list[Verdict] = []
     for spec in specs:
-        verdict = run_spec(spec, start_method=start_method, backend=backend, localize=False)
+        verdict = run_spec(spec, ctx)
         seen.append(verdict)
         if verdict.failed:
             return verdict, tuple(seen)
@@ -392,14 +393,14 @@ class _Search:
 
     def __init__(self, *, spec: RunSpec, baseline: Verdict,
                  tensors: Mapping[str, torch.Tensor], axes: Axes, metadata: Mapping[str, str],
-                 start_method: StartMethod, backend: str, max_tries: int, time_budget: float,
+                 ctx: RunContext, max_tries: int, time_budget: float,
                  started: float, clock: Callable[[], float], out: TextIO) -> None:
         self.spec, self.baseline, self.tensors, self.axes = spec, baseline, tensors, axes
         kind = failure_class(baseline)
         assert kind is not None
         self.failure = str(kind)  # the progress lines name the kind; the header, the message
         self.metadata = metadata
-        self.start_method, self.backend = start_method, backend
+        self.ctx = ctx
         self.max_tries, self.time_budget, self.started, self.clock = (
             max_tries, time_budget, started, clock)
         self.out = out
@@ -435,8 +436,7 @@ class _Search:
         with one_thread():
             payload.save(self.spec.case.inputs_file,
                          select(self.tensors, self.axes, selection), self.metadata)
-        verdict = run_spec(self.spec, start_method=self.start_method, backend=self.backend,
-                           localize=False)
+        verdict = run_spec(self.spec, self.ctx)
         found = failure_class(verdict)
         same = same_way(self.baseline, verdict)
         if found is not None and not same:
@@ -540,7 +540,7 @@ def minimize(
     output: Path | None = None,
     max_tries: int = 200,
     time_budget: float = 600.0,
-    start_method: StartMethod = "fork",
+    ctx: RunContext | None = None,
     out: TextIO | None = None,
     clock: Callable[[], float] = time.monotonic,
     inputs: Sequence[str] | None = None,
@@ -553,8 +553,10 @@ def minimize(
     one); ``time_budget`` bounds the whole, checked before each try. Ctrl-C stops
     the search and the best case so far is written. Raises ``OriginalPasses`` when
     the original passes, ``NotRunnable`` when it cannot run here or has no tensors
-    to shrink, ``FileExistsError`` when ``output`` exists.
+    to shrink, ``FileExistsError`` when ``output`` exists. ``ctx``: the run context of
+    every try (default: this process's, ``RunContext.here``).
     """
+    ctx = replace(ctx or RunContext.here(env.backend), localize=False).fresh()
     stream = out if out is not None else io.StringIO()  # progress only where a caller asks
     started = clock()
     if output is not None and output.exists():
@@ -566,8 +568,7 @@ def minimize(
     if not case.inputs_file.exists():
         raise NotRunnable(f"{display(case.path)} has no {INPUTS_FILE}: nothing to shrink")
     chosen = choose_device(case, env, device)
-    baseline, tried = first_failure(unchanged_runs(case, env, device=chosen, dtype=dtype),
-                                    start_method=start_method, backend=env.backend)
+    baseline, tried = first_failure(unchanged_runs(case, env, device=chosen, dtype=dtype), ctx)
     if baseline is None:
         raise OriginalPasses(describe_passes(case, tried))
     failure = failure_class(baseline)
@@ -589,7 +590,7 @@ def minimize(
         raise NotRunnable(f"{display(case.path)}: no saved tensor has axis {axes.batch_axis}: "
                           "nothing to shrink")
     stream.write(f"gpucase minimize: {display(case.path)} fails on {baseline.spec.device} in "
-                 f"{baseline.spec.dtype} ({message}); {_sizes(axes)}; budget {max_tries} "
+                 f"{baseline.spec.numeric} ({message}); {_sizes(axes)}; budget {max_tries} "
                  f"tries, {time_budget:g} s\n")
     stream.flush()
     try:
@@ -602,7 +603,7 @@ def minimize(
     try:
         search = _Search(spec=replace(baseline.spec, case=_scratch_case(case, scratch)),
                          baseline=baseline, tensors=tensors, axes=axes, metadata=metadata,
-                         start_method=start_method, backend=env.backend, max_tries=max_tries,
+                         ctx=ctx, max_tries=max_tries,
                          time_budget=time_budget, started=started, clock=clock, out=stream)
     except BaseException:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -768,19 +769,21 @@ def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
 
 def minimize_command(case: Path, *, output: Path | None, device: str | None, max_tries: int,
                      time_budget: float, progress: TextIO | None = None,
-                     inputs: Sequence[str] | None = None) -> Minimized:
-    """``gpucase minimize``: shrink the case at ``case`` on this machine (the command prints).
+                     inputs: Sequence[str] | None = None,
+                     run_env: Mapping[str, str] | None = None) -> Minimized:
+    """``gpucase minimize``: shrink the case at ``case`` on this machine (the command prints);
+    ``run_env``: variables every try's child gets (``--env NAME=VALUE``).
 
     Raises what ``minimize`` raises, and KeyboardInterrupt when Ctrl-C came before
     any smaller case.
     """
     import torch  # noqa: F401 - imported before the children fork, so that each shares it
 
-    from pytest_gpucase.run.isolation import default_start_method
     from pytest_gpucase.run.probe import probe
 
     loaded = load_case(case)
     env = probe(tuple(loaded.matrix.packages))
     return minimize(loaded, env=env, device=device, output=output, max_tries=max_tries,
-                    time_budget=time_budget, start_method=default_start_method(), out=progress,
+                    time_budget=time_budget, ctx=RunContext.here(env.backend, env=run_env),
+                    out=progress,
                     inputs=inputs)

@@ -52,28 +52,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
         lines.append(f"xfail:     {case.xfail} (strict)")
     lines.append(f"timeout:   {case.timeout:g} s"
                  + (", launch blocking" if case.launch_blocking else ""))
-    origin = case.origin
-    if origin:
-        lines.append("origin:")
-        for key in ("error", "stderr"):
-            if key in origin:
-                lines.append(f"  {key}: {_one_line(origin[key])}")
-        where = _where(origin)
-        if where:
-            lines.append(f"  where: {where}")
-        versions = _versions(origin)
-        if versions:
-            lines.append(f"  versions: {versions}")
-        for key in ("revision", "snapshot", "later_errors", "captured"):
-            if key in origin:
-                lines.append(f"  {key}: {_one_line(origin[key])}")
-        ids = origin.get("sample_ids")
-        if isinstance(ids, list):
-            shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
-            lines.append(f"  sample_ids: {len(ids)} ({shown})")
-        incomplete = origin.get("incomplete")
-        if isinstance(incomplete, list):
-            lines.extend(f"  incomplete: {item}" for item in incomplete)
+    lines.extend(_origin_lines(case.origin))
     lines.append("inputs:")
     lines.extend(f"  {line}" for line in _input_lines(case))
     if not case.literals and not case.inputs_file.exists():
@@ -94,6 +73,28 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     return remove_secrets(terminal_safe("\n".join(lines)))
 
 
+def _origin_lines(origin: dict[str, Any]) -> list[str]:
+    """The ``[origin]`` table as ``show`` lists it: the error first, versions and sample ids
+    summed up, what the capture could not keep last."""
+    if not origin:
+        return []
+    lines = ["origin:"]
+    lines += [f"  {key}: {_one_line(origin[key])}" for key in ("error", "stderr") if key in origin]
+    for label, text in (("where", _where(origin)), ("versions", _versions(origin))):
+        if text:
+            lines.append(f"  {label}: {text}")
+    lines += [f"  {key}: {_one_line(origin[key])}"
+              for key in ("revision", "snapshot", "later_errors", "captured") if key in origin]
+    ids = origin.get("sample_ids")
+    if isinstance(ids, list):
+        shown = ", ".join(str(i) for i in ids[:8]) + (", ..." if len(ids) > 8 else "")
+        lines.append(f"  sample_ids: {len(ids)} ({shown})")
+    incomplete = origin.get("incomplete")
+    if isinstance(incomplete, list):
+        lines.extend(f"  incomplete: {item}" for item in incomplete)
+    return lines
+
+
 def request(case_dir: Path) -> str:
     """A ready-to-paste Markdown request for analysis of a case, with private data removed."""
     case = load_case(Path(case_dir))
@@ -107,29 +108,9 @@ def request(case_dir: Path) -> str:
     parts = [f"## GPU failure: {code(_one_line(error))}", ""]
     if case.summary:
         parts += [case.summary, ""]
-    facts = [("Operation", code(case.call))]
-    if case.reference:
-        facts.append(("Reference", code(case.reference)))
-    facts.append(("First error", code(_one_line(error))))
-    if kernel:
-        facts.append(("Kernel assertion", code(kernel)))
-    backend = str(origin.get("backend", "unknown"))
-    if "device" in origin:
-        backend += f" ({origin['device']})"
-    facts.append(("Backend", backend))
-    facts.append(("Versions", _versions(origin) or "not recorded"))
-    if "revision" in origin:
-        facts.append(("Revision", code(str(origin["revision"]))))
-    where = _where(origin)
-    if where:
-        facts.append(("Where", where))
-    ids = origin.get("sample_ids")
-    if isinstance(ids, list):
-        facts.append(("Sample ids", f"{len(ids)} recorded (withheld)"))
-    if origin.get("later_errors"):
-        facts.append(("Later errors", f"{origin['later_errors']} after the first (likely "
-                      "consequences, not separate causes)"))
+    facts = _request_facts(case, error, kernel)
     parts += [f"- **{name}**: {value}" for name, value in facts]
+    ids = origin.get("sample_ids")
     if stderr.strip() and stderr.strip() != kernel:
         lines = stderr.strip().splitlines()[-_STDERR_LINES:]
         # A fence longer than any run of backticks in the text: the text cannot close it.
@@ -154,6 +135,36 @@ def request(case_dir: Path) -> str:
     # keep the scrubber from seeing it.
     text = terminal_safe("\n".join(parts) + "\n")
     return Scrubber.here(case, ids if isinstance(ids, list) else []).scrub(text)
+
+
+def _request_facts(case: Case, error: str, kernel: str | None) -> list[tuple[str, str]]:
+    """The request's list of facts: what the case calls, its first error, where and with
+    which versions it ran; sample ids counted, never shown."""
+    code = markdown_code
+    origin = case.origin
+    facts = [("Operation", code(case.call))]
+    if case.reference:
+        facts.append(("Reference", code(case.reference)))
+    facts.append(("First error", code(_one_line(error))))
+    if kernel:
+        facts.append(("Kernel assertion", code(kernel)))
+    backend = str(origin.get("backend", "unknown"))
+    if "device" in origin:
+        backend += f" ({origin['device']})"
+    facts.append(("Backend", backend))
+    facts.append(("Versions", _versions(origin) or "not recorded"))
+    if "revision" in origin:
+        facts.append(("Revision", code(str(origin["revision"]))))
+    where = _where(origin)
+    if where:
+        facts.append(("Where", where))
+    ids = origin.get("sample_ids")
+    if isinstance(ids, list):
+        facts.append(("Sample ids", f"{len(ids)} recorded (withheld)"))
+    if origin.get("later_errors"):
+        facts.append(("Later errors", f"{origin['later_errors']} after the first (likely "
+                      "consequences, not separate causes)"))
+    return facts
 
 
 def _expectation(case: Case) -> str:

@@ -52,7 +52,7 @@ from pytest_gpucase.case.variants import (
     members_of,
 )
 
-__all__ = ["Parameters", "binding_problems", "hash_setting", "rng_problems", "validate"]
+__all__ = ["hash_setting", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).

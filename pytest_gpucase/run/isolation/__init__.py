@@ -10,7 +10,7 @@ fill memory or disk.
 Nothing the child sends is trusted. The child runs a case's code, which may do
 anything, so its result comes back as JSON data over a third pipe, never as a
 pickle: plain values, with NaN and infinities, tuples and dicts tagged, and
-dataclasses rebuilt only from the allow-list ``RESULT_TYPES``, each field
+dataclasses rebuilt only from those registered with ``wire.result_type``, each field
 checked against its annotation. Before it, the child may write short notes
 (``note``) of what it is doing, which the parent reads even from a child it
 killed: a timeout says what it interrupted. The parent reads at most ``RESULT_LIMIT``

@@ -2,15 +2,15 @@
 
 Phase notes first (``note`` writes them in the child), then one JSON envelope: the value as
 data (``encode``, in the child) or the error, and the warnings. The parent reads it
-(``_read_result``, ``decode``) trusting nothing: only known tags, and dataclasses of
-``RESULT_TYPES`` rebuilt field by field, each checked against its annotation.
+(``_read_result``, ``decode``) trusting nothing: only known tags, and dataclasses registered
+with ``base.results.result_type`` rebuilt field by field, each checked against its annotation:
+the modules that define what a child returns register it, and this one names no class of theirs.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import json
 import math
 import types
@@ -18,17 +18,12 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
+from pytest_gpucase.base.results import registered, result_types
 from pytest_gpucase.run.isolation.clipping import clip
 from pytest_gpucase.run.isolation.result import ChildWarning
 
-__all__ = ["MAX_WARNINGS", "NOTE_LIMIT", "RESULT_TYPES", "BadResult", "decode", "encode"]
+__all__ = ["MAX_WARNINGS", "NOTE_LIMIT", "BadResult", "decode", "encode"]
 
-# Classes a child may return, rebuilt field by field; nothing else is ever constructed.
-RESULT_TYPES = frozenset({
-    "pytest_gpucase.run.child.Outcome",
-    "pytest_gpucase.plan.environment.Environment",
-    "pytest_gpucase.plan.environment.Device",
-})
 MAX_WARNINGS = 20  # distinct warnings returned by a child; the rest are counted
 _FORMAT = 1
 _NOTE = b"\x1e"  # begins a note line on the result pipe; the JSON envelope holds no newline
@@ -61,13 +56,13 @@ def encode(value: Any) -> Any:
         return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
     kind = type(value)
     name = f"{kind.__module__}.{kind.__qualname__}"
-    if dataclasses.is_dataclass(value) and name in RESULT_TYPES:
+    if dataclasses.is_dataclass(value) and registered(name) is kind:
         return {"$": "dataclass", "type": name,
                 "fields": {f.name: encode(getattr(value, f.name))
                            for f in dataclasses.fields(value)}}
     raise TypeError(f"a {name} cannot be returned from a child: return plain data (None, bool, "
                     "int, float, str, list, tuple, dict) or one of " + ", ".join(
-                        sorted(RESULT_TYPES)))
+                        result_types()))
 
 
 class BadResult(ValueError):
@@ -105,10 +100,11 @@ def decode(data: Any, depth: int = 0) -> Any:
 
 
 def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
-    if name not in RESULT_TYPES:
+    cls = registered(name) if isinstance(name, str) else None
+    if cls is None:
         raise BadResult(f"type {name!r} is not one a child may return")
-    module, _, qualname = str(name).rpartition(".")
-    cls, hints, wanted = _shape(module, qualname)
+    qualname = cls.__qualname__
+    hints, wanted = _shape(name)
     if set(fields) != wanted:
         raise BadResult(f"{qualname} fields {sorted(fields)} are not {sorted(wanted)}")
     values = {key: decode(value, depth + 1) for key, value in fields.items()}
@@ -120,11 +116,12 @@ def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
 
 
 @functools.cache
-def _shape(module: str, qualname: str) -> tuple[type[Any], dict[str, Any], frozenset[str]]:
-    """An allowed dataclass, its fields' annotations and the names ``__init__`` takes: read
+def _shape(name: str) -> tuple[dict[str, Any], frozenset[str]]:
+    """A registered dataclass's fields' annotations and the names ``__init__`` takes: read
     once a session (evaluating the annotations is most of what rebuilding one costs)."""
-    cls = getattr(importlib.import_module(module), qualname)
-    return (cls, typing.get_type_hints(cls),
+    cls = registered(name)
+    assert cls is not None
+    return (typing.get_type_hints(cls),
             frozenset(f.name for f in dataclasses.fields(cls) if f.init))
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+from dataclasses import replace
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -23,6 +24,7 @@ from pytest_gpucase.case.keys import (
 )
 from pytest_gpucase.case.model import INPUTS_FILE
 from pytest_gpucase.run.replay import replay_module
+from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.inputs import (
     NOT_LITERAL,
@@ -83,13 +85,12 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     its forward changed one in place (its version counter moved since the call), they
     are not what was passed, so no submodule case is written and the op is searched
     for in a replay of the whole module's case, whose inputs were copied before."""
-    import torch
 
     if recorded is None:
         recorded = Failure(type(exc).__name__, message_of(exc),
                            read_tail(stderr_file) if stderr_file is not None else "",
                            _device_of(module))
-    start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+    start = RunContext.here("cpu")
     base = case_dir.name
     module_dir = case_dir
     if entered is not None and entered[1] is not module:
@@ -154,7 +155,7 @@ def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
 
 
 def _narrow_op(exc: BaseException, module_dir: Path, base: str,
-               recorded: Failure, start: Any, *, root: Path, kept: list[Path],
+               recorded: Failure, start: RunContext, *, root: Path, kept: list[Path],
                written: list[Path]) -> None:
     """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
     import tempfile
@@ -165,7 +166,7 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / INPUTS_FILE
         child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
-                             start_method=start)
+                             start_method=start.start_method)
         table = child.value if child.returned else None
         if not isinstance(table, dict) or not out.exists():
             # Nothing was written, so nothing was tried: say why, not "did not reproduce".
@@ -254,7 +255,8 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     from torch.utils._pytree import tree_map_only
 
     from pytest_gpucase.case.load import load_case
-    from pytest_gpucase.run.child import load_arguments, replay_context
+    from pytest_gpucase.run.child import load_arguments
+    from pytest_gpucase.run.context import replay_context
 
     class Finder(TorchDispatchMode):  # type: ignore[no-untyped-call]
         failed: tuple[Any, Any, Any] | None = None
@@ -297,28 +299,26 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     return table
 
 
-def _reproduces(case_dir: Path, recorded: Failure, start_method: Any) -> bool:
+def _reproduces(case_dir: Path, recorded: Failure, ctx: RunContext) -> bool:
     """Whether a case written to ``case_dir`` raises the recorded failure on the CPU, in a
     fresh child (the check that keeps a narrowed case): ``verdict.failure.same_failure``,
     the one definition the verdicts share (the failure class, and the message's shape)."""
-    found = replayed_failure(case_dir, start_method)
+    found = replayed_failure(case_dir, ctx)
     return isinstance(found, Failure) and same_failure(recorded, found)
 
 
-def replayed_failure(case_dir: Path, start_method: Any) -> Failure | str:
-    """How the case in ``case_dir`` fails when replayed on the CPU in a fresh child: its
-    Failure, or in words why there is none (it passed; the case itself is broken)."""
+def replayed_failure(case_dir: Path, ctx: RunContext) -> Failure | str:
+    """How the case in ``case_dir`` fails when replayed on the CPU in a fresh child, run as
+    every entry point runs a case (``run_spec`` in ``ctx``): its Failure (``failure_of``, the
+    one reading of a failed run), or in words why there is none (it passed; the case itself
+    is broken)."""
     from pytest_gpucase.case.load import load_case
     from pytest_gpucase.plan.runs import RunSpec
-    from pytest_gpucase.run.parent import run_spec
+    from pytest_gpucase.run.parent import failure_of, run_spec
 
     case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), start_method=start_method,
-                       backend="cpu", localize=False)
-    outcome = verdict.outcome
-    if outcome.broken_case:
-        return f"the case cannot run: {outcome.summary}"
-    if outcome.error_type is None:
-        return "it passes"
-    return Failure(outcome.error_type, outcome.error_message or "", verdict.child.stderr,
-                   "cpu")
+    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), replace(ctx, localize=False))
+    if verdict.outcome.broken_case:
+        return f"the case cannot run: {verdict.outcome.summary}"
+    found = failure_of(verdict)
+    return found if found is not None else "it passes"

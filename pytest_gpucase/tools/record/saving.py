@@ -183,13 +183,13 @@ class ModuleSaver:
         IndexError where inductor's kernel said 'index out of bounds', the real error where
         the trace said 'when making fake tensor call') is the captured one; a failure the
         eager module does not have makes the case incomplete. None when left as captured."""
-        import torch
 
         if not self.watch.rebuild.factory:
             return None
-        start = "spawn" if torch.cuda.is_initialized() else "fork"  # type: ignore[no-untyped-call]
+        from pytest_gpucase.run.runcontext import RunContext
+
         try:
-            found = replayed_failure(case_dir, start)
+            found = replayed_failure(case_dir, RunContext.here("cpu"))
         except Exception:
             return None
         if isinstance(found, str):
@@ -200,6 +200,10 @@ class ModuleSaver:
                     "compiler issue, reproduce it with the compiled call itself"))
                 say(f"gpucase: note: {shown(case_dir)} fails only compiled: its eager replay "
                     "passes (marked incomplete)")
+            return None
+        if found.error_type is None:   # not an exception (a timeout, wrong values): as captured
+            say(f"gpucase: note: {shown(case_dir)}: its eager replay fails without an "
+                f"exception ({found.message.partition(chr(10))[0][:200]}); left as captured")
             return None
         if same_failure(Failure(type(exc).__name__, message_of(exc), "", found.device), found):
             return None  # the eager module fails as the compiled one did: as captured
