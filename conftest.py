@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 import subprocess
 import sys
 
@@ -63,19 +64,27 @@ class StartsAProcess(Exception):
 
 @pytest.fixture(autouse=True)
 def _no_process_in_the_fast_loop(request: pytest.FixtureRequest,
-                                 monkeypatch: pytest.MonkeyPatch) -> None:
+                                 monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     if _slow(request.node):
+        yield
         return
     import os
 
+    message = (f"{request.node.nodeid} starts a process: mark it @pytest.mark.slow (the "
+               "fast loop, -m 'not slow', starts none)")
+    tried: list[str] = []
+
     def refuse(*args: object, **kwargs: object) -> None:
-        raise StartsAProcess(f"{request.node.nodeid} starts a process: mark it "
-                             "@pytest.mark.slow (the fast loop, -m 'not slow', starts none)")
+        tried.append(message)
+        raise StartsAProcess(message)
 
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp"):
         if hasattr(os, name):
             monkeypatch.setattr(os, name, refuse)
     monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    yield
+    if tried:   # also where the code under test caught the refusal (a Recorder's capture)
+        pytest.fail(message, pytrace=False)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

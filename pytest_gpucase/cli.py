@@ -106,6 +106,12 @@ def _parser() -> argparse.ArgumentParser:
     validate.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
                           help="a case directory or a folder of cases (default: cases)")
 
+    store = commands.add_parser(
+        "store", help="list (or --prune) the capture store's files no case names")
+    store.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
+                       help="a folder of cases, or its .gpucase-store (default: cases)")
+    store.add_argument("--prune", action="store_true", help="remove them")
+
     minimize = commands.add_parser(
         "minimize", help="shrink a failing case to the fewest entries that still fail the same way")
     minimize.add_argument("case", type=Path, metavar="CASE", help="the failing case directory")
@@ -184,6 +190,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_BROKEN_PIPE
     except CaseFormatError as exc:
         return _error(None, exc)
+    except (RecursionError, MemoryError, OSError, UnicodeError) as exc:
+        # A case no check foresaw (too deep for a parser, unreadable): one line, not a trace.
+        return _error(args.command, f"the case cannot be read: {type(exc).__name__}: {exc}")
     return code
 
 
@@ -233,6 +242,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "show": _show,
         "request": _request,
         "validate": _validate,
+        "store": _store,
         "minimize": _minimize,
         "ablate": _ablate,
         "checkpoint": _checkpoint,
@@ -337,7 +347,8 @@ def _validate(args: argparse.Namespace) -> int:
     from pytest_gpucase.tools.validate import validate
 
     notes: list[str] = []
-    problems = validate(args.paths, notes)
+    unchecked: list[str] = []
+    problems = validate(args.paths, notes, unchecked)
     from pytest_gpucase.base.text import terminal_safe
 
     for line in notes:  # what this environment cannot check: no problem, the exit stays 0
@@ -345,8 +356,35 @@ def _validate(args: argparse.Namespace) -> int:
     for problem in problems:
         print(terminal_safe(problem))
     if problems:
-        return 1
+        return 2 if unchecked else 1
     print(f"gpucase validate: no problems in {', '.join(map(str, args.paths))}")
+    return 0
+
+
+def _store(args: argparse.Namespace) -> int:
+    from pytest_gpucase.base.errors import display
+    from pytest_gpucase.case.payload import STORE_DIR
+    from pytest_gpucase.tools.record.origin import mib
+    from pytest_gpucase.tools.store import orphans, prune, stores_under
+
+    stores = stores_under(args.paths)
+    if not stores:
+        print(f"gpucase store: no {STORE_DIR} under {', '.join(map(str, args.paths))}")
+        return 0
+    found = [orphans(store) for store in stores]
+    for one in found:
+        if one.unknown:
+            print(f"{display(one.store)}: not checked: {one.unknown}")
+            continue
+        for path in one.files:
+            print(f"{display(path)}  {mib(one.sizes.get(path, 0))}  (no case names it)")
+    if not args.prune:
+        count = sum(len(one.files) for one in found)
+        print(f"gpucase store: {count} file(s) no case names"
+              + (": gpucase store --prune removes them" if count else ""))
+        return 0
+    removed = prune(found)
+    print(f"gpucase store: removed {len(removed)} file(s)")
     return 0
 
 

@@ -60,3 +60,53 @@ def loader(bad_target: bool = False, bad_token: bool = False, batches: int = 4) 
     if bad_token:
         tokens[9, 1] = 99
     return DataLoader(TensorDataset(tokens, target), batch_size=4)
+
+
+class SecretLit(TinyLit):
+    """TinyLit that keeps a logger key and a database URL among its hyperparameters, as
+    ``save_hyperparameters()`` of a real script does."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1, wandb_api_key: str = "",
+                 db_url: str = "") -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.save_hyperparameters()
+
+
+class KeyedLit(TinyLit):
+    """A LightningModule whose construction reads a secret-looking hyperparameter (the
+    number of heads hidden in ``api_key``'s text, as a contrived stand-in for a constructor
+    that fetches something with it)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1, api_key: str = "k-4") -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.save_hyperparameters()
+        self.extra = torch.nn.Linear(dim, int(api_key.rsplit("-", 1)[-1]))
+
+
+class SparseAdamLit(TinyLit):
+    """A sparse embedding trained with Adam: Adam's step raises, after training_step
+    returned (outside any call a case can replay)."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.emb = torch.nn.Embedding(vocab, dim, sparse=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.Adam(self.parameters(), lr=0.1)
+
+
+class CriterionLit(TinyLit):
+    """The loss is a criterion module called in training_step, outside the forward."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.1, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.criterion = torch.nn.CrossEntropyLoss()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        tokens, target = batch
+        logits = self(tokens)
+        return self.criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

@@ -119,3 +119,135 @@ def scaled_sum(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def mixed_matmul(x: torch.Tensor, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """bf16 activations times fp32 weights: fine under autocast, a dtype error without it."""
     return torch.mm(x, w)[rows]
+
+
+class InplaceSigmoid(torch.nn.Module):
+    """Scales sigmoid's output in place, which sigmoid's backward needs: backward raises
+    autograd's long "modified by an inplace operation" message."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x).sigmoid()
+        y.mul_(2)
+        return y.sum()
+
+
+class KindsModel(torch.nn.Module):
+    """State of the kinds a safetensors file cannot hold as they are: a complex128 parameter,
+    a sparse COO and a sparse CSR buffer, a quantized buffer. Its forward raises while any
+    of them holds more than ``limit`` (what training put there, not the constructor)."""
+
+    def __init__(self, n: int = 4, limit: float = 10.0) -> None:
+        super().__init__()
+        self.n = n
+        self.limit = limit
+        self.spectrum = torch.nn.Parameter(torch.ones(n, dtype=torch.complex128))
+        self.register_buffer("mask", torch.eye(n).to_sparse())
+        self.register_buffer("graph", torch.eye(n).to_sparse_csr())
+        self.register_buffer("codes", torch.quantize_per_tensor(torch.zeros(n), 0.5, 0,
+                                                                torch.qint8))
+        self.lin = torch.nn.Linear(n, n)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        sizes = {"spectrum": float(self.spectrum.abs().max()),
+                 "mask": float(self.mask.to_dense().abs().max()),
+                 "graph": float(self.graph.to_dense().abs().max()),
+                 "codes": float(self.codes.dequantize().abs().max())}
+        for name, size in sizes.items():
+            if size > self.limit:
+                raise ValueError(f"{name} grew to {size}, above {self.limit}")
+        spectrum = torch.fft.fft(self.lin(x).double()) * self.spectrum
+        return torch.fft.ifft(spectrum).real.float() @ self.mask.to_dense()
+
+
+class ExtraStateModel(torch.nn.Module):
+    """Keeps a count in its extra state (``get_extra_state``), which no payload holds."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.calls = 0
+
+    def get_extra_state(self) -> dict[str, int]:
+        return {"calls": self.calls}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        self.calls = int(state["calls"])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.calls > 2:
+            raise ValueError(f"called {self.calls} times")
+        return self.lin(x)
+
+
+# Issue 30: secrets a user's exception carries (a URL's password, a GitHub token).
+DB_URL = "postgres://alice:hunter2pw@db.example.com:5432/prod"
+GH_TOKEN = "ghp_" + "a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8"
+
+
+def load_shard(x: torch.Tensor) -> torch.Tensor:
+    """Fails as a data loader does when its database refuses it: the message holds secrets."""
+    if float(x.sum()) > 0:
+        raise ConnectionError(f"cannot reach {DB_URL} with token {GH_TOKEN}: refused")
+    return x
+
+
+def clamp_check(x: torch.Tensor) -> torch.Tensor:
+    """Raises with prose that holds "pass:" and "key:", no secret."""
+    if float(x.max()) > 1:
+        raise ValueError("logits above 1: do not clamp them to make it pass: mask the "
+                         "padding instead; the sort key: length")
+    return x
+
+
+class MetaPart(torch.nn.Module):
+    """A model one of whose submodules is on the meta device (offloaded, or lazily
+    initialized); its forward fails before it reaches it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(3, 3)
+        self.offloaded = torch.nn.Linear(3, 3, device="meta")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.max()) > 1:
+            raise ValueError("input above 1")
+        return self.lin(x)
+
+
+class Wide(torch.nn.Module):
+    """A model of 2 MiB of weights (above the store's 1 MiB) that fails on a negative input."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(512, 1024)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if float(x.min()) < 0:
+            raise ValueError("negative input")
+        return self.lin(x)
+
+
+class Float32Attention(torch.nn.Module):
+    """Scores in float32 with autocast off (as attention code keeps its softmax exact), but
+    the values stay in the bfloat16 autocast made them: bmm of float32 and bfloat16 raises."""
+
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.q = torch.nn.Linear(dim, dim)
+        self.v = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, v = self.q(x), self.v(x)     # bfloat16 under autocast
+        with torch.autocast(x.device.type, enabled=False):
+            scores = torch.bmm(q.float(), q.float().transpose(1, 2)).softmax(-1)
+            return torch.bmm(scores, v)
+
+
+def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """A loss over a dict batch: its inputs and its targets share the batch axis."""
+    logits = batch["x"] @ torch.ones(batch["x"].shape[-1], 3)
+    return torch.nn.functional.cross_entropy(logits, batch["y"])

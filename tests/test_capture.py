@@ -392,20 +392,27 @@ def test_ids_from_the_watch_callable_win_over_the_step(
 def test_inputs_toml_cannot_hold_are_listed_with_their_type(tmp_path: Path) -> None:
     rec = Recorder(tmp_path)
     sparse = torch.eye(2).to_sparse()
+    with warnings.catch_warnings():  # quantized tensors are deprecated, and still met
+        warnings.simplefilter("ignore")
+        packed = torch.quantize_per_tensor(torch.ones(2), 0.5, 0, torch.quint4x2)
     fail(rec.watch(takes_anything), object(), None, 2**70, torch.float16,
          kw_list=(1, 2.5, "x"), kw_map={"a": [True], "b c": {"d": -1}}, kw_bad={1: 2},
-         kw_sparse=sparse, kw_none=None)
+         kw_sparse=sparse, kw_packed=packed, kw_none=None)
     doc = toml(tmp_path / "takes_anything")
     assert doc["inputs"] == {"kw_list": [1, 2.5, "x"], "kw_map": {"a": [True], "b c": {"d": -1}}}
     assert doc["origin"]["skipped_inputs"] == {
         "a": "object", "rest0": "int", "rest1": "torch.dtype", "kw_bad": "dict",
-        "kw_sparse": "Tensor (torch.sparse_coo, torch.float32): not storable",
+        "kw_packed": "Tensor (a quantized tensor of quint4x2, per_tensor_affine): "
+                     "not storable",
         "kw_none": "NoneType",
     }
+    # A sparse tensor is saved exactly, as its indices and values (issue 30).
+    saved = payload.load(tmp_path / "takes_anything" / "inputs.safetensors")["kw_sparse"]
+    assert saved.layout == torch.sparse_coo and torch.equal(saved.to_dense(), torch.eye(2))
     assert "b" not in doc["inputs"]  # None where the default is None: the replay gets it too
     incomplete = doc["origin"]["incomplete"]
     assert any("*rest got 2 extra positional arguments" in line for line in incomplete)
-    assert any("a, kw_bad, kw_none, kw_sparse, rest0, rest1 could not be saved" in line
+    assert any("a, kw_bad, kw_none, kw_packed, rest0, rest1 could not be saved" in line
                for line in incomplete)
     assert "xfail" not in doc and doc["summary"].startswith("INCOMPLETE: ")
 
@@ -737,3 +744,21 @@ def test_a_large_host_copy_before_each_call_is_named_once(
     assert 'snapshot="after"' in err
     Recorder(tmp_path, snapshot="after").watch(torch.add, name="add2")(torch.ones(32), 1)
     assert capsys.readouterr().err == ""
+
+
+def token_loss(input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Reads both, writes neither (the Hugging Face ``labels=input_ids`` convention)."""
+    if int(labels.max()) >= 8:
+        raise IndexError(f"label {int(labels.max())} out of 8 classes")
+    return input_ids.float().sum()
+
+
+@pytest.mark.slow
+def test_the_same_tensor_passed_twice_and_never_written_is_no_shared_memory_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: labels=input_ids shares memory, but the call writes into neither: the case
+    holding them apart replays the same, so no note."""
+    ids = torch.tensor([[1, 9, 3]])
+    fail(Recorder(tmp_path).watch(token_loss), ids, labels=ids)
+    assert "share memory" not in capsys.readouterr().err
+    assert "shared memory" not in toml(tmp_path / "token_loss")["origin"]["snapshot"]

@@ -256,12 +256,12 @@ class TestCraftedResults:
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": "os.system", '
          b'"fields": {}}}', "type 'os.system' is not one a child may return"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed", "summary": 5, '
+         b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
          b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}}}}',
          "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
-         b'"pytest_gpucase.run.child.Outcome", "fields": {"status": "failed"}}}', "fields"),
+         b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed"}}}', "fields"),
         (b'{"format": 1, "kind": "value", "value": 1, "warnings": {"items": [{"x": 1}]}}',
          "a malformed warning"),
         (b'{"format": 9, "kind": "value", "value": 1}', "not a result envelope"),
@@ -278,7 +278,7 @@ class TestCraftedResults:
 
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
-            "$": "dataclass", "type": "pytest_gpucase.run.child.Outcome",
+            "$": "dataclass", "type": "pytest_gpucase.run.outcome.Outcome",
             "fields": {**{k: v for k, v in sent.__dict__.items() if k not in ("max_abs", "notes")},
                        "max_abs": {"$": "float", "value": "nan"},
                        "notes": {"$": "tuple", "items": []}}}}).encode()
@@ -559,3 +559,74 @@ def test_orphans_of_the_users_own_processes_are_left_alone(tmp_path: Path) -> No
             os.kill(orphan, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(orphan, 0)  # adopted here: reaped here
+
+
+# --- what the pytest process itself reads of a case: within bounds ---------------------------
+
+READS_WITHIN_BOUNDS = """
+import resource, sys
+from pathlib import Path
+from pytest_gpucase.case import project
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run import reference_cache
+
+case = Path(sys.argv[1])
+spec = RunSpec(load_case(case), "cpu", "float32", cast=False)
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+reference_cache.prepare(spec)     # in the parent, before each fork: the key's files
+reference_cache.forget_prepared()
+project.import_paths(case)        # the project's configuration file, above the case
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+HEADER_WITHIN_BOUNDS = """
+import resource, sys
+from pathlib import Path
+from pytest_gpucase.base.errors import CaseFormatError
+from pytest_gpucase.case import payload
+
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+try:
+    payload.describe(Path(sys.argv[1]))   # what collection reads of each case's inputs
+except CaseFormatError as exc:
+    print(exc, file=sys.stderr)
+print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
+"""
+
+
+def test_a_payload_header_costs_the_collecting_process_its_bound(tmp_path: Path) -> None:
+    """A 60 MiB JSON header of 900,000 tensor entries was parsed whole at collection (some
+    500 MiB); it is refused from its length field."""
+    import json
+
+    header = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]}
+              for i in range(900_000)}
+    raw = json.dumps(header).encode()
+    file = tmp_path / "inputs.safetensors"
+    file.write_bytes(len(raw).to_bytes(8, "little") + raw)
+    done = subprocess.run([sys.executable, "-c", HEADER_WITHIN_BOUNDS, str(file)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "over the limit of 16777216" in done.stderr, done.stderr[-2000:]
+    assert int(done.stdout) < 100, f"peak grew by {done.stdout.strip()} MiB"
+
+
+def test_the_parent_reads_a_sparse_case_py_and_config_within_bounds(tmp_path: Path) -> None:
+    """A 1 GiB sparse case.py (the reference-cache key) and a 1 GiB sparse pyproject.toml above
+    the case (its import paths) cost the pytest process no more than their bounds."""
+    case = tmp_path / "cases" / "sparse"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                    'reference = "case.py:ref"\n[inputs]\nx = 1\n')
+    for name, text in (("case.py", "def run(x):\n    return x\n\ndef ref(x):\n    return x\n"),
+                       ("../../pyproject.toml", "[tool.pytest.ini_options]\n")):
+        file = case / name
+        file.write_text(text)
+        with open(file, "r+b") as handle:
+            handle.truncate(2**30)
+    done = subprocess.run([sys.executable, "-c", READS_WITHIN_BOUNDS, str(case)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert int(done.stdout) < 100, f"peak grew by {done.stdout.strip()} MiB"

@@ -113,3 +113,50 @@ def test_a_nan_is_the_same_failure_whichever_check_caught_it() -> None:
     assert not same_failure(captured, Failure(
         "RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)",
         device="cpu"))
+
+
+INPLACE = ("one of the variables needed for gradient computation has been modified by an "
+           "inplace operation: [torch.FloatTensor [2, 4]], which is output 0 of Sigmoid, is at "
+           "version 1; expected version 0 instead. Hint: enable anomaly detection to find the "
+           "operation that failed to compute its gradient, with "
+           "torch.autograd.set_detect_anomaly(True, check_nan=False).")
+
+
+@pytest.mark.parametrize("limit", [256, 300, 120, 97, 95])
+def test_a_message_the_capture_cut_matches_its_full_form(limit: int) -> None:
+    """Issue 30: ``[origin] error`` cut at a bound with an ellipsis (anywhere: inside a word,
+    inside a number, inside a list of sizes) is the replay's full message again."""
+    from pytest_gpucase.verdict.failure import cut
+
+    recorded = Failure.from_text(cut(f"RuntimeError: {INPLACE}", limit))
+    assert recorded.message.endswith("\u2026")
+    assert same_failure(recorded, Failure("RuntimeError", INPLACE, device="cpu"))
+    # Another failure is still another, cut or not.
+    other = INPLACE.replace("gradient computation", "the forward pass")
+    assert not same_failure(recorded, Failure("RuntimeError", other))
+    assert not same_failure(recorded, Failure("ValueError", INPLACE))
+
+
+def test_too_little_kept_of_a_cut_message_matches_nothing_else() -> None:
+    from pytest_gpucase.verdict.failure import cut
+
+    recorded = Failure.from_text(cut(f"RuntimeError: {INPLACE}", 30))
+    assert not same_failure(recorded, Failure("RuntimeError", INPLACE))
+    assert same_failure(recorded, recorded)
+
+
+def test_a_message_the_capture_scrubbed_is_the_raw_failure() -> None:
+    """Issue 30: the Recorder writes [origin] error without secrets (URL credentials, tokens,
+    the home as ~); the replay raises the raw message, which is the same failure."""
+    import os
+
+    from pytest_gpucase.tools.scrub import capture_text
+
+    home = os.path.expanduser("~")
+    raw = (f"cannot reach postgres://alice:pw@db.example.com:5432/prod with token "
+           f"ghp_a1B2c3D4e5F6g7H8i9J0k1L2m3N4o5P6q7R8 reading {home}/data/shards: refused")
+    written = capture_text(raw)
+    assert "alice:pw" not in written and "ghp_" not in written
+    assert same_failure(Failure("ConnectionError", written), Failure("ConnectionError", raw))
+    assert not same_failure(Failure("ConnectionError", written),
+                            Failure("ConnectionError", raw.replace("refused", "timed out")))

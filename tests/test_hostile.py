@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from pytest_gpucase.base.errors import printable
+from pytest_gpucase.case import payload
 from tests.helpers import H100, RAISES, ce_case, result, rich_case, write_case
 
 GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
@@ -638,3 +639,230 @@ def test_many_reports_naming_many_packages_cost_seconds(tmp_path: Path) -> None:
     assert time.monotonic() - began < 60
     columns = json.loads(done.stdout)["columns"]
     assert len(columns) == 400 and columns[0]["label"].startswith("ext0-0 1.0 · ext0-1 1.0")
+
+
+# Round four: what the pytest process and the CLI read from a case, and run of it.
+
+SIDE_EFFECT = "import pathlib\npathlib.Path({path!r}).write_text('ran')\n"
+CASE_TOML = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n[inputs]\nx = 1\n'
+
+
+def _pytest_files_cases(root: Path) -> dict[str, str]:
+    """Case folders holding what pytest itself imports or reads, each leaving a file behind
+    if pytest ever ran it; name -> the line the user must see."""
+    expected = {}
+    for name, file in (("conftest", "conftest.py"), ("test_named", "conftest.py"),
+                       ("package", "__init__.py"), ("ini", "pytest.ini"),
+                       ("pyproject", "pyproject.toml"), ("tox", "tox.ini"),
+                       ("setup", "setup.cfg"), ("toml", "pytest.toml")):
+        path = write_case(root, name, CASE_TOML, RUN_X)
+        marker = str(root / f"ran_{name}")
+        if file.endswith(".py"):
+            (path / file).write_text(SIDE_EFFECT.format(path=marker))
+        else:   # a configuration that would load a plugin of the case's own
+            (path / "evil_plugin.py").write_text(SIDE_EFFECT.format(path=marker))
+            (path / file).write_text("[pytest]\naddopts = -p evil_plugin\npythonpath = .\n")
+        expected[name] = f"cases/{name}/{file}: *"
+    nested = write_case(root, "outer", CASE_TOML, RUN_X)
+    write_case(nested, "inner", CASE_TOML, RUN_X)
+    expected["outer"] = ("cases/outer/cases/inner/case.toml: a case folder inside the case "
+                         "folder outer: *")
+    return expected
+
+
+@pytest.mark.parametrize("args", [(), ("--collect-only",)], ids=["run", "collect-only"])
+def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Pytester,
+                                                              args: tuple[str, ...]) -> None:
+    """A conftest.py, __init__.py or pytest configuration in a case folder is never imported
+    or read: the case is one broken item naming the file, and validate says the same."""
+    (pytester.path / "pytest.ini").write_text("[pytest]\n")
+    expected = _pytest_files_cases(pytester.path)
+    write_case(pytester.path, "good", CASE_TOML, RUN_X)
+    # Given as folders too: pytest imports the conftests of the folders it is given (and
+    # of their test* subfolders) before collection starts.
+    result = pytester.runpytest_subprocess(
+        "--gpu-cases", "--gpu-devices", "cpu", "-p", "no:cacheprovider", *args, "cases",
+        "cases/conftest", "cases/test_named/case.toml", timeout=300)
+    assert not list(pytester.path.glob("ran_*")), result.stdout.str()
+    if not args:
+        result.assert_outcomes(passed=1, failed=len(expected))
+        text = result.stdout.str()
+        for name, line in expected.items():
+            section = text.split(f"_ {name} (broken case)")[1].split("\n____")[0]
+            assert any(fnmatch.fnmatch(got, line) for got in section.splitlines()), section
+    validated = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                               cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert validated.returncode == 1, validated.stdout + validated.stderr
+    lines = validated.stdout.splitlines()
+    for name, line in expected.items():
+        assert any(fnmatch.fnmatch(got, line) for got in lines), (name, lines)
+    assert not list(pytester.path.glob("ran_*"))
+    if args:
+        return
+    # Given the case folder itself, pytest takes its pytest.ini before any plugin loads (and
+    # applies its pythonpath and -p): the session stops at once, naming the file.
+    alone = pytester.runpytest_subprocess("--gpu-cases", "-p", "no:cacheprovider",
+                                          "cases/ini", timeout=300)
+    assert alone.ret == pytest.ExitCode.USAGE_ERROR
+    alone.stderr.fnmatch_lines(["ERROR: cases/ini/pytest.ini: pytest took its configuration "
+                                "from a file inside a case folder*"])
+
+
+@pytest.mark.slow  # an interpreter of its own
+def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:
+    """A 600 KB `Y = 1+1+...` case.py (RecursionError, or MemoryError, in the parser) is one
+    line for its case; the other cases are still checked."""
+    deep = write_case(tmp_path, "deep", CASE_TOML, "Y = " + "+".join(["1"] * 300_000)
+                      + "\n" + RUN_X)
+    write_case(tmp_path, "good", CASE_TOML, RUN_X)
+    write_case(tmp_path, "typo", CASE_TOML.replace("call", "calll"), RUN_X)
+    result = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    lines = result.stdout.splitlines()
+    assert result.returncode == 2, result.stdout + result.stderr[-2000:]  # one not checked
+    assert [line for line in lines if line.startswith("cases/deep/")] == [
+        "cases/deep/case.py: cannot be parsed (RecursionError: maximum recursion depth "
+        "exceeded during ast construction); Python itself will fail to import it: write it "
+        "in plainer statements"], lines
+    assert any(line.startswith("cases/typo/case.toml: calll: unknown key") for line in lines)
+    assert deep.exists()
+
+
+def _safetensors(header: dict[str, object], data: bytes = b"", pad: int = 0) -> bytes:
+    raw = json.dumps(header).encode() + b" " * pad
+    raw += b" " * (-len(raw) % 8)
+    return len(raw).to_bytes(8, "little") + raw + data
+
+
+FLOAT = {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}
+
+
+def _blob(store: Path, data: bytes) -> str:
+    store.mkdir(parents=True, exist_ok=True)
+    digest = __import__("hashlib").sha256(data).hexdigest()
+    (store / f"{digest}.safetensors").write_bytes(data)
+    return digest
+
+
+def _store_case(root: Path, blob: bytes, names: tuple[str, ...] = ("w",),
+                store_extra: Callable[[Path], None] | None = None) -> Path:
+    """A case of a capture folder whose payload keeps its tensors in the capture's store."""
+    store = root / "capture" / "cases" / ".gpucase-store"
+    digest = _blob(store, blob)
+    if store_extra is not None:
+        store_extra(store / f"{digest}.safetensors")
+        data = (store / f"{digest}.safetensors").read_bytes()
+        (store / f"{digest}.safetensors").unlink()
+        digest = _blob(store, data)
+    case = write_case(root / "capture", "c", 'format = 1\ncall = "case.py:run"\n',
+                      f"def run({', '.join(names)}):\n    return {names[0]}\n")
+    (case / "inputs.safetensors").write_bytes(_safetensors(
+        {"__metadata__": {"gpucase.store": json.dumps(dict.fromkeys(names, digest))}}))
+    return case
+
+
+def _holes(path: Path) -> None:
+    with open(path, "r+b") as handle:
+        handle.truncate(8 * 2**20)
+
+
+PLAIN_BLOB = _safetensors({"tensor": FLOAT}, b"\0\0\x80?")
+HOSTILE_STORE_FILES: dict[str, tuple[bytes, Callable[[Path], None] | None, str]] = {
+    "names_another_store_file": (
+        b"", None, "*holds tensor (metadata: gpucase.store): a store file holds exactly one "
+        "tensor 'tensor' and no store reference; not a store file; capture the case again"),
+    "two_tensors": (_safetensors({"tensor": FLOAT, "more": {**FLOAT, "data_offsets": [4, 8]}},
+                                 bytes(8)), None, "*holds more, tensor (metadata: none)*"),
+    "header_of_100_kb": (_safetensors({"tensor": FLOAT}, bytes(4), pad=100_000), None,
+                         "*header of 100* bytes is not within the 65536 a store file's holds*"),
+    "trailing_holes": (PLAIN_BLOB, _holes, "*is 8388608 bytes, not the * of its header and "
+                       "the 4 of its tensor; not a store file; capture the case again"),
+}
+
+
+@pytest.mark.parametrize("kind", HOSTILE_STORE_FILES)
+def test_a_store_file_is_checked_as_one_before_use(tmp_path: Path, kind: str) -> None:
+    """Exactly one tensor, no store reference, a small header, a size of exactly header and
+    data: else refused by validate and by a load, before any hash or recursion."""
+    from pytest_gpucase.base.errors import CaseFormatError
+    from pytest_gpucase.case import payload
+    from pytest_gpucase.tools.validate import validate
+
+    blob, extra, message = HOSTILE_STORE_FILES[kind]
+    if kind == "names_another_store_file":
+        inner = _blob(tmp_path / "capture" / "cases" / ".gpucase-store", PLAIN_BLOB)
+        blob = _safetensors({"__metadata__": {"gpucase.store": json.dumps({"v": inner})},
+                             "tensor": FLOAT}, b"\0\0\x80?")
+    case = _store_case(tmp_path, blob, store_extra=extra)
+    os.chdir(tmp_path)
+    problems = validate([case])
+    assert any(fnmatch.fnmatch(line, message) for line in problems), problems
+    with pytest.raises(CaseFormatError) as refused:
+        payload.load(case / "inputs.safetensors")
+    assert fnmatch.fnmatch(str(refused.value), message), str(refused.value)
+
+
+def test_a_store_file_named_for_thousands_of_tensors_is_read_once(tmp_path: Path) -> None:
+    """Collection describes each payload: one store file named 3,000 times (with a header
+    near its bound) is read once, not once per name."""
+    from pytest_gpucase.case import payload
+
+    names = tuple(f"t{i}" for i in range(3000))
+    case = _store_case(tmp_path, _safetensors({"tensor": FLOAT}, b"\0\0\x80?", pad=60_000),
+                       names)
+    io = Path("/proc/self/io")
+    if not io.exists():
+        pytest.skip("needs /proc/self/io to count the bytes read")
+
+    def read_so_far() -> int:
+        return int(dict(line.split(": ") for line in io.read_text().splitlines())["rchar"])
+
+    before = read_so_far()
+    infos = payload.describe(case / "inputs.safetensors")
+    assert len(infos) == 3000 and {info.shape for info in infos} == {(1,)}
+    assert read_so_far() - before < 2_000_000  # a 60 KB header 3,000 times: 180 MB
+
+
+def test_a_checkpoints_metadata_never_leads_outside_its_folder(tmp_path: Path) -> None:
+    """A downloaded .safetensors checkpoint naming ../.gpucase-store files is refused; the
+    store beside its folder is never read."""
+    from pytest_gpucase.tools.checkpoint import survey
+
+    digest = _blob(tmp_path / ".gpucase-store", PLAIN_BLOB)
+    folder = tmp_path / "downloads"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(_safetensors(
+        {"__metadata__": {"gpucase.store": json.dumps({"w": digest})}}))
+    [found] = survey([str(folder / "model.safetensors")]).results
+    assert any("names store files outside its folder" in problem
+               for problem in found.problems), found.problems
+
+
+def test_nothing_that_looks_like_a_case_is_passed_over_in_silence(
+        pytester: pytest.Pytester) -> None:
+    """A case folder pytest would not recurse into (norecursedirs: build, dist), a folder that
+    lost its case.toml, and a case below a case: each is an item or a note, and validate
+    names the same folders."""
+    (pytester.path / "pytest.ini").write_text("[pytest]\n")
+    write_case(pytester.path, "good", CASE_TOML, RUN_X)
+    write_case(pytester.path, "build", CASE_TOML, RUN_X)
+    write_case(pytester.path / "cases" / "group", "deep", CASE_TOML, RUN_X)
+    lost = write_case(pytester.path, "lost", CASE_TOML, RUN_X)
+    payload.save(lost / "inputs.safetensors", {"x": torch.ones(1)})
+    (lost / "case.toml").unlink()
+    outer = write_case(pytester.path, "outer", CASE_TOML, RUN_X)
+    write_case(outer, "inner", CASE_TOML, RUN_X)
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "-p",
+                                           "no:cacheprovider", "cases", timeout=300)
+    result.assert_outcomes(passed=2, failed=2)  # good and group/deep; lost and outer
+    result.stdout.fnmatch_lines([
+        "cases/lost/case.toml: missing, but the directory holds inputs.safetensors: an "
+        "interrupted write or a deleted case.toml",
+        "cases/outer/cases/inner/case.toml: a case folder inside the case folder outer: *",
+        "gpucase: case folder cases/build not collected: its name matches norecursedirs "
+        "'build'; rename it or set norecursedirs"], consecutive=False)
+    validated = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate", "cases"],
+                               cwd=pytester.path, capture_output=True, text=True, timeout=120)
+    assert [line.split(":")[0] for line in validated.stdout.splitlines()] == [
+        "cases/lost/case.toml", "cases/outer/cases/inner/case.toml"], validated.stdout

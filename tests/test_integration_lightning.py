@@ -163,3 +163,102 @@ def test_ddp_spawn_takes_a_watched_module_and_the_callback(tmp_path: Path) -> No
     assert saved and all(p.parent.parent.name.startswith("rank") for p in saved)
     origin = toml(saved[0].parent)["origin"]
     assert origin["world_size"] == 2
+
+
+def test_secret_hyperparameters_never_reach_the_case(tmp_path: Path) -> None:
+    """Issue 30: save_hyperparameters() kept a logger key and a database URL with a password;
+    the case holds <secret> in their place, lists them, and still replays."""
+    torch.manual_seed(0)
+    model = lightning_targets.SecretLit(
+        wandb_api_key="wk0123456789abcdef0123456789abcdef01234567",
+        db_url="postgresql://trainer:s3cretpw@db.internal:5432/runs")
+    fit(tmp_path, model, lightning_targets.loader(bad_target=True), IndexError)
+    case_dir = tmp_path / "cases" / "SecretLit.training_step"
+    for file in case_dir.iterdir():
+        if file.suffix in (".toml", ".json", ".py"):
+            text = file.read_text()
+            assert "wk0123456789abcdef" not in text and "s3cretpw" not in text, file
+    doc = toml(case_dir)
+    kwargs = doc["inputs"]["gpucase_module"]["kwargs"]
+    assert kwargs["wandb_api_key"] == "<secret>"
+    assert kwargs["db_url"] == "postgresql://<user>:<secret>@db.internal:5432/runs"
+    scrubbed = doc["origin"]["scrubbed"]
+    assert "inputs.gpucase_module.kwargs.wandb_api_key" in scrubbed
+    assert "inputs.gpucase_module.kwargs.db_url" in scrubbed
+    assert "<secret>" in doc["origin"]["scrubbed_note"]
+    replays(case_dir, "IndexError")
+
+
+def test_a_rebuild_that_needs_a_secret_says_so(tmp_path: Path) -> None:
+    """Issue 30: the secret is not written, so a rebuild that reads it would be another model:
+    the case is incomplete and says which field and what to pass."""
+    torch.manual_seed(0)
+    model = lightning_targets.KeyedLit(api_key="live-3")
+    fit(tmp_path, model, lightning_targets.loader(bad_target=True), IndexError)
+    doc = toml(tmp_path / "cases" / "KeyedLit.training_step")
+    assert "xfail" not in doc
+    assert any("building the model needs api_key, which look secret" in reason
+               for reason in doc["origin"]["incomplete"])
+    assert "live-3" not in (tmp_path / "cases" / "KeyedLit.training_step" / "case.toml"
+                            ).read_text()
+
+
+def test_a_failure_in_the_optimizer_step_is_not_a_training_step_case_that_passes(
+        tmp_path: Path) -> None:
+    """Issue 30: Adam raises on a sparse gradient after training_step returned; a replay of
+    training_step would pass (XPASS: "fixed"), so the case is incomplete and says where."""
+    torch.manual_seed(0)
+    model = lightning_targets.SparseAdamLit()
+    fit(tmp_path, model, lightning_targets.loader(), RuntimeError)
+    doc = toml(tmp_path / "cases" / "SparseAdamLit.training_step")
+    assert "xfail" not in doc
+    assert any("outside SparseAdamLit.training_step" in reason and "adam.py" in reason
+               for reason in doc["origin"]["incomplete"])
+
+
+def test_a_criterion_failure_outside_the_forward_is_saved_or_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: the loss fails in a criterion training_step calls after the forward. With
+    the callback it is the training_step case; with a plain rec.watch of the module (no
+    callback) nothing can see it, and a line at watch time says so and what to pass."""
+    from pytest_gpucase import Recorder
+
+    torch.manual_seed(0)
+    fit(tmp_path / "callback", lightning_targets.CriterionLit(),
+        lightning_targets.loader(bad_target=True), IndexError)
+    replays(tmp_path / "callback" / "cases" / "CriterionLit.training_step", "IndexError")
+    assert "watched without GpuCaseCallback" not in capsys.readouterr().err
+
+    rec = Recorder(tmp_path / "plain" / "cases")
+    model = rec.watch(lightning_targets.CriterionLit())
+    err = capsys.readouterr().err
+    assert ("CriterionLit is a LightningModule watched without GpuCaseCallback" in err
+            and "GpuCaseCallback(recorder=rec)" in err), err
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(IndexError):
+        trainer.fit(model, lightning_targets.loader(bad_target=True))
+
+
+def test_a_fit_inside_a_step_saves_the_training_step_not_optimizer_step(
+        tmp_path: Path) -> None:
+    """Issue 30: without the callback, trainer.fit inside rec.step: the traceback passes
+    through the module's optimizer_step (its optimizer and closure no case holds) and then
+    its training_step, which raised: the case is training_step's, and it replays."""
+    from pytest_gpucase import Recorder
+
+    torch.manual_seed(0)
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    model = lightning_targets.CriterionLit()
+    rec.watch(model)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    with pytest.raises(IndexError), rec.step(0):
+        trainer.fit(model, lightning_targets.loader(bad_target=True))
+    found = sorted(p.name for p in (tmp_path / "cases").iterdir())
+    assert found == ["CriterionLit.training_step"], found
+    doc = toml(tmp_path / "cases" / "CriterionLit.training_step")
+    assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    replays(tmp_path / "cases" / "CriterionLit.training_step", "IndexError")

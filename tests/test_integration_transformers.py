@@ -172,3 +172,20 @@ def test_accelerate_bf16_in_a_plain_loop_is_recorded(tmp_path: Path) -> None:
     doc = toml(tmp_path / "cases" / "BertForTokenClassification")
     assert doc["context"]["autocast"]["dtype"] == "bfloat16"
     replays(tmp_path / "cases" / "BertForTokenClassification", "IndexError")
+
+
+def test_a_config_holding_a_hub_token_writes_no_secret(tmp_path: Path) -> None:
+    """Issue 30: a config that carries a Hub token (set on it by a training script) is
+    written as config.json with <secret> in its place, listed, and the case replays."""
+    torch.manual_seed(0)
+    config = targets.bert_config()
+    config.hub_token = "hf_" + "AbCdEfGhIjKlMnOpQrStUvWxYz012345"
+    model = transformers.BertForTokenClassification(config)
+    with pytest.raises(IndexError, match="Target 7 is out of bounds"):
+        train(tmp_path, model, targets.Tokens(bad_label=True))
+    case_dir = tmp_path / "cases" / "BertForTokenClassification"
+    written = json.loads((case_dir / "config.json").read_text())
+    assert written["hub_token"] == "<secret>"
+    assert "AbCdEfGhIjKlMnOpQrStUvWxYz" not in (case_dir / "config.json").read_text()
+    assert "config.json: hub_token" in toml(case_dir)["origin"]["scrubbed"]
+    replays(case_dir, "IndexError")

@@ -75,6 +75,8 @@ def poisoned_cases(root: Path, devices: str = '["cpu"]') -> None:
 
 def test_verdicts_match_fresh_children_on_bundled_and_poisoning_cases(
         pytester: pytest.Pytester) -> None:
+    # A project has a pytest configuration file, which the worker reads (import paths).
+    (pytester.path / "pytest.ini").write_text("[pytest]\npythonpath = .\n")
     shutil.copytree(BUNDLED, pytester.path / "cases")
     poisoned_cases(pytester.path)
     fresh = verdicts(pytester, "--gpu-isolation", "item")
@@ -83,6 +85,21 @@ def test_verdicts_match_fresh_children_on_bundled_and_poisoning_cases(
     assert sum(outcome == "passed" for outcome in fresh.values()) >= 10
     for mode in ("case", "worker"):
         assert verdicts(pytester, "--gpu-isolation", mode) == fresh, mode
+
+
+def test_a_worker_serves_every_bundled_case_of_a_configured_project(
+        pytester: pytest.Pytester) -> None:
+    """With a pytest configuration file in the project, the plugin's own caches (the files
+    read for a case's import paths) are no state a case left: no worker is retired."""
+    (pytester.path / "pyproject.toml").write_text("[tool.pytest.ini_options]\n"
+                                                  "pythonpath = [\".\"]\n")
+    shutil.copytree(BUNDLED, pytester.path / "cases")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-isolation", "worker",
+                                           "--gpu-devices", "cpu", "-p", "no:cacheprovider",
+                                           "cases")
+    retired = [line for line in result.stdout.lines if "left its worker" in line]
+    assert not retired, retired
+    assert result.parseoutcomes().get("passed", 0) >= 8
 
 
 @pytest.mark.gpu

@@ -641,3 +641,23 @@ def test_a_smaller_batch_raising_another_runtime_error_is_not_the_same_failure(
     assert result.output is not None
     record = load_case(result.output).origin["minimized_from"]
     assert record["error"] == result.message
+
+
+def test_a_dict_batch_is_cut_whole_inputs_and_targets_alike(tmp_path: Path) -> None:
+    """Issue 30: a watched loss took {"x": inputs, "y": targets}; cutting x alone fails
+    otherwise ("Expected input batch_size (4) to match target batch_size (8)"): both are
+    cut on the batch axis, down to the one bad entry."""
+    from pytest_gpucase.tools.record import Recorder
+    from tests import model_targets
+
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    loss = rec.watch(model_targets.batch_loss)
+    y = torch.tensor([0, 1, 2, 0, 1, 7, 2, 0])
+    with pytest.raises(IndexError), rec.step(0):
+        loss({"x": torch.randn(8, 5), "y": y})
+    result = minimize(load_case(tmp_path / "cases" / "batch_loss"), env=ENV, out=io.StringIO())
+    assert result.selection.entries == (5,)
+    assert dict(result.shapes) == {"dict.batch.x": ((8, 5), (1, 5)),
+                                   "dict.batch.y": ((8,), (1,))}
+    kept = payload.load(load_case(result.output).inputs_file)
+    assert kept["dict.batch.y"].tolist() == [7]

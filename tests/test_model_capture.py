@@ -360,3 +360,51 @@ def test_narrow_false_writes_the_module_case_alone(
     assert "narrowed" not in err and "no op case" not in err
     verdict = replay_cpu(tmp_path / "cases" / "TinyLM")
     assert verdict.outcome.error_type == "IndexError", verdict.outcome.summary
+
+
+def test_a_long_backward_message_replays_as_the_captured_failure(tmp_path: Path) -> None:
+    """Issue 30: autograd's "modified by an inplace operation" message is longer than a
+    summary line; the case keeps it whole in [origin] error and its replay is the known
+    failure, and a case whose error was cut (an older capture's 256 characters and an
+    ellipsis) still matches the replay's full message."""
+    torch.manual_seed(0)
+    model = model_targets.InplaceSigmoid()
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    rec.watch(model, name="inplace")
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"), rec.step(0):
+        model(torch.ones(2, 4)).backward()
+    case_dir = tmp_path / "cases" / "inplace"
+    doc = read_toml(case_dir)
+    assert doc["origin"]["error"].endswith("check_nan=False).")
+    assert "\u2026" in doc["xfail"]  # the summary's line is cut; [origin] error is not
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.error_type == "RuntimeError", verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)
+    text = (case_dir / "case.toml").read_text()
+    whole = doc["origin"]["error"]
+    (case_dir / "case.toml").write_text(text.replace(whole, whole[:255] + "\u2026"))
+    assert is_known_failure(load_case(case_dir), verdict)
+
+
+def test_the_op_case_of_a_bf16_run_replays_its_recorded_dtypes(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: bmm raised on float32 scores and bfloat16 values (autocast off around it);
+    the op case replays those dtypes as recorded, without autocast casting them alike."""
+    torch.manual_seed(0)
+    model = model_targets.Float32Attention()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model, name="attn")
+    with pytest.raises(RuntimeError), rec.step(0), torch.autocast("cpu", dtype=torch.bfloat16):
+        model(torch.ones(1, 3, 4))
+    op = tmp_path / "cases" / "attn.aten.bmm.default"
+    assert op.is_dir(), capsys.readouterr().err
+    assert "autocast" not in read_toml(op).get("context", {})
+    saved = payload.load(op / "inputs.safetensors")
+    assert {t.dtype for t in saved.values()} >= {torch.float32, torch.bfloat16}
+    replays_as_known(op, "RuntimeError")
+
+
+def replays_as_known(case_dir: Path, error: str) -> None:
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.error_type == error, verdict.outcome.summary
+    assert is_known_failure(load_case(case_dir), verdict)

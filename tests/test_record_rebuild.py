@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -305,11 +306,18 @@ def test_a_state_above_the_limit_references_its_checkpoint(tmp_path: Path, suffi
     checkpoint = tmp_path / f"model{suffix}"
     case_dir = _big_model_failure(tmp_path, checkpoint)
     recipe = toml(case_dir)["inputs"]["gpucase_module"]
-    assert recipe["checkpoint"]["path"] == str(checkpoint)
+    # Issue 30: relative to the case directory, never absolute (no home folder in a case).
+    assert recipe["checkpoint"]["path"] == f"../../model{suffix}"
+    assert str(tmp_path) not in (case_dir / "case.toml").read_text()
     assert recipe["checkpoint"]["sha256"].startswith("sha256:")
     assert not any(k.startswith("state.") for k in payload.load(case_dir / "inputs.safetensors"))
     assert validate([case_dir]) == []
     replays(case_dir, "IndexError")
+    # The project moved as a whole (another checkout): the case still finds its checkpoint.
+    moved = tmp_path.parent / f"{tmp_path.name}-moved"
+    shutil.copytree(tmp_path, moved)
+    assert validate([moved / "cases" / "TinyLM"]) == []
+    replays(moved / "cases" / "TinyLM", "IndexError")
     checkpoint.write_bytes(checkpoint.read_bytes() + b"\0")
     assert any("the checkpoint changed since the capture" in p for p in validate([case_dir]))
 
@@ -370,3 +378,67 @@ def test_narrowing_keeps_what_is_the_same_failure_by_class_or_shape() -> None:
     assert same_failure(Failure("RuntimeError", "CUDA error: device-side assert triggered",
                                 "", "cuda"),
                         Failure("IndexError", "index out of range in self", "", "cpu"))
+
+
+_DATACLASS_SCRIPT = '''
+    import torch
+    from dataclasses import dataclass, field
+    from pytest_gpucase import Recorder
+
+    @dataclass
+    class Sizes:
+        vocab: int = 8
+        dim: int = 4
+
+    @dataclass
+    class Config:
+        sizes: Sizes = field(default_factory=Sizes)
+        name: str = "tiny"
+
+    class TiedLM(torch.nn.Module):
+        def __init__(self, cfg: Config):
+            super().__init__()
+            self.cfg = cfg
+            self.emb = torch.nn.Embedding(cfg.sizes.vocab, cfg.sizes.dim)
+            self.head = torch.nn.Linear(cfg.sizes.dim, cfg.sizes.vocab, bias=False)
+            self.head.weight = self.emb.weight
+
+        def forward(self, tokens):
+            return self.head(self.emb(TOKENS_FIX))
+
+    if __name__ == "__main__":
+        model = TiedLM(Config(Sizes(vocab=8, dim=6)))
+        rec = Recorder("cases", narrow=False)
+        rec.watch(model)
+        with rec.step(0):
+            model(torch.tensor([[1, 9]]))
+'''
+
+
+def test_a_dataclass_configured_model_with_tied_weights_turns_xpass_when_fixed(
+        tmp_path: Path) -> None:
+    """Issue 30: a model built from a (nested) dataclass config, its head tied to its
+    embedding: the case rebuilds it from the config's fields, replays the failure, and turns
+    XPASS(strict) once the script is fixed."""
+    project = tmp_path / "project"
+    project.mkdir()
+    script = project / "train.py"
+    script.write_text(textwrap.dedent(_DATACLASS_SCRIPT).replace("TOKENS_FIX", "tokens"))
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert "IndexError" in done.stderr, done.stderr
+    case_dir = project / "cases" / "TiedLM"
+    doc = toml(case_dir)
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    assert doc["inputs"]["gpucase_module"]["tied"] == {"head.weight": "emb.weight"}
+    assert json.loads((case_dir / "model.json").read_text())["kwargs"] == {"cfg": {
+        "gpucase_dataclass": "Config", "fields": {
+            "sizes": {"gpucase_dataclass": "Sizes", "fields": {"vocab": 8, "dim": 6}},
+            "name": "tiny"}}}
+    assert validate([case_dir]) == []
+    replays(case_dir, "IndexError")
+    script.write_text(textwrap.dedent(_DATACLASS_SCRIPT).replace(
+        "TOKENS_FIX", "tokens.clamp(max=self.cfg.sizes.vocab - 1)"))
+    fixed = verdict_of(case_dir)
+    assert fixed.outcome.error_type is None, fixed.outcome.summary

@@ -75,6 +75,7 @@ def test_ema_of_a_watched_model_averages_and_stays_unwatched(tmp_path: Path) -> 
     assert rec.case_dir is None
 
 
+@pytest.mark.slow
 def test_the_recorder_travels_as_its_settings(tmp_path: Path) -> None:
     """A Recorder held by what is pickled (a callback into spawned processes) arrives fresh:
     same root and options, nothing watched, nothing taken."""
@@ -252,6 +253,7 @@ def test_an_unprintable_exception_propagates_unchanged(
         f"Unprintable: <unprintable Unprintable: its __str__ raised {type(raised).__name__}>")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("raised", [ValueError("nested"), SystemExit(3)],
                          ids=["error", "SystemExit"])
 def test_an_unprintable_exception_in_a_module_propagates_unchanged(
@@ -268,6 +270,7 @@ def _broken(*args: Any, **kwargs: Any) -> Any:
     raise RuntimeError("fault planted in the Recorder")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("where", [(inputs, "snapshot_before"), (watch, "tensor_versions"),
                                    (watch, "tensors_of"), (watch, "rng_state")],
                          ids=lambda w: w[1] if isinstance(w, tuple) else str(w))

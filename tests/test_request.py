@@ -339,6 +339,14 @@ PEM = ("-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEAu1SU1LfVLPHCozMxH2Mo4lg
     ("cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert",
      "cpu-float32: passed: a said so; PASSED tests/x.py keyboard: q tokenizer: bert"),
     ('Missing key(s) in state_dict: "fc.weight".', 'Missing key(s) in state_dict: "fc.weight".'),
+    # Issue 30: a bare "pass:" or "key:" inside prose is a word, not a label.
+    ("Do not clamp the logits to make it pass: mask the padding instead",
+     "Do not clamp the logits to make it pass: mask the padding instead"),
+    ("KeyError: key: 3 not in the table; the primary key: id", "KeyError: key: 3 not in the "
+     "table; the primary key: id"),
+    ("  key: abc123\n- token: t0k3n", "  key: <secret>\n- token: <secret>"),
+    # ... but a value that reads as a key is a secret in prose too.
+    ("connection refused, token: abc123xyz", "connection refused, token: <secret>"),
 ])
 def test_request_removes_secrets_by_shape(text: str, scrubbed: str) -> None:
     assert _scrub(text) == scrubbed

@@ -24,17 +24,20 @@ import hashlib
 import os
 import re
 import secrets
+import shutil
 import socket
 import stat
 import time
 from collections.abc import Iterable
+from typing import BinaryIO
 from pathlib import Path
 
 from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
-    "HOST", "FileTooLarge", "NotRegularFile", "file_sha256", "fsync_directory", "new_temporary",
-    "read_regular", "remove_stale_temporaries", "replace", "running", "stat_signature",
+    "HOST", "FileTooLarge", "NotRegularFile", "abandoned", "file_sha256", "fsync_directory",
+    "new_temporary", "open_regular", "read_head", "read_regular", "remove_stale_temporaries",
+    "replace", "running", "stat_signature", "sweep_temporaries",
     "temporary_path", "write_atomic",
     "write_text_atomic",
 ]
@@ -83,9 +86,56 @@ def remove_stale_temporaries(path: Path) -> None:
             continue  # Gone already: its writer finished, or another cleaner was first.
         mine = match["host"] == HOST
         if idle > STALE_AFTER_SECONDS or (mine and not running(int(match["pid"]))):
-            # Another cleaner may be first, or it is not a file after all: leave it.
+            # Another cleaner may be first: leave it. A staged directory goes whole.
             with contextlib.suppress(OSError):
+                if entry.is_dir(follow_symlinks=False):
+                    shutil.rmtree(entry.path)
+                else:
+                    os.unlink(entry.path)
+
+
+# Any temporary this module names (``temporary_path``), whatever it was written for: a
+# hidden file, or a hidden directory (a case staged whole, ``case.write``).
+_ANY_TEMPORARY = re.compile(r"\.(?P<name>.+)\.(?P<host>[0-9a-f]{8})\.(?P<pid>[0-9]+)"
+                            r"\.[0-9a-f]{8}\.tmp")
+
+
+def abandoned(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a temporary (``temporary_path``) whose writer is gone: on this
+    host and no longer running, or idle for ``STALE_AFTER_SECONDS``."""
+    match = _ANY_TEMPORARY.fullmatch(entry.name)
+    if match is None:
+        return False
+    try:
+        idle = time.time() - entry.stat(follow_symlinks=False).st_mtime
+    except OSError:
+        return False
+    return idle > STALE_AFTER_SECONDS or (match["host"] == HOST
+                                          and not running(int(match["pid"])))
+
+
+def sweep_temporaries(folder: Path) -> list[str]:
+    """Remove every temporary in ``folder`` (files and staged directories) whose writer is
+    gone: on this host and no longer running, or idle for ``STALE_AFTER_SECONDS``. A writer
+    killed midway (a capture's staging folder, a store file's partial bytes) leaves them
+    hidden forever otherwise. Returns the names removed."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            if not abandoned(entry):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
                 os.unlink(entry.path)
+        except OSError:
+            continue  # gone already, or another cleaner's: leave it
+        removed.append(entry.name)
+    return removed
 
 
 def running(pid: int) -> bool:
@@ -178,16 +228,9 @@ class FileTooLarge(OSError):
         self.size = size
 
 
-def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) -> bytes:
-    """The bytes of a regular file of at most ``limit`` bytes: for files anyone may have
-    written (a report from another job, a cache entry).
-
-    The file is opened without blocking (a FIFO put in its place cannot hang the reader),
-    and its kind and size are checked on the open file before it is read; a file that
-    grows while it is read is cut off at ``limit`` and refused. Raises ``NotRegularFile``,
-    ``FileTooLarge``, and ``OSError`` as ``os.open`` does (``ELOOP``: a link, where
-    ``follow_symlinks`` is false).
-    """
+def _open_checked(path: Path | str, follow_symlinks: bool) -> tuple[int, os.stat_result]:
+    """A descriptor of ``path`` opened without blocking (a FIFO put in its place cannot hang
+    the reader), and the open file's ``fstat``, refused unless it is a regular file."""
     flags = (os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOCTTY", 0)
              | getattr(os, "O_CLOEXEC", 0) | getattr(os, "O_BINARY", 0))
     if not follow_symlinks:
@@ -197,20 +240,68 @@ def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) 
         found = os.fstat(fd)
         if not stat.S_ISREG(found.st_mode):
             raise NotRegularFile(path, file_kind(found.st_mode))
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd, found
+
+
+def open_regular(path: Path | str) -> BinaryIO:
+    """``path`` opened for reading as ``read_regular`` opens it (no blocking, a regular file
+    checked on the open file): for a reader that bounds what it reads itself (a payload's
+    header from its length field, a hash in chunks)."""
+    fd, _ = _open_checked(path, True)
+    return open(fd, "rb")
+
+
+def read_regular(path: Path | str, limit: int, *, follow_symlinks: bool = True) -> bytes:
+    """The bytes of a regular file of at most ``limit`` bytes: the one reader of files anyone
+    may have written (a case's files, a report from another job, a cache entry).
+
+    The file is opened without blocking (a FIFO put in its place cannot hang the reader),
+    and its kind and size are checked on the open file before it is read; a file that
+    grows while it is read is cut off at ``limit`` and refused. The first read asks for
+    the size ``fstat`` gave and one byte more (a bigger buffer is allocated whole, per
+    file, at scale). Raises ``NotRegularFile``, ``FileTooLarge``, and ``OSError`` as
+    ``os.open`` does (``ELOOP``: a link, where ``follow_symlinks`` is false).
+    """
+    fd, found = _open_checked(path, follow_symlinks)
+    try:
         if found.st_size > limit:
             raise FileTooLarge(path, found.st_size, limit)
-        chunks, size = [], 0
+        chunks, size, step = [], 0, found.st_size + 1
         while size <= limit:
-            chunk = os.read(fd, min(1 << 20, limit + 1 - size))
+            asked = min(step, 1 << 20, limit + 1 - size)
+            chunk = os.read(fd, asked)
+            chunks.append(chunk)
+            size += len(chunk)
+            if len(chunk) < asked:
+                break  # a regular file reads short only at its end
+            step = 1 << 20
+    finally:
+        os.close(fd)
+    if size > limit:
+        raise FileTooLarge(path, size, limit)
+    return b"".join(chunks)
+
+
+def read_head(path: Path | str, limit: int) -> tuple[bytes, os.stat_result]:
+    """The first ``limit`` bytes (at most) of a regular file and its ``fstat``, taken on the
+    open file: for a file whose head says how much of it to trust (a store file's header).
+    Opened as ``read_regular`` opens (no blocking, no link followed); raises
+    ``NotRegularFile`` and ``OSError`` as it does."""
+    fd, found = _open_checked(path, False)
+    try:
+        chunks, size = [], 0
+        while size < limit:
+            chunk = os.read(fd, min(limit - size, max(found.st_size - size + 1, 1), 1 << 20))
             if not chunk:
                 break
             chunks.append(chunk)
             size += len(chunk)
     finally:
         os.close(fd)
-    if size > limit:
-        raise FileTooLarge(path, size, limit)
-    return b"".join(chunks)
+    return b"".join(chunks), found
 
 
 def stat_signature(found: os.stat_result) -> tuple[int, int, int, int, int]:
@@ -221,9 +312,10 @@ def stat_signature(found: os.stat_result) -> tuple[int, int, int, int, int]:
 
 
 def file_sha256(path: Path) -> str:
-    """``sha256:<hex>`` of a file's bytes, read in chunks."""
+    """``sha256:<hex>`` of a regular file's bytes, read in chunks (opened as
+    ``open_regular`` opens: a FIFO in its place is refused, not waited on)."""
     digest = hashlib.sha256()
-    with open(path, "rb") as handle:
+    with open_regular(path) as handle:
         while chunk := handle.read(2**22):
             digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"

@@ -57,12 +57,25 @@ def named_tensors(value: object, prefix: str = "",
 
 
 def nbytes(tensor: torch.Tensor) -> int:
-    """Bytes of storage the view reaches: what a copy to the host moves."""
+    """Bytes of storage the view reaches: what a copy to the host moves (a sparse tensor's:
+    its indices' and values')."""
+    layout = str(tensor.layout)
+    if layout == "torch.sparse_coo":
+        return nbytes(tensor._indices()) + nbytes(tensor._values())
+    if layout in ("torch.sparse_csr", "torch.sparse_csc", "torch.sparse_bsr", "torch.sparse_bsc"):
+        return sum(nbytes(part) for part in (*_compressed(tensor), tensor.values()))
     if tensor.numel() == 0:
         return 0
     pairs = zip(tensor.shape, tensor.stride(), strict=True)
     span = 1 + sum((int(size) - 1) * int(step) for size, step in pairs)
     return (int(tensor.storage_offset()) + span) * tensor.element_size()
+
+
+def _compressed(tensor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The two index tensors of a compressed sparse tensor (rows or columns first)."""
+    if str(tensor.layout) in ("torch.sparse_csr", "torch.sparse_bsr"):
+        return tensor.crow_indices(), tensor.col_indices()
+    return tensor.ccol_indices(), tensor.row_indices()
 
 
 def tensor_versions(tensors: Iterable[torch.Tensor]) -> dict[int, int]:

@@ -21,7 +21,7 @@ import collections
 import json
 import math
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -95,16 +95,7 @@ def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
     )
 
     if isinstance(value, torch.Tensor):
-        if value.is_nested or value.layout != torch.strided:
-            raise Unstorable(f"{where}: a {str(value.layout).removeprefix('torch.')}"
-                             f"{' nested' if value.is_nested else ''} tensor cannot be stored "
-                             "in a golden; return its dense values or its list of tensors")
-        if value.dtype in (torch.complex64, torch.complex128):
-            # safetensors holds no complex dtype: its real and imaginary parts, last axis.
-            tensors[where] = torch.view_as_real(value.detach().resolve_conj())
-            return {"complex_tensor": where}
-        tensors[where] = value.detach()
-        return {"tensor": where}
+        return _encode_tensor(value, where, tensors)
     if isinstance(value, Mapping):
         return {"dict": [[_encode_key(key, f"{where}: the dict key {key!r}"),
                           _encode(item, f"{where}[{key!r}]", tensors)]
@@ -118,6 +109,28 @@ def _encode(value: Any, where: str, tensors: dict[str, Any]) -> Any:
     if type(value) in (set, frozenset):  # compared with ==, which a subclass may redefine
         return {type(value).__name__: [_encode_key(item, f"{where}: the element {item!r}")
                                        for item in value]}
+    return _encode_plain(value, where)
+
+
+def _encode_tensor(value: Any, where: str, tensors: dict[str, Any]) -> dict[str, str]:
+    import torch
+
+    if value.is_nested or value.layout != torch.strided:
+        raise Unstorable(f"{where}: a {str(value.layout).removeprefix('torch.')}"
+                         f"{' nested' if value.is_nested else ''} tensor cannot be stored "
+                         "in a golden; return its dense values or its list of tensors")
+    if value.dtype in (torch.complex64, torch.complex128):
+        # safetensors holds no complex dtype: its real and imaginary parts, last axis.
+        tensors[where] = torch.view_as_real(value.detach().resolve_conj())
+        return {"complex_tensor": where}
+    tensors[where] = value.detach()
+    return {"tensor": where}
+
+
+def _encode_plain(value: Any, where: str) -> dict[str, Any]:
+    """A value that holds no other: a number, a string, bytes, None, a dtype, a device."""
+    import torch
+
     if type(value) is bytes:
         return {"bytes": value.hex()}
     if isinstance(value, float) and not math.isfinite(value):
@@ -195,52 +208,65 @@ def _decode(node: Mapping[str, Any], tensors: Mapping[str, Any]) -> Any:
         return torch.view_as_complex(tensors[body].contiguous())
     if kind == "dict":
         return {_decode_key(key): _decode(item, tensors) for key, item in body}
-    if kind == "list":
-        return [_decode(item, tensors) for item in body]
-    if kind == "tuple":
-        return tuple(_decode(item, tensors) for item in body)
+    if kind in ("list", "tuple"):
+        items = [_decode(item, tensors) for item in body]
+        return items if kind == "list" else tuple(items)
     if kind == "namedtuple":
-        if not (isinstance(body, Mapping) and isinstance(body.get("module"), str)
-                and isinstance(body.get("qualname"), str)
-                and isinstance(body.get("fields"), list) and isinstance(body.get("items"), list)):
-            raise ValueError("a named tuple node needs the strings module and qualname and "
-                             "the lists fields and items")
-        fields = tuple(str(field) for field in body["fields"])
-        cls: Any = _named_tuple_class(body["module"], body["qualname"], fields)
-        if cls is None:
-            # Not loaded, or its fields changed: a stand-in of the same name and fields,
-            # whose name says so where the comparison reports the type.
-            name = body["qualname"].rpartition(".")[2]
-            make: Any = collections.namedtuple  # a name known only at run time
-            cls = make(name if name.isidentifier() else "NamedTuple", fields, rename=True,
-                       module=body["module"])
-            cls.__qualname__ = f"{body['module']}.{body['qualname']} (as the golden recorded it)"
-        return cls(*(_decode(item, tensors) for item in body["items"]))
+        return _decode_named_tuple(body, tensors)
     if kind in ("set", "frozenset"):
         return (set if kind == "set" else frozenset)(_decode_key(item) for item in body)
-    if kind == "bytes":
-        return bytes.fromhex(body)
-    if kind == "float":
-        return float(body)
-    if kind == "complex":
-        return complex(*body)
-    if kind == "value":
-        return body
-    if kind == "dtype":
-        import torch
+    leaf = _LEAVES.get(kind)
+    if leaf is None:
+        raise ValueError(f"unknown node kind {kind!r}")
+    return leaf(body)
 
-        dtype = vars(torch).get(str(body))  # never torch's __getattr__: it imports
-        if not isinstance(dtype, torch.dtype):
-            raise ValueError(f"{body!r} is no torch dtype")
-        return dtype
-    if kind == "device":
-        import torch
 
-        try:
-            return torch.device(str(body))
-        except RuntimeError as exc:  # "Invalid device string": the file is malformed
-            raise ValueError(f"{body!r} is no torch device: {exc}") from None
-    raise ValueError(f"unknown node kind {kind!r}")
+def _decode_named_tuple(body: Any, tensors: Mapping[str, Any]) -> Any:
+    if not (isinstance(body, Mapping) and isinstance(body.get("module"), str)
+            and isinstance(body.get("qualname"), str)
+            and isinstance(body.get("fields"), list) and isinstance(body.get("items"), list)):
+        raise ValueError("a named tuple node needs the strings module and qualname and "
+                         "the lists fields and items")
+    fields = tuple(str(field) for field in body["fields"])
+    cls: Any = _named_tuple_class(body["module"], body["qualname"], fields)
+    if cls is None:
+        # Not loaded, or its fields changed: a stand-in of the same name and fields,
+        # whose name says so where the comparison reports the type.
+        name = body["qualname"].rpartition(".")[2]
+        make: Any = collections.namedtuple  # a name known only at run time
+        cls = make(name if name.isidentifier() else "NamedTuple", fields, rename=True,
+                   module=body["module"])
+        cls.__qualname__ = f"{body['module']}.{body['qualname']} (as the golden recorded it)"
+    return cls(*(_decode(item, tensors) for item in body["items"]))
+
+
+def _dtype_of(body: Any) -> Any:
+    import torch
+
+    dtype = vars(torch).get(str(body))  # never torch's __getattr__: it imports
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"{body!r} is no torch dtype")
+    return dtype
+
+
+def _device_of(body: Any) -> Any:
+    import torch
+
+    try:
+        return torch.device(str(body))
+    except RuntimeError as exc:  # "Invalid device string": the file is malformed
+        raise ValueError(f"{body!r} is no torch device: {exc}") from None
+
+
+# The nodes that hold one plain value, by kind: how each reads back.
+_LEAVES: Mapping[str, Callable[[Any], Any]] = {
+    "bytes": bytes.fromhex,
+    "float": float,
+    "complex": lambda body: complex(*body),
+    "value": lambda body: body,
+    "dtype": _dtype_of,
+    "device": _device_of,
+}
 
 
 def _decode_key(key: Any) -> Any:

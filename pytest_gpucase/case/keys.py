@@ -8,6 +8,7 @@ never change (``pytest_gpucase.capture`` stays importable for them).
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -25,6 +26,7 @@ __all__ = [
     "RNG_NAMES",
     "STATE_PREFIX",
     "TENSORS_KEY",
+    "checkpoint_path",
     "tensor_dicts",
 ]
 
@@ -56,3 +58,10 @@ def tensor_dicts(literals: Mapping[str, Any]) -> dict[str, Any]:
     ``gpucase_tensors`` table (dict key -> payload name), as written by capture."""
     return {name: value[TENSORS_KEY] for name, value in literals.items()
             if isinstance(value, Mapping) and TENSORS_KEY in value}
+
+
+def checkpoint_path(case_dir: Path, reference: Mapping[str, Any]) -> Path:
+    """The file a model case's ``[inputs.gpucase_module] checkpoint`` names: its ``path`` is
+    relative to the case directory (the Recorder writes it so; docs/case-format.md), and an
+    absolute one, written by an earlier version, is taken as it is."""
+    return case_dir / str(reference.get("path", ""))

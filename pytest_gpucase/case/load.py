@@ -25,14 +25,18 @@ from packaging.specifiers import InvalidSpecifier, SpecifierSet
 from packaging.version import InvalidVersion, Version
 
 from pytest_gpucase.base.backends import BACKENDS, DEVICE_TYPES
-from pytest_gpucase.base.errors import CaseFormatError, link_inside, regular_file
+from pytest_gpucase.base.errors import CaseFormatError, link_inside
+from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular
 from pytest_gpucase.case.model import (
     CASE_FILE,
     DEFAULT_TIMEOUT,
+    EXPECTED_FILE,
     FLOAT_DTYPES,
     FORMATS,
+    INPUTS_FILE,
     MAX_AXIS,
     MAX_CASE_BYTES,
+    MAX_FOLDER_ENTRIES,
     MAX_MEMORY_LIMIT_GIB,
     MAX_TIMEOUT,
     MAX_TOML_DEPTH,
@@ -40,6 +44,7 @@ from pytest_gpucase.case.model import (
     MAX_VARIANT_SIZE,
     MAX_VARIANT_VALUES,
     OUTCOMES,
+    PYTEST_FILES,
     TF32_KEYS,
     TOML_INT_BITS,
     VARIANT_KINDS,
@@ -57,7 +62,7 @@ from pytest_gpucase.case.model import (
     case_name,
 )
 
-__all__ = ["load_case"]
+__all__ = ["load_case", "read_case_file"]
 
 _TOP_KEYS = (
     "format", "summary", "call", "reference", "timeout", "memory_limit", "launch_blocking",
@@ -84,6 +89,7 @@ def load_case(path: Path) -> Case:
     """Read and validate the case directory at ``path``; raise ``CaseFormatError`` if wrong."""
     path = Path(path)
     file = path / CASE_FILE
+    _check_folder(path)
     text = _read_text(file, path)
     # Each level of nesting needs a bracket or a brace (or a dot in a key, which tomllib
     # does not recurse on): a text with fewer of them cannot nest too deep.
@@ -102,50 +108,113 @@ def load_case(path: Path) -> Case:
     return _parse(doc, path, file)
 
 
+def _check_folder(path: Path) -> None:
+    """Refuse a case folder that holds what pytest itself imports or reads (``PYTEST_FILES``)
+    or, at any depth, another case folder.
+
+    pytest imports a ``conftest.py`` (and a package's ``__init__.py``) in its own process,
+    and reads a configuration file of a folder it is given: a case's code runs only in a
+    run's child, so none of them is ever imported or read (``plugin.items``), and the case
+    is refused rather than run without them. A case below a case would never be collected:
+    refused too, naming it. Hidden folders are skipped, as collection skips them; the
+    names looked at are bounded (``MAX_FOLDER_ENTRIES``).
+    """
+    seen = 0
+    pending = [path]
+    while pending:
+        folder = pending.pop()
+        try:
+            entries = os.scandir(folder)
+        except OSError:
+            continue  # the case folder itself: reading case.toml says what is wrong
+        with entries:
+            for entry in entries:
+                seen += 1
+                if seen > MAX_FOLDER_ENTRIES:
+                    raise CaseFormatError(path / CASE_FILE, f"its folder holds over "
+                                          f"{MAX_FOLDER_ENTRIES} files and folders; a case is "
+                                          "a minimal reproduction: keep its own files only")
+                name = entry.name
+                if folder is path and name in PYTEST_FILES:
+                    raise CaseFormatError(Path(entry.path), _PYTEST_FILE_FIX[
+                        name in ("conftest.py", "__init__.py")])
+                if folder is not path and name == CASE_FILE:
+                    inner = os.path.relpath(folder, path)
+                    raise CaseFormatError(Path(entry.path), f"a case folder inside the case "
+                                          f"folder {case_name(path)}: a case does not hold "
+                                          "cases, and this one would never run; move "
+                                          f"{inner} beside {case_name(path)}")
+                with contextlib.suppress(OSError):
+                    if (not name.startswith(".") and name != "__pycache__"
+                            and entry.is_dir(follow_symlinks=False)):
+                        pending.append(Path(entry.path))
+
+
+_PYTEST_FILE_FIX = {
+    True: ("pytest would import it in its own process, and a case's code runs only in a run's "
+           "child: it is never imported; remove it (a conftest.py or a package belongs above "
+           "the cases folder)"),
+    False: ("a pytest configuration file in a case folder: pytest reads it as its own "
+            "configuration when given this folder, and it does not say where the case imports "
+            "from, so it is never read; remove it (configure pytest above the cases folder)"),
+}
+
+
 # An integer beyond 64 bits has at least 16 digits (hex), 19 decimal: a text without such a
 # run of digit characters (underscores count, TOML allows them in numbers) holds none.
 _LONG_NUMBER = re.compile(r"[0-9a-fA-F_]{16}")
 
 
-def _read_text(file: Path, case_dir: Path) -> str:
-    """The text of ``case.toml``, refused before opening when it is not a small regular file.
+def read_case_file(file: Path, limit: int, fix: str, case_dir: Path | None = None, *,
+                   too_large: str | None = None) -> bytes:
+    """The bytes of a file read from a case, within ``limit``: the one way the pytest process
+    and the tools read a case's files (every bound in the table "Bounds" of
+    docs/case-format.md), on ``base.files.read_regular``.
 
-    A symlink must stay inside the case directory; a FIFO or device would block
-    or never end, so it is refused from its ``stat``, and the size is checked
-    before anything is read.
+    With ``case_dir``, a symlink must stay inside it; a FIFO, a device or a directory is
+    refused from the open file's ``fstat`` without blocking, and the size before any byte
+    is read. ``fix`` ends the refusal (``too_large``, when given, that of a file too large).
+    Raises ``CaseFormatError``, and ``OSError`` as
+    ``os.open`` does (``FileNotFoundError`` included) for the caller to word.
     """
+    if case_dir is not None:
+        link_inside(file, case_dir)
+    try:
+        return read_regular(file, limit)
+    except NotRegularFile as exc:
+        raise CaseFormatError(file, f"is {exc.kind}, not a regular file; {fix}") from None
+    except FileTooLarge as exc:
+        raise CaseFormatError(file, f"is {exc.size} bytes, over the limit of {limit}; "
+                              f"{too_large or fix}") from None
+
+
+def _read_text(file: Path, case_dir: Path) -> str:
+    """The text of ``case.toml``, refused before reading when it is not a small regular file
+    (a symlink must stay inside the case directory)."""
     target = link_inside(file, case_dir)
     try:
-        info = regular_file(file, "replace it with the case's TOML text file")
+        data = read_case_file(file, MAX_CASE_BYTES, "replace it with the case's TOML text file",
+                              too_large="a case.toml holds settings, not data: put tensors "
+                              "in inputs.safetensors")
     except FileNotFoundError:
         if target is not None:
             raise CaseFormatError(file, f"is a symlink to {target}, which does not exist; "
                                   "replace it with the file itself") from None
+        held = [name for name in (INPUTS_FILE, EXPECTED_FILE)
+                if os.path.lexists(case_dir / name)]
+        if held:  # collected and validated as a case, not passed over in silence
+            raise CaseFormatError(file, f"missing, but the directory holds {', '.join(held)}: "
+                                  "an interrupted write or a deleted case.toml") from None
         raise CaseFormatError(file, "missing; a case directory needs a case.toml") from None
     except OSError as exc:
         raise CaseFormatError(file, f"cannot be read: {exc}") from None
-    if info.st_size > MAX_CASE_BYTES:
-        raise CaseFormatError(file, f"is {info.st_size} bytes, over the limit of "
-                              f"{MAX_CASE_BYTES}; a case.toml holds settings, not data: put "
-                              "tensors in inputs.safetensors")
-    try:
-        fd = os.open(file, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-        with open(fd, "rb") as handle:
-            # Read what the stat saw plus one byte (a bigger buffer is allocated whole, per
-            # case, at scale); only a file that grew since is read on, up to the limit.
-            data = handle.read(info.st_size + 1)
-            if len(data) > info.st_size:
-                data += handle.read(MAX_CASE_BYTES + 1 - len(data))
-    except OSError as exc:
-        raise CaseFormatError(file, f"cannot be read: {exc}") from None
-    if len(data) > MAX_CASE_BYTES:  # it grew since the stat
-        raise CaseFormatError(file, f"is over the limit of {MAX_CASE_BYTES} bytes")
     try:
         # A byte order mark (what some Windows editors write) is not TOML: left out.
         return data.decode("utf-8").removeprefix("\ufeff")
     except UnicodeDecodeError as exc:
         raise CaseFormatError(file, f"is not UTF-8 text ({exc}); save it as UTF-8, as TOML "
                               "requires") from None
+
 
 
 # What tomllib recurses on: brackets and braces outside strings and comments.

@@ -28,7 +28,10 @@ __all__ = [
     "INPUTS_FILE",
     "MAX_AXIS",
     "MAX_CASE_BYTES",
+    "MAX_CONFIG_BYTES",
+    "MAX_FOLDER_ENTRIES",
     "MAX_MEMORY_LIMIT_GIB",
+    "MAX_SOURCE_BYTES",
     "MAX_TIMEOUT",
     "MAX_TOML_DEPTH",
     "MAX_ULPS",
@@ -36,6 +39,7 @@ __all__ = [
     "MAX_VARIANT_SIZE",
     "MAX_VARIANT_VALUES",
     "OUTCOMES",
+    "PYTEST_FILES",
     "TOML_INT_BITS",
     "VARIANT_KINDS",
     "VERSION_KEYS",
@@ -50,7 +54,9 @@ __all__ = [
     "VariantTables",
     "XfailScope",
     "case_name",
+    "inside_case",
     "is_case_dir",
+    "looks_like_case",
 ]
 
 CASE_FILE = "case.toml"
@@ -63,6 +69,8 @@ DEFAULT_TIMEOUT = 120.0
 # docs/case-format.md): a case is a minimal reproduction, and a hostile one must cost a
 # collecting process nothing but a failed item.
 MAX_CASE_BYTES = 2**20             # case.toml, checked with stat before it is read
+MAX_SOURCE_BYTES = 16 * 2**20      # a case's own .py file (validate parses it, keys hash it)
+MAX_CONFIG_BYTES = 2**20           # a pytest configuration file above a case (case.project)
 MAX_TOML_DEPTH = 32                # arrays and tables inside each other (tomllib recurses)
 TOML_INT_BITS = 64                 # every integer in case.toml, as TOML itself specifies
 MAX_TIMEOUT = 7 * 24 * 3600.0      # seconds
@@ -72,6 +80,14 @@ MAX_VARIANT_SIZE = 2**20           # each batch or length size
 MAX_VARIANT_VALUES = 64            # sizes of one variant kind (each is a child process)
 MAX_VARIANT_ELEMENTS = 2**28       # elements of a variant's resized inputs, all together
 MAX_ULPS = 2**20                   # units in the last place
+MAX_FOLDER_ENTRIES = 4096          # names in a case folder and the folders below it, together
+
+# What pytest itself imports or reads from a directory it collects or is given, before or
+# without any plugin: a conftest.py and a package's __init__.py run code in the pytest
+# process, a configuration file configures pytest. A case folder holds none of them
+# (``case.load`` refuses it, and no conftest.py in a case folder is ever imported).
+PYTEST_FILES = ("conftest.py", "__init__.py", "pytest.toml", ".pytest.toml", "pytest.ini",
+                ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
 FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
 OUTCOMES = ("matches", "raises")
@@ -246,6 +262,28 @@ def is_case_dir(path: Path) -> bool:
     that cannot load, reported as such, rather than a case silently skipped.
     """
     return os.path.lexists(os.path.join(path, CASE_FILE))
+
+
+def looks_like_case(path: Path) -> bool:
+    """Whether a directory is a case (``is_case_dir``) or one that lost its ``case.toml``: it
+    holds a payload only a case holds. Both are collected and validated, the second as a
+    broken case, rather than passed over in silence."""
+    return is_case_dir(path) or any(os.path.lexists(os.path.join(path, name))
+                                    for name in (INPUTS_FILE, EXPECTED_FILE))
+
+
+def inside_case(path: Path | str) -> bool:
+    """Whether ``path`` (a file or folder) lies in a case folder: its folder or one above holds
+    a ``case.toml``. For the rare question (a conftest.py pytest is about to import); each
+    level costs one ``lstat``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    while True:
+        if is_case_dir(Path(folder)):
+            return True
+        parent = os.path.dirname(folder)
+        if parent == folder:
+            return False
+        folder = parent
 
 
 def case_name(path: Path) -> str:

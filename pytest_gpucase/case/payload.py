@@ -38,17 +38,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import CaseFormatError, link_inside, printable, regular_file
+from pytest_gpucase.base.files import NotRegularFile, open_regular, read_head, stat_signature
 from pytest_gpucase.base.files import (
     write_atomic as _write_atomic,  # a module name: tests slow it down
 )
 from pytest_gpucase.base.tensors import readable_address
+from pytest_gpucase.case import kinds
 
 if TYPE_CHECKING:
     import torch
 
 __all__ = ["DTYPES", "LAYOUT_KEY", "STORE_DIR", "STORE_FROM", "STORE_KEY", "TensorInfo",
            "content_hash", "describe", "encode", "load", "load_small", "read_header", "readable",
-           "save", "store_files", "to_device"]
+           "save", "store_files", "store_info", "to_device", "unstorable"]
 
 LAYOUT_KEY = "gpucase.layout"
 # Tensors a payload names in the store of its capture folder instead of holding them: the
@@ -64,7 +66,9 @@ _HEX = re.compile(r"[0-9a-f]{64}")
 # storage_offset, stored_from, and stored_from plus the stored elements (the zeros before
 # the stored run are allocated, not read from the file).
 MAX_ELEMENTS = 2**34
-MAX_HEADER_BYTES = 100 * 2**20
+# A header is parsed whole, in the collecting process, at about nine times its size in
+# memory: 16 MiB holds some 100,000 tensors' entries.
+MAX_HEADER_BYTES = 16 * 2**20
 # The zeros allocated before a stored run (``stored_from`` elements) cost memory but hold
 # nothing from the file: a 220-byte payload must not make a child allocate gigabytes.
 MAX_PADDING_BYTES = 2**30
@@ -156,6 +160,7 @@ def save(path: Path, tensors: Mapping[str, torch.Tensor],
     """
     header_meta = dict(metadata or {})
     header_meta.pop(STORE_KEY, None)
+    tensors = _split_kinds(tensors, header_meta)
     if store:
         kept: dict[str, torch.Tensor] = {}
         stored: dict[str, str] = {}
@@ -176,7 +181,72 @@ def encode(tensors: Mapping[str, torch.Tensor],
            metadata: Mapping[str, str] | None = None) -> list[bytes | memoryview]:
     """The bytes ``save`` writes (without a store), in order, for a caller that wraps them
     and writes them itself; each view keeps the tensor it reads alive."""
-    return _serialized(tensors, dict(metadata or {}))[0]
+    header_meta = dict(metadata or {})
+    return _serialized(_split_kinds(tensors, header_meta), header_meta)[0]
+
+
+def unstorable(tensor: Any) -> str | None:
+    """Why a payload cannot hold ``tensor`` exactly (what it is, in words), or None when it
+    can: as it is, or as the parts of its kind (``case.kinds``)."""
+    return kinds.unstorable(tensor, {name for name, _ in DTYPES.values()})
+
+
+def _split_kinds(tensors: Mapping[str, torch.Tensor],
+                 header_meta: dict[str, str]) -> Mapping[str, torch.Tensor]:
+    """``tensors`` with the kinds safetensors cannot hold as they are (complex128, sparse,
+    quantized: ``case.kinds``) as their plain parts, said in ``header_meta``."""
+    header_meta.pop(kinds.KINDS_KEY, None)
+    plain, found = kinds.split(tensors)
+    if found:
+        header_meta[kinds.KINDS_KEY] = json.dumps(found, sort_keys=True)
+    return plain
+
+
+def _join_kinds(path: Path, tensors: dict[str, torch.Tensor],
+                metadata: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """The tensors of a payload with the parts of each kind joined again (``case.kinds``)."""
+    if kinds.KINDS_KEY not in metadata:
+        return tensors
+    try:
+        return kinds.join(tensors, metadata[kinds.KINDS_KEY])
+    except ValueError as exc:
+        raise CaseFormatError(path, f"{exc}; {_RESAVE}") from None
+
+
+def _described_kinds(infos: list[TensorInfo], metadata: Mapping[str, str]) -> list[TensorInfo]:
+    """One entry per tensor held as parts (``case.kinds``), named as it was saved: its first
+    part's dtype and its own shape; the parts themselves are not inputs a call takes."""
+    if kinds.KINDS_KEY not in metadata:
+        return infos
+    try:
+        table = json.loads(metadata[kinds.KINDS_KEY])
+    except (ValueError, RecursionError):
+        return infos
+    if not isinstance(table, dict):
+        return infos
+    by_name = {info.name: info for info in infos}
+
+    def main(name: str) -> TensorInfo | None:  # the part that holds the values
+        for part in ("values", "real", "int_repr"):
+            key = f"{name}{kinds.PART}{part}"
+            if key in by_name:
+                return by_name[key]
+            if key in table:
+                return main(key)
+        return None
+
+    kept = [info for info in infos if kinds.PART not in info.name]
+    for name, described in table.items():
+        values = main(name)
+        if kinds.PART in name or values is None or not isinstance(described, dict):
+            continue
+        shape = described.get("size")
+        if not isinstance(shape, list):
+            shape = list(values.shape[:-1] if described.get("kind") == "complex"
+                         else values.shape)
+        shape_t = tuple(int(n) for n in shape)
+        kept.append(TensorInfo(name, values.dtype, shape_t, _contiguous_stride(shape_t), 0))
+    return kept
 
 
 def _reach_bytes(tensor: Any) -> int:
@@ -414,9 +484,9 @@ def read_header(path: Path, data: bytes | None = None) -> tuple[dict[str, Any], 
 
 
 def _open_regular(path: Path) -> Any:
-    """Open for reading without blocking, should a FIFO replace the file after its ``stat``."""
-    return open(os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
-                        | getattr(os, "O_BINARY", 0)), "rb")
+    """Open for reading without blocking, refused unless the open file is a regular file
+    (should a FIFO replace the file after its ``stat``): ``base.files.open_regular``."""
+    return open_regular(path)
 
 
 def _not_safetensors(path: Path, start: bytes, problem: str) -> CaseFormatError:
@@ -461,16 +531,73 @@ def _check_entry(path: Path, name: str, entry: Any, data_size: int) -> None:
 
 def describe(path: Path) -> list[TensorInfo]:
     """List the tensors of a payload with their saved layout, reading only its header (and
-    the headers of the store files it names)."""
+    the headers of the store files it names, each once: ``store_info``)."""
     header, metadata = read_header(path)
     infos = _infos(path, header, metadata)
     for name, blob in store_files(path, metadata).items():
-        blob_header, blob_metadata = read_header(blob)
-        found = [i for i in _infos(blob, blob_header, blob_metadata) if i.name == STORED_NAME]
-        if not found:
-            raise CaseFormatError(blob, f"holds no tensor '{STORED_NAME}': not a store file")
-        infos.append(dataclasses.replace(found[0], name=name))
-    return infos
+        infos.append(dataclasses.replace(store_info(blob), name=name))
+    return _described_kinds(infos, metadata)
+
+
+# A store file's header names one tensor and at most its layout: a few hundred bytes.
+MAX_STORE_HEADER_BYTES = 2**16
+# Each store file as last checked, under what ``os.stat`` said of it then: a capture's
+# cases share store files, and collection asks for each name (``store_info``).
+_STORE_CHECKED: dict[str, tuple[tuple[int, int, int, int, int], TensorInfo]] = {}
+_NOT_STORE = "not a store file; capture the case again"
+
+
+def store_info(blob: Path) -> TensorInfo:
+    """The one tensor of a store file, checked as a store file before any use: a regular
+    file (no link; ``store_files`` found it in the store), a header within
+    ``MAX_STORE_HEADER_BYTES`` holding exactly the tensor ``STORED_NAME`` and no store
+    reference (its metadata names its layout at most), and a size of exactly its header and
+    that tensor's data (trailing bytes would be hashed and never used). Read once per file
+    and version (its ``stat`` signature) in a process."""
+    try:
+        signature = stat_signature(os.stat(blob, follow_symlinks=False))
+    except OSError as exc:
+        raise CaseFormatError(blob, f"cannot be read: {exc}") from None
+    checked = _STORE_CHECKED.get(str(blob))
+    if checked is not None and checked[0] == signature:
+        return checked[1]
+    try:
+        head, found = read_head(blob, 8 + MAX_STORE_HEADER_BYTES)
+    except NotRegularFile as exc:
+        raise CaseFormatError(blob, f"is {exc.kind}, not a regular file; {_NOT_STORE}") from None
+    except OSError as exc:
+        raise CaseFormatError(blob, f"cannot be read: {exc}") from None
+    length = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if not 0 <= length <= MAX_STORE_HEADER_BYTES:
+        raise CaseFormatError(blob, f"header of {length} bytes is not within the "
+                              f"{MAX_STORE_HEADER_BYTES} a store file's holds; {_NOT_STORE}")
+    if len(head) < 8 + length:
+        raise CaseFormatError(blob, f"is {found.st_size} bytes, shorter than its header "
+                              f"declares; {_NOT_STORE}")
+    try:
+        header = json.loads(head[8:8 + length])
+    except (ValueError, RecursionError) as exc:
+        raise CaseFormatError(blob, f"header is not JSON ({exc}); {_NOT_STORE}") from None
+    if not isinstance(header, dict):
+        raise CaseFormatError(blob, f"header is not a JSON object; {_NOT_STORE}")
+    metadata = header.pop("__metadata__", None) or {}
+    if (not isinstance(metadata, dict) or set(header) != {STORED_NAME}
+            or not set(metadata) <= {LAYOUT_KEY}
+            or not all(isinstance(value, str) for value in metadata.values())):
+        held = ", ".join(sorted(map(str, header))[:5]) or "no tensor"
+        keys = ", ".join(sorted(map(str, metadata))[:5]) if isinstance(metadata, dict) else "?"
+        raise CaseFormatError(blob, f"holds {held} (metadata: {keys or 'none'}): a store file "
+                              f"holds exactly one tensor '{STORED_NAME}' and no store "
+                              f"reference; {_NOT_STORE}")
+    data_size = found.st_size - 8 - length
+    _check_entry(blob, STORED_NAME, header[STORED_NAME], data_size)
+    if header[STORED_NAME]["data_offsets"] != [0, data_size]:
+        raise CaseFormatError(blob, f"is {found.st_size} bytes, not the {8 + length} of its "
+                              f"header and the {header[STORED_NAME]['data_offsets'][1]} of its "
+                              f"tensor; {_NOT_STORE}")
+    [info] = _infos(blob, header, metadata)
+    _STORE_CHECKED[str(blob)] = (signature, info)
+    return info
 
 
 def store_files(path: Path, metadata: Mapping[str, str] | None = None) -> dict[str, Path]:
@@ -504,7 +631,9 @@ def store_files(path: Path, metadata: Mapping[str, str] | None = None) -> dict[s
 
 
 def _stored_tensor(name: str, blob: Path) -> torch.Tensor:
-    """The tensor of a store file, after its content is checked against its name."""
+    """The tensor of a store file, after it is checked as one (``store_info``) and its
+    content against its name."""
+    store_info(blob)  # before the hash: a file of holes is refused, not hashed
     digest = content_hash(blob)
     if digest != f"sha256:{blob.stem}":
         raise CaseFormatError(blob, f"content hash {digest} differs from the file's name: the "
@@ -613,10 +742,16 @@ def load(path: Path, device: str = "cpu", data: bytes | None = None) -> dict[str
                                                        info.storage_offset)
     except (SafetensorError, OSError, RuntimeError) as exc:
         raise CaseFormatError(path, f"cannot load tensors: {exc}") from None
+    loaded: dict[Path, torch.Tensor] = {}
     for name, blob in store_files(path, metadata).items():
-        tensors[name] = _stored_tensor(name, blob)
+        if blob in loaded:  # a tensor saved under two names: one file, read once
+            tensors[name] = loaded[blob].clone()
+            continue
+        tensors[name] = loaded[blob] = _stored_tensor(name, blob)
+    tensors = _join_kinds(path, tensors, metadata)
     if device != "cpu":
-        tensors = {name: to_device(t, device) for name, t in tensors.items()}
+        tensors = {name: to_device(t, device) if t.layout == torch.strided and not t.is_quantized
+                   else t.to(device) for name, t in tensors.items()}
     return tensors
 
 

@@ -8,9 +8,10 @@ in pytest's order (``pytest.toml``, ``.pytest.toml``, ``pytest.ini``,
 ``.pytest.ini``, ``pyproject.toml`` with ``[tool.pytest]`` or
 ``[tool.pytest.ini_options]``, ``tox.ini`` with ``[pytest]``, ``setup.cfg`` with
 ``[tool:pytest]``), else the nearest ``pyproject.toml`` as pytest falls back
-to. Its ``pythonpath`` entries (relative to the file) come first, then the
-rootdir itself, which pytest's rootdir ``conftest.py`` and ``prepend`` import
-mode make importable.
+to. A case folder's own files are never read (``case.load`` refuses them), and those
+above are read within ``MAX_CONFIG_BYTES``. Its ``pythonpath`` entries (relative to
+the file) come first, then the rootdir itself, which pytest's rootdir ``conftest.py``
+and ``prepend`` import mode make importable.
 
 Nothing here is written into a case: the paths are found again, from wherever
 the case lies, each time it runs. pytest's own finder is private (its
@@ -29,7 +30,8 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from pytest_gpucase.base.files import stat_signature
+from pytest_gpucase.base.files import read_regular, stat_signature
+from pytest_gpucase.case.model import MAX_CONFIG_BYTES, is_case_dir
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,8 +43,13 @@ __all__ = ["import_paths", "importable", "prepend"]
 _MISSING = object()
 
 
+def _text(path: Path) -> str:
+    """A configuration file's text, read within its bound (``MAX_CONFIG_BYTES``)."""
+    return read_regular(path, MAX_CONFIG_BYTES).decode("utf-8")
+
+
 def _toml(path: Path) -> dict[str, Any]:
-    return tomllib.loads(path.read_text(encoding="utf-8"))
+    return tomllib.loads(_text(path))
 
 
 def _pytest_table(path: Path) -> Any:
@@ -64,7 +71,7 @@ def _ini(section: str, always: bool = False) -> Callable[[Path], Any]:
         import iniconfig
 
         try:
-            config = iniconfig.IniConfig(str(path))
+            config = iniconfig.IniConfig(str(path), _text(path))
         except iniconfig.ParseError as exc:
             raise ValueError(str(exc)) from exc
         if section in config:
@@ -96,6 +103,8 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
     """The rootdir pytest would find for ``start`` and its configuration, or None."""
     fallback: Path | None = None
     for base in (start, *start.parents):
+        if is_case_dir(base):
+            continue  # a case folder configures nothing (case.load refuses such files)
         for name, load in _LOADERS.items():
             file = os.path.join(base, name)
             try:
@@ -113,7 +122,7 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
             else:
                 try:
                     table = load(Path(file))
-                except (OSError, ValueError):   # an ini's ParseError too
+                except (OSError, ValueError, RecursionError):   # an ini's ParseError too
                     continue  # pytest itself will name the broken file when it runs
                 _READ[file] = (signature, table)
             if isinstance(table, dict):

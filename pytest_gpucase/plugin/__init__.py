@@ -30,6 +30,9 @@ from pytest_gpucase.plugin.items import (
     CaseDirectory,
     CaseItem,
     _OwnIsolation,
+    ignored_case,
+    refuse_case_configuration,
+    refuse_case_conftests,
     run_markers,
     share_conftests,
 )
@@ -48,7 +51,16 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     add_options(parser)
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
+    # Before pytest imports the conftests of the folders it is given: none in a case folder;
+    # and before it applies a configuration file's pythonpath: none of a case folder's.
+    refuse_case_conftests(early_config.pluginmanager)
+    refuse_case_configuration(early_config)
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    refuse_case_conftests(config.pluginmanager)  # a plugin registered after the early hooks
     state = GpuCaseSession(config, Settings.read(config))
     config.stash[session_key] = state
     if unmet := unmet_requirement(state.settings.gpu_require):   # --gpu-require
@@ -181,12 +193,21 @@ def pytest_report_header(config: pytest.Config) -> str | None:
 def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     if not parent.config.stash[session_key].enabled or path.name.startswith("."):
         return None  # hidden: a recorder's unfinished write, never a case
-    from pytest_gpucase.case.model import is_case_dir
+    from pytest_gpucase.case.model import looks_like_case
 
-    if is_case_dir(path):
+    if looks_like_case(path):  # one that lost its case.toml too: a broken case, not silence
         share_conftests(path, parent)
         return CaseDirectory.from_parent(parent, path=path)
     return None
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Any:
+    ignored = yield
+    if (ignored and config.stash[session_key].enabled
+            and not collection_path.name.startswith(".")):
+        ignored_case(collection_path, config)
+    return ignored
 
 
 def _report_folder(path: Path | None) -> None:

@@ -11,7 +11,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import functools
-import os
+import types
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -30,8 +30,16 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.parent import Verdict
 
 __all__ = [
-    "BrokenCaseItem", "CaseDirectory", "CaseItem", "is_known_failure", "run_markers",
-    "share_conftests", "skip_here",
+    "BrokenCaseItem",
+    "CaseDirectory",
+    "CaseItem",
+    "ignored_case",
+    "is_known_failure",
+    "refuse_case_configuration",
+    "refuse_case_conftests",
+    "run_markers",
+    "share_conftests",
+    "skip_here",
 ]
 
 
@@ -68,22 +76,85 @@ class CaseDirectory(pytest.Directory):
 
 
 def share_conftests(path: Path, parent: pytest.Collector) -> None:
-    """Give a case directory without a ``conftest.py`` its parent's conftest modules.
+    """Give a case directory its parent's conftest modules, and never its own.
 
     pytest looks for ``conftest.py`` in every directory it collects, walking up from
-    it to the root: a dozen ``stat`` calls and path comparisons per case, an eighth
-    of collecting thousands of cases. A case directory that holds no ``conftest.py``
-    has exactly its parent's list (pytest builds a directory's list from its
-    parent's), so it is filled in from there. Only when pytest keeps the table this
-    relies on (a private one, checked here) and has the parent's entry; otherwise,
-    and for a case directory with its own conftest, pytest does its usual search.
+    it to the root, and imports what it finds: in a case folder, that would run a case's
+    code in the pytest process (``case.load`` refuses such a case instead). A case
+    directory's list is its parent's (pytest builds a directory's list from its
+    parent's), so it is filled in from there, which also saves a dozen ``stat`` calls
+    per case. Only when pytest keeps the table this relies on (a private one, checked
+    here) and has the parent's entry; otherwise pytest searches, and
+    ``refuse_case_conftests`` keeps it from importing a case folder's conftest.py.
     """
     known = getattr(parent.config.pluginmanager, "_dirpath2confmods", None)
     if (not isinstance(known, dict) or path in known or parent.path != path.parent
             or not isinstance(inherited := known.get(parent.path), list)):
         return
-    if not os.path.lexists(path / "conftest.py"):
-        known[path] = list(inherited)
+    known[path] = list(inherited)
+
+
+def refuse_case_conftests(pluginmanager: pytest.PytestPluginManager) -> None:
+    """Make pytest skip every ``conftest.py`` that lies in a case folder, whatever asks for it.
+
+    pytest imports conftests of the folders on its command line before collection starts
+    (and of their ``test*`` subfolders), and of each folder it collects: all through
+    one private method, wrapped here so that a conftest.py in a case folder is never
+    imported (its case fails to load instead, naming it). Where pytest has no such method
+    (a later pytest), ``share_conftests`` still covers the folders collected.
+    """
+    original = getattr(pluginmanager, "_importconftest", None)
+    if original is None or getattr(original, "gpucase_refuses_cases", False):
+        return
+    from pytest_gpucase.case.model import inside_case
+
+    def _importconftest(conftestpath: Path, *args: Any, **kwargs: Any) -> Any:
+        if inside_case(conftestpath):
+            return _REFUSED  # an empty module: nothing of the file is read or run
+        return original(conftestpath, *args, **kwargs)
+
+    _importconftest.gpucase_refuses_cases = True  # type: ignore[attr-defined]
+    pluginmanager._importconftest = _importconftest  # type: ignore[method-assign]
+
+
+def refuse_case_configuration(config: pytest.Config) -> None:
+    """Stop the session when pytest took its configuration file from a case folder (it was
+    given that folder, or a path in it): a case's file would set the session's options and
+    its ``pythonpath``. pytest reads the file before any plugin loads; this runs before it
+    applies ``pythonpath`` or imports a conftest."""
+    inipath = getattr(config, "inipath", None)
+    if inipath is None:
+        return
+    from pytest_gpucase.case.model import inside_case
+
+    if inside_case(inipath):
+        raise pytest.UsageError(
+            f"{display_posix(inipath)}: pytest took its configuration from a file inside a case "
+            "folder, which a case may not hold (docs/case-format.md); run pytest on the "
+            "folder of cases (pytest --gpu-cases cases), or give the project's file with -c")
+
+
+def ignored_case(path: Path, config: pytest.Config) -> None:
+    """Say so when pytest ignores a case folder (``--ignore``, ``collect_ignore``, or a
+    ``norecursedirs`` pattern such as ``build`` or ``dist`` matching its name): a case is
+    never passed over in silence (``gpucase validate`` checks it all the same)."""
+    from pytest_gpucase.case.model import looks_like_case
+
+    if not looks_like_case(path):
+        return
+    import fnmatch
+
+    matched = [pattern for pattern in config.getini("norecursedirs")
+               if fnmatch.fnmatch(path.name, pattern)]
+    why = (f"its name matches norecursedirs {matched[0]!r}; rename it or set norecursedirs"
+           if matched else "pytest ignores it (--ignore, --ignore-glob, collect_ignore, or "
+           "a virtual environment's folder)")
+    config.stash[session_key].notes.append(
+        f"case folder {display_posix(path)} not collected: {why}")
+
+
+_REFUSED = types.ModuleType("gpucase_refused_conftest",
+                            "A case folder's conftest.py, never imported (plugin.items).")
 
 
 class CaseFile(pytest.File):
@@ -413,7 +484,20 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
     if (spec is not None and not outcome.broken_case and not known
             and xfail_reason(spec) is not None):
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
+    if spec is not None:
+        text += _incomplete_text(spec.case)
     return terminal_safe(text)   # the child's words must not drive the terminal
+
+
+def _incomplete_text(case: Case) -> str:
+    """What the Recorder could not save of the case (``[origin] incomplete``), said by its
+    item: the failure above is the missing part's, not a verdict on the code."""
+    reasons = case.origin.get("incomplete")
+    if not isinstance(reasons, list) or not reasons:
+        return ""
+    listed = "".join(f"\n  - {str(reason)[:2000]}" for reason in reasons[:10])
+    return ("\n\nThis case is INCOMPLETE ([origin] incomplete): it cannot replay its "
+            f"failure as captured until what is missing is added:{listed}")
 
 
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:

@@ -35,6 +35,7 @@ from pytest_gpucase.case.keys import (
     REPLAY_ENV,
     REPLAY_FUNCTION,
     REPLAY_MODULE,
+    checkpoint_path,
     tensor_dicts,
 )
 from pytest_gpucase.case.model import Case, Expectation
@@ -243,7 +244,7 @@ def _checkpoint_state(case: Case, reference: Mapping[str, Any]) -> dict[str, tor
     from pytest_gpucase.run.replay import load_checkpoint
 
     key = f"[inputs] {MODULE_KEY}.checkpoint"
-    path = Path(str(reference.get("path", "")))
+    path = checkpoint_path(case.path, reference)
     if not path.is_file():
         raise CaseFormatError(case.case_file, f"names {path}, which is not a file here: the "
                               "model's state lives in that checkpoint; make it reachable at "

@@ -84,6 +84,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import display
+from pytest_gpucase.case.model import MAX_CASE_BYTES, MAX_SOURCE_BYTES
 from pytest_gpucase.base.files import (
     FileTooLarge,
     NotRegularFile,
@@ -183,8 +184,19 @@ def _source_of(func: Callable[..., Any]) -> bytes:
     with contextlib.suppress(TypeError, OSError):
         source = inspect.getsourcefile(inspect.unwrap(func))
         if source is not None:
-            return Path(source).read_bytes()
+            return _bounded(source, MAX_SOURCE_BYTES)
     return repr(getattr(func, "__qualname__", func)).encode()
+
+
+def _bounded(path: str | Path, limit: int) -> bytes:
+    """The bytes of a file a key reads, within its bound (the table "Bounds" in
+    docs/case-format.md); a file past it, or no regular file, counts by its ``stat``
+    signature instead: the key still changes with it, and nothing unbounded is read.
+    Raises ``OSError`` for a file that cannot be opened."""
+    try:
+        return read_regular(path, limit)
+    except (FileTooLarge, NotRegularFile):
+        return b"signature:" + _file_signature(Path(path))
 
 
 @functools.cache
@@ -379,9 +391,9 @@ def prepare(spec: RunSpec) -> None:
     if where.endswith(".py"):
         file = case.path / where
         with contextlib.suppress(OSError):
-            sources[str(file)] = file.read_bytes()
+            sources[str(file)] = _bounded(file, MAX_SOURCE_BYTES)
     try:
-        toml = case.case_file.read_bytes()
+        toml = _bounded(case.case_file, MAX_CASE_BYTES)
     except OSError:
         return  # the child will say what is wrong
     _PREPARED.update(case=case.case_file, toml=toml, sources=sources, parent=os.getpid(),
@@ -405,7 +417,7 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
         del _PREPARED["case"]  # once: the sources go in _source_of, just below
     else:
         _PREPARED.clear()
-        toml = case.case_file.read_bytes()
+        toml = _bounded(case.case_file, MAX_CASE_BYTES)
         inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
     parts: list[bytes] = [
         toml,

@@ -28,7 +28,8 @@ from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, ST
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["build_model", "decode_nested", "import_target", "load_checkpoint",
+__all__ = ["DATACLASS_KEY", "build_model", "decode_dataclasses", "decode_nested",
+           "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
            "retie", "script_definitions"]
 
@@ -416,20 +417,46 @@ def build_model(recipe_file: Path) -> torch.nn.Module:
     recipe_file = Path(recipe_file)
     recipe = json.loads(recipe_file.read_text(encoding="utf-8"))
     target = str(recipe["class"])
-    if recipe.get("script"):
-        obj: Any = load_script(recipe_file.parent / str(recipe["script"]))
-        for part in target.split("."):
-            obj = getattr(obj, part)
-        cls = obj
-    else:
-        cls = import_target(target)
+    script = (load_script(recipe_file.parent / str(recipe["script"]))
+              if recipe.get("script") else None)
+    cls = _class_of(target, script)
     if recipe.get("config"):
         config = cls.config_class.from_json_file(str(recipe_file.parent / recipe["config"]))
         attention = recipe.get("attn_implementation")
         if attention:
             config._attn_implementation = attention
         return cls(config)  # type: ignore[no-any-return]
-    return cls(**dict(recipe.get("kwargs", {})))  # type: ignore[no-any-return]
+    kwargs = decode_dataclasses(dict(recipe.get("kwargs", {})), script)
+    return cls(**kwargs)  # type: ignore[no-any-return]
+
+
+# A constructor argument that is a dataclass instance (a model's config object), as
+# ``model.json`` holds it: ``{DATACLASS_KEY: "pkg.mod:Config" or "Config" of the script,
+# "fields": {...}}``.
+DATACLASS_KEY = "gpucase_dataclass"
+
+
+def _class_of(target: str, script: ModuleType | None) -> Any:
+    """The class ``target`` names: "pkg.mod:Qual", or "Qual" of the ``script`` module."""
+    if script is None or ":" in target:
+        return import_target(target)
+    obj: Any = script
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def decode_dataclasses(value: Any, script: ModuleType | None = None) -> Any:
+    """``value`` with each dataclass ``model.json`` describes (``DATACLASS_KEY``) built
+    again from its fields, nested ones first."""
+    if isinstance(value, list):
+        return [decode_dataclasses(v, script) for v in value]
+    if not isinstance(value, Mapping):
+        return value
+    if DATACLASS_KEY in value:
+        cls = _class_of(str(value[DATACLASS_KEY]), script)
+        return cls(**decode_dataclasses(dict(value.get("fields", {})), script))
+    return {k: decode_dataclasses(v, script) for k, v in value.items()}
 
 
 def load_checkpoint(path: Path, sha256: str | None, prefix: str = "",

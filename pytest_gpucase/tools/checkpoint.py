@@ -641,8 +641,14 @@ def _count_nonfinite(tensor: torch.Tensor) -> tuple[int, int]:
 def _load(path: Path) -> object:
     """Load a checkpoint on the CPU without executing pickle code."""
     if path.name.endswith(".safetensors"):
+        from pytest_gpucase.case.payload import STORE_KEY, read_header
         from pytest_gpucase.case.payload import load as load_payload
 
+        # A checkpoint holds its tensors itself (save writes no store): metadata naming
+        # store files would lead outside its folder (../.gpucase-store), so it is refused.
+        if STORE_KEY in read_header(path)[1]:
+            raise ValueError(f"its metadata '{STORE_KEY}' names store files outside its "
+                             "folder; a checkpoint holds its tensors itself: save it again")
         return load_payload(path)
     with open(path, "rb") as f:
         # torch's own zip test; legacy (non-zip) files cannot be memory-mapped.

@@ -46,12 +46,13 @@ import tomli_w
 
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.load import load_case
-from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case
+from pytest_gpucase.case.keys import tensor_dicts
+from pytest_gpucase.case.load import load_case, read_case_file
+from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, MAX_CASE_BYTES, Case
 from pytest_gpucase.case.variants import (
     InputsInDoubt,
     VariantNotApplicable,
-    case_shapes,
+    call_shapes,
     members_of,
     shapes_of,
 )
@@ -287,8 +288,7 @@ def _members(case: Case, tensors: Mapping[str, torch.Tensor], axis: int,
     the tensors it sees (never an RNG state or a module's state dict: ``case_shapes``)."""
     anchor = case.variants.boundaries.input if case.variants.boundaries is not None else None
     try:
-        found = members_of(case_shapes(case, shapes_of(tensors)), axis, anchor, names,
-                           table=kind)
+        found = members_of(_cut_shapes(case, tensors), axis, anchor, names, table=kind)
     except VariantNotApplicable as exc:
         why = str(exc)
         if isinstance(exc, InputsInDoubt) and kind == "batch":
@@ -301,6 +301,15 @@ def _members(case: Case, tensors: Mapping[str, torch.Tensor], axis: int,
     if found is None:
         return None, frozenset()
     return found[0], frozenset(found[1])
+
+
+def _cut_shapes(case: Case, tensors: Mapping[str, torch.Tensor]) -> dict[str, Any]:
+    """The shapes the search may cut: the case's (``case_shapes``), and the tensors of a dict
+    argument too (a batch passed as ``{"x": ..., "y": ...}``: its inputs and its targets
+    share the batch axis, and cutting one without the other is another failure)."""
+    literals = {name: value for name, value in case.literals.items()
+                if name not in tensor_dicts(case.literals)}
+    return call_shapes(shapes_of(tensors), literals, tuple(case.context.rng.values()))
 
 
 def plan_axes(case: Case, tensors: Mapping[str, torch.Tensor],
@@ -728,7 +737,9 @@ def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
     """Write a new case directory at ``target`` atomically; never overwrite one."""
     if target.exists():
         raise FileExistsError(f"{display(target)} exists; minimize never overwrites")
-    text = case.case_file.read_text(encoding="utf-8")
+    # Within its bound, as load_case read it: the file may have changed since.
+    text = read_case_file(case.case_file, MAX_CASE_BYTES, "a case.toml holds settings, not "
+                          "data", case.path).decode("utf-8", "replace")
     try:
         return write_case_dir(
             target, with_minimized_from(text, record),

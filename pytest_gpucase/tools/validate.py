@@ -23,16 +23,19 @@ from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
-from pytest_gpucase.base.errors import CaseFormatError, display, regular_file
+from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.files import file_sha256
+from pytest_gpucase.base.text import one_line
 from pytest_gpucase.case import payload, project
 from pytest_gpucase.case.binding import Parameters, binding_problems, rng_problems
-from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE
-from pytest_gpucase.case.load import load_case
+from pytest_gpucase.case.keys import MODULE_KEY, REPLAY_MODULE, checkpoint_path
+from pytest_gpucase.case.load import load_case, read_case_file
 from pytest_gpucase.case.model import (
     CASE_FILE,
     EXPECTED_FILE,
     INPUTS_FILE,
+    MAX_CASE_BYTES,
+    MAX_SOURCE_BYTES,
     AxisSizes,
     Case,
     Requirements,
@@ -52,13 +55,11 @@ from pytest_gpucase.case.variants import (
     members_of,
 )
 
-__all__ = ["hash_setting", "validate"]
+__all__ = ["NotChecked", "hash_setting", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
 _PAYLOADS = (INPUTS_FILE, EXPECTED_FILE)
-# A case's own source file is read whole to parse it: bounded like any file of a case.
-MAX_SOURCE_BYTES = 16 * 2**20
 
 
 def hash_setting(case_dir: Path) -> str | None:
@@ -76,15 +77,19 @@ def hash_setting(case_dir: Path) -> str | None:
         return None
 
 
-def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]:
+def validate(paths: Sequence[Path], notes: list[str] | None = None,
+             unchecked: list[str] | None = None) -> list[str]:
     """Every problem of the case directories under ``paths``, one line each; empty when all good.
 
     ``notes`` receives what was not checked here and why (a call into a package that
     ``[matrix.packages]`` requires and this environment lacks: the run skips the case, so
-    the dry run must not fail it); notes are no problems.
+    the dry run must not fail it); notes are no problems. ``unchecked`` receives the line
+    of each case that could not be checked at all (whatever it raised: a RecursionError,
+    a MemoryError), also among the problems: the other cases are checked all the same.
     """
     problems: list[str] = []
     notes = [] if notes is None else notes
+    unchecked = [] if unchecked is None else unchecked
     for path in paths:
         path = Path(path)
         if path.name == CASE_FILE and not path.is_dir():
@@ -99,11 +104,41 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None) -> list[str]
         found = False
         for directory in _case_dirs(path):
             found = True
-            problems.extend(_problems(directory, notes))
+            try:
+                problems.extend(_problems(directory, notes))
+            except NotChecked as exc:
+                unchecked.append(str(exc))
+                problems.append(unchecked[-1])
+            except Exception as exc:
+                unchecked.append(f"{display(directory / CASE_FILE)}: cannot be checked: "
+                                 f"{type(exc).__name__}: {one_line(str(exc), 300)}")
+                problems.append(unchecked[-1])
         if not found:
             problems.append(f"{display(path)}: no case directory (with a {CASE_FILE}) under "
                             f"{display(path)}")
+    notes.extend(_store_notes(paths))
     return problems
+
+
+class NotChecked(CaseFormatError):
+    """A case that cannot be checked at all (its source defeats the parser): one line for
+    it, the other cases checked all the same, and validate exits 2."""
+
+
+def _store_notes(paths: Sequence[Path]) -> list[str]:
+    """A note per capture store holding files no case names (``tools.store``): they cost
+    disk and get committed with the cases; ``gpucase store --prune`` removes them."""
+    from pytest_gpucase.tools.record.origin import mib
+    from pytest_gpucase.tools.store import orphans, stores_under
+
+    lines = []
+    for store in stores_under([Path(p) for p in paths]):
+        found = orphans(store)
+        if found.files:
+            lines.append(f"{display(store)}: {len(found.files)} file(s) no case names "
+                         f"({mib(found.total)}): gpucase store --prune "
+                         f"{display(store.parent)} removes them")
+    return lines
 
 
 def _case_dirs(root: Path) -> Iterable[Path]:
@@ -126,11 +161,7 @@ def _case_dirs(root: Path) -> Iterable[Path]:
 
 def _problems(directory: Path, notes: list[str]) -> list[str]:
     """The problems of one case directory, each as ``file: key: what is wrong``."""
-    if not is_case_dir(directory):
-        held = ", ".join(name for name in _PAYLOADS if (directory / name).exists())
-        return [str(CaseFormatError(directory / CASE_FILE, f"missing, but the directory holds "
-                                    f"{held}: an interrupted write or a deleted case.toml"))]
-    try:
+    try:  # a directory holding payloads and no case.toml: load_case words it
         case = load_case(directory)
     except CaseFormatError as exc:
         return [str(exc)]
@@ -225,7 +256,12 @@ def _payloads(case: Case, problems: list[CaseFormatError]) -> list[payload.Tenso
         if file == case.inputs_file:
             shapes = infos
         try:
+            hashed: set[Path] = set()
             for name, blob in payload.store_files(file).items():
+                if blob in hashed:
+                    continue  # one file named for several tensors: hashed once
+                hashed.add(blob)
+                payload.store_info(blob)  # checked as a store file before it is hashed
                 if payload.content_hash(blob) != f"sha256:{blob.stem}":
                     problems.append(CaseFormatError(
                         file, f"tensor '{name}': its store file {blob.parent.name}/"
@@ -273,7 +309,7 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
     problems: list[CaseFormatError] = []
     reference = recipe.get("checkpoint")
     if isinstance(reference, dict):
-        path = Path(str(reference.get("path", "")))
+        path = checkpoint_path(case.path, reference)
         if not path.is_file():
             problems.append(CaseFormatError(case.case_file, f"names {path}, which is not a file "
                                             "here: the model's state is in that checkpoint",
@@ -288,8 +324,11 @@ def _module_problems(case: Case) -> list[CaseFormatError]:
     model_file = case.path / "model.json"
     if str(recipe.get("factory", "")).startswith("case.py:") and model_file.exists():
         try:
-            model = json.loads(model_file.read_text(encoding="utf-8"))
-        except (OSError, ValueError) as exc:
+            model = json.loads(read_case_file(model_file, MAX_CASE_BYTES, "write it as the "
+                                              "Recorder does", case.path))
+        except CaseFormatError as exc:
+            return [*problems, exc]
+        except (OSError, ValueError, RecursionError) as exc:
             return [*problems, CaseFormatError(model_file, f"cannot be read: {exc}")]
         for name in ("config", "script"):
             if isinstance(model, dict) and model.get(name):
@@ -338,10 +377,9 @@ def _parameters(case: Case, key: str, target: str,
             return None  # an extension module or a namespace package: nothing to read
         source = Path(found)
     try:
-        regular_file(source, "make it a Python source file")
-        if source.stat().st_size > MAX_SOURCE_BYTES:
-            raise CaseFormatError(source, f"is over the limit of {MAX_SOURCE_BYTES} bytes")
-        tree = ast.parse(source.read_bytes(), filename=str(source))
+        text = read_case_file(source, MAX_SOURCE_BYTES, "make it a Python source file",
+                              case.path if where.endswith(".py") else None)
+        tree = ast.parse(text, filename=str(source))
     except CaseFormatError as exc:
         problems.append(exc)
         return None
@@ -352,6 +390,10 @@ def _parameters(case: Case, key: str, target: str,
     except (OSError, ValueError) as exc:
         problems.append(CaseFormatError(source, f"cannot be read: {exc}"))
         return None
+    except (RecursionError, MemoryError) as exc:  # `Y = 1+1+...`: too deep for the parser
+        raise NotChecked(source, f"cannot be parsed ({type(exc).__name__}: {exc}); Python "
+                         "itself will fail to import it: write it in plainer statements"
+                         ) from None
     node = _defined(tree.body, qualname.split("."))
     if node is _UNKNOWN:
         return None

@@ -12,12 +12,17 @@ exception type, its message, the captured stderr and the device type it happened
   *shapes* must be equal too;
 - otherwise the exception types must be equal and so must the message shapes.
 
+A message a capture shortened (``cut``: its first line cut to a bound, ending in
+``CUT_MARK``) still matches its full form: the kept prefix's shape, up to its last whole
+word, must begin the other's shape (``same_shape``).
+
 A message's shape is its first line with what changes from run to run written as
 placeholders: numbers (``N``), runs of sizes (``[N]``, ``N``), hexadecimal addresses
-(``0x?``) and file paths (``<path>``). So "index 7 is out of bounds for dimension 0
-with size 5" and "index 2 is out of bounds for dimension 0 with size 1" are the same
-failure, while "The size of tensor a (5) must match the size of tensor b (3) ..." and
-"shape '[0, 3]' is invalid for input of size 12" are not, though both are RuntimeErrors.
+(``0x?``) and file paths (``<path>``), its secrets removed (``base.secrets``). So "index 7
+is out of bounds for dimension 0 with size 5" and "index 2 is out of bounds for dimension 0
+with size 1" are the same failure, while "The size of tensor a (5) must match the size of
+tensor b (3) ..." and "shape '[0, 3]' is invalid for input of size 12" are not, though
+both are RuntimeErrors.
 
 Used by ``gpucase minimize`` (a smaller case must fail the same way), ``gpucase ablate``
 (still fails / fails differently), the xfail match of a case (``plugin.items``) and
@@ -29,11 +34,12 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from pytest_gpucase.base.secrets import remove_secrets
 from pytest_gpucase.verdict.triage import failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
-__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "Failure", "first_line",
-           "message_shape", "same_failure"]
+__all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "CUT_MARK", "Failure", "cut",
+           "first_line", "message_shape", "same_failure", "same_shape"]
 
 # Classes whose message is written by a different layer on each device (a kernel's assert
 # on CUDA, the operator's own check on the CPU), so that their words say nothing about
@@ -45,6 +51,10 @@ CROSS_DEVICE_CLASSES = frozenset({"device-side-assert", "index-out-of-range",
 # replay's finiteness check ("non-finite output: ..."), by anomaly mode or by the user's
 # own check. Their words say where it was caught, not what failed: the class decides.
 CAUGHT_BY_ANY_CHECK = frozenset({"nan"})
+# What ends a message cut to a bound (``cut``), and the least of it that must be kept for the
+# prefix to say anything: below it, a cut message matches nothing but itself.
+CUT_MARK = "\u2026"
+_MIN_KEPT = 48
 
 
 @dataclass(frozen=True)
@@ -109,9 +119,33 @@ def same_failure(recorded: Failure, found: Failure) -> bool:
                 or {recorded_class, found_class} & (CROSS_DEVICE_CLASSES
                                                     | CAUGHT_BY_ANY_CHECK)):
             return True
-        return recorded.shape == found.shape
+        return same_shape(recorded.shape, found.shape)
     return (_short(recorded.error_type) == _short(found.error_type)
-            and recorded.shape == found.shape)
+            and same_shape(recorded.shape, found.shape))
+
+
+def cut(text: str, limit: int) -> str:
+    """``text`` cut to ``limit`` characters, ending in ``CUT_MARK`` when it was: the one way
+    a message is shortened, so that ``same_shape`` knows a shortened one."""
+    return text if len(text) <= limit else text[:max(limit - 1, 0)] + CUT_MARK
+
+
+def same_shape(one: str, other: str) -> bool:
+    """Whether two message shapes are the same, one of them possibly ``cut``: then what was
+    kept of it, up to its last whole word (the cut may end inside a word or a number),
+    begins the other."""
+    if one == other:
+        return True
+    for short, full in ((one, other), (other, one)):
+        if not short.endswith(CUT_MARK):
+            continue
+        kept = short[:-len(CUT_MARK)]
+        # The last word may be cut short ("gradie…"), a number too ("[N, N…" of "[N, N]").
+        head, space, _ = kept.rpartition(" ")
+        kept = head if space else ""
+        if len(kept) >= _MIN_KEPT and full.removesuffix(CUT_MARK).startswith(kept):
+            return True
+    return False
 
 
 def first_line(text: str) -> str:
@@ -126,7 +160,8 @@ _ADDRESS = re.compile(r"\b0[xX][0-9a-fA-F]+\b")
 # A file path: one ending in a file name (``cases/x/case.toml``, ``C:\\work\\m.py``), or of
 # two or more components (``/tmp/x``); "a/b" in prose and fractions ("8/16") are left alone.
 _PATH = re.compile(r"(?<![\w.])(?:[A-Za-z]:)?[\w.+~\-]*(?:[\\/][\w.+\-]+)+\.[A-Za-z]\w*"
-                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?")
+                   r"|(?<![\w.])(?:[A-Za-z]:)?(?:[\\/][\w.+\-]+){2,}[\\/]?"
+                   r"|(?<![\w.])~(?:[\\/][\w.+\-]+)+[\\/]?")  # below a home the capture wrote as ~
 _SIZES = re.compile(r"(?<![\w.])\d+(?:[x\u00d7]\d+)+(?![\w.])")
 _NUMBER = re.compile(r"(?<![\w.])[-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?(?![\w.])"
                      r"|(?<![\w.])[-+]?(?:inf|nan)(?![\w.])")
@@ -135,8 +170,10 @@ _SPACE = re.compile(r"\s+")
 
 
 def message_shape(text: str) -> str:
-    """The first line of a message with numbers, sizes, addresses and paths as placeholders."""
-    line = first_line(text)
+    """The first line of a message with numbers, sizes, addresses and paths as placeholders,
+    and without secrets (``base.secrets``: a message the capture wrote without them is the
+    same failure as the raw one)."""
+    line = remove_secrets(first_line(text))
     line = _ADDRESS.sub("0x?", line)
     line = _PATH.sub("<path>", line)
     line = _SIZES.sub("N", line)

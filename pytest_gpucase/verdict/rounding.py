@@ -185,6 +185,14 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     float32's precision, a fused normalization or softmax runs as its decomposition, each
     part rounded (``_DECOMPOSED``)."""
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo otherwise, whose
+        # first call imports torch._dynamo (a second, and patches of torch._C's classes a
+        # reused worker would take for state a case left): the reference never runs
+        # compiled under this mode.
+        return False
+
     def __init__(self, u: float, generator: torch.Generator) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.u, self.generator = u, generator

@@ -238,23 +238,38 @@ def _tree(root: int, token: str | None, since: int = 0, *, group: bool = True,
                         and (adopter != me or _stranger_is_ours(proc, mine, token, pid))):
             found.add(pid)
     if markers and token and not _adopting():
-        # No subreaper: an orphan may be anywhere; a marked one started since is the run's.
-        needle, uid = _needle(token), os.getuid()
-        for pid, proc in procs.items():
-            if (pid not in found and pid not in (me, root) and _living(proc)
-                    and proc.start >= since):
-                with contextlib.suppress(OSError):
-                    if os.stat(f"/proc/{pid}").st_uid == uid and _marked(pid, needle):
-                        found.add(pid)
+        found |= _marked_since(procs, token, since, exclude=(me, root))
     found.update(children.get(root, ()))
+    found |= _descendants(found, children)
+    found.discard(root)
+    found.discard(me)
+    return found
+
+
+def _marked_since(procs: dict[int, _Proc], token: str, since: int,
+                  exclude: tuple[int, ...]) -> set[int]:
+    """Without a subreaper an orphan may be anywhere: the living processes of this user,
+    started since ``since``, whose environment holds the run's marker."""
+    needle, uid = _needle(token), os.getuid()
+    found = set()
+    for pid, proc in procs.items():
+        if pid in exclude or not _living(proc) or proc.start < since:
+            continue
+        with contextlib.suppress(OSError):
+            if os.stat(f"/proc/{pid}").st_uid == uid and _marked(pid, needle):
+                found.add(pid)
+    return found
+
+
+def _descendants(roots: Iterable[int], children: dict[int, list[int]]) -> set[int]:
+    """Every descendant of ``roots`` (the roots themselves included)."""
+    found = set(roots)
     stack = list(found)
     while stack:
         for child in children.get(stack.pop(), ()):
             if child not in found:
                 found.add(child)
                 stack.append(child)
-    found.discard(root)
-    found.discard(me)
     return found
 
 

@@ -47,6 +47,7 @@ C extension keeps to itself.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import gc
@@ -72,6 +73,12 @@ WATCHED_STDLIB = frozenset({
     "threading", "time", "contextlib", "warnings",
 })
 MAX_REASONS = 20
+# Environment variables a library sets when one of its modules is imported, to its own
+# default (variable, module, the function giving that default): a call that imports the
+# module first leaves them set, as a fresh child does; restored by unsetting them.
+_SET_AT_IMPORT = (
+    ("TORCHINDUCTOR_CACHE_DIR", "torch._inductor.runtime.cache_dir_utils", "default_cache_dir"),
+)
 # Zero-argument getters of torch._C: global switches not restored here. Not the preferred
 # BLAS, linear-algebra or attention backends: their first read may ask the device.
 _TORCH_GETTERS = (
@@ -323,20 +330,24 @@ class WorkerState:  # pragma: no cover - the worker
                                           strict=False)
         elif _machinery(name):
             # gpucase's own code runs the next case (its comparison, its tolerance tables):
-            # its functions, classes and tables, not its private data (caches).
+            # its functions, classes and public tables, not its private data, which it
+            # sets itself between calls (case.project._READ, the configuration files read
+            # while a worker finds a case's import paths; the reference cache's rows).
             self.namespaces.add(name, namespace, strict=False)
-            self._watch_globals(name, namespace, strict=False)
+            self._watch_globals(name, namespace, strict=False, private=False)
         elif name in WATCHED_STDLIB or name in ("__main__", "__mp_main__"):
             self.namespaces.add(name, namespace, strict=True)
         elif _user_code(module):
             self.namespaces.add(name, namespace, strict=True)
             self._watch_globals(name, namespace, strict=True)
 
-    def _watch_globals(self, name: str, namespace: dict[str, Any], strict: bool) -> None:
+    def _watch_globals(self, name: str, namespace: dict[str, Any], strict: bool,
+                       private: bool = True) -> None:
         """What a module's globals hold: its containers' contents, its tensors' versions,
-        its classes' and other objects' attributes (``strict``: private names too)."""
+        its classes' and other objects' attributes (``strict``: private names too;
+        ``private``: the globals of private names are watched at all)."""
         for key, value in list(namespace.items()):
-            if key.startswith("__"):
+            if key.startswith("__") or (not private and key.startswith("_")):
                 continue  # __builtins__ (the builtins' own dict, watched), __all__, ...
             if type(value) in (list, dict, set):
                 self.namespaces.containers.append((f"{name}.{key}", value, _copy(value)))
@@ -381,6 +392,16 @@ class WorkerState:  # pragma: no cover - the worker
 
     def _restore(self, reasons: list[str]) -> None:
         os.chdir(self.cwd)
+        for variable, module, default in _SET_AT_IMPORT:
+            # Set by a library module that the call imported first, to the library's own
+            # default: unset again, as in a fresh child that has not imported it yet (the
+            # library sets it again, the same, when it next needs it).
+            found = sys.modules.get(module)
+            if (variable not in self.environ and variable.encode() not in self.environ
+                    and found is not None and module not in self.modules):
+                with contextlib.suppress(Exception):
+                    if os.environ.get(variable) == getattr(found, default)():
+                        del os.environ[variable]
         sys.path[:] = self.path
         random.setstate(self.random)
         if self.numpy_random is not None:

@@ -81,22 +81,29 @@ def decode(data: Any, depth: int = 0) -> Any:
         return [decode(item, depth + 1) for item in data]
     if not isinstance(data, dict):
         raise BadResult(f"unexpected {type(data).__name__}")
+    return _tagged(data, depth)
+
+
+def _tagged(data: dict[str, Any], depth: int) -> Any:
+    """A tagged object ``encode`` wrote: a non-finite float, a tuple, a dict, a dataclass."""
     tag = data.get("$")
     if tag == "float" and data.get("value") in ("nan", "inf", "-inf"):
         return float(data["value"])
     if tag in ("tuple", "dict") and isinstance(data.get("items"), list):
         items = [decode(item, depth + 1) for item in data["items"]]
-        if tag == "tuple":
-            return tuple(items)
-        if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
-            raise BadResult("a dict's items are not [key, value] pairs")
-        try:
-            return {key: value for key, value in items}  # the keys must hash
-        except TypeError:
-            raise BadResult("a dict has an unhashable key") from None
+        return tuple(items) if tag == "tuple" else _dict_of(items)
     if tag == "dataclass" and isinstance(data.get("fields"), dict):
         return _rebuild(data.get("type"), data["fields"], depth)
     raise BadResult(f"unknown type tag {tag!r}" if tag is not None else "an untagged object")
+
+
+def _dict_of(items: list[Any]) -> dict[Any, Any]:
+    if not all(isinstance(pair, list) and len(pair) == 2 for pair in items):
+        raise BadResult("a dict's items are not [key, value] pairs")
+    try:
+        return {key: value for key, value in items}  # the keys must hash
+    except TypeError:
+        raise BadResult("a dict has an unhashable key") from None
 
 
 def _rebuild(name: Any, fields: dict[str, Any], depth: int) -> Any:
@@ -137,21 +144,21 @@ def _conforms(value: Any, hint: Any) -> bool:
     if origin is Literal:
         return value in args
     if origin is tuple:
-        if not isinstance(value, tuple):
-            return False
-        if len(args) == 2 and args[1] is Ellipsis:
-            return all(_conforms(item, args[0]) for item in value)
-        return len(args) == len(value) and all(map(_conforms, value, args))
+        return isinstance(value, tuple) and _items_conform(value, args)
     if origin in (dict, Mapping):
         return isinstance(value, dict) and all(
             _conforms(k, args[0]) and _conforms(v, args[1]) for k, v in value.items())
-    if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
-    if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    if isinstance(hint, type):
-        return isinstance(value, hint)
-    return False
+    if hint in (float, int):
+        numbers = (int, float) if hint is float else (int,)
+        return isinstance(value, numbers) and not isinstance(value, bool)
+    return isinstance(hint, type) and isinstance(value, hint)
+
+
+def _items_conform(value: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
+    """A tuple against ``tuple[X, ...]`` or ``tuple[X, Y]``."""
+    if len(args) == 2 and args[1] is Ellipsis:
+        return all(_conforms(item, args[0]) for item in value)
+    return len(args) == len(value) and all(map(_conforms, value, args))
 
 
 def _read_result(raw: bytes) -> tuple[Any, bool, str | None, tuple[ChildWarning, ...], int]:

@@ -61,6 +61,7 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     # -- the module ------------------------------------------------------------------
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        self.recorder.integration = "lightning"  # it sees the steps: no note to the contrary
         self.recorder.watch(pl_module, **self._watch)
 
     def teardown(self, trainer: Any, pl_module: Any, stage: str) -> None:

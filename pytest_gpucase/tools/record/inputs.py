@@ -150,12 +150,14 @@ def _tensor_dict(value: Any) -> dict[str, torch.Tensor] | None:
     return None
 
 
-def storable(tensor: torch.Tensor) -> bool:
-    """Whether the payload format holds ``tensor``: strided, of a dtype it knows."""
+def storable(tensor: Any) -> bool:
+    """Whether the payload format holds ``tensor`` as it is: a plain tensor, strided, of a
+    dtype it knows (other kinds it holds as parts: ``payload.unstorable`` says which)."""
     import torch
 
     names = {name for name, _ in payload.DTYPES.values()}
-    return tensor.layout == torch.strided and str(tensor.dtype).removeprefix("torch.") in names
+    return (isinstance(tensor, torch.Tensor) and tensor.layout == torch.strided
+            and not tensor.is_quantized and str(tensor.dtype).removeprefix("torch.") in names)
 
 
 def synchronize(tensors: list[torch.Tensor]) -> None:
@@ -225,16 +227,24 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
     device_after: list[str] = []
     changed: list[str] = []
     storages: dict[tuple[str, int], list[str]] = {}
+    unwritten: set[str] = set()  # the call wrote nothing into these (version counters)
 
     def take(name: str, value: torch.Tensor) -> None:
         described[name] = _describe(value)
         devices.append(str(value.device))
+        known = before.versions.get(id(value))
+        if known is not None and tensor_versions([value]).get(id(value)) == known:
+            unwritten.add(name)
         with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
             where = value.untyped_storage().data_ptr()
             if where:
                 storages.setdefault((str(value.device), where), []).append(name)
-        if not storable(value):
-            skipped[name] = f"Tensor ({value.layout}, {value.dtype}): not storable"
+        if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
+            why = payload.unstorable(value)
+            if why is not None:
+                skipped[name] = f"Tensor ({why}): not storable"
+            else:
+                tensors[name] = value.detach().to("cpu", copy=True)
             return
         if id(value) in before.copies:
             tensors[name] = before.copies[id(value)]
@@ -308,7 +318,10 @@ def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
                      f"{', '.join(changed)} (not copied before the call: {before.why_not})")
     # A case holds each tensor on its own: a failure that needs a write through one argument
     # to show in another (a buffer and a view of it) cannot replay as captured.
-    shared = tuple(", ".join(names) for names in storages.values() if len(names) > 1)
+    # Memory shared by arguments the call never wrote into (labels=input_ids, the Hugging
+    # Face convention) holds the same values apart as together: nothing to say then.
+    shared = tuple(", ".join(names) for names in storages.values()
+                   if len(names) > 1 and not set(names) <= unwritten)
     if shared and snapshot is not None:
         snapshot += f"; shared memory in the call, held apart in the case: {'; '.join(shared)}"
     if skipped:

@@ -7,10 +7,11 @@ failure no class names (a shape error, EmbeddingBag's range check) is narrowed t
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
-from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -118,6 +119,12 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
         state = module_state(sub)
+        if state.unsaved:
+            say(f"gpucase: note: {qualname} not narrowed: "
+                f"{state.why_incomplete(qualname)}")
+            _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
+                       written=written)
+            return
         if state.tied:
             recipe["tied"] = state.tied
         inputs = dataclasses.replace(
@@ -165,8 +172,9 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
 
     with tempfile.TemporaryDirectory() as scratch:
         out = Path(scratch) / INPUTS_FILE
-        child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
-                             start_method=start.start_method)
+        with outside_autocast():
+            child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
+                                 start_method=start.start_method)
         table = child.value if child.returned else None
         if not isinstance(table, dict) or not out.exists():
             # Nothing was written, so nothing was tried: say why, not "did not reproduce".
@@ -183,7 +191,10 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
         xfail=case.xfail, literals={OP_KEY: table},
         origin={**case.origin, "narrowed_from": base, "op": op},
         tensors=tensors, files={},
-        context={k: v for k, v in context_doc(case).items() if k != "rng"})
+        # The op's arguments are recorded as it received them, after autocast cast them (or
+        # not: a region with autocast off): autocast applied again around the op would cast
+        # them alike, and a dtype mismatch it raised with would be gone.
+        context={k: v for k, v in context_doc(case).items() if k not in ("rng", "autocast")})
     saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
     _report(saved, f"op {op}", new, kept, written)
 
@@ -307,6 +318,33 @@ def _reproduces(case_dir: Path, recorded: Failure, ctx: RunContext) -> bool:
     return isinstance(found, Failure) and same_failure(recorded, found)
 
 
+@contextlib.contextmanager
+def outside_autocast() -> Iterator[None]:
+    """Autocast off, on every device type, while a replay's child is forked: a failure is
+    saved while the training code's autocast region is still entered (a module's hook
+    raises inside it), and a forked child inherits that thread's autocast state; the case
+    says its own (``[context] autocast``), and an op case none (its arguments are recorded
+    in the dtypes autocast gave them)."""
+    import torch
+
+    kinds = [kind for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
+             if _autocast_enabled(torch, kind)]
+    for kind in kinds:
+        torch.set_autocast_enabled(kind, False)
+    try:
+        yield
+    finally:
+        for kind in kinds:
+            torch.set_autocast_enabled(kind, True)
+
+
+def _autocast_enabled(torch: Any, kind: str) -> bool:
+    try:
+        return bool(torch.is_autocast_enabled(kind))
+    except (RuntimeError, TypeError, ValueError):
+        return False  # a device type this build does not know
+
+
 def replayed_failure(case_dir: Path, ctx: RunContext) -> Failure | str:
     """How the case in ``case_dir`` fails when replayed on the CPU in a fresh child, run as
     every entry point runs a case (``run_spec`` in ``ctx``): its Failure (``failure_of``, the
@@ -317,7 +355,9 @@ def replayed_failure(case_dir: Path, ctx: RunContext) -> Failure | str:
     from pytest_gpucase.run.parent import failure_of, run_spec
 
     case = load_case(case_dir)
-    verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False), replace(ctx, localize=False))
+    with outside_autocast():
+        verdict = run_spec(RunSpec(case, "cpu", "float32", cast=False),
+                           replace(ctx, localize=False))
     if verdict.outcome.broken_case:
         return f"the case cannot run: {verdict.outcome.summary}"
     found = failure_of(verdict)

@@ -17,11 +17,16 @@ from typing import Any
 
 from pytest_gpucase.verdict.triage import Triage, triage
 
-__all__ = ["INT64", "Context", "SampleIds", "Watched", "call_ids", "case_name", "class_of",
+__all__ = ["INT64", "ORIGIN_ERROR_CHARS", "SUMMARY_ERROR_CHARS", "Context", "SampleIds",
+           "Watched", "call_ids", "case_name", "class_of",
            "compiled", "error_line", "id_tuple", "import_name", "message_of", "mib",
            "read_tail", "say", "shown", "triage_of", "watched_call", "where"]
 
-_MAX_ERROR_CHARS = 300
+SUMMARY_ERROR_CHARS = 300
+# ``[origin] error`` keeps the message's first line whole up to this bound: the replay's
+# failure is matched against it (``verdict.failure.same_failure``), which a line cut for a
+# summary would make harder; a longer one is cut as ``verdict.failure.cut`` cuts.
+ORIGIN_ERROR_CHARS = 4000
 _STDERR_TAIL_BYTES = 64 * 1024
 # The integers TOML holds; a sample id outside them is written as a string.
 INT64 = (-(2**63), 2**63 - 1)
@@ -176,12 +181,15 @@ def compiled(exc: BaseException) -> bool:
     return False
 
 
-def error_line(exc: BaseException) -> str:
-    """``Type: first line of the message``, cut to a length a summary can hold."""
+def error_line(exc: BaseException, limit: int = SUMMARY_ERROR_CHARS) -> str:
+    """``Type: first line of the message``, cut to a length a summary can hold (``limit``:
+    ``ORIGIN_ERROR_CHARS`` for ``[origin] error``)."""
+    from pytest_gpucase.verdict.failure import cut
+
     lines = message_of(exc).strip().splitlines()
     first = lines[0].strip() if lines else ""
     text = f"{type(exc).__name__}: {first}" if first else type(exc).__name__
-    return text if len(text) <= _MAX_ERROR_CHARS else text[:_MAX_ERROR_CHARS - 1] + "…"
+    return cut(text, limit)
 
 
 def triage_of(exc: BaseException, stderr_text: str) -> Triage | None:

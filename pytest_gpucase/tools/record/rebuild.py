@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import inspect
 import json
 import math
@@ -42,9 +43,9 @@ from pytest_gpucase.tools.record.origin import error_line, import_name
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "State", "module_state", "on_host", "rebuild_files",
-           "rebuild_of",
-           "script_function_files"]
+__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "lightning_module",
+           "module_state", "needs_secrets",
+           "on_host", "rebuild_files", "rebuild_of", "script_function_files"]
 
 # The factory of a model a case.py builds (model.json describes it).
 CASE_BUILDER = "case.py:make_model"
@@ -80,6 +81,21 @@ class State:
 
     tensors: dict[str, torch.Tensor]  # state.<name>: parameters and buffers, each once
     tied: dict[str, str]               # alias -> the name its Parameter is stored under
+    # name -> what it is, for each state entry a case cannot hold exactly (not saved)
+    unsaved: dict[str, str] = field(default_factory=dict)
+
+    def why_incomplete(self, module_name: str) -> str | None:
+        """The reason a case of a module with this state is incomplete, or None."""
+        if not self.unsaved:
+            return None
+        named = "; ".join(f"{name} ({what})" for name, what in sorted(self.unsaved.items())[:8])
+        more = len(self.unsaved) - 8
+        named += f"; and {more} more" if more > 0 else ""
+        return (f"the state of {module_name} holds what a case cannot hold exactly, so it "
+                f"was not saved: {named}; a replay would rebuild these with the "
+                "constructor's values, not the trained ones: save the module so that these "
+                "are plain, complex, sparse or quantized tensors, or rebuild them in a "
+                "factory (rec.watch(model, factory=...))")
 
 
 def module_state(module: torch.nn.Module) -> State:
@@ -96,19 +112,24 @@ def module_state(module: torch.nn.Module) -> State:
     stored: dict[int, str] = {}
     tensors: dict[str, torch.Tensor] = {}
     tied: dict[str, str] = {}
+    unsaved: dict[str, str] = {}
     for name, value in state.items():
-        if not isinstance(value, torch.Tensor) or not storable(value):
+        why = payload.unstorable(value)  # a meta tensor too: a shape, no values
+        if why is not None:
+            unsaved[name] = why
             continue
         first = stored.get(id(value))
         if first is not None and isinstance(value, torch.nn.Parameter):
             tied[name] = first
             continue
         stored[id(value)] = name
-        tensors[f"{STATE_PREFIX}{name}"] = on_host(value)
-    return State(tensors, tied)
+        tensors[f"{STATE_PREFIX}{name}"] = (on_host(value) if storable(value)
+                                            else value.detach().to("cpu", copy=True))
+    return State(tensors, tied, unsaved)
 
 
-def _lightning(module: Any) -> bool:
+def lightning_module(module: Any) -> bool:
+    """Whether ``module`` is a LightningModule (without importing Lightning)."""
     return any(cls.__name__ == "LightningModule"
                and cls.__module__.split(".")[0] in ("lightning", "pytorch_lightning")
                for cls in type(module).__mro__)
@@ -134,7 +155,35 @@ def _json_value(value: Any) -> Any:
     if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
         table = {k: _json_value(v) for k, v in value.items()}
         return NOT_LITERAL if any(v is NOT_LITERAL for v in table.values()) else table
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return _dataclass_value(value)
     return NOT_LITERAL
+
+
+def _dataclass_value(value: Any) -> Any:
+    """A dataclass instance (a model's config object) as ``model.json`` holds it: its class
+    and the fields its constructor takes (``run.replay.decode_dataclasses`` builds it again),
+    or NOT_LITERAL when its class cannot be found by a replay or a field is no plain data."""
+    from pytest_gpucase.run.replay import DATACLASS_KEY
+
+    target, _, why = _class_target(type(value))
+    if target is None or why:
+        return NOT_LITERAL
+    fields = {f.name: _json_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+              if f.init}
+    if any(v is NOT_LITERAL for v in fields.values()):
+        return NOT_LITERAL
+    return {DATACLASS_KEY: target, "fields": fields}
+
+
+def _holds_dataclass(value: Any) -> bool:
+    from pytest_gpucase.run.replay import DATACLASS_KEY
+
+    if isinstance(value, list):
+        return any(map(_holds_dataclass, value))
+    if isinstance(value, Mapping):
+        return DATACLASS_KEY in value or any(map(_holds_dataclass, value.values()))
+    return False
 
 
 def _script_of(cls: type) -> tuple[str | None, str]:
@@ -223,7 +272,7 @@ def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
             "passed other values, name them: rec.watch(model, factory=..., kwargs=...)",)
 
 
-def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...]] | None:
+def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...] | str] | None:
     """The state dict's shapes of ``cls(**kwargs)`` built on meta, or None if it cannot be."""
     import torch
 
@@ -233,10 +282,10 @@ def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, .
             built = cls(**kwargs)
     except Exception:
         return None
-    return {k: tuple(v.shape) for k, v in built.state_dict().items()}
+    return {k: _shape(v) for k, v in built.state_dict().items()}
 
 
-def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, ...]] | None,
+def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, ...] | str] | None,
                  name: str, default: Any) -> bool:
     """Whether another value of argument ``name`` builds (on meta) a model of other shapes
     than ``shapes`` (the model's with the defaults), so that the rebuild's check against the
@@ -269,18 +318,19 @@ def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
 def _builder(cls_target: str, script: str | None, kwargs: Mapping[str, Any],
              config: str | None) -> Callable[[], Any]:
     """A function that builds the module as a replay will (for the check on ``meta``)."""
-    from pytest_gpucase.run.replay import import_target, load_script
+    from pytest_gpucase.run.replay import decode_dataclasses, import_target, load_script
 
     def build() -> Any:
-        if script is not None:
-            obj: Any = load_script(Path(script))
+        module = load_script(Path(script)) if script is not None else None
+        if module is not None:
+            obj: Any = module
             for part in cls_target.split("."):
                 obj = getattr(obj, part)
         else:
             obj = import_target(cls_target)
         if config is not None:
             return obj(obj.config_class.from_dict(json.loads(config)))
-        return obj(**dict(kwargs))
+        return obj(**decode_dataclasses(dict(kwargs), module))
     return build
 
 
@@ -300,8 +350,8 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
                 fresh = build()
         except Exception as exc:
             return f"building it again raised {error_line(exc)}", None
-    theirs = {k: tuple(v.shape) for k, v in fresh.state_dict().items()}
-    mine = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    theirs = {k: _shape(v) for k, v in fresh.state_dict().items()}
+    mine = {k: _shape(v) for k, v in module.state_dict().items()}
     missing = sorted(set(mine) - set(theirs))
     extra = sorted(set(theirs) - set(mine))
     if missing or extra:
@@ -320,6 +370,12 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
     if len(repr(module).splitlines()) != len(repr(fresh).splitlines()):
         return "the rebuilt model's modules differ from the model's", None
     return None, None
+
+
+def _shape(value: Any) -> tuple[int, ...] | str:
+    """A state entry's shape, or what it is when it is no tensor (an extra state, a packed
+    parameter)."""
+    return tuple(value.shape) if is_tensor(value) else type(value).__qualname__
 
 
 def rebuild_of(module: torch.nn.Module, factory: str | None,
@@ -358,6 +414,34 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
     return rebuild
 
 
+def needs_secrets(module: torch.nn.Module, rebuild: Rebuild) -> str | None:
+    """Why the rebuild cannot do without the secrets a case never holds (``tools.scrub``:
+    hyperparameters and config fields that look secret are written as ``<secret>``), or None
+    when it builds the same model with them so replaced (checked on ``meta``, as any rebuild)."""
+    from pytest_gpucase.tools.scrub import scrub_data
+
+    removed: list[str] = []
+    kwargs = scrub_data(dict(rebuild.kwargs), removed)
+    recipe = scrub_data(dict(rebuild.recipe or {}), removed)
+    config = rebuild.config
+    if config is not None:
+        with contextlib.suppress(ValueError):
+            config = json.dumps(scrub_data(json.loads(config), removed))
+    if not removed:
+        return None
+    if rebuild.recipe is not None:
+        build = _builder(str(recipe["class"]), rebuild.script, dict(recipe.get("kwargs", {})),
+                         config)
+    else:
+        build = _builder(str(rebuild.factory), None, kwargs, None)
+    differs, _ = _difference(module, build)
+    if differs is None:
+        return None
+    return (f"building the model needs {', '.join(sorted(set(removed))[:5])}, which look secret "
+            f"and are written as <secret> ({differs}): pass rec.watch(model, factory=...) "
+            "naming a function that reads them from the environment")
+
+
 def _found_rebuild(module: Any) -> Rebuild | str:
     """The rebuild of a module no factory was named for, or why there is none."""
     name = type(module).__qualname__
@@ -372,7 +456,7 @@ def _found_rebuild(module: Any) -> Rebuild | str:
     notes: tuple[str, ...] = ()
     how = f"{name}(config) from config.json"
     if config is None:
-        args, why = _lightning_hparams(module) if _lightning(module) else (None, "")
+        args, why = _lightning_hparams(module) if lightning_module(module) else (None, "")
         how = f"{name}(**hyperparameters saved by save_hyperparameters())"
         if args is None and why:
             return why
@@ -383,7 +467,8 @@ def _found_rebuild(module: Any) -> Rebuild | str:
                 return why
             notes = _assumed_defaults(module, args)
     literal = as_literal(args)
-    if script is None and config is None and literal is not NOT_LITERAL:
+    if (script is None and config is None and literal is not NOT_LITERAL
+            and not _holds_dataclass(args)):  # a dataclass argument: model.json builds it
         return Rebuild(target, literal, how=how, notes=notes)
     recipe: dict[str, Any] = {"class": target}
     if config is not None:
@@ -415,12 +500,12 @@ def script_function_files(fn: Any, root: Path) -> tuple[str, dict[str, str]] | N
     if not any(isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
                and node.name == fn.__name__ for node in tree.body):
         return None
-    path = _relative(str(Path(script).resolve()), root)
+    path = case_relative(str(Path(script).resolve()), root)
     return "case.py:run", {"case.py": _SCRIPT_CALL_PY.format(
         name=fn.__name__, script=Path(script).name, path=json.dumps(path))}
 
 
-def _relative(path: str, root: Path) -> str:
+def case_relative(path: str, root: Path) -> str:
     """``path`` relative to a case directory under ``root``, so the project moves as a whole
     (a CI checkout); absolute where it cannot be (another drive)."""
     try:
@@ -436,7 +521,7 @@ def rebuild_files(rebuild: Rebuild, root: Path) -> dict[str, str]:
         return {}
     recipe = dict(rebuild.recipe)
     if rebuild.script is not None:
-        recipe["script"] = _relative(rebuild.script, root)
+        recipe["script"] = case_relative(rebuild.script, root)
     files = {_MODEL_FILE: json.dumps(recipe, indent=2) + "\n",
              "case.py": _CASE_PY.format(how=rebuild.how)}
     if rebuild.config is not None:

@@ -21,7 +21,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
+from pytest_gpucase.base.files import sweep_temporaries
 from pytest_gpucase.base.tensors import is_tensor, tensors_in
+from pytest_gpucase.case.payload import STORE_DIR
 from pytest_gpucase.case.keys import (
     FUNCTION_KEY,
     MODULE_KEY,
@@ -58,11 +60,22 @@ from pytest_gpucase.tools.record.origin import (
     watched_call,
     where,
 )
-from pytest_gpucase.tools.record.rebuild import Rebuild, rebuild_of, script_function_files
+from pytest_gpucase.tools.record.rebuild import (
+    Rebuild,
+    lightning_module,
+    rebuild_of,
+    script_function_files,
+)
 from pytest_gpucase.tools.record.saving import ModuleSaver, write_consequence
-from pytest_gpucase.tools.record.step import Found, failing_call
+from pytest_gpucase.tools.record.step import Found, failing_call, raised_outside
 from pytest_gpucase.tools.record.watch import ModuleWatch, nonfinite_problem
-from pytest_gpucase.tools.record.write import case_draft, set_later_errors, sized, write_case
+from pytest_gpucase.tools.record.write import (
+    case_draft,
+    origin_only,
+    set_later_errors,
+    sized,
+    write_case,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -208,6 +221,9 @@ class Recorder:
         # training_step, its (batch, batch_idx) and their copies), for a watch that sees the
         # step through the module's redirected forward (DDP).
         self.framework_call: tuple[Any, str, tuple[Any, ...], Before] | None = None
+        # The framework integration that watches through this Recorder ("lightning"), which
+        # sees the steps a plain rec.watch of its module does not.
+        self.integration: str | None = None
         self.narrowed: list[Path] = []  # narrowed cases kept beside the first failure's case
         self._narrowed_new: list[Path] = []  # those of them this process wrote
 
@@ -343,24 +359,28 @@ class Recorder:
             return
         save: Callable[[BaseException], object]
         if module is not None and method:
+            outside = None if backward else raised_outside(exc, unwrap(module), method)
             save = functools.partial(self.save_method, module=module, method=method,
                                      args=args, kwargs=dict(kwargs or {}), before=before,
-                                     backward=backward)
+                                     backward=backward,
+                                     incomplete=() if outside is None else (outside,))
         else:
             save = functools.partial(self._save_step, anchored=False)
         self._failed(exc, save)
 
     def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],
-                    kwargs: Mapping[str, Any], before: Before | None, backward: bool) -> None:
+                    kwargs: Mapping[str, Any], before: Before | None, backward: bool,
+                    incomplete: tuple[str, ...] = ()) -> None:
         """Save ``exc`` as the case of ``method`` of ``module`` called on ``args`` (for a
-        framework's step: ``record`` and ``nonfinite`` call it)."""
+        framework's step: ``record`` and ``nonfinite`` call it); ``incomplete``: why its
+        replay cannot reproduce the failure."""
         inner = unwrap(module)
         watch = next((w for w in self._modules if w.module is inner), None)
         if watch is None:
             watch = ModuleWatch.detached(self, inner, case_name(type(inner).__name__),
                                          rebuild_of(inner, None, None))
         self.save_module(exc, watch, args, kwargs, backward=backward, method=method,
-                         before=before)
+                         before=before, incomplete=incomplete)
 
     # -- what the hooks of a watch ask (watch.Owner) ------------------------------------
 
@@ -431,9 +451,10 @@ class Recorder:
 
     def save_module(self, exc: BaseException, watch: ModuleWatch, args: Any, kwargs: Any,
                     backward: bool, method: str | None = None,
-                    before: Before | None = None) -> None:
+                    before: Before | None = None, incomplete: tuple[str, ...] = ()) -> None:
         """The whole-module case, then the narrowest module and op cases that reproduce."""
-        ModuleSaver(self, watch, args, kwargs, backward, method, before).save(exc)
+        ModuleSaver(self, watch, args, kwargs, backward, method, before,
+                    incomplete).save(exc)
 
     # -- the steps ------------------------------------------------------------------
 
@@ -669,7 +690,15 @@ class Recorder:
                            origin=origin, files=files, call=call, literals=literals,
                            rank=rank_of())
         draft = replace(draft, context=numeric)
-        case_dir, new = write_case(root, draft)
+        for folder in (root, root / STORE_DIR):  # what a capture killed midway left
+            sweep_temporaries(folder)
+        try:
+            case_dir, new = write_case(root, draft)
+        except KeyboardInterrupt:
+            raise
+        except BaseException as problem:  # the origin at least: error, iteration, ids
+            draft = origin_only(draft, problem)
+            case_dir, new = write_case(root, draft)
         with self._lock:
             self._case_dir = case_dir
             if self._later:
@@ -783,6 +812,13 @@ class Recorder:
             say(f"gpucase: warning: {rebuild.why_not}")
         for note in rebuild.notes:
             say(f"gpucase: note: {note}")
+        if self.integration != "lightning" and lightning_module(module):
+            # Said now: such a failure would raise unsaved, with no line at all.
+            say(f"gpucase: note: {type(module).__qualname__} is a LightningModule watched "
+                "without GpuCaseCallback: its forward's failures are saved, but one outside "
+                "it (a criterion or loss in training_step, the backward, the optimizer step) "
+                "only inside `with rec.step(...)`; pass Trainer(callbacks=["
+                "GpuCaseCallback(recorder=rec)]) to save those too")
         case = case_name(name or type(module).__name__)
         self._modules.append(ModuleWatch(self, module, case, rebuild, ids, checkpoint))
 

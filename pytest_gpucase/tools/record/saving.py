@@ -36,7 +36,13 @@ from pytest_gpucase.tools.record.origin import (
     shown,
     triage_of,
 )
-from pytest_gpucase.tools.record.rebuild import module_state, on_host, rebuild_files
+from pytest_gpucase.tools.record.rebuild import (
+    case_relative,
+    module_state,
+    needs_secrets,
+    on_host,
+    rebuild_files,
+)
 from pytest_gpucase.tools.record.write import mark_incomplete, recapture
 from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.verdict.triage import failure_class
@@ -74,10 +80,12 @@ class _Recorder(Protocol):
                     ) -> Path: ...
 
 
-def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor],
+def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor], root: Path,
                          ) -> tuple[dict[str, str] | None, str]:
     """``{path, sha256}`` of the checkpoint file ``path`` when it holds ``state`` (the
-    ``state.<name>`` tensors) exactly, else why it cannot stand for it."""
+    ``state.<name>`` tensors) exactly, else why it cannot stand for it. The path is written
+    relative to a case directory under ``root`` (docs/case-format.md: a case never holds an
+    absolute path), so the project moves as a whole."""
     import torch
 
     from pytest_gpucase.base.files import file_sha256
@@ -100,14 +108,15 @@ def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor],
         if other.shape != tensor.shape or not torch.equal(other.to(tensor.dtype), tensor):
             return None, (f"the model has changed since its checkpoint {path} was written "
                           f"({name.partition('.')[2]} differs): training went on after it")
-    return {"path": str(path), "sha256": sha}, ""
+    return {"path": case_relative(str(path), root), "sha256": sha}, ""
 
 
 class ModuleSaver:
     """Saves one module failure: the module's case, then its narrowed cases."""
 
     def __init__(self, recorder: _Recorder, watch: ModuleWatch, args: Any, kwargs: Any,
-                 backward: bool, method: str | None, before: Before | None = None) -> None:
+                 backward: bool, method: str | None, before: Before | None = None,
+                 incomplete: tuple[str, ...] = ()) -> None:
         self.rec = recorder
         self.watch = watch
         self.args = args
@@ -115,6 +124,7 @@ class ModuleSaver:
         self.backward = backward
         self.method = method
         self.before = before
+        self.incomplete = incomplete
 
     def save(self, exc: BaseException) -> None:
         rec, watch = self.rec, self.watch
@@ -130,18 +140,26 @@ class ModuleSaver:
             recipe["method"] = self.method
         if nan:
             recipe["finite"] = True
-        incomplete: list[str] = []
+        incomplete: list[str] = list(self.incomplete)
+        with contextlib.suppress(Exception):
+            secret = needs_secrets(module, rebuild)
+            if secret is not None:
+                incomplete.append(secret)
         origin: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         if unusable(found) is None:
             held = module_state(module)
             state = held.tensors
+            unsaved = held.why_incomplete(watch.watched.name)
+            if unsaved is not None:
+                incomplete.append(unsaved)
+                origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
             size = sum(nbytes(t) for t in state.values())
             limit = rec.state_limit
             if limit is not None and size > limit:
-                reference, why = checkpoint_reference(watch.checkpoint, state)
+                reference, why = checkpoint_reference(watch.checkpoint, state, root)
                 if reference is not None:
                     recipe["checkpoint"] = reference
                     origin["state"] = (f"{mib(size)}, above Recorder(state_limit="
@@ -305,9 +323,12 @@ def write_consequence(root: Path, rank: Rank, exc: BaseException, why: str,
                       context: Context) -> Path | None:
     """Record a rank's failure that another rank's caused: not a case (replayed alone it
     cannot fail so), a ``consequence.toml`` in the rank's folder, and one line."""
+    from pytest_gpucase.tools.scrub import capture_text
+
     folder = root / f"rank{rank.rank}"
     record: dict[str, Any] = {
-        "error": without_addresses(error_line(exc)), "consequence_of": why,
+        "error": capture_text(without_addresses(error_line(exc))),
+        "consequence_of": capture_text(why),
         "rank": rank.rank, "local_rank": rank.local_rank, "world_size": rank.world_size,
         "captured": datetime.datetime.now(datetime.timezone.utc).strftime(
             "%Y-%m-%dT%H:%M:%SZ")}

@@ -8,7 +8,8 @@ saved, with its arguments as its frame holds them when it raised:
 1. the call of a watched module that raised outside its forward (a forward hook registered
    after ``rec.watch``, say): that module's case, from the inputs copied before the call;
 2. a method of a watched module (a LightningModule's ``training_step``): the module rebuilt,
-   and that method called;
+   and that method called; one whose arguments a case cannot hold (``optimizer_step``'s
+   optimizer and closure) gives way to the method it ran below it (``training_step``);
 3. below the step's own frame, the first call it made that can be made again: a module
    (``criterion(logits, y)``) or an importable function (``F.cross_entropy(...)``,
    ``my_loss(...)``).
@@ -27,7 +28,7 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
-__all__ = ["Found", "failing_call", "frame_line"]
+__all__ = ["Found", "failing_call", "frame_line", "raised_outside"]
 
 _MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")
 
@@ -96,6 +97,12 @@ def _method_of(frame: FrameType, watched: Mapping[int, Any]) -> Any:
     return owner if getattr(method, "__code__", None) is frame.f_code else None
 
 
+def _replayable(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
+    """Whether a method's arguments are what a case can hold: no optimizer, no closure."""
+    return not any(callable(value) or hasattr(value, "param_groups")
+                   for value in (*args, *kwargs.values()))
+
+
 def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
                  anchored: bool) -> Found | str:
     """The call a failure in a step is saved as (see the module's docstring), or why none.
@@ -120,6 +127,11 @@ def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
         if owner is not None:
             args, kwargs = _arguments(frame)
             kwargs.pop("self", None)
+            if not _replayable(args, kwargs) and any(
+                    _method_of(f, watched) is not None for f, _ in entries[index + 1:]):
+                # Lightning's optimizer_step(epoch, batch_idx, optimizer, closure): the
+                # training_step the closure ran, below it, is the call that raised.
+                continue
             caller = entries[index - 1] if index else (frame, lineno)
             return Found("method", owner, args, kwargs, frame_line(*caller),
                          method=frame.f_code.co_name)
@@ -159,3 +171,26 @@ def _source_line(frame: FrameType, lineno: int) -> str:
     import linecache
 
     return linecache.getline(frame.f_code.co_filename, lineno).strip()[:120]
+
+
+def raised_outside(exc: BaseException, module: Any, method: str) -> str | None:
+    """Why a framework's step case cannot replay ``exc`` when it was raised after
+    ``module.method`` returned (no frame of that call in its traceback: the optimizer's
+    step, a trainer's hook), else None."""
+    tb = exc.__traceback__
+    if tb is None:
+        return None
+    last = None
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == method and frame.f_locals.get("self") is module:
+            return None
+        last = tb
+        tb = tb.tb_next
+    assert last is not None
+    code = last.tb_frame.f_code
+    where_raised = f"{code.co_name} ({os.path.basename(code.co_filename)}:{last.tb_lineno})"
+    return (f"the failure was raised in {where_raised}, outside "
+            f"{type(module).__qualname__}.{method} (after it returned: the optimizer's step "
+            f"or a hook of the trainer), so a replay of {method} cannot reproduce it: the "
+            "case holds the step's batch and the model's state, to replay that code by hand")

@@ -7,6 +7,7 @@ of copied, ``[origin] later_errors`` rewritten, and the sizes the saved lines sh
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import datetime
 import itertools
 import json
@@ -23,12 +24,15 @@ import tomli_w
 
 from pytest_gpucase.base import backends, files
 from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import MODULE_KEY as REPLAY_MODULE_KEY
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
 from pytest_gpucase.tools.record.origin import (
+    ORIGIN_ERROR_CHARS,
+    SUMMARY_ERROR_CHARS,
     Context,
     Watched,
     case_name,
@@ -39,6 +43,7 @@ from pytest_gpucase.tools.record.origin import (
     shown,
     where,
 )
+from pytest_gpucase.verdict.failure import cut
 from pytest_gpucase.verdict.triage import assertion_line
 
 if sys.version_info >= (3, 11):
@@ -49,9 +54,21 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Draft", "case_bytes", "case_draft", "context_doc", "mark_incomplete", "recapture",
-           "set_later_errors", "sized",
-           "write_case", "write_kept"]
+__all__ = [
+    "Draft",
+    "case_bytes",
+    "case_draft",
+    "context_doc",
+    "fit_name",
+    "mark_incomplete",
+    "origin_only",
+    "recapture",
+    "set_later_errors",
+    "sized",
+    "without_secrets",
+    "write_case",
+    "write_kept",
+]
 
 # A "gpucase: saved" line shows the case's size from this size on.
 _SHOWN_SIZE = 2**20
@@ -117,7 +134,7 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
         summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
     devices = inputs.devices
     backend = _backend(devices, torch)
-    table: dict[str, Any] = {"error": error}
+    table: dict[str, Any] = {"error": error_line(exc, ORIGIN_ERROR_CHARS)}
     with contextlib.suppress(Exception):
         from pytest_gpucase.verdict.triage import failure_class
 
@@ -301,10 +318,11 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
     target (hidden directories are not collected), ``case.toml`` last; the directory
     is then renamed onto a freshly claimed empty name.
     """
+    draft = dataclasses.replace(without_secrets(draft), name=fit_name(draft.name))
     files: dict[str, FileContent] = dict(draft.files)
     if draft.tensors:
         tensors = draft.tensors
-        files[INPUTS_FILE] = lambda path: payload.save(path, tensors, store=True)
+        files[INPUTS_FILE] = lambda path: _save_inputs(path, tensors)
 
     def check(staged: Path) -> None:
         seen = _same_failure_case(root, draft, staged)
@@ -320,6 +338,116 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
         if stop.existing is not None:
             _count_seen(stop.existing)
         return stop.existing, False
+
+
+_MAX_SCRUBBED_NAMES = 50
+
+
+def without_secrets(draft: Draft) -> Draft:
+    """``draft`` with no secret in what it writes as text (``tools.scrub``: the rules
+    ``gpucase request`` applies, URLs kept but for their credentials, the home as ``~``):
+    its summary, xfail line, ``[origin]`` (error, stderr, sample ids), literal arguments
+    and the JSON files it writes (``model.json``'s hyperparameters, a ``config.json``);
+    fields whose names say they hold a secret (``wandb_api_key``, ``hub_token``) become
+    ``<secret>``. ``[origin] scrubbed`` lists where, and a line says so."""
+    from pytest_gpucase.tools.scrub import capture_text, scrub_data
+
+    removed: list[str] = []
+    summary = scrub_data(draft.summary, removed, "summary")
+    xfail = None if draft.xfail is None else scrub_data(draft.xfail, removed, "xfail")
+    # Fields are told secret by their names in hyperparameters only: an input's name
+    # ("tokens") says nothing of its value.
+    literals = scrub_data(dict(draft.literals), removed, "inputs", fields=False)
+    recipe = literals.get(REPLAY_MODULE_KEY)
+    if isinstance(recipe, dict) and isinstance(recipe.get("kwargs"), dict):
+        literals[REPLAY_MODULE_KEY] = {**recipe, "kwargs": scrub_data(
+            recipe["kwargs"], removed, f"inputs.{REPLAY_MODULE_KEY}.kwargs")}
+    origin = scrub_data(dict(draft.origin), removed, "origin", fields=False)
+    case_files = dict(draft.files)
+    for name, text in draft.files.items():
+        if name.endswith(".json"):
+            try:
+                data = json.loads(text)
+            except ValueError:
+                continue
+            found: list[str] = []
+            cleaned = scrub_data(data, found, "")
+            if found:
+                case_files[name] = json.dumps(cleaned, indent=2) + "\n"
+                removed.extend(f"{name}: {place}" for place in found)
+        elif name == STUB_FILE and capture_text(text) != text:
+            case_files[name] = capture_text(text)
+            removed.append(name)
+    if not removed:
+        return draft
+    places = sorted(set(removed))
+    shown_places = places[:_MAX_SCRUBBED_NAMES] + (
+        [f"and {len(places) - _MAX_SCRUBBED_NAMES} more"]
+        if len(places) > _MAX_SCRUBBED_NAMES else [])
+    origin["scrubbed"] = shown_places
+    rebuilt = [p for p in places if p.startswith(("model.json", "config.json",
+                                                  f"inputs.{REPLAY_MODULE_KEY}"))]
+    if rebuilt:
+        origin["scrubbed_note"] = (
+            "hyperparameters or config fields that held secrets (or the home folder) were "
+            "rewritten: the replay builds the model with <secret> (or ~) in their place; "
+            "where building the model needs them, the case says so in [origin] incomplete")
+    say(f"gpucase: note: secrets removed from the case {draft.name} before it was written "
+        f"({', '.join(shown_places[:6])}{', ...' if len(shown_places) > 6 else ''}): "
+        "[origin] scrubbed lists where")
+    return dataclasses.replace(draft, summary=summary, xfail=xfail, literals=literals,
+                               origin=origin, files=case_files)
+
+
+# A case's name in bytes at most: its staging name adds about 35 (``.<name>.<host>.<pid>.
+# <token>.tmp``) and a free name ``-N``, and some file systems hold 143 bytes (eCryptfs).
+MAX_NAME_BYTES = 100
+
+
+def fit_name(name: str) -> str:
+    """``name`` when it fits ``MAX_NAME_BYTES``, else its beginning and a hash of the whole
+    (``<first 91 bytes>-<8 hex>``): names of any length fit any file system, and two long
+    names that begin alike stay apart."""
+    import hashlib
+
+    raw = name.encode("utf-8", "surrogatepass")
+    if len(raw) <= MAX_NAME_BYTES:
+        return name
+    digest = hashlib.sha256(raw).hexdigest()[:8]
+    head = raw[:MAX_NAME_BYTES - 9].decode("utf-8", "ignore").rstrip("._-")
+    return f"{head}-{digest}"
+
+
+def origin_only(draft: Draft, problem: BaseException) -> Draft:
+    """The least a failure's case keeps when the whole case cannot be written (a payload the
+    file system refused, a tensor with no values): its ``[origin]`` (error, iteration,
+    sample ids, versions), incomplete, saying what is missing and why."""
+    held = sorted(draft.tensors)
+    missing = (f"its inputs ({', '.join(held[:6])}{', ...' if len(held) > 6 else ''})"
+               if held else "its inputs")
+    why = (f"the full case could not be written ({error_line(problem)}), so it holds the "
+           f"failure's origin only (error, iteration, sample ids), not {missing}: capture "
+           "it again once that is fixed, or rebuild them from the sample ids")
+    origin = dict(draft.origin)
+    origin["incomplete"] = [*origin.get("incomplete", []), why]
+    captured = draft.summary.partition("Captured: ")[2] or draft.summary
+    return Draft(name=draft.name, call=f"{STUB_FILE}:run",
+                 summary=f"INCOMPLETE: {why}. Captured: {captured}", xfail=None,
+                 literals={}, origin=origin, tensors={}, files={STUB_FILE: _stub(why)})
+
+
+def _save_inputs(path: Path, tensors: Mapping[str, torch.Tensor]) -> None:
+    """The payload of a case, its large tensors in the capture's store; when the store
+    cannot be written (not writable, full) while the case folder can, they stay in the
+    payload itself, said once."""
+    try:
+        payload.save(path, tensors, store=True)
+    except OSError as exc:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+        payload.save(path, tensors, store=False)
+        say(f"gpucase: note: the store {shown(path.parent.parent / payload.STORE_DIR)} could "
+            f"not be written ({exc.strerror or exc}): the case holds its tensors itself")
 
 
 def _read_doc(case_dir: Path) -> dict[str, Any] | None:
@@ -397,20 +525,23 @@ def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: s
     """Make ``error`` (the eager replay's failure of a case captured from a compiled model)
     the case's captured failure: its xfail line, summary and ``[origin] error``; the
     compiled model's own error is kept as ``[origin] compiled_error``."""
+    from pytest_gpucase.tools.scrub import capture_text
+
     def change(doc: dict[str, Any]) -> bool:
         origin = doc.setdefault("origin", {})
-        before = str(origin.get("error", ""))
-        origin["compiled_error"] = compiled
-        origin["error"] = error
+        before = _summary_error(str(origin.get("error", "")))
+        origin["compiled_error"] = capture_text(compiled)
+        origin["error"] = cut(capture_text(error), ORIGIN_ERROR_CHARS)
         origin.pop("stderr", None)  # the compiled run's; the eager failure is in the message
         if failure_class is None:
             origin.pop("failure_class", None)
         else:
             origin["failure_class"] = failure_class
+        short = _summary_error(capture_text(error))
         if "xfail" in doc:
-            doc["xfail"] = _xfail_line(error)
+            doc["xfail"] = _xfail_line(short)
         if before and isinstance(doc.get("summary"), str):
-            doc["summary"] = doc["summary"].replace(before, error)
+            doc["summary"] = doc["summary"].replace(before, short)
         return True
 
     _rewrite(case_dir, change)
@@ -419,13 +550,20 @@ def recapture(case_dir: Path, error: str, failure_class: str | None, compiled: s
 def mark_incomplete(case_dir: Path, reason: str) -> None:
     """Add ``reason`` to ``[origin] incomplete`` and drop the xfail line: the case does not
     replay its failure, and ``gpucase validate`` says why."""
+    from pytest_gpucase.tools.scrub import capture_text
+
     def change(doc: dict[str, Any]) -> bool:
         origin = doc.setdefault("origin", {})
-        origin["incomplete"] = [*origin.get("incomplete", []), reason]
+        origin["incomplete"] = [*origin.get("incomplete", []), capture_text(reason)]
         doc.pop("xfail", None)
         return True
 
     _rewrite(case_dir, change)
+
+
+def _summary_error(error: str) -> str:
+    """An ``[origin] error`` as a summary and an xfail line show it (``error_line``'s bound)."""
+    return cut(error, SUMMARY_ERROR_CHARS)
 
 
 def _xfail_line(error: str) -> str:
