@@ -19,13 +19,15 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.base.version import __version__
 
 # What a shell reports for a process killed by SIGPIPE (128 + 13), on every platform.
 EXIT_BROKEN_PIPE = 141
+# Commands that import neither torch nor pytest: a CI matrix's merge job installs neither
+# (docs/ci.md, "A merge job without torch"). tests/test_cli.py runs them without either.
+_WITHOUT_TORCH = frozenset({"matrix", "show", "durations"})
 
 
 def _positive_int(text: str) -> int:
@@ -49,6 +51,13 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _axes(text: str) -> tuple[str, str]:
+    parts = tuple(part.strip() for part in text.split(","))
+    if len(parts) != 2 or not all(parts):
+        raise argparse.ArgumentTypeError(f"expected ROWS,COLUMNS (e.g. rowext,torch), got {text!r}")
+    return parts[0], parts[1]
+
+
 def _parser() -> argparse.ArgumentParser:
     # neither torch nor pytest: cheap, and the one list of formats
     from pytest_gpucase.report.render import RENDERERS
@@ -70,6 +79,19 @@ def _parser() -> argparse.ArgumentParser:
     matrix.add_argument("-o", "--output", type=Path, metavar="FILE",
                         help="write here instead of stdout")
     matrix.add_argument("--detail", action="store_true", help="one row per case x variant")
+    matrix.add_argument("--pivot", type=_axes, metavar="ROWS,COLUMNS",
+                        help="one table per case (and one of all) of two environment axes "
+                        "in version order, e.g. rowext,torch: a package the reports record, or "
+                        "torch, cuda, hip, cudnn, python, backend, gpu, platform, revision "
+                        "(markdown or html)")
+
+    durations = commands.add_parser(
+        "durations", help="item durations from JSON reports, as pytest-split reads them, to "
+        "shard cases across runners (pytest --splits N --group I --durations-path FILE)")
+    durations.add_argument("reports", nargs="+", type=Path, metavar="REPORT",
+                           help="a JSON report written by pytest --gpu-cases-report")
+    durations.add_argument("-o", "--output", type=Path, metavar="FILE",
+                           help="write here (e.g. .test_durations) instead of stdout")
 
     show = commands.add_parser("show", help="a case at a glance")
     show.add_argument("case", type=Path, metavar="CASE", help="the case directory")
@@ -152,9 +174,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (ImportError, ValueError, TypeError) as exc:
         return _error("matrix", f"--plugin: {exc}")
     args = _parser().parse_args(argv)
-    from pytest_gpucase.base.torch_import import import_torch
+    if args.command not in _WITHOUT_TORCH:
+        from pytest_gpucase.base.torch_import import import_torch
 
-    import_torch()
+        import_torch()
     try:
         code = _dispatch(args)
         # Flushed here, so that a reader gone away is met in this try and not at exit.
@@ -184,26 +207,21 @@ def _load_format_plugins(argv: list[str]) -> None:
     modules = [argv[i + 1] for i, arg in enumerate(argv[:-1]) if arg == "--plugin"]
     modules += [arg.removeprefix("--plugin=") for arg in argv if arg.startswith("--plugin=")]
     import importlib
+    from importlib import metadata
 
-    import pluggy
-
-    from pytest_gpucase.plugin import hookspecs
     from pytest_gpucase.report.render import add_renderers
 
-    class Manager(pluggy.PluginManager):
-        # As pytest does: a plugin's hook functions need no @hookimpl marker.
-        def parse_hookimpl_opts(self, plugin: object, name: str) -> Any:
-            found = super().parse_hookimpl_opts(plugin, name)
-            if found is None and name.startswith("pytest_gpucase_"):
-                return {}
-            return found
-
-    manager = Manager("pytest")
-    manager.add_hookspecs(hookspecs)
-    manager.load_setuptools_entrypoints("gpucase")
-    for name in modules:
-        manager.register(importlib.import_module(name), name)
-    add_renderers(manager.hook.pytest_gpucase_report_formats())
+    # The hook as pytest would call it (plugin/hookspecs.py), without pytest or pluggy: a
+    # merge job installs neither. Entry points of the group "gpucase" first, then --plugin.
+    plugins = [entry.load() for entry in metadata.entry_points(group="gpucase")]
+    plugins += [importlib.import_module(name) for name in modules]
+    plugins = list({id(plugin): plugin for plugin in plugins}.values())   # once each
+    found = []
+    for plugin in plugins:
+        hook = getattr(plugin, "pytest_gpucase_report_formats", None)
+        if callable(hook) and (formats := hook()) is not None:
+            found.append(formats)
+    add_renderers(found)
 
 
 def _error(command: str | None, problem: object, code: int = 2) -> int:
@@ -220,6 +238,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     command: str = args.command
     handlers = {
         "matrix": _matrix,
+        "durations": _durations,
         "show": _show,
         "request": _request,
         "validate": _validate,
@@ -241,7 +260,23 @@ def _matrix(args: argparse.Namespace) -> int:
         for error in exc.errors:
             _error(None, error)
         return 2
-    text = RENDERERS[args.format](matrix)
+    if args.pivot is not None:
+        from pytest_gpucase.report.pivot import (
+            PivotError,
+            pivot,
+            render_pivot_html,
+            render_pivot_markdown,
+        )
+
+        pivots = {"markdown": render_pivot_markdown, "html": render_pivot_html}
+        if args.format not in pivots:
+            return _error("matrix", f"--pivot writes markdown or html, not {args.format}")
+        try:
+            text = pivots[args.format](pivot(matrix, *args.pivot))
+        except PivotError as exc:
+            return _error("matrix", exc)
+    else:
+        text = RENDERERS[args.format](matrix)
     if args.output is None:
         sys.stdout.write(text)
         return 0
@@ -251,6 +286,29 @@ def _matrix(args: argparse.Namespace) -> int:
         return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
     print(f"gpucase: wrote {args.output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
           f"environments)")
+    return 0
+
+
+def _durations(args: argparse.Namespace) -> int:
+    import json
+
+    from pytest_gpucase.report.durations import durations
+    from pytest_gpucase.report.file import ReportError, load_report
+
+    loaded = []
+    for path in args.reports:
+        try:
+            loaded.append(load_report(path))
+        except ReportError as exc:
+            return _error(None, exc)
+    text = json.dumps(durations(loaded), indent=2) + "\n"
+    if args.output is None:
+        sys.stdout.write(text)
+        return 0
+    try:
+        args.output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
     return 0
 
 

@@ -359,3 +359,219 @@ def test_runs_do_not_share_their_environment_mapping() -> None:
     first, second = expand(case, CUDA, saved_dtype=None, launch_blocking=True)
     assert first.env is not second.env
     assert first.env == second.env == {"CUDA_LAUNCH_BLOCKING": "1"}
+
+
+# --- Build identity: two builds of one version are two environments -----------------------
+
+from pytest_gpucase.plan.environment import package_build  # noqa: E402
+from pytest_gpucase.report.file import describe_environment  # noqa: E402
+from pytest_gpucase.report.matrix import build_matrix  # noqa: E402
+from tests.extension_builds import install_compiled_distribution  # noqa: E402
+from tests.helpers import environment as runner_environment  # noqa: E402
+from tests.helpers import install_fake_distribution, result  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def two_builds(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """rowext 2.0 built twice (its compiled module's bytes differ), each in its own site."""
+    root = tmp_path_factory.mktemp("builds")
+    first = install_compiled_distribution(root / "a", "rowext", "2.0", factor=1.0)
+    second = install_compiled_distribution(root / "b", "rowext", "2.0", factor=2.0)
+    return first, second
+
+
+def _build_in(site: Path, monkeypatch: pytest.MonkeyPatch, name: str = "rowext") -> dict | None:
+    with monkeypatch.context() as patch:
+        patch.syspath_prepend(str(site))
+        return package_build(name)
+
+
+@pytest.mark.slow   # compiles a real extension module
+def test_two_builds_of_one_version_have_two_fingerprints(
+        two_builds: tuple[Path, Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    first, second = (_build_in(site, monkeypatch) for site in two_builds)
+    assert first is not None and second is not None
+    assert first["fingerprint"] != second["fingerprint"]
+    assert len(first["fingerprint"]) == 12
+    assert first["tag"] == "cp311-cp311-linux_x86_64"
+    assert first["torch"] is None   # a build from source says nothing of the torch it used
+    # read again: the same (cached per sys.path, and stable)
+    assert _build_in(two_builds[0], monkeypatch) == first
+
+
+def test_a_pure_python_distribution_has_no_build(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    site = install_fake_distribution(tmp_path / "site", "tinyext", "1.0", "tinyext")
+    assert _build_in(site, monkeypatch, "tinyext") is None
+    assert package_build("not-installed-anywhere") is None
+
+
+@pytest.mark.slow   # compiles a real extension module
+def test_an_editable_build_is_fingerprinted_from_its_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # RECORD lists no compiled file (an editable install): the files under the package are read
+    first = install_compiled_distribution(tmp_path / "a", "rowedit", "1.0", record=False)
+    second = install_compiled_distribution(tmp_path / "b", "rowedit", "1.0", factor=3.0,
+                                           record=False)
+    found = [_build_in(site, monkeypatch, "rowedit") for site in (first, second)]
+    assert all(build is not None for build in found)
+    assert found[0]["fingerprint"] != found[1]["fingerprint"]
+
+
+@pytest.mark.slow   # compiles a real extension module
+@pytest.mark.parametrize(("requires", "version", "expected"), [
+    ("torch==2.13.0", "2.0", "2.13.0"),
+    ("torch>=2.1", "2.0", None),              # a range says nothing of the build's torch
+    ("", "2.1.2+pt21cu121", "2.1"),           # PyG's local labels
+    ("", "2.0+pt213cpu", "2.13"),
+    ("", "2.6.3+cu123torch2.4cxx11abiFALSE", "2.4"),
+    ("", "1.0+pt113cu117", "1.13"),
+    ("", "1.0+opt2", None),                   # no "pt" label: a word that holds the letters
+    ("", "1.0+pt2", None),                    # no minor version: any 2.x
+])
+def test_the_torch_a_build_was_made_for_is_read_where_it_says_so(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, requires: str, version: str,
+        expected: str | None) -> None:
+    site = install_compiled_distribution(tmp_path / "site", "rowpin", version, requires=requires)
+    build = _build_in(site, monkeypatch, "rowpin")
+    assert build is not None and build["torch"] == expected
+
+
+def _report(env: dict, outcome: str, created: str) -> dict:
+    return {"schema": "pytest-gpucase/report", "version": 1, "created": created,
+            "environment": env, "complete": True,
+            "results": [result("rowcase", "cpu", "float32", outcome,
+                               message=None if outcome == "passed" else "outputs differ")]}
+
+
+def test_two_builds_of_one_version_are_two_columns_never_a_flaky_one() -> None:
+    """Two builds of rowext 2.0 (one made for torch 2.9.1, loaded into 2.13) shared one
+    column because only the version was recorded: the working build read as flaky or
+    failing, whatever the order of the reports."""
+    good = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                              builds={"rowext": {"fingerprint": "aaaaaaaaaaaa",
+                                                 "tag": None, "torch": "2.13"}})
+    bad = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                             builds={"rowext": {"fingerprint": "bbbbbbbbbbbb",
+                                                "tag": None, "torch": "2.9"}})
+    for order in ((good, bad), (bad, good)):
+        reports = [_report(env, "passed" if env is good else "failed",
+                           f"2026-12-0{n + 1}T10:00:00+00:00") for n, env in enumerate(order)]
+        matrix = build_matrix(reports, detail=False, names=["one.json", "two.json"])
+        assert len(matrix.columns) == 2
+        by_label = {column.label: cell.status
+                    for column, cell in zip(matrix.columns, matrix.rows[0].cells, strict=True)}
+        assert by_label == {"rowext 2.0 (build aaaaaaaaaaaa, for torch 2.13)": "pass",
+                            "rowext 2.0 (build bbbbbbbbbbbb, for torch 2.9)": "fail"}
+    assert "rowext 2.0 (build aaaaaaaaaaaa, for torch 2.13)" in describe_environment(good)
+
+
+def test_a_report_without_builds_joins_the_one_column_its_version_fits() -> None:
+    # reports written before builds were recorded: same version, no build -> one column
+    old = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"})
+    new = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                             builds={"rowext": {"fingerprint": "aaaaaaaaaaaa", "tag": None,
+                                                "torch": None}})
+    reports = [_report(old, "passed", "2026-12-01T10:00:00+00:00"),
+               _report(new, "passed", "2026-12-02T10:00:00+00:00")]
+    matrix = build_matrix(reports, detail=False, names=["old.json", "new.json"])
+    assert len(matrix.columns) == 1
+    assert matrix.columns[0].environment["builds"]["rowext"]["fingerprint"] == "aaaaaaaaaaaa"
+
+
+# --- The pivot: extension x torch, in version order ---------------------------------------
+
+from pytest_gpucase.report.pivot import (  # noqa: E402
+    PivotError,
+    pivot,
+    render_pivot_html,
+    render_pivot_markdown,
+)
+
+
+def _grid_reports(builds: bool = False) -> list[dict]:
+    """rowext 1.0 fails, 2.0 passes, on torch 2.13.0, 2.9.1 and 2.14.1, given out of order."""
+    reports = []
+    for n, (torch_version, rowext) in enumerate([("2.13.0", "2.0"), ("2.9.1", "10.0"),
+                                                 ("2.14.1", "1.0"), ("2.9.1", "1.0"),
+                                                 ("2.13.0", "1.0"), ("2.14.1", "2.0")]):
+        env = runner_environment(torch_version, None, None, "x", "9.0",
+                                 packages={"rowext": rowext})
+        report = _report(env, "failed" if rowext == "1.0" else "passed",
+                         f"2026-12-01T10:00:0{n}+00:00")
+        reports.append(report)
+    return reports
+
+
+def test_the_pivot_orders_rows_and_columns_by_version() -> None:
+    matrix = build_matrix(_grid_reports(), detail=False)
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("1.0", "2.0", "10.0")        # not "1.0", "10.0", "2.0"
+    assert view.column_values == ("2.9.1", "2.13.0", "2.14.1")
+    text = render_pivot_markdown(view)
+    assert "| rowext \\ torch | **torch 2.9.1** | **torch 2.13.0** | **torch 2.14.1** |" in text
+    assert "| **rowext 1.0** | ❌ cpu: fail[^1] | ❌ cpu: fail[^1] | ❌ cpu: fail[^1] |" in text
+    assert "| **rowext 10.0** | ✅ cpu: pass | — | — |" in text   # no report: no cell
+    assert "| **rowext 2.0** | — | ✅ 1 pass | ✅ 1 pass |" in text   # the all-cases table
+    page = render_pivot_html(pivot(matrix, "torch", "rowext"))
+    assert page.startswith("<!DOCTYPE html>") and "<style>" in page
+    assert "http" not in page.replace("http-equiv", "")   # one self-contained file
+
+
+def test_two_builds_are_two_values_of_their_axis() -> None:
+    env_a = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                               builds={"rowext": {"fingerprint": "aaaaaaaaaaaa", "tag": None,
+                                                  "torch": "2.13"}})
+    env_b = runner_environment("2.13.0", None, None, "x", "9.0", packages={"rowext": "2.0"},
+                               builds={"rowext": {"fingerprint": "bbbbbbbbbbbb", "tag": None,
+                                                  "torch": "2.9"}})
+    matrix = build_matrix([_report(env_a, "passed", "2026-12-01T10:00:00+00:00"),
+                           _report(env_b, "failed", "2026-12-01T10:00:01+00:00")], detail=False)
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("2.0 (build aaaaaaaaaaaa, for torch 2.13)",
+                               "2.0 (build bbbbbbbbbbbb, for torch 2.9)")
+
+
+def test_an_axis_no_report_records_is_named_with_the_axes_there_are() -> None:
+    matrix = build_matrix(_grid_reports(), detail=False)
+    with pytest.raises(PivotError, match=r"no report records 'torh'; axes: torch, .*rowext"):
+        pivot(matrix, "rowext", "torh")
+
+
+def test_the_packages_a_case_file_imports_are_its_call_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """call = "case.py:run" whose case.py imports the extension recorded no package: its
+    builds could not tell two columns apart."""
+    from pytest_gpucase.plan.environment import call_distributions
+
+    site = install_fake_distribution(tmp_path / "site", "Tiny-Ext", "1.0", "tinyext")
+    monkeypatch.syspath_prepend(str(site))
+    case = tmp_path / "case"
+    case.mkdir()
+    (case / "case.py").write_text("from __future__ import annotations\nimport json\n"
+                                  "import torch\n\ndef run(x):\n    import tinyext.ops\n"
+                                  "    from . import helper\n    return x\n")
+    assert call_distributions("case.py:run", case) == ("Tiny-Ext",)
+    assert call_distributions("case.py:run") == ()           # no folder to read it from
+    assert call_distributions("missing.py:run", case) == ()
+    (case / "broken.py").write_text("def run(:\n")
+    assert call_distributions("broken.py:run", case) == ()   # the run says what is wrong
+
+
+def test_each_torch_with_its_own_build_is_no_news_in_a_label_or_a_pivot() -> None:
+    """Every torch gets its own build of rowext 2.0 (the usual matrix): torch tells the
+    columns apart, so neither the labels nor the pivot name the builds."""
+    reports = []
+    for n, (torch_version, fingerprint) in enumerate([("2.13.0", "aaaaaaaaaaaa"),
+                                                      ("2.9.1", "bbbbbbbbbbbb")]):
+        env = runner_environment(torch_version, None, None, "x", "9.0",
+                                 packages={"rowext": "2.0"},
+                                 builds={"rowext": {"fingerprint": fingerprint, "tag": None,
+                                                    "torch": None}})
+        reports.append(_report(env, "passed", f"2026-12-01T10:00:0{n}+00:00"))
+    matrix = build_matrix(reports, detail=False)
+    assert [c.label for c in matrix.columns] == ["torch 2.13.0 · rowext 2.0",
+                                                 "torch 2.9.1 · rowext 2.0"]
+    view = pivot(matrix, "rowext", "torch")
+    assert view.row_values == ("2.0",)
+    assert view.column_values == ("2.9.1", "2.13.0")

@@ -74,9 +74,10 @@ def test_raises_case_passes_and_cuda_is_skipped_with_reason(
     result = pytester.runpytest_subprocess("--gpu-cases", "-rs", "-v", "cases")
     result.assert_outcomes(passed=1, skipped=1)
     result.stdout.fnmatch_lines([
-        "gpucase: cpu backend · torch * · Python * · no accelerator*",
+        # "cpu backend" on a CPU wheel; "cuda backend · ... CUDA 12.8" on a CUDA one
+        "gpucase: * backend · torch * · Python * · no accelerator*",
         "cases/ce_class4/case.toml::ce_class4[[]cpu-float32[]] PASSED*",
-        "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (cpu backend): a CPU "
+        "SKIPPED [[]1[]] cases/ce_class4/case.toml: no CUDA device here (* backend): a CPU "
         "pass is a hint, not CUDA validation; run it on a GPU runner",
     ])
 
@@ -300,7 +301,7 @@ def test_gpu_case_run_skips_where_the_run_cannot_happen(pytester: pytest.Pyteste
     result.assert_outcomes(skipped=2, passed=1)
     result.stdout.fnmatch_lines([
         "SKIPPED [[]1[]] test_wrap.py:3: requires gpucase-absent-ext>=2.0; not installed",
-        "SKIPPED [[]1[]] test_wrap.py:7: no CUDA device here (cpu backend): a CPU pass is a hint, "
+        "SKIPPED [[]1[]] test_wrap.py:7: no CUDA device here (* backend): a CPU pass is a hint, "
         "not CUDA validation; run it on a GPU runner",
     ])
 

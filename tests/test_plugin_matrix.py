@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -42,7 +43,8 @@ def test_gpu_requires_marker(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines_random([
         "SKIPPED [[]1[]] test_req.py:7: requires torch>=99; found *",
         "SKIPPED [[]1[]] test_req.py:11: requires flash-attn>=2.5; not installed",
-        "SKIPPED [[]1[]] test_req.py:15: requires backend rocm; this is a CPU-only build",
+        # "a CPU-only build" on a CPU wheel, "a CUDA build" on a CUDA wheel
+        "SKIPPED [[]1[]] test_req.py:15: requires backend rocm; this is a * build",
     ])
 
 
@@ -659,3 +661,299 @@ def test_a_report_another_writer_changed_is_not_written_over(pytester: pytest.Py
     result.stdout.fnmatch_lines([f"gpucase: another writer changed the JSON report {report} "
                                  "while this session ran*"])
     assert json.loads(report.read_text()) == {"written by": "another session"}
+
+
+def test_two_builds_of_one_extension_version_are_two_columns(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rowext 2.0 built twice, one build wrong: each session records its build, and the
+    merged matrix has two columns labelled by build, one passing and one failing, instead
+    of one column where the working build reads as failing or flaky."""
+    import torch
+
+    from pytest_gpucase.report.matrix import build_matrix
+    from tests.extension_builds import install_compiled_distribution
+
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    write_case(pytester.path, "rowcase", 'format = 1\ncall = "rowext:pool"\n'
+               'reference = "case.py:reference"\n[matrix]\ndevices = ["cpu"]\n'
+               'dtypes = ["float32"]\n',
+               "def reference(x, mask):\n    return x\n", inputs)
+    reports = []
+    for name, factor in (("good", 1.0), ("bad", 2.0)):
+        site = install_compiled_distribution(pytester.path / f"site-{name}", "rowext", "2.0",
+                                             factor=factor)
+        # the site first, then this checkout (what the session imports gpucase from)
+        monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+            [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+        report = run_with_report(pytester, "-p", "no:benchmark")
+        (pytester.path / "report.json").rename(pytester.path / f"{name}.json")
+        assert report["environment"]["packages"] == {"rowext": "2.0"}
+        assert len(report["environment"]["builds"]["rowext"]["fingerprint"]) == 12
+        assert [r["outcome"] for r in report["results"]] == (
+            ["passed"] if factor == 1.0 else ["failed"])
+        reports.append(report)
+    fingerprints = [r["environment"]["builds"]["rowext"]["fingerprint"] for r in reports]
+    assert fingerprints[0] != fingerprints[1]
+    matrix = build_matrix(reports, detail=False, names=["good.json", "bad.json"])
+    assert [column.label for column in matrix.columns] == [
+        f"rowext 2.0 (build {fingerprint})" for fingerprint in fingerprints]
+    assert [cell.status for cell in matrix.rows[0].cells] == ["pass", "fail"]
+
+
+def test_a_loader_error_is_told_in_its_own_words_and_is_no_broken_case(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An extension built for another torch raised "undefined symbol: _ZN5torch..." at
+    import; the one-line message said only "importing 'rowext' failed", the outcome was a
+    broken case blaming the case, and triage was null."""
+    import torch
+
+    from tests.extension_builds import install_compiled_distribution
+
+    site = pytester.path / "site"
+    install_compiled_distribution(site, "rowabi", "2.0", defines=("NEEDS_TORCH_SYMBOL",),
+                                  requires="torch==2.9.1")
+    install_compiled_distribution(site, "rowlib", "1.0", defines=("NEEDS_LIBRARY",))
+    (site / "rowops.py").write_text("import torch\n\ndef pool(x, mask):\n"
+                                    "    return torch.ops.rowops.logsumexp(x)\n")
+    inputs = {"x": torch.ones(2, 3), "mask": torch.ones(2, dtype=torch.bool)}
+    for name in ("rowabi", "rowlib", "rowops"):
+        write_case(pytester.path, name, f'format = 1\ncall = "{name}:pool"\n[matrix]\n'
+                   'devices = ["cpu"]\ndtypes = ["float32"]\n', None, inputs)
+    # a case whose own file imports the extension
+    write_case(pytester.path, "fileabi", 'format = 1\ncall = "case.py:pool"\n[matrix]\n'
+               'devices = ["cpu"]\ndtypes = ["float32"]\n',
+               "import rowabi\n\ndef pool(x, mask):\n    return rowabi.pool(x, mask)\n", inputs)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    report = run_with_report(pytester, "-p", "no:benchmark")
+    results = {r["case"]: r for r in report["results"]}
+    here = torch.__version__
+    abi = results["rowabi"]
+    assert abi["outcome"] == "failed"
+    assert abi["error_type"] == "ImportError"
+    assert abi["message"].startswith("cases/rowabi/case.toml: call: importing 'rowabi' failed: ")
+    assert "undefined symbol: _ZN5torch7Library4_defEPKc" in abi["message"]
+    assert abi["message"].endswith(f"(torch {here} here, rowabi 2.0 built for torch 2.9.1)")
+    assert abi["triage"]["clue"] == "extension built for another torch or CUDA"
+    assert "Do not call the case broken" in abi["triage"]["avoid"]
+    assert (f"rebuild rowabi 2.0 against torch {here}, the torch it runs with here (it was "
+            "built for torch 2.9.1)") in abi["triage"]["notes"]
+    from_file = results["fileabi"]
+    assert from_file["message"].startswith(
+        "cases/fileabi/case.toml: call: importing 'case.py' failed: ")
+    assert from_file["message"].endswith(f"(torch {here} here, rowabi 2.0 built for torch 2.9.1)")
+    assert from_file["triage"]["clue"] == "extension built for another torch or CUDA"
+    assert report["environment"]["builds"]["rowabi"]["torch"] == "2.9.1"
+    lib = results["rowlib"]
+    assert "libgpucase_missing.so: cannot open shared object file" in lib["message"]
+    assert lib["triage"]["clue"] == "shared library not found"
+    assert "the loader could not find libgpucase_missing.so" in lib["triage"]["notes"]
+    ops = results["rowops"]
+    assert "'_OpNamespace' 'rowops' object has no attribute 'logsumexp'" in ops["message"]
+    assert ops["triage"]["clue"] == "operator not available"
+    # and the step summary / junit message is the same one line: the report's "message"
+    assert all("\n" not in r["message"] for r in results.values())
+
+
+def test_a_demanded_package_missing_or_out_of_range_fails_the_session_at_start(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without rowext installed every case skipped and the job passed: a missing extension
+    gated green. --gpu-require (or the ini's gpu_require) fails the session before anything
+    runs, in one line naming the package, as --gpu-devices does for a device."""
+    import torch
+
+    site = install_fake_distribution(pytester.path / "site", "tinyext", "1.0", "tinyext")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [str(site), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    write_case(pytester.path, "declared", 'format = 1\ncall = "rowext:pool"\n[matrix]\n'
+               'devices = ["cpu"]\n[matrix.packages]\nrowext = ">=2"\n', None,
+               {"x": torch.ones(2)})
+    # what passed before: every case skipped, exit 0
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(skipped=1)
+    assert result.ret == 0
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-require", "rowext", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require rowext: rowext is not installed in this "
+                                 "environment (Python at *); install it, or leave it out where "
+                                 "it is not expected"])
+    assert "collected" not in result.stdout.str()
+    # from the ini, as a TOML list; a range the installed version is outside of
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ngpu_require = ["tinyext>=2,<3"]\n')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require tinyext>=2,<3: tinyext 1.0 is installed, "
+                                 "outside <3,>=2 (Python at *)"])
+    # met: the session runs (its case skips as before: the demand is for tinyext)
+    pytester.makepyprojecttoml('[tool.pytest.ini_options]\ngpu_require = ["tinyext>=1", '
+                               '"torch>=2"]\n')
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases")
+    result.assert_outcomes(skipped=1)
+    # a typo is named with the fix
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-require", "rowext>=>2", "cases")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    result.stderr.fnmatch_lines(["ERROR: --gpu-require: 'rowext>=>2' is not a requirement *"])
+
+
+@pytest.mark.slow
+def test_matrix_and_show_run_in_an_environment_without_torch_or_pytest(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The merge job of a CI matrix installed torch and its CUDA libraries (about 3 GB) to
+    merge JSON files: `gpucase matrix` imported torch and pytest at start, and printed a
+    traceback without them. In a venv holding only this package and packaging (the light
+    install of docs/ci.md), matrix and show --report work, and print what they print with
+    torch."""
+    import packaging
+
+    import pytest_gpucase
+    from pytest_gpucase.cli import main
+    from tests.helpers import environment, report_file, result
+
+    venv = tmp_path / "merge-venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    site = Path(subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig."
+                                "get_paths()['purelib'])"], capture_output=True, text=True,
+                               check=True).stdout.strip())
+    (site / "packaging").symlink_to(Path(packaging.__file__).parent)
+    (site / "gpucase-source.pth").write_text(str(Path(pytest_gpucase.__file__).parents[1]) + "\n")
+    missing = subprocess.run([str(python), "-c", "import torch"], capture_output=True, text=True)
+    assert "No module named 'torch'" in missing.stderr
+    missing = subprocess.run([str(python), "-c", "import pytest"], capture_output=True, text=True)
+    assert "No module named 'pytest'" in missing.stderr
+    reports = []
+    for n, (torch_version, rowext) in enumerate([("2.13.0", "2.0"), ("2.9.1", "1.0"),
+                                                 ("2.9.1", "2.0"), ("2.13.0", "1.0")]):
+        env = environment(torch_version, None, None, "x", "9.0", packages={"rowext": rowext})
+        outcomes = ["passed", "failed" if rowext == "1.0" else "passed"]
+        reports.append(report_file(tmp_path / f"r{n}.json", env, [
+            result(f"case{i}", "cpu", "float32", outcome, message="outputs differ")
+            for i, outcome in enumerate(outcomes)]))
+    args = ["matrix", *map(str, reports)]
+    start = time.monotonic()
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args],
+                          capture_output=True, text=True, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    assert done.returncode == 0, done.stderr
+    assert main(args) == 0
+    assert done.stdout == capsys.readouterr().out   # the same matrix as with torch
+    assert seconds < 10, f"gpucase matrix without torch took {seconds:.1f} s"
+    html = tmp_path / "matrix.html"
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args, "--format", "html",
+                           "-o", str(html)], capture_output=True, text=True, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr
+    assert html.read_text().startswith("<!DOCTYPE html>")
+    for extra in (["--pivot", "rowext,torch"], ["--pivot", "rowext,torch", "--format", "html"]):
+        done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", *args, *extra],
+                              capture_output=True, text=True, cwd=tmp_path)
+        assert done.returncode == 0, done.stderr
+    assert "| **rowext 1.0** | ✅ 1 pass · ❌ 1 fail | ✅ 1 pass · ❌ 1 fail |" in subprocess.run(
+        [str(python), "-m", "pytest_gpucase.cli", *args, "--pivot", "rowext,torch"],
+        capture_output=True, text=True, check=True).stdout
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", "durations",
+                           str(reports[0])], capture_output=True, text=True)
+    assert done.returncode == 0 and json.loads(done.stdout), done.stderr
+    case = Path(pytest_gpucase.__file__).parents[1] / "cases" / "ce_class4"
+    done = subprocess.run([str(python), "-m", "pytest_gpucase.cli", "show", str(case),
+                           "--report", str(reports[0])], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "no verdict of this case in the report" in done.stdout
+
+
+_WORKFLOW = Path(__file__).parents[1] / "examples" / "ci" / "extension-matrix.yml"
+
+
+def test_the_documented_workflow_is_the_example_and_shows_every_red_cell() -> None:
+    """docs/ci.md's workflow cancelled the other cells at the first red one, never uploaded
+    a failing job's report, had no torch axis and built extensions in pip's isolation."""
+    yaml = pytest.importorskip("yaml", reason="needs PyYAML to read the workflow")
+    text = _WORKFLOW.read_text()
+    docs = (Path(__file__).parents[1] / "docs" / "ci.md").read_text()
+    assert f"```yaml\n{text}```" in docs   # the page shows the file a test checks
+    workflow = yaml.safe_load(text)
+    cases, merge = workflow["jobs"]["cases"], workflow["jobs"]["matrix"]
+    assert cases["strategy"]["fail-fast"] is False
+    assert "torch" in cases["strategy"]["matrix"]
+    runs = [step.get("run", "") for step in cases["steps"]]
+    assert any("--no-build-isolation" in run for run in runs)
+    assert any("--gpu-require" in run and "--gpu-cases-report" in run for run in runs)
+    upload = next(step for step in cases["steps"]
+                  if step.get("uses", "").startswith("actions/upload-artifact"))
+    assert upload["if"] == "${{ !cancelled() }}"
+    assert merge["if"] == "${{ !cancelled() }}"
+    merge_runs = " ".join(step.get("run", "") for step in merge["steps"])
+    assert "pip install --no-deps pytest-gpucase packaging" in merge_runs
+    assert "torch" not in merge_runs.replace("--pivot rowext,torch", "")
+    assert '>> "$GITHUB_STEP_SUMMARY"' in merge_runs
+    assert any(step.get("with", {}).get("path") == "matrix.html" for step in merge["steps"])
+
+
+@pytest.mark.slow
+def test_the_example_workflow_passes_githubs_workflow_schema() -> None:
+    import shutil
+
+    checker = shutil.which("check-jsonschema")
+    if checker is None:
+        pytest.skip("needs check-jsonschema (pip install check-jsonschema): it vendors "
+                    "GitHub's workflow schema and checks offline")
+    done = subprocess.run([checker, "--builtin-schema", "vendor.github-workflows",
+                           str(_WORKFLOW)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_shards_split_by_recorded_durations_merge_into_one_column(
+        pytester: pytest.Pytester) -> None:
+    """The reports hold every item's duration: `gpucase durations` writes them as
+    pytest-split reads them, the shards take about equal time (the slow case alone in one),
+    and their reports merge into one column holding every item once."""
+    pytest.importorskip("pytest_split", reason="needs pytest-split (pip install pytest-split)")
+    from pytest_gpucase.cli import main
+    from pytest_gpucase.report.matrix import build_matrix
+
+    for name, seconds in (("slow", 1.5), ("a", 0.0), ("b", 0.0), ("c", 0.0)):
+        write_case(pytester.path, name, f'format = 1\ncall = "case.py:run"\n'
+                   f'reference = "case.py:run"\n[inputs]\nseconds = {seconds}\n'
+                   '[matrix]\ndevices = ["cpu"]\ndtypes = ["float32"]\n',
+                   "import time\nimport torch\n\ndef run(seconds):\n"
+                   "    time.sleep(seconds / 2)\n    return torch.zeros(1)\n")
+    whole = run_with_report(pytester, "-p", "no:benchmark")
+    assert len(whole["results"]) == 4
+    durations_file = pytester.path / ".test_durations"
+    assert main(["durations", str(pytester.path / "report.json"), "-o",
+                 str(durations_file)]) == 0
+    recorded = json.loads(durations_file.read_text())
+    assert set(recorded) == {r["nodeid"] for r in whole["results"]}
+    shards = []
+    for group in (1, 2):
+        report = run_with_report(pytester, "-p", "no:benchmark", "--splits", "2", "--group",
+                                 str(group), "--durations-path", str(durations_file),
+                                 "--splitting-algorithm", "least_duration")
+        shards.append(report)
+    names = [{r["case"] for r in shard["results"]} for shard in shards]
+    assert sorted(names, key=len) == [{"slow"}, {"a", "b", "c"}]   # by time, not by count
+    matrix = build_matrix(shards, detail=False, names=["shard-1.json", "shard-2.json"])
+    assert len(matrix.columns) == 1
+    assert sorted(row.case for row in matrix.rows) == ["a", "b", "c", "slow"]
+    assert all(row.cells[0].status == "pass" for row in matrix.rows)
+
+
+@pytest.mark.slow
+def test_the_noxfile_example_has_a_session_per_torch_and_extension_pair() -> None:
+    """examples/nox/noxfile.py (docs/ci.md, "Environments with nox"), as nox reads it: one
+    cases session per torch × extension version, then the merge. The whole file was run
+    on this project's machine with two source builds (docs/ci.md says what it printed)."""
+    import shutil
+
+    nox = shutil.which("nox")
+    if nox is None:
+        pytest.skip("needs nox (pip install nox) to read the example noxfile")
+    noxfile = Path(__file__).parents[1] / "examples" / "nox" / "noxfile.py"
+    done = subprocess.run([nox, "-f", str(noxfile), "--list", "--json"], capture_output=True,
+                          text=True, timeout=120, check=True)
+    sessions = json.loads(done.stdout)
+    pairs = {(s["call_spec"]["torch"], s["call_spec"]["rowext"]) for s in sessions
+             if s["name"] == "cases"}
+    assert pairs == {(t, e) for t in ("2.9.1", "2.13.0") for e in ("1.0", "2.0")}
+    assert sessions[-1]["name"] == "matrix"
+    source = noxfile.read_text()
+    assert '"--no-build-isolation"' in source and "--gpu-require" in source

@@ -290,6 +290,7 @@ def _big_model_failure(tmp_path: Path, checkpoint: Path | None) -> Path:
     model = model_targets.TinyLM(vocab=64, dim=16)
     if checkpoint is not None:
         if checkpoint.suffix == ".safetensors":
+            pytest.importorskip("numpy", reason="safetensors.torch.save_file needs numpy")
             save_file(model.state_dict(), str(checkpoint))
         else:
             torch.save(model.state_dict(), checkpoint)
@@ -330,6 +331,7 @@ def test_a_state_above_the_limit_without_its_checkpoint_is_incomplete(tmp_path: 
 
 
 def test_a_checkpoint_of_another_model_state_is_not_referenced(tmp_path: Path) -> None:
+    pytest.importorskip("numpy", reason="safetensors.torch.save_file needs numpy")
     checkpoint = tmp_path / "old.safetensors"
     torch.manual_seed(1)
     save_file(model_targets.TinyLM(vocab=64, dim=16).state_dict(), str(checkpoint))

@@ -189,7 +189,7 @@ def test_a_device_asked_for_on_the_command_line_and_missing_fails_the_run(
     result.assert_outcomes(skipped=1, passed=1 if "cpu,cuda" in args else 0)
     assert result.ret == pytest.ExitCode.TESTS_FAILED
     result.stdout.fnmatch_lines(["gpucase: --gpu-devices asked for cuda, which this machine does "
-                                 "not have (cpu backend, torch *): its 1 item was skipped, so "
+                                 "not have (* backend, torch *): its 1 item was skipped, so "
                                  "nothing ran on cuda. The run fails: check the runner's driver "
                                  "and torch build, or leave cuda out of --gpu-devices where none "
                                  "is expected"])

@@ -987,3 +987,96 @@ def test_only_the_start_and_end_of_a_long_text_are_read() -> None:
     assert len(text) < 2 * SCANNED + 100
     found = triage("RuntimeError", "", noise + "\nRuntimeError: CUDA error: device-side assert triggered\n")
     assert found is not None and found.clue == "device-side assert"
+
+
+# --- The loader's refusals: an extension built for another torch, CUDA or C++ runtime -----
+
+from pathlib import Path  # noqa: E402
+
+from pytest_gpucase.verdict.triage import failure_class, loader_words  # noqa: E402
+from tests.extension_builds import compile_extension  # noqa: E402
+
+# Real texts, verbatim from user reports (the first two from the PyTorch and flash-attn
+# trackers), for loaders this machine cannot produce.
+LOADER_TEXTS = {
+    "abi-mismatch": [
+        "/usr/local/lib/python3.10/dist-packages/flash_attn_2_cuda.cpython-310-x86_64-linux-gnu.so: undefined symbol: _ZN3c104cuda9SetDeviceEi",
+        "/opt/conda/lib/python3.11/site-packages/torch_scatter/_scatter_cuda.so: undefined symbol: _ZNK3c1010TensorImpl36is_contiguous_nondefault_policy_implENS_12MemoryFormatE",
+        "dlopen(/Users/me/venv/lib/python3.11/site-packages/rowext/_C.cpython-311-darwin.so, 0x0002): symbol not found in flat namespace '__ZN3c1017RegisterOperatorsD1Ev'",
+        "DLL load failed while importing _C: The specified procedure could not be found.",
+    ],
+    "library-missing": [
+        "libcudart.so.11.0: cannot open shared object file: No such file or directory",
+        "libc10.so: cannot open shared object file: No such file or directory",
+        "DLL load failed while importing _C: The specified module could not be found.",
+    ],
+    "runtime-too-old": [
+        "/opt/conda/lib/libstdc++.so.6: version `GLIBCXX_3.4.30' not found (required by /usr/lib/python3/dist-packages/rowext/_C.cpython-311-x86_64-linux-gnu.so)",
+        "/lib/x86_64-linux-gnu/libc.so.6: version `GLIBC_2.32' not found (required by /home/u/.local/lib/python3.10/site-packages/xformers/_C.so)",
+    ],
+}
+
+
+@pytest.mark.parametrize(("kind", "text"), [(kind, text) for kind, texts in LOADER_TEXTS.items()
+                                           for text in texts])
+def test_loader_refusals_are_classed_and_quoted(kind: str, text: str) -> None:
+    assert failure_class("ImportError", text) == kind
+    found = triage("ImportError", text)
+    assert found is not None and "reinstall everything" not in found.first_check
+    assert loader_words(f"Traceback ...\nImportError: {text}\n") == f"ImportError: {text}"
+
+
+def _import_error(folder: Path, defines: tuple[str, ...]) -> str:
+    """The text of the ImportError the real loader raises for a real extension module."""
+    import importlib.util
+
+    compiled = compile_extension(folder, defines=defines)
+    spec = importlib.util.spec_from_file_location("_C", compiled)
+    assert spec is not None and spec.loader is not None
+    with pytest.raises(ImportError) as raised:
+        spec.loader.exec_module(importlib.util.module_from_spec(spec))
+    return str(raised.value)
+
+
+@pytest.mark.slow   # compiles a real extension module
+def test_a_real_undefined_torch_symbol(tmp_path: Path) -> None:
+    text = _import_error(tmp_path, ("NEEDS_TORCH_SYMBOL",))
+    assert "undefined symbol: _ZN5torch7Library4_defEPKc" in text   # glibc's own words
+    message = f"{text} (torch 2.13.0 here, rowext 2.0 built for torch 2.9.1)"
+    found = triage("ImportError", message)
+    assert found is not None
+    assert found.clue == "extension built for another torch or CUDA"
+    assert found.notes[0] == ("rebuild rowext 2.0 against torch 2.13.0, the torch it runs "
+                              "with here (it was built for torch 2.9.1)")
+    assert "_ZN5torch7Library4_defEPKc is torch's own C++ API" in found.render()
+    assert loader_words(message) == message
+
+
+@pytest.mark.slow   # compiles a real extension module
+def test_a_real_missing_library(tmp_path: Path) -> None:
+    text = _import_error(tmp_path, ("NEEDS_LIBRARY",))
+    assert text == "libgpucase_missing.so: cannot open shared object file: No such file or directory"
+    found = triage("ImportError", text)
+    assert found is not None and found.clue == "shared library not found"
+    assert "the loader could not find libgpucase_missing.so" in found.notes
+
+
+def test_a_cuda_library_names_the_cuda_the_build_wanted() -> None:
+    found = triage("OSError", "libcudart.so.12: cannot open shared object file: No such file")
+    assert found is not None and "libcudart.so.12: the extension was built for CUDA 12" in found.notes
+
+
+@pytest.mark.parametrize("text", [
+    "'_OpNamespace' 'rowext' object has no attribute 'logsumexp'",
+    "No such operator rowext::logsumexp",
+    "Could not run 'rowext::logsumexp' with arguments from the 'CUDA' backend. This could be because the operator doesn't exist for this backend, or was omitted during the selective/custom build process (if using custom build).",
+])
+def test_an_operator_the_extension_does_not_provide(text: str) -> None:
+    found = triage("RuntimeError", text)
+    assert found is not None and found.clue == "operator not available"
+    assert loader_words(text) is None   # the import worked: no loader refusal
+
+
+def test_other_import_failures_are_not_the_loaders() -> None:
+    assert loader_words("No module named 'rowext'") is None
+    assert loader_words("cannot import name 'pool' from 'rowext'") is None

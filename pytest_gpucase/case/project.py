@@ -30,8 +30,6 @@ from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import iniconfig
-
 from pytest_gpucase.base.files import read_regular, stat_signature
 from pytest_gpucase.case.model import MAX_CONFIG_BYTES, is_case_dir
 
@@ -68,7 +66,14 @@ def _pyproject(path: Path) -> Any:
 
 def _ini(section: str, always: bool = False) -> Callable[[Path], Any]:
     def load(path: Path) -> Any:
-        config = iniconfig.IniConfig(str(path), _text(path))
+        # Imported here: ``gpucase show`` reads cases where pytest (and iniconfig, which comes
+        # with it) is not installed, and finds no ini file to parse in most projects.
+        import iniconfig
+
+        try:
+            config = iniconfig.IniConfig(str(path), _text(path))
+        except iniconfig.ParseError as exc:
+            raise ValueError(str(exc)) from exc
         if section in config:
             return dict(config[section].items())
         return {} if always else None
@@ -117,7 +122,7 @@ def _config(start: Path) -> tuple[Path, dict[str, Any]] | None:
             else:
                 try:
                     table = load(Path(file))
-                except (OSError, ValueError, RecursionError, iniconfig.ParseError):
+                except (OSError, ValueError, RecursionError):   # an ini's ParseError too
                     continue  # pytest itself will name the broken file when it runs
                 _READ[file] = (signature, table)
             if isinstance(table, dict):

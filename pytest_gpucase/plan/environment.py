@@ -13,6 +13,7 @@ PyTorch" apart from "Is CUDA available".
 from __future__ import annotations
 
 import functools
+import os
 import platform as _platform
 import re
 import subprocess
@@ -26,8 +27,8 @@ from typing import Any
 from pytest_gpucase.base import backends
 from pytest_gpucase.base.results import result_type
 
-__all__ = ["Device", "Environment", "call_distributions", "canonical_name", "dnn_library",
-           "git_revision", "package_version", "probe_here"]
+__all__ = ["Device", "Environment", "build_label", "call_distributions", "canonical_name",
+           "dnn_library", "git_revision", "package_build", "package_version", "probe_here"]
 
 
 @result_type   # the probe's child sends it back (isolation.wire)
@@ -57,6 +58,9 @@ class Environment:
     platform: str = f"{_platform.system()}-{_platform.machine()}"
     packages: Mapping[str, str | None] = field(default_factory=dict)
     revision: str | None = None
+    # For a package of ``packages`` with compiled files: what tells its build from another
+    # build of the same version (``package_build``); absent for a pure-Python one.
+    builds: Mapping[str, Mapping[str, str | None]] = field(default_factory=dict)
 
     def header(self) -> str:
         """One line for the pytest header, as a PyTorch engineer reads it.
@@ -84,6 +88,21 @@ class Environment:
         if self.revision:
             parts.append(f"rev {self.revision}")
         return "gpucase: " + " · ".join(parts)
+
+    def with_packages(self, names: Iterable[str]) -> Environment:
+        """The snapshot with ``names`` looked up too: each one's version and, for one with
+        compiled files, its build (``package_build``); names already known are not read
+        again."""
+        from dataclasses import replace
+
+        missing = [name for name in dict.fromkeys(names) if name not in self.packages]
+        if not missing:
+            return self
+        versions = {name: package_version(name) for name in missing}
+        builds = {name: found for name in missing
+                  if versions[name] is not None and (found := package_build(name)) is not None}
+        return replace(self, packages={**self.packages, **versions},
+                       builds={**self.builds, **builds})
 
     def to_dict(self) -> dict[str, Any]:
         """The snapshot as plain JSON data (the ``environment`` of a JSON report)."""
@@ -147,9 +166,8 @@ def probe_here(packages: Iterable[str] = (), rootdir: str | None = None) -> Envi
         hip=hip,
         cudnn=_cudnn_version() if backends.dnn_name(backend) else None,
         python=_platform.python_version(),
-        packages={name: package_version(name) for name in sorted(set(packages))},
         revision=git_revision(rootdir),
-    )
+    ).with_packages(sorted(set(packages)))
 
 
 def _cudnn_version() -> str | None:
@@ -178,6 +196,162 @@ def package_version(name: str) -> str | None:
         return None
 
 
+# A compiled file of a distribution: an extension module or a shared library it ships.
+_COMPILED = re.compile(r"\.(?:so|pyd|dylib|dll)(?:\.[0-9]{1,6}){0,4}\Z", re.IGNORECASE)
+_ENDS = 1 << 20       # bytes hashed from each end of a compiled file that RECORD has no hash for
+_MAX_WALK = 20_000    # files looked at under an editable install's package folder
+# The torch a build names in its version or wheel file name: "+pt21cu121" (PyG), "+pt2.4",
+# "torch2.4" (flash-attn's wheels).
+# "pt" or "torch" starts a word ("opt2" is none), and a minor version is there: "pt2" alone
+# could be any 2.x.
+_TORCH_LABEL = re.compile(r"(?<![a-z])(?:pt|torch)(?P<major>[0-9])\.?(?P<minor>[0-9]{1,2})"
+                          r"(?![0-9])", re.IGNORECASE)
+
+
+def package_build(name: str) -> dict[str, str | None] | None:
+    """What tells this build of an installed distribution from another build of the same
+    version, or None for one without compiled files (or not installed).
+
+    * ``fingerprint``: 12 hex digits of a SHA-256 over its compiled files (extension
+      modules, shared libraries) with their paths: their RECORD hashes as the installer
+      wrote them, else (an editable install, a RECORD without hashes) each file's size and
+      its first and last MiB, which hold the ELF or Mach-O headers and the GNU build id.
+      Two builds of one version (for two torch releases, two CUDA versions) differ here.
+    * ``tag``: the wheel tags it was installed from (``cp311-cp311-linux_x86_64``), if any.
+    * ``torch``: the torch it was built for where the distribution says so: a local version
+      label (``2.1.2+pt21cu121``, ``+torch2.4``), an exact ``Requires-Dist: torch==X``, or
+      the name of the wheel file it came from (``...+cu123torch2.4cxx11abiFALSE...whl``);
+      None where it does not say (a build from source records nothing of the kind).
+
+    Read once per name and ``sys.path``; a few milliseconds from RECORD.
+    """
+    if not name.strip():
+        return None
+    return _build_of(canonical_name(name), tuple(sys.path))
+
+
+def build_label(build: Mapping[str, str | None]) -> str:
+    """``build 3f2a9c1d4e5b, for torch 2.13``: a build in the words a matrix label uses."""
+    said = f"build {str(build.get('fingerprint') or '?')[:12]}"
+    if build.get("torch"):
+        said += f", for torch {build['torch']}"
+    return said
+
+
+@functools.lru_cache(maxsize=256)
+def _build_of(name: str, path: tuple[str, ...]) -> dict[str, str | None] | None:
+    import hashlib
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution(name)
+        files = list(dist.files or ())
+    except Exception:
+        return None   # not installed, or metadata the installer left unreadable
+    digest = hashlib.sha256()
+    count = 0
+    for file in sorted((f for f in files if _COMPILED.search(f.name)), key=str):
+        if file.hash is not None:
+            entry = f"{file.hash.mode}={file.hash.value}"
+        else:
+            entry = _ends_hash(Path(str(file.locate())))
+        digest.update(f"{file.as_posix()}\0{entry}\n".encode())
+        count += 1
+    if not count:   # an editable install: its compiled files are in the source tree
+        for found in _package_files(dist):
+            digest.update(f"{found.name}\0{_ends_hash(found)}\n".encode())
+            count += 1
+    if not count:
+        return None
+    return {"fingerprint": digest.hexdigest()[:12], "tag": _wheel_tag(dist),
+            "torch": _built_for(dist)}
+
+
+def _ends_hash(path: Path) -> str:
+    """A file's size and a SHA-256 of its first and last MiB ("missing" when unreadable)."""
+    import hashlib
+
+    try:
+        with path.open("rb") as handle:
+            size = os.fstat(handle.fileno()).st_size
+            digest = hashlib.sha256(handle.read(_ENDS))
+            if size > 2 * _ENDS:
+                handle.seek(size - _ENDS)
+                digest.update(handle.read(_ENDS))
+            elif size > _ENDS:
+                digest.update(handle.read())
+    except OSError:
+        return "missing"
+    return f"{size}:{digest.hexdigest()}"
+
+
+def _package_files(dist: Any) -> list[Path]:
+    """The compiled files under the folders of a distribution's top-level modules, found
+    without importing them (``find_spec`` of a top-level name runs no code of it)."""
+    import importlib.util
+
+    tops = (dist.read_text("top_level.txt") or "").split()
+    if not tops:
+        name = canonical_name(dist.metadata["Name"] or "")
+        tops = [top for top, names in _distributions_by_module(tuple(sys.path)).items()
+                if any(canonical_name(n) == name for n in names)]
+    found: list[Path] = []
+    seen = 0
+    for top in sorted(set(tops)):
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        for folder in spec.submodule_search_locations or ():
+            for root, dirs, names in os.walk(folder):
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                for leaf in sorted(names):
+                    seen += 1
+                    if _COMPILED.search(leaf):
+                        found.append(Path(root, leaf))
+                if seen > _MAX_WALK:
+                    return found
+        if spec.origin and _COMPILED.search(spec.origin):
+            found.append(Path(spec.origin))
+    return found
+
+
+def _wheel_tag(dist: Any) -> str | None:
+    text = dist.read_text("WHEEL") or ""
+    tags = [line.partition(":")[2].strip() for line in text.splitlines()
+            if line.startswith("Tag:")]
+    return ".".join(tags) or None
+
+
+def _built_for(dist: Any) -> str | None:
+    """The torch a distribution says it was built for (``package_build``), or None."""
+    import json
+
+    version = str(dist.version or "")
+    if "+" in version and (found := _torch_label(version.partition("+")[2])):
+        return found
+    for requirement in dist.requires or ():
+        found_pin = re.fullmatch(r"\s*torch\s*===?\s*([0-9][0-9A-Za-z.+]*)\s*(;.*)?",
+                                 requirement)
+        if found_pin:
+            return found_pin.group(1)
+    try:
+        url = json.loads(dist.read_text("direct_url.json") or "{}").get("url", "")
+    except (ValueError, AttributeError):
+        return None
+    leaf = str(url).rsplit("/", 1)[-1]
+    if leaf.endswith(".whl") and "+" in leaf:
+        return _torch_label(leaf.partition("+")[2].split("-")[0])
+    return None
+
+
+def _torch_label(label: str) -> str | None:
+    found = _TORCH_LABEL.search(label)
+    return None if found is None else f"{found['major']}.{found['minor']}"
+
+
 def canonical_name(name: str) -> str:
     """A distribution name as pip compares it (PEP 503): ``Flash_Attn`` -> ``flash-attn``."""
     return re.sub(r"[-_.]+", "-", name).lower()
@@ -188,26 +362,64 @@ def canonical_name(name: str) -> str:
 _RECORDED_ELSEWHERE = frozenset({"torch", "pytest-gpucase"})
 
 
-def call_distributions(call: str) -> tuple[str, ...]:
+def call_distributions(call: str, case_dir: Path | str | None = None) -> tuple[str, ...]:
     """The installed distributions that provide the module a case's ``call`` imports.
 
     ``tinyext:pool`` and ``mypkg.losses:step`` name an installed package whose version
     decides the verdict as much as torch's does, listed in ``[matrix.packages]`` or not.
-    A ``FILE.py:func`` in the case directory, a standard-library module, a module of the
+    A ``FILE.py:func`` of the case directory gives the distributions its own imports name
+    (``import rowext`` in ``case.py``, at the top or inside a function), read from its
+    source when ``case_dir`` is given, never run. The standard library, a module of the
     project that no distribution installed, and torch itself (recorded already) give
     none. Nothing is imported: the top-level name is looked up in the metadata of what
     is installed (``importlib.metadata.packages_distributions``), read once per
     ``sys.path``.
     """
     target = call.partition(":")[0]
-    if target.endswith(".py") or not target:
+    if not target:
         return ()
-    top = target.split(".")[0]
-    if top in sys.stdlib_module_names:
+    if target.endswith(".py"):
+        if case_dir is None:
+            return ()
+        tops: tuple[str, ...] = _file_imports(Path(case_dir) / target)
+    else:
+        tops = (target.split(".")[0],)
+    by_module = _distributions_by_module(tuple(sys.path))
+    found = {name for top in tops if top not in sys.stdlib_module_names
+             for name in by_module.get(top, ())}
+    return tuple(sorted(name for name in found
+                        if canonical_name(name) not in _RECORDED_ELSEWHERE))
+
+
+_MAX_SOURCE = 1 << 20   # bytes of a case's .py file read for its imports
+
+
+def _file_imports(path: Path) -> tuple[str, ...]:
+    """The top-level modules a Python file imports (absolute imports), read, never run."""
+    try:
+        found = path.stat()
+    except OSError:
         return ()
-    found = _distributions_by_module(tuple(sys.path)).get(top, ())
-    return tuple(sorted({name for name in found
-                         if canonical_name(name) not in _RECORDED_ELSEWHERE}))
+    return _imports_of(str(path), found.st_mtime_ns, found.st_size)
+
+
+@functools.lru_cache(maxsize=256)
+def _imports_of(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
+    import ast
+
+    if size > _MAX_SOURCE:
+        return ()
+    try:
+        tree = ast.parse(Path(path).read_bytes())
+    except (OSError, SyntaxError, ValueError):
+        return ()   # the run says what is wrong with the file
+    tops: dict[str, None] = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            tops.update((alias.name.split(".")[0], None) for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            tops[node.module.split(".")[0]] = None
+    return tuple(tops)
 
 
 @functools.lru_cache(maxsize=4)

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 
 from pytest_gpucase.base.errors import display_posix
+from pytest_gpucase.plan.require import unmet_requirement
 from pytest_gpucase.plugin.fixtures import (  # noqa: F401 - fixtures must be attributes of the plugin module
     BadMarker,
     bad_marker_key,
@@ -62,6 +63,8 @@ def pytest_configure(config: pytest.Config) -> None:
     refuse_case_conftests(config.pluginmanager)  # a plugin registered after the early hooks
     state = GpuCaseSession(config, Settings.read(config))
     config.stash[session_key] = state
+    if unmet := unmet_requirement(state.settings.gpu_require):   # --gpu-require
+        raise pytest.UsageError(unmet)
     formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py
     if any(formats):   # report.py is imported only when a plugin adds a format
         from pytest_gpucase.report.render import add_renderers

@@ -304,7 +304,7 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
     from pytest_gpucase.verdict.failure import Failure, same_failure
 
     outcome = verdict.outcome
-    if outcome.broken_case or outcome.kind == "reference raises":
+    if outcome.broken_case or outcome.kind in ("reference raises", "environment"):
         return False
     error = str(case.origin.get("error", "")).strip()
     if not error:
@@ -406,6 +406,7 @@ class CaseItem(pytest.Item):
         _add_sections(self, verdict)
         _reissue_warnings(verdict)
         if (verdict.failed and not verdict.outcome.broken_case   # the case is what to fix
+                and verdict.outcome.kind != "environment"   # or a package's build
                 and state.settings.gpu_ablate):
             from pytest_gpucase.tools.ablate import ablate
 

@@ -27,7 +27,8 @@ def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
     ``case_path``, the case's shown path, when the caller has it already.
 
     ``packages`` (only when there are some) names the distributions the item depends on:
-    its ``[matrix.packages]`` and the one its ``call`` imports. It crosses to the process
+    its ``[matrix.packages]`` and those its ``call`` imports (a case's own ``.py`` file: the
+    distributions its imports name). It crosses to the process
     that writes the report (the xdist controller collects nothing), which records their
     versions in the report's environment; it is no key of the item's record.
     """
@@ -43,7 +44,7 @@ def spec_fields(spec: RunSpec, case_path: str | None = None) -> dict[str, Any]:
     }
     named = list(spec.case.matrix.packages)
     spelled = {canonical_name(name) for name in named}
-    named += [name for name in call_distributions(spec.case.call)
+    named += [name for name in call_distributions(spec.case.call, spec.case.path)
               if canonical_name(name) not in spelled]
     if named:
         fields["packages"] = named

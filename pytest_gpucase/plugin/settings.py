@@ -27,7 +27,7 @@ class Setting:
 
     name: str            # the ini key and the option's dest, e.g. "gpu_devices"
     help: str
-    kind: Literal["bool", "csv", "path", "choice", "paths", "gib"] = "bool"
+    kind: Literal["bool", "csv", "path", "choice", "paths", "gib", "list"] = "bool"
     choices: tuple[str, ...] = ()
     default: Any = None
     needs_cases: bool = False  # meaningless without --gpu-cases: a usage error on the command line
@@ -74,6 +74,9 @@ SETTINGS = (
             "or any state a fresh child would not have, and a failure after its first run (any "
             "outcome of a strict xfail) is judged again in a fresh child; a timeout is not",
             kind="choice", choices=("item", "case", "worker"), default="item"),
+    Setting("gpu_require", "fail the session at its start unless this package is installed, "
+            "in this range: e.g. rowext or \"rowext>=2,<3\" (repeatable; the ini key takes a "
+            "list)", kind="list", default=()),
 )
 
 
@@ -98,6 +101,7 @@ class Settings:
     gpu_memory_limit: int | None    # bytes
     gpu_start_method: Literal["auto", "fork", "forkserver", "spawn"]
     gpu_isolation: Literal["item", "case", "worker"]
+    gpu_require: tuple[str, ...]    # pip requirements, checked at the session's start
 
     @classmethod
     def read(cls, config: pytest.Config) -> Settings:
@@ -126,7 +130,8 @@ def add_options(parser: pytest.Parser) -> None:
         # A list setting reads both spellings of its ini key: "cpu,cuda" in an ini file, and
         # the TOML list ["cpu", "cuda"] of pyproject.toml (as gpu_cases_paths and a case's
         # [matrix] dtypes are written); "args" gives both as a list of strings.
-        ini_type = {"bool": "bool", "paths": "paths", "csv": "args"}.get(setting.kind, "string")
+        ini_type = {"bool": "bool", "paths": "paths", "csv": "args",
+                    "list": "args"}.get(setting.kind, "string")
         default = [] if setting.kind == "csv" and setting.default is None else setting.default
         parser.addini(setting.name, setting.help, type=ini_type,  # type: ignore[arg-type]
                       default=default)
@@ -134,6 +139,9 @@ def add_options(parser: pytest.Parser) -> None:
             continue
         if setting.kind == "bool":
             group.addoption(setting.flag, action="store_true", default=None, help=setting.help)
+        elif setting.kind == "list":
+            group.addoption(setting.flag, action="append", default=None,
+                            metavar=setting.name.removeprefix("gpu_").upper(), help=setting.help)
         elif setting.kind == "choice":
             group.addoption(setting.flag, choices=setting.choices, default=None,
                             help=setting.help)
@@ -160,7 +168,7 @@ def setting(config: pytest.Config, name: str) -> Any:
             value = spec.default
     if spec.kind == "bool":
         return bool(value)
-    if spec.kind == "paths":
+    if spec.kind in ("paths", "list"):
         return tuple(value or ())
     if value is None:
         return None

@@ -60,7 +60,6 @@ class GpuCaseSession:
         collection) and where the report is written (``record``: under xdist the
         controller, whose interpreter and environment variables its workers share).
         """
-        from pytest_gpucase.plan.environment import package_version
         from pytest_gpucase.run.probe import probe
 
         if self._env is None:
@@ -69,10 +68,7 @@ class GpuCaseSession:
             import_torch()  # imported once here so that every forked child shares it
 
             self._env = probe(rootdir=str(self.config.rootpath))
-        missing = [name for name in packages if name not in self._env.packages]
-        if missing:
-            found = {name: package_version(name) for name in missing}
-            self._env = replace(self._env, packages={**self._env.packages, **found})
+        self._env = self._env.with_packages(packages)   # versions and builds
         return self._env
 
     def regenerate(self, case: Case) -> None:

@@ -27,7 +27,7 @@ from pytest_gpucase.base.files import (
 )
 from pytest_gpucase.base.text import one_line
 from pytest_gpucase.base.version import __version__
-from pytest_gpucase.plan.environment import Device, Environment
+from pytest_gpucase.plan.environment import Device, Environment, build_label
 
 __all__ = [
     "ENVIRONMENT_IDENTITY",
@@ -459,6 +459,7 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
         if not _is(version_found, "string or null"):
             raise ReportError(path, f"environment.packages.{one_line(name, _MAX_SHOWN)}: expected "
                                     f"a string or null, found {_kind(version_found)}")
+    _check_builds(path, environment.get("builds", {}))
     for index, result in enumerate(report["results"]):
         where = f"results[{index}]"
         _check_keys(path, result, _RESULT_KEYS, where)
@@ -470,6 +471,20 @@ def check_report(report: Mapping[str, Any], path: Path | str = "<report>") -> No
         if version == 1 and result["outcome"] not in _V1_OUTCOMES:
             raise ReportError(path, f"{where}.outcome: {_shown(result['outcome'])} needs "
                                     "report version 2; write \"version\": 2")
+
+
+def _check_builds(path: Path | str, builds: Any) -> None:
+    """``environment.builds`` (optional): package -> {fingerprint, tag, torch}, strings or null."""
+    if not isinstance(builds, dict):
+        raise ReportError(path, f"environment.builds: expected an object, found {_kind(builds)}")
+    for name, build in builds.items():
+        where = f"environment.builds.{one_line(name, _MAX_SHOWN)}"
+        if not isinstance(build, dict):
+            raise ReportError(path, f"{where}: expected an object, found {_kind(build)}")
+        for key, value in build.items():
+            if not _is(value, "string or null"):
+                raise ReportError(path, f"{where}.{one_line(key, _MAX_SHOWN)}: expected a "
+                                        f"string or null, found {_kind(value)}")
 
 
 def _check_keys(path: Path | str, value: Any, spec: Mapping[str, str], where: str) -> None:
@@ -542,7 +557,10 @@ def describe_environment(environment: Mapping[str, Any]) -> str:
         platform=environment["platform"], packages=environment["packages"],
         revision=environment["revision"],
     )
+    builds = environment.get("builds") or {}
     line = env.header().removeprefix("gpucase: ")
     for name, version in sorted(env.packages.items()):
         line += f" · {name} {version}" if version else f" · {name} not installed"
+        if version and isinstance(builds.get(name), Mapping):
+            line += f" ({build_label(builds[name])})"
     return line

@@ -12,7 +12,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 
-from pytest_gpucase.plan.environment import canonical_name, dnn_library
+from pytest_gpucase.plan.environment import build_label, canonical_name, dnn_library
 from pytest_gpucase.report.file import (
     ENVIRONMENT_IDENTITY,
     FAILING,
@@ -174,18 +174,43 @@ def _identity(environment: Mapping[str, Any]) -> str:
                        if key != "packages"}, sort_keys=True)
 
 
-def _packages(environment: Mapping[str, Any]) -> dict[str, str | None]:
-    return {canonical_name(name): version for name, version in environment["packages"].items()}
+# A package as a column tells it: its version, and its build's fingerprint where recorded.
+_Package = tuple[str | None, str | None]
 
 
-def _packages_agree(mine: Mapping[str, str | None], theirs: Mapping[str, str | None]) -> bool:
-    """Every package both name at the same version (``same_environment``'s package rule)."""
-    return all(mine[name] == theirs[name] for name in mine.keys() & theirs.keys())
+def _packages(environment: Mapping[str, Any]) -> dict[str, _Package]:
+    builds = {canonical_name(name): build
+              for name, build in (environment.get("builds") or {}).items()}
+    return {canonical_name(name): (version, _fingerprint(builds.get(canonical_name(name))))
+            for name, version in environment["packages"].items()}
+
+
+def _fingerprint(build: Any) -> str | None:
+    return build.get("fingerprint") if isinstance(build, Mapping) else None
+
+
+def _packages_agree(mine: Mapping[str, _Package], theirs: Mapping[str, _Package]) -> bool:
+    """Every package both name at the same version and, where both recorded its build, the
+    same build (``same_environment``'s package rule)."""
+    for name in mine.keys() & theirs.keys():
+        (version, build), (other_version, other_build) = mine[name], theirs[name]
+        if version != other_version or (build and other_build and build != other_build):
+            return False
+    return True
+
+
+def _learn(known: dict[str, _Package], mine: Mapping[str, _Package]) -> None:
+    """A column's packages with a report's added: a build one report recorded stays known."""
+    for name, (version, build) in mine.items():
+        known[name] = (version, build or (known[name][1] if name in known else None))
 
 
 def same_environment(first: Mapping[str, Any], second: Mapping[str, Any]) -> bool:
     """Whether two reports' environments are one: the identity keys equal, and every package
-    both name at the same version (or absent from both).
+    both name at the same version (or absent from both), and where both recorded the build of
+    a package with compiled files (``environment.builds``), the same build: two builds of
+    one version (one made for another torch) are two environments, never one column whose
+    runs disagree.
 
     A report names the packages its cases ask about (``[matrix.packages]``, the
     distribution a ``call`` imports): a shard that collected other cases, or a run from
@@ -217,19 +242,19 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
     # names), and its reports. A report joins the one column whose environment is its own.
     # same_environment's rule, with each report's identity and packages made once (not once
     # per column it is compared with).
-    placed: list[tuple[str, dict[str, str | None], list[int]]] = []
+    placed: list[tuple[str, dict[str, _Package], list[int]]] = []
     for index in order:
         identity, mine = _identity(environments[index]), _packages(environments[index])
         fits = [column for column in placed
                 if column[0] == identity and _packages_agree(column[1], mine)]
         if len(fits) == 1:
-            fits[0][1].update(mine)
+            _learn(fits[0][1], mine)
             fits[0][2].append(index)
             continue
         if fits:
             known = [column[1] for column in fits]
             unnamed = sorted({name for packages in known for name in packages
-                              if name not in mine
+                              if (name not in mine or mine[name][1] is None)
                               and len({other.get(name) for other in known}) > 1})
             notes.append(f"{names[index]} does not name {', '.join(unnamed)}, which tells "
                          "apart the environments it would otherwise share a column with: "
@@ -244,13 +269,19 @@ def _merged_environment(environments: Sequence[Mapping[str, Any]]) -> dict[str, 
     """One column's environment: the newest report's, with the packages any of them named."""
     merged = dict(environments[-1])
     packages: dict[str, str | None] = {}
+    builds: dict[str, Any] = {}
     seen: set[str] = set()
     for environment in environments:
+        found = environment.get("builds") or {}
         for name, version in environment["packages"].items():
             if canonical_name(name) not in seen:
                 seen.add(canonical_name(name))
                 packages[name] = version
+            if name in packages and name not in builds and isinstance(found.get(name), Mapping):
+                builds[name] = found[name]
     merged["packages"] = dict(sorted(packages.items()))
+    if builds:
+        merged["builds"] = dict(sorted(builds.items()))
     return merged
 
 
@@ -485,19 +516,40 @@ def _labels(environments: Sequence[Mapping[str, Any]],
         differing_tail.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
     tokens: dict[str, set[str | None]] = {}
     named: Counter[str] = Counter()
+    # Builds of one version that differ: a label that would name two columns alike says the
+    # build (its fingerprint, and the torch it was made for where recorded).
+    builds_of: dict[tuple[str, str | None], set[str | None]] = {}
     for env in environments:
         for name, version in env["packages"].items():
             tokens.setdefault(name, set()).add(_package_token(name, version))
             named[name] += 1
+            builds_of.setdefault((name, version), set()).add(_build_token(env, name))
     differs = {name for name, found in tokens.items()
                if len(found) + (named[name] < len(environments)) > 1}
-    labels = []
-    for env, head, tail in zip(environments, heads, tails, strict=True):
+    differs |= {name for (name, _), found in builds_of.items() if len(found) > 1}
+
+    def label(env: Mapping[str, Any], head: Mapping[str, str | None],
+              tail: Mapping[str, str | None], builds: bool) -> str:
         parts = [head[key] for key in differing]
-        parts += [_package_token(name, env["packages"][name])
-                  for name in sorted(env["packages"]) if name in differs]
+        for name in sorted(env["packages"]):
+            if name not in differs:
+                continue
+            token = _package_token(name, env["packages"][name])
+            build = _build_token(env, name)
+            if builds and build and len(builds_of[(name, env["packages"][name])]) > 1:
+                token += f" ({build})"
+            parts.append(token)
         parts += [tail[key] for key in differing_tail]
-        labels.append(" · ".join(token for token in parts if token))
+        return " · ".join(token for token in parts if token)
+
+    labels = [label(env, head, tail, False)
+              for env, head, tail in zip(environments, heads, tails, strict=True)]
+    # A build is named only where the label would otherwise name two columns alike: where
+    # torch already tells them apart, its build for each torch is no news.
+    alike = Counter(labels)
+    labels = [label(env, head, tail, True) if alike[labels[index]] > 1 else labels[index]
+              for index, (env, head, tail) in enumerate(zip(environments, heads, tails,
+                                                            strict=True))]
     counts = Counter(labels)
     return [
         label if label and counts[label] == 1
@@ -508,6 +560,11 @@ def _labels(environments: Sequence[Mapping[str, Any]],
 
 def _package_token(name: str, version: str | None) -> str:
     return f"{name} {version}" if version else f"no {name}"
+
+
+def _build_token(env: Mapping[str, Any], name: str) -> str | None:
+    build = (env.get("builds") or {}).get(name)
+    return build_label(build) if isinstance(build, Mapping) else None
 
 
 def _fields(env: Mapping[str, Any]) -> tuple[dict[str, str | None], dict[str, str | None]]:

@@ -294,11 +294,8 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                 module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(where)
-    except BaseException:  # sys.exit() at import time too: the module is the user's
-        detail = traceback.format_exc()
-        summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
-        raise _Failed(Outcome("failed", summary, details=detail, error_type="ImportError",
-                              kind="broken case")) from None
+    except BaseException as exc:  # sys.exit() at import time too: the module is the user's
+        raise _Failed(_import_failure(case, key, where, exc, traceback.format_exc())) from None
     obj: Any = module
     for part in qualname.split("."):
         obj = getattr(obj, part, _MISSING)
@@ -311,6 +308,52 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
                               kind="broken case"))
     return obj  # type: ignore[no-any-return]
+
+
+def _import_failure(case: Case, key: str, where: str, exc: BaseException,
+                    detail: str) -> Outcome:
+    """The verdict of a ``call`` or ``reference`` whose module did not import.
+
+    A module the dynamic loader refused (an undefined symbol, a library it cannot open, a
+    C++ runtime too old: ``triage.loader_words``, searched along the exception's chain) is
+    the environment's failure, told in the loader's words with the torch of this run and
+    the one the package's build says it was made for; anything else is a broken case.
+    """
+    from pytest_gpucase.verdict.triage import loader_words
+
+    summary = f"{display(case.case_file)}: {key}: importing '{where}' failed"
+    words = None
+    seen: BaseException | None = exc
+    for _ in range(8):   # the loader's error, re-raised by the package as its own
+        if seen is None:
+            break
+        words = loader_words(exception_text(seen))
+        if words is not None:
+            break
+        seen = seen.__cause__ or seen.__context__
+    if words is None:
+        return Outcome("failed", summary, details=detail, error_type="ImportError",
+                       kind="broken case")
+    said = f"{words} (torch {torch.__version__} here{_build_words(case, where)})"
+    return Outcome("failed", f"{summary}: {said}", details=detail,
+                   error_type=type(exc).__name__, error_message=said, kind="environment")
+
+
+def _build_words(case: Case, where: str) -> str:
+    """``, rowext 2.0 built for torch 2.9``: the package a failed import belongs to (of
+    those the target imports, the first with compiled files), its version and the torch
+    its build names (``plan.environment.package_build``)."""
+    from pytest_gpucase.plan.environment import call_distributions, package_build, package_version
+
+    found = [(name, package_version(name), package_build(name))
+             for name in call_distributions(where, case.path)]
+    found = [entry for entry in found if entry[1] is not None]
+    found.sort(key=lambda entry: entry[2] is None)   # a compiled one first
+    if not found:
+        return ""
+    name, version, build = found[0]
+    built = build.get("torch") if build else None
+    return f", {name} {version}" + (f" built for torch {built}" if built else "")
 
 
 def check_binding(case: Case, target: str, func: Callable[..., Any],

@@ -26,6 +26,8 @@ OutcomeKind = Literal[
     "no exception",     # the call returned where the case expects it to raise
     "bad output",       # an output that cannot be walked: nested too deep, or holding itself
     "broken case",      # the case itself is wrong: its files, an import
+    "environment",      # the dynamic loader refused a module the case imports: a package
+                        # built for another torch or CUDA, a library missing (not the case)
     "crash", "timeout",  # the child died, or was killed at its deadline
 ]
 OUTCOME_KINDS: tuple[str, ...] = typing.get_args(OutcomeKind)

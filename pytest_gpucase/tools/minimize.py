@@ -127,7 +127,8 @@ def failure_class(verdict: Verdict) -> FailureClass | None:
         if child.child_error is not None:
             return FailureClass("child error", clue=clue)
         return FailureClass("crash", f"exit status {child.exitcode}", clue)
-    if outcome.broken_case:
+    if outcome.broken_case or outcome.kind == "environment":
+        # Nothing to shrink: the case or a package of this environment cannot run it.
         return FailureClass("broken case")
     if outcome.kind in ("raises", "reference raises"):
         return FailureClass(cast(FailureKind, outcome.kind), outcome.error_type, clue)

@@ -737,11 +737,15 @@ _BY_VALUE = ("outputs compared by value are tensors, numbers, strings, lists, tu
 # ("equal_cpu" not implemented for 'ComplexHalf', a promotion of uint32, a nested
 # tensor's sizes): a failure of that output, said as such, never a crash of the comparison.
 _TORCH_REFUSALS = (RuntimeError, NotImplementedError, TypeError)
-_WIDENED_UNSIGNED = frozenset({torch.uint16, torch.uint32})
+# torch.uint16/32/64 came with torch 2.3: read where they exist, so that older releases
+# import this module (every case item's verdict) at all.
+_WIDE_UNSIGNED = tuple(getattr(torch, name) for name in ("uint16", "uint32")
+                       if hasattr(torch, name))
+_WIDENED_UNSIGNED = frozenset(_WIDE_UNSIGNED)
 # A sparse pair of more elements than this is compared by its stored values, not densely.
 _DENSE_ELEMENTS = 1 << 26
 _WIDENED_INTEGERS = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
-                               torch.uint16, torch.uint32})
+                               *_WIDE_UNSIGNED})
 
 
 def _refusal(actual: torch.Tensor, expected: torch.Tensor, exc: BaseException) -> str:

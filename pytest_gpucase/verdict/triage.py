@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 from pytest_gpucase.base.backends import asserts_note, backend_of_text, launch_blocking_words, title
 
-__all__ = ["FAILURE_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded", "failure_class",
-           "same_failure", "triage"]
+__all__ = ["FAILURE_CLASSES", "LOADER_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded",
+           "failure_class", "loader_words", "same_failure", "triage"]
 
 _RESTART = (
     "the process must be restarted before any reproduction: the device context is unusable "
@@ -61,6 +61,19 @@ class Triage:
             "backend": self.backend,
             "notes": list(self.notes),
         }
+
+
+# What ``run.child`` adds to a loader error's text: the torch of the run, and the one the
+# build of the failing package says it was made for (``plan.environment.package_build``).
+_LOADER_DETAILS: tuple[tuple[str, str], ...] = (
+    (r"\(torch (?P<here>[0-9][^\s;,)]{0,40}) here, (?P<package>[^\s;,)]{1,256}) "
+     r"(?P<version>[^\s;,)]{1,64}) built for torch (?P<built>[0-9][^\s;,)]{0,40})\)",
+     "rebuild {package} {version} against torch {here}, the torch it runs with here (it was "
+     "built for torch {built})"),
+    (r"\(torch (?P<here>[0-9][^\s;,)]{0,40}) here(?:, (?P<package>[^\s;,)]{1,256}) "
+     r"(?P<version>[^\s;,)]{1,64}))?\)\Z",
+     "rebuild the extension against torch {here}, the torch it runs with here"),
+)
 
 
 @dataclass(frozen=True)
@@ -255,6 +268,96 @@ _RULES: tuple[_Rule, ...] = (
         ),
         stderr_patterns=(r"hipErrorNoBinaryForGpu: Unable to find code object",),
     ),
+    # The loader's refusals: the case is fine, one package's build does not match this
+    # process (torch, CUDA, the C++ runtime). ``run.child`` tells an import failing this way
+    # apart from a broken case by these rows (``loader_error``), and adds the torch of the
+    # run ("torch 2.13.0 here") and the one the build says it was made for, which the notes
+    # below quote.
+    _Rule(
+        clue="extension built for another torch or CUDA",
+        kind="abi-mismatch",
+        first_check=(
+            "Compare the torch and CUDA the extension was built against with the ones it is "
+            "loaded into (pip show on it; torch.__version__ and torch.version.cuda here): an "
+            "undefined symbol of torch's C++ API (c10::, at::, torch::) means a build for "
+            "another torch release. Rebuild it against this torch (pip install "
+            "--no-build-isolation, so that the build sees it), or install its wheel made for "
+            "this torch and CUDA."
+        ),
+        avoid=(
+            "Do not call the case broken or reinstall everything: the case is fine, and one "
+            "package's build does not match this torch; rebuild or reinstall that one."
+        ),
+        patterns=(
+            r"undefined symbol: \S{1,1024}",
+            r"symbol not found in flat namespace",
+            r"Symbol not found: \S{1,1024}",
+            r"DLL load failed while importing \w{1,256}: The specified procedure could not be "
+            r"found",
+        ),
+        details=(
+            *_LOADER_DETAILS,
+            (r"(?P<lib>[^\s:'\"]{1,512}): undefined symbol: (?P<symbol>[^\s,]{1,512})",
+             "{lib} needs {symbol}, which no library loaded here defines"),
+            (r"undefined symbol: (?P<symbol>_ZN[KRVO]{0,3}(?:3c10|2at|5torch|6caffe2)"
+             r"[^\s,]{0,512})",
+             "{symbol} is torch's own C++ API: the extension was built against another torch"),
+            (r"undefined symbol: (?P<symbol>(?:cuda|cublas|cudnn|nccl|cusparse|cufft|curand|nvrtc)"
+             r"\w{0,256})",
+             "{symbol} is CUDA's: the extension expects another CUDA runtime than the one "
+             "loaded here"),
+        ),
+    ),
+    _Rule(
+        clue="shared library not found",
+        kind="library-missing",
+        first_check=(
+            "Find which library the loader could not open and what provides it: a CUDA "
+            "library (libcudart.so.12, libcublas.so.12) names the CUDA major version the "
+            "extension was built for; libtorch or libc10 means torch was not imported first "
+            "or is another build. ldd on the extension's .so file lists what it needs; pip list "
+            "shows the nvidia-* packages installed."
+        ),
+        avoid=(
+            "Do not point LD_LIBRARY_PATH at whatever toolkit the machine has or copy .so files "
+            "into place: install the extension's build for this torch and CUDA, or the package "
+            "that provides the library."
+        ),
+        patterns=(
+            r"cannot open shared object file",
+            r"Library not loaded: \S{1,1024}",
+            r"DLL load failed while importing \w{1,256}: The specified module could not be "
+            r"found",
+        ),
+        details=(
+            (r"(?P<lib>[^\s:'\"]{1,512}): cannot open shared object file",
+             "the loader could not find {lib}"),
+            (r"(?P<lib>lib(?:cudart|cublas|cublasLt|nvrtc|cusparse|cufft|curand)\.so\."
+             r"(?P<major>[0-9]{1,3}))\b",
+             "{lib}: the extension was built for CUDA {major}"),
+        ),
+    ),
+    _Rule(
+        clue="C++ runtime too old",
+        kind="runtime-too-old",
+        first_check=(
+            "Check which libstdc++ (or glibc) the process loads against the one the extension "
+            "was built with: a conda environment or an old system library shadows the newer "
+            "one the build needs (LD_LIBRARY_PATH, the libstdc++ of the environment; strings "
+            "on it | grep GLIBCXX lists what it provides)."
+        ),
+        avoid=(
+            "Do not rebuild torch or change the case: make the process load a C++ runtime at "
+            "least as new as the extension's build needs, or build the extension with this "
+            "environment's own toolchain."
+        ),
+        patterns=(r"version `(?:GLIBCXX|CXXABI|GLIBC)_[0-9.]{1,32}' not found",),
+        details=(
+            (r"version `(?P<version>(?:GLIBCXX|CXXABI|GLIBC)_[0-9.]{1,32})' not found "
+             r"\(required by (?P<lib>[^)]{1,512})\)",
+             "{lib} needs {version}, which the C++ runtime loaded here lacks"),
+        ),
+    ),
     _Rule(
         clue="different devices",
         kind="device-mismatch",
@@ -309,6 +412,8 @@ _RULES: tuple[_Rule, ...] = (
             r"is not currently implemented for the MPS device",
             r"operator \S{1,512} does not exist",
             r"No operator found for `\w+`",
+            r"'_OpNamespace' '[^']{1,256}' object has no attribute '[^']{1,256}'",
+            r"No such operator \S{1,512}",
         ),
         details=(
             (
@@ -317,6 +422,14 @@ _RULES: tuple[_Rule, ...] = (
                     r"'(?P<key>[^']{1,512})' backend"
                 ),
                 "{op} has no kernel for the {key} dispatch key in this build",
+            ),
+            (
+                (r"'_OpNamespace' '(?P<ns>[^']{1,256})' object has no attribute "
+                 r"'(?P<op>[^']{1,256})'"),
+                (
+                    "torch.ops.{ns} has no {op}: the extension that registers it was not "
+                    "imported, did not load, or is a version or build without it"
+                ),
             ),
             (
                 r"operator (?P<op>\S{1,512}) does not exist",
@@ -635,6 +748,29 @@ def failure_class(error_type: str, message: str, stderr: str = "") -> str | None
             if line is not None and pattern.search(line):
                 return kind
     return found.rule.kind
+
+
+# The classes of a loader's refusal: the package's build does not fit this process.
+LOADER_CLASSES = ("abi-mismatch", "library-missing", "runtime-too-old")
+_LOADER = tuple(compiled for compiled in _COMPILED if compiled.rule.kind in LOADER_CLASSES)
+_LOADER_SHOWN = 400   # characters of the loader's line said in a one-line message
+
+
+def loader_words(message: str) -> str | None:
+    """The line of ``message`` in which the dynamic loader refused a library (an undefined
+    symbol, a library it cannot open, a C++ runtime too old), in its own words; None for
+    any other failure. What tells an import that failed for the environment from a case
+    that is wrong."""
+    message = bounded(message)
+    for compiled in _LOADER:
+        assert compiled.message is not None
+        found = compiled.message.search(message)
+        if found is not None:
+            start = message.rfind("\n", 0, found.start()) + 1
+            end = message.find("\n", found.end())
+            line = message[start:end if end >= 0 else len(message)].strip()
+            return line if len(line) <= _LOADER_SHOWN else line[:_LOADER_SHOWN - 1] + "…"
+    return None
 
 
 def same_failure(recorded: str, found: str | None) -> bool:

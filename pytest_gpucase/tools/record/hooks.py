@@ -63,7 +63,12 @@ def compiling() -> bool:
     """Whether Dynamo (or export) is tracing the caller: folded to a constant when traced."""
     import torch
 
-    return bool(torch.compiler.is_compiling())
+    # torch.compiler.is_compiling came with torch 2.3; torch._dynamo's, which Dynamo folds
+    # too, is older. Without either nothing can be tracing.
+    found = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    if found is None:
+        found = getattr(getattr(torch, "_dynamo", None), "is_compiling", None)
+    return bool(found()) if found is not None else False
 
 
 def invisible_to_dynamo(code: CodeType, *, recursive: bool = True) -> None:

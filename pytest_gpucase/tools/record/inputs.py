@@ -22,9 +22,9 @@ from pytest_gpucase.verdict.triage import Triage
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["NOT_LITERAL", "Before", "Inputs", "as_literal", "collect", "encode_nested",
-           "numeric_context",
-           "rng_state", "snapshot_before", "storable", "synchronize", "tensors_of", "unusable"]
+__all__ = ["NOT_LITERAL", "Before", "Inputs", "as_literal", "autocast_dtype", "collect",
+           "encode_nested", "numeric_context", "rng_state", "snapshot_before", "storable",
+           "synchronize", "tensors_of", "unusable"]
 
 # Host inputs copied before each call from this size up are named once (the copy is paid at
 # every step of a loop that never fails).
@@ -413,6 +413,44 @@ def rng_state(tensors: Iterable[torch.Tensor]) -> dict[str, torch.Tensor]:
     return states
 
 
+# torch < 2.4 asks each device type's autocast state by its own name.
+_LEGACY_AUTOCAST = {"cuda": ("is_autocast_enabled", "get_autocast_gpu_dtype"),
+                    "cpu": ("is_autocast_cpu_enabled", "get_autocast_cpu_dtype"),
+                    "xpu": ("is_autocast_xpu_enabled", "get_autocast_xpu_dtype")}
+
+
+def autocast_dtype(kind: str) -> str | None:
+    """The dtype of the autocast region of device type ``kind`` the caller runs in, or None
+    outside one (or for a device type this build does not know).
+
+    ``torch.is_autocast_enabled(device_type)`` and ``torch.get_autocast_dtype`` came with
+    torch 2.4; before, each device type had its own pair of functions, and the typed call
+    raised a TypeError that left ``[context] autocast`` silently out of the case.
+    """
+    import torch
+
+    if hasattr(torch, "get_autocast_dtype"):
+        try:
+            if torch.is_autocast_enabled(kind):
+                return str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
+        except Exception:  # a device type this build does not know
+            return None
+        return None
+    names = _LEGACY_AUTOCAST.get(kind)
+    enabled = getattr(torch, names[0], None) if names else None
+    dtype = getattr(torch, names[1], None) if names else None
+    if enabled is None or dtype is None:
+        return None
+    import warnings
+
+    with warnings.catch_warnings():   # deprecated from torch 2.4: reached there only in tests
+        warnings.simplefilter("ignore")
+        try:
+            return str(dtype()).removeprefix("torch.") if enabled() else None
+        except Exception:
+            return None
+
+
 def numeric_context(devices: Iterable[str], rng: Mapping[str, torch.Tensor],
                      ) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """The ``[context]`` table of the failing call, read while still inside its regions, and
@@ -423,11 +461,10 @@ def numeric_context(devices: Iterable[str], rng: Mapping[str, torch.Tensor],
     device_type = next((k for k in kinds if k != "cpu"), "cpu")
     context: dict[str, Any] = {}
     for kind in dict.fromkeys((device_type, "cpu")):
-        with contextlib.suppress(Exception):  # a device type this build does not know
-            if torch.is_autocast_enabled(kind):
-                dtype = str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
-                context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
-                break
+        dtype = autocast_dtype(kind)
+        if dtype is not None:
+            context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
+            break
     context["grad"] = torch.is_grad_enabled()
     context["inference"] = torch.is_inference_mode_enabled()
     context["deterministic"] = torch.are_deterministic_algorithms_enabled()

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from pytest_gpucase.base.tensors import named_tensors, tensor_versions, tensors_in
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.tools.record.hooks import Hooks, install, invisible_to_dynamo
-from pytest_gpucase.tools.record.inputs import Before, rng_state, tensors_of
+from pytest_gpucase.tools.record.inputs import Before, autocast_dtype, rng_state, tensors_of
 from pytest_gpucase.tools.record.origin import SampleIds, Watched, watched_call
 from pytest_gpucase.tools.record.rebuild import Rebuild
 
@@ -95,14 +95,10 @@ def loss_in(value: Any) -> Any:
 
 def autocast_state() -> tuple[str, str] | None:
     """(device type, dtype) of the autocast region the caller runs in, or None."""
-    import torch
-
     for kind in ("cuda", "cpu", "xpu", "mps", "hpu"):
-        try:
-            if torch.is_autocast_enabled(kind):
-                return kind, str(torch.get_autocast_dtype(kind)).removeprefix("torch.")
-        except Exception:  # a device type this build does not know
-            continue
+        dtype = autocast_dtype(kind)
+        if dtype is not None:
+            return kind, dtype
     return None
 
 
