@@ -228,8 +228,8 @@ class Judged:
         problem = self.gradients_checked(actual)
         if problem is not None:
             return self.outcome("failed", "the gradients disagree with finite differences of "
-                                "the call's own forward (torch.autograd.gradcheck, float64 on "
-                                f"the CPU): {problem}", error_message="gradients: gradcheck",
+                                "the call's own forward (float64 on the CPU): "
+                                f"{problem}", error_message="gradients: gradcheck",
                                 details=_GRADCHECK_HELP, kind="mismatch", **fields)
         also = f" and {golden_file.name}" if against_golden is not None else ""
         return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
@@ -275,13 +275,15 @@ class Judged:
         """The second look from what the cache holds beside the reference: read only when a
         leaf asks (a passing run reads nothing more), and never computed: a leaf it cannot
         clear sends the run to the fresh reference."""
-        budget = reference_cache.companion(self.cached, f"budget1-{_name(self.precision)}")
+        budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
         baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
 
-        def spreads() -> Mapping[str, tuple[float, float]]:
+        def spreads() -> Mapping[str, tuple[Any, ...]]:
             found = reference_cache.load(budget)
             stored = found.get("spreads", {}) if found else {}
-            return {path: (float(pair[0]), float(pair[1])) for path, pair in stored.items()}
+            elements = found.get("elements", {}) if found else {}
+            return {path: (float(pair[0]), float(pair[1]), elements.get(path))
+                    for path, pair in stored.items()}
 
         return second_look.Look(precision=self.precision, spreads=spreads,
                                 baseline=lambda: reference_cache.load(baseline) or {})
@@ -297,7 +299,7 @@ class Judged:
                                  self.precision)
         return second_look.Look(
             precision=self.precision, fresh=True,
-            spreads=lambda: second_look.spreads_of(expected, draw),
+            spreads=lambda: second_look.element_spreads_of(expected, draw),
             baseline=self.baseline if self.spec.device != "cpu" else None)
 
     def baseline(self) -> dict[str, Any]:
@@ -317,14 +319,17 @@ class Judged:
         if not look.fresh:
             return
         if "spreads" in look.computed and look.spreads:
-            finite = {path: list(value) for path, value in look.spreads.items()
-                      if all(math.isfinite(v) for v in value)}
-            # A few numbers a leaf, read back faster than any draw is made (as a gradcheck's
-            # pass): kept however fast the draws were, unlike tensors of results; written
-            # once (a failing run computes them afresh each time, to the same numbers).
-            budget = reference_cache.companion(self.cached, f"budget1-{_name(self.precision)}")
+            finite = {path: [value[0], value[1]] for path, value in look.spreads.items()
+                      if all(math.isfinite(v) for v in value[:2])}
+            elements = {path: value[2] for path, value in look.spreads.items()
+                        if path in finite and len(value) > 2
+                        and isinstance(value[2], torch.Tensor)}
+            # Read back faster than any draw is made (as a gradcheck's pass): kept however
+            # fast the draws were, unlike tensors of results; written once (a failing run
+            # computes them afresh each time, to the same numbers).
+            budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
             if reference_cache.load(budget) is None:
-                reference_cache.store(budget, {"spreads": finite},
+                reference_cache.store(budget, {"spreads": finite, "elements": elements},
                                       max(look.seconds["spreads"], reference_cache.MIN_SECONDS))
         if "baseline" in look.computed and look.baseline_results:
             reference_cache.store(
@@ -344,10 +349,10 @@ class Judged:
                               "float32, too coarse for finite differences); name an "
                               "independent reference to check them")
             return None
-        passed = reference_cache.companion(self.cached, "gradcheck1")
+        passed = reference_cache.companion(self.cached, "gradcheck2")
         if reference_cache.load(passed) is not None:
             return None
-        note(f"while checking the gradients with torch.autograd.gradcheck ({self.returned})")
+        note(f"while checking the gradients against finite differences ({self.returned})")
         began = time.perf_counter()
         rng = self.rng.get("cpu")
         try:
@@ -372,11 +377,14 @@ class Judged:
         return problem
 
 
+# The name of the rounding budget kept beside a reference (its format's version with it).
+_BUDGET = "budget2"
+
 _GRADCHECK_HELP = (
     "The case names no independent reference, so the gradients were compared with the "
     "call's own backward run in float64, which a wrong backward formula (a custom "
-    "torch.autograd.Function, say) passes every time; gradcheck compares that backward with "
-    "finite differences of the forward instead. A kink at the inputs (relu at exactly 0, a "
+    "torch.autograd.Function, say) passes every time; the check compares that backward with "
+    "central differences of the forward instead, along random directions. A kink at the inputs (relu at exactly 0, a "
     "max with ties) can fail it too: then name an independent reference = "
     "\"case.py:reference\" in case.toml.")
 

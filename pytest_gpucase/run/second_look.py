@@ -19,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -30,6 +30,7 @@ from pytest_gpucase.verdict.rounding import (
     RoundEveryOp,
     coarser,
     draw_seeds,
+    element_spread,
     perturbed,
     spread,
     unit_roundoff,
@@ -39,11 +40,15 @@ from pytest_gpucase.verdict.structure import named_leaves
 __all__ = [
     "GRADCHECK_INPUTS",
     "GRADCHECK_SECONDS",
+    "GRADIENT_RTOL",
+    "PROBES",
+    "STEP",
     "Abandoned",
     "Look",
     "NotChecked",
     "cotangent",
     "drawn",
+    "element_spreads_of",
     "gradient_check",
     "leaves_of",
     "spreads_of",
@@ -54,6 +59,14 @@ __all__ = [
 # seconds, it is not run, and the item says so.
 GRADCHECK_INPUTS = 64
 GRADCHECK_SECONDS = 60.0
+# The gradient check: random directions per input, the central differences' step relative
+# to the input's RMS size, and the relative agreement asked of the backward (a backward 1%
+# off is 10 times past it; central differences in float64 agree to about 1e-8).
+PROBES = 2
+STEP = 1e-6
+GRADIENT_RTOL = 1e-3
+_ROUNDOFF = 2.0 ** -52
+_PROBE_SEED = 0x9D1C
 
 
 def cotangent(path: str, value: torch.Tensor, precision: torch.dtype | None) -> torch.Tensor:
@@ -80,13 +93,26 @@ def leaves_of(results: Mapping[str, Any]) -> dict[str, object]:
     return found
 
 
-def spreads_of(reference: Mapping[str, Any],
-               draw: Callable[[int], Mapping[str, Any]]) -> dict[str, tuple[float, float]]:
+def spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mapping[str, Any]],
+               wanted: Collection[str] | None = None) -> dict[str, tuple[float, float]]:
     """Each leaf's spread: its greatest change over the draws, and its RMS change over all of
-    them (``draw(seed)`` runs one)."""
+    them (``draw(seed)`` runs one). ``wanted``: the leaves to measure (those that need a
+    budget), all when None. ``elements_of`` gives the change of each element."""
+    found = element_spreads_of(reference, draw, wanted)
+    return {path: (greatest, rms) for path, (greatest, rms, _) in found.items()}
+
+
+def element_spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mapping[str, Any]],
+                       wanted: Collection[str] | None = None,
+                       ) -> dict[str, tuple[float, float, torch.Tensor | None]]:
+    """``spreads_of``, with each tensor leaf's greatest change of each element over the draws
+    (float64, the leaf's shape; None for a number or a non-finite spread)."""
     expected = leaves_of(reference)
+    if wanted is not None:
+        expected = {path: value for path, value in expected.items() if path in wanted}
     greatest = dict.fromkeys(expected, 0.0)
     square = dict.fromkeys(expected, 0.0)
+    elements: dict[str, torch.Tensor | None] = dict.fromkeys(expected)
     seeds = draw_seeds()
     for seed in seeds:
         drawn = leaves_of(draw(seed))
@@ -95,7 +121,13 @@ def spreads_of(reference: Mapping[str, Any],
             most, rms = (math.inf, math.inf) if found is None else spread(value, found)
             greatest[path] = max(greatest[path], most)
             square[path] += rms * rms / len(seeds)
-    return {path: (greatest[path], math.sqrt(square[path])) for path in expected}
+            if math.isfinite(most) and isinstance(value, torch.Tensor):
+                moved = element_spread(value, found)
+                before = elements[path]
+                elements[path] = moved if before is None else torch.maximum(before, moved)
+    return {path: (greatest[path], math.sqrt(square[path]),
+                   elements[path] if math.isfinite(greatest[path]) else None)
+            for path in expected}
 
 
 def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
@@ -116,9 +148,9 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
             except Exception as exc:  # the case's own inputs, not the code under perturbation
                 raise Abandoned(exc) from exc
         generator = torch.Generator().manual_seed(seed)
-        inputs_now = perturbed(dict(made[0]), u, generator)
-        cotangents_now = perturbed(dict(cotangents), u, generator)
-        with RoundEveryOp(u, generator):
+        inputs_now = perturbed(dict(made[0]), u, generator, precision)
+        cotangents_now = perturbed(dict(cotangents), u, generator, precision)
+        with RoundEveryOp(u, generator, precision):
             return call(inputs_now, cotangents_now)
 
     return run
@@ -141,11 +173,12 @@ class Look:
     (``spreads`` and ``baseline`` run them), or read from what the cache held."""
 
     def __init__(self, *, precision: torch.dtype, fresh: bool = False,
-                 spreads: Callable[[], Mapping[str, tuple[float, float]]] | None = None,
+                 spreads: Callable[[], Mapping[str, tuple[Any, ...]]] | None = None,
                  baseline: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.precision, self.fresh = precision, fresh  # fresh: computed here, to be kept
         self._spreads_fn, self._baseline_fn = spreads, baseline
-        self.spreads: Mapping[str, tuple[float, float]] | None = None
+        # path -> (greatest, RMS) spread, and the spread of each element when known.
+        self.spreads: Mapping[str, tuple[Any, ...]] | None = None
         self.baseline_results: Mapping[str, Any] | None = None
         self._baseline_leaves: dict[str, object] | None = None
         self.computed: set[str] = set()  # "spreads", "baseline": what to store
@@ -159,8 +192,8 @@ class Look:
         value = (self.spreads or {}).get(path)
         if value is None:
             return None
-        greatest, rms = value
-        return Budget(greatest, rms, self.precision)
+        greatest, rms, *elements = value
+        return Budget(greatest, rms, self.precision, elements[0] if elements else None)
 
     def baseline(self, path: str) -> object | None:
         if self.baseline_results is None and self._baseline_fn is not None:
@@ -187,7 +220,7 @@ class Look:
     @property
     def unstable(self) -> list[str]:
         """The leaves whose reference one rounding makes non-finite: no budget for them."""
-        return [path for path, (greatest, _) in (self.spreads or {}).items()
+        return [path for path, (greatest, *_) in (self.spreads or {}).items()
                 if not math.isfinite(greatest)]
 
     def notes(self) -> Iterator[str]:
@@ -207,8 +240,18 @@ class NotChecked(Exception):
 def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str, Any],
                    names: list[str], rng: torch.Tensor | None,
                    seconds_per_call: float) -> str | None:
-    """Check the call's backward against finite differences of its forward in float64 on the
-    CPU (``torch.autograd.gradcheck``, fast mode): None when it agrees, else why not.
+    """Check the call's backward against central differences of its forward in float64 on
+    the CPU: None when they agree, else why not (the analytical and numerical values, the
+    tolerance, the sizes).
+
+    For each differentiated input, ``PROBES`` random directions ``d``: the backward along a
+    random cotangent ``v`` of every output gives ``<J^T v, d>`` (analytical), central
+    differences of the forward give ``<v, (f(x + h d) - f(x - h d)) / 2h>`` (numerical). They
+    must agree to ``GRADIENT_RTOL`` of the analytical value plus the differences' own
+    noise (float64 roundoff of the outputs over the step, and ``1e-6`` of the directional
+    derivative's size): a tolerance that scales with the Jacobian, where torch's fast
+    gradcheck held a product of size 1e-4 to an atol of 1e-5 and let a backward 10% off
+    through. Complex inputs are checked by ``torch.autograd.gradcheck`` (fast mode).
 
     ``inputs`` are the float64 inputs; ``call(inputs)`` returns the outputs; ``names`` are
     the inputs differentiated (those the call gave a gradient: an input it uses as a
@@ -223,7 +266,7 @@ def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str
         return None
     if len(names) > GRADCHECK_INPUTS:
         raise NotChecked(f"{len(names)} floating inputs, above {GRADCHECK_INPUTS}")
-    estimate = (2 * len(names) + 4) * seconds_per_call
+    estimate = (2 * PROBES * len(names) + 4) * seconds_per_call
     if estimate > GRADCHECK_SECONDS:
         raise NotChecked(f"about {estimate:.0f} s of float64 runs, above {GRADCHECK_SECONDS:g} s")
     state = rng if rng is not None else torch.get_rng_state()
@@ -237,15 +280,75 @@ def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str
 
     values = tuple(inputs[name].detach().clone().requires_grad_() for name in names)
     with torch.enable_grad():
-        if not function(*values):
+        if any(v.is_complex() for v in values):
+            return _complex_gradcheck(function, values, names)
+        outputs = function(*values)
+        if not outputs:
             return None
-        try:
-            gradcheck(function, values, fast_mode=True, check_undefined_grad=False,
-                      check_batched_grad=False, raise_exception=True)
-        except GradcheckError as exc:
-            lines = [line for line in str(exc).splitlines() if line.strip()]
-            return " ".join(lines[:2]) + (f" (inputs in order: {', '.join(names)})"
-                                          if len(names) > 1 else "")
+        generator = torch.Generator().manual_seed(_PROBE_SEED)
+        cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float64
+                                  ).to(o.dtype) for o in outputs]
+        grads = torch.autograd.grad(outputs, values, cotangents, allow_unused=True)
+        sizes = [o.detach() for o in outputs]
+
+        def evaluated(index: int, step: torch.Tensor) -> list[torch.Tensor]:
+            moved = [v.detach().clone().requires_grad_() for v in values]
+            with torch.no_grad():
+                moved[index] += step
+            found = function(*moved)
+            if len(found) != len(outputs):
+                raise NotChecked("the call returns other outputs on a moved input")
+            return [t.detach() for t in found]
+
+        v_norm = math.sqrt(sum(float(c.double().square().sum()) for c in cotangents))
+        f_norm = math.sqrt(sum(float(o.double().abs().square().sum()) for o in sizes))
+        if not math.isfinite(f_norm):
+            raise NotChecked("the outputs are not finite")
+        for index, (name, value) in enumerate(zip(names, values, strict=True)):
+            if value.numel() == 0:
+                continue
+            grad = grads[index]
+            scale = float(value.detach().abs().square().mean().sqrt()) or 1.0
+            h = STEP * scale
+            for _ in range(PROBES):
+                direction = torch.randn(value.shape, generator=generator, dtype=torch.float64)
+                analytical = (float((grad * direction).sum()) if grad is not None else 0.0)
+                ahead = evaluated(index, h * direction)
+                behind = evaluated(index, -h * direction)
+                slopes = [(p - m) / (2 * h) for p, m in zip(ahead, behind, strict=True)]
+                numerical = sum(float((c * d).sum()) for c, d in zip(cotangents, slopes,
+                                                                      strict=True))
+                slope_norm = math.sqrt(sum(float(d.square().sum()) for d in slopes))
+                if not (math.isfinite(numerical) and math.isfinite(slope_norm)):
+                    raise NotChecked(f"the forward is not finite a step of {h:.3g} away from "
+                                     f"{name} (a pole or a domain's edge)")
+                noise = (8 * _ROUNDOFF * v_norm * f_norm / h
+                         + 1e-6 * v_norm * slope_norm)
+                tolerance = GRADIENT_RTOL * abs(analytical) + noise
+                if not abs(numerical - analytical) <= tolerance:
+                    total = sum(o.numel() for o in outputs)
+                    return (f"the gradient with respect to {name} along a random direction "
+                            f"(a random cotangent of the outputs) is {analytical:.6g} by the "
+                            f"backward (analytical) and {numerical:.6g} by central "
+                            f"differences of the forward (numerical, step {h:.3g}): "
+                            f"{abs(numerical - analytical):.3g} apart, past the tolerance "
+                            f"{tolerance:.3g} ({GRADIENT_RTOL:g} of the analytical value "
+                            f"plus the differences' noise {noise:.3g}); {name} has "
+                            f"{value.numel()} elements, the outputs {total}")
+    return None
+
+
+def _complex_gradcheck(function: Callable[..., tuple[torch.Tensor, ...]],
+                       values: tuple[torch.Tensor, ...], names: list[str]) -> str | None:
+    if not function(*values):
+        return None
+    try:
+        gradcheck(function, values, fast_mode=True, check_undefined_grad=False,
+                  check_batched_grad=False, raise_exception=True)
+    except GradcheckError as exc:
+        lines = [line for line in str(exc).splitlines() if line.strip()]
+        return " ".join(lines[:4]) + (f" (inputs in order: {', '.join(names)})"
+                                      if len(names) > 1 else "")
     return None
 
 

@@ -39,8 +39,16 @@ from pytest_gpucase.verdict.messages import (
     values_mismatch,
     with_note,
 )
-from pytest_gpucase.verdict.rounding import SecondLook, baseline_problem, coarser
-from pytest_gpucase.verdict.stats import NonFinite
+from pytest_gpucase.verdict.rounding import (
+    CLEAN,
+    RULE,
+    Budget,
+    SecondLook,
+    baseline_problem,
+    coarser,
+    unit_roundoff,
+)
+from pytest_gpucase.verdict.stats import NonFinite, TensorStats
 from pytest_gpucase.verdict.tolerance import (
     DEFAULT_TOLERANCES,
     EXACT,
@@ -167,7 +175,12 @@ def compare(
             scratch = _kernel.Scratch()
             tol = _tolerance_for(table, explicit, actual.dtype, precision)
             close = _kernel.small_close(actual, expected, tol, check_dtype, scratch)
-            if close is not None:
+            looks = (second_look is not None
+                     and (actual.dtype.is_floating_point or actual.dtype.is_complex)
+                     and actual.dtype not in explicit
+                     and coarser(actual.dtype, precision) not in explicit)
+            if close is not None and not (
+                    looks and _unclean(actual, expected, coarser(actual.dtype, precision))):
                 return Comparison((), *close)
     except _TORCH_REFUSALS:
         pass  # a dtype or layout torch cannot compare: the walk says so at its path
@@ -447,26 +460,44 @@ class _Walk:
         # Matching specials count as no difference; a NaN or inf mismatch as itself.
         effective = 0.0 if verdict and not math.isfinite(diff) else diff
         self.note(effective, relative(effective, abs(expected)))
-        if not verdict:
-            message = scalar_message(
-                path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
-            )
+        held = coarser(dtype, self.precision)
+        unclean = (verdict and self.looks_again(dtype) and math.isfinite(diff)
+                   and diff > CLEAN * unit_roundoff(held) * abs(expected)
+                   + _least_step(dtype, self.precision))
+        if not verdict or unclean:
+            if unclean:
+                message = _unclean_message(path, diff, abs(expected), held)
+            else:
+                message = scalar_message(
+                    path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
+                )
             mismatch: Mismatch | None = Mismatch(path, "values", message, 1, 1, diff,
                                                  relative(diff, abs(expected)))
             if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
-                mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch)
+                mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch,
+                                             unclean)
             if mismatch is not None:
                 self.items.append(mismatch)
 
     def number_again(self, path: str, actual: complex, expected: complex, diff: float,
-                     tol: Tolerance, dtype: torch.dtype, mismatch: Mismatch) -> Mismatch | None:
-        """A Python number past its default tolerance, judged as a tensor leaf is."""
+                     tol: Tolerance, dtype: torch.dtype, mismatch: Mismatch,
+                     unclean_only: bool = False) -> Mismatch | None:
+        """A Python number past its default tolerance (or within it, but past ``CLEAN``
+        roundings of its size: ``unclean_only``), judged as a tensor leaf is."""
         assert self.second_look is not None
         budget = self.second_look.budget(path)
         widened = budget.tolerance(tol) if budget is not None else None
-        if widened is None:
-            return mismatch
+        if widened is None or budget is None:
+            return None if unclean_only else mismatch
+        # One element: its budget is its own spread, with the default atol as a floor no
+        # larger than CLEAN roundings of its size.
+        floor = max(min(tol.atol, CLEAN * unit_roundoff(budget.precision) * abs(expected)),
+                    _least_step(dtype, budget.precision))
+        widened = dataclasses.replace(widened, atol=max(budget.multiplier * budget.greatest,
+                                                        floor))
         within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
+        if within and (problem := budget.rms_problem(actual, expected)) is not None:
+            return with_note(mismatch, problem)
         if not within:
             message = scalar_message(path, actual, expected, dtype, dtype, widened,
                                      self.equal_nan, exact=False)
@@ -591,44 +622,112 @@ class _Walk:
                 leaf.mismatch = worded()
             if record and leaf.mismatch is not None:
                 self.items.append(leaf.mismatch)
+        elif self.looks_again(leaf.actual.dtype) and not _nonfinite(stats.nonfinite):
+            precision = coarser(leaf.actual.dtype, self.precision)
+            found = _unclean(leaf.actual, leaf.expected, precision)
+            if found is not None:
+                error, size = found
 
-    def look_again(self, leaf: _Leaf, worded: Callable[[], Mismatch]) -> Mismatch | None:
+                def unclean() -> Mismatch:
+                    return Mismatch(leaf.path, "values", _unclean_message(
+                        leaf.path, error, size, precision), leaf.actual.numel(),
+                        leaf.actual.numel(), stats.max_abs, stats.max_rel)
+
+                leaf.mismatch = self.look_again(leaf, unclean, unclean_only=True)
+                if record and leaf.mismatch is not None:
+                    self.items.append(leaf.mismatch)
+
+    def look_again(self, leaf: _Leaf, worded: Callable[[], Mismatch],
+                   unclean_only: bool = False) -> Mismatch | None:
         """A tensor leaf past its default tolerance (``worded``: its mismatch under that
-        tolerance), judged by its rounding budget and, on a device, against the CPU's own run
-        in the same dtype (``rounding``)."""
+        tolerance), or within it but wrong by a little everywhere (``unclean_only``), judged
+        by its rounding budget and, on a device, against the CPU's own run in the same dtype
+        (``rounding``). Without a budget, the default tolerance alone decides."""
         assert self.second_look is not None
         budget = self.second_look.budget(leaf.path)
         tol = budget.tolerance(leaf.tol) if budget is not None else None
         if budget is None or tol is None:
-            return worded()
-        stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
-                                       max(self.worst, 1), self.scratch)
+            return None if unclean_only else worded()
+        allowance = budget.allowance(leaf.expected)
+        shown = tol
+        if allowance is not None:
+            stats, shown = self.within_allowance(leaf, budget, allowance)
+        else:
+            stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
+                                           max(self.worst, 1), self.scratch)
         within = not stats.mismatched
         mismatch = worded
         if not within:
-            found = values_mismatch(leaf.path, leaf.actual, leaf.expected, tol, stats,
+            found = values_mismatch(leaf.path, leaf.actual, leaf.expected, shown, stats,
                                     self.worst, self.equal_nan)
             mismatch = lambda: found  # noqa: E731
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
             within, noted = False, with_note(worded(), problem)
             mismatch = lambda: noted  # noqa: E731
         else:
-            self.vacuous(leaf.path, leaf.expected, tol, budget.precision)
+            self.vacuous(leaf.path, leaf.expected, tol, budget)
         return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
                                      mismatch)
 
+    def within_allowance(self, leaf: _Leaf, budget: Budget, allowance: torch.Tensor,
+                         ) -> tuple[TensorStats, Tolerance]:
+        """The leaf judged element by element against its budget (``Budget.allowance``, at
+        least the default atol or CLEAN roundings of the leaf's RMS size, whichever is less,
+        plus the default rtol): the tally, and the tolerance at the worst element."""
+        a, e = _wide64(leaf.actual), _wide64(leaf.expected)
+        both = torch.isfinite(a) & torch.isfinite(e)
+        diff = torch.where(both, (a - e).abs(), 0).reshape(-1)
+        size = torch.where(torch.isfinite(e), e.abs(), 0).reshape(-1)
+        rms_size = float(size.square().mean().sqrt()) if size.numel() else 0.0
+        floor = max(min(leaf.tol.atol, CLEAN * unit_roundoff(budget.precision) * rms_size),
+                    _least_step(leaf.actual.dtype, budget.precision))
+        atol = torch.clamp(allowance, min=floor)
+        bad = diff > atol + leaf.tol.rtol * size
+        stats = TensorStats(keep=max(self.worst, 1))
+        if diff.numel():
+            rel = torch.where(size > 0, diff / size, torch.where(diff > 0, math.inf, 0.0))
+            stats.note(float(diff.max()), float(rel.max()))
+        count = int(bad.sum())
+        stats.mismatched = count
+        if not count:
+            return stats, leaf.tol
+        ranked = torch.where(bad, diff, -1.0)
+        top = torch.topk(ranked, min(stats.keep, count)).indices.tolist()
+        for index in top:
+            stats.add_worst(float(diff[index]), index)
+        rel_index = int(torch.where(bad, rel, -1.0).argmax())
+        stats.add_rel(float(rel[rel_index]), rel_index)
+        at = top[0]
+        name = str(budget.precision).removeprefix("torch.")
+        source = (f"{leaf.tol.source or 'defaults'}; atol per element: the rounding budget "
+                  f"{budget.multiplier:g} x the greatest change, when every input and every "
+                  f"operation's result is rounded once to {name}, of the elements no larger "
+                  f"than twice this one ({num(float(atol[at]))} at the worst element; "
+                  f"{num(float(atol.max()))} at most)")
+        return stats, Tolerance(rtol=leaf.tol.rtol, atol=float(atol[at]), ulps=None,
+                                source=source)
+
     def vacuous(self, path: str, expected: torch.Tensor, tol: Tolerance,
-                precision: torch.dtype) -> None:
-        """Note a pass within a budget as large as the output's own RMS size: at that
-        precision the inputs decide the output only to within its size."""
+                budget: Budget) -> None:
+        """Note a pass within a budget as large as the output's own RMS size (at that
+        precision the inputs decide the output only to within its size), or wider than the
+        detectability rule (``RULE``) allows."""
         size = float(_finite_abs(expected).square().mean().sqrt())
-        if tol.atol < size:
+        name = str(budget.precision).removeprefix("torch.")
+        if budget.rms * budget.multiplier >= size > 0:
+            self.notes.append(
+                f"{path} passed within a rounding budget (RMS {num(budget.multiplier)} x "
+                f"{num(budget.rms)}) as large as its own RMS size ({num(size)}): in {name} "
+                "this computation decides it only to within its size, so the check says "
+                "little; judge it in a finer dtype")
             return
-        name = str(precision).removeprefix("torch.")
-        self.notes.append(f"{path} passed within a rounding budget (atol {num(tol.atol)}) as "
-                          f"large as its own RMS size ({num(size)}): in {name} these inputs "
-                          "decide it only to within its size, so the check says little; "
-                          "judge it in a finer dtype, or name an independent reference")
+        units = budget.rule_units(expected)
+        if units is not None and units > RULE:
+            self.notes.append(
+                f"{path} passed within a rounding budget wider than the detectability rule: "
+                f"it lets a constant relative error of {units:.3g} units of roundoff of its "
+                f"RMS size through in {name}, past the rule's {RULE:g} (docs/verdicts.md); "
+                "one rounding of this computation moves it that much")
 
     def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
                          within: bool, mismatch: Callable[[], Mismatch]) -> Mismatch | None:
@@ -675,10 +774,72 @@ class _Walk:
         if not stats.mismatched:
             if stats.compared:
                 self.note(stats.max_abs, stats.max_rel)
+            if self.looks_again(leaves[0].actual.dtype):
+                precision = coarser(leaves[0].actual.dtype, self.precision)
+                for leaf in leaves:
+                    if _unclean(leaf.actual, leaf.expected, precision) is not None:
+                        self.leaf(leaf)
             return
         half = len(leaves) // 2
         self.judge_batch(leaves[:half])
         self.judge_batch(leaves[half:])
+
+
+def _wide64(t: torch.Tensor) -> torch.Tensor:
+    t = t.detach().cpu()
+    return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
+
+
+# Above this many elements, the RMS of a clean pass is taken in pieces of this many.
+_RMS_PIECE = 1 << 20
+
+
+def _unclean(actual: torch.Tensor, expected: torch.Tensor,
+             precision: torch.dtype) -> tuple[float, float] | None:
+    """The RMS error and the RMS size of a pair whose RMS error is past ``CLEAN`` units of
+    roundoff of its RMS size at ``precision`` (over the elements finite on both sides),
+    else None: what a default tolerance lets through by its atol, a constant relative
+    error of 1e-4 of a float32 output of size 0.1, is not a clean pass."""
+    if actual.shape != expected.shape or actual.numel() == 0:
+        return None
+    if not (precision.is_floating_point or precision.is_complex):
+        return None
+    a, e = actual.detach().reshape(-1), expected.detach().reshape(-1)
+    wide = torch.complex128 if (a.is_complex() or e.is_complex()) else torch.float64
+    if a.device.type != "cpu":
+        wide = torch.complex64 if wide == torch.complex128 else torch.float32
+    error = size = 0.0
+    for start in range(0, a.numel(), _RMS_PIECE):
+        x = a[start:start + _RMS_PIECE].to(wide)
+        y = e[start:start + _RMS_PIECE].to(device=x.device, dtype=wide)
+        both = torch.isfinite(x) & torch.isfinite(y)
+        error += float(torch.where(both, (x - y).abs(), 0).square().sum())
+        size += float(torch.where(torch.isfinite(y), y.abs(), 0).square().sum())
+    error, size = math.sqrt(error / a.numel()), math.sqrt(size / a.numel())
+    if error <= CLEAN * unit_roundoff(precision) * size + _least_step(actual.dtype, precision):
+        return None
+    return error, size
+
+
+def _least_step(dtype: torch.dtype, precision: torch.dtype | None) -> float:
+    """The spacing of the coarser dtype's values at zero (its smallest subnormal): an error
+    below it is one the dtype cannot show (a product of 125 numbers below 1 is 1e-57 in
+    float64 and 0 in float32, correctly)."""
+    held = coarser(dtype, precision)
+    if not (held.is_floating_point or held.is_complex):
+        return 0.0
+    info = torch.finfo(held.to_real())
+    return float(info.smallest_normal) * float(info.eps)
+
+
+def _unclean_message(path: str, error: float, size: float, precision: torch.dtype) -> str:
+    u = unit_roundoff(precision)
+    name = str(precision).removeprefix("torch.")
+    units = error / (u * size) if size > 0 else math.inf
+    return (f"{path}: values differ by a little everywhere: within the default tolerance "
+            f"element by element, but its RMS error {num(error)} is {units:.3g} units of "
+            f"roundoff of its RMS size {num(size)} in {name}, past the {CLEAN:g} a clean "
+            "pass allows, and past what rounding of this computation explains")
 
 
 def _nonfinite(counts: NonFinite) -> bool:
