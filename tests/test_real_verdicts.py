@@ -346,3 +346,174 @@ def test_the_note_is_shown_with_a_passing_item(pytester: pytest.Pytester) -> Non
                                  "the gradients were compared with the call's own run on the "
                                  "CPU, whose backward is the same code: nothing independent "
                                  "checked them*"])
+
+
+# --------------------------------------------------------------------------
+# Second round: judged in this process by the child's own code (no fork), each a miss of
+# the OpInfo corpus (benchmarks/bench_opinfo.py) before.
+
+
+def judged_here(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor],
+                toml: str = "", dtype: str = "float32") -> Outcome:
+    """``judged``, in this process (``run.child.run``), the inputs saved in ``dtype``."""
+    import sys
+
+    from pytest_gpucase.run.child import run
+
+    path = root / name
+    path.mkdir(parents=True)
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\ntimeout = 300\n'
+                                    + textwrap.dedent(toml))
+    (path / "case.py").write_text(textwrap.dedent(code))
+    payload.save(path / "inputs.safetensors",
+                 {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
+                  for k, v in tensors.items()})
+    for module in [m for m in sys.modules if m.startswith("gpucase_case_")]:
+        del sys.modules[module]
+    return run(RunSpec(load_case(path), "cpu", dtype, cast=False))
+
+
+SCALED = """
+    import torch
+    EPS = torch.finfo(torch.{dtype}).eps
+    def reference(x):
+        return {op}
+    def run(x):
+        return reference(x) * (1 + {k} * EPS)
+    """
+
+
+def test_a_narrowed_prod_far_past_its_budget_fails(tmp_path: Path) -> None:
+    """A prod over 125 values of (0, 1) along a dimension is 1e-5..0.3: the default atol 1e-5
+    passed any relative error of those outputs, astronomically past their budget."""
+    x = {"x": torch.rand(5, 5, 5, generator=gen(1), dtype=torch.float64) * 0.9 + 0.05}
+    code = SCALED.format(dtype="float32", op="torch.prod(x, 0)", k="{k}")
+    assert judged_here(tmp_path, "prod", code.format(k=0), x,
+                       WITH_REFERENCE).status == "passed"
+    wrong = judged_here(tmp_path, "prod_64", code.format(k=64), x, WITH_REFERENCE)
+    assert wrong.status == "failed", wrong.summary
+    # A narrowed reduction: the last term left out.
+    narrowed = judged_here(tmp_path, "prod_narrow", """
+        import torch
+        def reference(x):
+            return torch.prod(x, 0)
+        def run(x):
+            return torch.prod(x[:-1], 0)
+        """, x, WITH_REFERENCE)
+    assert narrowed.status == "failed"
+
+
+def test_a_product_the_dtype_cannot_hold_passes_as_zero(tmp_path: Path) -> None:
+    """The prod of all 125 values is 1e-57: float32 holds it as 0, correctly."""
+    x = {"x": torch.rand(5, 5, 5, generator=gen(1), dtype=torch.float64) * 0.9 + 0.05}
+    code = SCALED.format(dtype="float32", op="torch.prod(x)", k=0)
+    assert judged_here(tmp_path, "prod_all", code, x).status == "passed"
+
+
+@pytest.mark.parametrize("op", ["torch.softmax(x, -1)", "x.mean(-1)", "torch.cumprod(x, -1)",
+                                "torch.tanh(x)"])
+def test_a_float32_output_scaled_by_64_eps_fails(tmp_path: Path, op: str) -> None:
+    """128 units of roundoff of the output everywhere: past what rounding of these
+    computations gives (the rule of docs/verdicts.md), though within atol 1e-5."""
+    x = {"x": torch.rand(8, 16, generator=gen(2), dtype=torch.float64) * 2 - 1}
+    code = SCALED.format(dtype="float32", op=op, k="{k}")
+    right = judged_here(tmp_path, "right", code.format(k=0), x, WITH_REFERENCE)
+    assert right.status == "passed", right.details
+    wrong = judged_here(tmp_path, "wrong", code.format(k=64), x, WITH_REFERENCE)
+    assert wrong.status == "failed", wrong.summary
+
+
+def test_exact_bfloat16_inputs_are_not_a_rounding_source(tmp_path: Path) -> None:
+    """bfloat16 inputs are read as themselves by the call and its float64 reference: the
+    budget of exp on [7, 9] grew with exp's conditioning (9 u for a 1 u change of its input)
+    and passed an output 20% too large; amax, exact, passed a 5% error."""
+    x = {"x": torch.rand(64, generator=gen(3), dtype=torch.float64) * 2 + 7}
+    exp = SCALED.format(dtype="bfloat16", op="torch.exp(x)", k="{k}").replace(
+        "* (1 + {k} * EPS)", "* {k}")
+    assert judged_here(tmp_path, "exp", exp.format(k=1), x, WITH_REFERENCE,
+                       "bfloat16").status == "passed"
+    assert judged_here(tmp_path, "exp_20", exp.format(k=1.2), x, WITH_REFERENCE,
+                       "bfloat16").status == "failed"
+    amax = SCALED.format(dtype="bfloat16", op="torch.amax(x.reshape(8, 8), 1)",
+                         k="{k}").replace("* (1 + {k} * EPS)", "* {k}")
+    x = {"x": torch.randn(64, generator=gen(4), dtype=torch.float64)}
+    assert judged_here(tmp_path, "amax", amax.format(k=1), x, WITH_REFERENCE,
+                       "bfloat16").status == "passed"
+    assert judged_here(tmp_path, "amax_5", amax.format(k=1.05), x, WITH_REFERENCE,
+                       "bfloat16").status == "failed"
+
+
+def test_one_large_element_does_not_widen_the_others(tmp_path: Path) -> None:
+    """exp on [-1, 9] in bfloat16: the spread at 8103 is 30; an element of 0.4 wrong by 100%
+    hid under 8 x 30 when one figure held the whole tensor."""
+    x = {"x": torch.linspace(-1, 9, 64, dtype=torch.float64)}
+    code = """
+        import torch
+        def reference(x):
+            return torch.exp(x)
+        def run(x):
+            out = torch.exp(x)
+            out[{i}] *= 2
+            return out
+        """
+    wrong = judged_here(tmp_path, "exp_one", code.format(i=0), x, WITH_REFERENCE, "bfloat16")
+    assert wrong.status == "failed"
+
+
+WRONG_BACKWARD = """
+    import torch
+    import torch.nn.functional as F
+
+    def correct(x, target=None):
+        return {op}
+
+    class Wrong(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x, target):
+            ctx.save_for_backward(x, target)
+            return correct(x, target)
+
+        @staticmethod
+        def backward(ctx, grad):
+            x, target = ctx.saved_tensors
+            with torch.enable_grad():
+                x = x.detach().requires_grad_()
+                (found,) = torch.autograd.grad(correct(x, target), x, grad)
+            return found * {factor}, None
+
+    def run(x, target=None):
+        return Wrong.apply(x, target)
+    """
+BACKWARD_OPS = {
+    "softmax": ("torch.softmax(x, -1)", {}),
+    "tanh": ("torch.tanh(x)", {}),
+    "layer_norm": ("F.layer_norm(x, x.shape[-1:])", {}),
+}
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("name", sorted(BACKWARD_OPS))
+def test_a_backward_one_percent_off_fails_without_a_reference(tmp_path: Path, name: str,
+                                                              dtype: str) -> None:
+    """Fast gradcheck held products of size 1e-4 to atol 1e-5: a custom backward of softmax
+    10% off passed it. The check along random directions holds them to 1e-3 relative."""
+    op, _ = BACKWARD_OPS[name]
+    x = {"x": torch.randn(5, 10, generator=gen(5), dtype=torch.float64)}
+    right = judged_here(tmp_path, "right", WRONG_BACKWARD.format(op=op, factor=1.0), x,
+                        GRADIENTS, dtype)
+    assert right.status == "passed", right.summary
+    wrong = judged_here(tmp_path, "wrong", WRONG_BACKWARD.format(op=op, factor=1.01), x,
+                        GRADIENTS, dtype)
+    assert wrong.status == "failed"
+    assert "by the backward (analytical)" in wrong.summary
+    assert "by central differences of the forward (numerical" in wrong.summary
+
+
+def test_a_cross_entropy_backward_one_percent_off_fails(tmp_path: Path) -> None:
+    x = {"x": torch.randn(6, 10, generator=gen(6), dtype=torch.float64),
+         "target": torch.randint(0, 10, (6,), generator=gen(6))}
+    code = WRONG_BACKWARD.format(op="F.cross_entropy(x, target)", factor="{factor}")
+    right = judged_here(tmp_path, "right", code.format(factor=1.0), x, GRADIENTS)
+    assert right.status == "passed", right.summary
+    wrong = judged_here(tmp_path, "wrong", code.format(factor=1.01), x, GRADIENTS)
+    assert wrong.status == "failed", wrong.summary

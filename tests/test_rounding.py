@@ -277,3 +277,67 @@ def test_a_wrong_formula_in_low_precision_is_past_the_budget(dtype: torch.dtype)
     # its greatest change at every element.
     assert "wrong by a little everywhere is not rounding" in wrong.report() or (
         "atol widened to the rounding budget" in wrong.report())
+
+
+# --------------------------------------------------------------------------
+# Second round: exact inputs, a clean pass, the budget of each element.
+
+
+def test_values_the_run_holds_exactly_are_not_perturbed() -> None:
+    """A bfloat16 input read by the call and, upcast, by its reference is no rounding
+    source: only the values the run's precision cannot hold are perturbed."""
+    exact = torch.randn(1000, generator=GEN().manual_seed(0)).to(torch.bfloat16).double()
+    assert torch.equal(perturbed(exact, unit_roundoff(torch.bfloat16), GEN().manual_seed(1),
+                                 torch.bfloat16), exact)
+    finer = exact + 1e-6  # not a bfloat16 value
+    moved = perturbed(finer, unit_roundoff(torch.bfloat16), GEN().manual_seed(1),
+                      torch.bfloat16)
+    assert bool((moved != finer).all())
+    # Without the run's precision, every value is perturbed, as before.
+    assert not torch.equal(perturbed(exact, unit_roundoff(torch.bfloat16), GEN().manual_seed(1)),
+                           exact)
+
+
+def test_an_exact_operation_is_not_rounded() -> None:
+    """amax of bfloat16 values is one of them: a bfloat16 amax makes that very value."""
+    x = torch.randn(8, 8, generator=GEN().manual_seed(0)).to(torch.bfloat16).double()
+    u = unit_roundoff(torch.bfloat16)
+    with RoundEveryOp(u, GEN().manual_seed(1), torch.bfloat16):
+        top = torch.amax(x, 1)
+        grown = torch.exp(x)
+    assert torch.equal(top, torch.amax(x, 1))
+    assert not torch.equal(grown, torch.exp(x))  # exp of a bfloat16 value is not one
+
+
+def test_a_small_output_wrong_everywhere_gets_the_second_look() -> None:
+    """An output of size 1e-3 scaled by 1 + 64 eps is within atol 1e-5 everywhere: it passed
+    without a second look, whatever its budget."""
+    expected = torch.rand(64, generator=GEN().manual_seed(0), dtype=torch.float64) * 1e-3
+    actual = (expected * (1 + 64 * torch.finfo(torch.float32).eps)).float()
+    assert compare(actual, expected, check_dtype=False).ok  # the default table alone
+    u = unit_roundoff(torch.float32)
+    look = Look({"out": (u * 1e-3, u * 6e-4)}, torch.float32)
+    found = compare(actual, expected, check_dtype=False, precision=torch.float32,
+                    second_look=look)
+    assert not found.ok and look.asked == ["out"]
+    assert "values differ by a little everywhere" in found.report()
+    # Within a few roundings it passes at once, asking for no budget.
+    near = (expected * (1 + 2 * torch.finfo(torch.float32).eps)).float()
+    look = Look({}, torch.float32)
+    assert compare(near, expected, check_dtype=False, precision=torch.float32,
+                   second_look=look).ok and look.asked == []
+
+
+def test_each_element_is_held_to_the_spread_of_elements_of_its_size() -> None:
+    """One large element's spread no longer widens the allowance of the small ones."""
+    expected = torch.exp(torch.linspace(-1, 9, 64, dtype=torch.float64))
+    u = unit_roundoff(torch.bfloat16)
+    spreads = expected * u  # one rounding of each
+    budget = Budget(float(spreads.max()), float(spreads.square().mean().sqrt()),
+                    torch.bfloat16, spreads)
+    allowed = budget.allowance(expected)
+    assert allowed is not None
+    assert float(allowed[0]) < 0.1 * float(expected[0])  # the smallest: a few roundings
+    assert float(allowed[-1]) == pytest.approx(8 * float(spreads.max()))
+    # The smallest SHARED elements share their spread, so that one near-zero draw is covered.
+    assert bool((allowed[:8] >= 8 * spreads[7]).all())

@@ -208,13 +208,13 @@ _DECOMPOSED = (
 
 DECOMPOSE_BELOW = 2.0 ** -20  # unit roundoffs below it (float32's, float64's) decompose
 
-# Operations that accumulate many terms in the run's own dtype at float32's precision or
-# finer (``DECOMPOSE_BELOW``): their operands are rounded once more as they are read, which
-# stands for the rounding of each product and partial sum inside the kernel (a float32
-# matmul of 512 terms is off by about sqrt(512) roundings of its terms, which one rounding of
-# its result does not show). A user's input is not perturbed where the run holds it exactly;
-# an accumulating operation still rounds what it adds up. bfloat16 and float16 kernels
-# accumulate in float32: one rounding of the result is what they make.
+# Operations that accumulate many terms: their operands are rounded once more as they are
+# read, which stands for the rounding of each product and partial sum inside the kernel (a
+# float32 matmul of 512 terms is off by about sqrt(512) roundings of its terms, which one
+# rounding of its result does not show; a bfloat16 layer norm's backward on the CPU sums its
+# bias gradient in bfloat16, 0.04 off a sum of 32 terms of size 1, at an element of 0.02). A
+# user's input is not perturbed where the run holds it exactly (``exp`` reads it as it is);
+# an accumulating operation still rounds what it adds up.
 _ACCUMULATES = frozenset({
     "aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm", "aten::mv",
     "aten::addmv", "aten::dot", "aten::vdot", "aten::convolution", "aten::_convolution",
@@ -222,7 +222,19 @@ _ACCUMULATES = frozenset({
     "aten::cumprod", "aten::var", "aten::std", "aten::var_mean", "aten::std_mean",
     "aten::linalg_vector_norm", "aten::norm", "aten::logsumexp", "aten::_cdist_forward",
     "aten::avg_pool2d", "aten::avg_pool1d", "aten::avg_pool3d", "aten::_adaptive_avg_pool2d",
-    "aten::trace", "aten::addcmul", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::trace", "aten::_scaled_dot_product_flash_attention_for_cpu",
+    "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
+    "aten::avg_pool2d_backward", "aten::avg_pool3d_backward", "aten::embedding_dense_backward",
+    # Fused backward passes below float32's precision (above it they run decomposed, their
+    # sums rounded so); the forward ones keep their sums in float32 (torch's "opmath"), where
+    # rounding their inputs would only measure the inputs' conditioning.
+    "aten::native_layer_norm_backward", "aten::native_batch_norm_backward",
+    "aten::native_group_norm_backward", "aten::_fused_rms_norm_backward",
+    "aten::_softmax_backward_data", "aten::_log_softmax_backward_data",
+    "aten::nll_loss_forward", "aten::nll_loss_backward", "aten::nll_loss2d_forward",
+    "aten::nll_loss2d_backward", "aten::mse_loss", "aten::mse_loss_backward",
+    "aten::binary_cross_entropy", "aten::binary_cross_entropy_backward",
+    "aten::smooth_l1_loss", "aten::huber_loss", "aten::kl_div",
 })
 
 
@@ -273,7 +285,7 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if out is not NotImplemented:
                 return out
         schema = func._schema
-        if self.decomposed and schema.name in _ACCUMULATES:
+        if schema.name in _ACCUMULATES:
             args, kwargs = _operands_rounded(args, kwargs or {}, self.u, self.generator)
         out = func(*args, **(kwargs or {}))
         if schema.name in _MOVES or func.is_view:
@@ -395,9 +407,8 @@ class Budget:
 
         An element is allowed the greatest change, over the draws, of the elements of the
         leaf no larger than ``WINDOW`` times its own size (itself included; the smallest
-        ``SHARED`` of the leaf share theirs), and at least the leaf's RMS spread: one large
-        element (``exp`` of 9 beside ``exp`` of -1) widens the allowance of the smaller ones
-        by its share of the RMS, not by its own spread, while an element whose own two draws
+        ``SHARED`` of the leaf share theirs): one large element (``exp`` of 9 beside ``exp``
+        of -1) widens the allowance of no smaller one, while an element whose own two draws
         happened to land near zero borrows the spread of its peers, which rounding moves
         alike (a cancellation's absolute error, shared by every smaller element too)."""
         if self.elements is None or self.elements.shape != expected.shape:
@@ -414,10 +425,7 @@ class Budget:
         reach = torch.searchsorted(ranked, size * WINDOW, right=True) - 1
         shared = min(n, max(SHARED, n // SHARED_SHARE))
         reach = reach.clamp(min=shared - 1, max=n - 1)
-        # At least the leaf's RMS spread: rounding a kernel accumulates unseen by the draws
-        # (a low-precision sum's partial sums) is absolute, shared by an element that
-        # cancels to near zero (a bias gradient of -0.02 among values of 18).
-        return self.multiplier * torch.clamp(running[reach], min=self.rms)
+        return self.multiplier * running[reach]
 
     def rule_units(self, expected: object) -> float | None:
         """The constant relative error this budget lets through by the RMS rule, in units of
