@@ -10,6 +10,7 @@ ops over many seeds.
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 
@@ -517,3 +518,26 @@ def test_a_cross_entropy_backward_one_percent_off_fails(tmp_path: Path) -> None:
     assert right.status == "passed", right.summary
     wrong = judged_here(tmp_path, "wrong", code.format(factor=1.01), x, GRADIENTS)
     assert wrong.status == "failed", wrong.summary
+
+
+def test_a_pass_within_a_budget_records_it_for_the_report(tmp_path: Path) -> None:
+    """The JSON report said "outputs match the reference" of a clean pass and of one resting
+    on a wide budget alike: each output judged by its budget is now recorded."""
+    from pytest_gpucase.run.isolation.wire import decode, encode
+
+    x = {"x": torch.rand(8, 16, generator=gen(2), dtype=torch.float64) * 2 - 1}
+    clean = judged_here(tmp_path, "clean", SCALED.format(dtype="float32", op="torch.tanh(x)",
+                                                         k=0), x, WITH_REFERENCE)
+    assert clean.status == "passed" and clean.budgets == ()
+    layer_norm = {"x": 1e3 + torch.randn(4, 64, generator=gen(3), dtype=torch.float64)}
+    wide = judged_here(tmp_path, "wide", """
+        import torch
+        def run(x):
+            return torch.nn.functional.layer_norm(x, x.shape[-1:])
+        """, layer_norm, dtype="bfloat16")
+    assert wide.status == "passed"
+    (found,) = wide.budgets
+    assert found["path"] == "out" and found["precision"] == "bfloat16"
+    assert found["multiplier"] == 4.0 and 0 <= found["ratio"] <= 1
+    assert found["wide"] is True and found["rule_units"] > 32
+    assert decode(json.loads(json.dumps(encode(wide)))).budgets == wide.budgets

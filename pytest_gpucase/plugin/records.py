@@ -69,6 +69,7 @@ def verdict_fields(verdict: Verdict) -> dict[str, Any]:
         "max_rel": outcome.max_rel,
         "triage": verdict.triage.to_dict() if verdict.triage is not None else None,
         "localized": verdict.localized.outcome.summary if verdict.localized is not None else None,
+        "budgets": list(outcome.budgets),
     }
 
 

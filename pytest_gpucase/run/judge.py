@@ -213,7 +213,8 @@ class Judged:
         self.store(look)
         self.notes.extend(look.notes())
         self.notes.extend(comparison.notes)
-        fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel}
+        fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel,
+                  "budgets": comparison.budgets}
         if not comparison.ok:
             return self.outcome("failed", "outputs differ from the reference: "
                                 f"{comparison.headline()}", details=comparison.report(),

@@ -7,7 +7,7 @@ import traceback
 import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pytest_gpucase.base.results import result_type
 
@@ -51,6 +51,10 @@ class Outcome:
     # What the verdict could not check, and why, shown with the item's report on a pass too
     # ("nothing independent checked the gradients": no reference, and no gradcheck).
     notes: tuple[str, ...] = ()
+    # Each output judged by its rounding budget: path, precision, multiplier, RMS error and
+    # allowance, their ratio, and the constant error it lets through (verdict.compare's
+    # budget_record), for the JSON report; () where every output passed at once.
+    budgets: tuple[dict[str, Any], ...] = ()
 
     @property
     def broken_case(self) -> bool:

@@ -39,6 +39,13 @@ from pytest_gpucase.verdict.messages import (
     values_mismatch,
     with_note,
 )
+from pytest_gpucase.verdict.allowance import (
+    budget_record,
+    element_tally,
+    least_step,
+    unclean,
+    unclean_message,
+)
 from pytest_gpucase.verdict.rounding import (
     CLEAN,
     RULE,
@@ -82,6 +89,9 @@ class Comparison:
     # What a pass says little about: a leaf that passed within a rounding budget as large as
     # its own size (shown with the item, on a pass too).
     notes: tuple[str, ...] = ()
+    # Each leaf judged by its rounding budget (``budget_record``): so that a report can tell
+    # a clean pass from one that rests on a wide budget.
+    budgets: tuple[dict[str, object], ...] = field(default=(), repr=False)
 
     @property
     def ok(self) -> bool:
@@ -131,6 +141,7 @@ def combine(parts: Iterable[Comparison]) -> Comparison:
         max_abs=_greatest(p.max_abs for p in parts),
         max_rel=_greatest(p.max_rel for p in parts),
         notes=tuple(note for p in parts for note in p.notes),
+        budgets=tuple(found for p in parts for found in p.budgets),
     )
 
 
@@ -180,7 +191,7 @@ def compare(
                      and actual.dtype not in explicit
                      and coarser(actual.dtype, precision) not in explicit)
             if close is not None and not (
-                    looks and _unclean(actual, expected, coarser(actual.dtype, precision))):
+                    looks and unclean(actual, expected, coarser(actual.dtype, precision))):
                 return Comparison((), *close)
     except _TORCH_REFUSALS:
         pass  # a dtype or layout torch cannot compare: the walk says so at its path
@@ -205,7 +216,7 @@ def compare(
         if isinstance(item, Mismatch) or item.mismatch is not None
     )
     return Comparison(mismatches, walk.max_abs, walk.max_rel,  # type: ignore[arg-type]
-                      tuple(walk.notes))
+                      tuple(walk.notes), tuple(walk.budgets))
 
 
 # Beyond this many mismatching paths, a report starts with their count.
@@ -265,6 +276,7 @@ class _Walk:
     scratch: _kernel.Scratch = field(default_factory=_kernel.Scratch)
     inside: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
+    budgets: list[dict[str, object]] = field(default_factory=list)
     batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
     batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
@@ -461,12 +473,12 @@ class _Walk:
         effective = 0.0 if verdict and not math.isfinite(diff) else diff
         self.note(effective, relative(effective, abs(expected)))
         held = coarser(dtype, self.precision)
-        unclean = (verdict and self.looks_again(dtype) and math.isfinite(diff)
+        rough = (verdict and self.looks_again(dtype) and math.isfinite(diff)
                    and diff > CLEAN * unit_roundoff(held) * abs(expected)
-                   + _least_step(dtype, self.precision))
-        if not verdict or unclean:
-            if unclean:
-                message = _unclean_message(path, diff, abs(expected), held)
+                   + least_step(dtype, self.precision))
+        if not verdict or rough:
+            if rough:
+                message = unclean_message(path, diff, abs(expected), held)
             else:
                 message = scalar_message(
                     path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
@@ -475,7 +487,7 @@ class _Walk:
                                                  relative(diff, abs(expected)))
             if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
                 mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch,
-                                             unclean)
+                                             rough)
             if mismatch is not None:
                 self.items.append(mismatch)
 
@@ -492,10 +504,11 @@ class _Walk:
         # One element: its budget is its own spread, with the default atol as a floor no
         # larger than CLEAN roundings of its size.
         floor = max(min(tol.atol, CLEAN * unit_roundoff(budget.precision) * abs(expected)),
-                    _least_step(dtype, budget.precision))
+                    least_step(dtype, budget.precision))
         widened = dataclasses.replace(widened, atol=max(budget.multiplier * budget.greatest,
                                                         floor))
         within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
+        self.budgets.append(budget_record(path, actual, expected, budget))
         if within and (problem := budget.rms_problem(actual, expected)) is not None:
             return with_note(mismatch, problem)
         if not within:
@@ -624,16 +637,16 @@ class _Walk:
                 self.items.append(leaf.mismatch)
         elif self.looks_again(leaf.actual.dtype) and not _nonfinite(stats.nonfinite):
             precision = coarser(leaf.actual.dtype, self.precision)
-            found = _unclean(leaf.actual, leaf.expected, precision)
+            found = unclean(leaf.actual, leaf.expected, precision)
             if found is not None:
                 error, size = found
 
-                def unclean() -> Mismatch:
-                    return Mismatch(leaf.path, "values", _unclean_message(
+                def rough() -> Mismatch:
+                    return Mismatch(leaf.path, "values", unclean_message(
                         leaf.path, error, size, precision), leaf.actual.numel(),
                         leaf.actual.numel(), stats.max_abs, stats.max_rel)
 
-                leaf.mismatch = self.look_again(leaf, unclean, unclean_only=True)
+                leaf.mismatch = self.look_again(leaf, rough, unclean_only=True)
                 if record and leaf.mismatch is not None:
                     self.items.append(leaf.mismatch)
 
@@ -656,6 +669,7 @@ class _Walk:
             stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
                                            max(self.worst, 1), self.scratch)
         within = not stats.mismatched
+        self.budgets.append(budget_record(leaf.path, leaf.actual, leaf.expected, budget))
         mismatch = worded
         if not within:
             found = values_mismatch(leaf.path, leaf.actual, leaf.expected, shown, stats,
@@ -671,41 +685,9 @@ class _Walk:
 
     def within_allowance(self, leaf: _Leaf, budget: Budget, allowance: torch.Tensor,
                          ) -> tuple[TensorStats, Tolerance]:
-        """The leaf judged element by element against its budget (``Budget.allowance``, at
-        least the default atol or CLEAN roundings of the leaf's RMS size, whichever is less,
-        plus the default rtol): the tally, and the tolerance at the worst element."""
-        a, e = _wide64(leaf.actual), _wide64(leaf.expected)
-        both = torch.isfinite(a) & torch.isfinite(e)
-        diff = torch.where(both, (a - e).abs(), 0).reshape(-1)
-        size = torch.where(torch.isfinite(e), e.abs(), 0).reshape(-1)
-        rms_size = float(size.square().mean().sqrt()) if size.numel() else 0.0
-        floor = max(min(leaf.tol.atol, CLEAN * unit_roundoff(budget.precision) * rms_size),
-                    _least_step(leaf.actual.dtype, budget.precision))
-        atol = torch.clamp(allowance, min=floor)
-        bad = diff > atol + leaf.tol.rtol * size
-        stats = TensorStats(keep=max(self.worst, 1))
-        if diff.numel():
-            rel = torch.where(size > 0, diff / size, torch.where(diff > 0, math.inf, 0.0))
-            stats.note(float(diff.max()), float(rel.max()))
-        count = int(bad.sum())
-        stats.mismatched = count
-        if not count:
-            return stats, leaf.tol
-        ranked = torch.where(bad, diff, -1.0)
-        top = torch.topk(ranked, min(stats.keep, count)).indices.tolist()
-        for index in top:
-            stats.add_worst(float(diff[index]), index)
-        rel_index = int(torch.where(bad, rel, -1.0).argmax())
-        stats.add_rel(float(rel[rel_index]), rel_index)
-        at = top[0]
-        name = str(budget.precision).removeprefix("torch.")
-        source = (f"{leaf.tol.source or 'defaults'}; atol per element: the rounding budget "
-                  f"{budget.multiplier:g} x the greatest change, when every input and every "
-                  f"operation's result is rounded once to {name}, of the elements no larger "
-                  f"than twice this one ({num(float(atol[at]))} at the worst element; "
-                  f"{num(float(atol.max()))} at most)")
-        return stats, Tolerance(rtol=leaf.tol.rtol, atol=float(atol[at]), ulps=None,
-                                source=source)
+        """The leaf judged element by element against its budget (``element_tally``)."""
+        return element_tally(leaf.actual, leaf.expected, leaf.tol, budget, allowance,
+                             max(self.worst, 1))
 
     def vacuous(self, path: str, expected: torch.Tensor, tol: Tolerance,
                 budget: Budget) -> None:
@@ -777,69 +759,12 @@ class _Walk:
             if self.looks_again(leaves[0].actual.dtype):
                 precision = coarser(leaves[0].actual.dtype, self.precision)
                 for leaf in leaves:
-                    if _unclean(leaf.actual, leaf.expected, precision) is not None:
+                    if unclean(leaf.actual, leaf.expected, precision) is not None:
                         self.leaf(leaf)
             return
         half = len(leaves) // 2
         self.judge_batch(leaves[:half])
         self.judge_batch(leaves[half:])
-
-
-def _wide64(t: torch.Tensor) -> torch.Tensor:
-    t = t.detach().cpu()
-    return t.to(torch.complex128) if t.is_complex() else t.to(torch.float64)
-
-
-# Above this many elements, the RMS of a clean pass is taken in pieces of this many.
-_RMS_PIECE = 1 << 20
-
-
-def _unclean(actual: torch.Tensor, expected: torch.Tensor,
-             precision: torch.dtype) -> tuple[float, float] | None:
-    """The RMS error and the RMS size of a pair whose RMS error is past ``CLEAN`` units of
-    roundoff of its RMS size at ``precision`` (over the elements finite on both sides),
-    else None: what a default tolerance lets through by its atol, a constant relative
-    error of 1e-4 of a float32 output of size 0.1, is not a clean pass."""
-    if actual.shape != expected.shape or actual.numel() == 0:
-        return None
-    if not (precision.is_floating_point or precision.is_complex):
-        return None
-    a, e = actual.detach().reshape(-1), expected.detach().reshape(-1)
-    wide = torch.complex128 if (a.is_complex() or e.is_complex()) else torch.float64
-    if a.device.type != "cpu":
-        wide = torch.complex64 if wide == torch.complex128 else torch.float32
-    error = size = 0.0
-    for start in range(0, a.numel(), _RMS_PIECE):
-        x = a[start:start + _RMS_PIECE].to(wide)
-        y = e[start:start + _RMS_PIECE].to(device=x.device, dtype=wide)
-        both = torch.isfinite(x) & torch.isfinite(y)
-        error += float(torch.where(both, (x - y).abs(), 0).square().sum())
-        size += float(torch.where(torch.isfinite(y), y.abs(), 0).square().sum())
-    error, size = math.sqrt(error / a.numel()), math.sqrt(size / a.numel())
-    if error <= CLEAN * unit_roundoff(precision) * size + _least_step(actual.dtype, precision):
-        return None
-    return error, size
-
-
-def _least_step(dtype: torch.dtype, precision: torch.dtype | None) -> float:
-    """The spacing of the coarser dtype's values at zero (its smallest subnormal): an error
-    below it is one the dtype cannot show (a product of 125 numbers below 1 is 1e-57 in
-    float64 and 0 in float32, correctly)."""
-    held = coarser(dtype, precision)
-    if not (held.is_floating_point or held.is_complex):
-        return 0.0
-    info = torch.finfo(held.to_real())
-    return float(info.smallest_normal) * float(info.eps)
-
-
-def _unclean_message(path: str, error: float, size: float, precision: torch.dtype) -> str:
-    u = unit_roundoff(precision)
-    name = str(precision).removeprefix("torch.")
-    units = error / (u * size) if size > 0 else math.inf
-    return (f"{path}: values differ by a little everywhere: within the default tolerance "
-            f"element by element, but its RMS error {num(error)} is {units:.3g} units of "
-            f"roundoff of its RMS size {num(size)} in {name}, past the {CLEAN:g} a clean "
-            "pass allows, and past what rounding of this computation explains")
 
 
 def _nonfinite(counts: NonFinite) -> bool:
