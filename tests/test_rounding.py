@@ -363,3 +363,25 @@ def test_a_budget_draw_imports_no_dynamo_in_a_fresh_process() -> None:
     imported, seconds = done.stdout.split()
     assert imported == "False"
     assert float(seconds) < 1.0  # 2.2 s with the import
+
+
+def test_a_result_past_the_dtypes_range_is_said_to_be_an_overflow() -> None:
+    """exp(12) is 1.6e5, past float16's 65504: the run's inf is the dtype's limit, not a
+    rounding, and the failure says so."""
+    expected = torch.exp(torch.tensor([1.0, 12.0], dtype=torch.float64))
+    actual = expected.to(torch.float16)
+    found = compare(actual, expected, check_dtype=False, precision=torch.float16)
+    assert not found.ok
+    assert "float16 cannot hold the result: the reference reaches 1.628e+05" in found.report()
+    scalar = compare(float("inf"), 1e39, precision=torch.float32)
+    assert "cannot hold" not in scalar.report()  # a Python float is float64: it can
+
+
+def test_an_underflow_is_in_the_budget() -> None:
+    """A float16 value below its smallest normal keeps only its subnormal spacing: the draws
+    round it so, where a relative rounding showed nothing."""
+    x = torch.tensor([2e-9, 1.0], dtype=torch.float64)
+    with RoundEveryOp(0.0, GEN().manual_seed(0), torch.float16):
+        y = x * 1.0
+    assert float(y[0]) in (0.0, float(torch.tensor(2e-9).to(torch.float16)))
+    assert float(y[1]) == 1.0

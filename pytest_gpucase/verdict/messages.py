@@ -23,7 +23,8 @@ import torch
 from pytest_gpucase.verdict.stats import NonFinite, TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance, is_nan, relative, spacing
 
-__all__ = ["Mismatch", "num", "scalar_message", "values_mismatch", "with_note"]
+__all__ = ["Mismatch", "num", "range_lines", "scalar_message", "values_mismatch",
+           "with_note"]
 
 
 @dataclass(frozen=True)
@@ -82,6 +83,8 @@ def scalar_message(
         nan_expected_only=int(e_nan and not a_nan),
     )
     lines.extend(_nonfinite_lines(counts, 1, expected_dtype, equal_nan))
+    if counts.inf_actual and not counts.inf_expected_too:
+        lines.extend(range_lines(actual_dtype, abs(expected)))
     ulp = _ulp_line(diff, expected, actual_dtype, expected_dtype, tol)
     if ulp is not None:
         lines.append(f"  Difference is {ulp}")
@@ -143,6 +146,27 @@ def _tolerance_text(tol: Tolerance, dtype: torch.dtype) -> str:
     if tol.ulps is not None:
         text += f", or within ulps={tol.ulps:g} in {name}"
     return text
+
+
+def range_lines(dtype: torch.dtype, greatest: float) -> list[str]:
+    """A line saying that ``dtype`` cannot hold a result of magnitude ``greatest`` (the
+    reference's, where the run is infinite): an overflow of the dtype, not a rounding."""
+    if not (dtype.is_floating_point or dtype.is_complex) or not math.isfinite(greatest):
+        return []
+    largest = float(torch.finfo(dtype.to_real()).max)
+    if greatest <= largest:
+        return []
+    name = _dtype_name(dtype)
+    return [f"  {name} cannot hold the result: the reference reaches {num(greatest)} in "
+            f"magnitude, past {name}'s largest value {num(largest)}: an overflow of the "
+            "dtype, not a rounding (compute or accumulate in a wider dtype, or scale)"]
+
+
+def _finite_max(t: torch.Tensor) -> float:
+    size = t.detach().abs()
+    size = size.to(torch.float64) if size.device.type == "cpu" else size.float()
+    size = torch.where(torch.isfinite(size), size, 0)
+    return float(size.max()) if size.numel() else 0.0
 
 
 def _nonfinite_lines(
@@ -240,6 +264,8 @@ def values_mismatch(
                 lines.append(_scale_line(float(diffs[0]), size))
     lines.append(f"  Tolerance: {_tolerance_text(tol, actual.dtype)}")
     lines.extend(_nonfinite_lines(stats.nonfinite, stats.mismatched, expected.dtype, equal_nan))
+    if stats.nonfinite.inf_actual > stats.nonfinite.inf_expected_too:
+        lines.extend(range_lines(actual.dtype, _finite_max(expected)))
     if worst:
         lines.append("  Worst elements (index: actual vs expected, abs error):")
         for i in range(min(worst, len(indices))):
