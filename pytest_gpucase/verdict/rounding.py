@@ -241,6 +241,15 @@ _ACCUMULATES = frozenset({
     "aten::trace", "aten::_scaled_dot_product_flash_attention_for_cpu",
     "aten::_scaled_dot_product_flash_attention_for_cpu_backward",
     "aten::avg_pool2d_backward", "aten::avg_pool3d_backward", "aten::embedding_dense_backward",
+    "aten::_adaptive_avg_pool2d_backward", "aten::_adaptive_avg_pool3d_backward",
+    "aten::adaptive_max_pool2d_backward", "aten::max_pool2d_with_indices_backward",
+    "aten::max_pool3d_with_indices_backward", "aten::upsample_nearest2d_backward",
+    "aten::upsample_bilinear2d_backward", "aten::upsample_linear1d_backward",
+    "aten::upsample_nearest1d_backward", "aten::upsample_bicubic2d_backward",
+    "aten::_upsample_bilinear2d_aa_backward", "aten::index_add", "aten::scatter_add",
+    "aten::scatter_reduce", "aten::index_put", "aten::_index_put_impl_", "aten::col2im",
+    "aten::_embedding_bag", "aten::_embedding_bag_backward", "aten::segment_reduce",
+    "aten::cumsum_", "aten::logcumsumexp", "aten::_cdist_backward", "aten::_pdist_forward",
     # Fused normalizations and backward passes below float32's precision (above it they run
     # decomposed, their sums rounded so): a bfloat16 batch norm over two samples is 0.37 off
     # at an output of 2 where the two values are one unit apart. Softmax keeps its sum in
