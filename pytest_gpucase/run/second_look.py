@@ -1,5 +1,5 @@
 """The child's extra runs behind a verdict: the cotangents of a gradient check, the draws
-of a rounding budget, the CPU's own run in the same dtype, and a float64 gradcheck.
+of a rounding budget, the CPU's own run in the same dtype, and a float64 gradient check.
 
 What they are for, and the rules that judge by them, are ``verdict.rounding``'s; here
 they are run, each only when a verdict needs it (``Look`` computes nothing until the

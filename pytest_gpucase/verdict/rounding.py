@@ -7,18 +7,21 @@ is off the float64 result by tens, correctly; a float32 layer norm of 1e3 + N(0,
 by 1e-4. A leaf that fails the default check gets a second look:
 
 **The rounding budget.** The float64 reference is computed again ``DRAWS`` times with
-every floating input (and cotangent) multiplied by ``1 + u z`` and every floating result
-of every operation it runs multiplied by ``1 + u z'`` (``RoundEveryOp``), where ``u``
-is the unit roundoff of the run's precision and ``z``, ``z'`` are seeded standard normal
-draws: the reference as if each value it reads and makes were rounded once to that
-precision. The greatest change of a leaf over the draws is its *spread* (one number
-per output tensor: the errors of a tensor share their sources, the inputs' rounding
-and the intermediate sizes, so a per-element figure would only be noisier). The leaf
-then passes when every element is within ``atol = max(default atol,
-MULTIPLIER[precision] * spread)`` and the default ``rtol``. The multiplier covers what
-the draws cannot see: the rounding inside one operation (a matmul's, a reduction's,
-whose accumulation error grows with its length) and the draws' own sampling.
-Non-finite mismatches (NaN or inf against a finite value, or the reverse) always fail.
+every floating input (and cotangent) value the run's precision cannot hold exactly
+multiplied by ``1 + u z``, every floating result of every operation it runs multiplied by
+``1 + u z'`` where that precision cannot hold it exactly (``RoundEveryOp``; below the
+precision's smallest normal, rounded as the dtype stores it), and the operands of
+operations that add up many terms rounded once more (``_ACCUMULATES``: the roundings of the
+terms inside the kernel), where ``u`` is the unit roundoff of the run's precision and ``z``,
+``z'`` are seeded standard normal draws. Each element's greatest change over the draws,
+and the leaf's RMS change, are its *spread*. An element then passes when it is within
+``MULTIPLIER[precision]`` times the greatest spread of the elements no larger than
+``WINDOW`` times its size (``Budget.allowance``) plus the default ``rtol``, and the leaf
+when its RMS error is within the multiplier times its RMS spread plus one rounding of its
+RMS size (``Budget.rms_problem``). The multiplier covers what the draws cannot see: a
+kernel's order of accumulation and the draws' own sampling. Non-finite mismatches (NaN
+or inf against a finite value, or the reverse) always fail. A leaf within its default
+tolerance but past ``CLEAN`` roundings of its RMS size in RMS error gets the same look.
 
 **The same-dtype baseline.** On a device other than the CPU, the same call runs again
 on the CPU in the same dtype, as ``torch._dynamo.utils.same(fp64_ref=...)`` judges a
@@ -52,6 +55,7 @@ __all__ = [
     "CLEAN",
     "DECOMPOSE_BELOW",
     "DRAWS",
+    "ELEMENT_BUDGETS_UP_TO",
     "MULTIPLIER",
     "RULE",
     "SHARED",
@@ -96,6 +100,9 @@ RULE = 32.0
 WINDOW = 2.0
 SHARED = 8
 SHARED_SHARE = 16
+# Above this many elements a leaf is held to one figure (its greatest spread), as before the
+# per-element budget: sorting and six float64 copies of a larger leaf cost more than its draws.
+ELEMENT_BUDGETS_UP_TO = 1 << 22
 # How much worse than the CPU's own same-dtype error a device run may be.
 BASELINE_MULTIPLE = 4.0
 _SEED = 0x6A7C5E
@@ -450,7 +457,8 @@ class Budget:
         of -1) widens the allowance of no smaller one, while an element whose own two draws
         happened to land near zero borrows the spread of its peers, which rounding moves
         alike (a cancellation's absolute error, shared by every smaller element too)."""
-        if self.elements is None or self.elements.shape != expected.shape:
+        if (self.elements is None or self.elements.shape != expected.shape
+                or expected.numel() > ELEMENT_BUDGETS_UP_TO):
             return None
         spread_of = self.elements.reshape(-1).to(torch.float64)
         size = _wide(expected).abs().reshape(-1)
