@@ -558,3 +558,26 @@ def test_the_gradient_check_allows_for_its_own_step_near_a_pole(tmp_path: Path) 
         """
     found = judged_here(tmp_path, "tan", code, x, GRADIENTS)
     assert found.status == "passed", found.summary
+
+
+def test_the_json_report_carries_each_budget(pytester: pytest.Pytester) -> None:
+    """A pass resting on a wide budget, told apart from a clean one in the JSON report."""
+    from pytest_gpucase.report.file import load_report
+
+    for name, values in (("clean", torch.randn(4, 64, generator=gen(3), dtype=torch.float64)),
+                         ("wide", 1e3 + torch.randn(4, 64, generator=gen(3),
+                                                    dtype=torch.float64))):
+        path = pytester.path / "cases" / name
+        path.mkdir(parents=True)
+        (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                        '[matrix]\ndtypes = ["bfloat16"]\n')
+        (path / "case.py").write_text("import torch\ndef run(x):\n"
+                                      "    return torch.nn.functional.layer_norm(x, (64,))\n")
+        payload.save(path / "inputs.safetensors", {"x": values.to(torch.bfloat16)})
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--gpu-cases-report", "report.json", "cases")
+    result.assert_outcomes(passed=2)
+    found = {r["case"]: r for r in load_report(pytester.path / "report.json")["results"]}
+    assert found["clean"].get("budgets", []) == []
+    (wide,) = found["wide"]["budgets"]
+    assert wide["path"] == "out" and wide["wide"] is True and wide["ratio"] <= 1
