@@ -138,3 +138,31 @@ def test_a_reference_whose_outputs_a_budget_draw_writes_over_is_a_broken_case(
             + KEPT_BUFFER.format(name="ref", dtype="torch.float64", change="",
                                  returned="buffer.clone()"))
     assert run(_buffer_case(tmp_path / "reference_copied", code, reference=True)).status == "passed"
+
+
+def test_the_comparison_runs_no_code_and_budgets_only_the_leaves_that_ask() -> None:
+    """The comparison called up into the user's code (the budget's draws) from inside its
+    walk, for every leaf at once; it now lists the leaves that need a budget, and the draws
+    run outside it, for those leaves only."""
+    from pytest_gpucase.run.second_look import Look
+    from pytest_gpucase.verdict.compare import compare
+
+    expected = {"clean": torch.linspace(1, 2, 64, dtype=torch.float64),
+                "off": torch.linspace(1, 2, 64, dtype=torch.float64)}
+    actual = {"clean": expected["clean"].float(), "off": (expected["off"] * 1.001).float()}
+    asked: list[list[str]] = []
+
+    def spreads(paths: object) -> dict[str, tuple[float, float]]:
+        asked.append(sorted(paths))  # type: ignore[call-overload]
+        return {path: (1e-7, 1e-7) for path in asked[-1]}
+
+    look = Look(precision=torch.float32, fresh=True, spreads=spreads)
+    first = compare(actual, expected, precision=torch.float32, second_look=look,
+                    check_dtype=False)
+    assert asked == [] and first.pending == ("out['off']",) and not first.ok
+    look.settle()
+    assert asked == [["out['off']"]]
+    again = compare(actual, expected, precision=torch.float32, second_look=look,
+                    check_dtype=False)
+    assert again.pending == () and not again.ok  # 1e-3 relative: far past 16 x 1e-7
+    assert "rounding budget" in again.report()

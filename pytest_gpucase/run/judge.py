@@ -242,7 +242,20 @@ class Judged:
 
     def judged(self, actual: dict[str, Any], expected: dict[str, Any], look: second_look.Look,
                with_golden: bool) -> tuple[Comparison, Comparison | None]:
-        """The comparison with the reference, and with the golden when it passed."""
+        """The comparison with the reference, and with the golden when it passed. The
+        comparison runs none of the user's code: the budgets and the baseline it asks for
+        are computed here (``Look.settle``, for the leaves that asked only) and the outputs
+        compared again."""
+        for _ in range(_SETTLES):
+            found = self.judged_once(actual, expected, look, with_golden)
+            if not look.waiting:
+                break
+            look.settle()
+        return found
+
+    def judged_once(self, actual: dict[str, Any], expected: dict[str, Any],
+                    look: second_look.Look,
+                    with_golden: bool) -> tuple[Comparison, Comparison | None]:
         comparison = compare_results(actual, expected, self.expect, self.precision,
                                      self.spec.device, look)
         if not (with_golden and comparison.ok):
@@ -279,7 +292,7 @@ class Judged:
         budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
         baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
 
-        def spreads() -> Mapping[str, tuple[Any, ...]]:
+        def spreads(paths: object) -> Mapping[str, tuple[Any, ...]]:
             found = reference_cache.load(budget)
             stored = found.get("spreads", {}) if found else {}
             elements = found.get("elements", {}) if found else {}
@@ -300,7 +313,7 @@ class Judged:
                                  self.precision)
         return second_look.Look(
             precision=self.precision, fresh=True,
-            spreads=lambda: second_look.element_spreads_of(expected, draw),
+            spreads=lambda paths: second_look.element_spreads_of(expected, draw, paths),
             baseline=self.baseline if self.spec.device != "cpu" else None)
 
     def baseline(self) -> dict[str, Any]:
@@ -380,6 +393,9 @@ class Judged:
 
 # The name of the rounding budget kept beside a reference (its format's version with it).
 _BUDGET = "budget2"
+# Rounds of compare, compute what it asked for, compare again: spreads, then a baseline a
+# leaf asks for once its budget is known, then the last comparison.
+_SETTLES = 4
 
 _GRADCHECK_HELP = (
     "The case names no independent reference, so the gradients were compared with the "

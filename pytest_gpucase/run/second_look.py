@@ -26,6 +26,7 @@ import torch
 from torch.autograd.gradcheck import GradcheckError, gradcheck
 
 from pytest_gpucase.verdict.rounding import (
+    NEEDED,
     Budget,
     RoundEveryOp,
     coarser,
@@ -156,11 +157,11 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
     return run
 
 
-class Abandoned(BaseException):
+class Abandoned(Exception):
     """The run's own failure, met while a draw or the baseline was made (the case's inputs
     cannot be loaded again; the code overwrote what it returned before): not the user's code
     failing under perturbation, which ``Look`` says and passes over. The caller raises
-    ``error`` again (a BaseException, so that no handler of the walk's keeps it)."""
+    ``error`` again."""
 
     def __init__(self, error: Exception) -> None:
         super().__init__(str(error))
@@ -168,53 +169,86 @@ class Abandoned(BaseException):
 
 
 class Look:
-    """The second look of one comparison (``verdict.rounding.SecondLook``): the rounding
-    budget of each leaf and the CPU's same-dtype values, computed on the first question
-    (``spreads`` and ``baseline`` run them), or read from what the cache held."""
+    """The second look of one comparison (``verdict.rounding.SecondLook``): data only. The
+    comparison asks for a leaf's budget or baseline; what is not computed yet is answered
+    ``NEEDED`` (and remembered), and ``settle`` computes it (``spreads(paths)`` runs the
+    draws for those leaves only, ``baseline()`` the CPU's run) outside the comparison, which
+    is then asked again (``run.judge``). A look read from the cache computes nothing that
+    runs the user's code."""
 
     def __init__(self, *, precision: torch.dtype, fresh: bool = False,
-                 spreads: Callable[[], Mapping[str, tuple[Any, ...]]] | None = None,
+                 spreads: Callable[[Collection[str]], Mapping[str, tuple[Any, ...]]]
+                 | None = None,
                  baseline: Callable[[], Mapping[str, Any]] | None = None) -> None:
         self.precision, self.fresh = precision, fresh  # fresh: computed here, to be kept
         self._spreads_fn, self._baseline_fn = spreads, baseline
         # path -> (greatest, RMS) spread, and the spread of each element when known.
-        self.spreads: Mapping[str, tuple[Any, ...]] | None = None
+        self.spreads: dict[str, tuple[Any, ...]] | None = None
         self.baseline_results: Mapping[str, Any] | None = None
         self._baseline_leaves: dict[str, object] | None = None
+        self.wanted: set[str] = set()  # answered NEEDED, not computed yet
+        self._asked: set[str] = set()  # given to spreads(), found or not
+        self._baseline_wanted = self._baseline_done = self._spreads_failed = False
         self.computed: set[str] = set()  # "spreads", "baseline": what to store
         self.seconds: dict[str, float] = {}
         self.problems: list[str] = []
 
     def budget(self, path: str) -> Budget | None:
-        if self.spreads is None and self._spreads_fn is not None:
-            self.spreads = self._computed("spreads", self._spreads_fn,
-                                          "the rounding budget could not be computed")
         value = (self.spreads or {}).get(path)
-        if value is None:
+        if value is not None:
+            greatest, rms, *elements = value
+            return Budget(greatest, rms, self.precision, elements[0] if elements else None)
+        if self._spreads_fn is None or self._spreads_failed or path in self._asked:
             return None
-        greatest, rms, *elements = value
-        return Budget(greatest, rms, self.precision, elements[0] if elements else None)
+        self.wanted.add(path)
+        return NEEDED
 
     def baseline(self, path: str) -> object | None:
-        if self.baseline_results is None and self._baseline_fn is not None:
-            self.baseline_results = self._computed(
-                "baseline", self._baseline_fn,
-                "the same call could not run on the CPU in the same dtype (no baseline)")
+        if not self._baseline_done:
+            if self._baseline_fn is None:
+                return None
+            self._baseline_wanted = True
+            return NEEDED
         if self.baseline_results is None:
             return None
         if self._baseline_leaves is None:
             self._baseline_leaves = leaves_of(self.baseline_results)
         return self._baseline_leaves.get(path)
 
+    @property
+    def waiting(self) -> bool:
+        """Whether the comparison asked for something not computed yet."""
+        return bool(self.wanted) or self._baseline_wanted
+
+    def settle(self) -> None:
+        """Compute what the comparison asked for: the user's code runs here, never inside
+        the comparison. Raises ``Abandoned`` for the run's own failure."""
+        if self.wanted and self._spreads_fn is not None:
+            paths, spreads_fn = sorted(self.wanted), self._spreads_fn
+            self.wanted.clear()
+            self._asked.update(paths)
+            found = self._computed("spreads", lambda: spreads_fn(paths),
+                                   "the rounding budget could not be computed")
+            if found is None:
+                self._spreads_failed = True
+            self.spreads = {**(self.spreads or {}), **(found or {})}
+        if self._baseline_wanted and self._baseline_fn is not None:
+            self._baseline_wanted, self._baseline_done = False, True
+            self.baseline_results = self._computed(
+                "baseline", self._baseline_fn,
+                "the same call could not run on the CPU in the same dtype (no baseline)")
+
     def _computed(self, what: str, compute: Callable[[], Any], failed: str) -> Any:
         began = time.perf_counter()
         try:
             found = compute()
+        except Abandoned:
+            raise
         except Exception as exc:  # the user's code under perturbation: said, never raised
             self.problems.append(f"{failed}: {type(exc).__name__}: {_first(exc)}")
-            return {}
+            return None
         self.computed.add(what)
-        self.seconds[what] = time.perf_counter() - began
+        self.seconds[what] = self.seconds.get(what, 0.0) + time.perf_counter() - began
         return found
 
     @property

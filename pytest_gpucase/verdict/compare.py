@@ -48,6 +48,7 @@ from pytest_gpucase.verdict.allowance import (
 )
 from pytest_gpucase.verdict.rounding import (
     CLEAN,
+    NEEDED,
     RULE,
     Budget,
     SecondLook,
@@ -92,6 +93,9 @@ class Comparison:
     # Each leaf judged by its rounding budget (``budget_record``): so that a report can tell
     # a clean pass from one that rests on a wide budget.
     budgets: tuple[dict[str, object], ...] = field(default=(), repr=False)
+    # The leaves whose budget or baseline the second look had not computed (``NEEDED``):
+    # their verdicts here are provisional, until the caller computes them and compares again.
+    pending: tuple[str, ...] = field(default=(), repr=False)
 
     @property
     def ok(self) -> bool:
@@ -142,6 +146,7 @@ def combine(parts: Iterable[Comparison]) -> Comparison:
         max_rel=_greatest(p.max_rel for p in parts),
         notes=tuple(note for p in parts for note in p.notes),
         budgets=tuple(found for p in parts for found in p.budgets),
+        pending=tuple(path for p in parts for path in p.pending),
     )
 
 
@@ -216,7 +221,7 @@ def compare(
         if isinstance(item, Mismatch) or item.mismatch is not None
     )
     return Comparison(mismatches, walk.max_abs, walk.max_rel,  # type: ignore[arg-type]
-                      tuple(walk.notes), tuple(walk.budgets))
+                      tuple(walk.notes), tuple(walk.budgets), tuple(walk.pending))
 
 
 # Beyond this many mismatching paths, a report starts with their count.
@@ -277,6 +282,7 @@ class _Walk:
     inside: set[int] = field(default_factory=set)
     notes: list[str] = field(default_factory=list)
     budgets: list[dict[str, object]] = field(default_factory=list)
+    pending: list[str] = field(default_factory=list)
     batches: dict[tuple[object, ...], list[_Leaf]] = field(default_factory=dict)
     batched: dict[tuple[object, ...], int] = field(default_factory=dict)
 
@@ -498,6 +504,9 @@ class _Walk:
         roundings of its size: ``unclean_only``), judged as a tensor leaf is."""
         assert self.second_look is not None
         budget = self.second_look.budget(path)
+        if budget is NEEDED:
+            self.pending.append(path)
+            return mismatch  # provisional: compared again once the budget is known
         widened = budget.tolerance(tol) if budget is not None else None
         if widened is None or budget is None:
             return None if unclean_only else mismatch
@@ -658,6 +667,9 @@ class _Walk:
         (``rounding``). Without a budget, the default tolerance alone decides."""
         assert self.second_look is not None
         budget = self.second_look.budget(leaf.path)
+        if budget is NEEDED:
+            self.pending.append(leaf.path)
+            return worded()  # provisional: compared again once the budget is known
         tol = budget.tolerance(leaf.tol) if budget is not None else None
         if budget is None or tol is None:
             return None if unclean_only else worded()
@@ -718,6 +730,9 @@ class _Walk:
         ``mismatch`` words the leaf's failure, asked for only when it fails."""
         assert self.second_look is not None
         baseline = self.second_look.baseline(path) if self.device != "cpu" else None
+        if baseline is NEEDED:
+            self.pending.append(path)
+            return mismatch()  # provisional: compared again once the baseline is known
         if baseline is None:
             return None if within else mismatch()
         precision = coarser(_dtype_of(actual), self.precision)

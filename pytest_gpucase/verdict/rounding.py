@@ -57,6 +57,7 @@ __all__ = [
     "DRAWS",
     "ELEMENT_BUDGETS_UP_TO",
     "MULTIPLIER",
+    "NEEDED",
     "RULE",
     "SHARED",
     "SHARED_SHARE",
@@ -108,15 +109,31 @@ BASELINE_MULTIPLE = 4.0
 _SEED = 0x6A7C5E
 
 
+class _Needed:
+    """``NEEDED``: what a second look answers for a leaf whose budget or baseline it has not
+    computed yet (``compare`` lists the leaf in ``Comparison.pending``)."""
+
+    def __repr__(self) -> str:
+        return "NEEDED"
+
+
+NEEDED: Any = _Needed()
+
+
 class SecondLook(Protocol):
-    """What the comparison asks for a leaf that failed the default check (``compare``)."""
+    """What the comparison asks for a leaf that failed the default check (``compare``): data
+    only. The comparison never runs the user's code: a leaf whose budget or baseline is not
+    known yet is answered ``NEEDED``, and listed in ``Comparison.pending``, for the caller to
+    compute (``run.judge``) and ask the comparison again."""
 
     def budget(self, path: str) -> Budget | None:
-        """The rounding budget of the leaf at ``path``; None when none is known."""
+        """The rounding budget of the leaf at ``path``; None when none is known; ``NEEDED``
+        when it can be computed and has not been."""
 
     def baseline(self, path: str) -> object | None:
         """The same call's value at ``path`` in the same dtype on the CPU; None when there
-        is no baseline (a CPU run, or a call that could not run on the CPU)."""
+        is no baseline (a CPU run, or a call that could not run on the CPU); ``NEEDED`` when
+        it can be computed and has not been."""
 
 
 def unit_roundoff(dtype: torch.dtype) -> float:
