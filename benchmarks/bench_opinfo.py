@@ -38,10 +38,8 @@ import argparse
 import json
 import math
 import os
-import subprocess
 import sys
 import tempfile
-import textwrap
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -72,7 +70,7 @@ def resolve(op: object) -> str | None:
     for namespace in NAMESPACES:
         short = name.removeprefix("nn.functional.").removeprefix("linalg.").removeprefix(
             "special.").removeprefix("fft.")
-        module = eval(namespace, {"torch": torch})  # noqa: S307 - a fixed list above
+        module = eval(namespace, {"torch": torch})
         if getattr(module, short, None) is target and target is not None:
             return f"{namespace}.{short}"
     return None
@@ -279,7 +277,7 @@ def corpus(ops: list[str], dtypes: list[torch.dtype], samples: int,
                     continue
                 tensors, args = found
                 try:  # the sample must run, give one floating tensor, differentiate if asked
-                    out = eval(f"{target}({args})", {"torch": torch, **tensors})  # noqa: S307
+                    out = eval(f"{target}({args})", {"torch": torch, **tensors})
                 except Exception:
                     continue
                 if not (isinstance(out, torch.Tensor) and out.is_floating_point()

@@ -401,9 +401,9 @@ _GRADCHECK_HELP = (
     "The case names no independent reference, so the gradients were compared with the "
     "call's own backward run in float64, which a wrong backward formula (a custom "
     "torch.autograd.Function, say) passes every time; the check compares that backward with "
-    "central differences of the forward instead, along random directions. A kink at the inputs (relu at exactly 0, a "
-    "max with ties) can fail it too: then name an independent reference = "
-    "\"case.py:reference\" in case.toml.")
+    "central differences of the forward instead, along random directions. A kink at the "
+    "inputs (relu at exactly 0, a max with ties) can fail it too: then name an independent "
+    "reference = \"case.py:reference\" in case.toml.")
 
 
 def autocast_reference(case: Case) -> bool:

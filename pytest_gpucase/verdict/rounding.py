@@ -316,14 +316,6 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     precision makes that very value (``amax``, ``relu``, a sum of small integers), so it was
     not rounded."""
 
-    @classmethod
-    def _should_skip_dynamo(cls) -> bool:
-        # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo otherwise, whose
-        # first call imports torch._dynamo (a second, and patches of torch._C's classes a
-        # reused worker would take for state a case left): the reference never runs
-        # compiled under this mode.
-        return False
-
     def __init__(self, u: float, generator: torch.Generator,
                  exact_in: torch.dtype | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
@@ -334,8 +326,9 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def _should_skip_dynamo(cls) -> bool:
         # torch wraps a mode's __torch_dispatch__ in torch._disable_dynamo unless this says
         # no; the wrapper's first call imports torch._dynamo, 2 s paid again in every forked
-        # child that makes a budget. The draws run eager float64 code, never a compiled
-        # frame of this method.
+        # child that makes a budget, with patches of torch._C's classes a reused worker
+        # would take for state a case left. The draws run eager float64 code, never a
+        # compiled frame of this method.
         return False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
