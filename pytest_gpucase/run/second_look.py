@@ -27,6 +27,7 @@ from torch.autograd.gradcheck import GradcheckError, gradcheck
 
 from pytest_gpucase.verdict.rounding import (
     NEEDED,
+    Needed,
     Budget,
     RoundEveryOp,
     coarser,
@@ -193,7 +194,7 @@ class Look:
         self.seconds: dict[str, float] = {}
         self.problems: list[str] = []
 
-    def budget(self, path: str) -> Budget | None:
+    def budget(self, path: str) -> Budget | Needed | None:
         value = (self.spreads or {}).get(path)
         if value is not None:
             greatest, rms, *elements = value
@@ -203,7 +204,7 @@ class Look:
         self.wanted.add(path)
         return NEEDED
 
-    def baseline(self, path: str) -> object | None:
+    def baseline(self, path: str) -> object | Needed | None:
         if not self._baseline_done:
             if self._baseline_fn is None:
                 return None

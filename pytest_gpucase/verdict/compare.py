@@ -48,7 +48,7 @@ from pytest_gpucase.verdict.allowance import (
 )
 from pytest_gpucase.verdict.rounding import (
     CLEAN,
-    NEEDED,
+    Needed,
     RULE,
     Budget,
     SecondLook,
@@ -504,7 +504,7 @@ class _Walk:
         roundings of its size: ``unclean_only``), judged as a tensor leaf is."""
         assert self.second_look is not None
         budget = self.second_look.budget(path)
-        if budget is NEEDED:
+        if isinstance(budget, Needed):
             self.pending.append(path)
             return mismatch  # provisional: compared again once the budget is known
         widened = budget.tolerance(tol) if budget is not None else None
@@ -667,7 +667,7 @@ class _Walk:
         (``rounding``). Without a budget, the default tolerance alone decides."""
         assert self.second_look is not None
         budget = self.second_look.budget(leaf.path)
-        if budget is NEEDED:
+        if isinstance(budget, Needed):
             self.pending.append(leaf.path)
             return worded()  # provisional: compared again once the budget is known
         tol = budget.tolerance(leaf.tol) if budget is not None else None
@@ -730,7 +730,7 @@ class _Walk:
         ``mismatch`` words the leaf's failure, asked for only when it fails."""
         assert self.second_look is not None
         baseline = self.second_look.baseline(path) if self.device != "cpu" else None
-        if baseline is NEEDED:
+        if isinstance(baseline, Needed):
             self.pending.append(path)
             return mismatch()  # provisional: compared again once the baseline is known
         if baseline is None:

@@ -43,7 +43,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Final, Protocol
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -63,6 +63,7 @@ __all__ = [
     "SHARED_SHARE",
     "WINDOW",
     "Budget",
+    "Needed",
     "RoundEveryOp",
     "SecondLook",
     "baseline_problem",
@@ -109,7 +110,7 @@ BASELINE_MULTIPLE = 4.0
 _SEED = 0x6A7C5E
 
 
-class _Needed:
+class Needed:
     """``NEEDED``: what a second look answers for a leaf whose budget or baseline it has not
     computed yet (``compare`` lists the leaf in ``Comparison.pending``)."""
 
@@ -117,7 +118,7 @@ class _Needed:
         return "NEEDED"
 
 
-NEEDED: Any = _Needed()
+NEEDED: Final = Needed()
 
 
 class SecondLook(Protocol):
@@ -126,11 +127,11 @@ class SecondLook(Protocol):
     known yet is answered ``NEEDED``, and listed in ``Comparison.pending``, for the caller to
     compute (``run.judge``) and ask the comparison again."""
 
-    def budget(self, path: str) -> Budget | None:
+    def budget(self, path: str) -> Budget | Needed | None:
         """The rounding budget of the leaf at ``path``; None when none is known; ``NEEDED``
         when it can be computed and has not been."""
 
-    def baseline(self, path: str) -> object | None:
+    def baseline(self, path: str) -> object | Needed | None:
         """The same call's value at ``path`` in the same dtype on the CPU; None when there
         is no baseline (a CPU run, or a call that could not run on the CPU); ``NEEDED`` when
         it can be computed and has not been."""
