@@ -275,3 +275,22 @@ def test_the_layout_tree_names_every_module() -> None:
     named = set(re.findall(r"\b([a-z_]+\.(?:py|json))\b", tree)) - {"case.py"}  # a case's file
     assert not missing, f"add to the layout tree: {missing}"
     assert named <= files, f"gone, still in the tree: {sorted(named - files)}"
+
+
+def test_every_per_dtype_table_is_made_from_the_one_dtype_table() -> None:
+    """A dtype's facts have one home (base/dtypes.py); the verdict's torch.dtype tables, the
+    dtypes a run may use and the half-precision ones are made from its rows."""
+    from pytest_gpucase.base.dtypes import DTYPE_TABLE, FLOAT_DTYPES, LOW_PRECISION
+    from pytest_gpucase.case import model
+    from pytest_gpucase.tools import ablate
+    from pytest_gpucase.verdict import _kernel, messages, rounding, tolerance
+
+    assert model.FLOAT_DTYPES == FLOAT_DTYPES == ("float16", "bfloat16", "float32", "float64")
+    assert ablate.LOW_PRECISION == LOW_PRECISION == ("float16", "bfloat16")
+    for row in DTYPE_TABLE:
+        dtype = getattr(torch, row.name)
+        found = tolerance.DEFAULT_TOLERANCES[dtype]
+        assert (found.rtol, found.atol) == (row.rtol, row.atol)
+        assert rounding.MULTIPLIER.get(dtype) == row.budget_multiplier
+        assert messages._MOST_DIGITS.get(dtype) == row.digits
+        assert (dtype in _kernel._SCREENED_DTYPES) == row.screened

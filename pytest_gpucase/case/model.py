@@ -7,6 +7,7 @@ cases must stay cheap, and a broken case must be reported before anything runs.
 
 from __future__ import annotations
 
+from pytest_gpucase.base.dtypes import FLOAT_DTYPES as _FLOAT_DTYPES
 import os
 import sys
 from collections.abc import Mapping
@@ -89,7 +90,7 @@ MAX_FOLDER_ENTRIES = 4096          # names in a case folder and the folders belo
 PYTEST_FILES = ("conftest.py", "__init__.py", "pytest.toml", ".pytest.toml", "pytest.ini",
                 ".pytest.ini", "pyproject.toml", "tox.ini", "setup.cfg")
 
-FLOAT_DTYPES = ("float16", "bfloat16", "float32", "float64")
+FLOAT_DTYPES = _FLOAT_DTYPES   # the dtypes a run may use: base.dtypes.DTYPE_TABLE
 OUTCOMES = ("matches", "raises")
 VERSION_KEYS = ("torch", "python", "cuda", "hip", "capability")
 

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal
 
 from packaging.version import InvalidVersion, Version
 
+from pytest_gpucase.base.dtypes import LOW_PRECISION
 from pytest_gpucase.base import backends
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case.load import load_case
@@ -54,7 +55,6 @@ PASSES: Final = "passes"
 NOT_APPLICABLE: Final = "not applicable here"
 RowVerdict = Literal["fails", "still fails", "fails differently", "passes", "not applicable here"]
 
-LOW_PRECISION = ("float16", "bfloat16")
 CPU_HINT = "a hint, not a validation: the CPU kernel differs"
 # cuBLAS and cuDNN read this at handle creation and keep TF32 off whatever the code under
 # test sets (a training script often turns TF32 on at import, after the child's switches).

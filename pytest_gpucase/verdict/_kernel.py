@@ -55,6 +55,7 @@ from typing import Any
 
 import torch
 
+from pytest_gpucase.base.dtypes import DTYPE_TABLE
 from pytest_gpucase.base import backends
 from pytest_gpucase.base.tensors import readable_address
 from pytest_gpucase.verdict.stats import NonFinite, TensorStats
@@ -127,7 +128,8 @@ def equal_tensors(actual: object, expected: object) -> bool:
     )
 
 
-_SCREENED_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_SCREENED_DTYPES = tuple(getattr(torch, row.name)   # base.dtypes.DTYPE_TABLE
+                         for row in DTYPE_TABLE if row.screened)
 
 
 def small_close(

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pytest_gpucase.base.dtypes import DTYPE_TABLE
 from pytest_gpucase.verdict.stats import NonFinite, TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance, is_nan, relative, spacing
 
@@ -465,7 +466,8 @@ _ROUNDERS: dict[torch.dtype, Callable[[float], float]] = {
     torch.float16: _round_float16,
     torch.bfloat16: _round_bfloat16,
 }
-_MOST_DIGITS = {torch.float32: 9, torch.float16: 5, torch.bfloat16: 4}
+_MOST_DIGITS = {getattr(torch, row.name): row.digits   # base.dtypes.DTYPE_TABLE
+                for row in DTYPE_TABLE if row.digits is not None}
 
 
 def _round(x: float, dtype: torch.dtype) -> float:

@@ -48,6 +48,7 @@ from typing import Any, Final, Protocol
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from pytest_gpucase.base.dtypes import DTYPE_TABLE
 from pytest_gpucase.verdict.tolerance import Tolerance
 
 __all__ = [
@@ -82,8 +83,9 @@ __all__ = [
 # accumulating one float32 product at a time (as a naive GPU kernel does) 8. bfloat16 and
 # float16 are storage formats whose kernels accumulate in float32: their error is the
 # rounding of what they read and write, which the draws see (measured needs up to 1.2).
-MULTIPLIER: Mapping[torch.dtype, float] = {
-    torch.float64: 16.0, torch.float32: 16.0, torch.bfloat16: 4.0, torch.float16: 4.0,
+MULTIPLIER: Mapping[torch.dtype, float] = {   # base.dtypes.DTYPE_TABLE
+    getattr(torch, row.name): row.budget_multiplier for row in DTYPE_TABLE
+    if row.budget_multiplier is not None
 }
 # Draws of the rounding budget: each a run of the float64 reference.
 DRAWS = 2

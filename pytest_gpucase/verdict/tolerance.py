@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from pytest_gpucase.base.dtypes import DTYPE_TABLE
 from pytest_gpucase.base import backends
 
 __all__ = [
@@ -79,17 +80,9 @@ def _defaults(dtype: torch.dtype, rtol: float, atol: float) -> Tolerance:
 
 
 # torch.testing.assert_close's table; integer and bool dtypes compare exactly.
-DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {
-    dtype: _defaults(dtype, rtol, atol)
-    for dtype, rtol, atol in (
-        (torch.float16, 1e-3, 1e-5),
-        (torch.bfloat16, 1.6e-2, 1e-5),
-        (torch.float32, 1.3e-6, 1e-5),
-        (torch.float64, 1e-7, 1e-7),
-        (torch.complex32, 1e-3, 1e-5),
-        (torch.complex64, 1.3e-6, 1e-5),
-        (torch.complex128, 1e-7, 1e-7),
-    )
+DEFAULT_TOLERANCES: dict[torch.dtype, Tolerance] = {   # base.dtypes.DTYPE_TABLE
+    getattr(torch, row.name): _defaults(getattr(torch, row.name), row.rtol, row.atol)
+    for row in DTYPE_TABLE
 }
 
 # The tolerance of integer and bool values, and of a dtype the table leaves out.
