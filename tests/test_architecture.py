@@ -165,20 +165,24 @@ def test_run_env_hook_changes_the_child_environment(pytester: pytest.Pytester) -
 
 
 def test_conftests_apply_where_pytest_would_put_them(pytester: pytest.Pytester) -> None:
-    """Case directories share their parent's conftest modules (a collection shortcut):
-    a conftest above the cases still reaches every item, one inside a case directory
-    reaches that case only, as pytest's own search would have it."""
+    """Case directories share their parent's conftest modules (a collection shortcut): a
+    conftest above the cases still reaches every item. One inside a case directory is never
+    imported (a case's files run no code in the pytest process): that case is broken, naming
+    the file."""
     for name in ("hooked_a", "plain_b", "own_c"):
         write_case(pytester.path, name, RAISES_FROM_THE_HOOK, READS_ENV)
     (pytester.path / "cases" / "conftest.py").write_text(RUN_ENV_CONFTEST)
     (pytester.path / "cases" / "own_c" / "conftest.py").write_text(
+        "import pathlib\n"
+        "pathlib.Path(__file__).with_name('imported').write_text('yes')\n"
         "def pytest_gpucase_run_env(item, spec):\n"
         "    return {'GPUCASE_ARCH_TEST': 'from the hook in own_c'}\n")
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "cases",
                                            "-p", "no:randomly", "-rA")
-    result.assert_outcomes(passed=2, failed=1)
+    result.assert_outcomes(passed=1, failed=2)
     result.stdout.fnmatch_lines(["PASSED cases/hooked_a/*", "FAILED cases/plain_b/*"])
-    result.stdout.fnmatch_lines(["PASSED cases/own_c/*"])
+    result.stdout.fnmatch_lines(["FAILED cases/own_c/*conftest.py*"])
+    assert not (pytester.path / "cases" / "own_c" / "imported").exists()
 
 
 def test_the_spec_property_is_made_once_when_read(pytester: pytest.Pytester) -> None:

@@ -357,7 +357,11 @@ def test_the_note_is_shown_with_a_passing_item(pytester: pytest.Pytester) -> Non
 
 def judged_here(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor],
                 toml: str = "", dtype: str = "float32") -> Outcome:
-    """``judged``, in this process (``run.child.run``), the inputs saved in ``dtype``."""
+    """``judged``, in this process (``run.child.run``), the inputs saved in ``dtype``. The
+    child's code sets what a child may (GPUCASE_REPLAY, which turns every Recorder of the
+    process into a replay's; the case's folder on sys.path): put back after it, or the
+    tests that run after it in this worker record nothing."""
+    import os
     import sys
 
     from pytest_gpucase.run.child import run
@@ -372,7 +376,13 @@ def judged_here(root: Path, name: str, code: str, tensors: dict[str, torch.Tenso
                   for k, v in tensors.items()})
     for module in [m for m in sys.modules if m.startswith("gpucase_case_")]:
         del sys.modules[module]
-    return run(RunSpec(load_case(path), "cpu", dtype, cast=False))
+    environ, path_before = dict(os.environ), list(sys.path)
+    try:
+        return run(RunSpec(load_case(path), "cpu", dtype, cast=False))
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        sys.path[:] = path_before
 
 
 SCALED = """
