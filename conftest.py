@@ -87,22 +87,19 @@ def _no_process_in_the_fast_loop(request: pytest.FixtureRequest,
         pytest.fail(message, pytrace=False)
 
 
-@pytest.fixture(autouse=True)
-def _no_replay_state_left(request: pytest.FixtureRequest) -> Iterator[None]:
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
     """A test that runs a child's code in this process (``run.child.run``) must put back what
     a child sets: with GPUCASE_REPLAY left set, every Recorder of the later tests in this
-    worker takes itself for a replay's and records nothing."""
+    worker takes itself for a replay's and records nothing. Checked once every fixture (a
+    monkeypatch that set it) is torn down."""
     import os
 
-    before = os.environ.get("GPUCASE_REPLAY")
-    yield
-    if os.environ.get("GPUCASE_REPLAY") != before:
-        if before is None:
-            del os.environ["GPUCASE_REPLAY"]
-        else:
-            os.environ["GPUCASE_REPLAY"] = before
-        pytest.fail(f"{request.node.nodeid} left GPUCASE_REPLAY set in the test process: "
-                    "restore os.environ after running a child's code here", pytrace=False)
+    result = yield
+    if os.environ.pop("GPUCASE_REPLAY", None) is not None:
+        pytest.fail(f"{item.nodeid} left GPUCASE_REPLAY set in the test process: restore "
+                    "os.environ after running a child's code here", pytrace=False)
+    return result
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
