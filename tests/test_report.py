@@ -659,6 +659,7 @@ def _chromium(*args: str, profile: Path) -> subprocess.CompletedProcess[str]:
         capture_output=True, text=True, timeout=120, check=True)
 
 
+@pytest.mark.slow   # a headless browser
 def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: Path) -> None:
     page = tmp_path / "matrix.html"
     matrix = build_matrix([load_report(p) for p in two_runners], detail=False,
@@ -918,3 +919,37 @@ def test_created_is_written_to_the_microsecond() -> None:
     created = new_report(_env())["created"]
     assert datetime.fromisoformat(created).tzinfo is not None
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}\+00:00", created)
+
+
+@pytest.mark.slow   # a headless browser
+def test_the_pivot_renders_six_torch_columns_in_version_order_in_chromium(
+        tmp_path: Path) -> None:
+    """extension x torch: the page a maintainer reads at a glance, one self-contained file,
+    its columns in version order (2.9.1 before 2.10.0), at 1600 px."""
+    from pytest_gpucase.report.pivot import pivot, render_pivot_html
+
+    torches = ["2.14.1", "2.9.1", "2.13.0", "2.10.0", "2.12.1", "2.11.0"]   # as given
+    reports = []
+    for n, (torch_version, rowext) in enumerate(
+            (t, r) for t in torches for r in ("2.0", "1.0", "10.0")):
+        env = environment(torch_version, "12.8", None, "x", "9.0", packages={"rowext": rowext})
+        outcome = "failed" if rowext == "1.0" else "passed"
+        reports.append({"schema": SCHEMA, "version": 1, "environment": env, "complete": True,
+                        "created": f"2026-12-01T10:00:{n:02d}+00:00",
+                        "results": [result("rowsum", "cuda", "float32", outcome,
+                                           message=None if outcome == "passed" else "differ")]})
+    page = tmp_path / "pivot.html"
+    page.write_text(render_pivot_html(pivot(build_matrix(reports, detail=False), "rowext",
+                                            "torch")), encoding="utf-8")
+    assert not re.search(r'<(link|script|img)\b|(src|href)="(?!#)', page.read_text("utf-8"))
+    dom = _chromium("--dump-dom", page.as_uri(), profile=tmp_path / "profile").stdout
+    seen = _Page()
+    seen.feed(dom)
+    headers = [text for tag, attrs, text in seen.cells if tag == "th"]
+    assert headers[:7] == ["rowext \\ torch", "torch 2.9.1", "torch 2.10.0", "torch 2.11.0",
+                           "torch 2.12.1", "torch 2.13.0", "torch 2.14.1"]
+    assert headers[7:10] == ["rowext 1.0", "rowext 2.0", "rowext 10.0"]
+    shot = tmp_path / "pivot.png"
+    _chromium("--window-size=1600,1000", f"--screenshot={shot}", page.as_uri(),
+              profile=tmp_path / "profile")
+    assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
