@@ -277,16 +277,24 @@ def _matrix(args: argparse.Namespace) -> int:
             return _error("matrix", exc)
     else:
         text = RENDERERS[args.format](matrix)
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        args.output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
+    failed = _write_out(args.output, text)
+    if failed is not None or args.output is None:
+        return failed or 0
     print(f"gpucase: wrote {args.output} ({len(matrix.rows)} rows × {len(matrix.columns)} "
           f"environments)")
     return 0
+
+
+def _write_out(output: Path | None, text: str) -> int | None:
+    """``text`` to ``output``, or to stdout without one; the exit status of a failed write."""
+    if output is None:
+        sys.stdout.write(text)
+        return None
+    try:
+        output.write_text(text, encoding="utf-8")
+    except OSError as exc:
+        return _error(None, f"{output}: cannot write: {exc.strerror or exc}")
+    return None
 
 
 def _durations(args: argparse.Namespace) -> int:
@@ -301,15 +309,7 @@ def _durations(args: argparse.Namespace) -> int:
             loaded.append(load_report(path))
         except ReportError as exc:
             return _error(None, exc)
-    text = json.dumps(durations(loaded), indent=2) + "\n"
-    if args.output is None:
-        sys.stdout.write(text)
-        return 0
-    try:
-        args.output.write_text(text, encoding="utf-8")
-    except OSError as exc:
-        return _error(None, f"{args.output}: cannot write: {exc.strerror or exc}")
-    return 0
+    return _write_out(args.output, json.dumps(durations(loaded), indent=2) + "\n") or 0
 
 
 def _show(args: argparse.Namespace) -> int:

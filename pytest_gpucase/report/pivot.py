@@ -27,6 +27,7 @@ from pytest_gpucase.report.render import (
     _MARKDOWN_SYMBOLS,
     _footnotes,
     _md_cell,
+    markdown_notes,
 )
 
 __all__ = ["ENVIRONMENT_AXES", "Pivot", "PivotError", "pivot", "render_pivot_html",
@@ -189,12 +190,7 @@ def render_pivot_markdown(view: Pivot) -> str:
                          + " | ".join(cells) + " |")
     lines += ["", "Environments: " + "; ".join(
         f"**{markdown_text(c.label)}**: {markdown_text(c.description)}" for c in matrix.columns)]
-    if matrix.notes:
-        lines += [""] + [f"Note: {markdown_text(note)}" for note in matrix.notes]
-    if numbers:
-        lines.append("")
-        lines += [f"[^{n}]: {markdown_text(reason)}" for reason, n in numbers.items()]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + markdown_notes(matrix, numbers)) + "\n"
 
 
 def render_pivot_html(view: Pivot) -> str:

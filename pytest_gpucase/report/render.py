@@ -17,7 +17,8 @@ from pytest_gpucase.report.matrix import (
     Status,
 )
 
-__all__ = ["RENDERERS", "add_renderers", "render_html", "render_json", "render_markdown"]
+__all__ = ["RENDERERS", "add_renderers", "markdown_notes", "render_html", "render_json",
+           "render_markdown"]
 
 _MARKDOWN_SYMBOLS: Mapping[Status, str] = {
     "pass": "✅", "fail": "❌", "flaky": "🔀", "xfail": "⚠️", "skip": "⏭️",
@@ -67,12 +68,18 @@ def render_markdown(matrix: Matrix) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines += ["", " · ".join(f"{_MARKDOWN_SYMBOLS[s]} {DEVICE_WORDS[s]}: {STATUS_MEANINGS[s]}"
                              for s in STATUSES)]
+    return "\n".join(lines + markdown_notes(matrix, numbers)) + "\n"
+
+
+def markdown_notes(matrix: Matrix, numbers: Mapping[str, int]) -> list[str]:
+    """A Markdown matrix's closing lines: the matrix's notes, then the numbered reasons."""
+    lines = []
     if matrix.notes:
         lines += [""] + [f"Note: {markdown_text(note)}" for note in matrix.notes]
     if numbers:
         lines.append("")
         lines += [f"[^{n}]: {markdown_text(reason)}" for reason, n in numbers.items()]
-    return "\n".join(lines) + "\n"
+    return lines
 
 
 def render_json(matrix: Matrix) -> str:
