@@ -258,7 +258,8 @@ class TestCraftedResults:
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
-         b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}}}}',
+         b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}, '
+         b'"budgets": {"$": "tuple", "items": []}}}}',
          "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed"}}}', "fields"),
@@ -279,9 +280,11 @@ class TestCraftedResults:
         sent = Outcome("failed", "s", max_abs=float("nan"), kind="mismatch")
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
             "$": "dataclass", "type": "pytest_gpucase.run.outcome.Outcome",
-            "fields": {**{k: v for k, v in sent.__dict__.items() if k not in ("max_abs", "notes")},
+            "fields": {**{k: v for k, v in sent.__dict__.items()
+                          if k not in ("max_abs", "notes", "budgets")},
                        "max_abs": {"$": "float", "value": "nan"},
-                       "notes": {"$": "tuple", "items": []}}}}).encode()
+                       "notes": {"$": "tuple", "items": []},
+                       "budgets": {"$": "tuple", "items": []}}}}).encode()
         result = run_in_child(targets.send_raw_result, crafted, timeout=30)
         assert result.returned, result.problem
         assert isinstance(result.value, Outcome)

@@ -64,7 +64,8 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
     before = replay(project)
     before.assert_outcomes(xfailed=3)
     before.stdout.fnmatch_lines_random([
-        f"XFAIL cases/{name}/case.toml::{name}[[]cpu-bfloat16[]] - {XFAIL}" for name in CASES])
+        f"XFAIL cases/{name}/case.toml::{name}[[]cpu-{dtype}[]] - {XFAIL}"
+        for name, dtype in zip(CASES, ("bfloat16", "bfloat16", "float32"), strict=True)])
 
     apply_fix(project / "tiny_lm" / "data.py", BUG, FIX)
 
