@@ -107,21 +107,9 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
     import torch
 
     error = error_line(exc)
-    reasons = list(inputs.problems)
     case_files: dict[str, str] = dict(files or {})
-    if watched is None:
-        name = case_name(what or (f"step_{context.stage}" if context.stage else "failure"))
-        if not incomplete:
-            reasons.insert(0, "the failure happened outside any watched call, so no inputs "
-                           "were saved: watch the function that raised with rec.watch(fn)")
-        label = what or "a step"
-    else:
-        name = watched.name
-        label = str(getattr(watched.fn, "__qualname__", watched.name))
-        label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
-        label = what or label
-        if watched.call is None and call is None:
-            reasons.insert(0, watched.why_not)
+    name, label, reasons = _name_label_reasons(watched, inputs, context, what=what,
+                                               incomplete=incomplete, call=call)
     reasons.extend(incomplete)
     if inputs.snapshot is not None and inputs.snapshot.startswith("not saved"):
         reasons.append(_rebuild_hint(inputs, ids))
@@ -132,44 +120,10 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
     summary = f"{label} raised {error}{where(context)}"
     if reasons:
         summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
-    devices = inputs.devices
-    backend = _backend(devices, torch)
-    table: dict[str, Any] = {"error": error_line(exc, ORIGIN_ERROR_CHARS)}
-    with contextlib.suppress(Exception):
-        from pytest_gpucase.verdict.triage import failure_class
-
-        kind = failure_class(type(exc).__name__, message_of(exc), stderr_text)
-        if kind is not None:
-            table["failure_class"] = kind
-    excerpt = _stderr_excerpt(stderr_text)
-    if excerpt:
-        table["stderr"] = excerpt
-    if context.iteration is not None:
-        table["iteration"] = context.iteration
-    if context.stage is not None:
-        table["stage"] = context.stage
-    if context.last_step is not None:
-        table["last_step"] = context.last_step
-    revision = _revision()
-    if revision:
-        table["revision"] = revision
-    table["python"] = platform.python_version()
-    table["torch"] = torch.__version__
-    table["backend"] = backend
-    device = next((d for d in devices if d != "cpu"), None)
-    if device is not None:
-        table["device"] = device_names.get(device, device)
-    # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
-    row = backends.backend(backend)
-    version = getattr(torch.version, row.version, None) if row and row.version else None
-    if row is not None and row.version in VERSION_KEYS and version:
-        table[row.version] = version
-    if rank is not None:
-        table.update(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size)
-    if ids is not None:
-        table["sample_ids"] = list(ids)
-    if inputs.snapshot is not None:
-        table["snapshot"] = inputs.snapshot
+    table: dict[str, Any] = _failure_entries(exc, stderr_text)
+    table.update(_context_entries(context))
+    table.update(_build_entries(inputs.devices, device_names, torch))
+    table.update(_run_entries(rank, ids, inputs.snapshot))
     table.update(origin or {})
     table["captured"] = datetime.datetime.now(datetime.timezone.utc).strftime(
         "%Y-%m-%dT%H:%M:%SZ")
@@ -184,6 +138,81 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
     return Draft(name=name, call=call, summary=summary, xfail=xfail,
                  literals={**inputs.literals, **dict(literals or {})}, origin=table,
                  tensors=inputs.tensors, files=case_files)
+
+
+def _name_label_reasons(watched: Watched | None, inputs: Inputs, context: Context, *,
+                        what: str | None, incomplete: tuple[str, ...],
+                        call: str | None) -> tuple[str, str, list[str]]:
+    """The case's name, the summary's label of what raised, and the first incomplete reasons."""
+    reasons = list(inputs.problems)
+    if watched is None:
+        name = case_name(what or (f"step_{context.stage}" if context.stage else "failure"))
+        if not incomplete:
+            reasons.insert(0, "the failure happened outside any watched call, so no inputs "
+                           "were saved: watch the function that raised with rec.watch(fn)")
+        return name, what or "a step", reasons
+    label = str(getattr(watched.fn, "__qualname__", watched.name))
+    label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
+    if watched.call is None and call is None:
+        reasons.insert(0, watched.why_not)
+    return watched.name, what or label, reasons
+
+
+def _failure_entries(exc: BaseException, stderr_text: str) -> dict[str, Any]:
+    """The ``[origin]`` entries of the error itself: its line, failure class and stderr."""
+    table: dict[str, Any] = {"error": error_line(exc, ORIGIN_ERROR_CHARS)}
+    with contextlib.suppress(Exception):
+        from pytest_gpucase.verdict.triage import failure_class
+
+        kind = failure_class(type(exc).__name__, message_of(exc), stderr_text)
+        if kind is not None:
+            table["failure_class"] = kind
+    excerpt = _stderr_excerpt(stderr_text)
+    if excerpt:
+        table["stderr"] = excerpt
+    return table
+
+
+def _context_entries(context: Context) -> dict[str, Any]:
+    """The ``[origin]`` entries of where in the run it failed: those the context knows."""
+    values = {"iteration": context.iteration, "stage": context.stage,
+              "last_step": context.last_step}
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _run_entries(rank: Rank | None, ids: tuple[str | int, ...] | None,
+                 snapshot: str | None) -> dict[str, Any]:
+    """The ``[origin]`` entries of the process's rank, the sample ids and the snapshot."""
+    table: dict[str, Any] = {}
+    if rank is not None:
+        table.update(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size)
+    if ids is not None:
+        table["sample_ids"] = list(ids)
+    if snapshot is not None:
+        table["snapshot"] = snapshot
+    return table
+
+
+def _build_entries(devices: tuple[str, ...], device_names: Mapping[str, str],
+                   torch: Any) -> dict[str, Any]:
+    """The ``[origin]`` entries of the build: revision, versions, backend and device."""
+    backend = _backend(devices, torch)
+    table: dict[str, Any] = {}
+    revision = _revision()
+    if revision:
+        table["revision"] = revision
+    table["python"] = platform.python_version()
+    table["torch"] = torch.__version__
+    table["backend"] = backend
+    device = next((d for d in devices if d != "cpu"), None)
+    if device is not None:
+        table["device"] = device_names.get(device, device)
+    # The build's version where [matrix] can require it (cuda, hip): backends.py says which.
+    row = backends.backend(backend)
+    version = getattr(torch.version, row.version, None) if row and row.version else None
+    if row is not None and row.version in VERSION_KEYS and version:
+        table[row.version] = version
+    return table
 
 
 def _rebuild_hint(inputs: Inputs, ids: tuple[str | int, ...] | None) -> str:
