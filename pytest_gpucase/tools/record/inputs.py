@@ -88,33 +88,47 @@ def snapshot_before(watched: Watched, args: Any, kwargs: Any, *, snapshot: str,
         taken = stored
         why_not = ""
         if total > snapshot_limit:
-            on_device = [t for t in stored if t.device.type != "cpu"]
-            device_total = sum(nbytes(t) for t in on_device)
-            taken = on_device if on_device and device_total <= snapshot_limit else []
-            what = ("only the device ones are copied before each call" if taken else
-                    "they are not copied before the call: device ones are copied after "
-                    "a failure, if the device still answers")
-            limit = mib(snapshot_limit)
-            why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
-                       f"of {mib(total)} or more copies them before each call, "
-                       "as passed")
-            note(f"limit:{watched.name}", (
-                f"gpucase: note: the inputs of {watched.name} hold {mib(total)}, "
-                f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
-                "they are after a failure (Recorder(snapshot_limit=...) to change)"))
+            taken, why_not = _over_limit(watched, stored, total, snapshot_limit, note)
         copies = {id(t): payload.to_device(t, "cpu", copy=True) for t in taken}
-        host = sum(nbytes(t) for t in taken if t.device.type == "cpu")
-        if host >= _HOST_COPY_NOTE:
-            # Paid by every step of a loop that never fails: said once, with the way out.
-            note(f"host-copy:{watched.name}", (
-                f"gpucase: note: {mib(host)} of host inputs of {watched.name} are "
-                "copied before each call, so that a failure saves them as passed; "
-                "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
-                "skips the copy"))
+        _note_host_copy(watched, taken, note)
         return Before(copies, versions, why_not)
     except Exception:
         # The device did not answer before the call; the call itself will tell.
         return Before(versions=versions, why_not="the copy before the call failed")
+
+
+def _over_limit(watched: Watched, stored: list[torch.Tensor], total: int, snapshot_limit: int,
+                note: Callable[[str, str], None]) -> tuple[list[torch.Tensor], str]:
+    """Which tensors over the snapshot limit are still copied (the device ones if they fit),
+    and why the others are not; noted once."""
+    on_device = [t for t in stored if t.device.type != "cpu"]
+    device_total = sum(nbytes(t) for t in on_device)
+    taken = on_device if on_device and device_total <= snapshot_limit else []
+    what = ("only the device ones are copied before each call" if taken else
+            "they are not copied before the call: device ones are copied after "
+            "a failure, if the device still answers")
+    limit = mib(snapshot_limit)
+    why_not = (f"over the snapshot limit of {limit}; Recorder(snapshot_limit=...) "
+               f"of {mib(total)} or more copies them before each call, "
+               "as passed")
+    note(f"limit:{watched.name}", (
+        f"gpucase: note: the inputs of {watched.name} hold {mib(total)}, "
+        f"over the snapshot limit of {limit}: {what}, and host ones are saved as "
+        "they are after a failure (Recorder(snapshot_limit=...) to change)"))
+    return taken, why_not
+
+
+def _note_host_copy(watched: Watched, taken: list[torch.Tensor],
+                    note: Callable[[str, str], None]) -> None:
+    """Whether the host copies taken before each call are large enough to be noted once."""
+    host = sum(nbytes(t) for t in taken if t.device.type == "cpu")
+    if host >= _HOST_COPY_NOTE:
+        # Paid by every step of a loop that never fails: said once, with the way out.
+        note(f"host-copy:{watched.name}", (
+            f"gpucase: note: {mib(host)} of host inputs of {watched.name} are "
+            "copied before each call, so that a failure saves them as passed; "
+            "Recorder(snapshot_limit=...) below that size, or snapshot=\"after\", "
+            "skips the copy"))
 
 
 def _remember_device_names(tensors: list[torch.Tensor], names: dict[str, str]) -> None:
