@@ -227,123 +227,169 @@ def _bind(watched: Watched, args: Any, kwargs: Any,
 def collect(watched: Watched, args: Any, kwargs: Any, before: Before,
             found: Triage | None, exc: BaseException) -> Inputs:
     """Sort the arguments into tensors (on the host), literals and skipped values."""
+    named, problems = _bind(watched, args, kwargs)
+    sorted_ = _Sorted(before)
+    for name, value, param in named:
+        _sort_argument(sorted_, name, value, param)
+    unsaved = _copy_pending(sorted_, found, exc)
+    snapshot, changed, shared = _snapshot_line(sorted_, unsaved)
+    skipped = sorted_.skipped
+    if skipped:
+        problems.append(f"{', '.join(sorted(skipped))} could not be saved (see [origin] "
+                        "skipped_inputs): add them to [inputs] or to inputs.safetensors")
+    return Inputs(tensors=sorted_.tensors, literals=sorted_.literals,
+                  described=sorted_.described, skipped=skipped, snapshot=snapshot,
+                  problems=tuple(problems), devices=tuple(sorted_.devices),
+                  changed=tuple(changed), shared=shared, nested=sorted_.nested)
+
+
+@dataclass
+class _Sorted:
+    """A watched call's arguments as ``collect`` sorts them, one by one."""
+
+    before: Before
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)
+    pending: dict[str, torch.Tensor] = field(default_factory=dict)
+    literals: dict[str, Any] = field(default_factory=dict)
+    described: dict[str, str] = field(default_factory=dict)
+    skipped: dict[str, str] = field(default_factory=dict)
+    devices: list[str] = field(default_factory=list)
+    copied: list[str] = field(default_factory=list)
+    host_after: list[str] = field(default_factory=list)
+    device_after: list[str] = field(default_factory=list)
+    changed: list[str] = field(default_factory=list)
+    storages: dict[tuple[str, int], list[str]] = field(default_factory=dict)
+    unwritten: set[str] = field(default_factory=set)  # the call wrote nothing into these
+    nested: dict[str, Any] = field(default_factory=dict)
+
+
+def _sort_argument(sorted_: _Sorted, name: str, value: Any,
+                   param: inspect.Parameter | None) -> None:
+    """Where one argument goes: a tensor, nested tensors, a dict of tensors, a literal, or
+    skipped."""
     import torch
 
-    named, problems = _bind(watched, args, kwargs)
-    tensors: dict[str, torch.Tensor] = {}
-    pending: dict[str, torch.Tensor] = {}
-    literals: dict[str, Any] = {}
-    described: dict[str, str] = {}
-    skipped: dict[str, str] = {}
-    devices: list[str] = []
-    copied: list[str] = []
-    host_after: list[str] = []
-    device_after: list[str] = []
-    changed: list[str] = []
-    storages: dict[tuple[str, int], list[str]] = {}
-    unwritten: set[str] = set()  # the call wrote nothing into these (version counters)
+    if isinstance(value, torch.Tensor):
+        _take(sorted_, name, value)
+        return
+    if _take_nested(sorted_, name, value):
+        return
+    group = _tensor_dict(value)
+    if group is not None:
+        # Each tensor under its own payload name; [inputs] says how to rebuild the dict.
+        members = {key: f"{DICT_PREFIX}{name}.{key}" for key in group}
+        for key, tensor in group.items():
+            _take(sorted_, members[key], tensor)
+        sorted_.literals[name] = {TENSORS_KEY: members}
+        return
+    if value is None and param is not None and param.default is None:
+        return  # the replay gets the same None from the default
+    literal = as_literal(value)
+    if literal is NOT_LITERAL:
+        sorted_.skipped[name] = _type_name(value)
+    else:
+        sorted_.literals[name] = literal
 
-    def take(name: str, value: torch.Tensor) -> None:
-        described[name] = _describe(value)
-        devices.append(str(value.device))
-        known = before.versions.get(id(value))
-        if known is not None and tensor_versions([value]).get(id(value)) == known:
-            unwritten.add(name)
-        with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
-            where = value.untyped_storage().data_ptr()
-            if where:
-                storages.setdefault((str(value.device), where), []).append(name)
-        if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
-            why = payload.unstorable(value)
-            if why is not None:
-                skipped[name] = f"Tensor ({why}): not storable"
-            else:
-                tensors[name] = value.detach().to("cpu", copy=True)
-            return
-        if id(value) in before.copies:
-            tensors[name] = before.copies[id(value)]
-            copied.append(name)
-            return
-        version = before.versions.get(id(value))
-        if version is not None and tensor_versions([value]).get(id(value), version) != version:
-            changed.append(name)
-        if value.device.type == "cpu":
-            tensors[name] = value.detach()
-            host_after.append(name)
-        else:
-            pending[name] = value
 
-    nested: dict[str, Any] = {}
-    for name, value, param in named:
-        if isinstance(value, torch.Tensor):
-            take(name, value)
-            continue
-        if isinstance(value, (list, tuple, Mapping)) and _tensor_dict(value) is None:
-            found_tensors: dict[str, torch.Tensor] = {}
-            spec = encode_nested(value, f"{NESTED_PREFIX}{name}", found_tensors)
-            if spec is not None and found_tensors:
-                for key, tensor in found_tensors.items():
-                    take(key, tensor)
-                nested[name] = spec
-                continue
-        group = _tensor_dict(value)
-        if group is not None:
-            # Each tensor under its own payload name; [inputs] says how to rebuild the dict.
-            members = {key: f"{DICT_PREFIX}{name}.{key}" for key in group}
-            for key, tensor in group.items():
-                take(members[key], tensor)
-            literals[name] = {TENSORS_KEY: members}
-            continue
-        if value is None and param is not None and param.default is None:
-            continue  # the replay gets the same None from the default
-        literal = as_literal(value)
-        if literal is NOT_LITERAL:
-            skipped[name] = _type_name(value)
+def _take_nested(sorted_: _Sorted, name: str, value: Any) -> bool:
+    """Whether the argument nests tensors in lists, tuples and dicts, taken if so."""
+    if not isinstance(value, (list, tuple, Mapping)) or _tensor_dict(value) is not None:
+        return False
+    found_tensors: dict[str, torch.Tensor] = {}
+    spec = encode_nested(value, f"{NESTED_PREFIX}{name}", found_tensors)
+    if spec is None or not found_tensors:
+        return False
+    for key, tensor in found_tensors.items():
+        _take(sorted_, key, tensor)
+    sorted_.nested[name] = spec
+    return True
+
+
+def _take(sorted_: _Sorted, name: str, value: torch.Tensor) -> None:
+    """Where one tensor goes: copied before the call, saved from the host now, or pending
+    a copy from its device."""
+    before = sorted_.before
+    sorted_.described[name] = _describe(value)
+    sorted_.devices.append(str(value.device))
+    known = before.versions.get(id(value))
+    if known is not None and tensor_versions([value]).get(id(value)) == known:
+        sorted_.unwritten.add(name)
+    with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
+        where = value.untyped_storage().data_ptr()
+        if where:
+            sorted_.storages.setdefault((str(value.device), where), []).append(name)
+    if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
+        why = payload.unstorable(value)
+        if why is not None:
+            sorted_.skipped[name] = f"Tensor ({why}): not storable"
         else:
-            literals[name] = literal
-    unsaved = None
-    if pending:
-        reason = unusable(found)
-        if reason is None:
-            try:
-                for name, value in pending.items():
-                    tensors[name] = payload.to_device(value, "cpu")
-                device_after.extend(pending)
-            except Exception as copy_error:
-                reason = (f"{found.clue if found else type(exc).__name__} (copying {name} to the "
-                          f"host raised {error_line(copy_error)})")
-                for name in pending:
-                    tensors.pop(name, None)
-        if reason is not None:
-            unsaved = f"not saved: device unusable after {reason}"
-            if tensors:
-                unsaved += f"; saved from the host: {', '.join(sorted(tensors))}"
+            sorted_.tensors[name] = value.detach().to("cpu", copy=True)
+        return
+    if id(value) in before.copies:
+        sorted_.tensors[name] = before.copies[id(value)]
+        sorted_.copied.append(name)
+        return
+    version = before.versions.get(id(value))
+    if version is not None and tensor_versions([value]).get(id(value), version) != version:
+        sorted_.changed.append(name)
+    if value.device.type == "cpu":
+        sorted_.tensors[name] = value.detach()
+        sorted_.host_after.append(name)
+    else:
+        sorted_.pending[name] = value
+
+
+def _copy_pending(sorted_: _Sorted, found: Triage | None, exc: BaseException) -> str | None:
+    """Copy the device tensors to the host if the device may answer; why they were not
+    saved otherwise."""
+    pending, tensors = sorted_.pending, sorted_.tensors
+    if not pending:
+        return None
+    reason = unusable(found)
+    if reason is None:
+        try:
+            for name, value in pending.items():
+                tensors[name] = payload.to_device(value, "cpu")
+            sorted_.device_after.extend(pending)
+        except Exception as copy_error:
+            reason = (f"{found.clue if found else type(exc).__name__} (copying {name} to the "
+                      f"host raised {error_line(copy_error)})")
+            for name in pending:
+                tensors.pop(name, None)
+    if reason is None:
+        return None
+    unsaved = f"not saved: device unusable after {reason}"
+    if tensors:
+        unsaved += f"; saved from the host: {', '.join(sorted(tensors))}"
+    return unsaved
+
+
+def _snapshot_line(sorted_: _Sorted, unsaved: str | None,
+                   ) -> tuple[str | None, list[str], tuple[str, ...]]:
+    """The ``[origin] snapshot`` line, the tensors saved as changed, and the arguments that
+    shared memory."""
     groups = [(label, names) for label, names in (
-        ("tensors copied before the call", copied),
-        ("host tensors, as they were after the failure", host_after),
-        ("device tensors copied after the failure", device_after)) if names]
+        ("tensors copied before the call", sorted_.copied),
+        ("host tensors, as they were after the failure", sorted_.host_after),
+        ("device tensors copied after the failure", sorted_.device_after)) if names]
     snapshot = unsaved
     if snapshot is None and groups:
         snapshot = (groups[0][0] if len(groups) == 1 else
                     "; ".join(f"{label}: {', '.join(names)}" for label, names in groups))
-    changed = [name for name in changed if name in tensors]
+    changed = [name for name in sorted_.changed if name in sorted_.tensors]
     if changed and snapshot is not None:
         snapshot += (f"; changed in place by the failing call, so saved as changed: "
-                     f"{', '.join(changed)} (not copied before the call: {before.why_not})")
+                     f"{', '.join(changed)} (not copied before the call: "
+                     f"{sorted_.before.why_not})")
     # A case holds each tensor on its own: a failure that needs a write through one argument
     # to show in another (a buffer and a view of it) cannot replay as captured.
     # Memory shared by arguments the call never wrote into (labels=input_ids, the Hugging
     # Face convention) holds the same values apart as together: nothing to say then.
-    shared = tuple(", ".join(names) for names in storages.values()
-                   if len(names) > 1 and not set(names) <= unwritten)
+    shared = tuple(", ".join(names) for names in sorted_.storages.values()
+                   if len(names) > 1 and not set(names) <= sorted_.unwritten)
     if shared and snapshot is not None:
         snapshot += f"; shared memory in the call, held apart in the case: {'; '.join(shared)}"
-    if skipped:
-        problems.append(f"{', '.join(sorted(skipped))} could not be saved (see [origin] "
-                        "skipped_inputs): add them to [inputs] or to inputs.safetensors")
-    return Inputs(tensors=tensors, literals=literals, described=described, skipped=skipped,
-                  snapshot=snapshot, problems=tuple(problems), devices=tuple(devices),
-                  changed=tuple(changed), shared=shared, nested=nested)
+    return snapshot, changed, shared
 
 
 def encode_nested(value: Any, path: str, tensors: dict[str, torch.Tensor],
