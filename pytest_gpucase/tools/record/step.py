@@ -103,51 +103,49 @@ def _replayable(args: tuple[Any, ...], kwargs: Mapping[str, Any]) -> bool:
                    for value in (*args, *kwargs.values()))
 
 
-def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
-                 anchored: bool) -> Found | str:
-    """The call a failure in a step is saved as (see the module's docstring), or why none.
+def _watched_or_method(index: int, entries: list[tuple[FrameType, int]],
+                       watched: Mapping[int, Any]) -> Found | None:
+    """Rules 1 and 2 for the frame at ``index``: its watched module call or method, else None."""
+    frame, lineno = entries[index]
+    module = _module_call(frame)
+    if module is not None and id(module) in watched:
+        later = {f.f_code for f, _ in entries[index + 1:]}
+        forward = getattr(type(module).forward, "__code__", None)
+        caller = entries[index - 1] if index else (frame, lineno)
+        return Found("watched", module, tuple(frame.f_locals.get("args", ())),
+                     dict(frame.f_locals.get("kwargs", {})), frame_line(*caller),
+                     in_hook=forward not in later)
+    owner = _method_of(frame, watched)
+    if owner is None:
+        return None
+    args, kwargs = _arguments(frame)
+    kwargs.pop("self", None)
+    if not _replayable(args, kwargs) and any(
+            _method_of(f, watched) is not None for f, _ in entries[index + 1:]):
+        # Lightning's optimizer_step(epoch, batch_idx, optimizer, closure): the
+        # training_step the closure ran, below it, is the call that raised.
+        return None
+    caller = entries[index - 1] if index else (frame, lineno)
+    return Found("method", owner, args, kwargs, frame_line(*caller),
+                 method=frame.f_code.co_name)
 
-    ``watched`` maps ``id(module)`` of each watched module to it; ``anchored``: the
-    traceback starts at the step's own frame (a ``with rec.step``), whose callee is the
-    call rule 3 looks at.
-    """
-    entries = list(traceback.walk_tb(exc.__traceback__))
-    if not entries:
-        return "the failure has no traceback to read the call from"
-    for index, (frame, lineno) in enumerate(entries):
-        module = _module_call(frame)
-        if module is not None and id(module) in watched:
-            later = {f.f_code for f, _ in entries[index + 1:]}
-            forward = getattr(type(module).forward, "__code__", None)
-            caller = entries[index - 1] if index else (frame, lineno)
-            return Found("watched", module, tuple(frame.f_locals.get("args", ())),
-                         dict(frame.f_locals.get("kwargs", {})), frame_line(*caller),
-                         in_hook=forward not in later)
-        owner = _method_of(frame, watched)
-        if owner is not None:
-            args, kwargs = _arguments(frame)
-            kwargs.pop("self", None)
-            if not _replayable(args, kwargs) and any(
-                    _method_of(f, watched) is not None for f, _ in entries[index + 1:]):
-                # Lightning's optimizer_step(epoch, batch_idx, optimizer, closure): the
-                # training_step the closure ran, below it, is the call that raised.
-                continue
-            caller = entries[index - 1] if index else (frame, lineno)
-            return Found("method", owner, args, kwargs, frame_line(*caller),
-                         method=frame.f_code.co_name)
-    if not anchored:
-        users = [f.f_code for f, _ in entries
-                 if not any(part in f.f_code.co_filename.replace(os.sep, "/")
-                            for part in ("site-packages/", "dist-packages/", "/lib/python"))]
-        last = (users or [entries[-1][0].f_code])[-1]
-        return (f"the traceback passes through no watched module (the last code of yours "
-                f"in it: {last.co_name} in {os.path.basename(last.co_filename)}): where that "
-                "is a function, such as a loss given to the Trainer "
-                "(compute_loss_func=) or a compute_loss override, watch that function "
-                "(compute_loss_func=rec.watch(my_loss), or rec.watch it inside the "
-                "override) so that its inputs are saved")
-    step_frame, step_line = entries[0]
-    where = frame_line(step_frame, step_line)
+
+def _unanchored_reason(entries: list[tuple[FrameType, int]]) -> str:
+    """Why an unanchored traceback through no watched module names no call to replay."""
+    users = [f.f_code for f, _ in entries
+             if not any(part in f.f_code.co_filename.replace(os.sep, "/")
+                        for part in ("site-packages/", "dist-packages/", "/lib/python"))]
+    last = (users or [entries[-1][0].f_code])[-1]
+    return (f"the traceback passes through no watched module (the last code of yours "
+            f"in it: {last.co_name} in {os.path.basename(last.co_filename)}): where that "
+            "is a function, such as a loss given to the Trainer "
+            "(compute_loss_func=) or a compute_loss override, watch that function "
+            "(compute_loss_func=rec.watch(my_loss), or rec.watch it inside the "
+            "override) so that its inputs are saved")
+
+
+def _step_callee(entries: list[tuple[FrameType, int]], where: str) -> Found | None:
+    """Rule 3: the first call below the step's frame that a replay can make again, else None."""
     for frame, _ in entries[1:]:
         module = _module_call(frame)
         if module is not None:
@@ -160,6 +158,31 @@ def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
         if function is not None:
             args, kwargs = _arguments(frame)
             return Found("function", function, args, kwargs, where)
+    return None
+
+
+def failing_call(exc: BaseException, watched: Mapping[int, Any], *,
+                 anchored: bool) -> Found | str:
+    """The call a failure in a step is saved as (see the module's docstring), or why none.
+
+    ``watched`` maps ``id(module)`` of each watched module to it; ``anchored``: the
+    traceback starts at the step's own frame (a ``with rec.step``), whose callee is the
+    call rule 3 looks at.
+    """
+    entries = list(traceback.walk_tb(exc.__traceback__))
+    if not entries:
+        return "the failure has no traceback to read the call from"
+    for index in range(len(entries)):
+        found = _watched_or_method(index, entries, watched)
+        if found is not None:
+            return found
+    if not anchored:
+        return _unanchored_reason(entries)
+    step_frame, step_line = entries[0]
+    where = frame_line(step_frame, step_line)
+    callee = _step_callee(entries, where)
+    if callee is not None:
+        return callee
     line = _source_line(step_frame, step_line)
     return (f"it was raised by code written in the step itself ({where}"
             f"{': ' + line if line else ''}), not by a call a replay can make again: "
