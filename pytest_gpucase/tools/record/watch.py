@@ -200,20 +200,9 @@ class ModuleWatch:
             outer, redirected = self.outer[-1] if self.outer else (None, False)
             current = sys.exc_info()[1]
             exc = current if isinstance(current, Exception) and current is not outer else None
-            if self.stack and self.stack[-1][1] is module:
-                entry = self.stack.pop()
-                if exc is not None and (self.innermost is None or self.innermost[0] is not exc):
-                    self.innermost = (exc, *entry)
+            self._pop_entry(module, exc)
             if root and exc is None and not owner.taken():
-                self.outputs = [weakref.ref(t) for t in tensors_in(result)]
-                self.consumer = None
-                self._hook_outputs(result)
-                owner.remember_output(self, result)
-                if owner.checks("output"):
-                    problem = nonfinite_problem(f"output of {self.watched.name}", result)
-                elif owner.checks("loss"):
-                    problem = nonfinite_problem(f"loss of {self.watched.name}",
-                                                loss_in(result))
+                problem = self._returned(result)
             if root and exc is not None and not owner.taken() and not redirected:
                 save = functools.partial(owner.save_module, watch=self, args=args,
                                          kwargs=kwargs, backward=False)
@@ -223,6 +212,33 @@ class ModuleWatch:
             owner.fault(f"the hooks of {self.watched.name}", fault)
         if not root:
             return
+        self._leave_root(module, args, kwargs, exc, save, problem)
+
+    def _pop_entry(self, module: torch.nn.Module, exc: BaseException | None) -> None:
+        """Pop the module's stack entry; the innermost one an exception passes is kept."""
+        if self.stack and self.stack[-1][1] is module:
+            entry = self.stack.pop()
+            if exc is not None and (self.innermost is None or self.innermost[0] is not exc):
+                self.innermost = (exc, *entry)
+
+    def _returned(self, result: Any) -> str | None:
+        """Keep the root call's output; the non-finite problem a check finds in it, or None."""
+        owner = self.owner
+        self.outputs = [weakref.ref(t) for t in tensors_in(result)]
+        self.consumer = None
+        self._hook_outputs(result)
+        owner.remember_output(self, result)
+        if owner.checks("output"):
+            return nonfinite_problem(f"output of {self.watched.name}", result)
+        if owner.checks("loss"):
+            return nonfinite_problem(f"loss of {self.watched.name}", loss_in(result))
+        return None
+
+    def _leave_root(self, module: torch.nn.Module, args: Any, kwargs: Any,
+                    exc: BaseException | None, save: Callable[[BaseException], object] | None,
+                    problem: str | None) -> None:
+        """Close the root call's scope: a framework's step call, a non-finite value, or exc."""
+        owner = self.owner
         redirected = self.outer.pop()[1] if self.outer else False
         self.open = max(0, self.open - 1)
         if redirected:
