@@ -8,7 +8,6 @@ narrowed cases); ``watch`` holds a module's hooks and ``distributed`` the rank's
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import operator
 import os
@@ -23,21 +22,16 @@ from typing import TYPE_CHECKING, Any, Literal, ParamSpec, TypeVar, overload
 
 from pytest_gpucase.base.files import sweep_temporaries
 from pytest_gpucase.base.tensors import is_tensor, tensors_in
-from pytest_gpucase.case.payload import STORE_DIR
 from pytest_gpucase.case.keys import (
-    FUNCTION_KEY,
-    MODULE_KEY,
     REPLAY_ENV,
-    REPLAY_FUNCTION,
-    REPLAY_MODULE,
 )
+from pytest_gpucase.case.payload import STORE_DIR
 from pytest_gpucase.tools.record.distributed import consequence_of, rank_of
 from pytest_gpucase.tools.record.hooks import compiling, invisible_to_dynamo, unwrap
 from pytest_gpucase.tools.record.inputs import (
     Before,
     Inputs,
     collect,
-    numeric_context,
     rng_state,
     snapshot_before,
     synchronize,
@@ -66,7 +60,14 @@ from pytest_gpucase.tools.record.rebuild import (
     rebuild_of,
     script_function_files,
 )
-from pytest_gpucase.tools.record.saving import ModuleSaver, write_consequence
+from pytest_gpucase.tools.record.saving import (
+    ModuleSaver,
+    nested_call,
+    say_notes,
+    script_call,
+    with_numeric,
+    write_consequence,
+)
 from pytest_gpucase.tools.record.step import Found, failing_call, raised_outside
 from pytest_gpucase.tools.record.watch import ModuleWatch, nonfinite_problem
 from pytest_gpucase.tools.record.write import (
@@ -541,43 +542,12 @@ class Recorder:
         call: str | None = None
         literals: dict[str, Any] = {}
         if watched is not None:
-            try:
-                inputs = collect(watched, args, kwargs, before, found, exc)
-            except KeyboardInterrupt:
-                raise
-            except BaseException as internal:
-                # The origin is still worth writing: error, iteration, ids, versions.
-                problem = f"the inputs could not be read ({error_line(internal)})"
-                inputs = Inputs(problems=(problem,))
+            inputs = _read_inputs(watched, args, kwargs, before, found, exc)
             ids = call_ids(watched, args, kwargs) if watched.ids is not None else None
             ids = ids if ids is not None else where_now.ids
-            with contextlib.suppress(Exception):
-                # An RNG state without the inputs that draw from it replays nothing.
-                numeric, rng_tensors = numeric_context(
-                    inputs.devices, (rng or {}) if inputs.tensors else {})
-                extra_tensors, extra_literals = module or ({}, {})
-                inputs = replace(inputs, tensors={**inputs.tensors, **extra_tensors,
-                                                  **rng_tensors},
-                                 literals={**inputs.literals, **extra_literals})
-            if watched.call is None and module is None:
-                script = script_function_files(watched.fn, root)
-                if script is not None:
-                    call, script_files = script
-                    files.update(script_files)
-                    watched = replace(watched, call=call, why_not="")
-            if module is not None and inputs.nested:
-                recipe = inputs.literals.get(MODULE_KEY)
-                if isinstance(recipe, dict):
-                    recipe["nested"] = dict(inputs.nested)
-            elif ((finite or inputs.nested) and watched.call is not None
-                  and watched.call != REPLAY_MODULE):
-                table: dict[str, Any] = {"target": watched.call}
-                if finite:
-                    table["finite"] = True
-                if inputs.nested:
-                    table["nested"] = dict(inputs.nested)
-                literals[FUNCTION_KEY] = table
-                call = REPLAY_FUNCTION
+            inputs, numeric = with_numeric(inputs, rng, module)
+            watched, call = script_call(watched, module, root, files)
+            call = nested_call(inputs, watched, module, finite, literals) or call
         else:
             inputs, ids = Inputs(), where_now.ids
         if context:
@@ -607,21 +577,7 @@ class Recorder:
             who = f"{rank.shown()}, " if rank is not None else ""
             say(f"gpucase: saved {shown(case_dir)} "
                 f"({sized(case_dir)}{who}first failure{where(where_now)})")
-        if inputs.changed:
-            say(f"gpucase: note: the failing call of {draft.name} changed "
-                f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
-                f"not as passed (not copied before the call: {before.why_not})")
-        if inputs.shared:
-            say(f"gpucase: note: arguments of {draft.name} share memory "
-                f"({'; '.join(inputs.shared)}); the case holds each on its own, so a "
-                "failure that needs a write through one to show in another may not "
-                "replay (pass them apart, or rebuild the view in case.py)")
-        if found is not None:
-            say(found.render())
-        if draft.xfail is None:
-            reasons = "".join(f"\n  - {reason}" for reason in draft.origin.get("incomplete", ()))
-            say("gpucase: warning: the case is incomplete, so it has no xfail line and its "
-                f"replay fails until it is completed:{reasons}")
+        say_notes(draft, inputs, before, found)
         return case_dir
 
     def _save_step(self, exc: BaseException, anchored: bool) -> None:
@@ -725,6 +681,18 @@ class Recorder:
         if key not in self._notes_given:
             self._notes_given.add(key)
             say(message)
+
+
+def _read_inputs(watched: Watched, args: Any, kwargs: Any, before: Before, found: Any,
+                 exc: BaseException) -> Inputs:
+    """The failing call's inputs, or none with the problem that kept them from being read."""
+    try:
+        return collect(watched, args, kwargs, before, found, exc)
+    except KeyboardInterrupt:
+        raise
+    except BaseException as internal:
+        # The origin is still worth writing: error, iteration, ids, versions.
+        return Inputs(problems=(f"the inputs could not be read ({error_line(internal)})",))
 
 
 def _nonfinite_failure(exc: BaseException) -> bool:

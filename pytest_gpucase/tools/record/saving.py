@@ -9,6 +9,7 @@ import contextlib
 import datetime
 import inspect
 from collections.abc import Iterable, Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,9 +17,16 @@ import tomli_w
 
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import is_tensor, nbytes
-from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, MODULE_KEY
+from pytest_gpucase.case.keys import (
+    FUNCTION_KEY,
+    GRAD_PREFIX,
+    LOSS_PREFIX,
+    MODULE_KEY,
+    REPLAY_FUNCTION,
+    REPLAY_MODULE,
+)
 from pytest_gpucase.tools.record.distributed import Rank, without_addresses
-from pytest_gpucase.tools.record.inputs import Before, collect, unusable
+from pytest_gpucase.tools.record.inputs import Before, Inputs, collect, numeric_context, unusable
 from pytest_gpucase.tools.record.narrow import (
     note_narrowed_size,
     replayed_failure,
@@ -42,6 +50,7 @@ from pytest_gpucase.tools.record.rebuild import (
     needs_secrets,
     on_host,
     rebuild_files,
+    script_function_files,
 )
 from pytest_gpucase.tools.record.write import mark_incomplete, recapture
 from pytest_gpucase.verdict.failure import Failure, same_failure
@@ -52,7 +61,8 @@ if TYPE_CHECKING:
 
     from pytest_gpucase.tools.record.watch import ModuleWatch
 
-__all__ = ["CONSEQUENCE_FILE", "ModuleSaver", "checkpoint_reference", "write_consequence"]
+__all__ = ["CONSEQUENCE_FILE", "ModuleSaver", "checkpoint_reference", "nested_call", "say_notes",
+           "script_call", "with_numeric", "write_consequence"]
 
 CONSEQUENCE_FILE = "consequence.toml"
 
@@ -317,6 +327,78 @@ class ModuleSaver:
                            kept=rec.narrowed, written=rec._narrowed_new, recorded=recorded)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec._narrowed_new[written:])
+
+
+def with_numeric(inputs: Inputs, rng: Mapping[str, Any] | None,
+                 module: tuple[Mapping[str, Any], Mapping[str, Any]] | None,
+                 ) -> tuple[Inputs, dict[str, Any]]:
+    """The inputs with the RNG state and module added, and the numeric context; as far as
+    they could be read."""
+    numeric: dict[str, Any] = {}
+    with contextlib.suppress(Exception):
+        # An RNG state without the inputs that draw from it replays nothing.
+        numeric, rng_tensors = numeric_context(
+            inputs.devices, (rng or {}) if inputs.tensors else {})
+        extra_tensors, extra_literals = module or ({}, {})
+        inputs = replace(inputs, tensors={**inputs.tensors, **extra_tensors,
+                                          **rng_tensors},
+                         literals={**inputs.literals, **extra_literals})
+    return inputs, numeric
+
+
+def script_call(watched: Watched, module: object, root: Path,
+                files: dict[str, str]) -> tuple[Watched, str | None]:
+    """A function of a script, not importable, as the call of the script's copy the case
+    holds (its files added to ``files``); else the watched call as it is, and no call."""
+    if watched.call is not None or module is not None:
+        return watched, None
+    script = script_function_files(watched.fn, root)
+    if script is None:
+        return watched, None
+    call, script_files = script
+    files.update(script_files)
+    return replace(watched, call=call, why_not=""), call
+
+
+def nested_call(inputs: Inputs, watched: Watched, module: object, finite: bool,
+                literals: dict[str, Any]) -> str | None:
+    """Whether the case's call goes through the replay function (nested inputs, a finite
+    check): REPLAY_FUNCTION with its table put in ``literals``, else None."""
+    if module is not None and inputs.nested:
+        recipe = inputs.literals.get(MODULE_KEY)
+        if isinstance(recipe, dict):
+            recipe["nested"] = dict(inputs.nested)
+        return None
+    if not ((finite or inputs.nested) and watched.call is not None
+            and watched.call != REPLAY_MODULE):
+        return None
+    table: dict[str, Any] = {"target": watched.call}
+    if finite:
+        table["finite"] = True
+    if inputs.nested:
+        table["nested"] = dict(inputs.nested)
+    literals[FUNCTION_KEY] = table
+    return REPLAY_FUNCTION
+
+
+def say_notes(draft: Any, inputs: Inputs, before: Before, found: Any) -> None:
+    """Say what a saved case holds otherwise than passed, its triage, and that it is
+    incomplete, where it is."""
+    if inputs.changed:
+        say(f"gpucase: note: the failing call of {draft.name} changed "
+            f"{', '.join(inputs.changed)} in place, so the case holds them as changed, "
+            f"not as passed (not copied before the call: {before.why_not})")
+    if inputs.shared:
+        say(f"gpucase: note: arguments of {draft.name} share memory "
+            f"({'; '.join(inputs.shared)}); the case holds each on its own, so a "
+            "failure that needs a write through one to show in another may not "
+            "replay (pass them apart, or rebuild the view in case.py)")
+    if found is not None:
+        say(found.render())
+    if draft.xfail is None:
+        reasons = "".join(f"\n  - {reason}" for reason in draft.origin.get("incomplete", ()))
+        say("gpucase: warning: the case is incomplete, so it has no xfail line and its "
+            f"replay fails until it is completed:{reasons}")
 
 
 def write_consequence(root: Path, rank: Rank, exc: BaseException, why: str,
