@@ -300,53 +300,92 @@ def _merge_runs(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
     for nodeid, found in runs.items():
         repeated += len(found) > 1
         older_only += all(created[index] < created[newest] for index, _ in found)
-        # A "not run" never hides a run that happened; between the latest runs, the worse.
-        real = [run for run in found if run[1]["outcome"] != "not run"] or found
-        latest = max(created[index] for index, _ in real)
-        tied = sorted((run for run in real if created[run[0]] == latest),
-                      key=lambda run: (-_SEVERITY[run[1]["outcome"]], names[run[0]]))
-        shown = tied[0][1]
-        outcomes = dict.fromkeys(result["outcome"] for _, result in real)
-        if len(outcomes) > 1:
-            said = "; ".join(
-                f"{outcome} in {', '.join(names[i] for i, r in real if r['outcome'] == outcome)}"
-                for outcome in outcomes)
-            flaky = bool(outcomes.keys() & set(FAILING)) and "passed" in outcomes
-            failure = next((r for _, r in reversed(real) if r["outcome"] in FAILING), None)
-            if failure is not None and (text := reason_text(failure)):
-                said += f" (failure: {text})"
-            shown = {**shown, "_differed": said, "_flaky": flaky}
+        shown, said = _merge_item(found, names, created)
+        if said is not None:
             differed.append(f"{_run_id(shown)} of {shown['case']}: {said}")
         items[nodeid] = shown
     if len(indexes) < 2:
         return items, None
+    return items, _merge_note(reports, names, created, indexes, repeated, older_only, differed)
+
+
+def _merge_item(found: Sequence[tuple[int, Mapping[str, Any]]], names: Sequence[str],
+                created: Sequence[datetime]) -> tuple[Mapping[str, Any], str | None]:
+    """Which run of one item a column shows, and what its runs said where they differed."""
+    # A "not run" never hides a run that happened; between the latest runs, the worse.
+    real = [run for run in found if run[1]["outcome"] != "not run"] or list(found)
+    latest = max(created[index] for index, _ in real)
+    tied = sorted((run for run in real if created[run[0]] == latest),
+                  key=lambda run: (-_SEVERITY[run[1]["outcome"]], names[run[0]]))
+    shown = tied[0][1]
+    outcomes = dict.fromkeys(result["outcome"] for _, result in real)
+    if len(outcomes) <= 1:
+        return shown, None
+    said = "; ".join(
+        f"{outcome} in {', '.join(names[i] for i, r in real if r['outcome'] == outcome)}"
+        for outcome in outcomes)
+    flaky = bool(outcomes.keys() & set(FAILING)) and "passed" in outcomes
+    failure = next((r for _, r in reversed(real) if r["outcome"] in FAILING), None)
+    if failure is not None and (text := reason_text(failure)):
+        said += f" (failure: {text})"
+    return {**shown, "_differed": said, "_flaky": flaky}, said
+
+
+def _items_word(count: int) -> str:
+    """Whether a count of items reads "item" or "items"."""
+    return "item" if count == 1 else "items"
+
+
+def _merge_note(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                created: Sequence[datetime], indexes: Sequence[int], repeated: int,
+                older_only: int, differed: Sequence[str]) -> str:
+    """The note under a column that merged several reports: what ran twice, what differed."""
     note = f"{', '.join(names[i] for i in indexes)} come from one environment and share a column"
     if repeated:
-        note += (f"; {repeated} {'item' if repeated == 1 else 'items'} ran in more than one of "
+        note += (f"; {repeated} {_items_word(repeated)} ran in more than one of "
                  "them: the result of the report created later is shown")
     if differed:
-        shown_runs = "; ".join(differed[:_MAX_RUNS_NAMED])
-        if len(differed) > _MAX_RUNS_NAMED:
-            shown_runs += f"; and {len(differed) - _MAX_RUNS_NAMED} more"
-        note += (f"; the outcomes of {len(differed)} "
-                 f"{'item' if len(differed) == 1 else 'items'} differed between them, "
-                 f"marked in the cells: {shown_runs}")
+        note += _differed_note(differed)
     if older_only and repeated:
         note += (f"; {older_only} {'item is' if older_only == 1 else 'items are'} only in an "
                  "older report and shown from it")
+    note += _tied_note(names, created, indexes)
+    note += _writers_note(reports, names, indexes)
+    return note + "."
+
+
+def _differed_note(differed: Sequence[str]) -> str:
+    """The part of a merge note that names the items whose outcomes differed."""
+    shown_runs = "; ".join(differed[:_MAX_RUNS_NAMED])
+    if len(differed) > _MAX_RUNS_NAMED:
+        shown_runs += f"; and {len(differed) - _MAX_RUNS_NAMED} more"
+    return (f"; the outcomes of {len(differed)} "
+            f"{_items_word(len(differed))} differed between them, "
+            f"marked in the cells: {shown_runs}")
+
+
+def _tied_note(names: Sequence[str], created: Sequence[datetime],
+               indexes: Sequence[int]) -> str:
+    """The part of a merge note on reports started at the same moment, if any were."""
     moments = Counter(created[i] for i in indexes)
     tied_names = [names[i] for i in indexes if moments[created[i]] > 1]
-    if tied_names:
-        note += (f"; {', '.join(tied_names)} were started at the same moment, so which ran later "
-                 "is unknown: for an item in more than one of them the worse outcome is shown "
-                 "(a failure before a pass), whatever the order of the files")
+    if not tied_names:
+        return ""
+    return (f"; {', '.join(tied_names)} were started at the same moment, so which ran later "
+            "is unknown: for an item in more than one of them the worse outcome is shown "
+            "(a failure before a pass), whatever the order of the files")
+
+
+def _writers_note(reports: Sequence[Mapping[str, Any]], names: Sequence[str],
+                  indexes: Sequence[int]) -> str:
+    """The part of a merge note on reports written by different pytest-gpucase versions."""
     writers = dict.fromkeys(reports[i].get("gpucase") for i in indexes)
-    if len(writers) > 1:
-        note += ("; they were written by different versions of pytest-gpucase: " + ", ".join(
-            f"{'an older one' if writer is None else writer} "
-            f"({', '.join(names[i] for i in indexes if reports[i].get('gpucase') == writer)})"
-            for writer in writers))
-    return items, note + "."
+    if len(writers) <= 1:
+        return ""
+    return ("; they were written by different versions of pytest-gpucase: " + ", ".join(
+        f"{'an older one' if writer is None else writer} "
+        f"({', '.join(names[i] for i in indexes if reports[i].get('gpucase') == writer)})"
+        for writer in writers))
 
 
 def _rows(columns: list[dict[str, Mapping[str, Any]]], detail: bool) -> tuple[Row, ...]:
