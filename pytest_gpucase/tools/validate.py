@@ -181,6 +181,18 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
                                         f"and in {INPUTS_FILE}; keep one", key="[inputs]"))
     if readable:
         problems.extend(rng_problems(case, tensors or ()))
+    problems.extend(_boundaries_problems(case, infos, tensors, readable))
+    _target_problems(case, readable, tensors, notes, problems)
+    if readable:
+        problems.extend(_variant_problems(case, shapes or {}))
+    problems.extend(_origin_problems(case))
+    return [str(problem) for problem in problems]
+
+
+def _boundaries_problems(case: Case, infos: list[payload.TensorInfo] | None,
+                         tensors: set[str] | None, readable: bool) -> list[CaseFormatError]:
+    """Whether ``[variants] boundaries`` names a saved tensor of a class-index dtype."""
+    problems: list[CaseFormatError] = []
     boundaries = case.variants.boundaries
     # An unreadable payload is reported once, not again as a missing input.
     if boundaries is not None and readable and (tensors is None
@@ -196,6 +208,12 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
                                         [n for n, d in dtypes.items() if index_dtype(d)])
         if problem is not None:
             problems.append(CaseFormatError(case.case_file, problem, key="[variants] boundaries"))
+    return problems
+
+
+def _target_problems(case: Case, readable: bool, tensors: set[str] | None, notes: list[str],
+                     problems: list[CaseFormatError]) -> None:
+    """The call's and the reference's signature problems, appended; a note where unchecked."""
     targets = [("call", case.call)] + ([("reference", case.reference)]
                                        if case.reference and case.reference != case.call else [])
     unmet = _unmet_requirement(case)
@@ -206,10 +224,6 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
         params = _parameters(case, key, target, problems)
         if params is not None and readable:
             problems.extend(binding_problems(case, target, params, tensors))
-    if readable:
-        problems.extend(_variant_problems(case, shapes or {}))
-    problems.extend(_origin_problems(case))
-    return [str(problem) for problem in problems]
 
 
 def _origin_problems(case: Case) -> list[CaseFormatError]:
