@@ -434,21 +434,7 @@ def _defined(body: list[ast.stmt], parts: list[str]) -> ast.AST | None:
     name = parts[0]
     bindings: list[tuple[ast.AST, bool]] = []
     for statement, nested in _top_statements(body, nested=False):
-        if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-            if statement.name == name:
-                bindings.append((statement, nested))
-        elif isinstance(statement, (ast.Import, ast.ImportFrom)):
-            for alias in statement.names:
-                if alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name:
-                    bindings.append((_UNKNOWN, nested))
-        elif isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For,
-                                    ast.AsyncFor, ast.With, ast.AsyncWith)):
-            targets = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)
-                       and isinstance(n.ctx, ast.Store)}
-            if name in targets:
-                bindings.append((_UNKNOWN, nested))
-        elif any(isinstance(n, ast.NamedExpr) for n in ast.walk(statement)):
-            bindings.append((_UNKNOWN, nested))
+        bindings.extend((found, nested) for found in _bindings(statement, name))
     if not bindings:
         return None
     found = bindings[-1][0]
@@ -460,6 +446,23 @@ def _defined(body: list[ast.stmt], parts: list[str]) -> ast.AST | None:
         inner = _defined(found.body, parts[1:])
         return _UNKNOWN if inner is None else inner  # an inherited method is not in the source
     return _UNKNOWN
+
+
+def _bindings(statement: ast.stmt, name: str) -> list[ast.AST]:
+    """What ``statement`` binds ``name`` to, once per binding (``_UNKNOWN`` but a def/class)."""
+    if isinstance(statement, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [statement] if statement.name == name else []
+    if isinstance(statement, (ast.Import, ast.ImportFrom)):
+        return [_UNKNOWN for alias in statement.names
+                if alias.name == "*" or (alias.asname or alias.name.split(".")[0]) == name]
+    if isinstance(statement, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For,
+                              ast.AsyncFor, ast.With, ast.AsyncWith)):
+        targets = {n.id for n in ast.walk(statement) if isinstance(n, ast.Name)
+                   and isinstance(n.ctx, ast.Store)}
+        return [_UNKNOWN] if name in targets else []
+    if any(isinstance(n, ast.NamedExpr) for n in ast.walk(statement)):
+        return [_UNKNOWN]
+    return []
 
 
 def _top_statements(body: list[ast.stmt], nested: bool) -> Iterable[tuple[ast.stmt, bool]]:
