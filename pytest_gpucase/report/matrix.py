@@ -547,12 +547,37 @@ def _labels(environments: Sequence[Mapping[str, Any]],
     """
     fields = [_fields(env) for env in environments]
     heads, tails = [head for head, _ in fields], [tail for _, tail in fields]
-    differing = [key for key in (heads[0] if heads else {})
-                 if len({head[key] for head in heads}) > 1]
-    differing_tail = [key for key in (tails[0] if tails else {})
-                      if len({tail[key] for tail in tails}) > 1]
+    differing = _differing_keys(heads)
+    differing_tail = _differing_keys(tails)
     if "arch" in differing_tail and "gpu" in differing_tail:
         differing_tail.remove("gpu")   # sm_80 vs sm_90 already tells an A100 from an H100
+    differs, builds_of = _differing_packages(environments)
+    shape = (differing, differing_tail, differs, builds_of)
+    labels = [_label(shape, env, head, tail, False)
+              for env, head, tail in zip(environments, heads, tails, strict=True)]
+    # A build is named only where the label would otherwise name two columns alike: where
+    # torch already tells them apart, its build for each torch is no news.
+    alike = Counter(labels)
+    labels = [_label(shape, env, head, tail, True) if alike[labels[index]] > 1 else labels[index]
+              for index, (env, head, tail) in enumerate(zip(environments, heads, tails,
+                                                            strict=True))]
+    counts = Counter(labels)
+    return [
+        label if label and counts[label] == 1
+        else f"{label} ({', '.join(source)})" if label else ", ".join(source)
+        for label, source in zip(labels, sources, strict=True)
+    ]
+
+
+def _differing_keys(fields: Sequence[Mapping[str, str | None]]) -> list[str]:
+    """The keys of the first environment's fields whose token differs between environments."""
+    return [key for key in (fields[0] if fields else {})
+            if len({field[key] for field in fields}) > 1]
+
+
+def _differing_packages(environments: Sequence[Mapping[str, Any]]
+                        ) -> tuple[set[str], dict[tuple[str, str | None], set[str | None]]]:
+    """Which packages differ between environments, and the builds of each package version."""
     tokens: dict[str, set[str | None]] = {}
     named: Counter[str] = Counter()
     # Builds of one version that differ: a label that would name two columns alike says the
@@ -566,35 +591,28 @@ def _labels(environments: Sequence[Mapping[str, Any]],
     differs = {name for name, found in tokens.items()
                if len(found) + (named[name] < len(environments)) > 1}
     differs |= {name for (name, _), found in builds_of.items() if len(found) > 1}
+    return differs, builds_of
 
-    def label(env: Mapping[str, Any], head: Mapping[str, str | None],
-              tail: Mapping[str, str | None], builds: bool) -> str:
-        parts = [head[key] for key in differing]
-        for name in sorted(env["packages"]):
-            if name not in differs:
-                continue
-            token = _package_token(name, env["packages"][name])
-            build = _build_token(env, name)
-            if builds and build and len(builds_of[(name, env["packages"][name])]) > 1:
-                token += f" ({build})"
-            parts.append(token)
-        parts += [tail[key] for key in differing_tail]
-        return " · ".join(token for token in parts if token)
 
-    labels = [label(env, head, tail, False)
-              for env, head, tail in zip(environments, heads, tails, strict=True)]
-    # A build is named only where the label would otherwise name two columns alike: where
-    # torch already tells them apart, its build for each torch is no news.
-    alike = Counter(labels)
-    labels = [label(env, head, tail, True) if alike[labels[index]] > 1 else labels[index]
-              for index, (env, head, tail) in enumerate(zip(environments, heads, tails,
-                                                            strict=True))]
-    counts = Counter(labels)
-    return [
-        label if label and counts[label] == 1
-        else f"{label} ({', '.join(source)})" if label else ", ".join(source)
-        for label, source in zip(labels, sources, strict=True)
-    ]
+# The differing head fields, tail fields and packages, and the builds of each package version.
+_LabelShape = tuple[list[str], list[str], set[str], dict[tuple[str, str | None], set[str | None]]]
+
+
+def _label(shape: _LabelShape, env: Mapping[str, Any], head: Mapping[str, str | None],
+           tail: Mapping[str, str | None], builds: bool) -> str:
+    """One column's label: its differing fields and packages (with builds where asked)."""
+    differing, differing_tail, differs, builds_of = shape
+    parts = [head[key] for key in differing]
+    for name in sorted(env["packages"]):
+        if name not in differs:
+            continue
+        token = _package_token(name, env["packages"][name])
+        build = _build_token(env, name)
+        if builds and build and len(builds_of[(name, env["packages"][name])]) > 1:
+            token += f" ({build})"
+        parts.append(token)
+    parts += [tail[key] for key in differing_tail]
+    return " · ".join(token for token in parts if token)
 
 
 def _package_token(name: str, version: str | None) -> str:
