@@ -273,13 +273,26 @@ def values_mismatch(
             shown_a, shown_e = _fmt_pair(a_values[i], e_values[i], actual.dtype, expected.dtype)
             lines.append(f"    {coords[i]}: {shown_a} vs {shown_e}, {num(diffs[i])}")
     if not exact:
-        # A NaN at the top says nothing about rounding: measure the worst finite one.
-        finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
-        at = finite[0] if finite else 0
-        ulp = _ulp_line(diffs[at], e_values[at], actual.dtype, expected.dtype, tol, size)
-        if ulp is not None:
-            lines.append(f"  Worst {'' if at == 0 else 'finite '}element is {ulp}")
+        lines.extend(_worst_ulp_lines(diffs, e_values, actual.dtype, expected.dtype, tol, size))
     return Mismatch(path, "values", "\n".join(lines), stats.mismatched, total, max_abs, max_rel)
+
+
+def _worst_ulp_lines(
+    diffs: list[float],
+    e_values: list[complex],
+    actual_dtype: torch.dtype,
+    expected_dtype: torch.dtype,
+    tol: Tolerance,
+    size: float,
+) -> list[str]:
+    """The line (if any) that measures the worst finite element in units of rounding."""
+    # A NaN at the top says nothing about rounding: measure the worst finite one.
+    finite = [i for i, d in enumerate(diffs[:-1]) if math.isfinite(d)]
+    at = finite[0] if finite else 0
+    ulp = _ulp_line(diffs[at], e_values[at], actual_dtype, expected_dtype, tol, size)
+    if ulp is None:
+        return []
+    return [f"  Worst {'' if at == 0 else 'finite '}element is {ulp}"]
 
 
 def _ulp_line(
