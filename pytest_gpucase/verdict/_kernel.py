@@ -237,7 +237,21 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
     floating dtypes a finite sum proves the equal bytes hold no NaN.
     """
     nbytes = actual.numel() * actual.element_size()
-    if (
+    if not _memcmp_fits(actual, expected, nbytes):
+        return torch.equal(actual, expected)
+    a_ptr, e_ptr = readable_address(actual, nbytes), readable_address(expected, nbytes)
+    if a_ptr is None or e_ptr is None:
+        return torch.equal(actual, expected)
+    if _MEMCMP is None or _MEMCMP(a_ptr, e_ptr, nbytes) != 0:
+        return False
+    if not actual.dtype.is_floating_point:
+        return True
+    return _no_nan(actual, expected)
+
+
+def _memcmp_fits(actual: torch.Tensor, expected: torch.Tensor, nbytes: int) -> bool:
+    """Whether the pair's bytes may be compared with ``memcmp`` (else ``torch.equal``)."""
+    return not (
         _MEMCMP is None
         or nbytes < _MEMCMP_BYTES
         or actual.device.type != "cpu"
@@ -257,15 +271,11 @@ def _equal(actual: torch.Tensor, expected: torch.Tensor) -> bool:
         or expected.is_neg()
         or not actual.is_contiguous()
         or not expected.is_contiguous()
-    ):
-        return torch.equal(actual, expected)
-    a_ptr, e_ptr = readable_address(actual, nbytes), readable_address(expected, nbytes)
-    if a_ptr is None or e_ptr is None:
-        return torch.equal(actual, expected)
-    if _MEMCMP(a_ptr, e_ptr, nbytes) != 0:
-        return False
-    if not actual.dtype.is_floating_point:
-        return True
+    )
+
+
+def _no_nan(actual: torch.Tensor, expected: torch.Tensor) -> bool:
+    """Whether a floating pair of equal bytes holds no NaN (else ``torch.equal`` decides)."""
     # Equal bytes: NaN is the only way their values can differ.
     values = actual.detach()  # a reduction for a verdict builds no graph
     if actual.dtype == torch.float16:
