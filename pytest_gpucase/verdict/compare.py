@@ -305,19 +305,7 @@ class _Walk:
 
     def value(self, actual: object, expected: object, path: str) -> None:
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
-            if actual.is_nested or expected.is_nested:
-                # A nested tensor is a list of tensors of different lengths: compared as one.
-                if actual.is_nested and expected.is_nested:
-                    self.sequence(actual.unbind(), expected.unbind(), path)
-                else:
-                    self.fail(path, "type", "type differs: actual "
-                              f"{'nested ' if actual.is_nested else ''}Tensor vs expected "
-                              f"{'nested ' if expected.is_nested else ''}Tensor")
-                return
-            try:
-                self.tensor(actual, expected, path)
-            except _TORCH_REFUSALS as exc:
-                self.fail(path, "type", _refusal(actual, expected, exc))
+            self.tensor_pair(actual, expected, path)
         elif isinstance(actual, torch.Tensor) or isinstance(expected, torch.Tensor):
             self.type_differs(actual, expected, path)
         elif actual is None or expected is None:
@@ -329,9 +317,8 @@ class _Walk:
             if type(actual) is not type(expected):
                 self.type_differs(actual, expected, path)
             elif actual != expected:
-                self.fail(
-                    path, "values", f"values differ: actual {actual!r} vs expected {expected!r}"
-                )
+                self.fail(path, "values",
+                          f"values differ: actual {actual!r} vs expected {expected!r}")
         elif isinstance(actual, Mapping) and isinstance(expected, Mapping):
             self.mapping(actual, expected, path)
         elif isinstance(actual, Sequence) and isinstance(expected, Sequence):
@@ -339,12 +326,25 @@ class _Walk:
         else:
             self.other(actual, expected, path)
 
+    def tensor_pair(self, actual: torch.Tensor, expected: torch.Tensor, path: str) -> None:
+        """Two tensors: nested ones as lists of tensors, others by ``tensor`` (or refused)."""
+        if actual.is_nested or expected.is_nested:
+            # A nested tensor is a list of tensors of different lengths: compared as one.
+            if actual.is_nested and expected.is_nested:
+                self.sequence(actual.unbind(), expected.unbind(), path)
+            else:
+                self.fail(path, "type", "type differs: actual "
+                          f"{'nested ' if actual.is_nested else ''}Tensor vs expected "
+                          f"{'nested ' if expected.is_nested else ''}Tensor")
+            return
+        try:
+            self.tensor(actual, expected, path)
+        except _TORCH_REFUSALS as exc:
+            self.fail(path, "type", _refusal(actual, expected, exc))
+
     def type_differs(self, actual: object, expected: object, path: str) -> None:
-        self.fail(
-            path,
-            "type",
-            f"type differs: actual {_type_name(actual)} vs expected {_type_name(expected)}",
-        )
+        self.fail(path, "type",
+                  f"type differs: actual {_type_name(actual)} vs expected {_type_name(expected)}")
 
     def mapping(
         self, actual: Mapping[object, object], expected: Mapping[object, object], path: str
@@ -372,11 +372,8 @@ class _Walk:
             self.type_differs(actual, expected, path)
             return
         if len(actual) != len(expected):
-            self.fail(
-                path,
-                "structure",
-                f"length differs: actual {len(actual)} vs expected {len(expected)}",
-            )
+            self.fail(path, "structure",
+                      f"length differs: actual {len(actual)} vs expected {len(expected)}")
             return
         # A torch.return_types structseq (torch.max(x, dim=0)) names its items too, though
         # it is compared as a plain tuple: a golden stores it as one.
