@@ -402,35 +402,13 @@ class _Walk:
             return  # an object met again inside itself (a back reference): compared once
         found = structure.parts(actual)
         if found is not None:
-            # Field by field, with tolerances: a dataclass's own == compares tensors exactly,
-            # and a cache object (transformers' DynamicCache) has none at all.
-            theirs = structure.parts(expected) or []
-            names, their_names = [k for k, _ in found], [k for k, _ in theirs]
-            if names != their_names:
-                missing = [k for k in their_names if k not in names]
-                extra = [k for k in names if k not in their_names]
-                self.fail(path, "structure", f"parts of {_type_name(actual)} differ: "
-                          + "; ".join(part for part in (
-                              f"missing {', '.join(missing)}" if missing else "",
-                              f"extra {', '.join(extra)}" if extra else "",
-                              "in another order" if not (missing or extra) else "") if part))
-                return
-            self.inside.add(id(actual))
-            try:
-                for (suffix, a), (_, e) in zip(found, theirs, strict=True):
-                    self.value(a, e, path + suffix)
-            finally:
-                self.inside.discard(id(actual))
+            self.parts(actual, expected, path, found)
             return
         try:
             equal = bool(actual == expected)
         except Exception as exc:  # an elementwise ==, or a user's __eq__ that fails
-            self.fail(
-                path,
-                "type",
-                f"cannot compare values of type {_type_name(actual)}: {type(exc).__name__}: "
-                f"{exc}; {_BY_VALUE}",
-            )
+            self.fail(path, "type", f"cannot compare values of type {_type_name(actual)}: "
+                      f"{type(exc).__name__}: {exc}; {_BY_VALUE}")
             return
         if equal:
             return
@@ -442,6 +420,29 @@ class _Walk:
             note = (f" (type {_type_name(actual)} defines no ==, so only the same object is "
                     f"equal, and holds no tensor to compare by; {_BY_VALUE})")
         self.fail(path, "values", f"values differ: actual {shown_a} vs expected {shown_e}{note}")
+
+    def parts(self, actual: object, expected: object, path: str,
+              found: list[tuple[str, object]]) -> None:
+        """An object made of parts (``found``): compared part by part, if they are the same."""
+        # Field by field, with tolerances: a dataclass's own == compares tensors exactly,
+        # and a cache object (transformers' DynamicCache) has none at all.
+        theirs = structure.parts(expected) or []
+        names, their_names = [k for k, _ in found], [k for k, _ in theirs]
+        if names != their_names:
+            missing = [k for k in their_names if k not in names]
+            extra = [k for k in names if k not in their_names]
+            self.fail(path, "structure", f"parts of {_type_name(actual)} differ: "
+                      + "; ".join(part for part in (
+                          f"missing {', '.join(missing)}" if missing else "",
+                          f"extra {', '.join(extra)}" if extra else "",
+                          "in another order" if not (missing or extra) else "") if part))
+            return
+        self.inside.add(id(actual))
+        try:
+            for (suffix, a), (_, e) in zip(found, theirs, strict=True):
+                self.value(a, e, path + suffix)
+        finally:
+            self.inside.discard(id(actual))
 
     # -- Python numbers ------------------------------------------------------
 
