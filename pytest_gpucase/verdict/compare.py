@@ -532,11 +532,8 @@ class _Walk:
         # of times for a model's state, where each read of a tensor attribute counts.
         shape, a_dtype, e_dtype = actual.shape, actual.dtype, expected.dtype
         if shape != expected.shape:
-            self.fail(
-                path,
-                "shape",
-                f"shape differs: actual {tuple(shape)} vs expected {tuple(expected.shape)}",
-            )
+            self.fail(path, "shape",
+                      f"shape differs: actual {tuple(shape)} vs expected {tuple(expected.shape)}")
             return
         if a_dtype != e_dtype and self.check_dtype:
             self.fail(path, "dtype", f"dtype differs: actual {a_dtype} vs expected {e_dtype}")
@@ -559,24 +556,22 @@ class _Walk:
         if a_dtype != e_dtype:
             kind_a, kind_e = _dtype_kind(a_dtype), _dtype_kind(e_dtype)
             if kind_a != kind_e:
-                self.fail(
-                    path,
-                    "dtype",
-                    f"dtype kind differs: actual {a_dtype} ({kind_a}) "
-                    f"vs expected {e_dtype} ({kind_e})",
-                )
+                self.fail(path, "dtype", f"dtype kind differs: actual {a_dtype} ({kind_a}) "
+                          f"vs expected {e_dtype} ({kind_e})")
                 return
+        self.tensor_values(actual, expected, a_dtype, e_dtype, path)
+
+    def tensor_values(self, actual: torch.Tensor, expected: torch.Tensor, a_dtype: torch.dtype,
+                      e_dtype: torch.dtype, path: str) -> None:
+        """A pair of one shape and dtype kind: its storage checked, its values compared."""
         if actual.is_meta or expected.is_meta:
             side = "actual" if actual.is_meta else "expected"
             self.fail(path, "device", f"{side} is a meta tensor: it holds no values to compare")
             return
         layout = actual.layout
         if layout != expected.layout:
-            self.fail(
-                path,
-                "type",
-                f"layout differs: actual {layout} vs expected {expected.layout}",
-            )
+            self.fail(path, "type",
+                      f"layout differs: actual {layout} vs expected {expected.layout}")
             return
         if layout != torch.strided:
             if actual.numel() > _DENSE_ELEMENTS:
