@@ -453,13 +453,7 @@ class _Walk:
             return
         if kind_a in ("bool", "int"):
             assert isinstance(actual, int) and isinstance(expected, int)
-            gap = _as_float(abs(actual - expected))
-            rel = relative(gap, _as_float(abs(expected)))
-            if kind_a == "int":
-                self.note(gap, rel)
-            if actual != expected:
-                message = f"{path}: values differ: actual {actual!r} vs expected {expected!r}"
-                self.items.append(Mismatch(path, "values", message, 1, 1, gap, rel))
+            self.integer(actual, expected, path, kind_a == "int")
             return
         assert isinstance(actual, (float, complex)) and isinstance(expected, (float, complex))
         dtype = torch.float64 if kind_a == "float" else torch.complex128
@@ -481,19 +475,32 @@ class _Walk:
                    and diff > CLEAN * unit_roundoff(held) * abs(expected)
                    + least_step(dtype, self.precision))
         if not verdict or rough:
-            if rough:
-                message = unclean_message(path, diff, abs(expected), held)
-            else:
-                message = scalar_message(
-                    path, actual, expected, dtype, dtype, tol, self.equal_nan, exact=False
-                )
-            mismatch: Mismatch | None = Mismatch(path, "values", message, 1, 1, diff,
-                                                 relative(diff, abs(expected)))
-            if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
-                mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch,
-                                             rough)
-            if mismatch is not None:
-                self.items.append(mismatch)
+            self.number_failed(path, actual, expected, diff, tol, dtype, held, rough)
+
+    def number_failed(self, path: str, actual: complex, expected: complex, diff: float,
+                      tol: Tolerance, dtype: torch.dtype, held: torch.dtype, rough: bool) -> None:
+        """A float past its tolerance (or ``rough``): recorded, unless a second look clears it."""
+        if rough:
+            message = unclean_message(path, diff, abs(expected), held)
+        else:
+            message = scalar_message(path, actual, expected, dtype, dtype, tol, self.equal_nan,
+                                     exact=False)
+        mismatch: Mismatch | None = Mismatch(path, "values", message, 1, 1, diff,
+                                             relative(diff, abs(expected)))
+        if self.looks_again(dtype) and math.isfinite(diff) and mismatch is not None:
+            mismatch = self.number_again(path, actual, expected, diff, tol, dtype, mismatch, rough)
+        if mismatch is not None:
+            self.items.append(mismatch)
+
+    def integer(self, actual: int, expected: int, path: str, counted: bool) -> None:
+        """Two ints (or bools, not ``counted`` in the greatest differences): equal or not."""
+        gap = _as_float(abs(actual - expected))
+        rel = relative(gap, _as_float(abs(expected)))
+        if counted:
+            self.note(gap, rel)
+        if actual != expected:
+            message = f"{path}: values differ: actual {actual!r} vs expected {expected!r}"
+            self.items.append(Mismatch(path, "values", message, 1, 1, gap, rel))
 
     def number_again(self, path: str, actual: complex, expected: complex, diff: float,
                      tol: Tolerance, dtype: torch.dtype, mismatch: Mismatch,
