@@ -506,6 +506,20 @@ class Minimized:
     message: str = ""                            # the failure kept, as ``shown`` words it
     error: str = ""                              # ... as ``Failure.describe`` writes it
 
+    @classmethod
+    def of(cls, case: Case, baseline: Verdict, failure: FailureClass,
+           kept_failure: Failure | None, message: str, search: _Search,
+           shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], *, seconds: float,
+           stopped: Stop | None) -> Minimized:
+        """The result of a search over ``case``, before anything is written."""
+        return cls(
+            original=case.path, output=None, spec=baseline.spec, failure=failure,
+            axes=search.axes, selection=search.best, shapes=shapes, tries=search.tries,
+            seconds=seconds, stopped=stopped, failed_differently=dict(search.differently),
+            message=message,
+            error=(kept_failure.describe()
+                   if kept_failure is not None and kept_failure.error_type is not None else ""))
+
     def render(self) -> str:
         """The summary printed at the end: sizes, tries, time, where the case went."""
         how = {None: "", "max tries": " (stopped at --max-tries)",
@@ -568,14 +582,7 @@ def minimize(
     ctx = replace(ctx or RunContext.here(env.backend), localize=False).fresh()
     stream = out if out is not None else io.StringIO()  # progress only where a caller asks
     started = clock()
-    if output is not None and output.exists():
-        raise FileExistsError(f"{display(output)} exists; minimize never overwrites, give a "
-                              "new -o")
-    if output is not None and output.resolve().is_relative_to(case.path.resolve()):
-        raise NotRunnable(f"-o {display(output)} lies inside the case directory it copies; "
-                          "write the new case beside it")
-    if not case.inputs_file.exists():
-        raise NotRunnable(f"{display(case.path)} has no {INPUTS_FILE}: nothing to shrink")
+    _preconditions(case, output)
     chosen = choose_device(case, env, device)
     baseline, tried = first_failure(unchanged_runs(case, env, device=chosen, dtype=dtype), ctx)
     if baseline is None:
@@ -584,12 +591,7 @@ def minimize(
     assert failure is not None  # a failed verdict always has a class
     kept_failure = failure_of(baseline)
     message = shown(failure, kept_failure)
-    if failure.kind == "broken case":
-        raise NotRunnable(baseline.outcome.summary)
-    if failure.kind == "golden mismatch":
-        raise NotRunnable(f"{display(case.path)} fails only against its {EXPECTED_FILE}, whose "
-                          "outputs belong to the full batch: a smaller batch cannot be judged "
-                          "against them")
+    _refuse_unshrinkable(case, baseline, failure)
     with one_thread():
         tensors = payload.load(case.inputs_file)
     _, metadata = payload.read_header(case.inputs_file)
@@ -602,13 +604,7 @@ def minimize(
                  f"{baseline.spec.numeric} ({message}); {_sizes(axes)}; budget {max_tries} "
                  f"tries, {time_budget:g} s\n")
     stream.flush()
-    try:
-        # Beside the original (hidden: never collected), so that a try imports the user's
-        # code from the same project as the original does (project.py).
-        scratch = Path(tempfile.mkdtemp(prefix=".gpucase-minimize-", dir=case.path.parent))
-    except OSError:  # a read-only case folder
-        scratch = Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
-    stopped: Stop | None = None
+    scratch = _scratch_dir(case)
     try:
         search = _Search(spec=replace(baseline.spec, case=_scratch_case(case, scratch)),
                          baseline=baseline, tensors=tensors, axes=axes, metadata=metadata,
@@ -618,16 +614,7 @@ def minimize(
         shutil.rmtree(scratch, ignore_errors=True)
         raise
     try:
-        if axes.batch_size is not None and axes.batch_size > 1:
-            everything = tuple(range(axes.batch_size))
-            ddmin(everything, lambda items: search.fails(Selection(items)),
-                  lambda items: search.improve(Selection(items)))
-        if axes.length_size is not None and axes.length_size > 1:
-            _shortest_window(search, search.best.entries, axes.length_size)
-    except _Budget as budget:
-        stopped = budget.reason
-    except KeyboardInterrupt:
-        stopped = "interrupted"
+        stopped = _shrink(search, axes)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if stream.isatty():
@@ -637,23 +624,71 @@ def minimize(
         kept = select(tensors, axes, best)
     shapes = {name: (tuple(tensors[name].shape), tuple(t.shape)) for name, t in kept.items()
               if t.shape != tensors[name].shape}
-    result = Minimized(
-        original=case.path, output=None, spec=baseline.spec, failure=failure, axes=axes,
-        selection=best, shapes=shapes, tries=search.tries, seconds=clock() - started,
-        stopped=stopped, failed_differently=dict(search.differently), message=message,
-        error=(kept_failure.describe()
-               if kept_failure is not None and kept_failure.error_type is not None else ""))
+    result = Minimized.of(case, baseline, failure, kept_failure, message, search, shapes,
+                          seconds=clock() - started, stopped=stopped)
     if not shapes:
         return result
     target = output if output is not None else _free_name(case.path)
     record = _record(case, result, target)
     with one_thread():
         written = write_case(case, target, kept, metadata, record)
-    notes: tuple[str, ...] = ()
+    return replace(result, output=written, notes=_notes(case))
+
+
+def _preconditions(case: Case, output: Path | None) -> None:
+    """Refuse before any run: an ``output`` taken or inside the case, or no payload to cut."""
+    if output is not None and output.exists():
+        raise FileExistsError(f"{display(output)} exists; minimize never overwrites, give a "
+                              "new -o")
+    if output is not None and output.resolve().is_relative_to(case.path.resolve()):
+        raise NotRunnable(f"-o {display(output)} lies inside the case directory it copies; "
+                          "write the new case beside it")
+    if not case.inputs_file.exists():
+        raise NotRunnable(f"{display(case.path)} has no {INPUTS_FILE}: nothing to shrink")
+
+
+def _refuse_unshrinkable(case: Case, baseline: Verdict, failure: FailureClass) -> None:
+    """Refuse a failure no smaller batch can keep: a broken case, a golden mismatch."""
+    if failure.kind == "broken case":
+        raise NotRunnable(baseline.outcome.summary)
+    if failure.kind == "golden mismatch":
+        raise NotRunnable(f"{display(case.path)} fails only against its {EXPECTED_FILE}, whose "
+                          "outputs belong to the full batch: a smaller batch cannot be judged "
+                          "against them")
+
+
+def _scratch_dir(case: Case) -> Path:
+    """Where the tries run: beside the original when its folder is writable, else in tmp."""
+    try:
+        # Beside the original (hidden: never collected), so that a try imports the user's
+        # code from the same project as the original does (project.py).
+        return Path(tempfile.mkdtemp(prefix=".gpucase-minimize-", dir=case.path.parent))
+    except OSError:  # a read-only case folder
+        return Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
+
+
+def _shrink(search: _Search, axes: Axes) -> Stop | None:
+    """Cut entries, then length; which budget or Ctrl-C stopped it (None: ran to the end)."""
+    try:
+        if axes.batch_size is not None and axes.batch_size > 1:
+            everything = tuple(range(axes.batch_size))
+            ddmin(everything, lambda items: search.fails(Selection(items)),
+                  lambda items: search.improve(Selection(items)))
+        if axes.length_size is not None and axes.length_size > 1:
+            _shortest_window(search, search.best.entries, axes.length_size)
+    except _Budget as budget:
+        return budget.reason
+    except KeyboardInterrupt:
+        return "interrupted"
+    return None
+
+
+def _notes(case: Case) -> tuple[str, ...]:
+    """What the new case leaves out of the original, and why."""
     if case.expected_file.exists():
-        notes = (f"{EXPECTED_FILE} is not copied: its golden outputs belong to the full "
-                 "batch; write new ones with --gpu-cases-regen",)
-    return replace(result, output=written, notes=notes)
+        return (f"{EXPECTED_FILE} is not copied: its golden outputs belong to the full "
+                "batch; write new ones with --gpu-cases-regen",)
+    return ()
 
 
 def _scratch_case(case: Case, scratch: Path) -> Case:
