@@ -323,47 +323,67 @@ def members_of(shapes: Mapping[str, Shape], axis: int, anchor: str | None = None
     largest = max(having.values(), key=lambda shape: (_numel(shape[0]), len(shape[0])))[0]
 
     candidates = [name for name in having if not named_parameter(name)]
-
-    def doubt(reason: str, among: list[str]) -> InputsInDoubt:
-        # The example names inputs of one size on the axis, so that it works as written:
-        # the size most of ``among`` share (several inputs agreeing hint at the samples).
-        sizes = [having[name][0][axis] for name in among]
-        common = max(sizes, key=sizes.count)
-        return InputsInDoubt(reason, axis, [n for n, size in zip(among, sizes, strict=True)
-                                            if size == common], table)
-
-    if anchor is not None and anchor in having:
-        base = anchor
-    elif candidates:
-        base = max(candidates, key=lambda name: (_numel(having[name][0]), len(having[name][0])))
-    else:
-        raise doubt(f"every input with an axis {axis} is named as a parameter "
-                    f"({', '.join(having)}), which is never cut by inference", list(having))
+    base = _base_of(having, candidates, axis, anchor, table)
     lead = having[base][0][:axis + 1]
     same = [name for name in having if having[name][0][:axis + 1] == lead]
-
-    def parameter(name: str) -> bool:
-        # An input of the largest input's whole shape is data, whatever its name
-        # (per_element_weight beside logits).
-        shape = having[name][0]
-        return shape != largest and (named_parameter(name)
-                                   or parameter_by_shape(having[name], largest))
-
-    doubtful = [name for name in same if name != base and named_parameter(name)
-                and parameter(name) and not parameter_by_shape(having[name], largest)]
-    if doubtful:
-        raise doubt(
-            f"{', '.join(_shown(n, having[n][0]) for n in doubtful)} is named as a parameter but "
-            f"has the size of {_shown(base, having[base][0])} on axis {axis}: cannot tell "
-            "whether it follows", same)
-    followers = tuple(name for name in same if name == base or not parameter(name))
-    left = [name for name in candidates if name not in followers and not parameter(name)]
+    _refuse_doubtful(having, largest, same, base, axis, table)
+    followers = tuple(name for name in same
+                      if name == base or not _parameter(having, largest, name))
+    left = [name for name in candidates
+            if name not in followers and not _parameter(having, largest, name)]
     if len(followers) == 1 and left and base != anchor:
-        raise doubt(
+        raise _doubt(
+            having, axis, table,
             f"cannot tell which input holds the samples on axis {axis}: "
             f"{_shown(base, having[base][0])} or "
             f"{', '.join(_shown(n, having[n][0]) for n in left)}", left)
     return int(lead[axis]), followers
+
+
+def _doubt(having: Mapping[str, Shape], axis: int, table: str, reason: str,
+           among: list[str]) -> InputsInDoubt:
+    """The doubt to raise, its example naming the inputs of the size most of ``among`` share."""
+    # The example names inputs of one size on the axis, so that it works as written:
+    # the size most of ``among`` share (several inputs agreeing hint at the samples).
+    sizes = [having[name][0][axis] for name in among]
+    common = max(sizes, key=sizes.count)
+    return InputsInDoubt(reason, axis, [n for n, size in zip(among, sizes, strict=True)
+                                        if size == common], table)
+
+
+def _base_of(having: Mapping[str, Shape], candidates: list[str], axis: int,
+             anchor: str | None, table: str) -> str:
+    """The input the others are measured against: the anchor, else the largest non-parameter."""
+    if anchor is not None and anchor in having:
+        return anchor
+    if candidates:
+        return max(candidates, key=lambda name: (_numel(having[name][0]), len(having[name][0])))
+    raise _doubt(having, axis, table,
+                 f"every input with an axis {axis} is named as a parameter "
+                 f"({', '.join(having)}), which is never cut by inference", list(having))
+
+
+def _parameter(having: Mapping[str, Shape], largest: tuple[int, ...], name: str) -> bool:
+    """Whether an input is a parameter, by name or shape, unless it has the largest's shape."""
+    # An input of the largest input's whole shape is data, whatever its name
+    # (per_element_weight beside logits).
+    shape = having[name][0]
+    return shape != largest and (named_parameter(name)
+                                 or parameter_by_shape(having[name], largest))
+
+
+def _refuse_doubtful(having: Mapping[str, Shape], largest: tuple[int, ...], same: list[str],
+                     base: str, axis: int, table: str) -> None:
+    """Refuse an input named as a parameter that has the base's size on the axis."""
+    doubtful = [name for name in same if name != base and named_parameter(name)
+                and _parameter(having, largest, name)
+                and not parameter_by_shape(having[name], largest)]
+    if doubtful:
+        raise _doubt(
+            having, axis, table,
+            f"{', '.join(_shown(n, having[n][0]) for n in doubtful)} is named as a parameter but "
+            f"has the size of {_shown(base, having[base][0])} on axis {axis}: cannot tell "
+            "whether it follows", same)
 
 
 def parameter_by_shape(shape: Shape, largest: tuple[int, ...]) -> bool:
