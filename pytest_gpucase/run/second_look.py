@@ -300,11 +300,7 @@ def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str
              and inputs[name].dtype in (torch.float64, torch.complex128)]
     if not names:
         return None
-    if len(names) > GRADCHECK_INPUTS:
-        raise NotChecked(f"{len(names)} floating inputs, above {GRADCHECK_INPUTS}")
-    estimate = (4 * PROBES * len(names) + 4) * seconds_per_call
-    if estimate > GRADCHECK_SECONDS:
-        raise NotChecked(f"about {estimate:.0f} s of float64 runs, above {GRADCHECK_SECONDS:g} s")
+    _check_cost(names, seconds_per_call)
     state = rng if rng is not None else torch.get_rng_state()
 
     def function(*values: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -321,66 +317,90 @@ def gradient_check(call: Callable[[Mapping[str, Any]], Any], inputs: Mapping[str
         outputs = function(*values)
         if not outputs:
             return None
-        generator = torch.Generator().manual_seed(_PROBE_SEED)
-        cotangents = [torch.randn(o.shape, generator=generator, dtype=torch.float64
-                                  ).to(o.dtype) for o in outputs]
-        grads = torch.autograd.grad(outputs, values, cotangents, allow_unused=True)
-        sizes = [o.detach() for o in outputs]
-
-        def evaluated(index: int, step: torch.Tensor) -> list[torch.Tensor]:
-            moved = [v.detach().clone().requires_grad_() for v in values]
-            with torch.no_grad():
-                moved[index] += step
-            found = function(*moved)
-            if len(found) != len(outputs):
-                raise NotChecked("the call returns other outputs on a moved input")
-            return [t.detach() for t in found]
-
-        def directional(index: int, h: float, direction: torch.Tensor,
-                        cotangents: list[torch.Tensor]) -> tuple[float, float]:
-            """``<v, (f(x + h d) - f(x - h d)) / 2h>`` and the norm of the difference."""
-            ahead = evaluated(index, h * direction)
-            behind = evaluated(index, -h * direction)
-            slopes = [(p - m) / (2 * h) for p, m in zip(ahead, behind, strict=True)]
-            found = sum(float((c * d).sum()) for c, d in zip(cotangents, slopes, strict=True))
-            return found, math.sqrt(sum(float(d.square().sum()) for d in slopes))
-
-        v_norm = math.sqrt(sum(float(c.double().square().sum()) for c in cotangents))
-        f_norm = math.sqrt(sum(float(o.double().abs().square().sum()) for o in sizes))
-        if not math.isfinite(f_norm):
-            raise NotChecked("the outputs are not finite")
+        differences = _Differences(function, values, outputs)
         for index, (name, value) in enumerate(zip(names, values, strict=True)):
             if value.numel() == 0:
                 continue
-            grad = grads[index]
-            scale = float(value.detach().abs().square().mean().sqrt()) or 1.0
-            h = STEP * scale
-            for _ in range(PROBES):
-                direction = torch.randn(value.shape, generator=generator, dtype=torch.float64)
-                analytical = (float((grad * direction).sum()) if grad is not None else 0.0)
-                numerical, slope_norm = directional(index, h, direction, cotangents)
-                # The same at twice the step: central differences are off by a term in h^2,
-                # four times larger there, so a third of the gap is the step's own error
-                # (tan near its pole, where 1e-6 is not small).
-                coarse, _ = directional(index, 2 * h, direction, cotangents)
-                if not (math.isfinite(numerical) and math.isfinite(slope_norm)
-                        and math.isfinite(coarse)):
-                    raise NotChecked(f"the forward is not finite a step of {h:.3g} away from "
-                                     f"{name} (a pole or a domain's edge)")
-                noise = (8 * _ROUNDOFF * v_norm * f_norm / h
-                         + 1e-6 * v_norm * slope_norm + abs(coarse - numerical))
-                tolerance = GRADIENT_RTOL * abs(analytical) + noise
-                if not abs(numerical - analytical) <= tolerance:
-                    total = sum(o.numel() for o in outputs)
-                    return (f"the gradient with respect to {name} along a random direction "
-                            f"(a random cotangent of the outputs) is {analytical:.6g} by the "
-                            f"backward (analytical) and {numerical:.6g} by central "
-                            f"differences of the forward (numerical, step {h:.3g}): "
-                            f"{abs(numerical - analytical):.3g} apart, past the tolerance "
-                            f"{tolerance:.3g} ({GRADIENT_RTOL:g} of the analytical value "
-                            f"plus the differences' noise {noise:.3g}); {name} has "
-                            f"{value.numel()} elements, the outputs {total}")
+            found = differences.check(index, name)
+            if found is not None:
+                return found
     return None
+
+
+def _check_cost(names: list[str], seconds_per_call: float) -> None:
+    """Refuse a gradcheck of too many inputs or too many seconds (``NotChecked``)."""
+    if len(names) > GRADCHECK_INPUTS:
+        raise NotChecked(f"{len(names)} floating inputs, above {GRADCHECK_INPUTS}")
+    estimate = (4 * PROBES * len(names) + 4) * seconds_per_call
+    if estimate > GRADCHECK_SECONDS:
+        raise NotChecked(f"about {estimate:.0f} s of float64 runs, above {GRADCHECK_SECONDS:g} s")
+
+
+class _Differences:
+    """The backward of a real call against central differences of its forward, per input."""
+
+    def __init__(self, function: Callable[..., tuple[torch.Tensor, ...]],
+                 values: tuple[torch.Tensor, ...], outputs: tuple[torch.Tensor, ...]) -> None:
+        self.function, self.values, self.outputs = function, values, outputs
+        self.generator = torch.Generator().manual_seed(_PROBE_SEED)
+        self.cotangents = [torch.randn(o.shape, generator=self.generator, dtype=torch.float64
+                                       ).to(o.dtype) for o in outputs]
+        self.grads = torch.autograd.grad(outputs, values, self.cotangents, allow_unused=True)
+        sizes = [o.detach() for o in outputs]
+        self.v_norm = math.sqrt(sum(float(c.double().square().sum()) for c in self.cotangents))
+        self.f_norm = math.sqrt(sum(float(o.double().abs().square().sum()) for o in sizes))
+        if not math.isfinite(self.f_norm):
+            raise NotChecked("the outputs are not finite")
+
+    def evaluated(self, index: int, step: torch.Tensor) -> list[torch.Tensor]:
+        """The outputs with input ``index`` moved by ``step``."""
+        moved = [v.detach().clone().requires_grad_() for v in self.values]
+        with torch.no_grad():
+            moved[index] += step
+        found = self.function(*moved)
+        if len(found) != len(self.outputs):
+            raise NotChecked("the call returns other outputs on a moved input")
+        return [t.detach() for t in found]
+
+    def directional(self, index: int, h: float, direction: torch.Tensor) -> tuple[float, float]:
+        """``<v, (f(x + h d) - f(x - h d)) / 2h>`` and the norm of the difference."""
+        ahead = self.evaluated(index, h * direction)
+        behind = self.evaluated(index, -h * direction)
+        slopes = [(p - m) / (2 * h) for p, m in zip(ahead, behind, strict=True)]
+        found = sum(float((c * d).sum()) for c, d in zip(self.cotangents, slopes, strict=True))
+        return found, math.sqrt(sum(float(d.square().sum()) for d in slopes))
+
+    def check(self, index: int, name: str) -> str | None:
+        """Whether input ``index`` passes its ``PROBES`` directions: None, else why not."""
+        value, grad = self.values[index], self.grads[index]
+        scale = float(value.detach().abs().square().mean().sqrt()) or 1.0
+        h = STEP * scale
+        for _ in range(PROBES):
+            direction = torch.randn(value.shape, generator=self.generator, dtype=torch.float64)
+            analytical = (float((grad * direction).sum()) if grad is not None else 0.0)
+            numerical, slope_norm = self.directional(index, h, direction)
+            # The same at twice the step: central differences are off by a term in h^2,
+            # four times larger there, so a third of the gap is the step's own error
+            # (tan near its pole, where 1e-6 is not small).
+            coarse, _ = self.directional(index, 2 * h, direction)
+            if not (math.isfinite(numerical) and math.isfinite(slope_norm)
+                    and math.isfinite(coarse)):
+                raise NotChecked(f"the forward is not finite a step of {h:.3g} away from "
+                                 f"{name} (a pole or a domain's edge)")
+            noise = (8 * _ROUNDOFF * self.v_norm * self.f_norm / h
+                     + 1e-6 * self.v_norm * slope_norm + abs(coarse - numerical))
+            tolerance = GRADIENT_RTOL * abs(analytical) + noise
+            if not abs(numerical - analytical) <= tolerance:
+                total = sum(o.numel() for o in self.outputs)
+                return (f"the gradient with respect to {name} along a random direction "
+                        f"(a random cotangent of the outputs) is {analytical:.6g} by the "
+                        f"backward (analytical) and {numerical:.6g} by central "
+                        f"differences of the forward (numerical, step {h:.3g}): "
+                        f"{abs(numerical - analytical):.3g} apart, past the tolerance "
+                        f"{tolerance:.3g} ({GRADIENT_RTOL:g} of the analytical value "
+                        f"plus the differences' noise {noise:.3g}); {name} has "
+                        f"{value.numel()} elements, the outputs {total}")
+        return None
 
 
 def _complex_gradcheck(function: Callable[..., tuple[torch.Tensor, ...]],
