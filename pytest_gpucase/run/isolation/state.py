@@ -461,22 +461,31 @@ class WorkerState:  # pragma: no cover - the worker
             reasons.append("an import hook was added or removed (sys.meta_path, sys.path_hooks)")
 
     def _compare_modules(self, reasons: list[str]) -> None:
+        new = self._new_modules()
+        dropped = _drop_user_code(new)
+        self._compare_watched(reasons)
+        kept = [name for name in new if name not in dropped and name in sys.modules]
+        cuda_started = self._first_cuda_use()
+        if not self.namespaces.unchanged():
+            reasons.extend(self._namespace_changes(set(kept), cuda_started))
+        for name in kept:
+            self._watch(name, sys.modules[name])
+            self.modules[name] = sys.modules[name]
+        if kept:
+            self.module_names = list(self.modules)
+            self.module_objects = list(self.modules.values())
+            self.namespaces.freeze()
+
+    def _new_modules(self) -> list[str]:
+        """The modules imported since the last look, in import order."""
         if (len(sys.modules) == len(self.module_objects)
                 and list(sys.modules.values()) == self.module_objects):
-            new: list[str] = []  # nothing imported, removed or replaced (modules are equal
-        else:                    # only to themselves)
-            new = [name for name in sys.modules if name not in self.modules]
-        dropped: dict[str, Any] = {}
-        for name in new:
-            module = sys.modules[name]
-            if name.startswith("gpucase_case_") or (_user_code(module) and not _machinery(name)):
-                # The user's code, imported by this call: a fresh child imports it afresh.
-                dropped[name] = sys.modules.pop(name)
-        for name, module in dropped.items():
-            parent, _, attribute = name.rpartition(".")
-            holder = sys.modules.get(parent)
-            if holder is not None and getattr(holder, attribute, None) is module:
-                delattr(holder, attribute)  # as before the import: a fresh child has no such
+            # Nothing imported, removed or replaced (modules are equal only to themselves).
+            return []
+        return [name for name in sys.modules if name not in self.modules]
+
+    def _compare_watched(self, reasons: list[str]) -> None:
+        """Whether a watched module was replaced, or a watched container or tensor changed."""
         if not all(map(operator.is_, map(sys.modules.get, self.module_names),
                        self.module_objects)):
             gone = [name for name, module in self.modules.items()
@@ -488,21 +497,14 @@ class WorkerState:  # pragma: no cover - the worker
         for where, value, versions in self.namespaces.tensors:
             if _versions(value) != versions:
                 reasons.append(f"{where} was changed in place (its tensors)")
-        kept = [name for name in new if name not in dropped and name in sys.modules]
+
+    def _first_cuda_use(self) -> bool:
+        """Whether this call was the worker's first to use CUDA (then remembered)."""
         cuda_started = bool(self.torch) and not self.torch["cuda"] and not self.cuda_started
         if cuda_started and sys.modules["torch"].cuda.is_initialized():
             self.cuda_started = True
-        else:
-            cuda_started = False
-        if not self.namespaces.unchanged():
-            reasons.extend(self._namespace_changes(set(kept), cuda_started))
-        for name in kept:
-            self._watch(name, sys.modules[name])
-            self.modules[name] = sys.modules[name]
-        if kept:
-            self.module_names = list(self.modules)
-            self.module_objects = list(self.modules.values())
-            self.namespaces.freeze()
+            return True
+        return False
 
     def _namespace_changes(self, imported: set[str], cuda_started: bool) -> list[str]:
         """The changes in the watched dicts, each named, less those an import makes (a
@@ -532,6 +534,22 @@ class WorkerState:  # pragma: no cover - the worker
         self.namespaces.freeze()
         return found
 
+
+
+def _drop_user_code(new: list[str]) -> dict[str, Any]:
+    """Which newly imported modules are the user's code, removed as a fresh child has none."""
+    dropped: dict[str, Any] = {}
+    for name in new:
+        module = sys.modules[name]
+        if name.startswith("gpucase_case_") or (_user_code(module) and not _machinery(name)):
+            # The user's code, imported by this call: a fresh child imports it afresh.
+            dropped[name] = sys.modules.pop(name)
+    for name, module in dropped.items():
+        parent, _, attribute = name.rpartition(".")
+        holder = sys.modules.get(parent)
+        if holder is not None and getattr(holder, attribute, None) is module:
+            delattr(holder, attribute)  # as before the import: a fresh child has no such
+    return dropped
 
 _ABSENT = object()
 # Globals whose ``__dict__`` is code, not data a later case reads.
