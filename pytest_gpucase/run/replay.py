@@ -87,26 +87,38 @@ def _loss_of(out: Any) -> torch.Tensor | None:
 def _backward(out: Any, recipe: Mapping[str, Any], inputs: Mapping[str, Any]) -> None:
     """Run the captured backward pass from ``out``: from the loss when the case recomputes
     it (``loss = "output"``), else from the saved ``grad_output`` tensors."""
-    import torch
-
     how = recipe.get("loss")
     if how == "output" or isinstance(how, Mapping):
-        if isinstance(how, Mapping):  # the watched loss function, called on the output again
-            function = import_target(str(how["call"]))
-            given = {k.removeprefix(LOSS_PREFIX): v for k, v in inputs.items()
-                     if k.startswith(LOSS_PREFIX)}
-            given.update(dict(how.get("inputs", {})))
-            given[str(how["output"])] = list(tensors_in(out))[int(how.get("index", 0))]
-            out = function(**given)
-            if recipe.get("finite"):
-                require_finite("loss", out)
-        loss = (_loss_of(out) if "loss_index" not in recipe or isinstance(how, Mapping)
-                else list(tensors_in(out))[int(recipe["loss_index"])])
-        if loss is None:
-            raise TypeError("the case replays backward from the loss its call returns, but "
-                            f"the call returned {type(out).__name__} without one")
-        loss.backward()  # type: ignore[no-untyped-call]
+        _backward_from_loss(out, recipe, inputs, how)
         return
+    _backward_from_grad_outputs(out, recipe, inputs)
+
+
+def _backward_from_loss(out: Any, recipe: Mapping[str, Any], inputs: Mapping[str, Any],
+                        how: Any) -> None:
+    """Backward from the loss: the call's own, or the watched loss function's on it."""
+    if isinstance(how, Mapping):  # the watched loss function, called on the output again
+        function = import_target(str(how["call"]))
+        given = {k.removeprefix(LOSS_PREFIX): v for k, v in inputs.items()
+                 if k.startswith(LOSS_PREFIX)}
+        given.update(dict(how.get("inputs", {})))
+        given[str(how["output"])] = list(tensors_in(out))[int(how.get("index", 0))]
+        out = function(**given)
+        if recipe.get("finite"):
+            require_finite("loss", out)
+    loss = (_loss_of(out) if "loss_index" not in recipe or isinstance(how, Mapping)
+            else list(tensors_in(out))[int(recipe["loss_index"])])
+    if loss is None:
+        raise TypeError("the case replays backward from the loss its call returns, but "
+                        f"the call returned {type(out).__name__} without one")
+    loss.backward()  # type: ignore[no-untyped-call]
+
+
+def _backward_from_grad_outputs(out: Any, recipe: Mapping[str, Any],
+                                inputs: Mapping[str, Any]) -> None:
+    """Backward from the saved ``grad_output`` tensors, else from the sum of the outputs."""
+    import torch
+
     outs = [t for t in tensors_in(out) if t.requires_grad]
     saved = recipe.get("grad_outputs", [])
     if isinstance(saved, Mapping):  # output index -> payload name
