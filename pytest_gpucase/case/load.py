@@ -545,30 +545,9 @@ def _parse_expectation(reader: _Reader, *, with_extras: bool) -> Expectation:
     if exception is not None and not _DOTTED_NAME_RE.match(exception):
         raise reader.error("exception", f"'{exception}' is not an exception type name; write it "
                            "like \"ValueError\" or \"torch.OutOfMemoryError\"")
-    match = reader.get("match", str, "a regular expression")
-    if match is not None:
-        try:
-            re.compile(match)
-        except re.error as exc:
-            raise reader.error("match", f"invalid regular expression: {exc}; to match a special "
-                               "character literally, escape it with a backslash") from None
-    if outcome == "raises" and exception is None:
-        fix = ("name the exception type, e.g. exception = \"ValueError\"" if with_extras else
-               "name the exception out-of-range values must raise, e.g. exception = \"ValueError\"")
-        raise reader.error("exception", f"missing; {fix}")
-    if outcome == "matches" and (exception is not None or match is not None):
-        key = "exception" if exception is not None else "match"
-        raise reader.error(key, "only applies with outcome = \"raises\"; add outcome = "
-                           f"\"raises\" or remove {key}")
-    tolerance: dict[str, ToleranceOverride] = {}
-    if with_extras:
-        tables = reader.table_at("tolerance")
-        for dtype in tables.table:
-            if dtype not in (*FLOAT_DTYPES, "complex64", "complex128"):
-                guess = difflib.get_close_matches(dtype, FLOAT_DTYPES, n=1)
-                hint = f"did you mean '{guess[0]}'?" if guess else "expected a floating dtype name"
-                raise tables.error(dtype, f"unknown dtype; {hint}")
-            tolerance[dtype] = _parse_tolerance(tables.table_at(dtype))
+    match = _parse_match(reader)
+    _check_outcome_keys(reader, outcome, exception, match, with_extras=with_extras)
+    tolerance = _parse_tolerances(reader) if with_extras else {}
     return Expectation(
         outcome=outcome,
         exception=exception,
@@ -577,6 +556,44 @@ def _parse_expectation(reader: _Reader, *, with_extras: bool) -> Expectation:
         equal_nan=reader.get("equal_nan", bool, "true or false", False) if with_extras else False,
         tolerance=tolerance,
     )
+
+
+def _parse_match(reader: _Reader) -> str | None:
+    """The ``match`` key, if given, when it compiles as a regular expression."""
+    match: str | None = reader.get("match", str, "a regular expression")
+    if match is not None:
+        try:
+            re.compile(match)
+        except re.error as exc:
+            raise reader.error("match", f"invalid regular expression: {exc}; to match a special "
+                               "character literally, escape it with a backslash") from None
+    return match
+
+
+def _check_outcome_keys(reader: _Reader, outcome: str, exception: str | None,
+                        match: str | None, *, with_extras: bool) -> None:
+    """Whether ``exception`` and ``match`` are given exactly as the outcome needs them."""
+    if outcome == "raises" and exception is None:
+        fix = ("name the exception type, e.g. exception = \"ValueError\"" if with_extras else
+               "name the exception out-of-range values must raise, e.g. exception = \"ValueError\"")
+        raise reader.error("exception", f"missing; {fix}")
+    if outcome == "matches" and (exception is not None or match is not None):
+        key = "exception" if exception is not None else "match"
+        raise reader.error(key, "only applies with outcome = \"raises\"; add outcome = "
+                           f"\"raises\" or remove {key}")
+
+
+def _parse_tolerances(reader: _Reader) -> dict[str, ToleranceOverride]:
+    """The ``[tolerance.<dtype>]`` tables, each under a known floating dtype name."""
+    tolerance: dict[str, ToleranceOverride] = {}
+    tables = reader.table_at("tolerance")
+    for dtype in tables.table:
+        if dtype not in (*FLOAT_DTYPES, "complex64", "complex128"):
+            guess = difflib.get_close_matches(dtype, FLOAT_DTYPES, n=1)
+            hint = f"did you mean '{guess[0]}'?" if guess else "expected a floating dtype name"
+            raise tables.error(dtype, f"unknown dtype; {hint}")
+        tolerance[dtype] = _parse_tolerance(tables.table_at(dtype))
+    return tolerance
 
 
 def _parse_matrix(reader: _Reader) -> Requirements:
