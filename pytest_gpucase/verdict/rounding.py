@@ -348,20 +348,28 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if schema.name in _MOVES or func.is_view:
             return out
+        return self._result_rounded(schema, out)
+
+    def _result_rounded(self, schema: Any, out: Any) -> Any:
+        """The result of an operation that computed, rounded: in place where it was written."""
         written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
         if any(r.alias_info is not None for r in schema.returns) and not any(written):
             return out  # a view or an alias of an argument: nothing was rounded
         if any(written):
-            for result in out if isinstance(out, (tuple, list)) else (out,):
-                if _roundable(result):
-                    data = result.data  # not tracked by autograd, as a rounding is not
-                    data.copy_(self.rounded(data))
+            self._round_written(out)
             return out
         if isinstance(out, torch.Tensor):
             return self.rounded(out) if _roundable(out) else out
         if isinstance(out, (tuple, list)):
             return type(out)(self.rounded(t) if _roundable(t) else t for t in out)
         return out
+
+    def _round_written(self, out: Any) -> None:
+        """Round in place each result an operation wrote into an argument."""
+        for result in out if isinstance(out, (tuple, list)) else (out,):
+            if _roundable(result):
+                data = result.data  # not tracked by autograd, as a rounding is not
+                data.copy_(self.rounded(data))
 
     def rounded(self, t: torch.Tensor) -> torch.Tensor:
         out = _rounded(t, self.u, self.generator, _held_exactly(t, self.exact_in))
