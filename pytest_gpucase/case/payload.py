@@ -567,28 +567,9 @@ def store_info(blob: Path) -> TensorInfo:
         raise CaseFormatError(blob, f"is {exc.kind}, not a regular file; {_NOT_STORE}") from None
     except OSError as exc:
         raise CaseFormatError(blob, f"cannot be read: {exc}") from None
-    length = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
-    if not 0 <= length <= MAX_STORE_HEADER_BYTES:
-        raise CaseFormatError(blob, f"header of {length} bytes is not within the "
-                              f"{MAX_STORE_HEADER_BYTES} a store file's holds; {_NOT_STORE}")
-    if len(head) < 8 + length:
-        raise CaseFormatError(blob, f"is {found.st_size} bytes, shorter than its header "
-                              f"declares; {_NOT_STORE}")
-    try:
-        header = json.loads(head[8:8 + length])
-    except (ValueError, RecursionError) as exc:
-        raise CaseFormatError(blob, f"header is not JSON ({exc}); {_NOT_STORE}") from None
-    if not isinstance(header, dict):
-        raise CaseFormatError(blob, f"header is not a JSON object; {_NOT_STORE}")
+    length, header = _store_header(blob, head, found.st_size)
     metadata = header.pop("__metadata__", None) or {}
-    if (not isinstance(metadata, dict) or set(header) != {STORED_NAME}
-            or not set(metadata) <= {LAYOUT_KEY}
-            or not all(isinstance(value, str) for value in metadata.values())):
-        held = ", ".join(sorted(map(str, header))[:5]) or "no tensor"
-        keys = ", ".join(sorted(map(str, metadata))[:5]) if isinstance(metadata, dict) else "?"
-        raise CaseFormatError(blob, f"holds {held} (metadata: {keys or 'none'}): a store file "
-                              f"holds exactly one tensor '{STORED_NAME}' and no store "
-                              f"reference; {_NOT_STORE}")
+    _check_store_holds(blob, header, metadata)
     data_size = found.st_size - 8 - length
     _check_entry(blob, STORED_NAME, header[STORED_NAME], data_size)
     if header[STORED_NAME]["data_offsets"] != [0, data_size]:
@@ -598,6 +579,36 @@ def store_info(blob: Path) -> TensorInfo:
     [info] = _infos(blob, header, metadata)
     _STORE_CHECKED[str(blob)] = (signature, info)
     return info
+
+
+def _store_header(blob: Path, head: bytes, size: int) -> tuple[int, dict[str, Any]]:
+    """The declared length and the JSON object of a store file's header, if both are sound."""
+    length = int.from_bytes(head[:8], "little") if len(head) >= 8 else -1
+    if not 0 <= length <= MAX_STORE_HEADER_BYTES:
+        raise CaseFormatError(blob, f"header of {length} bytes is not within the "
+                              f"{MAX_STORE_HEADER_BYTES} a store file's holds; {_NOT_STORE}")
+    if len(head) < 8 + length:
+        raise CaseFormatError(blob, f"is {size} bytes, shorter than its header "
+                              f"declares; {_NOT_STORE}")
+    try:
+        header = json.loads(head[8:8 + length])
+    except (ValueError, RecursionError) as exc:
+        raise CaseFormatError(blob, f"header is not JSON ({exc}); {_NOT_STORE}") from None
+    if not isinstance(header, dict):
+        raise CaseFormatError(blob, f"header is not a JSON object; {_NOT_STORE}")
+    return length, header
+
+
+def _check_store_holds(blob: Path, header: dict[str, Any], metadata: Any) -> None:
+    """Whether a store file's header holds exactly its one tensor and at most its layout."""
+    if (not isinstance(metadata, dict) or set(header) != {STORED_NAME}
+            or not set(metadata) <= {LAYOUT_KEY}
+            or not all(isinstance(value, str) for value in metadata.values())):
+        held = ", ".join(sorted(map(str, header))[:5]) or "no tensor"
+        keys = ", ".join(sorted(map(str, metadata))[:5]) if isinstance(metadata, dict) else "?"
+        raise CaseFormatError(blob, f"holds {held} (metadata: {keys or 'none'}): a store file "
+                              f"holds exactly one tensor '{STORED_NAME}' and no store "
+                              f"reference; {_NOT_STORE}")
 
 
 def store_files(path: Path, metadata: Mapping[str, str] | None = None) -> dict[str, Path]:
