@@ -329,3 +329,22 @@ def test_test_modules_share_helpers_only_through_tests_helpers() -> None:
                 offenders.append(f"{path.name}:{node.lineno} imports {names[0] or '.'}"
                                  f" {[alias.name for alias in node.names]}")
     assert not offenders, "move the shared names to tests/helpers.py:\n" + "\n".join(offenders)
+
+
+def test_branching_stays_within_the_bar() -> None:
+    """No function over cyclomatic complexity 25, at most 10 over 20 (radon's count, the
+    command docs/architecture.md gives): a branch added to a large function is split by kind
+    first, as the layer test holds imports."""
+    cc_visit = pytest.importorskip("radon.complexity").cc_visit
+
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for block in cc_visit(path.read_text(encoding="utf-8")):
+            # Functions and methods (a class's own block sums its methods: left out).
+            if type(block).__name__ == "Function" and block.complexity > 20:
+                found.append((block.complexity, f"{path.relative_to(PACKAGE.parent)}:"
+                                                f"{block.lineno} {block.fullname}"))
+    found.sort(reverse=True)
+    over_25 = [where for complexity, where in found if complexity > 25]
+    assert not over_25, f"split these by kind (complexity over 25): {over_25}"
+    assert len(found) <= 10, f"{len(found)} functions over 20 (at most 10): {found}"
