@@ -62,6 +62,7 @@ from pytest_gpucase.tools.record.rebuild import (
 )
 from pytest_gpucase.tools.record.saving import (
     ModuleSaver,
+    Saving,
     nested_call,
     say_notes,
     script_call,
@@ -741,6 +742,13 @@ class Hooks:
     def taken(self) -> bool:
         return self._rec._taken
 
+    def _saving(self) -> Saving:
+        """What the saver needs of the Recorder (``saving.Saving``)."""
+        rec = self._rec
+        return Saving(rec.narrow, rec.state_limit, rec.stderr_file, rec.narrowed,
+                      rec._narrowed_new, rec._device_names, rec._case_root, rec._context,
+                      rec._save_first)
+
     def step_call(self, module: Any) -> tuple[str, tuple[Any, ...], Before] | None:
         call = self.framework_call
         return None if call is None or call[0] is not module else call[1:]
@@ -807,7 +815,7 @@ class Hooks:
                     backward: bool, method: str | None = None,
                     before: Before | None = None, incomplete: tuple[str, ...] = ()) -> None:
         """The whole-module case, then the narrowest module and op cases that reproduce."""
-        ModuleSaver(self._rec, watch, args, kwargs, backward, method, before,
+        ModuleSaver(self._saving(), watch, args, kwargs, backward, method, before,
                     incomplete).save(exc)
 
     def save_method(self, exc: BaseException, module: Any, method: str, args: tuple[Any, ...],

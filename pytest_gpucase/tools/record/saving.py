@@ -8,10 +8,10 @@ from __future__ import annotations
 import contextlib
 import datetime
 import inspect
-from collections.abc import Iterable, Mapping
-from dataclasses import replace
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
@@ -61,33 +61,28 @@ if TYPE_CHECKING:
 
     from pytest_gpucase.tools.record.watch import ModuleWatch
 
-__all__ = ["CONSEQUENCE_FILE", "ModuleSaver", "checkpoint_reference", "nested_call", "say_notes",
-           "script_call", "with_numeric", "write_consequence"]
+__all__ = ["CONSEQUENCE_FILE", "ModuleSaver", "Saving", "checkpoint_reference", "nested_call",
+           "say_notes", "script_call", "with_numeric", "write_consequence"]
 
 CONSEQUENCE_FILE = "consequence.toml"
 
 
-class _Recorder(Protocol):
-    """What the saver needs of its Recorder."""
+@dataclass(frozen=True)
+class Saving:
+    """What the saver needs of its Recorder: its settings, the lists of narrowed cases it
+    keeps (shared: the saver appends to them), where this process's cases go, the step's
+    context, and how the first failure's case is written. ``Hooks.save_module`` hands the
+    Recorder's own over, so that the saver names none of its private members."""
 
     narrow: bool
     state_limit: int | None
     stderr_file: Path | None
-    root: Path
-    narrowed: list[Path]
-    _narrowed_new: list[Path]
-    _device_names: dict[str, str]
-
-    def _case_root(self) -> Path: ...
-    def _context(self) -> Context: ...
-    def _save_first(self, exc: BaseException, watched: Watched | None, args: Any, kwargs: Any,
-                    before: Before, rng: Mapping[str, Any] | None = None, *,
-                    module: tuple[Mapping[str, Any], Mapping[str, Any]] | None = None,
-                    files: Mapping[str, str] | None = None,
-                    origin: Mapping[str, Any] | None = None,
-                    incomplete: Iterable[str] = (), what: str | None = None,
-                    finite: bool = False, context: Mapping[str, Any] | None = None,
-                    ) -> Path: ...
+    narrowed: list[Path]           # narrowed cases kept beside the first failure's case
+    narrowed_new: list[Path]       # those of them this process wrote
+    device_names: dict[str, str]
+    case_root: Callable[[], Path]
+    context: Callable[[], Context]
+    save_first: Callable[..., Path]
 
 
 def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor], root: Path,
@@ -124,7 +119,7 @@ def checkpoint_reference(path: str | None, state: Mapping[str, torch.Tensor], ro
 class ModuleSaver:
     """Saves one module failure: the module's case, then its narrowed cases."""
 
-    def __init__(self, recorder: _Recorder, watch: ModuleWatch, args: Any, kwargs: Any,
+    def __init__(self, recorder: Saving, watch: ModuleWatch, args: Any, kwargs: Any,
                  backward: bool, method: str | None, before: Before | None = None,
                  incomplete: tuple[str, ...] = ()) -> None:
         self.rec = recorder
@@ -142,7 +137,7 @@ class ModuleSaver:
         found = triage_of(exc, "")
         nan = class_of(exc) == "nan"
         rebuild = watch.rebuild
-        root = rec._case_root()
+        root = rec.case_root()
         recipe: dict[str, Any] = {"factory": rebuild.factory or "",
                                   "kwargs": dict(rebuild.kwargs),
                                   "training": bool(module.training), "backward": self.backward}
@@ -198,7 +193,7 @@ class ModuleSaver:
         if watch.inner_context is not None and watch.inner_context[0]:
             kind, dtype = watch.inner_context
             context["autocast"] = {"device_type": kind, "dtype": dtype, "enabled": True}
-        case_dir = rec._save_first(
+        case_dir = rec.save_first(
             exc, watched, self.args, self.kwargs,
             self.before if self.before is not None else watch.before, watch.rng,
             module=(tensors, {MODULE_KEY: recipe}), files=rebuild_files(rebuild, root),
@@ -319,14 +314,14 @@ class ModuleSaver:
             entered = None
         if not watch.rebuild.factory:
             return  # nothing narrower than a module that cannot be rebuilt
-        written = len(rec._narrowed_new)
+        written = len(rec.narrowed_new)
         with contextlib.suppress(Exception):
             write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
-                           root=rec._case_root(), stderr_file=rec.stderr_file,
-                           context=rec._context(), device_names=rec._device_names,
-                           kept=rec.narrowed, written=rec._narrowed_new, recorded=recorded)
+                           root=rec.case_root(), stderr_file=rec.stderr_file,
+                           context=rec.context(), device_names=rec.device_names,
+                           kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded)
         with contextlib.suppress(Exception):
-            note_narrowed_size(case_dir, rec._narrowed_new[written:])
+            note_narrowed_size(case_dir, rec.narrowed_new[written:])
 
 
 def with_numeric(inputs: Inputs, rng: Mapping[str, Any] | None,
