@@ -52,6 +52,20 @@ def test_segfault_is_named_with_the_python_stack(method: str) -> None:
     assert "in segfault" in result.stderr
 
 
+@pytest.mark.parametrize("method", METHODS)
+def test_a_crash_has_its_stack_whatever_handler_the_parent_left(method: str) -> None:
+    """faulthandler was enabled in this process (pytest enables it), then SIGSEGV's handler
+    was replaced: a child whose faulthandler only took a new file had no handler left, and
+    its crash came back with an empty stderr."""
+    previous = signal.signal(signal.SIGSEGV, signal.SIG_DFL)
+    try:
+        result = run_in_child(targets.segfault, timeout=30, start_method=method)
+    finally:
+        signal.signal(signal.SIGSEGV, previous)
+    assert result.signal == signal.SIGSEGV
+    assert "Fatal Python error: Segmentation fault" in result.stderr
+
+
 def test_abort_is_named() -> None:
     result = run_in_child(targets.abort, timeout=30)
     assert result.problem == "crashed with signal 6 (SIGABRT)"

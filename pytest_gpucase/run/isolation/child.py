@@ -70,6 +70,11 @@ def _answer_dumps() -> None:  # pragma: no cover - child side
     Unblocked whatever the parent's own mask: a child's stacks are always asked for."""
     import faulthandler
 
+    # Disabled first: enable() on a faulthandler the parent had enabled (pytest enables it)
+    # only changes its file, and keeps no handler that code in the parent replaced since
+    # (a library's own SIGSEGV handler, a test restoring SIG_DFL): a crash would then leave
+    # no stack. Enabled anew, its handlers are this child's, whatever came before.
+    faulthandler.disable()
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(DUMP_SIGNAL, file=sys.stderr, all_threads=True)
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
