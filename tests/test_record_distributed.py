@@ -88,7 +88,10 @@ def toml(path: Path) -> dict[str, Any]:
     return tomllib.loads(path.read_text(encoding="utf-8"))
 
 
-def check_run(root: Path) -> None:
+def check_run(root: Path, *, healthy_may_be_ended: bool = False) -> None:
+    """``healthy_may_be_ended``: under torchrun the agent ends every other rank as soon as
+    one fails, and on a loaded machine it can end rank 0 before rank 0 sees its peer gone:
+    then rank 0 writes nothing, which is right too (never a case)."""
     rank1 = root / "rank1"
     assert sorted(p.name for p in rank1.iterdir()) == [
         "tiny", "tiny.aten.embedding.default", "tiny.emb"]
@@ -97,6 +100,9 @@ def check_run(root: Path) -> None:
     for case_dir in rank1.iterdir():
         replays_alone(case_dir)  # no process group in the replay's child
     # The healthy rank: a consequence, never a case (its replay would pass: XPASS(strict)).
+    if healthy_may_be_ended and not (root / "rank0").exists():
+        assert validate([root]) == []
+        return
     assert [p.name for p in (root / "rank0").iterdir()] == ["consequence.toml"]
     record = toml(root / "rank0" / "consequence.toml")["consequence"]
     assert record["rank"] == 0 and record["iteration"] == 1
@@ -130,4 +136,4 @@ def test_ddp_under_torchrun(tmp_path: Path) -> None:
     assert done.returncode != 0
     assert "gpucase: saved " in done.stderr and "(rank 1 of 2, first failure at iteration 1" \
         in done.stderr, done.stderr
-    check_run(root)
+    check_run(root, healthy_may_be_ended=True)
