@@ -177,7 +177,7 @@ def mutant_parts(mutant: str) -> tuple[str, float, bool, bool]:
 
 def write(root: Path, name: str, target: str, tensors: dict[str, torch.Tensor], args: str,
           dtype: torch.dtype, mutant: str) -> Path:
-    from pytest_gpucase.case import payload
+    from bench_verdicts import write as write_case  # this folder: the case writer they share
 
     body_key, size, gradients, named = mutant_parts(mutant)
     params = ", ".join(tensors)
@@ -186,18 +186,8 @@ def write(root: Path, name: str, target: str, tensors: dict[str, torch.Tensor], 
     factor = 1 + size / 100 if body_key == "bwd" else 1.0
     code = CODE.format(target_module=module, target_name=attr, eps=torch.finfo(dtype).eps,
                        params=params, args=args, body=body, factor=factor)
-    path = root / name
-    path.mkdir(parents=True)
-    toml = 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
-    if named:
-        toml += 'reference = "case.py:correct"\n'
-    if gradients:
-        toml += "[expect]\ngradients = true\n"
-    (path / "case.toml").write_text(toml)
-    (path / "case.py").write_text(code)
-    payload.save(path / "inputs.safetensors",
-                 {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()})
-    return path
+    return write_case(root, name, code, tensors, dtype, gradients,
+                      "correct" if named else None)
 
 
 def baseline_passes(path: Path, dtype: torch.dtype, gradients: bool) -> bool:

@@ -157,23 +157,25 @@ OPS = (
 )
 
 
-def write(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor], dtype: str,
-          gradients: bool, reference: bool) -> Path:
+def write(root: Path, name: str, code: str, tensors: dict[str, torch.Tensor],
+          dtype: str | torch.dtype, gradients: bool, reference: str | None) -> Path:
+    """A case calling ``case.py:run``, with ``reference`` (a function of its case.py) as its
+    independent reference where named; also bench_opinfo.py's."""
     from pytest_gpucase.case import payload
 
     path = root / name
     path.mkdir(parents=True)
     toml = 'format = 1\ncall = "case.py:run"\ntimeout = 600\n'
     if reference:
-        toml += 'reference = "case.py:reference"\n'
+        toml += f'reference = "case.py:{reference}"\n'
     if gradients:
         toml += "[expect]\ngradients = true\n"
     (path / "case.toml").write_text(toml)
     (path / "case.py").write_text(code)
     # Saved in the run's dtype, as a case holds what the failing run saw.
+    saved = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     payload.save(path / "inputs.safetensors",
-                 {k: v.to(getattr(torch, dtype)) if v.is_floating_point() else v
-                  for k, v in tensors.items()})
+                 {k: v.to(saved) if v.is_floating_point() else v for k, v in tensors.items()})
     return path
 
 
@@ -255,7 +257,7 @@ def rates(seeds: int, device: str, only: str | None) -> None:
                         tensors = op.inputs(torch.Generator().manual_seed(seed))
                         passed_before += before(code, tensors, dtype, op.gradients)
                         path = write(root, f"{len(rows)}_{seed}", code, tensors, dtype,
-                                     op.gradients, reference)
+                                     op.gradients, "reference" if reference else None)
                         ok, took = judge(path, device, dtype)
                         passed_after += ok
                         seconds += took
