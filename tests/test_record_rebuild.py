@@ -163,10 +163,7 @@ def test_a_class_of_the_script_that_was_run_is_rebuilt_from_it(tmp_path: Path) -
             with rec.step(step):
                 model(torch.tensor([[1, 2 + 3 * step]]))
     '''))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
-    assert "IndexError" in done.stderr, done.stderr
+    run_script(project, "IndexError")
     case_dir = project / "cases" / "ScriptLM"
     doc = toml(case_dir)
     assert "incomplete" not in doc["origin"], doc["origin"]
@@ -246,10 +243,7 @@ def test_a_function_of_the_script_that_was_run_replays_its_nan(tmp_path: Path) -
                 with rec.step(step):
                     loss_fn(torch.full((4,), 2.0), torch.full((4,), 1.0 + step))
     '''))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
-    assert "FloatingPointError" in done.stderr, done.stderr
+    run_script(project, "FloatingPointError")
     (case_dir,) = [p for p in (project / "cases").iterdir() if not p.name.startswith(".")]
     assert toml(case_dir)["inputs"]["gpucase_function"]["target"] == "case.py:run"
     assert validate([case_dir]) == []
@@ -283,6 +277,15 @@ def test_tensors_shared_by_the_model_and_its_narrowed_cases_are_stored_once(
     data[-1] ^= 0xFF
     blob.write_bytes(bytes(data))
     assert any("does not hold what its name (its sha256) says" in p for p in validate([root]))
+
+
+def run_script(project: Path, error: str) -> None:
+    """Run the project's train.py in a fresh interpreter, as a user does; it fails with
+    ``error``."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, env=env, check=False)
+    assert error in done.stderr, done.stderr
 
 
 def _big_model_failure(tmp_path: Path, checkpoint: Path | None) -> Path:
@@ -424,10 +427,7 @@ def test_a_dataclass_configured_model_with_tied_weights_turns_xpass_when_fixed(
     project.mkdir()
     script = project / "train.py"
     script.write_text(textwrap.dedent(_DATACLASS_SCRIPT).replace("TOKENS_FIX", "tokens"))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
-    assert "IndexError" in done.stderr, done.stderr
+    run_script(project, "IndexError")
     case_dir = project / "cases" / "TiedLM"
     doc = toml(case_dir)
     assert "incomplete" not in doc["origin"], doc["origin"]
