@@ -2,8 +2,8 @@
 
 ``GpuCaseSession`` (in ``config.stash[session_key]``) holds the typed settings, the
 environment probed once, the session's ``RunContext`` (built once: every run of the
-session goes through it), the notes for the terminal summary, and the JSON records of
-finished items, which ``plugin.report_writer`` writes.
+session goes through it) and the notes for the terminal summary. The JSON report's records
+and its writing are ``plugin.report_writer.ReportWriter``'s.
 """
 
 from __future__ import annotations
