@@ -151,6 +151,29 @@ def test_one_bad_entry_among_64_is_found_and_written(
     assert "4 at position 0" in (replay.outcome.error_message or "")
 
 
+def test_tries_see_the_project_files_the_case_names_relative_to_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recorded case calls its script through a path relative to its own folder
+    (``../../train.py``): every try must name the same file, not one a level deeper."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(CE_PY.replace("def run(", "def loss_fn("))
+    path = ce_case(tmp_path / "cases")
+    (path / "case.py").write_text(textwrap.dedent("""\
+        from pathlib import Path
+
+        from pytest_gpucase.capture import load_script
+
+
+        def run(**inputs):
+            return load_script(Path(__file__).parent / "../../train.py").loss_fn(**inputs)
+        """))
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+
+    assert result.failure == FailureClass("raises", "ValueError")
+    assert result.selection.entries == (37,)
+    assert not [p for p in (tmp_path / "cases").iterdir() if p.name.startswith(".gpucase-min")]
+
+
 def _cross_entropy_of_wide_rows() -> bool:
     F.cross_entropy(torch.zeros(8, 4096), torch.zeros(8, dtype=torch.int64))
     return True

@@ -658,11 +658,14 @@ def _refuse_unshrinkable(case: Case, baseline: Verdict, failure: FailureClass) -
 
 
 def _scratch_dir(case: Case) -> Path:
-    """Where the tries run: beside the original when its folder is writable, else in tmp."""
+    """Where the tries run: a sibling of the original when its folder is writable, else in tmp.
+
+    A sibling at the original's own depth (hidden: never collected), so that a try imports the
+    user's code from the same project as the original does (project.py) and the paths a
+    recorded case holds relative to its folder (``../train.py``) name the same files."""
     try:
-        # Beside the original (hidden: never collected), so that a try imports the user's
-        # code from the same project as the original does (project.py).
-        return Path(tempfile.mkdtemp(prefix=".gpucase-minimize-", dir=case.path.parent))
+        return Path(tempfile.mkdtemp(prefix=f".gpucase-minimize-{case.path.name[:64]}-",
+                                     dir=case.path.parent))
     except OSError:  # a read-only case folder
         return Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
 
@@ -693,11 +696,9 @@ def _notes(case: Case) -> tuple[str, ...]:
 
 def _scratch_case(case: Case, scratch: Path) -> Case:
     """The copy of the case that tries run: same case.toml and case.py, a subset payload."""
-    work = scratch / case.name
-    work.mkdir()
-    copy_into(_support(case.path), work)
-    shutil.copyfile(case.case_file, work / CASE_FILE)
-    return load_case(work)
+    copy_into(_support(case.path), scratch)
+    shutil.copyfile(case.case_file, scratch / CASE_FILE)
+    return replace(load_case(scratch), name=case.name)
 
 
 def _sizes(axes: Axes) -> str:
