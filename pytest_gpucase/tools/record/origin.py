@@ -139,7 +139,8 @@ def where(context: Context) -> str:
         parts.append(f"at iteration {context.iteration}")
     if context.stage is not None:
         parts.append(f"in {context.stage}")
-    if context.last_step is not None:
+    # "in training_step, after training_step" says nothing the iteration does not.
+    if context.last_step is not None and context.last_step != context.stage:
         parts.append(f"after {context.last_step}")
     return " " + ", ".join(parts) if parts else ""
 

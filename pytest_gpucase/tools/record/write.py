@@ -117,7 +117,13 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
         call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
     if call == f"{STUB_FILE}:run" and STUB_FILE not in case_files:
         case_files[STUB_FILE] = _stub(reasons[0] if reasons else "no call was recorded")
-    summary = f"{label} raised {error}{where(context)}"
+    # A message that already says where (the nonfinite check's "(at iteration 3)") is not
+    # told it twice.
+    place = where(context)
+    told = f" (at iteration {context.iteration})"
+    if f"at iteration {context.iteration}" in place and error.endswith(told):
+        error = error[:-len(told)]
+    summary = f"{label} raised {error}{place}"
     if reasons:
         summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
     table: dict[str, Any] = _failure_entries(exc, stderr_text)
@@ -152,7 +158,12 @@ def _name_label_reasons(watched: Watched | None, inputs: Inputs, context: Contex
                            "were saved: watch the function that raised with rec.watch(fn)")
         return name, what or "a step", reasons
     label = str(getattr(watched.fn, "__qualname__", watched.name))
-    label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
+    # An importable call names where the code lives (``pkg.losses:loss_fn``); a stand-in
+    # ``case.py`` of the case's own (a script's function, a rebuilt model) names nothing the
+    # user wrote, so the function's own name is the label.
+    if watched.call and watched.call != REPLAY_MODULE and not watched.call.startswith(
+            f"{STUB_FILE}:"):
+        label = watched.call
     if watched.call is None and call is None:
         reasons.insert(0, watched.why_not)
     return watched.name, what or label, reasons
