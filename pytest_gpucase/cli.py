@@ -149,6 +149,10 @@ def _parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--model", metavar="MODEL",
                             help="the model to compare keys and shapes with: a reference "
                             "checkpoint file or 'pkg.mod:attr'")
+    checkpoint.add_argument("--require-manifest", action="store_true",
+                            help="restart only from a checkpoint whose manifest "
+                            "(pytest_gpucase.checkpoint.save) proves it; a plain one that "
+                            "loads and is finite (LOADABLE) is not taken")
     return parser
 
 
@@ -432,7 +436,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from pytest_gpucase.tools.checkpoint import ModelSpecError, survey
 
     try:
-        found = survey(args.paths, model=args.model)
+        found = survey(args.paths, model=args.model, require_manifest=args.require_manifest)
     except ModelSpecError as exc:
         return _error("checkpoint", f"--model {exc}")
     print(found.render())
