@@ -290,7 +290,7 @@ def _fitted(module: torch.nn.Module, state: Mapping[str, Any],
             owned: frozenset[str]) -> dict[str, Any]:
     """The state to load into ``module``: the saved entries, those the code owns taken from
     ``module`` as its constructor built them (in the saved entry's device, and dtype where
-    both are floating), and those the code owned but the model saves no more dropped.
+    both hold one kind of values), and those the code owned but the model saves no more dropped.
     StaleCaseError, naming the keys, when the rest does not fit the model."""
     theirs: dict[str, Any] = module.state_dict(keep_vars=True)
     fitted: dict[str, Any] = {}
@@ -311,11 +311,10 @@ def _fitted(module: torch.nn.Module, state: Mapping[str, Any],
 
 def _like(fresh: torch.Tensor, saved: Any) -> torch.Tensor:
     """The constructor's value ``fresh`` where the saved entry was: its device, and its dtype
-    where both are floating (the run casts the saved state to its dtype)."""
+    where both hold one kind of values (the run casts the saved state to its dtype)."""
     if saved is None or not hasattr(saved, "device"):
         return fresh
-    same_kind = (fresh.is_floating_point() and saved.is_floating_point()) or (
-        fresh.is_complex() and saved.is_complex())
+    same_kind = _kind(fresh) == _kind(saved)
     return fresh.to(device=saved.device, dtype=saved.dtype if same_kind else fresh.dtype)
 
 

@@ -129,7 +129,7 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             return
         if state.tied:
             recipe["tied"] = state.tied
-        owned = code_owned(rebuild, state.tensors)  # replayed from the code (record.owned)
+        owned = code_owned(sub, rebuild, state.tensors)  # replayed from the code (record.owned)
         if owned:
             recipe[CODE_OWNED] = list(owned)
         inputs = dataclasses.replace(

@@ -7,10 +7,10 @@ loaded over the rebuilt model, such an entry would keep a bug planted in the con
 forever, and a fix in ``__init__`` could never reach the replay. The Recorder builds the
 model again as the replay does (``rebuild``), twice, under two seeds, and marks each saved
 entry bit-equal to both builds' value (``torch.equal``, in the saved entry's device and
-dtype) as the code's: ``[inputs.gpucase_module] code_owned``, which the replay takes from
-the model it builds (``run.replay``). An entry the RNG draws (initial weights), or that
-training changed (trained weights, running statistics), differs, and loads from the saved
-state as before.
+dtype) as the code's, but a parameter that trains: ``[inputs.gpucase_module] code_owned``,
+which the replay takes from the model it builds (``run.replay``). An entry the RNG draws
+(initial weights), or that training changed (trained weights, running statistics),
+differs, and loads from the saved state as before.
 
 Nothing is marked where the comparison cannot be trusted or afforded: a state above
 ``OWNED_CHECK_LIMIT``, a constructor that raises, or one that opens a data file while it
@@ -46,13 +46,19 @@ _SEEDS = (0, 1)
 _CODE_SUFFIXES = (".py", ".pyc", ".pyi", ".so", ".pyd", ".dll", ".dylib", ".pth")
 
 
-def code_owned(rebuild: Rebuild, state: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
-    """The names (without ``state.``) of the ``state.<name>`` tensors equal to the value the
-    model ``rebuild`` builds holds, under each of two seeds; () where that cannot be told."""
+def code_owned(module: torch.nn.Module, rebuild: Rebuild,
+               state: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
+    """The names (without ``state.``) of the ``state.<name>`` tensors of ``module`` equal to
+    the value the model ``rebuild`` builds holds, under each of two seeds; () where that
+    cannot be told. A parameter that trains (``requires_grad``) is training's, never the
+    code's, even while it still holds its initial value (a LayerNorm weight at step 0)."""
     if rebuild.factory is None or sum(nbytes(t) for t in state.values()) > OWNED_CHECK_LIMIT:
         return ()
+    trained = {name for name, p in module.named_parameters(remove_duplicate=False)
+               if p.requires_grad}
     candidates = {name.removeprefix(STATE_PREFIX): tensor for name, tensor in state.items()
-                  if name.startswith(STATE_PREFIX) and _plain(tensor)}
+                  if name.startswith(STATE_PREFIX) and _plain(tensor)
+                  and name.removeprefix(STATE_PREFIX) not in trained}
     build = _build_of(rebuild)
     for seed in _SEEDS:
         if not candidates:

@@ -163,7 +163,7 @@ class ModuleSaver:
                 origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
-            owned = code_owned(rebuild, state)   # replayed from the code (record.owned)
+            owned = code_owned(module, rebuild, state)   # replayed from the code (record.owned)
             if owned:
                 recipe[CODE_OWNED] = list(owned)
             size = sum(nbytes(t) for t in state.values())
