@@ -19,6 +19,8 @@ from typing import Any
 import pytest
 import torch
 
+from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, raised
+from pytest_gpucase.run.replay import replay_module
 from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import module_state, rebuild_of
 
@@ -218,7 +220,7 @@ class Mixed(torch.nn.Module):
 def test_only_entries_equal_to_the_constructors_whatever_the_seed_are_the_codes() -> None:
     torch.manual_seed(3)
     model = Mixed()
-    model.running += 1.0  # what training did to a buffer
+    model.get_buffer("running").add_(1.0)  # what training did to a buffer
     rebuild = rebuild_of(model, None, None)
     assert rebuild.factory is not None, rebuild.why_not
     before = torch.random.get_rng_state()
@@ -247,3 +249,31 @@ def test_a_factory_that_reads_a_data_file_owns_nothing(tmp_path: Path) -> None:
     rebuild = rebuild_of(model, f"{__name__}:make_from_file", {"path": str(weights)})
     assert rebuild.factory is not None, rebuild.why_not
     assert code_owned(model, rebuild, module_state(model).tensors) == ()
+
+
+# -- stale state and a setup that fails, in-process ---------------------------------------
+
+
+def linear_state() -> dict[str, torch.Tensor]:
+    return {f"state.{k}": v for k, v in torch.nn.Linear(4, 3).state_dict().items()}
+
+
+def test_a_changed_shape_is_a_stale_case_naming_the_key() -> None:
+    with pytest.raises(StaleCaseError) as stale:
+        replay_module(gpucase_module={"factory": "torch.nn:Linear",
+                                      "kwargs": {"in_features": 4, "out_features": 2}},
+                      input=torch.ones(1, 4), **linear_state())
+    assert "weight is [3, 4] in the case, [2, 4] in the model" in str(stale.value)
+    outcome = raised("the call", stale.value)
+    assert outcome.kind == "broken case" and outcome.summary.startswith(
+        "the call could not be set up: stale case:"), outcome
+
+
+def test_a_model_that_cannot_be_built_is_a_setup_failure_not_the_calls() -> None:
+    with pytest.raises(CaseSetupError) as failed:
+        replay_module(gpucase_module={"factory": "torch.nn:Linear",
+                                      "kwargs": {"in_features": 4}},
+                      input=torch.ones(1, 4), **linear_state())
+    assert "building the model to replay failed (TypeError" in str(failed.value)
+    outcome = raised("the call", failed.value)
+    assert outcome.kind == "broken case" and "TypeError" in outcome.details, outcome

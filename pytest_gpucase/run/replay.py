@@ -359,8 +359,15 @@ def _misfits(module: torch.nn.Module, theirs: Mapping[str, Any], state: Mapping[
                         "(persistent=False), which the case holds as recorded")
     if missing:
         problems.append(f"the case holds no {_listed(missing)}, which the model has")
-    for key in theirs:
-        saved, value = state.get(key), theirs[key]
+    return problems + _changed(theirs, state, owned)
+
+
+def _changed(theirs: Mapping[str, Any], state: Mapping[str, Any],
+             owned: frozenset[str]) -> list[str]:
+    """The saved entries whose shape, or kind of values, the model's no longer has."""
+    problems = []
+    for key, value in theirs.items():
+        saved = state.get(key)
         if saved is None or key in owned or not hasattr(saved, "shape"):
             continue
         if hasattr(value, "shape") and tuple(saved.shape) != tuple(value.shape):
