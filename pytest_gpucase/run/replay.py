@@ -226,12 +226,17 @@ def _rebuilt(make: Any, recipe: Mapping[str, Any],
     module: torch.nn.Module | None = None
     with contextlib.suppress(Exception), _parameters_on_meta():  # else the ordinary way
         module = make(**kwargs)
-    if module is None or _owned_on_meta(module, owned):
-        module = _built(make, kwargs)
+    if module is not None and not _owned_on_meta(module, owned):
+        try:
+            _load(module, state, owned, tied)
+            if not any(_on_meta(m) for m in module.modules()):
+                return module
+        except StaleCaseError:
+            raise  # the ordinary way builds the same state dict
+        except CaseSetupError:
+            pass  # a load the meta tensors stopped: built again the ordinary way below
+    module = _built(make, kwargs)
     _load(module, state, owned, tied)
-    if any(_on_meta(m) for m in module.modules()):
-        module = _built(make, kwargs)  # a tensor its constructor made from a parameter
-        _load(module, state, owned, tied)
     return module
 
 
@@ -416,7 +421,11 @@ def replay_function(*, gpucase_function: Mapping[str, Any], **inputs: Any) -> An
     with ``finite``, its outputs must be finite (a case captured from the first non-finite
     value a function returned)."""
     target = gpucase_function["target"]
-    func = target if callable(target) else import_target(str(target))
+    try:
+        func = target if callable(target) else import_target(str(target))
+    except Exception as exc:
+        raise CaseSetupError(f"importing {target} failed ({describe_exception(exc)}); the "
+                             "case's call never ran") from exc
     out = func(**_arguments(gpucase_function, inputs, ()))
     if gpucase_function.get("finite"):
         require_finite("output", out)
