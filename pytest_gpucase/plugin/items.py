@@ -513,7 +513,10 @@ def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
                 "whether the call is fixed.")
     text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
             "counts as expected.")
-    if outcome.error_type is not None and outcome.kind == "raises":  # the call raised it
+    # The call itself raised it: an exception of the case's setup (importing the model,
+    # building it, loading its state: run.outcome.CaseSetupError) is a broken case, and
+    # expecting it would turn a case that cannot replay into a green test.
+    if outcome.error_type is not None and outcome.kind == "raises":
         text += (" If rejecting these inputs is the fix, make the case expect it: [expect] "
                  f"outcome = \"raises\", exception = \"{outcome.error_type}\", and remove "
                  "xfail.")

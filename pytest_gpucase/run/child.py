@@ -65,6 +65,7 @@ from pytest_gpucase.run.judge import (
     run_precision,
 )
 from pytest_gpucase.run.outcome import (
+    CaseSetupError,
     Outcome,
     describe_exception,
     exception_text,
@@ -427,6 +428,8 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
         func(**inputs)
         synchronize(device)
     except BaseException as exc:  # SystemExit too, when the case expects it (see _run)
+        if isinstance(exc, CaseSetupError):  # the case's setup, never the expected raise
+            return raised("the call", exc)
         name_ok = _exception_matches(exc, expect.exception or "Exception")
         text = exception_text(exc)
         text_ok = expect.match is None or re.search(expect.match, text) is not None

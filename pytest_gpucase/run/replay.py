@@ -23,7 +23,14 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.files import file_sha256
 from pytest_gpucase.base.tensors import named_tensors, tensors_in
-from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, STATE_PREFIX
+from pytest_gpucase.case.keys import (
+    CODE_OWNED,
+    GRAD_PREFIX,
+    LOSS_PREFIX,
+    NESTED_PREFIX,
+    STATE_PREFIX,
+)
+from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, describe_exception
 
 if TYPE_CHECKING:
     import torch
@@ -31,7 +38,7 @@ if TYPE_CHECKING:
 __all__ = ["DATACLASS_KEY", "build_model", "decode_dataclasses", "decode_nested",
            "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
-           "retie", "script_definitions"]
+           "retie", "rng_kept", "script_definitions"]
 
 
 def import_target(target: str) -> Any:
@@ -157,7 +164,12 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     recipe = dict(gpucase_module)
     factory = recipe["factory"]
     # A "FILE.py:make" factory arrives already imported from the case directory (execute).
-    make = factory if callable(factory) else import_target(str(factory))
+    try:
+        make = factory if callable(factory) else import_target(str(factory))
+    except Exception as exc:
+        raise CaseSetupError(f"importing the model's factory {factory} failed "
+                             f"({describe_exception(exc)}); the case's call never ran"
+                             ) from exc
     state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
              if k.startswith(STATE_PREFIX)}
     args = _arguments(recipe, inputs, (STATE_PREFIX, GRAD_PREFIX, LOSS_PREFIX))
@@ -197,29 +209,179 @@ def _rebuilt(make: Any, recipe: Mapping[str, Any],
     the weights the saved state replaces are never written: a replay holds the state once,
     not twice. Non-persistent buffers (position ids, rotary frequencies, lookup tables) are
     built as the constructor builds them, from the code as it is now, so a fix to how they
-    are computed shows. A module that keeps a parameter the state lacks, or whose
-    constructor cannot run so, is built again the ordinary way.
+    are computed shows; so are the entries ``code_owned`` names (a causal mask, a constant
+    table the Recorder found equal to the constructor's own value). A module that keeps a
+    parameter the state lacks, or whose constructor cannot run so, is built again the
+    ordinary way. Saved state that no longer fits the model raises ``StaleCaseError``
+    (``_fitted``); a model that cannot be built, ``CaseSetupError``.
     """
     kwargs = dict(recipe.get("kwargs", {}))
     tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    owned = frozenset(str(k) for k in recipe.get(CODE_OWNED, ()))
     for alias, source in tied.items():
         if source in state:
             state.setdefault(alias, state[source])
-    if state:
+    if not state:
+        return _built(make, kwargs)
+    module: torch.nn.Module | None = None
+    with contextlib.suppress(Exception), _parameters_on_meta():  # else the ordinary way
+        module = make(**kwargs)
+    if module is not None and not _owned_on_meta(module, owned):
         try:
-            with _parameters_on_meta():
-                module: torch.nn.Module = make(**kwargs)
-            module.load_state_dict(state, strict=True, assign=True)
-            retie(module, tied)
+            _load(module, state, owned, tied)
             if not any(_on_meta(m) for m in module.modules()):
                 return module
-        except Exception:  # built again the ordinary way below
-            pass
-    module = make(**kwargs)
-    if state:
-        module.load_state_dict(state, strict=True, assign=True)
-        retie(module, tied)
+        except StaleCaseError:
+            raise  # the ordinary way builds the same state dict
+        except CaseSetupError:
+            pass  # a load the meta tensors stopped: built again the ordinary way below
+    module = _built(make, kwargs)
+    _load(module, state, owned, tied)
     return module
+
+
+def _built(make: Any, kwargs: Mapping[str, Any]) -> torch.nn.Module:
+    """``make(**kwargs)``, the RNG states as they were (the replay restored the captured
+    ones for the call, which the initialization must not draw from); CaseSetupError when
+    it raises."""
+    try:
+        with rng_kept():
+            return make(**kwargs)  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise CaseSetupError(f"building the model to replay failed ({describe_exception(exc)})"
+                             "; the case's call never ran") from exc
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """torch's RNG states (the host's, and each CUDA device's once CUDA is initialized) as
+    they were, whatever a constructor run meanwhile draws or seeds."""
+    import torch
+
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))
+                               if initialized else []):
+        yield
+
+
+def _owned_on_meta(module: torch.nn.Module, owned: frozenset[str]) -> bool:
+    """Whether an entry the code owns is a parameter left on meta: its value must come from
+    a module built the ordinary way."""
+    if not owned:
+        return False
+    return any(getattr(value, "is_meta", False) for key, value in
+               module.state_dict(keep_vars=True).items() if key in owned)
+
+
+def _load(module: torch.nn.Module, state: Mapping[str, Any], owned: frozenset[str],
+          tied: Mapping[str, str]) -> None:
+    """Load ``state`` into ``module`` (``_fitted``) and tie its parameters again."""
+    fitted = _fitted(module, state, owned)
+    try:
+        module.load_state_dict(fitted, strict=True, assign=True)
+        retie(module, tied)
+    except Exception as exc:
+        raise CaseSetupError(
+            f"loading the case's saved state into {type(module).__qualname__} failed "
+            f"({describe_exception(exc)}); if the model's code changed since the case was "
+            f"recorded, {_RERECORD}") from exc
+
+
+_RERECORD = ("record the case again (run the training with the Recorder), or bring the "
+             "model's code back to what it was")
+
+
+def _fitted(module: torch.nn.Module, state: Mapping[str, Any],
+            owned: frozenset[str]) -> dict[str, Any]:
+    """The state to load into ``module``: the saved entries, those the code owns taken from
+    ``module`` as its constructor built them (in the saved entry's device, and dtype where
+    both hold one kind of values), and those the code owned but the model saves no more dropped.
+    StaleCaseError, naming the keys, when the rest does not fit the model."""
+    theirs: dict[str, Any] = module.state_dict(keep_vars=True)
+    fitted: dict[str, Any] = {}
+    for key, value in theirs.items():
+        saved = state.get(key)
+        if key in owned and not getattr(value, "is_meta", True):
+            fitted[key] = _like(value.detach(), saved)
+        elif saved is not None:
+            fitted[key] = saved
+    problems = _misfits(module, theirs, state, owned)
+    if problems:
+        raise StaleCaseError(
+            f"stale case: the state it saved no longer fits the {type(module).__qualname__} "
+            f"its code builds now: {'; '.join(problems)}. The case was recorded from other "
+            f"code, so it cannot replay the captured failure: {_RERECORD}")
+    return fitted
+
+
+def _like(fresh: torch.Tensor, saved: Any) -> torch.Tensor:
+    """The constructor's value ``fresh`` where the saved entry was: its device, and its dtype
+    where both hold one kind of values (the run casts the saved state to its dtype)."""
+    if saved is None or not hasattr(saved, "device"):
+        return fresh
+    same_kind = _kind(fresh) == _kind(saved)
+    return fresh.to(device=saved.device, dtype=saved.dtype if same_kind else fresh.dtype)
+
+
+def _kind(tensor: Any) -> str:
+    """What kind of values a tensor holds: the run may change its dtype, never its kind."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__qualname__
+    if tensor.dtype == torch.bool:
+        return "bool"
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.is_complex():
+        return "complex"
+    return "floating" if tensor.is_floating_point() else "integer"
+
+
+def _listed(keys: list[str]) -> str:
+    more = len(keys) - 5
+    return ", ".join(keys[:5]) + (f" and {more} more" if more > 0 else "")
+
+
+def _misfits(module: torch.nn.Module, theirs: Mapping[str, Any], state: Mapping[str, Any],
+             owned: frozenset[str]) -> list[str]:
+    """How the saved ``state`` misfits the model's state dict ``theirs``, in words."""
+    buffers = {name for name, _ in module.named_buffers()}
+    extra = [k for k in state if k not in theirs]
+    # An entry the code owned and the model saves no more is simply not loaded; named only
+    # beside another misfit (a layer renamed: its mask gone with its weights).
+    dropped = [k for k in extra if k in buffers and k not in owned]
+    unknown = [k for k in extra if k not in buffers]
+    missing = [k for k in theirs if k not in state
+               and (k not in owned or getattr(theirs[k], "is_meta", True))]
+    problems = []
+    if unknown and (missing or any(k not in owned for k in unknown)):
+        problems.append(f"the model has no {_listed(unknown)}, which the case holds "
+                        "(a layer renamed or removed?)")
+    if dropped:
+        are = "is a buffer" if len(dropped) == 1 else "are buffers"
+        problems.append(f"{_listed(dropped)} {are} the model no longer saves "
+                        "(persistent=False), which the case holds as recorded")
+    if missing:
+        problems.append(f"the case holds no {_listed(missing)}, which the model has")
+    return problems + _changed(theirs, state, owned)
+
+
+def _changed(theirs: Mapping[str, Any], state: Mapping[str, Any],
+             owned: frozenset[str]) -> list[str]:
+    """The saved entries whose shape, or kind of values, the model's no longer has."""
+    problems = []
+    for key, value in theirs.items():
+        saved = state.get(key)
+        if saved is None or key in owned or not hasattr(saved, "shape"):
+            continue
+        if hasattr(value, "shape") and tuple(saved.shape) != tuple(value.shape):
+            problems.append(f"{key} is {list(saved.shape)} in the case, {list(value.shape)} "
+                            "in the model")
+        elif _kind(saved) != _kind(value):
+            problems.append(f"{key} holds {_kind(saved)} values ({saved.dtype}) in the case, "
+                            f"{_kind(value)} ones in the model")
+    return problems
 
 
 @contextlib.contextmanager
@@ -259,7 +421,11 @@ def replay_function(*, gpucase_function: Mapping[str, Any], **inputs: Any) -> An
     with ``finite``, its outputs must be finite (a case captured from the first non-finite
     value a function returned)."""
     target = gpucase_function["target"]
-    func = target if callable(target) else import_target(str(target))
+    try:
+        func = target if callable(target) else import_target(str(target))
+    except Exception as exc:
+        raise CaseSetupError(f"importing {target} failed ({describe_exception(exc)}); the "
+                             "case's call never ran") from exc
     out = func(**_arguments(gpucase_function, inputs, ()))
     if gpucase_function.get("finite"):
         require_finite("output", out)

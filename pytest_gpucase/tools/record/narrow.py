@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import (
+    CODE_OWNED,
     MODULE_KEY,
     OP_KEY,
     REPLAY_ENV,
@@ -46,6 +47,7 @@ from pytest_gpucase.tools.record.origin import (
     triage_of,
     watched_call,
 )
+from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import module_state, rebuild_files, rebuild_of
 from pytest_gpucase.tools.record.write import (
     Draft,
@@ -127,6 +129,9 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             return
         if state.tied:
             recipe["tied"] = state.tied
+        owned = code_owned(sub, rebuild, state.tensors)  # replayed from the code (record.owned)
+        if owned:
+            recipe[CODE_OWNED] = list(owned)
         inputs = dataclasses.replace(
             inputs, tensors={**inputs.tensors, **state.tensors, **rng_tensors},
             literals={**inputs.literals, MODULE_KEY: recipe})

@@ -18,6 +18,7 @@ import tomli_w
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import is_tensor, nbytes
 from pytest_gpucase.case.keys import (
+    CODE_OWNED,
     FUNCTION_KEY,
     GRAD_PREFIX,
     LOSS_PREFIX,
@@ -44,6 +45,7 @@ from pytest_gpucase.tools.record.origin import (
     shown,
     triage_of,
 )
+from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import (
     case_relative,
     module_state,
@@ -161,6 +163,9 @@ class ModuleSaver:
                 origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
+            owned = code_owned(module, rebuild, state)   # replayed from the code (record.owned)
+            if owned:
+                recipe[CODE_OWNED] = list(owned)
             size = sum(nbytes(t) for t in state.values())
             limit = rec.state_limit
             if limit is not None and size > limit:
