@@ -31,6 +31,7 @@ from pytest_gpucase.run.calls import (
 from pytest_gpucase.run.context import grad_mode, replay_context, rng_restored
 from pytest_gpucase.run.isolation import note
 from pytest_gpucase.run.outcome import Outcome, describe_exception, exception_text, raised
+from pytest_gpucase.verdict import ranges
 from pytest_gpucase.verdict.compare import Comparison, Tolerance, combine, compare
 
 __all__ = ["OUTPUT_MARKS", "REFERENCE_OUTPUT", "Judged", "autocast_reference", "compare_results",
@@ -212,9 +213,14 @@ class Judged:
                 raise failed.error from None  # as when it happened before judging
         self.store(look)
         self.notes.extend(look.notes())
-        self.notes.extend(comparison.notes)
+        held = self.held(actual, found or expected or {}, comparison)
+        held_paths = {failure.path for failure in held}
+        self.notes.extend(note for note in comparison.notes
+                          if not any(note.startswith(f"{path} passed") for path in held_paths))
         fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel,
                   "budgets": comparison.budgets}
+        if held:
+            return self.held_outcome(held, comparison, fields)
         if not comparison.ok:
             return self.outcome("failed", "outputs differ from the reference: "
                                 f"{comparison.headline()}", details=comparison.report(),
@@ -235,6 +241,62 @@ class Judged:
         also = f" and {golden_file.name}" if against_golden is not None else ""
         return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
                             **fields)
+
+    def held(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
+             comparison: Comparison) -> list[ranges.RangeFailure]:
+        """The leaves that fail, or pass only within a budget wider than the detectability
+        rule, because the run's precision cannot hold a value of their computation
+        (``verdict.ranges``): the reference runs once more for them, with that precision's
+        range and no rounding. Not under autocast, whose operations hold their results in
+        several dtypes."""
+        paths = [m.path for m in comparison.mismatches if m.kind == "values"]
+        paths += [str(found["path"]) for found in comparison.budgets
+                  if found.get("wide") and found["path"] not in paths]
+        if not paths or not expected or self.case.context.autocast is not None:
+            return []
+        ours, theirs = second_look.leaves_of(actual), second_look.leaves_of(expected)
+        limited: tuple[dict[str, object], dict[str, Any]] | None = None
+        failures = []
+        for path in paths:
+            found = ranges.result_overflow(path, ours.get(path), theirs.get(path),
+                                           self.precision)
+            if found is None:
+                if limited is None:
+                    limited = self.range_limited()
+                found = ranges.range_failure(path, ours.get(path), theirs.get(path),
+                                             limited[0].get(path), self.precision, limited[1])
+            if found is not None:
+                failures.append(found)
+        return failures
+
+    def range_limited(self) -> tuple[dict[str, object], dict[str, Any]]:
+        note(f"while running the reference with {_name(self.precision)}'s range "
+             f"({self.returned})")
+        try:
+            found = second_look.range_limited(self.call_reference, self.reference_inputs(),
+                                              self.cotangents, self.precision)
+        except Exception:  # the user's code with a narrower range: no finding, never raised
+            return {}, {}
+        self._untouched_in_draw("the reference with the run's range")
+        return found
+
+    def held_outcome(self, held: list[ranges.RangeFailure], comparison: Comparison,
+                     fields: dict[str, Any]) -> Outcome:
+        """A failure whose cause is the run's dtype's range: its own class, and advice."""
+        first = held[0]
+        name = _name(self.precision)
+        also = (f"outputs differ from the reference: {comparison.headline()}"
+                if not comparison.ok else
+                f"{first.path} passed only within a rounding budget its range widened")
+        report = "\n".join(failure.message for failure in held)
+        if not comparison.ok:
+            report += "\n" + comparison.report()
+        return self.outcome(
+            "failed", f"a value of this computation is past what {name} can hold "
+            f"({first.kind}): {also}", details=report,
+            error_message=comparison.where() if not comparison.ok
+            else f"{first.path}: values differ", kind="mismatch", verdict_class=first.kind,
+            **fields)
 
     def outcome(self, status: Literal["passed", "failed", "skipped"], summary: str,
                 **fields: Any) -> Outcome:

@@ -29,6 +29,8 @@ from pytest_gpucase.verdict.rounding import (
     NEEDED,
     Needed,
     Budget,
+    HeldAsStored,
+    RangeEvent,
     RoundEveryOp,
     coarser,
     draw_seeds,
@@ -53,6 +55,7 @@ __all__ = [
     "element_spreads_of",
     "gradient_check",
     "leaves_of",
+    "range_limited",
     "spreads_of",
 ]
 
@@ -156,6 +159,20 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
             return call(inputs_now, cotangents_now)
 
     return run
+
+
+def range_limited(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]],
+                                  Mapping[str, Any]],
+                  inputs: Mapping[str, Any], cotangents: Mapping[str, torch.Tensor],
+                  precision: torch.dtype) -> tuple[dict[str, object], dict[str, RangeEvent]]:
+    """The reference's leaves with every operation's result stored as ``precision``'s range
+    stores it, nothing rounded (``HeldAsStored``), and the first operations that overflowed
+    and underflowed: one more run of the reference, made for a failing leaf only
+    (``verdict.ranges`` reads it)."""
+    mode = HeldAsStored(precision)
+    with mode:
+        found = call(inputs, cotangents)
+    return leaves_of(found), dict(mode.events)
 
 
 class Abandoned(Exception):

@@ -64,7 +64,9 @@ __all__ = [
     "SHARED_SHARE",
     "WINDOW",
     "Budget",
+    "HeldAsStored",
     "Needed",
+    "RangeEvent",
     "RoundEveryOp",
     "SecondLook",
     "baseline_problem",
@@ -374,6 +376,84 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     def rounded(self, t: torch.Tensor) -> torch.Tensor:
         out = _rounded(t, self.u, self.generator, _held_exactly(t, self.exact_in))
         return out + _underflow(t, self.exact_in)
+
+
+@dataclass(frozen=True)
+class RangeEvent:
+    """One operation whose result ``dtype`` cannot hold: past its largest value
+    (``overflow``), or below its normal range and stored with most of it lost
+    (``underflow``: a subnormal's spacing, or 0)."""
+
+    kind: str  # "overflow" | "underflow"
+    op: str  # the operation that made it (aten::mul)
+    value: float  # the greatest magnitude it made past the range, or lost below it
+
+
+class HeldAsStored(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Store every floating result of every operation run under it as ``dtype``'s range
+    stores it, and nothing else: past the largest value, an infinity; below the smallest
+    normal, the subnormal (or 0) the dtype holds; every other value exactly as computed (no
+    rounding). The float64 reference under it is the computation with ``dtype``'s range and
+    float64's precision: where it is far off the reference, the range of ``dtype``, not its
+    rounding, is what the computation cannot have. ``events`` are the first operations that
+    overflowed and underflowed (an underflow that lost at least half of a value). Fused
+    operations are one operation, as in ``RoundEveryOp`` below float32's precision: their
+    kernels keep intermediate values in float32."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype = dtype
+        self.events: dict[str, RangeEvent] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as RoundEveryOp's: no torch._dynamo import in a child
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if schema.name in _MOVES or func.is_view:
+            return out
+        written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
+        if any(r.alias_info is not None for r in schema.returns) and not any(written):
+            return out
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        stored = [self.stored(t, schema.name) if _roundable(t) else t for t in results]
+        if any(written):
+            for before, after in zip(results, stored, strict=True):
+                if after is not before:
+                    before.data.copy_(after)
+            return out
+        if isinstance(out, (tuple, list)):
+            return type(out)(stored)
+        return stored[0]
+
+    def stored(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if t.is_complex() or not self.dtype.is_floating_point:
+            return t
+        info = torch.finfo(self.dtype)
+        if info.eps <= torch.finfo(t.dtype).eps and info.max >= torch.finfo(t.dtype).max:
+            return t
+        with torch.no_grad():
+            finite = torch.isfinite(t)
+            over = finite & torch.isinf(t.to(self.dtype))
+            small = finite & (t.abs() < info.smallest_normal) & (t != 0)
+            if not bool(over.any() or small.any()):
+                return t
+            out = t.clone()
+            if bool(over.any()):
+                self.events.setdefault("overflow", RangeEvent(
+                    "overflow", op, float(t.abs().masked_fill(~over, 0).amax())))
+                out = torch.where(over, torch.copysign(torch.full_like(t, math.inf), t), out)
+            if bool(small.any()):
+                held = t.to(self.dtype).to(t.dtype)
+                out = torch.where(small, held, out)
+                lost = small & ((held - t).abs() >= t.abs() / 2)
+                if bool(lost.any()):
+                    self.events.setdefault("underflow", RangeEvent(
+                        "underflow", op, float(t.abs().masked_fill(~lost, 0).amax())))
+        return out
 
 
 def _operands_rounded(args: Any, kwargs: dict[str, Any], u: float,
