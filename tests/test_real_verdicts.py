@@ -680,3 +680,35 @@ def test_the_json_report_names_the_class(pytester: pytest.Pytester) -> None:
     found = {r["case"]: r for r in load_report(pytester.path / "report.json")["results"]}
     assert found["over"]["class"] == "overflow"
     assert found["wrong"]["class"] == "mismatch"
+
+
+class _WrongSquare(torch.autograd.Function):
+    """z * z with a backward 10% off."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, z: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z)
+        return z * z
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * (2 * z).conj() * 1.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_a_gradient_check_failure_gives_all_four_figures(dtype: torch.dtype) -> None:
+    """Each failure of the gradient check gives the analytical and the numerical value, the
+    tolerance and the sizes: the complex path (torch's gradcheck) said only "numerical: x"
+    and "analytical: y"."""
+    from pytest_gpucase.run.second_look import gradient_check
+
+    z = torch.randn(3, 4, generator=gen(8), dtype=dtype)
+    problem = gradient_check(lambda inputs: _WrongSquare.apply(inputs["z"]), {"z": z}, ["z"],
+                             None, 1e-4)
+    assert problem is not None
+    assert "by the backward (analytical)" in problem and "(numerical" in problem
+    assert "apart, past the tolerance" in problem
+    assert "z has 12 elements, the outputs 12" in problem
+    assert gradient_check(lambda inputs: inputs["z"] * inputs["z"], {"z": z}, ["z"], None,
+                          1e-4) is None

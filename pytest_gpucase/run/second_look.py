@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
@@ -420,18 +421,55 @@ class _Differences:
         return None
 
 
+# torch.autograd.gradcheck's tolerance, given explicitly so that a failure can state it.
+_COMPLEX_ATOL = 1e-5
+_COMPLEX_RTOL = 1e-3
+_MISMATCH = re.compile(
+    r"(?P<head>.*?Jacobian mismatch for output (?P<output>\d+) with respect to input "
+    r"(?P<input>\d+)),?\s*numerical:\s*(?P<numerical>\S+)\s*analytical:\s*"
+    r"(?P<analytical>\S+)", re.DOTALL)
+
+
 def _complex_gradcheck(function: Callable[..., tuple[torch.Tensor, ...]],
                        values: tuple[torch.Tensor, ...], names: list[str]) -> str | None:
-    if not function(*values):
+    outputs = function(*values)
+    if not outputs:
         return None
     try:
-        gradcheck(function, values, fast_mode=True, check_undefined_grad=False,
-                  check_batched_grad=False, raise_exception=True)
+        gradcheck(function, values, atol=_COMPLEX_ATOL, rtol=_COMPLEX_RTOL, fast_mode=True,
+                  check_undefined_grad=False, check_batched_grad=False, raise_exception=True)
     except GradcheckError as exc:
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return " ".join(lines[:4]) + (f" (inputs in order: {', '.join(names)})"
-                                      if len(names) > 1 else "")
+        return _complex_problem(str(exc), values, names, outputs)
     return None
+
+
+def _complex_problem(text: str, values: tuple[torch.Tensor, ...], names: list[str],
+                     outputs: tuple[torch.Tensor, ...]) -> str:
+    """torch's gradcheck failure told as the real check tells one: the analytical and the
+    numerical value, how far apart against which tolerance, and the sizes."""
+    total = sum(o.numel() for o in outputs)
+    tolerance = (f"torch.autograd.gradcheck's tolerance atol {_COMPLEX_ATOL:g} + rtol "
+                 f"{_COMPLEX_RTOL:g} x |numerical|, in fast mode: along random vectors")
+    found = _MISMATCH.search(text)
+    if found is None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        sizes = ", ".join(f"{name} has {v.numel()} elements"
+                          for name, v in zip(names, values, strict=True))
+        return f"{' '.join(lines[:2])} ({tolerance}; {sizes}, the outputs {total})"
+    index = int(found["input"])
+    name = names[index] if index < len(names) else f"input {index}"
+    size = values[index].numel() if index < len(values) else 0
+    try:
+        analytical, numerical = complex(found["analytical"]), complex(found["numerical"])
+    except ValueError:
+        return (f"{found['head']} ({name}): {found['analytical']} by the backward "
+                f"(analytical) and {found['numerical']} by finite differences (numerical), "
+                f"past {tolerance}; {name} has {size} elements, the outputs {total}")
+    allowed = _COMPLEX_ATOL + _COMPLEX_RTOL * abs(numerical)
+    return (f"{found['head']} ({name}): {analytical:.6g} by the backward (analytical) and "
+            f"{numerical:.6g} by finite differences of the forward (numerical): "
+            f"{abs(analytical - numerical):.3g} apart, past the tolerance {allowed:.3g} "
+            f"({tolerance}); {name} has {size} elements, the outputs {total}")
 
 
 def _first(exc: BaseException) -> str:
