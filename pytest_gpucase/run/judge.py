@@ -108,6 +108,10 @@ class Judged:
         self._saved: dict[str, Any] | None = None
         self._reference_rng: torch.Tensor | None = None
         self.reference_seconds = 0.0
+        self._budget_entry: tuple[reference_cache.Entry | None] | None = None
+        # What the budget's draws (or the kept budget) found past the range of the run's
+        # precision: a failure then runs the reference with that range (``held``).
+        self.range_events: dict[str, Any] = {}
         # What the user's code returned and this run still compares: (whose, tensor by path,
         # their version counters), checked after each later call of that code (``untouched``).
         self._held: list[tuple[str, dict[str, torch.Tensor], dict[int, int]]] = []
@@ -260,7 +264,10 @@ class Judged:
         for path in paths:
             found = ranges.result_overflow(path, ours.get(path), theirs.get(path),
                                            self.precision)
-            if found is None:
+            # The reference runs again only where the range may be the cause: the draws met
+            # a value past it, or the run is non-finite where the reference is not.
+            if found is None and (self.range_events
+                                  or ranges.non_finite(ours.get(path), theirs.get(path))):
                 if limited is None:
                     limited = self.range_limited()
                 found = ranges.range_failure(path, ours.get(path), theirs.get(path),
@@ -277,7 +284,7 @@ class Judged:
                                               self.cotangents, self.precision)
         except Exception:  # the user's code with a narrower range: no finding, never raised
             return {}, {}
-        self._untouched_in_draw("the reference with the run's range")
+        self.untouched("the reference with the run's range")
         return found
 
     def held_outcome(self, held: list[ranges.RangeFailure], comparison: Comparison,
@@ -351,18 +358,29 @@ class Judged:
         """The second look from what the cache holds beside the reference: read only when a
         leaf asks (a passing run reads nothing more), and never computed: a leaf it cannot
         clear sends the run to the fresh reference."""
-        budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
         baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
 
         def spreads(paths: object) -> Mapping[str, tuple[Any, ...]]:
-            found = reference_cache.load(budget)
+            found = reference_cache.load(self.budget_entry())
             stored = found.get("spreads", {}) if found else {}
+            for kind in str(found.get("ranges", "") if found else "").split(","):
+                if kind in ranges.RANGE_CLASSES:
+                    self.range_events.setdefault(kind, None)
             elements = found.get("elements", {}) if found else {}
             return {path: (float(pair[0]), float(pair[1]), elements.get(path))
                     for path, pair in stored.items()}
 
         return second_look.Look(precision=self.precision, spreads=spreads,
                                 baseline=lambda: reference_cache.load(baseline) or {})
+
+    def budget_entry(self) -> reference_cache.Entry | None:
+        """Where the rounding budget is kept: named by content (``reference_cache.persisted``),
+        so that a CI job that restores the cache folder on a fresh checkout finds it; made
+        once, when a leaf first asks for a budget, so that reading and keeping agree."""
+        if self._budget_entry is None:
+            self._budget_entry = (reference_cache.persisted(
+                self.cached, self.spec, self.reference, f"{_BUDGET}-{_name(self.precision)}"),)
+        return self._budget_entry[0]
 
     def fresh_look(self, expected: dict[str, Any]) -> second_look.Look:
         def drawn_call(inputs: Mapping[str, Any],
@@ -372,7 +390,7 @@ class Judged:
             return outputs
 
         draw = second_look.drawn(drawn_call, self.reference_inputs, self.cotangents,
-                                 self.precision)
+                                 self.precision, self.range_events)
         return second_look.Look(
             precision=self.precision, fresh=True,
             spreads=lambda paths: second_look.element_spreads_of(expected, draw, paths),
@@ -403,9 +421,10 @@ class Judged:
             # Read back faster than any draw is made (as a gradcheck's pass): kept however
             # fast the draws were, unlike tensors of results; written once (a failing run
             # computes them afresh each time, to the same numbers).
-            budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
+            budget = self.budget_entry()
             if reference_cache.load(budget) is None:
-                reference_cache.store(budget, {"spreads": finite, "elements": elements},
+                reference_cache.store(budget, {"spreads": finite, "elements": elements,
+                                               "ranges": ",".join(self.range_events)},
                                       max(look.seconds["spreads"], reference_cache.MIN_SECONDS))
         if "baseline" in look.computed and look.baseline_results:
             reference_cache.store(
@@ -453,7 +472,8 @@ class Judged:
         return problem
 
 
-# The name of the rounding budget kept beside a reference (its format's version with it).
+# The name of the rounding budget kept beside a reference (its format's version with it), under
+# a name made of content (reference_cache.persisted).
 _BUDGET = "budget2"
 # Rounds of compare, compute what it asked for, compare again: spreads, then a baseline a
 # leaf asks for once its budget is known, then the last comparison.

@@ -138,12 +138,15 @@ def element_spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mappi
 
 def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
           inputs: Callable[[], Mapping[str, Any]], cotangents: Mapping[str, torch.Tensor],
-          precision: torch.dtype) -> Callable[[int], Mapping[str, Any]]:
+          precision: torch.dtype,
+          events: dict[str, RangeEvent] | None = None) -> Callable[[int], Mapping[str, Any]]:
     """One draw of the rounding budget: ``call`` on the inputs and cotangents each rounded
     once, every operation's result rounded once (``RoundEveryOp``), at ``precision``.
 
     ``inputs`` is asked for on the first draw, once: a run that passes without a budget
-    never makes them (loading a case's inputs again is most of what a draw would cost it)."""
+    never makes them (loading a case's inputs again is most of what a draw would cost it).
+    ``events``: where the draws note the first operations whose result ``precision`` cannot
+    hold (``RoundEveryOp``): a failure then looks at the dtype's range (``range_limited``)."""
     u = unit_roundoff(precision)
     made: list[Mapping[str, Any]] = []
 
@@ -156,7 +159,7 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
         generator = torch.Generator().manual_seed(seed)
         inputs_now = perturbed(dict(made[0]), u, generator, precision)
         cotangents_now = perturbed(dict(cotangents), u, generator, precision)
-        with RoundEveryOp(u, generator, precision):
+        with RoundEveryOp(u, generator, precision, events):
             return call(inputs_now, cotangents_now)
 
     return run

@@ -23,8 +23,8 @@ from pytest_gpucase.verdict.allowance import least_step, wide64
 from pytest_gpucase.verdict.messages import num
 from pytest_gpucase.verdict.rounding import RULE, RangeEvent, coarser, unit_roundoff
 
-__all__ = ["ADVICE", "OVERFLOW", "RANGE_CLASSES", "UNDERFLOW", "RangeFailure", "range_failure",
-           "result_overflow"]
+__all__ = ["ADVICE", "OVERFLOW", "RANGE_CLASSES", "UNDERFLOW", "RangeFailure", "non_finite",
+           "range_failure", "result_overflow"]
 
 OVERFLOW = "overflow"
 UNDERFLOW = "underflow"
@@ -65,6 +65,14 @@ def _held(actual: object, precision: torch.dtype | None) -> torch.dtype | None:
             return None
         return coarser(actual.dtype, precision)
     return precision if precision is not None and precision.is_floating_point else None
+
+
+def non_finite(actual: object, expected: object) -> bool:
+    """Whether the run is NaN or infinite somewhere the reference is finite."""
+    a, e = _tensor(actual), _tensor(expected)
+    if a is None or e is None or a.shape != e.shape:
+        return False
+    return bool((~torch.isfinite(a) & torch.isfinite(e)).any())
 
 
 def result_overflow(path: str, actual: object, expected: object,

@@ -310,6 +310,17 @@ def _decompositions() -> dict[Any, Any]:
     return found
 
 
+@dataclass(frozen=True)
+class RangeEvent:
+    """One operation whose result ``dtype`` cannot hold: past its largest value
+    (``overflow``), or below its normal range and stored with most of it lost
+    (``underflow``: a subnormal's spacing, or 0)."""
+
+    kind: str  # "overflow" | "underflow"
+    op: str  # the operation that made it (aten::mul)
+    value: float  # the greatest magnitude it made past the range, or lost below it
+
+
 class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Multiply every floating result of every operation run under it by ``1 + u z``:
     the reference's computation as if each value it makes were rounded once at the run's
@@ -322,10 +333,14 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     not rounded."""
 
     def __init__(self, u: float, generator: torch.Generator,
-                 exact_in: torch.dtype | None = None) -> None:
+                 exact_in: torch.dtype | None = None,
+                 events: dict[str, RangeEvent] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.u, self.generator, self.exact_in = u, generator, exact_in
         self.decomposed = _decompositions() if u < DECOMPOSE_BELOW else {}
+        # With ``events``: the first operations whose result ``exact_in`` cannot hold (past
+        # its largest value, or below its normal range with half of it lost), noted there.
+        self.events, self._op = events, ""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -350,6 +365,7 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if schema.name in _MOVES or func.is_view:
             return out
+        self._op = schema.name
         return self._result_rounded(schema, out)
 
     def _result_rounded(self, schema: Any, out: Any) -> Any:
@@ -375,18 +391,28 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def rounded(self, t: torch.Tensor) -> torch.Tensor:
         out = _rounded(t, self.u, self.generator, _held_exactly(t, self.exact_in))
-        return out + _underflow(t, self.exact_in)
+        shift = _underflow(t, self.exact_in)
+        if self.events is not None and self.exact_in is not None and not t.is_complex():
+            _note_ranges(t, shift, self.exact_in, self._op, self.events)
+        return out + shift
 
 
-@dataclass(frozen=True)
-class RangeEvent:
-    """One operation whose result ``dtype`` cannot hold: past its largest value
-    (``overflow``), or below its normal range and stored with most of it lost
-    (``underflow``: a subnormal's spacing, or 0)."""
-
-    kind: str  # "overflow" | "underflow"
-    op: str  # the operation that made it (aten::mul)
-    value: float  # the greatest magnitude it made past the range, or lost below it
+def _note_ranges(t: torch.Tensor, shift: torch.Tensor | float, dtype: torch.dtype, op: str,
+                 events: dict[str, RangeEvent]) -> None:
+    """Note in ``events`` an overflow or underflow of ``dtype`` in the result ``t`` (``shift``:
+    what storing it loses below the normal range), the first of each kind only."""
+    if not dtype.is_floating_point:
+        return
+    with torch.no_grad():
+        if "overflow" not in events:
+            largest = float(torch.where(torch.isfinite(t), t.abs(), 0).amax())
+            if largest > float(torch.finfo(dtype).max):
+                events["overflow"] = RangeEvent("overflow", op, largest)
+        if "underflow" not in events and isinstance(shift, torch.Tensor):
+            lost = (shift != 0) & (shift.abs() >= t.abs() / 2)
+            if bool(lost.any()):
+                events["underflow"] = RangeEvent(
+                    "underflow", op, float(t.abs().masked_fill(~lost, 0).amax()))
 
 
 class HeldAsStored(TorchDispatchMode):  # type: ignore[no-untyped-call]
