@@ -4,7 +4,7 @@ and what the new verdict path costs.
     python benchmarks/bench_verdicts.py rates [--seeds 20 | --quick] [--device cpu] [--only NAME]
     python benchmarks/bench_verdicts.py needs [--seeds 5]
     python benchmarks/bench_verdicts.py cost --baseline-src DIR [--rounds 5]
-    python benchmarks/bench_verdicts.py persisted [--items 8] [--baseline-src DIR]
+    python benchmarks/bench_verdicts.py persisted [--items 8] [--rounds 2] [--baseline-src DIR]
 
 ``rates``: each op of the verdicts issue, in each dtype, over fixed seeds (the inputs are
 drawn from ``torch.Generator().manual_seed(seed)``). A *correct* row is the op as users
@@ -461,7 +461,7 @@ def _session(project: Path, src: Path, home: Path, key_file: Path | None) -> dic
     return {r["case"]: r["duration"] for r in results if r["outcome"] == "passed"}
 
 
-def persisted(items: int, baseline_src: Path | None) -> None:
+def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
     """Second-look items in three sessions, as CI jobs meet them: the first job (an empty
     cache); a later job on a fresh checkout (every file new) and a fresh home, with the cache
     folder restored and the key given (GPUCASE_REFERENCE_KEY_FILE); the same without the key
@@ -485,39 +485,46 @@ def persisted(items: int, baseline_src: Path | None) -> None:
                      {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()})
     (first / "pytest.ini").write_text("[pytest]\n")
     sources = [("this", ROOT)] + ([("base", baseline_src)] if baseline_src else [])
-    rows: list[tuple[str, str, float, int]] = []
+    sessions = ("first job: empty cache", "same checkout again: all kept",
+                "fresh checkout + home, cache restored, same key",
+                "fresh checkout + home, cache restored, no key")
+    found: dict[tuple[str, str], list[float]] = {}
+    counts: dict[tuple[str, str], int] = {}
     loads = [os.getloadavg()[0]]
-    for label, src in sources:
-        project = root / f"{label}-job1"
-        shutil.copytree(first, project)
-        secrets = root / f"{label}-secrets"
-        secrets.mkdir(mode=0o700)
-        key = secrets / "key"
-        key.write_text(os.urandom(32).hex() + "\n")
-        key.chmod(0o600)
-        sessions = [("first job: empty cache", project, key),
-                    ("fresh checkout + home, cache restored, same key", None, key),
-                    ("fresh checkout + home, cache restored, no key", None, None)]
-        cold = 0.0
-        for number, (what, where, key_file) in enumerate(sessions):
-            if where is None:  # a fresh checkout: the cases copied anew, the cache restored
-                where = root / f"{label}-job{number + 1}"
-                shutil.copytree(first, where)
-                shutil.copytree(project / ".pytest_cache" / "d" / "gpucase-references",
-                                where / ".pytest_cache" / "d" / "gpucase-references")
-            home = root / f"{label}-home{number}"
-            home.mkdir()
-            found = _session(where, src, home, key_file)
-            median = statistics.median(found.values())
-            cold = cold or median
-            rows.append((label, what, median, len(found)))
-        loads.append(os.getloadavg()[0])
-    print(f"\n{items} second-look items, load average {min(loads):.2f}-{max(loads):.2f}\n")
+    for round_ in range(rounds):
+        for label, src in sources if round_ % 2 == 0 else sources[::-1]:
+            tag = f"{label}{round_}"
+            project = root / f"{tag}-job1"
+            shutil.copytree(first, project)
+            secrets = root / f"{tag}-secrets"
+            secrets.mkdir(mode=0o700)
+            key = secrets / "key"
+            key.write_text(os.urandom(32).hex() + "\n")
+            key.chmod(0o600)
+            for number, what in enumerate(sessions):
+                where = project
+                if number >= 2:  # a fresh checkout: the cases copied anew, the cache restored
+                    where = root / f"{tag}-job{number + 1}"
+                    shutil.copytree(first, where)
+                    shutil.copytree(project / ".pytest_cache" / "d" / "gpucase-references",
+                                    where / ".pytest_cache" / "d" / "gpucase-references")
+                home = root / f"{tag}-home{number}"
+                home.mkdir()
+                durations = _session(where, src, home, key if number < 3 else None)
+                found.setdefault((label, what), []).append(
+                    statistics.median(durations.values()))
+                counts[label, what] = len(durations)
+            loads.append(os.getloadavg()[0])
+    print(f"\n{items} second-look items, {rounds} rounds (medians), load average "
+          f"{min(loads):.2f}-{max(loads):.2f}\n")
     print("| package | session | items passed | median item, s | x first job |")
     print("|---|---|---:|---:|---:|")
-    firsts = {label: median for label, what, median, _ in rows if what.startswith("first")}
-    for label, what, median, count in rows:
-        print(f"| {label} | {what} | {count} | {median:.3f} | {median / firsts[label]:.2f} |")
+    for label, _ in sources:
+        cold = statistics.median(found[label, sessions[0]])
+        for what in sessions:
+            median = statistics.median(found[label, what])
+            print(f"| {label} | {what} | {counts[label, what]} | {median:.3f} | "
+                  f"{median / cold:.2f} |")
     shutil.rmtree(root, ignore_errors=True)
 
 
@@ -537,6 +544,7 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p = sub.add_parser("persisted")
     p.add_argument("--items", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--baseline-src", type=Path,
                    help="a checkout of the package before the budget was named by content")
     args = parser.parse_args()
@@ -546,7 +554,8 @@ def main() -> None:
     elif args.command == "needs":
         needs(args.seeds)
     elif args.command == "persisted":
-        persisted(args.items, args.baseline_src.resolve() if args.baseline_src else None)
+        persisted(args.items, args.baseline_src.resolve() if args.baseline_src else None,
+                  args.rounds)
     else:
         cost(args.baseline_src.resolve(), args.rounds)
 

@@ -404,9 +404,11 @@ def _note_ranges(t: torch.Tensor, shift: torch.Tensor | float, dtype: torch.dtyp
     if not dtype.is_floating_point:
         return
     with torch.no_grad():
-        if "overflow" not in events:
+        limit = float(torch.finfo(dtype).max)
+        # One pass with no copy (the greatest |t|); the finite values only if that is past it.
+        if "overflow" not in events and float(torch.linalg.vector_norm(t, math.inf)) > limit:
             largest = float(torch.where(torch.isfinite(t), t.abs(), 0).amax())
-            if largest > float(torch.finfo(dtype).max):
+            if largest > limit:
                 events["overflow"] = RangeEvent("overflow", op, largest)
         if "underflow" not in events and isinstance(shift, torch.Tensor):
             lost = (shift != 0) & (shift.abs() >= t.abs() / 2)
