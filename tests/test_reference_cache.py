@@ -747,3 +747,33 @@ def test_a_module_the_parent_replaces_after_priming_is_keyed_as_loaded(tmp_path:
     finally:
         sys.modules.pop(name, None)
         reference_cache._PRIMED = saved
+
+
+@pytest.mark.slow
+def test_a_fresh_checkout_reuses_the_budget_by_content(tmp_path: Path) -> None:
+    """A CI job checks the project out afresh (every file new: other inodes and times) and
+    restores the cache folder: the reference, keyed by those, is computed again, but the
+    rounding budget, named by content, is read back with the same key; with another key
+    (a fresh home's), or tampered with, it is computed again and never trusted."""
+    import shutil
+
+    (tmp_path / "first").mkdir()
+    path, cache = rounded_case(tmp_path / "first"), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS
+    checkout = tmp_path / "second" / "rounded"
+    shutil.copytree(path, checkout)
+    (checkout / "calls").unlink()
+    assert run(checkout, cache) == "passed"
+    assert calls(checkout) == 1 + 1  # the call and a fresh reference: no draws
+    other = judged(checkout, cache, key="another")
+    assert other.status == "passed"
+    assert calls(checkout) == 1 + 1 + (1 + 1 + DRAWS)
+    assert any("failed authentication" in note for note in other.notes)
+    (budget,) = cache.glob("*.budget2-float32.reference")
+    data = bytearray(budget.read_bytes())
+    data[-1] ^= 1
+    budget.write_bytes(bytes(data))
+    tampered = judged(checkout, cache, key="another")
+    assert tampered.status == "passed"
+    assert any("failed authentication" in note for note in tampered.notes)

@@ -55,6 +55,9 @@ class Outcome:
     # allowance, their ratio, and the constant error it lets through (verdict.compare's
     # budget_record), for the JSON report; () where every output passed at once.
     budgets: tuple[dict[str, Any], ...] = ()
+    # A mismatch whose cause is the range of the run's precision (verdict.ranges): "overflow"
+    # or "underflow"; "" for any other outcome.
+    verdict_class: str = ""
 
     @property
     def broken_case(self) -> bool:

@@ -98,9 +98,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_SECONDS", "OWN_NAME", "Entry", "ReferenceCache",
-    "Unusable", "check_folder", "companion", "entry", "forget_prepared", "forget_primed", "key",
-    "load", "make_key", "open_folder", "prepare", "prime", "prune", "read_key", "session_cache",
-    "store", "take_notes", "user_key",
+    "Unusable", "check_folder", "companion", "content_key", "entry", "forget_prepared",
+    "forget_primed", "key", "load", "make_key", "open_folder", "persisted", "prepare", "prime",
+    "prune", "read_key", "session_cache", "store", "take_notes", "user_key",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
@@ -467,6 +467,68 @@ def companion(cached: Entry | None, kind: str) -> Entry | None:
     stem = cached.name.removesuffix(SUFFIX)
     name = f"{stem}.{kind}{SUFFIX}"
     return dataclasses.replace(cached, path=cached.path.with_name(name), name=name)
+
+
+# Part of every content key (``content_key``): a new format names every persisted entry anew.
+_CONTENT_VERSION = b"gpucase-persisted-1"
+
+
+def content_key(spec: RunSpec, reference: Callable[..., Any]) -> str:
+    """A name for what is computed beside ``spec``'s reference that depends on content only:
+    the case's ``case.toml``, its inputs' bytes (``inputs_sha256`` when the case names it,
+    else the file's SHA-256), the reference's source file, the reference, variant, dtype,
+    switches and autocast, the torch version, and every loaded module that may hold user
+    code (``key``'s, this package's own included) by its name and the SHA-256 of its file.
+
+    ``key`` names a reference by its files' ``stat`` signatures, which a fresh checkout
+    changes (a CI job's every file is new); what ``persisted`` keeps under this name is
+    found again there, as long as nothing it depends on changed. Reading the inputs and the
+    modules costs milliseconds: it is made only where a rounding budget is asked for."""
+    import torch
+
+    from pytest_gpucase.base.files import file_sha256
+
+    case = spec.case
+    modules = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and _rows([(name, module)], {}):
+            with contextlib.suppress(OSError):
+                digest = hashlib.sha256(_bounded(file, MAX_SOURCE_BYTES)).hexdigest()
+                modules.append(f"{name}\0{digest}")
+    parts: list[bytes] = [
+        _bounded(case.case_file, MAX_CASE_BYTES),
+        (case.inputs_sha256 or file_sha256(case.inputs_file)).encode(),
+        _source_of(reference),
+        (case.reference or case.call).encode(),
+        (spec.variant.id if spec.variant is not None else "").encode(),
+        (spec.dtype if spec.cast else "saved").encode(),
+        ",".join(spec.settings).encode(),
+        repr(case.context.autocast).encode(),
+        torch.__version__.encode(),
+        "\n".join(sorted(modules)).encode(errors="surrogateescape"),
+    ]
+    found = hashlib.sha256(_CONTENT_VERSION)
+    for part in parts:
+        found.update(len(part).to_bytes(8, "little"))
+        found.update(part)
+    return found.hexdigest()
+
+
+def persisted(cached: Entry | None, spec: RunSpec, reference: Callable[..., Any],
+              kind: str) -> Entry | None:
+    """Where something computed beside the reference is kept across checkouts: as
+    ``companion``, in the same folder, authenticated the same way (the name, kind included,
+    is bound into its tag), but named by ``content_key``, so that a CI job that restores the
+    cache folder (and has the same key: ``GPUCASE_REFERENCE_KEY_FILE``) finds it again.
+    None without a cache, or when the content cannot be read (then nothing is kept)."""
+    if cached is None:
+        return None
+    try:
+        stem = content_key(spec, reference)
+    except OSError:
+        return None
+    return companion(dataclasses.replace(cached, name=f"{stem}{SUFFIX}"), kind)
 
 
 # Notes of this run for the pytest process (an entry that failed authentication), taken
