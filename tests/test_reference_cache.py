@@ -546,6 +546,36 @@ def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Pa
     assert after.value != plain.value  # dropped when the block ended: the edit is seen
 
 
+@pytest.mark.slow
+def test_the_key_the_parent_predicts_is_the_childs_or_left_unused(tmp_path: Path) -> None:
+    """The parent computes the key of a case whose reference is in its own file before the
+    fork; the child takes it only when it loaded what the parent expected (that file's
+    module alone): the key is the one the child would compute itself either way."""
+    from pytest_gpucase.run.isolation import run_in_child
+    from pytest_gpucase.run.prepared import prepare_in_parent
+
+    plain_case = make(tmp_path / "plain")
+    importing = make(tmp_path / "importing")  # its reference imports a helper beside it
+    (importing / "gpucase_predicted_helper.py").write_text("VALUE = 1\n")
+    (importing / "case.py").write_text(
+        "import sys\nsys.path.insert(0, __import__('os').path.dirname(__file__))\n"
+        "import gpucase_predicted_helper\n" + CODE.format(offset=1))
+    reference_cache.prime()
+    try:
+        for path, expected in ((plain_case, True), (importing, False)):
+            spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+            own = run_in_child(_key_in_child, spec, timeout=60)
+            with prepare_in_parent(spec):
+                predicted = reference_cache._PREPARED["key"]
+                prepared = run_in_child(_key_in_child, spec, timeout=60)
+            assert own.returned and prepared.returned, (own.problem, prepared.problem)
+            assert prepared.value == own.value
+            assert predicted is not None and (predicted[2] == own.value) is expected
+    finally:
+        reference_cache.forget_primed()
+        sys.modules.pop("gpucase_predicted_helper", None)
+
+
 ROUNDED = '''
 import os
 import time

@@ -15,6 +15,7 @@ import re
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -361,6 +362,8 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
                   inputs: Mapping[str, Any]) -> None:
     """Bind the inputs to ``func``'s signature before the call, so that a missing or extra
     input names the case file and the key, not ``run() missing 1 required argument``."""
+    if _binds(func, inputs):
+        return  # a plain function the inputs bind to: inspect only to explain a failure
     try:
         signature = inspect.signature(func)
     except (TypeError, ValueError):  # a builtin without a signature: the call will say
@@ -378,6 +381,31 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
         raise _Failed(Outcome("failed", lines[0], details="\n".join(lines[1:]),
                               error_type="TypeError", error_message=str(exc),
                               kind="broken case")) from None
+
+
+_VARKEYWORDS = inspect.CO_VARKEYWORDS
+
+
+def _binds(func: Callable[..., Any], inputs: Mapping[str, Any]) -> bool:
+    """Whether ``func(**inputs)`` binds, told from a plain function's code object alone (as
+    ``inspect.signature`` reads it, without building the signature: in a forked child each
+    object that builds touches costs a page copy). False for anything else (a method, a
+    wrapped or partial function, positional-only parameters): ``check_binding`` asks
+    ``inspect`` then."""
+    if (type(func) is not types.FunctionType or getattr(func, "__wrapped__", None) is not None
+            or getattr(func, "__signature__", None) is not None):
+        return False
+    code = func.__code__
+    if code.co_posonlyargcount:
+        return False
+    count, keyword_only = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames[:count + keyword_only]
+    if not code.co_flags & _VARKEYWORDS and not all(name in names for name in inputs):
+        return False
+    required = names[:count - len(func.__defaults__ or ())]
+    defaults = func.__kwdefaults__ or {}
+    return all(name in inputs for name in required) and all(
+        name in inputs or name in defaults for name in names[count:])
 
 
 def prepare(inputs: Mapping[str, Any], device: str, dtype: str | None) -> dict[str, Any]:
