@@ -262,3 +262,27 @@ def test_a_fit_inside_a_step_saves_the_training_step_not_optimizer_step(
     doc = toml(tmp_path / "cases" / "CriterionLit.training_step")
     assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
     replays(tmp_path / "cases" / "CriterionLit.training_step", "IndexError")
+
+
+def test_under_ddp_spawn_a_criterion_failure_is_saved_as_under_ddp(tmp_path: Path) -> None:
+    """Issue 30: ddp_spawn captures like ddp: the loss fails in a criterion training_step calls
+    after the forward, on the rank whose shard holds the bad target; that rank's folder holds
+    the training_step case, which replays the failure alone (no process group)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[GpuCaseCallback(tmp_path / "cases", narrow=False)])
+    with pytest.raises(Exception, match="Target 99 is out of bounds"):
+        trainer.fit(lightning_targets.CriterionLit(dropout=0.0),
+                    lightning_targets.loader(bad_target=True))
+    # The rank whose shard holds row 9 (DistributedSampler's split) saved it; no other case.
+    (case_dir,) = (p.parent for p in (tmp_path / "cases").rglob("case.toml"))
+    assert case_dir.name == "CriterionLit.training_step", case_dir
+    doc = toml(case_dir)
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    assert case_dir.parent.name == f"rank{doc['origin']['rank']}"
+    assert doc["origin"]["world_size"] == 2
+    assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    assert validate([tmp_path / "cases"]) == []
+    replays(case_dir, "IndexError")

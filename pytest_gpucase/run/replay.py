@@ -28,10 +28,10 @@ from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, ST
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATACLASS_KEY", "build_model", "decode_dataclasses", "decode_nested",
-           "import_target", "load_checkpoint",
+__all__ = ["DATACLASS_KEY", "build_model", "constructed", "decode_dataclasses",
+           "decode_nested", "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
-           "retie", "script_definitions"]
+           "retie", "script_definitions", "with_aliases"]
 
 
 def import_target(target: str) -> Any:
@@ -200,26 +200,42 @@ def _rebuilt(make: Any, recipe: Mapping[str, Any],
     are computed shows. A module that keeps a parameter the state lacks, or whose
     constructor cannot run so, is built again the ordinary way.
     """
-    kwargs = dict(recipe.get("kwargs", {}))
-    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
-    for alias, source in tied.items():
-        if source in state:
-            state.setdefault(alias, state[source])
+    tied = with_aliases(recipe, state)
     if state:
         try:
-            with _parameters_on_meta():
-                module: torch.nn.Module = make(**kwargs)
+            module = constructed(make, recipe, on_meta=True)
             module.load_state_dict(state, strict=True, assign=True)
             retie(module, tied)
             if not any(_on_meta(m) for m in module.modules()):
                 return module
         except Exception:  # built again the ordinary way below
             pass
-    module = make(**kwargs)
+    module = constructed(make, recipe, on_meta=False)
     if state:
         module.load_state_dict(state, strict=True, assign=True)
         retie(module, tied)
     return module
+
+
+def with_aliases(recipe: Mapping[str, Any], state: dict[str, Any]) -> dict[str, str]:
+    """The recipe's tied parameters (alias -> source); each alias added to ``state`` with its
+    source's value, as the module's own state dict holds it."""
+    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    for alias, source in tied.items():
+        if source in state:
+            state.setdefault(alias, state[source])
+    return tied
+
+
+def constructed(make: Any, recipe: Mapping[str, Any], *, on_meta: bool) -> torch.nn.Module:
+    """The module ``make`` builds from the recipe's ``kwargs``, before any state is loaded:
+    with ``on_meta``, each parameter on the meta device, as a replay first builds it (see
+    ``_rebuilt``); ``gpucase validate`` checks that module against the saved state."""
+    kwargs = dict(recipe.get("kwargs", {}))
+    if not on_meta:
+        return make(**kwargs)  # type: ignore[no-any-return]
+    with _parameters_on_meta():
+        return make(**kwargs)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

@@ -1,0 +1,111 @@
+"""``gpucase validate`` builds a module case's model as its replay does, in a child, and holds
+it against the saved state (issue 30 item 4): a model whose code gained a buffer, changed a
+shape or dropped a layer since the capture is named before a run fails on it; a case whose
+code is as captured has no problem."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from pytest_gpucase.tools.validate import validate
+
+pytestmark = pytest.mark.slow  # the capture runs in a fresh interpreter, the rebuild in a child
+
+ROOT = Path(__file__).parent.parent
+
+MODEL = '''
+import torch
+
+
+class Net(torch.nn.Module):
+    def __init__(self, vocab: int = 8, dim: int = 4) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, 3)
+        self.register_buffer("scale", torch.ones(dim))
+        self.register_buffer("cache", torch.zeros(2), persistent=False)
+
+    def forward(self, tokens):
+        return self.head(self.emb(tokens) * self.scale)
+'''
+
+TRAIN = '''
+import torch
+from pytest_gpucase import Recorder
+from netmod import Net
+
+torch.manual_seed(0)
+rec = Recorder("cases", narrow=False)
+model = rec.watch(Net())
+model(torch.tensor([[1, 9]]))
+'''
+
+
+def _captured(tmp_path: Path) -> Path:
+    """A project whose train.py fails in Net's forward: its case, captured."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "netmod.py").write_text(MODEL)
+    (project / "train.py").write_text(TRAIN)
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "IndexError" in done.stderr, done.stderr
+    assert (project / "cases" / "Net" / "case.toml").is_file(), done.stderr
+    return project
+
+
+def _edit(project: Path, old: str, new: str) -> None:
+    source = (project / "netmod.py").read_text()
+    assert old in source
+    (project / "netmod.py").write_text(source.replace(old, new))
+
+
+def test_a_clean_model_case_has_no_problem(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    assert validate([project / "cases"]) == []
+
+
+def test_a_buffer_the_model_gained_after_the_capture_is_a_problem(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    _edit(project, '        self.register_buffer("cache"',
+          '        self.register_buffer("offset", torch.zeros(3))\n'
+          '        self.register_buffer("cache"')
+    problems = validate([project / "cases"])
+    assert len(problems) == 1, problems
+    assert "[inputs] gpucase_module" in problems[0]
+    assert "has offset (buffer [3] float32), which the saved state lacks" in problems[0]
+    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate",
+                           str(project / "cases")], capture_output=True, text=True,
+                          timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 1 and "offset (buffer [3] float32)" in done.stdout, done
+
+
+def test_a_changed_shape_and_a_dropped_layer_are_problems(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    _edit(project, "torch.nn.Linear(dim, 3)", "torch.nn.Linear(dim, 5)")
+    _edit(project, 'self.register_buffer("scale", torch.ones(dim))', "")
+    _edit(project, " * self.scale", "")
+    problems = validate([project / "cases"])
+    assert any("head.weight is [3, 4] in the saved state but [5, 4]" in p for p in problems)
+    assert any("the saved state holds scale, which the model built" in p for p in problems)
+
+
+def test_a_model_that_no_longer_builds_is_a_problem(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
+    (problem,) = validate([project / "cases"])
+    assert "raised ValueError: gone" in problem, problem
+
+
+def test_without_rebuild_no_case_code_runs(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
+    assert validate([project / "cases"], rebuild=False) == []
