@@ -105,7 +105,17 @@ def test_a_model_that_no_longer_builds_is_a_problem(tmp_path: Path) -> None:
     assert "raised ValueError: gone" in problem, problem
 
 
-def test_without_rebuild_no_case_code_runs(tmp_path: Path) -> None:
+def test_without_rebuild_validate_runs_no_case_code(tmp_path: Path) -> None:
     project = _captured(tmp_path)
     _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
     assert validate([project / "cases"], rebuild=False) == []
+
+
+def test_the_cli_without_rebuild_runs_no_case_code(tmp_path: Path) -> None:
+    project = _captured(tmp_path)
+    _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
+    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate",
+                           "--no-rebuild", str(project / "cases")], capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0 and "no problems" in done.stdout, done
