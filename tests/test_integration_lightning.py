@@ -272,13 +272,15 @@ def test_under_ddp_spawn_a_criterion_failure_is_saved_as_under_ddp(tmp_path: Pat
     trainer = pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, max_epochs=1,
                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
                          enable_model_summary=False,
-                         callbacks=[GpuCaseCallback(tmp_path / "cases", narrow=False)])
+                         callbacks=[GpuCaseCallback(tmp_path / "cases")])
     with pytest.raises(Exception, match="Target 99 is out of bounds"):
         trainer.fit(lightning_targets.CriterionLit(dropout=0.0),
                     lightning_targets.loader(bad_target=True))
     # The rank whose shard holds row 9 (DistributedSampler's split) saved it; no other case.
-    (case_dir,) = (p.parent for p in (tmp_path / "cases").rglob("case.toml"))
-    assert case_dir.name == "CriterionLit.training_step", case_dir
+    found = sorted(p.parent for p in (tmp_path / "cases").rglob("case.toml"))
+    case_dir = found[0]  # then its narrowed cases, in the same rank's folder
+    assert case_dir.name == "CriterionLit.training_step", found
+    assert len(found) > 1 and all(p.parent == case_dir.parent for p in found), found
     doc = toml(case_dir)
     assert "incomplete" not in doc["origin"], doc["origin"]
     assert case_dir.parent.name == f"rank{doc['origin']['rank']}"
