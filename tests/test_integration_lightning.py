@@ -288,3 +288,38 @@ def test_under_ddp_spawn_a_criterion_failure_is_saved_as_under_ddp(tmp_path: Pat
     assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
     assert validate([tmp_path / "cases"]) == []
     replays(case_dir, "IndexError")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+def test_the_frameworks_own_conventions_are_no_shared_memory_note(
+        tmp_path: Path, strategy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: a LightningModule holding a GPT-2 (LM head tied to the embedding), batches of
+    labels=input_ids (one tensor under both names), under DDP (gradients in its buckets):
+    none of it is a note that the case holds shared memory apart, in the step's case or in
+    the cases narrowed from it, in training and in Trainer.validate (inference mode)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    environ = dict(os.environ)
+    try:
+        fit(tmp_path, lightning_targets.GptLit(), lightning_targets.lm_loader(bad_token=True),
+            IndexError, strategy=strategy)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[GpuCaseCallback(tmp_path / "validate")])
+        with pytest.raises(IndexError):
+            trainer.validate(lightning_targets.GptLit(),
+                             lightning_targets.lm_loader(bad_token=True))
+    finally:  # the process group and the variables DDP set, as a fresh process has them
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    err = capsys.readouterr().err
+    assert "share memory" not in err, err
+    saved = sorted(tmp_path.rglob("case.toml"))
+    assert {p.parent.name for p in saved} >= {"GptLit.training_step",
+                                              "GptLit.validation_step"}, saved
+    for case_file in saved:
+        assert "shared memory" not in toml(case_file.parent)["origin"].get("snapshot", "")
+    assert toml(tmp_path / "cases" / "GptLit.training_step")["inputs"]["gpucase_module"][
+        "tied"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
