@@ -6,6 +6,7 @@ code is as captured has no problem."""
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -46,9 +47,10 @@ model(torch.tensor([[1, 9]]))
 '''
 
 
-def _captured(tmp_path: Path) -> Path:
-    """A project whose train.py fails in Net's forward: its case, captured."""
-    project = tmp_path / "project"
+@pytest.fixture(scope="module")
+def _once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose train.py fails in Net's forward: its case, captured once."""
+    project = tmp_path_factory.mktemp("captured") / "project"
     project.mkdir()
     (project / "pytest.ini").write_text("[pytest]\n")
     (project / "netmod.py").write_text(MODEL)
@@ -61,19 +63,25 @@ def _captured(tmp_path: Path) -> Path:
     return project
 
 
+@pytest.fixture
+def captured(_once: Path, tmp_path: Path) -> Path:
+    """A copy of the captured project, this test's to edit."""
+    return Path(shutil.copytree(_once, tmp_path / "project"))
+
+
 def _edit(project: Path, old: str, new: str) -> None:
     source = (project / "netmod.py").read_text()
     assert old in source
     (project / "netmod.py").write_text(source.replace(old, new))
 
 
-def test_a_clean_model_case_has_no_problem(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_a_clean_model_case_has_no_problem(captured: Path) -> None:
+    project = captured
     assert validate([project / "cases"]) == []
 
 
-def test_a_buffer_the_model_gained_after_the_capture_is_a_problem(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_a_buffer_the_model_gained_after_the_capture_is_a_problem(captured: Path) -> None:
+    project = captured
     _edit(project, '        self.register_buffer("cache"',
           '        self.register_buffer("offset", torch.zeros(3))\n'
           '        self.register_buffer("cache"')
@@ -87,8 +95,8 @@ def test_a_buffer_the_model_gained_after_the_capture_is_a_problem(tmp_path: Path
     assert done.returncode == 1 and "offset (buffer [3] float32)" in done.stdout, done
 
 
-def test_a_changed_shape_and_a_dropped_layer_are_problems(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_a_changed_shape_and_a_dropped_layer_are_problems(captured: Path) -> None:
+    project = captured
     _edit(project, "torch.nn.Linear(dim, 3)", "torch.nn.Linear(dim, 5)")
     _edit(project, 'self.register_buffer("scale", torch.ones(dim))', "")
     _edit(project, " * self.scale", "")
@@ -97,24 +105,34 @@ def test_a_changed_shape_and_a_dropped_layer_are_problems(tmp_path: Path) -> Non
     assert any("the saved state holds scale, which the model built" in p for p in problems)
 
 
-def test_a_model_that_no_longer_builds_is_a_problem(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_a_model_that_no_longer_builds_is_a_problem(captured: Path) -> None:
+    project = captured
     _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
     (problem,) = validate([project / "cases"])
     assert "raised ValueError: gone" in problem, problem
 
 
-def test_without_rebuild_validate_runs_no_case_code(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_without_rebuild_validate_runs_no_case_code(captured: Path) -> None:
+    project = captured
     _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
     assert validate([project / "cases"], rebuild=False) == []
 
 
-def test_the_cli_without_rebuild_runs_no_case_code(tmp_path: Path) -> None:
-    project = _captured(tmp_path)
+def test_the_cli_without_rebuild_runs_no_case_code(captured: Path) -> None:
+    project = captured
     _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
     done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate",
                            "--no-rebuild", str(project / "cases")], capture_output=True,
                           text=True, timeout=300, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert done.returncode == 0 and "no problems" in done.stdout, done
+
+
+def test_a_buffer_of_another_dtype_kind_is_a_note_not_a_problem(captured: Path) -> None:
+    """The replay assigns the saved tensor, dtype and all, so it replays as captured: the
+    changed code is said, and the case has no problem."""
+    project = captured
+    _edit(project, 'torch.ones(dim))', 'torch.ones(dim, dtype=torch.long))')
+    notes: list[str] = []
+    assert validate([project / "cases"], notes) == []
+    assert any("scale is float32 in the saved state but int64" in note for note in notes), notes

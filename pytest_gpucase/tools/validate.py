@@ -563,23 +563,29 @@ def _rebuild_problems(case: Case, notes: list[str]) -> list[CaseFormatError]:
 
     result = run_in_child(rebuild_check, str(case.path), timeout=REBUILD_TIMEOUT,
                           start_method=default_start_method())
-    if not result.returned or not isinstance(result.value, list):
+    if not result.returned or not isinstance(result.value, dict):
         detail = (result.child_error or "").strip().rpartition("\n")[2]
         notes.append(f"{display(case.case_file)}: its model's rebuild was not checked: the "
                      f"child {result.problem or 'returned no list'}"
                      + (f" ({one_line(detail, 300)})" if detail else ""))
         return []
     key = f"[inputs] {MODULE_KEY}"
-    return [CaseFormatError(case.case_file, str(line), key=key) for line in result.value]
+    notes.extend(f"{display(case.case_file)}: [inputs] {MODULE_KEY}: {line}"
+                 for line in result.value.get("notes", ()))
+    return [CaseFormatError(case.case_file, str(line), key=key)
+            for line in result.value.get("problems", ())]
 
 
-def rebuild_check(case_dir: str) -> list[str]:
+def rebuild_check(case_dir: str) -> dict[str, list[str]]:
     """In a child: what keeps the saved state of the module case at ``case_dir`` from
     loading into its model built as the replay builds it (``run.replay.constructed``, its
-    parameters on meta), one line each: a parameter or buffer the model has and the state
-    lacks, a saved entry the model does not take, a shape (or a kind of dtype: integer,
-    floating, complex, bool) that differs. Entries the capture marked unstorable
-    (``[origin] unsaved_state``) are reported as the case's incompleteness, not here again.
+    parameters on meta), one line each under ``problems``: a parameter or buffer the model
+    has and the state lacks, a saved entry the model does not take, a shape that differs
+    (each fails ``load_state_dict(strict=True)``, so every run). Under ``notes``, a dtype
+    of another kind (integer, floating, complex, bool): the replay assigns the saved tensor,
+    dtype and all, so it replays as captured, but the code changed. Entries the capture
+    marked unstorable (``[origin] unsaved_state``) are reported as the case's
+    incompleteness, not here again.
     """
     from pytest_gpucase.case.keys import REPLAY_ENV
     from pytest_gpucase.run.child import resolve
@@ -591,7 +597,7 @@ def rebuild_check(case_dir: str) -> list[str]:
     recipe = dict(case.literals[MODULE_KEY])
     saved = _saved_state(case, recipe)
     if saved is None:
-        return []  # nothing to hold it against: the case says why (incomplete, checkpoint)
+        return {}  # nothing to hold it against: the case says why (incomplete, checkpoint)
     with_aliases(recipe, saved)
     factory = str(recipe["factory"])
     try:
@@ -599,16 +605,16 @@ def rebuild_check(case_dir: str) -> list[str]:
     except Exception as exc:  # run.child's _Failed: the words a run gives, and the cause
         outcome = getattr(exc, "outcome", None)
         cause = str(getattr(outcome, "details", "") or "").strip().rpartition("\n")[2]
-        return [f"{exc}" + (f" ({one_line(cause, 300)})" if cause else "")]
+        return {"problems": [f"{exc}" + (f" ({one_line(cause, 300)})" if cause else "")]}
     try:
         try:
             module = constructed(make, recipe, on_meta=True)
         except Exception:  # a constructor that cannot run so: built as the replay then does
             module = constructed(make, recipe, on_meta=False)
     except Exception as exc:
-        return [f"building the model as its replay does ({factory}) raised "
-                f"{type(exc).__name__}: {one_line(str(exc), 300)}: every run of the case "
-                "fails on it"]
+        return {"problems": [f"building the model as its replay does ({factory}) raised "
+                             f"{type(exc).__name__}: {one_line(str(exc), 300)}: every run of "
+                             "the case fails on it"]}
     unsaved = case.origin.get("unsaved_state", {})
     return _state_mismatch(module, saved, set(unsaved) if isinstance(unsaved, dict) else set())
 
@@ -660,7 +666,7 @@ def _dtype_kind(name: str) -> str:
     return "integer" if "int" in name and not name.startswith("float") else "floating"
 
 
-def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> list[str]:
+def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[str, list[str]]:
     """The lines of ``rebuild_check``: ``module`` (a torch module) against ``saved``."""
     import torch
 
@@ -669,6 +675,7 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> list[st
             if isinstance(value, torch.Tensor)}
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     lines: list[str] = []
+    notes: list[str] = []
     missing = [n for n in held if n not in saved and n not in unsaved]
     if missing:
         what = [f"{n} ({'parameter' if n in params else 'buffer'} "
@@ -694,9 +701,10 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> list[st
                          "arguments changed since the capture")
         elif (dtype is not None and not value.is_quantized and not value.is_sparse
               and _dtype_kind(dtype) != _dtype_kind(found)):
-            lines.append(f"{name} is {dtype} in the saved state but {found} in the model "
-                         "built as its replay builds it: its code changed since the capture")
-    return lines
+            notes.append(f"{name} is {dtype} in the saved state but {found} in the model "
+                         "built as its replay builds it: the replay takes the saved tensor as "
+                         "it is, but the code that made it changed since the capture")
+    return {"problems": lines, "notes": notes}
 
 
 def _listed(names: Sequence[str], most: int = 8) -> str:
