@@ -136,3 +136,68 @@ def test_a_buffer_of_another_dtype_kind_is_a_note_not_a_problem(captured: Path) 
     notes: list[str] = []
     assert validate([project / "cases"], notes) == []
     assert any("scale is float32 in the saved state but int64" in note for note in notes), notes
+
+
+LIT_MODEL = '''
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+
+
+class Lit(pl.LightningModule):
+    def __init__(self, vocab: int = 16, dim: int = 8) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def training_step(self, batch, batch_idx):
+        tokens, target = batch
+        return F.cross_entropy(self.head(self.emb(tokens)).flatten(0, 1), target.flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+'''
+
+LIT_TRAIN = '''
+import torch
+import lightning.pytorch as pl
+from torch.utils.data import DataLoader, TensorDataset
+from pytest_gpucase.integrations.lightning import GpuCaseCallback
+from litmod import Lit
+
+tokens = torch.randint(0, 16, (8, 3), generator=torch.Generator().manual_seed(0))
+target = tokens.clone()
+target[5, 1] = 99
+trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                     enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False,
+                     callbacks=[GpuCaseCallback("cases", narrow=False)])
+trainer.fit(Lit(dim=6), DataLoader(TensorDataset(tokens, target), batch_size=4))
+'''
+
+
+def test_a_lightning_case_whose_module_no_longer_takes_its_state_is_a_problem(
+        tmp_path: Path) -> None:
+    """Issue 30: the LightningModule's code changed after the capture (a wider head): its
+    training_step case can no longer load its state, and validate says so."""
+    pytest.importorskip("lightning")
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "pytest.ini").write_text("[pytest]\n")
+    (project / "litmod.py").write_text(LIT_MODEL)
+    (project / "train.py").write_text(LIT_TRAIN)
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    cases = project / "cases"
+    assert (cases / "Lit.training_step" / "case.toml").is_file(), done.stderr
+    assert validate([cases]) == []
+    source = (project / "litmod.py").read_text()
+    (project / "litmod.py").write_text(source.replace("Linear(dim, vocab)",
+                                                      "Linear(dim, vocab + 1)"))
+    problems = validate([cases])
+    assert len(problems) == 2 and any("head.bias is [16] in the saved state" in p
+                                      for p in problems), problems
+    assert any("head.weight is [16, 6] in the saved state but [17, 6]" in p
+               for p in problems), problems
