@@ -148,3 +148,27 @@ def lm_loader(bad_token: bool = False) -> DataLoader:
         return {"input_ids": ids, "labels": ids}
 
     return DataLoader(TensorDataset(tokens), batch_size=2, collate_fn=collate)
+
+
+class ManualLit(TinyLit):
+    """TinyLit stepping its own optimizer (``automatic_optimization = False``): what it asks
+    of the Trainer (optimizers, schedulers, manual_backward, clipping) the replay gives."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.0, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0)
+        optimizer.step()
+        self.lr_schedulers().step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]

@@ -323,3 +323,23 @@ def test_the_frameworks_own_conventions_are_no_shared_memory_note(
         assert "shared memory" not in toml(case_file.parent)["origin"].get("snapshot", "")
     assert toml(tmp_path / "cases" / "GptLit.training_step")["inputs"]["gpucase_module"][
         "tied"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    ({"bad_target": True}, "IndexError"),    # in the loss, before manual_backward
+    ({}, "RuntimeError"),                      # inside manual_backward
+])
+def test_manual_optimization_replays_its_training_step_without_a_trainer(
+        tmp_path: Path, data: dict[str, bool], error: str) -> None:
+    """Issue 30: a training_step that steps its own optimizer asks its Trainer for it
+    (self.optimizers(), manual_backward): its case replays without one, instead of raising
+    'not attached to a Trainer', a failure that is not the captured one."""
+    torch.manual_seed(0)
+    model = lightning_targets.ManualLit(boom_backward=-1 if data else 1)
+    fit(tmp_path, model, lightning_targets.loader(**data), Exception, narrow=False)
+    case_dir = tmp_path / "cases" / "ManualLit.training_step"
+    doc = toml(case_dir)
+    recipe = doc["inputs"]["gpucase_module"]
+    assert recipe["manual_optimization"] is True and recipe["backward"] is False
+    assert "xfail" in doc, doc["origin"]
+    replays(case_dir, error)
