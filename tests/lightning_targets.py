@@ -172,3 +172,16 @@ class ManualLit(TinyLit):
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
         return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+
+class TwoValLit(TinyLit):
+    """Validated on two dataloaders: the second one's targets are checked against a class
+    count of its own (``dataloader_idx`` changes what the step does)."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0,
+                        ) -> torch.Tensor:
+        tokens, target = batch
+        if dataloader_idx == 1 and int(target.max()) >= 8:
+            raise ValueError(f"loader 1 holds class {int(target.max())}, above its 8")
+        logits = self(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))

@@ -343,3 +343,20 @@ def test_manual_optimization_replays_its_training_step_without_a_trainer(
     assert recipe["manual_optimization"] is True and recipe["backward"] is False
     assert "xfail" in doc, doc["origin"]
     replays(case_dir, error)
+
+
+def test_a_validation_step_of_the_second_dataloader_replays_with_its_index(
+        tmp_path: Path) -> None:
+    """Lightning passes dataloader_idx to validation_step when there are several loaders:
+    the case passes it too, so the step replays what ran (loader 1), not loader 0's."""
+    torch.manual_seed(0)
+    callback = GpuCaseCallback(tmp_path / "cases", narrow=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with pytest.raises(ValueError, match="loader 1 holds class"):
+        trainer.validate(lightning_targets.TwoValLit(),
+                         [lightning_targets.loader(), lightning_targets.loader()])
+    case_dir = tmp_path / "cases" / "TwoValLit.validation_step"
+    assert toml(case_dir)["inputs"]["dataloader_idx"] == 1
+    replays(case_dir, "ValueError")

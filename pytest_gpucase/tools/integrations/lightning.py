@@ -82,8 +82,12 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Lightning passes dataloader_idx when there are several loaders and the step takes
+        # it: the case passes it too, or its replay runs loader 0's branch.
+        extra = ((dataloader_idx,) if _several(getattr(trainer, "num_val_batches", None))
+                 and _takes(pl_module.validation_step, "dataloader_idx") else ())
         self._open(trainer, pl_module, "validation_step", f"validation {batch_idx}", batch,
-                   batch_idx)
+                   batch_idx, *extra)
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -124,7 +128,7 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         return None if call is None else call[1:]
 
     def _open(self, trainer: Any, pl_module: Any, method: str, iteration: int | str,
-              batch: Any, batch_idx: int) -> None:
+              batch: Any, batch_idx: int, *extra: Any) -> None:
         self._close()
         rec, hooks = self.recorder, hooks_of(self.recorder)
         ids = None
@@ -136,7 +140,7 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         self._step = rec.step(iteration, method, sample_ids=ids)  # type: ignore[arg-type]
         self._step.__enter__()
         self._in_backward = False
-        args = (batch, batch_idx)
+        args = (batch, batch_idx, *extra)
         before = Before()
         if not hooks.taken():
             watched = watched_call(getattr(pl_module, method), method, None, None)
@@ -157,3 +161,19 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
             step.__exit__(None, None, None)
         else:
             step.__exit__(type(exception), exception, exception.__traceback__)
+
+
+def _several(counts: Any) -> bool:
+    """Whether the loop runs several dataloaders (``trainer.num_val_batches``: one count each)."""
+    return isinstance(counts, list | tuple) and len(counts) > 1
+
+
+def _takes(method: Any, name: str) -> bool:
+    """Whether ``method`` names a parameter ``name`` (passed by position after the batch and
+    its index, as Lightning passes it)."""
+    import inspect
+
+    try:
+        return name in inspect.signature(method).parameters
+    except (TypeError, ValueError):
+        return False
