@@ -360,3 +360,13 @@ def test_a_validation_step_of_the_second_dataloader_replays_with_its_index(
     case_dir = tmp_path / "cases" / "TwoValLit.validation_step"
     assert toml(case_dir)["inputs"]["dataloader_idx"] == 1
     replays(case_dir, "ValueError")
+
+
+def test_a_step_that_takes_no_batch_idx_replays(tmp_path: Path) -> None:
+    """Lightning passes batch_idx only to a step that takes it: so does the case."""
+    torch.manual_seed(0)
+    fit(tmp_path, lightning_targets.NoIndexLit(dropout=0.0),
+        lightning_targets.loader(bad_target=True), IndexError, narrow=False)
+    case_dir = tmp_path / "cases" / "NoIndexLit.training_step"
+    assert "batch_idx" not in toml(case_dir)["inputs"]
+    replays(case_dir, "IndexError")

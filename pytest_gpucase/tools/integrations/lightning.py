@@ -21,8 +21,12 @@ from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError:  # pragma: no cover - the standalone package
     from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+    from pytorch_lightning.utilities.signature_utils import (  # type: ignore[no-redef,unused-ignore]
+        is_param_in_hook_signature,
+    )
 
 from pytest_gpucase.tools.record import Recorder, Step
 from pytest_gpucase.tools.record.recorder import hooks_of
@@ -82,10 +86,10 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
-        # Lightning passes dataloader_idx when there are several loaders and the step takes
-        # it: the case passes it too, or its replay runs loader 0's branch.
+        # Lightning passes dataloader_idx when there are several loaders: the case passes
+        # it too, or its replay runs loader 0's branch.
         extra = ((dataloader_idx,) if _several(getattr(trainer, "num_val_batches", None))
-                 and _takes(pl_module.validation_step, "dataloader_idx") else ())
+                 else ())
         self._open(trainer, pl_module, "validation_step", f"validation {batch_idx}", batch,
                    batch_idx, *extra)
 
@@ -140,10 +144,14 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         self._step = rec.step(iteration, method, sample_ids=ids)  # type: ignore[arg-type]
         self._step.__enter__()
         self._in_backward = False
-        args = (batch, batch_idx, *extra)
+        # Lightning's own rule: batch_idx only to a step that takes it.
+        step = getattr(pl_module, method)
+        args = ((batch, batch_idx, *extra)
+                if is_param_in_hook_signature(step, "batch_idx", min_args=2)
+                else (batch, *extra))
         before = Before()
         if not hooks.taken():
-            watched = watched_call(getattr(pl_module, method), method, None, None)
+            watched = watched_call(step, method, None, None)
             before = hooks.snapshot_of(watched, args, {})
         hooks.framework_call = (pl_module, method, args, before)
         autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
@@ -167,13 +175,3 @@ def _several(counts: Any) -> bool:
     """Whether the loop runs several dataloaders (``trainer.num_val_batches``: one count each)."""
     return isinstance(counts, list | tuple) and len(counts) > 1
 
-
-def _takes(method: Any, name: str) -> bool:
-    """Whether ``method`` names a parameter ``name`` (passed by position after the batch and
-    its index, as Lightning passes it)."""
-    import inspect
-
-    try:
-        return name in inspect.signature(method).parameters
-    except (TypeError, ValueError):
-        return False
