@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check case files without running them")
     validate.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
                           help="a case directory or a folder of cases (default: cases)")
+    validate.add_argument("--no-rebuild", dest="rebuild", action="store_false",
+                          help="do not build module cases' models (in a child) to check them "
+                          "against their saved state: no case code runs at all")
 
     store = commands.add_parser(
         "store", help="list (or --prune) the capture store's files no case names")
@@ -352,7 +355,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     unchecked: list[str] = []
-    problems = validate(args.paths, notes, unchecked)
+    problems = validate(args.paths, notes, unchecked, rebuild=args.rebuild)
     from pytest_gpucase.base.text import terminal_safe
 
     for line in notes:  # what this environment cannot check: no problem, the exit stays 0

@@ -35,10 +35,10 @@ from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, describe_
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATACLASS_KEY", "build_model", "decode_dataclasses", "decode_nested",
-           "import_target", "load_checkpoint",
+__all__ = ["DATACLASS_KEY", "build_model", "constructed", "decode_dataclasses",
+           "decode_nested", "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
-           "retie", "rng_kept", "script_definitions"]
+           "retie", "rng_kept", "script_definitions", "with_aliases"]
 
 
 def import_target(target: str) -> Any:
@@ -155,8 +155,10 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
     argument ``output`` with the ``loss.<name>`` tensors; else from the saved
     ``grad_output.<i>`` tensors), ``nested`` (arguments of lists, tuples and dicts of
-    tensors) and ``finite``
-    (the failure was a non-finite value: outputs and gradients must be finite).
+    tensors), ``finite``
+    (the failure was a non-finite value: outputs and gradients must be finite) and
+    ``manual_optimization`` (a LightningModule's ``training_step`` that steps its own
+    optimizers: what it asks of its Trainer is given without one, ``_without_trainer``).
     ``state.<name>`` tensors are the state dict.
     """
     import torch
@@ -178,6 +180,8 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     if device is not None:
         module.to(device)  # non-persistent buffers, made by the constructor on the host
     module.train(bool(recipe.get("training", False)))
+    if recipe.get("manual_optimization"):
+        _without_trainer(module)
     call = getattr(module, str(recipe["method"])) if recipe.get("method") else module
     finite = bool(recipe.get("finite"))
     with warnings.catch_warnings():
@@ -199,6 +203,68 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     return {"out": out, "grad": grads}
 
 
+def _optimizers_of(made: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and schedulers a LightningModule's ``configure_optimizers()`` returns,
+    in any of the shapes Lightning takes: one optimizer, a list of them, ``(optimizers,
+    schedulers)``, a dict ``{"optimizer", "lr_scheduler"}`` (the scheduler itself or a dict
+    holding it under ``scheduler``), or a list of such dicts."""
+    if made is None:
+        return [], []
+    if isinstance(made, Mapping):
+        scheduler = made.get("lr_scheduler")
+        if isinstance(scheduler, Mapping):
+            scheduler = scheduler.get("scheduler")
+        return [made["optimizer"]], [] if scheduler is None else [scheduler]
+    if (isinstance(made, tuple | list) and len(made) == 2
+            and all(isinstance(part, list | tuple) for part in made)):
+        return list(made[0]), [s.get("scheduler") if isinstance(s, Mapping) else s
+                               for s in made[1]]
+    if isinstance(made, list | tuple):
+        optimizers: list[Any] = []
+        schedulers: list[Any] = []
+        for item in made:
+            found = _optimizers_of(item)
+            optimizers += found[0]
+            schedulers += found[1]
+        return optimizers, schedulers
+    return [made], []
+
+
+def _without_trainer(module: torch.nn.Module) -> None:
+    """What a LightningModule's manual optimization (``automatic_optimization = False``)
+    asks of its Trainer in ``training_step``, given without one: ``self.optimizers()`` and
+    ``self.lr_schedulers()`` from its own ``configure_optimizers()``, ``manual_backward``
+    as ``loss.backward()``, ``toggle_optimizer``/``untoggle_optimizer`` as nothing to do
+    (one module, all parameters trainable), ``clip_gradients`` as torch's clipping."""
+    import torch
+
+    optimizers, schedulers = _optimizers_of(module.configure_optimizers())  # type: ignore[operator]
+
+    def one_or_all(found: list[Any]) -> Any:
+        return found[0] if len(found) == 1 else (found or None)
+
+    def clip(optimizer: Any, gradient_clip_val: float | None = None,
+             gradient_clip_algorithm: str | None = None) -> None:
+        if not gradient_clip_val:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if str(gradient_clip_algorithm or "norm") == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
+    stand_ins: dict[str, Any] = {
+        "optimizers": lambda use_pl_optimizer=True: one_or_all(optimizers),
+        "lr_schedulers": lambda: one_or_all(schedulers),
+        "manual_backward": lambda loss, *args, **kwargs: loss.backward(*args, **kwargs),
+        "toggle_optimizer": lambda optimizer, *args: None,
+        "untoggle_optimizer": lambda optimizer, *args: None,
+        "clip_gradients": clip,
+    }
+    for name, stand_in in stand_ins.items():
+        object.__setattr__(module, name, stand_in)
+
+
 def _rebuilt(make: Any, recipe: Mapping[str, Any],
              state: dict[str, Any]) -> torch.nn.Module:
     """The module ``make`` builds, holding ``state``: its saved tensors become its parameters
@@ -216,16 +282,13 @@ def _rebuilt(make: Any, recipe: Mapping[str, Any],
     (``_fitted``); a model that cannot be built, ``CaseSetupError``.
     """
     kwargs = dict(recipe.get("kwargs", {}))
-    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    tied = with_aliases(recipe, state)
     owned = frozenset(str(k) for k in recipe.get(CODE_OWNED, ()))
-    for alias, source in tied.items():
-        if source in state:
-            state.setdefault(alias, state[source])
     if not state:
         return _built(make, kwargs)
     module: torch.nn.Module | None = None
-    with contextlib.suppress(Exception), _parameters_on_meta():  # else the ordinary way
-        module = make(**kwargs)
+    with contextlib.suppress(Exception):  # else the ordinary way
+        module = constructed(make, recipe, on_meta=True)
     if module is not None and not _owned_on_meta(module, owned):
         try:
             _load(module, state, owned, tied)
@@ -382,6 +445,27 @@ def _changed(theirs: Mapping[str, Any], state: Mapping[str, Any],
             problems.append(f"{key} holds {_kind(saved)} values ({saved.dtype}) in the case, "
                             f"{_kind(value)} ones in the model")
     return problems
+
+
+def with_aliases(recipe: Mapping[str, Any], state: dict[str, Any]) -> dict[str, str]:
+    """The recipe's tied parameters (alias -> source); each alias added to ``state`` with its
+    source's value, as the module's own state dict holds it."""
+    tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
+    for alias, source in tied.items():
+        if source in state:
+            state.setdefault(alias, state[source])
+    return tied
+
+
+def constructed(make: Any, recipe: Mapping[str, Any], *, on_meta: bool) -> torch.nn.Module:
+    """The module ``make`` builds from the recipe's ``kwargs``, before any state is loaded:
+    with ``on_meta``, each parameter on the meta device, as a replay first builds it (see
+    ``_rebuilt``); ``gpucase validate`` checks that module against the saved state."""
+    kwargs = dict(recipe.get("kwargs", {}))
+    if not on_meta:
+        return make(**kwargs)  # type: ignore[no-any-return]
+    with _parameters_on_meta():
+        return make(**kwargs)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager

@@ -140,11 +140,18 @@ class ModuleSaver:
         nan = class_of(exc) == "nan"
         rebuild = watch.rebuild
         root = rec.case_root()
+        # A LightningModule stepping its own optimizers runs backward inside the call
+        # (manual_backward): the replay calls it, with what it asks of its Trainer.
+        manual = bool(self.method) and getattr(module, "automatic_optimization", True) is False
+        if manual:
+            self.backward = False
         recipe: dict[str, Any] = {"factory": rebuild.factory or "",
                                   "kwargs": dict(rebuild.kwargs),
                                   "training": bool(module.training), "backward": self.backward}
         if self.method:
             recipe["method"] = self.method
+        if manual:
+            recipe["manual_optimization"] = True
         if nan:
             recipe["finite"] = True
         incomplete: list[str] = list(self.incomplete)
