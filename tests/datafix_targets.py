@@ -1,0 +1,35 @@
+"""Importable models for tests/test_offending.py (a replay imports them): a nanoGPT-shaped
+language model whose token ids index an embedding and whose targets reach cross_entropy."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+class TinyGPT(torch.nn.Module):
+    """Token and position embeddings, a head, the loss computed inside forward when targets
+    are given (nanoGPT's layout: ``logits.view(-1, V)`` against ``targets.view(-1)``)."""
+
+    def __init__(self, vocab: int = 19, block: int = 12, dim: int = 4) -> None:
+        super().__init__()
+        self.vocab, self.block, self.dim = vocab, block, dim
+        self.wte = torch.nn.Embedding(vocab, dim)
+        self.wpe = torch.nn.Embedding(block, dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        pos = torch.arange(idx.shape[1])
+        logits: torch.Tensor = self.head(self.wte(idx) + self.wpe(pos))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1),
+                               ignore_index=-1)
+
+
+class ShiftedGPT(TinyGPT):
+    """TinyGPT that adds one to every token id inside forward: an out-of-range index made
+    by the model, not held by the batch."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(idx + 1, targets)

@@ -1,0 +1,179 @@
+"""The offending value of an index, target or class-range error, read from the case's saved
+inputs: value, position, sample id and valid range, in ``gpucase show``, ``gpucase request``
+and the triage of a case item; said plainly where the case cannot tell."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.tools.offending import find, item_notes
+from pytest_gpucase.tools.record import Recorder
+from pytest_gpucase.tools.show import request, show
+from tests import datafix_targets
+
+pytestmark = pytest.mark.slow  # the Recorder checks each case's rebuild in a process
+
+IDS = ["ex0041", "ex0042", "ex0043"]
+
+
+def record(root: Path, model: torch.nn.Module, *args: torch.Tensor,
+           narrow: bool = True) -> Path:
+    """The cases a Recorder writes for one failing step of ``model``: the model's case, and
+    its narrowed module and op cases beside it."""
+    rec = Recorder(root, narrow=narrow)
+    rec.watch(model)
+    with pytest.raises((IndexError, RuntimeError)), rec.step(7, sample_ids=IDS):
+        model(*args)
+    assert rec.case_dir is not None
+    return rec.case_dir
+
+
+def tokens(bad: int = 19) -> torch.Tensor:
+    return torch.tensor([[1, 2, 3], [4, bad, 5], [1, 1, 1]])
+
+
+def test_a_token_id_equal_to_the_vocabulary_is_named_in_every_case(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model_case = record(tmp_path / "cases", datafix_targets.TinyGPT(), tokens())
+    named = "idx holds 19 at [1, 1] (sample ex0042); wte has 19 rows (valid 0..18)"
+    found = find(load_case(model_case))
+    assert found is not None and found.offending is not None
+    assert found.offending.describe().startswith(named)
+    assert found.offending.saved
+    narrowed = sorted(p.name for p in model_case.parent.iterdir() if p != model_case)
+    assert narrowed == ["TinyGPT.aten.embedding.default", "TinyGPT.wte"]
+    for name in narrowed:  # the narrowed cases name the model's input and sample too
+        text = show(model_case.parent / name)
+        assert f"offending value: {named}" in text, text
+        assert "the failure is in the saved batch (sample ex0042 holds token 19, wte has 19 " \
+               "rows): after a data fix this case cannot pass" in text
+    text = show(model_case)
+    assert f"offending value: {named}; read with the narrowed case " \
+           "TinyGPT.aten.embedding.default" in text
+
+
+def test_a_target_equal_to_the_class_count_is_found_through_its_flattened_view(
+        tmp_path: Path) -> None:
+    """nanoGPT's loss: cross_entropy(logits.view(-1, V), targets.view(-1), ignore_index=-1);
+    the op case holds the flat targets, the model's case the (B, T) batch."""
+    torch.manual_seed(0)
+    targets = torch.tensor([[1, 2, 3], [4, 19, -1], [1, 1, 1]])
+    model_case = record(tmp_path / "cases", datafix_targets.TinyGPT(), tokens(5), targets)
+    named = ("targets holds 19 at [1, 1] (sample ex0042); the loss's input has 19 classes "
+             "(valid 0..18, or -1 (ignore_index))")
+    assert named in show(model_case)
+    op_case = model_case.parent / "TinyGPT.aten.nll_loss_forward.default"
+    assert f"offending value: {named} (this case's arg1)" in show(op_case)
+
+
+@pytest.mark.parametrize(("target", "shown"), [
+    (-5, "target holds -5 at [1] (sample ex0042); the loss's input has 4 classes (valid 0..3, "
+         "or -100 (ignore_index))"),
+    (4, "target holds 4 at [1] (sample ex0042); the loss's input has 4 classes (valid 0..3, "
+        "or -100 (ignore_index))"),
+])
+def test_a_loss_modules_target_is_checked_against_its_classes(tmp_path: Path, target: int,
+                                                              shown: str) -> None:
+    loss = torch.nn.CrossEntropyLoss()
+    case = record(tmp_path / "cases", loss, torch.zeros(3, 4), torch.tensor([0, target, 1]))
+    assert f"offending value: {shown}" in show(case)
+
+
+def test_many_offending_positions_are_counted_and_a_few_shown(tmp_path: Path) -> None:
+    emb = torch.nn.Embedding(5, 2)
+    batch = torch.tensor([[5, 6, 7, 8], [0, 1, 2, 3], [9, 9, 9, 9]])
+    found = find(load_case(record(tmp_path / "cases", emb, batch)))
+    assert found is not None and found.offending is not None
+    assert found.offending.describe() == (
+        "input holds 5 at [0, 0] (sample ex0041), 6 at [0, 1] (sample ex0041), 7 at [0, 2] "
+        "(sample ex0041); 8 entries out of range in all; Embedding has 5 rows (valid 0..4)")
+    assert found.offending.samples == ("ex0041", "ex0043")
+
+
+def test_an_index_made_inside_the_model_is_not_blamed_on_the_batch(tmp_path: Path) -> None:
+    """ShiftedGPT adds one to every id: the batch holds 18 < 19 and the embedding gets 19."""
+    torch.manual_seed(0)
+    model_case = record(tmp_path / "cases", datafix_targets.ShiftedGPT(), tokens(18))
+    lines = item_notes(load_case(model_case))
+    assert len(lines) == 1, lines
+    assert lines[0].startswith("offending value: not in the saved inputs: ")
+    assert "computed inside the call" in lines[0]
+    assert "saved batch" not in lines[0]
+
+
+def test_a_case_that_cannot_tell_says_so(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model_case = record(tmp_path / "cases", datafix_targets.TinyGPT(), tokens(), narrow=False)
+    assert item_notes(load_case(model_case)) == [
+        "offending value: cannot be named from this case: the failing index is used inside "
+        "TinyGPT, and neither a narrowed case of the failing op or layer beside it nor the "
+        "error message says which saved value it is"]
+
+
+def onehot(labels: torch.Tensor) -> torch.Tensor:
+    return F.one_hot(labels, 5)
+
+
+def pick(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    return torch.gather(x, 1, index)
+
+
+@pytest.mark.parametrize(("function", "args", "said"), [
+    (pick, (torch.zeros(3, 4), torch.tensor([[0], [4], [1]])),
+     "offending value: index holds 4 at [1, 0] (sample ex0042); dimension 1 it indexes has "
+     "size 4 (valid 0..3)"),
+    (onehot, (torch.tensor([1, 5, 2]),), "offending value: cannot be named from this case"),
+])
+def test_a_functions_case_reads_the_value_its_message_names(
+        tmp_path: Path, function: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
+        said: str) -> None:
+    rec = Recorder(tmp_path / "cases")
+    watched = rec.watch(function)
+    with pytest.raises(RuntimeError), rec.step(0, sample_ids=IDS):
+        watched(*args)
+    assert rec.case_dir is not None
+    assert item_notes(load_case(rec.case_dir))[0].startswith(said)
+
+
+def test_no_finding_for_other_failures_and_none_without_inputs(tmp_path: Path) -> None:
+    lin = torch.nn.Linear(4, 3)
+    case = record(tmp_path / "a", lin, torch.zeros(2, 5))
+    assert find(load_case(case)) is None
+    assert "offending" not in show(case)
+    emb_case = record(tmp_path / "b", torch.nn.Embedding(3, 2), torch.tensor([[3]]))
+    (emb_case / "inputs.safetensors").unlink()
+    assert item_notes(load_case(emb_case)) == [
+        "offending value: the case saved no inputs (no inputs.safetensors), so the value "
+        "cannot be read; the error message is all there is"]
+
+
+def test_request_names_the_value_and_withholds_the_sample(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model_case = record(tmp_path / "cases", datafix_targets.TinyGPT(), tokens())
+    text = request(model_case)
+    assert ("- note: offending value: idx holds 19 at [1, 1] (sample <sample id>); wte has "
+            "19 rows (valid 0..18)") in text
+    assert "ex0042" not in text
+
+
+def test_the_case_item_triage_and_summary_name_the_value(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model_case = record(tmp_path / "cases", datafix_targets.TinyGPT(), tokens())
+    root = Path(__file__).resolve().parent.parent
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "-p", "no:randomly", "-p", "no:cacheprovider",
+         "--gpu-cases", str(model_case), "--runxfail", "-q", "--rootdir", str(tmp_path)],
+        cwd=root, capture_output=True, text=True, timeout=300)
+    out = done.stdout
+    assert "gpucase triage" in out, out
+    assert "offending value: idx holds 19 at [1, 1] (sample ex0042); wte has 19 rows " \
+           "(valid 0..18)" in out
+    assert "gpucase: the failure is in the saved batch (sample ex0042 holds token 19" in out
