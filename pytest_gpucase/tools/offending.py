@@ -14,6 +14,7 @@ finding says so instead of guessing.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -149,6 +150,9 @@ def find(case: Case, *, failed: str | None = None) -> Finding | None:
     (the class of the failure met, ``failed``, else the one the case captured)."""
     if not (failed in INDEX_CLASSES if failed is not None else index_failure(case)):
         return None
+    if importlib.util.find_spec("torch") is None:  # gpucase show in a job without torch
+        return Finding(None, "not read here: torch is not installed, and the saved values "
+                             "need it")
     if not case.inputs_file.exists():
         return Finding(None, "the case saved no inputs (no inputs.safetensors), so the value "
                              "cannot be read; the error message is all there is")
