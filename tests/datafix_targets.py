@@ -1,10 +1,16 @@
-"""Importable models for tests/test_offending.py (a replay imports them): a nanoGPT-shaped
+"""Models a replay imports, and the recording helper of tests/test_offending.py and
+tests/test_datacheck.py: a nanoGPT-shaped
 language model whose token ids index an embedding and whose targets reach cross_entropy."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 import torch.nn.functional as F
+
+from pytest_gpucase.tools.record import Recorder
 
 
 class TinyGPT(torch.nn.Module):
@@ -33,3 +39,22 @@ class ShiftedGPT(TinyGPT):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         return super().forward(idx + 1, targets)
+
+
+IDS = ["ex0041", "ex0042", "ex0043"]
+
+
+def record(root: Path, model: torch.nn.Module, *args: torch.Tensor,
+           narrow: bool = True) -> Path:
+    """The cases a Recorder writes for one failing step of ``model``: the model's case, and
+    its narrowed module and op cases beside it."""
+    rec = Recorder(root, narrow=narrow)
+    rec.watch(model)
+    with pytest.raises((IndexError, RuntimeError)), rec.step(7, sample_ids=IDS):
+        model(*args)
+    assert rec.case_dir is not None
+    return rec.case_dir
+
+
+def tokens(bad: int = 19) -> torch.Tensor:
+    return torch.tensor([[1, 2, 3], [4, bad, 5], [1, 1, 1]])

@@ -17,7 +17,7 @@ from pytest_gpucase.cli import main
 from pytest_gpucase.tools.datacheck import NotADataFailure, data_check
 from tests import datafix_targets
 from tests.helpers import read_toml
-from tests.test_offending import IDS, record, tokens
+from tests.datafix_targets import IDS, record, tokens
 
 pytestmark = pytest.mark.slow  # the Recorder and the new case's run start processes
 

@@ -18,27 +18,9 @@ from pytest_gpucase.tools.offending import find, item_notes
 from pytest_gpucase.tools.record import Recorder
 from pytest_gpucase.tools.show import request, show
 from tests import datafix_targets
+from tests.datafix_targets import IDS, record, tokens
 
 pytestmark = pytest.mark.slow  # the Recorder checks each case's rebuild in a process
-
-IDS = ["ex0041", "ex0042", "ex0043"]
-
-
-def record(root: Path, model: torch.nn.Module, *args: torch.Tensor,
-           narrow: bool = True) -> Path:
-    """The cases a Recorder writes for one failing step of ``model``: the model's case, and
-    its narrowed module and op cases beside it."""
-    rec = Recorder(root, narrow=narrow)
-    rec.watch(model)
-    with pytest.raises((IndexError, RuntimeError)), rec.step(7, sample_ids=IDS):
-        model(*args)
-    assert rec.case_dir is not None
-    return rec.case_dir
-
-
-def tokens(bad: int = 19) -> torch.Tensor:
-    return torch.tensor([[1, 2, 3], [4, bad, 5], [1, 1, 1]])
-
 
 def test_a_token_id_equal_to_the_vocabulary_is_named_in_every_case(tmp_path: Path) -> None:
     torch.manual_seed(0)

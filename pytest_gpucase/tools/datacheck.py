@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomli_w
 
@@ -41,6 +41,11 @@ if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
+
+if TYPE_CHECKING:
+    import torch
+
+    from pytest_gpucase.tools.minimize import Axes
 
 __all__ = ["DataCheck", "NotADataFailure", "contract_text", "data_check"]
 
@@ -97,43 +102,20 @@ def data_check(case_dir: Path, *, output: Path | None = None, contract: Path | N
     ``<case>.contract.toml`` beside it); ``run``: run the new case once here. Raises
     ``NotADataFailure`` when the saved batch holds no offending value, ``FileExistsError``
     when a target exists."""
-    from pytest_gpucase.plan.runs import NotRunnable
-    from pytest_gpucase.tools.minimize import one_thread, plan_axes, select
+    from pytest_gpucase.tools.minimize import Selection, one_thread, select
 
     case = load_case(Path(case_dir))
     found = _offending(case)
-    target = output if output is not None else _free(case.path.with_name(f"{case.name}_clean"))
-    where = contract if contract is not None else case.path.with_name(
-        f"{case.name}.contract.toml")
-    for path in (target, where):
-        if path.exists():
-            raise FileExistsError(f"{display(path)} exists; data-check never overwrites, give "
-                                  "another path")
-    if target.resolve().is_relative_to(case.path.resolve()):
-        raise NotADataFailure(f"{display(target)} lies inside the case it derives from; write "
-                              "the new case beside it")
+    target, where = _targets(case, output, contract)
     with one_thread():
         tensors = payload.load(case.inputs_file)
-    try:
-        axes = plan_axes(case, tensors, tuple(inputs) if inputs is not None else None)
-    except NotRunnable:
-        if inputs is not None:
-            raise
-        # In doubt (an op's indices (B, T) beside a weight (V, D)): the input holding the
-        # offending values holds the samples; nothing else is cut.
-        axes = plan_axes(case, tensors, (found.field,))
-    if found.field not in axes.batch_members or axes.batch_axis != found.axis:
-        raise NotADataFailure(
-            f"{display(case.path)}: {found.field} does not follow the batch axis "
-            f"{axes.batch_axis} ({', '.join(sorted(axes.batch_members)) or 'no input does'}): "
-            "the offending entries cannot be cut as samples; name the inputs that hold the "
-            f"samples with --inputs")
+    axes = _axes(case, tensors, found, inputs)
     size = axes.batch_size or 0
     kept = tuple(i for i in range(size) if i not in set(found.rows))
     ids = case.origin.get("sample_ids")
     ids = ids if isinstance(ids, list) and len(ids) == size else None
-    written = _write_contract(where, case, found) if found.check is not None and \
-        not found.check.only else None
+    written = (_write_contract(where, case, found)
+               if found.check is not None and not found.check.only else None)
     notes = [] if written is not None else [
         "no contract written: the valid range is not saved in the case (the error named the "
         "value only)"]
@@ -144,8 +126,6 @@ def data_check(case_dir: Path, *, output: Path | None = None, contract: Path | N
         return result
     _, metadata = payload.read_header(case.inputs_file)
     metadata = {k: v for k, v in metadata.items() if k != payload.LAYOUT_KEY}
-    from pytest_gpucase.tools.minimize import Selection
-
     with one_thread():
         cut = select(tensors, axes, Selection(entries=kept))
         document = _document(case, target, found, kept, ids, written)
@@ -153,17 +133,58 @@ def data_check(case_dir: Path, *, output: Path | None = None, contract: Path | N
                              {INPUTS_FILE: lambda path: payload.save(path, cut, metadata)},
                              [p for p in case.path.iterdir() if p.name not in _NOT_COPIED],
                              check=load_case)
+    outcome = _run(new) if run else None
+    return replace(result, case=new, passes=None if outcome is None else outcome[0],
+                   verdict="" if outcome is None else outcome[1],
+                   notes=(*notes, *_left_out(case)))
+
+
+def _targets(case: Case, output: Path | None, contract: Path | None) -> tuple[Path, Path]:
+    """Where the new case and the contract go: given, else beside the case; never over a file."""
+    target = output if output is not None else _free(case.path.with_name(f"{case.name}_clean"))
+    where = contract if contract is not None else case.path.with_name(
+        f"{case.name}.contract.toml")
+    for path in (target, where):
+        if path.exists():
+            raise FileExistsError(f"{display(path)} exists; data-check never overwrites, give "
+                                  "another path")
+    if target.resolve().is_relative_to(case.path.resolve()):
+        raise NotADataFailure(f"{display(target)} lies inside the case it derives from; write "
+                              "the new case beside it")
+    return target, where
+
+
+def _axes(case: Case, tensors: Mapping[str, torch.Tensor], found: Offending,
+          inputs: Sequence[str] | None) -> Axes:
+    """The batch axis and its members (minimize's rule); in doubt (an op's indices (B, T)
+    beside a weight (V, D)), the input holding the offending values alone."""
+    from pytest_gpucase.plan.runs import NotRunnable
+    from pytest_gpucase.tools.minimize import plan_axes
+
+    try:
+        axes = plan_axes(case, tensors, tuple(inputs) if inputs is not None else None)
+    except NotRunnable:
+        if inputs is not None:
+            raise
+        axes = plan_axes(case, tensors, (found.field,))
+    if found.field not in axes.batch_members or axes.batch_axis != found.axis:
+        raise NotADataFailure(
+            f"{display(case.path)}: {found.field} does not follow the batch axis "
+            f"{axes.batch_axis} ({', '.join(sorted(axes.batch_members)) or 'no input does'}): "
+            "the offending entries cannot be cut as samples; name the inputs that hold the "
+            "samples with --inputs")
+    return axes
+
+
+def _left_out(case: Case) -> list[str]:
+    notes = []
     if case.expected_file.exists():
         notes.append(f"{EXPECTED_FILE} is not copied: its golden outputs belong to the full "
                      "batch; write new ones with --gpu-cases-regen")
-    if "inputs_sha256" in case.literals or _has_hash(case):
+    if _has_hash(case):
         notes.append("inputs_sha256 is left out: the new payload has its own; pin it again "
                      "with the line gpucase show prints")
-    outcome = _run(new) if run else None
-    return DataCheck(original=case.path, contract=written, case=new, axis=axes.batch_axis,
-                     dropped=found.rows, dropped_ids=result.dropped_ids, kept=len(kept),
-                     passes=None if outcome is None else outcome[0],
-                     verdict="" if outcome is None else outcome[1], notes=tuple(notes))
+    return notes
 
 
 def _offending(case: Case) -> Offending:
