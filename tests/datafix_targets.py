@@ -41,6 +41,17 @@ class ShiftedGPT(TinyGPT):
         return super().forward(idx + 1, targets)
 
 
+class ShiftedLabelsLM(TinyGPT):
+    """A Hugging Face-style causal LM: the loss compares each position's logits with the
+    next label (``labels[..., 1:]``), so the op gets a slice of the batch's labels."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        logits = super().forward(idx)
+        assert targets is not None
+        shifted = logits[:, :-1].reshape(-1, logits.size(-1))
+        return F.cross_entropy(shifted, targets[:, 1:].reshape(-1))
+
+
 IDS = ["ex0041", "ex0042", "ex0043"]
 
 

@@ -125,3 +125,11 @@ def test_a_case_that_is_no_data_failure_is_refused_with_the_reason(tmp_path: Pat
         data_check(case)
     assert sorted(p.name for p in case.parent.iterdir() if "clean" in p.name
                   or p.name.endswith(".toml")) == []
+
+
+def test_a_shifted_label_is_cut_from_the_batch_that_holds_it(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    labels = torch.tensor([[1, 2, 3], [4, 5, 19], [1, 1, 1]])
+    case = record(tmp_path / "cases", datafix_targets.ShiftedLabelsLM(), tokens(5), labels)
+    result = data_check(case)
+    assert result.dropped_ids == ("ex0042",) and result.passes is True

@@ -56,6 +56,20 @@ def test_a_target_equal_to_the_class_count_is_found_through_its_flattened_view(
     assert f"offending value: {named} (this case's arg1)" in show(op_case)
 
 
+def test_a_label_the_loss_got_shifted_is_found_in_the_batch(tmp_path: Path) -> None:
+    """labels[..., 1:] is no view of the saved labels: the one saved input holding the same
+    out-of-range value is named, and said to be a slice of what the op got."""
+    torch.manual_seed(0)
+    labels = torch.tensor([[1, 2, 3], [4, 5, 19], [1, 1, 1]])
+    model_case = record(tmp_path / "cases", datafix_targets.ShiftedLabelsLM(), tokens(5), labels)
+    found = find(load_case(model_case))
+    assert found is not None and found.offending is not None and found.offending.saved
+    assert found.offending.describe().startswith(
+        "targets holds 19 at [1, 2] (sample ex0042); the loss's input has 19 classes (valid "
+        "0..18, or -100 (ignore_index)) (not the very tensor the failing op got, a slice or a "
+        "shift of it holding the same out-of-range values)")
+
+
 @pytest.mark.parametrize(("target", "shown"), [
     (-5, "target holds -5 at [1] (sample ex0042); the loss's input has 4 classes (valid 0..3, "
          "or -100 (ignore_index))"),

@@ -81,6 +81,7 @@ class Offending:
     # model's idx, or its targets.view(-1)): named so, with the model's positions and ids.
     alias: Offending | None = None
     check: _Check | None = None                  # the check that found them
+    how: str | None = None                       # how it relates to what the op got
 
     def describe(self) -> str:
         """``idx holds 19 at [2, 10] (sample ex0042); wte has 19 rows (valid 0..18)``."""
@@ -95,6 +96,8 @@ class Offending:
         more = (f"; {self.count} entries out of range in all" if self.count > len(self.shown)
                 else "")
         text = f"{self.field} holds {', '.join(parts)}{more}; {self.size}"
+        if self.how is not None:
+            text += f" ({self.how})"
         if self.via is not None:
             text += f"; read with the narrowed case {self.via}"
         return text
@@ -549,7 +552,27 @@ def _map_into(found: Offending, tensor: torch.Tensor, case: Case,
             if not torch.equal(other.detach().reshape(-1), flat):
                 continue
             return _measure(case, other, replace(found.check, field=name))
-    return None
+    return _same_values(found, case, tensors)
+
+
+def _same_values(found: Offending, case: Case,
+                 tensors: Mapping[str, torch.Tensor]) -> Offending | None:
+    """The one saved integer input of ``case`` holding, outside the same range, every value
+    the failing op refused, when none holds the op's very tensor: a slice or a shift of it
+    (a language model's ``labels[..., 1:]``) reached the op."""
+    assert found.check is not None
+    held = []
+    for name, other in tensors.items():
+        if name.startswith((STATE_PREFIX, "context.")) or not _integer(other) or \
+                other.dim() == 0:
+            continue
+        measured = _measure(case, other, replace(found.check, field=name))
+        if measured is not None and all(bool((other == value).any()) for value in found.values):
+            held.append(measured)
+    if len(held) != 1:
+        return None
+    return replace(held[0], how="not the very tensor the failing op got, a slice or a "
+                                "shift of it holding the same out-of-range values")
 
 
 def _case_arg(path: Path) -> str:
