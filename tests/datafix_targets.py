@@ -41,6 +41,31 @@ class ShiftedGPT(TinyGPT):
         return super().forward(idx + 1, targets)
 
 
+class Lookup(torch.nn.Module):
+    """A token embedding of the user's own: the case of this module is no nn.Embedding's."""
+
+    def __init__(self, vocab: int, dim: int) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.weight = torch.nn.Parameter(torch.randn(vocab, dim))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return F.embedding(idx, self.weight)
+
+
+class LookupLM(torch.nn.Module):
+    """A model whose token ids reach a custom Lookup module."""
+
+    def __init__(self, vocab: int = 19, dim: int = 4) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.lookup = Lookup(vocab, dim)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        out: torch.Tensor = self.lookup(idx)
+        return out
+
+
 class ShiftedLabelsLM(TinyGPT):
     """A Hugging Face-style causal LM: the loss compares each position's logits with the
     next label (``labels[..., 1:]``), so the op gets a slice of the batch's labels."""

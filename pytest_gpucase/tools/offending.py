@@ -133,9 +133,7 @@ class Finding:
         found = self.offending
         if found.saved:
             return [f"offending value: {found.describe()}"]
-        return [f"offending value: not in the saved inputs: {found.describe()}; no saved "
-                f"input of the case holds these values, so they were computed inside the "
-                f"call ({self.why or 'from the saved inputs'})"]
+        return [f"offending value: {found.describe()}; {self.why}"]
 
 
 def index_failure(case: Case) -> bool:
@@ -165,7 +163,17 @@ def find(case: Case, *, failed: str | None = None) -> Finding | None:
     own = _offending(case, tensors)
     if own is not None:
         parent = _parent(case)
-        return Finding(_named_in(own, tensors, parent) if parent is not None else own)
+        if parent is None:
+            return Finding(own)
+        named = _named_in(own, tensors, parent)
+        if named.alias is not None:
+            return Finding(named)
+        # The op got values no input of the model's case holds: the model made them.
+        return Finding(replace(named, saved=False), f"no saved input of {parent[0].name}, the "
+                       "case this one was narrowed from, holds these values: the model "
+                       "computed them, so no fix upstream of this call can make this case "
+                       "pass; keep it as the record that the call rejects them ([expect] "
+                       "outcome = \"raises\") or delete it")
     if case.call in (REPLAY_OP, REPLAY_MODULE) and _checks(case, tensors):
         return Finding(None, "every saved index is within its range: the failing value is "
                              "computed inside the call")
@@ -434,7 +442,18 @@ def _parent(case: Case) -> tuple[Case, dict[str, torch.Tensor]] | None:
 
 
 def _narrowed(case: Case) -> list[Case]:
-    """The cases narrowed from ``case`` that lie beside it (``[origin] narrowed_from``)."""
+    """The cases narrowed from ``case`` that lie beside it (``[origin] narrowed_from``); for
+    a narrowed module case, the op cases narrowed from the same model in the same module."""
+    parent = case.origin.get("narrowed_from")
+    module = case.origin.get("module")
+    stem = parent if isinstance(parent, str) and parent else case.name
+
+    def wanted(other: Case) -> bool:
+        if stem is not parent:
+            return other.origin.get("narrowed_from") == case.name
+        return (other.path != case.path and other.origin.get("narrowed_from") == parent
+                and other.origin.get("module") == module and other.call == REPLAY_OP)
+
     found: list[Case] = []
     try:
         entries = sorted(case.path.parent.iterdir())
@@ -443,13 +462,13 @@ def _narrowed(case: Case) -> list[Case]:
     for entry in entries:
         if len(found) >= _SIBLINGS:
             break
-        if not entry.name.startswith(f"{case.name}.") or not (entry / CASE_FILE).is_file():
+        if not entry.name.startswith(f"{stem}.") or not (entry / CASE_FILE).is_file():
             continue
         try:
             loaded = load_case(entry)
         except (CaseFormatError, OSError):
             continue
-        if loaded.origin.get("narrowed_from") == case.name:
+        if wanted(loaded):
             found.append(loaded)
     # The op case first: it names the very tensor the failing op got.
     return sorted(found, key=lambda c: c.call != REPLAY_OP)
@@ -478,7 +497,9 @@ def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor]) -> Findin
             return Finding(replace(mapped, via=other.name))
         inside = inside or replace(found, saved=False, via=None)
     if inside is not None:
-        return Finding(inside, f"its narrowed case {Path(inside.case).name} holds them")
+        return Finding(inside, f"no saved input of {case.name} holds these values (the "
+                               f"narrowed case {Path(inside.case).name} does): they were "
+                               "computed inside the model, a bug of the code, not the data")
     return Finding(None, "no narrowed case beside it holds an out-of-range value: the failing "
                          "index is computed inside the model")
 
