@@ -127,7 +127,8 @@ def test_a_case_that_cannot_tell_says_so(tmp_path: Path) -> None:
     assert item_notes(load_case(model_case)) == [
         "offending value: cannot be named from this case: the failing index is used inside "
         "TinyGPT, and neither a narrowed case of the failing op or layer beside it nor the "
-        "error message says which saved value it is"]
+        "error message says which saved value it is; its integer inputs hold idx 1..19 (19 at "
+        "[1, 1], sample ex0042)"]
 
 
 def onehot(labels: torch.Tensor) -> torch.Tensor:

@@ -191,11 +191,28 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
                          verdict.child.stderr)
     if kind not in INDEX_CLASSES:
         return verdict, []
-    notes = item_notes(verdict.spec.case, failed=kind)
+    notes = _notes_once(verdict.spec.case, kind)
     if not notes:
         return verdict, []
     advice = [note for note in notes if note.startswith(_DATA_NOTE)]
     return replace(verdict, triage=replace(found, notes=(*found.notes, *notes))), advice
+
+
+# A session's items of one case (devices, dtypes, variants) read its payload once.
+_READ: dict[tuple[str, str, int, int], list[str]] = {}
+
+
+def _notes_once(case: Case, kind: str) -> list[str]:
+    try:
+        stat = case.inputs_file.stat()
+        key = (str(case.path.resolve()), kind, stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        return item_notes(case, failed=kind)
+    if key not in _READ:
+        if len(_READ) >= 256:
+            _READ.clear()
+        _READ[key] = item_notes(case, failed=kind)
+    return list(_READ[key])
 
 
 def item_notes(case: Case, *, failed: str | None = None) -> list[str]:
@@ -483,7 +500,7 @@ def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor]) -> Findin
         return Finding(None, f"cannot be named from this case: the failing index is used "
                              f"inside {_model_name(case)}, and neither a narrowed case of "
                              "the failing op or layer beside it nor the error message says "
-                             "which saved value it is")
+                             f"which saved value it is{_extremes(case, tensors)}")
     inside = None
     for other in narrowed:
         other_tensors = _load(other) if other.inputs_file.exists() else None
@@ -510,6 +527,29 @@ def _named_in(own: Offending, tensors: Mapping[str, torch.Tensor],
     that holds the same values, when one does."""
     mapped = _map_into(own, tensors[own.field], *parent)
     return own if mapped is None else replace(own, alias=mapped)
+
+
+def _extremes(case: Case, tensors: Mapping[str, torch.Tensor]) -> str:
+    """``; its integer inputs: labels 1..5 (5 at [1], sample ex0042)``: the largest value of
+    each saved integer input and where it is, facts to compare with the size it indexes."""
+    import torch
+
+    from pytest_gpucase.tools.minimize import one_thread
+
+    parts: list[str] = []
+    with one_thread():
+        for name, tensor in tensors.items():
+            if (name.startswith((STATE_PREFIX, "context.")) or not _integer(tensor)
+                    or not tensor.numel() or len(parts) >= _SHOWN + 1):
+                continue
+            values = tensor.detach().to("cpu", torch.int64)
+            top = int(values.max())
+            at = tuple(int(i) for i in (values == top).nonzero()[0].tolist())
+            rows = (at[_axis(case, tensor)],) if len(at) > _axis(case, tensor) else ()
+            sample = _samples(case, tensor, rows, _axis(case, tensor))
+            whose = f", sample {sample[0]}" if sample else ""
+            parts.append(f"{name} {int(values.min())}..{top} ({top} at {list(at)}{whose})")
+    return f"; its integer inputs hold {', '.join(parts)}" if parts else ""
 
 
 def _model_name(case: Case) -> str:
