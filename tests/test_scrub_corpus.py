@@ -143,6 +143,8 @@ def test_no_prose_paragraph_of_the_docs_has_a_secret_to_remove() -> None:
     "Prose is left alone: \"to make it\npass: mask the padding\" keeps its words.",
     "pad_token = \"<pad>\", cls_token: [CLS], password: ${DB_PASSWORD}, token=$HF_TOKEN",
     "password: <secret>",
+    "RuntimeError: OPENAI_API_KEY is not set; HF_TOKEN not found in the environment",
+    "the MY_KEY value and a password holding a slash",
 ])
 def test_prose_and_placeholders_stay(text: str) -> None:
     assert remove_secrets(text) == text
@@ -169,6 +171,8 @@ def test_prose_and_placeholders_stay(text: str) -> None:
     ("mysql -u root --password plain", "mysql -u root --password <secret>"),
     ("sshpass -p hunter2 ssh", "sshpass -p <secret> ssh"),
     ("HF_TOKEN secret123 was set", "HF_TOKEN <secret> was set"),
+    ("PGPASSWORD Tr0ub4dor psql", "PGPASSWORD <secret> psql"),
+    ("machine db login me password hunter", "machine db login me password <secret>"),
     ("Authorization: Bearer abcdef", "Authorization: Bearer <secret>"),
     # URLs with credentials, private keys.
     ("https://alice:hunter@example.com/repo", "https://<user>:<secret>@<host>/<path>"),

@@ -58,26 +58,30 @@ _ASSIGNED = re.compile(
     rf"(?P<lead>(?:{_SECRET_NAME}|(?<!{_NAME_CHARS})(?i:sig|[A-Za-z0-9_.-]{{0,64}}signature"
     rf"|_?auth|[A-Za-z0-9_.-]{{0,64}}credentials?)(?!{_NAME_CHARS}))"
     rf"[\"']?[ \t]{{0,8}}[=:][ \t]{{0,8}})(?:{_QUOTED}|{_VALUE})")
-# The forms without an assignment sign, each with whether the form alone says a secret
-# follows (an Authorization header, a --password flag) or only a value that reads as one does
-# ("HF_TOKEN secret123", but "TOKEN or KEY", "turns XPASS when").
-_SECRETS: tuple[tuple[re.Pattern[str], bool], ...] = (
+# The forms without an assignment sign, each with what says a secret follows: the form alone
+# ("always": an Authorization header, a --password flag), or the name (a variable's,
+# HF_TOKEN, PGPASSWORD, hf_token: "name"; a netrc line: "netrc"); else only a value that
+# reads as a secret does ("TOKEN or KEY", "turns XPASS when", "a one-key object").
+_SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
     # Authorization: Basic dXNlcjpwYXNz, Bearer ..., token ...: the scheme stays.
     (re.compile(r"(?i)\b((?:proxy-)?authorization[\"']?[ \t]{0,8}[:=][ \t]{0,8}[\"']?"
-                r"(?:(?:basic|bearer|token|digest|negotiate)[ \t]{1,8})?)" + _VALUE), True),
-    (re.compile(r"(?i)\b(bearer[ \t]{1,8})" + _VALUE), True),
+                r"(?:(?:basic|bearer|token|digest|negotiate)[ \t]{1,8})?)" + _VALUE), "always"),
+    (re.compile(r"(?i)\b(bearer[ \t]{1,8})" + _VALUE), "always"),
     # HF_TOKEN secret123, PGPASSWORD hunter2: with a space only, the name must read as a
     # variable (upper case), so that prose ("token ids") is left alone.
     (re.compile(rf"(?<!{_NAME_CHARS})((?=[A-Z0-9_]{{0,64}}{_SECRET_WORD_UPPER})"
-                r"[A-Z0-9_]{1,128}[ \t]{1,8})" + _VALUE), False),
-    (re.compile(rf"(?i)(?<=[_-])((?:{_SECRET_NAMES}|key)[ \t]{{1,8}})" + _VALUE), False),
+                r"[A-Z0-9_]{1,128}[ \t]{1,8})" + _VALUE), "name"),
+    (re.compile(rf"(?i)(?<=[_-])((?:{_SECRET_NAMES}|key)[ \t]{{1,8}})" + _VALUE), "name"),
     # netrc: machine host login me password hunter2.
-    (re.compile(r"(?i)(?<![\w-])((?:password|passwd|passphrase)[ \t]{1,8})" + _VALUE), False),
+    (re.compile(r"(?i)(?<![\w-])((?:password|passwd|passphrase)[ \t]{1,8})" + _VALUE), "netrc"),
     # --password X, --token=X, -p X (mysql, sshpass): command-line flags that take a secret;
     # -p is pytest's plugin flag too (-p no:cacheprovider): a value that reads as a secret.
     (re.compile(rf"(?<![\w-])((?:--(?:{_SECRET_NAMES}|pass|auth|key)|-p)(?:[ \t]{{1,8}}|=))"
-                + _VALUE, re.IGNORECASE), True),
+                + _VALUE, re.IGNORECASE), "always"),
 )
+# A word of prose: what follows a secret's name and a space without being its value.
+_WORD = re.compile(r"[a-z]{1,24}")
+_NETRC = re.compile(r"(?i)\b(?:login|machine|default)[ \t]{1,8}\S{1,256}[ \t]{1,8}\Z")
 # A PEM block, whole: its header lines, every base64 line (the short last one too), and
 # its end line; lines end in newlines or, inside a JSON string, in \n escapes.
 _PEM = re.compile(r"-----BEGIN (?P<label>[A-Z0-9 ]{1,64})-----"
@@ -132,20 +136,36 @@ def remove_secrets(text: str, *, urls: str = "reduce") -> str:
     text = _URL.sub(_url if urls == "reduce" else _url_kept, text)
     text = _TOKEN_SHAPES.sub(SECRET, text)
     text = _ASSIGNED.sub(_assigned, text)
-    for pattern, strong in _SECRETS:
-        text = pattern.sub(functools.partial(_spaced, strong=strong), text)
+    for pattern, said_by in _SECRETS:
+        text = pattern.sub(functools.partial(_spaced, said_by=said_by), text)
     return text
 
 
-def _spaced(found: re.Match[str], strong: bool) -> str:
-    """A value after a name and a space (or a flag): removed when the form says a secret
-    follows, or the value reads as one."""
+def _spaced(found: re.Match[str], said_by: str) -> str:
+    """A value after a name and a space (or a flag): removed when it reads as a secret, or
+    when the form says a secret follows (``said_by``, as in ``_SECRETS``), or the name does
+    and it is no word of prose (lower-case letters: "OPENAI_API_KEY is not set")."""
     value = found.group(0)[len(found.group(1)):]
     if _NOT_A_VALUE.fullmatch(value):
         return found.group(0)
-    if strong and not found.group(1).startswith("-p"):
+    said = _said(found, said_by)
+    if looks_secret(value) or (said and (said_by != "name" or not _WORD.fullmatch(value))):
         return found.group(1) + SECRET
-    return found.group(1) + SECRET if looks_secret(value) else found.group(0)
+    return found.group(0)   # "OPENAI_API_KEY is not set": a name, then words
+
+
+def _said(found: re.Match[str], said_by: str) -> bool:
+    name = found.group(1).strip()
+    start = found.start()
+    if said_by == "always":
+        return not name.startswith("-p")
+    if said_by == "netrc":
+        line = found.string[max(0, start - _LINE_BEFORE):start].rpartition("\n")[2]
+        return _NETRC.search(line) is not None
+    # A variable's name (HF_TOKEN, PGPASSWORD, hf_token), not a bare word (TOKEN, XPASS)
+    # nor a hyphenated one (one-key).
+    before = found.string[start - 1:start] if start else ""
+    return before == "_" or (before != "-" and name.lower() not in _BARE_WORDS)
 
 
 def _assigned(found: re.Match[str]) -> str:
