@@ -175,6 +175,9 @@ def test_request_names_the_value_and_withholds_the_sample(tmp_path: Path) -> Non
     assert ("- note: offending value: idx holds 19 at [1, 1] (sample <sample id>); wte has "
             "19 rows (valid 0..18)") in text
     assert "ex0042" not in text
+    # Issue 33: the scrubber took "pass:" in the tool's own advice for a label.
+    assert ("- avoid: Do not clamp the indices or enlarge the layer to make it pass: find "
+            "where the out-of-range value was made") in text
 
 
 def test_the_case_item_triage_and_summary_name_the_value(tmp_path: Path) -> None:
