@@ -26,6 +26,7 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.outcome import Outcome
     from pytest_gpucase.run.parent import Verdict, run_spec
     from pytest_gpucase.run.runcontext import RunContext
+    from pytest_gpucase.tools.checks import check_batch
     from pytest_gpucase.tools.record.recorder import Recorder, Step
     from pytest_gpucase.verdict.compare import Comparison, compare
     from pytest_gpucase.verdict.tolerance import Tolerance
@@ -52,11 +53,13 @@ _PUBLIC = {
     "Column": "pytest_gpucase.report.matrix",
     "DeviceCell": "pytest_gpucase.report.matrix",
     "GpuCaseHandle": "pytest_gpucase.plugin.fixtures",
+    "check_batch": "pytest_gpucase.tools.checks",
 }
 
 __all__ = ["Case", "Cell", "Column", "Comparison", "DeviceCell", "GpuCaseHandle", "Matrix",
            "Outcome", "Recorder", "Row", "RunContext", "RunSpec", "Step", "Tolerance", "Verdict",
-           "__version__", "build_matrix", "compare", "load_case", "load_report", "run_spec"]
+           "__version__", "build_matrix", "check_batch", "compare", "load_case", "load_report",
+           "run_spec"]
 
 
 def __getattr__(name: str) -> object:

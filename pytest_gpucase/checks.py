@@ -3,6 +3,14 @@ offending values and positions (public; implemented in ``pytest_gpucase.tools.ch
 
 from __future__ import annotations
 
-from pytest_gpucase.tools.checks import class_indices, finite, index_within, same_device
+from pytest_gpucase.tools.checks import (
+    check_batch,
+    class_indices,
+    finite,
+    index_within,
+    load_contract,
+    same_device,
+)
 
-__all__ = ["class_indices", "finite", "index_within", "same_device"]
+__all__ = ["check_batch", "class_indices", "finite", "index_within", "load_contract",
+           "same_device"]

@@ -135,6 +135,19 @@ def _parser() -> argparse.ArgumentParser:
                           "(default: %(default)g)")
     _env_option(minimize)
 
+    data_check = commands.add_parser(
+        "data-check", help="turn a case whose saved batch holds the bad value into a regression "
+        "case without those samples and a data contract")
+    data_check.add_argument("case", type=Path, metavar="CASE", help="the case directory")
+    data_check.add_argument("-o", "--output", type=Path, metavar="NEW_CASE",
+                            help="where to write the new case (default: CASE_clean beside it)")
+    data_check.add_argument("--contract", type=Path, metavar="FILE",
+                            help="where to write the contract (default: CASE.contract.toml)")
+    data_check.add_argument("--inputs", type=_names, metavar="NAME[,NAME...]",
+                            help="the saved tensors that follow the batch axis, when the case "
+                            "cannot tell (as for gpucase minimize)")
+    data_check.add_argument("--no-run", action="store_true",
+                            help="do not run the new case once to see it pass")
     ablate = commands.add_parser(
         "ablate", help="rerun a failing case under one change at a time")
     ablate.add_argument("case", type=Path, metavar="CASE", help="the failing case directory")
@@ -252,6 +265,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "store": _store,
         "minimize": _minimize,
         "ablate": _ablate,
+        "data-check": _data_check,
         "checkpoint": _checkpoint,
     }
     return handlers[command](args)  # argparse guards the choices
@@ -433,6 +447,19 @@ def _ablate(args: argparse.Namespace) -> int:
         return _error("ablate", "interrupted", 130)
     print(result.render())
     return 0 if result.failing else 1
+
+
+def _data_check(args: argparse.Namespace) -> int:
+    from pytest_gpucase.plan.runs import NotRunnable
+    from pytest_gpucase.tools.datacheck import NotADataFailure, data_check
+
+    try:
+        result = data_check(args.case, output=args.output, contract=args.contract,
+                            inputs=args.inputs, run=not args.no_run)
+    except (NotADataFailure, NotRunnable, FileExistsError) as problem:
+        return _error("data-check", problem)
+    print(result.render())
+    return 1 if result.passes is False else 0
 
 
 def _checkpoint(args: argparse.Namespace) -> int:

@@ -231,7 +231,8 @@ def test_every_module_says_what_it_exports() -> None:
 
 PUBLIC = ["Case", "Cell", "Column", "Comparison", "DeviceCell", "GpuCaseHandle", "Matrix",
           "Outcome", "Recorder", "Row", "RunContext", "RunSpec", "Step", "Tolerance", "Verdict",
-          "__version__", "build_matrix", "compare", "load_case", "load_report", "run_spec"]
+          "__version__", "build_matrix", "check_batch", "compare", "load_case", "load_report",
+          "run_spec"]
 
 
 def test_public_names_resolve_to_their_homes() -> None:

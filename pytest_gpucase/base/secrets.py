@@ -9,9 +9,10 @@ characters starts (a lookbehind), and no two repeats over the same characters to
 
 from __future__ import annotations
 
+import functools
 import re
 
-__all__ = ["LOCAL_HOSTS", "SECRET", "remove_secrets"]
+__all__ = ["LOCAL_HOSTS", "SECRET", "looks_secret", "remove_secrets"]
 
 SECRET = "<secret>"
 # An unquoted value: up to whitespace, a quote, a separator or a backtick (a Markdown code
@@ -57,22 +58,30 @@ _ASSIGNED = re.compile(
     rf"(?P<lead>(?:{_SECRET_NAME}|(?<!{_NAME_CHARS})(?i:sig|[A-Za-z0-9_.-]{{0,64}}signature"
     rf"|_?auth|[A-Za-z0-9_.-]{{0,64}}credentials?)(?!{_NAME_CHARS}))"
     rf"[\"']?[ \t]{{0,8}}[=:][ \t]{{0,8}})(?:{_QUOTED}|{_VALUE})")
-_SECRETS = (
+# The forms without an assignment sign, each with what says a secret follows: the form alone
+# ("always": an Authorization header, a --password flag), or the name (a variable's,
+# HF_TOKEN, PGPASSWORD, hf_token: "name"; a netrc line: "netrc"); else only a value that
+# reads as a secret does ("TOKEN or KEY", "turns XPASS when", "a one-key object").
+_SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
     # Authorization: Basic dXNlcjpwYXNz, Bearer ..., token ...: the scheme stays.
-    re.compile(r"(?i)\b((?:proxy-)?authorization[\"']?[ \t]{0,8}[:=][ \t]{0,8}[\"']?"
-               r"(?:(?:basic|bearer|token|digest|negotiate)[ \t]{1,8})?)" + _VALUE),
-    re.compile(r"(?i)\b(bearer[ \t]{1,8})" + _VALUE),
+    (re.compile(r"(?i)\b((?:proxy-)?authorization[\"']?[ \t]{0,8}[:=][ \t]{0,8}[\"']?"
+                r"(?:(?:basic|bearer|token|digest|negotiate)[ \t]{1,8})?)" + _VALUE), "always"),
+    (re.compile(r"(?i)\b(bearer[ \t]{1,8})" + _VALUE), "always"),
     # HF_TOKEN secret123, PGPASSWORD hunter2: with a space only, the name must read as a
     # variable (upper case), so that prose ("token ids") is left alone.
-    re.compile(rf"(?<!{_NAME_CHARS})((?=[A-Z0-9_]{{0,64}}{_SECRET_WORD_UPPER})"
-               r"[A-Z0-9_]{1,128}[ \t]{1,8})" + _VALUE),
-    re.compile(rf"(?i)(?<=[_-])((?:{_SECRET_NAMES}|key)[ \t]{{1,8}})" + _VALUE),
+    (re.compile(rf"(?<!{_NAME_CHARS})((?=[A-Z0-9_]{{0,64}}{_SECRET_WORD_UPPER})"
+                r"[A-Z0-9_]{1,128}[ \t]{1,8})" + _VALUE), "name"),
+    (re.compile(rf"(?i)(?<=[_-])((?:{_SECRET_NAMES}|key)[ \t]{{1,8}})" + _VALUE), "name"),
     # netrc: machine host login me password hunter2.
-    re.compile(r"(?i)(?<![\w-])((?:password|passwd|passphrase)[ \t]{1,8})" + _VALUE),
-    # --password X, --token=X, -p X (mysql, sshpass): command-line flags that take a secret.
-    re.compile(rf"(?<![\w-])((?:--(?:{_SECRET_NAMES}|pass|auth|key)|-p)(?:[ \t]{{1,8}}|=))"
-               + _VALUE, re.IGNORECASE),
+    (re.compile(r"(?i)(?<![\w-])((?:password|passwd|passphrase)[ \t]{1,8})" + _VALUE), "netrc"),
+    # --password X, --token=X, -p X (mysql, sshpass): command-line flags that take a secret;
+    # -p is pytest's plugin flag too (-p no:cacheprovider): a value that reads as a secret.
+    (re.compile(rf"(?<![\w-])((?:--(?:{_SECRET_NAMES}|pass|auth|key)|-p)(?:[ \t]{{1,8}}|=))"
+                + _VALUE, re.IGNORECASE), "always"),
 )
+# A word of prose: what follows a secret's name and a space without being its value.
+_WORD = re.compile(r"[a-z]{1,24}")
+_NETRC = re.compile(r"(?i)\b(?:login|machine|default)[ \t]{1,8}\S{1,256}[ \t]{1,8}\Z")
 # A PEM block, whole: its header lines, every base64 line (the short last one too), and
 # its end line; lines end in newlines or, inside a JSON string, in \n escapes.
 _PEM = re.compile(r"-----BEGIN (?P<label>[A-Z0-9 ]{1,64})-----"
@@ -89,12 +98,28 @@ _URL = re.compile(r"(?i)\b([a-z][a-z0-9+.-]{0,15})://((?:[^\s@\"'<>]{0,256}@){1,
 _BUCKETS = ("s3", "s3a", "s3n", "gs", "gcs", "hdfs", "az", "abfs", "abfss", "wasb", "wasbs",
             "oss", "r2")
 LOCAL_HOSTS = ("localhost", "127.0.0.1", "[::1]", "0.0.0.0")
-# Bare words that are a label before a colon only where a line (or a list item, a table)
-# starts with them: in prose ("to make it pass: ...", "the primary key: ...") they are words.
-_BARE_WORDS = frozenset({"pass", "passes", "key", "keys", "token", "tokens", "secret",
-                         "secrets"})
-_LABEL = re.compile(r"([A-Za-z0-9_.-]{1,128})([\"']?)[ \t]{0,8}([=:])")
+# Bare words that are a label before a colon or an equals sign only where a line (or a list
+# item, a table) starts with them: in prose ("to make it pass: ...", "the primary key: ...",
+# "no readable signature: ...") they are words, and only a value that reads as a secret is one.
+_BARE_WORDS = frozenset({
+    "pass", "passes", "password", "passwords", "passwd", "passphrase", "pwd", "key", "keys",
+    "token", "tokens", "secret", "secrets", "signature", "sig", "auth", "credential",
+    "credentials", "xpass"})
+_LABEL = re.compile(r"([A-Za-z0-9_.-]{1,128})([\"']?)([ \t]{0,8})([=:])([ \t]{0,8})")
 _LINE_BEFORE = 64  # characters looked back at for the start of a label's line
+# What stands before a label that starts its line: list and table marks, a shell's export.
+_LINE_START = re.compile(r"[ \t]{0,16}(?:[-*>#|][ \t]{0,8}){0,4}(?:(?:export|set|ENV)[ \t]{1,8})?"
+                         r"[\"'`]?\Z")
+# Values that hold no secret whatever names them: a placeholder (<secret>, <pad>, [CLS]),
+# a reference to one (${DB_PASS}, $TOKEN, %(token)s), a mask, nothing, a constant.
+_NOT_A_VALUE = re.compile(r"<[^\s<>]{0,40}>|<\|[^\s|]{0,40}\|>|\[[^\s\[\]]{0,40}\]"
+                          r"|\$\{[^}\s]{1,128}\}|\$[A-Za-z_][A-Za-z0-9_]{0,127}"
+                          r"|%\([A-Za-z_]{1,64}\)s|\*{1,64}|\.{3}|(?i:none|null|nil|true|false)|")
+_SECRET_SYMBOLS = frozenset("/+=!@#$%^&*~?")
+_NUMBER = re.compile(r"[-+]?[0-9]{1,32}(?:\.[0-9]{1,32})?(?:[eE][-+]?[0-9]{1,4})?")
+# Names under which a number is a secret too (a PIN, a numeric password); under TOKEN and KEY
+# a number is a count or a size (max_tokens, num_keys, key_dim).
+_STRICT_NAME = re.compile(r"(?i)pass|pwd|secret|credential|auth|sig")
 
 
 def remove_secrets(text: str, *, urls: str = "reduce") -> str:
@@ -111,34 +136,84 @@ def remove_secrets(text: str, *, urls: str = "reduce") -> str:
     text = _URL.sub(_url if urls == "reduce" else _url_kept, text)
     text = _TOKEN_SHAPES.sub(SECRET, text)
     text = _ASSIGNED.sub(_assigned, text)
-    for pattern in _SECRETS:
-        text = pattern.sub(lambda m: m.group(1) + SECRET, text)
+    for pattern, said_by in _SECRETS:
+        text = pattern.sub(functools.partial(_spaced, said_by=said_by), text)
     return text
 
 
-def _assigned(found: re.Match[str]) -> str:
-    if _prose(found):
+def _spaced(found: re.Match[str], said_by: str) -> str:
+    """A value after a name and a space (or a flag): removed when it reads as a secret, or
+    when the form says a secret follows (``said_by``, as in ``_SECRETS``), or the name does
+    and it is no word of prose (lower-case letters: "OPENAI_API_KEY is not set")."""
+    value = found.group(0)[len(found.group(1)):]
+    if _NOT_A_VALUE.fullmatch(value):
         return found.group(0)
+    said = _said(found, said_by)
+    if looks_secret(value) or (said and (said_by != "name" or not _WORD.fullmatch(value))):
+        return found.group(1) + SECRET
+    return found.group(0)   # "OPENAI_API_KEY is not set": a name, then words
+
+
+def _said(found: re.Match[str], said_by: str) -> bool:
+    name = found.group(1).strip()
+    start = found.start()
+    if said_by == "always":
+        return not name.startswith("-p")
+    if said_by == "netrc":
+        line = found.string[max(0, start - _LINE_BEFORE):start].rpartition("\n")[2]
+        return _NETRC.search(line) is not None
+    # A variable's name (HF_TOKEN, PGPASSWORD, hf_token), not a bare word (TOKEN, XPASS)
+    # nor a hyphenated one (one-key).
+    before = found.string[start - 1:start] if start else ""
+    return before == "_" or (before != "-" and name.lower() not in _BARE_WORDS)
+
+
+def _assigned(found: re.Match[str]) -> str:
     quote = found["quote"] or ""
+    value = found.group(0)[len(found["lead"]):]
+    value = value[1:-1] if quote else value
+    if _NOT_A_VALUE.fullmatch(value) or (_NUMBER.fullmatch(value)
+                                          and not _STRICT_NAME.search(found["lead"])):
+        return found.group(0)   # max_tokens = 512, key_dim: 64: a count, not a key
+    if not _labelled(found) and not looks_secret(value, quoted=bool(quote)):
+        return found.group(0)
     return f"{found['lead']}{quote}{SECRET}{quote}"
 
 
-def _prose(found: re.Match[str]) -> bool:
-    """Whether a bare word before a colon (``pass:``, ``key:``) is prose, not a label: a word
-    stands before it on its line, and it is not quoted."""
+def _labelled(found: re.Match[str]) -> bool:
+    """Whether the name before ``=`` or ``:`` says for itself that a secret follows: a quoted
+    key ("password": ...), a variable's name (PGPASSWORD, db_pass, apiKey), a shell's
+    assignment (HF_TOKEN=...), or a bare word (pass, key, token) that starts its line. A
+    bare word in prose ("to make it pass: find where ...") is a word."""
     label = _LABEL.match(found["lead"])
-    if label is None or label[2] or label[3] != ":" or label[1].lower() not in _BARE_WORDS:
-        return False
+    if label is None or label[2]:
+        return True
+    name, spaced = label[1], bool(label[3] or label[5])
+    if label[4] == "=" and not spaced:
+        return True   # TOKEN=x, sig=x: an assignment, in a command line or a query
+    if name.lower() not in _BARE_WORDS or (name.isupper() and name.lower() != "xpass"):
+        return True
     start = found.start()
-    before = found.string[max(0, start - _LINE_BEFORE):start]
-    before = before.rpartition("\n")[2]
-    if before.endswith(("'", '"')) or re.search(r"\w", before) is None:
+    before = found.string[max(0, start - _LINE_BEFORE):start].rpartition("\n")[2]
+    # A line of prose wrapped before the word ("to make it\npass: mask the padding") goes on
+    # in words after the value; a YAML key's value ends its line.
+    after = found.string[found.end():found.end() + 2]
+    return _LINE_START.match(before) is not None and re.match(r"[ \t][A-Za-z]", after) is None
+
+
+def looks_secret(value: str, *, quoted: bool = False) -> bool:
+    """Whether a value reads as a secret without a name to say so: letters and digits mixed
+    (hunter2, abc123xyz), a symbol words do not hold (/ + = ! @ # $ % ^ & * ~ ?), or a long
+    run of both cases; a word ("find", "when", "object"), a number, a phrase in quotes
+    ("payload name", "int64 (1, 2)") is none."""
+    if quoted and any(c.isspace() for c in value):
         return False
-    # A word after it ("pass: mask the padding", "key: 3") is prose; a value that reads as
-    # a key (letters and digits mixed, or a long run) is a secret wherever it stands.
-    value = found.group(0)[len(found["lead"]):].strip("'\"")
-    return not (len(value) >= 16 or (re.search(r"[A-Za-z]", value) is not None
-                                      and re.search(r"\d", value) is not None))
+    letters = any(c.isalpha() for c in value)
+    if letters and any(c.isdigit() for c in value):
+        return True
+    if any(c in _SECRET_SYMBOLS for c in value):
+        return True
+    return len(value) >= 20 and any(c.isupper() for c in value) and any(c.islower() for c in value)
 
 
 def _url_kept(found: re.Match[str]) -> str:

@@ -401,7 +401,11 @@ class CaseItem(pytest.Item):
                                      f"fresh child ({why[0][:200]}); the next run got a "
                                      "new worker"))
         from pytest_gpucase.plugin.records import verdict_fields
+        from pytest_gpucase.tools.offending import triaged
 
+        verdict, advice = triaged(verdict)  # an index error's offending value, from the case
+        for note in advice:  # a data bug: once per case, whatever item met it
+            state.note(note)
         fields = verdict_fields(verdict)
         _add_sections(self, verdict)
         _reissue_warnings(verdict)

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from pytest_gpucase.base.tensors import named_tensors
 
-__all__ = ["class_indices", "finite", "index_within", "same_device"]
+__all__ = ["CONTRACT_FORMAT", "check_batch", "class_indices", "finite", "index_within",
+           "load_contract", "same_device"]
 
 # Offenders named in a message; the total count is always given.
 _SHOWN = 10
@@ -126,6 +131,118 @@ def _non_finite(name: str, tensor: torch.Tensor) -> str | None:
         f"{name} holds {kinds} (of {tensor.numel()} values): "
         f"{offenders}{_more(nan_count + inf_count)}"
     )
+
+
+# The version of a data contract file (``gpucase data-check`` writes them; docs/recorder.md).
+CONTRACT_FORMAT = 1
+_FIELD_KEYS = ("dtype", "min", "max", "allowed", "reason")
+
+
+def load_contract(contract: str | os.PathLike[str] | Mapping[str, Any]) -> dict[str, Any]:
+    """A data contract's fields (name -> rule), read from its TOML file or taken as a mapping
+    already read; ValueError naming the file, the key and the fix when it is not one."""
+    where = "the contract"
+    if isinstance(contract, Mapping):
+        doc: Mapping[str, Any] = contract
+    else:
+        where = os.fspath(contract)
+        if sys.version_info >= (3, 11):
+            import tomllib
+        else:  # pragma: no cover - Python 3.10
+            import tomli as tomllib
+        try:
+            doc = tomllib.loads(Path(where).read_text(encoding="utf-8"))
+        except (OSError, UnicodeError, tomllib.TOMLDecodeError) as exc:
+            raise ValueError(f"{where}: not a readable data contract: {exc}") from None
+    if doc.get("format", CONTRACT_FORMAT) != CONTRACT_FORMAT:
+        raise ValueError(f"{where}: format {doc.get('format')!r} is not {CONTRACT_FORMAT}, the "
+                         "one this version reads; upgrade pytest-gpucase")
+    fields = doc.get("fields")
+    if not isinstance(fields, Mapping) or not fields:
+        raise ValueError(f"{where}: no [fields.NAME] table; write one per checked tensor, "
+                         "e.g. [fields.idx] min = 0, max = 18")
+    for name, rule in fields.items():
+        if not isinstance(rule, Mapping):
+            raise ValueError(f"{where}: fields.{name} must be a table (min, max, allowed)")
+        unknown = sorted(set(rule) - set(_FIELD_KEYS))
+        if unknown:
+            raise ValueError(f"{where}: fields.{name}: unknown key {unknown[0]!r}; the keys are "
+                             f"{', '.join(_FIELD_KEYS)}")
+        for key in ("min", "max"):
+            if key in rule and (isinstance(rule[key], bool) or not isinstance(rule[key], int)):
+                raise ValueError(f"{where}: fields.{name}.{key} must be an integer")
+        allowed = rule.get("allowed", [])
+        if not isinstance(allowed, list) or not all(
+                isinstance(v, int) and not isinstance(v, bool) for v in allowed):
+            raise ValueError(f"{where}: fields.{name}.allowed must be a list of integers")
+    return {str(name): dict(rule) for name, rule in fields.items()}
+
+
+def check_batch(batch: Mapping[str, object] | torch.Tensor,
+                contract: str | os.PathLike[str] | Mapping[str, Any], *,
+                sample_ids: Sequence[object] | None = None) -> None:
+    """Raise ValueError unless every tensor the contract names holds integers within its
+    range (``min``..``max``, or one of ``allowed``: an ignore_index), naming each offending
+    value, its position and, with ``sample_ids`` (one per entry of the first axis), its
+    sample. ``batch``: the tensors by the contract's names (``{"idx": x, "targets": y}``),
+    or one tensor for a contract of one field; ``contract``: the TOML file ``gpucase
+    data-check`` wrote, or its fields."""
+    __tracebackhide__ = True
+    fields = load_contract(contract)
+    if isinstance(batch, torch.Tensor):
+        if len(fields) != 1:
+            raise TypeError(f"the contract names {', '.join(fields)}: pass a dict of these "
+                            "tensors, e.g. {" + ", ".join(f"{n!r}: ..." for n in fields) + "}")
+        batch = {next(iter(fields)): batch}
+    if not isinstance(batch, Mapping):
+        raise TypeError("batch must be a dict of tensors by the contract's names (e.g. "
+                        f"{{{next(iter(fields))!r}: x}}); got {type(batch).__name__}")
+    problems = []
+    for name, rule in fields.items():
+        if name not in batch:
+            has = ", ".join(map(str, batch)) or "nothing"
+            raise ValueError(f"batch has no {name!r} (it has {has}); give the tensors the "
+                             "contract's names")
+        problem = _outside(name, batch[name], rule, sample_ids)
+        if problem is not None:
+            problems.append(problem)
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
+def _outside(name: str, tensor: object, rule: Mapping[str, Any],
+             sample_ids: Sequence[object] | None) -> str | None:
+    _require_tensor(name, tensor)
+    assert isinstance(tensor, torch.Tensor)
+    if tensor.dtype == torch.bool or tensor.is_floating_point() or tensor.is_complex():
+        return (f"{name} must hold integers ({rule.get('dtype', 'an integer dtype')}); found "
+                f"{tensor.dtype}")
+    values = tensor.detach().long()
+    bad = torch.zeros_like(values, dtype=torch.bool)
+    if "min" in rule:
+        bad |= values < int(rule["min"])
+    if "max" in rule:
+        bad |= values > int(rule["max"])
+    for allowed in rule.get("allowed", []):
+        bad &= values != int(allowed)
+    count = int(bad.sum())
+    if not count:
+        return None
+    if values.dim() == 0:
+        offenders = f"{int(values)}"
+    else:
+        where = bad.nonzero()[:_SHOWN]
+        shown = values[tuple(where.t())].tolist()
+        ids = list(sample_ids) if sample_ids is not None else []
+        offenders = ", ".join(
+            f"{v} at {_at(p)}" + (f" (sample {ids[p[0]]})" if len(ids) == values.shape[0]
+                                  else "")
+            for v, p in zip(shown, where.tolist(), strict=True))
+    low, high = rule.get("min", "-inf"), rule.get("max", "inf")
+    valid = f"{low}..{high}" + "".join(f" or {v}" for v in rule.get("allowed", []))
+    reason = f" ({rule['reason']})" if rule.get("reason") else ""
+    return (f"{name} holds {_count(count, 'value')} outside {valid}{reason}: "
+            f"{offenders}{_more(count)}")
 
 
 def _named_tensors(items: Mapping[str, object]) -> Iterator[tuple[str, torch.Tensor]]:

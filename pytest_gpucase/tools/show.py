@@ -1,7 +1,8 @@
 """Read cases without running them: ``show`` one, write a sanitized analysis ``request``, and
 ``validate`` case directories.
 
-Nothing here imports torch: a payload is read from its header only.
+Nothing here imports torch but the reading of an index error's offending value
+(``tools.offending``): a payload is otherwise read from its header only.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import INPUTS_FILE, Case
 from pytest_gpucase.report.file import load_report
+from pytest_gpucase.tools.offending import item_notes
 from pytest_gpucase.tools.scrub import Scrubber, remove_secrets
 from pytest_gpucase.tools.validate import hash_setting
 from pytest_gpucase.verdict.triage import assertion_line, triage
@@ -53,6 +55,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
     lines.append(f"timeout:   {case.timeout:g} s"
                  + (", launch blocking" if case.launch_blocking else ""))
     lines.extend(_origin_lines(case.origin))
+    lines.extend(item_notes(case))   # an index error's offending value, and what to do
     lines.append("inputs:")
     lines.extend(f"  {line}" for line in _input_lines(case))
     if not case.literals and not case.inputs_file.exists():
@@ -126,6 +129,7 @@ def request(case_dir: Path) -> str:
     if found is not None:
         parts += ["", "### Triage", ""]
         parts += [f"- {line}" for line in found.render().splitlines()]
+        parts += [f"- note: {line}" for line in item_notes(case)]
     parts += ["", "### Reproduce", "", "```bash",
               f"pytest --gpu-cases {_case_arg(case)} -k {case.name} -rxX", "```"]
     if case.xfail:
