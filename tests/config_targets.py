@@ -88,3 +88,15 @@ try:
         dim: int
 except ImportError:  # pragma: no cover - pydantic comes with the test dependencies
     pass
+
+
+class Lookup(torch.nn.Module):
+    """Indexes a table in its own forward (no submodule): a token id >= vocab raises there."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.table = torch.nn.Parameter(torch.zeros(config.sizes.vocab, config.sizes.dim))
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.table[tokens]

@@ -128,3 +128,148 @@ def test_a_secret_config_field_is_scrubbed_and_the_rebuild_kept(tmp_path: Path) 
     doc = read_toml(case)
     assert "incomplete" not in doc["origin"], doc["origin"]
     assert any("api_key" in place for place in doc["origin"]["scrubbed"])
+
+
+# -- a nanoGPT-shaped project, run as a user runs it ----------------------------------------
+
+_MODEL_PY = '''
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.nn import functional as F
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 16
+    vocab_size: int = 20
+    n_embd: int = 8
+    n_head: int = 2
+    bias: bool = True
+    init: Any = None
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_attn = nn.Linear(config.n_embd, 3 * config.n_embd, bias=config.bias)
+        self.n_head, self.n_embd = config.n_head, config.n_embd
+        self.register_buffer("bias", torch.tril(torch.ones(config.block_size,
+                                                           config.block_size)))
+
+    def forward(self, x):
+        B, T, C = x.size()
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+                   for t in self.c_attn(x).split(self.n_embd, dim=2))
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.size(-1))
+        att = att.masked_fill(self.bias[:T, :T] == 0, float("-inf")).softmax(-1)
+        return (att @ v).transpose(1, 2).reshape(B, T, C)
+
+
+class GPT(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.config = config
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            h=nn.ModuleList([CausalSelfAttention(config)]),
+            ln_f=nn.LayerNorm(config.n_embd)))
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight
+
+    def forward(self, idx, targets=None):
+        x = self.transformer.wte(idx)
+        for block in self.transformer.h:
+            x = x + block(x)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        return F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+'''
+
+_TRAIN_PY = '''
+import torch
+from model import GPT, GPTConfig
+from pytest_gpucase import Recorder
+
+model = GPT(GPTConfig(INIT))
+rec = Recorder("cases")
+rec.watch(model)
+for it in range(3):
+    with rec.step(it):
+        idx = torch.randint(0, 20, (2, 8))
+        if it == 2:
+            idx[1, 3] = 20   # a token id equal to the vocabulary size
+        model(idx, idx).backward()
+'''
+
+
+def _nano_project(tmp_path: Path, init: str) -> tuple[Path, str]:
+    """Run a nanoGPT-shaped train.py (GPT(GPTConfig(...)), tied head) that fails on a token
+    id equal to the vocabulary size; its cases folder and its stderr."""
+    import os
+    import subprocess
+    import sys
+    import textwrap
+
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "model.py").write_text(textwrap.dedent(_MODEL_PY))
+    (project / "pytest.ini").write_text("[pytest]\n")  # the rootdir a replay imports from
+    (project / "train.py").write_text(textwrap.dedent(_TRAIN_PY).replace("INIT", init))
+    root = Path(__file__).parent.parent
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(root)})
+    assert "IndexError" in done.stderr, done.stderr
+    return project / "cases", done.stderr
+
+
+@pytest.mark.slow  # runs a training script and replays its cases in children
+def test_a_nanogpt_model_is_rebuilt_from_its_dataclass_config(tmp_path: Path) -> None:
+    from pytest_gpucase.tools.validate import validate
+    from tests.helpers import read_toml, replays
+
+    cases, stderr = _nano_project(tmp_path, "")
+    assert "warning" not in stderr, stderr
+    case = cases / "GPT"
+    doc = read_toml(case)
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    config = json.loads((case / "model.json").read_text())["kwargs"]["config"]
+    assert config["gpucase_config"] == "dataclass" and config["class"] == "model:GPTConfig"
+    assert validate([cases]) == []
+    replays(case, "IndexError")
+
+
+@pytest.mark.slow  # runs a training script and replays its cases in children
+def test_a_model_that_cannot_be_rebuilt_still_gets_its_narrowed_cases(
+        tmp_path: Path) -> None:
+    """Issue 33 item 1: the model case is incomplete (a config field is a function), but
+    the nn.Embedding and the ATen op need no rebuild of GPT: both are written, and replay."""
+    from tests.helpers import read_toml, replays
+
+    cases, stderr = _nano_project(tmp_path, "init=torch.nn.init.normal_")
+    assert "config.init is a function" in stderr, stderr
+    assert "incomplete" in read_toml(cases / "GPT")["origin"]
+    replays(cases / "GPT.transformer.wte", "IndexError")
+    replays(cases / "GPT.aten.embedding.default", "IndexError")
+
+
+@pytest.mark.slow  # the Recorder probes its environment in a child
+def test_an_op_case_not_written_is_named_with_its_reason(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """No submodule raised and the model cannot be rebuilt: the op that raised is found by
+    replaying a case, and none can be; a note says so instead of nothing."""
+    from pytest_gpucase import Recorder
+
+    model = targets.Lookup(targets.GPTConfig(targets.Sizes(vocab=8, dim=6), extra=torch.ones(1)))
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model)
+    with pytest.raises(IndexError):
+        model(torch.tensor([[1, 8]]))
+    err = capfd.readouterr().err
+    assert "gpucase: note: no op case written" in err, err
+    assert "Lookup cannot be rebuilt" in err and "config.extra is a tensor" in err
+    assert sorted(p.name for p in (tmp_path / "cases").iterdir()
+                  if not p.name.startswith(".")) == ["Lookup"]
