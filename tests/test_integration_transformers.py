@@ -71,6 +71,9 @@ def test_a_trainer_failure_is_the_model_case_rebuilt_from_its_config(
     config = json.loads((case_dir / "config.json").read_text())  # the config's own JSON
     assert config["hidden_dropout_prob"] == 0.2 and len(config["id2label"]) == 3
     assert doc["origin"]["iteration"] == 2
+    # Issue 33 item 3: the user's model and method, never Accelerate's wrapper of forward.
+    assert doc["summary"].startswith("BertForTokenClassification.forward raised IndexError")
+    assert "convert_outputs_to_fp32" not in (case_dir / "case.toml").read_text()
     if bf16:
         assert doc["context"]["autocast"] == {"device_type": "cpu", "dtype": "bfloat16",
                                               "enabled": True}

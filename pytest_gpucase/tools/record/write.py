@@ -41,6 +41,7 @@ from pytest_gpucase.tools.record.origin import (
     mib,
     say,
     shown,
+    user_label,
     where,
 )
 from pytest_gpucase.verdict.failure import cut
@@ -151,7 +152,7 @@ def _name_label_reasons(watched: Watched | None, inputs: Inputs, context: Contex
             reasons.insert(0, "the failure happened outside any watched call, so no inputs "
                            "were saved: watch the function that raised with rec.watch(fn)")
         return name, what or "a step", reasons
-    label = str(getattr(watched.fn, "__qualname__", watched.name))
+    label = user_label(watched.fn) or watched.name
     label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
     if watched.call is None and call is None:
         reasons.insert(0, watched.why_not)
