@@ -39,8 +39,8 @@ def test_a_compiled_function_and_a_decorated_one_keep_the_user_s_name() -> None:
         return wrapper
 
     compiled = torch.compile(my_loss, backend="eager")
-    assert user_label(compiled).endswith("my_loss")
-    assert user_label(decorator(my_loss)).endswith("my_loss")
+    assert str(user_label(compiled)).endswith("my_loss")
+    assert str(user_label(decorator(my_loss))).endswith("my_loss")
     assert user_label(model_targets.TinyLM().forward) == "TinyLM.forward"
 
 
