@@ -30,6 +30,7 @@ from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
+from pytest_gpucase.tools.record.packages import declared_packages
 from pytest_gpucase.tools.record.origin import (
     ORIGIN_ERROR_CHARS,
     SUMMARY_ERROR_CHARS,
@@ -283,6 +284,12 @@ def _case_document(draft: Draft) -> dict[str, Any]:
         # autocast dtype all the same: they are held to its tolerance too.
         tolerance = _model_tolerance(autocast["dtype"])
         doc["expect"]["tolerance"] = {autocast["dtype"]: tolerance, "float32": tolerance}
+    packages: dict[str, str] = {}
+    with contextlib.suppress(Exception):  # never over the failure: the case replays as is
+        packages = declared_packages(draft.call, draft.literals, draft.files)
+    if packages:
+        # A runner without a framework the case imports skips it, saying which.
+        doc["matrix"] = {"packages": packages}
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
