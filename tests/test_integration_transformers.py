@@ -192,3 +192,20 @@ def test_a_config_holding_a_hub_token_writes_no_secret(tmp_path: Path) -> None:
     assert "AbCdEfGhIjKlMnOpQrStUvWxYz" not in (case_dir / "config.json").read_text()
     assert "config.json: hub_token" in toml(case_dir)["origin"]["scrubbed"]
     replays(case_dir, "IndexError")
+
+
+def test_a_model_that_cannot_be_rebuilt_is_named_with_the_factory_to_pass(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 30 item 4: a head replaced after construction makes the config's rebuild
+    another model; the warning, said when training begins, names the Hugging Face class,
+    its config class and the factory to pass, to rec.watch and to the callback."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(targets.gpt2_config())
+    model.lm_head = torch.nn.Linear(16, 50, bias=True)  # not what the config builds
+    train(tmp_path, model, targets.Tokens(causal=True), max_steps=1)
+    warning = next(line for line in capfd.readouterr().err.splitlines()
+                   if line.startswith("gpucase: warning:"))
+    assert "GPT2LMHeadModel is a Hugging Face model" in warning, warning
+    assert "GPT2LMHeadModel(GPT2Config(...))" in warning
+    assert 'rec.watch(model, factory="mypkg.models:build"' in warning
+    assert 'GpuCaseCallback(factory="mypkg.models:build"' in warning

@@ -332,7 +332,35 @@ def _shape(value: Any) -> tuple[int, ...] | str:
 def rebuild_of(module: torch.nn.Module, factory: str | None,
                kwargs: Mapping[str, Any] | None, *, check: bool = True) -> Rebuild:
     """How a replay rebuilds ``module`` (see the module's docstring), checked on ``meta``
-    unless ``check`` is False."""
+    unless ``check`` is False; when there is none, why, and the factory to pass, in the
+    words of the model's framework (``_fix_for``)."""
+    rebuild = _rebuild_of(module, factory, kwargs, check=check)
+    if rebuild.factory is None and _FIX in rebuild.why_not:
+        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(_FIX, _fix_for(module)))
+    return rebuild
+
+
+def _fix_for(module: Any) -> str:
+    """What to pass so that a replay can build ``module``: a factory, named the way its
+    framework's callback takes it too (a Hugging Face model: the class and its config
+    class said, and ``GpuCaseCallback(factory=...)``)."""
+    name = type(module).__qualname__
+    if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+        config = getattr(getattr(type(module), "config_class", None), "__name__", "its config")
+        return (f"{name} is a Hugging Face model; pass a function that builds it as training "
+                f"did ({name}({config}(...)), or {name}.from_pretrained of a local folder, "
+                "then any change made to it): rec.watch(model, factory=\"mypkg.models:build\", "
+                "kwargs={...}), or with the Trainer GpuCaseCallback(factory="
+                "\"mypkg.models:build\", kwargs={...})")
+    if lightning_module(module):
+        return (f"{name} is a LightningModule; pass a function that builds it: "
+                "rec.watch(model, factory=\"mypkg.models:build\", kwargs={...}), or with the "
+                "Trainer GpuCaseCallback(factory=\"mypkg.models:build\", kwargs={...})")
+    return _FIX
+
+
+def _rebuild_of(module: torch.nn.Module, factory: str | None,
+                kwargs: Mapping[str, Any] | None, *, check: bool) -> Rebuild:
     name = type(module).__qualname__
     if factory is not None:
         literal = as_literal(dict(kwargs or {}))
