@@ -27,6 +27,7 @@ import inspect
 import json
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -534,13 +535,14 @@ def rebuild_files(rebuild: Rebuild, root: Path) -> dict[str, str]:
     if rebuild.script is not None:
         recipe["script"] = case_relative(rebuild.script, root)
     files = {_MODEL_FILE: json.dumps(recipe, indent=2) + "\n",
-             "case.py": _CASE_PY.format(how=rebuild.how)}
+             "case.py": _CASE_PY.format(how="\n".join(textwrap.wrap(
+                 f"Builds the model this case replays: {rebuild.how}.", 88)))}
     if rebuild.config is not None:
         files[_CONFIG_FILE] = rebuild.config
     return files
 
 
-_CASE_PY = '''"""Builds the model this case replays: {how}.
+_CASE_PY = '''"""{how}
 
 Written by the gpucase Recorder; model.json says what is built.
 """
