@@ -5,6 +5,7 @@ too), a namespace, a named tuple, a typed dict, a pydantic model or a Hugging Fa
 from __future__ import annotations
 
 import dataclasses
+import enum
 from typing import Any, NamedTuple, TypedDict
 
 import torch
@@ -16,6 +17,11 @@ class Sizes:
     dim: int = 4
 
 
+class Act(enum.Enum):
+    GELU = "gelu"
+    RELU = "relu"
+
+
 @dataclasses.dataclass
 class GPTConfig:
     sizes: Sizes = dataclasses.field(default_factory=Sizes)
@@ -23,6 +29,7 @@ class GPTConfig:
     name: str = "tiny"
     api_key: str = ""      # read by no constructor: a secret the case never holds
     extra: Any = None      # plain data, or not (a tensor, a function)
+    act: Act = Act.GELU
 
 
 class TupleConfig(NamedTuple):

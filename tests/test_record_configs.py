@@ -53,6 +53,17 @@ def test_a_nested_dataclass_config_is_rebuilt_from_its_fields(tmp_path: Path) ->
     assert built.config == model.config
 
 
+def test_enum_and_dtype_fields_are_kept_by_name(tmp_path: Path) -> None:
+    config = targets.GPTConfig(targets.Sizes(vocab=8, dim=6), act=targets.Act.RELU,
+                               extra=torch.bfloat16)
+    recipe, built = _rebuilt(tmp_path, targets.GPT(config))
+    fields = recipe["kwargs"]["config"]["fields"]
+    assert fields["act"] == {"gpucase_config": "enum", "class": "tests.config_targets:Act",
+                             "fields": {"name": "RELU"}}
+    assert fields["extra"]["fields"] == {"name": "bfloat16"}
+    assert built.config == config and built.config.extra is torch.bfloat16
+
+
 @pytest.mark.parametrize("config", [
     types.SimpleNamespace(vocab=8, dim=6),
     targets.TupleConfig(vocab=8, dim=6),

@@ -466,6 +466,19 @@ def _hf_config(cls: Any, fields: dict[str, Any]) -> Any:
     return cls.from_dict(fields)
 
 
+def _enum_member(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls[fields["name"]]
+
+
+def _dtype(cls: Any, fields: dict[str, Any]) -> Any:
+    import torch
+
+    found = getattr(torch, str(fields["name"]), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"model.json: torch has no dtype {fields['name']!r}")
+    return found
+
+
 # kind -> how the object is built again from its class and its fields (nested ones first),
 # and, in words, for the case.py a rebuild writes.
 CONFIG_KINDS: dict[str, tuple[Any, str]] = {
@@ -474,6 +487,8 @@ CONFIG_KINDS: dict[str, tuple[Any, str]] = {
     "namedtuple": (_from_fields, "Class(**fields)"),
     "pydantic": (_pydantic, "Class.model_validate(fields)"),
     "hf_config": (_hf_config, "Class.from_dict(fields)"),
+    "enum": (_enum_member, "Class[name]"),
+    "dtype": (_dtype, "torch.<name>"),
 }
 
 

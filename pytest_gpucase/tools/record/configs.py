@@ -7,7 +7,8 @@ as its kind, its importable class and its fields, ``{CONFIG_KEY: kind, "class":
 "pkg.mod:Config", "fields": {...}}``, which ``run.replay.decode_configs`` builds again
 (``CONFIG_KINDS``, the one table of how each kind is built). A typed dict is a dict. A field
 that is no plain data (a tensor, a function, another object) makes the rebuild impossible,
-and the reason names the field (``config.act is a function``).
+and the reason names the field (``config.act is a function``). An enum member and a torch
+dtype, which config fields often hold, are kept the same way (by name).
 
 Also where a replay finds a class again: an import, or the script that was run.
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import enum
 import json
 import math
 import os
@@ -59,6 +61,15 @@ def _namespace(value: Any) -> bool:
     return isinstance(value, types.SimpleNamespace | argparse.Namespace)
 
 
+def _enum(value: Any) -> bool:
+    return isinstance(value, enum.Enum)
+
+
+def _dtype(value: Any) -> bool:
+    torch = sys.modules.get("torch")
+    return torch is not None and isinstance(value, torch.dtype)
+
+
 def _dataclass_fields(value: Any) -> Mapping[str, Any]:
     # Fields the constructor takes: init=False ones are computed again by it.
     return {f.name: getattr(value, f.name) for f in dataclasses.fields(value) if f.init}
@@ -72,6 +83,9 @@ _READERS: tuple[tuple[str, Callable[[Any], bool], Callable[[Any], Mapping[str, A
     ("dataclass", _dataclass, _dataclass_fields),
     ("namedtuple", _namedtuple, lambda v: v._asdict()),
     ("namespace", _namespace, vars),
+    # Not config objects, but what their fields often hold (an activation, a dtype).
+    ("enum", _enum, lambda v: {"name": v.name}),
+    ("dtype", _dtype, lambda v: {"name": str(v).removeprefix("torch.")}),
 )
 
 
