@@ -4,10 +4,11 @@ In order: a factory the user names; a Hugging Face ``PreTrainedModel`` (its conf
 the config's own JSON, ``config.json``, and rebuilt with its class); a LightningModule whose
 ``save_hyperparameters()`` kept its constructor's arguments; otherwise the class called
 with the constructor arguments read back from its same-named attributes (what torch.nn
-built-ins keep). A class defined in the script that was run (``__main__``) is found again
-in that script, whose definitions a replay loads without running it (``load_script``): the
-replay sees the script as it is then, so a fix to the class shows as XPASS, where a copy
-kept with the case would fail forever.
+built-ins keep), a config object among them kept as its kind, class and fields
+(``configs``: nanoGPT's ``GPT(GPTConfig(...))``). A class defined in the script that was
+run (``__main__``) is found again in that script, whose definitions a replay loads without
+running it (``load_script``): the replay sees the script as it is then, so a fix to the
+class shows as XPASS, where a copy kept with the case would fail forever.
 
 Every rebuild is checked when it is chosen: the model is built again on the ``meta`` device
 (no memory, no time, the RNG untouched) and must print as the watched one does and hold the
@@ -52,7 +53,6 @@ __all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "lightning_modul
 CASE_BUILDER = "case.py:make_model"
 _MODEL_FILE = "model.json"
 _CONFIG_FILE = "config.json"
-_FIX = FIX
 
 
 @dataclass(frozen=True)
@@ -155,7 +155,7 @@ def _read_back(module: Any, reading: Plain) -> tuple[dict[str, Any] | None, str]
     try:
         signature = inspect.signature(cls.__init__)
     except (TypeError, ValueError):
-        return None, f"the constructor of {cls.__qualname__} has no readable signature: {_FIX}"
+        return None, f"the constructor of {cls.__qualname__} has no readable signature: {FIX}"
     found: dict[str, Any] = {}
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in ("device",
@@ -175,11 +175,11 @@ def _read_back(module: Any, reading: Plain) -> tuple[dict[str, Any] | None, str]
             continue
         elif param.default is param.empty and why:
             return None, (f"{cls.__qualname__}({name}=...) cannot be rebuilt from what the "
-                          f"model keeps: {why}: {_FIX}")
+                          f"model keeps: {why}: {FIX}")
         elif param.default is param.empty:
             return None, (f"{cls.__qualname__}({name}=...) cannot be read back from the "
                           f"module: it keeps no attribute named {name}, nor one config "
-                          f"object under another name: {_FIX}")
+                          f"object under another name: {FIX}")
     return found, ""
 
 
@@ -259,7 +259,7 @@ def _lightning_hparams(module: Any, reading: Plain) -> tuple[dict[str, Any] | No
     if getattr(module, "_hparams_name", "kwargs") not in (None, "kwargs"):
         return None, (f"{type(module).__qualname__} saved its hyperparameters as one "
                       f"argument ({module._hparams_name}), which a replay cannot pass back: "
-                      f"{_FIX}")
+                      f"{FIX}")
     values: dict[str, Any] = {}
     bad: list[str] = []
     for key, value in dict(hparams).items():
@@ -268,7 +268,7 @@ def _lightning_hparams(module: Any, reading: Plain) -> tuple[dict[str, Any] | No
             bad.append(why)
     if bad:
         return None, (f"the hyperparameters {type(module).__qualname__} saved cannot be "
-                      f"passed back by a replay: {'; '.join(bad)}: {_FIX}")
+                      f"passed back by a replay: {'; '.join(bad)}: {FIX}")
     return values, ""
 
 
@@ -336,8 +336,8 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
     unless ``check`` is False; when there is none, why, and the factory to pass, in the
     words of the model's framework (``_fix_for``)."""
     rebuild = _rebuild_of(module, factory, kwargs, check=check)
-    if rebuild.factory is None and _FIX in rebuild.why_not:
-        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(_FIX, _fix_for(module)))
+    if rebuild.factory is None and FIX in rebuild.why_not:
+        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(FIX, _fix_for(module)))
     return rebuild
 
 
@@ -357,7 +357,7 @@ def _fix_for(module: Any) -> str:
         return (f"{name} is a LightningModule; pass a function that builds it: "
                 "rec.watch(model, factory=\"mypkg.models:build\", kwargs={...}), or with the "
                 "Trainer GpuCaseCallback(factory=\"mypkg.models:build\", kwargs={...})")
-    return _FIX
+    return FIX
 
 
 def _rebuild_of(module: torch.nn.Module, factory: str | None,
@@ -387,7 +387,7 @@ def _rebuild_of(module: torch.nn.Module, factory: str | None,
     differs, unchecked = _difference(module, build)
     if differs is not None:
         return Rebuild(None, {}, f"{rebuild.how} would not be the watched model: {differs}; "
-                       f"{_FIX}")
+                       f"{FIX}")
     if unchecked is not None:
         return replace(rebuild, notes=(*rebuild.notes, f"the rebuild of {name} could not be "
                                        f"checked ({unchecked})"))
