@@ -458,8 +458,9 @@ def test_a_dataclass_configured_model_with_tied_weights_turns_xpass_when_fixed(
     assert "incomplete" not in doc["origin"], doc["origin"]
     assert doc["inputs"]["gpucase_module"]["tied"] == {"head.weight": "emb.weight"}
     assert json.loads((case_dir / "model.json").read_text())["kwargs"] == {"cfg": {
-        "gpucase_dataclass": "Config", "fields": {
-            "sizes": {"gpucase_dataclass": "Sizes", "fields": {"vocab": 8, "dim": 6}},
+        "gpucase_config": "dataclass", "class": "Config", "fields": {
+            "sizes": {"gpucase_config": "dataclass", "class": "Sizes",
+                      "fields": {"vocab": 8, "dim": 6}},
             "name": "tiny"}}}
     assert validate([case_dir]) == []
     replays(case_dir, "IndexError")

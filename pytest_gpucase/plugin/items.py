@@ -11,6 +11,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import functools
+import re
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -488,6 +489,8 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
     if (spec is not None and not outcome.broken_case and not known
             and xfail_reason(spec) is not None):
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
+    elif spec is not None and _missing_module(outcome) is not None:
+        text += "\n\n" + _missing_text(spec.case, outcome)
     if spec is not None:
         text += _incomplete_text(spec.case)
     return terminal_safe(text)   # the child's words must not drive the terminal
@@ -504,6 +507,35 @@ def _incomplete_text(case: Case) -> str:
             f"failure as captured until what is missing is added:{listed}")
 
 
+_NO_MODULE = re.compile(r"No module named '([A-Za-z_][\w.]*)'")
+
+
+def _missing_module(outcome: Outcome) -> str | None:
+    """The top-level module a run could not import (a ModuleNotFoundError), or None."""
+    if outcome.error_type != "ModuleNotFoundError":
+        return None
+    found = _NO_MODULE.search(outcome.error_message or outcome.summary or "")
+    return found.group(1).split(".")[0] if found else None
+
+
+def _missing_text(case: Case, outcome: Outcome) -> str:
+    """What a case that cannot import a package here should change: not its expectation."""
+    name = _missing_module(outcome) or "?"
+    for folder in list(case.path.parents)[:8]:
+        if (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file():
+            return (f"The case imports {name}, the project's code in {folder.name or folder}/, "
+                    "which this run cannot import: put that folder on pytest's path "
+                    "(pythonpath = [\".\"] in the project's pytest configuration, see "
+                    "docs/case-format.md, where call is imported from); never make "
+                    "ModuleNotFoundError the case's expectation.")
+    return (f"The case imports {name}, which is not installed on this runner: the failure "
+            "says nothing of the code under test. Install it here, or declare it in "
+            f"{case.path.name}/case.toml so that a runner "
+            f"without it skips the case with the reason: [matrix.packages] {name} = \"\" "
+            "(the name of its distribution, where that differs); never make "
+            "ModuleNotFoundError the case's expectation.")
+
+
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
     that now rejects the input should change in ``case.toml``."""
@@ -517,6 +549,8 @@ def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
                 "whether the call is fixed.")
     text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
             "counts as expected.")
+    if _missing_module(outcome) is not None:
+        return text + " " + _missing_text(case, outcome)
     # The call itself raised it: an exception of the case's setup (importing the model,
     # building it, loading its state: run.outcome.CaseSetupError) is a broken case, and
     # expecting it would turn a case that cannot replay into a green test.

@@ -35,8 +35,8 @@ from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, describe_
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATACLASS_KEY", "build_model", "constructed", "decode_dataclasses",
-           "decode_nested", "import_target", "load_checkpoint",
+__all__ = ["CONFIG_KEY", "CONFIG_KINDS", "DATACLASS_KEY", "build_model", "constructed",
+           "decode_configs", "decode_nested", "find_class", "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
            "retie", "rng_kept", "script_definitions", "with_aliases"]
 
@@ -675,30 +675,73 @@ def build_model(recipe_file: Path) -> torch.nn.Module:
     """Build the model a ``model.json`` describes (the Recorder writes it, with the
     ``case.py`` that calls this): ``class`` ("pkg.mod:Qual", or "Qual" of ``script``, a path
     relative to that file), then either ``config`` (a Hugging Face config file, read with
-    the class's ``config_class``) or ``kwargs`` (the constructor's keyword arguments)."""
+    the class's ``config_class``) or ``kwargs`` (the constructor's keyword arguments, config
+    objects among them as ``decode_configs`` reads them)."""
     recipe_file = Path(recipe_file)
     recipe = json.loads(recipe_file.read_text(encoding="utf-8"))
     target = str(recipe["class"])
     script = (load_script(recipe_file.parent / str(recipe["script"]))
               if recipe.get("script") else None)
-    cls = _class_of(target, script)
+    cls = find_class(target, script)
     if recipe.get("config"):
         config = cls.config_class.from_json_file(str(recipe_file.parent / recipe["config"]))
         attention = recipe.get("attn_implementation")
         if attention:
             config._attn_implementation = attention
         return cls(config)  # type: ignore[no-any-return]
-    kwargs = decode_dataclasses(dict(recipe.get("kwargs", {})), script)
+    kwargs = decode_configs(dict(recipe.get("kwargs", {})), script)
     return cls(**kwargs)  # type: ignore[no-any-return]
 
 
-# A constructor argument that is a dataclass instance (a model's config object), as
-# ``model.json`` holds it: ``{DATACLASS_KEY: "pkg.mod:Config" or "Config" of the script,
-# "fields": {...}}``.
+# A constructor argument that is a config object (a dataclass, a namespace, a named tuple, a
+# pydantic model, a Hugging Face ``PretrainedConfig``), as ``model.json`` holds it:
+# ``{CONFIG_KEY: kind, "class": "pkg.mod:Config" or "Config" of the script, "fields": {...}}``
+# (``tools.record.configs`` reads one; ``CONFIG_KINDS`` builds it again). Cases written before
+# hold a dataclass as ``{DATACLASS_KEY: "pkg.mod:Config", "fields": {...}}``.
+CONFIG_KEY = "gpucase_config"
 DATACLASS_KEY = "gpucase_dataclass"
 
 
-def _class_of(target: str, script: ModuleType | None) -> Any:
+def _from_fields(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls(**fields)
+
+
+def _pydantic(cls: Any, fields: dict[str, Any]) -> Any:
+    validate = getattr(cls, "model_validate", None) or getattr(cls, "parse_obj", None)
+    return validate(fields) if callable(validate) else cls(**fields)
+
+
+def _hf_config(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls.from_dict(fields)
+
+
+def _enum_member(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls[fields["name"]]
+
+
+def _dtype(cls: Any, fields: dict[str, Any]) -> Any:
+    import torch
+
+    found = getattr(torch, str(fields["name"]), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"model.json: torch has no dtype {fields['name']!r}")
+    return found
+
+
+# kind -> how the object is built again from its class and its fields (nested ones first),
+# and, in words, for the case.py a rebuild writes.
+CONFIG_KINDS: dict[str, tuple[Any, str]] = {
+    "dataclass": (_from_fields, "Class(**fields)"),
+    "namespace": (_from_fields, "Class(**fields)"),
+    "namedtuple": (_from_fields, "Class(**fields)"),
+    "pydantic": (_pydantic, "Class.model_validate(fields)"),
+    "hf_config": (_hf_config, "Class.from_dict(fields)"),
+    "enum": (_enum_member, "Class[name]"),
+    "dtype": (_dtype, "torch.<name>"),
+}
+
+
+def find_class(target: str, script: ModuleType | None) -> Any:
     """The class ``target`` names: "pkg.mod:Qual", or "Qual" of the ``script`` module."""
     if script is None or ":" in target:
         return import_target(target)
@@ -708,17 +751,26 @@ def _class_of(target: str, script: ModuleType | None) -> Any:
     return obj
 
 
-def decode_dataclasses(value: Any, script: ModuleType | None = None) -> Any:
-    """``value`` with each dataclass ``model.json`` describes (``DATACLASS_KEY``) built
-    again from its fields, nested ones first."""
+def decode_configs(value: Any, script: ModuleType | None = None) -> Any:
+    """``value`` with each config object ``model.json`` describes (``CONFIG_KEY``, or a
+    dataclass of an older case under ``DATACLASS_KEY``) built again from its fields, nested
+    ones first."""
     if isinstance(value, list):
-        return [decode_dataclasses(v, script) for v in value]
+        return [decode_configs(v, script) for v in value]
     if not isinstance(value, Mapping):
         return value
+    if CONFIG_KEY in value:
+        kind = str(value[CONFIG_KEY])
+        if kind not in CONFIG_KINDS:
+            raise ValueError(f"model.json: {CONFIG_KEY} = {kind!r} is not a kind this version "
+                             f"builds ({', '.join(CONFIG_KINDS)}): record the case again")
+        cls = find_class(str(value["class"]), script)
+        return CONFIG_KINDS[kind][0](cls, decode_configs(dict(value.get("fields", {})),
+                                                          script))
     if DATACLASS_KEY in value:
-        cls = _class_of(str(value[DATACLASS_KEY]), script)
-        return cls(**decode_dataclasses(dict(value.get("fields", {})), script))
-    return {k: decode_dataclasses(v, script) for k, v in value.items()}
+        cls = find_class(str(value[DATACLASS_KEY]), script)
+        return cls(**decode_configs(dict(value.get("fields", {})), script))
+    return {k: decode_configs(v, script) for k, v in value.items()}
 
 
 def load_checkpoint(path: Path, sha256: str | None, prefix: str = "",

@@ -324,14 +324,17 @@ class ModuleSaver:
             entered = None
         if entered is not None and entered[1] is watch.module:
             entered = None
-        if not watch.rebuild.factory:
-            return  # nothing narrower than a module that cannot be rebuilt
+        # A model that cannot be rebuilt still has narrowed cases that need no rebuild of it
+        # (an nn.Embedding's, the op's found in that one); write_narrowed names each not written.
+        unreplayable = ("" if watch.rebuild.factory else
+                        f"{type(watch.module).__qualname__} cannot be rebuilt: "
+                        f"{watch.rebuild.why_not}")
         written = len(rec.narrowed_new)
-        with contextlib.suppress(Exception):
-            write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
-                           root=rec.case_root(), stderr_file=rec.stderr_file,
-                           context=rec.context(), device_names=rec.device_names,
-                           kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded)
+        write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
+                       root=rec.case_root(), stderr_file=rec.stderr_file,
+                       context=rec.context(), device_names=rec.device_names,
+                       kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded,
+                       unreplayable=unreplayable)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec.narrowed_new[written:])
 
