@@ -117,7 +117,7 @@ def test_a_call_that_draws_random_numbers_gets_no_rows_check(tmp_path: Path) -> 
 
 
 def test_the_shape_check_holds_even_where_the_rows_are_not_compared(tmp_path: Path) -> None:
-    found, notes = problems(tmp_path, broadcast_against_four, independent=False)
+    found, _ = problems(tmp_path, broadcast_against_four, independent=False)
     assert len(found) == 1 and "holds 4" in found[0]
 
 
