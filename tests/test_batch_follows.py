@@ -39,7 +39,7 @@ def case_of(tmp_path: Path, independent: str = "") -> Case:
 
 def problems(tmp_path: Path, func: Any, size: int = 1, independent: bool = True,
              **inputs: Any) -> tuple[list[str], list[str]]:
-    return batch_problems(case_of(tmp_path), func, inputs or {"x": TOKENS}, {},
+    return batch_problems(case_of(tmp_path), func, lambda: dict(inputs or {"x": TOKENS}), {},
                           Variant("batch", size), torch.float32, independent)
 
 
@@ -154,3 +154,8 @@ def test_a_hard_coded_batch_fails_the_batch_variant_it_passed(tmp_path: Path) ->
     assert verdict.outcome.summary.startswith(
         "batch[1]: the outputs do not follow the batch: out: axis 0 should hold 1 entries")
     assert "independent = false" in verdict.outcome.details
+
+
+def test_a_call_that_writes_into_its_input_is_given_the_saved_batch_again(
+        tmp_path: Path) -> None:
+    assert problems(tmp_path, lambda x: x.mul_(2), size=3) == ([], [])

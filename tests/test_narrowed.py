@@ -63,7 +63,11 @@ def test_show_of_a_narrowed_case_names_its_parent(tmp_path: Path) -> None:
     text = show(children[0])
     assert f"narrowed: from {parent}: reproduces the op's failure on the inputs gpt's " in text
     assert f"(gpucase narrowed {parent} --delete)" in text
-    assert "narrowed:" not in show(parent)
+    assert (f"narrowed: to {children[0].name}, {children[1].name} beside it; once it passes, "
+            f"delete them with its xfail line (gpucase narrowed {parent} --delete)") in show(parent)
+    assert f"narrowed: from {tmp_path / 'gpt2_other'} (not found beside it)" in show(
+        tmp_path / "gpt2")
+    assert "narrowed:" not in show(case(tmp_path / "apart", "alone"))
 
 
 def test_gpucase_narrowed_lists_then_deletes_them(tmp_path: Path,

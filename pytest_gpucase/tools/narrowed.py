@@ -94,10 +94,16 @@ def delete_narrowed(case_dir: Path) -> list[Path]:
 
 
 def parent_lines(case: Case) -> list[str]:
-    """``gpucase show``'s lines of a narrowed case: its parent and what it is."""
+    """``gpucase show``'s lines of a narrowed case (its parent and what it is), or of a case
+    narrowed from (its narrowed cases, to delete with its xfail line once it passes)."""
     parent = case.origin.get(NARROWED_FROM)
     if not isinstance(parent, str) or not parent:
-        return []
+        found = narrowed_cases(case.path) if case.origin else []
+        if not found:
+            return []
+        return [f"narrowed: to {', '.join(path.name for path in found)} beside it; once it "
+                "passes, delete them with its xfail line (gpucase narrowed "
+                f"{display(case.path)} --delete)"]
     where = case.path.parent / parent
     state = "" if (where / CASE_FILE).is_file() else " (not found beside it)"
     return [f"narrowed: from {display(where)}{state}: reproduces the op's failure on the "
