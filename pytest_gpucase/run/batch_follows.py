@@ -134,13 +134,18 @@ def batch_problems(case: Case, func: Callable[..., Any], loaded: Callable[[], di
     size = variant.value
     if size == saved:
         return [], []
-    start = rng.get("cpu")
+    start = rng["cpu"].to(torch.uint8) if "cpu" in rng else torch.get_rng_state()
     versions = tensor_versions(tensors_of(inputs))
-    full, coupled_full = _outputs(case, func, inputs, start)
+    full, coupled_full, drew = _outputs(case, func, inputs, start)
     if tensor_versions(tensors_of(inputs)) != versions:  # the call wrote into its inputs
         inputs = reference_inputs(case, loaded())
-    small, coupled_small = _outputs(case, func, apply_variant(variant, inputs), start)
-    coupled = coupled_full or coupled_small
+    small_inputs = apply_variant(variant, inputs)
+    small, coupled, drew_small = _outputs(case, func, small_inputs, start)
+    coupled = coupled_full or coupled
+    if coupled is None and independent and (drew or drew_small) and _random(
+            case, func, small_inputs, small, start):
+        coupled = ("the outputs depend on random draws (a dropout?), whose order may depend "
+                   "on the batch size")
     tolerance = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES[torch.float32])
     problems: list[str] = []
     rows: list[str] = []
@@ -166,19 +171,37 @@ def batch_problems(case: Case, func: Callable[..., Any], loaded: Callable[[], di
 
 
 def _outputs(case: Case, func: Callable[..., Any], inputs: Mapping[str, Any],
-             start: torch.Tensor | None) -> tuple[dict[str, torch.Tensor], str | None]:
-    """The call's tensor outputs by path, and why its samples may meet (None: no sign)."""
-    state = start.to(torch.uint8) if start is not None else torch.get_rng_state()
+             state: torch.Tensor) -> tuple[dict[str, torch.Tensor], str | None, bool]:
+    """The call's tensor outputs by path from the CPU random state ``state``, why its
+    samples may meet (None: no sign), and whether it drew random numbers."""
     torch.set_rng_state(state)
     watch = _Coupling()
     with torch.set_grad_enabled(grad_mode(case.context)), watch:
         out = call(func, inputs, False, "cpu")
-    why = watch.found
-    if why is None and not torch.equal(state, torch.get_rng_state()):
-        why = "the call draws random numbers, whose order may depend on the batch size"
+    drew = not torch.equal(state, torch.get_rng_state())
     leaves = {path: value for path, value in named_leaves(out["out"], "out")
               if isinstance(value, torch.Tensor) and value.layout == torch.strided}
-    return leaves, why
+    return leaves, watch.found, drew
+
+
+def _random(case: Case, func: Callable[..., Any], inputs: Mapping[str, Any],
+            found: Mapping[str, torch.Tensor], start: torch.Tensor) -> bool:
+    """Whether the outputs ``found`` change when the call starts from another random state.
+
+    A call that draws numbers only to be overwritten (a model built, then its saved state
+    loaded) gives the same outputs: its rows can be compared."""
+    other = torch.Generator().manual_seed(_OTHER_SEED).get_state()
+    if torch.equal(other, start):
+        other = torch.Generator().manual_seed(_OTHER_SEED + 1).get_state()
+    again, _, _ = _outputs(case, func, inputs, other)
+    return set(again) != set(found) or not all(
+        again[path].shape == value.shape and bool(_close(again[path], value, _EXACT).all())
+        for path, value in found.items())
+
+
+# Another random state than the saved one, to see whether the outputs depend on it.
+_OTHER_SEED = 0x5EED
+_EXACT = Tolerance()
 
 
 def _close(a: torch.Tensor, b: torch.Tensor, tolerance: Tolerance) -> torch.Tensor:
@@ -218,7 +241,7 @@ def _shape_problem(path: str, whole: torch.Tensor, part: torch.Tensor, saved: in
         tail = _rows_close(part.narrow(axis, size, saved - size),
                            whole.narrow(axis, size, saved - size), axis, tolerance)
         if bool(head.all()) and not bool(tail.any()):
-            return (f"{path}: axis {axis} should hold {size} entries (the variant's batch), "
+            return (f"{path}: axis {axis} should hold {_entries(size)} (the variant's batch), "
                     f"but holds {saved}, as on the saved batch of {saved}: its first {size} "
                     f"match the saved batch's, the other {saved - size} are made from the "
                     f"{size} kept samples (a batch size of {saved} written into the code? a "
@@ -248,6 +271,12 @@ def _rows_problem(path: str, whole: torch.Tensor, part: torch.Tensor, saved: int
         if part.is_floating_point() else None
     shown = ", ".join(map(str, rows[:5])) + (", ..." if len(rows) > 5 else "")
     by = f" (largest difference {float(worst):.3g})" if worst is not None else ""
-    return (f"{path}: rows {shown} on axis {axis} differ from the same rows of the saved "
-            f"batch's output{by}: a sample's output depends on the other samples of its "
-            "batch (a reshape or view that mixes samples, a batch size written into the code)")
+    which = f"row {shown} on axis {axis} differs" if len(rows) == 1 else (
+        f"rows {shown} on axis {axis} differ")
+    return (f"{path}: {which} from the same of the saved batch's output{by}: a sample's "
+            "output depends on the other samples of its batch (a reshape or view that mixes "
+            "samples, a batch size written into the code)")
+
+
+def _entries(count: int) -> str:
+    return f"{count} entry" if count == 1 else f"{count} entries"
