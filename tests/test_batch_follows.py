@@ -168,10 +168,10 @@ class MixingNet(torch.nn.Module):
         super().__init__()
         torch.manual_seed(3)
         self.norm = torch.nn.BatchNorm1d(6).double()
-        self.norm.running_mean.normal_()
+        torch.nn.init.normal_(self.norm.running_mean)  # type: ignore[arg-type]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.norm(x)
+        y: torch.Tensor = self.norm(x)
         return y.t().reshape(y.shape)
 
 
