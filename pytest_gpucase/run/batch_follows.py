@@ -20,9 +20,11 @@ variant's; an output axis of size ``B`` in the full run is a candidate batch axi
   its shape unchanged) must equal the full batch's output narrowed to the first ``k`` rows
   on those axes, within the run precision's tolerance. Not where the samples of a batch
   meet by design: a batch norm using the batch's statistics ran (training mode, or no
-  running statistics), the call drew random numbers (a dropout mask's order may depend on
-  the batch size), or ``[variants] batch`` says ``independent = false`` (a contrastive loss,
-  statistics over the batch); each said in a note.
+  running statistics), random draws reach the outputs (a dropout mask's order may depend
+  on the batch size; the variant's batch runs again from another random state to tell
+  them from a model's initialisation, which its saved state overwrites), or ``[variants]
+  batch`` says ``independent = false`` (a contrastive loss, statistics over the batch);
+  each said in a note.
 
 A failure names the output, the axis, the size expected and the size found. The check runs
 only when the variant's verdict passed: a failed comparison already fails the item.
