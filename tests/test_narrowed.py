@@ -61,7 +61,7 @@ def test_a_case_s_narrowed_cases_are_those_naming_it_beside_it(tmp_path: Path) -
 def test_show_of_a_narrowed_case_names_its_parent(tmp_path: Path) -> None:
     parent, children = family(tmp_path)
     text = show(children[0])
-    assert f"narrowed: from {parent}: reproduces the op's failure on the inputs gpt's " in text
+    assert f"narrowed: from {parent}: replays a submodule or an op on the inputs gpt's " in text
     assert f"(gpucase narrowed {parent} --delete)" in text
     assert (f"narrowed: to {children[0].name}, {children[1].name} beside it; once it passes, "
             f"delete them with its xfail line (gpucase narrowed {parent} --delete)") in show(parent)
@@ -93,7 +93,7 @@ def test_a_parent_turning_xpass_names_its_narrowed_cases(pytester: pytest.Pytest
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*XPASS(strict)*", "*gpucase narrowed cases*",
                                  f"*cases/gpt passes: its narrowed cases (cases/"
-                                 f"{children[0].name}, cases/{children[1].name}) reproduce*"])
+                                 f"{children[0].name}, cases/{children[1].name}) replay a submodule*"])
 
 
 @pytest.mark.slow

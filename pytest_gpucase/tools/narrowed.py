@@ -38,9 +38,9 @@ def narrowed_xfail(error: str, parent: str, what: str) -> str:
     ``module transformer.wte``), whose failure is ``error``."""
     return (f"narrowed from {parent}: {what} fails on the inputs the failure of {parent} "
             f"gave it ({error}); a fix in the calling code does not change these saved "
-            f"inputs, so this passes only if {what} itself is changed to accept or reject "
-            f"them differently; delete this case with the xfail line of {parent} once "
-            f"{parent} passes")
+            f"inputs, so this passes only if {what} itself (its code, or what it is built "
+            "from) is changed to accept or reject them differently; delete this case with "
+            f"the xfail line of {parent} once {parent} passes")
 
 
 def narrowed_cases(case_dir: Path) -> list[Path]:
@@ -79,9 +79,10 @@ def narrowed_note(case_dir: Path) -> str | None:
     if not found:
         return None
     names = ", ".join(display(path) for path in found)
-    return (f"{display(case_dir)} passes: its narrowed cases ({names}) reproduce the op's "
-            "failure on the inputs the fixed bug gave it and will not pass; delete them with "
-            f"its xfail line: gpucase narrowed {display(case_dir)} --delete")
+    return (f"{display(case_dir)} passes: its narrowed cases ({names}) replay a submodule or "
+            "an op on the inputs its failure gave them, which a fix outside them does not "
+            "change: delete them with its xfail line: gpucase narrowed "
+            f"{display(case_dir)} --delete")
 
 
 def delete_narrowed(case_dir: Path) -> list[Path]:
@@ -106,6 +107,6 @@ def parent_lines(case: Case) -> list[str]:
                 f"{display(case.path)} --delete)"]
     where = case.path.parent / parent
     state = "" if (where / CASE_FILE).is_file() else " (not found beside it)"
-    return [f"narrowed: from {display(where)}{state}: reproduces the op's failure on the "
+    return [f"narrowed: from {display(where)}{state}: replays a submodule or an op on the "
             f"inputs {parent}'s failure gave it; delete it with {parent}'s xfail line once "
             f"{parent} passes (gpucase narrowed {display(where)} --delete)"]
