@@ -115,6 +115,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="a folder of cases, or its .gpucase-store (default: cases)")
     store.add_argument("--prune", action="store_true", help="remove them")
 
+    narrowed = commands.add_parser(
+        "narrowed", help="list (or --delete) the cases the Recorder narrowed from a case")
+    narrowed.add_argument("case", type=Path, metavar="CASE", help="the parent case directory")
+    narrowed.add_argument("--delete", action="store_true",
+                          help="delete them, and the store files no case names any more")
+
     minimize = commands.add_parser(
         "minimize", help="shrink a failing case to the fewest entries that still fail the same way")
     minimize.add_argument("case", type=Path, metavar="CASE", help="the failing case directory")
@@ -263,6 +269,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "request": _request,
         "validate": _validate,
         "store": _store,
+        "narrowed": _narrowed,
         "minimize": _minimize,
         "ablate": _ablate,
         "data-check": _data_check,
@@ -406,6 +413,33 @@ def _store(args: argparse.Namespace) -> int:
         return 0
     removed = prune(found)
     print(f"gpucase store: removed {len(removed)} file(s)")
+    return 0
+
+
+def _narrowed(args: argparse.Namespace) -> int:
+    from pytest_gpucase.base.errors import display
+    from pytest_gpucase.case.model import CASE_FILE
+    from pytest_gpucase.case.payload import STORE_DIR
+    from pytest_gpucase.tools.narrowed import delete_narrowed, narrowed_cases
+    from pytest_gpucase.tools.store import orphans, prune, stores_under
+
+    case: Path = args.case
+    if not (case / CASE_FILE).is_file():
+        return _error("narrowed", f"{display(case)} holds no {CASE_FILE}; name the case the "
+                      "Recorder narrowed from (the folder beside its narrowed cases)")
+    found = delete_narrowed(case) if args.delete else narrowed_cases(case)
+    for path in found:
+        print(display(path) + ("  (deleted)" if args.delete else ""))
+    if not found:
+        print(f"gpucase narrowed: no case beside {display(case)} was narrowed from it")
+    elif not args.delete:
+        print(f"gpucase narrowed: {len(found)} case(s); once {display(case)} passes, "
+              f"gpucase narrowed {display(case)} --delete deletes them")
+    else:
+        removed = prune([orphans(store) for store in stores_under([case.parent / STORE_DIR])])
+        print(f"gpucase narrowed: deleted {len(found)} case(s) and {len(removed)} store "
+              "file(s) no case names any more; remove the xfail line of "
+              f"{display(case / CASE_FILE)} too")
     return 0
 
 

@@ -424,6 +424,8 @@ class CaseItem(pytest.Item):
         self.user_properties.append(("gpucase_result", property_json(fields)))
         if verdict.outcome.status == "skipped":
             raise skip_here(verdict.outcome.summary)
+        if verdict.outcome.status == "passed" and xfail_reason(self.spec) is not None:
+            _note_narrowed(self, state)  # an XPASS(strict): its narrowed cases go with it
         if verdict.failed:
             if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
                 raise KnownFailure(verdict)
@@ -439,6 +441,17 @@ class CaseItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
+
+
+def _note_narrowed(item: CaseItem, state: Any) -> None:
+    """Name the narrowed cases of a case that now passes, to delete with its xfail line:
+    they replay the op with the inputs the fixed bug made, and never pass."""
+    from pytest_gpucase.tools.narrowed import narrowed_note
+
+    text = narrowed_note(item.spec.case.path)
+    if text is not None:
+        state.note(text)
+        item.add_report_section("call", "gpucase narrowed cases", text)
 
 
 def skip_here(reason: str) -> BaseException:

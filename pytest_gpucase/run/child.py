@@ -50,6 +50,7 @@ from pytest_gpucase.case.variants import (
 )
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import prepared, reference_cache
+from pytest_gpucase.run.batch_follows import batch_checked
 from pytest_gpucase.run.calls import (
     BadOutput,
     NothingDifferentiated,
@@ -160,7 +161,9 @@ def _run(spec: RunSpec) -> Outcome:
     del inputs
     run = Judged(spec, func, reference, lambda: _as_saved(spec, run_inputs, versions), rng,
                  cotangents, precision, returned, reload=lambda: _loaded_again(spec))
-    return run.verdict(actual)
+    # A batch variant's outputs must also follow its batch (run.batch_follows).
+    return batch_checked(spec, func, lambda: prepare(load_arguments(case)[0], "cpu", (
+        spec.dtype if spec.cast else None)), rng, precision, run.verdict(actual))
 
 
 def write_golden(case: Case) -> dict[str, str]:

@@ -48,6 +48,7 @@ from pytest_gpucase.tools.record.origin import (
     watched_call,
 )
 from pytest_gpucase.tools.record.owned import code_owned
+from pytest_gpucase.tools.narrowed import NARROWED_FROM, narrowed_xfail
 from pytest_gpucase.tools.record.rebuild import module_state, rebuild_files, rebuild_of
 from pytest_gpucase.tools.record.write import (
     Draft,
@@ -163,7 +164,8 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                            files=rebuild_files(rebuild, root))
         numeric.update(context_doc_of(case_dir, "autocast"))
         draft = dataclasses.replace(draft, context=numeric, origin={
-            **draft.origin, "narrowed_from": base, "module": qualname})
+            **draft.origin, NARROWED_FROM: base, "module": qualname},
+            xfail=draft.xfail and narrowed_xfail(error_line(exc), base, f"module {qualname}"))
         saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
         _report(saved, f"module {qualname}", new, kept, written)
         if saved is not None:
@@ -224,8 +226,8 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
     draft = Draft(
         name=f"{base}.{op}", call=REPLAY_OP,
         summary=f"{op} raised {error_line(exc)} (narrowed from {base})",
-        xfail=case.xfail, literals={OP_KEY: table},
-        origin={**case.origin, "narrowed_from": base, "op": op},
+        xfail=case.xfail and narrowed_xfail(error_line(exc), base, f"op {op}"),
+        literals={OP_KEY: table}, origin={**case.origin, NARROWED_FROM: base, "op": op},
         tensors=tensors, files={},
         # The op's arguments are recorded as it received them, after autocast cast them (or
         # not: a region with autocast off): autocast applied again around the op would cast
