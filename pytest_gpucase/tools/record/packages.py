@@ -95,10 +95,15 @@ def declared_packages(call: str, literals: Mapping[str, Any],
 
 def unreachable_modules(call: str, literals: Mapping[str, Any], files: Mapping[str, str],
                         case_dir: Path) -> dict[str, str]:
-    """``{module: folder}`` for each module of the project the case imports that neither
-    its project's import paths (``case.project.import_paths``) nor ``PYTHONPATH`` reach."""
+    """``{module: folder}`` for each module of the project the case imports from the folder
+    of the script that was run, which neither its project's import paths
+    (``case.project.import_paths``) nor ``PYTHONPATH`` reach."""
     from pytest_gpucase.case.project import import_paths
 
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if not isinstance(script, str):
+        return {}  # not a script's run (pytest, a notebook): its path is not the replay's
+    own = os.path.dirname(os.path.realpath(script))
     reach = {os.path.realpath(p) for p in (
         *import_paths(case_dir), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p}
     found: dict[str, str] = {}
@@ -113,6 +118,6 @@ def unreachable_modules(call: str, literals: Mapping[str, Any], files: Mapping[s
         for _ in range(module_name.count(".") + (os.path.basename(file).startswith(
                 "__init__.") and 1)):
             folder = os.path.dirname(folder)  # the folder the top-level package lies in
-        if folder not in reach:
+        if folder == own and folder not in reach:
             found[module_name.split(".")[0]] = folder
     return found
