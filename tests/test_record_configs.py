@@ -216,7 +216,7 @@ for it in range(3):
 '''
 
 
-def _nano_project(tmp_path: Path, init: str) -> tuple[Path, str]:
+def _nano_project(tmp_path: Path, init: str, config: bool = True) -> tuple[Path, str]:
     """Run a nanoGPT-shaped train.py (GPT(GPTConfig(...)), tied head) that fails on a token
     id equal to the vocabulary size; its cases folder and its stderr."""
     import os
@@ -227,7 +227,8 @@ def _nano_project(tmp_path: Path, init: str) -> tuple[Path, str]:
     project = tmp_path / "project"
     project.mkdir()
     (project / "model.py").write_text(textwrap.dedent(_MODEL_PY))
-    (project / "pytest.ini").write_text("[pytest]\n")  # the rootdir a replay imports from
+    if config:
+        (project / "pytest.ini").write_text("[pytest]\n")  # the rootdir a replay imports from
     (project / "train.py").write_text(textwrap.dedent(_TRAIN_PY).replace("INIT", init))
     root = Path(__file__).parent.parent
     done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
@@ -243,7 +244,7 @@ def test_a_nanogpt_model_is_rebuilt_from_its_dataclass_config(tmp_path: Path) ->
     from tests.helpers import read_toml, replays
 
     cases, stderr = _nano_project(tmp_path, "")
-    assert "warning" not in stderr, stderr
+    assert "warning" not in stderr and "note: GPT imports" not in stderr, stderr
     case = cases / "GPT"
     doc = read_toml(case)
     assert "incomplete" not in doc["origin"], doc["origin"]
@@ -284,3 +285,14 @@ def test_an_op_case_not_written_is_named_with_its_reason(
     assert "Lookup cannot be rebuilt" in err and "config.extra is a tensor" in err
     assert sorted(p.name for p in (tmp_path / "cases").iterdir()
                   if not p.name.startswith(".")) == ["Lookup"]
+
+
+@pytest.mark.slow  # runs a training script
+def test_a_project_module_a_replay_would_not_find_is_said_when_saved(tmp_path: Path) -> None:
+    """nanoGPT has no pytest configuration: train.py imports model from its own folder,
+    which pytest --gpu-cases would not put on the path. Said when the case is saved."""
+    project = tmp_path / "project"
+    _, stderr = _nano_project(tmp_path, "", config=False)
+    assert (f"gpucase: note: GPT imports model from {project.resolve()}, which this script "
+            "found on its own folder's path") in stderr, stderr
+    assert "pythonpath = ." in stderr
