@@ -43,5 +43,5 @@ def test_the_recording_loop_runs_under_autocast_on_the_model_s_device(
               for i in range(2)]
     scope: dict[str, Any] = {"torch": torch, "F": F, "model": model, "loader": loader,
                              "optimizer": torch.optim.SGD(model.parameters(), lr=0.1)}
-    exec(compile(snippet[1], str(README), "exec"), scope)   # noqa: S102 - our own README
+    exec(compile(snippet[1], str(README), "exec"), scope)   # our own README
     assert model.autocast == [True, True]
