@@ -42,7 +42,8 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     ``root`` and the keyword ``options`` make the ``Recorder`` (``nonfinite=True``,
     ``narrow=False``, ...); or pass one as ``recorder``. ``name``, ``factory``, ``kwargs``
     and ``checkpoint`` are ``rec.watch``'s for the LightningModule; ``ids`` is called with
-    each batch and returns its sample ids.
+    each batch as the DataLoader yields it and returns its sample ids, one per entry (a
+    list, or a tensor of integers): ``ids=lambda batch: batch["id"]`` (docs/recorder.md).
     """
 
     def __init__(self, root: str | os.PathLike[str] = "cases", *,
@@ -130,7 +131,9 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         ids = None
         if self._ids is not None:
             try:
-                ids = list(self._ids(batch))
+                found = self._ids(batch)
+                # A tensor's own numbers, not its 0-d elements (read as "tensor(7)").
+                ids = found.tolist() if hasattr(found, "tolist") else list(found)
             except Exception:
                 ids = None
         self._step = rec.step(iteration, method, sample_ids=ids)  # type: ignore[arg-type]
