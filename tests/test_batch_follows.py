@@ -122,9 +122,23 @@ def test_the_shape_check_holds_even_where_the_rows_are_not_compared(tmp_path: Pa
 
 
 def test_independent_is_read_from_the_batch_table_only(tmp_path: Path) -> None:
+    from pytest_gpucase.base.errors import CaseFormatError
+    from pytest_gpucase.tools.show import show
+
     assert case_of(tmp_path).variants.batch.independent is True  # type: ignore[union-attr]
-    off = case_of(tmp_path / "o", ", independent = false").variants.batch
-    assert off is not None and off.independent is False
+    off = case_of(tmp_path / "o", ", independent = false")
+    assert off.variants.batch is not None and off.variants.batch.independent is False
+    assert ("variants:  batch axis 0 sizes 1, 3 (samples not independent: rows not compared "
+            "with the saved batch's)") in show(off.path)
+    with pytest.raises(CaseFormatError, match="independent: expected true or false"):
+        case_of(tmp_path / "s", ', independent = "no"')
+    (tmp_path / "l").mkdir()
+    (tmp_path / "l" / "case.py").write_text("def run(x):\n    return x\n")
+    (tmp_path / "l" / "case.toml").write_text(
+        'format = 1\ncall = "case.py:run"\n[variants]\n'
+        'length = { axis = 1, sizes = [2], independent = false }\n')
+    with pytest.raises(CaseFormatError, match=r"\[variants.length\] independent: unknown key"):
+        load_case(tmp_path / "l")
 
 
 GPT_PY = """

@@ -290,7 +290,9 @@ def _variants(case: Case) -> str:
     parts = []
     for kind, axis in (("batch", tables.batch), ("length", tables.length)):
         if axis is not None:
-            parts.append(f"{kind} axis {axis.axis} sizes {', '.join(map(str, axis.sizes))}")
+            parts.append(f"{kind} axis {axis.axis} sizes {', '.join(map(str, axis.sizes))}"
+                         + ("" if axis.independent else " (samples not independent: rows "
+                            "not compared with the saved batch's)"))
     if tables.boundaries is not None:
         b = tables.boundaries
         text = f"boundaries of '{b.input}' ({b.classes} classes"
