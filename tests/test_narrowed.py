@@ -93,7 +93,8 @@ def test_a_parent_turning_xpass_names_its_narrowed_cases(pytester: pytest.Pytest
     result.assert_outcomes(failed=1)
     result.stdout.fnmatch_lines(["*XPASS(strict)*", "*Captured gpucase narrowed cases call*",
                                  f"*cases/gpt passes: its narrowed cases (cases/"
-                                 f"{children[0].name}, cases/{children[1].name}) replay a submodule*"])
+                                 f"{children[0].name}, cases/{children[1].name}) replay a "
+                                 "submodule*"])
 
 
 @pytest.mark.slow

@@ -10,11 +10,7 @@ needs that framework). A module counts when it was installed (its file lies in a
 ``site-packages`` or ``dist-packages`` folder): the project's own code, the script that was
 run, the standard library and torch (every report records its version) are never declared.
 
-Also the project's modules a case imports that a replay would not find: imported by the
-recording script from its own folder (``python train.py`` puts it first on ``sys.path``),
-while ``pytest --gpu-cases`` imports from the project's pytest configuration's rootdir and
-``pythonpath`` (``case.project``): nanoGPT's ``from model import GPT`` in a project with no
-pytest configuration.
+Whether a replay imports the project's own modules at all is ``placement``'s question.
 """
 
 from __future__ import annotations
@@ -23,13 +19,12 @@ import json
 import os
 import sys
 from collections.abc import Iterator, Mapping
-from pathlib import Path
 from typing import Any
 
 from pytest_gpucase.case.keys import MODULE_KEY
 from pytest_gpucase.plan.environment import call_distributions
 
-__all__ = ["declared_packages", "unreachable_modules"]
+__all__ = ["declared_packages"]
 
 _INSTALLED = ("site-packages", "dist-packages")
 
@@ -93,31 +88,3 @@ def declared_packages(call: str, literals: Mapping[str, Any],
     return {name: "" for name in sorted(names)}
 
 
-def unreachable_modules(call: str, literals: Mapping[str, Any], files: Mapping[str, str],
-                        case_dir: Path) -> dict[str, str]:
-    """``{module: folder}`` for each module of the project the case imports from the folder
-    of the script that was run, which neither its project's import paths
-    (``case.project.import_paths``) nor ``PYTHONPATH`` reach."""
-    from pytest_gpucase.case.project import import_paths
-
-    script = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not isinstance(script, str):
-        return {}  # not a script's run (pytest, a notebook): its path is not the replay's
-    own = os.path.dirname(os.path.realpath(script))
-    reach = {os.path.realpath(p) for p in (
-        *import_paths(case_dir), *os.environ.get("PYTHONPATH", "").split(os.pathsep)) if p}
-    found: dict[str, str] = {}
-    for target in _targets(call, literals, files):
-        module_name = target.rpartition(":")[0]
-        if not module_name or module_name.endswith(".py") or _installed(module_name):
-            continue
-        file = getattr(sys.modules.get(module_name), "__file__", None)
-        if not isinstance(file, str) or module_name.split(".")[0] in sys.stdlib_module_names:
-            continue
-        folder = os.path.dirname(os.path.realpath(file))
-        for _ in range(module_name.count(".") + (os.path.basename(file).startswith(
-                "__init__.") and 1)):
-            folder = os.path.dirname(folder)  # the folder the top-level package lies in
-        if folder == own and folder not in reach:
-            found[module_name.split(".")[0]] = folder
-    return found

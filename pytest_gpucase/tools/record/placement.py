@@ -53,6 +53,10 @@ def unreachable(module_name: str, root: Path) -> str | None:
     entry = _entry_of(module_name)
     if entry is None or entry not in _transient():
         return None
+    # PYTHONPATH set for the run is set for the replay from the same shell too.
+    if entry in {Path(p).resolve() for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                 if p}:
+        return None
     probe = Path(os.path.abspath(root)) / "case"
     if entry in {Path(p).resolve() for p in project.import_paths(probe)}:
         return None

@@ -30,7 +30,7 @@ from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
-from pytest_gpucase.tools.record.packages import declared_packages, unreachable_modules
+from pytest_gpucase.tools.record.packages import declared_packages
 from pytest_gpucase.tools.record.origin import (
     ORIGIN_ERROR_CHARS,
     SUMMARY_ERROR_CHARS,
@@ -382,26 +382,11 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
     try:
         written = write_case_dir(root / draft.name, _case_document(draft), files,
                                  check=check, claim=lambda: _claim(root, draft.name))
-        _note_unreachable(written, draft)
         return written, True
     except _NotWritten as stop:
         if stop.existing is not None:
             _count_seen(stop.existing)
         return stop.existing, False
-
-
-def _note_unreachable(case_dir: Path, draft: Draft) -> None:
-    """Say so when the case imports a module of the project that ``pytest --gpu-cases``
-    would not find (``packages.unreachable_modules``), and how to make it."""
-    try:
-        missing = unreachable_modules(draft.call, draft.literals, draft.files, case_dir)
-    except Exception:
-        return
-    for module, folder in missing.items():
-        say(f"gpucase: note: {case_dir.name} imports {module} from {folder}, which this "
-            "script found on its own folder's path but a replay under pytest finds only "
-            "on the project's: add a pytest configuration there (pytest.ini: [pytest] "
-            "pythonpath = .), or run pytest with that folder on PYTHONPATH")
 
 
 _MAX_SCRUBBED_NAMES = 50
