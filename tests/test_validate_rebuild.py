@@ -15,6 +15,11 @@ import pytest
 
 from pytest_gpucase.tools.validate import validate
 
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
 pytestmark = pytest.mark.slow  # the capture runs in a fresh interpreter, the rebuild in a child
 
 ROOT = Path(__file__).parent.parent
@@ -43,6 +48,7 @@ from netmod import Net
 torch.manual_seed(0)
 rec = Recorder("cases", narrow=False)
 model = rec.watch(Net())
+model.scale.mul_(2)  # trained, as running statistics are: not the constructor's value
 model(torch.tensor([[1, 9]]))
 '''
 
@@ -103,6 +109,25 @@ def test_a_changed_shape_and_a_dropped_layer_are_problems(captured: Path) -> Non
     problems = validate([project / "cases"])
     assert any("head.weight is [3, 4] in the saved state but [5, 4]" in p for p in problems)
     assert any("the saved state holds scale, which the model built" in p for p in problems)
+
+
+def test_a_buffer_the_code_owns_is_the_code_s_to_change(captured: Path) -> None:
+    """A buffer equal to the constructor's value at capture (a mask, a constant table) is
+    replayed from the code: changing or dropping it is a fix, not a stale case."""
+    project = captured
+    _edit(project, 'self.register_buffer("scale", torch.ones(dim))',
+          'self.register_buffer("scale", torch.ones(dim))\n'
+          '        self.register_buffer("mask", torch.ones(2, 2))')
+    shutil.rmtree(project / "cases")  # recorded again, with the mask
+    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
+                          text=True, timeout=300, check=False,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert "IndexError" in done.stderr, done.stderr
+    doc = tomllib.loads((project / "cases" / "Net" / "case.toml").read_text())
+    assert doc["inputs"]["gpucase_module"]["code_owned"] == ["mask"]
+    _edit(project, 'self.register_buffer("mask", torch.ones(2, 2))',
+          'self.register_buffer("mask", torch.zeros(3, 3), persistent=False)')
+    assert validate([project / "cases"]) == []
 
 
 def test_a_model_that_no_longer_builds_is_a_problem(captured: Path) -> None:
