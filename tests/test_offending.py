@@ -193,3 +193,28 @@ def test_the_case_item_triage_and_summary_name_the_value(tmp_path: Path) -> None
     assert "offending value: idx holds 19 at [1, 1] (sample ex0042); wte has 19 rows " \
            "(valid 0..18)" in out
     assert "gpucase: the failure is in the saved batch (sample ex0042 holds token 19" in out
+
+
+def test_a_hand_written_cases_item_reads_the_value_its_run_names(tmp_path: Path) -> None:
+    """No [origin] at all: the message of the run that failed names the value."""
+    from pytest_gpucase.tools.offending import triaged
+    from tests.helpers import replay_cpu, write_case
+
+    case = write_case(tmp_path, "pick", """
+        format = 1
+        call = "case.py:pick"
+        """, """
+        import torch
+
+        def pick(x, index):
+            return torch.gather(x, 1, index)
+        """, {"x": torch.zeros(3, 4), "index": torch.tensor([[0], [4], [1]])})
+    verdict, advice = triaged(replay_cpu(case))
+    assert verdict.triage is not None
+    assert ("offending value: index holds 4 at [1, 0]; dimension 1 it indexes has size 4 "
+            "(valid 0..3)") in verdict.triage.notes
+    assert advice == [
+        "the failure is in the saved batch (entry 1 of index holds index 4, dimension 1 it "
+        "indexes has size 4): after a data fix this case cannot pass; turn it into a data "
+        f"check with `gpucase data-check {case}` (a case without those samples, expected to "
+        "pass, and the data contract they broke), or delete it"]

@@ -146,9 +146,10 @@ def index_failure(case: Case) -> bool:
     return failure_class(error_type, message, str(case.origin.get("stderr", ""))) in INDEX_CLASSES
 
 
-def find(case: Case, *, failed: str | None = None) -> Finding | None:
+def find(case: Case, *, failed: str | None = None, message: str | None = None) -> Finding | None:
     """The offending values of ``case``'s index failure; None when it is no index failure
-    (the class of the failure met, ``failed``, else the one the case captured)."""
+    (the class of the failure met, ``failed``, and its ``message``, else the ones the case
+    captured)."""
     if not (failed in INDEX_CLASSES if failed is not None else index_failure(case)):
         return None
     if importlib.util.find_spec("torch") is None:  # gpucase show in a job without torch
@@ -177,7 +178,7 @@ def find(case: Case, *, failed: str | None = None) -> Finding | None:
     if case.call in (REPLAY_OP, REPLAY_MODULE) and _checks(case, tensors):
         return Finding(None, "every saved index is within its range: the failing value is "
                              "computed inside the call")
-    return _through_narrowed(case, tensors)
+    return _through_narrowed(case, tensors, message)
 
 
 def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
@@ -191,7 +192,7 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
                          verdict.child.stderr)
     if kind not in INDEX_CLASSES:
         return verdict, []
-    notes = _notes_once(verdict.spec.case, kind)
+    notes = _notes_once(verdict.spec.case, kind, outcome.error_message or outcome.summary)
     if not notes:
         return verdict, []
     advice = [note for note in notes if note.startswith(_DATA_NOTE)]
@@ -202,23 +203,28 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
 _READ: dict[tuple[str, str, int, int], list[str]] = {}
 
 
-def _notes_once(case: Case, kind: str) -> list[str]:
+def _notes_once(case: Case, kind: str, message: str) -> list[str]:
     try:
         stat = case.inputs_file.stat()
-        key = (str(case.path.resolve()), kind, stat.st_mtime_ns, stat.st_size)
+        key = (str(case.path.resolve()), f"{kind}\n{message}", stat.st_mtime_ns, stat.st_size)
     except OSError:
-        return item_notes(case, failed=kind)
+        return item_notes(case, failed=kind, message=message)
     if key not in _READ:
         if len(_READ) >= 256:
             _READ.clear()
-        _READ[key] = item_notes(case, failed=kind)
+        _READ[key] = item_notes(case, failed=kind, message=message)
     return list(_READ[key])
 
 
-def item_notes(case: Case, *, failed: str | None = None) -> list[str]:
+def item_notes(case: Case, *, failed: str | None = None,
+               message: str | None = None) -> list[str]:
     """The lines an index failure's triage adds: the offending value, and what to do once
-    the data is fixed when the saved batch holds it (``tools.datacheck``)."""
-    found = find(case, failed=failed)
+    the data is fixed when the saved batch holds it (``tools.datacheck``). Advice only: a
+    case this cannot read is said so in a line, never raised to the item or the command."""
+    try:
+        found = find(case, failed=failed, message=message)
+    except Exception as exc:  # a file anyone may have written: said, never raised
+        return [f"offending value: not read ({type(exc).__name__}: {str(exc)[:200]})"]
     if found is None:
         return []
     lines = found.lines()
@@ -491,10 +497,11 @@ def _narrowed(case: Case) -> list[Case]:
     return sorted(found, key=lambda c: c.call != REPLAY_OP)
 
 
-def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor]) -> Finding:
+def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
+                      message: str | None) -> Finding:
     narrowed = _narrowed(case)
     if not narrowed:
-        named = _named_by_message(case, tensors)
+        named = _named_by_message(case, tensors, message)
         if named is not None:
             return Finding(named)
         return Finding(None, f"cannot be named from this case: the failing index is used "
@@ -567,12 +574,13 @@ _NAMED = (
 )
 
 
-def _named_by_message(case: Case, tensors: Mapping[str, torch.Tensor]) -> Offending | None:
+def _named_by_message(case: Case, tensors: Mapping[str, torch.Tensor],
+                      message: str | None) -> Offending | None:
     """The value the error message names (``Target 19 is out of bounds``, ``index 4 is out
     of bounds for dimension 1 with size 4``), found in the one saved integer input that holds
     it; None when the message names none, or no input or several hold it."""
-
-    message = str(case.origin.get("error", ""))
+    if message is None:
+        message = str(case.origin.get("error", ""))
     for pattern, kind in _NAMED:
         hit = pattern.search(message)
         if hit is None:
