@@ -1,6 +1,7 @@
 """Per-item cost of running a case in a fresh child, against a bare ``os.fork`` in the same run.
 
     python benchmarks/bench_isolation.py [--runs 200]
+    python benchmarks/bench_isolation.py --pytest [--items 80] [--rounds 5] [--baseline-src DIR]
 
 Measured in one process that has imported torch (as the plugin's pytest
 process has), so every child is a fork of the same image:
@@ -17,6 +18,16 @@ process has), so every child is a fork of the same image:
   costs when CUDA was initialized in the pytest process)
 - run_spec, spawn: the same case in a fresh interpreter that imports torch
   again (``--gpu-start-method=spawn``; fewer runs)
+
+With ``--pytest``, per item inside pytest instead, in a project that has a pytest
+configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare fork floor
+(``bench_scale.BARE_FLOOR_TEST``), the same plain test of ``x + 1`` under pytest-forked
+(``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh child per item),
+and ``--gpu-isolation worker``; with ``--baseline-src DIR`` the cases run by the package
+in DIR too. Interleaved rounds (the order turning each round), per item from the first
+item's start to the last one's end in the pytest process (start-up and collection left
+out); CPU (user + system) and minor page faults of the pytest process and its reaped
+children over the same span; each ratio taken within a round, the medians printed.
 
 Printed as milliseconds per item (median of the runs) and as ratios to the bare
 fork floor measured in the same run: these machines are noisy, ratios travel better.
@@ -54,7 +65,13 @@ from pytest_gpucase.plan.runs import RunSpec  # noqa: E402
 from pytest_gpucase.run.parent import Verdict, run_spec  # noqa: E402
 from pytest_gpucase.run.runcontext import RunContext  # noqa: E402
 
-from bench_scale import bare_floor  # noqa: E402  (this folder: the script's own)
+from bench_scale import (  # noqa: E402  (this folder: the script's own)
+    BARE_FLOOR_TEST,
+    BENCHMARKS,
+    bare_floor,
+    pytest_seconds,
+    write_cases,
+)
 
 
 def bare_fork() -> None:
@@ -106,11 +123,130 @@ def trivial_case(root: Path) -> RunSpec:
     return RunSpec(load_case(case_dir), "cpu", "float32", cast=False)
 
 
+# Times the items from inside the pytest process: wall, CPU and minor page faults of the
+# process and its reaped children, from the first item's start to the last one's end.
+ITEM_CONFTEST = """
+import resource
+import sys
+import time
+
+_seen = {}
+
+
+def _usage():
+    # (CPU seconds, minor faults) of this process, then of its reaped children
+    both = [resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                resource.RUSAGE_CHILDREN)]
+    return [value for u in both for value in (u.ru_utime + u.ru_stime, u.ru_minflt)]
+
+
+def pytest_runtest_logstart(nodeid, location):
+    if "first" not in _seen:
+        _seen["first"], _seen["usage"] = time.perf_counter(), _usage()
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    _seen["last"] = time.perf_counter()
+    _seen["items"] = _seen.get("items", 0) + 1
+
+
+def pytest_sessionfinish(session):
+    isolation = sys.modules.get("pytest_gpucase.run.isolation")
+    if isolation is not None:  # the children still pending, and the workers: counted
+        isolation.close_pools()
+        isolation.reap_pending()
+    spent = [after - before for after, before in zip(_usage(), _seen["usage"])]
+    with open("item_usage", "w") as handle:
+        handle.write(" ".join(map(str, [_seen["last"] - _seen["first"], _seen["items"],
+                                        *spent])))
+"""
+FORKED_TEST = """
+import pytest
+import torch
+
+X = torch.ones(4)
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_plain(i):
+    assert (X + 1).tolist() == [2.0] * 4
+"""
+
+
+def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -> None:
+    """Per item inside pytest, in a project with a configuration file (see the docstring)."""
+    # The baseline's package first, then whatever this run's path holds (an older pytest
+    # and pytest-forked: pytest-forked 1.7.5 cannot send pytest 9.2's reports back).
+    base_env = ({**os.environ, "PYTHONPATH": os.pathsep.join(
+        [baseline_src, os.environ.get("PYTHONPATH", "")])} if baseline_src else None)
+    worker = ("--gpu-cases", "--gpu-isolation", "worker", "cases")
+    rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
+        ("bare fork floor", ("bare",), None),
+        ("pytest-forked (--forked)", ("--forked", "plain"), None),
+        ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
+        ("--gpu-isolation worker", worker, None)]
+    if base_env is not None:
+        rows += [("--gpu-cases, baseline", ("--gpu-cases", "cases"), base_env),
+                 ("worker, baseline", worker, base_env)]
+    found: dict[str, list[tuple[float, float, float]]] = {}
+    loads = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST)):
+            (root / folder).mkdir()
+            (root / folder / "test_it.py").write_text(text.format(count=items,
+                                                                  benchmarks=BENCHMARKS))
+        (root / "conftest.py").write_text(ITEM_CONFTEST)
+        if config:
+            (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+        for round_ in range(rounds):  # interleaved: a burst of load hits every row
+            loads.append(os.getloadavg()[0])
+            for name, args, env in (rows if round_ % 2 == 0 else rows[::-1]):
+                pytest_seconds(root, *args, env=env)
+                wall, count, *spent = map(float, (root / "item_usage").read_text().split())
+                cpu, faults, child_cpu, child_faults = (value / count for value in spent)
+                found.setdefault(name, []).append(
+                    (wall / count, cpu + child_cpu, faults + child_faults, cpu, child_cpu, faults,
+                     child_faults))
+    loads.append(os.getloadavg()[0])
+    floor = found["bare fork floor"]
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {items} items, {rounds} rounds, "
+          f"load average {min(loads):.2f}-{max(loads):.2f}, "
+          f"{'with' if config else 'without'} a pytest.ini; medians per item, ratios to the "
+          "bare fork floor taken within each round")
+    print("CPU and faults: the pytest process and its children; then each apart (pytest / "
+          "children), CPU as a share of the floor's whole")
+    print(f"{'what':<28}{'wall ms':>9}{'x floor':>9}{'CPU ms':>9}{'x floor':>9}{'faults':>8}"
+          f"{'CPU pytest/child':>18}{'faults pytest/child':>21}   CPU x floor per round")
+    for name, values in found.items():
+        ratios = [[value[i] / base[1 if i > 2 else i] for value, base in zip(values, floor,
+                                                                              strict=True)]
+                  for i in (0, 1, 3, 4)]
+        median = [statistics.median(v[i] for v in values) for i in range(7)]
+        shares = f"{statistics.median(ratios[2]):.2f} / {statistics.median(ratios[3]):.2f}"
+        print(f"{name:<28}{median[0] * 1000:>9.2f}{statistics.median(ratios[0]):>9.2f}"
+              f"{median[1] * 1000:>9.2f}{statistics.median(ratios[1]):>9.2f}{median[2]:>8.0f}"
+              f"{shares:>18}{f'{median[5]:.0f} / {median[6]:.0f}':>21}   "
+              + " ".join(f"{ratio:.2f}" for ratio in ratios[1]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=200)
     parser.add_argument("--quick", action="store_true", help="30 runs each (under a minute)")
+    parser.add_argument("--pytest", action="store_true",
+                        help="per item inside pytest, against pytest-forked (see above)")
+    parser.add_argument("--items", type=int, default=80, help="--pytest: items per run")
+    parser.add_argument("--rounds", type=int, default=5, help="--pytest: interleaved rounds")
+    parser.add_argument("--baseline-src", metavar="DIR",
+                        help="--pytest: also run the cases with the package found in DIR")
+    parser.add_argument("--no-config", action="store_true",
+                        help="--pytest: a project without a pytest configuration file")
     args = parser.parse_args()
+    if args.pytest:
+        in_pytest(args.items, args.rounds, args.baseline_src, not args.no_config)
+        return
     runs = min(args.runs, 30) if args.quick else args.runs
     with tempfile.TemporaryDirectory() as tmp:
         spec = trivial_case(Path(tmp))

@@ -225,6 +225,9 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, args.items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        # A project with a pytest configuration file, as most are (it is read for each
+        # case's import paths).
+        (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
         (root / "bare").mkdir()
         (root / "bare" / "test_floor.py").write_text(
             BARE_FLOOR_TEST.format(count=args.items, benchmarks=BENCHMARKS))

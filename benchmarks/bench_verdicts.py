@@ -4,6 +4,7 @@ and what the new verdict path costs.
     python benchmarks/bench_verdicts.py rates [--seeds 20 | --quick] [--device cpu] [--only NAME]
     python benchmarks/bench_verdicts.py needs [--seeds 5]
     python benchmarks/bench_verdicts.py cost --baseline-src DIR [--rounds 5]
+    python benchmarks/bench_verdicts.py persisted [--items 8] [--rounds 2] [--baseline-src DIR]
 
 ``rates``: each op of the verdicts issue, in each dtype, over fixed seeds (the inputs are
 drawn from ``torch.Generator().manual_seed(seed)``). A *correct* row is the op as users
@@ -29,6 +30,13 @@ the same with the package of ``--baseline-src`` (the code before the verdicts is
 call plus today's reference), each in its own process, interleaved rounds, medians; and
 this package once more with a reference cache (filled by the first, unmeasured run), which
 is what a second session pays.
+
+``persisted``: second-look items (float32 matmuls of values ~1e3, bfloat16 layer norms of
+1e3 + N(0, 1)) in three pytest sessions, as CI jobs meet them: the first job, on an empty
+cache; a later job on a fresh checkout and a fresh home with the cache folder restored and
+the key given (``GPUCASE_REFERENCE_KEY_FILE``); the same without the key. The median item's
+duration from the JSON report, and its ratio to the first job's; with ``--baseline-src``,
+the same sessions with that package too.
 """
 
 from __future__ import annotations
@@ -419,6 +427,107 @@ def cost(baseline_src: Path, rounds: int) -> None:
           f"{totals['cached'] / totals['old']:.2f} |")
 
 
+_PERSISTED_CASES = {
+    # A float32 matmul of values ~1e3: off the float64 result by more than atol, correctly.
+    "matmul": ("import torch\ndef run(a, b):\n    return a @ b\n", "float32",
+               lambda g: {"a": torch.randn(128, 1024, generator=g, dtype=torch.float64) * 1e3,
+                          "b": torch.randn(1024, 128, generator=g, dtype=torch.float64) * 1e3}),
+    # A bfloat16 layer norm of 1e3 + N(0, 1): one rounding of an input moves its output.
+    "layer_norm": ("import torch\ndef run(x):\n    return torch.nn.functional.layer_norm("
+                   "x, x.shape[-1:])\n", "bfloat16",
+                   lambda g: {"x": 1e3 + torch.randn(128, 1024, generator=g,
+                                                     dtype=torch.float64)}),
+}
+
+
+def _session(project: Path, src: Path, home: Path, key_file: Path | None) -> dict[str, float]:
+    """One pytest session over ``project``'s cases, with ``home`` as a fresh home and
+    ``key_file`` as GPUCASE_REFERENCE_KEY_FILE (None: the fresh home's own new key): each
+    item's duration and outcome from its JSON report."""
+    env = {key: value for key, value in os.environ.items()
+           if not key.startswith(("GPUCASE_", "XDG_"))}
+    env.update(PYTHONPATH=str(src), HOME=str(home))
+    if key_file is not None:
+        env["GPUCASE_REFERENCE_KEY_FILE"] = str(key_file)
+    report = project / "report.json"
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-q",
+                           "--gpu-cases", "--gpu-devices", "cpu", "--gpu-cases-report",
+                           str(report), "cases"], env=env, cwd=project, capture_output=True,
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"a session failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
+    results = json.loads(report.read_text())["results"]
+    report.unlink()
+    return {r["case"]: r["duration"] for r in results if r["outcome"] == "passed"}
+
+
+def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
+    """Second-look items in three sessions, as CI jobs meet them: the first job (an empty
+    cache); a later job on a fresh checkout (every file new) and a fresh home, with the cache
+    folder restored and the key given (GPUCASE_REFERENCE_KEY_FILE); the same without the key
+    (the fresh home's new key: nothing trusted)."""
+    import shutil
+
+    from pytest_gpucase.case import payload
+
+    root = Path(tempfile.mkdtemp(prefix="gpucase-persisted-"))
+    first = root / "job1"
+    for index in range(items):
+        name = sorted(_PERSISTED_CASES)[index % len(_PERSISTED_CASES)]
+        code, dtype, make = _PERSISTED_CASES[name]
+        path = first / "cases" / f"{name}{index}"
+        path.mkdir(parents=True)
+        (path / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\n'
+                                        f'[matrix]\ndtypes = ["{dtype}"]\n')
+        (path / "case.py").write_text(code)
+        tensors = make(torch.Generator().manual_seed(index))
+        payload.save(path / "inputs.safetensors",
+                     {k: v.to(getattr(torch, dtype)) for k, v in tensors.items()})
+    (first / "pytest.ini").write_text("[pytest]\n")
+    sources = [("this", ROOT)] + ([("base", baseline_src)] if baseline_src else [])
+    sessions = ("first job: empty cache", "same checkout again: all kept",
+                "fresh checkout + home, cache restored, same key",
+                "fresh checkout + home, cache restored, no key")
+    found: dict[tuple[str, str], list[float]] = {}
+    counts: dict[tuple[str, str], int] = {}
+    loads = [os.getloadavg()[0]]
+    for round_ in range(rounds):
+        for label, src in sources if round_ % 2 == 0 else sources[::-1]:
+            tag = f"{label}{round_}"
+            project = root / f"{tag}-job1"
+            shutil.copytree(first, project)
+            secrets = root / f"{tag}-secrets"
+            secrets.mkdir(mode=0o700)
+            key = secrets / "key"
+            key.write_text(os.urandom(32).hex() + "\n")
+            key.chmod(0o600)
+            for number, what in enumerate(sessions):
+                where = project
+                if number >= 2:  # a fresh checkout: the cases copied anew, the cache restored
+                    where = root / f"{tag}-job{number + 1}"
+                    shutil.copytree(first, where)
+                    shutil.copytree(project / ".pytest_cache" / "d" / "gpucase-references",
+                                    where / ".pytest_cache" / "d" / "gpucase-references")
+                home = root / f"{tag}-home{number}"
+                home.mkdir()
+                durations = _session(where, src, home, key if number < 3 else None)
+                found.setdefault((label, what), []).append(
+                    statistics.median(durations.values()))
+                counts[label, what] = len(durations)
+            loads.append(os.getloadavg()[0])
+    print(f"\n{items} second-look items, {rounds} rounds (medians), load average "
+          f"{min(loads):.2f}-{max(loads):.2f}\n")
+    print("| package | session | items passed | median item, s | x first job |")
+    print("|---|---|---:|---:|---:|")
+    for label, _ in sources:
+        cold = statistics.median(found[label, sessions[0]])
+        for what in sessions:
+            median = statistics.median(found[label, what])
+            print(f"| {label} | {what} | {counts[label, what]} | {median:.3f} | "
+                  f"{median / cold:.2f} |")
+    shutil.rmtree(root, ignore_errors=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -433,12 +542,20 @@ def main() -> None:
     p.add_argument("--baseline-src", type=Path, required=True,
                    help="a checkout of the package before this work (git archive, worktree)")
     p.add_argument("--rounds", type=int, default=5)
+    p = sub.add_parser("persisted")
+    p.add_argument("--items", type=int, default=8)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--baseline-src", type=Path,
+                   help="a checkout of the package before the budget was named by content")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.command == "rates":
         rates(3 if args.quick else args.seeds, args.device, args.only)
     elif args.command == "needs":
         needs(args.seeds)
+    elif args.command == "persisted":
+        persisted(args.items, args.baseline_src.resolve() if args.baseline_src else None,
+                  args.rounds)
     else:
         cost(args.baseline_src.resolve(), args.rounds)
 

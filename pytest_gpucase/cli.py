@@ -105,12 +105,21 @@ def _parser() -> argparse.ArgumentParser:
     validate = commands.add_parser("validate", help="check case files without running them")
     validate.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
                           help="a case directory or a folder of cases (default: cases)")
+    validate.add_argument("--no-rebuild", dest="rebuild", action="store_false",
+                          help="do not build module cases' models (in a child) to check them "
+                          "against their saved state: no case code runs at all")
 
     store = commands.add_parser(
         "store", help="list (or --prune) the capture store's files no case names")
     store.add_argument("paths", nargs="*", type=Path, default=[Path("cases")], metavar="PATH",
                        help="a folder of cases, or its .gpucase-store (default: cases)")
     store.add_argument("--prune", action="store_true", help="remove them")
+
+    narrowed = commands.add_parser(
+        "narrowed", help="list (or --delete) the cases the Recorder narrowed from a case")
+    narrowed.add_argument("case", type=Path, metavar="CASE", help="the parent case directory")
+    narrowed.add_argument("--delete", action="store_true",
+                          help="delete them, and the store files no case names any more")
 
     minimize = commands.add_parser(
         "minimize", help="shrink a failing case to the fewest entries that still fail the same way")
@@ -162,6 +171,10 @@ def _parser() -> argparse.ArgumentParser:
     checkpoint.add_argument("--model", metavar="MODEL",
                             help="the model to compare keys and shapes with: a reference "
                             "checkpoint file or 'pkg.mod:attr'")
+    checkpoint.add_argument("--require-manifest", action="store_true",
+                            help="restart only from a checkpoint whose manifest "
+                            "(pytest_gpucase.checkpoint.save) proves it; a plain one that "
+                            "loads and is finite (LOADABLE) is not taken")
     return parser
 
 
@@ -256,6 +269,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         "request": _request,
         "validate": _validate,
         "store": _store,
+        "narrowed": _narrowed,
         "minimize": _minimize,
         "ablate": _ablate,
         "data-check": _data_check,
@@ -362,7 +376,7 @@ def _validate(args: argparse.Namespace) -> int:
 
     notes: list[str] = []
     unchecked: list[str] = []
-    problems = validate(args.paths, notes, unchecked)
+    problems = validate(args.paths, notes, unchecked, rebuild=args.rebuild)
     from pytest_gpucase.base.text import terminal_safe
 
     for line in notes:  # what this environment cannot check: no problem, the exit stays 0
@@ -399,6 +413,33 @@ def _store(args: argparse.Namespace) -> int:
         return 0
     removed = prune(found)
     print(f"gpucase store: removed {len(removed)} file(s)")
+    return 0
+
+
+def _narrowed(args: argparse.Namespace) -> int:
+    from pytest_gpucase.base.errors import display
+    from pytest_gpucase.case.model import CASE_FILE
+    from pytest_gpucase.case.payload import STORE_DIR
+    from pytest_gpucase.tools.narrowed import delete_narrowed, narrowed_cases
+    from pytest_gpucase.tools.store import orphans, prune, stores_under
+
+    case: Path = args.case
+    if not (case / CASE_FILE).is_file():
+        return _error("narrowed", f"{display(case)} holds no {CASE_FILE}; name the case the "
+                      "Recorder narrowed from (the folder beside its narrowed cases)")
+    found = delete_narrowed(case) if args.delete else narrowed_cases(case)
+    for path in found:
+        print(display(path) + ("  (deleted)" if args.delete else ""))
+    if not found:
+        print(f"gpucase narrowed: no case beside {display(case)} was narrowed from it")
+    elif not args.delete:
+        print(f"gpucase narrowed: {len(found)} case(s); once {display(case)} passes, "
+              f"gpucase narrowed {display(case)} --delete deletes them")
+    else:
+        removed = prune([orphans(store) for store in stores_under([case.parent / STORE_DIR])])
+        print(f"gpucase narrowed: deleted {len(found)} case(s) and {len(removed)} store "
+              "file(s) no case names any more; remove the xfail line of "
+              f"{display(case / CASE_FILE)} too")
     return 0
 
 
@@ -459,7 +500,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
     from pytest_gpucase.tools.checkpoint import ModelSpecError, survey
 
     try:
-        found = survey(args.paths, model=args.model)
+        found = survey(args.paths, model=args.model, require_manifest=args.require_manifest)
     except ModelSpecError as exc:
         return _error("checkpoint", f"--model {exc}")
     print(found.render())

@@ -110,3 +110,88 @@ class CriterionLit(TinyLit):
         tokens, target = batch
         logits = self(tokens)
         return self.criterion(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+class GptLit(pl.LightningModule):
+    """A LightningModule holding a tiny Hugging Face GPT-2 (its LM head tied to its token
+    embedding), trained on ``{"input_ids": ids, "labels": ids}``: the HF convention."""
+
+    def __init__(self, vocab: int = 32) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        import transformers
+
+        config = transformers.GPT2Config(vocab_size=vocab, n_positions=16, n_embd=16,
+                                         n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0)
+        self.model = transformers.GPT2LMHeadModel(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss  # type: ignore[no-any-return]
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self.model(**batch).loss  # type: ignore[no-any-return]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+def lm_loader(bad_token: bool = False) -> DataLoader:
+    """4 batches of 2 sequences of 6 tokens below 32 (batch 2 holds token 40 when asked),
+    each batch ``{"input_ids": ids, "labels": ids}``: one tensor under both names."""
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 32, (8, 6), generator=generator)
+    if bad_token:
+        tokens[5, 2] = 40
+
+    def collate(rows: list[tuple[torch.Tensor]]) -> dict[str, torch.Tensor]:
+        ids = torch.stack([row[0] for row in rows])
+        return {"input_ids": ids, "labels": ids}
+
+    return DataLoader(TensorDataset(tokens), batch_size=2, collate_fn=collate)
+
+
+class ManualLit(TinyLit):
+    """TinyLit stepping its own optimizer (``automatic_optimization = False``): what it asks
+    of the Trainer (optimizers, schedulers, manual_backward, clipping) the replay gives."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, dropout: float = 0.0, blow: int = -1,
+                 boom_backward: int = -1) -> None:
+        super().__init__(vocab, dim, dropout, blow, boom_backward)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        optimizer = self.optimizers()
+        loss = super().training_step(batch, batch_idx)
+        optimizer.zero_grad()
+        self.manual_backward(loss)
+        self.clip_gradients(optimizer, gradient_clip_val=1.0)
+        optimizer.step()
+        self.lr_schedulers().step()
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1)
+        return [optimizer], [torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)]
+
+
+class TwoValLit(TinyLit):
+    """Validated on two dataloaders: the second one's targets are checked against a class
+    count of its own (``dataloader_idx`` changes what the step does)."""
+
+    def validation_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0,
+                        ) -> torch.Tensor:
+        tokens, target = batch
+        if dataloader_idx == 1 and int(target.max()) >= 8:
+            raise ValueError(f"loader 1 holds class {int(target.max())}, above its 8")
+        logits = self(tokens)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1))
+
+
+class NoIndexLit(TinyLit):
+    """Its steps take the batch alone: Lightning then passes no batch_idx."""
+
+    def training_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().training_step(batch, 0)
+
+    def validation_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
+        return super().training_step(batch, 0)

@@ -762,3 +762,37 @@ def test_the_same_tensor_passed_twice_and_never_written_is_no_shared_memory_note
     fail(Recorder(tmp_path).watch(token_loss), ids, labels=ids)
     assert "share memory" not in capsys.readouterr().err
     assert "shared memory" not in toml(tmp_path / "token_loss")["origin"]["snapshot"]
+
+
+@pytest.mark.slow
+def test_under_inference_mode_a_tensor_passed_twice_and_never_written_is_no_note(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: under torch.inference_mode (Trainer.validate, test, predict; evaluation
+    loops) tensors have no version counter; labels=input_ids, unchanged by the call as its
+    copy before the call shows, is no shared-memory note. A write under inference mode
+    still is."""
+    with torch.inference_mode():
+        ids = torch.tensor([[1, 9, 3]])
+        fail(Recorder(tmp_path).watch(token_loss), ids, labels=ids)
+        assert "share memory" not in capsys.readouterr().err
+        assert "shared memory" not in toml(tmp_path / "token_loss")["origin"]["snapshot"]
+        buf = torch.zeros(8)
+        fail(Recorder(tmp_path / "written").watch(aliased_step), buf, buf[2:4])
+    assert "arguments of aliased_step share memory (buf, view)" in capsys.readouterr().err
+
+
+def shape_check(x: torch.Tensor) -> torch.Tensor:
+    if x.shape[-1] != 4:
+        raise ValueError(f"last axis {x.shape[-1]}, not 4")
+    return x
+
+
+@pytest.mark.slow
+def test_a_meta_input_is_named_as_one_not_as_an_unusable_device(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A shape dry run on the meta device fails: its input has no values, which the case
+    says (skipped, a meta tensor), not that the device stopped answering."""
+    fail(Recorder(tmp_path).watch(shape_check), torch.ones(2, 3, device="meta"))
+    origin = toml(tmp_path / "shape_check")["origin"]
+    assert "meta tensor" in origin["skipped_inputs"]["x"], origin
+    assert "device unusable" not in capsys.readouterr().err

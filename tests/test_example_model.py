@@ -20,6 +20,14 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "model_capture"
 BUG = "    for row, char in enumerate(alphabet, start=1):  # the bug: rows must count from 0\n"
 FIX = "    for row, char in enumerate(alphabet):\n"
 XFAIL = "captured failure: IndexError: index out of range in self; remove this line once fixed"
+# A narrowed case's xfail line says what it is and that it goes with its parent's.
+NARROWED = ("narrowed from tiny_lm: {} fails on the inputs the failure of tiny_lm gave it "
+            "(IndexError: index out of range in self); a fix in the calling code does not change "
+            "these saved inputs, so this passes only if {} itself (its code, or what it is built "
+            "from) is changed to accept or reject them differently; delete this case with the "
+            "xfail line of tiny_lm once tiny_lm passes")
+REASONS = (XFAIL, NARROWED.format("module embed", "module embed"),
+           NARROWED.format("op aten.embedding.default", "op aten.embedding.default"))
 CASES = ("tiny_lm", "tiny_lm.embed", "tiny_lm.aten.embedding.default")
 
 
@@ -64,8 +72,9 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
     before = replay(project)
     before.assert_outcomes(xfailed=3)
     before.stdout.fnmatch_lines_random([
-        f"XFAIL cases/{name}/case.toml::{name}[[]cpu-{dtype}[]] - {XFAIL}"
-        for name, dtype in zip(CASES, ("bfloat16", "bfloat16", "float32"), strict=True)])
+        f"XFAIL cases/{name}/case.toml::{name}[[]cpu-{dtype}[]] - {reason}"
+        for name, dtype, reason in zip(CASES, ("bfloat16", "bfloat16", "float32"), REASONS,
+                                       strict=True)])
 
     apply_fix(project / "tiny_lm" / "data.py", BUG, FIX)
 
@@ -77,7 +86,13 @@ def test_model_failure_is_captured_narrowed_replayed_and_fixed(pytester: pytest.
         "*_ tiny_lm[[]cpu-bfloat16[]] _*",
         "*_ tiny_lm.embed[[]cpu-bfloat16[]] _*",
         f"[[]XPASS(strict)[]] {XFAIL}",
+        f"[[]XPASS(strict)[]] {REASONS[1]}",
         "XFAIL cases/tiny_lm.aten.embedding.default/case.toml::*",
+        # The parent that passes names its narrowed cases, to go with its xfail line.
+        "gpucase: cases/tiny_lm passes: its narrowed cases (cases/tiny_lm.aten.embedding."
+        "default, cases/tiny_lm.embed) replay a submodule or an op on the inputs its failure "
+        "gave them, which a fix outside them does not change: delete them with its xfail "
+        "line: gpucase narrowed cases/tiny_lm --delete",
     ])
 
     # Updated expectations: the xfail lines go; the op case now records the rejection.

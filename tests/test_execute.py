@@ -286,3 +286,40 @@ def test_a_bad_output_path_names_named_tuple_fields(pytester: pytest.Pytester) -
         "*_ structseq_cycle[[]cpu-float32[]] _*",
         "the call's output holds itself: out.indices[[]0[]] is out again; *",
     ])
+
+
+def test_the_quick_binding_check_agrees_with_inspect() -> None:
+    """``check_binding`` tells a plain function's binding from its code object (no signature
+    built in the child); wherever it says "binds", ``inspect`` binds too, and for every plain
+    function without positional-only parameters they agree."""
+    import functools
+    import inspect
+    import itertools
+
+    from pytest_gpucase.run.child import _binds
+
+    shapes = ["", "a", "a, b", "a, b=1", "a=1, b=2", "a, *, k", "a, *, k=1", "*, k",
+              "a, **kw", "*args", "a, *args, k=1, **kw", "a, /, b", "a=1, /, b=2"]
+    names = ["a", "b", "k", "x"]
+    inputs = [dict.fromkeys(chosen, 0) for size in range(4)
+              for chosen in itertools.combinations(names, size)]
+    checked = 0
+    for shape in shapes:
+        scope: dict[str, object] = {}
+        exec(f"def f({shape}):\n    return 0\n", scope)
+        func = scope["f"]
+        assert callable(func)
+        for given in inputs:
+            try:
+                inspect.signature(func).bind(**given)
+                binds = True
+            except TypeError:
+                binds = False
+            quick = _binds(func, given)
+            assert binds or not quick, (shape, given)
+            if "/" not in shape:
+                assert quick == binds, (shape, given)
+                checked += 1
+        wrapped = functools.wraps(func)(lambda **kw: 0)
+        assert not _binds(wrapped, {}) and not _binds(functools.partial(func), {})
+    assert checked == 11 * len(inputs)

@@ -262,3 +262,111 @@ def test_a_fit_inside_a_step_saves_the_training_step_not_optimizer_step(
     doc = toml(tmp_path / "cases" / "CriterionLit.training_step")
     assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
     replays(tmp_path / "cases" / "CriterionLit.training_step", "IndexError")
+
+
+def test_under_ddp_spawn_a_criterion_failure_is_saved_as_under_ddp(tmp_path: Path) -> None:
+    """Issue 30: ddp_spawn captures like ddp: the loss fails in a criterion training_step calls
+    after the forward, on the rank whose shard holds the bad target; that rank's folder holds
+    the training_step case, which replays the failure alone (no process group)."""
+    torch.manual_seed(0)
+    trainer = pl.Trainer(strategy="ddp_spawn", accelerator="cpu", devices=2, max_epochs=1,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False,
+                         callbacks=[GpuCaseCallback(tmp_path / "cases")])
+    with pytest.raises(Exception, match="Target 99 is out of bounds"):
+        trainer.fit(lightning_targets.CriterionLit(dropout=0.0),
+                    lightning_targets.loader(bad_target=True))
+    # The rank whose shard holds row 9 (DistributedSampler's split) saved it; no other case.
+    found = sorted(p.parent for p in (tmp_path / "cases").rglob("case.toml"))
+    case_dir = found[0]  # then its narrowed cases, in the same rank's folder
+    assert case_dir.name == "CriterionLit.training_step", found
+    assert len(found) > 1 and all(p.parent == case_dir.parent for p in found), found
+    doc = toml(case_dir)
+    assert "incomplete" not in doc["origin"], doc["origin"]
+    assert case_dir.parent.name == f"rank{doc['origin']['rank']}"
+    assert doc["origin"]["world_size"] == 2
+    assert doc["inputs"]["gpucase_module"]["method"] == "training_step"
+    assert validate([tmp_path / "cases"]) == []
+    replays(case_dir, "IndexError")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ddp"])
+def test_the_frameworks_own_conventions_are_no_shared_memory_note(
+        tmp_path: Path, strategy: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 30: a LightningModule holding a GPT-2 (LM head tied to the embedding), batches of
+    labels=input_ids (one tensor under both names), under DDP (gradients in its buckets):
+    none of it is a note that the case holds shared memory apart, in the step's case or in
+    the cases narrowed from it, in training and in Trainer.validate (inference mode)."""
+    pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    environ = dict(os.environ)
+    try:
+        fit(tmp_path, lightning_targets.GptLit(), lightning_targets.lm_loader(bad_token=True),
+            IndexError, strategy=strategy)
+        trainer = pl.Trainer(accelerator="cpu", devices=1, logger=False,
+                             enable_progress_bar=False, enable_model_summary=False,
+                             callbacks=[GpuCaseCallback(tmp_path / "validate")])
+        with pytest.raises(IndexError):
+            trainer.validate(lightning_targets.GptLit(),
+                             lightning_targets.lm_loader(bad_token=True))
+    finally:  # the process group and the variables DDP set, as a fresh process has them
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+        os.environ.clear()
+        os.environ.update(environ)
+    err = capsys.readouterr().err
+    assert "share memory" not in err, err
+    saved = sorted(tmp_path.rglob("case.toml"))
+    assert {p.parent.name for p in saved} >= {"GptLit.training_step",
+                                              "GptLit.validation_step"}, saved
+    for case_file in saved:
+        assert "shared memory" not in toml(case_file.parent)["origin"].get("snapshot", "")
+    assert toml(tmp_path / "cases" / "GptLit.training_step")["inputs"]["gpucase_module"][
+        "tied"] == {"model.lm_head.weight": "model.transformer.wte.weight"}
+
+
+@pytest.mark.parametrize(("data", "error"), [
+    ({"bad_target": True}, "IndexError"),    # in the loss, before manual_backward
+    ({}, "RuntimeError"),                      # inside manual_backward
+])
+def test_manual_optimization_replays_its_training_step_without_a_trainer(
+        tmp_path: Path, data: dict[str, bool], error: str) -> None:
+    """Issue 30: a training_step that steps its own optimizer asks its Trainer for it
+    (self.optimizers(), manual_backward): its case replays without one, instead of raising
+    'not attached to a Trainer', a failure that is not the captured one."""
+    torch.manual_seed(0)
+    model = lightning_targets.ManualLit(boom_backward=-1 if data else 1)
+    fit(tmp_path, model, lightning_targets.loader(**data), Exception, narrow=False)
+    case_dir = tmp_path / "cases" / "ManualLit.training_step"
+    doc = toml(case_dir)
+    recipe = doc["inputs"]["gpucase_module"]
+    assert recipe["manual_optimization"] is True and recipe["backward"] is False
+    assert "xfail" in doc, doc["origin"]
+    replays(case_dir, error)
+
+
+def test_a_validation_step_of_the_second_dataloader_replays_with_its_index(
+        tmp_path: Path) -> None:
+    """Lightning passes dataloader_idx to validation_step when there are several loaders:
+    the case passes it too, so the step replays what ran (loader 1), not loader 0's."""
+    torch.manual_seed(0)
+    callback = GpuCaseCallback(tmp_path / "cases", narrow=False)
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    with pytest.raises(ValueError, match="loader 1 holds class"):
+        trainer.validate(lightning_targets.TwoValLit(),
+                         [lightning_targets.loader(), lightning_targets.loader()])
+    case_dir = tmp_path / "cases" / "TwoValLit.validation_step"
+    assert toml(case_dir)["inputs"]["dataloader_idx"] == 1
+    replays(case_dir, "ValueError")
+
+
+def test_a_step_that_takes_no_batch_idx_replays(tmp_path: Path) -> None:
+    """Lightning passes batch_idx only to a step that takes it: so does the case."""
+    torch.manual_seed(0)
+    fit(tmp_path, lightning_targets.NoIndexLit(dropout=0.0),
+        lightning_targets.loader(bad_target=True), IndexError, narrow=False)
+    case_dir = tmp_path / "cases" / "NoIndexLit.training_step"
+    assert "batch_idx" not in toml(case_dir)["inputs"]
+    replays(case_dir, "IndexError")

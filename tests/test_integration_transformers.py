@@ -71,6 +71,9 @@ def test_a_trainer_failure_is_the_model_case_rebuilt_from_its_config(
     config = json.loads((case_dir / "config.json").read_text())  # the config's own JSON
     assert config["hidden_dropout_prob"] == 0.2 and len(config["id2label"]) == 3
     assert doc["origin"]["iteration"] == 2
+    # Issue 33 item 3: the user's model and method, never Accelerate's wrapper of forward.
+    assert doc["summary"].startswith("BertForTokenClassification.forward raised IndexError")
+    assert "convert_outputs_to_fp32" not in (case_dir / "case.toml").read_text()
     if bf16:
         assert doc["context"]["autocast"] == {"device_type": "cpu", "dtype": "bfloat16",
                                               "enabled": True}
@@ -189,3 +192,20 @@ def test_a_config_holding_a_hub_token_writes_no_secret(tmp_path: Path) -> None:
     assert "AbCdEfGhIjKlMnOpQrStUvWxYz" not in (case_dir / "config.json").read_text()
     assert "config.json: hub_token" in toml(case_dir)["origin"]["scrubbed"]
     replays(case_dir, "IndexError")
+
+
+def test_a_model_that_cannot_be_rebuilt_is_named_with_the_factory_to_pass(
+        tmp_path: Path, capfd: pytest.CaptureFixture[str]) -> None:
+    """Issue 30 item 4: a head replaced after construction makes the config's rebuild
+    another model; the warning, said when training begins, names the Hugging Face class,
+    its config class and the factory to pass, to rec.watch and to the callback."""
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(targets.gpt2_config())
+    model.lm_head = torch.nn.Linear(16, 50, bias=True)  # not what the config builds
+    train(tmp_path, model, targets.Tokens(causal=True), max_steps=1)
+    warning = next(line for line in capfd.readouterr().err.splitlines()
+                   if line.startswith("gpucase: warning:"))
+    assert "GPT2LMHeadModel is a Hugging Face model" in warning, warning
+    assert "GPT2LMHeadModel(GPT2Config(...))" in warning
+    assert 'rec.watch(model, factory="mypkg.models:build"' in warning
+    assert 'GpuCaseCallback(factory="mypkg.models:build"' in warning

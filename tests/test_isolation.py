@@ -224,7 +224,22 @@ def test_child_does_not_inherit_pytest_capture(capfd: pytest.CaptureFixture[str]
     assert "to stdout" not in out and "to fd 2" not in err
 
 
-def test_returned_children_are_reaped_bounded_and_all_at_the_end() -> None:
+def test_a_child_that_ends_after_its_result_is_reaped_before_the_parent_goes_on(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Waited for, not left exiting beside the parent: while it lives, every page either
+    process writes is copied (``exits_soon``)."""
+    monkeypatch.setattr(supervise, "EXIT_WAIT", 30.0)  # a loaded machine: the exit may be slow
+    supervise.reap_pending()
+    result = run_in_child(os.getpid, timeout=60)
+    assert result.returned and result.exitcode == 0
+    assert not supervise._PENDING
+    with pytest.raises(ChildProcessError):  # reaped already: no zombie is left
+        os.waitpid(result.value, os.WNOHANG)
+
+
+def test_returned_children_are_reaped_bounded_and_all_at_the_end(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(supervise, "EXIT_WAIT", 0.0)  # every one left exiting: pending
     pids = []
     for _ in range(supervise.MAX_PENDING + 5):
         result = run_in_child(os.getpid, timeout=60)

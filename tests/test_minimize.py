@@ -123,6 +123,7 @@ def test_one_bad_entry_among_64_is_found_and_written(
         assert f": {size}, still ValueError [" in out
     summary = result.render()
     assert "entries on axis 0: 64 -> 1 (kept entry 37)" in summary
+    assert "\n  sample id kept: img_00037 ([origin] sample_ids)\n" in summary
     assert "logits: [64, 4] -> [1, 4]" in summary
     assert "  wrote ce_batch_min" in summary
 
@@ -149,6 +150,29 @@ def test_one_bad_entry_among_64_is_found_and_written(
                       RunContext("fork", "cpu", localize=False))
     assert failure_class(replay) == result.failure
     assert "4 at position 0" in (replay.outcome.error_message or "")
+
+
+def test_tries_see_the_project_files_the_case_names_relative_to_its_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recorded case calls its script through a path relative to its own folder
+    (``../../train.py``): every try must name the same file, not one a level deeper."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text(CE_PY.replace("def run(", "def loss_fn("))
+    path = ce_case(tmp_path / "cases")
+    (path / "case.py").write_text(textwrap.dedent("""\
+        from pathlib import Path
+
+        from pytest_gpucase.capture import load_script
+
+
+        def run(**inputs):
+            return load_script(Path(__file__).parent / "../../train.py").loss_fn(**inputs)
+        """))
+    result = minimize(load_case(path), env=ENV, out=io.StringIO())
+
+    assert result.failure == FailureClass("raises", "ValueError")
+    assert result.selection.entries == (37,)
+    assert not [p for p in (tmp_path / "cases").iterdir() if p.name.startswith(".gpucase-min")]
 
 
 def _cross_entropy_of_wide_rows() -> bool:
@@ -525,6 +549,7 @@ def test_command_writes_the_case_and_returns_0(
     assert code == 0
     out = capsys.readouterr().out
     assert "wrote" in out and "entries on axis 0: 8 -> 1 (kept entry 5)" in out
+    assert "  sample id kept: img_00005 ([origin] sample_ids)\n" in out   # printed by the CLI
     assert "note: expected.safetensors is not copied: its golden outputs belong to the full " \
            "batch" in out
     assert sorted(p.name for p in (tmp_path / "small").iterdir()) == [
@@ -579,6 +604,8 @@ def test_a_recorded_case_is_shrunk_and_its_rng_state_kept_whole(tmp_path: Path) 
     assert result.axes.batch_members == {"logits", "target"}
     assert result.selection.entries == (5,)
     assert result.output is not None
+    assert ("\n  sample ids: none recorded ([origin] sample_ids): the entries are positions in "
+            "the saved batch\n") in result.render()   # no rec.step(sample_ids=...) there
     saved, kept = payload.load(case.inputs_file), payload.load(result.output / "inputs.safetensors")
     assert torch.equal(kept[rng], saved[rng])
     assert {name: tuple(t.shape) for name, t in kept.items() if name != rng} == {

@@ -591,3 +591,124 @@ def test_the_json_report_carries_each_budget(pytester: pytest.Pytester) -> None:
     assert found["clean"].get("budgets", []) == []
     (wide,) = found["wide"]["budgets"]
     assert wide["path"] == "out" and wide["wide"] is True and wide["ratio"] <= 1
+
+
+RANGE_OPS = {
+    # A float16 result past 65504: exp of 12 is 162755.
+    "exp": ("torch.exp(x)", torch.linspace(8, 12, 16, dtype=torch.float64), ""),
+    # The same in an intermediate: a naive softmax's exp(12), though the result is in range.
+    "naive softmax": ("torch.exp(x) / torch.exp(x).sum(-1, keepdim=True)",
+                      torch.linspace(-4, 12, 32, dtype=torch.float64).reshape(4, 8), ""),
+    # tan's gradient 1 / cos^2 near pi/2 is 4e5.
+    "tan gradient": ("torch.tan(x)", torch.linspace(1.0, 1.569, 16, dtype=torch.float64),
+                     GRADIENTS),
+}
+
+
+@pytest.mark.parametrize("name", sorted(RANGE_OPS))
+def test_an_overflow_of_the_dtype_fails_as_an_overflow(tmp_path: Path, name: str) -> None:
+    """A float16 run infinite or NaN where the float64 reference is finite, because a value
+    of the computation is past 65504: a failure of its own class, with the fix, not a plain
+    mismatch."""
+    op, x, toml = RANGE_OPS[name]
+    code = f"import torch\ndef run(x):\n    return {op}\n"
+    found = judged_here(tmp_path, "over", code, {"x": x}, toml, "float16")
+    assert found.status == "failed" and found.kind == "mismatch"
+    assert found.verdict_class == "overflow", found.summary
+    assert "(overflow)" in found.summary
+    assert "compute that part in float32" in found.details
+    # The same code on values the dtype holds throughout passes, and names no class.
+    fine = judged_here(tmp_path, "fine", code, {"x": x - 8}, toml, "float16")
+    assert fine.status == "passed" and fine.verdict_class == "", fine.summary
+
+
+RMS_NORM = """
+    import torch
+    def run(x):
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + {eps})
+    """
+
+
+@pytest.mark.parametrize("eps", ["1e-12", "0.0"])
+def test_an_underflow_of_the_dtype_fails_as_an_underflow(tmp_path: Path, eps: str) -> None:
+    """A hand-written RMS norm of values near 3e-4 in float16: their squares (1e-7) are
+    subnormal or 0 there. With eps 0 the run divides by 0; with 1e-12 (0 in float16) it was
+    11% off everywhere and passed, within a budget the underflow itself widened, with a note
+    blaming rounding."""
+    x = {"x": torch.randn(4, 64, generator=gen(7), dtype=torch.float64) * 3e-4}
+    found = judged_here(tmp_path, "rms", RMS_NORM.format(eps=eps), x, dtype="float16")
+    assert found.status == "failed", found.summary
+    assert found.verdict_class == "underflow", found.summary
+    assert "holds as a subnormal or 0" in found.details
+    assert not any("passed within a rounding budget" in note for note in found.notes)
+
+
+def test_what_the_dtype_holds_is_no_range_failure(tmp_path: Path) -> None:
+    """The same RMS norm of values near 1e-3 (squares of 1e-6, normal in float16), and
+    torch's fused rms_norm (its kernel squares in float32) of values near 3e-4, pass."""
+    small = {"x": torch.randn(4, 64, generator=gen(7), dtype=torch.float64) * 3e-4}
+    larger = {"x": small["x"] * 4}
+    found = judged_here(tmp_path, "rms", RMS_NORM.format(eps="1e-12"), larger,
+                        dtype="float16")
+    assert found.status == "passed", found.summary
+    fused = judged_here(tmp_path, "fused", """
+        import torch
+        def run(x):
+            return torch.nn.functional.rms_norm(x, x.shape[-1:], eps=1e-12)
+        """, small, dtype="float16")
+    assert fused.status == "passed", fused.summary
+
+
+@pytest.mark.slow
+def test_the_json_report_names_the_class(pytester: pytest.Pytester) -> None:
+    from pytest_gpucase.report.file import load_report
+
+    for name, values in (("over", torch.linspace(8, 12, 16, dtype=torch.float64)),
+                         ("wrong", torch.linspace(0, 1, 16, dtype=torch.float64))):
+        path = pytester.path / "cases" / name
+        path.mkdir(parents=True)
+        (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n'
+                                        'reference = "case.py:reference"\n'
+                                        '[matrix]\ndtypes = ["float16"]\n')
+        (path / "case.py").write_text("import torch\ndef run(x):\n    return torch.exp(x)\n"
+                                      "def reference(x):\n    return torch.exp(x) * "
+                                      f"{1.0 if name == 'over' else 1.1}\n")
+        payload.save(path / "inputs.safetensors", {"x": values.to(torch.float16)})
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--gpu-cases-report", "report.json", "cases")
+    result.assert_outcomes(failed=2)
+    found = {r["case"]: r for r in load_report(pytester.path / "report.json")["results"]}
+    assert found["over"]["class"] == "overflow"
+    assert found["wrong"]["class"] == "mismatch"
+
+
+class _WrongSquare(torch.autograd.Function):
+    """z * z with a backward 10% off."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, z: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(z)
+        return z * z
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        (z,) = ctx.saved_tensors  # type: ignore[attr-defined]
+        return grad * (2 * z).conj() * 1.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.complex128])
+def test_a_gradient_check_failure_gives_all_four_figures(dtype: torch.dtype) -> None:
+    """Each failure of the gradient check gives the analytical and the numerical value, the
+    tolerance and the sizes: the complex path (torch's gradcheck) said only "numerical: x"
+    and "analytical: y"."""
+    from pytest_gpucase.run.second_look import gradient_check
+
+    z = torch.randn(3, 4, generator=gen(8), dtype=dtype)
+    problem = gradient_check(lambda inputs: _WrongSquare.apply(inputs["z"]), {"z": z}, ["z"],
+                             None, 1e-4)
+    assert problem is not None
+    assert "by the backward (analytical)" in problem and "(numerical" in problem
+    assert "apart, past the tolerance" in problem
+    assert "z has 12 elements, the outputs 12" in problem
+    assert gradient_check(lambda inputs: inputs["z"] * inputs["z"], {"z": z}, ["z"], None,
+                          1e-4) is None

@@ -54,6 +54,20 @@ def test_a_rank_s_own_failure_is_not_a_consequence(message: str) -> None:
     assert consequence_of("RuntimeError", message, TWO) is None
 
 
+@pytest.mark.parametrize(("type_name", "message"), [
+    ("ConnectionResetError", "[Errno 104] Connection reset by peer"),
+    ("BrokenPipeError", "[Errno 32] Broken pipe"),
+    ("ConnectionError", "('Connection aborted.', ConnectionResetError(104, 'Connection reset "
+                        "by peer'))"),
+    ("TimeoutError", "Socket Timeout while reading shard 7"),
+])
+def test_a_rank_s_own_socket_error_is_not_a_consequence(type_name: str, message: str) -> None:
+    """Issue 30: a streaming dataset's connection reset on one rank is that rank's failure,
+    not another rank's end: Python's socket errors are no collective's."""
+    assert consequence_of(type_name, message, TWO) is None
+    assert consequence_of("DistBackendError", f"NCCL: {message}", TWO) is not None
+
+
 def test_addresses_and_ports_are_not_kept() -> None:
     assert without_addresses(PEER_CLOSED).endswith(
         "Connection closed by peer <address>. This is typically caused by a remote worker "

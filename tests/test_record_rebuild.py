@@ -178,6 +178,31 @@ def test_a_class_of_the_script_that_was_run_is_rebuilt_from_it(tmp_path: Path) -
             replays(narrowed, "IndexError")
 
 
+def test_a_function_of_the_script_is_named_in_the_summary_once_with_its_iteration(
+        tmp_path: Path) -> None:
+    """A loss defined in train.py replays through a stand-in case.py: the summary names the
+    user's function, not ``case.py:run``, and says the iteration once."""
+    project = tmp_path / "project"
+    project.mkdir()
+    (project / "train.py").write_text(textwrap.dedent('''
+        import torch
+        from pytest_gpucase import Recorder
+
+        def loss_fn(probs):
+            return -torch.log(probs).mean()
+
+        rec = Recorder("cases", nonfinite=True)
+        loss = rec.watch(loss_fn)
+        for step in range(3):
+            with rec.step(step):
+                loss(torch.tensor([0.5, 0.25 if step < 2 else 0.0]))
+    '''))
+    run_script(project, "FloatingPointError")
+    doc = toml(project / "cases" / "loss_fn")
+    assert doc["summary"].startswith("loss_fn raised FloatingPointError: non-finite "), doc
+    assert doc["summary"].count("iteration 2") == 1, doc["summary"]
+
+
 def test_script_definitions_keep_definitions_and_drop_what_runs() -> None:
     kept = script_definitions(textwrap.dedent('''
         """doc"""
@@ -433,8 +458,9 @@ def test_a_dataclass_configured_model_with_tied_weights_turns_xpass_when_fixed(
     assert "incomplete" not in doc["origin"], doc["origin"]
     assert doc["inputs"]["gpucase_module"]["tied"] == {"head.weight": "emb.weight"}
     assert json.loads((case_dir / "model.json").read_text())["kwargs"] == {"cfg": {
-        "gpucase_dataclass": "Config", "fields": {
-            "sizes": {"gpucase_dataclass": "Sizes", "fields": {"vocab": 8, "dim": 6}},
+        "gpucase_config": "dataclass", "class": "Config", "fields": {
+            "sizes": {"gpucase_config": "dataclass", "class": "Sizes",
+                      "fields": {"vocab": 8, "dim": 6}},
             "name": "tiny"}}}
     assert validate([case_dir]) == []
     replays(case_dir, "IndexError")

@@ -546,6 +546,36 @@ def test_files_read_by_the_parent_before_the_fork_give_the_same_key(tmp_path: Pa
     assert after.value != plain.value  # dropped when the block ended: the edit is seen
 
 
+@pytest.mark.slow
+def test_the_key_the_parent_predicts_is_the_childs_or_left_unused(tmp_path: Path) -> None:
+    """The parent computes the key of a case whose reference is in its own file before the
+    fork; the child takes it only when it loaded what the parent expected (that file's
+    module alone): the key is the one the child would compute itself either way."""
+    from pytest_gpucase.run.isolation import run_in_child
+    from pytest_gpucase.run.prepared import prepare_in_parent
+
+    plain_case = make(tmp_path / "plain")
+    importing = make(tmp_path / "importing")  # its reference imports a helper beside it
+    (importing / "gpucase_predicted_helper.py").write_text("VALUE = 1\n")
+    (importing / "case.py").write_text(
+        "import sys\nsys.path.insert(0, __import__('os').path.dirname(__file__))\n"
+        "import gpucase_predicted_helper\n" + CODE.format(offset=1))
+    reference_cache.prime()
+    try:
+        for path, expected in ((plain_case, True), (importing, False)):
+            spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+            own = run_in_child(_key_in_child, spec, timeout=60)
+            with prepare_in_parent(spec):
+                predicted = reference_cache._PREPARED["key"]
+                prepared = run_in_child(_key_in_child, spec, timeout=60)
+            assert own.returned and prepared.returned, (own.problem, prepared.problem)
+            assert prepared.value == own.value
+            assert predicted is not None and (predicted[2] == own.value) is expected
+    finally:
+        reference_cache.forget_primed()
+        sys.modules.pop("gpucase_predicted_helper", None)
+
+
 ROUNDED = '''
 import os
 import time
@@ -747,3 +777,33 @@ def test_a_module_the_parent_replaces_after_priming_is_keyed_as_loaded(tmp_path:
     finally:
         sys.modules.pop(name, None)
         reference_cache._PRIMED = saved
+
+
+@pytest.mark.slow
+def test_a_fresh_checkout_reuses_the_budget_by_content(tmp_path: Path) -> None:
+    """A CI job checks the project out afresh (every file new: other inodes and times) and
+    restores the cache folder: the reference, keyed by those, is computed again, but the
+    rounding budget, named by content, is read back with the same key; with another key
+    (a fresh home's), or tampered with, it is computed again and never trusted."""
+    import shutil
+
+    (tmp_path / "first").mkdir()
+    path, cache = rounded_case(tmp_path / "first"), tmp_path / "cache"
+    assert run(path, cache) == "passed"
+    assert calls(path) == 1 + 1 + DRAWS
+    checkout = tmp_path / "second" / "rounded"
+    shutil.copytree(path, checkout)
+    (checkout / "calls").unlink()
+    assert run(checkout, cache) == "passed"
+    assert calls(checkout) == 1 + 1  # the call and a fresh reference: no draws
+    other = judged(checkout, cache, key="another")
+    assert other.status == "passed"
+    assert calls(checkout) == 1 + 1 + (1 + 1 + DRAWS)
+    assert any("failed authentication" in note for note in other.notes)
+    (budget,) = cache.glob("*.budget2-float32.reference")
+    data = bytearray(budget.read_bytes())
+    data[-1] ^= 1
+    budget.write_bytes(bytes(data))
+    tampered = judged(checkout, cache, key="another")
+    assert tampered.status == "passed"
+    assert any("failed authentication" in note for note in tampered.notes)

@@ -700,9 +700,9 @@ def test_html_renders_the_matrix_in_chromium(two_runners: list[Path], tmp_path: 
         ("reason-3", "xfail: label mapping not fixed yet"),
         ("reason-4", "error: run crashed with signal 11 (SIGSEGV)"),
     ]
-    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:7]
-    assert legend == ["✓ pass", "✗ fail", "≠ flaky", "⚠ xfail", "↷ skipped", "■ interrupted",
-                      "— not run"]
+    legend = [text for tag, attrs, text in seen.cells if tag == "dt"][:8]
+    assert legend == ["✓ pass", "✗ fail", "✓! fixed", "≠ flaky", "⚠ xfail", "↷ skipped",
+                      "■ interrupted", "— not run"]
 
     shot = tmp_path / "matrix.png"
     _chromium("--window-size=1280,1000", f"--screenshot={shot}", page.as_uri(),
@@ -953,3 +953,30 @@ def test_the_pivot_renders_six_torch_columns_in_version_order_in_chromium(
     _chromium("--window-size=1600,1000", f"--screenshot={shot}", page.as_uri(),
               profile=tmp_path / "profile")
     assert shot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_html_gives_a_fixed_strict_xfail_its_own_look(tmp_path: Path) -> None:
+    """XPASS(strict) fails the run, but it is a fix to welcome (delete the xfail line), not
+    a breakage: the HTML page shows it apart from a red failure, and says so in the legend."""
+    path = report_file(tmp_path / "r.json", A100, [
+        result("fixed_case", "cuda", "float32", "xpassed",
+               message="[XPASS(strict)] known failure: IndexError"),
+        result("fixed_case", "cpu", "float32", "passed"),
+        result("broken", "cuda", "float32", "failed", message=ASSERT),
+        result("broken", "cpu", "float32", "xpassed", message="[XPASS(strict)] x"),
+    ])
+    page = render_html(build_matrix([load_report(path)], detail=False))
+    rows = [part.split("</tr>")[0] for part in page.split("<tr>")]
+    row = next(part for part in rows if ">fixed_case</th>" in part)
+    assert '<td class="fixed"' in row
+    assert '<span class="device d-fixed">✓! cuda: fixed' in row
+    assert "✗" not in row
+    broken = next(part for part in rows if ">broken</th>" in part)
+    assert '<td class="fail"' in broken   # a real failure beside it keeps the cell red
+    assert '✗ cuda: fail' in broken and '✓! cpu: fixed' in broken
+    assert ('<dt class="fixed">✓! fixed</dt><dd>every failing run passed although marked '
+            "xfail (strict): the bug is fixed here; delete the xfail line from case.toml</dd>"
+            ) in page
+    assert ".fixed { background:" in page
+    markdown = render_markdown(build_matrix([load_report(path)], detail=False))
+    assert "❌ cuda: fail" in markdown   # Markdown and JSON keep the status the run had

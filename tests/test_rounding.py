@@ -10,6 +10,7 @@ import torch
 
 from pytest_gpucase.verdict.compare import compare
 from pytest_gpucase.verdict.rounding import (
+    HeldAsStored,
     BASELINE_MULTIPLE,
     MULTIPLIER,
     RoundEveryOp,
@@ -385,3 +386,22 @@ def test_an_underflow_is_in_the_budget() -> None:
         y = x * 1.0
     assert float(y[0]) in (0.0, float(torch.tensor(2e-9).to(torch.float16)))
     assert float(y[1]) == 1.0
+
+
+def test_the_range_of_a_dtype_without_its_rounding() -> None:
+    """Under HeldAsStored a float64 computation keeps every value it can hold exactly, and
+    stores the rest as float16's range does; the first operations that lost a value are
+    named."""
+    x = torch.tensor([1e-4, 0.1, 300.0], dtype=torch.float64)
+    mode = HeldAsStored(torch.float16)
+    with mode:
+        squared = x * x
+        total = squared.sum()
+    assert float(squared[1]) == pytest.approx(0.01, rel=1e-15)  # not rounded to float16
+    assert float(squared[0]) in (0.0, float(torch.tensor(1e-8).to(torch.float16)))
+    assert math.isinf(float(squared[2])) and math.isinf(float(total))
+    assert list(mode.events) == ["overflow", "underflow"]  # in one operation: overflow first
+    assert mode.events["overflow"].op == "aten::mul" and mode.events["overflow"].value == 9e4
+    with HeldAsStored(torch.float32) as wide:
+        assert float((x * x)[0]) == pytest.approx(1e-8, rel=1e-15)
+    assert not wide.events

@@ -152,6 +152,36 @@ def test_gpu_cases_alone_runs_the_configured_case_paths(pytester: pytest.Pyteste
     plain.assert_outcomes(passed=1)
 
 
+def test_gpu_cases_paths_replace_the_rootdir_as_where_cases_come_from(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No testpaths: pytest collects the rootdir, where a stale case folder lies. A run
+    with no path collects the cases of gpu_cases_paths alone (and the user's tests, as
+    pytest would); a path given on the command line is collected as given."""
+    ce_case(pytester.path, "good", [0, 2, 4], RAISES)
+    stale = pytester.path / "old" / "stale"
+    stale.mkdir(parents=True)
+    (stale / "case.toml").write_text("format = 1\ncall = 'gone.py:run'\n[[[broken\n")
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    pytester.makeini("[pytest]\ngpu_cases_paths = cases\n")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu")
+    result.assert_outcomes(passed=2)
+    result.stdout.fnmatch_lines(["gpucase: 1 case folder outside gpu_cases_paths not "
+                                 "collected (old/stale)*"])
+    given = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu", "old")
+    given.assert_outcomes(failed=1)   # named on the command line: collected, and broken
+    monkeypatch.chdir(stale.parent)   # as testpaths, the key is read in the rootdir alone
+    pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu").assert_outcomes(
+        failed=1)
+    monkeypatch.chdir(pytester.path)
+    pytester.makeini("[pytest]\ntestpaths = test_unit.py old\ngpu_cases_paths = cases\n")
+    both = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu")
+    both.assert_outcomes(passed=2)   # testpaths' tests, gpu_cases_paths' cases
+    pytester.makeini("[pytest]\ngpu_cases_paths = cases/nothing*\n")
+    missing = pytester.runpytest_subprocess("--gpu-cases")
+    assert missing.ret == pytest.ExitCode.USAGE_ERROR
+    missing.stderr.fnmatch_lines(["*ini key gpu_cases_paths: cases/nothing* matches nothing*"])
+
+
 def test_gpu_cases_finding_no_case_says_why(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
     result = pytester.runpytest_subprocess("--gpu-cases")

@@ -35,7 +35,8 @@ from pathlib import Path
 from pytest_gpucase.base.errors import file_kind
 
 __all__ = [
-    "HOST", "FileTooLarge", "NotRegularFile", "abandoned", "file_sha256", "fsync_directory",
+    "HOST", "FileTooLarge", "NotRegularFile", "abandoned", "being_written", "file_sha256",
+    "fsync_directory",
     "new_temporary", "open_regular", "read_head", "read_regular", "remove_stale_temporaries",
     "replace", "running", "stat_signature", "sweep_temporaries",
     "temporary_path", "write_atomic",
@@ -112,6 +113,12 @@ def abandoned(entry: os.DirEntry[str]) -> bool:
         return False
     return idle > STALE_AFTER_SECONDS or (match["host"] == HOST
                                           and not running(int(match["pid"])))
+
+
+def being_written(entry: os.DirEntry[str]) -> bool:
+    """Whether ``entry`` is a temporary (``temporary_path``) whose writer may still be at it:
+    one that ``abandoned`` does not call gone."""
+    return _ANY_TEMPORARY.fullmatch(entry.name) is not None and not abandoned(entry)
 
 
 def sweep_temporaries(folder: Path) -> list[str]:

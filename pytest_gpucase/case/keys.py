@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
+    "CODE_OWNED",
     "DICT_PREFIX",
     "FUNCTION_KEY",
     "GRAD_PREFIX",
@@ -40,6 +41,10 @@ MODULE_KEY = "gpucase_module"
 OP_KEY = "gpucase_op"
 FUNCTION_KEY = "gpucase_function"
 STATE_PREFIX = "state."
+# [inputs.gpucase_module] code_owned: the state entries (names without STATE_PREFIX) that
+# held the constructor's own value when recorded; a replay takes them from the model its code
+# builds then, not from the payload (docs/case-format.md, "State the code owns").
+CODE_OWNED = "code_owned"
 GRAD_PREFIX = "grad_output."
 # A backward case's loss function inputs besides the module's output (docs/case-format.md).
 LOSS_PREFIX = "loss."

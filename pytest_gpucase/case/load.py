@@ -78,6 +78,7 @@ _TOLERANCE_KEYS = ("rtol", "atol", "ulps")
 _MATRIX_KEYS = ("devices", "dtypes", "backends", *VERSION_KEYS, "packages")
 _VARIANT_KEYS = ("batch", "length", "boundaries", "reject")
 _AXIS_KEYS = ("axis", "sizes", "inputs")
+_BATCH_KEYS = (*_AXIS_KEYS, "independent")
 _BOUNDARY_KEYS = ("input", "classes", "ignore_index")
 _REJECT_KEYS = ("exception", "match")
 _ABLATE_KEYS = ("env",)
@@ -617,8 +618,8 @@ def _parse_matrix(reader: _Reader) -> Requirements:
     )
 
 
-def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
-    reader.only(_AXIS_KEYS)
+def _parse_axis_sizes(reader: _Reader, keys: tuple[str, ...] = _AXIS_KEYS) -> AxisSizes:
+    reader.only(keys)
     axis = reader.get("axis", int, "an integer axis", 0)
     if axis < 0:
         # Inputs differ in rank, so an axis counted from the end names different axes.
@@ -643,12 +644,14 @@ def _parse_axis_sizes(reader: _Reader) -> AxisSizes:
         if size in seen:
             raise reader.error("sizes", f"{size} is listed twice; list it once")
         seen.add(size)
-    return AxisSizes(axis=axis, sizes=tuple(sizes), inputs=reader.strings("inputs"))
+    return AxisSizes(axis=axis, sizes=tuple(sizes), inputs=reader.strings("inputs"),
+                     independent=reader.get("independent", bool, "true or false", True))
 
 
 def _parse_variants(reader: _Reader) -> VariantTables:
     reader.only(_VARIANT_KEYS)
-    batch = _parse_axis_sizes(reader.table_at("batch")) if "batch" in reader.table else None
+    batch = (_parse_axis_sizes(reader.table_at("batch"), _BATCH_KEYS) if "batch" in reader.table
+             else None)
     length = _parse_axis_sizes(reader.table_at("length")) if "length" in reader.table else None
     boundaries = None
     if "boundaries" in reader.table:

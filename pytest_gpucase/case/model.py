@@ -144,6 +144,9 @@ class AxisSizes:
     axis: int
     sizes: tuple[int, ...]
     inputs: tuple[str, ...] | None = None  # the inputs that follow the axis; None: inferred
+    # batch only: false when the samples of a batch meet by design (statistics over the
+    # batch, a contrastive loss): the variant's rows are not compared with the full batch's
+    independent: bool = True
 
 
 @dataclass(frozen=True)

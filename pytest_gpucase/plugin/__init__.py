@@ -38,7 +38,13 @@ from pytest_gpucase.plugin.items import (
 )
 from pytest_gpucase.plugin.report_writer import ReportWriter, SigintWatch
 from pytest_gpucase.plugin.settings import SETTINGS, Settings, add_options
-from pytest_gpucase.plugin.state import GpuCaseSession, add_case_paths, session_key, start_zygote
+from pytest_gpucase.plugin.state import (
+    GpuCaseSession,
+    add_case_paths,
+    passed_over,
+    session_key,
+    start_zygote,
+)
 
 
 def pytest_addhooks(pluginmanager: pytest.PytestPluginManager) -> None:
@@ -78,7 +84,7 @@ def pytest_configure(config: pytest.Config) -> None:
                 f"{given[0]} needs --gpu-cases (or gpu_cases = true in the ini): without it no "
                 "case is collected, so it would change nothing")
     else:
-        add_case_paths(config, state.settings.gpu_cases_paths)
+        add_case_paths(config, state)
     if state.enabled:
         from pytest_gpucase.base.torch_import import import_torch
 
@@ -135,6 +141,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 def pytest_collection_finish(session: pytest.Session) -> None:
     state = session.config.stash[session_key]
+    if outside := state.outside_paths:
+        state.note(f"{len(outside)} case folder{'s' if len(outside) > 1 else ''} outside "
+                   "gpu_cases_paths not collected (" + ", ".join(outside[:3])
+                   + (", ..." if len(outside) > 3 else "") + "): name a folder on the "
+                   f"command line to run it (pytest --gpu-cases {outside[0]})")
     if hasattr(session.config, "workerinput"):
         return
     if not state.enabled:
@@ -204,9 +215,12 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
 @pytest.hookimpl(wrapper=True)
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Any:
     ignored = yield
-    if (ignored and config.stash[session_key].enabled
+    state = config.stash[session_key]
+    if (ignored and state.enabled
             and not collection_path.name.startswith(".")):
         ignored_case(collection_path, config)
+    if not ignored and state.enabled and passed_over(collection_path, state):
+        return True   # a case folder outside gpu_cases_paths, in a run given no path
     return ignored
 
 

@@ -11,6 +11,7 @@ Nothing here imports torch at module level.
 from __future__ import annotations
 
 import functools
+import re
 import types
 from collections.abc import Iterator
 from pathlib import Path
@@ -423,6 +424,8 @@ class CaseItem(pytest.Item):
         self.user_properties.append(("gpucase_result", property_json(fields)))
         if verdict.outcome.status == "skipped":
             raise skip_here(verdict.outcome.summary)
+        if verdict.outcome.status == "passed" and xfail_reason(self.spec) is not None:
+            _note_narrowed(self, state)  # an XPASS(strict): its narrowed cases go with it
         if verdict.failed:
             if xfail_reason(self.spec) is not None and is_known_failure(self.spec.case, verdict):
                 raise KnownFailure(verdict)
@@ -438,6 +441,17 @@ class CaseItem(pytest.Item):
 
     def reportinfo(self) -> tuple[Path, int, str]:
         return self.spec.case.case_file, 0, self.name
+
+
+def _note_narrowed(item: CaseItem, state: Any) -> None:
+    """Name the narrowed cases of a case that now passes, to delete with its xfail line:
+    they replay the op with the inputs the fixed bug made, and never pass."""
+    from pytest_gpucase.tools.narrowed import narrowed_note
+
+    text = narrowed_note(item.spec.case.path)
+    if text is not None:
+        state.note(text)
+        item.add_report_section("call", "gpucase narrowed cases", text)
 
 
 def skip_here(reason: str) -> BaseException:
@@ -488,6 +502,8 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
     if (spec is not None and not outcome.broken_case and not known
             and xfail_reason(spec) is not None):
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
+    elif spec is not None and _missing_module(outcome) is not None:
+        text += "\n\n" + _missing_text(spec.case, outcome)
     if spec is not None:
         text += _incomplete_text(spec.case)
     return terminal_safe(text)   # the child's words must not drive the terminal
@@ -504,6 +520,35 @@ def _incomplete_text(case: Case) -> str:
             f"failure as captured until what is missing is added:{listed}")
 
 
+_NO_MODULE = re.compile(r"No module named '([A-Za-z_][\w.]*)'")
+
+
+def _missing_module(outcome: Outcome) -> str | None:
+    """The top-level module a run could not import (a ModuleNotFoundError), or None."""
+    if outcome.error_type != "ModuleNotFoundError":
+        return None
+    found = _NO_MODULE.search(outcome.error_message or outcome.summary or "")
+    return found.group(1).split(".")[0] if found else None
+
+
+def _missing_text(case: Case, outcome: Outcome) -> str:
+    """What a case that cannot import a package here should change: not its expectation."""
+    name = _missing_module(outcome) or "?"
+    for folder in list(case.path.parents)[:8]:
+        if (folder / f"{name}.py").is_file() or (folder / name / "__init__.py").is_file():
+            return (f"The case imports {name}, the project's code in {folder.name or folder}/, "
+                    "which this run cannot import: put that folder on pytest's path "
+                    "(pythonpath = [\".\"] in the project's pytest configuration, see "
+                    "docs/case-format.md, where call is imported from); never make "
+                    "ModuleNotFoundError the case's expectation.")
+    return (f"The case imports {name}, which is not installed on this runner: the failure "
+            "says nothing of the code under test. Install it here, or declare it in "
+            f"{case.path.name}/case.toml so that a runner "
+            f"without it skips the case with the reason: [matrix.packages] {name} = \"\" "
+            "(the name of its distribution, where that differs); never make "
+            "ModuleNotFoundError the case's expectation.")
+
+
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
     that now rejects the input should change in ``case.toml``."""
@@ -517,7 +562,12 @@ def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
                 "whether the call is fixed.")
     text = (f"This is not the captured failure ({captured}), the only one the case's xfail "
             "counts as expected.")
-    if outcome.error_type is not None and outcome.kind == "raises":  # the call raised it
+    if _missing_module(outcome) is not None:
+        return text + " " + _missing_text(case, outcome)
+    # The call itself raised it: an exception of the case's setup (importing the model,
+    # building it, loading its state: run.outcome.CaseSetupError) is a broken case, and
+    # expecting it would turn a case that cannot replay into a green test.
+    if outcome.error_type is not None and outcome.kind == "raises":
         text += (" If rejecting these inputs is the fix, make the case expect it: [expect] "
                  f"outcome = \"raises\", exception = \"{outcome.error_type}\", and remove "
                  "xfail.")

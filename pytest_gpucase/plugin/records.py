@@ -70,6 +70,10 @@ def verdict_fields(verdict: Verdict) -> dict[str, Any]:
         "triage": verdict.triage.to_dict() if verdict.triage is not None else None,
         "localized": verdict.localized.outcome.summary if verdict.localized is not None else None,
         "budgets": list(outcome.budgets),
+        # What failed: "overflow" or "underflow" where the run's dtype cannot hold a value
+        # of the computation (verdict.ranges), else the outcome's kind; None on a pass.
+        "class": (outcome.verdict_class or outcome.kind or None)
+        if outcome.status == "failed" else None,
     }
 
 

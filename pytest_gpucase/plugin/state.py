@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import pytest
 
+from pytest_gpucase.base.errors import display_posix
 from pytest_gpucase.plugin.settings import Settings
 
 if TYPE_CHECKING:
@@ -24,7 +25,8 @@ if TYPE_CHECKING:
     from pytest_gpucase.run.reference_cache import ReferenceCache
     from pytest_gpucase.run.runcontext import RunContext
 
-__all__ = ["GpuCaseSession", "SigintLost", "add_case_paths", "session_key", "start_zygote"]
+__all__ = ["GpuCaseSession", "SigintLost", "add_case_paths", "passed_over", "session_key",
+           "start_zygote"]
 
 
 class SigintLost(KeyboardInterrupt):
@@ -46,6 +48,8 @@ class GpuCaseSession:
     sigint_seen: bool = False  # Ctrl-C came (SigintWatch): no item runs on
     filtered_out: list[str] = field(default_factory=list)  # emptied by the filters
     renderers: tuple[str, ...] = ()   # report formats this session's plugins added
+    case_roots: tuple[Path, ...] | None = None   # gpu_cases_paths, in a run given no path
+    outside_paths: list[str] = field(default_factory=list)  # case folders left out by them
     _context: RunContext | None = None
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
 
@@ -240,15 +244,50 @@ def start_zygote(config: pytest.Config, state: GpuCaseSession) -> None:
         forkserver()
 
 
-def add_case_paths(config: pytest.Config, paths: tuple[str, ...]) -> None:
-    """With no path on the command line, ``--gpu-cases`` also collects ``gpu_cases_paths``."""
-    if not paths or config.args_source == pytest.Config.ArgsSource.ARGS:
+def add_case_paths(config: pytest.Config, state: GpuCaseSession) -> None:
+    """With no path on the command line, cases come from ``gpu_cases_paths`` alone.
+
+    As pytest's ``testpaths``: read when pytest runs in the rootdir with no path given;
+    each entry is a folder or a glob relative to the rootdir. The folders are added to what
+    pytest collects (its ``testpaths`` or the rootdir: the user's tests still run), and a
+    case folder outside them is not collected (``passed_over``): a stale case elsewhere
+    under the rootdir stays out of the run. A path on the command line is collected as
+    given, and this key is not read.
+    """
+    import glob
+
+    paths = state.settings.gpu_cases_paths
+    root = config.rootpath
+    if (not paths or config.args_source == pytest.Config.ArgsSource.ARGS
+            or config.invocation_params.dir != root):
         return
-    given = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    roots: list[Path] = []
     for entry in paths:
-        path = Path(entry).resolve()
-        if not path.exists():
-            raise pytest.UsageError(f"ini key gpu_cases_paths: {entry} does not exist; list "
-                                    "case folders relative to the rootdir")
+        found = sorted(glob.iglob(str(root / entry), recursive=True))
+        if not found:
+            raise pytest.UsageError(
+                f"ini key gpu_cases_paths: {display_posix(Path(entry))} matches nothing; list "
+                "case folders (or globs) relative to the rootdir")
+        roots.extend(Path(name).resolve() for name in found)
+    state.case_roots = tuple(roots)
+    given = [Path(arg.split("::")[0]).resolve() for arg in config.args]
+    for path in roots:
         if not any(path == arg or arg in path.parents for arg in given):
             config.args.append(str(path))
+
+
+def passed_over(path: Path, state: GpuCaseSession) -> bool:
+    """Whether ``path``, a case folder, lies outside the session's ``gpu_cases_paths`` (a
+    run with no path given): not collected, and counted for the summary's line."""
+    roots = state.case_roots
+    if roots is None:
+        return False
+    from pytest_gpucase.case.model import looks_like_case
+
+    if not looks_like_case(path):
+        return False
+    resolved = path.resolve()
+    if any(resolved == root or root in resolved.parents for root in roots):
+        return False
+    state.outside_paths.append(display_posix(path))
+    return True

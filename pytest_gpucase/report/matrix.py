@@ -88,6 +88,9 @@ class DeviceCell:
     device: str
     status: Status                   # "not run" when the column holds no run on this device
     reasons: tuple[str, ...]         # why its runs did not pass: failure messages, skip reasons
+    # A "fail" whose failing runs all passed although marked xfail (strict): fixed here, and
+    # the xfail line is to be deleted (the HTML page's own look).
+    fixed: bool = False
 
     @property
     def text(self) -> str:
@@ -440,13 +443,18 @@ def _status(results: Sequence[Mapping[str, Any]]) -> Status:
     return "skip" if "skipped" in outcomes else "not run"
 
 
+def _fixed(results: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether the runs' only failures are strict xfails that passed: fixed, not broken."""
+    return {result["outcome"] for result in results} & set(FAILING) == {"xpassed"}
+
+
 def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
     counts = Counter(result["outcome"] for result in results)
     # Grouped in one pass: a scan per device type made a cell quadratic in their number.
     on_device: dict[str, list[Mapping[str, Any]]] = {}
     for result in results:
         on_device.setdefault(result["device"], []).append(result)
-    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs))
+    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs), _fixed(runs))
                     for device in kinds for runs in (on_device.get(device, []),))
     statuses = {device.status for device in devices}
     status: Status

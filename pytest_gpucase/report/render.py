@@ -13,6 +13,7 @@ from pytest_gpucase.report.matrix import (
     STATUS_MEANINGS,
     STATUSES,
     Cell,
+    DeviceCell,
     Matrix,
     Status,
 )
@@ -127,6 +128,7 @@ td { text-align: left; white-space: nowrap; }
 .d-flaky { color: #6639ba; } .d-interrupted { color: #953800; }
 .pass { background: #dafbe1; color: #116329; }
 .fail { background: #ffebe9; color: #a40e26; }
+.d-fixed { color: #0550ae; } .fixed { background: #ddf4ff; color: #0550ae; }
 .xfail { background: #fff8c5; color: #7d4e00; }
 .skip { background: #eef1f4; color: #424a53; }
 .not-run { background: #fff; color: #59636e; }
@@ -144,6 +146,30 @@ ol.reasons li:target { background: #fff8c5; }
 dl.environments dt { font-weight: 600; margin-top: .5rem; }
 dl.environments dd { margin-left: 1.5rem; }
 """
+
+
+# A strict xfail that passed (XPASS(strict)): a failure of the run, but news to welcome, not
+# a breakage; the HTML page gives it a look of its own (Markdown and JSON say "fail").
+_FIXED_SYMBOL = "✓!"
+_FIXED_MEANING = ("every failing run passed although marked xfail (strict): the bug is fixed "
+                  "here; delete the xfail line from case.toml")
+
+
+def _html_device(device: DeviceCell, notes: str) -> str:
+    """One device type's part of a cell: its symbol, words and notes, in its colour."""
+    if device.fixed:
+        return (f'<span class="device d-fixed">{_FIXED_SYMBOL} '
+                f"{html_text(device.device)}: fixed{notes}</span>")
+    return (f'<span class="device d-{device.status.replace(" ", "-")}">'
+            f"{_HTML_SYMBOLS[device.status]} {html_text(device.text)}{notes}</span>")
+
+
+def _html_cell_class(cell: Cell) -> str:
+    """A cell's colour: its status, or "fixed" where each failing device type is fixed."""
+    failing = [device for device in cell.devices if device.status == "fail"]
+    if cell.status == "fail" and failing and all(device.fixed for device in failing):
+        return "fixed"
+    return cell.status.replace(" ", "-")
 
 
 def _html_notes(reasons: Sequence[str], numbers: Mapping[str, int]) -> str:
@@ -192,18 +218,18 @@ def render_html(matrix: Matrix) -> str:
         out.append(f'<tr><th scope="row" title="{esc(row.case_path)}">{esc(row.label)}</th>')
         for cell in row.cells:
             hover = f"{cell.status}: {_counts_text(cell)}"
-            css = cell.status.replace(" ", "-")
-            body = "".join(
-                f'<span class="device d-{device.status.replace(" ", "-")}">'
-                f"{_HTML_SYMBOLS[device.status]} {esc(device.text)}"
-                f"{_html_notes(device.reasons, numbers)}</span>" for device in cell.devices)
-            out.append(f'<td class="{css}" title="{esc(hover)}">{body}</td>')
+            body = "".join(_html_device(device, _html_notes(device.reasons, numbers))
+                           for device in cell.devices)
+            out.append(f'<td class="{_html_cell_class(cell)}" title="{esc(hover)}">{body}</td>')
         out.append("</tr>")
     out += ["</tbody>", "</table>", "</div>", "<h2>Legend</h2>", '<dl class="legend">']
     for status in (*STATUSES, "partial"):
         out.append(f'<dt class="{status.replace(" ", "-")}">{_HTML_SYMBOLS[status]} '
                    f"{DEVICE_WORDS[status]}</dt><dd>{esc(STATUS_MEANINGS[status])}"
                    f"{' (the colour of a cell)' if status == 'partial' else ''}</dd>")
+        if status == "fail":
+            out.append(f'<dt class="fixed">{_FIXED_SYMBOL} fixed</dt>'
+                       f"<dd>{esc(_FIXED_MEANING)}</dd>")
     out.append("</dl>")
     if numbers:
         out += ["<h2>Why runs did not pass</h2>", '<ol class="reasons">']

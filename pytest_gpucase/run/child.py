@@ -15,6 +15,7 @@ import re
 import sys
 import time
 import traceback
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -49,6 +50,7 @@ from pytest_gpucase.case.variants import (
 )
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import prepared, reference_cache
+from pytest_gpucase.run.batch_follows import batch_checked
 from pytest_gpucase.run.calls import (
     BadOutput,
     NothingDifferentiated,
@@ -65,6 +67,7 @@ from pytest_gpucase.run.judge import (
     run_precision,
 )
 from pytest_gpucase.run.outcome import (
+    CaseSetupError,
     Outcome,
     describe_exception,
     exception_text,
@@ -158,7 +161,9 @@ def _run(spec: RunSpec) -> Outcome:
     del inputs
     run = Judged(spec, func, reference, lambda: _as_saved(spec, run_inputs, versions), rng,
                  cotangents, precision, returned, reload=lambda: _loaded_again(spec))
-    return run.verdict(actual)
+    # A batch variant's outputs must also follow its batch (run.batch_follows).
+    return batch_checked(spec, func, lambda: prepare(load_arguments(case)[0], "cpu", (
+        spec.dtype if spec.cast else None)), rng, precision, run.verdict(actual))
 
 
 def write_golden(case: Case) -> dict[str, str]:
@@ -360,6 +365,8 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
                   inputs: Mapping[str, Any]) -> None:
     """Bind the inputs to ``func``'s signature before the call, so that a missing or extra
     input names the case file and the key, not ``run() missing 1 required argument``."""
+    if _binds(func, inputs):
+        return  # a plain function the inputs bind to: inspect only to explain a failure
     try:
         signature = inspect.signature(func)
     except (TypeError, ValueError):  # a builtin without a signature: the call will say
@@ -377,6 +384,31 @@ def check_binding(case: Case, target: str, func: Callable[..., Any],
         raise _Failed(Outcome("failed", lines[0], details="\n".join(lines[1:]),
                               error_type="TypeError", error_message=str(exc),
                               kind="broken case")) from None
+
+
+_VARKEYWORDS = inspect.CO_VARKEYWORDS
+
+
+def _binds(func: Callable[..., Any], inputs: Mapping[str, Any]) -> bool:
+    """Whether ``func(**inputs)`` binds, told from a plain function's code object alone (as
+    ``inspect.signature`` reads it, without building the signature: in a forked child each
+    object that builds touches costs a page copy). False for anything else (a method, a
+    wrapped or partial function, positional-only parameters): ``check_binding`` asks
+    ``inspect`` then."""
+    if (type(func) is not types.FunctionType or getattr(func, "__wrapped__", None) is not None
+            or getattr(func, "__signature__", None) is not None):
+        return False
+    code = func.__code__
+    if code.co_posonlyargcount:
+        return False
+    count, keyword_only = code.co_argcount, code.co_kwonlyargcount
+    names = code.co_varnames[:count + keyword_only]
+    if not code.co_flags & _VARKEYWORDS and not all(name in names for name in inputs):
+        return False
+    required = names[:count - len(func.__defaults__ or ())]
+    defaults = func.__kwdefaults__ or {}
+    return all(name in inputs for name in required) and all(
+        name in inputs or name in defaults for name in names[count:])
 
 
 def prepare(inputs: Mapping[str, Any], device: str, dtype: str | None) -> dict[str, Any]:
@@ -427,6 +459,8 @@ def _check_raises(func: Callable[..., Any], inputs: Mapping[str, Any], expect: E
         func(**inputs)
         synchronize(device)
     except BaseException as exc:  # SystemExit too, when the case expects it (see _run)
+        if isinstance(exc, CaseSetupError):  # the case's setup, never the expected raise
+            return raised("the call", exc)
         name_ok = _exception_matches(exc, expect.exception or "Exception")
         text = exception_text(exc)
         text_ok = expect.match is None or re.search(expect.match, text) is not None

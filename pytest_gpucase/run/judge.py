@@ -31,6 +31,7 @@ from pytest_gpucase.run.calls import (
 from pytest_gpucase.run.context import grad_mode, replay_context, rng_restored
 from pytest_gpucase.run.isolation import note
 from pytest_gpucase.run.outcome import Outcome, describe_exception, exception_text, raised
+from pytest_gpucase.verdict import ranges
 from pytest_gpucase.verdict.compare import Comparison, Tolerance, combine, compare
 
 __all__ = ["OUTPUT_MARKS", "REFERENCE_OUTPUT", "Judged", "autocast_reference", "compare_results",
@@ -107,6 +108,10 @@ class Judged:
         self._saved: dict[str, Any] | None = None
         self._reference_rng: torch.Tensor | None = None
         self.reference_seconds = 0.0
+        self._budget_entry: tuple[reference_cache.Entry | None] | None = None
+        # What the budget's draws (or the kept budget) found past the range of the run's
+        # precision: a failure then runs the reference with that range (``held``).
+        self.range_events: dict[str, Any] = {}
         # What the user's code returned and this run still compares: (whose, tensor by path,
         # their version counters), checked after each later call of that code (``untouched``).
         self._held: list[tuple[str, dict[str, torch.Tensor], dict[int, int]]] = []
@@ -212,9 +217,14 @@ class Judged:
                 raise failed.error from None  # as when it happened before judging
         self.store(look)
         self.notes.extend(look.notes())
-        self.notes.extend(comparison.notes)
+        held = self.held(actual, found or expected or {}, comparison)
+        held_paths = {failure.path for failure in held}
+        self.notes.extend(note for note in comparison.notes
+                          if not any(note.startswith(f"{path} passed") for path in held_paths))
         fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel,
                   "budgets": comparison.budgets}
+        if held:
+            return self.held_outcome(held, comparison, fields)
         if not comparison.ok:
             return self.outcome("failed", "outputs differ from the reference: "
                                 f"{comparison.headline()}", details=comparison.report(),
@@ -235,6 +245,65 @@ class Judged:
         also = f" and {golden_file.name}" if against_golden is not None else ""
         return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
                             **fields)
+
+    def held(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
+             comparison: Comparison) -> list[ranges.RangeFailure]:
+        """The leaves that fail, or pass only within a budget wider than the detectability
+        rule, because the run's precision cannot hold a value of their computation
+        (``verdict.ranges``): the reference runs once more for them, with that precision's
+        range and no rounding. Not under autocast, whose operations hold their results in
+        several dtypes."""
+        paths = [m.path for m in comparison.mismatches if m.kind == "values"]
+        paths += [str(found["path"]) for found in comparison.budgets
+                  if found.get("wide") and found["path"] not in paths]
+        if not paths or not expected or self.case.context.autocast is not None:
+            return []
+        ours, theirs = second_look.leaves_of(actual), second_look.leaves_of(expected)
+        limited: tuple[dict[str, object], dict[str, Any]] | None = None
+        failures = []
+        for path in paths:
+            found = ranges.result_overflow(path, ours.get(path), theirs.get(path),
+                                           self.precision)
+            # The reference runs again only where the range may be the cause: the draws met
+            # a value past it, or the run is non-finite where the reference is not.
+            if found is None and (self.range_events
+                                  or ranges.non_finite(ours.get(path), theirs.get(path))):
+                if limited is None:
+                    limited = self.range_limited()
+                found = ranges.range_failure(path, ours.get(path), theirs.get(path),
+                                             limited[0].get(path), self.precision, limited[1])
+            if found is not None:
+                failures.append(found)
+        return failures
+
+    def range_limited(self) -> tuple[dict[str, object], dict[str, Any]]:
+        note(f"while running the reference with {_name(self.precision)}'s range "
+             f"({self.returned})")
+        try:
+            found = second_look.range_limited(self.call_reference, self.reference_inputs(),
+                                              self.cotangents, self.precision)
+        except Exception:  # the user's code with a narrower range: no finding, never raised
+            return {}, {}
+        self.untouched("the reference with the run's range")
+        return found
+
+    def held_outcome(self, held: list[ranges.RangeFailure], comparison: Comparison,
+                     fields: dict[str, Any]) -> Outcome:
+        """A failure whose cause is the run's dtype's range: its own class, and advice."""
+        first = held[0]
+        name = _name(self.precision)
+        also = (f"outputs differ from the reference: {comparison.headline()}"
+                if not comparison.ok else
+                f"{first.path} passed only within a rounding budget its range widened")
+        report = "\n".join(failure.message for failure in held)
+        if not comparison.ok:
+            report += "\n" + comparison.report()
+        return self.outcome(
+            "failed", f"a value of this computation is past what {name} can hold "
+            f"({first.kind}): {also}", details=report,
+            error_message=comparison.where() if not comparison.ok
+            else f"{first.path}: values differ", kind="mismatch", verdict_class=first.kind,
+            **fields)
 
     def outcome(self, status: Literal["passed", "failed", "skipped"], summary: str,
                 **fields: Any) -> Outcome:
@@ -289,18 +358,29 @@ class Judged:
         """The second look from what the cache holds beside the reference: read only when a
         leaf asks (a passing run reads nothing more), and never computed: a leaf it cannot
         clear sends the run to the fresh reference."""
-        budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
         baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
 
         def spreads(paths: object) -> Mapping[str, tuple[Any, ...]]:
-            found = reference_cache.load(budget)
+            found = reference_cache.load(self.budget_entry())
             stored = found.get("spreads", {}) if found else {}
+            for kind in str(found.get("ranges", "") if found else "").split(","):
+                if kind in ranges.RANGE_CLASSES:
+                    self.range_events.setdefault(kind, None)
             elements = found.get("elements", {}) if found else {}
             return {path: (float(pair[0]), float(pair[1]), elements.get(path))
                     for path, pair in stored.items()}
 
         return second_look.Look(precision=self.precision, spreads=spreads,
                                 baseline=lambda: reference_cache.load(baseline) or {})
+
+    def budget_entry(self) -> reference_cache.Entry | None:
+        """Where the rounding budget is kept: named by content (``reference_cache.persisted``),
+        so that a CI job that restores the cache folder on a fresh checkout finds it; made
+        once, when a leaf first asks for a budget, so that reading and keeping agree."""
+        if self._budget_entry is None:
+            self._budget_entry = (reference_cache.persisted(
+                self.cached, self.spec, self.reference, f"{_BUDGET}-{_name(self.precision)}"),)
+        return self._budget_entry[0]
 
     def fresh_look(self, expected: dict[str, Any]) -> second_look.Look:
         def drawn_call(inputs: Mapping[str, Any],
@@ -310,7 +390,7 @@ class Judged:
             return outputs
 
         draw = second_look.drawn(drawn_call, self.reference_inputs, self.cotangents,
-                                 self.precision)
+                                 self.precision, self.range_events)
         return second_look.Look(
             precision=self.precision, fresh=True,
             spreads=lambda paths: second_look.element_spreads_of(expected, draw, paths),
@@ -341,9 +421,10 @@ class Judged:
             # Read back faster than any draw is made (as a gradcheck's pass): kept however
             # fast the draws were, unlike tensors of results; written once (a failing run
             # computes them afresh each time, to the same numbers).
-            budget = reference_cache.companion(self.cached, f"{_BUDGET}-{_name(self.precision)}")
+            budget = self.budget_entry()
             if reference_cache.load(budget) is None:
-                reference_cache.store(budget, {"spreads": finite, "elements": elements},
+                reference_cache.store(budget, {"spreads": finite, "elements": elements,
+                                               "ranges": ",".join(self.range_events)},
                                       max(look.seconds["spreads"], reference_cache.MIN_SECONDS))
         if "baseline" in look.computed and look.baseline_results:
             reference_cache.store(
@@ -391,7 +472,8 @@ class Judged:
         return problem
 
 
-# The name of the rounding budget kept beside a reference (its format's version with it).
+# The name of the rounding budget kept beside a reference (its format's version with it), under
+# a name made of content (reference_cache.persisted).
 _BUDGET = "budget2"
 # Rounds of compare, compute what it asked for, compare again: spreads, then a baseline a
 # leaf asks for once its budget is known, then the last comparison.

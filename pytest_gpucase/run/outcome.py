@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 from pytest_gpucase.base.results import result_type
 
-__all__ = ["OUTCOME_KINDS", "Outcome", "OutcomeKind", "describe_exception", "exception_text",
-           "raised", "user_traceback"]
+__all__ = ["OUTCOME_KINDS", "CaseSetupError", "Outcome", "OutcomeKind", "StaleCaseError",
+           "describe_exception", "exception_text", "raised", "user_traceback"]
 
 # What happened in a run, for the tools that sort failures (minimize, ablate, the known-failure
 # rule): the one list of them, checked by mypy wherever a kind is compared.
@@ -55,6 +55,9 @@ class Outcome:
     # allowance, their ratio, and the constant error it lets through (verdict.compare's
     # budget_record), for the JSON report; () where every output passed at once.
     budgets: tuple[dict[str, Any], ...] = ()
+    # A mismatch whose cause is the range of the run's precision (verdict.ranges): "overflow"
+    # or "underflow"; "" for any other outcome.
+    verdict_class: str = ""
 
     @property
     def broken_case(self) -> bool:
@@ -96,6 +99,42 @@ def user_traceback(exc: BaseException) -> str:
                 f"{describe_exception(failed)})\n")
 
 
+class CaseSetupError(Exception):
+    """Raised while a case's call sets itself up, before the code under test runs: the
+    user's module imported, the model built, its saved state loaded into it
+    (``run.replay``). Its cause is the error that stopped it. Told as a broken case
+    (``raised``), never as the call's failure: not the captured one, and not one a case
+    should be made to expect."""
+
+
+class StaleCaseError(CaseSetupError):
+    """The saved state of a model case no longer fits the model its code builds now: a key
+    the model lacks or has beyond the state, a shape or kind of dtype changed (a layer
+    renamed, a buffer made non-persistent). The case was recorded from other code: it is
+    to be recorded again, not expected to fail."""
+
+
+def _setup_failure(what: str, exc: CaseSetupError) -> Outcome:
+    """A case that could not set its call up: a broken case, or the environment's failure
+    when the dynamic loader refused a module it imports (``triage.loader_words``)."""
+    from pytest_gpucase.verdict.triage import loader_words
+
+    # The cause's traceback (the user's constructor that raised); none of the replay's own.
+    text = user_traceback(exc.__cause__) if exc.__cause__ is not None else ""
+    first = exception_text(exc).splitlines()[0] if exception_text(exc) else type(exc).__name__
+    cause: BaseException | None = exc.__cause__
+    kind: OutcomeKind = "broken case"
+    for _ in range(8):
+        if cause is None:
+            break
+        if loader_words(exception_text(cause)) is not None:
+            kind = "environment"
+            break
+        cause = cause.__cause__ or cause.__context__
+    return Outcome("failed", f"{what} could not be set up: {first}", details=text,
+                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind)
+
+
 def raised(what: str, exc: BaseException, kind: OutcomeKind = "raises") -> Outcome:
     """``exc``, raised by the user's call or reference, as the run's failure.
 
@@ -103,8 +142,11 @@ def raised(what: str, exc: BaseException, kind: OutcomeKind = "raises") -> Outco
     ``BaseException`` subclass it raises are its result, told as any exception is. A real
     Ctrl-C never arrives as one: the child's SIGINT is at its default action
     (``isolation.child._child_main``), so it ends the child, and pytest, which gets its
-    own, stops.
+    own, stops. A ``CaseSetupError`` is the case's own failure to set up, not the call's:
+    a broken case (``_setup_failure``).
     """
+    if isinstance(exc, CaseSetupError):
+        return _setup_failure(what, exc)
     text = user_traceback(exc)
     first = describe_exception(exc).splitlines()[0]
     return Outcome("failed", f"{what} raised {first}", details=text,

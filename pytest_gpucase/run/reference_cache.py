@@ -20,7 +20,10 @@ library nor inside torch's own package is keyed by its path and its
 millisecond for the 150 or so keyed of the 1200 modules a child of pytest has
 loaded), so that editing a helper the reference calls (``refimpl.ref``) makes a
 new name rather than a wrong pass. Any change makes a new name; an unreadable
-entry is computed again.
+entry is computed again. The parent computes the key before it forks a child
+whose reference lies in the case's own file, on what that child is expected to
+load (the modules primed and the case's module); the child takes it only when
+it finds just that, else computes it itself (``prepare``, ``key``): one key.
 
 NOT keyed: data files the reference reads (a table it loads with ``open``),
 and modules it imports lazily, inside the reference call itself (they are not
@@ -98,9 +101,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "CACHE_ENV", "KEY_ENV", "KEY_FILE_ENV", "MIN_SECONDS", "OWN_NAME", "Entry", "ReferenceCache",
-    "Unusable", "check_folder", "companion", "entry", "forget_prepared", "forget_primed", "key",
-    "load", "make_key", "open_folder", "prepare", "prime", "prune", "read_key", "session_cache",
-    "store", "take_notes", "user_key",
+    "Unusable", "check_folder", "companion", "content_key", "entry", "forget_prepared",
+    "forget_primed", "key", "load", "make_key", "open_folder", "persisted", "prepare", "prime",
+    "prune", "read_key", "session_cache", "store", "take_notes", "user_key",
 ]
 
 CACHE_ENV = "GPUCASE_REFERENCE_CACHE"
@@ -232,6 +235,12 @@ def _loaded_modules() -> bytes:
     primed = _PRIMED
     if primed is None:
         return _joined(sorted(_rows(sys.modules.items(), {}).values()))
+    return primed.with_rows(_added_rows(primed))
+
+
+def _added_rows(primed: _Primed) -> list[str]:
+    """The rows of the modules loaded since ``primed`` was made, that it does not hold,
+    sorted."""
     added = []
     # sys.modules keeps insertion order: what was imported since priming is at its end,
     # after the last module then loaded (unless that one left: then all is read).
@@ -240,8 +249,7 @@ def _loaded_modules() -> bytes:
             break
         if name not in primed.names:
             added.append(name)
-    return primed.with_rows(_rows(((name, sys.modules[name]) for name in added),
-                                  primed.rows).values())
+    return sorted(_rows(((name, sys.modules[name]) for name in added), primed.rows).values())
 
 
 def _joined(rows: Iterable[str]) -> bytes:
@@ -396,9 +404,29 @@ def prepare(spec: RunSpec) -> None:
         toml = _bounded(case.case_file, MAX_CASE_BYTES)
     except OSError:
         return  # the child will say what is wrong
+    inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
     _PREPARED.update(case=case.case_file, toml=toml, sources=sources, parent=os.getpid(),
-                     inputs=(case.inputs_sha256 or "").encode()
-                     or _file_signature(case.inputs_file))
+                     inputs=inputs, key=_predicted(spec, toml, inputs, sources))
+
+
+def _predicted(spec: RunSpec, toml: bytes, inputs: bytes,
+               sources: Mapping[str, bytes]) -> tuple[str, list[str], str] | None:
+    """The key the child of ``spec`` will compute, made here, where every page is the
+    parent's own, on what the child is expected to find: its reference defined in the
+    case's own file (read here into ``sources``), and nothing loaded beside the modules
+    primed but that file's module (``_added_rows``). (That file, the rows, the key); the
+    child uses the key only when it finds both as expected (``key``). None where it
+    cannot be told here: a reference in an installed module, nothing primed, no torch."""
+    torch = sys.modules.get("torch")
+    primed = _PRIMED
+    if not sources or primed is None or torch is None:
+        return None
+    file, source = next(iter(sources.items()))
+    module = type(sys)("gpucase_predicted")  # what the child's import of ``file`` holds
+    module.__file__ = file
+    rows = sorted(_rows([("", module)], primed.rows).values())
+    return file, rows, _digest(spec, toml, inputs, source, primed.with_rows(rows),
+                               torch.__version__)
 
 
 def forget_prepared() -> None:
@@ -411,25 +439,42 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
     import torch
 
     case = spec.case
-    digest = hashlib.sha256(_VERSION)
     if _PREPARED.get("case") == case.case_file and _PREPARED["parent"] == os.getppid():
         toml, inputs = _PREPARED.pop("toml"), _PREPARED.pop("inputs")
+        predicted = _PREPARED.pop("key")
         del _PREPARED["case"]  # once: the sources go in _source_of, just below
+        if predicted is not None:  # the parent's key, when the child found what it expected
+            file, rows, digest = predicted
+            code = getattr(inspect.unwrap(reference), "__code__", None)
+            primed = _PRIMED
+            if (getattr(code, "co_filename", None) == file and primed is not None
+                    and _added_rows(primed) == rows):
+                _PREPARED.clear()
+                return digest  # type: ignore[no-any-return]
     else:
         _PREPARED.clear()
         toml = _bounded(case.case_file, MAX_CASE_BYTES)
         inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
+    return _digest(spec, toml, inputs, _source_of(reference), _loaded_modules(),
+                   torch.__version__)
+
+
+def _digest(spec: RunSpec, toml: bytes, inputs: bytes, source: bytes, modules: bytes,
+            version: str) -> str:
+    """The key of ``spec`` from what it depends on (``key``), each part with its length."""
+    case = spec.case
+    digest = hashlib.sha256(_VERSION)
     parts: list[bytes] = [
         toml,
         inputs,
-        _source_of(reference),
+        source,
         (case.reference or case.call).encode(),
         (spec.variant.id if spec.variant is not None else "").encode(),
         (spec.dtype if spec.cast else "saved").encode(),
         ",".join(spec.settings).encode(),
         repr(case.context.autocast).encode(),   # a run may change it (ablate's autocast rows)
-        torch.__version__.encode(),
-        _loaded_modules(),
+        version.encode(),
+        modules,
     ]
     for part in parts:
         digest.update(len(part).to_bytes(8, "little"))
@@ -467,6 +512,68 @@ def companion(cached: Entry | None, kind: str) -> Entry | None:
     stem = cached.name.removesuffix(SUFFIX)
     name = f"{stem}.{kind}{SUFFIX}"
     return dataclasses.replace(cached, path=cached.path.with_name(name), name=name)
+
+
+# Part of every content key (``content_key``): a new format names every persisted entry anew.
+_CONTENT_VERSION = b"gpucase-persisted-1"
+
+
+def content_key(spec: RunSpec, reference: Callable[..., Any]) -> str:
+    """A name for what is computed beside ``spec``'s reference that depends on content only:
+    the case's ``case.toml``, its inputs' bytes (``inputs_sha256`` when the case names it,
+    else the file's SHA-256), the reference's source file, the reference, variant, dtype,
+    switches and autocast, the torch version, and every loaded module that may hold user
+    code (``key``'s, this package's own included) by its name and the SHA-256 of its file.
+
+    ``key`` names a reference by its files' ``stat`` signatures, which a fresh checkout
+    changes (a CI job's every file is new); what ``persisted`` keeps under this name is
+    found again there, as long as nothing it depends on changed. Reading the inputs and the
+    modules costs milliseconds: it is made only where a rounding budget is asked for."""
+    import torch
+
+    from pytest_gpucase.base.files import file_sha256
+
+    case = spec.case
+    modules = []
+    for name, module in list(sys.modules.items()):
+        file = getattr(module, "__file__", None)
+        if isinstance(file, str) and _rows([(name, module)], {}):
+            with contextlib.suppress(OSError):
+                digest = hashlib.sha256(_bounded(file, MAX_SOURCE_BYTES)).hexdigest()
+                modules.append(f"{name}\0{digest}")
+    parts: list[bytes] = [
+        _bounded(case.case_file, MAX_CASE_BYTES),
+        (case.inputs_sha256 or file_sha256(case.inputs_file)).encode(),
+        _source_of(reference),
+        (case.reference or case.call).encode(),
+        (spec.variant.id if spec.variant is not None else "").encode(),
+        (spec.dtype if spec.cast else "saved").encode(),
+        ",".join(spec.settings).encode(),
+        repr(case.context.autocast).encode(),
+        torch.__version__.encode(),
+        "\n".join(sorted(modules)).encode(errors="surrogateescape"),
+    ]
+    found = hashlib.sha256(_CONTENT_VERSION)
+    for part in parts:
+        found.update(len(part).to_bytes(8, "little"))
+        found.update(part)
+    return found.hexdigest()
+
+
+def persisted(cached: Entry | None, spec: RunSpec, reference: Callable[..., Any],
+              kind: str) -> Entry | None:
+    """Where something computed beside the reference is kept across checkouts: as
+    ``companion``, in the same folder, authenticated the same way (the name, kind included,
+    is bound into its tag), but named by ``content_key``, so that a CI job that restores the
+    cache folder (and has the same key: ``GPUCASE_REFERENCE_KEY_FILE``) finds it again.
+    None without a cache, or when the content cannot be read (then nothing is kept)."""
+    if cached is None:
+        return None
+    try:
+        stem = content_key(spec, reference)
+    except OSError:
+        return None
+    return companion(dataclasses.replace(cached, name=f"{stem}{SUFFIX}"), kind)
 
 
 # Notes of this run for the pytest process (an entry that failed authentication), taken

@@ -23,15 +23,22 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.files import file_sha256
 from pytest_gpucase.base.tensors import named_tensors, tensors_in
-from pytest_gpucase.case.keys import GRAD_PREFIX, LOSS_PREFIX, NESTED_PREFIX, STATE_PREFIX
+from pytest_gpucase.case.keys import (
+    CODE_OWNED,
+    GRAD_PREFIX,
+    LOSS_PREFIX,
+    NESTED_PREFIX,
+    STATE_PREFIX,
+)
+from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, describe_exception
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["DATACLASS_KEY", "build_model", "decode_dataclasses", "decode_nested",
-           "import_target", "load_checkpoint",
+__all__ = ["CONFIG_KEY", "CONFIG_KINDS", "DATACLASS_KEY", "build_model", "constructed",
+           "decode_configs", "decode_nested", "find_class", "import_target", "load_checkpoint",
            "load_script", "replay_function", "replay_module", "replay_op", "require_finite",
-           "retie", "script_definitions"]
+           "retie", "rng_kept", "script_definitions", "with_aliases"]
 
 
 def import_target(target: str) -> Any:
@@ -148,8 +155,10 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     function ``loss = {call, output, index, inputs}`` names, called on output ``index`` as
     argument ``output`` with the ``loss.<name>`` tensors; else from the saved
     ``grad_output.<i>`` tensors), ``nested`` (arguments of lists, tuples and dicts of
-    tensors) and ``finite``
-    (the failure was a non-finite value: outputs and gradients must be finite).
+    tensors), ``finite``
+    (the failure was a non-finite value: outputs and gradients must be finite) and
+    ``manual_optimization`` (a LightningModule's ``training_step`` that steps its own
+    optimizers: what it asks of its Trainer is given without one, ``_without_trainer``).
     ``state.<name>`` tensors are the state dict.
     """
     import torch
@@ -157,7 +166,12 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     recipe = dict(gpucase_module)
     factory = recipe["factory"]
     # A "FILE.py:make" factory arrives already imported from the case directory (execute).
-    make = factory if callable(factory) else import_target(str(factory))
+    try:
+        make = factory if callable(factory) else import_target(str(factory))
+    except Exception as exc:
+        raise CaseSetupError(f"importing the model's factory {factory} failed "
+                             f"({describe_exception(exc)}); the case's call never ran"
+                             ) from exc
     state = {k.removeprefix(STATE_PREFIX): v for k, v in inputs.items()
              if k.startswith(STATE_PREFIX)}
     args = _arguments(recipe, inputs, (STATE_PREFIX, GRAD_PREFIX, LOSS_PREFIX))
@@ -166,6 +180,8 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     if device is not None:
         module.to(device)  # non-persistent buffers, made by the constructor on the host
     module.train(bool(recipe.get("training", False)))
+    if recipe.get("manual_optimization"):
+        _without_trainer(module)
     call = getattr(module, str(recipe["method"])) if recipe.get("method") else module
     finite = bool(recipe.get("finite"))
     with warnings.catch_warnings():
@@ -187,6 +203,68 @@ def replay_module(*, gpucase_module: Mapping[str, Any], **inputs: Any) -> Any:
     return {"out": out, "grad": grads}
 
 
+def _optimizers_of(made: Any) -> tuple[list[Any], list[Any]]:
+    """The optimizers and schedulers a LightningModule's ``configure_optimizers()`` returns,
+    in any of the shapes Lightning takes: one optimizer, a list of them, ``(optimizers,
+    schedulers)``, a dict ``{"optimizer", "lr_scheduler"}`` (the scheduler itself or a dict
+    holding it under ``scheduler``), or a list of such dicts."""
+    if made is None:
+        return [], []
+    if isinstance(made, Mapping):
+        scheduler = made.get("lr_scheduler")
+        if isinstance(scheduler, Mapping):
+            scheduler = scheduler.get("scheduler")
+        return [made["optimizer"]], [] if scheduler is None else [scheduler]
+    if (isinstance(made, tuple | list) and len(made) == 2
+            and all(isinstance(part, list | tuple) for part in made)):
+        return list(made[0]), [s.get("scheduler") if isinstance(s, Mapping) else s
+                               for s in made[1]]
+    if isinstance(made, list | tuple):
+        optimizers: list[Any] = []
+        schedulers: list[Any] = []
+        for item in made:
+            found = _optimizers_of(item)
+            optimizers += found[0]
+            schedulers += found[1]
+        return optimizers, schedulers
+    return [made], []
+
+
+def _without_trainer(module: torch.nn.Module) -> None:
+    """What a LightningModule's manual optimization (``automatic_optimization = False``)
+    asks of its Trainer in ``training_step``, given without one: ``self.optimizers()`` and
+    ``self.lr_schedulers()`` from its own ``configure_optimizers()``, ``manual_backward``
+    as ``loss.backward()``, ``toggle_optimizer``/``untoggle_optimizer`` as nothing to do
+    (one module, all parameters trainable), ``clip_gradients`` as torch's clipping."""
+    import torch
+
+    optimizers, schedulers = _optimizers_of(module.configure_optimizers())  # type: ignore[operator]
+
+    def one_or_all(found: list[Any]) -> Any:
+        return found[0] if len(found) == 1 else (found or None)
+
+    def clip(optimizer: Any, gradient_clip_val: float | None = None,
+             gradient_clip_algorithm: str | None = None) -> None:
+        if not gradient_clip_val:
+            return
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if str(gradient_clip_algorithm or "norm") == "value":
+            torch.nn.utils.clip_grad_value_(params, gradient_clip_val)
+        else:
+            torch.nn.utils.clip_grad_norm_(params, gradient_clip_val)
+
+    stand_ins: dict[str, Any] = {
+        "optimizers": lambda use_pl_optimizer=True: one_or_all(optimizers),
+        "lr_schedulers": lambda: one_or_all(schedulers),
+        "manual_backward": lambda loss, *args, **kwargs: loss.backward(*args, **kwargs),
+        "toggle_optimizer": lambda optimizer, *args: None,
+        "untoggle_optimizer": lambda optimizer, *args: None,
+        "clip_gradients": clip,
+    }
+    for name, stand_in in stand_ins.items():
+        object.__setattr__(module, name, stand_in)
+
+
 def _rebuilt(make: Any, recipe: Mapping[str, Any],
              state: dict[str, Any]) -> torch.nn.Module:
     """The module ``make`` builds, holding ``state``: its saved tensors become its parameters
@@ -197,29 +275,197 @@ def _rebuilt(make: Any, recipe: Mapping[str, Any],
     the weights the saved state replaces are never written: a replay holds the state once,
     not twice. Non-persistent buffers (position ids, rotary frequencies, lookup tables) are
     built as the constructor builds them, from the code as it is now, so a fix to how they
-    are computed shows. A module that keeps a parameter the state lacks, or whose
-    constructor cannot run so, is built again the ordinary way.
+    are computed shows; so are the entries ``code_owned`` names (a causal mask, a constant
+    table the Recorder found equal to the constructor's own value). A module that keeps a
+    parameter the state lacks, or whose constructor cannot run so, is built again the
+    ordinary way. Saved state that no longer fits the model raises ``StaleCaseError``
+    (``_fitted``); a model that cannot be built, ``CaseSetupError``.
     """
     kwargs = dict(recipe.get("kwargs", {}))
+    tied = with_aliases(recipe, state)
+    owned = frozenset(str(k) for k in recipe.get(CODE_OWNED, ()))
+    if not state:
+        return _built(make, kwargs)
+    module: torch.nn.Module | None = None
+    with contextlib.suppress(Exception):  # else the ordinary way
+        module = constructed(make, recipe, on_meta=True)
+    if module is not None and not _owned_on_meta(module, owned):
+        try:
+            _load(module, state, owned, tied)
+            if not any(_on_meta(m) for m in module.modules()):
+                return module
+        except StaleCaseError:
+            raise  # the ordinary way builds the same state dict
+        except CaseSetupError:
+            pass  # a load the meta tensors stopped: built again the ordinary way below
+    module = _built(make, kwargs)
+    _load(module, state, owned, tied)
+    return module
+
+
+def _built(make: Any, kwargs: Mapping[str, Any]) -> torch.nn.Module:
+    """``make(**kwargs)``, the RNG states as they were (the replay restored the captured
+    ones for the call, which the initialization must not draw from); CaseSetupError when
+    it raises."""
+    try:
+        with rng_kept():
+            return make(**kwargs)  # type: ignore[no-any-return]
+    except Exception as exc:
+        raise CaseSetupError(f"building the model to replay failed ({describe_exception(exc)})"
+                             "; the case's call never ran") from exc
+
+
+@contextlib.contextmanager
+def rng_kept() -> Iterator[None]:
+    """torch's RNG states (the host's, and each CUDA device's once CUDA is initialized) as
+    they were, whatever a constructor run meanwhile draws or seeds."""
+    import torch
+
+    initialized = torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+    with torch.random.fork_rng(devices=list(range(torch.cuda.device_count()))
+                               if initialized else []):
+        yield
+
+
+def _owned_on_meta(module: torch.nn.Module, owned: frozenset[str]) -> bool:
+    """Whether an entry the code owns is a parameter left on meta: its value must come from
+    a module built the ordinary way."""
+    if not owned:
+        return False
+    return any(getattr(value, "is_meta", False) for key, value in
+               module.state_dict(keep_vars=True).items() if key in owned)
+
+
+def _load(module: torch.nn.Module, state: Mapping[str, Any], owned: frozenset[str],
+          tied: Mapping[str, str]) -> None:
+    """Load ``state`` into ``module`` (``_fitted``) and tie its parameters again."""
+    fitted = _fitted(module, state, owned)
+    try:
+        module.load_state_dict(fitted, strict=True, assign=True)
+        retie(module, tied)
+    except Exception as exc:
+        raise CaseSetupError(
+            f"loading the case's saved state into {type(module).__qualname__} failed "
+            f"({describe_exception(exc)}); if the model's code changed since the case was "
+            f"recorded, {_RERECORD}") from exc
+
+
+_RERECORD = ("record the case again (run the training with the Recorder), or bring the "
+             "model's code back to what it was")
+
+
+def _fitted(module: torch.nn.Module, state: Mapping[str, Any],
+            owned: frozenset[str]) -> dict[str, Any]:
+    """The state to load into ``module``: the saved entries, those the code owns taken from
+    ``module`` as its constructor built them (in the saved entry's device, and dtype where
+    both hold one kind of values), and those the code owned but the model saves no more dropped.
+    StaleCaseError, naming the keys, when the rest does not fit the model."""
+    theirs: dict[str, Any] = module.state_dict(keep_vars=True)
+    fitted: dict[str, Any] = {}
+    for key, value in theirs.items():
+        saved = state.get(key)
+        if key in owned and not getattr(value, "is_meta", True):
+            fitted[key] = _like(value.detach(), saved)
+        elif saved is not None:
+            fitted[key] = saved
+    problems = _misfits(module, theirs, state, owned)
+    if problems:
+        raise StaleCaseError(
+            f"stale case: the state it saved no longer fits the {type(module).__qualname__} "
+            f"its code builds now: {'; '.join(problems)}. The case was recorded from other "
+            f"code, so it cannot replay the captured failure: {_RERECORD}")
+    return fitted
+
+
+def _like(fresh: torch.Tensor, saved: Any) -> torch.Tensor:
+    """The constructor's value ``fresh`` where the saved entry was: its device, and its dtype
+    where both hold one kind of values (the run casts the saved state to its dtype)."""
+    if saved is None or not hasattr(saved, "device"):
+        return fresh
+    same_kind = _kind(fresh) == _kind(saved)
+    return fresh.to(device=saved.device, dtype=saved.dtype if same_kind else fresh.dtype)
+
+
+def _kind(tensor: Any) -> str:
+    """What kind of values a tensor holds: the run may change its dtype, never its kind."""
+    import torch
+
+    if not isinstance(tensor, torch.Tensor):
+        return type(tensor).__qualname__
+    if tensor.dtype == torch.bool:
+        return "bool"
+    if tensor.is_quantized:
+        return "quantized"
+    if tensor.is_complex():
+        return "complex"
+    return "floating" if tensor.is_floating_point() else "integer"
+
+
+def _listed(keys: list[str]) -> str:
+    more = len(keys) - 5
+    return ", ".join(keys[:5]) + (f" and {more} more" if more > 0 else "")
+
+
+def _misfits(module: torch.nn.Module, theirs: Mapping[str, Any], state: Mapping[str, Any],
+             owned: frozenset[str]) -> list[str]:
+    """How the saved ``state`` misfits the model's state dict ``theirs``, in words."""
+    buffers = {name for name, _ in module.named_buffers()}
+    extra = [k for k in state if k not in theirs]
+    # An entry the code owned and the model saves no more is simply not loaded; named only
+    # beside another misfit (a layer renamed: its mask gone with its weights).
+    dropped = [k for k in extra if k in buffers and k not in owned]
+    unknown = [k for k in extra if k not in buffers]
+    missing = [k for k in theirs if k not in state
+               and (k not in owned or getattr(theirs[k], "is_meta", True))]
+    problems = []
+    if unknown and (missing or any(k not in owned for k in unknown)):
+        problems.append(f"the model has no {_listed(unknown)}, which the case holds "
+                        "(a layer renamed or removed?)")
+    if dropped:
+        are = "is a buffer" if len(dropped) == 1 else "are buffers"
+        problems.append(f"{_listed(dropped)} {are} the model no longer saves "
+                        "(persistent=False), which the case holds as recorded")
+    if missing:
+        problems.append(f"the case holds no {_listed(missing)}, which the model has")
+    return problems + _changed(theirs, state, owned)
+
+
+def _changed(theirs: Mapping[str, Any], state: Mapping[str, Any],
+             owned: frozenset[str]) -> list[str]:
+    """The saved entries whose shape, or kind of values, the model's no longer has."""
+    problems = []
+    for key, value in theirs.items():
+        saved = state.get(key)
+        if saved is None or key in owned or not hasattr(saved, "shape"):
+            continue
+        if hasattr(value, "shape") and tuple(saved.shape) != tuple(value.shape):
+            problems.append(f"{key} is {list(saved.shape)} in the case, {list(value.shape)} "
+                            "in the model")
+        elif _kind(saved) != _kind(value):
+            problems.append(f"{key} holds {_kind(saved)} values ({saved.dtype}) in the case, "
+                            f"{_kind(value)} ones in the model")
+    return problems
+
+
+def with_aliases(recipe: Mapping[str, Any], state: dict[str, Any]) -> dict[str, str]:
+    """The recipe's tied parameters (alias -> source); each alias added to ``state`` with its
+    source's value, as the module's own state dict holds it."""
     tied = {str(k): str(v) for k, v in dict(recipe.get("tied", {})).items()}
     for alias, source in tied.items():
         if source in state:
             state.setdefault(alias, state[source])
-    if state:
-        try:
-            with _parameters_on_meta():
-                module: torch.nn.Module = make(**kwargs)
-            module.load_state_dict(state, strict=True, assign=True)
-            retie(module, tied)
-            if not any(_on_meta(m) for m in module.modules()):
-                return module
-        except Exception:  # built again the ordinary way below
-            pass
-    module = make(**kwargs)
-    if state:
-        module.load_state_dict(state, strict=True, assign=True)
-        retie(module, tied)
-    return module
+    return tied
+
+
+def constructed(make: Any, recipe: Mapping[str, Any], *, on_meta: bool) -> torch.nn.Module:
+    """The module ``make`` builds from the recipe's ``kwargs``, before any state is loaded:
+    with ``on_meta``, each parameter on the meta device, as a replay first builds it (see
+    ``_rebuilt``); ``gpucase validate`` checks that module against the saved state."""
+    kwargs = dict(recipe.get("kwargs", {}))
+    if not on_meta:
+        return make(**kwargs)  # type: ignore[no-any-return]
+    with _parameters_on_meta():
+        return make(**kwargs)  # type: ignore[no-any-return]
 
 
 @contextlib.contextmanager
@@ -259,7 +505,11 @@ def replay_function(*, gpucase_function: Mapping[str, Any], **inputs: Any) -> An
     with ``finite``, its outputs must be finite (a case captured from the first non-finite
     value a function returned)."""
     target = gpucase_function["target"]
-    func = target if callable(target) else import_target(str(target))
+    try:
+        func = target if callable(target) else import_target(str(target))
+    except Exception as exc:
+        raise CaseSetupError(f"importing {target} failed ({describe_exception(exc)}); the "
+                             "case's call never ran") from exc
     out = func(**_arguments(gpucase_function, inputs, ()))
     if gpucase_function.get("finite"):
         require_finite("output", out)
@@ -425,30 +675,73 @@ def build_model(recipe_file: Path) -> torch.nn.Module:
     """Build the model a ``model.json`` describes (the Recorder writes it, with the
     ``case.py`` that calls this): ``class`` ("pkg.mod:Qual", or "Qual" of ``script``, a path
     relative to that file), then either ``config`` (a Hugging Face config file, read with
-    the class's ``config_class``) or ``kwargs`` (the constructor's keyword arguments)."""
+    the class's ``config_class``) or ``kwargs`` (the constructor's keyword arguments, config
+    objects among them as ``decode_configs`` reads them)."""
     recipe_file = Path(recipe_file)
     recipe = json.loads(recipe_file.read_text(encoding="utf-8"))
     target = str(recipe["class"])
     script = (load_script(recipe_file.parent / str(recipe["script"]))
               if recipe.get("script") else None)
-    cls = _class_of(target, script)
+    cls = find_class(target, script)
     if recipe.get("config"):
         config = cls.config_class.from_json_file(str(recipe_file.parent / recipe["config"]))
         attention = recipe.get("attn_implementation")
         if attention:
             config._attn_implementation = attention
         return cls(config)  # type: ignore[no-any-return]
-    kwargs = decode_dataclasses(dict(recipe.get("kwargs", {})), script)
+    kwargs = decode_configs(dict(recipe.get("kwargs", {})), script)
     return cls(**kwargs)  # type: ignore[no-any-return]
 
 
-# A constructor argument that is a dataclass instance (a model's config object), as
-# ``model.json`` holds it: ``{DATACLASS_KEY: "pkg.mod:Config" or "Config" of the script,
-# "fields": {...}}``.
+# A constructor argument that is a config object (a dataclass, a namespace, a named tuple, a
+# pydantic model, a Hugging Face ``PretrainedConfig``), as ``model.json`` holds it:
+# ``{CONFIG_KEY: kind, "class": "pkg.mod:Config" or "Config" of the script, "fields": {...}}``
+# (``tools.record.configs`` reads one; ``CONFIG_KINDS`` builds it again). Cases written before
+# hold a dataclass as ``{DATACLASS_KEY: "pkg.mod:Config", "fields": {...}}``.
+CONFIG_KEY = "gpucase_config"
 DATACLASS_KEY = "gpucase_dataclass"
 
 
-def _class_of(target: str, script: ModuleType | None) -> Any:
+def _from_fields(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls(**fields)
+
+
+def _pydantic(cls: Any, fields: dict[str, Any]) -> Any:
+    validate = getattr(cls, "model_validate", None) or getattr(cls, "parse_obj", None)
+    return validate(fields) if callable(validate) else cls(**fields)
+
+
+def _hf_config(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls.from_dict(fields)
+
+
+def _enum_member(cls: Any, fields: dict[str, Any]) -> Any:
+    return cls[fields["name"]]
+
+
+def _dtype(cls: Any, fields: dict[str, Any]) -> Any:
+    import torch
+
+    found = getattr(torch, str(fields["name"]), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"model.json: torch has no dtype {fields['name']!r}")
+    return found
+
+
+# kind -> how the object is built again from its class and its fields (nested ones first),
+# and, in words, for the case.py a rebuild writes.
+CONFIG_KINDS: dict[str, tuple[Any, str]] = {
+    "dataclass": (_from_fields, "Class(**fields)"),
+    "namespace": (_from_fields, "Class(**fields)"),
+    "namedtuple": (_from_fields, "Class(**fields)"),
+    "pydantic": (_pydantic, "Class.model_validate(fields)"),
+    "hf_config": (_hf_config, "Class.from_dict(fields)"),
+    "enum": (_enum_member, "Class[name]"),
+    "dtype": (_dtype, "torch.<name>"),
+}
+
+
+def find_class(target: str, script: ModuleType | None) -> Any:
     """The class ``target`` names: "pkg.mod:Qual", or "Qual" of the ``script`` module."""
     if script is None or ":" in target:
         return import_target(target)
@@ -458,17 +751,26 @@ def _class_of(target: str, script: ModuleType | None) -> Any:
     return obj
 
 
-def decode_dataclasses(value: Any, script: ModuleType | None = None) -> Any:
-    """``value`` with each dataclass ``model.json`` describes (``DATACLASS_KEY``) built
-    again from its fields, nested ones first."""
+def decode_configs(value: Any, script: ModuleType | None = None) -> Any:
+    """``value`` with each config object ``model.json`` describes (``CONFIG_KEY``, or a
+    dataclass of an older case under ``DATACLASS_KEY``) built again from its fields, nested
+    ones first."""
     if isinstance(value, list):
-        return [decode_dataclasses(v, script) for v in value]
+        return [decode_configs(v, script) for v in value]
     if not isinstance(value, Mapping):
         return value
+    if CONFIG_KEY in value:
+        kind = str(value[CONFIG_KEY])
+        if kind not in CONFIG_KINDS:
+            raise ValueError(f"model.json: {CONFIG_KEY} = {kind!r} is not a kind this version "
+                             f"builds ({', '.join(CONFIG_KINDS)}): record the case again")
+        cls = find_class(str(value["class"]), script)
+        return CONFIG_KINDS[kind][0](cls, decode_configs(dict(value.get("fields", {})),
+                                                          script))
     if DATACLASS_KEY in value:
-        cls = _class_of(str(value[DATACLASS_KEY]), script)
-        return cls(**decode_dataclasses(dict(value.get("fields", {})), script))
-    return {k: decode_dataclasses(v, script) for k, v in value.items()}
+        cls = find_class(str(value[DATACLASS_KEY]), script)
+        return cls(**decode_configs(dict(value.get("fields", {})), script))
+    return {k: decode_configs(v, script) for k, v in value.items()}
 
 
 def load_checkpoint(path: Path, sha256: str | None, prefix: str = "",

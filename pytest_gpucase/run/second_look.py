@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from typing import Any
@@ -29,6 +30,8 @@ from pytest_gpucase.verdict.rounding import (
     NEEDED,
     Needed,
     Budget,
+    HeldAsStored,
+    RangeEvent,
     RoundEveryOp,
     coarser,
     draw_seeds,
@@ -53,6 +56,7 @@ __all__ = [
     "element_spreads_of",
     "gradient_check",
     "leaves_of",
+    "range_limited",
     "spreads_of",
 ]
 
@@ -134,12 +138,15 @@ def element_spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mappi
 
 def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
           inputs: Callable[[], Mapping[str, Any]], cotangents: Mapping[str, torch.Tensor],
-          precision: torch.dtype) -> Callable[[int], Mapping[str, Any]]:
+          precision: torch.dtype,
+          events: dict[str, RangeEvent] | None = None) -> Callable[[int], Mapping[str, Any]]:
     """One draw of the rounding budget: ``call`` on the inputs and cotangents each rounded
     once, every operation's result rounded once (``RoundEveryOp``), at ``precision``.
 
     ``inputs`` is asked for on the first draw, once: a run that passes without a budget
-    never makes them (loading a case's inputs again is most of what a draw would cost it)."""
+    never makes them (loading a case's inputs again is most of what a draw would cost it).
+    ``events``: where the draws note the first operations whose result ``precision`` cannot
+    hold (``RoundEveryOp``): a failure then looks at the dtype's range (``range_limited``)."""
     u = unit_roundoff(precision)
     made: list[Mapping[str, Any]] = []
 
@@ -152,10 +159,24 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
         generator = torch.Generator().manual_seed(seed)
         inputs_now = perturbed(dict(made[0]), u, generator, precision)
         cotangents_now = perturbed(dict(cotangents), u, generator, precision)
-        with RoundEveryOp(u, generator, precision):
+        with RoundEveryOp(u, generator, precision, events):
             return call(inputs_now, cotangents_now)
 
     return run
+
+
+def range_limited(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]],
+                                  Mapping[str, Any]],
+                  inputs: Mapping[str, Any], cotangents: Mapping[str, torch.Tensor],
+                  precision: torch.dtype) -> tuple[dict[str, object], dict[str, RangeEvent]]:
+    """The reference's leaves with every operation's result stored as ``precision``'s range
+    stores it, nothing rounded (``HeldAsStored``), and the first operations that overflowed
+    and underflowed: one more run of the reference, made for a failing leaf only
+    (``verdict.ranges`` reads it)."""
+    mode = HeldAsStored(precision)
+    with mode:
+        found = call(inputs, cotangents)
+    return leaves_of(found), dict(mode.events)
 
 
 class Abandoned(Exception):
@@ -403,18 +424,55 @@ class _Differences:
         return None
 
 
+# torch.autograd.gradcheck's tolerance, given explicitly so that a failure can state it.
+_COMPLEX_ATOL = 1e-5
+_COMPLEX_RTOL = 1e-3
+_MISMATCH = re.compile(
+    r"(?P<head>.*?Jacobian mismatch for output (?P<output>\d+) with respect to input "
+    r"(?P<input>\d+)),?\s*numerical:\s*(?P<numerical>\S+)\s*analytical:\s*"
+    r"(?P<analytical>\S+)", re.DOTALL)
+
+
 def _complex_gradcheck(function: Callable[..., tuple[torch.Tensor, ...]],
                        values: tuple[torch.Tensor, ...], names: list[str]) -> str | None:
-    if not function(*values):
+    outputs = function(*values)
+    if not outputs:
         return None
     try:
-        gradcheck(function, values, fast_mode=True, check_undefined_grad=False,
-                  check_batched_grad=False, raise_exception=True)
+        gradcheck(function, values, atol=_COMPLEX_ATOL, rtol=_COMPLEX_RTOL, fast_mode=True,
+                  check_undefined_grad=False, check_batched_grad=False, raise_exception=True)
     except GradcheckError as exc:
-        lines = [line for line in str(exc).splitlines() if line.strip()]
-        return " ".join(lines[:4]) + (f" (inputs in order: {', '.join(names)})"
-                                      if len(names) > 1 else "")
+        return _complex_problem(str(exc), values, names, outputs)
     return None
+
+
+def _complex_problem(text: str, values: tuple[torch.Tensor, ...], names: list[str],
+                     outputs: tuple[torch.Tensor, ...]) -> str:
+    """torch's gradcheck failure told as the real check tells one: the analytical and the
+    numerical value, how far apart against which tolerance, and the sizes."""
+    total = sum(o.numel() for o in outputs)
+    tolerance = (f"torch.autograd.gradcheck's tolerance atol {_COMPLEX_ATOL:g} + rtol "
+                 f"{_COMPLEX_RTOL:g} x |numerical|, in fast mode: along random vectors")
+    found = _MISMATCH.search(text)
+    if found is None:
+        lines = [line for line in text.splitlines() if line.strip()]
+        sizes = ", ".join(f"{name} has {v.numel()} elements"
+                          for name, v in zip(names, values, strict=True))
+        return f"{' '.join(lines[:2])} ({tolerance}; {sizes}, the outputs {total})"
+    index = int(found["input"])
+    name = names[index] if index < len(names) else f"input {index}"
+    size = values[index].numel() if index < len(values) else 0
+    try:
+        analytical, numerical = complex(found["analytical"]), complex(found["numerical"])
+    except ValueError:
+        return (f"{found['head']} ({name}): {found['analytical']} by the backward "
+                f"(analytical) and {found['numerical']} by finite differences (numerical), "
+                f"past {tolerance}; {name} has {size} elements, the outputs {total}")
+    allowed = _COMPLEX_ATOL + _COMPLEX_RTOL * abs(numerical)
+    return (f"{found['head']} ({name}): {analytical:.6g} by the backward (analytical) and "
+            f"{numerical:.6g} by finite differences of the forward (numerical): "
+            f"{abs(analytical - numerical):.3g} apart, past the tolerance {allowed:.3g} "
+            f"({tolerance}); {name} has {size} elements, the outputs {total}")
 
 
 def _first(exc: BaseException) -> str:

@@ -5,9 +5,17 @@ sound. ``save`` writes the checkpoint and a sidecar manifest
 ``<path>.manifest.json`` (size, sha256, every tensor's shape, dtype and
 non-finite count). ``validate`` checks a file against its manifest, loads it
 without running pickle code, checks that every floating tensor is finite and,
-given a model, that keys and shapes still match. A checkpoint without a
-manifest is INVALID: nothing proves its write completed; the fix is to re-save
-it with :func:`save`.
+given a model, that keys and shapes still match.
+
+A checkpoint without a manifest (a plain ``torch.save``, a safetensors file
+written by another tool) gets a weaker verdict, ``LOADABLE``: it loads with
+``torch.load(weights_only=True)`` (or as safetensors), every floating tensor is
+finite, its archive is whole (a zip's central directory and every record's
+CRC; a safetensors header's offsets inside the file) and every tensor's bytes
+are in the file; but nothing proves its write completed. It is a usable restart point,
+with that caveat; ``require_manifest`` refuses it. A plain file that needs full
+unpickling (a pickled class, a function) is not loaded: it is ``UNCHECKED``,
+never a restart point, since loading it may run any code its pickle names.
 
 Re-saving to the same path keeps a valid checkpoint at every instant, whenever
 the writer is killed. The file and its manifest are two files, and no rename
@@ -52,11 +60,21 @@ import torch
 
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import dotted, named_tensors
+from pytest_gpucase.tools.checkpoint_plain import (
+    UNPROVEN,
+    archive_problem,
+    is_zip,
+    load_error,
+    refused_global,
+    size_problems,
+    unpickling_needed,
+)
 
 __all__ = [
     "CHECKPOINT_SUFFIXES",
     "FORMAT_VERSION",
     "STATE_DICT_KEYS",
+    "UNPROVEN",
     "Manifest",
     "ManifestError",
     "ModelSpecError",
@@ -81,7 +99,6 @@ STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module")
 NO_MANIFEST = (
     "no manifest: cannot prove the write completed; re-save with pytest_gpucase.checkpoint.save"
 )
-
 # A manifest is about 130 bytes a tensor: this covers half a million tensors (one
 # shard of a large model with its Adam state, listed twice while a re-save
 # swaps files), and keeps a runaway file from being read whole.
@@ -219,7 +236,8 @@ class Manifest:
 
 @dataclass(frozen=True)
 class Validation:
-    """The verdict on one checkpoint file: truthy when it is safe to restart from."""
+    """The verdict on one checkpoint file: truthy when it is a restart point (``proven``
+    when a manifest vouches for it; else ``caveat`` says what is not proven)."""
 
     path: Path
     problems: tuple[str, ...]
@@ -230,14 +248,27 @@ class Validation:
     # Where the model's state dict was found ("at top level", "under 'model'", ...);
     # None when no model was compared.
     layout: str | None = None
+    # No manifest: what the verdict does not prove (UNPROVEN) when every other check passed.
+    caveat: str | None = None
+    # No manifest, and torch.load(weights_only=True) refused it: not loaded, not checked.
+    unchecked: bool = False
 
     def __bool__(self) -> bool:
         return not self.problems
 
     @property
+    def proven(self) -> bool:
+        """A restart point whose write a manifest proves complete."""
+        return not self.problems and self.caveat is None
+
+    @property
     def verdict(self) -> str:
-        """``VALID`` or ``INVALID``, as the CLI prints it."""
-        return "VALID" if self else "INVALID"
+        """As the CLI prints it: ``VALID`` (its manifest vouches), ``LOADABLE`` (no
+        manifest; loads, finite, whole), ``UNCHECKED`` (no manifest, and loading it needs
+        full unpickling) or ``INVALID``."""
+        if not self.problems:
+            return "VALID" if self.caveat is None else "LOADABLE"
+        return "UNCHECKED" if self.unchecked else "INVALID"
 
 
 def manifest_path(path: PathLike) -> Path:
@@ -306,7 +337,7 @@ def validate(path: PathLike, model: ModelLike | None = None) -> Validation:
     # Hostile or damaged input can fail anywhere (a pickle nested past the recursion
     # limit, an I/O error mid-read): a verdict, not a crash.
     except Exception as exc:
-        return Validation(path, (f"cannot validate: {_load_error(exc)}",))
+        return Validation(path, (f"cannot validate: {load_error(exc)}",))
 
 
 def _validate(path: Path, model: ModelLike | None) -> Validation:
@@ -334,16 +365,25 @@ def _validate(path: Path, model: ModelLike | None) -> Validation:
             problems.append(problem)
 
     layout: str | None = None
-    try:
-        loaded = _load(path)
-    # Any failure to load (corrupt zip, refused global, bad header) is a verdict, not a crash.
-    except Exception as exc:
-        problems.append(f"cannot load: {_load_error(exc)}")
+    unchecked = False
+    broken = archive_problem(path, before.st_size) if unproven else None
+    if broken is not None:   # torch's own message for it says less
+        problems.append(broken)
     else:
-        problems.extend(_nonfinite_problems(loaded))
-        if model is not None:
-            layout, model_problems = _compare_with_model(loaded, model)
-            problems.extend(model_problems)
+        try:
+            loaded = _load(path)
+        # Any failure to load (corrupt zip, refused global, bad header) is a verdict.
+        except Exception as exc:
+            unchecked = unproven and refused_global(exc)
+            problems.append(unpickling_needed(exc) if unchecked
+                            else f"cannot load: {load_error(exc)}")
+        else:
+            problems.extend(_nonfinite_problems(loaded))
+            if unproven:
+                problems.extend(size_problems(path, loaded))
+            if model is not None:
+                layout, model_problems = _compare_with_model(loaded, model)
+                problems.extend(model_problems)
 
     # The checks above read the file several times; all must have seen the same file.
     try:
@@ -357,10 +397,13 @@ def _validate(path: Path, model: ModelLike | None) -> Validation:
             before.st_mtime_ns,
         ):
             problems.append("file was replaced while being validated; validate again")
-    if unproven:
+    if unproven and not problems:   # as sound as a file without a manifest can be shown
+        return Validation(path, (), before.st_mtime, None, layout, caveat=UNPROVEN)
+    if unproven and not unchecked:
         # Last: when such a file also fails to load, that is the more telling first problem.
         problems.append(NO_MANIFEST)
-    return Validation(path, tuple(problems), before.st_mtime, manifest, layout)
+    return Validation(path, tuple(problems), before.st_mtime, manifest, layout,
+                      unchecked=unchecked)
 
 
 def read_manifest(path: PathLike) -> Manifest | None:
@@ -459,12 +502,16 @@ def scan(paths: PathLike | Iterable[PathLike], model: ModelLike | None = None) -
 
 
 def newest_valid(
-    paths: PathLike | Iterable[PathLike], model: ModelLike | None = None
+    paths: PathLike | Iterable[PathLike], model: ModelLike | None = None,
+    *, require_manifest: bool = False,
 ) -> Path | None:
-    """Return the newest checkpoint in ``paths`` that validates, or None when none does."""
+    """Return the newest checkpoint in ``paths`` that is a restart point, or None when none
+    is. Without a manifest a checkpoint that loads, is finite and whole is one (``LOADABLE``);
+    ``require_manifest``: only one whose manifest vouches for it (``VALID``)."""
     # Stops at the first valid one, so older checkpoints are not hashed for nothing.
     for path in _newest_first(_candidates(paths)[0]):
-        if validate(path, model):
+        result = validate(path, model)
+        if result.proven if require_manifest else result:
             return path
     return None
 
@@ -475,11 +522,14 @@ class Survey:
 
     paths: tuple[str, ...]
     results: tuple[Validation, ...]
+    require_manifest: bool = False   # a LOADABLE checkpoint is no restart point
 
     @property
     def restart(self) -> Validation | None:
-        """The newest valid checkpoint, or None when there is none."""
-        return next((result for result in self.results if result), None)
+        """The newest restart point (``VALID``, or ``LOADABLE`` unless a manifest is
+        required), or None when there is none."""
+        return next((result for result in self.results
+                     if (result.proven if self.require_manifest else result)), None)
 
     def render(self) -> str:
         """The table of verdicts and the line that says which checkpoint to restart from."""
@@ -487,7 +537,7 @@ class Survey:
             return f"no checkpoint found in {', '.join(self.paths)}"
         rows = [("TIME", "FILE", "VERDICT", "PROBLEM")]
         for result in self.results:
-            problem = ""
+            problem = result.caveat or ""
             if result.problems:
                 problem = result.problems[0]
                 if len(result.problems) > 1:
@@ -502,21 +552,41 @@ class Survey:
 
         chosen = self.restart
         if chosen is None:
-            lines.append("no valid checkpoint: nothing to restart from")
+            some = ("no checkpoint with a manifest (--require-manifest)"
+                    if self.require_manifest and any(self.results) else "no valid checkpoint")
+            lines.append(f"{some}: nothing to restart from")
             return "\n".join(lines)
         newer = self.results.index(chosen)
         notes = []
+        if chosen.caveat is not None:
+            notes.append(chosen.caveat)
+            proven = next((r for r in self.results[newer:] if r.proven), None)
+            if proven is not None:
+                notes.append(f"{proven.path}, older, is proven by its manifest")
         if chosen.layout is not None:
             notes.append(f"model state dict {chosen.layout}")
         if newer:
-            notes.append(f"{newer} newer checkpoint{'s' if newer > 1 else ''} invalid")
+            notes.append(_skipped(self.results[:newer]))
         suffix = f" ({'; '.join(notes)})" if notes else ""
         lines.append(f"restart from: {chosen.path}{suffix}")
         return "\n".join(lines)
 
 
-def survey(paths: Sequence[str], model: str | None = None) -> Survey:
-    """Validate the checkpoints in ``paths``, newest first, against ``model`` if given.
+def _skipped(newer: Sequence[Validation]) -> str:
+    """``2 newer checkpoints invalid``, or by verdict when they differ."""
+    counts = {verdict: sum(r.verdict == verdict for r in newer)
+              for verdict in ("INVALID", "UNCHECKED", "LOADABLE")}
+    parts = [f"{n} {verdict.lower()}" for verdict, n in counts.items() if n]
+    plural = "s" if len(newer) > 1 else ""
+    if len(parts) == 1:
+        return f"{len(newer)} newer checkpoint{plural} {parts[0].split(' ', 1)[1]}"
+    return f"{len(newer)} newer checkpoint{plural} not taken: {', '.join(parts)}"
+
+
+def survey(paths: Sequence[str], model: str | None = None,
+           require_manifest: bool = False) -> Survey:
+    """Validate the checkpoints in ``paths``, newest first, against ``model`` if given
+    (``require_manifest``: a checkpoint without one is no restart point).
 
     ``model`` is a checkpoint file whose state dict is the reference, or
     ``pkg.module:attr`` naming a module, a state dict, or a callable returning
@@ -528,8 +598,8 @@ def survey(paths: Sequence[str], model: str | None = None) -> Survey:
             reference = _resolve_model(model)
         # User code and user files can fail in any way; it is the reference that is unusable.
         except Exception as exc:
-            raise ModelSpecError(f"{model}: {_load_error(exc)}") from exc
-    return Survey(tuple(paths), tuple(scan(paths, reference)))
+            raise ModelSpecError(f"{model}: {load_error(exc)}") from exc
+    return Survey(tuple(paths), tuple(scan(paths, reference)), require_manifest)
 
 
 def _field(data: Mapping[str, object], key: str, kind: type[_T]) -> _T:
@@ -650,27 +720,10 @@ def _load(path: Path) -> object:
             raise ValueError(f"its metadata '{STORE_KEY}' names store files outside its "
                              "folder; a checkpoint holds its tensors itself: save it again")
         return load_payload(path)
-    with open(path, "rb") as f:
-        # torch's own zip test; legacy (non-zip) files cannot be memory-mapped.
-        is_zip = f.read(4) == b"PK\x03\x04"
     # map_location="cpu" keeps validation from initializing CUDA in this process;
-    # mmap keeps a 50 GB checkpoint from needing 50 GB of RAM to be checked.
-    return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip)
-
-
-def _load_error(exc: BaseException) -> str:
-    """Reduce a loader's error to its one informative sentence."""
-    text = str(exc)
-    marker = "WeightsUnpickler error:"
-    if marker in text:
-        reason = text.split(marker, 1)[1].strip().split("\n\n", 1)[0]
-        return f"refused by torch.load(weights_only=True): {_first_sentence(reason)}"
-    return f"{type(exc).__name__}: {_first_sentence(text)}"
-
-
-def _first_sentence(text: str) -> str:
-    line = text.strip().splitlines()[0] if text.strip() else ""
-    return line.split(". ", 1)[0].rstrip(".")
+    # mmap keeps a 50 GB checkpoint from needing 50 GB of RAM to be checked (legacy,
+    # non-zip files cannot be memory-mapped).
+    return torch.load(path, map_location="cpu", weights_only=True, mmap=is_zip(path))
 
 
 def _nonfinite_problems(loaded: object) -> list[str]:

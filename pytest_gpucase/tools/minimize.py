@@ -505,6 +505,9 @@ class Minimized:
     notes: tuple[str, ...] = ()                  # what the new case leaves out, and why
     message: str = ""                            # the failure kept, as ``shown`` words it
     error: str = ""                              # ... as ``Failure.describe`` writes it
+    # [origin] sample_ids of the entries kept; None where the case holds none for its batch.
+    sample_ids: tuple[object, ...] | None = None
+    ids_unmatched: str = ""                      # why the case's sample ids fit no entry
 
     @classmethod
     def of(cls, case: Case, baseline: Verdict, failure: FailureClass,
@@ -518,7 +521,17 @@ class Minimized:
             seconds=seconds, stopped=stopped, failed_differently=dict(search.differently),
             message=message,
             error=(kept_failure.describe()
-                   if kept_failure is not None and kept_failure.error_type is not None else ""))
+                   if kept_failure is not None and kept_failure.error_type is not None else ""),
+            **_kept_ids(case, search.axes, search.best))
+
+    def _ids_line(self) -> str:
+        """The kept entries' sample ids: the data to look at, named as the dataset names it."""
+        if self.sample_ids is None:
+            return f"  sample ids: {self.ids_unmatched}"
+        shown = ", ".join(map(str, self.sample_ids[:20]))
+        more = " …" if len(self.sample_ids) > 20 else ""
+        return (f"  sample id{'s' if len(self.sample_ids) > 1 else ''} kept: {shown}{more} "
+                "([origin] sample_ids)")
 
     def render(self) -> str:
         """The summary printed at the end: sizes, tries, time, where the case went."""
@@ -541,6 +554,7 @@ class Minimized:
             # The original's entry numbers: "(kept 3)" read as a count.
             lines.append(f"  entries on axis {self.axes.batch_axis}: {self.axes.batch_size} -> "
                          f"{len(self.selection.entries)} (kept {which} {kept}{more})")
+            lines.append(self._ids_line())
         if self.selection.window is not None:
             start, stop = self.selection.window
             lines.append(f"  length on axis {self.axes.length_axis}: {self.axes.length_size} "
@@ -552,6 +566,20 @@ class Minimized:
             lines.append(f"  {count} {tries} differently ({found}): not kept")
         lines += [f"  note: {note}" for note in self.notes]
         return "\n".join(lines)
+
+
+def _kept_ids(case: Case, axes: Axes, best: Selection) -> dict[str, Any]:
+    """``Minimized``'s ``sample_ids`` (those of the entries kept), or why there are none."""
+    if best.entries is None:
+        return {}
+    ids = case.origin.get("sample_ids")
+    if not isinstance(ids, list) or not ids:
+        return {"ids_unmatched": "none recorded ([origin] sample_ids): the entries are "
+                                 "positions in the saved batch"}
+    if len(ids) != axes.batch_size:
+        return {"ids_unmatched": f"[origin] sample_ids holds {len(ids)} ids for a batch of "
+                                 f"{axes.batch_size} entries: not matched to the entries kept"}
+    return {"sample_ids": tuple(ids[i] for i in best.entries)}
 
 
 def minimize(
@@ -658,11 +686,14 @@ def _refuse_unshrinkable(case: Case, baseline: Verdict, failure: FailureClass) -
 
 
 def _scratch_dir(case: Case) -> Path:
-    """Where the tries run: beside the original when its folder is writable, else in tmp."""
+    """Where the tries run: a sibling of the original when its folder is writable, else in tmp.
+
+    A sibling at the original's own depth (hidden: never collected), so that a try imports the
+    user's code from the same project as the original does (project.py) and the paths a
+    recorded case holds relative to its folder (``../train.py``) name the same files."""
     try:
-        # Beside the original (hidden: never collected), so that a try imports the user's
-        # code from the same project as the original does (project.py).
-        return Path(tempfile.mkdtemp(prefix=".gpucase-minimize-", dir=case.path.parent))
+        return Path(tempfile.mkdtemp(prefix=f".gpucase-minimize-{case.path.name[:64]}-",
+                                     dir=case.path.parent))
     except OSError:  # a read-only case folder
         return Path(tempfile.mkdtemp(prefix="gpucase-minimize-"))
 
@@ -693,11 +724,9 @@ def _notes(case: Case) -> tuple[str, ...]:
 
 def _scratch_case(case: Case, scratch: Path) -> Case:
     """The copy of the case that tries run: same case.toml and case.py, a subset payload."""
-    work = scratch / case.name
-    work.mkdir()
-    copy_into(_support(case.path), work)
-    shutil.copyfile(case.case_file, work / CASE_FILE)
-    return load_case(work)
+    copy_into(_support(case.path), scratch)
+    shutil.copyfile(case.case_file, scratch / CASE_FILE)
+    return replace(load_case(scratch), name=case.name)
 
 
 def _sizes(axes: Axes) -> str:
@@ -740,9 +769,8 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
     if best.entries is not None:
         record["axis"] = axes.batch_axis
         record["entries"] = list(best.entries)
-        ids = case.origin.get("sample_ids")
-        if isinstance(ids, list) and len(ids) == axes.batch_size:
-            record["sample_ids"] = [ids[i] for i in best.entries]
+        if result.sample_ids is not None:
+            record["sample_ids"] = list(result.sample_ids)
     if best.window is not None:
         record["length"] = {"axis": axes.length_axis, "start": best.window[0],
                             "stop": best.window[1]}

@@ -20,6 +20,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import INPUTS_FILE, Case
 from pytest_gpucase.report.file import load_report
+from pytest_gpucase.tools.narrowed import parent_lines
 from pytest_gpucase.tools.offending import item_notes
 from pytest_gpucase.tools.scrub import Scrubber, remove_secrets
 from pytest_gpucase.tools.validate import hash_setting
@@ -54,6 +55,7 @@ def show(case_dir: Path, report: Path | None = None) -> str:
         lines.append(f"xfail:     {case.xfail} (strict)")
     lines.append(f"timeout:   {case.timeout:g} s"
                  + (", launch blocking" if case.launch_blocking else ""))
+    lines.extend(parent_lines(case))
     lines.extend(_origin_lines(case.origin))
     lines.extend(item_notes(case))   # an index error's offending value, and what to do
     lines.append("inputs:")

@@ -6,8 +6,10 @@ beside its case directories (``case.payload``). A case deleted, minimized or cap
 leaves the files only it named; a writer killed midway leaves a partial temporary. Neither
 is found by anything, and both get committed with ``cases/``. ``orphans`` lists them, for
 one store, from the payload headers of the case directories beside it (no tensor read);
-``prune`` removes them. A payload that cannot be read makes its store's files unknown:
-nothing of that store is called an orphan then.
+``prune`` removes them. A payload that cannot be read, or a capture still being written
+beside the store (its staging folder, whose writer lives: it stores its tensors before its
+case names them), makes the store's files unknown: nothing of that store is called an
+orphan then.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pytest_gpucase.base.errors import CaseFormatError, display
-from pytest_gpucase.base.files import abandoned
+from pytest_gpucase.base.files import abandoned, being_written
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.model import INPUTS_FILE
 
@@ -66,6 +68,13 @@ def _named(store: Path) -> set[str] | str:
     """The store files the case directories beside ``store`` name, or why they cannot be
     told (a payload that cannot be read)."""
     names: set[str] = set()
+    # A capture being written stores its tensors before its staged case names them: until
+    # it is done, any store file may be its, so none is an orphan.
+    with os.scandir(store.parent) as entries:
+        writing = [Path(entry.path) for entry in entries if being_written(entry)]
+    if writing:
+        return (f"a capture is being written beside it ({display(writing[0])}); run again "
+                "once it is done")
     for case_dir in sorted(p for p in store.parent.iterdir() if p.is_dir()):
         file = case_dir / INPUTS_FILE
         if case_dir.name.startswith(".") or not os.path.lexists(file):

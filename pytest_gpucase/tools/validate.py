@@ -7,7 +7,11 @@ call and reference resolve (a ``FILE.py`` defines the function, read with
 imported, on the ``sys.path`` a run gets from ``project.import_paths``); the
 inputs bind to the function's parameters; each variant axis is within the
 rank of the inputs that follow it, and its resized inputs within bounds.
-Case code is never executed here, and torch is not imported.
+Case code is never executed in this process, and torch is not imported here. One check
+needs it: a module case's model is built as its replay builds it (``run.replay``), in a
+fresh child as every run is, and held against the saved state: a parameter or buffer the
+model gained or changed since the capture, or a saved entry it no longer takes, is named
+before a run fails on it.
 
 ``Parameters``, ``binding_problems`` and ``rng_problems`` are shared with the
 child (``execute``), so that a dry run and a run word the same mistake the same way.
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
+import json
 import importlib.util
 import os
 from collections.abc import Iterable, Mapping, Sequence
@@ -55,7 +60,7 @@ from pytest_gpucase.case.variants import (
     members_of,
 )
 
-__all__ = ["NotChecked", "hash_setting", "validate"]
+__all__ = ["REBUILD_TIMEOUT", "NotChecked", "hash_setting", "rebuild_check", "validate"]
 
 # Files that only a case directory holds: a directory with one of them and no case.toml
 # is a case that lost its case.toml (or was never finished).
@@ -78,7 +83,7 @@ def hash_setting(case_dir: Path) -> str | None:
 
 
 def validate(paths: Sequence[Path], notes: list[str] | None = None,
-             unchecked: list[str] | None = None) -> list[str]:
+             unchecked: list[str] | None = None, *, rebuild: bool = True) -> list[str]:
     """Every problem of the case directories under ``paths``, one line each; empty when all good.
 
     ``notes`` receives what was not checked here and why (a call into a package that
@@ -86,6 +91,8 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
     the dry run must not fail it); notes are no problems. ``unchecked`` receives the line
     of each case that could not be checked at all (whatever it raised: a RecursionError,
     a MemoryError), also among the problems: the other cases are checked all the same.
+    ``rebuild``: a module case's model is built as its replay builds it, in a child, and
+    checked against the saved state (``_rebuild_problems``); off, no case code runs at all.
     """
     problems: list[str] = []
     notes = [] if notes is None else notes
@@ -105,7 +112,7 @@ def validate(paths: Sequence[Path], notes: list[str] | None = None,
         for directory in _case_dirs(path):
             found = True
             try:
-                problems.extend(_problems(directory, notes))
+                problems.extend(_problems(directory, notes, rebuild))
             except NotChecked as exc:
                 unchecked.append(str(exc))
                 problems.append(unchecked[-1])
@@ -159,7 +166,7 @@ def _case_dirs(root: Path) -> Iterable[Path]:
         dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
 
 
-def _problems(directory: Path, notes: list[str]) -> list[str]:
+def _problems(directory: Path, notes: list[str], rebuild: bool) -> list[str]:
     """The problems of one case directory, each as ``file: key: what is wrong``."""
     try:  # a directory holding payloads and no case.toml: load_case words it
         case = load_case(directory)
@@ -186,6 +193,8 @@ def _problems(directory: Path, notes: list[str]) -> list[str]:
     if readable:
         problems.extend(_variant_problems(case, shapes or {}))
     problems.extend(_origin_problems(case))
+    if readable and rebuild and not problems and _unmet_requirement(case) is None:
+        problems.extend(_rebuild_problems(case, notes))
     return [str(problem) for problem in problems]
 
 
@@ -537,3 +546,172 @@ def _variant_problems(case: Case, shapes: Mapping[str, Shape]) -> list[CaseForma
             except VariantTooLarge as exc:
                 problems.append(CaseFormatError(case.case_file, str(exc), key=key))
     return problems
+
+
+# A rebuild's child: importing the model's code and building it on the meta device.
+REBUILD_TIMEOUT = 300.0
+
+
+def _rebuild_problems(case: Case, notes: list[str]) -> list[CaseFormatError]:
+    """The model of a module case built as its replay builds it, in a fresh child (the case's
+    code never runs in this process), and held against its saved state (``rebuild_check``);
+    a child that could not tell is a note, not a problem."""
+    recipe = case.literals.get(MODULE_KEY)
+    if case.call != REPLAY_MODULE or not isinstance(recipe, dict) or not recipe.get("factory"):
+        return []
+    from pytest_gpucase.run.isolation import default_start_method, run_in_child
+
+    result = run_in_child(rebuild_check, str(case.path), timeout=REBUILD_TIMEOUT,
+                          start_method=default_start_method())
+    if not result.returned or not isinstance(result.value, dict):
+        detail = (result.child_error or "").strip().rpartition("\n")[2]
+        notes.append(f"{display(case.case_file)}: its model's rebuild was not checked: the "
+                     f"child {result.problem or 'returned no list'}"
+                     + (f" ({one_line(detail, 300)})" if detail else ""))
+        return []
+    key = f"[inputs] {MODULE_KEY}"
+    notes.extend(f"{display(case.case_file)}: [inputs] {MODULE_KEY}: {line}"
+                 for line in result.value.get("notes", ()))
+    return [CaseFormatError(case.case_file, str(line), key=key)
+            for line in result.value.get("problems", ())]
+
+
+def rebuild_check(case_dir: str) -> dict[str, list[str]]:
+    """In a child: what keeps the saved state of the module case at ``case_dir`` from
+    loading into its model built as the replay builds it (``run.replay.constructed``, its
+    parameters on meta), one line each under ``problems``: a parameter or buffer the model
+    has and the state lacks, a saved entry the model does not take, a shape that differs
+    (each fails ``load_state_dict(strict=True)``, so every run). Under ``notes``, a dtype
+    of another kind (integer, floating, complex, bool): the replay assigns the saved tensor,
+    dtype and all, so it replays as captured, but the code changed. Entries the capture
+    marked unstorable (``[origin] unsaved_state``) are reported as the case's
+    incompleteness, not here again.
+    """
+    from pytest_gpucase.case.keys import CODE_OWNED, REPLAY_ENV
+    from pytest_gpucase.run.child import resolve
+    from pytest_gpucase.run.replay import constructed, with_aliases
+
+    os.environ[REPLAY_ENV] = "1"  # a Recorder in the user's code records nothing here
+    case = load_case(Path(case_dir))
+    project.prepend(project.import_paths(case.path))
+    recipe = dict(case.literals[MODULE_KEY])
+    saved = _saved_state(case, recipe)
+    if saved is None:
+        return {}  # nothing to hold it against: the case says why (incomplete, checkpoint)
+    with_aliases(recipe, saved)
+    factory = str(recipe["factory"])
+    try:
+        make = resolve(case, factory, f"[inputs] {MODULE_KEY}.factory")
+    except Exception as exc:  # run.child's _Failed: the words a run gives, and the cause
+        outcome = getattr(exc, "outcome", None)
+        cause = str(getattr(outcome, "details", "") or "").strip().rpartition("\n")[2]
+        return {"problems": [f"{exc}" + (f" ({one_line(cause, 300)})" if cause else "")]}
+    try:
+        try:
+            module = constructed(make, recipe, on_meta=True)
+        except Exception:  # a constructor that cannot run so: built as the replay then does
+            module = constructed(make, recipe, on_meta=False)
+    except Exception as exc:
+        return {"problems": [f"building the model as its replay does ({factory}) raised "
+                             f"{type(exc).__name__}: {one_line(str(exc), 300)}: every run of "
+                             "the case fails on it"]}
+    unsaved = case.origin.get("unsaved_state", {})
+    # Entries the code owns are the constructor's, as the replay takes them (run.replay):
+    # neither their absence nor their shape is a mismatch.
+    owned = {str(key) for key in recipe.get(CODE_OWNED, ())}
+    saved = {name: held for name, held in saved.items() if name not in owned}
+    return _state_mismatch(module, saved,
+                           (set(unsaved) if isinstance(unsaved, dict) else set()) | owned)
+
+
+_Saved = dict[str, tuple[tuple[int, ...], "str | None"]]
+
+
+def _saved_state(case: Case, recipe: Mapping[str, object]) -> _Saved | None:
+    """Name -> (shape, dtype) of each saved state entry (its dtype None where the payload
+    holds it as parts: complex, sparse, quantized), from the payload's header and the
+    checkpoint the case references; None when the case holds no state to check against."""
+    from pytest_gpucase.case.keys import STATE_PREFIX
+    from pytest_gpucase.case.kinds import KINDS_KEY
+
+    saved: _Saved = {}
+    if os.path.lexists(case.inputs_file):
+        _, metadata = payload.read_header(case.inputs_file)
+        try:
+            parted = json.loads(metadata.get(KINDS_KEY, "{}"))
+        except (ValueError, RecursionError):
+            parted = {}
+        for info in payload.describe(case.inputs_file):
+            if info.name.startswith(STATE_PREFIX):
+                dtype = (None if isinstance(parted, dict) and info.name in parted
+                         else payload.DTYPES[info.dtype][0])
+                saved[info.name.removeprefix(STATE_PREFIX)] = (info.shape, dtype)
+    reference = recipe.get("checkpoint")
+    if isinstance(reference, Mapping):
+        from pytest_gpucase.run.replay import load_checkpoint
+
+        path = checkpoint_path(case.path, reference)
+        try:
+            held = load_checkpoint(path, str(reference.get("sha256", "")),
+                                   str(reference.get("prefix", "")))
+        except (OSError, ValueError):
+            return None  # a checkpoint missing or changed: _module_problems says so
+        for name, tensor in held.items():
+            saved[name.removeprefix(STATE_PREFIX)] = (
+                tuple(tensor.shape), str(tensor.dtype).removeprefix("torch."))
+    if not saved and case.origin.get("incomplete"):
+        return None
+    return saved
+
+
+def _dtype_kind(name: str) -> str:
+    """bool, complex, integer or floating: what a cast of the whole model keeps."""
+    if name == "bool" or name.startswith("complex"):
+        return name.rstrip("0123456789")
+    return "integer" if "int" in name and not name.startswith("float") else "floating"
+
+
+def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[str, list[str]]:
+    """The lines of ``rebuild_check``: ``module`` (a torch module) against ``saved``."""
+    import torch
+
+    assert isinstance(module, torch.nn.Module)
+    held = {name: value for name, value in module.state_dict(keep_vars=True).items()
+            if isinstance(value, torch.Tensor)}
+    params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
+    lines: list[str] = []
+    notes: list[str] = []
+    missing = [n for n in held if n not in saved and n not in unsaved]
+    if missing:
+        what = [f"{n} ({'parameter' if n in params else 'buffer'} "
+                f"{list(held[n].shape)} {str(held[n].dtype).removeprefix('torch.')})"
+                for n in missing]
+        lines.append(f"the model built as its replay builds it has {_listed(what)}, which "
+                     "the saved state lacks: its code changed since the capture, so every "
+                     "run of the case fails to load the state; capture the case again with "
+                     "this code, or restore the code the case was captured with")
+    extra = [n for n in saved if n not in held and n not in unsaved]
+    if extra:
+        lines.append(f"the saved state holds {_listed(extra)}, which the model built as its "
+                     "replay builds it does not take: its code changed since the capture; "
+                     "capture the case again, or restore the code it was captured with")
+    for name, (shape, dtype) in saved.items():
+        value = held.get(name)
+        if value is None:
+            continue
+        found = str(value.dtype).removeprefix("torch.")
+        if tuple(value.shape) != tuple(shape):
+            lines.append(f"{name} is {list(shape)} in the saved state but {list(value.shape)} "
+                         "in the model built as its replay builds it: its code or its "
+                         "arguments changed since the capture")
+        elif (dtype is not None and not value.is_quantized and not value.is_sparse
+              and _dtype_kind(dtype) != _dtype_kind(found)):
+            notes.append(f"{name} is {dtype} in the saved state but {found} in the model "
+                         "built as its replay builds it: the replay takes the saved tensor as "
+                         "it is, but the code that made it changed since the capture")
+    return {"problems": lines, "notes": notes}
+
+
+def _listed(names: Sequence[str], most: int = 8) -> str:
+    more = len(names) - most
+    return ", ".join(names[:most]) + (f" and {more} more" if more > 0 else "")

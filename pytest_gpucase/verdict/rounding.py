@@ -64,7 +64,9 @@ __all__ = [
     "SHARED_SHARE",
     "WINDOW",
     "Budget",
+    "HeldAsStored",
     "Needed",
+    "RangeEvent",
     "RoundEveryOp",
     "SecondLook",
     "baseline_problem",
@@ -308,6 +310,17 @@ def _decompositions() -> dict[Any, Any]:
     return found
 
 
+@dataclass(frozen=True)
+class RangeEvent:
+    """One operation whose result ``dtype`` cannot hold: past its largest value
+    (``overflow``), or below its normal range and stored with most of it lost
+    (``underflow``: a subnormal's spacing, or 0)."""
+
+    kind: str  # "overflow" | "underflow"
+    op: str  # the operation that made it (aten::mul)
+    value: float  # the greatest magnitude it made past the range, or lost below it
+
+
 class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     """Multiply every floating result of every operation run under it by ``1 + u z``:
     the reference's computation as if each value it makes were rounded once at the run's
@@ -320,10 +333,14 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
     not rounded."""
 
     def __init__(self, u: float, generator: torch.Generator,
-                 exact_in: torch.dtype | None = None) -> None:
+                 exact_in: torch.dtype | None = None,
+                 events: dict[str, RangeEvent] | None = None) -> None:
         super().__init__()  # type: ignore[no-untyped-call]
         self.u, self.generator, self.exact_in = u, generator, exact_in
         self.decomposed = _decompositions() if u < DECOMPOSE_BELOW else {}
+        # With ``events``: the first operations whose result ``exact_in`` cannot hold (past
+        # its largest value, or below its normal range with half of it lost), noted there.
+        self.events, self._op = events, ""
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -348,6 +365,7 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
         out = func(*args, **(kwargs or {}))
         if schema.name in _MOVES or func.is_view:
             return out
+        self._op = schema.name
         return self._result_rounded(schema, out)
 
     def _result_rounded(self, schema: Any, out: Any) -> Any:
@@ -373,7 +391,97 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
 
     def rounded(self, t: torch.Tensor) -> torch.Tensor:
         out = _rounded(t, self.u, self.generator, _held_exactly(t, self.exact_in))
-        return out + _underflow(t, self.exact_in)
+        shift = _underflow(t, self.exact_in)
+        if self.events is not None and self.exact_in is not None and not t.is_complex():
+            _note_ranges(t, shift, self.exact_in, self._op, self.events)
+        return out + shift
+
+
+def _note_ranges(t: torch.Tensor, shift: torch.Tensor | float, dtype: torch.dtype, op: str,
+                 events: dict[str, RangeEvent]) -> None:
+    """Note in ``events`` an overflow or underflow of ``dtype`` in the result ``t`` (``shift``:
+    what storing it loses below the normal range), the first of each kind only."""
+    if not dtype.is_floating_point:
+        return
+    with torch.no_grad():
+        limit = float(torch.finfo(dtype).max)
+        # One pass with no copy (the greatest |t|); the finite values only if that is past it.
+        if "overflow" not in events and float(torch.linalg.vector_norm(t, math.inf)) > limit:
+            largest = float(torch.where(torch.isfinite(t), t.abs(), 0).amax())
+            if largest > limit:
+                events["overflow"] = RangeEvent("overflow", op, largest)
+        if "underflow" not in events and isinstance(shift, torch.Tensor):
+            lost = (shift != 0) & (shift.abs() >= t.abs() / 2)
+            if bool(lost.any()):
+                events["underflow"] = RangeEvent(
+                    "underflow", op, float(t.abs().masked_fill(~lost, 0).amax()))
+
+
+class HeldAsStored(TorchDispatchMode):  # type: ignore[no-untyped-call]
+    """Store every floating result of every operation run under it as ``dtype``'s range
+    stores it, and nothing else: past the largest value, an infinity; below the smallest
+    normal, the subnormal (or 0) the dtype holds; every other value exactly as computed (no
+    rounding). The float64 reference under it is the computation with ``dtype``'s range and
+    float64's precision: where it is far off the reference, the range of ``dtype``, not its
+    rounding, is what the computation cannot have. ``events`` are the first operations that
+    overflowed and underflowed (an underflow that lost at least half of a value). Fused
+    operations are one operation, as in ``RoundEveryOp`` below float32's precision: their
+    kernels keep intermediate values in float32."""
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        super().__init__()  # type: ignore[no-untyped-call]
+        self.dtype = dtype
+        self.events: dict[str, RangeEvent] = {}
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # as RoundEveryOp's: no torch._dynamo import in a child
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (),
+                           kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        schema = func._schema
+        if schema.name in _MOVES or func.is_view:
+            return out
+        written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
+        if any(r.alias_info is not None for r in schema.returns) and not any(written):
+            return out
+        results = out if isinstance(out, (tuple, list)) else (out,)
+        stored = [self.stored(t, schema.name) if _roundable(t) else t for t in results]
+        if any(written):
+            for before, after in zip(results, stored, strict=True):
+                if after is not before:
+                    before.data.copy_(after)
+            return out
+        if isinstance(out, (tuple, list)):
+            return type(out)(stored)
+        return stored[0]
+
+    def stored(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        if t.is_complex() or not self.dtype.is_floating_point:
+            return t
+        info = torch.finfo(self.dtype)
+        if info.eps <= torch.finfo(t.dtype).eps and info.max >= torch.finfo(t.dtype).max:
+            return t
+        with torch.no_grad():
+            finite = torch.isfinite(t)
+            over = finite & torch.isinf(t.to(self.dtype))
+            small = finite & (t.abs() < info.smallest_normal) & (t != 0)
+            if not bool(over.any() or small.any()):
+                return t
+            out = t.clone()
+            if bool(over.any()):
+                self.events.setdefault("overflow", RangeEvent(
+                    "overflow", op, float(t.abs().masked_fill(~over, 0).amax())))
+                out = torch.where(over, torch.copysign(torch.full_like(t, math.inf), t), out)
+            if bool(small.any()):
+                held = t.to(self.dtype).to(t.dtype)
+                out = torch.where(small, held, out)
+                lost = small & ((held - t).abs() >= t.abs() / 2)
+                if bool(lost.any()):
+                    self.events.setdefault("underflow", RangeEvent(
+                        "underflow", op, float(t.abs().masked_fill(~lost, 0).amax())))
+        return out
 
 
 def _operands_rounded(args: Any, kwargs: dict[str, Any], u: float,

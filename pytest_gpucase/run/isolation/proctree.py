@@ -62,21 +62,25 @@ def _libc() -> Any:
     return _LIBC
 
 
+_PRCTL: Any = None  # prctl(2) with its argument types, made once in the parent
+
 if sys.platform.startswith("linux"):
-    # Looked up once, at import in the parent: a child that opens the C library again pays
-    # for it in every run.
-    with contextlib.suppress(OSError):
-        _libc()
+    # Looked up once, at import in the parent: a child that opens the C library again, or
+    # converts the arguments of an untyped function, pays for it in every run (the first
+    # call of a child touched 75 pages, 25 so).
+    with contextlib.suppress(OSError, AttributeError):
+        _PRCTL = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_ulong,
+                                  ctypes.c_ulong, ctypes.c_ulong, use_errno=True)(
+            ("prctl", _libc()))
 
 
 def _prctl(option: int, value: int | bytes) -> bool:
     """Linux's prctl(2), or False where there is none."""
-    if not sys.platform.startswith("linux"):
+    if _PRCTL is None:
         return False
     try:
-        argument = ctypes.c_char_p(value) if isinstance(value, bytes) else ctypes.c_ulong(value)
-        return int(_libc().prctl(option, argument, 0, 0, 0)) == 0
-    except (OSError, AttributeError):
+        return int(_PRCTL(option, value, 0, 0, 0)) == 0
+    except (OSError, ctypes.ArgumentError):
         return False
 
 

@@ -58,6 +58,7 @@ DUMP_GRACE = 2.0
 DUMP_QUIET = 0.2  # stderr silent this long after the dump began: the dump is complete
 MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
 MEMORY_SAMPLE = 0.1     # seconds between samples of the tree's resident memory
+EXIT_WAIT = 0.05        # seconds a child that sent a clean result is waited for (exits_soon)
 # Frames of the machinery under a case's code, hidden from faulthandler's dumps.
 _MACHINERY_DIRS = frozenset({"_pytest", "pytest", "pluggy", "pytest_gpucase", "xdist", "execnet"})
 
@@ -349,6 +350,20 @@ class _Supervisor:
             self.deferred = True
         return True
 
+    def exits_soon(self) -> bool:
+        """Whether the child, exiting after a clean result, is gone within ``EXIT_WAIT``.
+
+        Waited for, rather than left to exit while the parent goes on: until it is gone,
+        every page of the parent's that either one writes is copied, the parent's work on
+        the result and the report included (a trivial item: 0.3-0.6 of a bare fork's CPU
+        more, measured in benchmarks/README.md). A child slower to end (a device context's
+        teardown) is left pending, so that it cannot hold up the session."""
+        if self.pidfd is None:
+            return False
+        waiting = select.poll()
+        waiting.register(self.pidfd, select.POLLIN)
+        return bool(waiting.poll(EXIT_WAIT * 1000))
+
     def on_exit(self) -> None:
         """The child ended without a clean result (see ``done``)."""
         self.exited = True
@@ -364,8 +379,11 @@ class _Supervisor:
         if child.kept:
             status = 0
         elif self.deferred:
-            _PENDING.append(child)
-            status = 0  # what the child's os._exit(0) gives; checked when it is reaped
+            if self.exits_soon():
+                child.reap()
+            else:
+                _PENDING.append(child)
+            status = 0  # what the child's os._exit(0) gives
         else:
             if not child.ended:
                 child.kill()
@@ -445,17 +463,19 @@ def hide_machinery(text: str) -> str:
     return "\n".join(lines)
 
 
-# Children that returned a clean result and were exiting: reaped by ``reap_pending``.
+# Children that returned a clean result and were still exiting ``EXIT_WAIT`` after: reaped
+# by ``reap_pending``.
 _PENDING: list[_Run] = []
 MAX_PENDING = 16  # exiting children left to finish on their own before one is waited for
 
 
 def reap_pending(block: bool = True) -> None:
-    """Reap the children whose results came back before they exited (see ``_Supervisor.done``).
+    """Reap the children whose results came back before they exited (see ``_Supervisor.done``)
+    and that did not exit within ``EXIT_WAIT`` after (``_Supervisor.exits_soon``).
 
-    Before each fork (``block=False``) only those that have exited are reaped: a forked
-    torch image takes milliseconds to tear down, which overlap the next run instead of
-    delaying it; past ``MAX_PENDING`` the oldest are waited for. At the end of the session
+    Before each fork (``block=False``) only those that have exited are reaped: a slow
+    teardown (a device context's) overlaps the next run instead of delaying it; past
+    ``MAX_PENDING`` the oldest are waited for. At the end of the session
     (``shutdown``, ``atexit``) every one is, so that no zombie and no stray process
     outlives the session. One still running after ``REAP_GRACE`` (stuck in its exit, e.g.
     a driver's teardown) is killed with its tree.

@@ -21,8 +21,12 @@ from typing import Any
 
 try:
     from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 except ImportError:  # pragma: no cover - the standalone package
     from pytorch_lightning.callbacks import Callback  # type: ignore[assignment,no-redef,unused-ignore]
+    from pytorch_lightning.utilities.signature_utils import (  # type: ignore[no-redef,unused-ignore]
+        is_param_in_hook_signature,
+    )
 
 from pytest_gpucase.tools.record import Recorder, Step
 from pytest_gpucase.tools.record.recorder import hooks_of
@@ -42,7 +46,8 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
     ``root`` and the keyword ``options`` make the ``Recorder`` (``nonfinite=True``,
     ``narrow=False``, ...); or pass one as ``recorder``. ``name``, ``factory``, ``kwargs``
     and ``checkpoint`` are ``rec.watch``'s for the LightningModule; ``ids`` is called with
-    each batch and returns its sample ids.
+    each batch as the DataLoader yields it and returns its sample ids, one per entry (a
+    list, or a tensor of integers): ``ids=lambda batch: batch["id"]`` (docs/recorder.md).
     """
 
     def __init__(self, root: str | os.PathLike[str] = "cases", *,
@@ -82,8 +87,12 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
 
     def on_validation_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                                   batch_idx: int, dataloader_idx: int = 0) -> None:
+        # Lightning passes dataloader_idx when there are several loaders: the case passes
+        # it too, or its replay runs loader 0's branch.
+        extra = ((dataloader_idx,) if _several(getattr(trainer, "num_val_batches", None))
+                 else ())
         self._open(trainer, pl_module, "validation_step", f"validation {batch_idx}", batch,
-                   batch_idx)
+                   batch_idx, *extra)
 
     def on_validation_batch_end(self, trainer: Any, pl_module: Any, outputs: Any, batch: Any,
                                 batch_idx: int, dataloader_idx: int = 0) -> None:
@@ -124,22 +133,28 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
         return None if call is None else call[1:]
 
     def _open(self, trainer: Any, pl_module: Any, method: str, iteration: int | str,
-              batch: Any, batch_idx: int) -> None:
+              batch: Any, batch_idx: int, *extra: Any) -> None:
         self._close()
         rec, hooks = self.recorder, hooks_of(self.recorder)
         ids = None
         if self._ids is not None:
             try:
-                ids = list(self._ids(batch))
+                found = self._ids(batch)
+                # A tensor's own numbers, not its 0-d elements (read as "tensor(7)").
+                ids = found.tolist() if hasattr(found, "tolist") else list(found)
             except Exception:
                 ids = None
         self._step = rec.step(iteration, method, sample_ids=ids)  # type: ignore[arg-type]
         self._step.__enter__()
         self._in_backward = False
-        args = (batch, batch_idx)
+        # Lightning's own rule: batch_idx only to a step that takes it.
+        step = getattr(pl_module, method)
+        args = ((batch, batch_idx, *extra)
+                if is_param_in_hook_signature(step, "batch_idx", min_args=2)
+                else (batch, *extra))
         before = Before()
         if not hooks.taken():
-            watched = watched_call(getattr(pl_module, method), method, None, None)
+            watched = watched_call(step, method, None, None)
             before = hooks.snapshot_of(watched, args, {})
         hooks.framework_call = (pl_module, method, args, before)
         autocast = _AUTOCAST.get(str(getattr(trainer, "precision", "")))
@@ -157,3 +172,9 @@ class GpuCaseCallback(Callback):  # type: ignore[misc,unused-ignore]
             step.__exit__(None, None, None)
         else:
             step.__exit__(type(exception), exception, exception.__traceback__)
+
+
+def _several(counts: Any) -> bool:
+    """Whether the loop runs several dataloaders (``trainer.num_val_batches``: one count each)."""
+    return isinstance(counts, list | tuple) and len(counts) > 1
+

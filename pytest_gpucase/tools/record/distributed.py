@@ -76,6 +76,9 @@ _CONSEQUENCES = (
      "NCCL reports a remote rank's error"),
 )
 _DIST_TYPES = ("DistBackendError", "DistNetworkError", "DistStoreError")
+# What names the collective layer in a message: its libraries, its process group, its work.
+_COLLECTIVE = re.compile(r"gloo|nccl|NCCL|c10d|ProcessGroup|[Cc]ollective|TCPStore|"
+                         r"\bWork\w*\(|\b[Rr]ank\b")
 
 
 def consequence_of(type_name: str, message: str, rank: Rank | None) -> str | None:
@@ -85,10 +88,17 @@ def consequence_of(type_name: str, message: str, rank: Rank | None) -> str | Non
     """
     if rank is None:
         return None
+    text = message[:20_000]
+    # torch's collectives raise RuntimeError or a Dist* error; Python's own socket errors
+    # (ConnectionResetError, BrokenPipeError: a streaming dataset's connection) are this
+    # rank's, unless the message names the collective layer.
+    if (type_name != "RuntimeError" and not type_name.startswith("Dist")
+            and not _COLLECTIVE.search(text)):
+        return None
     for pattern, why in _CONSEQUENCES:
-        if re.search(pattern, message[:20_000]):
+        if re.search(pattern, text):
             return why
-    if type_name in _DIST_TYPES and re.search(r"\b(?:peer|rank \d+|remote)\b", message[:20_000]):
+    if type_name in _DIST_TYPES and re.search(r"\b(?:peer|rank \d+|remote)\b", text):
         return "a collective failed on another rank's side"
     return None
 

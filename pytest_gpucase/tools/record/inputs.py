@@ -312,14 +312,15 @@ def _take(sorted_: _Sorted, name: str, value: torch.Tensor) -> None:
     sorted_.described[name] = _describe(value)
     sorted_.devices.append(str(value.device))
     known = before.versions.get(id(value))
-    if known is not None and tensor_versions([value]).get(id(value)) == known:
+    if (tensor_versions([value]).get(id(value)) == known if known is not None
+            else _as_copied(before.copies.get(id(value)), value)):
         sorted_.unwritten.add(name)
     with contextlib.suppress(Exception):   # no storage (a functional tensor): no sharing
         where = value.untyped_storage().data_ptr()
         if where:
             sorted_.storages.setdefault((str(value.device), where), []).append(name)
-    if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
-        why = payload.unstorable(value)
+    if not storable(value) or value.is_meta:  # complex128, sparse, quantized: exact parts
+        why = payload.unstorable(value)  # a meta tensor: a shape, no values to save
         if why is not None:
             sorted_.skipped[name] = f"Tensor ({why}): not storable"
         else:
@@ -337,6 +338,20 @@ def _take(sorted_: _Sorted, name: str, value: torch.Tensor) -> None:
         sorted_.host_after.append(name)
     else:
         sorted_.pending[name] = value
+
+
+def _as_copied(copy: torch.Tensor | None, value: torch.Tensor) -> bool:
+    """Whether a host tensor without a version counter (an inference tensor: evaluation under
+    ``torch.inference_mode``) still holds what its copy before the call held. A device tensor
+    is not read here (the device may not answer after the failure): unknown, so False."""
+    import torch
+
+    if copy is None or value.device.type != "cpu":
+        return False
+    try:
+        return bool(torch.equal(copy, value.detach()))
+    except Exception:
+        return False
 
 
 def _copy_pending(sorted_: _Sorted, found: Triage | None, exc: BaseException) -> str | None:

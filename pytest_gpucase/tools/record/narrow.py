@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import (
+    CODE_OWNED,
     MODULE_KEY,
     OP_KEY,
     REPLAY_ENV,
@@ -46,6 +47,8 @@ from pytest_gpucase.tools.record.origin import (
     triage_of,
     watched_call,
 )
+from pytest_gpucase.tools.record.owned import code_owned
+from pytest_gpucase.tools.narrowed import NARROWED_FROM, narrowed_xfail
 from pytest_gpucase.tools.record.rebuild import module_state, rebuild_files, rebuild_of
 from pytest_gpucase.tools.record.write import (
     Draft,
@@ -70,9 +73,11 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                    rng: Mapping[str, torch.Tensor], *, root: Path,
                    stderr_file: Path | None, context: Context,
                    device_names: Mapping[str, str], kept: list[Path],
-                   written: list[Path], recorded: Failure | None = None) -> None:
+                   written: list[Path], recorded: Failure | None = None,
+                   unreplayable: str = "") -> None:
     """Write the innermost failing submodule's case and its failing op's case beside
-    ``case_dir``, each kept only if it reproduces the same failure in a fresh child.
+    ``case_dir``, each kept only if it reproduces the same failure in a fresh child; each
+    not written is named on stderr with the reason (a ``gpucase: note:`` line).
 
     ``case_dir`` is the case of ``module``, the watched module, which took the RNG states
     ``rng``; ``entered`` is the innermost submodule still open when ``exc`` passed (its
@@ -85,7 +90,29 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     The submodule's inputs are the tensors it was called with, as they are now: when
     its forward changed one in place (its version counter moved since the call), they
     are not what was passed, so no submodule case is written and the op is searched
-    for in a replay of the whole module's case, whose inputs were copied before."""
+    for in a replay of the whole module's case, whose inputs were copied before.
+
+    ``unreplayable`` says why the module's case cannot be replayed (the model cannot be
+    rebuilt): the submodule's case, which needs no rebuild of the whole model, is written
+    all the same, and the op is searched for in it; with no submodule case, no op case.
+    """
+    try:
+        _write_narrowed(exc, case_dir, module, entered, rng, root=root,
+                        stderr_file=stderr_file, context=context, device_names=device_names,
+                        kept=kept, written=written, recorded=recorded,
+                        unreplayable=unreplayable)
+    except Exception as problem:
+        say(f"gpucase: note: {case_dir.name} not narrowed: narrowing raised "
+            f"{error_line(problem)}, so no narrowed case was written")
+
+
+def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
+                    entered: tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]] | None,
+                    rng: Mapping[str, torch.Tensor], *, root: Path,
+                    stderr_file: Path | None, context: Context,
+                    device_names: Mapping[str, str], kept: list[Path],
+                    written: list[Path], recorded: Failure | None,
+                    unreplayable: str) -> None:
 
     if recorded is None:
         recorded = Failure(type(exc).__name__, message_of(exc),
@@ -100,7 +127,7 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         if rebuild.factory is None:
             say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written)
+                       written=written, unreplayable=unreplayable)
             return
         inner = watched_call(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
         recipe: dict[str, Any] = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
@@ -115,7 +142,7 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                 f"inputs as passed are gone ({shown(case_dir)} holds the "
                 "module's inputs as passed)")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written)
+                       written=written, unreplayable=unreplayable)
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
         state = module_state(sub)
@@ -123,10 +150,13 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             say(f"gpucase: note: {qualname} not narrowed: "
                 f"{state.why_incomplete(qualname)}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written)
+                       written=written, unreplayable=unreplayable)
             return
         if state.tied:
             recipe["tied"] = state.tied
+        owned = code_owned(sub, rebuild, state.tensors)  # replayed from the code (record.owned)
+        if owned:
+            recipe[CODE_OWNED] = list(owned)
         inputs = dataclasses.replace(
             inputs, tensors={**inputs.tensors, **state.tensors, **rng_tensors},
             literals={**inputs.literals, MODULE_KEY: recipe})
@@ -134,12 +164,14 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                            files=rebuild_files(rebuild, root))
         numeric.update(context_doc_of(case_dir, "autocast"))
         draft = dataclasses.replace(draft, context=numeric, origin={
-            **draft.origin, "narrowed_from": base, "module": qualname})
+            **draft.origin, NARROWED_FROM: base, "module": qualname},
+            xfail=draft.xfail and narrowed_xfail(error_line(exc), base, f"module {qualname}"))
         saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
         _report(saved, f"module {qualname}", new, kept, written)
         if saved is not None:
-            module_dir = saved
-    _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written)
+            module_dir, unreplayable = saved, ""
+    _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written,
+               unreplayable=unreplayable)
 
 
 def _device_of(module: torch.nn.Module) -> str | None:
@@ -163,9 +195,15 @@ def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
 
 def _narrow_op(exc: BaseException, module_dir: Path, base: str,
                recorded: Failure, start: RunContext, *, root: Path, kept: list[Path],
-               written: list[Path]) -> None:
-    """Write the case of the single ATen op that raised in a replay of ``module_dir``."""
+               written: list[Path], unreplayable: str = "") -> None:
+    """Write the case of the single ATen op that raised in a replay of ``module_dir``; none,
+    said with the reason, when that case cannot be replayed (``unreplayable``)."""
     import tempfile
+
+    if unreplayable:
+        say(f"gpucase: note: no op case written: the op that raised is found by replaying "
+            f"a case, and {shown(module_dir)} cannot be replayed ({unreplayable})")
+        return
 
     from pytest_gpucase.case.load import load_case
     from pytest_gpucase.run.isolation import run_in_child
@@ -188,8 +226,8 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
     draft = Draft(
         name=f"{base}.{op}", call=REPLAY_OP,
         summary=f"{op} raised {error_line(exc)} (narrowed from {base})",
-        xfail=case.xfail, literals={OP_KEY: table},
-        origin={**case.origin, "narrowed_from": base, "op": op},
+        xfail=case.xfail and narrowed_xfail(error_line(exc), base, f"op {op}"),
+        literals={OP_KEY: table}, origin={**case.origin, NARROWED_FROM: base, "op": op},
         tensors=tensors, files={},
         # The op's arguments are recorded as it received them, after autocast cast them (or
         # not: a region with autocast off): autocast applied again around the op would cast

@@ -19,8 +19,9 @@ from pytest_gpucase.verdict.triage import Triage, triage
 
 __all__ = ["INT64", "ORIGIN_ERROR_CHARS", "SUMMARY_ERROR_CHARS", "Context", "SampleIds",
            "Watched", "call_ids", "case_name", "class_of",
-           "compiled", "error_line", "id_tuple", "import_name", "message_of", "mib",
-           "read_tail", "say", "shown", "triage_of", "watched_call", "where"]
+           "compiled", "error_line", "framework_code", "id_tuple", "import_name",
+           "message_of", "mib", "read_tail", "say", "shown", "triage_of", "user_label",
+           "watched_call", "where"]
 
 SUMMARY_ERROR_CHARS = 300
 # ``[origin] error`` keeps the message's first line whole up to this bound: the replay's
@@ -96,6 +97,54 @@ def import_name(fn: Callable[..., Any], label: str) -> tuple[str | None, str]:
     return None, f"{module_name}:{qualname} does not give back {label} when imported; {fix}"
 
 
+# The packages whose functions wrap the user's code (autocast and output casts, module calls,
+# compiled frames, strategy wrappers, decorators): told by where their code lies.
+_FRAMEWORKS = ("torch", "accelerate", "transformers", "lightning", "pytorch_lightning",
+               "lightning_fabric", "deepspeed", "peft", "functools", "contextlib",
+               "pytest_gpucase")
+
+
+def _framework_roots() -> tuple[str, ...]:
+    """The folders (or files) the framework packages imported so far were loaded from."""
+    roots = []
+    for name in _FRAMEWORKS:
+        file = getattr(sys.modules.get(name), "__file__", None)
+        if isinstance(file, str):
+            path = os.path.realpath(file)
+            roots.append(os.path.dirname(path) + os.sep
+                         if os.path.basename(path).startswith("__init__.") else path)
+    return tuple(roots)
+
+
+def framework_code(filename: str) -> bool:
+    """Whether code from ``filename`` is a framework's (``_FRAMEWORKS``), by its location."""
+    if not filename or filename.startswith("<"):
+        return False
+    return os.path.realpath(filename).startswith(_framework_roots())
+
+
+def user_label(fn: Any) -> str | None:
+    """The name the user knows ``fn`` by: a framework's wrapper (its code in a framework's
+    files: Accelerate's ``convert_outputs_to_fp32.<locals>.forward``, autocast's, a compiled
+    frame's) is looked through along ``__wrapped__``, and a bound method is named by its
+    instance's class (``GPT2LMHeadModel.forward``). None when ``fn`` has no name."""
+    owner = getattr(fn, "__self__", None)
+    inner = fn
+    for _ in range(32):  # a chain of wrappers, never a cycle
+        function = getattr(inner, "__func__", inner)
+        code = getattr(function, "__code__", None)
+        wrapped = getattr(function, "__wrapped__", None)
+        if wrapped is None or (code is not None and not framework_code(code.co_filename)):
+            break
+        inner = wrapped
+    name = getattr(inner, "__name__", None)
+    if (owner is not None and not isinstance(owner, type | type(sys))
+            and isinstance(name, str) and "<" not in name):
+        return f"{type(owner).__qualname__}.{name}"
+    qualname = getattr(inner, "__qualname__", None) or name
+    return qualname if isinstance(qualname, str) else None
+
+
 def case_name(raw: str) -> str:
     """A safe, visible directory name: no separators, no leading dot."""
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).strip("._-")
@@ -139,7 +188,8 @@ def where(context: Context) -> str:
         parts.append(f"at iteration {context.iteration}")
     if context.stage is not None:
         parts.append(f"in {context.stage}")
-    if context.last_step is not None:
+    # "in training_step, after training_step" says nothing the iteration does not.
+    if context.last_step is not None and context.last_step != context.stage:
         parts.append(f"after {context.last_step}")
     return " " + ", ".join(parts) if parts else ""
 

@@ -4,10 +4,11 @@ In order: a factory the user names; a Hugging Face ``PreTrainedModel`` (its conf
 the config's own JSON, ``config.json``, and rebuilt with its class); a LightningModule whose
 ``save_hyperparameters()`` kept its constructor's arguments; otherwise the class called
 with the constructor arguments read back from its same-named attributes (what torch.nn
-built-ins keep). A class defined in the script that was run (``__main__``) is found again
-in that script, whose definitions a replay loads without running it (``load_script``): the
-replay sees the script as it is then, so a fix to the class shows as XPASS, where a copy
-kept with the case would fail forever.
+built-ins keep), a config object among them kept as its kind, class and fields
+(``configs``: nanoGPT's ``GPT(GPTConfig(...))``). A class defined in the script that was
+run (``__main__``) is found again in that script, whose definitions a replay loads without
+running it (``load_script``): the replay sees the script as it is then, so a fix to the
+class shows as XPASS, where a copy kept with the case would fail forever.
 
 Every rebuild is checked when it is chosen: the model is built again on the ``meta`` device
 (no memory, no time, the RNG untouched) and must print as the watched one does and hold the
@@ -23,12 +24,11 @@ from __future__ import annotations
 
 import ast
 import contextlib
-import dataclasses
 import inspect
 import json
-import math
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -37,8 +37,10 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpucase.base.tensors import is_tensor
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import STATE_PREFIX
+from pytest_gpucase.tools.record.configs import FIX, Plain, class_target, config_kind, \
+    holds_config, plain
 from pytest_gpucase.tools.record.inputs import NOT_LITERAL, as_literal, storable
-from pytest_gpucase.tools.record.origin import error_line, import_name
+from pytest_gpucase.tools.record.origin import error_line
 
 if TYPE_CHECKING:
     import torch
@@ -51,8 +53,6 @@ __all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "lightning_modul
 CASE_BUILDER = "case.py:make_model"
 _MODEL_FILE = "model.json"
 _CONFIG_FILE = "config.json"
-_FIX = ("pass rec.watch(model, factory=\"package.module:make_model\", kwargs={...}) naming a "
-        "function that builds it")
 
 
 @dataclass(frozen=True)
@@ -136,115 +136,69 @@ def lightning_module(module: Any) -> bool:
 
 
 def _hugging_face(module: Any) -> bool:
-    config = getattr(module, "config", None)
-    return (hasattr(config, "to_json_string") and hasattr(type(module), "config_class")
-            and any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__))
-
-
-def _json_value(value: Any) -> Any:
-    """``value`` as JSON data (None and tuples included), or NOT_LITERAL."""
-    if value is None or isinstance(value, (bool, str)):
-        return value
-    if isinstance(value, int):
-        return int(value)
-    if isinstance(value, float):
-        return float(value) if math.isfinite(value) else NOT_LITERAL
-    if isinstance(value, (list, tuple)):
-        items = [_json_value(v) for v in value]
-        return NOT_LITERAL if any(i is NOT_LITERAL for i in items) else items
-    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
-        table = {k: _json_value(v) for k, v in value.items()}
-        return NOT_LITERAL if any(v is NOT_LITERAL for v in table.values()) else table
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return _dataclass_value(value)
-    return NOT_LITERAL
-
-
-def _dataclass_value(value: Any) -> Any:
-    """A dataclass instance (a model's config object) as ``model.json`` holds it: its class
-    and the fields its constructor takes (``run.replay.decode_dataclasses`` builds it again),
-    or NOT_LITERAL when its class cannot be found by a replay or a field is no plain data."""
-    from pytest_gpucase.run.replay import DATACLASS_KEY
-
-    target, _, why = _class_target(type(value))
-    if target is None or why:
-        return NOT_LITERAL
-    fields = {f.name: _json_value(getattr(value, f.name)) for f in dataclasses.fields(value)
-              if f.init}
-    if any(v is NOT_LITERAL for v in fields.values()):
-        return NOT_LITERAL
-    return {DATACLASS_KEY: target, "fields": fields}
-
-
-def _holds_dataclass(value: Any) -> bool:
-    from pytest_gpucase.run.replay import DATACLASS_KEY
-
-    if isinstance(value, list):
-        return any(map(_holds_dataclass, value))
-    if isinstance(value, Mapping):
-        return DATACLASS_KEY in value or any(map(_holds_dataclass, value.values()))
-    return False
-
-
-def _script_of(cls: type) -> tuple[str | None, str]:
-    """The script (run as ``__main__``) whose top level defines ``cls``, or why not."""
-    script = getattr(sys.modules.get("__main__"), "__file__", None)
-    if not script or not os.path.isfile(script):
-        return None, (f"{cls.__qualname__} is defined in __main__ with no script file (an "
-                      f"interactive session or python -c): {_FIX}")
-    if "." in cls.__qualname__:
-        return None, (f"{cls.__qualname__} is not at the top level of {Path(script).name}, "
-                      f"so a replay cannot find it there: {_FIX}")
+    if not any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+        return False
     try:
-        tree = ast.parse(Path(script).read_text(encoding="utf-8"))
-    except (OSError, SyntaxError, ValueError) as exc:
-        return None, f"{Path(script).name} cannot be read again ({error_line(exc)}): {_FIX}"
-    if not any(isinstance(node, ast.ClassDef) and node.name == cls.__name__
-               for node in tree.body):
-        return None, (f"{cls.__qualname__} is not defined at the top level of "
-                      f"{Path(script).name}: {_FIX}")
-    return str(Path(script).resolve()), ""
+        return (hasattr(module.config, "to_json_string")
+                and hasattr(type(module), "config_class"))
+    except Exception:
+        return False
 
 
-def _class_target(cls: type) -> tuple[str | None, str | None, str]:
-    """(import target, script, why not) of a module's class."""
-    if cls.__module__ == "__main__":
-        script, why = _script_of(cls)
-        return (cls.__qualname__, script, why) if script else (None, None, why)
-    target, why_not = import_name(cls, cls.__qualname__)
-    if target is None:
-        return None, None, (f"{cls.__qualname__} cannot be rebuilt by a replay "
-                            f"({why_not.split(';')[0]}): {_FIX}")
-    return target, None, ""
-
-
-def _read_back(module: Any) -> tuple[dict[str, Any] | None, str]:
-    """The constructor's arguments read back from the module's same-named attributes
-    (an argument the module keeps under no such name is left to its default: see
+def _read_back(module: Any, reading: Plain) -> tuple[dict[str, Any] | None, str]:
+    """The constructor's arguments read back from the module's same-named attributes, config
+    objects as their fields (``configs.plain``); a required argument kept under another name
+    is the one config object the module keeps (``GPT(config)`` that keeps ``self.cfg``). An
+    argument with a default the module keeps under no such name is left to its default (see
     ``_assumed_defaults``)."""
     cls = type(module)
     try:
         signature = inspect.signature(cls.__init__)
     except (TypeError, ValueError):
-        return None, f"the constructor of {cls.__qualname__} has no readable signature: {_FIX}"
+        return None, f"the constructor of {cls.__qualname__} has no readable signature: {FIX}"
     found: dict[str, Any] = {}
     for name, param in list(signature.parameters.items())[1:]:
         if param.kind in (param.VAR_POSITIONAL, param.VAR_KEYWORD) or name in ("device",
                                                                                  "dtype"):
             continue
         value = getattr(module, name, NOT_LITERAL)
+        if value is NOT_LITERAL and param.default is param.empty:
+            value = _config_attribute(module, param)
         if isinstance(param.default, bool) and not isinstance(value, bool) and (
                 value is None or is_tensor(value)):
             value = value is not None  # Linear(bias=True) keeps bias as a Parameter or None
-        literal = NOT_LITERAL if value is None else _json_value(value)
+        literal, why = ((NOT_LITERAL, "") if value is None or value is NOT_LITERAL
+                        else plain(value, name, reading))
         if literal is not NOT_LITERAL:
             found[name] = literal
         elif value is None and param.default is None:
             continue
+        elif param.default is param.empty and why:
+            return None, (f"{cls.__qualname__}({name}=...) cannot be rebuilt from what the "
+                          f"model keeps: {why}: {FIX}")
         elif param.default is param.empty:
             return None, (f"{cls.__qualname__}({name}=...) cannot be read back from the "
-                          f"module: {_FIX}")
+                          f"module: it keeps no attribute named {name}, nor one config "
+                          f"object under another name: {FIX}")
     return found, ""
+
+
+def _config_attribute(module: Any, param: inspect.Parameter) -> Any:
+    """The one config object (``configs.config_kind``) the module keeps as an attribute,
+    when there is exactly one and it fits ``param``'s annotation; else NOT_LITERAL. A wrong
+    guess is caught by the rebuild's check on meta."""
+    kept = {id(v): v for k, v in vars(module).items()
+            if not k.startswith("_") and config_kind(v) is not None}
+    if len(kept) != 1:
+        return NOT_LITERAL
+    value = next(iter(kept.values()))
+    annotation = param.annotation
+    if isinstance(annotation, type) and not isinstance(value, annotation):
+        return NOT_LITERAL
+    if isinstance(annotation, str) and annotation.rpartition(".")[2] not in (
+            type(value).__name__, "Any") and "|" not in annotation and "[" not in annotation:
+        return NOT_LITERAL
+    return value
 
 
 def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
@@ -297,7 +251,7 @@ def _shapes_tell(cls: type, found: dict[str, Any], shapes: dict[str, tuple[int, 
     return other is not None and other != shapes
 
 
-def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
+def _lightning_hparams(module: Any, reading: Plain) -> tuple[dict[str, Any] | None, str]:
     """A LightningModule's saved constructor arguments (``save_hyperparameters()``)."""
     hparams = getattr(module, "hparams_initial", None)
     if not hparams:
@@ -305,32 +259,30 @@ def _lightning_hparams(module: Any) -> tuple[dict[str, Any] | None, str]:
     if getattr(module, "_hparams_name", "kwargs") not in (None, "kwargs"):
         return None, (f"{type(module).__qualname__} saved its hyperparameters as one "
                       f"argument ({module._hparams_name}), which a replay cannot pass back: "
-                      f"{_FIX}")
-    values = {str(k): _json_value(v) for k, v in dict(hparams).items()}
-    bad = sorted(k for k, v in values.items() if v is NOT_LITERAL)
+                      f"{FIX}")
+    values: dict[str, Any] = {}
+    bad: list[str] = []
+    for key, value in dict(hparams).items():
+        values[str(key)], why = plain(value, str(key), reading)
+        if why:
+            bad.append(why)
     if bad:
-        return None, (f"the saved hyperparameters {', '.join(bad)} of "
-                      f"{type(module).__qualname__} are not plain data (numbers, strings, "
-                      f"lists, dicts, None), so a replay cannot pass them back: {_FIX}")
+        return None, (f"the hyperparameters {type(module).__qualname__} saved cannot be "
+                      f"passed back by a replay: {'; '.join(bad)}: {FIX}")
     return values, ""
 
 
 def _builder(cls_target: str, script: str | None, kwargs: Mapping[str, Any],
              config: str | None) -> Callable[[], Any]:
     """A function that builds the module as a replay will (for the check on ``meta``)."""
-    from pytest_gpucase.run.replay import decode_dataclasses, import_target, load_script
+    from pytest_gpucase.run.replay import decode_configs, find_class, load_script
 
     def build() -> Any:
         module = load_script(Path(script)) if script is not None else None
-        if module is not None:
-            obj: Any = module
-            for part in cls_target.split("."):
-                obj = getattr(obj, part)
-        else:
-            obj = import_target(cls_target)
+        obj = find_class(cls_target, module)
         if config is not None:
             return obj(obj.config_class.from_dict(json.loads(config)))
-        return obj(**decode_dataclasses(dict(kwargs), module))
+        return obj(**decode_configs(dict(kwargs), module))
     return build
 
 
@@ -381,7 +333,35 @@ def _shape(value: Any) -> tuple[int, ...] | str:
 def rebuild_of(module: torch.nn.Module, factory: str | None,
                kwargs: Mapping[str, Any] | None, *, check: bool = True) -> Rebuild:
     """How a replay rebuilds ``module`` (see the module's docstring), checked on ``meta``
-    unless ``check`` is False."""
+    unless ``check`` is False; when there is none, why, and the factory to pass, in the
+    words of the model's framework (``_fix_for``)."""
+    rebuild = _rebuild_of(module, factory, kwargs, check=check)
+    if rebuild.factory is None and FIX in rebuild.why_not:
+        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(FIX, _fix_for(module)))
+    return rebuild
+
+
+def _fix_for(module: Any) -> str:
+    """What to pass so that a replay can build ``module``: a factory, named the way its
+    framework's callback takes it too (a Hugging Face model: the class and its config
+    class said, and ``GpuCaseCallback(factory=...)``)."""
+    name = type(module).__qualname__
+    if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+        config = getattr(getattr(type(module), "config_class", None), "__name__", "its config")
+        return (f"{name} is a Hugging Face model; pass a function that builds it as training "
+                f"did ({name}({config}(...)), or {name}.from_pretrained of a local folder, "
+                "then any change made to it): rec.watch(model, factory=\"mypkg.models:build\", "
+                "kwargs={...}), or with the Trainer GpuCaseCallback(factory="
+                "\"mypkg.models:build\", kwargs={...})")
+    if lightning_module(module):
+        return (f"{name} is a LightningModule; pass a function that builds it: "
+                "rec.watch(model, factory=\"mypkg.models:build\", kwargs={...}), or with the "
+                "Trainer GpuCaseCallback(factory=\"mypkg.models:build\", kwargs={...})")
+    return FIX
+
+
+def _rebuild_of(module: torch.nn.Module, factory: str | None,
+                kwargs: Mapping[str, Any] | None, *, check: bool) -> Rebuild:
     name = type(module).__qualname__
     if factory is not None:
         literal = as_literal(dict(kwargs or {}))
@@ -407,7 +387,7 @@ def rebuild_of(module: torch.nn.Module, factory: str | None,
     differs, unchecked = _difference(module, build)
     if differs is not None:
         return Rebuild(None, {}, f"{rebuild.how} would not be the watched model: {differs}; "
-                       f"{_FIX}")
+                       f"{FIX}")
     if unchecked is not None:
         return replace(rebuild, notes=(*rebuild.notes, f"the rebuild of {name} could not be "
                                        f"checked ({unchecked})"))
@@ -445,7 +425,7 @@ def needs_secrets(module: torch.nn.Module, rebuild: Rebuild) -> str | None:
 def _found_rebuild(module: Any) -> Rebuild | str:
     """The rebuild of a module no factory was named for, or why there is none."""
     name = type(module).__qualname__
-    target, script, why = _class_target(type(module))
+    target, script, why = class_target(type(module))
     if target is None:
         return why
     config: str | None = None
@@ -455,20 +435,22 @@ def _found_rebuild(module: Any) -> Rebuild | str:
     args: dict[str, Any] | None = {}
     notes: tuple[str, ...] = ()
     how = f"{name}(config) from config.json"
+    reading = Plain()
     if config is None:
-        args, why = _lightning_hparams(module) if lightning_module(module) else (None, "")
+        args, why = (_lightning_hparams(module, reading) if lightning_module(module)
+                     else (None, ""))
         how = f"{name}(**hyperparameters saved by save_hyperparameters())"
         if args is None and why:
             return why
         if args is None:
-            args, why = _read_back(module)
+            args, why = _read_back(module, reading)
             how = f"{name}(**constructor arguments read back from the model)"
             if args is None:
                 return why
             notes = _assumed_defaults(module, args)
     literal = as_literal(args)
     if (script is None and config is None and literal is not NOT_LITERAL
-            and not _holds_dataclass(args)):  # a dataclass argument: model.json builds it
+            and not holds_config(args)):  # a config object: model.json builds it
         return Rebuild(target, literal, how=how, notes=notes)
     recipe: dict[str, Any] = {"class": target}
     if config is not None:
@@ -478,10 +460,40 @@ def _found_rebuild(module: Any) -> Rebuild | str:
             recipe["attn_implementation"] = attention
     else:
         recipe["kwargs"] = args
+        configs = _configs_in(args)
+        if configs:
+            how += f"; config objects built again from model.json's fields ({configs})"
+    if script is None and reading.scripts:
+        script = sorted(reading.scripts)[0]  # a config class of the script that was run
     if script is not None:
-        how += f", {name} loaded from {Path(script).name}"
+        how += f"; classes loaded from {Path(script).name}"
     return Rebuild(CASE_BUILDER, {}, recipe=recipe, script=script, config=config, how=how,
                    notes=notes)
+
+
+def _configs_in(args: Any) -> str:
+    """``GPTConfig: dataclass, ...``: the config objects of ``args``, outermost first."""
+    from pytest_gpucase.run.replay import CONFIG_KEY, CONFIG_KINDS
+
+    found: list[str] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, list):
+            for item in value:
+                walk(item)
+        elif isinstance(value, Mapping):
+            if CONFIG_KEY in value:
+                cls = str(value.get("class", "")).rpartition(":")[2]
+                kind = str(value[CONFIG_KEY])
+                line = f"{cls}: {kind}, {CONFIG_KINDS.get(kind, (None, '?'))[1]}"
+                if line not in found:
+                    found.append(line)
+                walk(value.get("fields", {}))
+            else:
+                for item in value.values():
+                    walk(item)
+    walk(args)
+    return "; ".join(found)
 
 
 def script_function_files(fn: Any, root: Path) -> tuple[str, dict[str, str]] | None:
@@ -523,13 +535,14 @@ def rebuild_files(rebuild: Rebuild, root: Path) -> dict[str, str]:
     if rebuild.script is not None:
         recipe["script"] = case_relative(rebuild.script, root)
     files = {_MODEL_FILE: json.dumps(recipe, indent=2) + "\n",
-             "case.py": _CASE_PY.format(how=rebuild.how)}
+             "case.py": _CASE_PY.format(how="\n".join(textwrap.wrap(
+                 f"Builds the model this case replays: {rebuild.how}.", 88)))}
     if rebuild.config is not None:
         files[_CONFIG_FILE] = rebuild.config
     return files
 
 
-_CASE_PY = '''"""Builds the model this case replays: {how}.
+_CASE_PY = '''"""{how}
 
 Written by the gpucase Recorder; model.json says what is built.
 """

@@ -54,6 +54,7 @@ from pytest_gpucase.tools.record.origin import (
     watched_call,
     where,
 )
+from pytest_gpucase.tools.record.placement import unreachable
 from pytest_gpucase.tools.record.rebuild import (
     Rebuild,
     lightning_module,
@@ -305,6 +306,8 @@ class Recorder:
         if watched.call is None and call is None and script_function_files(fn, self.root) is None:
             # Said now, not after hours of training: the case could not be replayed as is.
             say(f"gpucase: warning: {watched.why_not}")
+        self._note_placement((call or watched.call or "").partition(":")[0]
+                             or getattr(fn, "__module__", "") or "")
 
         @functools.wraps(fn)
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -675,8 +678,20 @@ class Recorder:
                 "it (a criterion or loss in training_step, the backward, the optimizer step) "
                 "only inside `with rec.step(...)`; pass Trainer(callbacks=["
                 "GpuCaseCallback(recorder=rec)]) to save those too")
+        self._note_placement(type(module).__module__)
+        if factory is not None:
+            self._note_placement(factory.partition(":")[0])
         case = case_name(name or type(module).__name__)
         self._modules.append(ModuleWatch(self._owner, module, case, rebuild, ids, checkpoint))
+
+    def _note_placement(self, module_name: str) -> None:
+        """Say once, before any training, when a replay will not import ``module_name``."""
+        if module_name.startswith("pytest_gpucase.") or module_name.endswith(".py"):
+            return  # the tool's own replay functions; a file of the case itself
+        why = unreachable(module_name, self.root)
+        if why is not None:
+            self._note_once(f"placement:{module_name.partition('.')[0]}",
+                            f"gpucase: warning: {why}")
 
     def _note_once(self, key: str, message: str) -> None:
         if key not in self._notes_given:

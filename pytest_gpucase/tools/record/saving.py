@@ -18,6 +18,7 @@ import tomli_w
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import is_tensor, nbytes
 from pytest_gpucase.case.keys import (
+    CODE_OWNED,
     FUNCTION_KEY,
     GRAD_PREFIX,
     LOSS_PREFIX,
@@ -44,6 +45,7 @@ from pytest_gpucase.tools.record.origin import (
     shown,
     triage_of,
 )
+from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import (
     case_relative,
     module_state,
@@ -138,11 +140,18 @@ class ModuleSaver:
         nan = class_of(exc) == "nan"
         rebuild = watch.rebuild
         root = rec.case_root()
+        # A LightningModule stepping its own optimizers runs backward inside the call
+        # (manual_backward): the replay calls it, with what it asks of its Trainer.
+        manual = bool(self.method) and getattr(module, "automatic_optimization", True) is False
+        if manual:
+            self.backward = False
         recipe: dict[str, Any] = {"factory": rebuild.factory or "",
                                   "kwargs": dict(rebuild.kwargs),
                                   "training": bool(module.training), "backward": self.backward}
         if self.method:
             recipe["method"] = self.method
+        if manual:
+            recipe["manual_optimization"] = True
         if nan:
             recipe["finite"] = True
         incomplete: list[str] = list(self.incomplete)
@@ -161,6 +170,9 @@ class ModuleSaver:
                 origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
+            owned = code_owned(module, rebuild, state)   # replayed from the code (record.owned)
+            if owned:
+                recipe[CODE_OWNED] = list(owned)
             size = sum(nbytes(t) for t in state.values())
             limit = rec.state_limit
             if limit is not None and size > limit:
@@ -312,14 +324,17 @@ class ModuleSaver:
             entered = None
         if entered is not None and entered[1] is watch.module:
             entered = None
-        if not watch.rebuild.factory:
-            return  # nothing narrower than a module that cannot be rebuilt
+        # A model that cannot be rebuilt still has narrowed cases that need no rebuild of it
+        # (an nn.Embedding's, the op's found in that one); write_narrowed names each not written.
+        unreplayable = ("" if watch.rebuild.factory else
+                        f"{type(watch.module).__qualname__} cannot be rebuilt: "
+                        f"{watch.rebuild.why_not}")
         written = len(rec.narrowed_new)
-        with contextlib.suppress(Exception):
-            write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
-                           root=rec.case_root(), stderr_file=rec.stderr_file,
-                           context=rec.context(), device_names=rec.device_names,
-                           kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded)
+        write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
+                       root=rec.case_root(), stderr_file=rec.stderr_file,
+                       context=rec.context(), device_names=rec.device_names,
+                       kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded,
+                       unreplayable=unreplayable)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec.narrowed_new[written:])
 

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 from types import CodeType, FrameType
 from typing import Any
 
+from pytest_gpucase.tools.record.origin import framework_code
+
 __all__ = ["Found", "failing_call", "frame_line", "raised_outside"]
 
 _MODULE_CALLS = ("_wrapped_call_impl", "_call_impl")
@@ -133,8 +135,9 @@ def _watched_or_method(index: int, entries: list[tuple[FrameType, int]],
 def _unanchored_reason(entries: list[tuple[FrameType, int]]) -> str:
     """Why an unanchored traceback through no watched module names no call to replay."""
     users = [f.f_code for f, _ in entries
-             if not any(part in f.f_code.co_filename.replace(os.sep, "/")
-                        for part in ("site-packages/", "dist-packages/", "/lib/python"))]
+             if not framework_code(f.f_code.co_filename)
+             and not any(part in f.f_code.co_filename.replace(os.sep, "/")
+                         for part in ("site-packages/", "dist-packages/", "/lib/python"))]
     last = (users or [entries[-1][0].f_code])[-1]
     return (f"the traceback passes through no watched module (the last code of yours "
             f"in it: {last.co_name} in {os.path.basename(last.co_filename)}): where that "

@@ -30,6 +30,7 @@ from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
+from pytest_gpucase.tools.record.packages import declared_packages
 from pytest_gpucase.tools.record.origin import (
     ORIGIN_ERROR_CHARS,
     SUMMARY_ERROR_CHARS,
@@ -41,6 +42,7 @@ from pytest_gpucase.tools.record.origin import (
     mib,
     say,
     shown,
+    user_label,
     where,
 )
 from pytest_gpucase.verdict.failure import cut
@@ -117,7 +119,13 @@ def case_draft(exc: BaseException, watched: Watched | None, inputs: Inputs, cont
         call = watched.call if watched is not None and watched.call else f"{STUB_FILE}:run"
     if call == f"{STUB_FILE}:run" and STUB_FILE not in case_files:
         case_files[STUB_FILE] = _stub(reasons[0] if reasons else "no call was recorded")
-    summary = f"{label} raised {error}{where(context)}"
+    # A message that already says where (the nonfinite check's "(at iteration 3)") is not
+    # told it twice.
+    place = where(context)
+    told = f" (at iteration {context.iteration})"
+    if f"at iteration {context.iteration}" in place and error.endswith(told):
+        error = error[:-len(told)]
+    summary = f"{label} raised {error}{place}"
     if reasons:
         summary = f"INCOMPLETE: {'; '.join(reasons)}. Captured: {summary}"
     table: dict[str, Any] = _failure_entries(exc, stderr_text)
@@ -151,8 +159,13 @@ def _name_label_reasons(watched: Watched | None, inputs: Inputs, context: Contex
             reasons.insert(0, "the failure happened outside any watched call, so no inputs "
                            "were saved: watch the function that raised with rec.watch(fn)")
         return name, what or "a step", reasons
-    label = str(getattr(watched.fn, "__qualname__", watched.name))
-    label = watched.call if watched.call and watched.call != REPLAY_MODULE else label
+    label = user_label(watched.fn) or watched.name
+    # An importable call names where the code lives (``pkg.losses:loss_fn``); a stand-in
+    # ``case.py`` of the case's own (a script's function, a rebuilt model) names nothing the
+    # user wrote, so the function's own name is the label.
+    if watched.call and watched.call != REPLAY_MODULE and not watched.call.startswith(
+            f"{STUB_FILE}:"):
+        label = watched.call
     if watched.call is None and call is None:
         reasons.insert(0, watched.why_not)
     return watched.name, what or label, reasons
@@ -282,6 +295,12 @@ def _case_document(draft: Draft) -> dict[str, Any]:
         # autocast dtype all the same: they are held to its tolerance too.
         tolerance = _model_tolerance(autocast["dtype"])
         doc["expect"]["tolerance"] = {autocast["dtype"]: tolerance, "float32": tolerance}
+    packages: dict[str, str] = {}
+    with contextlib.suppress(Exception):  # never over the failure: the case replays as is
+        packages = declared_packages(draft.call, draft.literals, draft.files)
+    if packages:
+        # A runner without a framework the case imports skips it, saying which.
+        doc["matrix"] = {"packages": packages}
     if draft.context:
         doc["context"] = dict(draft.context)
     doc["origin"] = dict(draft.origin)
