@@ -26,7 +26,7 @@ from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import MODULE_KEY, OP_KEY, REPLAY_MODULE, REPLAY_OP, STATE_PREFIX
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.case.model import CASE_FILE, Case
+from pytest_gpucase.case.model import Case
 from pytest_gpucase.verdict.triage import failure_class
 
 if TYPE_CHECKING:
@@ -234,11 +234,22 @@ def item_notes(case: Case, *, failed: str | None = None,
 
 
 def data_note(found: Offending) -> str:
-    """What to do with a case whose saved batch holds the offending value."""
-    return (f"{_DATA_NOTE} ({found.sample_words()}): after a data fix "
-            f"this case cannot pass; turn it into a data check with `gpucase data-check "
-            f"{_case_arg(found.case)}` (a case without those samples, expected to pass, and "
-            f"the data contract they broke), or delete it")
+    """What to do with a case whose saved batch holds the offending value. The same words
+    for a model's case and its narrowed cases (a session's summary says them once): the
+    model's case is the one to turn into a data check, its narrowed cases go with it."""
+    from pytest_gpucase.tools.narrowed import narrowed_cases
+
+    case = found.alias.case if found.alias is not None else found.case
+    where = _case_arg(case)
+    narrowed = narrowed_cases(case)
+    these = "it and its narrowed cases" if narrowed else "this case"
+    text = (f"{_DATA_NOTE} of {where} ({found.sample_words()}): after a data fix {these} "
+            f"cannot pass; turn it into a data check with `gpucase data-check {where}` (a "
+            "case without those samples, expected to pass, and the data contract they "
+            "broke)")
+    if narrowed:
+        text += f" and delete its narrowed cases (`gpucase narrowed {where} --delete`)"
+    return text + ", or delete " + ("them all" if narrowed else "it")
 
 
 # --- reading the case --------------------------------------------------------------------
@@ -465,35 +476,26 @@ def _parent(case: Case) -> tuple[Case, dict[str, torch.Tensor]] | None:
 
 
 def _narrowed(case: Case) -> list[Case]:
-    """The cases narrowed from ``case`` that lie beside it (``[origin] narrowed_from``); for
-    a narrowed module case, the op cases narrowed from the same model in the same module."""
-    parent = case.origin.get("narrowed_from")
+    """The cases narrowed from ``case`` beside it (``tools.narrowed``); for a narrowed module
+    case, the op cases narrowed from the same model in the same module. Op cases first:
+    they name the very tensor the failing op got."""
+    from pytest_gpucase.tools.narrowed import NARROWED_FROM, narrowed_cases
+
+    parent = case.origin.get(NARROWED_FROM)
     module = case.origin.get("module")
-    stem = parent if isinstance(parent, str) and parent else case.name
-
-    def wanted(other: Case) -> bool:
-        if stem is not parent:
-            return other.origin.get("narrowed_from") == case.name
-        return (other.path != case.path and other.origin.get("narrowed_from") == parent
-                and other.origin.get("module") == module and other.call == REPLAY_OP)
-
+    paths = narrowed_cases(case.path.parent / parent if isinstance(parent, str) and parent
+                           else case.path)
     found: list[Case] = []
-    try:
-        entries = sorted(case.path.parent.iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        if len(found) >= _SIBLINGS:
-            break
-        if not entry.name.startswith(f"{stem}.") or not (entry / CASE_FILE).is_file():
+    for path in paths[:_SIBLINGS]:
+        if path.resolve() == case.path.resolve():
             continue
         try:
-            loaded = load_case(entry)
+            loaded = load_case(path)
         except (CaseFormatError, OSError):
             continue
-        if wanted(loaded):
+        if not isinstance(parent, str) or (loaded.call == REPLAY_OP
+                                           and loaded.origin.get("module") == module):
             found.append(loaded)
-    # The op case first: it names the very tensor the failing op got.
     return sorted(found, key=lambda c: c.call != REPLAY_OP)
 
 
