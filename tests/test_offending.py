@@ -74,6 +74,24 @@ def test_a_custom_modules_case_reads_the_value_through_its_op_case(tmp_path: Pat
         in show(module_case)
 
 
+@pytest.mark.parametrize(("how", "batch", "op", "said"), [
+    ("select", [1, 7, 2], "index_select.default", "idx holds 7 at [1] (sample ex0042); "
+     "dimension 0 of the indexed tensor has size 5 (valid 0..4)"),
+    ("index", [1, 7, 2], "index.Tensor", "idx holds 7 at [1] (sample ex0042); dimension 0 of "
+     "the indexed tensor has size 5 (valid -5..4)"),
+    ("gather", [[1, 0], [7, 1], [2, 2]], "gather.default", "idx holds 7 at [1, 0] (sample "
+     "ex0042); dimension 0 of the indexed tensor has size 5 (valid 0..4)"),
+])
+def test_index_ops_name_the_index_and_the_dimension(tmp_path: Path, how: str,
+                                                    batch: list[int], op: str,
+                                                    said: str) -> None:
+    model_case = record(tmp_path / "cases", datafix_targets.Table(how), torch.tensor(batch))
+    assert f"offending value: {said}; read with the narrowed case Table.aten.{op}" \
+        in show(model_case)
+    assert f"offending value: {said} (this case's arg1)" in \
+        show(model_case.with_name(f"Table.aten.{op}"))
+
+
 def test_a_label_the_loss_got_shifted_is_found_in_the_batch(tmp_path: Path) -> None:
     """labels[..., 1:] is no view of the saved labels: the one saved input holding the same
     out-of-range value is named, and said to be a slice of what the op got."""

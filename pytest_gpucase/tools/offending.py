@@ -344,6 +344,8 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, name: st
         return ("tensor", str(spec["tensor"]))
     if "none" in spec:
         return None
+    if isinstance(spec.get("list"), list):
+        return spec["list"]
     return spec.get("value", default)
 
 
@@ -408,11 +410,12 @@ def _dim_checks(name: str, arg: Any, tensors: Mapping[str, torch.Tensor]) -> lis
             return []
         dim = dim % len(shape)
         return [_Check(index[0], 0, shape[dim] - 1,
-                       f"dimension {dim} of {source[0]} has size {shape[dim]}", "index")]
+                       f"dimension {dim} of the indexed tensor has size {shape[dim]}", "index")]
     if name == "take":
         index, total = _tensor(tensors, arg(1, "index")), math.prod(shape)
         return [] if index is None else [
-            _Check(index[0], -total, total - 1, f"{source[0]} has {total} elements", "index")]
+            _Check(index[0], -total, total - 1, f"the indexed tensor has {total} elements",
+                   "index")]
     if name in ("index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"):
         spec = arg(1, "indices")
         found = []
@@ -420,8 +423,8 @@ def _dim_checks(name: str, arg: Any, tensors: Mapping[str, torch.Tensor]) -> lis
             index = _tensor(tensors, _arg([item], {}, 0, ""))
             if index is not None and _integer(index[1]) and dim < len(shape):
                 found.append(_Check(index[0], -shape[dim], shape[dim] - 1,
-                                    f"dimension {dim} of {source[0]} has size {shape[dim]}",
-                                    "index"))
+                                    f"dimension {dim} of the indexed tensor has size "
+                                    f"{shape[dim]}", "index"))
         return found
     return []
 
