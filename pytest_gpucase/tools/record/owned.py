@@ -52,6 +52,14 @@ def code_owned(module: torch.nn.Module, rebuild: Rebuild,
     the value the model ``rebuild`` builds holds, under each of two seeds; () where that
     cannot be told. A parameter that trains (``requires_grad``) is training's, never the
     code's, even while it still holds its initial value (a LayerNorm weight at step 0)."""
+    try:
+        return _owned(module, rebuild, state)
+    except Exception:  # the case is saved whatever happens here, with no entry marked
+        return ()
+
+
+def _owned(module: torch.nn.Module, rebuild: Rebuild,
+           state: Mapping[str, torch.Tensor]) -> tuple[str, ...]:
     if rebuild.factory is None or sum(nbytes(t) for t in state.values()) > OWNED_CHECK_LIMIT:
         return ()
     trained = {name for name, p in module.named_parameters(remove_duplicate=False)
