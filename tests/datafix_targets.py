@@ -77,6 +77,22 @@ class ShiftedLabelsLM(TinyGPT):
         return F.cross_entropy(shifted, targets[:, 1:].reshape(-1))
 
 
+class Table(torch.nn.Module):
+    """A table of 5 rows indexed by the batch: index_select, plain indexing or gather."""
+
+    def __init__(self, how: str = "select") -> None:
+        super().__init__()
+        self.how = how
+        self.rows = torch.nn.Parameter(torch.randn(5, 2))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        if self.how == "select":
+            return self.rows.index_select(0, idx)
+        if self.how == "index":
+            return self.rows[idx]
+        return torch.gather(self.rows, 0, idx)
+
+
 IDS = ["ex0041", "ex0042", "ex0043"]
 
 

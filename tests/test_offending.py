@@ -32,14 +32,20 @@ def test_a_token_id_equal_to_the_vocabulary_is_named_in_every_case(tmp_path: Pat
     assert found.offending.saved
     narrowed = sorted(p.name for p in model_case.parent.iterdir() if p != model_case)
     assert narrowed == ["TinyGPT.aten.embedding.default", "TinyGPT.wte"]
+    advice = (f"the failure is in the saved batch of {model_case} (sample ex0042 holds token "
+              "19, wte has 19 rows): after a data fix it and its narrowed cases cannot pass; "
+              f"turn it into a data check with `gpucase data-check {model_case}` (a case "
+              "without those samples, expected to pass, and the data contract they broke) and "
+              f"delete its narrowed cases (`gpucase narrowed {model_case} --delete`), or "
+              "delete them all")
     for name in narrowed:  # the narrowed cases name the model's input and sample too
         text = show(model_case.parent / name)
         assert f"offending value: {named}" in text, text
-        assert "the failure is in the saved batch (sample ex0042 holds token 19, wte has 19 " \
-               "rows): after a data fix this case cannot pass" in text
+        assert advice in text   # the same words: a session's summary says them once
     text = show(model_case)
     assert f"offending value: {named}; read with the narrowed case " \
            "TinyGPT.aten.embedding.default" in text
+    assert advice in text
 
 
 def test_a_target_equal_to_the_class_count_is_found_through_its_flattened_view(
@@ -66,6 +72,24 @@ def test_a_custom_modules_case_reads_the_value_through_its_op_case(tmp_path: Pat
     assert ("offending value: idx holds 19 at [1, 1] (sample ex0042); lookup has 19 rows "
             "(valid 0..18); read with the narrowed case LookupLM.aten.embedding.default") \
         in show(module_case)
+
+
+@pytest.mark.parametrize(("how", "batch", "op", "said"), [
+    ("select", [1, 7, 2], "index_select.default", "idx holds 7 at [1] (sample ex0042); "
+     "dimension 0 of the indexed tensor has size 5 (valid 0..4)"),
+    ("index", [1, 7, 2], "index.Tensor", "idx holds 7 at [1] (sample ex0042); dimension 0 of "
+     "the indexed tensor has size 5 (valid -5..4)"),
+    ("gather", [[1, 0], [7, 1], [2, 2]], "gather.default", "idx holds 7 at [1, 0] (sample "
+     "ex0042); dimension 0 of the indexed tensor has size 5 (valid 0..4)"),
+])
+def test_index_ops_name_the_index_and_the_dimension(tmp_path: Path, how: str,
+                                                    batch: list[int], op: str,
+                                                    said: str) -> None:
+    model_case = record(tmp_path / "cases", datafix_targets.Table(how), torch.tensor(batch))
+    assert f"offending value: {said}; read with the narrowed case Table.aten.{op}" \
+        in show(model_case)
+    assert f"offending value: {said} (this case's arg1)" in \
+        show(model_case.with_name(f"Table.aten.{op}"))
 
 
 def test_a_label_the_loss_got_shifted_is_found_in_the_batch(tmp_path: Path) -> None:
@@ -192,4 +216,30 @@ def test_the_case_item_triage_and_summary_name_the_value(tmp_path: Path) -> None
     assert "gpucase triage" in out, out
     assert "offending value: idx holds 19 at [1, 1] (sample ex0042); wte has 19 rows " \
            "(valid 0..18)" in out
-    assert "gpucase: the failure is in the saved batch (sample ex0042 holds token 19" in out
+    assert f"gpucase: the failure is in the saved batch of {model_case} (sample ex0042 holds " \
+           "token 19" in out
+
+
+def test_a_hand_written_cases_item_reads_the_value_its_run_names(tmp_path: Path) -> None:
+    """No [origin] at all: the message of the run that failed names the value."""
+    from pytest_gpucase.tools.offending import triaged
+    from tests.helpers import replay_cpu, write_case
+
+    case = write_case(tmp_path, "pick", """
+        format = 1
+        call = "case.py:pick"
+        """, """
+        import torch
+
+        def pick(x, index):
+            return torch.gather(x, 1, index)
+        """, {"x": torch.zeros(3, 4), "index": torch.tensor([[0], [4], [1]])})
+    verdict, advice = triaged(replay_cpu(case))
+    assert verdict.triage is not None
+    assert ("offending value: index holds 4 at [1, 0]; dimension 1 it indexes has size 4 "
+            "(valid 0..3)") in verdict.triage.notes
+    assert advice == [
+        f"the failure is in the saved batch of {case} (entry 1 of index holds index 4, "
+        "dimension 1 it indexes has size 4): after a data fix this case cannot pass; turn it "
+        f"into a data check with `gpucase data-check {case}` (a case without those samples, "
+        "expected to pass, and the data contract they broke), or delete it"]

@@ -26,7 +26,7 @@ from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import MODULE_KEY, OP_KEY, REPLAY_MODULE, REPLAY_OP, STATE_PREFIX
 from pytest_gpucase.case.load import load_case
-from pytest_gpucase.case.model import CASE_FILE, Case
+from pytest_gpucase.case.model import Case
 from pytest_gpucase.verdict.triage import failure_class
 
 if TYPE_CHECKING:
@@ -146,9 +146,10 @@ def index_failure(case: Case) -> bool:
     return failure_class(error_type, message, str(case.origin.get("stderr", ""))) in INDEX_CLASSES
 
 
-def find(case: Case, *, failed: str | None = None) -> Finding | None:
+def find(case: Case, *, failed: str | None = None, message: str | None = None) -> Finding | None:
     """The offending values of ``case``'s index failure; None when it is no index failure
-    (the class of the failure met, ``failed``, else the one the case captured)."""
+    (the class of the failure met, ``failed``, and its ``message``, else the ones the case
+    captured)."""
     if not (failed in INDEX_CLASSES if failed is not None else index_failure(case)):
         return None
     if importlib.util.find_spec("torch") is None:  # gpucase show in a job without torch
@@ -177,7 +178,7 @@ def find(case: Case, *, failed: str | None = None) -> Finding | None:
     if case.call in (REPLAY_OP, REPLAY_MODULE) and _checks(case, tensors):
         return Finding(None, "every saved index is within its range: the failing value is "
                              "computed inside the call")
-    return _through_narrowed(case, tensors)
+    return _through_narrowed(case, tensors, message)
 
 
 def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
@@ -191,7 +192,7 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
                          verdict.child.stderr)
     if kind not in INDEX_CLASSES:
         return verdict, []
-    notes = _notes_once(verdict.spec.case, kind)
+    notes = _notes_once(verdict.spec.case, kind, outcome.error_message or outcome.summary)
     if not notes:
         return verdict, []
     advice = [note for note in notes if note.startswith(_DATA_NOTE)]
@@ -202,23 +203,28 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
 _READ: dict[tuple[str, str, int, int], list[str]] = {}
 
 
-def _notes_once(case: Case, kind: str) -> list[str]:
+def _notes_once(case: Case, kind: str, message: str) -> list[str]:
     try:
         stat = case.inputs_file.stat()
-        key = (str(case.path.resolve()), kind, stat.st_mtime_ns, stat.st_size)
+        key = (str(case.path.resolve()), f"{kind}\n{message}", stat.st_mtime_ns, stat.st_size)
     except OSError:
-        return item_notes(case, failed=kind)
+        return item_notes(case, failed=kind, message=message)
     if key not in _READ:
         if len(_READ) >= 256:
             _READ.clear()
-        _READ[key] = item_notes(case, failed=kind)
+        _READ[key] = item_notes(case, failed=kind, message=message)
     return list(_READ[key])
 
 
-def item_notes(case: Case, *, failed: str | None = None) -> list[str]:
+def item_notes(case: Case, *, failed: str | None = None,
+               message: str | None = None) -> list[str]:
     """The lines an index failure's triage adds: the offending value, and what to do once
-    the data is fixed when the saved batch holds it (``tools.datacheck``)."""
-    found = find(case, failed=failed)
+    the data is fixed when the saved batch holds it (``tools.datacheck``). Advice only: a
+    case this cannot read is said so in a line, never raised to the item or the command."""
+    try:
+        found = find(case, failed=failed, message=message)
+    except Exception as exc:  # a file anyone may have written: said, never raised
+        return [f"offending value: not read ({type(exc).__name__}: {str(exc)[:200]})"]
     if found is None:
         return []
     lines = found.lines()
@@ -228,11 +234,22 @@ def item_notes(case: Case, *, failed: str | None = None) -> list[str]:
 
 
 def data_note(found: Offending) -> str:
-    """What to do with a case whose saved batch holds the offending value."""
-    return (f"{_DATA_NOTE} ({found.sample_words()}): after a data fix "
-            f"this case cannot pass; turn it into a data check with `gpucase data-check "
-            f"{_case_arg(found.case)}` (a case without those samples, expected to pass, and "
-            f"the data contract they broke), or delete it")
+    """What to do with a case whose saved batch holds the offending value. The same words
+    for a model's case and its narrowed cases (a session's summary says them once): the
+    model's case is the one to turn into a data check, its narrowed cases go with it."""
+    from pytest_gpucase.tools.narrowed import narrowed_cases
+
+    case = found.alias.case if found.alias is not None else found.case
+    where = _case_arg(case)
+    narrowed = narrowed_cases(case)
+    these = "it and its narrowed cases" if narrowed else "this case"
+    text = (f"{_DATA_NOTE} of {where} ({found.sample_words()}): after a data fix {these} "
+            f"cannot pass; turn it into a data check with `gpucase data-check {where}` (a "
+            "case without those samples, expected to pass, and the data contract they "
+            "broke)")
+    if narrowed:
+        text += f" and delete its narrowed cases (`gpucase narrowed {where} --delete`)"
+    return text + ", or delete " + ("them all" if narrowed else "it")
 
 
 # --- reading the case --------------------------------------------------------------------
@@ -327,6 +344,8 @@ def _arg(args: Sequence[Any], kwargs: Mapping[str, Any], position: int, name: st
         return ("tensor", str(spec["tensor"]))
     if "none" in spec:
         return None
+    if isinstance(spec.get("list"), list):
+        return spec["list"]
     return spec.get("value", default)
 
 
@@ -391,11 +410,12 @@ def _dim_checks(name: str, arg: Any, tensors: Mapping[str, torch.Tensor]) -> lis
             return []
         dim = dim % len(shape)
         return [_Check(index[0], 0, shape[dim] - 1,
-                       f"dimension {dim} of {source[0]} has size {shape[dim]}", "index")]
+                       f"dimension {dim} of the indexed tensor has size {shape[dim]}", "index")]
     if name == "take":
         index, total = _tensor(tensors, arg(1, "index")), math.prod(shape)
         return [] if index is None else [
-            _Check(index[0], -total, total - 1, f"{source[0]} has {total} elements", "index")]
+            _Check(index[0], -total, total - 1, f"the indexed tensor has {total} elements",
+                   "index")]
     if name in ("index", "_unsafe_index", "index_put", "index_put_", "_index_put_impl_"):
         spec = arg(1, "indices")
         found = []
@@ -403,8 +423,8 @@ def _dim_checks(name: str, arg: Any, tensors: Mapping[str, torch.Tensor]) -> lis
             index = _tensor(tensors, _arg([item], {}, 0, ""))
             if index is not None and _integer(index[1]) and dim < len(shape):
                 found.append(_Check(index[0], -shape[dim], shape[dim] - 1,
-                                    f"dimension {dim} of {source[0]} has size {shape[dim]}",
-                                    "index"))
+                                    f"dimension {dim} of the indexed tensor has size "
+                                    f"{shape[dim]}", "index"))
         return found
     return []
 
@@ -459,42 +479,34 @@ def _parent(case: Case) -> tuple[Case, dict[str, torch.Tensor]] | None:
 
 
 def _narrowed(case: Case) -> list[Case]:
-    """The cases narrowed from ``case`` that lie beside it (``[origin] narrowed_from``); for
-    a narrowed module case, the op cases narrowed from the same model in the same module."""
-    parent = case.origin.get("narrowed_from")
+    """The cases narrowed from ``case`` beside it (``tools.narrowed``); for a narrowed module
+    case, the op cases narrowed from the same model in the same module. Op cases first:
+    they name the very tensor the failing op got."""
+    from pytest_gpucase.tools.narrowed import NARROWED_FROM, narrowed_cases
+
+    parent = case.origin.get(NARROWED_FROM)
     module = case.origin.get("module")
-    stem = parent if isinstance(parent, str) and parent else case.name
-
-    def wanted(other: Case) -> bool:
-        if stem is not parent:
-            return other.origin.get("narrowed_from") == case.name
-        return (other.path != case.path and other.origin.get("narrowed_from") == parent
-                and other.origin.get("module") == module and other.call == REPLAY_OP)
-
+    paths = narrowed_cases(case.path.parent / parent if isinstance(parent, str) and parent
+                           else case.path)
     found: list[Case] = []
-    try:
-        entries = sorted(case.path.parent.iterdir())
-    except OSError:
-        return []
-    for entry in entries:
-        if len(found) >= _SIBLINGS:
-            break
-        if not entry.name.startswith(f"{stem}.") or not (entry / CASE_FILE).is_file():
+    for path in paths[:_SIBLINGS]:
+        if path.resolve() == case.path.resolve():
             continue
         try:
-            loaded = load_case(entry)
+            loaded = load_case(path)
         except (CaseFormatError, OSError):
             continue
-        if wanted(loaded):
+        if not isinstance(parent, str) or (loaded.call == REPLAY_OP
+                                           and loaded.origin.get("module") == module):
             found.append(loaded)
-    # The op case first: it names the very tensor the failing op got.
     return sorted(found, key=lambda c: c.call != REPLAY_OP)
 
 
-def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor]) -> Finding:
+def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
+                      message: str | None) -> Finding:
     narrowed = _narrowed(case)
     if not narrowed:
-        named = _named_by_message(case, tensors)
+        named = _named_by_message(case, tensors, message)
         if named is not None:
             return Finding(named)
         return Finding(None, f"cannot be named from this case: the failing index is used "
@@ -567,12 +579,13 @@ _NAMED = (
 )
 
 
-def _named_by_message(case: Case, tensors: Mapping[str, torch.Tensor]) -> Offending | None:
+def _named_by_message(case: Case, tensors: Mapping[str, torch.Tensor],
+                      message: str | None) -> Offending | None:
     """The value the error message names (``Target 19 is out of bounds``, ``index 4 is out
     of bounds for dimension 1 with size 4``), found in the one saved integer input that holds
     it; None when the message names none, or no input or several hold it."""
-
-    message = str(case.origin.get("error", ""))
+    if message is None:
+        message = str(case.origin.get("error", ""))
     for pattern, kind in _NAMED:
         hit = pattern.search(message)
         if hit is None:
