@@ -690,20 +690,24 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[st
         lines.append(f"the saved state holds {_listed(extra)}, which the model built as its "
                      "replay builds it does not take: its code changed since the capture; "
                      "capture the case again, or restore the code it was captured with")
+    shapes: list[str] = []
     for name, (shape, dtype) in saved.items():
         value = held.get(name)
         if value is None:
             continue
         found = str(value.dtype).removeprefix("torch.")
         if tuple(value.shape) != tuple(shape):
-            lines.append(f"{name} is {list(shape)} in the saved state but {list(value.shape)} "
-                         "in the model built as its replay builds it: its code or its "
-                         "arguments changed since the capture")
+            shapes.append(f"{name} is {list(shape)} in the saved state but "
+                          f"{list(value.shape)}")
         elif (dtype is not None and not value.is_quantized and not value.is_sparse
               and _dtype_kind(dtype) != _dtype_kind(found)):
             notes.append(f"{name} is {dtype} in the saved state but {found} in the model "
                          "built as its replay builds it: the replay takes the saved tensor as "
                          "it is, but the code that made it changed since the capture")
+    if shapes:
+        lines.append(f"{_listed(shapes, 4)} in the model built as its replay builds it: its "
+                     "code or its arguments changed since the capture, so every run of the "
+                     "case fails to load the state")
     return {"problems": lines, "notes": notes}
 
 
