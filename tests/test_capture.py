@@ -796,3 +796,28 @@ def test_a_meta_input_is_named_as_one_not_as_an_unusable_device(
     origin = toml(tmp_path / "shape_check")["origin"]
     assert "meta tensor" in origin["skipped_inputs"]["x"], origin
     assert "device unusable" not in capsys.readouterr().err
+
+
+class LazyNet(torch.nn.Module):
+    """A LazyLinear, shaped by its first call: a fresh one has no shapes to compare."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.LazyLinear(4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.lin(x)
+        if bool((x < 0).any()):
+            raise ValueError("negative input")
+        return y
+
+
+@pytest.mark.slow
+def test_a_model_with_a_lazy_layer_is_watched_and_its_failure_saved(tmp_path: Path) -> None:
+    """rec.watch checked the rebuild by comparing shapes, and an uninitialized parameter of
+    the fresh model has none: the watch itself raised in the user's script."""
+    model = LazyNet()
+    model(torch.ones(1, 3))
+    rec = Recorder(tmp_path, narrow=False)
+    fail(rec.watch(model), -torch.ones(1, 3))
+    assert (tmp_path / "LazyNet" / "case.toml").is_file()

@@ -671,8 +671,11 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[st
     import torch
 
     assert isinstance(module, torch.nn.Module)
+    from torch.nn.parameter import is_lazy
+
     held = {name: value for name, value in module.state_dict(keep_vars=True).items()
             if isinstance(value, torch.Tensor)}
+    lazy = {name for name, value in held.items() if is_lazy(value)}  # shaped by the state
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     lines: list[str] = []
     notes: list[str] = []
@@ -693,7 +696,7 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[st
     shapes: list[str] = []
     for name, (shape, dtype) in saved.items():
         value = held.get(name)
-        if value is None:
+        if value is None or name in lazy:
             continue
         found = str(value.dtype).removeprefix("torch.")
         if tuple(value.shape) != tuple(shape):
