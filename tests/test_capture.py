@@ -781,23 +781,6 @@ def test_under_inference_mode_a_tensor_passed_twice_and_never_written_is_no_note
     assert "arguments of aliased_step share memory (buf, view)" in capsys.readouterr().err
 
 
-def shape_check(x: torch.Tensor) -> torch.Tensor:
-    if x.shape[-1] != 4:
-        raise ValueError(f"last axis {x.shape[-1]}, not 4")
-    return x
-
-
-@pytest.mark.slow
-def test_a_meta_input_is_named_as_one_not_as_an_unusable_device(
-        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """A shape dry run on the meta device fails: its input has no values, which the case
-    says (skipped, a meta tensor), not that the device stopped answering."""
-    fail(Recorder(tmp_path).watch(shape_check), torch.ones(2, 3, device="meta"))
-    origin = toml(tmp_path / "shape_check")["origin"]
-    assert "meta tensor" in origin["skipped_inputs"]["x"], origin
-    assert "device unusable" not in capsys.readouterr().err
-
-
 class LazyNet(torch.nn.Module):
     """A LazyLinear, shaped by its first call: a fresh one has no shapes to compare."""
 

@@ -112,7 +112,8 @@ def test_validate_exit_code_follows_the_problems(
 
     # Whatever validate reports is a problem: "no case found" included.
     monkeypatch.setattr(validate_module, "validate",
-                        lambda paths, notes=None, unchecked=None: [f"{paths[0]}: no case found"])
+                        lambda paths, notes=None, unchecked=None, rebuild=True:
+                        [f"{paths[0]}: no case found"])
     assert main(["validate", "empty"]) == 1
     assert capsys.readouterr().out == "empty: no case found\n"
 
