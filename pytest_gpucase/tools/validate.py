@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
-import json
 import importlib.util
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.files import file_sha256
@@ -59,6 +59,9 @@ from pytest_gpucase.case.variants import (
     index_dtype,
     members_of,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["REBUILD_TIMEOUT", "NotChecked", "hash_setting", "rebuild_check", "validate"]
 
@@ -669,34 +672,18 @@ def _dtype_kind(name: str) -> str:
 def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[str, list[str]]:
     """The lines of ``rebuild_check``: ``module`` (a torch module) against ``saved``."""
     import torch
-
-    assert isinstance(module, torch.nn.Module)
     from torch.nn.parameter import is_lazy
 
+    assert isinstance(module, torch.nn.Module)
     held = {name: value for name, value in module.state_dict(keep_vars=True).items()
             if isinstance(value, torch.Tensor)}
-    lazy = {name for name, value in held.items() if is_lazy(value)}  # shaped by the state
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    lines: list[str] = []
+    lines = _names_problems(held, params, saved, unsaved)
     notes: list[str] = []
-    missing = [n for n in held if n not in saved and n not in unsaved]
-    if missing:
-        what = [f"{n} ({'parameter' if n in params else 'buffer'} "
-                f"{list(held[n].shape)} {str(held[n].dtype).removeprefix('torch.')})"
-                for n in missing]
-        lines.append(f"the model built as its replay builds it has {_listed(what)}, which "
-                     "the saved state lacks: its code changed since the capture, so every "
-                     "run of the case fails to load the state; capture the case again with "
-                     "this code, or restore the code the case was captured with")
-    extra = [n for n in saved if n not in held and n not in unsaved]
-    if extra:
-        lines.append(f"the saved state holds {_listed(extra)}, which the model built as its "
-                     "replay builds it does not take: its code changed since the capture; "
-                     "capture the case again, or restore the code it was captured with")
     shapes: list[str] = []
     for name, (shape, dtype) in saved.items():
         value = held.get(name)
-        if value is None or name in lazy:
+        if value is None or is_lazy(value):  # a lazy entry is shaped by the state
             continue
         found = str(value.dtype).removeprefix("torch.")
         if tuple(value.shape) != tuple(shape):
@@ -712,6 +699,28 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[st
                      "code or its arguments changed since the capture, so every run of the "
                      "case fails to load the state")
     return {"problems": lines, "notes": notes}
+
+
+def _names_problems(held: Mapping[str, torch.Tensor], params: set[str], saved: _Saved,
+                    unsaved: set[str]) -> list[str]:
+    """What the model has and the state lacks, and what the state holds the model does not
+    take (entries the capture marked unstorable left out)."""
+    lines: list[str] = []
+    missing = [n for n in held if n not in saved and n not in unsaved]
+    if missing:
+        what = [f"{n} ({'parameter' if n in params else 'buffer'} "
+                f"{list(held[n].shape)} {str(held[n].dtype).removeprefix('torch.')})"
+                for n in missing]
+        lines.append(f"the model built as its replay builds it has {_listed(what)}, which "
+                     "the saved state lacks: its code changed since the capture, so every "
+                     "run of the case fails to load the state; capture the case again with "
+                     "this code, or restore the code the case was captured with")
+    extra = [n for n in saved if n not in held and n not in unsaved]
+    if extra:
+        lines.append(f"the saved state holds {_listed(extra)}, which the model built as its "
+                     "replay builds it does not take: its code changed since the capture; "
+                     "capture the case again, or restore the code it was captured with")
+    return lines
 
 
 def _listed(names: Sequence[str], most: int = 8) -> str:
