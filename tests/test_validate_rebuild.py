@@ -226,3 +226,16 @@ def test_a_state_referenced_in_a_checkpoint_is_held_against_the_rebuild(
     (problem,) = validate([tmp_path / "cases"])
     assert "emb.weight is [64, 16] in the saved state but [65, 16]" in problem, problem
     assert "head.weight is [64, 16] in the saved state but [65, 16]" in problem, problem
+
+
+def test_a_model_whose_library_this_machine_cannot_load_is_a_note(captured: Path) -> None:
+    """A case captured on a GPU machine, validated on one whose loader refuses the model's
+    compiled library: the run calls that the environment's failure, so validate notes it
+    and finds no problem with the case."""
+    project = captured
+    _edit(project, "import torch\n", "import torch\nraise ImportError('libcudart.so.12: cannot "
+          "open shared object file: No such file or directory')\n")
+    notes: list[str] = []
+    assert validate([project / "cases"], notes) == []
+    assert any("rebuild was not checked here" in note and "libcudart" in note
+               for note in notes), notes
