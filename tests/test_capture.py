@@ -804,3 +804,18 @@ def test_a_model_with_a_lazy_layer_is_watched_and_its_failure_saved(tmp_path: Pa
     rec = Recorder(tmp_path, narrow=False)
     fail(rec.watch(model), -torch.ones(1, 3))
     assert (tmp_path / "LazyNet" / "case.toml").is_file()
+
+
+@pytest.mark.slow
+def test_the_sample_ids_of_a_huge_batch_keep_the_case_loadable(tmp_path: Path) -> None:
+    """200,000 long sample ids (one per token of a large batch) made a 15 MiB case.toml, over
+    the bound every reader applies: a capture that said "saved" and could not be loaded.
+    The first ids are kept, with how many there were."""
+    ids = [f"s3://bucket/shards/shard-{i // 1000:04d}/sample_{i:08d}.json" for i in range(200_000)]
+    rec = Recorder(tmp_path, narrow=False)
+    with pytest.raises(ValueError), rec.step(0, sample_ids=ids):
+        rec.watch(failing_op)(torch.ones(2))
+    case = load_case(tmp_path / "failing_op")
+    kept = case.origin["sample_ids"]
+    assert 1000 < len(kept) < len(ids) and kept == ids[:len(kept)]
+    assert case.origin["sample_ids_total"] == 200_000
