@@ -819,3 +819,22 @@ def test_the_sample_ids_of_a_huge_batch_keep_the_case_loadable(tmp_path: Path) -
     kept = case.origin["sample_ids"]
     assert 1000 < len(kept) < len(ids) and kept == ids[:len(kept)]
     assert case.origin["sample_ids_total"] == 200_000
+
+
+def takes_lengths(x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    raise ValueError(f"{len(lengths)} lengths for {x.numel()} rows")
+
+
+@pytest.mark.slow
+def test_a_literal_too_large_for_case_toml_leaves_a_loadable_origin_case(
+        tmp_path: Path) -> None:
+    """A list of 300,000 lengths passed to the failing call made a 4 MiB case.toml, which no
+    reader takes: the capture said "saved" and was lost. The case keeps its origin and says
+    why it holds no more."""
+    rec = Recorder(tmp_path, narrow=False)
+    with pytest.raises(ValueError), rec.step(3, sample_ids=["a"]):
+        rec.watch(takes_lengths)(torch.ones(2), list(range(300_000)))
+    case = load_case(tmp_path / "takes_lengths")
+    assert case.origin["iteration"] == 3 and case.origin["sample_ids"] == ["a"]
+    assert any("over the 1048576 every reader takes" in reason
+               for reason in case.origin["incomplete"]), case.origin

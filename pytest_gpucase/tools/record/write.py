@@ -26,7 +26,7 @@ from pytest_gpucase.base import backends, files
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import MODULE_KEY as REPLAY_MODULE_KEY
 from pytest_gpucase.case.keys import REPLAY_MODULE
-from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
+from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, MAX_CASE_BYTES, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
@@ -373,6 +373,10 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
         files[INPUTS_FILE] = lambda path: _save_inputs(path, tensors)
 
     def check(staged: Path) -> None:
+        size = (staged / CASE_FILE).stat().st_size
+        if size > MAX_CASE_BYTES:  # every reader refuses it: the origin-only case instead
+            raise ValueError(f"its {CASE_FILE} would be {size} bytes, over the {MAX_CASE_BYTES} "
+                             "every reader takes (a literal argument too large for it)")
         seen = _same_failure_case(root, draft, staged)
         if seen is not None:
             raise _NotWritten(seen)
