@@ -838,3 +838,14 @@ def test_a_literal_too_large_for_case_toml_leaves_a_loadable_origin_case(
     assert case.origin["iteration"] == 3 and case.origin["sample_ids"] == ["a"]
     assert any("over the 1048576 every reader takes" in reason
                for reason in case.origin["incomplete"]), case.origin
+
+
+@pytest.mark.slow
+def test_a_secret_in_the_watch_name_never_names_the_case_folder(tmp_path: Path) -> None:
+    """Issue 30: rec.watch(fn, name=f"run_{token}"): the folder, committed with the cases, is
+    named without the token."""
+    token = "ghp_" + "A1b2C3d4E5f6G7h8I9j0K1l2M3n4O5p6Q7r8"
+    rec = Recorder(tmp_path, narrow=False)
+    fail(rec.watch(failing_op, name=f"run_{token}"), torch.ones(2))
+    names = [p.name for p in tmp_path.iterdir()]
+    assert names and not any(token[4:] in name for name in names), names
