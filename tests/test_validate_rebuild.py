@@ -221,8 +221,46 @@ def test_a_lightning_case_whose_module_no_longer_takes_its_state_is_a_problem(
     source = (project / "litmod.py").read_text()
     (project / "litmod.py").write_text(source.replace("Linear(dim, vocab)",
                                                       "Linear(dim, vocab + 1)"))
-    problems = validate([cases])
-    assert len(problems) == 2 and any("head.bias is [16] in the saved state" in p
-                                      for p in problems), problems
-    assert any("head.weight is [16, 6] in the saved state but [17, 6]" in p
-               for p in problems), problems
+    (problem,) = validate([cases])
+    assert "head.weight is [16, 6] in the saved state but [17, 6]" in problem, problem
+    assert "head.bias is [16] in the saved state but [17]" in problem, problem
+
+
+def test_a_state_referenced_in_a_checkpoint_is_held_against_the_rebuild(
+        tmp_path: Path) -> None:
+    """A large state lives in the user's checkpoint (state_limit): the rebuild is held
+    against the checkpoint's tensors; arguments that no longer fit it are a problem."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pytest_gpucase import Recorder
+    from tests import model_targets
+
+    pytest.importorskip("numpy", reason="safetensors.torch.save_file needs numpy")
+    torch.manual_seed(0)
+    model = model_targets.TinyLM(vocab=64, dim=16)
+    save_file(model.state_dict(), str(tmp_path / "model.safetensors"))
+    rec = Recorder(tmp_path / "cases", state_limit=1024, narrow=False)
+    rec.watch(model, checkpoint=tmp_path / "model.safetensors")
+    with pytest.raises(IndexError):
+        model(torch.tensor([[64]]))
+    case_file = tmp_path / "cases" / "TinyLM" / "case.toml"
+    assert "[inputs.gpucase_module.checkpoint]" in case_file.read_text()
+    assert validate([tmp_path / "cases"]) == []
+    case_file.write_text(case_file.read_text().replace("vocab = 64", "vocab = 65"))
+    (problem,) = validate([tmp_path / "cases"])
+    assert "emb.weight is [64, 16] in the saved state but [65, 16]" in problem, problem
+    assert "head.weight is [64, 16] in the saved state but [65, 16]" in problem, problem
+
+
+def test_a_model_whose_library_this_machine_cannot_load_is_a_note(captured: Path) -> None:
+    """A case captured on a GPU machine, validated on one whose loader refuses the model's
+    compiled library: the run calls that the environment's failure, so validate notes it
+    and finds no problem with the case."""
+    project = captured
+    _edit(project, "import torch\n", "import torch\nraise ImportError('libcudart.so.12: cannot "
+          "open shared object file: No such file or directory')\n")
+    notes: list[str] = []
+    assert validate([project / "cases"], notes) == []
+    assert any("rebuild was not checked here" in note and "libcudart" in note
+               for note in notes), notes

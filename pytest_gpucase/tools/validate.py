@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import ast
 import importlib.machinery
-import json
 import importlib.util
+import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from pytest_gpucase.base.errors import CaseFormatError, display
 from pytest_gpucase.base.files import file_sha256
@@ -59,6 +59,9 @@ from pytest_gpucase.case.variants import (
     index_dtype,
     members_of,
 )
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["REBUILD_TIMEOUT", "NotChecked", "hash_setting", "rebuild_check", "validate"]
 
@@ -605,7 +608,10 @@ def rebuild_check(case_dir: str) -> dict[str, list[str]]:
     except Exception as exc:  # run.child's _Failed: the words a run gives, and the cause
         outcome = getattr(exc, "outcome", None)
         cause = str(getattr(outcome, "details", "") or "").strip().rpartition("\n")[2]
-        return {"problems": [f"{exc}" + (f" ({one_line(cause, 300)})" if cause else "")]}
+        line = f"{exc}" + (f" ({one_line(cause, 300)})" if cause else "")
+        if getattr(outcome, "kind", None) == "environment":  # a loader that refused it here
+            return {"notes": [f"the model's rebuild was not checked here: {line}"]}
+        return {"problems": [line]}
     try:
         try:
             module = constructed(make, recipe, on_meta=True)
@@ -674,13 +680,40 @@ def _dtype_kind(name: str) -> str:
 def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[str, list[str]]:
     """The lines of ``rebuild_check``: ``module`` (a torch module) against ``saved``."""
     import torch
+    from torch.nn.parameter import is_lazy
 
     assert isinstance(module, torch.nn.Module)
     held = {name: value for name, value in module.state_dict(keep_vars=True).items()
             if isinstance(value, torch.Tensor)}
     params = {name for name, _ in module.named_parameters(remove_duplicate=False)}
-    lines: list[str] = []
+    lines = _names_problems(held, params, saved, unsaved)
     notes: list[str] = []
+    shapes: list[str] = []
+    for name, (shape, dtype) in saved.items():
+        value = held.get(name)
+        if value is None or is_lazy(value):  # a lazy entry is shaped by the state
+            continue
+        found = str(value.dtype).removeprefix("torch.")
+        if tuple(value.shape) != tuple(shape):
+            shapes.append(f"{name} is {list(shape)} in the saved state but "
+                          f"{list(value.shape)}")
+        elif (dtype is not None and not value.is_quantized and not value.is_sparse
+              and _dtype_kind(dtype) != _dtype_kind(found)):
+            notes.append(f"{name} is {dtype} in the saved state but {found} in the model "
+                         "built as its replay builds it: the replay takes the saved tensor as "
+                         "it is, but the code that made it changed since the capture")
+    if shapes:
+        lines.append(f"{_listed(shapes, 4)} in the model built as its replay builds it: its "
+                     "code or its arguments changed since the capture, so every run of the "
+                     "case fails to load the state")
+    return {"problems": lines, "notes": notes}
+
+
+def _names_problems(held: Mapping[str, torch.Tensor], params: set[str], saved: _Saved,
+                    unsaved: set[str]) -> list[str]:
+    """What the model has and the state lacks, and what the state holds the model does not
+    take (entries the capture marked unstorable left out)."""
+    lines: list[str] = []
     missing = [n for n in held if n not in saved and n not in unsaved]
     if missing:
         what = [f"{n} ({'parameter' if n in params else 'buffer'} "
@@ -695,21 +728,7 @@ def _state_mismatch(module: object, saved: _Saved, unsaved: set[str]) -> dict[st
         lines.append(f"the saved state holds {_listed(extra)}, which the model built as its "
                      "replay builds it does not take: its code changed since the capture; "
                      "capture the case again, or restore the code it was captured with")
-    for name, (shape, dtype) in saved.items():
-        value = held.get(name)
-        if value is None:
-            continue
-        found = str(value.dtype).removeprefix("torch.")
-        if tuple(value.shape) != tuple(shape):
-            lines.append(f"{name} is {list(shape)} in the saved state but {list(value.shape)} "
-                         "in the model built as its replay builds it: its code or its "
-                         "arguments changed since the capture")
-        elif (dtype is not None and not value.is_quantized and not value.is_sparse
-              and _dtype_kind(dtype) != _dtype_kind(found)):
-            notes.append(f"{name} is {dtype} in the saved state but {found} in the model "
-                         "built as its replay builds it: the replay takes the saved tensor as "
-                         "it is, but the code that made it changed since the capture")
-    return {"problems": lines, "notes": notes}
+    return lines
 
 
 def _listed(names: Sequence[str], most: int = 8) -> str:

@@ -319,8 +319,8 @@ def _take(sorted_: _Sorted, name: str, value: torch.Tensor) -> None:
         where = value.untyped_storage().data_ptr()
         if where:
             sorted_.storages.setdefault((str(value.device), where), []).append(name)
-    if not storable(value) or value.is_meta:  # complex128, sparse, quantized: exact parts
-        why = payload.unstorable(value)  # a meta tensor: a shape, no values to save
+    if not storable(value):  # complex128, sparse, quantized: saved as their exact parts
+        why = payload.unstorable(value)
         if why is not None:
             sorted_.skipped[name] = f"Tensor ({why}): not storable"
         else:

@@ -146,8 +146,11 @@ def user_label(fn: Any) -> str | None:
 
 
 def case_name(raw: str) -> str:
-    """A safe, visible directory name: no separators, no leading dot."""
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", raw).strip("._-")
+    """A safe, visible directory name: no separators, no leading dot, no secret (a run name
+    made from a token: the folder is committed with the cases)."""
+    from pytest_gpucase.base.secrets import remove_secrets
+
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", remove_secrets(raw, urls="keep")).strip("._-")
     return name or "case"
 
 

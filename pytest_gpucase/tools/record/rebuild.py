@@ -310,7 +310,7 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
         parts = ([f"lacks {', '.join(missing[:5])}"] if missing else []) + (
             [f"has {', '.join(extra[:5])} the model has not"] if extra else [])
         return "the rebuilt model " + " and ".join(parts), None
-    shapes = [k for k in mine if mine[k] != theirs[k]]
+    shapes = [k for k in mine if mine[k] != theirs[k] and theirs[k] != _LAZY]
     if shapes:
         k = shapes[0]
         return f"{k} is {list(theirs[k])} in the rebuilt model, {list(mine[k])} in the model", None
@@ -324,9 +324,16 @@ def _difference(module: Any, build: Callable[[], Any]) -> tuple[str | None, str 
     return None, None
 
 
+_LAZY = "lazy"  # an uninitialized parameter (nn.LazyLinear): the state gives its shape
+
+
 def _shape(value: Any) -> tuple[int, ...] | str:
     """A state entry's shape, or what it is when it is no tensor (an extra state, a packed
-    parameter)."""
+    parameter), or ``_LAZY``."""
+    from torch.nn.parameter import is_lazy
+
+    if is_tensor(value) and is_lazy(value):
+        return _LAZY
     return tuple(value.shape) if is_tensor(value) else type(value).__qualname__
 
 

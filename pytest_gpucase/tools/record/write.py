@@ -26,7 +26,7 @@ from pytest_gpucase.base import backends, files
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import MODULE_KEY as REPLAY_MODULE_KEY
 from pytest_gpucase.case.keys import REPLAY_MODULE
-from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, VERSION_KEYS
+from pytest_gpucase.case.model import CASE_FILE, INPUTS_FILE, MAX_CASE_BYTES, VERSION_KEYS
 from pytest_gpucase.case.write import FileContent, write_case_dir
 from pytest_gpucase.tools.record.distributed import Rank
 from pytest_gpucase.tools.record.inputs import Inputs
@@ -200,10 +200,29 @@ def _run_entries(rank: Rank | None, ids: tuple[str | int, ...] | None,
     if rank is not None:
         table.update(rank=rank.rank, local_rank=rank.local_rank, world_size=rank.world_size)
     if ids is not None:
-        table["sample_ids"] = list(ids)
+        kept = _kept_ids(ids)
+        table["sample_ids"] = list(kept)
+        if len(kept) < len(ids):  # the first len(kept) of them
+            table["sample_ids_total"] = len(ids)
     if snapshot is not None:
         table["snapshot"] = snapshot
     return table
+
+
+# The text [origin] sample_ids may take: case.toml is read within MAX_CASE_BYTES (1 MiB),
+# and the ids of a batch of a hundred thousand samples would make the case unloadable.
+_IDS_BYTES = 2**18
+
+
+def _kept_ids(ids: tuple[str | int, ...]) -> tuple[str | int, ...]:
+    """The first of ``ids`` whose text fits ``_IDS_BYTES`` (JSON's escaping: an upper bound
+    of TOML's)."""
+    size = 0
+    for count, one in enumerate(ids):
+        size += len(json.dumps(one)) + 8  # with the comma, the indent and the line's end
+        if size > _IDS_BYTES:
+            return ids[:count]
+    return ids
 
 
 def _build_entries(devices: tuple[str, ...], device_names: Mapping[str, str],
@@ -373,6 +392,10 @@ def write_kept(root: Path, draft: Draft, keep: Callable[[Path], bool] | None,
         files[INPUTS_FILE] = lambda path: _save_inputs(path, tensors)
 
     def check(staged: Path) -> None:
+        size = (staged / CASE_FILE).stat().st_size
+        if size > MAX_CASE_BYTES:  # every reader refuses it: the origin-only case instead
+            raise ValueError(f"its {CASE_FILE} would be {size} bytes, over the {MAX_CASE_BYTES} "
+                             "every reader takes (a literal argument too large for it)")
         seen = _same_failure_case(root, draft, staged)
         if seen is not None:
             raise _NotWritten(seen)
