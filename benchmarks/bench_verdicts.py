@@ -35,8 +35,9 @@ is what a second session pays.
 1e3 + N(0, 1)) in three pytest sessions, as CI jobs meet them: the first job, on an empty
 cache; a later job on a fresh checkout and a fresh home with the cache folder restored and
 the key given (``GPUCASE_REFERENCE_KEY_FILE``); the same without the key. The median item's
-duration from the JSON report, and its ratio to the first job's; with ``--baseline-src``,
-the same sessions with that package too.
+duration from the JSON report, and the CPU seconds of the session and its children less
+those of a session that runs no item (start-up, collection), each with its ratio to the
+first job's; with ``--baseline-src``, the same sessions with that package too.
 """
 
 from __future__ import annotations
@@ -440,25 +441,33 @@ _PERSISTED_CASES = {
 }
 
 
-def _session(project: Path, src: Path, home: Path, key_file: Path | None) -> dict[str, float]:
+def _session(project: Path, src: Path, home: Path, key_file: Path | None,
+             *extra: str) -> tuple[dict[str, float], float]:
     """One pytest session over ``project``'s cases, with ``home`` as a fresh home and
     ``key_file`` as GPUCASE_REFERENCE_KEY_FILE (None: the fresh home's own new key): each
-    item's duration and outcome from its JSON report."""
+    passed item's duration from its JSON report, and the CPU seconds of the session and its
+    children (user + system)."""
+    import resource
     env = {key: value for key, value in os.environ.items()
            if not key.startswith(("GPUCASE_", "XDG_"))}
     env.update(PYTHONPATH=str(src), HOME=str(home))
     if key_file is not None:
         env["GPUCASE_REFERENCE_KEY_FILE"] = str(key_file)
     report = project / "report.json"
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-q",
                            "--gpu-cases", "--gpu-devices", "cpu", "--gpu-cases-report",
-                           str(report), "cases"], env=env, cwd=project, capture_output=True,
-                          text=True)
-    if done.returncode:
+                           str(report), *extra, "cases"], env=env, cwd=project,
+                          capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    if done.returncode not in (0, 5) if extra else done.returncode:
         raise SystemExit(f"a session failed:\n{done.stdout[-3000:]}\n{done.stderr[-2000:]}")
+    if not report.exists():
+        return {}, cpu
     results = json.loads(report.read_text())["results"]
     report.unlink()
-    return {r["case"]: r["duration"] for r in results if r["outcome"] == "passed"}
+    return {r["case"]: r["duration"] for r in results if r["outcome"] == "passed"}, cpu
 
 
 def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
@@ -489,6 +498,7 @@ def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
                 "fresh checkout + home, cache restored, same key",
                 "fresh checkout + home, cache restored, no key")
     found: dict[tuple[str, str], list[float]] = {}
+    cpus: dict[tuple[str, str], list[float]] = {}
     counts: dict[tuple[str, str], int] = {}
     loads = [os.getloadavg()[0]]
     for round_ in range(rounds):
@@ -501,6 +511,10 @@ def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
             key = secrets / "key"
             key.write_text(os.urandom(32).hex() + "\n")
             key.chmod(0o600)
+            # What a session costs with no item run (start-up, collection): taken off its CPU.
+            empty = root / f"{tag}-home-empty"
+            empty.mkdir()
+            _, startup = _session(project, src, empty, key, "-k", "no_such_item")
             for number, what in enumerate(sessions):
                 where = project
                 if number >= 2:  # a fresh checkout: the cases copied anew, the cache restored
@@ -510,21 +524,25 @@ def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
                                     where / ".pytest_cache" / "d" / "gpucase-references")
                 home = root / f"{tag}-home{number}"
                 home.mkdir()
-                durations = _session(where, src, home, key if number < 3 else None)
+                durations, cpu = _session(where, src, home, key if number < 3 else None)
                 found.setdefault((label, what), []).append(
                     statistics.median(durations.values()))
+                cpus.setdefault((label, what), []).append(max(cpu - startup, 0.0))
                 counts[label, what] = len(durations)
             loads.append(os.getloadavg()[0])
     print(f"\n{items} second-look items, {rounds} rounds (medians), load average "
           f"{min(loads):.2f}-{max(loads):.2f}\n")
-    print("| package | session | items passed | median item, s | x first job |")
-    print("|---|---|---:|---:|---:|")
+    print("| package | session | items passed | median item, s | x first job "
+          "| CPU of the items, s | x first job |")
+    print("|---|---|---:|---:|---:|---:|---:|")
     for label, _ in sources:
         cold = statistics.median(found[label, sessions[0]])
+        cold_cpu = statistics.median(cpus[label, sessions[0]])
         for what in sessions:
             median = statistics.median(found[label, what])
+            cpu = statistics.median(cpus[label, what])
             print(f"| {label} | {what} | {counts[label, what]} | {median:.3f} | "
-                  f"{median / cold:.2f} |")
+                  f"{median / cold:.2f} | {cpu:.2f} | {cpu / cold_cpu:.2f} |")
     shutil.rmtree(root, ignore_errors=True)
 
 

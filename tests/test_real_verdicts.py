@@ -712,3 +712,27 @@ def test_a_gradient_check_failure_gives_all_four_figures(dtype: torch.dtype) -> 
     assert "z has 12 elements, the outputs 12" in problem
     assert gradient_check(lambda inputs: inputs["z"] * inputs["z"], {"z": z}, ["z"], None,
                           1e-4) is None
+
+
+def test_one_element_of_a_bfloat16_matmul_off_fails(tmp_path: Path) -> None:
+    """The largest element of a 5 x 5 bfloat16 matmul off by 10% of the output's RMS (13
+    roundings of that element): within the default rtol (8 roundings) plus the budget of a
+    sum of products (as much again) added up, it passed; it is past either alone."""
+    g = gen(0)
+    x = {"a": torch.rand(5, 5, generator=g, dtype=torch.float64) * 18 - 9,
+         "b": torch.rand(5, 5, generator=g, dtype=torch.float64) * 18 - 9}
+    code = """
+        import torch
+        def reference(a, b):
+            return torch.mm(a, b)
+        def run(a, b):
+            out = reference(a, b).clone()
+            flat = out.view(-1)
+            flat[int(flat.double().abs().argmax())] += {k} * float(
+                out.double().square().mean().sqrt())
+            return out
+        """
+    right = judged_here(tmp_path, "right", code.format(k=0), x, WITH_REFERENCE, "bfloat16")
+    assert right.status == "passed", right.summary
+    wrong = judged_here(tmp_path, "wrong", code.format(k=0.1), x, WITH_REFERENCE, "bfloat16")
+    assert wrong.status == "failed", wrong.summary

@@ -299,7 +299,7 @@ class Judged:
         if not comparison.ok:
             report += "\n" + comparison.report()
         return self.outcome(
-            "failed", f"a value of this computation is past what {name} can hold "
+            "failed", f"a value of this computation is outside the range {name} holds "
             f"({first.kind}): {also}", details=report,
             error_message=comparison.where() if not comparison.ok
             else f"{first.path}: values differ", kind="mismatch", verdict_class=first.kind,

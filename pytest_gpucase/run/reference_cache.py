@@ -519,16 +519,10 @@ _CONTENT_VERSION = b"gpucase-persisted-1"
 
 
 def content_key(spec: RunSpec, reference: Callable[..., Any]) -> str:
-    """A name for what is computed beside ``spec``'s reference that depends on content only:
-    the case's ``case.toml``, its inputs' bytes (``inputs_sha256`` when the case names it,
-    else the file's SHA-256), the reference's source file, the reference, variant, dtype,
-    switches and autocast, the torch version, and every loaded module that may hold user
-    code (``key``'s, this package's own included) by its name and the SHA-256 of its file.
-
-    ``key`` names a reference by its files' ``stat`` signatures, which a fresh checkout
-    changes (a CI job's every file is new); what ``persisted`` keeps under this name is
-    found again there, as long as nothing it depends on changed. Reading the inputs and the
-    modules costs milliseconds: it is made only where a rounding budget is asked for."""
+    """``key``, of content only: the inputs' bytes (or ``inputs_sha256``), and every loaded
+    module that may hold user code by its name and its file's SHA-256, where ``key`` has
+    ``stat`` signatures, which a fresh checkout (a CI job) changes. Tens of milliseconds:
+    made only where a rounding budget is asked for."""
     import torch
 
     from pytest_gpucase.base.files import file_sha256
@@ -562,11 +556,8 @@ def content_key(spec: RunSpec, reference: Callable[..., Any]) -> str:
 
 def persisted(cached: Entry | None, spec: RunSpec, reference: Callable[..., Any],
               kind: str) -> Entry | None:
-    """Where something computed beside the reference is kept across checkouts: as
-    ``companion``, in the same folder, authenticated the same way (the name, kind included,
-    is bound into its tag), but named by ``content_key``, so that a CI job that restores the
-    cache folder (and has the same key: ``GPUCASE_REFERENCE_KEY_FILE``) finds it again.
-    None without a cache, or when the content cannot be read (then nothing is kept)."""
+    """``companion``, named by ``content_key``: found again by a CI job that restores the
+    folder with the same key (``GPUCASE_REFERENCE_KEY_FILE``); None when unreadable."""
     if cached is None:
         return None
     try:

@@ -100,8 +100,9 @@ def element_tally(actual: torch.Tensor, expected: torch.Tensor, default: Toleran
                   budget: Budget, allowance: torch.Tensor,
                   keep: int) -> tuple[TensorStats, Tolerance]:
     """The leaf judged element by element against its budget (``Budget.allowance``, at
-    least the default atol or CLEAN roundings of the leaf's RMS size, whichever is less,
-    plus the default rtol): the tally, and the tolerance at the worst element."""
+    least the default atol or CLEAN roundings of the leaf's RMS size, whichever is less) or
+    its default tolerance, whichever is larger at each element: the tally, and the
+    tolerance at the worst element."""
     a, e = wide64(actual), wide64(expected)
     both = torch.isfinite(a) & torch.isfinite(e)
     diff = torch.where(both, (a - e).abs(), 0).reshape(-1)
@@ -110,7 +111,11 @@ def element_tally(actual: torch.Tensor, expected: torch.Tensor, default: Toleran
     floor = max(min(default.atol, CLEAN * unit_roundoff(budget.precision) * rms_size),
                 least_step(actual.dtype, budget.precision))
     atol = torch.clamp(allowance, min=floor)
-    bad = diff > atol + default.rtol * size
+    # The budget or the default tolerance, whichever is larger: each may justify an element,
+    # never their sum (bfloat16's rtol is 8 roundings, and the budget of a sum of products
+    # as much again: one element of a matmul 13 roundings off passed both added up).
+    allowed = torch.maximum(atol, default.atol + default.rtol * size)
+    bad = diff > allowed
     stats = TensorStats(keep=keep)
     if diff.numel():
         rel = torch.where(size > 0, diff / size, torch.where(diff > 0, math.inf, 0.0))
@@ -127,10 +132,12 @@ def element_tally(actual: torch.Tensor, expected: torch.Tensor, default: Toleran
     stats.add_rel(float(rel[rel_index]), rel_index)
     at = top[0]
     name = str(budget.precision).removeprefix("torch.")
-    source = (f"{default.source or 'defaults'}; atol per element: the rounding budget "
-              f"{budget.multiplier:g} x the greatest change, when every input and every "
-              f"operation's result is rounded once to {name}, of the elements no larger "
-              f"than twice this one ({num(float(atol[at]))} at the worst element; "
+    source = (f"{default.source or 'defaults'}, or where it is larger the rounding budget "
+              f"per element: {budget.multiplier:g} x the greatest change, when every input "
+              f"and every operation's result is rounded once to {name}, of the elements no "
+              f"larger than twice this one ({num(float(atol[at]))} at the worst element; "
               f"{num(float(atol.max()))} at most)")
-    return stats, Tolerance(rtol=default.rtol, atol=float(atol[at]), ulps=None,
-                            source=source)
+    # As an atol beside the default rtol, so that the bound shown at the worst element is
+    # the one it was held to.
+    shown = max(float(allowed[at]) - default.rtol * float(size[at]), default.atol)
+    return stats, Tolerance(rtol=default.rtol, atol=shown, ulps=None, source=source)

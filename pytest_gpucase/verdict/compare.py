@@ -519,8 +519,9 @@ class _Walk:
         # larger than CLEAN roundings of its size.
         floor = max(min(tol.atol, CLEAN * unit_roundoff(budget.precision) * abs(expected)),
                     least_step(dtype, budget.precision))
-        widened = dataclasses.replace(widened, atol=max(budget.multiplier * budget.greatest,
-                                                        floor))
+        # The budget or the default tolerance, whichever is larger (never their sum).
+        widened = dataclasses.replace(widened, rtol=0.0, atol=max(
+            budget.multiplier * budget.greatest, floor, tol.atol + tol.rtol * abs(expected)))
         within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
         self.budgets.append(budget_record(path, actual, expected, budget))
         if within and (problem := budget.rms_problem(actual, expected)) is not None:
