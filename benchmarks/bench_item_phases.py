@@ -53,7 +53,7 @@ PLUGIN = textwrap.dedent('''
         ("run.isolation.child", "_contain_self"), ("run.isolation.child", "_drop_channels"),
         ("run.isolation.child", "_flush_std_streams"), ("run.isolation.child", "_answer_dumps"),
         ("run.isolation.child", "_end_descendants"), ("run.isolation.child", "encode"),
-        ("run.isolation.child", "_save_coverage"), ("run.isolation.child", "note"),
+        ("run.isolation.child", "_save_coverage"),
     )
 
 
