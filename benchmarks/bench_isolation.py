@@ -21,7 +21,8 @@ process has), so every child is a fork of the same image:
 
 With ``--pytest``, per item inside pytest instead, in a project that has a pytest
 configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare fork floor
-(``bench_scale.BARE_FLOOR_TEST``), the same plain test of ``x + 1`` under pytest-forked
+(``bench_scale.BARE_FLOOR_TEST``), a lean fork (``LEAN_TEST``: what a case item needs,
+done plainly in a test), the same plain test of ``x + 1`` under pytest-forked
 (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh child per item),
 and ``--gpu-isolation worker``; with ``--baseline-src DIR`` the cases run by the package
 in DIR too. Interleaved rounds (the order turning each round), per item from the first
@@ -172,6 +173,70 @@ def test_plain(i):
     assert (X + 1).tolist() == [2.0] * 4
 """
 
+# The lean fork: what a case item needs, done plainly in a test: a fresh child per item
+# in its own process group that dies with its parent, its output piped, a deadline, and
+# the case's work (the call, its float64 reference, a comparison) sent back as a JSON
+# verdict; the parent reads it and waits for the child.
+LEAN_TEST = """
+import ctypes
+import json
+import os
+import select
+import signal
+import time
+
+import pytest
+import torch
+
+X = torch.ones(4)
+PRCTL = ctypes.CDLL(None).prctl
+
+
+def lean_fork():
+    out_r, out_w = os.pipe()
+    res_r, res_w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+        os.setpgid(0, 0)
+        os.close(out_r)
+        os.close(res_r)
+        os.dup2(out_w, 1)
+        os.dup2(out_w, 2)
+        try:
+            actual = X + 1
+            reference = X.double() + 1
+            passed = torch.allclose(actual.double(), reference)
+            verdict = {{"status": "passed" if passed else "failed"}}
+        except Exception as exc:
+            verdict = {{"status": "failed", "error": repr(exc)}}
+        os.write(res_w, json.dumps(verdict).encode())
+        os._exit(0)
+    os.close(out_w)
+    os.close(res_w)
+    poller = select.poll()
+    poller.register(res_r, select.POLLIN)
+    poller.register(out_r, select.POLLIN)
+    deadline, result, open_fds = time.monotonic() + 60, b"", 2
+    while open_fds and time.monotonic() < deadline:
+        for fd, _ in poller.poll(1000):
+            data = os.read(fd, 65536)
+            if not data:
+                poller.unregister(fd)
+                open_fds -= 1
+            elif fd == res_r:
+                result += data
+    os.close(out_r)
+    os.close(res_r)
+    os.waitpid(pid, 0)
+    return json.loads(result)
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_lean(i):
+    assert lean_fork()["status"] == "passed"
+"""
+
 
 def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -> None:
     """Per item inside pytest, in a project with a configuration file (see the docstring)."""
@@ -182,6 +247,7 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
     worker = ("--gpu-cases", "--gpu-isolation", "worker", "cases")
     rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
         ("bare fork floor", ("bare",), None),
+        ("lean fork (the case's work)", ("lean",), None),
         ("pytest-forked (--forked)", ("--forked", "plain"), None),
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
         ("--gpu-isolation worker", worker, None)]
@@ -193,7 +259,8 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST)):
+        for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST),
+                             ("lean", LEAN_TEST)):
             (root / folder).mkdir()
             (root / folder / "test_it.py").write_text(text.format(count=items,
                                                                   benchmarks=BENCHMARKS))

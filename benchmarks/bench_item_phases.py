@@ -49,6 +49,11 @@ PLUGIN = textwrap.dedent('''
         ("run.judge", "Judged.__init__"), ("run.judge", "Judged.verdict"),
         ("run.judge", "Judged.fresh_reference"), ("run.judge", "Judged.judged"),
         ("verdict.compare", "compare"), ("run.reference_cache", "entry"),
+        # The child's own set-up and result, each a guarantee (docs/isolation.md)
+        ("run.isolation.child", "_contain_self"), ("run.isolation.child", "_drop_channels"),
+        ("run.isolation.child", "_flush_std_streams"), ("run.isolation.child", "_answer_dumps"),
+        ("run.isolation.child", "_end_descendants"), ("run.isolation.child", "encode"),
+        ("run.isolation.child", "_save_coverage"),
     )
 
 
@@ -56,18 +61,24 @@ PLUGIN = textwrap.dedent('''
         return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+    def _cpu():
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        return usage.ru_utime + usage.ru_stime
+
+
     def _wrap(holder, attribute, key):
         original = getattr(holder, attribute)
 
         @functools.wraps(original)
         def timed(*args, **kwargs):
-            began, faults = _now(), _faults()
+            began, faults, cpu = _now(), _faults(), _cpu()
             try:
                 return original(*args, **kwargs)
             finally:
-                spent = _child.setdefault(key, [0.0, 0])
+                spent = _child.setdefault(key, [0.0, 0, 0.0])
                 spent[0] += _now() - began
                 spent[1] += _faults() - faults
+                spent[2] += _cpu() - cpu
 
         setattr(holder, attribute, timed)
 
@@ -92,11 +103,12 @@ PLUGIN = textwrap.dedent('''
         run, run_spec, write_all = parent.run, parent.run_spec, child_side._write_all
 
         def timed_run(spec):
-            _child["run"], faults = _now(), _faults()
+            _child["run"], faults, cpu = _now(), _faults(), _cpu()
             try:
                 return run(spec)
             finally:
                 _child["ran"], _child["run faults"] = _now(), _faults() - faults
+                _child["run cpu"] = _cpu() - cpu
 
         def timed_run_spec(*args, **kwargs):
             _item["run_spec"] = _now()
@@ -110,6 +122,7 @@ PLUGIN = textwrap.dedent('''
                 return write_all(fd, data)  # a phase note, or not a run's result
             _child["written"] = _now()
             write_all(fd, data)
+            _child["child faults"], _child["child cpu"] = _faults(), _cpu()
             with open(_OUT + ".child", "a") as handle:
                 handle.write(json.dumps(_child) + "\\n")
 
@@ -200,14 +213,18 @@ def medians(items: tuple[dict[str, float], ...],
     for label, start, end in CHILD:
         found[label] = statistics.median(float(c[end]) - float(c[start])  # type: ignore[arg-type]
                                          for c in children) * 1000
-    found["run() page faults"] = statistics.median(float(c["run faults"])  # type: ignore[arg-type]
-                                                   for c in children)
+    for key, label, scale in (("run faults", "run() page faults", 1),
+                              ("run cpu", "run() CPU", 1000),
+                              ("child faults", "the child's page faults, fork to result", 1),
+                              ("child cpu", "the child's CPU, fork to result", 1000)):
+        found[label] = statistics.median(float(c.get(key, 0.0))  # type: ignore[arg-type]
+                                         for c in children) * scale
     steps = sorted({k for c in children for k, v in c.items() if isinstance(v, list)})
     for step in steps:
-        found[f"  {step}"] = statistics.median(
-            c.get(step, [0.0, 0])[0] for c in children) * 1000  # type: ignore[union-attr,index]
-        found[f"  {step}, page faults"] = statistics.median(
-            c.get(step, [0.0, 0])[1] for c in children)  # type: ignore[union-attr,index]
+        for index, what, scale in ((0, "", 1000), (1, ", page faults", 1), (2, ", CPU", 1000)):
+            found[f"  {step}{what}"] = statistics.median(
+                c.get(step, [0.0, 0, 0.0])[index]  # type: ignore[union-attr,index]
+                for c in children) * scale
     return found
 
 

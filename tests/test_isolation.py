@@ -237,6 +237,25 @@ def test_a_child_that_ends_after_its_result_is_reaped_before_the_parent_goes_on(
         os.waitpid(result.value, os.WNOHANG)
 
 
+def _says_it_holds_a_device_context() -> int:
+    import torch
+
+    torch.cuda.is_initialized = lambda: True  # this child only: as one that used CUDA says
+    return os.getpid()
+
+
+def test_a_child_holding_a_device_context_is_not_waited_for(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A device context's teardown takes far longer than a CPU child's exit: such a child is
+    left to end while the session goes on, as before."""
+    monkeypatch.setattr(supervise, "EXIT_WAIT", 30.0)
+    supervise.reap_pending()
+    result = run_in_child(_says_it_holds_a_device_context, timeout=60)
+    assert result.returned and result.exitcode == 0
+    assert [run.pid for run in supervise._PENDING] == [result.value]
+    supervise.reap_pending()
+
+
 def test_returned_children_are_reaped_bounded_and_all_at_the_end(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(supervise, "EXIT_WAIT", 0.0)  # every one left exiting: pending

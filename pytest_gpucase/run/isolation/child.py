@@ -276,7 +276,7 @@ def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
         envelope = {"kind": "error", "error": clip(traceback.format_exc())}
     # Before the result: the parent trusts "alone" only as a hint to skip its own search.
     alone = _end_descendants()
-    envelope.update(format=_FORMAT, warnings=log.data(), alone=alone)
+    envelope.update(format=_FORMAT, warnings=log.data(), alone=alone, device=_device_started())
     if extra is not None:
         envelope.update(extra())
     try:
@@ -284,6 +284,16 @@ def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
     except BaseException:
         return json.dumps({"format": _FORMAT, "kind": "error",
                            "error": clip(traceback.format_exc())}).encode()
+
+
+def _device_started() -> bool:  # pragma: no cover - child side
+    """Whether this child holds a CUDA (or ROCm) context, whose teardown at its exit takes
+    far longer than a CPU child's: the parent does not wait for it (``exits_soon``)."""
+    torch = sys.modules.get("torch")
+    try:
+        return torch is not None and bool(torch.cuda.is_initialized())
+    except Exception:  # a broken torch: as if it had one (the parent waits less)
+        return True
 
 
 def _end_descendants() -> bool:  # pragma: no cover - child side

@@ -225,6 +225,7 @@ class _Supervisor:
             self.pidfd = None
         self.exited = False    # the child ended; its pipes are drained a little longer
         self.deferred = False  # the child returned cleanly and is exiting: reaped later
+        self.slow_exit = True  # its exit is slow (a device context's teardown): not waited for
         self.timed_out = False
         self.starting = False  # timed out with its stack signal still held: no dump to wait for
         self.kill_at: float | None = None
@@ -346,8 +347,10 @@ class _Supervisor:
             child.kept = True  # a worker, ready for the next call
         else:
             # The child sent its result, closed every pipe and started nothing that
-            # lives: it is exiting. Reap it later (before the next fork, at the end).
+            # lives: it is exiting. Reap it soon (``exits_soon``) or later (before the next
+            # fork, at the end).
             self.deferred = True
+            self.slow_exit = flags.get("device") is not False
         return True
 
     def exits_soon(self) -> bool:
@@ -357,8 +360,9 @@ class _Supervisor:
         every page of the parent's that either one writes is copied, the parent's work on
         the result and the report included (a trivial item: 0.3-0.6 of a bare fork's CPU
         more, measured in benchmarks/README.md). A child slower to end (a device context's
-        teardown) is left pending, so that it cannot hold up the session."""
-        if self.pidfd is None:
+        teardown, which the child says it has) is left pending, so that it cannot hold up the
+        session."""
+        if self.pidfd is None or self.slow_exit:
             return False
         waiting = select.poll()
         waiting.register(self.pidfd, select.POLLIN)

@@ -202,8 +202,9 @@ def _read_warnings(data: Any) -> tuple[tuple[ChildWarning, ...], int]:
 
 def _flags(raw: bytearray) -> dict[str, Any]:
     """The flags of a complete result: ``alone`` (the child left no living descendant, see
-    ``child._end_descendants``) and ``retire`` (a worker that ends after it); {} when unreadable,
-    and then the parent searches and kills as usual."""
+    ``child._end_descendants``), ``retire`` (a worker that ends after it) and ``device`` (the
+    child holds a device context: its exit is slow); {} when unreadable, and then the parent
+    searches and kills as usual."""
     if not raw.endswith(b"}"):
         return {}
     try:
@@ -212,4 +213,4 @@ def _flags(raw: bytearray) -> dict[str, Any]:
         return {}
     if not isinstance(envelope, dict):
         return {}
-    return {key: envelope.get(key) for key in ("alone", "retire")}
+    return {key: envelope.get(key) for key in ("alone", "retire", "device")}
