@@ -521,13 +521,17 @@ def _incomplete_text(case: Case) -> str:
 
 
 _NO_MODULE = re.compile(r"No module named '([A-Za-z_][\w.]*)'")
+_SETUP_NO_MODULE = re.compile(r"ModuleNotFoundError: No module named '([A-Za-z_][\w.]*)'")
 
 
 def _missing_module(outcome: Outcome) -> str | None:
-    """The top-level module a run could not import (a ModuleNotFoundError), or None."""
-    if outcome.error_type != "ModuleNotFoundError":
-        return None
-    found = _NO_MODULE.search(outcome.error_message or outcome.summary or "")
+    """The top-level module a run could not import (a ModuleNotFoundError raised by the call,
+    or by the case's setup: importing its factory or target), or None."""
+    text = outcome.error_message or outcome.summary or ""
+    if outcome.error_type == "ModuleNotFoundError":
+        found = _NO_MODULE.search(text)
+    else:  # a setup failure names its cause: "(ModuleNotFoundError: No module named 'x')"
+        found = _SETUP_NO_MODULE.search(text) if outcome.broken_case else None
     return found.group(1).split(".")[0] if found else None
 
 
