@@ -251,3 +251,55 @@ def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """A loss over a dict batch: its inputs and its targets share the batch axis."""
     logits = batch["x"] @ torch.ones(batch["x"].shape[-1], 3)
     return torch.nn.functional.cross_entropy(logits, batch["y"])
+
+
+class PadAttention(torch.nn.Module):
+    """Self-attention that masks padded keys with -inf: a sequence that is all padding
+    leaves every row of its scores -inf, and softmax makes NaN of them (the mask bug)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (part.reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for part in self.qkv(x).chunk(3, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.dim)
+        return self.proj(out)
+
+
+class PadBlock(torch.nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.ln = torch.nn.LayerNorm(dim)
+        self.attn = PadAttention(dim, heads)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln(x), pad)
+        return x + self.mlp(x)
+
+
+class PadLM(torch.nn.Module):
+    """A small transformer LM whose attention's mask bug makes NaN of an all-padding row."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.vocab, self.dim, self.heads, self.layers = vocab, dim, heads, layers
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(PadBlock(dim, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x, pad)
+        return self.head(self.ln_f(x))
