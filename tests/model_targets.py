@@ -303,3 +303,28 @@ class PadLM(torch.nn.Module):
         for block in self.blocks:
             x = block(x, pad)
         return self.head(self.ln_f(x))
+
+
+class Rotary(torch.nn.Module):
+    """Keeps no attribute named like its constructor's ``head_dim``: it cannot be rebuilt
+    alone from what it keeps."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(head_dim) / head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq.cos()
+
+
+class RopeLM(torch.nn.Module):
+    """Its rotary embedding is built for a head size the projection does not give."""
+
+    def __init__(self, vocab: int = 8, dim: int = 6) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.rope = Rotary(dim // 2 + 1)   # the bug: 4 where the embedding gives 6
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.rope(self.emb(tokens))

@@ -460,3 +460,23 @@ def test_a_nan_no_submodule_made_is_said_so(
     err = capsys.readouterr().err
     assert f"gpucase: note: no submodule case written for the non-finite value: {why}" in err
     assert rec.narrowed == []
+
+
+def test_a_submodule_that_cannot_be_rebuilt_is_told_its_own_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A factory for the model does not build its submodule: the note names what does
+    (the submodule's own arguments kept as attributes), or that nothing needs doing."""
+    torch.manual_seed(0)
+    model = model_targets.RopeLM()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model, factory="tests.model_targets:RopeLM", kwargs={"vocab": 8, "dim": 6})
+    with pytest.raises(RuntimeError, match="must match"), rec.step(0):
+        model(torch.tensor([[1, 2]]))
+    note = next(line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("gpucase: note: rope not narrowed:"))
+    assert "rec.watch(model, factory=" not in note
+    assert ("a factory for the model does not build Rotary, which is built again from its own "
+            "class: keep Rotary.__init__'s arguments as same-named attributes") in note
+    assert f"or nothing to do: {tmp_path / 'cases' / 'RopeLM'}, the model's case, holds" in note
+    verdict = replay_cpu(tmp_path / "cases" / "RopeLM")
+    assert verdict.outcome.error_type == "RuntimeError", verdict.outcome.summary

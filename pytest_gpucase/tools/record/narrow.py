@@ -126,7 +126,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         entered = _first_nonfinite(case_dir, module, start)
     if entered is not None and entered[1] is not module:
         qualname, sub, args, kwargs, versions = entered
-        rebuild = rebuild_of(sub, None, None)
+        rebuild = rebuild_of(sub, None, None, part_of=shown(case_dir))
         if rebuild.factory is None:
             say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
@@ -151,7 +151,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         state = module_state(sub)
         if state.unsaved:
             say(f"gpucase: note: {qualname} not narrowed: "
-                f"{state.why_incomplete(qualname)}")
+                f"{state.why_incomplete(qualname, part_of=shown(case_dir))}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
                        written=written, unreplayable=unreplayable)
             return
