@@ -234,6 +234,10 @@ def test_tied_weights_saved_once_by_safetensors_are_not_missing(
     assert short.problems[0] == "missing keys: ln_f.weight, ln_f.bias"
     assert main(["checkpoint", "--model", "tiedlm_a:model", str(root / "model.safetensors")]) == 0
     assert "LOADABLE" in capsys.readouterr().out
+    # The other way round: the reference saved once, the checkpoint keeps both names.
+    torch.save({"model": net.state_dict(), "iter_num": 3}, root / "full.pt")
+    both = survey([str(root / "full.pt")], model=str(root / "model.safetensors")).results[0]
+    assert both.verdict == "LOADABLE", both.problems
 
 
 def test_model_import_path_is_found_from_the_working_directory(

@@ -475,8 +475,8 @@ def test_a_submodule_that_cannot_be_rebuilt_is_told_its_own_fix(
     note = next(line for line in capsys.readouterr().err.splitlines()
                 if line.startswith("gpucase: note: rope not narrowed:"))
     assert "rec.watch(model, factory=" not in note
-    assert ("a factory for the model does not build Rotary, which is built again from its own "
-            "class: keep Rotary.__init__'s arguments as same-named attributes") in note
+    assert ("a factory for the model does not build Rotary, which a replay builds again from "
+            "its own class: keep Rotary.__init__'s arguments as same-named attributes") in note
     assert f"or nothing to do: {tmp_path / 'cases' / 'RopeLM'}, the model's case, holds" in note
     verdict = replay_cpu(tmp_path / "cases" / "RopeLM")
     assert verdict.outcome.error_type == "RuntimeError", verdict.outcome.summary

@@ -42,14 +42,13 @@ class _Search:
 
     def __init__(self) -> None:
         self.versions: dict[int, list[dict[int, int]]] = {}
-        self.modules: list[Any] = []          # every module entered, the root first
+        self.modules: dict[int, Any] = {}     # every module entered, by id, in order
         self.found: tuple[Any, Any, Any] | None = None   # (module, args, kwargs)
         self.first_bad: tuple[Any, list[str]] | None = None  # first non-finite output
         self.changed: str = ""
 
     def enter(self, module: Any, args: Any) -> None:
-        if not any(m is module for m in self.modules):
-            self.modules.append(module)
+        self.modules.setdefault(id(module), module)
         self.versions.setdefault(id(module), []).append(tensor_versions(list(tensors_in(args))))
 
     def leave(self, module: Any, args: Any, kwargs: Any, output: Any) -> None:
@@ -69,15 +68,23 @@ class _Search:
         self.found = (module, args, kwargs)
 
 
-def _name_in(module: Any, modules: list[Any]) -> tuple[str, Any] | None:
-    """``module``'s qualified name in the outermost of ``modules`` that holds it, and that
-    one."""
-    holders = [(root, {id(m): n for n, m in root.named_modules()}) for root in modules]
-    holders = [(root, names) for root, names in holders if id(module) in names]
-    if not holders:
-        return None
-    root, names = max(holders, key=lambda pair: len(pair[1]))
-    return names[id(module)], root
+def _name_in(module: Any, modules: dict[int, Any]) -> tuple[str, Any] | None:
+    """``module``'s qualified name in the outermost of ``modules`` that holds it (the
+    rebuilt model, or the outermost module its method called), and that one. Each module
+    entered is walked once: those inside a walked one are not roots."""
+    roots: list[tuple[Any, dict[int, str]]] = []
+    inside: set[int] = set()
+    for key, candidate in modules.items():
+        if key in inside:
+            continue
+        names = {id(m): n for n, m in candidate.named_modules()}
+        inside.update(names)
+        roots = [(r, n) for r, n in roots if id(r) not in names]  # it holds an earlier one
+        roots.append((candidate, names))
+    for root, names in roots:
+        if id(module) in names:
+            return names[id(module)], root
+    return None
 
 
 def find_first_nonfinite(case_dir: str, out_file: str) -> dict[str, Any] | str:

@@ -371,12 +371,18 @@ def _hugging_face_class(module: Any) -> bool:
 
 def _fix_for_part(module: Any, part_of: str) -> str:
     """What helps a replay build a submodule alone: a factory for the model does not (the
-    submodule is built from its own class), its constructor's arguments kept as same-named
-    attributes do; or nothing, since the model's case holds the failure."""
+    submodule is built from its own class, found by its import path); a class a replay can
+    import, its constructor's arguments kept as same-named attributes do; or nothing, since
+    the model's case holds the failure."""
     name = type(module).__qualname__
-    return (f"a factory for the model does not build {name}, which is built again from its "
-            f"own class: keep {name}.__init__'s arguments as same-named attributes "
-            "(self.<name> = <name>) so that a replay can build it alone; or nothing to "
+    if class_target(type(module))[0] is None:
+        helps = (f"define {name} at the top level of an importable module (or of the script "
+                 "that was run)")
+    else:
+        helps = (f"keep {name}.__init__'s arguments as same-named attributes "
+                 "(self.<name> = <name>)")
+    return (f"a factory for the model does not build {name}, which a replay builds again "
+            f"from its own class: {helps} so that a replay can build it alone; or nothing to "
             f"do: {part_of}, the model's case, holds the failure, and the op that raised is "
             "looked for in it")
 
