@@ -147,7 +147,9 @@ def _why_none(search: _Search) -> str:
         return (f"{search.changed} made NaN or inf but changed its inputs in place, so its "
                 "inputs as passed are gone")
     if search.first_bad is None:
-        return "no module's output held NaN or inf when the case was replayed on the CPU"
+        return ("no module's output held NaN or inf in the forward pass of the case's replay "
+                "on the CPU (a value made in the backward pass, or only on the device it "
+                "was recorded on)")
     module, bad_inputs = search.first_bad
     named = _name_in(module, search.modules)
     where = named[0] if named and named[0] else type(module).__qualname__
