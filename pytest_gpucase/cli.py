@@ -170,7 +170,14 @@ def _parser() -> argparse.ArgumentParser:
                             help="a checkpoint file, or a directory whose checkpoints to list")
     checkpoint.add_argument("--model", metavar="MODEL",
                             help="the model to compare keys and shapes with: a reference "
-                            "checkpoint file or 'pkg.mod:attr'")
+                            "checkpoint file (its model state dict), or 'pkg.module:attr' "
+                            "naming an nn.Module, a state dict, or a function that returns "
+                            "one (called with no arguments), imported as pytest would: "
+                            "from the working directory and its project's root and "
+                            "pythonpath; tied weights saved once (safetensors.torch."
+                            "save_model) are not missing")
+    checkpoint.add_argument("--all-problems", action="store_true",
+                            help="list every problem of each file (default: the first five)")
     checkpoint.add_argument("--require-manifest", action="store_true",
                             help="restart only from a checkpoint whose manifest "
                             "(pytest_gpucase.checkpoint.save) proves it; a plain one that "
@@ -503,7 +510,7 @@ def _checkpoint(args: argparse.Namespace) -> int:
         found = survey(args.paths, model=args.model, require_manifest=args.require_manifest)
     except ModelSpecError as exc:
         return _error("checkpoint", f"--model {exc}")
-    print(found.render())
+    print(found.render(all_problems=args.all_problems))
     return 0 if found.restart is not None else 1
 
 

@@ -251,3 +251,80 @@ def batch_loss(batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """A loss over a dict batch: its inputs and its targets share the batch axis."""
     logits = batch["x"] @ torch.ones(batch["x"].shape[-1], 3)
     return torch.nn.functional.cross_entropy(logits, batch["y"])
+
+
+class PadAttention(torch.nn.Module):
+    """Self-attention that masks padded keys with -inf: a sequence that is all padding
+    leaves every row of its scores -inf, and softmax makes NaN of them (the mask bug)."""
+
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.qkv = torch.nn.Linear(dim, 3 * dim)
+        self.proj = torch.nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        q, k, v = (part.reshape(b, t, self.heads, -1).transpose(1, 2)
+                   for part in self.qkv(x).chunk(3, dim=-1))
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5)
+        scores = scores.masked_fill(pad[:, None, None, :], float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, self.dim)
+        return self.proj(out)
+
+
+class PadBlock(torch.nn.Module):
+    def __init__(self, dim: int = 8, heads: int = 2) -> None:
+        super().__init__()
+        self.dim, self.heads = dim, heads
+        self.ln = torch.nn.LayerNorm(dim)
+        self.attn = PadAttention(dim, heads)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
+                                       torch.nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln(x), pad)
+        return x + self.mlp(x)
+
+
+class PadLM(torch.nn.Module):
+    """A small transformer LM whose attention's mask bug makes NaN of an all-padding row."""
+
+    def __init__(self, vocab: int = 16, dim: int = 8, heads: int = 2, layers: int = 2) -> None:
+        super().__init__()
+        self.vocab, self.dim, self.heads, self.layers = vocab, dim, heads, layers
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.blocks = torch.nn.ModuleList(PadBlock(dim, heads) for _ in range(layers))
+        self.ln_f = torch.nn.LayerNorm(dim)
+        self.head = torch.nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor, pad: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            x = block(x, pad)
+        return self.head(self.ln_f(x))
+
+
+class Rotary(torch.nn.Module):
+    """Keeps no attribute named like its constructor's ``head_dim``: it cannot be rebuilt
+    alone from what it keeps."""
+
+    def __init__(self, head_dim: int) -> None:
+        super().__init__()
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(head_dim) / head_dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.inv_freq.cos()
+
+
+class RopeLM(torch.nn.Module):
+    """Its rotary embedding is built for a head size the projection does not give."""
+
+    def __init__(self, vocab: int = 8, dim: int = 6) -> None:
+        super().__init__()
+        self.vocab, self.dim = vocab, dim
+        self.emb = torch.nn.Embedding(vocab, dim)
+        self.rope = Rotary(dim // 2 + 1)   # the bug: 4 where the embedding gives 6
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.rope(self.emb(tokens))

@@ -712,13 +712,18 @@ def test_gpucase_checkpoint_table(
 
     assert main(["checkpoint", "ckpts"]) == 0
 
-    truncated = f"size 1000 bytes but manifest says {size} (truncated write?) (+1 more)"
+    truncated = f"size 1000 bytes but manifest says {size} (truncated write?)"
     s = os.sep
+    below = " " * 81   # a file's further problems, under PROBLEM
+    full = "weights + optimizer + step 100"
     assert capsys.readouterr().out.splitlines() == [
-        "TIME                 FILE               VERDICT  PROBLEM",
-        f"{local(1_700_000_120)}  ckpts{s}step-300.pt  INVALID  {truncated}",
-        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  model.layer1.weight: 3 NaN, 0 inf",
-        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  VALID",
+        f"TIME                 FILE               VERDICT  HOLDS{' ' * 27}PROBLEM",
+        f"{local(1_700_000_120)}  ckpts{s}step-300.pt  INVALID  -{' ' * 31}{truncated}",
+        f"{below}cannot load: RuntimeError: PytorchStreamReader failed reading zip archive: "
+        "failed finding central directory",
+        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  weights + step 200{' ' * 14}"
+        "model.layer1.weight: 3 NaN, 0 inf",
+        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  VALID    {full}",
         f"restart from: ckpts{s}step-100.pt (2 newer checkpoints invalid)",
     ]
 
@@ -734,13 +739,18 @@ def test_gpucase_checkpoint_with_reference_model(
     assert main(["checkpoint", "ckpts", "--model", "renamed.safetensors"]) == 1
 
     # The reference comes from a safetensors file, which lists its keys sorted.
-    missing = "missing keys: encoder.bias, encoder.weight (+2 more)"
-    nan = "model.layer1.weight: 3 NaN, 0 inf (+3 more)"
+    missing = "missing keys: encoder.bias, encoder.weight"
+    below = " " * 81   # a file's further problems, under PROBLEM
+    keys = [f"{below}unexpected keys: layer1.weight, layer1.bias",
+            f"{below}model.fc.weight: shape (10, 8) but model has (10, 16)"]
     s = os.sep
     assert capsys.readouterr().out.splitlines() == [
-        "TIME                 FILE               VERDICT  PROBLEM",
-        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  {nan}",
-        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  INVALID  {missing}",
+        f"TIME                 FILE               VERDICT  HOLDS{' ' * 27}PROBLEM",
+        f"{local(1_700_000_060)}  ckpts{s}step-200.pt  INVALID  weights + step 200{' ' * 14}"
+        "model.layer1.weight: 3 NaN, 0 inf",
+        f"{below}{missing}", *keys,
+        f"{local(1_700_000_000)}  ckpts{s}step-100.pt  INVALID  weights + optimizer + step 100  "
+        f"{missing}", *keys,
         "no valid checkpoint: nothing to restart from",
     ]
 
@@ -759,9 +769,10 @@ def test_gpucase_checkpoint_model_from_import_path(
     assert main(["checkpoint", "lin.pt", "--model", "refmodel:build"]) == 0
 
     assert capsys.readouterr().out.splitlines() == [
-        "TIME                 FILE    VERDICT  PROBLEM",
-        f"{local(1_700_000_000)}  lin.pt  VALID",
-        "restart from: lin.pt (model state dict under 'model')",
+        "TIME                 FILE    VERDICT  HOLDS             PROBLEM",
+        f"{local(1_700_000_000)}  lin.pt  VALID    weights + step 5",
+        "restart from: lin.pt (model state dict under 'model'; it holds weights + step 5: a "
+        "restart from it starts the optimizer afresh)",
     ]
 
 

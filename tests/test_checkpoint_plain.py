@@ -73,7 +73,8 @@ def test_plain_torch_save_is_a_restart_point_with_the_caveat(
 
     assert main(["checkpoint", "ckpt.pt"]) == 0
     lines = capsys.readouterr().out.splitlines()
-    assert lines[1].split()[3:] == ["LOADABLE", *UNPROVEN.split()]
+    assert lines[1].split()[3:] == ["LOADABLE", "weights", "+", "optimizer", "+", "iter_num",
+                                    "2000", *UNPROVEN.split()]
     assert lines[-1] == f"restart from: ckpt.pt ({UNPROVEN})"
     assert main(["checkpoint", "--require-manifest", "ckpt.pt"]) == 1
     assert capsys.readouterr().out.splitlines()[-1] == (
@@ -175,3 +176,113 @@ def test_safetensors_from_another_writer(tmp_path: Path) -> None:
     tensors["lm_head.bias"][3] = float("inf")
     save_file(tensors, str(path))
     assert validate(path).problems == ("lm_head.bias: 0 NaN, 1 inf", NO_MANIFEST)
+
+
+TINY_LM = '''
+import torch
+from torch import nn
+
+
+class TinyLM(nn.Module):
+    def __init__(self, vocab=16, dim=8):
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.ln_f = nn.LayerNorm(dim)
+        self.lm_head = nn.Linear(dim, vocab, bias=False)
+        self.lm_head.weight = self.wte.weight   # tied, as GPT-2's
+
+
+def model():
+    torch.manual_seed(0)
+    return TinyLM()
+'''
+
+
+def tied_project(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str) -> Path:
+    """A project whose model module ``name`` is at its root (pyproject.toml with a pytest
+    table), as a user runs ``gpucase checkpoint --model name:model`` from it."""
+    root = tmp_path / "proj"
+    root.mkdir()
+    (root / "pyproject.toml").write_text("[tool.pytest.ini_options]\n")
+    (root / f"{name}.py").write_text(TINY_LM)
+    # Each test restores the path and forgets the module it imported.
+    monkeypatch.setattr("sys.path", [p for p in __import__("sys").path
+                                     if p not in ("", ".", str(root))])
+    monkeypatch.delitem(__import__("sys").modules, name, raising=False)
+    return root
+
+
+def test_tied_weights_saved_once_by_safetensors_are_not_missing(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from safetensors.torch import load_model, save_model
+
+    root = tied_project(tmp_path, monkeypatch, "tiedlm_a")
+    (root / "scripts").mkdir()
+    monkeypatch.chdir(root / "scripts")   # the project root is found above the working dir
+    __import__("sys").path.insert(0, str(root))
+    from tiedlm_a import model  # type: ignore[import-not-found]
+    __import__("sys").path.remove(str(root))
+    net = model()
+    save_model(net, str(root / "model.safetensors"))   # drops lm_head.weight, the alias
+    load_model(model(), str(root / "model.safetensors"))  # and restores it: a valid file
+    result = survey([str(root / "model.safetensors")], model="tiedlm_a:model")
+    assert result.results[0].verdict == "LOADABLE", result.results[0].problems
+    # A file that really lacks a weight is still refused.
+    save_file({"wte.weight": torch.zeros(16, 8)}, str(root / "short.safetensors"))
+    short = survey([str(root / "short.safetensors")], model="tiedlm_a:model").results[0]
+    assert short.problems[0] == "missing keys: ln_f.weight, ln_f.bias"
+    assert main(["checkpoint", "--model", "tiedlm_a:model", str(root / "model.safetensors")]) == 0
+    assert "LOADABLE" in capsys.readouterr().out
+    # The other way round: the reference saved once, the checkpoint keeps both names.
+    torch.save({"model": net.state_dict(), "iter_num": 3}, root / "full.pt")
+    both = survey([str(root / "full.pt")], model=str(root / "model.safetensors")).results[0]
+    assert both.verdict == "LOADABLE", both.problems
+
+
+def test_model_import_path_is_found_from_the_working_directory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = tied_project(tmp_path, monkeypatch, "tiedlm_b")
+    monkeypatch.chdir(root)
+    torch.save({"wte.weight": torch.zeros(16, 8), "ln_f.weight": torch.ones(8),
+                "ln_f.bias": torch.zeros(8), "lm_head.weight": torch.zeros(16, 8)}, "w.pt")
+    assert main(["checkpoint", "--model", "tiedlm_b:model", "w.pt"]) == 0
+    assert capsys.readouterr().out.splitlines()[1].split()[3] == "LOADABLE"
+
+
+def test_restart_point_says_what_it_holds(tmp_path: Path) -> None:
+    """A weights-only export written just after a full checkpoint: the restart line says a
+    restart from it loses the optimizer, and names the full one."""
+    full = tmp_path / "ckpt_400.pt"
+    torch.save(nanogpt_checkpoint(), full)
+    os.utime(full, (1_700_000_000, 1_700_000_000))
+    weights = tmp_path / "model_400.safetensors"
+    save_file({"w": torch.zeros(2)}, str(weights))
+    os.utime(weights, (1_700_000_001, 1_700_000_001))
+    found = survey([str(tmp_path)])
+    assert [r.holds for r in found.results] == [
+        "weights only", "weights + optimizer + iter_num 2000"]
+    assert found.render().splitlines()[-1] == (
+        f"restart from: {weights} ({UNPROVEN}; it holds weights only: a restart from it "
+        f"starts the optimizer afresh; {full}, older, holds weights + optimizer + iter_num "
+        "2000: restart from it to resume)")
+
+
+def test_every_problem_of_a_file_is_shown(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt.pt"
+    state = {f"layer{i}.weight": torch.full((2,), float("nan")) for i in range(7)}
+    torch.save(state, path)
+    assert validate(path).problems[-1] == NO_MANIFEST
+    lines = survey([str(path)]).render().splitlines()
+    assert lines[1].endswith("layer0.weight: 2 NaN, 0 inf")
+    assert [line.strip() for line in lines[2:-1]] == [
+        *(f"layer{i}.weight: 2 NaN, 0 inf" for i in range(1, 5)),
+        "... and 3 more problems (--all-problems lists them)"]
+    every = survey([str(path)]).render(all_problems=True).splitlines()
+    assert [line.strip() for line in every[2:-1]] == [
+        *(f"layer{i}.weight: 2 NaN, 0 inf" for i in range(1, 7)), NO_MANIFEST]
+    torch.save({"w": torch.tensor([float("nan")])}, path)
+    # Two problems: both on screen, the missing manifest no longer hidden behind "+1 more".
+    assert [line.strip() for line in survey([str(path)]).render().splitlines()[1:3]][1] == (
+        NO_MANIFEST)

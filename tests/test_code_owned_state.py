@@ -121,8 +121,10 @@ def project_copy(recorded: Path, pytester: pytest.Pytester) -> Path:
     return pytester.path
 
 
-def replay(pytester: pytest.Pytester) -> pytest.RunResult:
-    return pytester.runpytest_subprocess("--gpu-cases", "cases", "--gpu-devices", "cpu",
+def replay(pytester: pytest.Pytester, cases: str = "cases") -> pytest.RunResult:
+    """Run the cases (the model's, GPT, and its attention's, narrowed from the NaN it made:
+    GPT.attn), or those under ``cases``."""
+    return pytester.runpytest_subprocess("--gpu-cases", cases, "--gpu-devices", "cpu",
                                          "-rxX", "-p", "no:cacheprovider", "-p", "no:randomly")
 
 
@@ -139,10 +141,11 @@ def test_a_fixed_mask_in_init_reaches_the_replay(recorded: Path,
     table = module_table(project)
     # The mask is the code's; the weights that train are not, even at step 0.
     assert table["code_owned"] == ["attn.bias"], table
-    replay(pytester).assert_outcomes(xfailed=1)
+    assert sorted(p.name for p in (project / "cases").iterdir()) == ["GPT", "GPT.attn"]
+    replay(pytester).assert_outcomes(xfailed=2)
     (project / "model.py").write_text(model_source(FIXED))
     after = replay(pytester)
-    after.assert_outcomes(failed=1)
+    after.assert_outcomes(failed=2)   # both XPASS(strict): the fix reaches both
     after.stdout.fnmatch_lines(["*[[]XPASS(strict)[]]*"])
 
 
@@ -151,7 +154,7 @@ def test_a_fix_that_makes_the_mask_non_persistent_reaches_the_replay(
         recorded: Path, pytester: pytest.Pytester) -> None:
     project = project_copy(recorded, pytester)
     (project / "model.py").write_text(model_source(FIXED, persistent=False))
-    after = replay(pytester)
+    after = replay(pytester, "cases/GPT")
     after.assert_outcomes(failed=1)
     after.stdout.fnmatch_lines(["*[[]XPASS(strict)[]]*"])
     assert "Unexpected key" not in after.stdout.str()
@@ -173,7 +176,7 @@ def assert_stale(result: pytest.RunResult, *words: str) -> None:
 def test_a_renamed_layer_is_a_stale_case(recorded: Path, pytester: pytest.Pytester) -> None:
     project = project_copy(recorded, pytester)
     (project / "model.py").write_text(model_source(FIXED, attn="attention"))
-    assert_stale(replay(pytester), "the model has no attn.", "attn.c_attn.weight",
+    assert_stale(replay(pytester, "cases/GPT"), "the model has no attn.", "attn.c_attn.weight",
                  "(a layer renamed or removed?)", "the case holds no attention.",
                  "attention.c_attn.weight")
     # Nor does a case that expects an exception take the stale state's for it.
@@ -182,7 +185,7 @@ def test_a_renamed_layer_is_a_stale_case(recorded: Path, pytester: pytest.Pytest
     case_toml.write_text(text.replace('[expect]\noutcome = "matches"',
                                       '[expect]\noutcome = "raises"\n'
                                       'exception = "RuntimeError"'))
-    expecting = replay(pytester)
+    expecting = replay(pytester, "cases/GPT")
     expecting.assert_outcomes(failed=1)
     assert "stale case" in expecting.stdout.str()
 
@@ -196,7 +199,7 @@ def test_a_case_without_code_owned_made_non_persistent_is_stale(
     case_toml = project / "cases" / "GPT" / "case.toml"
     case_toml.write_text(re.sub(r'code_owned = \[[^\]]*\]\n', "", case_toml.read_text()))
     (project / "model.py").write_text(model_source(FIXED, persistent=False))
-    assert_stale(replay(pytester), "attn.bias is a buffer the model no longer saves "
+    assert_stale(replay(pytester, "cases/GPT"), "attn.bias is a buffer the model no longer saves "
                  "(persistent=False)")
 
 

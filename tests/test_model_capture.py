@@ -408,3 +408,75 @@ def replays_as_known(case_dir: Path, error: str) -> None:
     verdict = replay_cpu(case_dir)
     assert verdict.outcome.error_type == error, verdict.outcome.summary
     assert is_known_failure(load_case(case_dir), verdict)
+
+
+def test_a_nan_output_is_narrowed_to_the_submodule_that_made_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A NaN no op raised (softmax of an all -inf row, a padding mask's bug): the first
+    submodule whose output held it while its inputs were finite gets its own case."""
+    torch.manual_seed(0)
+    model = model_targets.PadLM()
+    rec = Recorder(tmp_path / "cases", nonfinite=True)
+    rec.watch(model)
+    tokens = torch.tensor([[1, 2, 3, 4], [5, 6, 0, 0]])
+    with rec.step(0):
+        model(tokens, torch.tensor([[False] * 4, [False, False, True, True]]))
+    pad = torch.tensor([[False] * 4, [True] * 4])   # a batch row that is all padding
+    with pytest.raises(FloatingPointError, match="non-finite output of PadLM"), rec.step(1):
+        model(tokens, pad)
+    err = capsys.readouterr().err
+    assert ("gpucase: note: blocks.0.attn (PadAttention) is the first submodule whose "
+            "output held NaN or inf of finite inputs") in err
+    assert [p.name for p in rec.narrowed] == ["PadLM.blocks.0.attn"]
+    narrowed = tmp_path / "cases" / "PadLM.blocks.0.attn"
+    recipe = read_toml(narrowed)["inputs"]["gpucase_module"]
+    assert recipe["factory"] == "tests.model_targets:PadAttention"
+    assert recipe["finite"] is True
+    saved = payload.load(narrowed / "inputs.safetensors")
+    assert torch.equal(saved["pad"], pad) and bool(saved["x"].isfinite().all())
+    verdict = replay_cpu(narrowed)
+    assert verdict.outcome.error_type == "FloatingPointError", verdict.outcome.summary
+    assert is_known_failure(load_case(narrowed), verdict)
+
+
+@pytest.mark.parametrize(("model", "given", "why"), [
+    (model_targets.PadBlock, (torch.tensor([[[float("nan")] * 8]]), torch.tensor([[False]])),
+     "the module's inputs already hold NaN or inf (input"),
+    (model_targets.NaNLM, (torch.tensor([[1, 7]]),),
+     "no submodule's output held NaN or inf of finite inputs: the value arose in NaNLM's "
+     "own forward, between its submodules"),
+])
+def test_a_nan_no_submodule_made_is_said_so(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], model: type[torch.nn.Module],
+        given: tuple[torch.Tensor, ...], why: str) -> None:
+    """No submodule made the NaN (the model was passed it, or made it in its own code
+    between its submodules): the note says which, and no submodule case is written."""
+    torch.manual_seed(0)
+    net = model()
+    rec = Recorder(tmp_path / "cases", nonfinite=True)
+    rec.watch(net)
+    with pytest.raises(FloatingPointError), rec.step(0):
+        net(*given)
+    err = capsys.readouterr().err
+    assert f"gpucase: note: no submodule case written for the non-finite value: {why}" in err
+    assert rec.narrowed == []
+
+
+def test_a_submodule_that_cannot_be_rebuilt_is_told_its_own_fix(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A factory for the model does not build its submodule: the note names what does
+    (the submodule's own arguments kept as attributes), or that nothing needs doing."""
+    torch.manual_seed(0)
+    model = model_targets.RopeLM()
+    rec = Recorder(tmp_path / "cases")
+    rec.watch(model, factory="tests.model_targets:RopeLM", kwargs={"vocab": 8, "dim": 6})
+    with pytest.raises(RuntimeError, match="must match"), rec.step(0):
+        model(torch.tensor([[1, 2]]))
+    note = next(line for line in capsys.readouterr().err.splitlines()
+                if line.startswith("gpucase: note: rope not narrowed:"))
+    assert "rec.watch(model, factory=" not in note
+    assert ("a factory for the model does not build Rotary, which a replay builds again from "
+            "its own class: keep Rotary.__init__'s arguments as same-named attributes") in note
+    assert f"or nothing to do: {tmp_path / 'cases' / 'RopeLM'}, the model's case, holds" in note
+    verdict = replay_cpu(tmp_path / "cases" / "RopeLM")
+    assert verdict.outcome.error_type == "RuntimeError", verdict.outcome.summary

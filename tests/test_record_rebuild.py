@@ -14,6 +14,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -88,6 +89,20 @@ def test_a_constructor_argument_no_check_can_see_is_named_in_a_note() -> None:
     (note,) = rebuild.notes
     assert "offset=0" in note and "vocab" not in note and "dim=" not in note
     assert "rec.watch(model, factory=..., kwargs=...)" in note
+
+
+class ShiftedLit(Shifted, pl.LightningModule):
+    """Shifted trained by Lightning's Trainer, without save_hyperparameters()."""
+
+
+def test_a_lightning_model_is_told_the_callbacks_factory() -> None:
+    """Lightning users never call rec.watch: where a factory would help, the note names
+    GpuCaseCallback(factory=...) too."""
+    (note,) = rebuild_of(ShiftedLit(offset=1), None, None).notes
+    assert ("rec.watch(model, factory=..., kwargs=...), or with the Trainer "
+            "GpuCaseCallback(factory=..., kwargs=...)") in note
+    (plain,) = rebuild_of(Shifted(offset=1), None, None).notes
+    assert "GpuCaseCallback" not in plain
 
 
 def test_an_unfaithful_rebuild_is_an_incomplete_case_validate_reports(

@@ -60,6 +60,14 @@ import torch
 
 from pytest_gpucase.base import files
 from pytest_gpucase.base.tensors import dotted, named_tensors
+from pytest_gpucase.case.project import import_paths, prepend
+from pytest_gpucase.tools.checkpoint_contents import (
+    STATE_DICT_KEYS,
+    find_state_dict,
+    further_problems,
+    tied_aliases,
+)
+from pytest_gpucase.tools.checkpoint_contents import holds as contents_of
 from pytest_gpucase.tools.checkpoint_plain import (
     UNPROVEN,
     archive_problem,
@@ -93,9 +101,6 @@ FORMAT_VERSION = 1
 MANIFEST_SUFFIX = ".manifest.json"
 # File names a directory scan treats as checkpoints; explicit file paths are always taken.
 CHECKPOINT_SUFFIXES = (".pt", ".pth", ".ckpt", ".bin", ".safetensors", ".pth.tar")
-# Where common trainers nest the model's state dict: plain scripts ("model",
-# "model_state_dict"), Lightning ("state_dict"), DeepSpeed ("module").
-STATE_DICT_KEYS = ("model", "state_dict", "model_state_dict", "module")
 NO_MANIFEST = (
     "no manifest: cannot prove the write completed; re-save with pytest_gpucase.checkpoint.save"
 )
@@ -252,6 +257,15 @@ class Validation:
     caveat: str | None = None
     # No manifest, and torch.load(weights_only=True) refused it: not loaded, not checked.
     unchecked: bool = False
+    # What a restart from it gets back ("weights + optimizer + iter_num 400"); None when
+    # it was not loaded.
+    holds: str | None = None
+
+    @property
+    def resumable(self) -> bool:
+        """Whether it holds an optimizer's state beside the weights (a restart from a
+        weights-only file starts the optimizer and the step count afresh)."""
+        return self.holds is not None and "optimizer" in self.holds
 
     def __bool__(self) -> bool:
         return not self.problems
@@ -365,6 +379,7 @@ def _validate(path: Path, model: ModelLike | None) -> Validation:
             problems.append(problem)
 
     layout: str | None = None
+    holds: str | None = None
     unchecked = False
     broken = archive_problem(path, before.st_size) if unproven else None
     if broken is not None:   # torch's own message for it says less
@@ -378,6 +393,7 @@ def _validate(path: Path, model: ModelLike | None) -> Validation:
             problems.append(unpickling_needed(exc) if unchecked
                             else f"cannot load: {load_error(exc)}")
         else:
+            holds = contents_of(loaded)
             problems.extend(_nonfinite_problems(loaded))
             if unproven:
                 problems.extend(size_problems(path, loaded))
@@ -398,12 +414,13 @@ def _validate(path: Path, model: ModelLike | None) -> Validation:
         ):
             problems.append("file was replaced while being validated; validate again")
     if unproven and not problems:   # as sound as a file without a manifest can be shown
-        return Validation(path, (), before.st_mtime, None, layout, caveat=UNPROVEN)
+        return Validation(path, (), before.st_mtime, None, layout, caveat=UNPROVEN,
+                          holds=holds)
     if unproven and not unchecked:
         # Last: when such a file also fails to load, that is the more telling first problem.
         problems.append(NO_MANIFEST)
     return Validation(path, tuple(problems), before.st_mtime, manifest, layout,
-                      unchecked=unchecked)
+                      unchecked=unchecked, holds=holds)
 
 
 def read_manifest(path: PathLike) -> Manifest | None:
@@ -531,24 +548,27 @@ class Survey:
         return next((result for result in self.results
                      if (result.proven if self.require_manifest else result)), None)
 
-    def render(self) -> str:
-        """The table of verdicts and the line that says which checkpoint to restart from."""
+    def render(self, all_problems: bool = False) -> str:
+        """The table of verdicts, what each file holds, and the line that says which
+        checkpoint to restart from. A file's problems after its first are listed below
+        it, ``checkpoint_contents.SHOWN_PROBLEMS`` of them unless ``all_problems``."""
         if not self.results:
             return f"no checkpoint found in {', '.join(self.paths)}"
-        rows = [("TIME", "FILE", "VERDICT", "PROBLEM")]
+        rows = [("TIME", "FILE", "VERDICT", "HOLDS", "PROBLEM")]
+        more: list[tuple[str, ...]] = [()]
         for result in self.results:
-            problem = result.caveat or ""
-            if result.problems:
-                problem = result.problems[0]
-                if len(result.problems) > 1:
-                    problem += f" (+{len(result.problems) - 1} more)"
+            problems = result.problems or ((result.caveat,) if result.caveat else ("",))
             when = "-" if result.mtime is None else _local_time(result.mtime)
-            rows.append((when, str(result.path), result.verdict, problem))
-        widths = [max(len(row[i]) for row in rows) for i in range(3)]
+            rows.append((when, str(result.path), result.verdict, result.holds or "-",
+                         problems[0]))
+            more.append(further_problems(problems[1:], all_problems))
+        widths = [max(len(row[i]) for row in rows) for i in range(4)]
         lines = []
-        for row in rows:
-            cells = [cell.ljust(width) for cell, width in zip(row[:3], widths, strict=True)]
-            lines.append("  ".join([*cells, row[3]]).rstrip())
+        for row, further in zip(rows, more, strict=True):
+            cells = [cell.ljust(width) for cell, width in zip(row[:4], widths, strict=True)]
+            lines.append("  ".join([*cells, row[4]]).rstrip())
+            indent = " " * (sum(widths) + 2 * len(widths))
+            lines.extend(f"{indent}{problem}" for problem in further)
 
         chosen = self.restart
         if chosen is None:
@@ -565,11 +585,25 @@ class Survey:
                 notes.append(f"{proven.path}, older, is proven by its manifest")
         if chosen.layout is not None:
             notes.append(f"model state dict {chosen.layout}")
+        if chosen.holds is not None and not chosen.resumable:
+            notes.append(_weights_only(chosen, self.results[newer + 1:], self.require_manifest))
         if newer:
             notes.append(_skipped(self.results[:newer]))
         suffix = f" ({'; '.join(notes)})" if notes else ""
         lines.append(f"restart from: {chosen.path}{suffix}")
         return "\n".join(lines)
+
+
+def _weights_only(chosen: Validation, older: Sequence[Validation],
+                  require_manifest: bool) -> str:
+    """The restart line's note for a restart point without an optimizer's state: what a
+    restart from it loses, and the newest older one that has it."""
+    lost = f"it holds {chosen.holds}: a restart from it starts the optimizer afresh"
+    full = next((r for r in older if r.resumable
+                 and (r.proven if require_manifest else bool(r))), None)
+    if full is None:
+        return lost
+    return f"{lost}; {full.path}, older, holds {full.holds}: restart from it to resume"
 
 
 def _skipped(newer: Sequence[Validation]) -> str:
@@ -735,25 +769,9 @@ def _nonfinite_problems(loaded: object) -> list[str]:
     return problems
 
 
-def _find_state_dict(loaded: object) -> tuple[str, str, Mapping[str, object]] | None:
-    """Return (layout, name prefix, state dict) for the common checkpoint layouts."""
-    if not isinstance(loaded, Mapping):
-        return None
-    values = list(loaded.values())
-    if any(isinstance(v, torch.Tensor) for v in values) and not any(
-        isinstance(v, Mapping) for v in values
-    ):
-        return "at top level", "", loaded
-    for key in STATE_DICT_KEYS:
-        nested = loaded.get(key)
-        if isinstance(nested, Mapping):
-            return f"under {key!r}", f"{key}.", nested
-    return None
-
-
 def _compare_with_model(loaded: object, model: ModelLike) -> tuple[str | None, list[str]]:
     expected = model.state_dict() if isinstance(model, torch.nn.Module) else model
-    found = _find_state_dict(loaded)
+    found = find_state_dict(loaded)
     if found is None:
         keys = ", ".join(map(str, loaded)) if isinstance(loaded, Mapping) else type(loaded).__name__
         wanted = ", ".join(repr(k) for k in STATE_DICT_KEYS)
@@ -773,8 +791,15 @@ def _compare_with_model(loaded: object, model: ModelLike) -> tuple[str | None, l
             )
             state, prefix = stripped, f"{prefix}{_DDP_PREFIX}"
         else:
-            missing = [k for k in expected if k not in state]
-            unexpected = [str(k) for k in state if k not in expected]
+            aliases = tied_aliases(expected)
+            # A tied alias (same storage in the model) is restored from its peer by
+            # safetensors.torch.load_model, which drops it when saving: not missing.
+            missing = [k for k in expected if k not in state
+                       and not any(peer in state for peer in aliases.get(k, ()))]
+            # And a tied alias the checkpoint keeps that the reference saved once.
+            kept = tied_aliases(state)
+            unexpected = [str(k) for k in state if k not in expected
+                          and not any(peer in expected for peer in kept.get(str(k), ()))]
             if missing:
                 problems.append(f"missing keys: {_some(missing)}")
             if unexpected:
@@ -843,13 +868,15 @@ def _local_time(timestamp: float) -> str:
 def _resolve_model(spec: str) -> ModelLike:
     """Turn the CLI's ``--model`` into a module or state dict to compare against."""
     if Path(spec).is_file():
-        found = _find_state_dict(_load(Path(spec)))
+        found = find_state_dict(_load(Path(spec)))
         if found is None:
             raise ValueError("no model state dict found in that file")
         return found[2]
     module_name, sep, attr = spec.partition(":")
     if not sep or not attr:
         raise ValueError("expected a checkpoint file or pkg.module:attr")
+    # As pytest would import it: from the working directory and its project's paths.
+    prepend([*import_paths(Path.cwd()), os.getcwd()])
     target: object = importlib.import_module(module_name)
     for part in attr.split("."):
         target = getattr(target, part)

@@ -121,9 +121,12 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     start = RunContext.here("cpu")
     base = case_dir.name
     module_dir = case_dir
+    if entered is None and class_of(exc) == "nan" and not unreplayable:
+        # A NaN no op raised: the first submodule that made it, found in a replay.
+        entered = _first_nonfinite(case_dir, module, start)
     if entered is not None and entered[1] is not module:
         qualname, sub, args, kwargs, versions = entered
-        rebuild = rebuild_of(sub, None, None)
+        rebuild = rebuild_of(sub, None, None, part_of=shown(case_dir))
         if rebuild.factory is None:
             say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
@@ -148,7 +151,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         state = module_state(sub)
         if state.unsaved:
             say(f"gpucase: note: {qualname} not narrowed: "
-                f"{state.why_incomplete(qualname)}")
+                f"{state.why_incomplete(qualname, part_of=shown(case_dir))}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
                        written=written, unreplayable=unreplayable)
             return
@@ -172,6 +175,49 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             module_dir, unreplayable = saved, ""
     _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written,
                unreplayable=unreplayable)
+
+
+def _first_nonfinite(case_dir: Path, module: torch.nn.Module, start: RunContext,
+                     ) -> tuple[str, torch.nn.Module, Any, Any, Mapping[int, int]] | None:
+    """The first submodule of ``module`` whose output held NaN or inf of finite inputs in a
+    replay of ``case_dir`` (``first_nonfinite``), as ``write_narrowed``'s ``entered``: its
+    name, the submodule, and the arguments it was passed in the replay; None, said with
+    the reason, when there is none."""
+    import tempfile
+
+    import torch
+
+    from pytest_gpucase.base.tensors import tensor_versions, tensors_in
+    from pytest_gpucase.run.isolation import run_in_child
+    from pytest_gpucase.tools.record.first_nonfinite import find_first_nonfinite
+
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / "passed.pt"
+        with outside_autocast():
+            child = run_in_child(find_first_nonfinite, str(case_dir), str(out), timeout=300,
+                                 start_method=start.start_method)
+        found = child.value if child.returned else None
+        passed = (torch.load(out, weights_only=True)
+                  if isinstance(found, dict) and out.exists() else None)
+    if not isinstance(found, dict) or passed is None:
+        why = (found if isinstance(found, str)
+               else f"the search for it failed ({child.problem})")
+        say(f"gpucase: note: no submodule case written for the non-finite value: {why}")
+        return None
+    qualname = str(found["qualname"])
+    try:
+        sub = module.get_submodule(qualname)
+    except AttributeError:
+        sub = None
+    if sub is None or type(sub).__qualname__ != found["type"]:
+        say(f"gpucase: note: no submodule case written for the non-finite value: "
+            f"{found['type']} {qualname} made it in the replay, but the model has no such "
+            "submodule")
+        return None
+    say(f"gpucase: note: {qualname} ({found['type']}) is the first submodule whose output "
+        "held NaN or inf of finite inputs, in a replay of the model's case")
+    args, kwargs = passed
+    return qualname, sub, args, kwargs, tensor_versions(tensors_in((args, kwargs)))
 
 
 def _device_of(module: torch.nn.Module) -> str | None:

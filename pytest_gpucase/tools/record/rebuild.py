@@ -45,9 +45,15 @@ from pytest_gpucase.tools.record.origin import error_line
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["CASE_BUILDER", "Rebuild", "State", "case_relative", "lightning_module",
+__all__ = ["CASE_BUILDER", "PASS_FACTORY", "Rebuild", "State", "case_relative",
+           "in_framework_words", "lightning_module",
            "module_state", "needs_secrets",
            "on_host", "rebuild_files", "rebuild_of", "script_function_files"]
+
+# How a user names the function that builds the model; for a model trained by a framework's
+# Trainer, whose callback watches it, ``in_framework_words`` adds the callback's form.
+PASS_FACTORY = "rec.watch(model, factory=..., kwargs=...)"
+_CALLBACK_FACTORY = "or with the Trainer GpuCaseCallback(factory=..., kwargs=...)"
 
 # The factory of a model a case.py builds (model.json describes it).
 CASE_BUILDER = "case.py:make_model"
@@ -84,18 +90,21 @@ class State:
     # name -> what it is, for each state entry a case cannot hold exactly (not saved)
     unsaved: dict[str, str] = field(default_factory=dict)
 
-    def why_incomplete(self, module_name: str) -> str | None:
-        """The reason a case of a module with this state is incomplete, or None."""
+    def why_incomplete(self, module_name: str, part_of: str | None = None) -> str | None:
+        """The reason a case of a module with this state is incomplete, or None.
+        ``part_of``: the module is a submodule of the model whose case is ``part_of`` (no
+        factory builds a submodule: the model's case holds the failure)."""
         if not self.unsaved:
             return None
         named = "; ".join(f"{name} ({what})" for name, what in sorted(self.unsaved.items())[:8])
         more = len(self.unsaved) - 8
         named += f"; and {more} more" if more > 0 else ""
+        fix = (f"or nothing to do: {part_of}, the model's case, holds the failure"
+               if part_of is not None else f"or rebuild them in a factory ({PASS_FACTORY})")
         return (f"the state of {module_name} holds what a case cannot hold exactly, so it "
                 f"was not saved: {named}; a replay would rebuild these with the "
                 "constructor's values, not the trained ones: save the module so that these "
-                "are plain, complex, sparse or quantized tensors, or rebuild them in a "
-                "factory (rec.watch(model, factory=...))")
+                f"are plain, complex, sparse or quantized tensors, {fix}")
 
 
 def module_state(module: torch.nn.Module) -> State:
@@ -223,7 +232,7 @@ def _assumed_defaults(module: Any, found: Mapping[str, Any]) -> tuple[str, ...]:
         return ()
     return (f"{cls.__qualname__} keeps no attribute named like its constructor's "
             f"{', '.join(assumed)}: a replay rebuilds it with these defaults; if training "
-            "passed other values, name them: rec.watch(model, factory=..., kwargs=...)",)
+            f"passed other values, name them: {PASS_FACTORY}",)
 
 
 def _meta_shapes(cls: type, kwargs: Mapping[str, Any]) -> dict[str, tuple[int, ...] | str] | None:
@@ -338,14 +347,51 @@ def _shape(value: Any) -> tuple[int, ...] | str:
 
 
 def rebuild_of(module: torch.nn.Module, factory: str | None,
-               kwargs: Mapping[str, Any] | None, *, check: bool = True) -> Rebuild:
+               kwargs: Mapping[str, Any] | None, *, check: bool = True,
+               part_of: str | None = None) -> Rebuild:
     """How a replay rebuilds ``module`` (see the module's docstring), checked on ``meta``
     unless ``check`` is False; when there is none, why, and the factory to pass, in the
-    words of the model's framework (``_fix_for``)."""
+    words of the model's framework (``_fix_for``). ``part_of``: ``module`` is a submodule
+    of the model whose case is named so; a factory for the model does not build it, so
+    the fix said is the submodule's own (``_fix_for_part``)."""
     rebuild = _rebuild_of(module, factory, kwargs, check=check)
     if rebuild.factory is None and FIX in rebuild.why_not:
-        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(FIX, _fix_for(module)))
-    return rebuild
+        fix = _fix_for(module) if part_of is None else _fix_for_part(module, part_of)
+        rebuild = replace(rebuild, why_not=rebuild.why_not.replace(FIX, fix))
+    return replace(rebuild, why_not=in_framework_words(module, rebuild.why_not),
+                   notes=tuple(in_framework_words(module, note) for note in rebuild.notes))
+
+
+def in_framework_words(module: Any, text: str) -> str:
+    """``text`` with the factory to pass said for the callback too, for a model a
+    framework's Trainer trains (a LightningModule, a Hugging Face model): its users never
+    call rec.watch."""
+    if PASS_FACTORY not in text or _CALLBACK_FACTORY in text or not (
+            lightning_module(module) or _hugging_face_class(module)):
+        return text
+    return text.replace(PASS_FACTORY, f"{PASS_FACTORY}, {_CALLBACK_FACTORY}")
+
+
+def _hugging_face_class(module: Any) -> bool:
+    return any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__)
+
+
+def _fix_for_part(module: Any, part_of: str) -> str:
+    """What helps a replay build a submodule alone: a factory for the model does not (the
+    submodule is built from its own class, found by its import path); a class a replay can
+    import, its constructor's arguments kept as same-named attributes do; or nothing, since
+    the model's case holds the failure."""
+    name = type(module).__qualname__
+    if class_target(type(module))[0] is None:
+        helps = (f"define {name} at the top level of an importable module (or of the script "
+                 "that was run)")
+    else:
+        helps = (f"keep {name}.__init__'s arguments as same-named attributes "
+                 "(self.<name> = <name>)")
+    return (f"a factory for the model does not build {name}, which a replay builds again "
+            f"from its own class: {helps} so that a replay can build it alone; or nothing to "
+            f"do: {part_of}, the model's case, holds the failure, and the op that raised is "
+            "looked for in it")
 
 
 def _fix_for(module: Any) -> str:
@@ -353,7 +399,7 @@ def _fix_for(module: Any) -> str:
     framework's callback takes it too (a Hugging Face model: the class and its config
     class said, and ``GpuCaseCallback(factory=...)``)."""
     name = type(module).__qualname__
-    if any(cls.__name__ == "PreTrainedModel" for cls in type(module).__mro__):
+    if _hugging_face_class(module):
         config = getattr(getattr(type(module), "config_class", None), "__name__", "its config")
         return (f"{name} is a Hugging Face model; pass a function that builds it as training "
                 f"did ({name}({config}(...)), or {name}.from_pretrained of a local folder, "
@@ -425,8 +471,8 @@ def needs_secrets(module: torch.nn.Module, rebuild: Rebuild) -> str | None:
     if differs is None:
         return None
     return (f"building the model needs {', '.join(sorted(set(removed))[:5])}, which look secret "
-            f"and are written as <secret> ({differs}): pass rec.watch(model, factory=...) "
-            "naming a function that reads them from the environment")
+            f"and are written as <secret> ({differs}): pass {PASS_FACTORY} naming a function "
+            "that reads them from the environment")
 
 
 def _found_rebuild(module: Any) -> Rebuild | str:

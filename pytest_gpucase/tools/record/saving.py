@@ -48,6 +48,7 @@ from pytest_gpucase.tools.record.origin import (
 from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import (
     case_relative,
+    in_framework_words,
     module_state,
     needs_secrets,
     on_host,
@@ -158,7 +159,7 @@ class ModuleSaver:
         with contextlib.suppress(Exception):
             secret = needs_secrets(module, rebuild)
             if secret is not None:
-                incomplete.append(secret)
+                incomplete.append(in_framework_words(module, secret))
         origin: dict[str, Any] = {}
         tensors: dict[str, torch.Tensor] = {}
         if unusable(found) is None:
@@ -166,7 +167,7 @@ class ModuleSaver:
             state = held.tensors
             unsaved = held.why_incomplete(watch.watched.name)
             if unsaved is not None:
-                incomplete.append(unsaved)
+                incomplete.append(in_framework_words(module, unsaved))
                 origin["unsaved_state"] = dict(held.unsaved)
             if held.tied:
                 recipe["tied"] = held.tied
