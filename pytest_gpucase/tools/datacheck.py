@@ -190,7 +190,7 @@ def _left_out(case: Case) -> list[str]:
 
 def _offending(case: Case) -> Offending:
     """The offending values the case's saved batch holds, or NotADataFailure saying why not."""
-    found = find(case)
+    found = find(case, replay=True)   # it runs the new case too
     if found is None:
         error = str(case.origin.get("error", "")).partition("\n")[0] or "no recorded error"
         raise NotADataFailure(

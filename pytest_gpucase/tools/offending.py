@@ -146,10 +146,13 @@ def index_failure(case: Case) -> bool:
     return failure_class(error_type, message, str(case.origin.get("stderr", ""))) in INDEX_CLASSES
 
 
-def find(case: Case, *, failed: str | None = None, message: str | None = None) -> Finding | None:
+def find(case: Case, *, failed: str | None = None, message: str | None = None,
+         replay: bool = False) -> Finding | None:
     """The offending values of ``case``'s index failure; None when it is no index failure
     (the class of the failure met, ``failed``, and its ``message``, else the ones the case
-    captured)."""
+    captured). ``replay``: a function's case that nothing else names the range of may be
+    replayed in a child to find the op that raised (``_through_replay``); ``gpucase show``
+    and ``request`` read cases without running them, a case's run and data-check may."""
     if not (failed in INDEX_CLASSES if failed is not None else index_failure(case)):
         return None
     if importlib.util.find_spec("torch") is None:  # gpucase show in a job without torch
@@ -178,7 +181,7 @@ def find(case: Case, *, failed: str | None = None, message: str | None = None) -
     if case.call in (REPLAY_OP, REPLAY_MODULE) and _checks(case, tensors):
         return Finding(None, "every saved index is within its range: the failing value is "
                              "computed inside the call")
-    return _through_narrowed(case, tensors, message)
+    return _through_narrowed(case, tensors, message, replay)
 
 
 def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
@@ -208,21 +211,21 @@ def _notes_once(case: Case, kind: str, message: str) -> list[str]:
         stat = case.inputs_file.stat()
         key = (str(case.path.resolve()), f"{kind}\n{message}", stat.st_mtime_ns, stat.st_size)
     except OSError:
-        return item_notes(case, failed=kind, message=message)
+        return item_notes(case, failed=kind, message=message, replay=True)
     if key not in _READ:
         if len(_READ) >= 256:
             _READ.clear()
-        _READ[key] = item_notes(case, failed=kind, message=message)
+        _READ[key] = item_notes(case, failed=kind, message=message, replay=True)
     return list(_READ[key])
 
 
-def item_notes(case: Case, *, failed: str | None = None,
-               message: str | None = None) -> list[str]:
+def item_notes(case: Case, *, failed: str | None = None, message: str | None = None,
+               replay: bool = False) -> list[str]:
     """The lines an index failure's triage adds: the offending value, and what to do once
     the data is fixed when the saved batch holds it (``tools.datacheck``). Advice only: a
     case this cannot read is said so in a line, never raised to the item or the command."""
     try:
-        found = find(case, failed=failed, message=message)
+        found = find(case, failed=failed, message=message, replay=replay)
     except Exception as exc:  # a file anyone may have written: said, never raised
         return [f"offending value: not read ({type(exc).__name__}: {str(exc)[:200]})"]
     if found is None:
@@ -503,10 +506,15 @@ def _narrowed(case: Case) -> list[Case]:
 
 
 def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
-                      message: str | None) -> Finding:
+                      message: str | None, replay: bool = False) -> Finding:
     narrowed = _narrowed(case)
     if not narrowed:
         named = _named_by_message(case, tensors, message)
+        if named is not None and named.check is not None and not named.check.only:
+            return Finding(named)
+        replayed = _through_replay(case, tensors) if replay else None
+        if replayed is not None:
+            return replayed
         if named is not None:
             return Finding(named)
         return Finding(None, f"cannot be named from this case: the failing index is used "
@@ -531,6 +539,33 @@ def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
                                "computed inside the model, a bug of the code, not the data")
     return Finding(None, "no narrowed case beside it holds an out-of-range value: the failing "
                          "index is computed inside the model")
+
+
+def _through_replay(case: Case, tensors: Mapping[str, torch.Tensor]) -> Finding | None:
+    """A function's case (or one written by hand) that no narrowed case names: the op that
+    raised and its arguments, found by replaying the case in a child under a dispatch mode
+    (``record.narrow.find_raising_op``, the Recorder's own op narrowing), read with the op
+    rules, and the values mapped into the case's saved inputs. None for a model's case (its
+    narrowed cases say it; ``Recorder(narrow=False)`` asked for none) or when no op says it."""
+    if case.call in (REPLAY_OP, REPLAY_MODULE):
+        return None
+    from pytest_gpucase.tools.record.narrow import find_raising_op
+
+    found = find_raising_op(case.path, timeout=min(case.timeout, 60.0))
+    if isinstance(found, str):
+        return None
+    table, op_tensors = found
+    for check in _op_checks(case, table, op_tensors):
+        got = _measure(case, op_tensors[check.field], check)
+        if got is None:
+            continue
+        mapped = _map_into(got, op_tensors[check.field], case, tensors)
+        if mapped is not None:
+            return Finding(mapped)
+        return Finding(replace(got, saved=False, field=f"{table['op']}'s {check.kind}s"),
+                       f"no saved input of {case.name} holds these values: they were computed "
+                       "inside the call, a bug of the code, not the data")
+    return None
 
 
 def _named_in(own: Offending, tensors: Mapping[str, torch.Tensor],
