@@ -65,7 +65,7 @@ def test_a_data_failure_becomes_a_passing_case_and_a_contract(tmp_path: Path) ->
                        r"loss's input has 19 classes\): 19 at \(1, 1\) \(sample ex0042\)"):
         check_batch({"targets": original["targets"]}, contract, sample_ids=IDS)
     rendered = result.render()
-    assert "offending entries on axis 0: 1 (samples ex0042)" in rendered
+    assert "offending entries on axis 0: 1 (sample ex0042)" in rendered
     assert "2 of 3 entries kept, expected to pass" in rendered and "it passes here" in rendered
 
 

@@ -702,13 +702,15 @@ def test_the_minimized_case_holds_the_kept_entries_sample_ids(
     monkeypatch.chdir(tmp_path)
     path = ce_case(tmp_path, entries=8, bad=5)
     assert main(["minimize", str(path), "--max-tries", "50"]) == 0
-    assert "  sample id kept: img_00005 ([origin] sample_ids)\n" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "  sample id kept: img_00005 ([origin] sample_ids)\n" in out
+    assert "alone pass" in out and ": the failure is in the kept entry's data\n" in out
     written = load_case(tmp_path / "ce_batch_min")
     # show, triage, offending and data-check read [origin] sample_ids as the new batch's.
     assert written.origin["sample_ids"] == ["img_00005"]
     record = written.origin["minimized_from"]
     assert record["original_sample_ids"] == [f"img_{i:05d}" for i in range(8)]
-    assert record["tried_alone"]["failing"] == []     # entries 1 and 3 alone pass
+    assert record["tried_alone"]["failing"] == []     # other entries alone pass
     assert "note" not in record
     assert main(["show", str(tmp_path / "ce_batch_min")]) == 0
     assert "sample_ids: 1 (img_00005)" in capsys.readouterr().out

@@ -75,7 +75,8 @@ class DataCheck:
     def render(self) -> str:
         lines = [f"gpucase data-check: {display(self.original)}"]
         which = ", ".join(map(str, self.dropped[:10])) + (" …" if len(self.dropped) > 10 else "")
-        ids = f" (samples {', '.join(self.dropped_ids[:10])})" if self.dropped_ids else ""
+        noun = "sample" if len(self.dropped_ids) == 1 else "samples"
+        ids = f" ({noun} {', '.join(self.dropped_ids[:10])})" if self.dropped_ids else ""
         lines.append(f"  offending entries on axis {self.axis}: {which}{ids}")
         if self.case is None:
             lines.append("  every entry holds an offending value: no regression case is left "

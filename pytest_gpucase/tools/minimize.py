@@ -536,7 +536,8 @@ class Minimized:
                     f"{', '.join(map(str, failing))} fail{'s' if len(failing) == 1 else ''} "
                     "alone the same way too: the kept entry is not the only one")
         return (f"entr{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried))} "
-                "alone pass: the failure is in the kept entry's data")
+                f"alone pass{'es' if len(tried) == 1 else ''}: the failure is in the kept "
+                "entry's data")
 
     @classmethod
     def of(cls, case: Case, baseline: Verdict, failure: FailureClass,
