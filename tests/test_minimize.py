@@ -714,6 +714,11 @@ def test_the_minimized_case_holds_the_kept_entries_sample_ids(
     assert "note" not in record
     assert main(["show", str(tmp_path / "ce_batch_min")]) == 0
     assert "sample_ids: 1 (img_00005)" in capsys.readouterr().out
+    # A request withholds the parent's ids the record keeps too, not the kept one's alone.
+    from pytest_gpucase.tools.show import request
+
+    shared = request(tmp_path / "ce_batch_min")
+    assert "img_0000" not in shared and "<sample id>" in shared
     # The text is kept verbatim around the replaced ids' line.
     text = (tmp_path / "ce_batch_min" / "case.toml").read_text()
     assert text.startswith('format = 1\nsummary = "a 4-class head; one label in the batch')
@@ -749,7 +754,8 @@ def test_a_failure_every_entry_gives_names_no_culprit_sample(
     out = capsys.readouterr().out
     assert "entries on axis 0: 8 -> 1 (kept entry 0)" in out
     assert ("  every entry tried fails alone the same way (entries 0, 4, 2): the failure does "
-            "not single out a sample; look at the code, not the data\n") in out
+            "not single out a sample; look at the code, not the data (or at what every sample "
+            "shares: a label mapping, a vocabulary)\n") in out
     assert "sample id kept" not in out
     # The kept case's own message, not the original's (8x4).
     assert "  it fails with: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x4 " \

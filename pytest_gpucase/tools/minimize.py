@@ -530,7 +530,8 @@ class Minimized:
         listed = ", ".join(map(str, (*(self.selection.entries or ()), *tried)))
         if self.every_entry_fails:
             return (f"every entry tried fails alone the same way (entries {listed}): the "
-                    "failure does not single out a sample; look at the code, not the data")
+                    "failure does not single out a sample; look at the code, not the data "
+                    "(or at what every sample shares: a label mapping, a vocabulary)")
         if failing:
             return (f"entr{'y' if len(failing) == 1 else 'ies'} "
                     f"{', '.join(map(str, failing))} fail{'s' if len(failing) == 1 else ''} "
