@@ -177,6 +177,11 @@ def test_a_lightning_contract_names_the_batch_keys_the_loader_yields(
         check_batch(good, result.contract)      # the batch as the loader yields it
     with pytest.raises(ValueError, match=f"^{field} holds 1 value outside 0..15"):
         check_batch(bad, result.contract)
+    # Triage and show name it as the step's code reaches it, not by the payload's name.
+    from pytest_gpucase.tools.offending import item_notes
+
+    named = "batch['targets'] holds 16" if kind == "dict" else "batch[1] holds 99"
+    assert item_notes(load_case(case))[0].startswith(f"offending value: {named} at ")
     if kind == "dict":
         assert result.dropped_ids == ("s0005",)
         assert "# sample s0005 holds target 16" in result.contract.read_text()

@@ -222,7 +222,7 @@ def contract_text(case: Case, found: Offending, where: Path) -> str:
     rule["reason"] = found.check.size
     header = [
         f"# The data contract the case {case.name} revealed (gpucase data-check):",
-        f"# {replace(held, field=field, alias=None).sample_words()}.",
+        f"# {replace(held, field=field, label=None, alias=None).sample_words()}.",
         "# Check your own batches with it before they reach the model, in a test or the loop:",
         "#",
         "#     from pytest_gpucase.checks import check_batch",

@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.keys import MODULE_KEY, OP_KEY, REPLAY_MODULE, REPLAY_OP, STATE_PREFIX
+from pytest_gpucase.case.keys import (
+    MODULE_KEY,
+    OP_KEY,
+    REPLAY_MODULE,
+    REPLAY_OP,
+    STATE_PREFIX,
+    argument_path,
+)
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.verdict.triage import failure_class
@@ -82,11 +89,18 @@ class Offending:
     alias: Offending | None = None
     check: _Check | None = None                  # the check that found them
     how: str | None = None                       # how it relates to what the op got
+    # The name the user's code knows it by (``batch['targets']`` for a Lightning step's
+    # ``nested.batch.targets``); None: ``field`` itself.
+    label: str | None = None
+
+    @property
+    def named(self) -> str:
+        return self.label or self.field
 
     def describe(self) -> str:
         """``idx holds 19 at [2, 10] (sample ex0042); wte has 19 rows (valid 0..18)``."""
         if self.alias is not None:
-            return f"{self.alias.describe()} (this case's {self.field})"
+            return f"{self.alias.describe()} (this case's {self.named})"
         ids = dict(zip(self.rows, self.samples, strict=False)) if self.samples else {}
         parts = []
         for value, position in self.shown:
@@ -95,7 +109,7 @@ class Offending:
                          + (f" (sample {sample})" if sample is not None else ""))
         more = (f"; {self.count} entries out of range in all" if self.count > len(self.shown)
                 else "")
-        text = f"{self.field} holds {', '.join(parts)}{more}; {self.size}"
+        text = f"{self.named} holds {', '.join(parts)}{more}; {self.size}"
         if self.how is not None:
             text += f" ({self.how})"
         if self.via is not None:
@@ -114,7 +128,7 @@ class Offending:
         else:
             which = ", ".join(map(str, self.rows[:_SHOWN])) + (
                 " …" if len(self.rows) > _SHOWN else "")
-            whose = f"entr{'y' if len(self.rows) == 1 else 'ies'} {which} of {self.field}"
+            whose = f"entr{'y' if len(self.rows) == 1 else 'ies'} {which} of {self.named}"
         verb = "holds" if len(self.samples or self.rows) == 1 else "hold"
         size = self.check.size if self.check is not None else self.size
         return f"{whose} {verb} {noun} {values}, {size}"
@@ -298,11 +312,23 @@ def _measure(case: Case, tensor: torch.Tensor, check: _Check) -> Offending | Non
         rows = (tuple(int(r) for r in torch.unique(where[:, axis]).tolist())
                 if tensor.dim() > axis else ())
         distinct = tuple(int(v) for v in torch.unique(values[bad]).tolist()[:_SHOWN])
-    return Offending(case=case.path, field=check.field, shape=tuple(tensor.shape),
+    return Offending(case=case.path, field=check.field, label=_label(case, check.field),
+                     shape=tuple(tensor.shape),
                      kind=check.kind, low=check.low, high=check.high,
                      size=_range_words(check),
                      allowed=check.allowed, count=count, shown=shown, rows=rows, axis=axis,
                      samples=_samples(case, tensor, rows, axis), values=distinct, check=check)
+
+
+def _label(case: Case, name: str) -> str | None:
+    """``batch['targets']``, ``batch[1]``: a tensor the case saved inside an argument (a
+    batch of dicts, tuples, lists), named as the user's code reaches it; None for an
+    argument saved as itself."""
+    found = argument_path(case.literals, name)
+    if found is None:
+        return None
+    arg, path = found
+    return arg + "".join(f"[{step}]" if step.isdigit() else f"[{step!r}]" for step in path)
 
 
 def _range_words(check: _Check) -> str:
