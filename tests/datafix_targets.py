@@ -110,3 +110,10 @@ def record(root: Path, model: torch.nn.Module, *args: torch.Tensor,
 
 def tokens(bad: int = 19) -> torch.Tensor:
     return torch.tensor([[1, 2, 3], [4, bad, 5], [1, 1, 1]])
+
+
+def masked_ce(logits: torch.Tensor, targets: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """A plain loop's loss: cross entropy over (B, T, V) logits, averaged where ``mask``."""
+    loss = F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1),
+                           reduction="none")
+    return (loss * mask.reshape(-1)).sum() / mask.sum()

@@ -195,3 +195,28 @@ class NoIndexLit(TinyLit):
 
     def validation_step(self, batch: Any) -> torch.Tensor:  # type: ignore[override]
         return super().training_step(batch, 0)
+
+
+class DictLit(TinyLit):
+    """Trained on the dicts a Dataset of samples yields: ``idx``, ``targets``, ``mask`` and
+    the samples' string ``id`` (collated to a list, so the case nests the batch)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return super().training_step((batch["idx"], batch["targets"]), batch_idx)
+
+
+class DictSamples(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """12 samples ``s0000``..``s0011`` of 3 tokens; sample ``s0005`` holds target 16 of 16."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.idx = torch.randint(0, 16, (12, 3), generator=generator)
+        self.targets = torch.randint(0, 16, (12, 3), generator=generator)
+        self.targets[5, 2] = 16
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"idx": self.idx[i], "targets": self.targets[i], "mask": torch.ones(3),
+                "id": f"s{i:04d}"}

@@ -71,7 +71,8 @@ def test_one_tensor_checks_a_contract_of_one_field(tmp_path: Path) -> None:
     ({"x": torch.zeros(2, dtype=torch.long)}, ValueError,
      r"batch has no 'idx' \(it has x\); give the tensors the contract's names"),
     (torch.zeros(2, dtype=torch.long), TypeError, "the contract names idx, targets"),
-    ([torch.zeros(2)], TypeError, "batch must be a dict of tensors"),
+    ([torch.zeros(2)], ValueError, r"batch has no 'idx' \(it has items 0\.\.0\)"),
+    ("idx", TypeError, "batch must be the batch as the DataLoader yields it"),
 ])
 def test_a_batch_the_contract_cannot_read_is_told_how(contract: Path, batch: object,
                                                      error: type[Exception],
@@ -95,3 +96,18 @@ def test_a_broken_contract_names_its_file_and_the_fix(tmp_path: Path, text: str,
     with pytest.raises(ValueError, match=match) as raised:
         load_contract(path)
     assert str(path) in str(raised.value)
+
+
+def test_key_paths_reach_into_the_batch_the_loader_yields() -> None:
+    # gpucase data-check names a Lightning step's tensors by their key paths in its batch.
+    second = {"fields": {"1": {"min": 0, "max": 3}}}
+    nested = {"fields": {"extra.ids": {"min": 0, "max": 9}}}
+    check_batch([torch.zeros(2), torch.tensor([0, 3]), {"x": 1}], second)
+    check_batch({"1": torch.tensor([3])}, second)   # a key, as a whole, first
+    with pytest.raises(ValueError, match=r"^1 holds 1 value outside 0\.\.3: 4 at position 1"):
+        check_batch((torch.zeros(2), torch.tensor([0, 4])), second)
+    check_batch({"extra": {"ids": torch.tensor([9])}}, nested)
+    with pytest.raises(ValueError, match=r"^extra\.ids holds 1 value outside 0\.\.9"):
+        check_batch({"extra": {"ids": torch.tensor([10])}}, nested)
+    with pytest.raises(ValueError, match=r"batch has no '1' \(it has items 0\.\.0\)"):
+        check_batch((torch.zeros(2),), second)

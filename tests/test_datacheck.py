@@ -65,7 +65,7 @@ def test_a_data_failure_becomes_a_passing_case_and_a_contract(tmp_path: Path) ->
                        r"loss's input has 19 classes\): 19 at \(1, 1\) \(sample ex0042\)"):
         check_batch({"targets": original["targets"]}, contract, sample_ids=IDS)
     rendered = result.render()
-    assert "offending entries on axis 0: 1 (samples ex0042)" in rendered
+    assert "offending entries on axis 0: 1 (sample ex0042)" in rendered
     assert "2 of 3 entries kept, expected to pass" in rendered and "it passes here" in rendered
 
 
@@ -133,3 +133,55 @@ def test_a_shifted_label_is_cut_from_the_batch_that_holds_it(tmp_path: Path) -> 
     case = record(tmp_path / "cases", datafix_targets.ShiftedLabelsLM(), tokens(5), labels)
     result = data_check(case)
     assert result.dropped_ids == ("ex0042",) and result.passes is True
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning", "ignore::FutureWarning",
+                            "ignore::DeprecationWarning")
+@pytest.mark.parametrize("kind", ["dict", "tuple"])
+def test_a_lightning_contract_names_the_batch_keys_the_loader_yields(
+        tmp_path: Path, kind: str) -> None:
+    """A Lightning step case saves its batch under internal names (``nested.batch.targets``,
+    ``dict.batch.1``...); the contract names the batch's own key paths, so that
+    ``check_batch`` takes the very batch the DataLoader yields."""
+    pl = pytest.importorskip("lightning.pytorch")
+    from torch.utils.data import DataLoader
+
+    from pytest_gpucase.integrations.lightning import GpuCaseCallback
+    from tests import lightning_targets
+
+    if kind == "dict":
+        model: object = lightning_targets.DictLit(dropout=0.0)
+        data = DataLoader(lightning_targets.DictSamples(), batch_size=4)
+    else:
+        model = lightning_targets.TinyLit(dropout=0.0)
+        data = lightning_targets.loader(bad_target=True, batches=3)
+    callback = GpuCaseCallback(tmp_path / "lcases", narrow=True, ids=(
+        (lambda batch: batch["id"]) if kind == "dict" else None))
+    trainer = pl.Trainer(max_epochs=1, accelerator="cpu", devices=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[callback])
+    torch.manual_seed(0)
+    with pytest.raises(IndexError):
+        trainer.fit(model, data)
+    case = tmp_path / "lcases" / f"{type(model).__name__}.training_step"
+    saved = {info.name for info in payload.describe(case / "inputs.safetensors")}
+    assert ("nested.batch.targets" if kind == "dict" else "nested.batch.1") in saved
+    result = data_check(case, run=False)
+    assert result.contract is not None
+    fields = read_toml_file(result.contract)["fields"]
+    field = "targets" if kind == "dict" else "1"
+    assert list(fields) == [field] and (fields[field]["min"], fields[field]["max"]) == (0, 15)
+    batches = list(data)
+    bad = batches[1] if kind == "dict" else batches[2]
+    for good in (batches[0], *batches[2 if kind == "dict" else 3:]):
+        check_batch(good, result.contract)      # the batch as the loader yields it
+    with pytest.raises(ValueError, match=f"^{field} holds 1 value outside 0..15"):
+        check_batch(bad, result.contract)
+    # Triage and show name it as the step's code reaches it, not by the payload's name.
+    from pytest_gpucase.tools.offending import item_notes
+
+    named = "batch['targets'] holds 16" if kind == "dict" else "batch[1] holds 99"
+    assert item_notes(load_case(case))[0].startswith(f"offending value: {named} at ")
+    if kind == "dict":
+        assert result.dropped_ids == ("s0005",)
+        assert "# sample s0005 holds target 16" in result.contract.read_text()

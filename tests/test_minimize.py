@@ -667,7 +667,10 @@ def test_a_smaller_batch_raising_another_runtime_error_is_not_the_same_failure(
     assert f"differently ({others[0]}): not kept" in summary
     assert result.output is not None
     record = load_case(result.output).origin["minimized_from"]
-    assert record["error"] == result.message
+    # The kept case's own failure: one entry, smaller sizes than the original's.
+    kept = ("RuntimeError: The size of tensor a (5) must match the size of tensor b (7) at "
+            "non-singleton dimension 0")
+    assert record["error"] == kept and f"\n  it fails with: {kept}\n" in summary
 
 
 def test_a_dict_batch_is_cut_whole_inputs_and_targets_alike(tmp_path: Path) -> None:
@@ -688,3 +691,76 @@ def test_a_dict_batch_is_cut_whole_inputs_and_targets_alike(tmp_path: Path) -> N
                                    "dict.batch.y": ((8,), (1,))}
     kept = payload.load(load_case(result.output).inputs_file)
     assert kept["dict.batch.y"].tolist() == [7]
+
+
+# ------------------------------------------------ the kept case names its own samples and failure
+
+
+def test_the_minimized_case_holds_the_kept_entries_sample_ids(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    path = ce_case(tmp_path, entries=8, bad=5)
+    assert main(["minimize", str(path), "--max-tries", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "  sample id kept: img_00005 ([origin] sample_ids)\n" in out
+    assert "alone pass" in out and ": the failure is in the kept entry's data\n" in out
+    written = load_case(tmp_path / "ce_batch_min")
+    # show, triage, offending and data-check read [origin] sample_ids as the new batch's.
+    assert written.origin["sample_ids"] == ["img_00005"]
+    record = written.origin["minimized_from"]
+    assert record["original_sample_ids"] == [f"img_{i:05d}" for i in range(8)]
+    assert record["tried_alone"]["failing"] == []     # other entries alone pass
+    assert "note" not in record
+    assert main(["show", str(tmp_path / "ce_batch_min")]) == 0
+    assert "sample_ids: 1 (img_00005)" in capsys.readouterr().out
+    # A request withholds the parent's ids the record keeps too, not the kept one's alone.
+    from pytest_gpucase.tools.show import request
+
+    shared = request(tmp_path / "ce_batch_min")
+    assert "img_0000" not in shared and "<sample id>" in shared
+    # The text is kept verbatim around the replaced ids' line.
+    text = (tmp_path / "ce_batch_min" / "case.toml").read_text()
+    assert text.startswith('format = 1\nsummary = "a 4-class head; one label in the batch')
+
+
+SHAPE_BUG_PY = """\
+import torch
+
+
+def run(x, w):
+    # A code bug: the weight is transposed; every entry fails alone.
+    return x @ w
+"""
+
+
+def test_a_failure_every_entry_gives_names_no_culprit_sample(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    ids = ", ".join(f'"s{i:04d}"' for i in range(8))
+    path = make_case(tmp_path, "shape_bug", f"""\
+        format = 1
+        call = "case.py:run"
+
+        [variants.batch]
+        sizes = [1]
+        inputs = ["x"]
+
+        [origin]
+        sample_ids = [{ids}]
+        """, SHAPE_BUG_PY, {"x": torch.randn(8, 4), "w": torch.randn(3, 4)})
+    assert main(["minimize", str(path), "--max-tries", "50"]) == 0
+    out = capsys.readouterr().out
+    assert "entries on axis 0: 8 -> 1 (kept entry 0)" in out
+    assert ("  every entry tried fails alone the same way (entries 0, 4, 2): the failure does "
+            "not single out a sample; look at the code, not the data (or at what every sample "
+            "shares: a label mapping, a vocabulary)\n") in out
+    assert "sample id kept" not in out
+    # The kept case's own message, not the original's (8x4).
+    assert "  it fails with: RuntimeError: mat1 and mat2 shapes cannot be multiplied (1x4 " \
+           "and 3x4)\n" in out
+    record = load_case(tmp_path / "shape_bug_min").origin["minimized_from"]
+    assert record["tried_alone"] == {"entries": [4, 2], "failing": [4, 2]}
+    assert "look at the code, not the data" in record["note"]
+    assert "(1x4 and 3x4)" in record["error"]

@@ -167,7 +167,11 @@ def pick(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     (pick, (torch.zeros(3, 4), torch.tensor([[0], [4], [1]])),
      "offending value: index holds 4 at [1, 0] (sample ex0042); dimension 1 it indexes has "
      "size 4 (valid 0..3)"),
-    (onehot, (torch.tensor([1, 5, 2]),), "offending value: cannot be named from this case"),
+    # The message names no value: the op that raised, found by a replay, says it (one_hot
+    # raises in its own composite body, seen by a torch function mode).
+    (onehot, (torch.tensor([1, 5, 2]),),
+     "offending value: labels holds 5 at [1] (sample ex0042); one_hot's num_classes is 5 "
+     "(valid 0..4)"),
 ])
 def test_a_functions_case_reads_the_value_its_message_names(
         tmp_path: Path, function: Callable[..., torch.Tensor], args: tuple[torch.Tensor, ...],
@@ -177,7 +181,39 @@ def test_a_functions_case_reads_the_value_its_message_names(
     with pytest.raises(RuntimeError), rec.step(0, sample_ids=IDS):
         watched(*args)
     assert rec.case_dir is not None
-    assert item_notes(load_case(rec.case_dir))[0].startswith(said)
+    assert item_notes(load_case(rec.case_dir), replay=True)[0].startswith(said)
+
+
+def test_a_watched_loss_function_names_the_range_its_op_saw(tmp_path: Path) -> None:
+    """A plain loop's watched loss: the message names the label only (Target 50 is out of
+    bounds); the op that raised (nll_loss on the (B*T, 50) logits) gives the class count."""
+    from pytest_gpucase.tools.datacheck import data_check
+
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(4, 3, 50, generator=generator)
+    targets = torch.randint(0, 50, (4, 3), generator=generator)
+    targets[2, 2] = 50
+    ids = [f"s{i:04d}" for i in range(8, 12)]
+    rec = Recorder(tmp_path / "cases")
+    loss = rec.watch(datafix_targets.masked_ce)
+    with pytest.raises(IndexError, match="Target 50 is out of bounds"), \
+            rec.step(3, sample_ids=ids):
+        loss(logits, targets, torch.ones(4, 3))
+    assert rec.case_dir is not None
+    from pytest_gpucase.tools.offending import triaged
+    from tests.helpers import replay_cpu
+
+    verdict, _ = triaged(replay_cpu(rec.case_dir))   # the case's run: replayed for the op
+    assert verdict.triage is not None
+    assert ("offending value: targets holds 50 at [2, 2] (sample s0010); the loss's input has "
+            "50 classes (valid 0..49, or -100 (ignore_index))") in verdict.triage.notes
+    # gpucase show reads the case without running it: the message's value alone.
+    assert ("offending value: targets holds 50 at [2, 2] (sample s0010); the error names this "
+            "value; the valid range is not saved in the case") in show(rec.case_dir)
+    result = data_check(rec.case_dir, run=False)
+    assert result.dropped_ids == ("s0010",) and result.contract is not None
+    assert "[fields.targets]\ndtype = \"int64\"\nmin = 0\nmax = 49\n" in \
+        result.contract.read_text()
 
 
 def test_no_finding_for_other_failures_and_none_without_inputs(tmp_path: Path) -> None:

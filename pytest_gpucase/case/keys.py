@@ -27,6 +27,7 @@ __all__ = [
     "RNG_NAMES",
     "STATE_PREFIX",
     "TENSORS_KEY",
+    "argument_path",
     "checkpoint_path",
     "tensor_dicts",
 ]
@@ -63,6 +64,45 @@ def tensor_dicts(literals: Mapping[str, Any]) -> dict[str, Any]:
     ``gpucase_tensors`` table (dict key -> payload name), as written by capture."""
     return {name: value[TENSORS_KEY] for name, value in literals.items()
             if isinstance(value, Mapping) and TENSORS_KEY in value}
+
+
+def argument_path(literals: Mapping[str, Any], name: str) -> tuple[str, tuple[str, ...]] | None:
+    """Where the payload tensor ``name`` sits in the call's arguments as the user passed
+    them: the argument and the key path inside it (``("batch", ("targets",))`` for
+    ``dict.batch.targets`` or ``nested.batch.targets``, ``("batch", ("1",))`` for the second
+    item of a tuple batch), read from the ``gpucase_tensors`` and ``nested`` tables that
+    name it; None when no table does (a tensor passed as the argument itself)."""
+    for arg, table in tensor_dicts(literals).items():
+        for key, payload_name in dict(table).items():
+            if payload_name == name:
+                return str(arg), (str(key),)
+    for recipe_key in (MODULE_KEY, FUNCTION_KEY):
+        recipe = literals.get(recipe_key)
+        nested = recipe.get("nested") if isinstance(recipe, Mapping) else None
+        for arg, spec in (nested.items() if isinstance(nested, Mapping) else ()):
+            found = _path_in(spec, name, 0)
+            if found is not None:
+                return str(arg), found
+    return None
+
+
+def _path_in(spec: Any, name: str, depth: int) -> tuple[str, ...] | None:
+    """The key path to ``{tensor = name}`` in a ``nested`` spec (``record.inputs``)."""
+    if not isinstance(spec, Mapping) or depth > 32:
+        return None
+    if spec.get("tensor") == name:
+        return ()
+    items: list[tuple[str, Any]] = []
+    for kind in ("tuple", "list"):
+        if isinstance(spec.get(kind), list):
+            items = [(str(i), item) for i, item in enumerate(spec[kind])]
+    if isinstance(spec.get("dict"), Mapping):
+        items = [(str(k), v) for k, v in spec["dict"].items()]
+    for key, item in items:
+        found = _path_in(item, name, depth + 1)
+        if found is not None:
+            return (key, *found)
+    return None
 
 
 def checkpoint_path(case_dir: Path, reference: Mapping[str, Any]) -> Path:

@@ -178,15 +178,17 @@ def load_contract(contract: str | os.PathLike[str] | Mapping[str, Any]) -> dict[
     return {str(name): dict(rule) for name, rule in fields.items()}
 
 
-def check_batch(batch: Mapping[str, object] | torch.Tensor,
+def check_batch(batch: Mapping[str, object] | Sequence[object] | torch.Tensor,
                 contract: str | os.PathLike[str] | Mapping[str, Any], *,
                 sample_ids: Sequence[object] | None = None) -> None:
     """Raise ValueError unless every tensor the contract names holds integers within its
     range (``min``..``max``, or one of ``allowed``: an ignore_index), naming each offending
     value, its position and, with ``sample_ids`` (one per entry of the first axis), its
-    sample. ``batch``: the tensors by the contract's names (``{"idx": x, "targets": y}``),
-    or one tensor for a contract of one field; ``contract``: the TOML file ``gpucase
-    data-check`` wrote, or its fields."""
+    sample. ``batch``: the batch as the DataLoader yields it, whose tensors the contract
+    names by their key paths (``targets``; ``1`` for the second item of a tuple,
+    ``inputs.ids`` nested), or a dict of the tensors by those names, or one tensor for a
+    contract of one field; ``contract``: the TOML file ``gpucase data-check`` wrote, or its
+    fields."""
     __tracebackhide__ = True
     fields = load_contract(contract)
     if isinstance(batch, torch.Tensor):
@@ -194,20 +196,43 @@ def check_batch(batch: Mapping[str, object] | torch.Tensor,
             raise TypeError(f"the contract names {', '.join(fields)}: pass a dict of these "
                             "tensors, e.g. {" + ", ".join(f"{n!r}: ..." for n in fields) + "}")
         batch = {next(iter(fields)): batch}
-    if not isinstance(batch, Mapping):
-        raise TypeError("batch must be a dict of tensors by the contract's names (e.g. "
+    if not isinstance(batch, Mapping | list | tuple):
+        raise TypeError("batch must be the batch as the DataLoader yields it (a dict, tuple "
+                        "or list) or a dict of tensors by the contract's names (e.g. "
                         f"{{{next(iter(fields))!r}: x}}); got {type(batch).__name__}")
     problems = []
     for name, rule in fields.items():
-        if name not in batch:
-            has = ", ".join(map(str, batch)) or "nothing"
+        value = _at_path(batch, name)
+        if value is _MISSING:
+            has = (", ".join(map(str, batch)) if isinstance(batch, Mapping)
+                   else f"items 0..{len(batch) - 1}" if batch else "") or "nothing"
             raise ValueError(f"batch has no {name!r} (it has {has}); give the tensors the "
                              "contract's names")
-        problem = _outside(name, batch[name], rule, sample_ids)
+        problem = _outside(name, value, rule, sample_ids)
         if problem is not None:
             problems.append(problem)
     if problems:
         raise ValueError("; ".join(problems))
+
+
+_MISSING = object()
+
+
+def _at_path(batch: Mapping[str, object] | Sequence[object], name: str) -> object:
+    """The value at the key path ``name`` (``targets``, ``1``, ``inputs.ids``): a key of a
+    dict first as a whole, else dot-separated steps through dicts, tuples and lists."""
+    if isinstance(batch, Mapping) and name in batch:
+        return batch[name]
+    value: object = batch
+    for step in name.split("."):
+        if isinstance(value, Mapping) and step in value:
+            value = value[step]
+        elif (isinstance(value, list | tuple) and step.isdigit()
+              and int(step) < len(value)):
+            value = value[int(step)]
+        else:
+            return _MISSING
+    return value
 
 
 def _outside(name: str, tensor: object, rule: Mapping[str, Any],

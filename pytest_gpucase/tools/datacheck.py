@@ -31,6 +31,7 @@ import tomli_w
 
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case import payload
+from pytest_gpucase.case.keys import argument_path
 from pytest_gpucase.case.load import load_case, read_case_file
 from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, MAX_CASE_BYTES, Case
 from pytest_gpucase.case.write import write_case_dir
@@ -47,7 +48,7 @@ if TYPE_CHECKING:
 
     from pytest_gpucase.tools.minimize import Axes
 
-__all__ = ["DataCheck", "NotADataFailure", "contract_text", "data_check"]
+__all__ = ["DataCheck", "NotADataFailure", "batch_field", "contract_text", "data_check"]
 
 _NOT_COPIED = {CASE_FILE, INPUTS_FILE, EXPECTED_FILE, "__pycache__"}
 
@@ -74,7 +75,8 @@ class DataCheck:
     def render(self) -> str:
         lines = [f"gpucase data-check: {display(self.original)}"]
         which = ", ".join(map(str, self.dropped[:10])) + (" …" if len(self.dropped) > 10 else "")
-        ids = f" (samples {', '.join(self.dropped_ids[:10])})" if self.dropped_ids else ""
+        noun = "sample" if len(self.dropped_ids) == 1 else "samples"
+        ids = f" ({noun} {', '.join(self.dropped_ids[:10])})" if self.dropped_ids else ""
         lines.append(f"  offending entries on axis {self.axis}: {which}{ids}")
         if self.case is None:
             lines.append("  every entry holds an offending value: no regression case is left "
@@ -189,7 +191,7 @@ def _left_out(case: Case) -> list[str]:
 
 def _offending(case: Case) -> Offending:
     """The offending values the case's saved batch holds, or NotADataFailure saying why not."""
-    found = find(case)
+    found = find(case, replay=True)   # it runs the new case too
     if found is None:
         error = str(case.origin.get("error", "")).partition("\n")[0] or "no recorded error"
         raise NotADataFailure(
@@ -211,25 +213,41 @@ def contract_text(case: Case, found: Offending, where: Path) -> str:
     """The contract file: a header saying where it comes from and how to use it, then one
     ``[fields.NAME]`` table (dtype, min, max, allowed, reason)."""
     assert found.check is not None
-    field = found.alias.field if found.alias is not None else found.field
-    rule: dict[str, Any] = {"dtype": _dtype(case, found.field), "min": found.check.low,
+    held = found.alias if found.alias is not None else found
+    field = batch_field(case, held.field)
+    rule: dict[str, Any] = {"dtype": _dtype(case, held.field), "min": found.check.low,
                             "max": found.check.high}
     if found.check.allowed is not None:
         rule["allowed"] = [found.check.allowed]
     rule["reason"] = found.check.size
     header = [
         f"# The data contract the case {case.name} revealed (gpucase data-check):",
-        f"# {found.sample_words()}.",
+        f"# {replace(held, field=field, label=None, alias=None).sample_words()}.",
         "# Check your own batches with it before they reach the model, in a test or the loop:",
         "#",
         "#     from pytest_gpucase.checks import check_batch",
-        f"#     check_batch({{{field!r}: tensor}}, \"{where.as_posix()}\")",
+        (f"#     check_batch(batch, \"{where.as_posix()}\")   # as your DataLoader yields it"
+         if field != held.field else
+         f"#     check_batch({{{field!r}: tensor}}, \"{where.as_posix()}\")"),
         "#",
         "# It raises ValueError naming each value outside [min, max] (allowed: an ignore_index),",
         "# its position and, given sample_ids=, its sample. docs/recorder.md, After a data fix.",
     ]
     doc = {"format": CONTRACT_FORMAT, "case": case.name, "fields": {field: rule}}
     return "\n".join(header) + "\n" + tomli_w.dumps(doc)
+
+
+def batch_field(case: Case, name: str) -> str:
+    """The contract's name of the payload tensor ``name``: its key path in the argument as the
+    user's code passed it (``targets`` for a Lightning step's ``batch["targets"]``, saved as
+    ``dict.batch.targets`` or ``nested.batch.targets``; ``1`` for a tuple's second item), so
+    that ``check_batch(batch, contract)`` reads the very batch the DataLoader yields; the
+    argument's name for a tensor passed alone."""
+    found = argument_path(case.literals, name)
+    if found is None:
+        return name
+    arg, path = found
+    return ".".join(path) if path else arg
 
 
 def _write_contract(where: Path, case: Case, found: Offending) -> Path:

@@ -20,21 +20,18 @@ The result is written as a new case directory, atomically (a temporary
 directory beside it, then a rename; an existing directory is never
 overwritten), with ``[origin]`` kept and an ``[origin.minimized_from]`` table.
 
-Writing ``case.toml``: the original text is copied verbatim (comments and
-layout kept) and the new table is appended with a dotted header written by
-``tomli_w``; the result is parsed back and compared with the intended document.
-When that cannot hold (``origin`` written inline or as dotted keys, or a case
-that was minimized before), the whole document is written by ``tomli_w``.
+The new case's ``[origin] sample_ids`` are the kept entries' (the original's list stays in
+``[origin.minimized_from]``); when one entry is kept, one or two other entries are tried
+alone, so that a failure every entry gives (a code bug) names no sample as its cause.
+Writing the new case: ``tools.minimize_write``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import io
-import os
 import shlex
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -42,13 +39,11 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, TextIO, cast
 
-import tomli_w
-
 from pytest_gpucase.base.errors import display
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import tensor_dicts
-from pytest_gpucase.case.load import load_case, read_case_file
-from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, MAX_CASE_BYTES, Case
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, Case
 from pytest_gpucase.case.variants import (
     InputsInDoubt,
     VariantNotApplicable,
@@ -56,18 +51,20 @@ from pytest_gpucase.case.variants import (
     members_of,
     shapes_of,
 )
-from pytest_gpucase.case.write import copy_into, write_case_dir
+from pytest_gpucase.case.write import copy_into
 from pytest_gpucase.plan.environment import Environment
 from pytest_gpucase.plan.runs import NotRunnable, RunSpec, choose_device, unchanged_runs
 from pytest_gpucase.run.isolation import signal_name
 from pytest_gpucase.run.parent import Verdict, failure_of, run_spec
 from pytest_gpucase.run.runcontext import RunContext
+from pytest_gpucase.tools.minimize_write import (
+    UNCHANGED,
+    origin_path,
+    support_files,
+    with_minimized_from,
+    write_case,
+)
 from pytest_gpucase.verdict.failure import Failure, same_failure
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on Python 3.10 only
-    import tomli as tomllib
 
 if TYPE_CHECKING:
     import torch
@@ -416,6 +413,9 @@ class _Search:
         self.tries = 0
         self.differently: dict[str, int] = {}
         self.cache: dict[Selection, bool] = {}
+        # The failure of each try that failed the same way, as ``shown`` and ``describe``
+        # word it: the kept case's own message (a smaller batch holds fewer NaN).
+        self.messages: dict[Selection, tuple[str, str]] = {}
         self.best = Selection()
 
     def size(self, selection: Selection) -> str:
@@ -451,6 +451,10 @@ class _Search:
         if found is not None and not same:
             other = shown(found, failure_of(verdict))
             self.differently[other] = self.differently.get(other, 0) + 1
+        if same and found is not None:
+            own = failure_of(verdict)
+            self.messages[selection] = (shown(found, own), own.describe() if own is not None
+                                        and own.error_type is not None else "")
         self.cache[selection] = same
         return same
 
@@ -508,20 +512,51 @@ class Minimized:
     # [origin] sample_ids of the entries kept; None where the case holds none for its batch.
     sample_ids: tuple[object, ...] | None = None
     ids_unmatched: str = ""                      # why the case's sample ids fit no entry
+    # Other single entries tried alone, and those that failed the same way (_others_alone);
+    # None: not checked (more than one entry kept, or the budget ran out).
+    alone: tuple[tuple[int, ...], tuple[int, ...]] | None = None
+    kept_message: str = ""                       # the kept case's own failure, as ``shown``
+
+    @property
+    def every_entry_fails(self) -> bool:
+        """Whether every other entry tried alone failed the same way: no culprit sample."""
+        return self.alone is not None and set(self.alone[1]) == set(self.alone[0])
+
+    def alone_words(self) -> str:
+        """What the entries tried alone say of the kept one ("" when nothing was tried)."""
+        if self.alone is None:
+            return ""
+        tried, failing = self.alone
+        listed = ", ".join(map(str, (*(self.selection.entries or ()), *tried)))
+        if self.every_entry_fails:
+            return (f"every entry tried fails alone the same way (entries {listed}): the "
+                    "failure does not single out a sample; look at the code, not the data "
+                    "(or at what every sample shares: a label mapping, a vocabulary)")
+        if failing:
+            return (f"entr{'y' if len(failing) == 1 else 'ies'} "
+                    f"{', '.join(map(str, failing))} fail{'s' if len(failing) == 1 else ''} "
+                    "alone the same way too: the kept entry is not the only one")
+        return (f"entr{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried))} "
+                f"alone pass{'es' if len(tried) == 1 else ''}: the failure is in the kept "
+                "entry's data")
 
     @classmethod
     def of(cls, case: Case, baseline: Verdict, failure: FailureClass,
            kept_failure: Failure | None, message: str, search: _Search,
            shapes: Mapping[str, tuple[tuple[int, ...], tuple[int, ...]]], *, seconds: float,
-           stopped: Stop | None) -> Minimized:
-        """The result of a search over ``case``, before anything is written."""
+           stopped: Stop | None,
+           alone: tuple[tuple[int, ...], tuple[int, ...]] | None = None) -> Minimized:
+        """The result of a search over ``case``, before anything is written; ``error`` and
+        ``kept_message`` are the kept case's own failure (the original's when none is kept)."""
+        own = search.messages.get(search.best)
+        original = (kept_failure.describe()
+                    if kept_failure is not None and kept_failure.error_type is not None else "")
         return cls(
             original=case.path, output=None, spec=baseline.spec, failure=failure,
             axes=search.axes, selection=search.best, shapes=shapes, tries=search.tries,
             seconds=seconds, stopped=stopped, failed_differently=dict(search.differently),
-            message=message,
-            error=(kept_failure.describe()
-                   if kept_failure is not None and kept_failure.error_type is not None else ""),
+            message=message, error=(own[1] or original) if own is not None else original,
+            alone=alone, kept_message=own[0] if own is not None else "",
             **_kept_ids(case, search.axes, search.best))
 
     def _ids_line(self) -> str:
@@ -547,6 +582,8 @@ class Minimized:
                              "not this one: refused)")
         else:
             lines.append(f"  wrote {display(self.output)}")
+            if self.kept_message:   # its own message: a smaller batch holds fewer NaN
+                lines.append(f"  it fails with: {self.kept_message}")
         if self.selection.entries is not None:
             kept = ", ".join(map(str, self.selection.entries[:20]))
             more = " …" if len(self.selection.entries) > 20 else ""
@@ -554,7 +591,12 @@ class Minimized:
             # The original's entry numbers: "(kept 3)" read as a count.
             lines.append(f"  entries on axis {self.axes.batch_axis}: {self.axes.batch_size} -> "
                          f"{len(self.selection.entries)} (kept {which} {kept}{more})")
-            lines.append(self._ids_line())
+            if self.every_entry_fails:   # no culprit: naming a sample would point at the data
+                lines.append(f"  {self.alone_words()}")
+            else:
+                lines.append(self._ids_line())
+                if self.alone_words():
+                    lines.append(f"  {self.alone_words()}")
         if self.selection.window is not None:
             start, stop = self.selection.window
             lines.append(f"  length on axis {self.axes.length_axis}: {self.axes.length_size} "
@@ -643,6 +685,7 @@ def minimize(
         raise
     try:
         stopped = _shrink(search, axes)
+        alone = _others_alone(search) if stopped != "interrupted" else None
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if stream.isatty():
@@ -653,13 +696,14 @@ def minimize(
     shapes = {name: (tuple(tensors[name].shape), tuple(t.shape)) for name, t in kept.items()
               if t.shape != tensors[name].shape}
     result = Minimized.of(case, baseline, failure, kept_failure, message, search, shapes,
-                          seconds=clock() - started, stopped=stopped)
+                          seconds=clock() - started, stopped=stopped, alone=alone)
     if not shapes:
         return result
     target = output if output is not None else _free_name(case.path)
-    record = _record(case, result, target)
+    record = record_of(case, result, target)
     with one_thread():
-        written = write_case(case, target, kept, metadata, record)
+        written = write_case(case, target, kept, metadata, record,
+                             sample_ids=new_ids(case, result))
     return replace(result, output=written, notes=_notes(case))
 
 
@@ -714,6 +758,34 @@ def _shrink(search: _Search, axes: Axes) -> Stop | None:
     return None
 
 
+def _others_alone(search: _Search) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """When one entry is kept: other single entries, far from it, tried alone (one or two
+    more tries, the search's own single-entry tries counted), and those of them that fail the
+    same way; None when not checked. A code bug fails on any entry: the kept one is then no
+    culprit, and saying its sample id as if it were sends the user to the data."""
+    best, size = search.best, search.axes.batch_size
+    if best.entries is None or len(best.entries) != 1 or size is None or size < 2:
+        return None
+    kept = best.entries[0]
+    tried = {sel.entries[0]: same for sel, same in search.cache.items()
+             if sel.entries is not None and len(sel.entries) == 1 and sel.window == best.window
+             and sel.entries[0] != kept}
+    wanted = min(2, size - 1)
+    offsets = (size // 2, size // 4, 3 * size // 4, 1, size - 1)
+    for entry in ((kept + offset) % size for offset in offsets):
+        if len(tried) >= wanted or not all(tried.values()):
+            break
+        if entry == kept or entry in tried:
+            continue
+        try:
+            tried[entry] = search.fails(Selection((entry,), best.window))
+        except (_Budget, KeyboardInterrupt):
+            break
+    if not tried:
+        return None
+    return tuple(tried), tuple(entry for entry, same in tried.items() if same)
+
+
 def _notes(case: Case) -> tuple[str, ...]:
     """What the new case leaves out of the original, and why."""
     if case.expected_file.exists():
@@ -724,7 +796,7 @@ def _notes(case: Case) -> tuple[str, ...]:
 
 def _scratch_case(case: Case, scratch: Path) -> Case:
     """The copy of the case that tries run: same case.toml and case.py, a subset payload."""
-    copy_into(_support(case.path), scratch)
+    copy_into(support_files(case.path), scratch)
     shutil.copyfile(case.case_file, scratch / CASE_FILE)
     return replace(load_case(scratch), name=case.name)
 
@@ -748,16 +820,19 @@ def _free_name(original: Path) -> Path:
     return candidate
 
 
-def _origin_path(original: Path, target: Path) -> str:
-    """The original seen from the new case, relative to it whatever the working directory:
-    a case holds no absolute path, so it moves with its project and names no one's home."""
-    return Path(os.path.relpath(os.path.abspath(original), os.path.abspath(target))).as_posix()
+def new_ids(case: Case, result: Minimized) -> Any:
+    """The new case's ``[origin] sample_ids``: the kept entries' ids (show, triage, offending
+    and data-check read them as the new batch's); none when the original's fit no entry;
+    ``UNCHANGED`` when no entry was cut or the case holds none."""
+    if result.selection.entries is None or "sample_ids" not in case.origin:
+        return UNCHANGED
+    return list(result.sample_ids) if result.sample_ids is not None else None
 
 
-def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
+def record_of(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
     """The ``[origin.minimized_from]`` table: where it came from, what was kept, what it cost."""
     record: dict[str, Any] = {
-        "case": _origin_path(case.path, target),
+        "case": origin_path(case.path, target),
         "inputs": payload.content_hash(case.inputs_file),
         "device": result.spec.device,
         "dtype": result.spec.dtype,
@@ -771,6 +846,14 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
         record["entries"] = list(best.entries)
         if result.sample_ids is not None:
             record["sample_ids"] = list(result.sample_ids)
+        parent_ids = case.origin.get("sample_ids")
+        if isinstance(parent_ids, list):   # the new [origin] sample_ids are the kept entries'
+            record["original_sample_ids"] = list(parent_ids)
+        if result.alone is not None:
+            record["tried_alone"] = {"entries": list(result.alone[0]),
+                                     "failing": list(result.alone[1])}
+            if result.every_entry_fails:
+                record["note"] = result.alone_words()
     if best.window is not None:
         record["length"] = {"axis": axes.length_axis, "start": best.window[0],
                             "stop": best.window[1]}
@@ -780,62 +863,6 @@ def _record(case: Case, result: Minimized, target: Path) -> dict[str, Any]:
     record["shapes"] = {name: {"before": list(before), "after": list(after)}
                         for name, (before, after) in result.shapes.items()}
     return record
-
-
-# --- writing the new case --------------------------------------------------------------------
-
-_NOT_COPIED = {CASE_FILE, INPUTS_FILE, EXPECTED_FILE, "__pycache__"}
-
-
-def _support(source: Path) -> list[Path]:
-    """A case directory's other files (case.py, helpers); payloads and case.toml are written.
-
-    ``expected.safetensors`` is left out: its golden outputs belong to the full batch.
-    """
-    return [entry for entry in source.iterdir() if entry.name not in _NOT_COPIED]
-
-
-def write_case(case: Case, target: Path, tensors: Mapping[str, torch.Tensor],
-               metadata: Mapping[str, str], record: Mapping[str, Any]) -> Path:
-    """Write a new case directory at ``target`` atomically; never overwrite one."""
-    if target.exists():
-        raise FileExistsError(f"{display(target)} exists; minimize never overwrites")
-    # Within its bound, as load_case read it: the file may have changed since.
-    text = read_case_file(case.case_file, MAX_CASE_BYTES, "a case.toml holds settings, not "
-                          "data", case.path).decode("utf-8", "replace")
-    try:
-        return write_case_dir(
-            target, with_minimized_from(text, record),
-            {INPUTS_FILE: lambda path: payload.save(path, tensors, metadata)},
-            _support(case.path), check=load_case)  # the new case must load as any other
-    except FileExistsError:
-        raise FileExistsError(f"{display(target)} appeared meanwhile; not overwritten") from None
-
-
-# --- TOML writing ----------------------------------------------------------------------------
-
-def with_minimized_from(text: str, record: Mapping[str, Any]) -> str:
-    """``case.toml`` text with ``[origin.minimized_from]`` set to ``record``.
-
-    The text is kept verbatim and the table appended; when that does not parse to
-    the intended document, the document is written whole. A
-    ``minimized_from`` already there is kept under ``previous``.
-    """
-    doc = tomllib.loads(text)
-    origin = dict(doc.get("origin", {}))
-    table = dict(record)
-    if "minimized_from" in origin:
-        table["previous"] = origin["minimized_from"]
-    origin["minimized_from"] = table
-    wanted = {**doc, "origin": origin}
-    appended = (text.rstrip("\n") + "\n\n# written by gpucase minimize\n"
-                + tomli_w.dumps({"origin": {"minimized_from": table}}))
-    try:
-        if tomllib.loads(appended) == wanted:
-            return appended
-    except tomllib.TOMLDecodeError:
-        pass
-    return tomli_w.dumps(wanted)
 
 
 # --- the command -----------------------------------------------------------------------------

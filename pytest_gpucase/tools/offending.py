@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Any
 
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.case import payload
-from pytest_gpucase.case.keys import MODULE_KEY, OP_KEY, REPLAY_MODULE, REPLAY_OP, STATE_PREFIX
+from pytest_gpucase.case.keys import (
+    MODULE_KEY,
+    OP_KEY,
+    REPLAY_MODULE,
+    REPLAY_OP,
+    STATE_PREFIX,
+    argument_path,
+)
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import Case
 from pytest_gpucase.verdict.triage import failure_class
@@ -82,11 +89,18 @@ class Offending:
     alias: Offending | None = None
     check: _Check | None = None                  # the check that found them
     how: str | None = None                       # how it relates to what the op got
+    # The name the user's code knows it by (``batch['targets']`` for a Lightning step's
+    # ``nested.batch.targets``); None: ``field`` itself.
+    label: str | None = None
+
+    @property
+    def named(self) -> str:
+        return self.label or self.field
 
     def describe(self) -> str:
         """``idx holds 19 at [2, 10] (sample ex0042); wte has 19 rows (valid 0..18)``."""
         if self.alias is not None:
-            return f"{self.alias.describe()} (this case's {self.field})"
+            return f"{self.alias.describe()} (this case's {self.named})"
         ids = dict(zip(self.rows, self.samples, strict=False)) if self.samples else {}
         parts = []
         for value, position in self.shown:
@@ -95,7 +109,7 @@ class Offending:
                          + (f" (sample {sample})" if sample is not None else ""))
         more = (f"; {self.count} entries out of range in all" if self.count > len(self.shown)
                 else "")
-        text = f"{self.field} holds {', '.join(parts)}{more}; {self.size}"
+        text = f"{self.named} holds {', '.join(parts)}{more}; {self.size}"
         if self.how is not None:
             text += f" ({self.how})"
         if self.via is not None:
@@ -114,7 +128,7 @@ class Offending:
         else:
             which = ", ".join(map(str, self.rows[:_SHOWN])) + (
                 " …" if len(self.rows) > _SHOWN else "")
-            whose = f"entr{'y' if len(self.rows) == 1 else 'ies'} {which} of {self.field}"
+            whose = f"entr{'y' if len(self.rows) == 1 else 'ies'} {which} of {self.named}"
         verb = "holds" if len(self.samples or self.rows) == 1 else "hold"
         size = self.check.size if self.check is not None else self.size
         return f"{whose} {verb} {noun} {values}, {size}"
@@ -146,10 +160,13 @@ def index_failure(case: Case) -> bool:
     return failure_class(error_type, message, str(case.origin.get("stderr", ""))) in INDEX_CLASSES
 
 
-def find(case: Case, *, failed: str | None = None, message: str | None = None) -> Finding | None:
+def find(case: Case, *, failed: str | None = None, message: str | None = None,
+         replay: bool = False) -> Finding | None:
     """The offending values of ``case``'s index failure; None when it is no index failure
     (the class of the failure met, ``failed``, and its ``message``, else the ones the case
-    captured)."""
+    captured). ``replay``: a function's case that nothing else names the range of may be
+    replayed in a child to find the op that raised (``_through_replay``); ``gpucase show``
+    and ``request`` read cases without running them, a case's run and data-check may."""
     if not (failed in INDEX_CLASSES if failed is not None else index_failure(case)):
         return None
     if importlib.util.find_spec("torch") is None:  # gpucase show in a job without torch
@@ -178,7 +195,7 @@ def find(case: Case, *, failed: str | None = None, message: str | None = None) -
     if case.call in (REPLAY_OP, REPLAY_MODULE) and _checks(case, tensors):
         return Finding(None, "every saved index is within its range: the failing value is "
                              "computed inside the call")
-    return _through_narrowed(case, tensors, message)
+    return _through_narrowed(case, tensors, message, replay)
 
 
 def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
@@ -208,21 +225,21 @@ def _notes_once(case: Case, kind: str, message: str) -> list[str]:
         stat = case.inputs_file.stat()
         key = (str(case.path.resolve()), f"{kind}\n{message}", stat.st_mtime_ns, stat.st_size)
     except OSError:
-        return item_notes(case, failed=kind, message=message)
+        return item_notes(case, failed=kind, message=message, replay=True)
     if key not in _READ:
         if len(_READ) >= 256:
             _READ.clear()
-        _READ[key] = item_notes(case, failed=kind, message=message)
+        _READ[key] = item_notes(case, failed=kind, message=message, replay=True)
     return list(_READ[key])
 
 
-def item_notes(case: Case, *, failed: str | None = None,
-               message: str | None = None) -> list[str]:
+def item_notes(case: Case, *, failed: str | None = None, message: str | None = None,
+               replay: bool = False) -> list[str]:
     """The lines an index failure's triage adds: the offending value, and what to do once
     the data is fixed when the saved batch holds it (``tools.datacheck``). Advice only: a
     case this cannot read is said so in a line, never raised to the item or the command."""
     try:
-        found = find(case, failed=failed, message=message)
+        found = find(case, failed=failed, message=message, replay=replay)
     except Exception as exc:  # a file anyone may have written: said, never raised
         return [f"offending value: not read ({type(exc).__name__}: {str(exc)[:200]})"]
     if found is None:
@@ -295,11 +312,23 @@ def _measure(case: Case, tensor: torch.Tensor, check: _Check) -> Offending | Non
         rows = (tuple(int(r) for r in torch.unique(where[:, axis]).tolist())
                 if tensor.dim() > axis else ())
         distinct = tuple(int(v) for v in torch.unique(values[bad]).tolist()[:_SHOWN])
-    return Offending(case=case.path, field=check.field, shape=tuple(tensor.shape),
+    return Offending(case=case.path, field=check.field, label=_label(case, check.field),
+                     shape=tuple(tensor.shape),
                      kind=check.kind, low=check.low, high=check.high,
                      size=_range_words(check),
                      allowed=check.allowed, count=count, shown=shown, rows=rows, axis=axis,
                      samples=_samples(case, tensor, rows, axis), values=distinct, check=check)
+
+
+def _label(case: Case, name: str) -> str | None:
+    """``batch['targets']``, ``batch[1]``: a tensor the case saved inside an argument (a
+    batch of dicts, tuples, lists), named as the user's code reaches it; None for an
+    argument saved as itself."""
+    found = argument_path(case.literals, name)
+    if found is None:
+        return None
+    arg, path = found
+    return arg + "".join(f"[{step}]" if step.isdigit() else f"[{step!r}]" for step in path)
 
 
 def _range_words(check: _Check) -> str:
@@ -503,10 +532,15 @@ def _narrowed(case: Case) -> list[Case]:
 
 
 def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
-                      message: str | None) -> Finding:
+                      message: str | None, replay: bool = False) -> Finding:
     narrowed = _narrowed(case)
     if not narrowed:
         named = _named_by_message(case, tensors, message)
+        if named is not None and named.check is not None and not named.check.only:
+            return Finding(named)
+        replayed = _through_replay(case, tensors) if replay else None
+        if replayed is not None:
+            return replayed
         if named is not None:
             return Finding(named)
         return Finding(None, f"cannot be named from this case: the failing index is used "
@@ -531,6 +565,33 @@ def _through_narrowed(case: Case, tensors: Mapping[str, torch.Tensor],
                                "computed inside the model, a bug of the code, not the data")
     return Finding(None, "no narrowed case beside it holds an out-of-range value: the failing "
                          "index is computed inside the model")
+
+
+def _through_replay(case: Case, tensors: Mapping[str, torch.Tensor]) -> Finding | None:
+    """A function's case (or one written by hand) that no narrowed case names: the op that
+    raised and its arguments, found by replaying the case in a child under a dispatch mode
+    (``record.narrow.find_raising_op``, the Recorder's own op narrowing), read with the op
+    rules, and the values mapped into the case's saved inputs. None for a model's case (its
+    narrowed cases say it; ``Recorder(narrow=False)`` asked for none) or when no op says it."""
+    if case.call in (REPLAY_OP, REPLAY_MODULE):
+        return None
+    from pytest_gpucase.tools.record.narrow import find_raising_op
+
+    found = find_raising_op(case.path, timeout=min(case.timeout, 60.0))
+    if isinstance(found, str):
+        return None
+    table, op_tensors = found
+    for check in _op_checks(case, table, op_tensors):
+        got = _measure(case, op_tensors[check.field], check)
+        if got is None:
+            continue
+        mapped = _map_into(got, op_tensors[check.field], case, tensors)
+        if mapped is not None:
+            return Finding(mapped)
+        return Finding(replace(got, saved=False, field=f"{table['op']}'s {check.kind}s"),
+                       f"no saved input of {case.name} holds these values: they were computed "
+                       "inside the call, a bug of the code, not the data")
+    return None
 
 
 def _named_in(own: Offending, tensors: Mapping[str, torch.Tensor],

@@ -115,7 +115,6 @@ def request(case_dir: Path) -> str:
         parts += [case.summary, ""]
     facts = _request_facts(case, error, kernel)
     parts += [f"- **{name}**: {value}" for name, value in facts]
-    ids = origin.get("sample_ids")
     if stderr.strip() and stderr.strip() != kernel:
         lines = stderr.strip().splitlines()[-_STDERR_LINES:]
         # A fence longer than any run of backticks in the text: the text cannot close it.
@@ -140,7 +139,22 @@ def request(case_dir: Path) -> str:
     # Made safe for the terminal first: an escape sequence inside a secret's name must not
     # keep the scrubber from seeing it.
     text = terminal_safe("\n".join(parts) + "\n")
-    return Scrubber.here(case, ids if isinstance(ids, list) else []).scrub(text)
+    return Scrubber.here(case, _every_sample_id(origin)).scrub(text)
+
+
+def _every_sample_id(table: Any, depth: int = 0) -> list[object]:
+    """The sample ids anywhere in ``[origin]``: its ``sample_ids``, and the lists a derived case
+    keeps of its parent's (``minimized_from`` ``original_sample_ids``, ``data_check_from``
+    ``dropped_sample_ids``), so that none reaches a request."""
+    found: list[object] = []
+    if not isinstance(table, Mapping) or depth > 8:
+        return found
+    for key, value in table.items():
+        if str(key).endswith("sample_ids") and isinstance(value, list):
+            found += [item for item in value if not isinstance(item, Mapping | list)]
+        elif isinstance(value, Mapping):
+            found += _every_sample_id(value, depth + 1)
+    return found
 
 
 def _request_facts(case: Case, error: str, kernel: str | None) -> list[tuple[str, str]]:

@@ -62,7 +62,8 @@ from pytest_gpucase.tools.record.write import (
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["context_doc_of", "note_narrowed_size", "replayed_failure", "write_narrowed"]
+__all__ = ["context_doc_of", "find_raising_op", "note_narrowed_size", "replayed_failure",
+           "write_narrowed"]
 
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
 _NARROWED_NOTE_SIZE = 32 * 2**20
@@ -244,29 +245,20 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
                written: list[Path], unreplayable: str = "") -> None:
     """Write the case of the single ATen op that raised in a replay of ``module_dir``; none,
     said with the reason, when that case cannot be replayed (``unreplayable``)."""
-    import tempfile
-
     if unreplayable:
         say(f"gpucase: note: no op case written: the op that raised is found by replaying "
             f"a case, and {shown(module_dir)} cannot be replayed ({unreplayable})")
         return
 
     from pytest_gpucase.case.load import load_case
-    from pytest_gpucase.run.isolation import run_in_child
 
-    with tempfile.TemporaryDirectory() as scratch:
-        out = Path(scratch) / INPUTS_FILE
-        with outside_autocast():
-            child = run_in_child(_find_op, str(module_dir), str(out), timeout=300,
-                                 start_method=start.start_method)
-        table = child.value if child.returned else None
-        if not isinstance(table, dict) or not out.exists():
-            # Nothing was written, so nothing was tried: say why, not "did not reproduce".
-            why = (table if isinstance(table, str)
-                   else f"the search for the op that raised failed ({child.problem})")
-            say(f"gpucase: note: {why}: no op case written")
-            return
-        tensors = payload.load(out)
+    with outside_autocast():
+        found = find_raising_op(module_dir, timeout=300, start=start)
+    if isinstance(found, str):
+        # Nothing was written, so nothing was tried: say why, not "did not reproduce".
+        say(f"gpucase: note: {found}: no op case written")
+        return
+    table, tensors = found
     case = load_case(module_dir)
     op = str(table["op"])
     draft = Draft(
@@ -281,6 +273,27 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
         context={k: v for k, v in context_doc(case).items() if k not in ("rng", "autocast")})
     saved, new = write_kept(root, draft, lambda tmp: _reproduces(tmp, recorded, start))
     _report(saved, f"op {op}", new, kept, written)
+
+
+def find_raising_op(case_dir: Path, *, timeout: float, start: RunContext | None = None,
+                    ) -> tuple[dict[str, Any], dict[str, torch.Tensor]] | str:
+    """The single ATen op that raises in a replay of the case at ``case_dir`` (any case: a
+    model's, a function's, one written by hand), found in a fresh child under a dispatch
+    mode: its ``[inputs] gpucase_op`` table and the tensors it names; else why not."""
+    import tempfile
+
+    from pytest_gpucase.run.isolation import run_in_child
+
+    start = start or RunContext.here("cpu")
+    with tempfile.TemporaryDirectory() as scratch:
+        out = Path(scratch) / INPUTS_FILE
+        child = run_in_child(_find_op, str(case_dir), str(out), timeout=timeout,
+                             start_method=start.start_method)
+        table = child.value if child.returned else None
+        if not isinstance(table, dict) or not out.exists():
+            return (table if isinstance(table, str)
+                    else f"the search for the op that raised failed ({child.problem})")
+        return table, payload.load(out)
 
 
 def _report(saved: Path | None, what: str, new: bool, kept: list[Path],
@@ -339,7 +352,7 @@ def _encode_arg(value: Any, tensors: dict[str, torch.Tensor]) -> Any:
 
 
 def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
-    """In a child: replay a module case under a dispatch mode and save the op that raises.
+    """In a child: replay a case under a dispatch mode and save the op that raises.
 
     Returns the ``[inputs] gpucase_op`` table and writes the op's tensors to ``out_file``;
     else why there is no op case: no single op raised (the failure is in Python code, or
@@ -350,7 +363,7 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     from torch.utils._pytree import tree_map_only
 
     from pytest_gpucase.case.load import load_case
-    from pytest_gpucase.run.child import load_arguments
+    from pytest_gpucase.run.child import load_arguments, resolve
     from pytest_gpucase.run.context import replay_context
 
     class Finder(TorchDispatchMode):  # type: ignore[no-untyped-call]
@@ -373,15 +386,18 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     os.environ[REPLAY_ENV] = "1"
     case = load_case(Path(case_dir))
     inputs, rng = load_arguments(case)
-    finder = Finder()  # type: ignore[no-untyped-call]
+    finder, composite = Finder(), _composite_mode()  # type: ignore[no-untyped-call]
     try:
-        with replay_context(case.context, "cpu", rng), finder:
-            replay_module(**inputs)
+        # The case's own call: replay_module for a model's case, the function otherwise.
+        call = replay_module if case.call == REPLAY_MODULE else resolve(case, case.call, "call")
+        with replay_context(case.context, "cpu", rng), composite, finder:
+            call(**inputs)
     except Exception:
         pass
-    if finder.failed is None:
+    failed = finder.failed or composite.aten()
+    if failed is None:
         return "no single ATen op raised"
-    func, args, kwargs = finder.failed
+    func, args, kwargs = failed
     tensors: dict[str, Any] = {}
     encoded = [_encode_arg(a, tensors) for a in args]
     encoded_kwargs = {k: _encode_arg(v, tensors) for k, v in kwargs.items()}
@@ -392,6 +408,40 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
     if encoded_kwargs:
         table["kwargs"] = encoded_kwargs
     return table
+
+
+def _composite_mode() -> Any:
+    from torch.overrides import TorchFunctionMode
+
+    class Composite(TorchFunctionMode):
+        """The innermost torch function that raised, for a composite ATen op that raises in
+        its own C++ body (``one_hot``'s class check), which no dispatch mode sees: its name is
+        the ATen op's (``torch._C._nn.one_hot``, ``aten.one_hot.default``)."""
+
+        failed: tuple[Any, Any, Any] | None = None
+
+        def __torch_function__(self, func: Any, types: Any, args: Any = (),
+                               kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            try:
+                return func(*args, **kwargs)
+            except Exception:
+                if self.failed is None:   # the innermost raises first
+                    self.failed = (func, args, kwargs)
+                raise
+
+        def aten(self) -> tuple[Any, Any, Any] | None:
+            """The ATen op of that name with its ``default`` overload, and its arguments."""
+            import torch
+
+            if self.failed is None:
+                return None
+            func, args, kwargs = self.failed
+            packet = getattr(torch.ops.aten, str(getattr(func, "__name__", "")), None)
+            op = getattr(packet, "default", None) if packet is not None else None
+            return None if op is None else (op, args, kwargs)
+
+    return Composite()
 
 
 def _reproduces(case_dir: Path, recorded: Failure, ctx: RunContext) -> bool:
