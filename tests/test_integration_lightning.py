@@ -5,6 +5,7 @@ hyperparameters come with it (issue 22 items 3-6)."""
 from __future__ import annotations
 
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,16 @@ pytestmark = [pytest.mark.slow,  # real training runs and replays in children
               pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::FutureWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+
+@pytest.fixture(autouse=True)
+def _own_port(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A free port for each test's process group: Lightning keeps the first MASTER_PORT it
+    picks in os.environ, and a later test's group (or one in another xdist worker) would
+    meet the earlier one's socket there (EADDRINUSE)."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        monkeypatch.setenv("MASTER_PORT", str(sock.getsockname()[1]))
 
 
 def fit(tmp_path: Path, model: Any, data: Any, error: type[BaseException] | None,

@@ -97,14 +97,18 @@ def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     rebuilt): the submodule's case, which needs no rebuild of the whole model, is written
     all the same, and the op is searched for in it; with no submodule case, no op case.
     """
+    before = len(written)
     try:
         _write_narrowed(exc, case_dir, module, entered, rng, root=root,
                         stderr_file=stderr_file, context=context, device_names=device_names,
                         kept=kept, written=written, recorded=recorded,
                         unreplayable=unreplayable)
-    except Exception as problem:
-        say(f"gpucase: note: {case_dir.name} not narrowed: narrowing raised "
-            f"{error_line(problem)}, so no narrowed case was written")
+    except Exception as problem:  # a full disk, a name the file system refuses: said
+        done = [shown(path) for path in written[before:]]
+        say(f"gpucase: note: narrowing {case_dir.name} stopped: {error_line(problem)}; "
+            + (f"written before it stopped: {', '.join(done)}; the narrower ones were not"
+               if done else "no narrowed case was written")
+            + " (the case itself is saved)")
 
 
 def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,

@@ -331,15 +331,12 @@ class ModuleSaver:
                         f"{type(watch.module).__qualname__} cannot be rebuilt: "
                         f"{watch.rebuild.why_not}")
         written = len(rec.narrowed_new)
-        try:
-            write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
-                           root=rec.case_root(), stderr_file=rec.stderr_file,
-                           context=rec.context(), device_names=rec.device_names,
-                           kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded,
-                           unreplayable=unreplayable)
-        except Exception as problem:  # a full disk, a name the file system refuses: said
-            say(f"gpucase: note: narrowing {shown(case_dir)} stopped: {error_line(problem)}; "
-                "its narrower cases were not all written (the case itself is saved)")
+        # write_narrowed says itself when narrowing stops (a full disk, a refused name).
+        write_narrowed(exc, case_dir, watch.module, entered, watch.rng,
+                       root=rec.case_root(), stderr_file=rec.stderr_file,
+                       context=rec.context(), device_names=rec.device_names,
+                       kept=rec.narrowed, written=rec.narrowed_new, recorded=recorded,
+                       unreplayable=unreplayable)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec.narrowed_new[written:])
 
