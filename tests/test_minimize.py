@@ -704,7 +704,7 @@ def test_the_minimized_case_holds_the_kept_entries_sample_ids(
     assert main(["minimize", str(path), "--max-tries", "50"]) == 0
     out = capsys.readouterr().out
     assert "  sample id kept: img_00005 ([origin] sample_ids)\n" in out
-    assert "alone pass" in out and ": the failure is in the kept entry's data\n" in out
+    assert "alone pass" in out and ", so the failure is in the kept entry's data\n" in out
     written = load_case(tmp_path / "ce_batch_min")
     # show, triage, offending and data-check read [origin] sample_ids as the new batch's.
     assert written.origin["sample_ids"] == ["img_00005"]

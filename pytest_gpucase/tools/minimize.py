@@ -536,9 +536,9 @@ class Minimized:
             return (f"entr{'y' if len(failing) == 1 else 'ies'} "
                     f"{', '.join(map(str, failing))} fail{'s' if len(failing) == 1 else ''} "
                     "alone the same way too: the kept entry is not the only one")
-        return (f"entr{'y' if len(tried) == 1 else 'ies'} {', '.join(map(str, tried))} "
-                f"alone pass{'es' if len(tried) == 1 else ''}: the failure is in the kept "
-                "entry's data")
+        passes = "entry {} alone passes" if len(tried) == 1 else "entries {} alone pass"
+        return (passes.format(", ".join(map(str, tried)))
+                + ", so the failure is in the kept entry's data")
 
     @classmethod
     def of(cls, case: Case, baseline: Verdict, failure: FailureClass,
