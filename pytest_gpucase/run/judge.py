@@ -217,25 +217,30 @@ class Judged:
                 raise failed.error from None  # as when it happened before judging
         self.store(look)
         self.notes.extend(look.notes())
-        held = self.held(actual, found or expected or {}, comparison)
+        against = found or expected or {}
+        held = self.held(actual, against, comparison)
         held_paths = {failure.path for failure in held}
         self.notes.extend(note for note in comparison.notes
                           if not any(note.startswith(f"{path} passed") for path in held_paths))
         fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel,
                   "budgets": comparison.budgets}
         if held:
-            return self.held_outcome(held, comparison, fields)
+            return self.held_outcome(held, comparison, {
+                **fields, "nonfinite": self.nonfinite(actual, against, comparison)})
         if not comparison.ok:
             return self.outcome("failed", "outputs differ from the reference: "
                                 f"{comparison.headline()}", details=comparison.report(),
-                                error_message=comparison.where(), kind="mismatch", **fields)
+                                error_message=comparison.where(), kind="mismatch",
+                                nonfinite=self.nonfinite(actual, against, comparison),
+                                **fields)
         if against_golden is not None and not against_golden.ok:
             return self.outcome(
                 "failed", f"outputs match the reference but differ from the golden "
                 f"{golden_file.name}; if the change is intended, rewrite it with "
                 "--gpu-cases-regen", details=against_golden.report(),
                 error_message=against_golden.where(), kind="golden mismatch",
-                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel)
+                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel,
+                nonfinite=self.nonfinite(actual, golden.load(golden_file), against_golden))
         problem = self.gradients_checked(actual)
         if problem is not None:
             return self.outcome("failed", "the gradients disagree with finite differences of "
@@ -245,6 +250,19 @@ class Judged:
         also = f" and {golden_file.name}" if against_golden is not None else ""
         return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
                             **fields)
+
+    def nonfinite(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
+                  comparison: Comparison) -> tuple[str, ...]:
+        """The leaves that differ because the run is NaN or infinite where ``expected`` is
+        not (``Outcome.nonfinite``): what a failure recorded as a non-finite output needs
+        to be met again."""
+        paths = [m.path for m in comparison.mismatches if m.kind == "values"]
+        if not paths:
+            return ()
+        ours, theirs = second_look.leaves_of(actual), second_look.leaves_of(expected)
+        return tuple(path for path in paths
+                     if ranges.non_finite(ours.get(path), theirs.get(path))
+                     or (not self.expect.equal_nan and _nan_in(ours.get(path))))
 
     def held(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
              comparison: Comparison) -> list[ranges.RangeFailure]:
@@ -486,6 +504,15 @@ _GRADCHECK_HELP = (
     "central differences of the forward instead, along random directions. A kink at the "
     "inputs (relu at exactly 0, a max with ties) can fail it too: then name an independent "
     "reference = \"case.py:reference\" in case.toml.")
+
+
+def _nan_in(value: object) -> bool:
+    """Whether a leaf of a run holds NaN (a NaN against NaN differs without equal_nan)."""
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        return bool(torch.isnan(value.detach()).any())
+    return False
 
 
 def autocast_reference(case: Case) -> bool:
