@@ -142,13 +142,22 @@ def test_a_correct_fix_of_a_bf16_model_turns_xpass(bug: str, nan_recorded: Path,
     result.stdout.fnmatch_lines(["*[[]XPASS(strict)[]]*"])
 
 
-@pytest.mark.parametrize("bug", ["shape", "nan"])
+@pytest.mark.parametrize("bug", ["shape", "nan", "silent nan"])
 def test_a_wrong_fix_of_a_bf16_model_is_a_new_failure(bug: str, nan_recorded: Path,
                                                       shape_recorded: Path,
                                                       pytester: pytest.Pytester) -> None:
-    """The wrong fix's outputs hold no NaN: a recorded NaN is not met by them."""
-    result = replay(nan_recorded if bug == "nan" else shape_recorded, pytester,
-                    source(wrong=1.25))
+    """The wrong fix's outputs hold no NaN: a recorded NaN is not met by them, also when
+    it was recorded without an exception (``error = "silent: ..."``, class nan)."""
+    if bug == "silent nan":
+        recorded = pytester.path / "recorded"
+        shutil.copytree(nan_recorded, recorded, ignore=shutil.ignore_patterns("__pycache__"))
+        toml = recorded / "cases" / "GPT" / "case.toml"
+        text, count = re.subn(r'(?m)^error = "FloatingPointError: ', 'error = "silent: ',
+                              toml.read_text())
+        assert count == 1
+        toml.write_text(text)
+    result = replay(recorded if bug == "silent nan" else nan_recorded if bug == "nan"
+                    else shape_recorded, pytester, source(wrong=1.25))
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
     assert "outputs differ from the reference: out:" in text, text

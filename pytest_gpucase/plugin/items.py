@@ -317,7 +317,7 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
                                  str(case.origin.get("backend", "")) or None,
                                  known if isinstance(known, str) else None)
     differs = outcome.kind in ("mismatch", "golden mismatch")
-    if recorded.error_type is None:
+    if recorded.error_type is None and recorded.kind != "nan":
         return differs  # a silent failure: met by the outputs that differ
     if differs:
         # A NaN check's error is met by outputs that differ by being NaN or inf (where the
