@@ -259,7 +259,8 @@ class TestCraftedResults:
          b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed", "summary": 5, '
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
          b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}, '
-         b'"budgets": {"$": "tuple", "items": []}, "verdict_class": null}}}',
+         b'"budgets": {"$": "tuple", "items": []}, "verdict_class": null, '
+         b'"nonfinite": {"$": "tuple", "items": []}}}}',
          "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed"}}}', "fields"),
@@ -281,9 +282,10 @@ class TestCraftedResults:
         crafted = json.dumps({"format": 1, "kind": "value", "value": {
             "$": "dataclass", "type": "pytest_gpucase.run.outcome.Outcome",
             "fields": {**{k: v for k, v in sent.__dict__.items()
-                          if k not in ("max_abs", "notes", "budgets")},
+                          if k not in ("max_abs", "notes", "budgets", "nonfinite")},
                        "max_abs": {"$": "float", "value": "nan"},
                        "notes": {"$": "tuple", "items": []},
+                       "nonfinite": {"$": "tuple", "items": []},
                        "budgets": {"$": "tuple", "items": []}}}}).encode()
         result = run_in_child(targets.send_raw_result, crafted, timeout=30)
         assert result.returned, result.problem

@@ -445,8 +445,9 @@ def test_golden_regen_workflow(pytester: pytest.Pytester, cases: Path) -> None:
     changed = pytester.runpytest_subprocess("--gpu-cases", "cases")
     changed.assert_outcomes(failed=1)
     changed.stdout.fnmatch_lines([
-        "outputs match the reference but differ from the golden expected.safetensors; if the "
-        "change is intended, rewrite it with --gpu-cases-regen",
+        "outputs match the reference, but the float64 reference differs from the golden "
+        "expected.safetensors (actual: the reference now): the computation changed since the "
+        "golden was written; if the change is intended, rewrite it with --gpu-cases-regen",
         "out[[]'y'[]]: values differ",
     ])
     pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases").assert_outcomes(

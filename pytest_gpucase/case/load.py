@@ -5,6 +5,7 @@ the fix. Nothing here imports torch or reads tensor data."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import difflib
 import json
 import math
@@ -27,6 +28,7 @@ from packaging.version import InvalidVersion, Version
 from pytest_gpucase.base.backends import BACKENDS, DEVICE_TYPES
 from pytest_gpucase.base.errors import CaseFormatError, link_inside
 from pytest_gpucase.base.files import FileTooLarge, NotRegularFile, read_regular
+from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.case.model import (
     CASE_FILE,
     DEFAULT_TIMEOUT,
@@ -387,6 +389,9 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
 
     literals = top.get("inputs", dict, "a table [inputs]", default={})
     expect = _parse_expectation(top.table_at("expect"), with_extras=True)
+    context = _parse_context(top.table_at("context"))
+    if _recorder_default_tolerance(call, context, expect):
+        expect = dataclasses.replace(expect, tolerance={})
     return Case(
         name=case_name(path),
         path=path,
@@ -405,8 +410,28 @@ def _parse(doc: Mapping[str, Any], path: Path, file: Path) -> Case:
         inputs_sha256=_parse_hash(top),
         memory_limit=None if memory_gib is None else int(memory_gib * 2**30),
         xfail_scope=xfail_scope,
-        context=_parse_context(top.table_at("context")),
+        context=context,
     )
+
+
+# What the Recorder once wrote into every module case recorded under autocast, for both the
+# autocast dtype and float32: four epsilons of that dtype as rtol and atol (the same number).
+_RECORDER_TOLERANCE = {"bfloat16": 2.0**-5, "float16": 2.0**-8}
+
+
+def _recorder_default_tolerance(call: str, context: ReplayContext, expect: Expectation) -> bool:
+    """Whether ``expect.tolerance`` is exactly the table the Recorder wrote before it left
+    the verdict's default rule to judge its cases: a default it chose, not the user's
+    choice, and one that turned the rounding budget off (a correct bf16 model failed). Such a
+    case is judged by the default rule, as one recorded now is; any other figure is the
+    user's, applied as written."""
+    autocast = context.autocast
+    if call != REPLAY_MODULE or autocast is None:
+        return False
+    figure = _RECORDER_TOLERANCE.get(autocast.dtype)
+    written = ToleranceOverride(rtol=figure, atol=figure)
+    return figure is not None and dict(expect.tolerance) == {autocast.dtype: written,
+                                                             "float32": written}
 
 
 def _parse_xfail(top: _Reader) -> tuple[str | None, XfailScope]:

@@ -299,7 +299,9 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
     case, and a reference that could not run, are never the known failure: the call did
     not fail, so a fix would stay a quiet xfail. A silent recorded failure (``[origin]
     error`` without an exception type: wrong values, a NaN loss) is met by outputs that
-    differ; with no ``[origin] error`` at all, any failure of the call counts.
+    differ; a recorded non-finite output (a NaN check's error) by outputs that differ by
+    holding NaN or inf (``Outcome.nonfinite``) only; with no ``[origin] error`` at all, any
+    failure of the call counts.
     """
     from pytest_gpucase.run.parent import failure_of
     from pytest_gpucase.verdict.failure import Failure, same_failure
@@ -315,10 +317,13 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
                                  str(case.origin.get("backend", "")) or None,
                                  known if isinstance(known, str) else None)
     differs = outcome.kind in ("mismatch", "golden mismatch")
-    if recorded.error_type is None:
+    if recorded.error_type is None and recorded.kind != "nan":
         return differs  # a silent failure: met by the outputs that differ
     if differs:
-        return recorded.kind == "nan"  # a NaN check's error is met by NaN outputs too
+        # A NaN check's error is met by outputs that differ by being NaN or inf (where the
+        # reference is finite), not by any difference: a fix that leaves rounding, or
+        # another bug, is not the captured failure.
+        return recorded.kind == "nan" and bool(outcome.nonfinite)
     if outcome.kind in ("no exception", "bad output", "timeout"):
         return False  # the captured error is gone (a fix): another failure, not the known one
     found = failure_of(verdict)

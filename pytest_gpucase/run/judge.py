@@ -16,7 +16,7 @@ import torch
 
 from pytest_gpucase.base.errors import CaseFormatError
 from pytest_gpucase.base.tensors import named_tensors, tensor_versions
-from pytest_gpucase.case import golden
+from pytest_gpucase.case import golden, payload
 from pytest_gpucase.case.model import Case, Expectation
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache, second_look
@@ -34,8 +34,8 @@ from pytest_gpucase.run.outcome import Outcome, describe_exception, exception_te
 from pytest_gpucase.verdict import ranges
 from pytest_gpucase.verdict.compare import Comparison, Tolerance, combine, compare
 
-__all__ = ["OUTPUT_MARKS", "REFERENCE_OUTPUT", "Judged", "autocast_reference", "compare_results",
-           "labelled_output", "reference_inputs", "run_precision"]
+__all__ = ["GOLDEN_PRECISION", "OUTPUT_MARKS", "REFERENCE_OUTPUT", "Judged", "autocast_reference",
+           "compare_results", "labelled_output", "reference_inputs", "run_precision"]
 
 
 # Written before the reference's output: a case that prints shows its lines twice, from the
@@ -109,6 +109,7 @@ class Judged:
         self._reference_rng: torch.Tensor | None = None
         self.reference_seconds = 0.0
         self._budget_entry: tuple[reference_cache.Entry | None] | None = None
+        self._inputs_cast: bool | None = None
         # What the budget's draws (or the kept budget) found past the range of the run's
         # precision: a failure then runs the reference with that range (``held``).
         self.range_events: dict[str, Any] = {}
@@ -217,25 +218,28 @@ class Judged:
                 raise failed.error from None  # as when it happened before judging
         self.store(look)
         self.notes.extend(look.notes())
-        held = self.held(actual, found or expected or {}, comparison)
+        against = found or expected or {}
+        held = self.held(actual, against, comparison)
         held_paths = {failure.path for failure in held}
         self.notes.extend(note for note in comparison.notes
                           if not any(note.startswith(f"{path} passed") for path in held_paths))
         fields = {"max_abs": comparison.max_abs, "max_rel": comparison.max_rel,
                   "budgets": comparison.budgets}
         if held:
-            return self.held_outcome(held, comparison, fields)
+            return self.held_outcome(held, comparison, {
+                **fields, "nonfinite": self.nonfinite(actual, against, comparison)})
         if not comparison.ok:
             return self.outcome("failed", "outputs differ from the reference: "
                                 f"{comparison.headline()}", details=comparison.report(),
-                                error_message=comparison.where(), kind="mismatch", **fields)
+                                error_message=comparison.where(), kind="mismatch",
+                                nonfinite=self.nonfinite(actual, against, comparison),
+                                **fields)
         if against_golden is not None and not against_golden.ok:
             return self.outcome(
-                "failed", f"outputs match the reference but differ from the golden "
-                f"{golden_file.name}; if the change is intended, rewrite it with "
-                "--gpu-cases-regen", details=against_golden.report(),
+                "failed", self.golden_summary(golden_file.name), details=against_golden.report(),
                 error_message=against_golden.where(), kind="golden mismatch",
-                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel)
+                max_abs=against_golden.max_abs, max_rel=against_golden.max_rel,
+                nonfinite=self.nonfinite(actual, golden.load(golden_file), against_golden))
         problem = self.gradients_checked(actual)
         if problem is not None:
             return self.outcome("failed", "the gradients disagree with finite differences of "
@@ -245,6 +249,28 @@ class Judged:
         also = f" and {golden_file.name}" if against_golden is not None else ""
         return self.outcome("passed", f"outputs match the reference{also}", kind="passed",
                             **fields)
+
+    def golden_summary(self, name: str) -> str:
+        if self.inputs_cast():
+            return (f"outputs match the reference but differ from the golden {name}; if the "
+                    "change is intended, rewrite it with --gpu-cases-regen")
+        return (f"outputs match the reference, but {_reference_words(self.case)} differs from "
+                f"the golden {name} (actual: the reference now): the computation changed "
+                "since the golden was written; if the change is intended, rewrite it with "
+                "--gpu-cases-regen")
+
+    def nonfinite(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
+                  comparison: Comparison) -> tuple[str, ...]:
+        """The leaves that differ because the run is NaN or infinite where ``expected`` is
+        not (``Outcome.nonfinite``): what a failure recorded as a non-finite output needs
+        to be met again."""
+        paths = [m.path for m in comparison.mismatches if m.kind == "values"]
+        if not paths:
+            return ()
+        ours, theirs = second_look.leaves_of(actual), second_look.leaves_of(expected)
+        return tuple(path for path in paths
+                     if ranges.non_finite(ours.get(path), theirs.get(path))
+                     or (not self.expect.equal_nan and _nan_in(ours.get(path))))
 
     def held(self, actual: Mapping[str, Any], expected: Mapping[str, Any],
              comparison: Comparison) -> list[ranges.RangeFailure]:
@@ -334,8 +360,31 @@ class Judged:
             # The golden holds the reference's own values (as --gpu-cases-regen writes it, and
             # until the reference changes): the run compares with it as with the reference.
             return comparison, comparison
-        return comparison, compare_results(actual, kept, self.expect, self.precision,
-                                           self.spec.device, look)
+        if self.inputs_cast():
+            # The reference ran on the inputs cast to the run's dtype, the golden on the
+            # case's own: they differ by that rounding, which the budget measures.
+            return comparison, compare_results(actual, kept, self.expect, self.precision,
+                                               self.spec.device, look)
+        # The golden is what the reference computed when it was written: the run passed the
+        # reference within the rounding of its own precision, so what is left to ask is
+        # whether the reference still computes the golden. That is the same code on the
+        # same inputs: held to what another run or machine moves the reference by (float32's
+        # tolerance at the least, GOLDEN_PRECISION), never to the run's rounding budget (which
+        # let a wrong rotary frequency through, RMS 0.165 within a budget of 0.362).
+        return comparison, compare_results(expected, kept, self.expect, GOLDEN_PRECISION)
+
+    def inputs_cast(self) -> bool:
+        """Whether the run cast floating inputs to another dtype (``[matrix] dtypes``), so
+        that its reference ran on other inputs than the golden was written from."""
+        if not self.spec.cast:
+            return False
+        if self._inputs_cast is None:
+            file = self.case.inputs_file
+            codes = [info.dtype for info in payload.describe(file)] if file.exists() else []
+            self._inputs_cast = any(
+                payload.DTYPES.get(code, ("",))[0].startswith(("float", "bfloat"))
+                and payload.DTYPES[code][0] != self.spec.dtype for code in codes)
+        return self._inputs_cast
 
     def fresh_reference(self) -> dict[str, Any] | Outcome:
         began = time.perf_counter()
@@ -479,6 +528,11 @@ _BUDGET = "budget2"
 # leaf asks for once its budget is known, then the last comparison.
 _SETTLES = 4
 
+# The least precision a golden is held to against the reference that wrote it: what the
+# same code on the same inputs moves by between runs, machines and torch versions (another
+# summation order, another BLAS), not the rounding budget of the run's precision.
+GOLDEN_PRECISION = torch.float32
+
 _GRADCHECK_HELP = (
     "The case names no independent reference, so the gradients were compared with the "
     "call's own backward run in float64, which a wrong backward formula (a custom "
@@ -486,6 +540,15 @@ _GRADCHECK_HELP = (
     "central differences of the forward instead, along random directions. A kink at the "
     "inputs (relu at exactly 0, a max with ties) can fail it too: then name an independent "
     "reference = \"case.py:reference\" in case.toml.")
+
+
+def _nan_in(value: object) -> bool:
+    """Whether a leaf of a run holds NaN (a NaN against NaN differs without equal_nan)."""
+    if isinstance(value, float):
+        return math.isnan(value)
+    if isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex()):
+        return bool(torch.isnan(value.detach()).any())
+    return False
 
 
 def autocast_reference(case: Case) -> bool:

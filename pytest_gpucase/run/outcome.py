@@ -58,6 +58,10 @@ class Outcome:
     # A mismatch whose cause is the range of the run's precision (verdict.ranges): "overflow"
     # or "underflow"; "" for any other outcome.
     verdict_class: str = ""
+    # For outputs that differ: the leaves the run holds NaN or inf in where what it was
+    # compared with does not (a NaN against NaN too, unless equal_nan): a failure recorded
+    # as a non-finite output is met by such outputs only, not by any difference of values.
+    nonfinite: tuple[str, ...] = ()
 
     @property
     def broken_case(self) -> bool:
