@@ -53,19 +53,32 @@ model(torch.tensor([[1, 9]]))
 '''
 
 
-@pytest.fixture(scope="module")
-def _once(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A project whose train.py fails in Net's forward: its case, captured once."""
-    project = tmp_path_factory.mktemp("captured") / "project"
+def _project(root: Path, module: str, source: str, train: str) -> Path:
+    """A project with a pytest.ini, ``module``.py holding ``source`` and a train.py; the
+    training run once, as a user runs it (its stderr returned by ``_train``)."""
+    project = root / "project"
     project.mkdir()
     (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "netmod.py").write_text(MODEL)
-    (project / "train.py").write_text(TRAIN)
+    (project / f"{module}.py").write_text(source)
+    (project / "train.py").write_text(train)
+    return project
+
+
+def _train(project: Path) -> str:
+    """Run the project's train.py in a fresh interpreter; its stderr."""
     done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
                           text=True, timeout=300, check=False,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "IndexError" in done.stderr, done.stderr
-    assert (project / "cases" / "Net" / "case.toml").is_file(), done.stderr
+    return done.stderr
+
+
+@pytest.fixture(scope="module")
+def _once(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A project whose train.py fails in Net's forward: its case, captured once."""
+    project = _project(tmp_path_factory.mktemp("captured"), "netmod", MODEL, TRAIN)
+    stderr = _train(project)
+    assert "IndexError" in stderr, stderr
+    assert (project / "cases" / "Net" / "case.toml").is_file(), stderr
     return project
 
 
@@ -119,10 +132,8 @@ def test_a_buffer_the_code_owns_is_the_code_s_to_change(captured: Path) -> None:
           'self.register_buffer("scale", torch.ones(dim))\n'
           '        self.register_buffer("mask", torch.ones(2, 2))')
     shutil.rmtree(project / "cases")  # recorded again, with the mask
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    assert "IndexError" in done.stderr, done.stderr
+    stderr = _train(project)
+    assert "IndexError" in stderr, stderr
     doc = tomllib.loads((project / "cases" / "Net" / "case.toml").read_text())
     assert doc["inputs"]["gpucase_module"]["code_owned"] == ["mask"]
     _edit(project, 'self.register_buffer("mask", torch.ones(2, 2))',
@@ -207,16 +218,10 @@ def test_a_lightning_case_whose_module_no_longer_takes_its_state_is_a_problem(
     """Issue 30: the LightningModule's code changed after the capture (a wider head): its
     training_step case can no longer load its state, and validate says so."""
     pytest.importorskip("lightning")
-    project = tmp_path / "project"
-    project.mkdir()
-    (project / "pytest.ini").write_text("[pytest]\n")
-    (project / "litmod.py").write_text(LIT_MODEL)
-    (project / "train.py").write_text(LIT_TRAIN)
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    project = _project(tmp_path, "litmod", LIT_MODEL, LIT_TRAIN)
+    stderr = _train(project)
     cases = project / "cases"
-    assert (cases / "Lit.training_step" / "case.toml").is_file(), done.stderr
+    assert (cases / "Lit.training_step" / "case.toml").is_file(), stderr
     assert validate([cases]) == []
     source = (project / "litmod.py").read_text()
     (project / "litmod.py").write_text(source.replace("Linear(dim, vocab)",
