@@ -183,47 +183,15 @@ REF_FLOOR_TEST = textwrap.dedent("""
 """)
 
 
-ITEM_TIMER_CONFTEST = textwrap.dedent("""
-    import resource
-    import sys
-    import time
-
-    _seen = {}
-
-
-    def _cpu():
-        # This process and its reaped descendants: user + system seconds.
-        return sum(usage.ru_utime + usage.ru_stime for usage in (
-            resource.getrusage(resource.RUSAGE_SELF),
-            resource.getrusage(resource.RUSAGE_CHILDREN)))
-
-
-    def pytest_runtest_logstart(nodeid, location):
-        if "first" not in _seen:
-            _seen["first"], _seen["cpu"] = time.perf_counter(), _cpu()
-
-    def pytest_runtest_logfinish(nodeid, location):
-        _seen["last"] = time.perf_counter()
-        _seen["items"] = _seen.get("items", 0) + 1
-
-    def pytest_sessionfinish(session):
-        isolation = sys.modules.get("pytest_gpucase.run.isolation")
-        if isolation is not None:  # the children still pending, and the workers: counted
-            isolation.close_pools()
-            isolation.reap_pending()
-        with open("item_seconds", "w") as handle:
-            handle.write(f"{_seen['last'] - _seen['first']} {_seen['items']} "
-                         f"{_cpu() - _seen['cpu']}")
-""")
-
-
 def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple[float, float]:
     """Seconds per item of one pytest run: from the first item's start to the last one's
     end, over the items (start-up and collection left out, inside the same process); and the
     CPU seconds per item of the pytest process and its children over the same span."""
     pytest_seconds(root, *args, env=env)
-    elapsed, items, cpu = (root / "item_seconds").read_text().split()
-    return float(elapsed) / int(items), float(cpu) / int(items)
+    # bench_isolation's timer: wall, items, then (CPU s, faults) of the process, its children
+    elapsed, items, cpu_self, _, cpu_children, _ = map(
+        float, (root / "item_usage").read_text().split())
+    return elapsed / items, (cpu_self + cpu_children) / items
 
 
 BARE = "bare fork floor"
@@ -252,7 +220,9 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
             (root / folder).mkdir()
             (root / folder / "test_floor.py").write_text(text.format(count=items,
                                                                      benchmarks=BENCHMARKS))
-        (root / "conftest.py").write_text(ITEM_TIMER_CONFTEST)
+        from bench_isolation import ITEM_CONFTEST  # this folder: the item timer they share
+
+        (root / "conftest.py").write_text(ITEM_CONFTEST)
         for round_ in range(repeat):  # interleaved, so that a burst of load hits every row
             loads.append(os.getloadavg()[0])
             order = runs if round_ % 2 == 0 else runs[::-1]
