@@ -20,7 +20,6 @@ batch does not hold (a model that computed it), is refused with the reason.
 
 from __future__ import annotations
 
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -36,6 +35,7 @@ from pytest_gpucase.case.load import load_case, read_case_file
 from pytest_gpucase.case.model import CASE_FILE, EXPECTED_FILE, INPUTS_FILE, MAX_CASE_BYTES, Case
 from pytest_gpucase.case.write import write_case_dir
 from pytest_gpucase.tools.checks import CONTRACT_FORMAT
+from pytest_gpucase.tools.minimize_write import free_path, origin_path
 from pytest_gpucase.tools.offending import Offending, find
 
 if sys.version_info >= (3, 11):
@@ -143,7 +143,7 @@ def data_check(case_dir: Path, *, output: Path | None = None, contract: Path | N
 
 def _targets(case: Case, output: Path | None, contract: Path | None) -> tuple[Path, Path]:
     """Where the new case and the contract go: given, else beside the case; never over a file."""
-    target = output if output is not None else _free(case.path.with_name(f"{case.name}_clean"))
+    target = output if output is not None else free_path(case.path.with_name(f"{case.name}_clean"))
     where = contract if contract is not None else case.path.with_name(
         f"{case.name}.contract.toml")
     for path in (target, where):
@@ -288,7 +288,7 @@ def _document(case: Case, target: Path, found: Offending, kept: Sequence[int],
     if ids is not None:
         origin["sample_ids"] = [ids[i] for i in kept]
     record: dict[str, Any] = {
-        "case": _relative(case.path, target),
+        "case": origin_path(case.path, target),
         "inputs": payload.content_hash(case.inputs_file),
         "axis": found.axis,
         "dropped": list(found.rows),
@@ -297,22 +297,10 @@ def _document(case: Case, target: Path, found: Offending, kept: Sequence[int],
     if ids is not None:
         record["dropped_sample_ids"] = [ids[i] for i in found.rows]
     if contract is not None:
-        record["contract"] = _relative(contract, target)
+        record["contract"] = origin_path(contract, target)
     origin["data_check_from"] = record
     doc["origin"] = origin
     return doc
-
-
-def _relative(path: Path, start: Path) -> str:
-    return Path(os.path.relpath(os.path.abspath(path), os.path.abspath(start))).as_posix()
-
-
-def _free(base: Path) -> Path:
-    candidate, number = base, 1
-    while candidate.exists():
-        number += 1
-        candidate = base.with_name(f"{base.name}{number}")
-    return candidate
 
 
 def _run(case_dir: Path) -> tuple[bool, str]:

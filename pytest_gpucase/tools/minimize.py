@@ -59,6 +59,7 @@ from pytest_gpucase.run.parent import Verdict, failure_of, run_spec
 from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.tools.minimize_write import (
     UNCHANGED,
+    free_path,
     origin_path,
     support_files,
     with_minimized_from,
@@ -812,12 +813,7 @@ def _sizes(axes: Axes) -> str:
 
 def _free_name(original: Path) -> Path:
     """``<case>_min`` beside the original, or ``_min2``, ``_min3``… when taken."""
-    base = original.with_name(f"{original.name}_min")
-    candidate, number = base, 1
-    while candidate.exists():
-        number += 1
-        candidate = base.with_name(f"{base.name}{number}")
-    return candidate
+    return free_path(original.with_name(f"{original.name}_min"))
 
 
 def new_ids(case: Case, result: Minimized) -> Any:

@@ -33,7 +33,17 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["UNCHANGED", "origin_path", "support_files", "with_minimized_from", "write_case"]
+__all__ = ["UNCHANGED", "free_path", "origin_path", "support_files", "with_minimized_from",
+           "write_case"]
+
+
+def free_path(base: Path) -> Path:
+    """``base``, or ``base2``, ``base3``… when taken: a derived case never overwrites one."""
+    candidate, number = base, 1
+    while candidate.exists():
+        number += 1
+        candidate = base.with_name(f"{base.name}{number}")
+    return candidate
 
 
 def origin_path(original: Path, target: Path) -> str:
