@@ -460,10 +460,11 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
 
 
 def _digest(spec: RunSpec, toml: bytes, inputs: bytes, source: bytes, modules: bytes,
-            version: str) -> str:
-    """The key of ``spec`` from what it depends on (``key``), each part with its length."""
+            version: str, *, kind: bytes = _VERSION) -> str:
+    """The key of ``spec`` from what it depends on (``key``, and ``content_key`` with its own
+    ``kind``), each part with its length."""
     case = spec.case
-    digest = hashlib.sha256(_VERSION)
+    digest = hashlib.sha256(kind)
     parts: list[bytes] = [
         toml,
         inputs,
@@ -535,23 +536,11 @@ def content_key(spec: RunSpec, reference: Callable[..., Any]) -> str:
             with contextlib.suppress(OSError):
                 digest = hashlib.sha256(_bounded(file, MAX_SOURCE_BYTES)).hexdigest()
                 modules.append(f"{name}\0{digest}")
-    parts: list[bytes] = [
-        _bounded(case.case_file, MAX_CASE_BYTES),
-        (case.inputs_sha256 or file_sha256(case.inputs_file)).encode(),
-        _source_of(reference),
-        (case.reference or case.call).encode(),
-        (spec.variant.id if spec.variant is not None else "").encode(),
-        (spec.dtype if spec.cast else "saved").encode(),
-        ",".join(spec.settings).encode(),
-        repr(case.context.autocast).encode(),
-        torch.__version__.encode(),
-        "\n".join(sorted(modules)).encode(errors="surrogateescape"),
-    ]
-    found = hashlib.sha256(_CONTENT_VERSION)
-    for part in parts:
-        found.update(len(part).to_bytes(8, "little"))
-        found.update(part)
-    return found.hexdigest()
+    return _digest(spec, _bounded(case.case_file, MAX_CASE_BYTES),
+                   (case.inputs_sha256 or file_sha256(case.inputs_file)).encode(),
+                   _source_of(reference),
+                   "\n".join(sorted(modules)).encode(errors="surrogateescape"),
+                   torch.__version__, kind=_CONTENT_VERSION)
 
 
 def persisted(cached: Entry | None, spec: RunSpec, reference: Callable[..., Any],
