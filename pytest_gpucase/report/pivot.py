@@ -27,6 +27,7 @@ from pytest_gpucase.report.render import (
     _MARKDOWN_SYMBOLS,
     _footnotes,
     _md_cell,
+    html_reasons,
     markdown_notes,
 )
 
@@ -246,11 +247,7 @@ def render_pivot_html(view: Pivot) -> str:
             worst = row.cells[indexes[0]].status
             return f'<td class="{worst.replace(" ", "-")}">{"".join(parts)}</td>'
         table(row.label, case_cell)
-    if numbers:
-        out += ["<h2>Why runs did not pass</h2>", '<ol class="reasons">']
-        out += [f'<li id="reason-{n}" value="{n}">{esc(reason)}</li>'
-                for reason, n in numbers.items()]
-        out.append("</ol>")
+    out += html_reasons(numbers)
     out += ["<h2>Environments</h2>", '<dl class="environments">']
     out += [f"<dt>{esc(c.label)}</dt><dd>{esc(c.description)}<br>from "
             f"{esc(', '.join(c.sources))}</dd>" for c in matrix.columns]

@@ -18,8 +18,8 @@ from pytest_gpucase.report.matrix import (
     Status,
 )
 
-__all__ = ["RENDERERS", "add_renderers", "markdown_notes", "render_html", "render_json",
-           "render_markdown"]
+__all__ = ["RENDERERS", "add_renderers", "html_reasons", "markdown_notes", "render_html",
+           "render_json", "render_markdown"]
 
 _MARKDOWN_SYMBOLS: Mapping[Status, str] = {
     "pass": "✅", "fail": "❌", "flaky": "🔀", "xfail": "⚠️", "skip": "⏭️",
@@ -81,6 +81,16 @@ def markdown_notes(matrix: Matrix, numbers: Mapping[str, int]) -> list[str]:
         lines.append("")
         lines += [f"[^{n}]: {markdown_text(reason)}" for reason, n in numbers.items()]
     return lines
+
+
+def html_reasons(numbers: Mapping[str, int]) -> list[str]:
+    """An HTML matrix's numbered reasons, which its cells' superscripts point at."""
+    if not numbers:
+        return []
+    return (["<h2>Why runs did not pass</h2>", '<ol class="reasons">']
+            + [f'<li id="reason-{n}" value="{n}">{html_text(reason)}</li>'
+               for reason, n in numbers.items()]
+            + ["</ol>"])
 
 
 def render_json(matrix: Matrix) -> str:
@@ -231,11 +241,7 @@ def render_html(matrix: Matrix) -> str:
             out.append(f'<dt class="fixed">{_FIXED_SYMBOL} fixed</dt>'
                        f"<dd>{esc(_FIXED_MEANING)}</dd>")
     out.append("</dl>")
-    if numbers:
-        out += ["<h2>Why runs did not pass</h2>", '<ol class="reasons">']
-        out += [f'<li id="reason-{n}" value="{n}">{esc(reason)}</li>'
-                for reason, n in numbers.items()]
-        out.append("</ol>")
+    out += html_reasons(numbers)
     if matrix.notes:
         out += ["<h2>Notes</h2>", '<ul class="notes">']
         out += [f"<li>{esc(note)}</li>" for note in matrix.notes]
