@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import textwrap
 import time
 import tomllib
@@ -289,3 +290,16 @@ def run_reaching(target: Any, *args: Any, timeout: float,
             return result, given
     raise AssertionError(f"the child never reached {target.__name__} in {given:g} s: "
                          f"{result.problem}\n{result.stderr}")
+
+
+CHECKOUT = Path(__file__).resolve().parents[1]
+
+
+def python_in(cwd: Path, *args: str, paths: tuple[Path, ...] = (),
+              check: bool = False) -> subprocess.CompletedProcess[str]:
+    """``python ARGS`` run in ``cwd`` in a fresh interpreter, as a user runs a training
+    script, with this checkout (then ``paths``) importable; its output as text."""
+    path = os.pathsep.join(str(p) for p in (CHECKOUT, *paths))
+    return subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "PYTHONPATH": path}, check=check)
+

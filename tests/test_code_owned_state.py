@@ -6,11 +6,8 @@ expect the exception."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 import tomllib
 from pathlib import Path
@@ -23,8 +20,8 @@ from pytest_gpucase.run.outcome import CaseSetupError, StaleCaseError, raised
 from pytest_gpucase.run.replay import replay_module
 from pytest_gpucase.tools.record.owned import code_owned
 from pytest_gpucase.tools.record.rebuild import module_state, rebuild_of
+from tests.helpers import python_in
 
-ROOT = Path(__file__).parent.parent
 
 MODEL = '''
 import math
@@ -108,9 +105,7 @@ def recorded(tmp_path_factory: pytest.TempPathFactory) -> Path:
     project = tmp_path_factory.mktemp("nanogpt")
     (project / "model.py").write_text(model_source())
     (project / "train.py").write_text(textwrap.dedent(TRAIN))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
+    done = python_in(project, "train.py")
     assert "FloatingPointError" in done.stderr, done.stderr
     return project
 

@@ -17,6 +17,7 @@ import torch
 from pytest_gpucase.run.replay import build_model, import_target
 from pytest_gpucase.tools.record.rebuild import rebuild_files, rebuild_of
 from tests import config_targets as targets
+from tests.helpers import python_in
 
 
 def _rebuilt(tmp_path: Path, model: torch.nn.Module) -> tuple[dict[str, Any], Any]:
@@ -219,9 +220,6 @@ for it in range(3):
 def _nano_project(tmp_path: Path, init: str, config: bool = True) -> tuple[Path, str]:
     """Run a nanoGPT-shaped train.py (GPT(GPTConfig(...)), tied head) that fails on a token
     id equal to the vocabulary size; its cases folder and its stderr."""
-    import os
-    import subprocess
-    import sys
     import textwrap
 
     project = tmp_path / "project"
@@ -230,10 +228,7 @@ def _nano_project(tmp_path: Path, init: str, config: bool = True) -> tuple[Path,
     if config:
         (project / "pytest.ini").write_text("[pytest]\n")  # the rootdir a replay imports from
     (project / "train.py").write_text(textwrap.dedent(_TRAIN_PY).replace("INIT", init))
-    root = Path(__file__).parent.parent
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(root)})
+    done = python_in(project, "train.py")
     assert "IndexError" in done.stderr, done.stderr
     return project / "cases", done.stderr
 

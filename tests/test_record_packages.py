@@ -9,14 +9,12 @@ The framework here is a real installed distribution (a package with its dist-inf
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import read_toml
+from tests.helpers import python_in, read_toml
 
 pytestmark = pytest.mark.slow  # a training script, then pytest runs of its case
 
@@ -64,9 +62,7 @@ def _recorded(project: Path) -> Path:
     (project / "pytest.ini").write_text("[pytest]\n")
     (project / "mymodel.py").write_text(textwrap.dedent(_MODEL))
     (project / "train.py").write_text(textwrap.dedent(_TRAIN))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(site)])}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
+    done = python_in(project, "train.py", paths=(site,))
     assert "IndexError" in done.stderr, done.stderr
     return project / "cases" / "Net"
 

@@ -4,17 +4,15 @@ project that would put that folder on a replay's path."""
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
+from tests.helpers import python_in
+
 pytestmark = pytest.mark.slow  # each test runs a script in a fresh interpreter
 
-ROOT = Path(__file__).resolve().parents[1]
 
 MODEL_PY = '''
 import torch
@@ -52,9 +50,7 @@ def _project(tmp_path: Path) -> Path:
 
 
 def _run(cwd: Path, *args: str) -> str:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=300, env=env, check=True)
+    done = python_in(cwd, *args, check=True)
     assert "watched" in done.stdout
     return done.stderr
 

@@ -6,10 +6,7 @@ its checkpoint, and narrowing keeps what is the same failure."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -26,11 +23,10 @@ from pytest_gpucase.verdict.failure import Failure, same_failure
 from pytest_gpucase.tools.record.rebuild import rebuild_of
 from pytest_gpucase.tools.validate import validate
 from tests import model_targets
-from tests.helpers import replays, read_toml as toml, replay_cpu as verdict_of
+from tests.helpers import python_in, replays, read_toml as toml, replay_cpu as verdict_of
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = Path(__file__).parent.parent
 
 
 # -- faithful rebuilds ------------------------------------------------------------------
@@ -322,9 +318,7 @@ def test_tensors_shared_by_the_model_and_its_narrowed_cases_are_stored_once(
 def run_script(project: Path, error: str) -> None:
     """Run the project's train.py in a fresh interpreter, as a user does; it fails with
     ``error``."""
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
+    done = python_in(project, "train.py")
     assert error in done.stderr, done.stderr
 
 

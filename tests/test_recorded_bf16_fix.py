@@ -7,21 +7,18 @@ outputs that are NaN or infinite, not by any difference of values."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
 
 from pytest_gpucase.case.load import load_case
+from tests.helpers import python_in
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
-ROOT = Path(__file__).parent.parent
 
 MODEL = '''
 import math
@@ -100,9 +97,7 @@ def record(project: Path, model: str, error: str) -> Path:
     project.mkdir()
     (project / "model.py").write_text(model)
     (project / "train.py").write_text(textwrap.dedent(TRAIN))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, env=env, check=False)
+    done = python_in(project, "train.py")
     assert error in done.stderr, done.stderr
     return project
 

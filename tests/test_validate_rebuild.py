@@ -5,15 +5,14 @@ code is as captured has no problem."""
 
 from __future__ import annotations
 
-import os
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from pytest_gpucase.tools.validate import validate
+from tests.helpers import python_in
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -22,7 +21,6 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 pytestmark = pytest.mark.slow  # the capture runs in a fresh interpreter, the rebuild in a child
 
-ROOT = Path(__file__).parent.parent
 
 MODEL = '''
 import torch
@@ -66,10 +64,7 @@ def _project(root: Path, module: str, source: str, train: str) -> Path:
 
 def _train(project: Path) -> str:
     """Run the project's train.py in a fresh interpreter; its stderr."""
-    done = subprocess.run([sys.executable, "train.py"], cwd=project, capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
-    return done.stderr
+    return python_in(project, "train.py").stderr
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +103,7 @@ def test_a_buffer_the_model_gained_after_the_capture_is_a_problem(captured: Path
     assert len(problems) == 1, problems
     assert "[inputs] gpucase_module" in problems[0]
     assert "has offset (buffer [3] float32), which the saved state lacks" in problems[0]
-    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate",
-                           str(project / "cases")], capture_output=True, text=True,
-                          timeout=300, check=False, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = python_in(project, "-m", "pytest_gpucase.cli", "validate", str(project / "cases"))
     assert done.returncode == 1 and "offset (buffer [3] float32)" in done.stdout, done
 
 
@@ -157,10 +150,8 @@ def test_without_rebuild_validate_runs_no_case_code(captured: Path) -> None:
 def test_the_cli_without_rebuild_runs_no_case_code(captured: Path) -> None:
     project = captured
     _edit(project, "super().__init__()", "super().__init__()\n        raise ValueError('gone')")
-    done = subprocess.run([sys.executable, "-m", "pytest_gpucase.cli", "validate",
-                           "--no-rebuild", str(project / "cases")], capture_output=True,
-                          text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    done = python_in(project, "-m", "pytest_gpucase.cli", "validate", "--no-rebuild",
+                     str(project / "cases"))
     assert done.returncode == 0 and "no problems" in done.stdout, done
 
 
