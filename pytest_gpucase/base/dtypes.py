@@ -23,6 +23,10 @@ class Dtype:
     # The rounding budget's multiple of the spread of its draws (verdict.rounding), for a run
     # computing in this dtype.
     budget_multiplier: float | None = None
+    # The detectability rule (docs/verdicts.md): a constant relative error of more than this
+    # many units of roundoff of an output's RMS size fails, for a run computing in this
+    # dtype, wherever the rounding budget is narrower than that (a pass on a wider one says so).
+    rule: float | None = None
     # The most significant digits a value of this dtype needs to read back exactly
     # (verdict.messages words the shortest that do); None: Python's repr.
     digits: int | None = None
@@ -31,11 +35,12 @@ class Dtype:
 
 DTYPE_TABLE: tuple[Dtype, ...] = (
     Dtype("float16", 1e-3, 1e-5, run=True, low_precision=True, budget_multiplier=4.0,
-          digits=5, screened=True),
+          rule=16.0, digits=5, screened=True),
     Dtype("bfloat16", 1.6e-2, 1e-5, run=True, low_precision=True, budget_multiplier=4.0,
-          digits=4, screened=True),
-    Dtype("float32", 1.3e-6, 1e-5, run=True, budget_multiplier=16.0, digits=9, screened=True),
-    Dtype("float64", 1e-7, 1e-7, run=True, budget_multiplier=16.0, screened=True),
+          rule=16.0, digits=4, screened=True),
+    Dtype("float32", 1.3e-6, 1e-5, run=True, budget_multiplier=16.0, rule=32.0, digits=9,
+          screened=True),
+    Dtype("float64", 1e-7, 1e-7, run=True, budget_multiplier=16.0, rule=32.0, screened=True),
     Dtype("complex32", 1e-3, 1e-5),
     Dtype("complex64", 1.3e-6, 1e-5),
     Dtype("complex128", 1e-7, 1e-7),

@@ -439,7 +439,7 @@ class Judged:
             return outputs
 
         draw = second_look.drawn(drawn_call, self.reference_inputs, self.cotangents,
-                                 self.precision, self.range_events)
+                                 self.precision, self.range_events, autocast=self.autocast)
         return second_look.Look(
             precision=self.precision, fresh=True,
             spreads=lambda paths: second_look.element_spreads_of(expected, draw, paths),
@@ -523,7 +523,7 @@ class Judged:
 
 # The name of the rounding budget kept beside a reference (its format's version with it), under
 # a name made of content (reference_cache.persisted).
-_BUDGET = "budget2"
+_BUDGET = "budget3"
 # Rounds of compare, compute what it asked for, compare again: spreads, then a baseline a
 # leaf asks for once its budget is known, then the last comparison.
 _SETTLES = 4

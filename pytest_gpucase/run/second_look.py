@@ -139,14 +139,20 @@ def element_spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mappi
 def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mapping[str, Any]],
           inputs: Callable[[], Mapping[str, Any]], cotangents: Mapping[str, torch.Tensor],
           precision: torch.dtype,
-          events: dict[str, RangeEvent] | None = None) -> Callable[[int], Mapping[str, Any]]:
+          events: dict[str, RangeEvent] | None = None,
+          autocast: bool = False) -> Callable[[int], Mapping[str, Any]]:
     """One draw of the rounding budget: ``call`` on the inputs and cotangents each rounded
     once, every operation's result rounded once (``RoundEveryOp``), at ``precision``.
 
     ``inputs`` is asked for on the first draw, once: a run that passes without a budget
     never makes them (loading a case's inputs again is most of what a draw would cost it).
     ``events``: where the draws note the first operations whose result ``precision`` cannot
-    hold (``RoundEveryOp``): a failure then looks at the dtype's range (``range_limited``)."""
+    hold (``RoundEveryOp``): a failure then looks at the dtype's range (``range_limited``).
+
+    ``autocast``: the call is an autocast run (of dtype ``precision``) and ``call`` its
+    float32 reference. Each value is then rounded at the precision of the dtype the run
+    holds it in (``verdict.held``), and the inputs not at all: the run reads them as they
+    are, as its reference does."""
     u = unit_roundoff(precision)
     made: list[Mapping[str, Any]] = []
 
@@ -157,9 +163,10 @@ def drawn(call: Callable[[Mapping[str, Any], Mapping[str, torch.Tensor]], Mappin
             except Exception as exc:  # the case's own inputs, not the code under perturbation
                 raise Abandoned(exc) from exc
         generator = torch.Generator().manual_seed(seed)
-        inputs_now = perturbed(dict(made[0]), u, generator, precision)
+        inputs_now = perturbed(dict(made[0]), 0.0 if autocast else u, generator, precision)
         cotangents_now = perturbed(dict(cotangents), u, generator, precision)
-        with RoundEveryOp(u, generator, precision, events):
+        with RoundEveryOp(u, generator, precision, events,
+                          autocast=precision if autocast else None):
             return call(inputs_now, cotangents_now)
 
     return run

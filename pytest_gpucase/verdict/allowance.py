@@ -10,7 +10,7 @@ import math
 import torch
 
 from pytest_gpucase.verdict.messages import num
-from pytest_gpucase.verdict.rounding import CLEAN, RULE, Budget, coarser, unit_roundoff
+from pytest_gpucase.verdict.rounding import CLEAN, Budget, coarser, unit_roundoff
 from pytest_gpucase.verdict.stats import TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance
 
@@ -80,20 +80,21 @@ def budget_record(path: str, actual: object, expected: object,
     """What a report says of a leaf judged by its rounding budget: its precision and
     multiplier, the RMS error it was allowed (``multiplier`` x RMS spread + one rounding of
     its RMS size) and had, their ratio (above 1 fails), and the constant relative error
-    the budget lets through in units of roundoff (``rule_units``; past ``RULE``, ``wide``)."""
-    a = actual if isinstance(actual, torch.Tensor) else torch.tensor(actual)
-    e = expected if isinstance(expected, torch.Tensor) else torch.tensor(expected)
-    a, e = wide64(a), wide64(e)
-    both = torch.isfinite(a) & torch.isfinite(e)
-    error = float(torch.where(both, (a - e).abs(), 0).square().mean().sqrt()) if a.numel() else 0.0
-    size = float(torch.where(torch.isfinite(e), e.abs(), 0).square().mean().sqrt()) if (
-        e.numel()) else 0.0
-    allowed = budget.multiplier * budget.rms + unit_roundoff(budget.precision) * size
-    units = budget.rule_units(expected)
+    the budget lets through in units of roundoff (``rule_units``; past the precision's
+    detectability rule, ``wide``)."""
+    e = wide64(expected if isinstance(expected, torch.Tensor) else torch.tensor(expected))
+    checks = budget.rms_checks(actual, expected)
+    # the binding one of the leaf's RMS tests (``Budget.rms_checks``)
+    check = max(checks, key=lambda c: c.ratio if c.ratio is not None else math.inf,
+                default=None)
+    units = budget.rule_units(e)
     return {"path": path, "precision": str(budget.precision).removeprefix("torch."),
-            "multiplier": budget.multiplier, "rms_error": error, "rms_allowed": allowed,
-            "ratio": error / allowed if allowed > 0 else (0.0 if error == 0 else None),
-            "rule_units": units, "wide": units is not None and units > RULE}
+            "multiplier": check.multiplier if check else budget.multiplier,
+            "rms_error": check.error if check else None,
+            "rms_allowed": check.allowed if check else None,
+            "ratio": check.ratio if check else None,
+            "left_out": check.left_out if check else 0,
+            "rule_units": units, "wide": units is not None and units > budget.rule}
 
 
 def element_tally(actual: torch.Tensor, expected: torch.Tensor, default: Tolerance,

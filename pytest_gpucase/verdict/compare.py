@@ -49,7 +49,6 @@ from pytest_gpucase.verdict.allowance import (
 from pytest_gpucase.verdict.rounding import (
     CLEAN,
     Needed,
-    RULE,
     Budget,
     SecondLook,
     baseline_problem,
@@ -706,7 +705,7 @@ class _Walk:
                 budget: Budget) -> None:
         """Note a pass within a budget as large as the output's own RMS size (at that
         precision the inputs decide the output only to within its size), or wider than the
-        detectability rule (``RULE``) allows."""
+        detectability rule (``Budget.rule``) allows."""
         size = float(_finite_abs(expected).square().mean().sqrt())
         name = str(budget.precision).removeprefix("torch.")
         if budget.rms * budget.multiplier >= size > 0:
@@ -717,11 +716,11 @@ class _Walk:
                 "little; judge it in a finer dtype")
             return
         units = budget.rule_units(expected)
-        if units is not None and units > RULE:
+        if units is not None and units > budget.rule:
             self.notes.append(
                 f"{path} passed within a rounding budget wider than the detectability rule: "
                 f"it lets a constant relative error of {units:.3g} units of roundoff of its "
-                f"RMS size through in {name}, past the rule's {RULE:g} (docs/verdicts.md); "
+                f"RMS size through in {name}, past the rule's {budget.rule:g} (docs/verdicts.md); "
                 "one rounding of this computation moves it that much")
 
     def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
