@@ -533,10 +533,15 @@ def _missing_module(outcome: Outcome) -> str | None:
     """The top-level module a run could not import (a ModuleNotFoundError raised by the call,
     or by the case's setup: importing its factory or target), or None."""
     text = outcome.error_message or outcome.summary or ""
-    if outcome.error_type == "ModuleNotFoundError":
+    if outcome.error_type == "ModuleNotFoundError" or (
+            outcome.broken_case and outcome.cause_type == "ModuleNotFoundError"):
         found = _NO_MODULE.search(text)
-    else:  # a setup failure names its cause: "(ModuleNotFoundError: No module named 'x')"
-        found = _SETUP_NO_MODULE.search(text) if outcome.broken_case else None
+    elif outcome.cause_type is None and outcome.broken_case:
+        # An outcome that does not tell its setup failure's cause (one built by hand):
+        # its message names it, "(ModuleNotFoundError: No module named 'x')".
+        found = _SETUP_NO_MODULE.search(text)
+    else:
+        found = None
     return found.group(1).split(".")[0] if found else None
 
 
