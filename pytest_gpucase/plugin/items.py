@@ -165,16 +165,14 @@ class CaseFile(pytest.File):
         from pytest_gpucase.base.backends import run_backend
         from pytest_gpucase.base.errors import CaseFormatError
         from pytest_gpucase.case.load import load_case
-        from pytest_gpucase.plan.runs import expand, one_dtype_without_floats, saved_dtype
+        from pytest_gpucase.plan.runs import expand, label_dtype, one_dtype_without_floats
 
         state = self.config.stash[session_key]
         case_dir = self.path.parent
         try:
             case = load_case(case_dir)
-            # The saved dtype names the items only when [matrix] dtypes does not; under
-            # autocast the call computes in the autocast dtype, which names them instead.
-            saved = None if case.matrix.dtypes else (case.context.compute_dtype
-                                                     or saved_dtype(case))
+            # The dtype that names the items where [matrix] dtypes does not (plan.runs).
+            saved = None if case.matrix.dtypes else label_dtype(case)
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
