@@ -303,6 +303,7 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
     """
     from pytest_gpucase.run.parent import failure_of
     from pytest_gpucase.verdict.failure import Failure, same_failure
+    from pytest_gpucase.verdict.triage import NONFINITE
 
     outcome = verdict.outcome
     if outcome.broken_case or outcome.kind in ("reference raises", "environment"):
@@ -315,13 +316,13 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
                                  str(case.origin.get("backend", "")) or None,
                                  known if isinstance(known, str) else None)
     differs = outcome.kind in ("mismatch", "golden mismatch")
-    if recorded.error_type is None and recorded.kind != "nan":
+    if recorded.error_type is None and recorded.kind != NONFINITE:
         return differs  # a silent failure: met by the outputs that differ
     if differs:
         # A NaN check's error is met by outputs that differ by being NaN or inf (where the
         # reference is finite), not by any difference: a fix that leaves rounding, or
         # another bug, is not the captured failure.
-        return recorded.kind == "nan" and bool(outcome.nonfinite)
+        return recorded.kind == NONFINITE and bool(outcome.nonfinite)
     if outcome.kind in ("no exception", "bad output", "timeout"):
         return False  # the captured error is gone (a fix): another failure, not the known one
     found = failure_of(verdict)
@@ -564,9 +565,12 @@ def _missing_text(case: Case, outcome: Outcome) -> str:
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
     that now rejects the input should change in ``case.toml``."""
+    from pytest_gpucase.verdict.triage import current_class
+
     error = str(case.origin.get("error", "")).partition("\n")[0]
     known = case.origin.get("failure_class")
-    captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
+    captured = (f"{error} ({current_class(known)})" if error and isinstance(known, str)
+                else error or "unnamed")
     if outcome.kind == "reference raises":
         return (f"The case's xfail expects the call to fail ({captured}); here the call ran "
                 "and its reference could not, so nothing judged the call's outputs: this is "

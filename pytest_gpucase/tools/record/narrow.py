@@ -28,6 +28,7 @@ from pytest_gpucase.case.model import INPUTS_FILE
 from pytest_gpucase.run.replay import replay_module
 from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.failure import Failure, same_failure
+from pytest_gpucase.verdict.triage import NONFINITE
 from pytest_gpucase.tools.record.inputs import (
     NOT_LITERAL,
     Before,
@@ -130,7 +131,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     module_dir = case_dir
     # A NaN no op raised: the first submodule that made it, found in a replay. No ATen op
     # raises for it either, so the op search then speaks only when it finds one.
-    nonfinite = entered is None and class_of(exc) == "nan"
+    nonfinite = entered is None and class_of(exc) == NONFINITE
     if nonfinite and unreplayable:
         say(f"gpucase: note: no submodule case written for the non-finite value: it is "
             f"found by replaying a case, and {shown(case_dir)} cannot be replayed "
@@ -150,7 +151,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         recipe: dict[str, Any] = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
                                   "training": bool(sub.training), "backward": False}
         found = triage_of(exc, "")
-        if class_of(exc) == "nan":
+        if class_of(exc) == NONFINITE:
             recipe["finite"] = True
         inputs = collect(inner, args, kwargs, Before(versions=versions), found, exc)
         if inputs.changed:
