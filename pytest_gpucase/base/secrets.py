@@ -80,13 +80,17 @@ _SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
                 + _VALUE, re.IGNORECASE), "always"),
 )
 # A bare run of hex digits (a 40-hex API token, a 32- or 64-hex secret) is a secret only in a
-# secret's position, told by the word right before it, in prose as well: "token <hex>", "the
-# API key is <hex>", "secret: <hex>". Anywhere else it is a git commit's SHA or a digest
-# ("[origin] revision", "commit <hex>", "git checkout <hex>", a cache key), which a case keeps.
+# secret's position, told by the word right before it, in prose as well ("token <hex>", "the
+# API key is <hex>", "secret: <hex>"), or by a name whose last segment is AUTH (GITHUB_AUTH=,
+# X-Auth:, auth_header:, which the names above miss). Anywhere else it is a git commit's SHA
+# or a digest ("[origin] revision", "commit <hex>", GIT_COMMIT=, a cache key): kept.
 _HEX_SECRET = re.compile(
-    r"(?i)(?<![\w-])((?:tokens?|secrets?|passwords?|passwd|passphrase|credentials?|auth"
+    r"(?<![\w-])((?i:tokens?|secrets?|passwords?|passwd|passphrase|credentials?|auth"
     r"|apikey|(?:api|access|secret|private|client|auth)[ _-]?keys?)"
-    r"(?:[ \t]{1,8}(?:is|was|=|:)|:)?[ \t]{1,8})([0-9a-f]{32,128})(?![\w-])")
+    r"(?:[ \t]{1,8}(?i:is|was)|[ \t]{0,8}[=:])?[ \t]{1,8}"
+    r"|(?:[A-Za-z0-9_.-]{0,64}[_.-])?(?i:auth)(?:[_.-]?(?i:header))?"
+    r"(?:[\"']?[ \t]{0,8}[=:][ \t]{0,8}|[ \t]{1,8})[\"']?)"
+    r"([0-9a-fA-F]{32,128})(?![\w-])")
 # A word of prose: what follows a secret's name and a space without being its value.
 _WORD = re.compile(r"[a-z]{1,24}")
 _NETRC = re.compile(r"(?i)\b(?:login|machine|default)[ \t]{1,8}\S{1,256}[ \t]{1,8}\Z")
