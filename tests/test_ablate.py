@@ -23,7 +23,7 @@ from pytest_gpucase.tools.ablate import (
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.cli import main
 from pytest_gpucase.plan.environment import Device, Environment
-from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.plan.runs import RunSpec, expand, label_dtype, single_run
 from pytest_gpucase.plan.runs import NotRunnable, choose_device
 from tests.helpers import ce_case, make_case, recorded_ce_case, write_case
 
@@ -335,7 +335,7 @@ def test_an_autocast_failure_is_read_as_precision_not_the_inputs(tmp_path: Path)
                       {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))})
     result = ablate(load_case(path), device="cpu", dtype=None, env=ENV)
     assert result.failing
-    assert result.dtype == "float32 under bfloat16 autocast"
+    assert result.dtype == "bfloat16 autocast"   # as its item is named: [cpu-bfloat16]
     rows = {row.change: row for row in result.rows}
     assert rows["autocast_off"].verdict == PASSES
     assert rows["autocast_float16"].verdict == PASSES
@@ -343,7 +343,28 @@ def test_an_autocast_failure_is_read_as_precision_not_the_inputs(tmp_path: Path)
     assert "see autocast off" in rows["float32"].note
     assert "passes with autocast off but fails under bfloat16 autocast" in result.reading
     assert "the trigger is in the inputs" not in result.reading
-    assert "under bfloat16 autocast" in result.render().splitlines()[0]
+    assert result.render().splitlines()[0].endswith(
+        "amp on cpu in bfloat16 autocast: fails (RuntimeError)")
+
+
+def test_an_autocast_case_is_ablated_in_the_run_its_item_makes(tmp_path: Path) -> None:
+    """The item of a case recorded under bf16 autocast is [cpu-bfloat16]: ablating it in
+    that dtype (as --gpu-ablate does, with the item's dtype) is the item's own run, the
+    saved float32 inputs under autocast, not those inputs cast to bfloat16, and is named
+    as the item is."""
+    path = write_case(tmp_path, "amp", AUTOCAST_TOML, AUTOCAST_PY,
+                      {"x": torch.randn(4, 8, generator=torch.Generator().manual_seed(0))})
+    case = load_case(path)
+    (item,) = [spec for spec in expand(case, ENV, saved_dtype=label_dtype(case))
+               if spec.device == "cpu"]
+    assert item.item_name() == "amp[cpu-bfloat16]"
+    run = single_run(case, ENV, "cpu", item.dtype)
+    assert (run.id, run.cast) == (item.id, item.cast) == ("cpu-bfloat16", False)
+    assert single_run(case, ENV, "cpu") == run
+    found = ablate(case, device="cpu", dtype=item.dtype, env=ENV)
+    assert found.dtype == "bfloat16 autocast"
+    off = {row.change: row for row in found.rows}["autocast_off"]
+    assert off.verdict == PASSES
 
 
 def test_a_case_without_autocast_says_why_it_has_no_autocast_row(tmp_path: Path) -> None:

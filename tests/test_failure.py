@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pytest_gpucase.verdict.failure import Failure, message_shape, same_failure
+from pytest_gpucase.verdict.triage import same_failure as same_class
 
 CUDA_ASSERT = Failure.from_text(
     "RuntimeError: CUDA error: device-side assert triggered\nCUDA kernel errors might be ...",
@@ -102,7 +103,7 @@ def test_a_class_given_by_the_record_wins_over_the_text() -> None:
 
 def test_a_nan_is_the_same_failure_whichever_check_caught_it() -> None:
     """The Recorder's guard words a NaN loss one way at capture, the replay's finiteness
-    check another, anomaly mode a third: all the nan class, on the same device too."""
+    check another, anomaly mode a third: all the nonfinite class, on the same device too."""
     captured = Failure.from_text("FloatingPointError: non-finite loss of scaled_sum: out "
                                  "holds 1 NaN", device="cpu", failure_class="nan")
     assert same_failure(captured, Failure("FloatingPointError",
@@ -113,6 +114,30 @@ def test_a_nan_is_the_same_failure_whichever_check_caught_it() -> None:
     assert not same_failure(captured, Failure(
         "RuntimeError", "mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)",
         device="cpu"))
+
+
+def test_an_output_holding_inf_alone_is_non_finite_not_nan() -> None:
+    """inf and no NaN: the class a user reads in case.toml and in the xfail text is
+    "nonfinite", never "nan"; NaN and inf are the same failure, whichever was held."""
+    inf = Failure("FloatingPointError", "non-finite output of Net: out holds 3 inf",
+                  device="cpu")
+    assert inf.kind == "nonfinite"
+    assert same_failure(inf, Failure("FloatingPointError",
+                                     "non-finite output: out holds 1 NaN", device="cpu"))
+
+
+def test_a_case_written_with_the_former_nan_class_means_the_same() -> None:
+    """Cases on disk written before the class was named nonfinite hold "nan": read as
+    nonfinite, they are met by the same replays as a new case."""
+    old = Failure.from_text("FloatingPointError: non-finite loss of f: out holds 2 inf",
+                            device="cpu", failure_class="nan")
+    new = Failure.from_text("FloatingPointError: non-finite loss of f: out holds 2 inf",
+                            device="cpu", failure_class="nonfinite")
+    assert old == new and old.kind == "nonfinite"
+    found = Failure("RuntimeError", "Function 'LogBackward0' returned nan values in its 0th "
+                    "output.", device="cpu")
+    assert same_failure(old, found) and same_failure(new, found)
+    assert same_class("nan", "nonfinite") and same_class("nonfinite", "nan")
 
 
 INPLACE = ("one of the variables needed for gradient computation has been modified by an "

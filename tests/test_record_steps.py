@@ -107,7 +107,7 @@ def test_a_guard_on_a_nan_saves_the_call_that_made_it(tmp_path: Path, guard: str
     doc = toml(case_dir)
     recipe = doc["inputs"]["gpucase_module"]
     assert recipe["finite"] is True and "incomplete" not in doc["origin"]
-    assert doc["origin"]["failure_class"] == "nan"
+    assert doc["origin"]["failure_class"] == "nonfinite"
     replays(case_dir, "FloatingPointError")
 
 

@@ -178,6 +178,25 @@ def test_a_nan_still_there_is_the_known_failure(nan_recorded: Path,
     replay(nan_recorded, pytester, source(NAN_BUG)).assert_outcomes(xfailed=1)
 
 
+def test_a_case_with_the_former_nan_class_still_means_a_non_finite_failure(
+        nan_recorded: Path, pytester: pytest.Pytester) -> None:
+    """A case written before the class was named "nonfinite" holds failure_class = "nan";
+    recorded silently (no exception type), the class alone says what meets it: the NaN
+    still there is the known failure, and a wrong fix without one is not."""
+    recorded = pytester.path / "recorded"
+    shutil.copytree(nan_recorded, recorded, ignore=shutil.ignore_patterns("__pycache__"))
+    toml = recorded / "cases" / "GPT" / "case.toml"
+    text, classes = re.subn(r'(?m)^failure_class = "nonfinite"$', 'failure_class = "nan"',
+                            toml.read_text())
+    text, errors = re.subn(r'(?m)^error = "FloatingPointError: ', 'error = "silent: ', text)
+    assert (classes, errors) == (1, 1)
+    toml.write_text(text)
+    replay(recorded, pytester, source(NAN_BUG)).assert_outcomes(xfailed=1)
+    result = replay(recorded, pytester, source(wrong=1.25))
+    result.assert_outcomes(failed=1)
+    assert "XFAIL" not in result.stdout.str()
+
+
 def test_a_table_the_recorder_wrote_before_is_the_default(shape_recorded: Path,
                                                           tmp_path: Path) -> None:
     """Cases recorded before: the table of four bf16 epsilons, for bfloat16 and float32, is

@@ -182,3 +182,39 @@ def test_prose_and_placeholders_stay(text: str) -> None:
 def test_real_secrets_are_still_removed(text: str, kept: str) -> None:
     assert remove_secrets(text) == kept
     assert SECRET in capture_text(text)
+
+
+_HEX = "4f9e2c1a8b7d6e5f4a3b2c1d0e9f8a7b6c5d4e3f"
+
+
+@pytest.mark.parametrize(("text", "kept"), [
+    (f"token {_HEX}", "token <secret>"),
+    (f"the API key is {_HEX}, rotate it", "the API key is <secret>, rotate it"),
+    (f"using Token {_HEX} for the hub", "using Token <secret> for the hub"),
+    (f"secret: {_HEX}", "secret: <secret>"),
+    (f"apikey {_HEX}", "apikey <secret>"),
+    (f"export GITHUB_AUTH={_HEX}", "export GITHUB_AUTH=<secret>"),
+    (f"X-Auth: {_HEX.upper()}", "X-Auth: <secret>"),
+    (f"auth_header: '{_HEX}'", "auth_header: '<secret>'"),
+])
+def test_a_bare_hex_token_in_a_secret_s_position_is_removed(text: str, kept: str) -> None:
+    assert remove_secrets(text) == kept
+    assert capture_text(text) == kept
+
+
+@pytest.mark.parametrize("text", [
+    f'revision = "{_HEX}"',
+    f"[origin]\nrevision = \"{_HEX}\"\n",
+    f"commit {_HEX}",
+    f"git checkout {_HEX} && pytest",
+    f"HEAD is now at {_HEX} fix the loss",
+    f"tokenizer revision {_HEX}",
+    f"the reference cache key {_HEX} was stale",
+    f"token {'1' * 40}",
+    f"GIT_COMMIT={_HEX} author={_HEX}",
+    f"X-Upstream-Commit: {_HEX}",
+    f"commit_sha: {_HEX}, authored_by: {_HEX}",
+])
+def test_a_git_sha_or_digest_is_kept(text: str) -> None:
+    assert remove_secrets(text) == text
+    assert capture_text(text) == text

@@ -79,6 +79,18 @@ _SECRETS: tuple[tuple[re.Pattern[str], str], ...] = (
     (re.compile(rf"(?<![\w-])((?:--(?:{_SECRET_NAMES}|pass|auth|key)|-p)(?:[ \t]{{1,8}}|=))"
                 + _VALUE, re.IGNORECASE), "always"),
 )
+# A bare run of hex digits (a 40-hex API token, a 32- or 64-hex secret) is a secret only in a
+# secret's position, told by the word right before it, in prose as well ("token <hex>", "the
+# API key is <hex>", "secret: <hex>"), or by a name whose last segment is AUTH (GITHUB_AUTH=,
+# X-Auth:, auth_header:, which the names above miss). Anywhere else it is a git commit's SHA
+# or a digest ("[origin] revision", "commit <hex>", GIT_COMMIT=, a cache key): kept.
+_HEX_SECRET = re.compile(
+    r"(?<![\w-])((?i:tokens?|secrets?|passwords?|passwd|passphrase|credentials?|auth"
+    r"|apikey|(?:api|access|secret|private|client|auth)[ _-]?keys?)"
+    r"(?:[ \t]{1,8}(?i:is|was)|[ \t]{0,8}[=:])?[ \t]{1,8}"
+    r"|(?:[A-Za-z0-9_.-]{0,64}[_.-])?(?i:auth)(?:[_.-]?(?i:header))?"
+    r"(?:[\"']?[ \t]{0,8}[=:][ \t]{0,8}|[ \t]{1,8})[\"']?)"
+    r"([0-9a-fA-F]{32,128})(?![\w-])")
 # A word of prose: what follows a secret's name and a space without being its value.
 _WORD = re.compile(r"[a-z]{1,24}")
 _NETRC = re.compile(r"(?i)\b(?:login|machine|default)[ \t]{1,8}\S{1,256}[ \t]{1,8}\Z")
@@ -138,7 +150,16 @@ def remove_secrets(text: str, *, urls: str = "reduce") -> str:
     text = _ASSIGNED.sub(_assigned, text)
     for pattern, said_by in _SECRETS:
         text = pattern.sub(functools.partial(_spaced, said_by=said_by), text)
-    return text
+    return _HEX_SECRET.sub(_hex_secret, text)
+
+
+def _hex_secret(found: re.Match[str]) -> str:
+    """A run of hex digits after a secret's word, removed when it holds digits and letters
+    both (a number, or a word such as "deadbeef...", is not a key)."""
+    value = found.group(2)
+    if value.isdigit() or not any(c.isdigit() for c in value):
+        return found.group(0)
+    return found.group(1) + SECRET
 
 
 def _spaced(found: re.Match[str], said_by: str) -> str:

@@ -34,7 +34,8 @@ from pytest_gpucase.case.variants import expand as expand_variants
 from pytest_gpucase.plan.environment import Environment
 
 __all__ = ["DEFAULT_DEVICES", "ItemId", "NotRunnable", "RunSpec", "choose_device", "device_list",
-           "device_skip", "evaluate", "expand", "one_dtype_without_floats", "run_skip",
+           "device_skip", "evaluate", "expand", "label_dtype", "one_dtype_without_floats",
+           "run_skip",
            "saved_dtype", "saved_float_dtype", "single_run", "unchanged_runs"]
 
 DEFAULT_DEVICES = ("cpu", "cuda")
@@ -78,19 +79,29 @@ class RunSpec:
 
     @property
     def numeric(self) -> str:
-        """The run's real numeric context in words: ``float32``, or ``float32 under bfloat16
-        autocast`` (what ablate and minimize say they ran)."""
+        """The run's real numeric context in words, beginning with the dtype its item is
+        named by (``id``): ``float32``; ``bfloat16 autocast`` for the saved inputs under
+        bfloat16 autocast (item ``[cpu-bfloat16]``); ``float64 under bfloat16 autocast`` for
+        inputs cast to float64 under it. What ablate and minimize say they ran."""
         compute = self.case.context.compute_dtype
-        return f"{self.dtype} under {compute} autocast" if compute else self.dtype
+        if compute is None:
+            return self.dtype
+        if not self.cast and self.dtype == compute:
+            return f"{compute} autocast"
+        return f"{self.dtype} under {compute} autocast"
 
     def with_autocast(self, dtype: str | None) -> RunSpec:
         """This run with its case's autocast off (None) or in ``dtype`` instead: a change of
-        the case's ``[context]``, so the child, the judge and the reference cache all see it."""
+        the case's ``[context]``, so the child, the judge and the reference cache all see it.
+        A run named by its autocast dtype (``label_dtype``) is named by the new one."""
         context = self.case.context
         autocast = (None if dtype is None or context.autocast is None
                     else replace(context.autocast, dtype=dtype, enabled=True))
         case = replace(self.case, context=replace(context, autocast=autocast))
-        return replace(self, case=case)
+        named = self.dtype
+        if not self.cast and self.dtype == context.compute_dtype:
+            named = label_dtype(case) or "float32"
+        return replace(self, case=case, dtype=named)
 
     def item_name(self) -> str:
         """The name of this run's pytest item: ``ce_class4[cuda-float32-batch[1]]``."""
@@ -162,6 +173,14 @@ def saved_float_dtype(inputs: Sequence[TensorInfo]) -> str | None:
         return None
     largest = max(floats, key=lambda info: _numel(info.shape))
     return DTYPES[largest.dtype][0]
+
+
+def label_dtype(case: Case) -> str | None:
+    """The dtype that names the runs of ``case`` where ``[matrix] dtypes`` does not (its
+    items' ``[cpu-bfloat16]``, and what ablate and minimize say they ran): under
+    ``[context] autocast`` the autocast dtype, which the call computes in; else the saved
+    inputs' floating dtype; None without either. The inputs are not cast to it."""
+    return case.context.compute_dtype or saved_dtype(case)
 
 
 def saved_dtype(case: Case) -> str | None:
@@ -308,7 +327,8 @@ def expand(
     """Every run of ``case``: devices x dtypes x (original + variants), skipped ones included.
 
     ``devices`` and ``dtypes`` (from ``--gpu-devices``/``--gpu-dtypes``) narrow the case's
-    own lists; ``saved_dtype`` is the floating dtype of the saved inputs, if any.
+    own lists; ``saved_dtype`` names the runs where ``[matrix] dtypes`` does not
+    (``label_dtype``: the autocast dtype, else the saved inputs' floating dtype).
     """
     cast = case.matrix.dtypes is not None
     case_dtypes = case.matrix.dtypes or (saved_dtype or "float32",)
@@ -355,16 +375,17 @@ def one_dtype_without_floats(case: Case, specs: list[RunSpec]) -> list[RunSpec]:
 
 def single_run(case: Case, env: Environment, device: str, dtype: str | None = None, *,
                launch_blocking: bool | None = None) -> RunSpec:
-    """One unchanged run of ``case`` on ``device``, in ``dtype`` or its saved dtype.
+    """One unchanged run of ``case`` on ``device``, in ``dtype`` or the dtype its items are
+    named by (``label_dtype``), as ``expand`` makes it.
 
     ``launch_blocking`` None follows the case's own ``launch_blocking``.
     """
-    saved = saved_dtype(case) or "float32"
+    own = label_dtype(case) or "float32"
     # A case with [matrix] dtypes casts (as expand); an explicit other dtype casts too.
-    cast = case.matrix.dtypes is not None or (dtype is not None and dtype != saved)
+    cast = case.matrix.dtypes is not None or (dtype is not None and dtype != own)
     blocking = case.launch_blocking if launch_blocking is None else launch_blocking
     child_env = blocking_env(env.backend, device, blocking)
-    return RunSpec(case, device, dtype or saved, cast, env=child_env,
+    return RunSpec(case, device, dtype or own, cast, env=child_env,
                    launch_blocking=bool(child_env))
 
 

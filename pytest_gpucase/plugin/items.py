@@ -165,16 +165,14 @@ class CaseFile(pytest.File):
         from pytest_gpucase.base.backends import run_backend
         from pytest_gpucase.base.errors import CaseFormatError
         from pytest_gpucase.case.load import load_case
-        from pytest_gpucase.plan.runs import expand, one_dtype_without_floats, saved_dtype
+        from pytest_gpucase.plan.runs import expand, label_dtype, one_dtype_without_floats
 
         state = self.config.stash[session_key]
         case_dir = self.path.parent
         try:
             case = load_case(case_dir)
-            # The saved dtype names the items only when [matrix] dtypes does not; under
-            # autocast the call computes in the autocast dtype, which names them instead.
-            saved = None if case.matrix.dtypes else (case.context.compute_dtype
-                                                     or saved_dtype(case))
+            # The dtype that names the items where [matrix] dtypes does not (plan.runs).
+            saved = None if case.matrix.dtypes else label_dtype(case)
             specs = expand(
                 case, state.environment(tuple(case.matrix.packages)),
                 saved_dtype=saved,
@@ -305,6 +303,7 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
     """
     from pytest_gpucase.run.parent import failure_of
     from pytest_gpucase.verdict.failure import Failure, same_failure
+    from pytest_gpucase.verdict.triage import NONFINITE
 
     outcome = verdict.outcome
     if outcome.broken_case or outcome.kind in ("reference raises", "environment"):
@@ -317,13 +316,13 @@ def is_known_failure(case: Case, verdict: Verdict) -> bool:
                                  str(case.origin.get("backend", "")) or None,
                                  known if isinstance(known, str) else None)
     differs = outcome.kind in ("mismatch", "golden mismatch")
-    if recorded.error_type is None and recorded.kind != "nan":
+    if recorded.error_type is None and recorded.kind != NONFINITE:
         return differs  # a silent failure: met by the outputs that differ
     if differs:
         # A NaN check's error is met by outputs that differ by being NaN or inf (where the
         # reference is finite), not by any difference: a fix that leaves rounding, or
         # another bug, is not the captured failure.
-        return recorded.kind == "nan" and bool(outcome.nonfinite)
+        return recorded.kind == NONFINITE and bool(outcome.nonfinite)
     if outcome.kind in ("no exception", "bad output", "timeout"):
         return False  # the captured error is gone (a fix): another failure, not the known one
     found = failure_of(verdict)
@@ -533,10 +532,15 @@ def _missing_module(outcome: Outcome) -> str | None:
     """The top-level module a run could not import (a ModuleNotFoundError raised by the call,
     or by the case's setup: importing its factory or target), or None."""
     text = outcome.error_message or outcome.summary or ""
-    if outcome.error_type == "ModuleNotFoundError":
+    if outcome.error_type == "ModuleNotFoundError" or (
+            outcome.broken_case and outcome.cause_type == "ModuleNotFoundError"):
         found = _NO_MODULE.search(text)
-    else:  # a setup failure names its cause: "(ModuleNotFoundError: No module named 'x')"
-        found = _SETUP_NO_MODULE.search(text) if outcome.broken_case else None
+    elif outcome.cause_type is None and outcome.broken_case:
+        # An outcome that does not tell its setup failure's cause (one built by hand):
+        # its message names it, "(ModuleNotFoundError: No module named 'x')".
+        found = _SETUP_NO_MODULE.search(text)
+    else:
+        found = None
     return found.group(1).split(".")[0] if found else None
 
 
@@ -561,9 +565,12 @@ def _missing_text(case: Case, outcome: Outcome) -> str:
 def _not_the_known_failure(case: Case, outcome: Outcome) -> str:
     """Why an xfail case's failure fails the run: it is not the captured one, and what a fix
     that now rejects the input should change in ``case.toml``."""
+    from pytest_gpucase.verdict.triage import current_class
+
     error = str(case.origin.get("error", "")).partition("\n")[0]
     known = case.origin.get("failure_class")
-    captured = f"{error} ({known})" if error and isinstance(known, str) else error or "unnamed"
+    captured = (f"{error} ({current_class(known)})" if error and isinstance(known, str)
+                else error or "unnamed")
     if outcome.kind == "reference raises":
         return (f"The case's xfail expects the call to fail ({captured}); here the call ran "
                 "and its reference could not, so nothing judged the call's outputs: this is "

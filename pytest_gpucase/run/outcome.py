@@ -62,6 +62,10 @@ class Outcome:
     # compared with does not (a NaN against NaN too, unless equal_nan): a failure recorded
     # as a non-finite output is met by such outputs only, not by any difference of values.
     nonfinite: tuple[str, ...] = ()
+    # For a case that could not be set up (error_type "CaseSetupError" or a subclass): the
+    # type of the exception that stopped it (its ``__cause__``: "ModuleNotFoundError"), so
+    # that what caused it is read here, not out of the words of its message.
+    cause_type: str | None = None
 
     @property
     def broken_case(self) -> bool:
@@ -135,8 +139,10 @@ def _setup_failure(what: str, exc: CaseSetupError) -> Outcome:
             kind = "environment"
             break
         cause = cause.__cause__ or cause.__context__
+    cause_type = type(exc.__cause__).__name__ if exc.__cause__ is not None else None
     return Outcome("failed", f"{what} could not be set up: {first}", details=text,
-                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind)
+                   error_type=type(exc).__name__, error_message=exception_text(exc), kind=kind,
+                   cause_type=cause_type)
 
 
 def raised(what: str, exc: BaseException, kind: OutcomeKind = "raises") -> Outcome:

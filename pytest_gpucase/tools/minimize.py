@@ -174,7 +174,7 @@ def first_failure(specs: Sequence[RunSpec],
 
 def describe_passes(case: Case, verdicts: Sequence[Verdict]) -> str:
     """The message for an original that passes every run tried."""
-    runs = ", ".join(f"{v.spec.device} in {v.spec.dtype}" for v in verdicts)
+    runs = ", ".join(f"{v.spec.device} in {v.spec.numeric}" for v in verdicts)
     return f"{display(case.path)} passes unchanged ({runs}): there is no failure to keep"
 
 
@@ -574,7 +574,7 @@ class Minimized:
         how = {None: "", "max tries": " (stopped at --max-tries)",
                "time budget": " (stopped at --time-budget)", "interrupted": " (interrupted)"}
         lines = [f"gpucase minimize: {display(self.original)} on {self.spec.device} in "
-                 f"{self.spec.dtype}, {self.message or self.failure}: {self.tries} tries in "
+                 f"{self.spec.numeric}, {self.message or self.failure}: {self.tries} tries in "
                  f"{self.seconds:.1f} s{how[self.stopped]}"]
         if self.output is None:
             lines.append("  no smaller case fails the same way; nothing written")

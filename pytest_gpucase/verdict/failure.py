@@ -35,7 +35,7 @@ import re
 from dataclasses import dataclass
 
 from pytest_gpucase.base.secrets import remove_secrets
-from pytest_gpucase.verdict.triage import failure_class
+from pytest_gpucase.verdict.triage import NONFINITE, current_class, failure_class
 from pytest_gpucase.verdict.triage import same_failure as same_class
 
 __all__ = ["CAUGHT_BY_ANY_CHECK", "CROSS_DEVICE_CLASSES", "CUT_MARK", "Failure", "cut",
@@ -50,7 +50,7 @@ CROSS_DEVICE_CLASSES = frozenset({"device-side-assert", "index-out-of-range",
 # NaN is told by the Recorder's guard at capture ("non-finite loss of f: ..."), by the
 # replay's finiteness check ("non-finite output: ..."), by anomaly mode or by the user's
 # own check. Their words say where it was caught, not what failed: the class decides.
-CAUGHT_BY_ANY_CHECK = frozenset({"nan"})
+CAUGHT_BY_ANY_CHECK = frozenset({NONFINITE})
 # What ends a message cut to a bound (``cut``), and the least of it that must be kept for the
 # prefix to say anything: below it, a cut message matches nothing but itself.
 CUT_MARK = "\u2026"
@@ -64,7 +64,8 @@ class Failure:
     ``error_type`` None is a failure without an exception (outputs that differ: the
     message is then the verdict's summary). ``device`` is kept as its type (``cuda:1`` and
     a ROCm build's ``rocm`` are ``cuda``). ``failure_class`` is the triage class when it
-    is known already (``[origin] failure_class``); left None, it is read off the texts.
+    is known already (``[origin] failure_class``, a former name read as the class it
+    became: ``nan`` is ``nonfinite``); left None, it is read off the texts.
     """
 
     error_type: str | None
@@ -75,6 +76,8 @@ class Failure:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "device", _device_type(self.device))
+        if self.failure_class is not None:
+            object.__setattr__(self, "failure_class", current_class(self.failure_class))
 
     @classmethod
     def from_text(cls, text: str, stderr: str = "", device: str | None = None,

@@ -7,8 +7,16 @@ from dataclasses import dataclass
 
 from pytest_gpucase.base.backends import asserts_note, backend_of_text, launch_blocking_words, title
 
-__all__ = ["FAILURE_CLASSES", "LOADER_CLASSES", "SCANNED", "Triage", "assertion_line", "bounded",
-           "failure_class", "loader_words", "same_failure", "triage"]
+__all__ = ["FAILURE_CLASSES", "LOADER_CLASSES", "NONFINITE", "SCANNED", "Triage",
+           "assertion_line", "bounded", "current_class", "failure_class", "loader_words",
+           "same_failure", "triage"]
+
+# The class of a NaN or an inf no op raised (a guard's, a finiteness check's, anomaly mode's):
+# "non-finite", never "NaN", since an output may hold inf and no NaN at all.
+NONFINITE = "nonfinite"
+# Class names that cases written by an earlier gpucase hold ([origin] failure_class), read as
+# the class they became: "nan" named every non-finite failure, inf alone included.
+_FORMER_CLASSES = {"nan": NONFINITE}
 
 _RESTART = (
     "the process must be restarted before any reproduction: the device context is unusable "
@@ -567,7 +575,7 @@ _RULES: tuple[_Rule, ...] = (
     ),
     _Rule(
         clue="NaN/inf",
-        kind="nan",
+        kind=NONFINITE,
         first_check=(
             "Find the first step and tensor where a NaN or inf appears: the inputs, the loss, "
             "then the gradients (torch.autograd.set_detect_anomaly); look at the learning rate, "
@@ -773,11 +781,19 @@ def loader_words(message: str) -> str | None:
     return None
 
 
+def current_class(name: str) -> str:
+    """The failure class ``name`` means now: a name an earlier gpucase wrote into
+    ``[origin] failure_class`` (``nan``) is read as the class it became (``nonfinite``)."""
+    return _FORMER_CLASSES.get(name, name)
+
+
 def same_failure(recorded: str, found: str | None) -> bool:
     """Whether a failure of class ``found`` reproduces one recorded as class ``recorded``
-    (the equivalences are the table "Failure classes" in docs/case-format.md)."""
+    (the equivalences are the table "Failure classes" in docs/case-format.md); a former
+    class name means the class it became."""
     if found is None:
         return False
+    recorded, found = current_class(recorded), current_class(found)
     return found in _EQUIVALENT.get(recorded, frozenset({recorded}))
 
 

@@ -28,6 +28,7 @@ from pytest_gpucase.case.model import INPUTS_FILE
 from pytest_gpucase.run.replay import replay_module
 from pytest_gpucase.run.runcontext import RunContext
 from pytest_gpucase.verdict.failure import Failure, same_failure
+from pytest_gpucase.verdict.triage import NONFINITE
 from pytest_gpucase.tools.record.inputs import (
     NOT_LITERAL,
     Before,
@@ -67,6 +68,8 @@ __all__ = ["context_doc_of", "find_raising_op", "note_narrowed_size", "replayed_
 
 # The narrowed cases of one failure above this size in total get a note: each is a copy.
 _NARROWED_NOTE_SIZE = 32 * 2**20
+# What the op search finds when nothing in the replay raised from an ATen op.
+_NO_OP_RAISED = "no single ATen op raised"
 
 
 def write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
@@ -126,8 +129,15 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
     start = RunContext.here("cpu")
     base = case_dir.name
     module_dir = case_dir
-    if entered is None and class_of(exc) == "nan" and not unreplayable:
-        # A NaN no op raised: the first submodule that made it, found in a replay.
+    # A NaN no op raised: the first submodule that made it, found in a replay. No ATen op
+    # raises for it either, so the op search then speaks only when it finds one.
+    nonfinite = entered is None and class_of(exc) == NONFINITE
+    if nonfinite and unreplayable:
+        say(f"gpucase: note: no submodule case written for the non-finite value: it is "
+            f"found by replaying a case, and {shown(case_dir)} cannot be replayed "
+            f"({unreplayable})")
+        return
+    if nonfinite:
         entered = _first_nonfinite(case_dir, module, start)
     if entered is not None and entered[1] is not module:
         qualname, sub, args, kwargs, versions = entered
@@ -135,13 +145,13 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         if rebuild.factory is None:
             say(f"gpucase: note: {qualname} not narrowed: {rebuild.why_not}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written, unreplayable=unreplayable)
+                       written=written, unreplayable=unreplayable, nonfinite=nonfinite)
             return
         inner = watched_call(sub.forward, f"{base}.{qualname}", REPLAY_MODULE, None)
         recipe: dict[str, Any] = {"factory": rebuild.factory, "kwargs": dict(rebuild.kwargs),
                                   "training": bool(sub.training), "backward": False}
         found = triage_of(exc, "")
-        if class_of(exc) == "nan":
+        if class_of(exc) == NONFINITE:
             recipe["finite"] = True
         inputs = collect(inner, args, kwargs, Before(versions=versions), found, exc)
         if inputs.changed:
@@ -150,7 +160,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
                 f"inputs as passed are gone ({shown(case_dir)} holds the "
                 "module's inputs as passed)")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written, unreplayable=unreplayable)
+                       written=written, unreplayable=unreplayable, nonfinite=nonfinite)
             return
         numeric, rng_tensors = numeric_context(inputs.devices, rng)
         state = module_state(sub)
@@ -158,7 +168,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
             say(f"gpucase: note: {qualname} not narrowed: "
                 f"{state.why_incomplete(qualname, part_of=shown(case_dir))}")
             _narrow_op(exc, case_dir, base, recorded, start, root=root, kept=kept,
-                       written=written, unreplayable=unreplayable)
+                       written=written, unreplayable=unreplayable, nonfinite=nonfinite)
             return
         if state.tied:
             recipe["tied"] = state.tied
@@ -179,7 +189,7 @@ def _write_narrowed(exc: BaseException, case_dir: Path, module: torch.nn.Module,
         if saved is not None:
             module_dir, unreplayable = saved, ""
     _narrow_op(exc, module_dir, base, recorded, start, root=root, kept=kept, written=written,
-               unreplayable=unreplayable)
+               unreplayable=unreplayable, nonfinite=nonfinite)
 
 
 def _first_nonfinite(case_dir: Path, module: torch.nn.Module, start: RunContext,
@@ -246,9 +256,13 @@ def context_doc_of(case_dir: Path, key: str) -> dict[str, Any]:
 
 def _narrow_op(exc: BaseException, module_dir: Path, base: str,
                recorded: Failure, start: RunContext, *, root: Path, kept: list[Path],
-               written: list[Path], unreplayable: str = "") -> None:
+               written: list[Path], unreplayable: str = "", nonfinite: bool = False) -> None:
     """Write the case of the single ATen op that raised in a replay of ``module_dir``; none,
-    said with the reason, when that case cannot be replayed (``unreplayable``)."""
+    said with the reason, when that case cannot be replayed (``unreplayable``).
+
+    ``nonfinite``: the failure is a non-finite value no op raised, whose story the notes on
+    its first submodule have told; that no ATen op raised is then no news, and is not said
+    (an op that does raise, multinomial's check of its probabilities, still gets a case)."""
     if unreplayable:
         say(f"gpucase: note: no op case written: the op that raised is found by replaying "
             f"a case, and {shown(module_dir)} cannot be replayed ({unreplayable})")
@@ -260,7 +274,8 @@ def _narrow_op(exc: BaseException, module_dir: Path, base: str,
         found = find_raising_op(module_dir, timeout=300, start=start)
     if isinstance(found, str):
         # Nothing was written, so nothing was tried: say why, not "did not reproduce".
-        say(f"gpucase: note: {found}: no op case written")
+        if not (nonfinite and found == _NO_OP_RAISED):
+            say(f"gpucase: note: {found}: no op case written")
         return
     table, tensors = found
     case = load_case(module_dir)
@@ -400,7 +415,7 @@ def _find_op(case_dir: str, out_file: str) -> dict[str, Any] | str:
         pass
     failed = finder.failed or composite.aten()
     if failed is None:
-        return "no single ATen op raised"
+        return _NO_OP_RAISED
     func, args, kwargs = failed
     tensors: dict[str, Any] = {}
     encoded = [_encode_arg(a, tensors) for a in args]

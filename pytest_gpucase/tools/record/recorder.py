@@ -79,6 +79,7 @@ from pytest_gpucase.tools.record.write import (
     sized,
     write_case,
 )
+from pytest_gpucase.verdict.triage import NONFINITE
 
 if TYPE_CHECKING:
     import torch
@@ -712,8 +713,8 @@ def _read_inputs(watched: Watched, args: Any, kwargs: Any, before: Before, found
 
 
 def _nonfinite_failure(exc: BaseException) -> bool:
-    """Whether a failure is about a NaN or inf (its failure class is ``nan``)."""
-    return class_of(exc) == "nan"
+    """Whether a failure is about a NaN or inf (its failure class is ``nonfinite``)."""
+    return class_of(exc) == NONFINITE
 
 
 def _holds_nonfinite(value: Any) -> bool:

@@ -57,7 +57,7 @@ from pytest_gpucase.tools.record.rebuild import (
 )
 from pytest_gpucase.tools.record.write import mark_incomplete, recapture
 from pytest_gpucase.verdict.failure import Failure, same_failure
-from pytest_gpucase.verdict.triage import failure_class
+from pytest_gpucase.verdict.triage import NONFINITE, failure_class
 
 if TYPE_CHECKING:
     import torch
@@ -138,7 +138,7 @@ class ModuleSaver:
         rec, watch = self.rec, self.watch
         module = watch.module
         found = triage_of(exc, "")
-        nan = class_of(exc) == "nan"
+        nan = class_of(exc) == NONFINITE
         rebuild = watch.rebuild
         root = rec.case_root()
         # A LightningModule stepping its own optimizers runs backward inside the call

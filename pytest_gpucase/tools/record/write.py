@@ -46,7 +46,7 @@ from pytest_gpucase.tools.record.origin import (
     where,
 )
 from pytest_gpucase.verdict.failure import cut
-from pytest_gpucase.verdict.triage import assertion_line
+from pytest_gpucase.verdict.triage import assertion_line, current_class
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -528,7 +528,8 @@ def _same_failure_case(root: Path, draft: Draft, staged: Path) -> Path | None:
         doc = _read_doc(candidate)
         if doc is None or doc.get("call") != draft.call:
             continue
-        if doc.get("origin", {}).get("failure_class") != failure:
+        kind = doc.get("origin", {}).get("failure_class")   # "nan" from an earlier gpucase
+        if not isinstance(kind, str) or current_class(kind) != failure:
             continue
         inputs = candidate / INPUTS_FILE
         theirs = payload.content_hash(inputs) if inputs.exists() else ""
