@@ -5,6 +5,14 @@ and what the new verdict path costs.
     python benchmarks/bench_verdicts.py needs [--seeds 5]
     python benchmarks/bench_verdicts.py cost --baseline-src DIR [--rounds 5]
     python benchmarks/bench_verdicts.py persisted [--items 8] [--rounds 2] [--baseline-src DIR]
+    python benchmarks/bench_verdicts.py autocast [--baseline-src DIR]
+
+``autocast``: a nanoGPT-shaped model recorded by the Recorder under CPU bfloat16 autocast
+(``tests/test_recorded_bf16_fix.py``'s), its captured failure fixed, replayed by pytest with
+its logits scaled by 1 + k in bfloat16 only (an error the float32 reference does not
+share): per k, the verdict, the logits' RMS error, the RMS error the budget allows and the
+constant relative error it lets through (``rule_units``), for this package and the one in
+``--baseline-src``.
 
 ``rates``: each op of the verdicts issue, in each dtype, over fixed seeds (the inputs are
 drawn from ``torch.Generator().manual_seed(seed)``). A *correct* row is the op as users
@@ -546,6 +554,47 @@ def persisted(items: int, baseline_src: Path | None, rounds: int) -> None:
     shutil.rmtree(root, ignore_errors=True)
 
 
+def autocast(baseline_src: Path | None) -> None:
+    import shutil
+
+    here = Path(__file__).resolve().parent.parent
+    sys.path.insert(0, str(here))
+    from tests.test_recorded_bf16_fix import TRAIN, source
+
+    with tempfile.TemporaryDirectory() as tmp:
+        project = Path(tmp) / "p"
+        project.mkdir()
+        (project / "pytest.ini").write_text("[pytest]\n")
+        (project / "model.py").write_text(source(shape_bug=True))
+        (project / "train.py").write_text(textwrap.dedent(TRAIN))
+        env = {**os.environ, "PYTHONPATH": str(here)}
+        subprocess.run([sys.executable, "train.py"], cwd=project, env=env,
+                       capture_output=True, check=False)
+        toml = project / "cases" / "GPT" / "case.toml"
+        toml.write_text("".join(line for line in toml.read_text().splitlines(keepends=True)
+                                if not line.startswith("xfail = ")))
+        print("| package | logits x | verdict | RMS error | RMS allowed | ratio | "
+              "rule_units |")
+        print("|---|---|---|---:|---:|---:|---:|")
+        for name, src in (("this", here), ("base", baseline_src)):
+            if src is None:
+                continue
+            for k in (None, 1.02, 1.03, 1.05, 1.1, 1.25):
+                (project / "model.py").write_text(source(wrong=k))
+                shutil.rmtree(project / ".pytest_cache", ignore_errors=True)
+                report = project / "report.json"
+                subprocess.run([sys.executable, "-m", "pytest", "-p", "no:randomly", "-q",
+                                "--gpu-cases", "cases/GPT", "--gpu-devices", "cpu",
+                                "--gpu-cases-report", str(report)], cwd=project,
+                               env={**env, "PYTHONPATH": str(src)}, capture_output=True,
+                               check=False)
+                result = json.loads(report.read_text())["results"][0]
+                budget = (result.get("budgets") or [{}])[0]
+                print(f"| {name} | {k or 'correct'} | {result['outcome']} | "
+                      f"{budget.get('rms_error', 0):.4f} | {budget.get('rms_allowed', 0):.4f} | "
+                      f"{budget.get('ratio', 0):.2f} | {budget.get('rule_units', 0):.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -565,6 +614,9 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--baseline-src", type=Path,
                    help="a checkout of the package before the budget was named by content")
+    p = sub.add_parser("autocast")
+    p.add_argument("--baseline-src", type=Path,
+                   help="a checkout of the package before this work")
     args = parser.parse_args()
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if args.command == "rates":
@@ -574,6 +626,8 @@ def main() -> None:
     elif args.command == "persisted":
         persisted(args.items, args.baseline_src.resolve() if args.baseline_src else None,
                   args.rounds)
+    elif args.command == "autocast":
+        autocast(args.baseline_src.resolve() if args.baseline_src else None)
     else:
         cost(args.baseline_src.resolve(), args.rounds)
 
