@@ -260,7 +260,7 @@ class TestCraftedResults:
          b'"details": "", "error_type": null, "error_message": null, "max_abs": null, '
          b'"max_rel": null, "kind": "", "notes": {"$": "tuple", "items": []}, '
          b'"budgets": {"$": "tuple", "items": []}, "verdict_class": null, '
-         b'"nonfinite": {"$": "tuple", "items": []}}}}',
+         b'"nonfinite": {"$": "tuple", "items": []}, "cause_type": null}}}',
          "Outcome.summary is a int, not str"),
         (b'{"format": 1, "kind": "value", "value": {"$": "dataclass", "type": '
          b'"pytest_gpucase.run.outcome.Outcome", "fields": {"status": "failed"}}}', "fields"),

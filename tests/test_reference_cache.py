@@ -610,7 +610,7 @@ def test_the_rounding_budget_is_kept_beside_the_reference(tmp_path: Path) -> Non
     assert calls(path) == 1 + 1 + DRAWS
     assert run(path, cache) == "passed"
     assert calls(path) == 1 + 1 + DRAWS + 1
-    (budget,) = cache.glob("*.budget2-float32.reference")
+    (budget,) = cache.glob("*.budget3-float32.reference")
     assert set(stored(budget)["spreads"]) == {"out"}
     # Authenticated as the reference is: another genuine entry's bytes under its name (the
     # reference's own) are refused.
@@ -635,14 +635,14 @@ def test_a_budget_is_kept_beside_a_reference_too_fast_to_keep(
     assert run(path, cache) == "passed"
     assert calls(path) == 1 + 1 + DRAWS + (1 + 1)  # the call and its reference, no draws
     (budget,) = cache.glob("*")
-    assert budget.name.endswith(".budget2-float32.reference")
+    assert budget.name.endswith(".budget3-float32.reference")
     written = budget.stat().st_mtime_ns
     # A wrong result is judged against a fresh reference and fresh draws, never the kept ones.
     (path / "case.py").write_text(ROUNDED.format(
         change="* (1.01 if a.dtype != __import__('torch').float64 else 1.0)"))
     assert run(path, cache) == "failed"
     assert run(path, cache) == "failed"
-    assert len(list(cache.glob("*.budget2-float32.reference"))) == 2  # the new code's key
+    assert len(list(cache.glob("*.budget3-float32.reference"))) == 2  # the new code's key
     assert budget.stat().st_mtime_ns == written
 
 
@@ -678,12 +678,12 @@ def test_whatever_invalidates_the_reference_invalidates_its_budget(tmp_path: Pat
     assert run(path, cache) == "passed"
     assert calls(path) == 3 * (1 + 1 + DRAWS)
     names = sorted(p.name.split(".", 1)[1] for p in cache.glob("*.reference"))
-    assert names == ["budget2-float32.reference"] * 3 + ["reference"] * 3
+    assert names == ["budget3-float32.reference"] * 3 + ["reference"] * 3
     assert all(reference_cache.OWN_NAME.fullmatch(p.name) for p in cache.iterdir())
     spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
     entry = reference_cache.Entry(tmp_path / f"{'a' * 64}.reference", f"{'a' * 64}.reference",
                                   b"secret", "rounded")
-    for kind in ("budget2-float32", "baseline1-float32", "gradcheck2"):
+    for kind in ("budget3-float32", "baseline1-float32", "gradcheck2"):
         where = reference_cache.companion(entry, kind)
         assert where is not None and where.secret == entry.secret
         assert where.path == tmp_path / f"{'a' * 64}.{kind}.reference"
@@ -800,7 +800,7 @@ def test_a_fresh_checkout_reuses_the_budget_by_content(tmp_path: Path) -> None:
     assert other.status == "passed"
     assert calls(checkout) == 1 + 1 + (1 + 1 + DRAWS)
     assert any("failed authentication" in note for note in other.notes)
-    (budget,) = cache.glob("*.budget2-float32.reference")
+    (budget,) = cache.glob("*.budget3-float32.reference")
     data = bytearray(budget.read_bytes())
     data[-1] ^= 1
     budget.write_bytes(bytes(data))
