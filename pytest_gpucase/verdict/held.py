@@ -26,10 +26,10 @@ narrower.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
 __all__ = ["LOWER_PRECISION", "HeldDtypes"]
@@ -55,8 +55,19 @@ LOWER_PRECISION = frozenset({
 })
 
 
-def _floating(value: object) -> bool:
-    return isinstance(value, torch.Tensor) and (value.is_floating_point() or value.is_complex())
+def _floating_tensors(value: object) -> Iterator[torch.Tensor]:
+    """The floating tensors of an operation's arguments or results (in lists, tuples and
+    dicts, as an operator's schema has them), in order: cheaper than a pytree flatten,
+    paid on every operation of a draw."""
+    if isinstance(value, torch.Tensor):
+        if value.is_floating_point() or value.is_complex():
+            yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _floating_tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _floating_tensors(item)
 
 
 class HeldDtypes:
@@ -75,10 +86,10 @@ class HeldDtypes:
         """Note that the floating tensors of ``out`` are held in ``dtype``."""
         if dtype is None:
             return
-        for t in tree_flatten(out)[0]:
-            if _floating(t) and t.dtype.to_real() != dtype.to_real():
+        for t in _floating_tensors(out):
+            if t.dtype.to_real() != dtype.to_real():
                 self._held[t] = dtype
-            elif _floating(t):
+            else:
                 self._held.pop(t, None)  # type: ignore[no-untyped-call]
 
     def result(self, func: Any, args: Any, kwargs: dict[str, Any]) -> torch.dtype | None:
@@ -91,7 +102,7 @@ class HeldDtypes:
         if isinstance(wanted, torch.dtype):
             return wanted if wanted.is_floating_point or wanted.is_complex else None
         if func.is_view:
-            base = next((a for a in tree_flatten(args)[0] if _floating(a)), None)
+            base = next(_floating_tensors(args), None)
             return self.of(base) if base is not None else None
         return self.promoted(args, kwargs)
 
@@ -101,9 +112,8 @@ class HeldDtypes:
         bfloat16 tensor is bfloat16)."""
         dims: list[torch.dtype] = []
         scalars: list[torch.dtype] = []
-        for value in tree_flatten((args, kwargs))[0]:
-            if _floating(value):
-                (dims if value.dim() else scalars).append(self.of(value))
+        for value in _floating_tensors((args, kwargs)):
+            (dims if value.dim() else scalars).append(self.of(value))
         found = dims or scalars
         if not found:
             return None

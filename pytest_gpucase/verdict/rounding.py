@@ -234,8 +234,8 @@ def _rounded(t: torch.Tensor, u: float, generator: torch.Generator,
     # without ``keep``), and not applied where ``keep`` is set.
     noise = torch.randn(t.shape, generator=generator, dtype=t.dtype.to_real())
     if keep is not None:
-        noise = noise.masked_fill(keep.to(noise.device), 0)
-    return t * (1 + noise.to(t.device) * u)
+        noise.masked_fill_(keep.to(noise.device), 0)
+    return t * noise.mul_(u).add_(1).to(t.device)  # in place: a draw pays this per operation
 
 
 # Operations that only move values (no rounding happens in any dtype): not perturbed,
