@@ -32,13 +32,9 @@ import torch
 
 from pytest_gpucase.base.tensors import field_names, tuple_fields
 from pytest_gpucase.verdict import _kernel, structure
-from pytest_gpucase.verdict.messages import (
-    Mismatch,
-    num,
-    scalar_message,
-    values_mismatch,
-    with_note,
-)
+from pytest_gpucase.verdict._small import clean_small
+from pytest_gpucase.verdict.messages import (Mismatch, num, scalar_message, values_mismatch,
+                                             with_note)
 from pytest_gpucase.verdict.allowance import (
     budget_record,
     element_tally,
@@ -190,11 +186,15 @@ def compare(
         if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor):
             scratch = _kernel.Scratch()
             tol = _tolerance_for(table, explicit, actual.dtype, precision)
-            close = _kernel.small_close(actual, expected, tol, check_dtype, scratch)
             looks = (second_look is not None
                      and (actual.dtype.is_floating_point or actual.dtype.is_complex)
                      and actual.dtype not in explicit
                      and coarser(actual.dtype, precision) not in explicit)
+            close = clean_small(actual, expected, tol, check_dtype,  # a few Python floats
+                                coarser(actual.dtype, precision) if looks else None)
+            if close is not None:
+                return Comparison((), *close)
+            close = _kernel.small_close(actual, expected, tol, check_dtype, scratch)
             if close is not None and not (
                     looks and unclean(actual, expected, coarser(actual.dtype, precision))):
                 return Comparison((), *close)
