@@ -164,6 +164,7 @@ PLUGIN = textwrap.dedent('''
             json.dump(_items, handle)
 ''')
 
+REPO = str(Path(__file__).resolve().parent.parent)
 FLOOR = "floor"  # instead of a package folder: run bench_scale's bare fork floor
 PARENT = (("pytest: item start -> the run begins (run_spec; the floor's test)", "start",
            "run_spec"),
@@ -186,7 +187,8 @@ def one_run(root: Path, plugin_dir: Path, src: str | None) -> tuple[dict[str, fl
     out = root / "phases"
     for suffix in (".parent", ".child"):
         Path(str(out) + suffix).unlink(missing_ok=True)
-    paths = [str(plugin_dir)] + ([src] if src and src != FLOOR else [])
+    # This checkout's package unless another one is named: not whatever is installed.
+    paths = [str(plugin_dir), src if src and src != FLOOR else REPO]
     env = {**os.environ, "GPUCASE_PHASES_OUT": str(out),
            "PYTHONPATH": os.pathsep.join(paths)}
     target = ["bare"] if src == FLOOR else ["--gpu-cases", "cases"]
