@@ -49,6 +49,10 @@ PLUGIN = textwrap.dedent('''
         ("run.judge", "Judged.__init__"), ("run.judge", "Judged.verdict"),
         ("run.judge", "Judged.fresh_reference"), ("run.judge", "Judged.judged"),
         ("verdict.compare", "compare"), ("run.reference_cache", "entry"),
+        ("run.judge", "compare_results"), ("run.reference_cache", "load"),
+        ("run.judge", "Judged.stored_look"), ("run.judge", "Judged.store"),
+        ("run.judge", "Judged.held"), ("run.child", "prepare"), ("run.child", "replay_context"),
+        ("run.child", "apply_settings"), ("run.child", "run_precision"),
         # The child's own set-up and result, each a guarantee (docs/isolation.md)
         ("run.isolation.child", "_contain_self"), ("run.isolation.child", "_drop_channels"),
         ("run.isolation.child", "_flush_std_streams"), ("run.isolation.child", "_answer_dumps"),
