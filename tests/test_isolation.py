@@ -449,7 +449,7 @@ def test_a_passing_run_never_reads_its_childs_start_time(
     kill or a memory sample needs it, not after every fork (0.17 ms of the parent's, while
     the child shares its pages); a killed run still reads it (the grandchildren test)."""
     seen: list[int] = []
-    real = supervise._stat
+    real = supervise._stat  # type: ignore[attr-defined]
 
     def spied(pid: int) -> object:
         seen.append(pid)
