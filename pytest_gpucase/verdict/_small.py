@@ -13,9 +13,9 @@ bit for bit torch's: CPU tensors of exactly ``torch.Tensor``, strided, one float
 dtype the screen knows on each side, at most ``PLAIN_ELEMENTS`` elements, no NaN or
 inf anywhere, no subnormal value or intermediate (flush-to-zero, if a case set it,
 would change torch's), cleared by the screen's first two tests (its third one's fused
-multiply-add is not reproduced), and an RMS error clearly below, or exactly, zero (a
-sum's order is torch's own: a margin of 1e-9 covers its rounding). Anything else is
-None, and the full path judges and words it as before.
+multiply-add is not reproduced), and an RMS error exactly zero or clearly below its
+bound (a sum's order is torch's own: a margin of 1e-9 covers its rounding). Anything
+else is None, and the full path judges and words it as before.
 """
 
 from __future__ import annotations
