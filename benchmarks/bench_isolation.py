@@ -28,7 +28,9 @@ and ``--gpu-isolation worker``; with ``--baseline-src DIR`` the cases run by the
 in DIR too. Interleaved rounds (the order turning each round), per item from the first
 item's start to the last one's end in the pytest process (start-up and collection left
 out); CPU (user + system) and minor page faults of the pytest process and its reaped
-children over the same span; each ratio taken within a round, the medians printed.
+children over the same span; each ratio taken within a round, the medians printed. The
+"steady" column is the CPU per item from the sixth item on: what one more item costs,
+without the session's one-time work at its first item (importing the run's modules).
 
 Printed as milliseconds per item (median of the runs) and as ratios to the bare
 fork floor measured in the same run: these machines are noisy, ratios travel better.
@@ -144,6 +146,8 @@ def _usage():
 def pytest_runtest_logstart(nodeid, location):
     if "first" not in _seen:
         _seen["first"], _seen["usage"] = time.perf_counter(), _usage()
+    if _seen.get("items") == STEADY_FROM:  # past the session's one-time work
+        _seen["steady"], _seen["steady usage"] = time.perf_counter(), _usage()
 
 
 def pytest_runtest_logfinish(nodeid, location):
@@ -156,11 +160,17 @@ def pytest_sessionfinish(session):
     if isolation is not None:  # the children still pending, and the workers: counted
         isolation.close_pools()
         isolation.reap_pending()
-    spent = [after - before for after, before in zip(_usage(), _seen["usage"])]
+    now = _usage()
+    spent = [after - before for after, before in zip(now, _seen["usage"])]
+    steady = [after - before for after, before in zip(now, _seen["steady usage"])]
     with open("item_usage", "w") as handle:
         handle.write(" ".join(map(str, [_seen["last"] - _seen["first"], _seen["items"],
-                                        *spent])))
+                                        *spent, _seen["items"] - STEADY_FROM, *steady])))
 """
+# The items left out of the steady figure: the session's one-time work at its first item
+# (importing the run's modules, starting a worker, first touches) is paid there.
+STEADY_FROM = 5
+ITEM_CONFTEST += f"STEADY_FROM = {STEADY_FROM}\n"
 FORKED_TEST = """
 import pytest
 import torch
@@ -272,10 +282,11 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
             for name, args, env in (rows if round_ % 2 == 0 else rows[::-1]):
                 pytest_seconds(root, *args, env=env)
                 wall, count, *spent = map(float, (root / "item_usage").read_text().split())
-                cpu, faults, child_cpu, child_faults = (value / count for value in spent)
+                cpu, faults, child_cpu, child_faults = (value / count for value in spent[:4])
+                steady_count, *steady = spent[4:]
                 found.setdefault(name, []).append(
                     (wall / count, cpu + child_cpu, faults + child_faults, cpu, child_cpu, faults,
-                     child_faults))
+                     child_faults, (steady[0] + steady[2]) / steady_count))
     loads.append(os.getloadavg()[0])
     floor = found["bare fork floor"]
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, {items} items, {rounds} rounds, "
@@ -284,16 +295,20 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
           "bare fork floor taken within each round")
     print("CPU and faults: the pytest process and its children; then each apart (pytest / "
           "children), CPU as a share of the floor's whole")
-    print(f"{'what':<28}{'wall ms':>9}{'x floor':>9}{'CPU ms':>9}{'x floor':>9}{'faults':>8}"
-          f"{'CPU pytest/child':>18}{'faults pytest/child':>21}   CPU x floor per round")
+    print(f"steady: CPU per item from item {STEADY_FROM + 1} on (the session's one-time work "
+          "at its first items left out), as a ratio to the floor's own; a worker's CPU is "
+          "counted when it is reaped, at the session's end: its start is in both")
+    print(f"{'what':<28}{'wall ms':>9}{'x floor':>9}{'CPU ms':>9}{'x floor':>9}{'steady':>8}"
+          f"{'faults':>8}{'CPU pytest/child':>18}{'faults pytest/child':>21}"
+          "   CPU x floor per round")
     for name, values in found.items():
-        ratios = [[value[i] / base[1 if i > 2 else i] for value, base in zip(values, floor,
-                                                                              strict=True)]
-                  for i in (0, 1, 3, 4)]
-        median = [statistics.median(v[i] for v in values) for i in range(7)]
+        ratios = [[value[i] / base[1 if i in (3, 4) else i]
+                   for value, base in zip(values, floor, strict=True)] for i in (0, 1, 3, 4, 7)]
+        median = [statistics.median(v[i] for v in values) for i in range(8)]
         shares = f"{statistics.median(ratios[2]):.2f} / {statistics.median(ratios[3]):.2f}"
         print(f"{name:<28}{median[0] * 1000:>9.2f}{statistics.median(ratios[0]):>9.2f}"
-              f"{median[1] * 1000:>9.2f}{statistics.median(ratios[1]):>9.2f}{median[2]:>8.0f}"
+              f"{median[1] * 1000:>9.2f}{statistics.median(ratios[1]):>9.2f}"
+              f"{statistics.median(ratios[4]):>8.2f}{median[2]:>8.0f}"
               f"{shares:>18}{f'{median[5]:.0f} / {median[6]:.0f}':>21}   "
               + " ".join(f"{ratio:.2f}" for ratio in ratios[1]))
 

@@ -49,6 +49,10 @@ PLUGIN = textwrap.dedent('''
         ("run.judge", "Judged.__init__"), ("run.judge", "Judged.verdict"),
         ("run.judge", "Judged.fresh_reference"), ("run.judge", "Judged.judged"),
         ("verdict.compare", "compare"), ("run.reference_cache", "entry"),
+        ("run.judge", "compare_results"), ("run.reference_cache", "load"),
+        ("run.judge", "Judged.stored_look"), ("run.judge", "Judged.store"),
+        ("run.judge", "Judged.held"), ("run.child", "prepare"), ("run.child", "replay_context"),
+        ("run.child", "apply_settings"), ("run.child", "run_precision"),
         # The child's own set-up and result, each a guarantee (docs/isolation.md)
         ("run.isolation.child", "_contain_self"), ("run.isolation.child", "_drop_channels"),
         ("run.isolation.child", "_flush_std_streams"), ("run.isolation.child", "_answer_dumps"),
@@ -164,6 +168,7 @@ PLUGIN = textwrap.dedent('''
             json.dump(_items, handle)
 ''')
 
+REPO = str(Path(__file__).resolve().parent.parent)
 FLOOR = "floor"  # instead of a package folder: run bench_scale's bare fork floor
 PARENT = (("pytest: item start -> the run begins (run_spec; the floor's test)", "start",
            "run_spec"),
@@ -186,7 +191,8 @@ def one_run(root: Path, plugin_dir: Path, src: str | None) -> tuple[dict[str, fl
     out = root / "phases"
     for suffix in (".parent", ".child"):
         Path(str(out) + suffix).unlink(missing_ok=True)
-    paths = [str(plugin_dir)] + ([src] if src and src != FLOOR else [])
+    # This checkout's package unless another one is named: not whatever is installed.
+    paths = [str(plugin_dir), src if src and src != FLOOR else REPO]
     env = {**os.environ, "GPUCASE_PHASES_OUT": str(out),
            "PYTHONPATH": os.pathsep.join(paths)}
     target = ["bare"] if src == FLOOR else ["--gpu-cases", "cases"]

@@ -189,7 +189,7 @@ def per_item(root: Path, *args: str, env: dict[str, str] | None = None) -> tuple
     CPU seconds per item of the pytest process and its children over the same span."""
     pytest_seconds(root, *args, env=env)
     # bench_isolation's timer: wall, items, then (CPU s, faults) of the process, its children
-    elapsed, items, cpu_self, _, cpu_children, _ = map(
+    elapsed, items, cpu_self, _, cpu_children, _, *_steady = map(
         float, (root / "item_usage").read_text().split())
     return elapsed / items, (cpu_self + cpu_children) / items
 

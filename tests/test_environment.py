@@ -289,3 +289,21 @@ def test_unreadable_metadata_of_some_distribution_records_no_call_package(
         assert call_distributions("tinyext:pool") == ()
     finally:
         environment._distributions_by_module.cache_clear()
+
+
+def test_a_case_file_without_third_party_imports_reads_no_installed_metadata(
+        tmp_path: Path) -> None:
+    """Reading every installed distribution's metadata costs 0.1 s (paid by a session's
+    first item): a case's own file that imports only the standard library needs none."""
+    from pytest_gpucase.plan import environment
+
+    (tmp_path / "case.py").write_text("import math\n\n\ndef run(x):\n    return x + 1\n")
+    environment._distributions_by_module.cache_clear()
+    try:
+        assert call_distributions("case.py:run", tmp_path) == ()
+        assert environment._distributions_by_module.cache_info().misses == 0
+        (tmp_path / "case.py").write_text("import pytest\n\n\ndef run(x):\n    return x\n")
+        assert call_distributions("case.py:run", tmp_path) == ("pytest",)
+        assert environment._distributions_by_module.cache_info().misses == 1
+    finally:
+        environment._distributions_by_module.cache_clear()

@@ -441,3 +441,21 @@ def test_a_mark_in_the_omitted_middle_is_named_by_the_omission_line(chunk: int) 
         (line,) = captured(text)
         assert SAID not in line
     assert captured(LABEL + "short") == []  # nothing omitted, no line
+
+
+def test_a_passing_run_never_reads_its_childs_start_time(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The start time bounds what a kill may reach (``_Run.since``): read from /proc when a
+    kill or a memory sample needs it, not after every fork (0.17 ms of the parent's, while
+    the child shares its pages); a killed run still reads it (the grandchildren test)."""
+    seen: list[int] = []
+    real = supervise._stat  # type: ignore[attr-defined]
+
+    def spied(pid: int) -> object:
+        seen.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(supervise, "_stat", spied)
+    result = run_in_child(os.getpid, timeout=60)
+    assert result.returned and result.value != os.getpid()
+    assert result.value not in seen

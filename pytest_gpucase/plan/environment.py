@@ -384,9 +384,11 @@ def call_distributions(call: str, case_dir: Path | str | None = None) -> tuple[s
         tops: tuple[str, ...] = _file_imports(Path(case_dir) / target)
     else:
         tops = (target.split(".")[0],)
+    tops = tuple(top for top in tops if top not in sys.stdlib_module_names)
+    if not tops:  # nothing to look up: the installed metadata is not read (0.1 s)
+        return ()
     by_module = _distributions_by_module(tuple(sys.path))
-    found = {name for top in tops if top not in sys.stdlib_module_names
-             for name in by_module.get(top, ())}
+    found = {name for top in tops for name in by_module.get(top, ())}
     return tuple(sorted(name for name in found
                         if canonical_name(name) not in _RECORDED_ELSEWHERE))
 

@@ -90,13 +90,18 @@ class _Run:
     kept: bool = False      # the worker was left running after this call
     sampled_at: float = field(default=-math.inf)
     # Clock ticks since boot: no process started before is an orphan or a marked process
-    # of this run. The child's start time, or (a worker's call) when the call began.
+    # of this run. The child's start time, or (a worker's call) when the call began; -1
+    # until ``since`` reads it.
     started: int = -1
 
-    def __post_init__(self) -> None:
+    def since(self) -> int:
+        """``started``; a child's start time is read from /proc when first needed (a kill,
+        a memory sample), not on every run: until the child is reaped its pid and start
+        time are its own, and a run that passes never needs it."""
         if self.started < 0:
             stat = _stat(self.pid)
             self.started = stat.start if stat is not None else 0
+        return self.started
 
     def has_exited(self) -> bool:
         """Whether the child ended (it stays unreaped, its pid its own, until ``reap``)."""
@@ -121,7 +126,7 @@ class _Run:
         process, or the zygote (which also ends them when it reaps the child).
         """
         adopter = self.zygote.pid if self.zygote is not None else os.getpid()
-        _kill_tree(self.pid, self.token, include_root=True, since=self.started,
+        _kill_tree(self.pid, self.token, include_root=True, since=self.since(),
                    adopter=adopter)
 
     def over_memory(self, now: float) -> bool:
@@ -130,7 +135,7 @@ class _Run:
             return False
         self.sampled_at = now
         # The child is a subreaper: while it lives, its group and descendants are all.
-        resident = _resident(self.pid, _tree(self.pid, self.token, self.started,
+        resident = _resident(self.pid, _tree(self.pid, self.token, self.since(),
                                              markers=False))
         self.resident = max(self.resident, resident)
         return resident > self.memory_limit
