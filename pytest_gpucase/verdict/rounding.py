@@ -324,6 +324,21 @@ _ACCUMULATES = frozenset({
 })
 
 
+# Reductions whose bfloat16 and float16 kernels add up in float32 (torch's "opmath" type,
+# on the CPU and in CUDA alike) and round only their result: at those precisions their
+# operands are not rounded once more (a float32 run's are: its kernel adds in float32, term
+# by term). Matmuls and convolutions keep theirs: a GPU's low-precision GEMM may reduce its
+# split-K partial sums in the storage dtype (torch.backends.cuda.matmul.
+# allow_bf16_reduced_precision_reduction), as do atomic index_add and scatter_add.
+_OPMATH_REDUCTIONS = frozenset({
+    "aten::sum", "aten::mean", "aten::cumsum", "aten::cumsum_", "aten::prod",
+    "aten::cumprod", "aten::var", "aten::std", "aten::var_mean", "aten::std_mean",
+    "aten::linalg_vector_norm", "aten::norm", "aten::logsumexp", "aten::logcumsumexp",
+    "aten::avg_pool1d", "aten::avg_pool2d", "aten::avg_pool3d", "aten::_adaptive_avg_pool2d",
+    "aten::trace",
+})
+
+
 @functools.cache
 def _decompositions(low: bool = False) -> dict[Any, Any]:
     from torch._decomp import decomposition_table
@@ -398,7 +413,8 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
             if out is not NotImplemented:
                 return out
         schema = func._schema
-        if schema.name in _ACCUMULATES:
+        if schema.name in _ACCUMULATES and not (
+                self.u >= DECOMPOSE_BELOW and schema.name in _OPMATH_REDUCTIONS):
             args, kwargs = _operands_rounded(args, kwargs or {}, self.u, self.generator)
         out = func(*args, **(kwargs or {}))
         if schema.name in _MOVES or func.is_view:
@@ -422,7 +438,7 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
         def rounds_terms(t: torch.Tensor) -> bool:  # not a copy the cast made (held as t)
             return _coarser_than(held.of(t), t)
 
-        if schema.name in _ACCUMULATES:
+        if schema.name in _ACCUMULATES and schema.name not in _OPMATH_REDUCTIONS:
             args, kwargs = _operands_rounded(args, kwargs, self.u, self.generator,
                                              rounds_terms)
         out = func(*args, **kwargs)
