@@ -323,3 +323,24 @@ def test_the_quick_binding_check_agrees_with_inspect() -> None:
         wrapped = functools.wraps(func)(lambda **kw: 0)
         assert not _binds(wrapped, {}) and not _binds(functools.partial(func), {})
     assert checked == 11 * len(inputs)
+
+
+def test_two_cases_of_one_name_each_run_their_own_code(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """cases/a/GPT and cases/b/GPT in one process (a reused worker, a tool that runs
+    cases in-process): the second must not find the first's case.py under the same module
+    name and call its function."""
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.run.child import resolve
+
+    paths = []
+    for folder, body in (("a", "def run(x):\n    return x + 1\n"),
+                         ("b", "def run(logits, target):\n    return logits\n")):
+        case_dir = tmp_path / folder / "same"
+        case_dir.mkdir(parents=True)
+        (case_dir / "case.toml").write_text('format = 1\ncall = "case.py:run"\n')
+        (case_dir / "case.py").write_text(body)
+        paths.append(case_dir)
+    first = resolve(load_case(paths[0]), "case.py:run", "call")
+    second = resolve(load_case(paths[1]), "case.py:run", "call")
+    assert first.__code__.co_varnames[:1] == ("x",)
+    assert second.__code__.co_varnames[:2] == ("logits", "target")

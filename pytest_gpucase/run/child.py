@@ -290,7 +290,9 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
             file = case.path / where
             name = f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
             module = sys.modules.get(name)
-            if module is None:
+            # another case of the same name (cases/a/GPT, cases/b/GPT) in a process that
+            # imported it first: its module is not this case's
+            if module is None or getattr(module, "__file__", None) != str(file):
                 module_spec = importlib.util.spec_from_file_location(name, file)
                 if module_spec is None or module_spec.loader is None:
                     raise ImportError(f"cannot import {file}")
