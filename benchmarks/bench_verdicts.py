@@ -6,6 +6,12 @@ and what the new verdict path costs.
     python benchmarks/bench_verdicts.py cost --baseline-src DIR [--rounds 5]
     python benchmarks/bench_verdicts.py persisted [--items 8] [--rounds 2] [--baseline-src DIR]
     python benchmarks/bench_verdicts.py autocast [--baseline-src DIR]
+    python benchmarks/bench_verdicts.py looks [--seeds 3]
+
+``looks``: what the second look costs where it triggers. For each correct row whose seed
+needs its rounding budget, the child's verdict path in this process (no reference cache)
+timed whole, and the budget's draws within it: the draws against the rest of the item
+(the call, the reference, the comparisons), medians over seeds.
 
 ``autocast``: a nanoGPT-shaped model recorded by the Recorder under CPU bfloat16 autocast
 (``tests/test_recorded_bf16_fix.py``'s), its captured failure fixed, replayed by pytest with
@@ -595,6 +601,55 @@ def autocast(baseline_src: Path | None) -> None:
                       f"{budget.get('ratio', 0):.2f} | {budget.get('rule_units', 0):.1f} |")
 
 
+def looks(seeds: int) -> None:
+    from pytest_gpucase.case.load import load_case
+    from pytest_gpucase.plan.runs import RunSpec
+    from pytest_gpucase.run import second_look
+    from pytest_gpucase.run.child import run
+
+    drawn = second_look.drawn
+    spent: list[float] = []
+
+    def timed(*args: object, **kwargs: object) -> Callable[[int], object]:
+        inner = drawn(*args, **kwargs)  # type: ignore[arg-type]
+
+        def one(seed: int) -> object:
+            began = time.perf_counter()
+            try:
+                return inner(seed)
+            finally:
+                spent.append(time.perf_counter() - began)
+        return one
+
+    second_look.drawn = timed  # type: ignore[assignment]
+    print("| op | dtype | seeds with a budget | item, ms | draws, ms | draws / rest |")
+    print("|---|---|---:|---:|---:|---:|")
+    with tempfile.TemporaryDirectory() as tmp:
+        for op in OPS:
+            for dtype in op.dtypes:
+                totals, draws = [], []
+                for seed in range(seeds):
+                    tensors = op.inputs(torch.Generator().manual_seed(seed))
+                    path = write(Path(tmp), f"{len(os.listdir(tmp))}", textwrap.dedent(op.code),
+                                 tensors, dtype, op.gradients, None)
+                    spec = RunSpec(load_case(path), "cpu", dtype, cast=False)
+                    run(spec)  # imports and first touches
+                    for name in [m for m in sys.modules if m.startswith("gpucase_case_")]:
+                        del sys.modules[name]
+                    spent.clear()
+                    began = time.perf_counter()
+                    run(spec)
+                    total = time.perf_counter() - began
+                    if spent:
+                        totals.append(total)
+                        draws.append(sum(spent))
+                if totals:
+                    item, look = statistics.median(totals), statistics.median(draws)
+                    print(f"| {op.name} | {dtype} | {len(totals)} | {item * 1e3:.1f} | "
+                          f"{look * 1e3:.1f} | {look / max(item - look, 1e-9):.2f} |")
+    second_look.drawn = drawn  # type: ignore[assignment]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -614,6 +669,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--baseline-src", type=Path,
                    help="a checkout of the package before the budget was named by content")
+    p = sub.add_parser("looks")
+    p.add_argument("--seeds", type=int, default=3)
     p = sub.add_parser("autocast")
     p.add_argument("--baseline-src", type=Path,
                    help="a checkout of the package before this work")
@@ -626,6 +683,8 @@ def main() -> None:
     elif args.command == "persisted":
         persisted(args.items, args.baseline_src.resolve() if args.baseline_src else None,
                   args.rounds)
+    elif args.command == "looks":
+        looks(args.seeds)
     elif args.command == "autocast":
         autocast(args.baseline_src.resolve() if args.baseline_src else None)
     else:
