@@ -275,3 +275,19 @@ def test_a_model_that_cannot_be_built_is_a_setup_failure_not_the_calls() -> None
     assert "building the model to replay failed (TypeError" in str(failed.value)
     outcome = raised("the call", failed.value)
     assert outcome.kind == "broken case" and "TypeError" in outcome.details, outcome
+
+
+def test_gradients_of_a_batch_norm_model_leave_its_running_stats_alone() -> None:
+    """With ``[expect] gradients = true`` every float input requires grad, the saved state
+    included; a batch norm in training refuses a running_mean that does. Buffers are loaded
+    detached: the parameters and the inputs are what is differentiated."""
+    from pytest_gpucase.run.calls import call
+
+    norm = torch.nn.BatchNorm1d(4)
+    state = {f"state.{k}": v for k, v in norm.state_dict().items()}
+    inputs = {"gpucase_module": {"factory": "torch.nn:BatchNorm1d",
+                                 "kwargs": {"num_features": 4}, "training": True},
+              "input": torch.randn(8, 4, generator=torch.Generator().manual_seed(0)), **state}
+    found = call(replay_module, inputs, True, "cpu")
+    assert found["grad"]["input"] is not None
+    assert found["grad"]["state.running_mean"] is None

@@ -361,11 +361,17 @@ def _fitted(module: torch.nn.Module, state: Mapping[str, Any],
     both hold one kind of values), and those the code owned but the model saves no more dropped.
     StaleCaseError, naming the keys, when the rest does not fit the model."""
     theirs: dict[str, Any] = module.state_dict(keep_vars=True)
+    parameters = {name for name, _ in module.named_parameters(remove_duplicate=False)}
     fitted: dict[str, Any] = {}
     for key, value in theirs.items():
         saved = state.get(key)
         if key in owned and not getattr(value, "is_meta", True):
             fitted[key] = _like(value.detach(), saved)
+        elif saved is not None and key not in parameters and getattr(saved, "requires_grad",
+                                                                     False):
+            # a buffer is no parameter: with [expect] gradients = true every float input
+            # requires grad, and a batch norm refuses a running_mean that does
+            fitted[key] = saved.detach()
         elif saved is not None:
             fitted[key] = saved
     problems = _misfits(module, theirs, state, owned)
