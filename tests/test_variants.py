@@ -541,3 +541,16 @@ def test_a_recorded_cases_rng_state_is_no_batch_input(tmp_path: Path) -> None:
     assert validate([path]) == []
     assert describe_saved(expand(case.variants)[0], case) == (
         "batch[1]: resized logits (8, 4) -> (1, 4), target (8,) -> (1,)")
+
+
+def test_a_shorter_sequence_is_laid_out_as_a_loader_makes_it() -> None:
+    """A length variant cut from a contiguous (8, 16) batch along axis 1 was a view with the
+    saved strides, and a correct model's ``targets.view(-1)`` raised on it; a data loader's
+    shorter batch is contiguous. A saved tensor that was not contiguous keeps its layout."""
+    idx = torch.arange(8 * 16).view(8, 16)
+    short = apply(Variant("length", 4, axis=1), {"idx": idx})["idx"]
+    assert short.is_contiguous() and torch.equal(short, idx[:, :4])
+    short.view(-1)  # raised before
+    transposed = torch.arange(16 * 8).view(16, 8).t()
+    kept = apply(Variant("length", 4, axis=1), {"x": transposed})["x"]
+    assert torch.equal(kept, transposed[:, :4]) and kept.stride() == transposed.stride()

@@ -539,7 +539,11 @@ def _resize(tensor: torch.Tensor, axis: int, size: int) -> torch.Tensor:
 
     current = tensor.shape[axis]
     if size <= current:
-        return tensor.narrow(axis, 0, size)
+        # a shorter batch or sequence from a data loader is laid out afresh: a contiguous
+        # input stays contiguous (a slice along an inner axis keeps the saved strides, and
+        # the user's .view() of it raised "view size is not compatible")
+        cut = tensor.narrow(axis, 0, size)
+        return cut.contiguous() if tensor.is_contiguous() else cut
     index = torch.arange(size, device=tensor.device) % current
     return tensor.index_select(axis, index)
 
