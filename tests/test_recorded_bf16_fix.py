@@ -169,7 +169,8 @@ def test_a_five_percent_bf16_error_of_a_model_under_autocast_fails(
     result = replay(shape_recorded, pytester, source(wrong=1.05))
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
-    assert "outputs differ from the reference: out:" in text, text
+    # the one-line summary says what is wrong, not how few elements are past their budget
+    assert "outputs differ from the reference: out: wrong by a little everywhere" in text, text
     assert "RMS error" in text and "XPASS" not in text, text
 
 

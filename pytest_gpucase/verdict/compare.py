@@ -34,7 +34,7 @@ from pytest_gpucase.base.tensors import field_names, tuple_fields
 from pytest_gpucase.verdict import _kernel, structure
 from pytest_gpucase.verdict._small import clean_small
 from pytest_gpucase.verdict.messages import (Mismatch, num, scalar_message, values_mismatch,
-                                             with_note)
+                                             with_note, wrong_everywhere)
 from pytest_gpucase.verdict.allowance import (
     budget_record,
     element_tally,
@@ -103,7 +103,9 @@ class Comparison:
         if not self.mismatches:
             return "nothing differs"
         first = self.mismatches[0]
-        if first.kind == "values" and first.total > 1:
+        if first.summary is not None:
+            line = f"{first.path}: {first.summary}"
+        elif first.kind == "values" and first.total > 1:
             line = f"{first.path}: {first.mismatched} / {first.total} elements differ"
             if first.max_abs is not None:
                 line += f", greatest absolute difference {num(first.max_abs)}"
@@ -524,7 +526,7 @@ class _Walk:
         within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
         self.budgets.append(budget_record(path, actual, expected, budget))
         if within and (problem := budget.rms_problem(actual, expected)) is not None:
-            return with_note(mismatch, problem)
+            return with_note(mismatch, f"within its rounding budget, but {problem}")
         if not within:
             message = scalar_message(path, actual, expected, dtype, dtype, widened,
                                      self.equal_nan, exact=False)
@@ -686,9 +688,14 @@ class _Walk:
         if not within:
             found = values_mismatch(leaf.path, leaf.actual, leaf.expected, shown, stats,
                                     self.worst, self.equal_nan)
+            if (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
+                found = wrong_everywhere(found, problem, elements_within=False)
             mismatch = lambda: found  # noqa: E731
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
-            within, noted = False, with_note(worded(), problem)
+            within = False
+            noted = wrong_everywhere(values_mismatch(
+                leaf.path, leaf.actual, leaf.expected, shown, stats, self.worst,
+                self.equal_nan) if stats.worst else worded(), problem, elements_within=True)
             mismatch = lambda: noted  # noqa: E731
         else:
             self.vacuous(leaf.path, leaf.expected, tol, budget)

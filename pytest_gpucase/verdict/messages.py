@@ -39,11 +39,29 @@ class Mismatch:
     total: int = 0
     max_abs: float | None = None
     max_rel: float | None = None
+    # What the one-line summary says of it, where its count of elements would mislead (a
+    # leaf wrong by a little everywhere): None, the count.
+    summary: str | None = dataclasses.field(default=None, repr=False)
 
 
 def with_note(mismatch: Mismatch, note: str) -> Mismatch:
     """The mismatch with one more line at the end of its message."""
     return dataclasses.replace(mismatch, message=f"{mismatch.message}\n  {note}")
+
+
+def wrong_everywhere(mismatch: Mismatch, problem: str, elements_within: bool) -> Mismatch:
+    """The mismatch of a leaf whose RMS error is past what rounding explains (``problem``,
+    ``Budget.rms_problem``): said first in its message and in its one-line summary, where a
+    count of the elements past their own budgets (a few, or none) would hide that every
+    element is off."""
+    head, _, rest = mismatch.message.partition("\n")
+    which = ("every element within its own rounding budget, but" if elements_within
+             else f"{mismatch.mismatched} of {mismatch.total} elements past their own rounding "
+             "budget, and")
+    message = f"{head}\n  wrong by a little everywhere: {which} {problem}"
+    return dataclasses.replace(
+        mismatch, message=message + (f"\n{rest}" if rest else ""),
+        summary=f"wrong by a little everywhere ({problem.split(':', 1)[0]})")
 
 
 # --------------------------------------------------------------------------

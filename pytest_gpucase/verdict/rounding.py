@@ -780,11 +780,10 @@ class Budget:
         name = str(self.precision).removeprefix("torch.")
         over = (f" over all but its {check.left_out} largest errors" if check.left_out
                 else "")
-        return (f"within the rounding budget element by element, but its RMS error{over} "
-                f"{_num(check.error)} is past {_num(check.allowed)}: {check.multiplier:g} x "
-                f"its RMS change when every value of the reference is rounded once to "
-                f"{name}, plus one rounding of the output's RMS size; wrong by a little "
-                "everywhere is not rounding")
+        return (f"its RMS error{over} {_num(check.error)} is past {_num(check.allowed)}: "
+                f"{check.multiplier:g} x its RMS change when every value of the reference is "
+                f"rounded once to {name}, plus one rounding of the output's RMS size; wrong "
+                "by a little everywhere is not rounding")
 
 
 @dataclass(frozen=True)
