@@ -688,7 +688,8 @@ class _Walk:
         if not within:
             found = values_mismatch(leaf.path, leaf.actual, leaf.expected, shown, stats,
                                     self.worst, self.equal_nan)
-            if (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
+            if (problem := budget.rms_problem(leaf.actual, leaf.expected,
+                                              broad_only=True)) is not None:
                 found = wrong_everywhere(found, problem, elements_within=False)
             mismatch = lambda: found  # noqa: E731
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
