@@ -17,7 +17,6 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 # Imported at module level on purpose: the parent imports this module before
@@ -91,7 +90,7 @@ def run(spec: RunSpec) -> Outcome:
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
-    project.prepend(prepared.import_paths(spec.case))
+    prepared.prepend_import_paths(spec.case)
     reference_cache.take_notes()  # a reused child's earlier run said its own
     outcome = _judged(spec)
     notes = reference_cache.take_notes()
@@ -278,8 +277,6 @@ def _tensor_dict(case: Case, name: str, members: Any,
 
 
 _MISSING = object()
-# Compiled once, in the parent at import: a child compiling it costs more than the import.
-_NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
 
 
 def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
@@ -288,8 +285,8 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     try:
         if where.endswith(".py"):
             file = case.path / where
-            name = f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
-            module = sys.modules.get(name)
+            name = prepared.module_name(case, where)
+            module = sys.modules.get(name) or prepared.module(case, where)
             if module is None:
                 module_spec = importlib.util.spec_from_file_location(name, file)
                 if module_spec is None or module_spec.loader is None:

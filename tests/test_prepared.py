@@ -1,0 +1,94 @@
+"""What the parent prepares before it forks a run's child (``run.prepared``): the case's
+module compiled there but run only in the child, fresh for every child; the import paths."""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import write_case
+from pytest_gpucase.case.load import load_case
+from pytest_gpucase.plan.runs import RunSpec
+from pytest_gpucase.run.isolation import run_in_child
+from pytest_gpucase.run.parent import run_spec
+from pytest_gpucase.run.prepared import prepare_in_parent
+from pytest_gpucase.run.runcontext import RunContext
+
+TOML = 'format = 1\ncall = "case.py:run"\n'
+# Each import of the module counts itself, in the process that runs its body.
+COUNTING = """
+import os
+CALLS = []
+with open(os.path.join(os.path.dirname(__file__), "imported"), "a") as handle:
+    handle.write(f"{os.getpid()}\\n")
+
+def run(x):
+    CALLS.append(1)
+    return x + len(CALLS)
+"""
+
+
+def _imported_and_called(spec: RunSpec) -> tuple[int, str, list[str]]:
+    from pytest_gpucase.run.child import resolve
+    from pytest_gpucase.run.prepared import prepend_import_paths
+
+    before = list(sys.path)
+    prepend_import_paths(spec.case)
+    added = sys.path[:len(sys.path) - len(before)]
+    func = resolve(spec.case, spec.case.call, "call")
+    module = sys.modules[func.__module__]
+    return int(func(1)), str(module.__file__), added
+
+
+@pytest.mark.slow
+def test_the_case_module_runs_only_in_the_child_and_fresh_in_each(tmp_path: Path) -> None:
+    """The parent reads and compiles ``case.py`` before the fork; its body runs in each
+    child, never in the pytest process, and a child's changes to the module's state are
+    not seen by the next child (a run that mutates module state keeps its isolation)."""
+    path = write_case(tmp_path, "counting", TOML, COUNTING, {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    found = []
+    for _ in range(2):
+        with prepare_in_parent(spec):
+            child = run_in_child(_imported_and_called, spec, timeout=60)
+        assert child.returned, child.problem
+        found.append(child.value)
+    # Each child ran the body once and called once: 1 + 1, not 1 + 2.
+    assert [value[0] for value in found] == [2, 2]
+    assert found[0][1] == str(path / "case.py")
+    pids = (path / "imported").read_text().split()
+    assert len(pids) == 2 and str(os.getpid()) not in pids
+    assert not any(name.startswith("gpucase_case_counting") for name in sys.modules)
+
+
+@pytest.mark.slow
+def test_the_import_paths_the_parent_finds_are_the_childs_own(tmp_path: Path) -> None:
+    (tmp_path / "pytest.ini").write_text("[pytest]\npythonpath = src\n")
+    path = write_case(tmp_path, "counting", TOML, COUNTING, {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    own = run_in_child(_imported_and_called, spec, timeout=60)
+    with prepare_in_parent(spec):
+        prepared = run_in_child(_imported_and_called, spec, timeout=60)
+    assert own.returned and prepared.returned, (own.problem, prepared.problem)
+    assert prepared.value[2] == own.value[2] == [str(tmp_path / "src"), str(tmp_path)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("body", "said"), [
+    ("def run(x):\n    return x +\n", "SyntaxError"),
+    ("import sys\nsys.exit(4)\n", "SystemExit: 4"),
+])
+def test_a_case_module_that_does_not_import_is_a_broken_case(tmp_path: Path, body: str,
+                                                             said: str) -> None:
+    """Compiling it in the parent raises nothing there: the child meets the error and
+    reports it as before."""
+    path = write_case(tmp_path, "broken", TOML, body, {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    verdict = run_spec(spec, RunContext("fork", "cpu"))
+    assert verdict.outcome.kind == "broken case", verdict.outcome
+    assert "call: importing 'case.py' failed" in verdict.outcome.summary
+    assert said in verdict.outcome.details
