@@ -92,3 +92,48 @@ def test_a_case_module_that_does_not_import_is_a_broken_case(tmp_path: Path, bod
     assert verdict.outcome.kind == "broken case", verdict.outcome
     assert "call: importing 'case.py' failed" in verdict.outcome.summary
     assert said in verdict.outcome.details
+
+
+def test_the_parent_reads_the_key_files_secret_again_when_the_file_changes(
+        tmp_path: Path) -> None:
+    from pytest_gpucase.run import reference_cache
+
+    key_file = reference_cache.make_key(tmp_path / "key")
+    first = reference_cache._parent_secret(str(key_file))
+    assert first == reference_cache.read_key(key_file)
+    key_file.unlink()
+    assert reference_cache._parent_secret(str(key_file)) is None
+    reference_cache.make_key(key_file)  # another key under the same name
+    second = reference_cache._parent_secret(str(key_file))
+    assert second == reference_cache.read_key(key_file) != first
+    key_file.chmod(0o644)  # readable by others: refused, as the child's read refuses it
+    assert reference_cache._parent_secret(str(key_file)) is None
+    key_file.chmod(0o600)
+    key_file.rename(tmp_path / "real")
+    key_file.symlink_to(tmp_path / "real")
+    assert reference_cache._parent_secret(str(key_file)) is None
+
+
+def _secret_in_child(spec: RunSpec, key_file: str) -> str:
+    from pytest_gpucase.run import reference_cache
+
+    os.environ[reference_cache.KEY_ENV] = key_file
+    os.environ[reference_cache.CACHE_ENV] = os.path.dirname(key_file)
+    entry = reference_cache.entry(spec, len)
+    return entry.secret.hex() if entry is not None else ""
+
+
+@pytest.mark.slow
+def test_the_child_takes_the_secret_the_parent_read(tmp_path: Path) -> None:
+    from pytest_gpucase.run import reference_cache
+
+    path = write_case(tmp_path, "counting", TOML, COUNTING, {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    key_file = reference_cache.make_key(tmp_path / "key")
+    secret = reference_cache.read_key(key_file).hex()
+    with prepare_in_parent(spec, env={reference_cache.KEY_ENV: str(key_file)}):
+        key_file.unlink()  # read before the fork: the child never opens it
+        prepared = run_in_child(_secret_in_child, spec, str(key_file), timeout=60)
+    own = run_in_child(_secret_in_child, spec, str(key_file), timeout=60)
+    assert prepared.value == secret
+    assert own.value == ""  # without the parent's read: no key file, no cache

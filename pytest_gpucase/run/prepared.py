@@ -17,7 +17,7 @@ import os
 import re
 import sys
 import types
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -35,13 +35,15 @@ _PREPARED: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def prepare_in_parent(spec: RunSpec, forked: bool = True) -> Iterator[None]:
+def prepare_in_parent(spec: RunSpec, forked: bool = True,
+                      env: Mapping[str, str] | None = None) -> Iterator[None]:
     """Find, in the parent around the fork of the child that runs ``spec``, what the child
     would find the same way: the paths the case's code is imported from, and the parts of
-    its reference-cache key that are plain files (``reference_cache.prepare``), and a small
-    payload's tensors. Only that child uses them (its parent is this process), once; any
-    other child (a reused worker, a zygote's, a spawned one) finds them itself. Dropped
-    here when the block ends. Nothing is done unless the child is ``forked`` from here
+    its reference-cache key that are plain files and the secret of the key file ``env``
+    names (``reference_cache.prepare``), a small payload's tensors, and the case's own
+    module compiled (``module``). Only that child uses them (its parent is this process),
+    once; any other child (a reused worker, a zygote's, a spawned one) finds them itself.
+    Dropped here when the block ends. Nothing is done unless the child is ``forked`` from here
     (a zygote's or a spawned child could not use it)."""
     if not forked:
         yield
@@ -56,7 +58,7 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True) -> Iterator[None]:
         # A small payload is loaded here: data parsed, no code run, as the header already
         # is; the child finds its tensors in memory, on pages it copies only if it writes.
         _PREPARED["tensors"] = payload.load_small(case.inputs_file)
-    reference_cache.prepare(spec)
+    reference_cache.prepare(spec, (env or {}).get(reference_cache.KEY_ENV))
     try:
         yield
     finally:
