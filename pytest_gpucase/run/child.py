@@ -283,19 +283,10 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     """Import ``FILE.py:func`` (inside the case dir) or ``package.module:func``."""
     where, _, qualname = target.partition(":")
     try:
-        if where.endswith(".py"):
-            file = case.path / where
-            name = prepared.module_name(case, where)
-            module = sys.modules.get(name) or prepared.module(case, where)
-            if module is None:
-                module_spec = importlib.util.spec_from_file_location(name, file)
-                if module_spec is None or module_spec.loader is None:
-                    raise ImportError(f"cannot import {file}")
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[name] = module
-                module_spec.loader.exec_module(module)
-        else:
+        if not where.endswith(".py"):
             module = importlib.import_module(where)
+        else:  # compiled by the parent when it could, else imported here
+            module = prepared.module(case, where) or _imported(case, where)
     except BaseException as exc:  # sys.exit() at import time too: the module is the user's
         raise _Failed(_import_failure(case, key, where, exc, traceback.format_exc())) from None
     obj: Any = module
@@ -310,6 +301,21 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
                               kind="broken case"))
     return obj  # type: ignore[no-any-return]
+
+
+def _imported(case: Case, where: str) -> types.ModuleType:
+    """The case's own ``where`` (a ``FILE.py`` of it), imported once per process."""
+    file = case.path / where
+    name = prepared.module_name(case, where)
+    module = sys.modules.get(name)
+    if module is None:
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"cannot import {file}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return module
 
 
 def _import_failure(case: Case, key: str, where: str, exc: BaseException,

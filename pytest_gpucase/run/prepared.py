@@ -102,20 +102,23 @@ def _compile_module(case: Case, where: str) -> None:
         made = importlib.util.module_from_spec(module_spec)
     except Exception:
         return
-    _PREPARED[f"module:{name}"] = (made, code)
+    _PREPARED[f"module:{where}"] = (name, made, code)
 
 
 def module(case: Case, where: str) -> types.ModuleType | None:
     """In the child: the case's ``where`` module, as a fresh import of it leaves it: under
-    its name in ``sys.modules``, its body run here (what the parent prepared: a new module
-    and its compiled code); None when the parent prepared nothing for it (then the child
-    imports it itself). An exception of the module's body propagates, the module left in
-    ``sys.modules`` as ``child.resolve`` leaves it."""
-    name = module_name(case, where)
-    found = taken(case, f"module:{name}")
+    its name in ``sys.modules``, its body run here (what the parent prepared: its name, a
+    new module and its compiled code; the one loaded under that name already, if any);
+    None when the parent prepared nothing for it (then the child imports it itself). An
+    exception of the module's body propagates, the module left in ``sys.modules`` as
+    ``child.resolve`` leaves it."""
+    found = taken(case, f"module:{where}")
     if found is None:
         return None
-    made, code = found
+    name, made, code = found
+    loaded = sys.modules.get(name)
+    if loaded is not None:
+        return loaded
     sys.modules[name] = made
     exec(code, made.__dict__)  # the module's body, as the loader's exec_module runs it
     return made  # type: ignore[no-any-return]
