@@ -137,3 +137,17 @@ def test_the_child_takes_the_secret_the_parent_read(tmp_path: Path) -> None:
     own = run_in_child(_secret_in_child, spec, str(key_file), timeout=60)
     assert prepared.value == secret
     assert own.value == ""  # without the parent's read: no key file, no cache
+
+
+def test_a_big_case_module_is_left_for_the_child_to_compile(tmp_path: Path) -> None:
+    """Generated code past ``COMPILE_LIMIT`` is compiled in the child, under the run's
+    timeout, not in the pytest process, which has none."""
+    from pytest_gpucase.run import prepared
+
+    small = write_case(tmp_path, "small", TOML, COUNTING, {"x": torch.ones(2)})
+    big = write_case(tmp_path, "big", TOML, COUNTING + "# padding\n" * (
+        prepared.COMPILE_LIMIT // 10 + 1), {"x": torch.ones(2)})
+    for path, expected in ((small, True), (big, False)):
+        spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+        with prepare_in_parent(spec):
+            assert ("module:case.py" in prepared._PREPARED) is expected

@@ -26,8 +26,8 @@ from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
-__all__ = ["import_paths", "module", "module_name", "prepare_in_parent", "prepend_import_paths",
-           "taken"]
+__all__ = ["COMPILE_LIMIT", "import_paths", "module", "module_name", "prepare_in_parent",
+           "prepend_import_paths", "taken"]
 
 # What the parent found for the run it is about to fork (``prepare_in_parent``): the
 # child inherits it instead of finding it again, on pages that its own work would copy.
@@ -82,17 +82,24 @@ def module_name(case: Case, where: str) -> str:
     return f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
 
 
+# Bytes of a case's ``FILE.py`` the parent compiles for its child (a few milliseconds at
+# most): a bigger one (generated code) is compiled by the child, under the run's timeout.
+COMPILE_LIMIT = 256 * 1024
+
+
 def _compile_module(case: Case, where: str) -> None:
-    """In the parent: a fresh module for the case's ``where`` (a ``FILE.py`` of the case),
-    made as ``importlib`` makes it, and its code as the loader gives it (from a valid
-    cached bytecode file, else compiled from the source). None of the case's code runs
-    here; anything that fails (a syntax error, a missing file) is left for the child to
-    meet and report as it always did."""
+    """In the parent: a fresh module for the case's ``where`` (a ``FILE.py`` of the case,
+    of at most ``COMPILE_LIMIT`` bytes), made as ``importlib`` makes it, and its code as the
+    loader gives it (from a valid cached bytecode file, else compiled from the source).
+    None of the case's code runs here; anything that fails (a syntax error, a missing
+    file) is left for the child to meet and report as it always did."""
     if not where.endswith(".py"):
         return
     file = case.path / where
     name = module_name(case, where)
     try:
+        if os.stat(file).st_size > COMPILE_LIMIT:
+            return
         module_spec = importlib.util.spec_from_file_location(name, file)
         if module_spec is None or module_spec.loader is None:
             return
