@@ -253,7 +253,8 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
     # The baseline's package first, then whatever this run's path holds (an older pytest
     # and pytest-forked: pytest-forked 1.7.5 cannot send pytest 9.2's reports back).
     base_env = ({**os.environ, "PYTHONPATH": os.pathsep.join(
-        [baseline_src, os.environ.get("PYTHONPATH", "")])} if baseline_src else None)
+        [os.path.abspath(baseline_src), os.environ.get("PYTHONPATH", "")])}
+        if baseline_src else None)
     worker = ("--gpu-cases", "--gpu-isolation", "worker", "cases")
     rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
         ("bare fork floor", ("bare",), None),
@@ -327,6 +328,12 @@ def main() -> None:
                         help="--pytest: a project without a pytest configuration file")
     args = parser.parse_args()
     if args.pytest:
+        # The pytest runs start in a temporary folder: a relative PYTHONPATH (``.``) would
+        # name another package there (or none), not this checkout's.
+        if os.environ.get("PYTHONPATH"):
+            os.environ["PYTHONPATH"] = os.pathsep.join(
+                os.path.abspath(entry) if entry else entry
+                for entry in os.environ["PYTHONPATH"].split(os.pathsep))
         in_pytest(args.items, args.rounds, args.baseline_src, not args.no_config)
         return
     runs = min(args.runs, 30) if args.quick else args.runs

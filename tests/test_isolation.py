@@ -340,6 +340,29 @@ def test_a_clipped_text_keeps_its_true_count_through_the_parent() -> None:
     assert line == f"[... {len(text) - kept} bytes omitted ...]"
 
 
+def test_a_result_dataclass_is_encoded_without_asking_the_mapping_abc() -> None:
+    """A forked child asked ``isinstance(outcome, Mapping)`` anew every run (the parent
+    never had), walking every subclass of Mapping loaded: a registered dataclass is told
+    before, and a plain dict without the ABC. A Mapping of another type is still a dict."""
+    import abc
+    import collections
+    from collections.abc import Mapping
+
+    from pytest_gpucase.run.isolation import decode, encode
+    from pytest_gpucase.run.outcome import Outcome
+
+    outcome = Outcome("passed", "outputs match", kind="passed", notes=("a",),
+                      budgets=({"path": "out", "ratio": 0.5},))
+    abc._reset_caches(Mapping)  # type: ignore[attr-defined]
+    assert decode(encode(outcome)) == outcome
+    assert decode(encode({"a": (1, 2.5)})) == {"a": (1, 2.5)}
+    _, positive, negative, _ = abc._get_dump(Mapping)  # type: ignore[attr-defined]
+    asked = {ref() for ref in (*positive, *negative)}
+    assert Outcome not in asked and dict not in asked
+    chained = collections.ChainMap({"b": 1})
+    assert decode(encode(chained)) == {"b": 1}
+
+
 @pytest.mark.parametrize("shift", range(12))
 def test_a_cut_leaves_no_fragment_of_a_terminal_escape_sequence(shift: int) -> None:
     """Coloured output cut inside an escape sequence left "red\\x1b[" before the omitted

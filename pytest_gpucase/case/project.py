@@ -38,7 +38,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on Python 3.10 only
     import tomli as tomllib
 
-__all__ = ["import_paths", "importable", "prepend"]
+__all__ = ["import_paths", "importable", "missing", "prepend"]
 
 _MISSING = object()
 
@@ -147,9 +147,13 @@ def import_paths(case_path: Path) -> tuple[str, ...]:
 def prepend(entries: Sequence[str]) -> None:
     """Put ``entries`` first on ``sys.path``, in order, leaving those already there in place
     (under pytest, its ``pythonpath`` is applied already and keeps its position)."""
+    sys.path[:0] = missing(entries)
+
+
+def missing(entries: Sequence[str]) -> list[str]:
+    """Those of ``entries`` that ``sys.path`` does not hold yet, in order (``prepend``)."""
     present = {os.path.abspath(p or os.curdir) for p in sys.path}
-    missing = [entry for entry in entries if os.path.abspath(entry) not in present]
-    sys.path[:0] = missing
+    return [entry for entry in entries if os.path.abspath(entry) not in present]
 
 
 @contextlib.contextmanager

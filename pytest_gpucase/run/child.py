@@ -17,7 +17,6 @@ import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from typing import Any
 
 # Imported at module level on purpose: the parent imports this module before
@@ -91,7 +90,7 @@ def run(spec: RunSpec) -> Outcome:
     # A Recorder in the replayed code must not capture its own replay as a new case.
     os.environ[REPLAY_ENV] = "1"
     # The user's code is imported as every gpucase tool imports it (project.py).
-    project.prepend(prepared.import_paths(spec.case))
+    prepared.prepend_import_paths(spec.case)
     reference_cache.take_notes()  # a reused child's earlier run said its own
     outcome = _judged(spec)
     notes = reference_cache.take_notes()
@@ -278,29 +277,16 @@ def _tensor_dict(case: Case, name: str, members: Any,
 
 
 _MISSING = object()
-# Compiled once, in the parent at import: a child compiling it costs more than the import.
-_NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
 
 
 def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
     """Import ``FILE.py:func`` (inside the case dir) or ``package.module:func``."""
     where, _, qualname = target.partition(":")
     try:
-        if where.endswith(".py"):
-            file = case.path / where
-            name = f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
-            module = sys.modules.get(name)
-            # another case of the same name (cases/a/GPT, cases/b/GPT) in a process that
-            # imported it first: its module is not this case's
-            if module is None or getattr(module, "__file__", None) != str(file):
-                module_spec = importlib.util.spec_from_file_location(name, file)
-                if module_spec is None or module_spec.loader is None:
-                    raise ImportError(f"cannot import {file}")
-                module = importlib.util.module_from_spec(module_spec)
-                sys.modules[name] = module
-                module_spec.loader.exec_module(module)
-        else:
+        if not where.endswith(".py"):
             module = importlib.import_module(where)
+        else:  # compiled by the parent when it could, else imported here
+            module = prepared.module(case, where) or _imported(case, where)
     except BaseException as exc:  # sys.exit() at import time too: the module is the user's
         raise _Failed(_import_failure(case, key, where, exc, traceback.format_exc())) from None
     obj: Any = module
@@ -315,6 +301,23 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
                               kind="broken case"))
     return obj  # type: ignore[no-any-return]
+
+
+def _imported(case: Case, where: str) -> types.ModuleType:
+    """The case's own ``where`` (a ``FILE.py`` of it), imported once per process."""
+    file = case.path / where
+    name = prepared.module_name(case, where)
+    module = sys.modules.get(name)
+    # another case of the same name (cases/a/GPT, cases/b/GPT) in a process that imported
+    # it first: its module is not this case's
+    if module is None or getattr(module, "__file__", None) != str(file):
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        if module_spec is None or module_spec.loader is None:
+            raise ImportError(f"cannot import {file}")
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)
+    return module
 
 
 def _import_failure(case: Case, key: str, where: str, exc: BaseException,

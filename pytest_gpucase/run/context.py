@@ -102,6 +102,12 @@ def replay_context(context: ReplayContext, device: str,
         torch.backends.cuda.matmul.allow_tf32 = context.tf32_matmul
     if context.tf32_cudnn is not None:
         torch.backends.cudnn.allow_tf32 = context.tf32_cudnn
+    if not rng and not context.inference and context.autocast is None:
+        # The common case, without the stack: each context manager a forked child enters
+        # for the first time costs it page copies (no RNG state to set: nothing to restore).
+        with torch.set_grad_enabled(grad_mode(context)):
+            yield
+        return
     with contextlib.ExitStack() as stack:
         stack.enter_context(rng_restored(rng, device))
         stack.enter_context(torch.set_grad_enabled(grad_mode(context)))

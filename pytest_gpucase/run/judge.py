@@ -407,7 +407,9 @@ class Judged:
         """The second look from what the cache holds beside the reference: read only when a
         leaf asks (a passing run reads nothing more), and never computed: a leaf it cannot
         clear sends the run to the fresh reference."""
-        baseline = reference_cache.companion(self.cached, f"baseline1-{_name(self.precision)}")
+        def baseline() -> dict[str, Any]:  # named only when a leaf asks, as the spreads are
+            return reference_cache.load(reference_cache.companion(
+                self.cached, f"baseline1-{_name(self.precision)}")) or {}
 
         def spreads(paths: object) -> Mapping[str, tuple[Any, ...]]:
             found = reference_cache.load(self.budget_entry())
@@ -420,7 +422,7 @@ class Judged:
                     for path, pair in stored.items()}
 
         return second_look.Look(precision=self.precision, spreads=spreads,
-                                baseline=lambda: reference_cache.load(baseline) or {})
+                                baseline=baseline)
 
     def budget_entry(self) -> reference_cache.Entry | None:
         """Where the rounding budget is kept: named by content (``reference_cache.persisted``),

@@ -122,7 +122,7 @@ def _start(spec: RunSpec, ctx: RunContext, env: dict[str, str],
                              exclusive=ctx.isolation == "case", marks=OUTPUT_MARKS,
                              label=f"{display(spec.case.path)} [{spec.id}]")
     else:
-        with prepare_in_parent(spec, forked=ctx.start_method == "fork"):  # read here, once
+        with prepare_in_parent(spec, forked=ctx.start_method == "fork", env=env):  # read here
             child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
                                  start_method=ctx.start_method, memory_limit=memory_limit,
                                  marks=OUTPUT_MARKS)

@@ -3,15 +3,22 @@ child need not find it again (``prepare_in_parent``).
 
 A forked child pays for every object it touches with copy-on-write page faults, so work
 that is the same before and after the fork is cheaper done once in the parent: the paths
-a case's code is imported from, the files its reference-cache key reads, a small
-payload's tensors (data parsed, no code run). Only the child forked there uses them.
+a case's code is imported from (and which of them ``sys.path`` lacks), the files its
+reference-cache key reads, a small payload's tensors (data parsed, no code run), and the
+case's own ``FILE.py`` compiled into a fresh, empty module (read and compiled, never
+run: the child runs its body, ``module``). Only the child forked there uses them.
 """
 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import os
-from collections.abc import Iterator
+import re
+import sys
+import types
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 from pytest_gpucase.case import payload, project
@@ -19,7 +26,8 @@ from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
-__all__ = ["import_paths", "prepare_in_parent", "taken"]
+__all__ = ["COMPILE_LIMIT", "import_paths", "module", "module_name", "prepare_in_parent",
+           "prepend_import_paths", "taken"]
 
 # What the parent found for the run it is about to fork (``prepare_in_parent``): the
 # child inherits it instead of finding it again, on pages that its own work would copy.
@@ -27,25 +35,30 @@ _PREPARED: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def prepare_in_parent(spec: RunSpec, forked: bool = True) -> Iterator[None]:
+def prepare_in_parent(spec: RunSpec, forked: bool = True,
+                      env: Mapping[str, str] | None = None) -> Iterator[None]:
     """Find, in the parent around the fork of the child that runs ``spec``, what the child
     would find the same way: the paths the case's code is imported from, and the parts of
-    its reference-cache key that are plain files (``reference_cache.prepare``), and a small
-    payload's tensors. Only that child uses them (its parent is this process), once; any
-    other child (a reused worker, a zygote's, a spawned one) finds them itself. Dropped
-    here when the block ends. Nothing is done unless the child is ``forked`` from here
+    its reference-cache key that are plain files and the secret of the key file ``env``
+    names (``reference_cache.prepare``), a small payload's tensors, and the case's own
+    module compiled (``module``). Only that child uses them (its parent is this process),
+    once; any other child (a reused worker, a zygote's, a spawned one) finds them itself.
+    Dropped here when the block ends. Nothing is done unless the child is ``forked`` from here
     (a zygote's or a spawned child could not use it)."""
     if not forked:
         yield
         return
     case = spec.case
-    _PREPARED.update(case=case.path, parent=os.getpid(),
-                     import_paths=project.import_paths(case.path))
+    paths = project.import_paths(case.path)
+    _PREPARED.update(case=case.path, parent=os.getpid(), import_paths=paths,
+                     missing_paths=project.missing(paths))
+    for target in {case.call, case.reference or case.call}:
+        _compile_module(case, target.partition(":")[0])
     if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
         # A small payload is loaded here: data parsed, no code run, as the header already
         # is; the child finds its tensors in memory, on pages it copies only if it writes.
         _PREPARED["tensors"] = payload.load_small(case.inputs_file)
-    reference_cache.prepare(spec)
+    reference_cache.prepare(spec, (env or {}).get(reference_cache.KEY_ENV))
     try:
         yield
     finally:
@@ -58,6 +71,75 @@ def taken(case: Case, name: str) -> Any:
     if _PREPARED.get("case") == case.path and _PREPARED["parent"] == os.getppid():
         return _PREPARED.pop(name, None)
     return None
+
+
+# Compiled once, at import: a child compiling it costs more than the import.
+_NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
+
+
+def module_name(case: Case, where: str) -> str:
+    """The name a case's own ``FILE.py`` is imported under (``child.resolve``)."""
+    return f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
+
+
+# Bytes of a case's ``FILE.py`` the parent compiles for its child (a few milliseconds at
+# most): a bigger one (generated code) is compiled by the child, under the run's timeout.
+COMPILE_LIMIT = 256 * 1024
+
+
+def _compile_module(case: Case, where: str) -> None:
+    """In the parent: a fresh module for the case's ``where`` (a ``FILE.py`` of the case,
+    of at most ``COMPILE_LIMIT`` bytes), made as ``importlib`` makes it, and its code as the
+    loader gives it (from a valid cached bytecode file, else compiled from the source).
+    None of the case's code runs here; anything that fails (a syntax error, a missing
+    file) is left for the child to meet and report as it always did."""
+    if not where.endswith(".py"):
+        return
+    file = case.path / where
+    name = module_name(case, where)
+    try:
+        if os.stat(file).st_size > COMPILE_LIMIT:
+            return
+        module_spec = importlib.util.spec_from_file_location(name, file)
+        if module_spec is None or module_spec.loader is None:
+            return
+        code = module_spec.loader.get_code(name)  # type: ignore[attr-defined]
+        if code is None:
+            return
+        made = importlib.util.module_from_spec(module_spec)
+    except Exception:
+        return
+    _PREPARED[f"module:{where}"] = (name, made, code)
+
+
+def module(case: Case, where: str) -> types.ModuleType | None:
+    """In the child: the case's ``where`` module, as a fresh import of it leaves it: under
+    its name in ``sys.modules``, its body run here (what the parent prepared: its name, a
+    new module and its compiled code; the one loaded under that name already, if any);
+    None when the parent prepared nothing for it (then the child imports it itself). An
+    exception of the module's body propagates, the module left in ``sys.modules`` as
+    ``child.resolve`` leaves it."""
+    found = taken(case, f"module:{where}")
+    if found is None:
+        return None
+    name, made, code = found
+    loaded = sys.modules.get(name)
+    if loaded is not None and getattr(loaded, "__file__", None) == getattr(made, "__file__", 0):
+        return loaded  # not another case's of the same name
+    sys.modules[name] = made
+    exec(code, made.__dict__)  # the module's body, as the loader's exec_module runs it
+    return made  # type: ignore[no-any-return]
+
+
+def prepend_import_paths(case: Case) -> None:
+    """``project.prepend(import_paths(case))``, with what ``sys.path`` lacks found by the
+    parent when it prepared this child (the child's ``sys.path`` is the parent's at the
+    fork)."""
+    missing: list[str] | None = taken(case, "missing_paths")
+    if missing is None:
+        project.prepend(import_paths(case))
+    else:
+        sys.path[:0] = missing
 
 
 def import_paths(case: Case) -> tuple[str, ...]:

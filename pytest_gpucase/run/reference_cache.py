@@ -385,14 +385,19 @@ def _primed_again() -> None:
 _PREPARED: dict[str, Any] = {}
 
 
-def prepare(spec: RunSpec) -> None:
+def prepare(spec: RunSpec, key_file: str | None = None) -> None:
     """Read, in the parent just before it forks the child of ``spec``, the files its key
     reads: ``case.toml``, the inputs' signature, and the case's own source file when the
-    reference is defined in one (``FILE.py:func``). Only that child uses them (a process
-    whose parent is this one), once; any other child reads them itself, and the parent
-    drops them when the run ends (``forget_prepared``)."""
+    reference is defined in one (``FILE.py:func``); and the secret in ``key_file`` (the
+    child's ``KEY_ENV``), when it is a usable key file (``_parent_secret``). Only that child
+    uses them (a process whose parent is this one), once; any other child reads them
+    itself, and the parent drops them when the run ends (``forget_prepared``)."""
     _PREPARED.clear()
     _primed_again()
+    if key_file:
+        secret = _parent_secret(key_file)
+        if secret is not None:
+            _PREPARED["secret"] = (key_file, secret, os.getpid())
     case = spec.case
     sources: dict[str, bytes] = {}
     where = (case.reference or case.call).partition(":")[0]
@@ -427,6 +432,32 @@ def _predicted(spec: RunSpec, toml: bytes, inputs: bytes,
     rows = sorted(_rows([("", module)], primed.rows).values())
     return file, rows, _digest(spec, toml, inputs, source, primed.with_rows(rows),
                                torch.__version__)
+
+
+# The secrets this process read (``_parent_secret``): key file -> (its lstat, the secret).
+_SECRETS: dict[str, tuple[tuple[int, ...], bytes]] = {}
+
+
+def _parent_secret(key_file: str) -> bytes | None:
+    """The secret of ``key_file`` as ``read_key`` reads it, read again only when the file's
+    ``lstat`` changed (a new inode, size, mode, owner or time); None when it is not usable
+    (the child then reads it and meets the same problem)."""
+    try:
+        found = os.lstat(key_file)
+    except OSError:
+        return None
+    signature = (found.st_dev, found.st_ino, found.st_size, found.st_mode, found.st_uid,
+                 found.st_mtime_ns, found.st_ctime_ns)
+    known = _SECRETS.get(key_file)
+    if known is not None and known[0] == signature:
+        return known[1]
+    try:
+        secret = read_key(Path(key_file))
+    except (OSError, Unusable):
+        _SECRETS.pop(key_file, None)
+        return None
+    _SECRETS[key_file] = (signature, secret)
+    return secret
 
 
 def forget_prepared() -> None:
@@ -489,8 +520,12 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
     folder, key_file = os.environ.get(CACHE_ENV), os.environ.get(KEY_ENV)
     if not folder or not key_file:
         return None
+    prepared = _PREPARED.pop("secret", None)
     try:
-        secret = read_key(Path(key_file))
+        if prepared is not None and prepared[0] == key_file and prepared[2] == os.getppid():
+            secret = prepared[1]  # read by the parent before it forked this child
+        else:
+            secret = read_key(Path(key_file))
         name = f"{key(spec, reference)}{SUFFIX}"
     except (OSError, Unusable):  # no key to check with (no cache), or the case file
         return None              # vanished (the run will say what is wrong)
