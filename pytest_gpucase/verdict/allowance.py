@@ -14,8 +14,8 @@ from pytest_gpucase.verdict.rounding import CLEAN, Budget, coarser, unit_roundof
 from pytest_gpucase.verdict.stats import TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance
 
-__all__ = ["budget_record", "element_tally", "least_step", "unclean", "unclean_message",
-           "wide64"]
+__all__ = ["budget_notes", "budget_record", "element_tally", "least_step", "unclean",
+           "unclean_message", "wide64"]
 
 
 def wide64(t: torch.Tensor) -> torch.Tensor:
@@ -95,6 +95,28 @@ def budget_record(path: str, actual: object, expected: object,
             "ratio": check.ratio if check else None,
             "left_out": check.left_out if check else 0,
             "rule_units": units, "wide": units is not None and units > budget.rule}
+
+
+def budget_notes(path: str, expected: torch.Tensor, budget: Budget) -> list[str]:
+    """What a pass within its budget says of itself: that the budget is as large as the
+    output's own RMS size (at that precision the inputs decide the output only to within
+    its size), or wider than the detectability rule (``Budget.rule``) allows; else nothing."""
+    e = wide64(expected)
+    size = float(torch.where(torch.isfinite(e), e.abs(), 0).square().mean().sqrt()) if (
+        e.numel()) else 0.0
+    name = str(budget.precision).removeprefix("torch.")
+    if budget.rms * budget.multiplier >= size > 0:
+        return [f"{path} passed within a rounding budget (RMS {num(budget.multiplier)} x "
+                f"{num(budget.rms)}) as large as its own RMS size ({num(size)}): in {name} "
+                "this computation decides it only to within its size, so the check says "
+                "little; judge it in a finer dtype"]
+    units = budget.rule_units(expected)
+    if units is not None and units > budget.rule:
+        return [f"{path} passed within a rounding budget wider than the detectability rule: "
+                f"it lets a constant relative error of {units:.3g} units of roundoff of its "
+                f"RMS size through in {name}, past the rule's {budget.rule:g} "
+                "(docs/verdicts.md); one rounding of this computation moves it that much"]
+    return []
 
 
 def element_tally(actual: torch.Tensor, expected: torch.Tensor, default: Tolerance,

@@ -36,6 +36,7 @@ from pytest_gpucase.verdict._small import clean_small
 from pytest_gpucase.verdict.messages import (Mismatch, num, scalar_message, values_mismatch,
                                              with_note, wrong_everywhere)
 from pytest_gpucase.verdict.allowance import (
+    budget_notes,
     budget_record,
     element_tally,
     least_step,
@@ -699,7 +700,7 @@ class _Walk:
                 self.equal_nan) if stats.worst else worded(), problem, elements_within=True)
             mismatch = lambda: noted  # noqa: E731
         else:
-            self.vacuous(leaf.path, leaf.expected, tol, budget)
+            self.notes.extend(budget_notes(leaf.path, leaf.expected, budget))
         return self.against_baseline(leaf.path, leaf.actual, leaf.expected, tol, within,
                                      mismatch)
 
@@ -708,28 +709,6 @@ class _Walk:
         """The leaf judged element by element against its budget (``element_tally``)."""
         return element_tally(leaf.actual, leaf.expected, leaf.tol, budget, allowance,
                              max(self.worst, 1))
-
-    def vacuous(self, path: str, expected: torch.Tensor, tol: Tolerance,
-                budget: Budget) -> None:
-        """Note a pass within a budget as large as the output's own RMS size (at that
-        precision the inputs decide the output only to within its size), or wider than the
-        detectability rule (``Budget.rule``) allows."""
-        size = float(_finite_abs(expected).square().mean().sqrt())
-        name = str(budget.precision).removeprefix("torch.")
-        if budget.rms * budget.multiplier >= size > 0:
-            self.notes.append(
-                f"{path} passed within a rounding budget (RMS {num(budget.multiplier)} x "
-                f"{num(budget.rms)}) as large as its own RMS size ({num(size)}): in {name} "
-                "this computation decides it only to within its size, so the check says "
-                "little; judge it in a finer dtype")
-            return
-        units = budget.rule_units(expected)
-        if units is not None and units > budget.rule:
-            self.notes.append(
-                f"{path} passed within a rounding budget wider than the detectability rule: "
-                f"it lets a constant relative error of {units:.3g} units of roundoff of its "
-                f"RMS size through in {name}, past the rule's {budget.rule:g} (docs/verdicts.md); "
-                "one rounding of this computation moves it that much")
 
     def against_baseline(self, path: str, actual: object, expected: object, budget: Tolerance,
                          within: bool, mismatch: Callable[[], Mismatch]) -> Mismatch | None:
