@@ -774,11 +774,6 @@ def _nonfinite(counts: NonFinite) -> bool:
     return bool(counts.nan_actual or counts.inf_actual or counts.nan_expected_only)
 
 
-def _finite_abs(t: torch.Tensor) -> torch.Tensor:
-    size = t.detach().abs().to(torch.float64 if t.device.type == "cpu" else torch.float32)
-    return torch.where(torch.isfinite(size), size, 0)
-
-
 def _dtype_of(value: object) -> torch.dtype:
     if isinstance(value, torch.Tensor):
         return value.dtype
