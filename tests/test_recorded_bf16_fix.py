@@ -159,14 +159,15 @@ def test_a_wrong_fix_of_a_bf16_model_is_a_new_failure(bug: str, nan_recorded: Pa
     assert "XPASS" not in text and "XFAIL" not in text
 
 
-def test_a_five_percent_bf16_error_of_a_model_under_autocast_fails(
+def test_a_six_percent_bf16_error_of_a_model_under_autocast_fails(
         shape_recorded: Path, pytester: pytest.Pytester) -> None:
     """The budget of an autocast run rounds each value in the dtype the run holds it in
     (float32 for the residual stream and the layer norm, bfloat16 for the matmuls), and a
     leaf of many elements is held to half the multiplier in RMS: a correct run's logits are
-    within a fifth of what they may be, and logits 5% off in bfloat16 only (13 units of
-    roundoff; 10% passed before) fail. The budget let 27 units through; now 11."""
-    result = replay(shape_recorded, pytester, source(wrong=1.05))
+    within a fifth of what they may be, and logits 6% off in bfloat16 only (15 units of
+    roundoff, ratio 1.2; 5% is at 1.01; 10% passed before) fail. The budget let 27 units
+    through; now 11."""
+    result = replay(shape_recorded, pytester, source(wrong=1.06))
     result.assert_outcomes(failed=1)
     text = result.stdout.str()
     # the one-line summary says what is wrong, not how few elements are past their budget
