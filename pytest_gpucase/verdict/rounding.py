@@ -446,40 +446,41 @@ class RoundEveryOp(TorchDispatchMode):  # type: ignore[no-untyped-call]
             held.mark(out, dtype)
             return out
         self._op = schema.name
-        written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
-        if any(r.alias_info is not None for r in schema.returns) and not any(written):
-            return out
-        results = out if isinstance(out, (tuple, list)) else (out,)
-        if any(written):  # kept in the dtype the argument is held in
-            for result in results:
-                if _roundable(result) and _coarser_than(held.of(result), result):
-                    result.data.copy_(self.rounded(result.data, held.of(result)))
-            return out
-        rounded = [self.rounded(t, dtype) if _roundable(t) and _coarser_than(dtype, t) else t
-                   for t in results]
-        held.mark(rounded, dtype)
-        return type(out)(rounded) if isinstance(out, (tuple, list)) else rounded[0]
-
-    def _result_rounded(self, schema: Any, out: Any) -> Any:
-        """The result of an operation that computed, rounded: in place where it was written."""
-        written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
-        if any(r.alias_info is not None for r in schema.returns) and not any(written):
-            return out  # a view or an alias of an argument: nothing was rounded
-        if any(written):
-            self._round_written(out)
-            return out
-        if isinstance(out, torch.Tensor):
-            return self.rounded(out) if _roundable(out) else out
-        if isinstance(out, (tuple, list)):
-            return type(out)(self.rounded(t) if _roundable(t) else t for t in out)
+        writes = _writes(schema)
+        # a result written into an argument is kept in the dtype the argument is held in
+        out = self._result_rounded(schema, out, held.of if writes else lambda _: dtype)
+        if writes is False:
+            held.mark(out, dtype)
         return out
 
-    def _round_written(self, out: Any) -> None:
-        """Round in place each result an operation wrote into an argument."""
-        for result in out if isinstance(out, (tuple, list)) else (out,):
-            if _roundable(result):
-                data = result.data  # not tracked by autograd, as a rounding is not
-                data.copy_(self.rounded(data))
+    def _result_rounded(self, schema: Any, out: Any,
+                        held_in: Callable[[torch.Tensor], torch.dtype | None] | None = None,
+                        ) -> Any:
+        """The result of an operation that computed, rounded: in place where it was written.
+        ``held_in``: the dtype the run holds a result in (autocast), each rounded at that
+        dtype's precision, and not at all where that is its own dtype or finer; None: every
+        result at the run's precision."""
+        writes = _writes(schema)
+        if writes is None:
+            return out  # a view or an alias of an argument: nothing was rounded
+        results = out if isinstance(out, (tuple, list)) else (out,)
+
+        def dtype_of(t: torch.Tensor) -> torch.dtype | None:
+            return held_in(t) if held_in is not None else None
+
+        def rounds(t: object) -> bool:
+            if not (isinstance(t, torch.Tensor) and _roundable(t)):
+                return False
+            return held_in is None or _coarser_than(held_in(t), t)
+
+        if writes:
+            for result in results:
+                if rounds(result):
+                    data = result.data  # not tracked by autograd, as a rounding is not
+                    data.copy_(self.rounded(data, dtype_of(result)))
+            return out
+        rounded = [self.rounded(t, dtype_of(t)) if rounds(t) else t for t in results]
+        return type(out)(rounded) if isinstance(out, (tuple, list)) else rounded[0]
 
     def rounded(self, t: torch.Tensor, held: torch.dtype | None = None) -> torch.Tensor:
         """``t`` rounded once at the run's precision, or at ``held``'s where given."""
@@ -595,6 +596,15 @@ def _operands_rounded(args: Any, kwargs: dict[str, Any], u: float,
         return value
 
     return tuple(each(a) for a in args), {key: each(v) for key, v in kwargs.items()}
+
+
+def _writes(schema: Any) -> bool | None:
+    """Whether an operation writes its result into an argument (``add_``, ``out=``); None
+    when its result is a view or an alias of an argument that it does not write."""
+    written = [r.alias_info is not None and r.alias_info.is_write for r in schema.returns]
+    if any(r.alias_info is not None for r in schema.returns) and not any(written):
+        return None
+    return any(written)
 
 
 def _coarser_than(dtype: torch.dtype | None, t: torch.Tensor) -> bool:
