@@ -10,7 +10,7 @@ import math
 import torch
 
 from pytest_gpucase.verdict.messages import num
-from pytest_gpucase.verdict.rounding import CLEAN, Budget, coarser, unit_roundoff
+from pytest_gpucase.verdict.rounding import CLEAN, Budget, coarser, rms_size, unit_roundoff
 from pytest_gpucase.verdict.stats import TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance
 
@@ -82,12 +82,11 @@ def budget_record(path: str, actual: object, expected: object,
     its RMS size) and had, their ratio (above 1 fails), and the constant relative error
     the budget lets through in units of roundoff (``rule_units``; past the precision's
     detectability rule, ``wide``)."""
-    e = wide64(expected if isinstance(expected, torch.Tensor) else torch.tensor(expected))
     checks = budget.rms_checks(actual, expected)
     # the binding one of the leaf's RMS tests (``Budget.rms_checks``)
     check = max(checks, key=lambda c: c.ratio if c.ratio is not None else math.inf,
                 default=None)
-    units = budget.rule_units(e)
+    units = budget.rule_units(expected)
     return {"path": path, "precision": str(budget.precision).removeprefix("torch."),
             "multiplier": check.multiplier if check else budget.multiplier,
             "rms_error": check.error if check else None,
@@ -101,9 +100,7 @@ def budget_notes(path: str, expected: torch.Tensor, budget: Budget) -> list[str]
     """What a pass within its budget says of itself: that the budget is as large as the
     output's own RMS size (at that precision the inputs decide the output only to within
     its size), or wider than the detectability rule (``Budget.rule``) allows; else nothing."""
-    e = wide64(expected)
-    size = float(torch.where(torch.isfinite(e), e.abs(), 0).square().mean().sqrt()) if (
-        e.numel()) else 0.0
+    size = rms_size(wide64(expected))
     name = str(budget.precision).removeprefix("torch.")
     if budget.rms * budget.multiplier >= size > 0:
         return [f"{path} passed within a rounding budget (RMS {num(budget.multiplier)} x "

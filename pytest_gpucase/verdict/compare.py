@@ -695,9 +695,7 @@ class _Walk:
             mismatch = lambda: found  # noqa: E731
         elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
             within = False
-            noted = wrong_everywhere(values_mismatch(
-                leaf.path, leaf.actual, leaf.expected, shown, stats, self.worst,
-                self.equal_nan) if stats.worst else worded(), problem, elements_within=True)
+            noted = wrong_everywhere(worded(), problem, elements_within=True)
             mismatch = lambda: noted  # noqa: E731
         else:
             self.notes.extend(budget_notes(leaf.path, leaf.expected, budget))

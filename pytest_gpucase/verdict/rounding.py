@@ -79,6 +79,7 @@ __all__ = [
     "draw_seeds",
     "element_spread",
     "perturbed",
+    "rms_size",
     "spread",
     "unit_roundoff",
 ]
@@ -118,10 +119,11 @@ DRAWS = 2
 # atol (1e-5) says nothing of an output of size 1e-6, or of a float32 softmax wrong by 1e-4
 # relative everywhere.
 CLEAN = 16.0
-# The detectability rule (docs/verdicts.md): a constant relative error above RULE units of
-# roundoff of the output's RMS size fails wherever the budget is narrower than that; a pass
-# within a budget wider than RULE says so in the item's notes.
-RULE = 32.0
+# The detectability rule of float32 and float64 (``RULES``: each precision's): a constant
+# relative error above RULE units of roundoff of the output's RMS size fails wherever the
+# budget is narrower than that; a pass within a budget wider than RULE says so in the item's
+# notes. ``ranges`` holds a range finding to it in every precision.
+RULE = RULES[torch.float32]
 # The per-element budget: an element shares the spread of the elements no larger than WINDOW
 # times its size; the smallest max(SHARED, n / SHARED_SHARE) share theirs.
 WINDOW = 2.0
@@ -688,7 +690,7 @@ class Budget:
         e = _as_tensor(expected)
         if e is None or e.numel() < RMS_ELEMENTS:
             return self.multiplier
-        if self.multiplier * self.rms >= _rms_size(e):
+        if self.multiplier * self.rms >= rms_size(e):
             return self.multiplier
         return self.multiplier * RMS_SHARE
 
@@ -703,7 +705,7 @@ class Budget:
             return []
         u = unit_roundoff(self.precision)
         _, error = _errors(a, e)
-        checks = [RmsCheck(error, self.multiplier * self.rms + u * _rms_size(e),
+        checks = [RmsCheck(error, self.multiplier * self.rms + u * rms_size(e),
                            self.multiplier, 0)]
         share = self.rms_multiplier(e)
         if share >= self.multiplier or not math.isfinite(error):
@@ -720,7 +722,7 @@ class Budget:
             if whole > 0:  # the RMS spread of the kept elements, as a share of the whole's
                 rms *= float(spreads[kept].square().mean().sqrt()) / whole
         checks.append(RmsCheck(float(errors[kept].square().mean().sqrt()),
-                               share * rms + u * _rms_size(flat_e[kept]), share, left_out))
+                               share * rms + u * rms_size(flat_e[kept]), share, left_out))
         return checks
 
     def tolerance(self, default: Tolerance) -> Tolerance | None:
@@ -773,7 +775,7 @@ class Budget:
         e = _as_tensor(expected)
         if e is None or e.numel() == 0 or not math.isfinite(self.rms):
             return None
-        size = _rms_size(e)
+        size = rms_size(e)
         if size == 0:
             return None
         return 1 + self.rms_multiplier(e) * self.rms / (unit_roundoff(self.precision) * size)
@@ -868,7 +870,7 @@ def _as_tensor(value: object) -> torch.Tensor | None:
     return None
 
 
-def _rms_size(e: torch.Tensor) -> float:
+def rms_size(e: torch.Tensor) -> float:
     """The RMS size of a leaf's finite values."""
     if e.numel() == 0:
         return 0.0
