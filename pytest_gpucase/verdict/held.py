@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["LOWER_PRECISION", "HeldDtypes"]
+__all__ = ["LOWER_PRECISION", "HeldDtypes", "coarser_than"]
 
 # Autocast's lower-precision operations (CPU and CUDA lists), as a dispatch mode meets them.
 LOWER_PRECISION = frozenset({
@@ -53,6 +53,12 @@ LOWER_PRECISION = frozenset({
     "aten::_native_multi_head_attention", "aten::_thnn_fused_lstm_cell",
     "aten::_thnn_fused_gru_cell", "aten::mkldnn_rnn_layer", "aten::mkldnn_rnn_layer_backward",
 })
+
+
+def coarser_than(a: torch.dtype, b: torch.dtype) -> bool:
+    """Whether floating dtype ``a`` holds fewer significant bits than ``b`` (so that holding
+    a value of ``b`` in ``a`` rounds it); the real dtype of a complex one is what counts."""
+    return torch.finfo(a.to_real()).eps > torch.finfo(b.to_real()).eps
 
 
 def _floating_tensors(value: object) -> Iterator[torch.Tensor]:
@@ -122,5 +128,4 @@ class HeldDtypes:
     def finer_than_autocast(self, t: torch.Tensor) -> bool:
         """Whether a lower-precision operation's cast of ``t`` rounds it (its held dtype is
         finer than the autocast dtype)."""
-        return (torch.finfo(self.of(t).to_real()).eps
-                < torch.finfo(self.autocast.to_real()).eps)
+        return coarser_than(self.autocast, self.of(t))

@@ -49,7 +49,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from pytest_gpucase.base.dtypes import DTYPE_TABLE
-from pytest_gpucase.verdict.held import LOWER_PRECISION, HeldDtypes
+from pytest_gpucase.verdict.held import LOWER_PRECISION, HeldDtypes, coarser_than
 from pytest_gpucase.verdict.tolerance import Tolerance
 
 __all__ = [
@@ -176,7 +176,7 @@ def coarser(a: torch.dtype, b: torch.dtype | None) -> torch.dtype:
         return a
     if not (a.is_floating_point or a.is_complex):
         return b
-    return b if torch.finfo(b.to_real()).eps > torch.finfo(a.to_real()).eps else a
+    return b if coarser_than(b, a) else a
 
 
 def perturbed(value: Any, u: float, generator: torch.Generator,
@@ -208,11 +208,10 @@ def _underflow(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | flo
     backward of ``x ** 5`` of 0.02 makes (1e-9, a subnormal of spacing 6e-8)."""
     if dtype is None or t.is_complex() or not dtype.is_floating_point:
         return 0.0
-    info = torch.finfo(dtype)
-    if info.eps <= torch.finfo(t.dtype).eps:
+    if not coarser_than(dtype, t.dtype):
         return 0.0
     with torch.no_grad():
-        small = t.abs() < info.smallest_normal
+        small = t.abs() < torch.finfo(dtype).smallest_normal
         if not bool(small.any()):
             return 0.0
         return torch.where(small, t.to(dtype).to(t.dtype) - t, 0)
@@ -223,7 +222,7 @@ def _held_exactly(t: torch.Tensor, dtype: torch.dtype | None) -> torch.Tensor | 
     if dtype is None or t.is_complex():
         return None
     real = dtype.to_real()
-    if not real.is_floating_point or torch.finfo(real).eps <= torch.finfo(t.dtype).eps:
+    if not real.is_floating_point or not coarser_than(real, t.dtype):
         return torch.ones_like(t, dtype=torch.bool)  # a finer dtype holds all of them
     with torch.no_grad():
         return t.to(real).to(t.dtype) == t
@@ -611,8 +610,7 @@ def _writes(schema: Any) -> bool | None:
 
 def _coarser_than(dtype: torch.dtype | None, t: torch.Tensor) -> bool:
     """Whether holding ``t`` in ``dtype`` rounds it (the reference computes in ``t.dtype``)."""
-    return dtype is not None and (torch.finfo(dtype.to_real()).eps
-                                  > torch.finfo(t.dtype.to_real()).eps)
+    return dtype is not None and coarser_than(dtype, t.dtype)
 
 
 def _roundable(t: object) -> bool:
