@@ -307,10 +307,8 @@ def _imported(case: Case, where: str) -> types.ModuleType:
     """The case's own ``where`` (a ``FILE.py`` of it), imported once per process."""
     file = case.path / where
     name = prepared.module_name(case, where)
-    module = sys.modules.get(name)
-    # another case of the same name (cases/a/GPT, cases/b/GPT) in a process that imported
-    # it first: its module is not this case's
-    if module is None or getattr(module, "__file__", None) != str(file):
+    module = prepared.loaded(name, str(file))
+    if module is None:
         module_spec = importlib.util.spec_from_file_location(name, file)
         if module_spec is None or module_spec.loader is None:
             raise ImportError(f"cannot import {file}")

@@ -26,8 +26,8 @@ from pytest_gpucase.case.model import Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
-__all__ = ["COMPILE_LIMIT", "import_paths", "module", "module_name", "prepare_in_parent",
-           "prepend_import_paths", "taken"]
+__all__ = ["COMPILE_LIMIT", "import_paths", "loaded", "module", "module_name",
+           "prepare_in_parent", "prepend_import_paths", "taken"]
 
 # What the parent found for the run it is about to fork (``prepare_in_parent``): the
 # child inherits it instead of finding it again, on pages that its own work would copy.
@@ -123,12 +123,22 @@ def module(case: Case, where: str) -> types.ModuleType | None:
     if found is None:
         return None
     name, made, code = found
-    loaded = sys.modules.get(name)
-    if loaded is not None and getattr(loaded, "__file__", None) == getattr(made, "__file__", 0):
-        return loaded  # not another case's of the same name
+    already = loaded(name, made.__file__)
+    if already is not None:
+        return already
     sys.modules[name] = made
     exec(code, made.__dict__)  # the module's body, as the loader's exec_module runs it
     return made  # type: ignore[no-any-return]
+
+
+def loaded(name: str, file: str | None) -> types.ModuleType | None:
+    """The module ``sys.modules`` holds under ``name`` if it is ``file``'s: another case of
+    the same name (cases/a/GPT, cases/b/GPT) in a process that imported it first (a reused
+    worker, a tool running cases in-process) holds its own there."""
+    module = sys.modules.get(name)
+    if module is None or getattr(module, "__file__", None) != file:
+        return None
+    return module
 
 
 def prepend_import_paths(case: Case) -> None:
