@@ -9,6 +9,7 @@ import random
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -775,6 +776,54 @@ def test_a_module_the_parent_replaces_after_priming_is_keyed_as_loaded(tmp_path:
         rows = reference_cache._rows(sys.modules.items(), {})
         assert keyed() == "\n".join(sorted(rows.values())).encode(errors="surrogateescape")
     finally:
+        sys.modules.pop(name, None)
+        reference_cache._PRIMED = saved
+
+
+def test_a_reused_child_stats_a_module_its_calls_imported_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A worker keeps the library modules its calls imported, after the session primed: each
+    is keyed by its file as first seen, with one ``stat`` while that module stays loaded (not
+    one a call); a module replaced, or imported again (a case's own, each call), is keyed
+    anew, by its file as it is then."""
+    def load(name: str, file: Path, text: str) -> object:
+        file.write_text(text)
+        spec = importlib.util.spec_from_file_location(name, file)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module
+
+    name, first, second = "gpucase_test_kept_module", tmp_path / "first.py", tmp_path / "b.py"
+    statted: list[str] = []
+    real_stat = os.stat
+
+    def counting_stat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        statted.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    saved = reference_cache._PRIMED
+    try:
+        reference_cache.prime()
+        sys.modules[name] = load(name, first, "VALUE = 1\n")
+        monkeypatch.setattr(reference_cache.os, "stat", counting_stat)
+        rows = reference_cache._loaded_modules()
+        assert str(first).encode() in rows
+        for _ in range(3):
+            assert reference_cache._loaded_modules() == rows
+        assert statted.count(str(first)) == 1
+        first.write_text("VALUE = 22\n")  # edited on disk: the loaded module is as it was
+        assert reference_cache._loaded_modules() == rows
+        sys.modules[name] = load(name, first, "VALUE = 333\n")  # imported again: anew
+        again = reference_cache._loaded_modules()
+        assert str(first).encode() in again and again != rows
+        sys.modules[name] = load(name, second, "VALUE = 1\n")  # another file under the name
+        replaced = reference_cache._loaded_modules()
+        assert str(second).encode() in replaced and str(first).encode() not in replaced
+        del sys.modules[name]
+        assert str(tmp_path).encode() not in reference_cache._loaded_modules()
+    finally:
+        monkeypatch.undo()
         sys.modules.pop(name, None)
         reference_cache._PRIMED = saved
 
