@@ -67,3 +67,35 @@ def test_every_change_of_a_watched_dict_is_seen(change: str) -> None:
         setattr(Watched, "method", staticmethod(abs))  # noqa: B010
     assert not found.versions.unchanged()
     assert found.unchanged() is (change == "replace_equal")
+
+
+def test_the_modules_a_call_imported_are_found_whatever_left_or_moved() -> None:
+    """``_new_modules``: what was imported since the last look, in import order: read from the
+    end of ``sys.modules`` while everything before it is as it was, from every name else (a
+    module removed or replaced before the end moves nothing past it)."""
+    import types
+
+    taken = state.WorkerState.__new__(state.WorkerState)
+
+    def look() -> None:
+        taken.modules = dict(sys.modules)
+        taken.module_objects = list(taken.modules.values())
+
+    names = [f"gpucase_test_new_{index}" for index in range(4)]
+    try:
+        sys.modules[names[0]] = types.ModuleType(names[0])
+        look()
+        assert taken._new_modules() == []
+        sys.modules[names[1]] = types.ModuleType(names[1])
+        sys.modules[names[2]] = types.ModuleType(names[2])
+        assert taken._new_modules() == names[1:3]
+        look()
+        del sys.modules[names[0]]  # one before the end left, and another came
+        sys.modules[names[3]] = types.ModuleType(names[3])
+        assert taken._new_modules() == [names[3]]
+        look()
+        sys.modules[names[1]] = types.ModuleType(names[1])  # replaced in place: not new
+        assert taken._new_modules() == []
+    finally:
+        for name in names:
+            sys.modules.pop(name, None)
