@@ -8,6 +8,7 @@ cases must stay cheap, and a broken case must be reported before anything runs.
 from __future__ import annotations
 
 from pytest_gpucase.base.dtypes import FLOAT_DTYPES as _FLOAT_DTYPES
+import functools
 import os
 import sys
 from collections.abc import Mapping
@@ -246,15 +247,18 @@ class Case:
             return None
         return self.xfail
 
-    @property
+    # Each made once per case (a run asks for them several times, and a forked child that
+    # builds a path runs pathlib's parsing, each of its objects a page copied from the parent):
+    # the parent's first use leaves them in the instance's dict, inherited by its children.
+    @functools.cached_property
     def case_file(self) -> Path:
         return self.path / CASE_FILE
 
-    @property
+    @functools.cached_property
     def inputs_file(self) -> Path:
         return self.path / INPUTS_FILE
 
-    @property
+    @functools.cached_property
     def expected_file(self) -> Path:
         return self.path / EXPECTED_FILE
 

@@ -68,7 +68,9 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True,
 
 def taken(case: Case, name: str) -> Any:
     """What the parent prepared for this run under ``name`` (taken: once), or None."""
-    if _PREPARED.get("case") == case.path and _PREPARED["parent"] == os.getppid():
+    found = _PREPARED.get("case")
+    # By identity first: the child's case is the one the parent prepared (inherited).
+    if (found is case.path or found == case.path) and _PREPARED["parent"] == os.getppid():
         return _PREPARED.pop(name, None)
     return None
 
