@@ -24,13 +24,16 @@ configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare for
 (``bench_scale.BARE_FLOOR_TEST``), a lean fork (``LEAN_TEST``: what a case item needs,
 done plainly in a test), the same plain test of ``x + 1`` under pytest-forked
 (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh child per item),
-and ``--gpu-isolation worker``; with ``--baseline-src DIR`` the cases run by the package
-in DIR too. Interleaved rounds (the order turning each round), per item from the first
-item's start to the last one's end in the pytest process (start-up and collection left
-out); CPU (user + system) and minor page faults of the pytest process and its reaped
-children over the same span; each ratio taken within a round, the medians printed. The
-"steady" column is the CPU per item from the sixth item on: what one more item costs,
-without the session's one-time work at its first item (importing the run's modules).
+``--gpu-isolation worker``, and the same plain test run in the pytest process (pytest's
+own cost of an item, which no mode avoids); with ``--forkserver``, the cases forked by the
+zygote (``--gpu-start-method forkserver``: the zygote is stopped, and so counted, before
+the session's end); with ``--baseline-src DIR`` the cases run by the package in DIR too.
+Interleaved rounds (the order turning each round), per item from the first item's start to
+the last one's end in the pytest process (start-up and collection left out); CPU (user +
+system) and minor page faults of the pytest process and its reaped children over the same
+span; each ratio taken within a round, the medians printed. The "steady" column is the CPU
+per item from the sixth item on: what one more item costs, without the session's one-time
+work at its first item (importing the run's modules).
 
 Printed as milliseconds per item (median of the runs) and as ratios to the bare
 fork floor measured in the same run: these machines are noisy, ratios travel better.
@@ -160,6 +163,9 @@ def pytest_sessionfinish(session):
     if isolation is not None:  # the children still pending, and the workers: counted
         isolation.close_pools()
         isolation.reap_pending()
+    zygote = sys.modules.get("pytest_gpucase.run.isolation.zygote")
+    if zygote is not None and session.config.getoption("gpu_start_method", None) == "forkserver":
+        zygote.stop_forkserver()  # the zygote, and the children it forked and reaped: counted
     now = _usage()
     spent = [after - before for after, before in zip(now, _seen["usage"])]
     steady = [after - before for after, before in zip(now, _seen["steady usage"])]
@@ -248,7 +254,8 @@ def test_lean(i):
 """
 
 
-def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -> None:
+def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
+              forkserver: bool = False) -> None:
     """Per item inside pytest, in a project with a configuration file (see the docstring)."""
     # The baseline's package first, then whatever this run's path holds (an older pytest
     # and pytest-forked: pytest-forked 1.7.5 cannot send pytest 9.2's reports back).
@@ -261,7 +268,11 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool) -
         ("lean fork (the case's work)", ("lean",), None),
         ("pytest-forked (--forked)", ("--forked", "plain"), None),
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
-        ("--gpu-isolation worker", worker, None)]
+        ("--gpu-isolation worker", worker, None),
+        ("plain test, in-process", ("plain",), None)]
+    if forkserver:
+        rows.append(("--gpu-start-method forkserver",
+                     ("--gpu-cases", "--gpu-start-method", "forkserver", "cases"), None))
     if base_env is not None:
         rows += [("--gpu-cases, baseline", ("--gpu-cases", "cases"), base_env),
                  ("worker, baseline", worker, base_env)]
@@ -326,6 +337,9 @@ def main() -> None:
                         help="--pytest: also run the cases with the package found in DIR")
     parser.add_argument("--no-config", action="store_true",
                         help="--pytest: a project without a pytest configuration file")
+    parser.add_argument("--forkserver", action="store_true",
+                        help="--pytest: also run the cases forked by the zygote (the start "
+                             "method when CUDA was initialized in the pytest process)")
     args = parser.parse_args()
     if args.pytest:
         # The pytest runs start in a temporary folder: a relative PYTHONPATH (``.``) would
@@ -334,7 +348,8 @@ def main() -> None:
             os.environ["PYTHONPATH"] = os.pathsep.join(
                 os.path.abspath(entry) if entry else entry
                 for entry in os.environ["PYTHONPATH"].split(os.pathsep))
-        in_pytest(args.items, args.rounds, args.baseline_src, not args.no_config)
+        in_pytest(args.items, args.rounds, args.baseline_src, not args.no_config,
+                  args.forkserver)
         return
     runs = min(args.runs, 30) if args.quick else args.runs
     with tempfile.TemporaryDirectory() as tmp:
