@@ -403,3 +403,14 @@ def helper_value(folder: str) -> tuple[int, int]:
     import new_helper  # type: ignore[import-not-found]
 
     return os.getpid(), new_helper.VALUE
+
+
+def streams() -> list[object]:
+    """Line-buffered text on fds 1 and 2, with their fds and what a write of text that is not
+    ASCII gives (nothing left buffered when the child ends on a crash)."""
+    print("déjà vu")
+    sys.stderr.write("naïve\n")
+    found = [sys.stdout.fileno(), sys.stderr.fileno(), sys.stdout.line_buffering,
+             sys.stderr.line_buffering, sys.stdout.errors]
+    os.write(1, b"after\n")  # in order: the line above was written, not kept in a buffer
+    return found

@@ -482,3 +482,15 @@ def test_a_passing_run_never_reads_its_childs_start_time(
     result = run_in_child(os.getpid, timeout=60)
     assert result.returned and result.value != os.getpid()
     assert result.value not in seen
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_child_writes_text_on_its_own_fds_line_by_line(method: str) -> None:
+    """The child's sys.stdout and sys.stderr, made once by the parent for every fork, write
+    to the child's fds 1 and 2 (its pipes), not to the file those numbers held in the parent
+    when they were made (pytest's capture of this test)."""
+    result = run_in_child(targets.streams, timeout=30, start_method=method)
+    assert result.returned, result.problem
+    assert result.value == [1, 2, True, True, "replace"]
+    assert result.stdout == "déjà vu\nafter\n"
+    assert result.stderr == "naïve\n"
