@@ -23,6 +23,7 @@ else:  # pragma: no cover - exercised on Python 3.10 only
 
 __all__ = [
     "CASE_FILE",
+    "CASE_MODULE_PREFIX",
     "DEFAULT_TIMEOUT",
     "EXPECTED_FILE",
     "FLOAT_DTYPES",
@@ -60,6 +61,10 @@ __all__ = [
     "is_case_dir",
     "looks_like_case",
 ]
+
+# The start of the name a case's own ``FILE.py`` is imported under (``run.prepared``), which
+# no other module's name has.
+CASE_MODULE_PREFIX = "gpucase_case_"
 
 CASE_FILE = "case.toml"
 INPUTS_FILE = "inputs.safetensors"

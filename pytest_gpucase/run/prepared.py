@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from pytest_gpucase.case import payload, project
-from pytest_gpucase.case.model import Case
+from pytest_gpucase.case.model import CASE_MODULE_PREFIX, Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
@@ -49,6 +49,8 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True,
         yield
         return
     case = spec.case
+    # The case's file paths, made here once (``Case`` keeps them) for the child to inherit.
+    case.case_file, case.inputs_file, case.expected_file  # noqa: B018
     paths = project.import_paths(case.path)
     _PREPARED.update(case=case.path, parent=os.getpid(), import_paths=paths,
                      missing_paths=project.missing(paths))
@@ -81,7 +83,7 @@ _NOT_IDENTIFIER = re.compile(r"[^0-9A-Za-z_]")
 
 def module_name(case: Case, where: str) -> str:
     """The name a case's own ``FILE.py`` is imported under (``child.resolve``)."""
-    return f"gpucase_case_{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
+    return f"{CASE_MODULE_PREFIX}{_NOT_IDENTIFIER.sub('_', case.name)}_{Path(where).stem}"
 
 
 # Bytes of a case's ``FILE.py`` the parent compiles for its child (a few milliseconds at

@@ -95,7 +95,7 @@ from pytest_gpucase.run.cache_keyfile import (
     read_key,
     user_key,
 )
-from pytest_gpucase.case.model import MAX_CASE_BYTES, MAX_SOURCE_BYTES
+from pytest_gpucase.case.model import CASE_MODULE_PREFIX, MAX_CASE_BYTES, MAX_SOURCE_BYTES
 from pytest_gpucase.base.files import (
     FileTooLarge,
     NotRegularFile,
@@ -269,6 +269,8 @@ def _module_rows(name: str, module: Any) -> dict[str, str]:
     if known is not None and known[0]() is module:
         return known[1]
     found = _rows([(name, module)], {})
+    if name.startswith(CASE_MODULE_PREFIX):
+        return found  # imported afresh by each run: nothing to keep
     if len(_ADDED) >= _ADDED_KEPT:  # a worker that ran thousands of cases: their modules
         for gone in [key for key, (ref, _) in _ADDED.items() if ref() is None]:
             del _ADDED[gone]
