@@ -11,9 +11,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, TypeVar
 
-__all__ = ["registered", "result_type", "result_types"]
+__all__ = ["registered", "registered_fields", "result_type", "result_types"]
 
 _REGISTRY: dict[str, type[Any]] = {}
+_FIELDS: dict[type[Any], tuple[str, ...]] = {}  # each registered class's field names, in order
 _T = TypeVar("_T", bound=type)
 
 
@@ -23,12 +24,19 @@ def result_type(cls: _T) -> _T:
         raise TypeError(f"{cls.__qualname__} is not a dataclass: only dataclasses cross the "
                         "result pipe")
     _REGISTRY[f"{cls.__module__}.{cls.__qualname__}"] = cls
+    _FIELDS[cls] = tuple(field.name for field in dataclasses.fields(cls))
     return cls
 
 
 def registered(name: str) -> type[Any] | None:
     """The registered class of that dotted name, or None."""
     return _REGISTRY.get(name)
+
+
+def registered_fields(name: str, cls: type[Any]) -> tuple[str, ...] | None:
+    """The field names of ``cls``, in order, when it is the class registered as ``name``
+    (read from the registration: a forked child need not run ``dataclasses`` for them)."""
+    return _FIELDS[cls] if _REGISTRY.get(name) is cls else None
 
 
 def result_types() -> tuple[str, ...]:

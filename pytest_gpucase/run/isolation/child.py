@@ -9,6 +9,7 @@ and writes its result on the result pipe (``wire``).
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import gc
 import io
@@ -47,6 +48,11 @@ _RESULT_FD = 3  # where a spawned child writes its result
 # ends the process, and a child still starting when its time ran out (a loaded machine) would
 # die of the request instead of reporting the timeout. A blocked one is delivered on unblocking.
 DUMP_SIGNAL = signal.SIGUSR1
+# What the child runs on every run is made before the fork where it can be, and its signal
+# calls go to ``_signal``, the C module behind ``signal``: those wrappers make an enum of each
+# number they take or return, and each Python function a forked child runs first costs it
+# copies of the parent's pages (its code, its objects).
+_RESULT_JSON = json.JSONEncoder(allow_nan=False)  # json.dumps(..., allow_nan=False)'s
 
 
 @contextlib.contextmanager
@@ -56,13 +62,13 @@ def held_dumps() -> Any:
     never leaves the block (it ends in ``os._exit``)."""
     # Read first, block inside the try: a handler run as the mask changes (Ctrl-C) must
     # not leave this process with the signal blocked for good.
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, ())
+    old = _signal.pthread_sigmask(_signal.SIG_BLOCK, ())
     try:
-        signal.pthread_sigmask(signal.SIG_BLOCK, {DUMP_SIGNAL})
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, {DUMP_SIGNAL})
         yield
     finally:
         if DUMP_SIGNAL not in old:
-            signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
+            _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {DUMP_SIGNAL})
 
 
 def _answer_dumps() -> None:  # pragma: no cover - child side
@@ -79,7 +85,7 @@ def _answer_dumps() -> None:  # pragma: no cover - child side
     faulthandler.disable()
     faulthandler.enable(file=2, all_threads=True)
     faulthandler.register(DUMP_SIGNAL, file=2, all_threads=True)
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {DUMP_SIGNAL})
+    _signal.pthread_sigmask(_signal.SIG_UNBLOCK, {DUMP_SIGNAL})
 
 
 def _contain_self(parent: int, name: str = "run") -> None:  # pragma: no cover - child side
@@ -151,7 +157,8 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
         os.close(err_w)
         # pytest's capture may have replaced sys.stdout/err: write to the real fds again.
         sys.stdout, sys.stderr = _STREAMS or _std_streams()
-        os.environ.update(env)
+        for variable, value in env.items():  # not update(): no question to the Mapping ABC
+            os.environ[variable] = value
     except BaseException:
         os._exit(70)
     _child_main(res_w, func, args)
@@ -217,8 +224,12 @@ def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
 
 def _flush_std_streams() -> None:  # pragma: no cover - child side
     for stream in (sys.stdout, sys.stderr):
-        with contextlib.suppress(Exception):  # a closed or replaced stream: nothing to flush
+        # Not contextlib.suppress: no context manager for the child to run. A closed or
+        # replaced stream has nothing to flush.
+        try:  # noqa: SIM105
             stream.flush()
+        except Exception:
+            pass
 
 
 class _WarningLog:
@@ -268,9 +279,8 @@ def note(phase: str) -> None:
 def _child_main(res_w: int, func: Callable[..., Any],
                 args: tuple[Any, ...]) -> None:  # pragma: no cover - child side
     _answer_dumps()
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+    for number in (_signal.SIGINT, _signal.SIGTERM, _signal.SIGHUP):
+        _signal.signal(number, _signal.SIG_DFL)
     code = 0
     payload = _envelope_noting(res_w, func, args)
     _flush_std_streams()
@@ -319,7 +329,7 @@ def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
     if extra is not None:
         envelope.update(extra())
     try:
-        return json.dumps(envelope, allow_nan=False).encode()
+        return _RESULT_JSON.encode(envelope).encode()
     except BaseException:
         return json.dumps({"format": _FORMAT, "kind": "error",
                            "error": clip(traceback.format_exc())}).encode()

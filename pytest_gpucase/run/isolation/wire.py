@@ -18,7 +18,7 @@ import typing
 from collections.abc import Mapping
 from typing import Any, Literal
 
-from pytest_gpucase.base.results import registered, result_types
+from pytest_gpucase.base.results import registered, registered_fields, result_types
 from pytest_gpucase.run.isolation.clipping import clip
 from pytest_gpucase.run.isolation.result import ChildWarning
 
@@ -59,10 +59,10 @@ def encode(value: Any) -> Any:
     # A registered dataclass before the Mapping ABC: ``isinstance(outcome, Mapping)`` was
     # never asked in the parent, so a forked child asked it anew every time, walking every
     # subclass of Mapping loaded (0.3 ms and 100 page faults of a trivial run's child).
-    if dataclasses.is_dataclass(value) and registered(name) is kind:
+    fields = registered_fields(name, kind)
+    if fields is not None:
         return {"$": "dataclass", "type": name,
-                "fields": {f.name: encode(getattr(value, f.name))
-                           for f in dataclasses.fields(value)}}
+                "fields": {field: encode(getattr(value, field)) for field in fields}}
     if isinstance(value, Mapping):
         return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
     raise TypeError(f"a {name} cannot be returned from a child: return plain data (None, bool, "
