@@ -49,8 +49,8 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True,
         yield
         return
     case = spec.case
-    # The case's file paths, made here once (``Case`` keeps them) for the child to inherit.
-    case.case_file, case.inputs_file, case.expected_file  # noqa: B018
+    for path in (case.case_file, case.inputs_file, case.expected_file):
+        os.fspath(path)  # made here once, as text too (``Case`` keeps them), for the child
     paths = project.import_paths(case.path)
     _PREPARED.update(case=case.path, parent=os.getpid(), import_paths=paths,
                      missing_paths=project.missing(paths))
@@ -60,7 +60,9 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True,
         # A small payload is loaded here: data parsed, no code run, as the header already
         # is; the child finds its tensors in memory, on pages it copies only if it writes.
         _PREPARED["tensors"] = payload.load_small(case.inputs_file)
-    reference_cache.prepare(spec, (env or {}).get(reference_cache.KEY_ENV))
+    env = env or {}
+    reference_cache.prepare(spec, env.get(reference_cache.KEY_ENV),
+                            env.get(reference_cache.CACHE_ENV))
     try:
         yield
     finally:

@@ -417,11 +417,12 @@ def _primed_again() -> None:
 _PREPARED: dict[str, Any] = {}
 
 
-def prepare(spec: RunSpec, key_file: str | None = None) -> None:
+def prepare(spec: RunSpec, key_file: str | None = None, folder: str | None = None) -> None:
     """Read, in the parent just before it forks the child of ``spec``, the files its key
     reads: ``case.toml``, the inputs' signature, and the case's own source file when the
     reference is defined in one (``FILE.py:func``); and the secret in ``key_file`` (the
-    child's ``KEY_ENV``), when it is a usable key file (``_parent_secret``). Only that child
+    child's ``KEY_ENV``), when it is a usable key file (``_parent_secret``); with the key
+    predicted, its entry's path in ``folder`` (the child's ``CACHE_ENV``). Only that child
     uses them (a process whose parent is this one), once; any other child reads them
     itself, and the parent drops them when the run ends (``forget_prepared``)."""
     _PREPARED.clear()
@@ -442,8 +443,12 @@ def prepare(spec: RunSpec, key_file: str | None = None) -> None:
     except OSError:
         return  # the child will say what is wrong
     inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
+    predicted = _predicted(spec, toml, inputs, sources)
     _PREPARED.update(case=case.case_file, toml=toml, sources=sources, parent=os.getpid(),
-                     inputs=inputs, key=_predicted(spec, toml, inputs, sources))
+                     inputs=inputs, key=predicted)
+    if predicted is not None and folder:
+        name = f"{predicted[2]}{SUFFIX}"
+        _PREPARED["entry"] = (folder, name, Path(folder) / name)
 
 
 def _predicted(spec: RunSpec, toml: bytes, inputs: bytes,
@@ -510,7 +515,7 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
         del _PREPARED["case"]  # once: the sources go in _source_of, just below
         if predicted is not None:  # the parent's key, when the child found what it expected
             file, rows, digest = predicted
-            code = getattr(inspect.unwrap(reference), "__code__", None)
+            code = getattr(_unwrapped(reference), "__code__", None)
             primed = _PRIMED
             if (getattr(code, "co_filename", None) == file and primed is not None
                     and _added_rows(primed) == rows):
@@ -522,6 +527,11 @@ def key(spec: RunSpec, reference: Callable[..., Any]) -> str:
         inputs = (case.inputs_sha256 or "").encode() or _file_signature(case.inputs_file)
     return _digest(spec, toml, inputs, _source_of(reference), _loaded_modules(),
                    torch.__version__)
+
+
+def _unwrapped(func: Callable[..., Any]) -> Any:
+    """``inspect.unwrap(func)``, asked only of a function that wraps another."""
+    return func if getattr(func, "__wrapped__", None) is None else inspect.unwrap(func)
 
 
 def _digest(spec: RunSpec, toml: bytes, inputs: bytes, source: bytes, modules: bytes,
@@ -555,6 +565,7 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
     if not folder or not key_file:
         return None
     prepared = _PREPARED.pop("secret", None)
+    made = _PREPARED.pop("entry", None)
     try:
         if prepared is not None and prepared[0] == key_file and prepared[2] == os.getppid():
             secret = prepared[1]  # read by the parent before it forked this child
@@ -563,7 +574,9 @@ def entry(spec: RunSpec, reference: Callable[..., Any]) -> Entry | None:
         name = f"{key(spec, reference)}{SUFFIX}"
     except (OSError, Unusable):  # no key to check with (no cache), or the case file
         return None              # vanished (the run will say what is wrong)
-    return Entry(Path(folder) / name, name, secret, spec.case.name)
+    # The path of the key the parent predicted was made there.
+    path = made[2] if made is not None and made[:2] == (folder, name) else Path(folder) / name
+    return Entry(path, name, secret, spec.case.name)
 
 
 _KIND = re.compile(r"[a-z][a-z0-9-]{0,31}")
