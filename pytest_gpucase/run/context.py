@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 
@@ -82,16 +83,27 @@ def rng_restored(rng: Mapping[str, torch.Tensor], device: str) -> Iterator[None]
     yield
 
 
-@contextlib.contextmanager
 def replay_context(context: ReplayContext, device: str,
-                   rng: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Apply a case's ``[context]`` around the call, as it was when the failure was captured.
+                   rng: Mapping[str, torch.Tensor]) -> contextlib.AbstractContextManager[Any]:
+    """Apply a case's ``[context]`` around the call, as it was when the failure was captured
+    (entered in a ``with`` at once: the global switches are set when it is made).
 
     Autocast is entered for the device type of this run with the captured dtype: a case
     captured under CUDA bf16 autocast computes in bf16 on the CPU too. The grad mode is
     ``grad_mode``'s, which the reference shares. Runs in the child, so the global switches
     (default dtype, TF32, deterministic) need no restoring.
     """
+    _set_switches(context)
+    if not rng and not context.inference and context.autocast is None:
+        # The common case: the grad mode alone, without a generator or a stack (each
+        # context manager a forked child enters for the first time costs it page copies;
+        # no RNG state to set: nothing to restore).
+        return torch.set_grad_enabled(grad_mode(context))
+    return _full_context(context, device, rng)
+
+
+def _set_switches(context: ReplayContext) -> None:
+    """The global switches of ``[context]``: default dtype, determinism, TF32."""
     if context.default_dtype is not None:
         torch.set_default_dtype(getattr(torch, context.default_dtype))
     if context.deterministic:
@@ -102,12 +114,11 @@ def replay_context(context: ReplayContext, device: str,
         torch.backends.cuda.matmul.allow_tf32 = context.tf32_matmul
     if context.tf32_cudnn is not None:
         torch.backends.cudnn.allow_tf32 = context.tf32_cudnn
-    if not rng and not context.inference and context.autocast is None:
-        # The common case, without the stack: each context manager a forked child enters
-        # for the first time costs it page copies (no RNG state to set: nothing to restore).
-        with torch.set_grad_enabled(grad_mode(context)):
-            yield
-        return
+
+
+@contextlib.contextmanager
+def _full_context(context: ReplayContext, device: str,
+                  rng: Mapping[str, torch.Tensor]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         stack.enter_context(rng_restored(rng, device))
         stack.enter_context(torch.set_grad_enabled(grad_mode(context)))
