@@ -151,3 +151,47 @@ def test_a_big_case_module_is_left_for_the_child_to_compile(tmp_path: Path) -> N
         spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
         with prepare_in_parent(spec):
             assert ("module:case.py" in prepared._PREPARED) is expected
+
+
+def _entry_in_child(spec: RunSpec, key_file: str, folder: str) -> list[str]:
+    from pytest_gpucase.run import reference_cache
+    from pytest_gpucase.run.child import resolve
+
+    os.environ[reference_cache.KEY_ENV] = key_file
+    os.environ[reference_cache.CACHE_ENV] = folder
+    entry = reference_cache.entry(spec, resolve(spec.case, spec.case.call, "call"))
+    assert entry is not None
+    return [str(entry.path), entry.name]
+
+
+@pytest.mark.slow
+def test_the_child_takes_the_entry_path_the_parent_made_for_its_folder_only(
+        tmp_path: Path) -> None:
+    """The parent predicts the key of a reference defined in the case's own file and makes
+    its entry's path in the cache folder the child is given; a child whose folder is another
+    (or whose key is another) makes its own, in its own folder."""
+    from pytest_gpucase.run import reference_cache
+
+    path = write_case(tmp_path, "counting", TOML, COUNTING, {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    key_file = str(reference_cache.make_key(tmp_path / "key"))
+    folder, other = str(tmp_path / "cache"), str(tmp_path / "elsewhere")
+    env = {reference_cache.KEY_ENV: key_file, reference_cache.CACHE_ENV: folder}
+    found = {}
+    saved = reference_cache._PRIMED
+    reference_cache.prime()  # as a session with a cache does before its first fork
+    try:
+        for given in (folder, other):
+            with prepare_in_parent(spec, env=env):
+                made = reference_cache._PREPARED.get("entry")
+                assert made is not None and made[0] == folder
+                result = run_in_child(_entry_in_child, spec, key_file, given, timeout=60)
+            assert result.returned, result.problem
+            found[given] = result.value
+    finally:
+        reference_cache._PRIMED = saved
+    name = made[1]
+    assert found[folder] == [os.path.join(folder, name), name]
+    assert found[other] == [os.path.join(other, name), name]
+    alone = run_in_child(_entry_in_child, spec, key_file, folder, timeout=60)
+    assert alone.value == found[folder]  # the same key and path, computed by the child
