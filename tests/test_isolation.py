@@ -173,15 +173,15 @@ def test_an_interrupt_while_the_signal_is_held_leaves_the_mask_as_it_was(
     """A Ctrl-C whose handler runs as the mask changes must not leave the pytest process
     with the stack signal blocked for good (every process it starts later would inherit it)."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
-    real = signal.pthread_sigmask
+    real = child._signal.pthread_sigmask  # what held_dumps calls (signal's, without enums)
 
-    def interrupted(how: int, mask: object) -> set[signal.Signals]:
+    def interrupted(how: int, mask: object) -> set[int]:
         old = real(how, mask)  # type: ignore[arg-type]
         if how == signal.SIG_BLOCK and mask:
             raise KeyboardInterrupt
         return old
 
-    monkeypatch.setattr(child.signal, "pthread_sigmask", interrupted)
+    monkeypatch.setattr(child._signal, "pthread_sigmask", interrupted)
     with pytest.raises(KeyboardInterrupt), child.held_dumps():
         pass
     monkeypatch.undo()

@@ -8,6 +8,7 @@ dump and kills the tree, turns SIGTERM and SIGHUP into ``RunInterrupted``, build
 
 from __future__ import annotations
 
+import _signal
 import contextlib
 import math
 import os
@@ -163,12 +164,14 @@ class _Interruptible:
     def __enter__(self) -> _Interruptible:
         if threading.current_thread() is not threading.main_thread():
             return self  # signal handlers can only be set from the main thread
+        # _signal, the C module behind signal: its wrappers make an enum of each number, on
+        # every run (the handlers are kept as it gives them, and given back to it).
         for signum in self.SIGNALS:
-            previous = signal.getsignal(signum)
-            if previous is signal.SIG_IGN or previous is None:
+            previous = _signal.getsignal(signum)
+            if previous is None or (type(previous) is int and previous == _signal.SIG_IGN):
                 continue  # ignored on purpose (nohup), or set outside Python: leave it
             self.previous[signum] = previous
-            signal.signal(signum, self._handle)
+            _signal.signal(signum, self._handle)
         return self
 
     def _handle(self, signum: int, frame: types.FrameType | None) -> None:
@@ -195,7 +198,7 @@ class _Interruptible:
 
     def __exit__(self, kind: type[BaseException] | None, *_: Any) -> None:
         for signum, previous in self.previous.items():
-            signal.signal(signum, previous)
+            _signal.signal(signum, previous)
         if self.pending is not None and kind is None:
             raise RunInterrupted(self.pending)
 

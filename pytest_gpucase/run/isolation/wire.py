@@ -139,7 +139,10 @@ def _shape(name: str) -> tuple[dict[str, Any], frozenset[str]]:
 
 def _conforms(value: Any, hint: Any) -> bool:
     """Whether a decoded value fits an annotation (the shapes the allowed dataclasses use)."""
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    try:
+        origin, args = _hint_parts(hint)
+    except TypeError:  # an annotation that does not hash
+        origin, args = typing.get_origin(hint), typing.get_args(hint)
     if hint is Any:
         return True
     if hint is type(None):
@@ -157,6 +160,13 @@ def _conforms(value: Any, hint: Any) -> bool:
         numbers = (int, float) if hint is float else (int,)
         return isinstance(value, numbers) and not isinstance(value, bool)
     return isinstance(hint, type) and isinstance(value, hint)
+
+
+@functools.cache
+def _hint_parts(hint: Any) -> tuple[Any, tuple[Any, ...]]:
+    """``typing.get_origin`` and ``get_args`` of an annotation, once a session (the pytest
+    process decodes every run's outcome: each field's annotation, every time)."""
+    return typing.get_origin(hint), typing.get_args(hint)
 
 
 def _items_conform(value: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
