@@ -73,14 +73,19 @@ def apply_settings(names: tuple[str, ...]) -> None:
         SETTINGS[name]()
 
 
-@contextlib.contextmanager
-def rng_restored(rng: Mapping[str, torch.Tensor], device: str) -> Iterator[None]:
-    """Set the saved RNG states, so that random ops draw what they drew when captured."""
+def rng_restored(rng: Mapping[str, torch.Tensor],
+                 device: str) -> contextlib.AbstractContextManager[None]:
+    """Set the saved RNG states, so that random ops draw what they drew when captured (set
+    when it is made, for a ``with`` statement: nothing is restored after; not a generator,
+    whose machinery each forked child would run)."""
     if "cpu" in rng:
         torch.set_rng_state(rng["cpu"].to(torch.uint8))
     if "cuda" in rng and device.startswith("cuda"):
         torch.cuda.set_rng_state(rng["cuda"].to(torch.uint8))
-    yield
+    return _NOTHING
+
+
+_NOTHING = contextlib.nullcontext()
 
 
 def replay_context(context: ReplayContext, device: str,

@@ -138,6 +138,8 @@ class Comparison:
 def combine(parts: Iterable[Comparison]) -> Comparison:
     """One Comparison of several, in order; a NaN greatest difference stays NaN."""
     parts = list(parts)
+    if len(parts) == 1:  # most outputs: one leaf, the same comparison (none of the below)
+        return parts[0]
     return Comparison(
         mismatches=tuple(m for p in parts for m in p.mismatches),
         max_abs=_greatest(p.max_abs for p in parts),
