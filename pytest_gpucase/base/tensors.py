@@ -6,7 +6,6 @@ nothing here imports torch at module level.
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any, cast
@@ -47,7 +46,7 @@ def named_tensors(value: object, prefix: str = "",
     elif modules and isinstance(value, torch.nn.Module):
         for path, tensor in (*value.named_parameters(), *value.named_buffers()):
             yield f"{prefix}.{path}", tensor
-    elif isinstance(value, Mapping):
+    elif type(value) is dict or isinstance(value, Mapping):  # a dict: no ABC asked
         for key, item in value.items():
             yield from named_tensors(item, name(prefix, key), name, sequences, modules=modules)
     elif isinstance(value, sequences) and not isinstance(value, (str, bytes)):
@@ -83,8 +82,10 @@ def tensor_versions(tensors: Iterable[torch.Tensor]) -> dict[int, int]:
     (an inference tensor has none, and is left out)."""
     found: dict[int, int] = {}
     for tensor in tensors:
-        with contextlib.suppress(RuntimeError):
+        try:  # noqa: SIM105 - no context manager to run per tensor
             found[id(tensor)] = int(tensor._version)
+        except RuntimeError:
+            pass
     return found
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -186,7 +187,7 @@ class Judged:
 
     def verdict(self, actual: dict[str, Any]) -> Outcome:
         golden_file = self.case.expected_file
-        with_golden = self.spec.variant is None and golden_file.exists()
+        with_golden = self.spec.variant is None and os.path.exists(golden_file)
         comparing = f"while comparing the outputs ({self.returned})"
         self.hold("the call's", actual)
         expected = reference_cache.load(self.cached)

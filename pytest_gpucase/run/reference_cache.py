@@ -448,7 +448,9 @@ def prepare(spec: RunSpec, key_file: str | None = None, folder: str | None = Non
                      inputs=inputs, key=predicted)
     if predicted is not None and folder:
         name = f"{predicted[2]}{SUFFIX}"
-        _PREPARED["entry"] = (folder, name, Path(folder) / name)
+        path = Path(folder) / name
+        os.fspath(path)  # its text made here too (a Path keeps it), for the child to inherit
+        _PREPARED["entry"] = (folder, name, path)
 
 
 def _predicted(spec: RunSpec, toml: bytes, inputs: bytes,
