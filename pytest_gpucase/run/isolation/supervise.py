@@ -220,6 +220,8 @@ class _Supervisor:
         self.out, self.err = _Capture(marks=marks), _Capture(marks=marks)
         self.captures = {out_r: self.out, err_r: self.err}
         self.result = bytearray()
+        # The result's JSON as ``done`` read it, with the result's length then: read once.
+        self.parsed: tuple[int, dict[str, Any] | None] = (-1, None)
         self.oversize = False  # the result passed RESULT_LIMIT: read no more, end the child
         self.open_fds = {out_r, err_r, res_r}
         self.poller = select.poll()
@@ -257,6 +259,13 @@ class _Supervisor:
                 if self.done():
                     break
                 if not self.exited and self.child.has_exited():
+                    # A child closes its pipes before it exits: their ends, still unread
+                    # when the exit is seen, are read first, so that a clean result is
+                    # taken as one (no tree to search and kill) however the polls fell.
+                    for fd, _ in self.poller.poll(0):
+                        self.on_ready(fd)
+                    if self.done():
+                        break
                     self.on_exit()
         finally:
             guard.hold()
@@ -348,7 +357,8 @@ class _Supervisor:
         if (self.exited or self.open_fds or self.oversize or self.timed_out
                 or child.memory_exceeded):
             return False
-        flags = _flags(self.result)
+        flags, envelope = _flags(self.result)
+        self.parsed = (len(self.result), envelope)
         if flags.get("alone") is not True:
             return False
         if child.reusable and flags.get("retire") is False:
@@ -422,7 +432,9 @@ class _Supervisor:
                           "or write big data to a file")
         elif raw and not self.timed_out and not child.memory_exceeded:
             try:
-                value, returned, child_error, found, dropped = _read_result(raw)
+                length, envelope = self.parsed
+                value, returned, child_error, found, dropped = _read_result(
+                    raw, envelope if length == len(self.result) else None)
             except BadResult as exc:
                 bad_result = f"sent a malformed result: {exc}"
             except Exception as exc:

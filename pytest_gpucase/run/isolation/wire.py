@@ -176,10 +176,12 @@ def _items_conform(value: tuple[Any, ...], args: tuple[Any, ...]) -> bool:
     return len(args) == len(value) and all(map(_conforms, value, args))
 
 
-def _read_result(raw: bytes) -> tuple[Any, bool, str | None, tuple[ChildWarning, ...], int]:
-    """(value, returned, child_error, warnings, warnings dropped) of the child's envelope."""
+def _read_result(raw: bytes, parsed: dict[str, Any] | None = None,
+                 ) -> tuple[Any, bool, str | None, tuple[ChildWarning, ...], int]:
+    """(value, returned, child_error, warnings, warnings dropped) of the child's envelope
+    (``parsed``: its JSON, read already by ``_flags``)."""
     try:
-        envelope = json.loads(raw)
+        envelope = json.loads(raw) if parsed is None else parsed
     except (ValueError, RecursionError) as exc:
         raise BadResult(f"not JSON ({str(exc)[:200]})") from None
     if not isinstance(envelope, dict) or envelope.get("format") != _FORMAT:
@@ -215,17 +217,18 @@ def _read_warnings(data: Any) -> tuple[tuple[ChildWarning, ...], int]:
     return tuple(found), (dropped if type(dropped) is int else 0) + extra
 
 
-def _flags(raw: bytearray) -> dict[str, Any]:
+def _flags(raw: bytearray) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """The flags of a complete result: ``alone`` (the child left no living descendant, see
     ``child._end_descendants``), ``retire`` (a worker that ends after it) and ``device`` (the
     child holds a device context: its exit is slow); {} when unreadable, and then the parent
-    searches and kills as usual."""
+    searches and kills as usual. With the envelope's JSON, for ``_read_result`` (None when
+    it is not a JSON object)."""
     if not raw.endswith(b"}"):
-        return {}
+        return {}, None
     try:
         envelope = json.loads(_split_notes(bytes(raw))[1])
     except (ValueError, RecursionError):
-        return {}
+        return {}, None
     if not isinstance(envelope, dict):
-        return {}
-    return {key: envelope.get(key) for key in ("alone", "retire", "device")}
+        return {}, None
+    return {key: envelope.get(key) for key in ("alone", "retire", "device")}, envelope
