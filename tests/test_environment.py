@@ -307,3 +307,30 @@ def test_a_case_file_without_third_party_imports_reads_no_installed_metadata(
         assert environment._distributions_by_module.cache_info().misses == 1
     finally:
         environment._distributions_by_module.cache_clear()
+
+
+def test_a_case_files_imports_are_found_in_every_statement_position(tmp_path: Path) -> None:
+    """Imports are statements: each place a statement can stand is read (a function's or a
+    class's body, every branch of if, for, while, with, try and match), in the file's order;
+    a relative import and a name inside an expression are not imports of a distribution."""
+    from pytest_gpucase.plan.environment import _file_imports
+
+    source = tmp_path / "case.py"
+    source.write_text(
+        "import top_a, top_b.sub\n"
+        "from top_c.x import y\n"
+        "from . import local\n"
+        "def f():\n    import in_def\n    class C:\n        import in_class\n"
+        "async def g():\n    async with h():\n        import in_async_with\n"
+        "if X:\n    import in_if\nelif Y:\n    import in_elif\nelse:\n    import in_else\n"
+        "for i in []:\n    import in_for\nelse:\n    import in_for_else\n"
+        "while False:\n    import in_while\nelse:\n    import in_while_else\n"
+        "with ctx():\n    import in_with\n"
+        "try:\n    import in_try\nexcept ImportError:\n    import in_except\n"
+        "else:\n    import in_try_else\nfinally:\n    import in_finally\n"
+        "match v:\n    case 1:\n        import in_case\n"
+        "z = __import__('not_a_statement'); s = 'import not_code'\n")
+    assert _file_imports(source) == (
+        "top_a", "top_b", "top_c", "in_def", "in_class", "in_async_with", "in_if", "in_elif",
+        "in_else", "in_for", "in_for_else", "in_while", "in_while_else", "in_with", "in_try",
+        "in_except", "in_try_else", "in_finally", "in_case")

@@ -416,12 +416,25 @@ def _imports_of(path: str, mtime_ns: int, size: int) -> tuple[str, ...]:
     except (OSError, SyntaxError, ValueError):
         return ()   # the run says what is wrong with the file
     tops: dict[str, None] = {}
-    for node in ast.walk(tree):
+    # Imports are statements: only lists of statements are walked (a body, an else, an
+    # except's, a match case's), never an expression (a third of the nodes of ast.walk).
+    pending: list[Any] = [tree]
+    while pending:
+        node = pending.pop()
         if isinstance(node, ast.Import):
             tops.update((alias.name.split(".")[0], None) for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
             tops[node.module.split(".")[0]] = None
+        for name in _STATEMENT_LISTS:  # the last first: the stack gives the file's order
+            inner = getattr(node, name, None)
+            if type(inner) is list:
+                pending.extend(reversed(inner))
     return tuple(tops)
+
+
+# The fields of a node that hold statements (or nodes that do: except handlers, match cases),
+# last in the file first.
+_STATEMENT_LISTS = ("cases", "finalbody", "orelse", "handlers", "body")
 
 
 @functools.lru_cache(maxsize=4)
