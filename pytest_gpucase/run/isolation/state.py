@@ -814,8 +814,9 @@ def _process_probes() -> list[tuple[str, Callable[[], Any]]]:
 
     def handlers() -> tuple[Any, ...]:
         # signal.getsignal without its wrapper, which makes an enum of each of the 62 numbers
-        # (0.15 ms of each settle); identities compare the same.
-        return tuple(map(_identity, map(_signal.getsignal, catchable)))
+        # (0.15 ms of each settle), and each handler by identity (a number, None or a
+        # callable: ``_identity``'s), all in C.
+        return tuple(map(id, map(_signal.getsignal, catchable)))
 
     probes: list[tuple[str, Callable[[], Any]]] = [
         ("signal handlers", handlers),
