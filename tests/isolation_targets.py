@@ -414,3 +414,21 @@ def streams() -> list[object]:
              sys.stderr.line_buffering, sys.stdout.errors]
     os.write(1, b"after\n")  # in order: the line above was written, not kept in a buffer
     return found
+
+
+def partial_then_abort(chunk: int, count: int) -> None:
+    """Text without a newline, in ``count`` writes of ``chunk`` characters, then a crash."""
+    for _ in range(count):
+        sys.stdout.write("x" * chunk)
+    os.abort()
+
+
+def stream_attributes() -> list[object]:
+    """What a file opened on fds 1 and 2 tells of itself: its name and mode, and its repr."""
+    raw: object = sys.stdout.buffer
+    return [sys.stdout.name, sys.stdout.mode, sys.stderr.name, sys.stderr.mode,
+            raw.raw.name, repr(sys.stdout)]  # type: ignore[attr-defined]
+
+
+def stdout_encoding() -> str:
+    return sys.stdout.encoding
