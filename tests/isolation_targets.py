@@ -355,6 +355,9 @@ LEAKS: dict[str, tuple[Callable[[], None], str]] = {
                               "signal.alarm(600)"), "timer"),
     "the recursion limit": (_leak("import sys; sys.setrecursionlimit(123456)"), "recursion"),
     "an import hook": (_leak("import sys; sys.meta_path.insert(0, object())"), "import hook"),
+    "sys.stdout closed": (_leak("import sys; sys.stdout.close()"), "sys.stdout"),
+    "sys.stdout reconfigured": (_leak("import sys; sys.stdout.reconfigure(encoding='ascii')"),
+                                "sys.stdout"),
     "a module replaced in sys.modules": (_leak("import sys, types; "
                                                "sys.modules['json'] = types.ModuleType('json')"),
                                          "json"),
