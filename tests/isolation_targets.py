@@ -435,3 +435,21 @@ def stream_attributes() -> list[object]:
 
 def stdout_encoding() -> str:
     return sys.stdout.encoding
+
+
+def print_while_os_write_is_patched() -> list[int]:
+    """A print while the case has ``os.write`` replaced (a test double counting its writes):
+    the fds that the replacement was called with."""
+    calls: list[int] = []
+    real = os.write
+
+    def counting(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        return len(data)
+
+    os.write = counting
+    try:
+        print("printed")
+    finally:
+        os.write = real
+    return calls

@@ -552,3 +552,15 @@ def test_a_spawned_child_writes_in_the_encoding_its_environment_names() -> None:
                           env={"PYTHONIOENCODING": "latin-1"})
     assert result.returned, result.problem
     assert codecs.lookup(result.value).name == "iso8859-1"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_print_goes_out_while_the_case_has_os_write_replaced(method: str) -> None:
+    """The child's streams write to their fd as a file ``open`` makes does, not through
+    ``os.write`` as the case has it: a case's double of it sees none of the prints, and
+    swallows none."""
+    result = run_in_child(targets.print_while_os_write_is_patched, timeout=30,
+                          start_method=method)
+    assert result.returned, result.problem
+    assert result.value == []
+    assert result.stdout == "printed\n"
