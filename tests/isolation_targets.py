@@ -355,6 +355,9 @@ LEAKS: dict[str, tuple[Callable[[], None], str]] = {
                               "signal.alarm(600)"), "timer"),
     "the recursion limit": (_leak("import sys; sys.setrecursionlimit(123456)"), "recursion"),
     "an import hook": (_leak("import sys; sys.meta_path.insert(0, object())"), "import hook"),
+    "sys.stdout closed": (_leak("import sys; sys.stdout.close()"), "sys.stdout"),
+    "sys.stdout reconfigured": (_leak("import sys; sys.stdout.reconfigure(encoding='ascii')"),
+                                "sys.stdout"),
     "a module replaced in sys.modules": (_leak("import sys, types; "
                                                "sys.modules['json'] = types.ModuleType('json')"),
                                          "json"),
@@ -414,3 +417,39 @@ def streams() -> list[object]:
              sys.stderr.line_buffering, sys.stdout.errors]
     os.write(1, b"after\n")  # in order: the line above was written, not kept in a buffer
     return found
+
+
+def partial_then_abort(chunk: int, count: int) -> None:
+    """Text without a newline, in ``count`` writes of ``chunk`` characters, then a crash."""
+    for _ in range(count):
+        sys.stdout.write("x" * chunk)
+    os.abort()
+
+
+def stream_attributes() -> list[object]:
+    """What a file opened on fds 1 and 2 tells of itself: its name and mode, and its repr."""
+    raw: object = sys.stdout.buffer
+    return [sys.stdout.name, sys.stdout.mode, sys.stderr.name, sys.stderr.mode,
+            raw.raw.name, repr(sys.stdout)]  # type: ignore[attr-defined]
+
+
+def stdout_encoding() -> str:
+    return sys.stdout.encoding
+
+
+def print_while_os_write_is_patched() -> list[int]:
+    """A print while the case has ``os.write`` replaced (a test double counting its writes):
+    the fds that the replacement was called with."""
+    calls: list[int] = []
+    real = os.write
+
+    def counting(fd: int, data: bytes) -> int:
+        calls.append(fd)
+        return len(data)
+
+    os.write = counting
+    try:
+        print("printed")
+    finally:
+        os.write = real
+    return calls

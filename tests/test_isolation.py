@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import codecs
 import os
 import re
 import signal
@@ -494,3 +495,72 @@ def test_a_child_writes_text_on_its_own_fds_line_by_line(method: str) -> None:
     assert result.value == [1, 2, True, True, "replace"]
     assert result.stdout == "déjà vu\nafter\n"
     assert result.stderr == "naïve\n"
+
+
+def _bare_fork_stdout(func: object, *args: object) -> str:
+    """What a bare fork's stdout pipe receives from ``func(*args)`` when its sys.stdout is the
+    file ``open`` makes on fd 1 (what a child made for itself before it inherited one)."""
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the bare child
+        os.dup2(write, 1)
+        sys.stdout = open(1, "w", buffering=1, closefd=False, errors="replace")  # noqa: SIM115
+        try:
+            func(*args)  # type: ignore[operator]
+        finally:
+            os._exit(0)
+    os.close(write)
+    data = b""
+    while chunk := os.read(read, 1 << 16):
+        data += chunk
+    os.close(read)
+    os.waitpid(pid, 0)
+    return data.decode()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_crash_loses_no_more_of_the_output_than_a_file_of_the_childs_own(method: str) -> None:
+    """Text without a newline that the text layer has passed on to the buffer below it is
+    written once it fills a pipe's block, as in a file ``open`` makes on the child's pipe (a
+    spawned child's: as its interpreter's stream, unbuffered under PYTHONUNBUFFERED): a child
+    that crashes (or is killed at its timeout) after it keeps that much of its output."""
+    if method == "spawn":
+        code = "import os, sys\nfor _ in range(3): sys.stdout.write('x' * 3000)\nos.abort()"
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, check=False)
+        expected = done.stdout.count(b"x")
+    else:
+        expected = _bare_fork_stdout(targets.partial_then_abort, 3000, 3).count("x")
+    assert expected > 0  # what a file of the child's own had written
+    result = run_in_child(targets.partial_then_abort, 3000, 3, timeout=30, start_method=method)
+    assert result.signal == signal.SIGABRT, result.problem
+    assert result.stdout.count("x") == expected
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_childs_std_streams_tell_their_name_and_mode(method: str) -> None:
+    """``sys.stdout.name`` and ``.mode``, which a file ``open`` makes has and code reads (a
+    logger, a progress bar), are there as they were: the fd's number and "w"."""
+    result = run_in_child(targets.stream_attributes, timeout=30, start_method=method)
+    assert result.returned, result.problem
+    assert result.value[:5] == [1, "w", 2, "w", 1]
+    assert result.value[5].startswith("<_io.TextIOWrapper name=1 mode='w'")
+
+
+def test_a_spawned_child_writes_in_the_encoding_its_environment_names() -> None:
+    """A spawned child's streams are its interpreter's, as PYTHONIOENCODING makes them."""
+    result = run_in_child(targets.stdout_encoding, timeout=30, start_method="spawn",
+                          env={"PYTHONIOENCODING": "latin-1"})
+    assert result.returned, result.problem
+    assert codecs.lookup(result.value).name == "iso8859-1"
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_print_goes_out_while_the_case_has_os_write_replaced(method: str) -> None:
+    """The child's streams write to their fd as a file ``open`` makes does, not through
+    ``os.write`` as the case has it: a case's double of it sees none of the prints, and
+    swallows none."""
+    result = run_in_child(targets.print_while_os_write_is_patched, timeout=30,
+                          start_method=method)
+    assert result.returned, result.problem
+    assert result.value == []
+    assert result.stdout == "printed\n"

@@ -856,3 +856,53 @@ def test_a_fresh_checkout_reuses_the_budget_by_content(tmp_path: Path) -> None:
     tampered = judged(checkout, cache, key="another")
     assert tampered.status == "passed"
     assert any("failed authentication" in note for note in tampered.notes)
+
+
+LAZY_CODE = '''
+import importlib.util
+import os
+import sys
+
+
+def _lazy(name):
+    """``name`` imported lazily (``importlib.util.LazyLoader``): loaded at its first use."""
+    file = os.path.join(os.path.dirname(__file__), name + ".py")
+    spec = importlib.util.spec_from_file_location(name, file)
+    loader = importlib.util.LazyLoader(spec.loader)
+    spec.loader = loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    loader.exec_module(module)
+    return module
+
+
+helper = _lazy("gpucase_lazy_helper")  # never used by the call: still lazy at the key
+
+
+def run(x):
+    return x + 1
+'''
+
+
+@pytest.mark.slow
+def test_a_module_loaded_lazily_is_keyed_without_failing_the_run(tmp_path: Path) -> None:
+    """A module imported with ``importlib.util.LazyLoader`` loads at its first attribute read,
+    the key's ``__file__`` included, and its own imports add to ``sys.modules`` then: the
+    key must not be reading ``sys.modules`` as they do (a RuntimeError failing the run)."""
+    path = tmp_path / "lazy"
+    path.mkdir()
+    (path / "case.toml").write_text('format = 1\ncall = "case.py:run"\n')
+    (path / "case.py").write_text(LAZY_CODE)
+    (path / "gpucase_lazy_helper.py").write_text("import colorsys\nimport wave\n")
+    payload.save(path / "inputs.safetensors", {"x": torch.ones(4)})
+    saved = reference_cache._PRIMED
+    try:
+        for primed in (True, False):  # a session primes before its first fork
+            if primed:
+                reference_cache.prime()
+            else:
+                reference_cache._PRIMED = None
+            outcome = judged(path, tmp_path / "cache")
+            assert outcome.status == "passed", outcome.details
+    finally:
+        reference_cache._PRIMED = saved

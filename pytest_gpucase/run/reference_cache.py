@@ -234,15 +234,15 @@ def _loaded_modules() -> bytes:
     in the parent).
     """
     primed = _PRIMED
-    if primed is None:
-        return _joined(sorted(_rows(sys.modules.items(), {}).values()))
+    if primed is None:  # a list first: reading a lazy module's __file__ may import more
+        return _joined(sorted(_rows(list(sys.modules.items()), {}).values()))
     return primed.with_rows(_added_rows(primed))
 
 
 def _added_rows(primed: _Primed) -> list[str]:
     """The rows of the modules loaded since ``primed`` was made, that it does not hold,
     sorted."""
-    rows: dict[str, str] = {}
+    added = []
     # sys.modules keeps insertion order: what was imported since priming is at its end,
     # after the last module then loaded (unless that one left: then all is read).
     for name in reversed(sys.modules):
@@ -250,9 +250,14 @@ def _added_rows(primed: _Primed) -> list[str]:
         if name == primed.last_name and module is primed.last_module:
             break
         if name not in primed.names:
-            for file, row in _module_rows(name, module).items():
-                if file not in primed.rows:
-                    rows.setdefault(file, row)
+            added.append((name, module))
+    # Rows made once the walk is done: reading a module's __file__ can import (a module
+    # imported with importlib.util.LazyLoader loads then), which changes sys.modules.
+    rows: dict[str, str] = {}
+    for name, module in added:
+        for file, row in _module_rows(name, module).items():
+            if file not in primed.rows:
+                rows.setdefault(file, row)
     return sorted(rows.values())
 
 

@@ -156,7 +156,7 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
         os.close(out_w)
         os.close(err_w)
         # pytest's capture may have replaced sys.stdout/err: write to the real fds again.
-        sys.stdout, sys.stderr = _STREAMS or _std_streams()
+        sys.stdout, sys.stderr = _STREAMS or _std_streams(1)
         for variable, value in env.items():  # not update(): no question to the Mapping ABC
             os.environ[variable] = value
     except BaseException:
@@ -165,11 +165,19 @@ def _forked_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ..
 
 
 class _FdWriter(io.RawIOBase):
-    """Writes to an fd by its number, whatever file that number holds when it writes."""
+    """Writes to an fd by its number, whatever file that number holds when it writes (named
+    as ``open``'s file of it is: code reads ``sys.stdout.name`` and ``.mode``)."""
+
+    mode = "wb"
+    closefd = False
 
     def __init__(self, fd: int) -> None:
         super().__init__()
         self.fd = fd
+
+    @property
+    def name(self) -> int:
+        return self.fd
 
     def fileno(self) -> int:
         return self.fd
@@ -178,7 +186,12 @@ class _FdWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
-        return os.write(self.fd, data)
+        return _OS_WRITE(self.fd, data)
+
+
+# os.write as it is now: a case that replaces it (a test double) must not see, or swallow,
+# its prints, which a file ``open`` makes writes without it.
+_OS_WRITE = os.write
 
 
 # The child's sys.stdout and sys.stderr, line-buffered text on fds 1 and 2 (which the child
@@ -188,18 +201,25 @@ class _FdWriter(io.RawIOBase):
 _STREAMS: tuple[io.TextIOWrapper, io.TextIOWrapper] | None = None
 
 
-def _std_streams() -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
+def _std_streams(like: int) -> tuple[io.TextIOWrapper, io.TextIOWrapper]:
+    """The child's streams, made once; buffered as ``open`` buffers a file of fd ``like``
+    (a child's pipe: its block, past which a write goes out at once, so that a crash loses
+    no more of the output than a file of the child's own did)."""
     global _STREAMS
     if _STREAMS is None:
-        _STREAMS = (_text_writer(1), _text_writer(2))
+        block = os.fstat(like).st_blksize
+        block = block if block > 1 else io.DEFAULT_BUFFER_SIZE
+        _STREAMS = (_text_writer(1, block), _text_writer(2, block))
     return _STREAMS
 
 
-def _text_writer(fd: int) -> io.TextIOWrapper:
+def _text_writer(fd: int, block: int) -> io.TextIOWrapper:
     """What ``open(fd, "w", buffering=1, closefd=False, errors="replace")`` gives, over
     ``_FdWriter``: nothing asked of the file the fd holds now (the parent's, not the child's)."""
-    return io.TextIOWrapper(io.BufferedWriter(_FdWriter(fd)), errors="replace",
-                            line_buffering=True)
+    stream = io.TextIOWrapper(io.BufferedWriter(_FdWriter(fd), buffer_size=block),
+                              errors="replace", line_buffering=True)
+    stream.mode = "w"  # type: ignore[misc]  # as open() sets it
+    return stream
 
 
 def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
@@ -209,7 +229,7 @@ def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
     with the stack signal held (``held_dumps``); its pid, owned (``proctree.own``)."""
     # Objects that exist now are never collected by the parent's later passes, and a
     # collection in the child cannot touch (and so copy) their pages.
-    _std_streams()
+    _std_streams(out_w)
     gc.freeze()
     threaded = thread_count() > 1
     parent = os.getpid()
@@ -385,7 +405,13 @@ def _write_all(fd: int, data: bytes) -> None:
 def spawned_main() -> None:  # pragma: no cover - runs in a spawned child
     """Entry point of a spawned child: load the job, run it, send the result on fd 3."""
     _contain_self(int(sys.argv[2]))
-    sys.stdout, sys.stderr = _std_streams()  # line-buffered on its pipes, as a forked child's
+    # Line by line on its pipes, and text that does not encode replaced, as a forked child's
+    # streams write; still the interpreter's own, as its environment made them (an encoding
+    # PYTHONIOENCODING names, unbuffered under PYTHONUNBUFFERED: nothing lost at a crash).
+    for stream in (sys.stdout, sys.stderr):
+        if isinstance(stream, io.TextIOWrapper):
+            stream.reconfigure(line_buffering=True,
+                               errors="replace" if stream is sys.stdout else None)
     # Before the job's imports (torch: seconds on a loaded machine): a timeout during them
     # gets their stacks, and what they start (threads, processes) does not inherit the block.
     _answer_dumps()

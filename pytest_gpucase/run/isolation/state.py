@@ -36,7 +36,7 @@ What ends the worker, because putting it back would not be complete (or not chea
 - a Python thread left running; warnings filters, the locale; signal handlers, the
   signal mask, a pending timer; resource limits, umask, nice, CPU affinity, process group
   or session, user ids; the interpreter's recursion limit, switch interval, trace or
-  profile function, gc settings;
+  profile function, gc settings; ``sys.stdout`` or ``sys.stderr`` closed or reconfigured;
 - a device left in an error state (a sticky CUDA error raises at the synchronize).
 
 Not seen (and so not confirmed to be absent): private data of torch's and third-party
@@ -835,6 +835,11 @@ def _process_probes() -> list[tuple[str, Callable[[], Any]]]:
         ("sys.getprofile()", lambda: _identity(sys.getprofile())),
         ("sys.getdlopenflags()", sys.getdlopenflags),
         ("gc settings", lambda: (gc.isenabled(), gc.get_threshold(), len(gc.callbacks))),
+        # The worker's calls share its two stream objects: one closed or reconfigured in
+        # place (same object) would fail, or change, what the next call prints.
+        ("sys.stdout or sys.stderr closed or reconfigured", lambda: [
+            (stream.closed, stream.encoding, stream.errors, stream.line_buffering,
+             getattr(stream, "write_through", None)) for stream in (sys.stdout, sys.stderr)]),
     ]
     try:
         import locale
