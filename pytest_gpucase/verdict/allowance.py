@@ -10,7 +10,8 @@ import math
 import torch
 
 from pytest_gpucase.verdict.messages import num
-from pytest_gpucase.verdict.rounding import CLEAN, Budget, coarser, rms_size, unit_roundoff
+from pytest_gpucase.verdict.rounding import (CLEAN, Budget, RmsCheck, coarser, rms_size,
+                                             unit_roundoff)
 from pytest_gpucase.verdict.stats import TensorStats
 from pytest_gpucase.verdict.tolerance import Tolerance
 
@@ -75,14 +76,16 @@ def unclean_message(path: str, error: float, size: float, precision: torch.dtype
             "pass allows, and past what rounding of this computation explains")
 
 
-def budget_record(path: str, actual: object, expected: object,
-                  budget: Budget) -> dict[str, object]:
+def budget_record(path: str, actual: object, expected: object, budget: Budget,
+                  checks: list[RmsCheck] | None = None) -> dict[str, object]:
     """What a report says of a leaf judged by its rounding budget: its precision and
     multiplier, the RMS error it was allowed (``multiplier`` x RMS spread + one rounding of
     its RMS size) and had, their ratio (above 1 fails), and the constant relative error
     the budget lets through in units of roundoff (``rule_units``; past the precision's
-    detectability rule, ``wide``)."""
-    checks = budget.rms_checks(actual, expected)
+    detectability rule, ``wide``). ``checks``: the leaf's ``Budget.rms_checks``, made
+    already."""
+    if checks is None:
+        checks = budget.rms_checks(actual, expected)
     # the binding one of the leaf's RMS tests (``Budget.rms_checks``)
     check = max(checks, key=lambda c: c.ratio if c.ratio is not None else math.inf,
                 default=None)

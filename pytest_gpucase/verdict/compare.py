@@ -527,8 +527,10 @@ class _Walk:
         widened = dataclasses.replace(widened, rtol=0.0, atol=max(
             budget.multiplier * budget.greatest, floor, tol.atol + tol.rtol * abs(expected)))
         within = scalar_close(actual, expected, diff, widened, self.equal_nan, dtype)
-        self.budgets.append(budget_record(path, actual, expected, budget))
-        if within and (problem := budget.rms_problem(actual, expected)) is not None:
+        checks = budget.rms_checks(actual, expected)  # for the record and the RMS rule
+        self.budgets.append(budget_record(path, actual, expected, budget, checks))
+        if within and (problem := budget.rms_problem(actual, expected,
+                                                     checks=checks)) is not None:
             return with_note(mismatch, f"within its rounding budget, but {problem}")
         if not within:
             message = scalar_message(path, actual, expected, dtype, dtype, widened,
@@ -686,16 +688,20 @@ class _Walk:
             stats = _kernel.compare_values(leaf.actual, leaf.expected, tol, self.equal_nan,
                                            max(self.worst, 1), self.scratch)
         within = not stats.mismatched
-        self.budgets.append(budget_record(leaf.path, leaf.actual, leaf.expected, budget))
+        # The RMS tests once, for the record and the rule (an argsort of the leaf's errors).
+        checks = budget.rms_checks(leaf.actual, leaf.expected)
+        self.budgets.append(budget_record(leaf.path, leaf.actual, leaf.expected, budget,
+                                          checks))
         mismatch = worded
         if not within:
             found = values_mismatch(leaf.path, leaf.actual, leaf.expected, shown, stats,
                                     self.worst, self.equal_nan)
-            if (problem := budget.rms_problem(leaf.actual, leaf.expected,
-                                              broad_only=True)) is not None:
+            if (problem := budget.rms_problem(leaf.actual, leaf.expected, broad_only=True,
+                                              checks=checks)) is not None:
                 found = wrong_everywhere(found, problem, elements_within=False)
             mismatch = lambda: found  # noqa: E731
-        elif (problem := budget.rms_problem(leaf.actual, leaf.expected)) is not None:
+        elif (problem := budget.rms_problem(leaf.actual, leaf.expected,
+                                            checks=checks)) is not None:
             within = False
             noted = wrong_everywhere(worded(), problem, elements_within=True)
             mismatch = lambda: noted  # noqa: E731

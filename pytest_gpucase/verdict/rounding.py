@@ -778,14 +778,16 @@ class Budget:
             return None
         return 1 + self.rms_multiplier(e) * self.rms / (unit_roundoff(self.precision) * size)
 
-    def rms_problem(self, actual: object, expected: object,
-                    broad_only: bool = False) -> str | None:
-        """Why the leaf's RMS error is past what its budget allows (``rms_checks``), or None:
-        a formula wrong everywhere by a little less than the greatest spread is still far
-        past the typical one. ``broad_only``: only the test that leaves the largest errors
-        out counts (where some elements are past their own allowance, the RMS over all of
-        them says nothing more)."""
-        failing = [check for check in self.rms_checks(actual, expected)
+    def rms_problem(self, actual: object, expected: object, broad_only: bool = False,
+                    checks: list[RmsCheck] | None = None) -> str | None:
+        """Why the leaf's RMS error is past what its budget allows (``rms_checks``, or
+        ``checks`` made already), or None: a formula wrong everywhere by a little less than
+        the greatest spread is still far past the typical one. ``broad_only``: only the test
+        that leaves the largest errors out counts (where some elements are past their own
+        allowance, the RMS over all of them says nothing more)."""
+        if checks is None:
+            checks = self.rms_checks(actual, expected)
+        failing = [check for check in checks
                    if check.error > check.allowed and (check.left_out or not broad_only)]
         if not failing:
             return None
