@@ -53,7 +53,7 @@ def encode(value: Any) -> Any:
     if isinstance(value, tuple) and not hasattr(value, "_fields"):
         return {"$": "tuple", "items": [encode(item) for item in value]}
     if type(value) is dict:  # most dicts: no question to the Mapping ABC
-        return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
+        return _encoded_dict(value)
     kind = type(value)
     name = f"{kind.__module__}.{kind.__qualname__}"
     # A registered dataclass before the Mapping ABC: ``isinstance(outcome, Mapping)`` was
@@ -64,10 +64,14 @@ def encode(value: Any) -> Any:
         return {"$": "dataclass", "type": name,
                 "fields": {field: encode(getattr(value, field)) for field in fields}}
     if isinstance(value, Mapping):
-        return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
+        return _encoded_dict(value)
     raise TypeError(f"a {name} cannot be returned from a child: return plain data (None, bool, "
                     "int, float, str, list, tuple, dict) or one of " + ", ".join(
                         result_types()))
+
+
+def _encoded_dict(value: Mapping[Any, Any]) -> dict[str, Any]:
+    return {"$": "dict", "items": [[encode(k), encode(v)] for k, v in value.items()]}
 
 
 class BadResult(ValueError):
@@ -141,8 +145,8 @@ def _conforms(value: Any, hint: Any) -> bool:
     """Whether a decoded value fits an annotation (the shapes the allowed dataclasses use)."""
     try:
         origin, args = _hint_parts(hint)
-    except TypeError:  # an annotation that does not hash
-        origin, args = typing.get_origin(hint), typing.get_args(hint)
+    except TypeError:  # an annotation that does not hash: the same, uncached
+        origin, args = _hint_parts.__wrapped__(hint)
     if hint is Any:
         return True
     if hint is type(None):
