@@ -8,11 +8,9 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import importlib.util
 import inspect
 import os
 import re
-import sys
 import time
 import traceback
 import types
@@ -286,7 +284,7 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
         if not where.endswith(".py"):
             module = importlib.import_module(where)
         else:  # compiled by the parent when it could, else imported here
-            module = prepared.module(case, where) or _imported(case, where)
+            module = prepared.module(case, where) or prepared.imported(case, where)
     except BaseException as exc:  # sys.exit() at import time too: the module is the user's
         raise _Failed(_import_failure(case, key, where, exc, traceback.format_exc())) from None
     obj: Any = module
@@ -301,21 +299,6 @@ def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:
                               f"{type(obj).__name__}, not a function", error_type="TypeError",
                               kind="broken case"))
     return obj  # type: ignore[no-any-return]
-
-
-def _imported(case: Case, where: str) -> types.ModuleType:
-    """The case's own ``where`` (a ``FILE.py`` of it), imported once per process."""
-    file = case.path / where
-    name = prepared.module_name(case, where)
-    module = prepared.loaded(name, str(file))
-    if module is None:
-        module_spec = importlib.util.spec_from_file_location(name, file)
-        if module_spec is None or module_spec.loader is None:
-            raise ImportError(f"cannot import {file}")
-        module = importlib.util.module_from_spec(module_spec)
-        sys.modules[name] = module
-        module_spec.loader.exec_module(module)
-    return module
 
 
 def _import_failure(case: Case, key: str, where: str, exc: BaseException,

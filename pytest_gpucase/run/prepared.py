@@ -12,6 +12,7 @@ run: the child runs its body, ``module``). Only the child forked there uses them
 from __future__ import annotations
 
 import contextlib
+import importlib.machinery
 import importlib.util
 import os
 import re
@@ -26,8 +27,8 @@ from pytest_gpucase.case.model import CASE_MODULE_PREFIX, Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
-__all__ = ["COMPILE_LIMIT", "import_paths", "loaded", "module", "module_name",
-           "prepare_in_parent", "prepend_import_paths", "taken"]
+__all__ = ["COMPILE_LIMIT", "imported", "loaded", "module", "module_name", "prepare_in_parent",
+           "prepend_import_paths", "taken"]
 
 # What the parent found for the run it is about to fork (``prepare_in_parent``): the
 # child inherits it instead of finding it again, on pages that its own work would copy.
@@ -51,9 +52,8 @@ def prepare_in_parent(spec: RunSpec, forked: bool = True,
     case = spec.case
     for path in (case.case_file, case.inputs_file, case.expected_file):
         os.fspath(path)  # made here once, as text too (``Case`` keeps them), for the child
-    paths = project.import_paths(case.path)
-    _PREPARED.update(case=case.path, parent=os.getpid(), import_paths=paths,
-                     missing_paths=project.missing(paths))
+    _PREPARED.update(case=case.path, parent=os.getpid(),
+                     missing_paths=project.missing(project.import_paths(case.path)))
     for target in {case.call, case.reference or case.call}:
         _compile_module(case, target.partition(":")[0])
     if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
@@ -101,21 +101,28 @@ def _compile_module(case: Case, where: str) -> None:
     file) is left for the child to meet and report as it always did."""
     if not where.endswith(".py"):
         return
-    file = case.path / where
-    name = module_name(case, where)
     try:
-        if os.stat(file).st_size > COMPILE_LIMIT:
+        if os.stat(case.path / where).st_size > COMPILE_LIMIT:
             return
-        module_spec = importlib.util.spec_from_file_location(name, file)
-        if module_spec is None or module_spec.loader is None:
-            return
-        code = module_spec.loader.get_code(name)  # type: ignore[attr-defined]
+        name, module_spec = _spec(case, where)
+        code = module_spec.loader.get_code(name)  # type: ignore[union-attr]
         if code is None:
             return
         made = importlib.util.module_from_spec(module_spec)
     except Exception:
         return
     _PREPARED[f"module:{where}"] = (name, made, code)
+
+
+def _spec(case: Case, where: str) -> tuple[str, importlib.machinery.ModuleSpec]:
+    """The name a case's ``where`` is imported under and its spec, as ``importlib`` makes it
+    for the file; ImportError when it makes none."""
+    file = case.path / where
+    name = module_name(case, where)
+    module_spec = importlib.util.spec_from_file_location(name, file)
+    if module_spec is None or module_spec.loader is None:
+        raise ImportError(f"cannot import {file}")
+    return name, module_spec
 
 
 def module(case: Case, where: str) -> types.ModuleType | None:
@@ -137,6 +144,19 @@ def module(case: Case, where: str) -> types.ModuleType | None:
     return made  # type: ignore[no-any-return]
 
 
+def imported(case: Case, where: str) -> types.ModuleType:
+    """The case's own ``where`` (a ``FILE.py`` of it) imported here, where the parent
+    prepared nothing (``module``): once per process."""
+    name = module_name(case, where)
+    module = loaded(name, str(case.path / where))
+    if module is None:
+        name, module_spec = _spec(case, where)
+        module = importlib.util.module_from_spec(module_spec)
+        sys.modules[name] = module
+        module_spec.loader.exec_module(module)  # type: ignore[union-attr]
+    return module
+
+
 def loaded(name: str, file: str | None) -> types.ModuleType | None:
     """The module ``sys.modules`` holds under ``name`` if it is ``file``'s: another case of
     the same name (cases/a/GPT, cases/b/GPT) in a process that imported it first (a reused
@@ -153,12 +173,6 @@ def prepend_import_paths(case: Case) -> None:
     fork)."""
     missing: list[str] | None = taken(case, "missing_paths")
     if missing is None:
-        project.prepend(import_paths(case))
+        project.prepend(project.import_paths(case.path))
     else:
         sys.path[:0] = missing
-
-
-def import_paths(case: Case) -> tuple[str, ...]:
-    """``project.import_paths`` of the case, as the parent found them if it did."""
-    paths: tuple[str, ...] | None = taken(case, "import_paths")
-    return project.import_paths(case.path) if paths is None else paths
