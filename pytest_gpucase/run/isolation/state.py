@@ -223,19 +223,12 @@ class _Namespaces:
             return False
 
     def changed(self) -> list[tuple[int, dict[str, Any]]]:
-        """The index of each dict that differs from its frozen self, with what it held."""
-        found, start = [], 0
-        for index, (namespace, keys) in enumerate(zip(self.dicts, self.keys, strict=True)):
-            end = start + len(keys)
-            before = self.values[start:end]
-            try:
-                same = len(namespace) == len(keys) and list(namespace.values()) == before
-            except Exception:  # a replacement whose == raises
-                same = False
-            if not same:
-                found.append((index, dict(zip(keys, before, strict=True))))
-            start = end
-        return found
+        """The index of each dict that differs from its frozen self (``_same``), with what it
+        held."""
+        starts = self.starts
+        return [(index, dict(zip(self.keys[index], self.values[starts[index]:starts[index + 1]],
+                                 strict=True)))
+                for index in range(len(self.dicts)) if not self._same((index,))]
 
 
 _VERSION = operator.attrgetter("value")
