@@ -109,6 +109,7 @@ from pytest_gpucase.run.isolation.clipping import (
     TEXT_TAIL,
     clip,
 )
+from pytest_gpucase.run.isolation.hugepages import expect_forks
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
@@ -158,6 +159,7 @@ __all__ = [
     "decode",
     "default_start_method",
     "encode",
+    "expect_forks",
     "forkserver",
     "forkserver_available",
     "gib",

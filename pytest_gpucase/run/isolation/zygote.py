@@ -26,6 +26,7 @@ from pytest_gpucase.run.isolation.child import (
     _flush_std_streams,
     _forked_child,
 )
+from pytest_gpucase.run.isolation.hugepages import before_fork
 from pytest_gpucase.run.isolation.proctree import (
     _PR_SET_PDEATHSIG,
     REAP_GRACE,
@@ -251,6 +252,7 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
             size = int.from_bytes(data[:8], "little")
             message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
             if message["op"] == "run":
+                before_fork()
                 pid = os.fork()
                 if pid == 0:
                     _zygote_child(sock, message, fds, me)

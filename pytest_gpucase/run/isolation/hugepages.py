@@ -1,0 +1,177 @@
+"""Cheaper forks: a process that forks a child per run backs its used memory with huge pages.
+
+A fork copies one page-table entry for each 4 KiB page of the parent's private memory, and
+the child's exit frees them again: in a process that imported torch (about 150 MB of heap and
+anonymous maps), 2.5 ms of the parent's CPU and 3.8 ms of the child's for a child that does
+nothing, most of what a fresh child per item costs. Memory mapped as 2 MiB pages is one entry
+per 2 MiB, and a write the child makes still copies 4 KiB of it, not 2 MiB: that bare fork then
+costs 0.7 ms and 1.6 ms, and a trivial case item inside pytest 2.4 ms less CPU (about a fifth;
+``benchmarks/bench_isolation.py --pytest``, whose README has the rows).
+
+So ``before_fork``, which every fork of a run's child calls in the process that forks it,
+asks Linux (``madvise(MADV_COLLAPSE)``, Linux 6.1) to back that process's densely used private
+memory (its heap and anonymous maps) with huge pages, 2 MiB at a time, when it pays: before its
+FIRST_PASS'th fork and again each time the count doubles (memory used since, chunks an earlier
+pass left), it collapses chunks while their measured mean cost stays under what a chunk saves
+(``SAVED_PER_FORK`` a fork) over half the forks to come (``PAYBACK``). The forks to come are
+those the caller expects (``expect_forks``: the pytest process, its session's case items) and
+at least as many as were made. A machine on which a collapse is slow (a virtual machine's first
+touch of memory it never used: 6 ms a chunk on this one, 0.55 ms once touched) collapses little
+or nothing, and a pass is skipped while the last one's chunks cost more than one would save.
+
+Nothing a program sees changes: the same bytes at the same addresses. Only chunks of which at
+least DENSE of the 512 pages are in memory are collapsed, so the memory grows by at most 1/32
+of what is collapsed. Nothing is done where there is no MADV_COLLAPSE (Linux before 6.1,
+transparent huge pages set to ``never``, another system), once CUDA is initialized in the
+process (nothing forks there), or with ``GPUCASE_HUGEPAGES=0``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import sys
+import time
+from typing import Any
+
+__all__ = ["HUGEPAGES_ENV", "before_fork", "expect_forks"]
+
+HUGEPAGES_ENV = "GPUCASE_HUGEPAGES"  # =0: never collapse
+FIRST_PASS = 2  # the fork before which a process may first collapse; then at every doubling
+# What one collapsed chunk saves per fork, parent and child together: 38-42 us on this machine
+# (150 trivial items, 62 chunks of the pytest process collapsed at its second fork: 2.4 ms an
+# item; a bare fork of a process holding 104: 4.4 ms). Taken a little under, so that a
+# collapse that would barely pay is not made.
+SAVED_PER_FORK = 30e-6
+# A chunk must pay for itself within this share of the forks to come, which are a guess.
+PAYBACK = 0.5
+DENSE = 496  # of the 512 pages of a chunk in memory: collapsed (it grows by at most 16)
+
+_HUGE = 1 << 21
+_PAGES = _HUGE // 4096
+_MADV_COLLAPSE = 25
+
+
+class _State:
+    """This process's: how often it forked and will, the next pass, what collapsing cost."""
+
+    def __init__(self) -> None:
+        self.pid = os.getpid()
+        self.forks = 0
+        self.expected = 0  # forks still to come, as the caller expects them (expect_forks)
+        self.next_pass = FIRST_PASS
+        self.cost = 0.0  # seconds a chunk cost in the last pass that collapsed any (mean)
+        self.done: set[int] = set()  # chunks collapsed, or that cannot be
+        self.made = 0  # chunks collapsed
+        self.off = not _supported()
+
+
+_STATE: _State | None = None
+_CALLS: Any = None  # (madvise, mincore, the vector mincore fills), made on first use
+
+
+def _supported() -> bool:
+    if not sys.platform.startswith("linux") or os.environ.get(HUGEPAGES_ENV, "1") == "0":
+        return False
+    try:
+        with open("/sys/kernel/mm/transparent_hugepage/enabled", "rb") as f:
+            return b"[never]" not in f.read()
+    except OSError:
+        return False
+
+
+def _calls() -> Any:
+    global _CALLS
+    if _CALLS is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        madvise = libc.madvise
+        madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        madvise.restype = ctypes.c_int
+        mincore = libc.mincore
+        mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
+        mincore.restype = ctypes.c_int
+        _CALLS = (madvise, mincore, ctypes.create_string_buffer(_PAGES))
+    return _CALLS
+
+
+def _state() -> _State:
+    global _STATE
+    if _STATE is None or _STATE.pid != os.getpid():  # a fork's child starts its own count
+        _STATE = _State()
+    return _STATE
+
+
+def expect_forks(count: int) -> None:
+    """This process expects to fork about ``count`` more children (the session's case items):
+    a collapse may then pay from the first passes, not only once it forked as often."""
+    _state().expected = max(0, count)
+
+
+def before_fork() -> None:
+    """Count a fork of this process, and at the forks that call for it collapse what pays."""
+    state = _state()
+    if state.off:
+        return
+    state.forks += 1
+    state.expected = max(0, state.expected - 1)
+    if state.forks < state.next_pass:
+        return
+    state.next_pass *= 2
+    # Forks to come: those expected, and at least as many as made (a process that forked n
+    # times is taken to fork about n times more).
+    worth = SAVED_PER_FORK * PAYBACK * max(state.forks, state.expected)
+    if state.cost > worth:
+        return  # the last pass's chunks cost more than one would save now
+    try:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            state.off = True  # the driver's pinned memory is its own; nothing forks here anyway
+            return
+        _collapse(state, worth)
+    except Exception:  # no /proc, no C library, a torch stub: a run never fails of this
+        state.off = True
+
+
+def _collapse(state: _State, worth: float) -> None:
+    """Collapse dense chunks while their mean cost in seconds stays at most ``worth``."""
+    madvise, mincore, vector = _calls()
+    spent, tried, made, invalid = 0.0, 0, 0, 0
+    for chunk in _dense_chunks(state.done, mincore, vector):
+        start = time.perf_counter()
+        failed = madvise(chunk, _HUGE, _MADV_COLLAPSE) != 0
+        spent += time.perf_counter() - start
+        tried += 1
+        if not failed:
+            made += 1
+            state.done.add(chunk)
+        elif ctypes.get_errno() == errno.EINVAL:  # this chunk cannot be, or no kernel can
+            invalid += 1
+            state.done.add(chunk)
+        if spent > worth * tried:
+            break
+    if tried and invalid == tried and not state.made:  # a kernel without MADV_COLLAPSE
+        state.off = True
+    if made:
+        state.cost = spent / tried
+    state.made += made
+
+
+def _dense_chunks(done: set[int], mincore: Any, vector: Any) -> Any:
+    """The 2 MiB chunks of this process's private anonymous memory (its heap and its anonymous
+    maps) with at least DENSE pages in memory, not in ``done``."""
+    with open("/proc/self/maps", "rb") as f:
+        maps = f.read().splitlines()
+    for line in maps:
+        fields = line.split()
+        if len(fields) > 5 and fields[5] != b"[heap]":
+            continue  # a file's, a stack, the vdso
+        if not fields[1].startswith(b"rw") or fields[1][3:4] != b"p":
+            continue
+        low, high = (int(x, 16) for x in fields[0].split(b"-"))
+        chunk = (low + _HUGE - 1) & ~(_HUGE - 1)
+        while chunk + _HUGE <= high:
+            if (chunk not in done and mincore(chunk, _HUGE, vector) == 0
+                    and _PAGES - vector.raw.count(0) >= DENSE):
+                yield chunk
+            chunk += _HUGE

@@ -1,0 +1,257 @@
+"""A forking process's memory backed by huge pages: when, how much, and that nothing changes."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import mmap
+import os
+import sys
+from typing import Any
+
+import pytest
+
+from pytest_gpucase.run.isolation import hugepages
+from pytest_gpucase.run.isolation.hugepages import DENSE, FIRST_PASS, HUGEPAGES_ENV
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
+HUGE = 1 << 21
+
+
+@pytest.fixture
+def fresh(monkeypatch: pytest.MonkeyPatch) -> None:
+    """This test's own count of forks, on a kernel taken to support the collapse."""
+    monkeypatch.setattr(hugepages, "_STATE", None)
+    monkeypatch.setattr(hugepages, "_supported", lambda: True)
+
+
+def _region(pages_touched: int) -> tuple[mmap.mmap, int]:
+    """An anonymous private map of 3 chunks; the first ``pages_touched`` pages of its first
+    whole aligned chunk written; that chunk's address."""
+    region = mmap.mmap(-1, 3 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    chunk = (base + HUGE - 1) & ~(HUGE - 1)
+    offset = chunk - base
+    for page in range(pages_touched):
+        region[offset + page * 4096] = 7
+    return region, chunk
+
+
+def _release(region: mmap.mmap) -> None:
+    import gc
+    gc.collect()  # the exported buffer of from_buffer is gone with its ctypes object
+    region.close()
+
+
+@linux
+def test_only_dense_chunks_of_anonymous_memory_are_candidates() -> None:
+    dense, dense_chunk = _region(512)
+    sparse, sparse_chunk = _region(DENSE - 1)
+    _, mincore, vector = hugepages._calls()
+    chunks = set(hugepages._dense_chunks(set(), mincore, vector))
+    assert dense_chunk in chunks
+    assert sparse_chunk not in chunks
+    assert dense_chunk not in set(hugepages._dense_chunks({dense_chunk}, mincore, vector))
+    assert all(chunk % HUGE == 0 for chunk in chunks)
+    _release(dense)
+    _release(sparse)
+
+
+def test_passes_come_at_the_first_pass_and_each_doubling(fresh: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    passes: list[tuple[int, float]] = []
+    monkeypatch.setattr(hugepages, "_collapse",
+                        lambda state, worth: passes.append((state.forks, worth)))
+    for _ in range(8 * FIRST_PASS):
+        hugepages.before_fork()
+    assert [forks for forks, _ in passes] == [FIRST_PASS, 2 * FIRST_PASS, 4 * FIRST_PASS,
+                                              8 * FIRST_PASS]
+    # a chunk may cost what it saves over half as many forks again
+    assert [worth for _, worth in passes] == [
+        hugepages.SAVED_PER_FORK * hugepages.PAYBACK * forks for forks, _ in passes]
+
+
+def test_a_forked_child_counts_its_own_forks(fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    for _ in range(FIRST_PASS - 1):
+        hugepages.before_fork()
+    state = hugepages._STATE
+    assert state is not None and state.forks == FIRST_PASS - 1
+    monkeypatch.setattr(state, "pid", state.pid + 1)  # as if this process were its fork
+    hugepages.before_fork()
+    assert hugepages._STATE is not state and hugepages._STATE.forks == 1
+
+
+@pytest.mark.parametrize("why", ["the variable", "not Linux", "never"])
+def test_nothing_is_done_where_it_is_turned_off_or_cannot_be(
+        why: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    monkeypatch.setattr(hugepages, "_STATE", None)
+    monkeypatch.delenv(HUGEPAGES_ENV, raising=False)
+    if why == "the variable":
+        monkeypatch.setenv(HUGEPAGES_ENV, "0")
+    elif why == "not Linux":
+        monkeypatch.setattr(sys, "platform", "darwin")
+    elif not os.path.exists("/sys/kernel/mm/transparent_hugepage/enabled"):
+        pytest.skip("no transparent huge pages here")
+    else:
+        real_open = open
+
+        def never(path: Any, *args: Any, **kwargs: Any) -> Any:
+            if str(path).endswith("transparent_hugepage/enabled"):
+                setting = tmp_path / "enabled"
+                setting.write_bytes(b"always madvise [never]\n")
+                return real_open(setting, *args, **kwargs)
+            return real_open(path, *args, **kwargs)
+        monkeypatch.setattr("builtins.open", never)
+    monkeypatch.setattr(hugepages, "_collapse", lambda state, worth: pytest.fail("collapsed"))
+    for _ in range(4 * FIRST_PASS):
+        hugepages.before_fork()
+    assert hugepages._STATE is not None and hugepages._STATE.off
+
+
+class _FakeCalls:
+    """madvise that answers ``code`` (0, or an errno) and costs ``cost`` seconds of a clock the
+    test moves; mincore of every chunk full."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, chunks: int, code: int = 0,
+                 cost: float = 0.0) -> None:
+        self.now = 0.0
+        self.asked: list[int] = []
+        self.code, self.cost = code, cost
+        monkeypatch.setattr(hugepages, "_dense_chunks",
+                            lambda done, *_: (c * HUGE for c in range(1, chunks + 1)
+                                              if c * HUGE not in done))
+        monkeypatch.setattr(hugepages, "_calls", lambda: (self.madvise, None, None))
+        monkeypatch.setattr(hugepages.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(ctypes, "get_errno", lambda: self.code)
+
+    def madvise(self, address: int, size: int, advice: int) -> int:
+        assert size == HUGE and advice == 25
+        self.asked.append(address)
+        self.now += self.cost
+        return -1 if self.code else 0
+
+
+def test_a_pass_stops_when_chunks_cost_more_than_they_save(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _FakeCalls(monkeypatch, chunks=10, cost=0.002)
+    state = hugepages._State()
+    state.off = False
+    hugepages._collapse(state, worth=0.001)
+    assert len(calls.asked) == 1 and state.made == 1  # the first one told the cost
+    calls.cost = 0.0005
+    hugepages._collapse(state, worth=0.001)
+    assert len(calls.asked) == 10 and state.made == 10  # every chunk left pays
+    hugepages._collapse(state, worth=0.001)
+    assert len(calls.asked) == 10  # nothing is asked twice
+
+
+def test_a_kernel_without_the_collapse_turns_it_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _FakeCalls(monkeypatch, chunks=4, code=errno.EINVAL)
+    state = hugepages._State()
+    state.off = False
+    hugepages._collapse(state, worth=1.0)
+    assert len(calls.asked) == 4 and state.off
+
+
+def test_a_busy_chunk_is_tried_again_later(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _FakeCalls(monkeypatch, chunks=2, code=errno.EAGAIN)
+    state = hugepages._State()
+    state.off = False
+    hugepages._collapse(state, worth=1.0)
+    assert not state.off and not state.done
+    calls.code = 0
+    hugepages._collapse(state, worth=1.0)
+    assert state.made == 2 and len(calls.asked) == 4
+
+
+def _huge_kib(address: int) -> int | None:
+    """AnonHugePages of the map holding ``address``, in KiB (None: not found)."""
+    current = None
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                low, high = (int(x, 16) for x in head.split("-"))
+                current = low <= address < high
+            elif current and line.startswith("AnonHugePages:"):
+                return int(line.split()[1])
+    return None
+
+
+@linux
+def test_a_real_collapse_keeps_every_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    region, chunk = _region(512)
+    base = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = chunk - base
+    for page in range(512):
+        region[offset + page * 4096 + 1] = page % 251
+    state = hugepages._State()
+    if state.off:
+        _release(region)
+        pytest.skip("no transparent huge pages here")
+    monkeypatch.setattr(hugepages, "_dense_chunks",
+                        lambda done, *_: iter([chunk] if chunk not in done else []))
+    hugepages._collapse(state, worth=1.0)
+    if not state.made:
+        _release(region)
+        pytest.skip("this kernel collapses nothing (before Linux 6.1, or no memory for it)")
+    assert _huge_kib(chunk) == 2048
+    assert all(region[offset + page * 4096] == 7 and region[offset + page * 4096 + 1] == page % 251
+               for page in range(512))
+    _release(region)
+
+
+def test_forks_expected_make_the_first_passes_worth_more(fresh: None,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    worths: list[float] = []
+    monkeypatch.setattr(hugepages, "_collapse", lambda state, worth: worths.append(worth))
+    hugepages.expect_forks(100)
+    for _ in range(4):
+        hugepages.before_fork()
+    # at fork 2, 98 to come; at fork 4, 96
+    share = hugepages.SAVED_PER_FORK * hugepages.PAYBACK
+    assert worths == [share * 98, share * 96]
+
+
+def test_a_pass_is_skipped_while_chunks_cost_more_than_they_would_save(
+        fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _FakeCalls(monkeypatch, chunks=100, cost=0.01)
+    for _ in range(16):
+        hugepages.before_fork()
+    # fork 2 tried one chunk (0.01 s against 30 us); forks 4, 8 and 16 are worth less than that
+    assert len(calls.asked) == 1
+    calls.cost = 0.0001
+    for _ in range(16 * 1024 - 16):
+        hugepages.before_fork()
+    # from fork 1024 on (15 ms a chunk is worth) the passes go on; cheaper now, all of them
+    assert len(calls.asked) == 100 and hugepages._STATE is not None and hugepages._STATE.made == 100
+
+
+def test_a_failure_of_its_own_never_fails_the_fork(fresh: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(state: Any, worth: float) -> None:
+        raise RuntimeError("no such thing")
+    monkeypatch.setattr(hugepages, "_collapse", broken)
+    for _ in range(FIRST_PASS):
+        hugepages.before_fork()
+    assert hugepages._STATE is not None and hugepages._STATE.off
+
+
+@linux
+@pytest.mark.slow
+def test_children_forked_from_collapsed_memory_run_as_before(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpucase.run.isolation import run_in_child
+
+    from . import isolation_targets as targets
+
+    monkeypatch.setattr(hugepages, "_STATE", None)
+    hugepages.expect_forks(1_000_000)  # every chunk worth its cost
+    tables = [list(range(1000)) for _ in range(3000)]  # a heap worth collapsing
+    results = [run_in_child(targets.echo, n, timeout=30, start_method="fork") for n in range(4)]
+    state = hugepages._STATE
+    assert state is not None
+    assert [result.value for result in results] == [0, 2, 4, 6]
+    assert all(r.returned and r.problem is None and r.stdout == "to stdout\n" for r in results)
+    assert tables[-1][-1] == 999
+    if state.off or not state.made:
+        pytest.skip("this kernel collapses nothing (before Linux 6.1, or huge pages off)")
