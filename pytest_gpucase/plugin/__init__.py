@@ -146,6 +146,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
                    "gpu_cases_paths not collected (" + ", ".join(outside[:3])
                    + (", ..." if len(outside) > 3 else "") + "): name a folder on the "
                    f"command line to run it (pytest --gpu-cases {outside[0]})")
+    if state.enabled and state.settings.gpu_isolation == "item":
+        _expect_forks(session)
     if hasattr(session.config, "workerinput"):
         return
     if not state.enabled:
@@ -165,6 +167,19 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             "--gpu-cases found no case folder (a folder holding a case.toml) under "
             + ", ".join(session.config.args) + ": pass the case folders (pytest --gpu-cases "
             "cases) or list them in the ini key gpu_cases_paths")
+
+
+def _expect_forks(session: pytest.Session) -> None:
+    """Tell isolation about how many children this process will fork, one per case item (its
+    share of them under xdist): what its memory's huge pages are worth (run/isolation/
+    hugepages.py). A zygote's forks are its own; a hint is harmless where nothing forks."""
+    import os
+
+    from pytest_gpucase.run.isolation import expect_forks
+
+    items = sum(isinstance(item, CaseItem) for item in session.items)
+    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
+    expect_forks(items // (int(workers) if workers.isdigit() and workers != "0" else 1))
 
 
 def _hint_gpu_cases(config: pytest.Config, state: GpuCaseSession) -> None:
