@@ -62,6 +62,7 @@ def test_passes_come_at_the_first_pass_and_each_doubling(fresh: None,
     passes: list[tuple[int, float]] = []
     monkeypatch.setattr(hugepages, "_collapse",
                         lambda state, worth: passes.append((state.forks, worth)))
+    hugepages._state().cost = 0.0  # every pass worth trying
     for _ in range(8 * FIRST_PASS):
         hugepages.before_fork()
     assert [forks for forks, _ in passes] == [FIRST_PASS, 2 * FIRST_PASS, 4 * FIRST_PASS,
@@ -215,14 +216,20 @@ def test_forks_expected_make_the_first_passes_worth_more(fresh: None,
 def test_a_pass_is_skipped_while_chunks_cost_more_than_they_would_save(
         fresh: None, monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _FakeCalls(monkeypatch, chunks=100, cost=0.01)
-    for _ in range(16):
+    share = hugepages.SAVED_PER_FORK * hugepages.PAYBACK
+    first = next(n for n in (2 ** k for k in range(1, 20)) if share * n >= hugepages.PRIOR_COST)
+    for _ in range(first - 1):
         hugepages.before_fork()
-    # fork 2 tried one chunk (0.01 s against 30 us); forks 4, 8 and 16 are worth less than that
-    assert len(calls.asked) == 1
+    # before a chunk was measured, one is taken to cost PRIOR_COST: no pass is worth trying
+    assert not calls.asked
+    hugepages.before_fork()
+    assert len(calls.asked) == 1  # one chunk tried: 10 ms, more than it would save
+    dear = next(n for n in (2 ** k for k in range(1, 20)) if share * n >= 0.01)
+    for _ in range(dear - 1 - first):
+        hugepages.before_fork()
+    assert len(calls.asked) == 1  # every pass until then skipped
     calls.cost = 0.0001
-    for _ in range(16 * 1024 - 16):
-        hugepages.before_fork()
-    # from fork 1024 on (15 ms a chunk is worth) the passes go on; cheaper now, all of them
+    hugepages.before_fork()  # the fork at which 10 ms a chunk pays: cheaper now, all of them
     assert len(calls.asked) == 100 and hugepages._STATE is not None and hugepages._STATE.made == 100
 
 
@@ -231,6 +238,7 @@ def test_a_failure_of_its_own_never_fails_the_fork(fresh: None,
     def broken(state: Any, worth: float) -> None:
         raise RuntimeError("no such thing")
     monkeypatch.setattr(hugepages, "_collapse", broken)
+    hugepages.expect_forks(10_000)
     for _ in range(FIRST_PASS):
         hugepages.before_fork()
     assert hugepages._STATE is not None and hugepages._STATE.off

@@ -17,7 +17,8 @@ pass left), it collapses chunks while their measured mean cost stays under what 
 those the caller expects (``expect_forks``: the pytest process, its session's case items) and
 at least as many as were made. A machine on which a collapse is slow (a virtual machine's first
 touch of memory it never used: 6 ms a chunk on this one, 0.55 ms once touched) collapses little
-or nothing, and a pass is skipped while the last one's chunks cost more than one would save.
+or nothing, and a pass is skipped while the last one's chunks (before any, ``PRIOR_COST``) cost
+more than one would save.
 
 Nothing a program sees changes: the same bytes at the same addresses. Only chunks of which at
 least DENSE of the 512 pages are in memory are collapsed, so the memory grows by at most 1/32
@@ -46,6 +47,10 @@ FIRST_PASS = 2  # the fork before which a process may first collapse; then at ev
 SAVED_PER_FORK = 30e-6
 # A chunk must pay for itself within this share of the forks to come, which are a guess.
 PAYBACK = 0.5
+# What a chunk is taken to cost before one was measured: the least seen here (memory the
+# machine had touched before). A pass worth less is not tried: no chunk is spent to learn
+# that a session of a few items gains nothing.
+PRIOR_COST = 0.5e-3
 DENSE = 496  # of the 512 pages of a chunk in memory: collapsed (it grows by at most 16)
 
 _HUGE = 1 << 21
@@ -61,7 +66,7 @@ class _State:
         self.forks = 0
         self.expected = 0  # forks still to come, as the caller expects them (expect_forks)
         self.next_pass = FIRST_PASS
-        self.cost = 0.0  # seconds a chunk cost in the last pass that collapsed any (mean)
+        self.cost = PRIOR_COST  # seconds a chunk cost in the last pass that made any (mean)
         self.done: set[int] = set()  # chunks collapsed, or that cannot be
         self.made = 0  # chunks collapsed
         self.off = not _supported()
