@@ -263,3 +263,44 @@ def test_children_forked_from_collapsed_memory_run_as_before(
     assert tables[-1][-1] == 999
     if state.off or not state.made:
         pytest.skip("this kernel collapses nothing (before Linux 6.1, or huge pages off)")
+
+
+@linux
+@pytest.mark.slow
+def test_the_quiet_wait_ends_with_the_child_or_its_time() -> None:
+    import signal
+    import time
+
+    from pytest_gpucase.run.isolation.child import _wait_quietly
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        os._exit(0)
+    start = time.monotonic()
+    _wait_quietly(pid, 30.0)
+    assert time.monotonic() - start < 10  # the child's end, not the 30 s
+    os.waitpid(pid, 0)
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        time.sleep(60)
+        os._exit(0)
+    start = time.monotonic()
+    _wait_quietly(pid, 0.2)
+    took = time.monotonic() - start
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    assert 0.15 < took < 10
+
+
+@linux
+@pytest.mark.slow
+def test_a_child_that_fills_its_pipes_during_the_quiet_wait_is_read_whole() -> None:
+    from pytest_gpucase.run.isolation import run_in_child
+
+    from . import isolation_targets as targets
+
+    # 3 x 64 KiB on stdout, more than its pipe holds while nobody reads it: the child waits
+    # for the quiet wait's end, then is read to its last line
+    result = run_in_child(targets.flood, 3 * 65536, timeout=60, start_method="fork")
+    assert result.returned and result.value == 3 * 65536 and result.problem is None
+    assert result.stdout.startswith("BEGIN\n") and result.stdout.endswith("END\n")

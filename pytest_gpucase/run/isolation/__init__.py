@@ -92,6 +92,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import math
 import os
 import pickle
 import secrets
@@ -126,6 +127,8 @@ from pytest_gpucase.run.isolation.result import (
 )
 from pytest_gpucase.run.isolation.supervise import (
     MAX_PENDING,
+    MEMORY_SAMPLE,
+    QUIET_START,
     RESULT_LIMIT,
     RunInterrupted,
     _Interruptible,
@@ -205,8 +208,10 @@ def run_in_child(
         reap_pending(block=False)
         with _Interruptible() as guard:
             if start_method == "fork":
+                quiet = min(QUIET_START, timeout,
+                            math.inf if memory_limit is None else MEMORY_SAMPLE)
                 pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
-                                 func, args)
+                                 func, args, quiet=quiet)
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:

@@ -59,6 +59,9 @@ DUMP_GRACE = 2.0
 DUMP_QUIET = 0.2  # stderr silent this long after the dump began: the dump is complete
 MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
 MEMORY_SAMPLE = 0.1     # seconds between samples of the tree's resident memory
+# Seconds the pytest process first waits on a fresh forked child's end alone, before it reads
+# the child's pipes (``fork_child``'s ``quiet``): a short child's run is read whole after it.
+QUIET_START = 0.05
 EXIT_WAIT = 0.05        # seconds a child that sent a clean result is waited for (exits_soon)
 # Frames of the machinery under a case's code, hidden from faulthandler's dumps.
 _MACHINERY_DIRS = frozenset({"_pytest", "pytest", "pluggy", "pytest_gpucase", "xdist", "execnet"})
