@@ -132,11 +132,21 @@ def trivial_case(root: Path) -> RunSpec:
 # Times the items from inside the pytest process: wall, CPU and minor page faults of the
 # process and its reaped children, from the first item's start to the last one's end.
 ITEM_CONFTEST = """
+import os
 import resource
 import sys
 import time
 
 _seen = {}
+
+
+def pytest_configure(config):
+    if os.environ.get("BENCH_COLLAPSE_ALL"):
+        # Every dense chunk worth its cost: what a machine on which a collapse is cheap
+        # (memory it touched before, 0.55 ms a chunk) collapses, whatever it costs here.
+        from pytest_gpucase.run.isolation import hugepages
+
+        hugepages.SAVED_PER_FORK = 1.0
 
 
 def _usage():
@@ -269,7 +279,11 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
         ("pytest-forked (--forked)", ("--forked", "plain"), None),
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
         ("--gpu-isolation worker", worker, None),
-        ("plain test, in-process", ("plain",), None)]
+        ("plain test, in-process", ("plain",), None),
+        ("--gpu-cases, no huge pages", ("--gpu-cases", "cases"),
+         {**os.environ, "GPUCASE_HUGEPAGES": "0"}),
+        ("--gpu-cases, all collapsed", ("--gpu-cases", "cases"),
+         {**os.environ, "BENCH_COLLAPSE_ALL": "1"})]
     if forkserver:
         rows.append(("--gpu-start-method forkserver",
                      ("--gpu-cases", "--gpu-start-method", "forkserver", "cases"), None))
