@@ -453,3 +453,9 @@ def print_while_os_write_is_patched() -> list[int]:
     finally:
         os.write = real
     return calls
+
+
+def pid_and_hang(pid_file: str) -> None:
+    """Say its pid, then hang."""
+    _write_pid(pid_file, os.getpid())
+    time.sleep(600)

@@ -271,13 +271,13 @@ def test_the_quiet_wait_ends_with_the_child_or_its_time() -> None:
     import signal
     import time
 
-    from pytest_gpucase.run.isolation.child import _wait_quietly
+    from pytest_gpucase.run.isolation.supervise import wait_quietly
 
     pid = os.fork()
     if pid == 0:  # pragma: no cover - the child
         os._exit(0)
     start = time.monotonic()
-    _wait_quietly(pid, 30.0)
+    wait_quietly(pid, 30.0)
     assert time.monotonic() - start < 10  # the child's end, not the 30 s
     os.waitpid(pid, 0)
     pid = os.fork()
@@ -285,7 +285,7 @@ def test_the_quiet_wait_ends_with_the_child_or_its_time() -> None:
         time.sleep(60)
         os._exit(0)
     start = time.monotonic()
-    _wait_quietly(pid, 0.2)
+    wait_quietly(pid, 0.2)
     took = time.monotonic() - start
     os.kill(pid, signal.SIGKILL)
     os.waitpid(pid, 0)
@@ -304,3 +304,53 @@ def test_a_child_that_fills_its_pipes_during_the_quiet_wait_is_read_whole() -> N
     result = run_in_child(targets.flood, 3 * 65536, timeout=60, start_method="fork")
     assert result.returned and result.value == 3 * 65536 and result.problem is None
     assert result.stdout.startswith("BEGIN\n") and result.stdout.endswith("END\n")
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid``, a child of this process, is still unreaped."""
+    try:
+        return os.waitpid(pid, os.WNOHANG) == (0, 0)
+    except ChildProcessError:
+        return False
+
+
+@linux
+@pytest.mark.slow
+def test_ctrl_c_in_the_quiet_wait_ends_the_run_and_its_child(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
+    import signal
+    import threading
+    import time
+
+    from pytest_gpucase.run import isolation
+
+    from . import isolation_targets as targets
+
+    # A quiet wait long enough for Ctrl-C to come inside it, whenever the machine runs us.
+    monkeypatch.setattr(isolation, "QUIET_START", 60.0)
+    pid_file = tmp_path / "pid"
+    main = threading.get_ident()
+
+    def press() -> None:
+        end = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < end:
+            time.sleep(0.01)
+        signal.pthread_kill(main, signal.SIGINT)
+
+    presser = threading.Thread(target=press)
+    presser.start()
+    start = time.monotonic()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            isolation.run_in_child(targets.pid_and_hang, str(pid_file), timeout=120,
+                                   start_method="fork")
+        took = time.monotonic() - start
+    finally:
+        presser.join()
+        child = int(pid_file.read_text())
+        alive = _alive(child)
+        if alive:
+            os.kill(child, signal.SIGKILL)
+            os.waitpid(child, 0)
+    assert not alive  # the run's child was killed and reaped, as on Ctrl-C in the wait
+    assert took < 30  # at once, not at the quiet wait's end

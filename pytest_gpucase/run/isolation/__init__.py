@@ -132,6 +132,7 @@ from pytest_gpucase.run.isolation.supervise import (
     RESULT_LIMIT,
     RunInterrupted,
     _Interruptible,
+    wait_quietly,
     _Run,
     _Supervisor,
     reap_pending,
@@ -207,11 +208,12 @@ def run_in_child(
     try:
         reap_pending(block=False)
         with _Interruptible() as guard:
+            raised = None  # what a signal handler raised before the child was supervised
             if start_method == "fork":
-                quiet = min(QUIET_START, timeout,
-                            math.inf if memory_limit is None else MEMORY_SAMPLE)
                 pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
-                                 func, args, quiet=quiet)
+                                 func, args)
+                raised = wait_quietly(pid, min(
+                    QUIET_START, timeout, math.inf if memory_limit is None else MEMORY_SAMPLE))
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
             else:
@@ -225,7 +227,7 @@ def run_in_child(
             out_w = err_w = res_w = -1
             run = _Run(pid, token, memory_limit, zygote=zygote)
             return _Supervisor(run, out_r, err_r, res_r, timeout, start, start_method,
-                               marks).watch(guard)
+                               marks).watch(guard, raised)
     finally:
         for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
             if fd >= 0:

@@ -16,7 +16,6 @@ import io
 import json
 import os
 import pickle
-import select
 import signal
 import stat
 import sys
@@ -226,16 +225,9 @@ def _text_writer(fd: int, block: int) -> io.TextIOWrapper:
 
 def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
                env: Mapping[str, str], func: Callable[..., Any], args: tuple[Any, ...],
-               name: str = "run", quiet: float = 0.0) -> int:
+               name: str = "run") -> int:
     """Fork a child of this process that runs ``func(*args)`` (``_forked_child``), started
-    with the stack signal held (``held_dumps``); its pid, owned (``proctree.own``).
-
-    ``quiet``: seconds this process first waits on the child's end alone, doing nothing else,
-    its pipes left unread (64 KiB each: a child that writes more waits that long at most).
-    While the child lives every page this process writes is copied, and a write into memory
-    backed by a huge page splits that page's mapping for every later fork (``hugepages``);
-    once the child has ended, neither. So a short child is read whole after its end.
-    """
+    with the stack signal held (``held_dumps``); its pid, owned (``proctree.own``)."""
     # Objects that exist now are never collected by the parent's later passes, and a
     # collection in the child cannot touch (and so copy) their pages.
     _std_streams(out_w)
@@ -248,24 +240,8 @@ def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
         if pid == 0:  # pragma: no cover - runs in the child, measured by the parent
             _forked_child(out_w, err_w, res_w, parent_ends, env, threaded, parent, func, args,
                           name=name)
-        if quiet > 0:
-            _wait_quietly(pid, quiet)
     own(pid)
     return pid
-
-
-def _wait_quietly(pid: int, seconds: float) -> None:
-    """Block until child ``pid`` ends or ``seconds`` pass, touching as little as can be."""
-    try:
-        pidfd = os.pidfd_open(pid)
-    except (AttributeError, OSError):  # no pidfd (an old kernel, macOS): no quiet wait
-        return
-    try:
-        select.select((pidfd,), (), (), seconds)
-    except (OSError, ValueError):
-        pass
-    finally:
-        os.close(pidfd)
 
 
 def _flush_std_streams() -> None:  # pragma: no cover - child side

@@ -46,10 +46,12 @@ __all__ = [
     "MAX_PENDING",
     "MAX_POLL_STEP",
     "MEMORY_SAMPLE",
+    "QUIET_START",
     "RESULT_LIMIT",
     "RunInterrupted",
     "hide_machinery",
     "reap_pending",
+    "wait_quietly",
 ]
 
 # The biggest result the parent reads; a child sending more is killed.
@@ -60,7 +62,7 @@ DUMP_QUIET = 0.2  # stderr silent this long after the dump began: the dump is co
 MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
 MEMORY_SAMPLE = 0.1     # seconds between samples of the tree's resident memory
 # Seconds the pytest process first waits on a fresh forked child's end alone, before it reads
-# the child's pipes (``fork_child``'s ``quiet``): a short child's run is read whole after it.
+# the child's pipes (``wait_quietly``): a short child's run is read whole after it.
 QUIET_START = 0.05
 EXIT_WAIT = 0.05        # seconds a child that sent a clean result is waited for (exits_soon)
 # Frames of the machinery under a case's code, hidden from faulthandler's dumps.
@@ -206,6 +208,37 @@ class _Interruptible:
             raise RunInterrupted(self.pending)
 
 
+def wait_quietly(pid: int, seconds: float) -> BaseException | None:
+    """Block until child ``pid`` ends or ``seconds`` pass, touching as little as can be: the
+    exception a signal handler raised meanwhile (Ctrl-C's ``KeyboardInterrupt``), returned
+    for ``_Supervisor.watch`` to raise once it supervises the child, which it then kills.
+
+    Its pipes are left unread meanwhile (64 KiB each: a child that writes more waits that
+    long at most). While the child lives every page this process writes is copied, and a
+    write into memory backed by a huge page splits that page's mapping for every later fork
+    (``hugepages``); once the child has ended, neither. So a short child is read whole after
+    its end.
+    """
+    if not seconds > 0:
+        return None
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):  # no pidfd (an old kernel, macOS): no quiet wait
+        return None
+    try:
+        # poll, not select: a pidfd past FD_SETSIZE (1024) is waited on as well
+        poller = select.poll()
+        poller.register(pidfd, select.POLLIN)
+        poller.poll(seconds * 1000)
+    except OSError:
+        pass
+    except BaseException as exc:  # raised again by watch, once the child is supervised
+        return exc
+    finally:
+        os.close(pidfd)
+    return None
+
+
 class _Supervisor:
     """The parent's watch over one child, from its start until it has ended or been ended.
 
@@ -247,10 +280,14 @@ class _Supervisor:
         self.start, self.start_method = start, start_method
         self.deadline = start + timeout
 
-    def watch(self, guard: _Interruptible) -> ChildResult:
-        """Wait until the child is done or ended, and say what became of it."""
+    def watch(self, guard: _Interruptible, raised: BaseException | None = None) -> ChildResult:
+        """Wait until the child is done or ended, and say what became of it. ``raised``: an
+        exception that came before (``wait_quietly``), raised once the child is supervised
+        (it is killed, as for one raised while it is watched)."""
         try:
             guard.arm()
+            if raised is not None:
+                raise raised
             while not self.exited or self.open_fds:
                 now = time.monotonic()
                 self.on_clock(now)
