@@ -7,12 +7,14 @@ import errno
 import mmap
 import os
 import sys
+import time
 from typing import Any
 
 import pytest
 
 from pytest_gpucase.run.isolation import hugepages
 from pytest_gpucase.run.isolation.hugepages import DENSE, FIRST_PASS, HUGEPAGES_ENV
+from pytest_gpucase.run.isolation.result import StartMethod
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
 HUGE = 1 << 21
@@ -79,7 +81,8 @@ def test_a_forked_child_counts_its_own_forks(fresh: None, monkeypatch: pytest.Mo
     assert state is not None and state.forks == FIRST_PASS - 1
     monkeypatch.setattr(state, "pid", state.pid + 1)  # as if this process were its fork
     hugepages.before_fork()
-    assert hugepages._STATE is not state and hugepages._STATE.forks == 1
+    fresh_state = hugepages._STATE
+    assert fresh_state is not state and fresh_state is not None and fresh_state.forks == 1
 
 
 @pytest.mark.parametrize("why", ["the variable", "not Linux", "never"])
@@ -122,7 +125,7 @@ class _FakeCalls:
                             lambda done, *_: (c * HUGE for c in range(1, chunks + 1)
                                               if c * HUGE not in done))
         monkeypatch.setattr(hugepages, "_calls", lambda: (self.madvise, None, None))
-        monkeypatch.setattr(hugepages.time, "perf_counter", lambda: self.now)
+        monkeypatch.setattr(time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(ctypes, "get_errno", lambda: self.code)
 
     def madvise(self, address: int, size: int, advice: int) -> int:
@@ -354,3 +357,35 @@ def test_ctrl_c_in_the_quiet_wait_ends_the_run_and_its_child(
             os.waitpid(child, 0)
     assert not alive  # the run's child was killed and reaped, as on Ctrl-C in the wait
     assert took < 30  # at once, not at the quiet wait's end
+
+
+@linux
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_collapse_before_the_fork_is_no_part_of_the_runs_time(
+        method: StartMethod, monkeypatch: pytest.MonkeyPatch) -> None:
+    import time
+
+    from pytest_gpucase.run import isolation
+    from pytest_gpucase.run.isolation import zygote
+
+    from . import isolation_targets as targets
+
+    def dear_pass() -> float:  # a pass that took 2 s: a big heap, a slow machine
+        time.sleep(2.0)
+        return 2.0
+
+    # where the pytest process (and a zygote forked from it) calls it before a fork
+    for module in (isolation, zygote):
+        monkeypatch.setattr(module, "before_fork", dear_pass)
+    if method == "forkserver":
+        if not isolation.forkserver_available():
+            pytest.skip("no forkserver here")
+        zygote.stop_forkserver()  # the next zygote is a fork of this process, patched
+    try:
+        result = isolation.run_in_child(targets.echo, 3, timeout=1.5, start_method=method)
+    finally:
+        if method == "forkserver":
+            zygote.stop_forkserver()
+    assert result.returned and result.value == 6 and not result.timed_out
+    assert result.duration < 1.5

@@ -110,7 +110,7 @@ from pytest_gpucase.run.isolation.clipping import (
     TEXT_TAIL,
     clip,
 )
-from pytest_gpucase.run.isolation.hugepages import expect_forks
+from pytest_gpucase.run.isolation.hugepages import before_fork, expect_forks
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
@@ -207,6 +207,8 @@ def run_in_child(
     start = time.monotonic()
     try:
         reap_pending(block=False)
+        if start_method == "fork":  # huge pages for this process's forks: not the run's time
+            start += before_fork()
         with _Interruptible() as guard:
             raised = None  # what a signal handler raised before the child was supervised
             if start_method == "fork":
@@ -216,6 +218,7 @@ def run_in_child(
                     QUIET_START, timeout, math.inf if memory_limit is None else MEMORY_SAMPLE))
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
+                start += zygote.prepared  # the zygote's huge pages: not the run's time
             else:
                 job_file = _write_job(func, args)
                 pid = _spawn(job_file, out_w, err_w, res_w, child_env)

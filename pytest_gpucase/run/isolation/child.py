@@ -25,7 +25,6 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from pytest_gpucase.run.isolation.clipping import clip
-from pytest_gpucase.run.isolation.hugepages import before_fork
 from pytest_gpucase.run.isolation.proctree import (
     _PR_SET_PDEATHSIG,
     _children,
@@ -231,7 +230,6 @@ def fork_child(out_w: int, err_w: int, res_w: int, parent_ends: tuple[int, ...],
     # Objects that exist now are never collected by the parent's later passes, and a
     # collection in the child cannot touch (and so copy) their pages.
     _std_streams(out_w)
-    before_fork()
     gc.freeze()
     threaded = thread_count() > 1
     parent = os.getpid()

@@ -18,7 +18,9 @@ those the caller expects (``expect_forks``: the pytest process, its session's ca
 at least as many as were made. A machine on which a collapse is slow (a virtual machine's first
 touch of memory it never used: 6 ms a chunk on this one, 0.55 ms once touched) collapses little
 or nothing, and a pass is skipped while the last one's chunks (before any, ``PRIOR_COST``) cost
-more than one would save.
+more than one would save. What a pass takes is no part of the run whose fork it precedes:
+its clock starts after it (a pass on a big heap can take long, and the run's timeout and
+duration are its own).
 
 Nothing a program sees changes: the same bytes at the same addresses. Only chunks of which at
 least DENSE of the 512 pages are in memory are collapsed, so the memory grows by at most 1/32
@@ -113,29 +115,33 @@ def expect_forks(count: int) -> None:
     _state().expected = max(0, count)
 
 
-def before_fork() -> None:
-    """Count a fork of this process, and at the forks that call for it collapse what pays."""
+def before_fork() -> float:
+    """Count a fork of this process, and at the forks that call for it collapse what pays;
+    the seconds that took, which are no part of the forked child's run (its clock starts
+    after them: a pass can take long on a big heap, and a run's timeout is its own)."""
     state = _state()
     if state.off:
-        return
+        return 0.0
     state.forks += 1
     state.expected = max(0, state.expected - 1)
     if state.forks < state.next_pass:
-        return
+        return 0.0
     state.next_pass *= 2
     # Forks to come: those expected, and at least as many as made (a process that forked n
     # times is taken to fork about n times more).
     worth = SAVED_PER_FORK * PAYBACK * max(state.forks, state.expected)
     if state.cost > worth:
-        return  # the last pass's chunks cost more than one would save now
+        return 0.0  # the last pass's chunks cost more than one would save now
+    start = time.monotonic()
     try:
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_initialized():
             state.off = True  # the driver's pinned memory is its own; nothing forks here anyway
-            return
+            return 0.0
         _collapse(state, worth)
     except Exception:  # no /proc, no C library, a torch stub: a run never fails of this
         state.off = True
+    return time.monotonic() - start
 
 
 def _collapse(state: _State, worth: float) -> None:

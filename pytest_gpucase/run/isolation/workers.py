@@ -31,6 +31,7 @@ from pytest_gpucase.run.isolation.child import (
     _write_all,
     fork_child,
 )
+from pytest_gpucase.run.isolation.hugepages import before_fork
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
@@ -150,6 +151,7 @@ class _Worker:
                                              child_env, fd_argument=True)
             else:
                 adopt_orphans()
+                before_fork()
                 pid = fork_child(nulls[0], nulls[1], theirs.fileno(), (mine.fileno(),),
                                  child_env, _worker_serve, (theirs.fileno(),), name="worker")
                 self.pid = pid

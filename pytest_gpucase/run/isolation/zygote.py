@@ -145,6 +145,9 @@ class _Zygote:
 
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid, self.sock = pid, sock
+        # Seconds the zygote spent before its last fork backing its memory with huge pages
+        # (``hugepages.before_fork``): no part of that child's run.
+        self.prepared = 0.0
 
     def alive(self) -> bool:
         try:
@@ -166,10 +169,13 @@ class _Zygote:
     def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
               env: Mapping[str, str], fd_argument: bool = False) -> int:
         """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result);
-        with ``fd_argument``, ``func(*args, result_fd)``."""
-        return self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
-                          "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env),
-                          "fd_argument": fd_argument}, fds)
+        with ``fd_argument``, ``func(*args, result_fd)``; ``prepared`` is then set."""
+        pid = self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
+                         "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env),
+                         "fd_argument": fd_argument}, fds)
+        spent = _receive_exactly(self.sock, 8)  # microseconds, after the pid
+        self.prepared = int.from_bytes(spent, "little") / 1e6 if len(spent) == 8 else 0.0
+        return pid
 
     def reap(self, pid: int) -> int:
         try:
@@ -251,8 +257,9 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
                 os._exit(0)
             size = int.from_bytes(data[:8], "little")
             message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
+            spent = b""
             if message["op"] == "run":
-                before_fork()
+                spent = round(before_fork() * 1e6).to_bytes(8, "little")
                 pid = os.fork()
                 if pid == 0:
                     _zygote_child(sock, message, fds, me)
@@ -269,7 +276,7 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
                     reply = -1
                 forked.discard(message["pid"])
                 _end_adopted(forked)
-            sock.sendall(reply.to_bytes(8, "little", signed=True))
+            sock.sendall(reply.to_bytes(8, "little", signed=True) + spent)
     except BaseException:
         os._exit(0)
 
