@@ -22,9 +22,11 @@ more than one would save. What a pass takes is no part of the run whose fork it 
 its clock starts after it (a pass on a big heap can take long, and the run's timeout and
 duration are its own).
 
-Nothing a program sees changes: the same bytes at the same addresses. Only chunks of which at
-least DENSE of the 512 pages are in memory are collapsed, so the memory grows by at most 1/32
-of what is collapsed. Nothing is done where there is no MADV_COLLAPSE (Linux before 6.1,
+A program reads and writes the same bytes at the same addresses; what it can see change is
+its timing and its resident memory (``/proc``, ``ps``, the memory limit of a run, which counts
+the pages a forked child shares). Only chunks of which at least DENSE of the 512 pages are in
+memory are collapsed, so that memory grows by at most 1/32 of what is collapsed (a forked
+child's as well). Nothing is done where there is no MADV_COLLAPSE (Linux before 6.1,
 transparent huge pages set to ``never``, another system), once CUDA is initialized in the
 process (nothing forks there), or with ``GPUCASE_HUGEPAGES=0``.
 """
