@@ -25,9 +25,11 @@ duration are its own).
 A program reads and writes the same bytes at the same addresses; what it can see change is
 its timing and its resident memory (``/proc``, ``ps``, the memory limit of a run, which counts
 the pages a forked child shares). Only chunks of which at least DENSE of the 512 pages are in
-memory are collapsed, so that memory grows by at most 1/32 of what is collapsed (a forked
-child's as well). Nothing is done where there is no MADV_COLLAPSE (Linux before 6.1,
-transparent huge pages set to ``never``, another system), once CUDA is initialized in the
+memory, and mapped by this process alone, are collapsed, so that memory grows by at most 1/32
+of what is collapsed (a forked child's as well): a page that a fork still shares (the zygote,
+a worker) would be copied into the huge page, and held twice. Nothing is done where there is
+no MADV_COLLAPSE (Linux before 6.1, transparent huge pages set to ``never``, pages other than
+4 KiB, another system), once CUDA is initialized in the
 process (nothing forks there), or with ``GPUCASE_HUGEPAGES=0``.
 """
 
@@ -77,11 +79,17 @@ class _State:
 
 
 _STATE: _State | None = None
-_CALLS: Any = None  # (madvise, mincore, the vector mincore fills), made on first use
+_CALLS: Any = None  # madvise, made on first use
+# /proc/self/pagemap: 8 bytes a page, whose top byte holds "in memory" (bit 63) and "mapped by
+# this process alone" (bit 56). A page shared with a fork that still lives (the zygote, a
+# worker, a run's child) would be copied by a collapse and then held twice: not counted.
+_OWN_PAGE = bytes(int(b & 0x81 == 0x81) for b in range(256))
 
 
 def _supported() -> bool:
     if not sys.platform.startswith("linux") or os.environ.get(HUGEPAGES_ENV, "1") == "0":
+        return False
+    if os.sysconf("SC_PAGE_SIZE") != 4096:  # 16 or 64 KiB pages: a huge page is not 2 MiB
         return False
     try:
         with open("/sys/kernel/mm/transparent_hugepage/enabled", "rb") as f:
@@ -97,10 +105,7 @@ def _calls() -> Any:
         madvise = libc.madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         madvise.restype = ctypes.c_int
-        mincore = libc.mincore
-        mincore.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p)
-        mincore.restype = ctypes.c_int
-        _CALLS = (madvise, mincore, ctypes.create_string_buffer(_PAGES))
+        _CALLS = madvise
     return _CALLS
 
 
@@ -148,9 +153,9 @@ def before_fork() -> float:
 
 def _collapse(state: _State, worth: float) -> None:
     """Collapse dense chunks while their mean cost in seconds stays at most ``worth``."""
-    madvise, mincore, vector = _calls()
+    madvise = _calls()
     spent, tried, made, invalid = 0.0, 0, 0, 0
-    for chunk in _dense_chunks(state.done, mincore, vector):
+    for chunk in _dense_chunks(state.done):
         start = time.perf_counter()
         failed = madvise(chunk, _HUGE, _MADV_COLLAPSE) != 0
         spent += time.perf_counter() - start
@@ -170,21 +175,31 @@ def _collapse(state: _State, worth: float) -> None:
     state.made += made
 
 
-def _dense_chunks(done: set[int], mincore: Any, vector: Any) -> Any:
+def _dense_chunks(done: set[int]) -> Any:
     """The 2 MiB chunks of this process's private anonymous memory (its heap and its anonymous
-    maps) with at least DENSE pages in memory, not in ``done``."""
+    maps) with at least DENSE pages in memory and mapped by this process alone, not in
+    ``done``."""
     with open("/proc/self/maps", "rb") as f:
         maps = f.read().splitlines()
-    for line in maps:
-        fields = line.split()
-        if len(fields) > 5 and fields[5] != b"[heap]":
-            continue  # a file's, a stack, the vdso
-        if not fields[1].startswith(b"rw") or fields[1][3:4] != b"p":
-            continue
-        low, high = (int(x, 16) for x in fields[0].split(b"-"))
-        chunk = (low + _HUGE - 1) & ~(_HUGE - 1)
-        while chunk + _HUGE <= high:
-            if (chunk not in done and mincore(chunk, _HUGE, vector) == 0
-                    and _PAGES - vector.raw.count(0) >= DENSE):
-                yield chunk
-            chunk += _HUGE
+    pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
+    try:
+        for line in maps:
+            fields = line.split()
+            if len(fields) > 5 and fields[5] != b"[heap]":
+                continue  # a file's, a stack, the vdso
+            if not fields[1].startswith(b"rw") or fields[1][3:4] != b"p":
+                continue
+            low, high = (int(x, 16) for x in fields[0].split(b"-"))
+            chunk = (low + _HUGE - 1) & ~(_HUGE - 1)
+            while chunk + _HUGE <= high:
+                if chunk not in done and _own_pages(pagemap, chunk) >= DENSE:
+                    yield chunk
+                chunk += _HUGE
+    finally:
+        os.close(pagemap)
+
+
+def _own_pages(pagemap: int, chunk: int) -> int:
+    """How many of the chunk's pages are in memory and mapped by this process alone."""
+    entries = os.pread(pagemap, _PAGES * 8, chunk // 4096 * 8)
+    return entries[7::8].translate(_OWN_PAGE).count(1)
