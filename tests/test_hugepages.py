@@ -331,11 +331,15 @@ def test_ctrl_c_in_the_quiet_wait_ends_the_run_and_its_child(
     # A quiet wait long enough for Ctrl-C to come inside it, whenever the machine runs us.
     monkeypatch.setattr(isolation, "QUIET_START", 60.0)
     pid_file = tmp_path / "pid"
-    main = threading.get_ident()
+    main, native = threading.get_ident(), threading.get_native_id()
+
+    def waiting() -> bool:  # the main thread asleep (in the wait) once the child is running
+        with open(f"/proc/self/task/{native}/stat") as f:
+            return pid_file.exists() and f.read().rpartition(")")[2].split()[0] == "S"
 
     def press() -> None:
         end = time.monotonic() + 60
-        while not pid_file.exists() and time.monotonic() < end:
+        while not waiting() and time.monotonic() < end:
             time.sleep(0.01)
         signal.pthread_kill(main, signal.SIGINT)
 
