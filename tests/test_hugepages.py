@@ -419,3 +419,24 @@ def test_memory_a_living_fork_shares_is_left_alone() -> None:
     _release(region)
     assert chunk not in shared
     assert chunk in alone
+
+
+
+@pytest.mark.slow
+def test_the_forks_expected_are_this_sessions_case_items(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    from .helpers import RAISES, ce_case
+
+    for name in ("a", "b", "c", "d"):
+        ce_case(pytester.path, name, [0, 2, 4], RAISES)
+    pytester.makeconftest("""
+        def pytest_sessionfinish(session):
+            from pytest_gpucase.run.isolation import hugepages
+            print("EXPECTED", hugepages._state().expected)
+    """)
+    # Inherited from an xdist worker that runs this pytest (a test of a plugin, say): not
+    # this session's workers, which would share its items out.
+    monkeypatch.setenv("PYTEST_XDIST_WORKER_COUNT", "4")
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--collect-only", "-p", "no:randomly", "cases")
+    result.stdout.fnmatch_lines(["collected 4 items", "EXPECTED 4"])

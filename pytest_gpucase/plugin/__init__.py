@@ -172,14 +172,14 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def _expect_forks(session: pytest.Session) -> None:
     """Tell isolation about how many children this process will fork, one per case item (its
     share of them under xdist): what its memory's huge pages are worth (run/isolation/
-    hugepages.py). A zygote's forks are its own; a hint is harmless where nothing forks."""
-    import os
-
+    hugepages.py). A zygote's forks are its own; a hint is harmless where nothing forks.
+    The workers are this session's (its ``workerinput``), not PYTEST_XDIST_WORKER_COUNT,
+    which a pytest run inside an xdist worker inherits."""
     from pytest_gpucase.run.isolation import expect_forks
 
     items = sum(isinstance(item, CaseItem) for item in session.items)
-    workers = os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")
-    expect_forks(items // (int(workers) if workers.isdigit() and workers != "0" else 1))
+    workers = getattr(session.config, "workerinput", {}).get("workercount", 1)
+    expect_forks(items // (workers if isinstance(workers, int) and workers > 0 else 1))
 
 
 def _hint_gpu_cases(config: pytest.Config, state: GpuCaseSession) -> None:
