@@ -5,8 +5,10 @@ the child's exit frees them again: in a process that imported torch (about 150 M
 anonymous maps), 2.5 ms of the parent's CPU and 3.8 ms of the child's for a child that does
 nothing, most of what a fresh child per item costs. Memory mapped as 2 MiB pages is one entry
 per 2 MiB, and a write the child makes still copies 4 KiB of it, not 2 MiB: that bare fork then
-costs 0.7 ms and 1.6 ms, and a trivial case item inside pytest 2.4 ms less CPU (about a fifth;
-``benchmarks/bench_isolation.py --pytest``, whose README has the rows).
+costs 0.7 ms and 1.6 ms. Inside pytest (``benchmarks/bench_isolation.py --pytest``, its rows
+without huge pages and with every dense chunk collapsed) a trivial item gains what the heap
+this process holds alone allows: with the default start method the zygote, a fork made at
+configure, shares most of it, which is left alone (below).
 
 So ``before_fork``, which every fork of a run's child calls in the process that forks it,
 asks Linux (``madvise(MADV_COLLAPSE)``, Linux 6.1) to back that process's densely used private
