@@ -296,10 +296,14 @@ def test_the_quiet_wait_ends_with_the_child_or_its_time() -> None:
 
 @linux
 @pytest.mark.slow
-def test_a_child_that_fills_its_pipes_during_the_quiet_wait_is_read_whole() -> None:
+def test_a_child_that_fills_its_pipes_during_the_quiet_wait_is_read_whole(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpucase.run import isolation
     from pytest_gpucase.run.isolation import run_in_child
 
     from . import isolation_targets as targets
+
+    monkeypatch.setattr(isolation, "collapsed", lambda: True)  # huge pages: a wait
 
     # 3 x 64 KiB on stdout, more than its pipe holds while nobody reads it: the child waits
     # for the quiet wait's end, then is read to its last line
@@ -330,6 +334,7 @@ def test_ctrl_c_in_the_quiet_wait_ends_the_run_and_its_child(
 
     # A quiet wait long enough for Ctrl-C to come inside it, whenever the machine runs us.
     monkeypatch.setattr(isolation, "QUIET_START", 60.0)
+    monkeypatch.setattr(isolation, "collapsed", lambda: True)  # huge pages: a wait
     pid_file = tmp_path / "pid"
     main, native = threading.get_ident(), threading.get_native_id()
 
@@ -440,3 +445,33 @@ def test_the_forks_expected_are_this_sessions_case_items(
     result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
                                            "--collect-only", "-p", "no:randomly", "cases")
     result.stdout.fnmatch_lines(["collected 4 items", "EXPECTED 4"])
+
+
+@linux
+@pytest.mark.slow
+def test_the_quiet_wait_is_only_for_a_process_with_huge_pages(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from pytest_gpucase.run import isolation
+    from pytest_gpucase.run.isolation import supervise
+
+    from . import isolation_targets as targets
+
+    # Without a collapsed chunk the wait saves nothing (no huge page to split), and a child
+    # that writes more than its pipe holds would wait on it.
+    waits: list[float] = []
+
+    def recorded(pid: int, seconds: float) -> BaseException | None:
+        waits.append(seconds)
+        return supervise.wait_quietly(pid, seconds)
+
+    monkeypatch.setattr(isolation, "wait_quietly", recorded)
+    monkeypatch.setattr(hugepages, "_STATE", None)
+    monkeypatch.setenv(HUGEPAGES_ENV, "0")
+    result = isolation.run_in_child(targets.flood, 3 * 65536, timeout=60, start_method="fork")
+    assert result.returned and result.value == 3 * 65536
+    assert not [seconds for seconds in waits if seconds > 0]
+    state = hugepages._state()
+    state.made = 1  # as if a pass had collapsed a chunk
+    result = isolation.run_in_child(targets.flood, 3 * 65536, timeout=60, start_method="fork")
+    assert result.returned and result.value == 3 * 65536
+    assert [seconds for seconds in waits if seconds > 0] == [supervise.QUIET_START]

@@ -110,7 +110,7 @@ from pytest_gpucase.run.isolation.clipping import (
     TEXT_TAIL,
     clip,
 )
-from pytest_gpucase.run.isolation.hugepages import before_fork, expect_forks
+from pytest_gpucase.run.isolation.hugepages import before_fork, collapsed, expect_forks
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
@@ -214,8 +214,9 @@ def run_in_child(
             if start_method == "fork":
                 pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
                                  func, args)
-                raised = wait_quietly(pid, min(
-                    QUIET_START, timeout, math.inf if memory_limit is None else MEMORY_SAMPLE))
+                if collapsed():  # no huge page to split: nothing to wait for
+                    raised = wait_quietly(pid, min(QUIET_START, timeout, math.inf
+                                                   if memory_limit is None else MEMORY_SAMPLE))
             elif zygote is not None:  # forkserver: its children are supervised by pid
                 pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
                 start += zygote.prepared  # the zygote's huge pages: not the run's time

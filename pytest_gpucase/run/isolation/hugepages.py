@@ -44,7 +44,7 @@ import sys
 import time
 from typing import Any
 
-__all__ = ["HUGEPAGES_ENV", "before_fork", "expect_forks"]
+__all__ = ["HUGEPAGES_ENV", "before_fork", "collapsed", "expect_forks"]
 
 HUGEPAGES_ENV = "GPUCASE_HUGEPAGES"  # =0: never collapse
 FIRST_PASS = 2  # the fork before which a process may first collapse; then at every doubling
@@ -122,6 +122,12 @@ def expect_forks(count: int) -> None:
     """This process expects to fork about ``count`` more children (the session's case items):
     a collapse may then pay from the first passes, not only once it forked as often."""
     _state().expected = max(0, count)
+
+
+def collapsed() -> bool:
+    """Whether this process backed any of its memory with huge pages: only then is a write of
+    its own while a forked child lives worth waiting out (``supervise.wait_quietly``)."""
+    return _STATE is not None and _STATE.pid == os.getpid() and _STATE.made > 0
 
 
 def before_fork() -> float:
