@@ -1,4 +1,4 @@
-"""A forking process's memory backed by huge pages: when, how much, and that nothing changes."""
+"""A forking process's memory backed by huge pages: when, how much, and what it changes."""
 
 from __future__ import annotations
 
@@ -11,10 +11,13 @@ import time
 from typing import Any
 
 import pytest
+import torch  # noqa: F401 - loaded before pytester's snapshot of sys.modules: never unloaded
 
 from pytest_gpucase.run.isolation import hugepages
 from pytest_gpucase.run.isolation.hugepages import DENSE, FIRST_PASS, HUGEPAGES_ENV
 from pytest_gpucase.run.isolation.result import StartMethod
+
+from .helpers import RAISES, ce_case
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
 HUGE = 1 << 21
@@ -49,10 +52,11 @@ def _release(region: mmap.mmap) -> None:
 def test_only_dense_chunks_of_anonymous_memory_are_candidates() -> None:
     dense, dense_chunk = _region(512)
     sparse, sparse_chunk = _region(DENSE - 1)
-    chunks = set(hugepages._dense_chunks(set()))
+    chunks = dict(hugepages._dense_chunks(set()))
     assert dense_chunk in chunks
+    assert chunks[dense_chunk] == 0  # every page in memory, and this process's alone
     assert sparse_chunk not in chunks
-    assert dense_chunk not in set(hugepages._dense_chunks({dense_chunk}))
+    assert dense_chunk not in dict(hugepages._dense_chunks({dense_chunk}))
     assert all(chunk % HUGE == 0 for chunk in chunks)
     _release(dense)
     _release(sparse)
@@ -113,7 +117,7 @@ def test_nothing_is_done_where_it_is_turned_off_or_cannot_be(
 
 class _FakeCalls:
     """madvise that answers ``code`` (0, or an errno) and costs ``cost`` seconds of a clock the
-    test moves; mincore of every chunk full."""
+    test moves; every chunk full, and this process's alone."""
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, chunks: int, code: int = 0,
                  cost: float = 0.0) -> None:
@@ -121,8 +125,9 @@ class _FakeCalls:
         self.asked: list[int] = []
         self.code, self.cost = code, cost
         monkeypatch.setattr(hugepages, "_dense_chunks",
-                            lambda done, *_: (c * HUGE for c in range(1, chunks + 1)
+                            lambda done, *_: ((c * HUGE, 0) for c in range(1, chunks + 1)
                                               if c * HUGE not in done))
+        monkeypatch.setattr(hugepages, "_available", lambda: 1 << 40)
         monkeypatch.setattr(hugepages, "_calls", lambda: self.madvise)
         monkeypatch.setattr(time, "perf_counter", lambda: self.now)
         monkeypatch.setattr(ctypes, "get_errno", lambda: self.code)
@@ -192,7 +197,7 @@ def test_a_real_collapse_keeps_every_byte(monkeypatch: pytest.MonkeyPatch) -> No
         _release(region)
         pytest.skip("no transparent huge pages here")
     monkeypatch.setattr(hugepages, "_dense_chunks",
-                        lambda done, *_: iter([chunk] if chunk not in done else []))
+                        lambda done, *_: iter([(chunk, 0)] if chunk not in done else []))
     hugepages._collapse(state, worth=1.0)
     if not state.made:
         _release(region)
@@ -401,9 +406,9 @@ def test_a_collapse_before_the_fork_is_no_part_of_the_runs_time(
 
 @linux
 @pytest.mark.slow
-def test_memory_a_living_fork_shares_is_left_alone() -> None:
-    # A collapse copies shared pages into a huge page of this process's own: memory a
-    # long-lived fork still shares (the zygote, a worker) would be held twice.
+def test_memory_a_living_fork_shares_counts_as_growth() -> None:
+    # A collapse copies shared pages into a huge page of this process's own, and the fork
+    # keeps the old ones: the machine then holds them twice.
     region, chunk = _region(512)
     if not os.path.exists("/proc/self/pagemap"):
         _release(region)
@@ -414,24 +419,46 @@ def test_memory_a_living_fork_shares_is_left_alone() -> None:
         os.read(go_r, 1)
         os._exit(0)
     try:
-        shared = set(hugepages._dense_chunks(set()))
+        shared = dict(hugepages._dense_chunks(set()))
     finally:
         os.write(go_w, b"x")
         os.waitpid(pid, 0)
         os.close(go_r)
         os.close(go_w)
-    alone = set(hugepages._dense_chunks(set()))
+    alone = dict(hugepages._dense_chunks(set()))
     _release(region)
-    assert chunk not in shared
-    assert chunk in alone
+    assert shared[chunk] == HUGE  # all of it shared: all of it would be held twice
+    assert alone[chunk] == 0
 
+
+def test_a_pass_grows_memory_by_at_most_a_share_of_what_is_available(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _FakeCalls(monkeypatch, chunks=100)
+    monkeypatch.setattr(hugepages, "_dense_chunks",
+                        lambda done, *_: ((c * HUGE, HUGE) for c in range(1, 101)
+                                          if c * HUGE not in done))
+    monkeypatch.setattr(hugepages, "_available",
+                        lambda: 10 * HUGE * hugepages.AVAILABLE_SHARE)
+    state = hugepages._State()
+    state.off = False
+    hugepages._collapse(state, worth=1.0)
+    assert len(calls.asked) == 10  # ten shared chunks: all the room this pass had
+    monkeypatch.setattr(hugepages, "_available", lambda: 0)  # nothing known: nothing grows
+    hugepages._collapse(state, worth=1.0)
+    assert len(calls.asked) == 10
+
+
+def test_the_available_memory_is_read_from_meminfo() -> None:
+    available = hugepages._available()
+    if not os.path.exists("/proc/meminfo"):
+        assert available == 0
+    else:
+        assert available > 0
 
 
 @pytest.mark.slow
 def test_the_forks_expected_are_this_sessions_case_items(
         pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
-    from .helpers import RAISES, ce_case
-
     for name in ("a", "b", "c", "d"):
         ce_case(pytester.path, name, [0, 2, 4], RAISES)
     pytester.makeconftest("""

@@ -5,10 +5,9 @@ the child's exit frees them again: in a process that imported torch (about 150 M
 anonymous maps), 2.5 ms of the parent's CPU and 3.8 ms of the child's for a child that does
 nothing, most of what a fresh child per item costs. Memory mapped as 2 MiB pages is one entry
 per 2 MiB, and a write the child makes still copies 4 KiB of it, not 2 MiB: that bare fork then
-costs 0.7 ms and 1.6 ms. Inside pytest (``benchmarks/bench_isolation.py --pytest``, its rows
-without huge pages and with every dense chunk collapsed) a trivial item gains what the heap
-this process holds alone allows: with the default start method the zygote, a fork made at
-configure, shares most of it, which is left alone (below).
+costs 0.7 ms and 1.6 ms, and a trivial case item inside pytest about a fifth less CPU
+(``benchmarks/bench_isolation.py --pytest``: its rows without huge pages and with every dense
+chunk collapsed, and ``benchmarks/README.md``).
 
 So ``before_fork``, which every fork of a run's child calls in the process that forks it,
 asks Linux (``madvise(MADV_COLLAPSE)``, Linux 6.1) to back that process's densely used private
@@ -25,14 +24,17 @@ its clock starts after it (a pass on a big heap can take long, and the run's tim
 duration are its own).
 
 A program reads and writes the same bytes at the same addresses; what it can see change is
-its timing and its resident memory (``/proc``, ``ps``, the memory limit of a run, which counts
-the pages a forked child shares). Only chunks of which at least DENSE of the 512 pages are in
-memory, and mapped by this process alone, are collapsed, so that memory grows by at most 1/32
-of what is collapsed (a forked child's as well): a page that a fork still shares (the zygote,
-a worker) would be copied into the huge page, and held twice. Nothing is done where there is
-no MADV_COLLAPSE (Linux before 6.1, transparent huge pages set to ``never``, pages other than
-4 KiB, another system), once CUDA is initialized in the
-process (nothing forks there), or with ``GPUCASE_HUGEPAGES=0``.
+its timing and its memory (``/proc``, ``ps``, the memory limit of a run, which counts the pages
+a forked child shares). A chunk is collapsed when at least DENSE of its 512 pages are in
+memory; its untouched pages are filled (at most 1/32 of it). A page still shared with a fork
+that lives on is copied into the huge page and the fork keeps its own: with the default start
+method the zygote, a fork made at configure, shares most of the torch heap, so a collapse grows
+the session's memory by about what it collapses (120 MB of a torch session). A pass therefore
+grows it by at most a sixteenth of the memory the machine has available (``MemAvailable``),
+and none where that cannot be read. Nothing is done where there is no MADV_COLLAPSE (Linux
+before 6.1, transparent huge pages set to ``never``, pages other than 4 KiB, another system),
+once CUDA is initialized in the process (nothing forks there), or with
+``GPUCASE_HUGEPAGES=0``.
 """
 
 from __future__ import annotations
@@ -85,7 +87,9 @@ _CALLS: Any = None  # madvise, made on first use
 # /proc/self/pagemap: 8 bytes a page, whose top byte holds "in memory" (bit 63) and "mapped by
 # this process alone" (bit 56). A page shared with a fork that still lives (the zygote, a
 # worker, a run's child) would be copied by a collapse and then held twice: not counted.
+_PRESENT = bytes(b >> 7 for b in range(256))
 _OWN_PAGE = bytes(int(b & 0x81 == 0x81) for b in range(256))
+AVAILABLE_SHARE = 16  # a pass grows this process's memory by at most MemAvailable / this
 
 
 def _supported() -> bool:
@@ -163,7 +167,11 @@ def _collapse(state: _State, worth: float) -> None:
     """Collapse dense chunks while their mean cost in seconds stays at most ``worth``."""
     madvise = _calls()
     spent, tried, made, invalid = 0.0, 0, 0, 0
-    for chunk in _dense_chunks(state.done):
+    room = _available() // AVAILABLE_SHARE  # bytes this pass may add to the machine's use
+    for chunk, growth in _dense_chunks(state.done):
+        room -= growth
+        if room < 0:
+            break
         start = time.perf_counter()
         failed = madvise(chunk, _HUGE, _MADV_COLLAPSE) != 0
         spent += time.perf_counter() - start
@@ -183,10 +191,22 @@ def _collapse(state: _State, worth: float) -> None:
     state.made += made
 
 
+def _available() -> int:
+    """The machine's available memory in bytes (``MemAvailable``), 0 where it cannot be read."""
+    try:
+        with open("/proc/meminfo", "rb") as f:
+            for line in f:
+                if line.startswith(b"MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
+
+
 def _dense_chunks(done: set[int]) -> Any:
     """The 2 MiB chunks of this process's private anonymous memory (its heap and its anonymous
-    maps) with at least DENSE pages in memory and mapped by this process alone, not in
-    ``done``."""
+    maps) with at least DENSE pages in memory, not in ``done``; each with the bytes a collapse
+    adds to the machine's use: its pages not in memory, and those a living fork shares."""
     with open("/proc/self/maps", "rb") as f:
         maps = f.read().splitlines()
     pagemap = os.open("/proc/self/pagemap", os.O_RDONLY)
@@ -200,14 +220,17 @@ def _dense_chunks(done: set[int]) -> Any:
             low, high = (int(x, 16) for x in fields[0].split(b"-"))
             chunk = (low + _HUGE - 1) & ~(_HUGE - 1)
             while chunk + _HUGE <= high:
-                if chunk not in done and _own_pages(pagemap, chunk) >= DENSE:
-                    yield chunk
+                if chunk not in done:
+                    present, own = _pages(pagemap, chunk)
+                    if present >= DENSE:
+                        yield chunk, (_PAGES - own) * 4096
                 chunk += _HUGE
     finally:
         os.close(pagemap)
 
 
-def _own_pages(pagemap: int, chunk: int) -> int:
-    """How many of the chunk's pages are in memory and mapped by this process alone."""
-    entries = os.pread(pagemap, _PAGES * 8, chunk // 4096 * 8)
-    return entries[7::8].translate(_OWN_PAGE).count(1)
+def _pages(pagemap: int, chunk: int) -> tuple[int, int]:
+    """How many of the chunk's pages are in memory, and how many of those this process alone
+    maps (/proc/self/pagemap: bit 63, and bit 56, readable unprivileged since Linux 4.2)."""
+    flags = os.pread(pagemap, _PAGES * 8, chunk // 4096 * 8)[7::8]
+    return flags.translate(_PRESENT).count(1), flags.translate(_OWN_PAGE).count(1)
