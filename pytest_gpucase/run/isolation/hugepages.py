@@ -23,18 +23,17 @@ more than one would save. What a pass takes is no part of the run whose fork it 
 its clock starts after it (a pass on a big heap can take long, and the run's timeout and
 duration are its own).
 
-A program reads and writes the same bytes at the same addresses; what it can see change is
-its timing and its memory (``/proc``, ``ps``, the memory limit of a run, which counts the pages
-a forked child shares). A chunk is collapsed when at least DENSE of its 512 pages are in
-memory; its untouched pages are filled (at most 1/32 of it). A page still shared with a fork
-that lives on is copied into the huge page and the fork keeps its own: with the default start
-method the zygote, a fork made at configure, shares most of the torch heap, so a collapse grows
-the session's memory by about what it collapses (120 MB of a torch session). A pass therefore
-grows it by at most a sixteenth of the memory the machine has available (``MemAvailable``),
-and none where that cannot be read. Nothing is done where there is no MADV_COLLAPSE (Linux
-before 6.1, transparent huge pages set to ``never``, pages other than 4 KiB, another system),
-once CUDA is initialized in the process (nothing forks there), or with
-``GPUCASE_HUGEPAGES=0``.
+A program reads and writes the same bytes at the same addresses; what it can see change is its
+timing and its memory (``/proc``, ``ps``, the memory limit of a run, which counts the pages a
+forked child shares). A chunk is collapsed when at least DENSE of its 512 pages are in memory;
+its untouched pages are filled (at most 1/32 of it). A page still shared with a fork that lives
+on is copied into the huge page and the fork keeps its own: with the default start method the
+zygote, a fork made at configure, shares most of the torch heap, so a collapse grows the
+session's memory by about what it collapses (70-120 MB of a torch session). A pass therefore
+grows it by at most a sixteenth of the memory the machine has available (``MemAvailable``), and
+none where that cannot be read. Nothing is done where there is no MADV_COLLAPSE (Linux before
+6.1, transparent huge pages set to ``never``, pages other than 4 KiB, another system), once
+CUDA is initialized in the process (nothing forks there), or with ``GPUCASE_HUGEPAGES=0``.
 """
 
 from __future__ import annotations
