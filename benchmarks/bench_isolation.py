@@ -25,9 +25,12 @@ configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare for
 done plainly in a test), the same plain test of ``x + 1`` under pytest-forked
 (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh child per item),
 ``--gpu-isolation worker``, and the same plain test run in the pytest process (pytest's
-own cost of an item, which no mode avoids); with ``--forkserver``, the cases forked by the
-zygote (``--gpu-start-method forkserver``: the zygote is stopped, and so counted, before
-the session's end); with ``--baseline-src DIR`` the cases run by the package in DIR too.
+own cost of an item, which no mode avoids), the cases without huge pages
+(``GPUCASE_HUGEPAGES=0``) and with every dense chunk of the pytest process collapsed at its
+first pass (what a machine on which a collapse is cheap does); with ``--forkserver``, the
+cases forked by the zygote (``--gpu-start-method forkserver``: the zygote is stopped, and
+so counted, before the session's end); with ``--baseline-src DIR`` the cases run by the
+package in DIR too.
 Interleaved rounds (the order turning each round), per item from the first item's start to
 the last one's end in the pytest process (start-up and collection left out); CPU (user +
 system) and minor page faults of the pytest process and its reaped children over the same
