@@ -45,6 +45,8 @@ import sys
 import time
 from typing import Any
 
+from pytest_gpucase.run.isolation.proctree import _libc
+
 __all__ = ["HUGEPAGES_ENV", "before_fork", "collapsed", "expect_forks"]
 
 HUGEPAGES_ENV = "GPUCASE_HUGEPAGES"  # =0: never collapse
@@ -85,7 +87,7 @@ _STATE: _State | None = None
 _CALLS: Any = None  # madvise, made on first use
 # /proc/self/pagemap: 8 bytes a page, whose top byte holds "in memory" (bit 63) and "mapped by
 # this process alone" (bit 56). A page shared with a fork that still lives (the zygote, a
-# worker, a run's child) would be copied by a collapse and then held twice: not counted.
+# worker) is copied by a collapse and then held twice: counted as what the collapse adds.
 _PRESENT = bytes(b >> 7 for b in range(256))
 _OWN_PAGE = bytes(int(b & 0x81 == 0x81) for b in range(256))
 AVAILABLE_SHARE = 16  # a pass grows this process's memory by at most MemAvailable / this
@@ -106,8 +108,7 @@ def _supported() -> bool:
 def _calls() -> Any:
     global _CALLS
     if _CALLS is None:
-        libc = ctypes.CDLL(None, use_errno=True)
-        madvise = libc.madvise
+        madvise = _libc().madvise
         madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
         madvise.restype = ctypes.c_int
         _CALLS = madvise
