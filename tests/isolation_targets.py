@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 
 REACHED = "reached the target"
@@ -459,3 +460,38 @@ def pid_and_hang(pid_file: str) -> None:
     """Say its pid, then hang."""
     _write_pid(pid_file, os.getpid())
     time.sleep(600)
+
+
+# What ``marking_prepare`` left in the process that forks, for its child to inherit.
+PREPARED: dict[str, object] = {}
+
+
+@contextlib.contextmanager
+def marking_prepare(value: str, fail: bool = False) -> Iterator[None]:
+    """A ``run_in_child`` prepare: marks the process it is entered in, until its block ends."""
+    if fail:
+        raise RuntimeError("this prepare fails")
+    PREPARED.update(value=value, where=os.getpid())
+    try:
+        yield
+    finally:
+        PREPARED.clear()
+
+
+def prepared_here() -> tuple[object, object, int]:
+    """What the child inherited of ``marking_prepare``, and its parent's pid."""
+    return PREPARED.get("value"), PREPARED.get("where"), os.getppid()
+
+
+def process_context(name: str) -> tuple[str | None, str, str]:
+    """The variable ``name``, the first import path and the folder this child runs in."""
+    return os.environ.get(name), sys.path[0], os.getcwd()
+
+
+def expected_forks() -> tuple[int, bool] | None:
+    """What the process that forked this child expects of its forks (its huge pages'
+    state, inherited), and whether its huge pages are off; None when it has none."""
+    from pytest_gpucase.run.isolation import hugepages
+
+    state = hugepages._STATE
+    return None if state is None else (state.expected, state.off)

@@ -285,6 +285,82 @@ def test_forkserver_children_are_not_children_of_pytest() -> None:
 
 
 @needs_zygote
+def test_a_zygote_child_runs_in_the_context_the_parent_has_now(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The zygote is sent the parent's environment, import path and folder only where they
+    changed since its last child, and holds them itself: each child still sees them as they
+    are in the parent at its run, a variable removed since included."""
+    monkeypatch.setenv("GPUCASE_CONTEXT_PROBE", "first")
+    first = run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", timeout=60,
+                         start_method="forkserver")
+    assert first.value == ("first", sys.path[0], os.getcwd())
+    again = run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", timeout=60,
+                         start_method="forkserver")
+    assert again.value == first.value  # nothing changed, nothing sent: still held
+    monkeypatch.delenv("GPUCASE_CONTEXT_PROBE")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    changed = run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", timeout=60,
+                           start_method="forkserver")
+    assert changed.value == (None, str(tmp_path), str(tmp_path))
+
+
+@needs_zygote
+def test_a_variable_gone_before_the_zygotes_first_run_is_gone_in_its_child(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The zygote starts with the environment the parent had then; its first run replaces
+    that environment whole, a variable removed since included."""
+    zygote.stop_forkserver()
+    monkeypatch.setenv("GPUCASE_CONTEXT_PROBE", "at the zygote's start")
+    zygote.forkserver()
+    monkeypatch.delenv("GPUCASE_CONTEXT_PROBE")
+    result = run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", timeout=60,
+                          start_method="forkserver")
+    assert result.returned and result.value[0] is None
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_prepare_is_entered_in_the_process_that_forks(method: str) -> None:
+    """What a run's ``prepare`` finds is found by the process that forks its child (this
+    one, or the zygote), inherited by that child, and dropped there after the fork."""
+    if method == "forkserver" and not isolation.forkserver_available():
+        pytest.skip("no forkserver here")
+    result = run_in_child(targets.prepared_here, timeout=60, start_method=method,
+                          prepare=(targets.marking_prepare, ("found",), {}))
+    assert result.returned
+    value, where, parent = result.value
+    assert value == "found" and where == parent
+    assert parent == (os.getpid() if method == "fork" else zygote.forkserver().pid)
+    assert not targets.PREPARED  # dropped here, or never made here
+    later = run_in_child(targets.prepared_here, timeout=60, start_method=method)
+    assert later.value[:2] == (None, None)  # the zygote dropped it too
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_a_prepare_that_fails_is_left_to_the_child(method: str) -> None:
+    if method == "forkserver" and not isolation.forkserver_available():
+        pytest.skip("no forkserver here")
+    result = run_in_child(targets.prepared_here, timeout=60, start_method=method,
+                          prepare=(targets.marking_prepare, ("found",), {"fail": True}))
+    assert result.returned and result.value[:2] == (None, None)
+
+
+@needs_zygote
+def test_the_forks_to_come_are_told_to_the_zygote() -> None:
+    """Where the zygote forks the session's children, it is the one whose huge pages pay
+    for them (``hugepages.expect_forks``)."""
+    zygote.forkserver()
+    isolation.expect_forks(500)
+    try:
+        result = run_in_child(targets.expected_forks, timeout=60, start_method="forkserver")
+    finally:
+        isolation.expect_forks(0)
+    assert result.returned and result.value is not None
+    expected, off = result.value
+    assert expected == (500 if off else 499)  # counted down by the fork it made
+
+
+@needs_zygote
 def test_auto_picks_the_forkserver_once_cuda_is_initialized(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert isolation.default_start_method() == "fork"

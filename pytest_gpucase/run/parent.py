@@ -122,10 +122,10 @@ def _start(spec: RunSpec, ctx: RunContext, env: dict[str, str],
                              exclusive=ctx.isolation == "case", marks=OUTPUT_MARKS,
                              label=f"{display(spec.case.path)} [{spec.id}]")
     else:
-        with prepare_in_parent(spec, forked=ctx.start_method == "fork", env=env):  # read here
-            child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
-                                 start_method=ctx.start_method, memory_limit=memory_limit,
-                                 marks=OUTPUT_MARKS)
+        # What the child would find the same way is found by the process that forks it.
+        child = run_in_child(run, spec, timeout=spec.case.timeout, env=env,
+                             start_method=ctx.start_method, memory_limit=memory_limit,
+                             marks=OUTPUT_MARKS, prepare=(prepare_in_parent, (spec,), {"env": env}))
     if child.returned and not isinstance(child.value, Outcome):
         child = replace(child, value=None, returned=False, bad_result=(
             f"sent a {type(child.value).__name__} instead of an Outcome"))

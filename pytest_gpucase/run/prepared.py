@@ -1,8 +1,9 @@
-"""What the parent finds for a run just before it forks the run's child, so that the
-child need not find it again (``prepare_in_parent``).
+"""What the process that forks a run's child (the pytest process, or the zygote) finds for
+the run just before the fork, so that the child need not find it again
+(``prepare_in_parent``, given to ``run_in_child`` as its ``prepare``).
 
 A forked child pays for every object it touches with copy-on-write page faults, so work
-that is the same before and after the fork is cheaper done once in the parent: the paths
+that is the same before and after the fork is cheaper done once in its parent: the paths
 a case's code is imported from (and which of them ``sys.path`` lacks), the files its
 reference-cache key reads, a small payload's tensors (data parsed, no code run), and the
 case's own ``FILE.py`` compiled into a fresh, empty module (read and compiled, never
@@ -36,19 +37,15 @@ _PREPARED: dict[str, Any] = {}
 
 
 @contextlib.contextmanager
-def prepare_in_parent(spec: RunSpec, forked: bool = True,
-                      env: Mapping[str, str] | None = None) -> Iterator[None]:
-    """Find, in the parent around the fork of the child that runs ``spec``, what the child
+def prepare_in_parent(spec: RunSpec, env: Mapping[str, str] | None = None) -> Iterator[None]:
+    """Find, around the fork of the child that runs ``spec`` and in the process that forks
+    it (the pytest process, or the zygote: ``run_in_child``'s ``prepare``), what the child
     would find the same way: the paths the case's code is imported from, and the parts of
     its reference-cache key that are plain files and the secret of the key file ``env``
     names (``reference_cache.prepare``), a small payload's tensors, and the case's own
     module compiled (``module``). Only that child uses them (its parent is this process),
-    once; any other child (a reused worker, a zygote's, a spawned one) finds them itself.
-    Dropped here when the block ends. Nothing is done unless the child is ``forked`` from here
-    (a zygote's or a spawned child could not use it)."""
-    if not forked:
-        yield
-        return
+    once; any other child (a reused worker, a spawned one) finds them itself. Dropped here
+    when the block ends."""
     case = spec.case
     for path in (case.case_file, case.inputs_file, case.expected_file):
         os.fspath(path)  # made here once, as text too (``Case`` keeps them), for the child

@@ -110,7 +110,8 @@ from pytest_gpucase.run.isolation.clipping import (
     TEXT_TAIL,
     clip,
 )
-from pytest_gpucase.run.isolation.hugepages import before_fork, collapsed, expect_forks
+from pytest_gpucase.run.isolation import hugepages
+from pytest_gpucase.run.isolation.hugepages import before_fork, collapsed
 from pytest_gpucase.run.isolation.proctree import (
     MARKER_ENV,
     REAP_GRACE,
@@ -121,6 +122,7 @@ from pytest_gpucase.run.isolation.proctree import (
 from pytest_gpucase.run.isolation.result import (
     ChildResult,
     ChildWarning,
+    Prepare,
     StartMethod,
     gib,
     signal_name,
@@ -141,6 +143,8 @@ from pytest_gpucase.run.isolation.wire import decode, encode
 from pytest_gpucase.run.isolation.workers import WorkerPool, close_pools
 from pytest_gpucase.run.isolation.zygote import (
     default_start_method,
+    entered,
+    expect_zygote_forks,
     forkserver,
     forkserver_available,
     stop_forkserver,
@@ -175,6 +179,14 @@ __all__ = [
 ]
 
 
+def expect_forks(count: int) -> None:
+    """This process's runs will fork about ``count`` more children (the session's case items):
+    told to whichever process forks them, this one and the zygote (what huge pages are worth
+    there: ``hugepages``)."""
+    hugepages.expect_forks(count)
+    expect_zygote_forks(count)
+
+
 def run_in_child(
     func: Callable[..., Any],
     *args: Any,
@@ -183,13 +195,17 @@ def run_in_child(
     start_method: StartMethod = "fork",
     memory_limit: int | None = None,
     marks: Mapping[str, str] | None = None,
+    prepare: Prepare | None = None,
 ) -> ChildResult:
     """Call ``func(*args)`` in a fresh child process and report what happened to it.
 
     ``timeout`` is in seconds (any non-negative number, ``inf`` included);
     ``memory_limit`` in bytes of resident memory of the child's whole tree; ``marks``: lines
     of output that a clipped capture names when it omits where one begins
-    (``clipping._Capture``).
+    (``clipping._Capture``). ``prepare``: a context manager's factory and its arguments
+    (``Prepare``), entered around the fork in the process that forks the child (this one,
+    or the zygote, which gets it pickled), so that the child inherits what it finds; never
+    for a spawned child.
     """
     if not timeout >= 0:  # NaN fails this too
         raise ValueError(f"timeout must be a number of seconds >= 0, not {timeout!r}")
@@ -204,40 +220,47 @@ def run_in_child(
     # Started (once) before the clock: the zygote's preloading is no part of a run's time.
     zygote = forkserver() if start_method == "forkserver" else None
     adopt_orphans()  # the orphans of a child that dies come here, not to init
-    start = time.monotonic()
-    try:
-        reap_pending(block=False)
-        if start_method == "fork":  # huge pages for this process's forks: not the run's time
-            start += before_fork()
-        with _Interruptible() as guard:
-            raised = None  # what a signal handler raised before the child was supervised
-            if start_method == "fork":
-                pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
-                                 func, args)
-                if collapsed():  # no huge page to split: nothing to wait for
-                    raised = wait_quietly(pid, min(QUIET_START, timeout, math.inf
-                                                   if memory_limit is None else MEMORY_SAMPLE))
-            elif zygote is not None:  # forkserver: its children are supervised by pid
-                pid = zygote.start(func, args, (out_w, err_w, res_w), child_env)
-                start += zygote.prepared  # the zygote's huge pages: not the run's time
-            else:
-                job_file = _write_job(func, args)
-                pid = _spawn(job_file, out_w, err_w, res_w, child_env)
-                own(pid)
-            with contextlib.suppress(OSError):  # the child does it too; the first one wins
-                os.setpgid(pid, pid)
-            for fd in (out_w, err_w, res_w):
-                os.close(fd)
-            out_w = err_w = res_w = -1
-            run = _Run(pid, token, memory_limit, zygote=zygote)
-            return _Supervisor(run, out_r, err_r, res_r, timeout, start, start_method,
-                               marks).watch(guard, raised)
-    finally:
-        for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
-            if fd >= 0:
-                os.close(fd)
-        if job_file is not None:
-            os.unlink(job_file)
+    with contextlib.ExitStack() as held:
+        if start_method == "fork":
+            # Entered before the clock, and left once the child is done: what this process
+            # drops then is a write, and a write while a child lives copies a page (and
+            # splits a huge one for every later fork).
+            held.enter_context(entered(prepare))
+        start = time.monotonic()
+        try:
+            reap_pending(block=False)
+            if start_method == "fork":  # huge pages for this process's forks: not the run's time
+                start += before_fork()
+            with _Interruptible() as guard:
+                raised = None  # what a signal handler raised before the child was supervised
+                if start_method == "fork":
+                    pid = fork_child(out_w, err_w, res_w, (out_r, err_r, res_r), child_env,
+                                     func, args)
+                    if collapsed():  # no huge page to split: nothing to wait for
+                        raised = wait_quietly(pid, min(QUIET_START, timeout, math.inf
+                                                       if memory_limit is None else MEMORY_SAMPLE))
+                elif zygote is not None:  # forkserver: its children are supervised by pid
+                    pid = zygote.start(func, args, (out_w, err_w, res_w), child_env,
+                                       prepare=prepare)
+                    start += zygote.prepared  # the zygote's huge pages: not the run's time
+                else:
+                    job_file = _write_job(func, args)
+                    pid = _spawn(job_file, out_w, err_w, res_w, child_env)
+                    own(pid)
+                with contextlib.suppress(OSError):  # the child does it too; the first one wins
+                    os.setpgid(pid, pid)
+                for fd in (out_w, err_w, res_w):
+                    os.close(fd)
+                out_w = err_w = res_w = -1
+                run = _Run(pid, token, memory_limit, zygote=zygote)
+                return _Supervisor(run, out_r, err_r, res_r, timeout, start, start_method,
+                                   marks).watch(guard, raised)
+        finally:
+            for fd in (out_r, err_r, res_r, out_w, err_w, res_w):
+                if fd >= 0:
+                    os.close(fd)
+            if job_file is not None:
+                os.unlink(job_file)
 
 
 def _write_job(func: Callable[..., Any], args: tuple[Any, ...]) -> str:

@@ -1,18 +1,25 @@
 """What the parent tells its caller about one child: ``ChildResult`` and ``ChildWarning``.
 
 Plain values, built in the parent (the pytest process) from what the child sent and what
-became of it; ``StartMethod`` names how the child was started.
+became of it; ``StartMethod`` names how the child was started, and ``Prepare`` what the
+process that forks it prepares for it.
 """
 
 from __future__ import annotations
 
 import signal
 from dataclasses import dataclass
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, Literal
 
-__all__ = ["ChildResult", "ChildWarning", "StartMethod", "gib", "signal_name"]
+__all__ = ["ChildResult", "ChildWarning", "Prepare", "StartMethod", "gib", "signal_name"]
 
 StartMethod = Literal["fork", "forkserver", "spawn"]
+# A context manager's factory, its arguments and keywords: entered around a child's fork in
+# the process that forks it, so that the child inherits what it found (``run_in_child``).
+# Picklable: a zygote gets it as it gets the job.
+Prepare = tuple[Callable[..., AbstractContextManager[Any]], tuple[Any, ...], dict[str, Any]]
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 from pytest_gpucase.run.isolation.child import (
@@ -26,7 +26,7 @@ from pytest_gpucase.run.isolation.child import (
     _flush_std_streams,
     _forked_child,
 )
-from pytest_gpucase.run.isolation.hugepages import before_fork
+from pytest_gpucase.run.isolation.hugepages import before_fork, expect_forks
 from pytest_gpucase.run.isolation.proctree import (
     _PR_SET_PDEATHSIG,
     REAP_GRACE,
@@ -39,11 +39,12 @@ from pytest_gpucase.run.isolation.proctree import (
     name_process,
     own,
 )
-from pytest_gpucase.run.isolation.result import StartMethod
+from pytest_gpucase.run.isolation.result import Prepare, StartMethod
 
 __all__ = [
     "PRELOAD",
     "default_start_method",
+    "expect_zygote_forks",
     "forkserver",
     "forkserver_available",
     "stop_forkserver",
@@ -55,6 +56,9 @@ _ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
 # Imported before the zygote starts, so that every child it forks has them already.
 PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.run.child",
            "pytest_gpucase.verdict.compare")
+# Called in the zygote once it preloaded, before it serves: what every child would otherwise
+# find again (the reference-cache key's rows of the modules loaded, a stat each).
+PRIME = ("pytest_gpucase.run.reference_cache:prime",)
 
 
 # --- in the parent ---------------------------------------------------------------------------
@@ -128,6 +132,13 @@ def forkserver() -> _Zygote:
     return _ZYGOTE
 
 
+def expect_zygote_forks(count: int) -> None:
+    """Tell the session's zygote, with its next fork, about how many more it will make (what
+    its huge pages are worth: ``hugepages.expect_forks``)."""
+    if _ZYGOTE is not None:
+        _ZYGOTE.expected = count
+
+
 def stop_forkserver() -> None:
     """End the session's zygote, if one runs (a later ``forkserver`` starts a new one)."""
     global _ZYGOTE
@@ -148,6 +159,11 @@ class _Zygote:
         # Seconds the zygote spent before its last fork backing its memory with huge pages
         # (``hugepages.before_fork``): no part of that child's run.
         self.prepared = 0.0
+        # The process context the zygote holds (environment, import path, folder), as last
+        # sent: sent again only where it changed, and applied in the zygote itself, so that
+        # a child inherits it instead of setting a hundred variables again.
+        self._context: dict[str, Any] = {}
+        self.expected: int | None = None  # forks to come, for the next message (expect_forks)
 
     def alive(self) -> bool:
         try:
@@ -167,12 +183,28 @@ class _Zygote:
         return int.from_bytes(reply, "little", signed=True)
 
     def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
-              env: Mapping[str, str], fd_argument: bool = False) -> int:
+              env: Mapping[str, str], fd_argument: bool = False,
+              prepare: Prepare | None = None) -> int:
         """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result);
-        with ``fd_argument``, ``func(*args, result_fd)``; ``prepared`` is then set."""
-        pid = self._ask({"op": "run", "job": pickle.dumps((func, args)), "path": list(sys.path),
-                         "cwd": os.getcwd(), "environ": dict(os.environ), "env": dict(env),
-                         "fd_argument": fd_argument}, fds)
+        with ``fd_argument``, ``func(*args, result_fd)``; ``prepare`` entered around the fork
+        (``entered``); ``prepared`` is then set."""
+        environ = dict(os.environ)
+        context: dict[str, Any] = {"environ": environ, "path": list(sys.path),
+                                   "cwd": os.getcwd()}
+        changed = {key: value for key, value in context.items()
+                   if key != "environ" and self._context.get(key) != value}
+        held = self._context.get("environ")
+        if held is None:  # the first run: the whole environment, in place of the zygote's
+            changed["environ"] = (environ, None)
+        elif environ != held:  # the variables set or changed, and those removed
+            changed["environ"] = ({name: value for name, value in environ.items()
+                                   if held.get(name) != value},
+                                  [name for name in held if name not in environ])
+        self._context = context
+        expected, self.expected = self.expected, None
+        pid = self._ask({"op": "run", "job": pickle.dumps((func, args)), "context": changed,
+                         "expect": expected, "env": dict(env), "fd_argument": fd_argument,
+                         "prepare": None if prepare is None else pickle.dumps(prepare)}, fds)
         spent = _receive_exactly(self.sock, 8)  # microseconds, after the pid
         self.prepared = int.from_bytes(spent, "little") / 1e6 if len(spent) == 8 else 0.0
         return pid
@@ -206,6 +238,28 @@ class _Zygote:
                 os.waitpid(self.pid, 0)
         finally:
             disown(self.pid)
+
+
+@contextlib.contextmanager
+def entered(prepare: Prepare | bytes | None) -> Iterator[None]:
+    """``prepare`` (``Prepare``, or pickled as a zygote gets it) entered around a fork, in the
+    process that forks; what it finds is its child's alone. Anything it raises is left for
+    the child to meet: the child finds all of it itself, and reports what fails there."""
+    manager = None
+    if prepare is not None:
+        try:
+            factory, args, kwargs = (pickle.loads(prepare) if isinstance(prepare, bytes)
+                                     else prepare)  # the parent's own data
+            manager = factory(*args, **kwargs)
+            manager.__enter__()
+        except Exception:
+            manager = None
+    try:
+        yield
+    finally:
+        if manager is not None:
+            with contextlib.suppress(Exception):
+                manager.__exit__(None, None, None)
 
 
 def _receive_exactly(sock: socket.socket, size: int, start: bytes = b"") -> bytes:
@@ -246,12 +300,19 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
         forget_parent()
         adopt_orphans()
         name_process("zygote")
+        for target in PRIME:
+            module, _, name = target.partition(":")
+            getattr(importlib.import_module(module), name)()
         gc.collect()
         gc.freeze()
         me = os.getpid()
         forked: set[int] = set()
+        # The last run's prepare, left at the next message (the last child's reap, mostly):
+        # what the zygote drops is a write, and a write while a child lives copies a page.
+        held = contextlib.ExitStack()
         while True:
             data, fds, _, _ = socket.recv_fds(sock, 1 << 16, 3)
+            held.close()
             if len(data) < 8:
                 _end_adopted(forked)
                 os._exit(0)
@@ -259,7 +320,11 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
             message = pickle.loads(_receive_exactly(sock, size + 8, data)[8:])
             spent = b""
             if message["op"] == "run":
+                _take_context(message["context"])
+                if message.get("expect") is not None:
+                    expect_forks(message["expect"])
                 spent = round(before_fork() * 1e6).to_bytes(8, "little")
+                held.enter_context(entered(message.get("prepare")))
                 pid = os.fork()
                 if pid == 0:
                     _zygote_child(sock, message, fds, me)
@@ -279,6 +344,24 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
             sock.sendall(reply.to_bytes(8, "little", signed=True) + spent)
     except BaseException:
         os._exit(0)
+
+
+def _take_context(changed: Mapping[str, Any]) -> None:  # pragma: no cover - the zygote
+    """Hold the parent's environment, import path and folder where they changed since the
+    last run: each child the zygote forks inherits them, as a fork of the parent would."""
+    if "environ" in changed:
+        values, removed = changed["environ"]
+        if removed is None:  # the whole environment
+            removed = [name for name in os.environ if name not in values]
+        for name in removed:
+            os.environ.pop(name, None)
+        for name, value in values.items():
+            os.environ[name] = value
+    if "path" in changed:
+        sys.path[:] = changed["path"]
+    if "cwd" in changed:
+        with contextlib.suppress(OSError):
+            os.chdir(changed["cwd"])
 
 
 def _end_adopted(forked: set[int]) -> None:  # pragma: no cover - the zygote
@@ -305,11 +388,6 @@ def _zygote_child(sock: socket.socket, message: dict[str, Any], fds: list[int],
                   zygote: int) -> None:  # pragma: no cover - a child of the zygote
     try:
         sock.close()
-        os.environ.clear()
-        os.environ.update(message["environ"])
-        sys.path[:] = message["path"]
-        with contextlib.suppress(OSError):
-            os.chdir(message["cwd"])
         out_w, err_w, res_w = fds
     except BaseException:
         os._exit(70)
