@@ -8,6 +8,7 @@ import builtins
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from pytest_gpucase.base.backends import launch_blocking_env
 from pytest_gpucase.base.errors import display
@@ -24,8 +25,14 @@ from pytest_gpucase.run.isolation import (
 )
 from pytest_gpucase.run.prepared import prepare_in_parent
 from pytest_gpucase.run.runcontext import RunContext
-from pytest_gpucase.verdict.failure import Failure
-from pytest_gpucase.verdict.triage import Triage, assertion_line, triage
+
+if TYPE_CHECKING:
+    from pytest_gpucase.verdict.failure import Failure
+    from pytest_gpucase.verdict.triage import Triage
+
+# The failure path's modules (verdict.failure, verdict.triage and the secrets they remove:
+# some hundred regular expressions, compiled as they are imported) are imported by the
+# functions that meet a failure: a session whose runs pass never imports them.
 
 __all__ = [
     "Verdict", "describe_rerun", "describe_warnings", "failure_of", "regenerate_golden",
@@ -57,6 +64,8 @@ def failure_of(verdict: Verdict) -> Failure | None:
     outcome = verdict.outcome
     if outcome.status != "failed":
         return None
+    from pytest_gpucase.verdict.failure import Failure
+
     if outcome.error_type is not None:
         return Failure(outcome.error_type, outcome.error_message or "", verdict.child.stderr,
                        verdict.spec.device)
@@ -98,6 +107,8 @@ def run_spec(spec: RunSpec, ctx: RunContext, *, expects_failure: bool = False) -
             return run_spec(spec, ctx.fresh())  # the fresh child's verdict is the one reported
     found = None
     if outcome.status == "failed":
+        from pytest_gpucase.verdict.triage import triage
+
         found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
                        child.stderr)
     return _localized(Verdict(spec, outcome, child, found), ctx)
@@ -175,6 +186,8 @@ def _crash_outcome(spec: RunSpec, child: ChildResult) -> Outcome:
         summary = f"{where}: the run failed inside the child"
     else:
         summary = f"{where}: run {child.problem}{during}"
+    from pytest_gpucase.verdict.triage import assertion_line
+
     details = child.child_error or _stderr_pointer(child.stderr)
     line = assertion_line(child.stderr)
     message = line or (child.problem or "")
@@ -238,6 +251,8 @@ def describe_rerun(verdict: Verdict) -> str:
              f"  with launch blocking: {rerun.outcome.summary}"]
     if rerun.outcome.details:
         lines += ["", rerun.outcome.details.rstrip()]
+    from pytest_gpucase.verdict.triage import assertion_line
+
     line = assertion_line(rerun.child.stderr)
     if line:
         lines += ["", f"kernel assertion: {line}"]

@@ -34,7 +34,6 @@ from pytest_gpucase.case.keys import (
 )
 from pytest_gpucase.case.load import load_case
 from pytest_gpucase.case.model import Case
-from pytest_gpucase.verdict.triage import failure_class
 
 if TYPE_CHECKING:
     import torch
@@ -155,6 +154,8 @@ def index_failure(case: Case) -> bool:
     known = case.origin.get("failure_class")
     if isinstance(known, str):
         return known in INDEX_CLASSES
+    from pytest_gpucase.verdict.triage import failure_class  # the failure path's (run.parent)
+
     error = str(case.origin.get("error", ""))
     error_type, _, message = error.partition(": ")
     return failure_class(error_type, message, str(case.origin.get("stderr", ""))) in INDEX_CLASSES
@@ -205,6 +206,8 @@ def triaged(verdict: Verdict) -> tuple[Verdict, list[str]]:
     found, outcome = verdict.triage, verdict.outcome
     if found is None or not verdict.failed:
         return verdict, []
+    from pytest_gpucase.verdict.triage import failure_class  # the failure path's (run.parent)
+
     kind = failure_class(outcome.error_type or "", outcome.error_message or outcome.summary,
                          verdict.child.stderr)
     if kind not in INDEX_CLASSES:
