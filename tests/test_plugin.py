@@ -54,6 +54,32 @@ def test_collect_only_starts_no_zygote(pytester: pytest.Pytester, cases: Path) -
     ran.assert_outcomes(passed=1, skipped=1)
 
 
+@pytest.mark.parametrize("isolation_mode", ["item", "worker"])
+def test_a_passing_session_never_loads_the_failure_path(
+        pytester: pytest.Pytester, cases: Path, isolation_mode: str) -> None:
+    """Triage and secret removal compile some hundred regular expressions as they are
+    imported: a session whose runs pass does not pay for them; one whose run fails does."""
+    write_case(cases, "adds", 'format = 1\ncall = "case.py:run"\n\n[matrix]\ndevices = ["cpu"]\n',
+               "def run(x):\n    return x + 1\n", {"x": torch.ones(4)})
+    pytester.makeconftest("""
+        import sys
+
+        def pytest_sessionfinish(session):
+            failure_path = ("pytest_gpucase.verdict.triage", "pytest_gpucase.verdict.failure",
+                            "pytest_gpucase.base.secrets")
+            print("loaded:", [name for name in failure_path if name in sys.modules])
+    """)
+    passed = pytester.runpytest_subprocess("--gpu-cases", "--gpu-isolation", isolation_mode,
+                                           "-q", "-s", "cases")
+    passed.assert_outcomes(passed=1)
+    assert "loaded: []" in passed.stdout.str()
+    (cases / "cases" / "adds" / "case.py").write_text("def run(x):\n    raise ValueError('no')\n")
+    failed = pytester.runpytest_subprocess("--gpu-cases", "--gpu-isolation", isolation_mode,
+                                           "-q", "-s", "cases")
+    failed.assert_outcomes(failed=1)
+    assert "loaded: ['pytest_gpucase.verdict.triage'" in failed.stdout.str()
+
+
 def test_plain_pytest_ignores_cases(pytester: pytest.Pytester, cases: Path) -> None:
     ce_case(cases, "ce_class4", [0, 2, 4], RAISES)
     result = pytester.runpytest_subprocess("cases")
