@@ -29,8 +29,9 @@ own cost of an item, which no mode avoids), the cases without huge pages
 (``GPUCASE_HUGEPAGES=0``) and with every dense chunk of the pytest process collapsed at its
 first pass (what a machine on which a collapse is cheap does); with ``--forkserver``, the
 cases forked by the zygote (``--gpu-start-method forkserver``: the zygote is stopped, and
-so counted, before the session's end); with ``--baseline-src DIR`` the cases run by the
-package in DIR too.
+so counted, before the session's end: its own one-time work, collapsing its memory included,
+is in the steady column too); with ``--baseline-src DIR`` the cases run by the package in
+DIR too (and, with ``--forkserver``, by the zygote of DIR's package).
 Interleaved rounds (the order turning each round), per item from the first item's start to
 the last one's end in the pytest process (start-up and collection left out); CPU (user +
 system) and minor page faults of the pytest process and its reaped children over the same
@@ -293,6 +294,9 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
     if base_env is not None:
         rows += [("--gpu-cases, baseline", ("--gpu-cases", "cases"), base_env),
                  ("worker, baseline", worker, base_env)]
+        if forkserver:
+            rows.append(("forkserver, baseline",
+                         ("--gpu-cases", "--gpu-start-method", "forkserver", "cases"), base_env))
     found: dict[str, list[tuple[float, float, float]]] = {}
     loads = []
     with tempfile.TemporaryDirectory() as tmp:
