@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import codecs
+import contextlib
 import os
 import re
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -319,6 +321,20 @@ def test_a_variable_gone_before_the_zygotes_first_run_is_gone_in_its_child(
     assert result.returned and result.value[0] is None
 
 
+@needs_zygote
+def test_a_variable_the_c_library_refuses_neither_ends_the_zygote_nor_its_runs() -> None:
+    """An environment can hold a variable with an empty name (``=value``), which os.environ
+    lists and the C library refuses to set: the zygote leaves it, and serves on."""
+    script = ("import os\nfrom pytest_gpucase.run.isolation import run_in_child\n"
+              "for _ in range(2):\n"
+              "    r = run_in_child(os.getppid, timeout=60, start_method='forkserver')\n"
+              "    print(r.returned, r.problem)\n")
+    env = {name: value for name, value in os.environ.items() if name}
+    done = subprocess.run(["env", "=odd=1", sys.executable, "-c", script], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["True None", "True None"], done.stderr
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_prepare_is_entered_in_the_process_that_forks(method: str) -> None:
     """What a run's ``prepare`` finds is found by the process that forks its child (this
@@ -342,6 +358,17 @@ def test_a_prepare_that_fails_is_left_to_the_child(method: str) -> None:
         pytest.skip("no forkserver here")
     result = run_in_child(targets.prepared_here, timeout=60, start_method=method,
                           prepare=(targets.marking_prepare, ("found",), {"fail": True}))
+    assert result.returned and result.value[:2] == (None, None)
+
+
+@needs_zygote
+def test_a_prepare_the_zygote_cannot_get_is_left_to_the_child() -> None:
+    @contextlib.contextmanager
+    def local() -> Iterator[None]:  # a local function: not picklable
+        yield
+
+    result = run_in_child(targets.prepared_here, timeout=60, start_method="forkserver",
+                          prepare=(local, (), {}))
     assert result.returned and result.value[:2] == (None, None)
 
 

@@ -44,6 +44,7 @@ from pytest_gpucase.run.isolation.result import Prepare, StartMethod
 __all__ = [
     "PRELOAD",
     "default_start_method",
+    "entered",
     "expect_zygote_forks",
     "forkserver",
     "forkserver_available",
@@ -204,7 +205,7 @@ class _Zygote:
         expected, self.expected = self.expected, None
         pid = self._ask({"op": "run", "job": pickle.dumps((func, args)), "context": changed,
                          "expect": expected, "env": dict(env), "fd_argument": fd_argument,
-                         "prepare": None if prepare is None else pickle.dumps(prepare)}, fds)
+                         "prepare": _pickled(prepare)}, fds)
         spent = _receive_exactly(self.sock, 8)  # microseconds, after the pid
         self.prepared = int.from_bytes(spent, "little") / 1e6 if len(spent) == 8 else 0.0
         return pid
@@ -238,6 +239,17 @@ class _Zygote:
                 os.waitpid(self.pid, 0)
         finally:
             disown(self.pid)
+
+
+def _pickled(prepare: Prepare | None) -> bytes | None:
+    """``prepare`` for the zygote; None where it cannot be pickled (a local function): the
+    child then finds all of it itself."""
+    if prepare is None:
+        return None
+    try:
+        return pickle.dumps(prepare)
+    except (pickle.PicklingError, TypeError, AttributeError):
+        return None
 
 
 @contextlib.contextmanager
@@ -348,15 +360,19 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
 
 def _take_context(changed: Mapping[str, Any]) -> None:  # pragma: no cover - the zygote
     """Hold the parent's environment, import path and folder where they changed since the
-    last run: each child the zygote forks inherits them, as a fork of the parent would."""
+    last run: each child the zygote forks inherits them, as a fork of the parent would.
+    Never raises (the zygote would end): a variable the C library refuses (an empty name,
+    inherited from an odd parent) is left as it is."""
     if "environ" in changed:
         values, removed = changed["environ"]
         if removed is None:  # the whole environment
             removed = [name for name in os.environ if name not in values]
         for name in removed:
-            os.environ.pop(name, None)
+            with contextlib.suppress(ValueError, OSError):
+                os.environ.pop(name, None)
         for name, value in values.items():
-            os.environ[name] = value
+            with contextlib.suppress(ValueError, OSError):
+                os.environ[name] = value
     if "path" in changed:
         sys.path[:] = changed["path"]
     if "cwd" in changed:
