@@ -199,3 +199,45 @@ def test_the_child_takes_the_entry_path_the_parent_made_for_its_folder_only(
     assert found[folder] == [os.path.join(folder, name), name]
     assert found[other] == [os.path.join(other, name), name]
     assert alone.value == found[folder]
+
+
+def test_a_case_file_that_is_no_longer_a_file_is_left_to_the_child(tmp_path: Path) -> None:
+    """A case's module replaced by a FIFO since collection would block the process that
+    prepares (the pytest process, or the zygote, which every run waits on): it is not read
+    there; the child meets it, under its run's timeout."""
+    import threading
+
+    from pytest_gpucase.run import prepared
+
+    path = write_case(tmp_path, "fifo", TOML, "def run(x):\n    return x\n", {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    (path / "case.py").unlink()
+    os.mkfifo(path / "case.py")
+    found: list[object] = []
+
+    def enter() -> None:
+        with prepare_in_parent(spec):
+            found.append(prepared._PREPARED.get("module:case.py"))
+
+    thread = threading.Thread(target=enter, daemon=True)
+    thread.start()
+    thread.join(10)
+    alive = thread.is_alive()
+    if alive:  # unblock the read, so that the thread ends
+        os.close(os.open(path / "case.py", os.O_WRONLY | os.O_NONBLOCK))
+    assert not alive and found == [None]
+
+
+def test_nothing_of_an_earlier_prepare_reaches_the_next(tmp_path: Path) -> None:
+    """A prepare that ended half way left its entries (another case's tensors): the next
+    one starts from nothing, so that its child cannot take them for its own."""
+    from pytest_gpucase.run import prepared
+
+    path = write_case(tmp_path, "adds", TOML, "def run(x):\n    return x\n", {"x": torch.ones(2)})
+    spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
+    prepared._PREPARED.update(case=spec.case.path, parent=os.getpid(), stale=True)
+    try:
+        with prepare_in_parent(spec):
+            assert "stale" not in prepared._PREPARED
+    finally:
+        prepared._PREPARED.clear()

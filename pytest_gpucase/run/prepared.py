@@ -17,6 +17,7 @@ import importlib.machinery
 import importlib.util
 import os
 import re
+import stat
 import sys
 import types
 from collections.abc import Iterator, Mapping
@@ -47,20 +48,24 @@ def prepare_in_parent(spec: RunSpec, env: Mapping[str, str] | None = None) -> It
     once; any other child (a reused worker, a spawned one) finds them itself. Dropped here
     when the block ends."""
     case = spec.case
-    for path in (case.case_file, case.inputs_file, case.expected_file):
-        os.fspath(path)  # made here once, as text too (``Case`` keeps them), for the child
-    _PREPARED.update(case=case.path, parent=os.getpid(),
-                     missing_paths=project.missing(project.import_paths(case.path)))
-    for target in {case.call, case.reference or case.call}:
-        _compile_module(case, target.partition(":")[0])
-    if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
-        # A small payload is loaded here: data parsed, no code run, as the header already
-        # is; the child finds its tensors in memory, on pages it copies only if it writes.
-        _PREPARED["tensors"] = payload.load_small(case.inputs_file)
-    env = env or {}
-    reference_cache.prepare(spec, env.get(reference_cache.KEY_ENV),
-                            env.get(reference_cache.CACHE_ENV))
+    # Nothing of an earlier run's may reach this one's child (a prepare that failed half
+    # way, its entries left): dropped first, and however this one ends.
+    _PREPARED.clear()
+    reference_cache.forget_prepared()
     try:
+        for path in (case.case_file, case.inputs_file, case.expected_file):
+            os.fspath(path)  # made here once, as text too (``Case`` keeps them), for the child
+        _PREPARED.update(case=case.path, parent=os.getpid(),
+                         missing_paths=project.missing(project.import_paths(case.path)))
+        for target in {case.call, case.reference or case.call}:
+            _compile_module(case, target.partition(":")[0])
+        if case.inputs_sha256 is None:  # else the child checks the hash of the bytes it reads
+            # A small payload is loaded here: data parsed, no code run, as the header already
+            # is; the child finds its tensors in memory, on pages it copies only if it writes.
+            _PREPARED["tensors"] = payload.load_small(case.inputs_file)
+        env = env or {}
+        reference_cache.prepare(spec, env.get(reference_cache.KEY_ENV),
+                                env.get(reference_cache.CACHE_ENV))
         yield
     finally:
         _PREPARED.clear()
@@ -99,8 +104,9 @@ def _compile_module(case: Case, where: str) -> None:
     if not where.endswith(".py"):
         return
     try:
-        if os.stat(case.path / where).st_size > COMPILE_LIMIT:
-            return
+        found = os.stat(case.path / where)
+        if not stat.S_ISREG(found.st_mode) or found.st_size > COMPILE_LIMIT:
+            return  # a FIFO would block the read: the child meets it, under its timeout
         name, module_spec = _spec(case, where)
         code = module_spec.loader.get_code(name)  # type: ignore[union-attr]
         if code is None:
