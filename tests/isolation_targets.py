@@ -495,3 +495,21 @@ def expected_forks() -> tuple[int, bool] | None:
 
     state = hugepages._STATE
     return None if state is None else (state.expected, state.off)
+
+
+@contextlib.contextmanager
+def slow_prepare(seconds: float) -> Iterator[None]:
+    """A ``run_in_child`` prepare that takes ``seconds`` (no part of the run's time)."""
+    time.sleep(seconds)
+    yield
+
+
+@contextlib.contextmanager
+def interrupted_prepare() -> Iterator[None]:
+    """A prepare met by Ctrl-C."""
+    raise KeyboardInterrupt
+    yield  # pragma: no cover
+
+
+def nothing() -> None:
+    """A run that does nothing."""

@@ -373,6 +373,80 @@ def test_a_prepare_the_zygote_cannot_get_is_left_to_the_child() -> None:
 
 
 @needs_zygote
+def test_a_run_the_zygote_never_got_leaves_it_nothing_stale(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run that fails before it reaches the zygote (a job that cannot be pickled) sends
+    nothing: the next run still brings the zygote what changed, the whole of it."""
+    import threading
+
+    zygote.forkserver()
+    monkeypatch.setenv("GPUCASE_CONTEXT_PROBE", "set after the zygote started")
+    with pytest.raises(TypeError):
+        run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", threading.Lock(),
+                     timeout=60, start_method="forkserver")
+    after = run_in_child(targets.process_context, "GPUCASE_CONTEXT_PROBE", timeout=60,
+                         start_method="forkserver")
+    assert after.value[0] == "set after the zygote started"
+
+
+@needs_zygote
+def test_a_folder_made_again_at_the_same_path_is_the_childs_folder(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    folder = tmp_path / "work"
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    assert run_in_child(targets.process_context, "X", timeout=60,
+                        start_method="forkserver").returned
+    monkeypatch.chdir(tmp_path)
+    folder.rmdir()
+    folder.mkdir()
+    monkeypatch.chdir(folder)
+    (folder / "data.txt").write_text("second")
+    result = run_in_child(Path("data.txt").read_text, timeout=60, start_method="forkserver")
+    assert result.returned and result.value == "second", result.problem
+
+
+@needs_zygote
+def test_the_zygotes_prepare_is_no_part_of_the_run() -> None:
+    """As in the pytest process, what the zygote prepares before the fork is not the run's
+    time: a run with a 1 s timeout whose prepare takes 1.5 s does not time out."""
+    result = run_in_child(targets.nothing, timeout=1.0, start_method="forkserver",
+                          prepare=(targets.slow_prepare, (1.5,), {}))
+    assert result.returned and not result.timed_out
+
+
+@needs_zygote
+def test_a_zygote_that_does_not_fork_in_time_is_ended(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A prepare that blocks the zygote (a case file replaced by a FIFO) would stop every
+    run of the session: past the run's timeout and a grace, the zygote is ended, the run
+    says why, and the next run gets a new zygote."""
+    stuck = zygote.forkserver()
+    monkeypatch.setattr(isolation, "ANSWER_GRACE", 0.5)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="did not fork the run's child within 1 s"):
+        run_in_child(targets.nothing, timeout=0.5, start_method="forkserver",
+                     prepare=(targets.slow_prepare, (60.0,), {}))
+    assert time.monotonic() - start < 30
+    with pytest.raises(ChildProcessError):
+        os.waitpid(stuck.pid, os.WNOHANG)  # killed and reaped
+    assert run_in_child(os.getpid, timeout=60, start_method="forkserver").returned
+
+
+@pytest.mark.parametrize("method", ["fork", "forkserver"])
+def test_ctrl_c_in_a_prepare_leaks_no_pipe(method: str) -> None:
+    if method == "forkserver" and not isolation.forkserver_available():
+        pytest.skip("no forkserver here")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        try:
+            run_in_child(targets.nothing, timeout=60, start_method=method,
+                         prepare=(targets.interrupted_prepare, (), {}))
+        except KeyboardInterrupt:
+            assert method == "fork"  # the zygote's prepare is the child's to meet
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
+@needs_zygote
 def test_the_forks_to_come_are_told_to_the_zygote() -> None:
     """Where the zygote forks the session's children, it is the one whose huge pages pay
     for them (``hugepages.expect_forks``)."""

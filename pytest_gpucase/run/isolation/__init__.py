@@ -142,6 +142,7 @@ from pytest_gpucase.run.isolation.supervise import (
 from pytest_gpucase.run.isolation.wire import decode, encode
 from pytest_gpucase.run.isolation.workers import WorkerPool, close_pools
 from pytest_gpucase.run.isolation.zygote import (
+    ANSWER_GRACE,
     default_start_method,
     entered,
     expect_zygote_forks,
@@ -213,9 +214,7 @@ def run_in_child(
         raise ValueError(f"memory_limit must be a number of bytes > 0, not {memory_limit!r}")
     token = secrets.token_hex(16)
     child_env = {**(env or {}), MARKER_ENV: token}
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    res_r, res_w = os.pipe()
+    out_r = out_w = err_r = err_w = res_r = res_w = -1
     job_file = None
     # Started (once) before the clock: the zygote's preloading is no part of a run's time.
     zygote = forkserver() if start_method == "forkserver" else None
@@ -228,6 +227,9 @@ def run_in_child(
             held.enter_context(entered(prepare))
         start = time.monotonic()
         try:
+            out_r, out_w = os.pipe()
+            err_r, err_w = os.pipe()
+            res_r, res_w = os.pipe()
             reap_pending(block=False)
             if start_method == "fork":  # huge pages for this process's forks: not the run's time
                 start += before_fork()
@@ -241,8 +243,8 @@ def run_in_child(
                                                        if memory_limit is None else MEMORY_SAMPLE))
                 elif zygote is not None:  # forkserver: its children are supervised by pid
                     pid = zygote.start(func, args, (out_w, err_w, res_w), child_env,
-                                       prepare=prepare)
-                    start += zygote.prepared  # the zygote's huge pages: not the run's time
+                                       prepare=prepare, within=timeout + ANSWER_GRACE)
+                    start += zygote.prepared  # its huge pages and prepare: not the run's time
                 else:
                     job_file = _write_job(func, args)
                     pid = _spawn(job_file, out_w, err_w, res_w, child_env)

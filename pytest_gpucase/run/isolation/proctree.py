@@ -39,10 +39,12 @@ import time
 from collections.abc import Iterable
 from typing import Any, NamedTuple
 
-__all__ = ["MARKER_ENV", "REAP_GRACE", "TAG", "adopt_orphans", "sweep_adopted", "thread_count"]
+__all__ = ["MARKER_ENV", "MAX_POLL_STEP", "REAP_GRACE", "TAG", "adopt_orphans", "sweep_adopted",
+           "thread_count"]
 
 MARKER_ENV = "GPUCASE_RUN"  # =<a token of the run> in the environment of all its processes
 REAP_GRACE = 10.0  # seconds a child (or the zygote) gets to finish exiting before it is killed
+MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
 # The name (/proc/PID/comm) of every process gpucase starts; forks without exec inherit it.
 TAG = b"gpucase-"
 

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 from pytest_gpucase.run.isolation.child import DUMP_SIGNAL
 from pytest_gpucase.run.isolation.clipping import _Capture
 from pytest_gpucase.run.isolation.proctree import (
+    MAX_POLL_STEP,
     REAP_GRACE,
     _held,
     _kill_tree,
@@ -59,7 +60,6 @@ RESULT_LIMIT = 16 * 2**20
 # Time the child gets to print its thread stacks after a timeout, before SIGKILL.
 DUMP_GRACE = 2.0
 DUMP_QUIET = 0.2  # stderr silent this long after the dump began: the dump is complete
-MAX_POLL_STEP = 3600.0  # seconds: poll() takes milliseconds in a C int
 MEMORY_SAMPLE = 0.1     # seconds between samples of the tree's resident memory
 # Seconds the pytest process first waits on a fresh forked child's end alone, before it reads
 # the child's pipes (``wait_quietly``): a short child's run is read whole after it.

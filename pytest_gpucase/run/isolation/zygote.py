@@ -12,8 +12,10 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib
+import math
 import os
 import pickle
+import select
 import signal
 import socket
 import sys
@@ -29,6 +31,7 @@ from pytest_gpucase.run.isolation.child import (
 from pytest_gpucase.run.isolation.hugepages import before_fork, expect_forks
 from pytest_gpucase.run.isolation.proctree import (
     _PR_SET_PDEATHSIG,
+    MAX_POLL_STEP,
     REAP_GRACE,
     _children,
     _kill_tree,
@@ -42,6 +45,7 @@ from pytest_gpucase.run.isolation.proctree import (
 from pytest_gpucase.run.isolation.result import Prepare, StartMethod
 
 __all__ = [
+    "ANSWER_GRACE",
     "PRELOAD",
     "default_start_method",
     "entered",
@@ -56,7 +60,10 @@ _ZYGOTE: _Zygote | None = None
 _ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
 # Imported before the zygote starts, so that every child it forks has them already.
 PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.run.child",
-           "pytest_gpucase.verdict.compare")
+           "pytest_gpucase.run.prepared", "pytest_gpucase.verdict.compare")
+# Seconds past a run's timeout that the zygote has to fork its child (its huge pages and the
+# run's prepare are no part of the run's time), after which it is taken for stuck and ended.
+ANSWER_GRACE = 60.0
 # Called in the zygote once it preloaded, before it serves: what every child would otherwise
 # find again (the reference-cache key's rows of the modules loaded, a stat each).
 PRIME = ("pytest_gpucase.run.reference_cache:prime",)
@@ -172,28 +179,55 @@ class _Zygote:
         except ChildProcessError:
             return False
 
-    def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = ()) -> int:
+    def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = (),
+             within: float = math.inf) -> int:
+        """Send ``message`` and read the zygote's answer; one that does not come ``within``
+        seconds ends the zygote (the next run starts another) and raises."""
         data = pickle.dumps(message)  # the parent's own data, to a process of its own
         blob = len(data).to_bytes(8, "little") + data
         sent = socket.send_fds(self.sock, [blob], list(fds))
         self.sock.sendall(blob[sent:])
+        if not self._answers(within):
+            self.kill()
+            raise RuntimeError(
+                f"the gpucase zygote (pid {self.pid}) did not fork the run's child within "
+                f"{within:g} s: it reads what the child would (the case's module, a small "
+                "payload), and one of them blocked it (a case file replaced by a FIFO "
+                "since collection?); it was ended, and the next run starts another")
         reply = _receive_exactly(self.sock, 8)
         if len(reply) < 8:
             raise RuntimeError(f"the gpucase zygote (pid {self.pid}) ended; each run's child "
                                "is forked by it. Use --gpu-start-method=spawn if it keeps ending")
         return int.from_bytes(reply, "little", signed=True)
 
+    def _answers(self, within: float) -> bool:
+        """Whether the zygote's answer is there within ``within`` seconds."""
+        if within == math.inf:
+            return True  # read as it comes
+        poller = select.poll()
+        poller.register(self.sock.fileno(), select.POLLIN)
+        end = time.monotonic() + within
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return False
+            if poller.poll(min(left, MAX_POLL_STEP) * 1000):
+                return True
+
     def start(self, func: Callable[..., Any], args: tuple[Any, ...], fds: tuple[int, int, int],
               env: Mapping[str, str], fd_argument: bool = False,
-              prepare: Prepare | None = None) -> int:
+              prepare: Prepare | None = None, within: float = math.inf) -> int:
         """Fork a child that calls ``func(*args)`` writing to ``fds`` (out, err, result);
         with ``fd_argument``, ``func(*args, result_fd)``; ``prepare`` entered around the fork
-        (``entered``); ``prepared`` is then set."""
+        (``entered``); ``prepared`` is then set: the seconds the zygote spent before the
+        fork, no part of the run. A zygote that has not forked ``within`` seconds is ended."""
+        job, prepared = pickle.dumps((func, args)), _pickled(prepare)  # before any is sent
         environ = dict(os.environ)
+        # The folder always: one the parent left and made again at the same path is a new one.
         context: dict[str, Any] = {"environ": environ, "path": list(sys.path),
                                    "cwd": os.getcwd()}
         changed = {key: value for key, value in context.items()
-                   if key != "environ" and self._context.get(key) != value}
+                   if key == "cwd" or (key != "environ" and self._context.get(key) != value)}
         held = self._context.get("environ")
         if held is None:  # the first run: the whole environment, in place of the zygote's
             changed["environ"] = (environ, None)
@@ -201,11 +235,14 @@ class _Zygote:
             changed["environ"] = ({name: value for name, value in environ.items()
                                    if held.get(name) != value},
                                   [name for name in held if name not in environ])
-        self._context = context
-        expected, self.expected = self.expected, None
-        pid = self._ask({"op": "run", "job": pickle.dumps((func, args)), "context": changed,
-                         "expect": expected, "env": dict(env), "fd_argument": fd_argument,
-                         "prepare": _pickled(prepare)}, fds)
+        try:
+            pid = self._ask({"op": "run", "job": job, "context": changed,
+                             "expect": self.expected, "env": dict(env),
+                             "fd_argument": fd_argument, "prepare": prepared}, fds, within)
+        except BaseException:
+            self._context = {}  # what the zygote holds is unknown: all of it next time
+            raise
+        self._context, self.expected = context, None
         spent = _receive_exactly(self.sock, 8)  # microseconds, after the pid
         self.prepared = int.from_bytes(spent, "little") / 1e6 if len(spent) == 8 else 0.0
         return pid
@@ -220,6 +257,16 @@ class _Zygote:
         if status < 0:
             raise ChildProcessError(f"pid {pid} is not a child of the zygote")
         return status
+
+    def kill(self) -> None:
+        """End the zygote now (it no longer answers): killed and reaped; its children die
+        with it (their death signal)."""
+        self.sock.close()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(self.pid, 0)
+        disown(self.pid)
 
     def stop(self) -> None:
         """Close the zygote's socket (it exits on that, ending the orphans it adopted) and
@@ -253,10 +300,12 @@ def _pickled(prepare: Prepare | None) -> bytes | None:
 
 
 @contextlib.contextmanager
-def entered(prepare: Prepare | bytes | None) -> Iterator[None]:
+def entered(prepare: Prepare | bytes | None,
+            absorb: type[BaseException] = Exception) -> Iterator[None]:
     """``prepare`` (``Prepare``, or pickled as a zygote gets it) entered around a fork, in the
-    process that forks; what it finds is its child's alone. Anything it raises is left for
-    the child to meet: the child finds all of it itself, and reports what fails there."""
+    process that forks; what it finds is its child's alone. What it raises (``absorb``: in
+    the pytest process, not a Ctrl-C) is left for the child to meet: the child finds all of
+    it itself, and reports what fails there."""
     manager = None
     if prepare is not None:
         try:
@@ -264,13 +313,13 @@ def entered(prepare: Prepare | bytes | None) -> Iterator[None]:
                                      else prepare)  # the parent's own data
             manager = factory(*args, **kwargs)
             manager.__enter__()
-        except Exception:
+        except absorb:
             manager = None
     try:
         yield
     finally:
         if manager is not None:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(absorb):
                 manager.__exit__(None, None, None)
 
 
@@ -335,8 +384,11 @@ def _zygote_loop(sock: socket.socket, parent: int) -> None:  # pragma: no cover 
                 _take_context(message["context"])
                 if message.get("expect") is not None:
                     expect_forks(message["expect"])
-                spent = round(before_fork() * 1e6).to_bytes(8, "little")
-                held.enter_context(entered(message.get("prepare")))
+                begun = time.monotonic()
+                before_fork()
+                # Whatever the prepare raises is the child's to meet: the zygote serves on.
+                held.enter_context(entered(message.get("prepare"), absorb=BaseException))
+                spent = round((time.monotonic() - begun) * 1e6).to_bytes(8, "little")
                 pid = os.fork()
                 if pid == 0:
                     _zygote_child(sock, message, fds, me)
