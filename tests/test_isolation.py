@@ -432,6 +432,29 @@ def test_a_zygote_that_does_not_fork_in_time_is_ended(monkeypatch: pytest.Monkey
     assert run_in_child(os.getpid, timeout=60, start_method="forkserver").returned
 
 
+@needs_zygote
+def test_ctrl_c_while_the_zygote_forks_leaves_no_answer_for_the_next_run() -> None:
+    """Ctrl-C while the pytest process waits on the zygote's answer: the zygote answers
+    later, and a next run that read that answer as its own would watch another run's child.
+    The zygote is ended instead, and the next run gets a new one."""
+    import threading
+
+    interrupted = zygote.forkserver()
+    timer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGINT))
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            run_in_child(targets.nothing, timeout=60, start_method="forkserver",
+                         prepare=(targets.slow_prepare, (2.0,), {}))
+    finally:
+        timer.cancel()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(interrupted.pid, os.WNOHANG)  # killed and reaped
+    time.sleep(2)  # when the answer would have come
+    result = run_in_child(os.getppid, timeout=60, start_method="forkserver")
+    assert result.returned and result.value == zygote.forkserver().pid != interrupted.pid
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_ctrl_c_in_a_prepare_leaks_no_pipe(method: str) -> None:
     if method == "forkserver" and not isolation.forkserver_available():

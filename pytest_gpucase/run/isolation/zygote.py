@@ -180,25 +180,33 @@ class _Zygote:
             return False
 
     def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = (),
-             within: float = math.inf) -> int:
-        """Send ``message`` and read the zygote's answer; one that does not come ``within``
-        seconds ends the zygote (the next run starts another) and raises."""
+             within: float = math.inf, size: int = 8) -> bytes:
+        """Send ``message`` and read the zygote's answer, ``size`` bytes; one that does not
+        come ``within`` seconds ends the zygote (the next run starts another) and raises."""
         data = pickle.dumps(message)  # the parent's own data, to a process of its own
         blob = len(data).to_bytes(8, "little") + data
-        sent = socket.send_fds(self.sock, [blob], list(fds))
-        self.sock.sendall(blob[sent:])
-        if not self._answers(within):
+        try:
+            sent = socket.send_fds(self.sock, [blob], list(fds))
+            self.sock.sendall(blob[sent:])
+            answered = self._answers(within)
+            reply = _receive_exactly(self.sock, size) if answered else b""
+        except BaseException:
+            # Cut short (Ctrl-C): what the zygote read, or will answer, is unknown, and the
+            # next question would read this answer as its own. Ended; the next run starts
+            # another.
+            self.kill()
+            raise
+        if not answered:
             self.kill()
             raise RuntimeError(
                 f"the gpucase zygote (pid {self.pid}) did not fork the run's child within "
                 f"{within:g} s: it reads what the child would (the case's module, a small "
                 "payload), and one of them blocked it (a case file replaced by a FIFO "
                 "since collection?); it was ended, and the next run starts another")
-        reply = _receive_exactly(self.sock, 8)
-        if len(reply) < 8:
+        if len(reply) < size:
             raise RuntimeError(f"the gpucase zygote (pid {self.pid}) ended; each run's child "
                                "is forked by it. Use --gpu-start-method=spawn if it keeps ending")
-        return int.from_bytes(reply, "little", signed=True)
+        return reply
 
     def _answers(self, within: float) -> bool:
         """Whether the zygote's answer is there within ``within`` seconds."""
@@ -236,20 +244,21 @@ class _Zygote:
                                    if held.get(name) != value},
                                   [name for name in held if name not in environ])
         try:
-            pid = self._ask({"op": "run", "job": job, "context": changed,
-                             "expect": self.expected, "env": dict(env),
-                             "fd_argument": fd_argument, "prepare": prepared}, fds, within)
+            # The child's pid, then the microseconds the zygote spent before the fork.
+            reply = self._ask({"op": "run", "job": job, "context": changed,
+                               "expect": self.expected, "env": dict(env),
+                               "fd_argument": fd_argument, "prepare": prepared}, fds, within,
+                              size=16)
         except BaseException:
             self._context = {}  # what the zygote holds is unknown: all of it next time
             raise
         self._context, self.expected = context, None
-        spent = _receive_exactly(self.sock, 8)  # microseconds, after the pid
-        self.prepared = int.from_bytes(spent, "little") / 1e6 if len(spent) == 8 else 0.0
-        return pid
+        self.prepared = int.from_bytes(reply[8:], "little") / 1e6
+        return int.from_bytes(reply[:8], "little", signed=True)
 
     def reap(self, pid: int) -> int:
         try:
-            status = self._ask({"op": "reap", "pid": pid})
+            status = int.from_bytes(self._ask({"op": "reap", "pid": pid}), "little", signed=True)
         except (OSError, RuntimeError):
             # The zygote died (a case may kill it): its children were adopted by this
             # process, a subreaper, and are reaped here.
