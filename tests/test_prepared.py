@@ -201,18 +201,26 @@ def test_the_child_takes_the_entry_path_the_parent_made_for_its_folder_only(
     assert alone.value == found[folder]
 
 
-def test_a_case_file_that_is_no_longer_a_file_is_left_to_the_child(tmp_path: Path) -> None:
-    """A case's module replaced by a FIFO since collection would block the process that
-    prepares (the pytest process, or the zygote, which every run waits on): it is not read
-    there; the child meets it, under its run's timeout."""
+@pytest.mark.parametrize("where", ["source", "bytecode cache"])
+def test_a_case_file_that_is_no_longer_a_file_is_left_to_the_child(
+        tmp_path: Path, where: str) -> None:
+    """A case's module (or the bytecode cache the loader reads for it) replaced by a FIFO
+    since collection would block the process that prepares (the pytest process, or the
+    zygote, which every run waits on): it is not read there; the child meets it, under its
+    run's timeout."""
+    import importlib.util
     import threading
 
     from pytest_gpucase.run import prepared
 
     path = write_case(tmp_path, "fifo", TOML, "def run(x):\n    return x\n", {"x": torch.ones(2)})
     spec = RunSpec(load_case(path), "cpu", "float32", cast=False)
-    (path / "case.py").unlink()
-    os.mkfifo(path / "case.py")
+    fifo = Path(importlib.util.cache_from_source(str(path / "case.py")))
+    if where == "source":
+        fifo = path / "case.py"
+        fifo.unlink()
+    fifo.parent.mkdir(exist_ok=True)
+    os.mkfifo(fifo)
     found: list[object] = []
 
     def enter() -> None:
@@ -224,7 +232,7 @@ def test_a_case_file_that_is_no_longer_a_file_is_left_to_the_child(tmp_path: Pat
     thread.join(10)
     alive = thread.is_alive()
     if alive:  # unblock the read, so that the thread ends
-        os.close(os.open(path / "case.py", os.O_WRONLY | os.O_NONBLOCK))
+        os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))
     assert not alive and found == [None]
 
 

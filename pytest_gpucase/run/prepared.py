@@ -107,6 +107,8 @@ def _compile_module(case: Case, where: str) -> None:
         found = os.stat(case.path / where)
         if not stat.S_ISREG(found.st_mode) or found.st_size > COMPILE_LIMIT:
             return  # a FIFO would block the read: the child meets it, under its timeout
+        if not _regular_or_absent(importlib.util.cache_from_source(str(case.path / where))):
+            return  # the loader reads its bytecode cache too: the same
         name, module_spec = _spec(case, where)
         code = module_spec.loader.get_code(name)  # type: ignore[union-attr]
         if code is None:
@@ -115,6 +117,15 @@ def _compile_module(case: Case, where: str) -> None:
     except Exception:
         return
     _PREPARED[f"module:{where}"] = (name, made, code)
+
+
+def _regular_or_absent(path: str) -> bool:
+    """Whether ``path`` is a regular file or nothing: anything else (a FIFO) may block the
+    process that reads it."""
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except FileNotFoundError:
+        return True
 
 
 def _spec(case: Case, where: str) -> tuple[str, importlib.machinery.ModuleSpec]:
