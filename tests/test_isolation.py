@@ -455,6 +455,23 @@ def test_ctrl_c_while_the_zygote_forks_leaves_no_answer_for_the_next_run() -> No
     assert result.returned and result.value == zygote.forkserver().pid != interrupted.pid
 
 
+@needs_zygote
+def test_an_ended_zygote_is_never_signalled_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Once ended and reaped, a zygote's pid may be another process's: nothing signals or
+    waits for it again, and the next run starts another zygote."""
+    ended = zygote.forkserver()
+    ended.kill()
+    assert ended.ended and zygote._ZYGOTE is None
+    signalled: list[tuple[str, int]] = []
+    monkeypatch.setattr(os, "kill", lambda pid, sig: signalled.append(("kill", pid)))
+    ended.kill()
+    ended.stop()
+    assert not ended.alive() and not signalled
+    monkeypatch.undo()
+    result = run_in_child(os.getppid, timeout=60, start_method="forkserver")
+    assert result.returned and result.value == zygote.forkserver().pid != ended.pid
+
+
 @pytest.mark.parametrize("method", ["fork", "forkserver"])
 def test_ctrl_c_in_a_prepare_leaks_no_pipe(method: str) -> None:
     if method == "forkserver" and not isolation.forkserver_available():

@@ -206,6 +206,23 @@ def test_a_forkserver_worker_ends_too(pool: WorkerPool) -> None:
     assert after.value != first.value and "torch.exp" in " ".join(pool.retired[0][1])
 
 
+def test_a_worker_whose_zygote_was_ended_is_not_called_again(
+        pool: WorkerPool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Ending a zygote that stopped answering (a run's prepare blocked it) ends the workers
+    it forked: the next call goes to a new worker, and the retirement says why, instead of
+    a crash of the case that call runs."""
+    from pytest_gpucase.run import isolation
+
+    first = pool.run("k", os.getpid, timeout=60, start_method="forkserver")
+    monkeypatch.setattr(isolation, "ANSWER_GRACE", 0.5)
+    with pytest.raises(RuntimeError, match="did not fork"):
+        run_in_child(targets.nothing, timeout=0.5, start_method="forkserver",
+                     prepare=(targets.slow_prepare, (60.0,), {}))
+    after = pool.run("k", os.getpid, timeout=60, start_method="forkserver")
+    assert after.returned and after.value != first.value, after.problem
+    assert any("zygote was ended" in why for _, why in pool.take_retired() for why in why)
+
+
 @pytest.mark.parametrize("kind", sorted(targets.RESTORED))
 def test_what_is_restored_keeps_the_worker(pool: WorkerPool, kind: str) -> None:
     fresh = run_in_child(targets.probe_restored, kind, timeout=60).value

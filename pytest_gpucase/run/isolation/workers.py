@@ -167,6 +167,10 @@ class _Worker:
     def settled(self) -> tuple[str, ...]:
         """Wait for the worker's answer after its last call: () when it may take the next
         one, else why it ends (it exits on its own; or it is past ``REAP_GRACE``)."""
+        if self.zygote is not None and self.zygote.ended:
+            # Its answer after the last call may be there, written before it died with the
+            # zygote (its death signal): not read.
+            return ("its zygote was ended (it stopped answering), and the worker with it",)
         if self.calls == 0:
             return ()
         data = bytearray()

@@ -57,6 +57,7 @@ __all__ = [
 ]
 
 _ZYGOTE: _Zygote | None = None
+_EXPECTED: int | None = None  # the forks the session expects (``expect_zygote_forks``)
 _ZYGOTE_FD = 3  # the socket's fd in a spawned zygote
 # Imported before the zygote starts, so that every child it forks has them already.
 PRELOAD = ("torch", "safetensors.torch", "pytest_gpucase.run.child",
@@ -142,14 +143,18 @@ def forkserver() -> _Zygote:
 
 def expect_zygote_forks(count: int) -> None:
     """Tell the session's zygote, with its next fork, about how many more it will make (what
-    its huge pages are worth: ``hugepages.expect_forks``)."""
+    its huge pages are worth: ``hugepages.expect_forks``); a zygote started later in the
+    session is told too."""
+    global _EXPECTED
+    _EXPECTED = count
     if _ZYGOTE is not None:
         _ZYGOTE.expected = count
 
 
 def stop_forkserver() -> None:
     """End the session's zygote, if one runs (a later ``forkserver`` starts a new one)."""
-    global _ZYGOTE
+    global _ZYGOTE, _EXPECTED
+    _EXPECTED = None  # the session's
     if _ZYGOTE is not None:
         zygote, _ZYGOTE = _ZYGOTE, None
         zygote.stop()
@@ -171,18 +176,39 @@ class _Zygote:
         # sent: sent again only where it changed, and applied in the zygote itself, so that
         # a child inherits it instead of setting a hundred variables again.
         self._context: dict[str, Any] = {}
-        self.expected: int | None = None  # forks to come, for the next message (expect_forks)
+        # Forks to come, for the next message (expect_forks): what the session expected when
+        # this zygote started after another was ended.
+        self.expected: int | None = _EXPECTED
+        self.ended = False  # killed or stopped, and reaped (``_ended``)
 
     def alive(self) -> bool:
-        try:
-            return os.waitpid(self.pid, os.WNOHANG) == (0, 0)
-        except ChildProcessError:
+        if self.ended:
             return False
+        try:
+            if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                return True
+        except ChildProcessError:
+            pass
+        self._ended()  # reaped now (or not this process's): never signalled again
+        return False
+
+    def _ended(self) -> None:
+        """The zygote is gone and reaped: its pid may be another process's from now on, so
+        it is never signalled or waited for again; the next run starts another."""
+        global _ZYGOTE
+        self.ended = True
+        self.sock.close()
+        disown(self.pid)
+        if _ZYGOTE is self:
+            _ZYGOTE = None
 
     def _ask(self, message: dict[str, Any], fds: tuple[int, ...] = (),
              within: float = math.inf, size: int = 8) -> bytes:
         """Send ``message`` and read the zygote's answer, ``size`` bytes; one that does not
         come ``within`` seconds ends the zygote (the next run starts another) and raises."""
+        if self.ended:
+            raise RuntimeError(f"the gpucase zygote (pid {self.pid}) was ended; the next run "
+                               "starts another")
         data = pickle.dumps(message)  # the parent's own data, to a process of its own
         blob = len(data).to_bytes(8, "little") + data
         try:
@@ -269,17 +295,20 @@ class _Zygote:
 
     def kill(self) -> None:
         """End the zygote now (it no longer answers): killed and reaped; its children die
-        with it (their death signal)."""
-        self.sock.close()
+        with it (their death signal), the workers it forked too. Once only."""
+        if self.ended:
+            return
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
         with contextlib.suppress(ChildProcessError):
             os.waitpid(self.pid, 0)
-        disown(self.pid)
+        self._ended()
 
     def stop(self) -> None:
         """Close the zygote's socket (it exits on that, ending the orphans it adopted) and
-        reap it."""
+        reap it. Once only."""
+        if self.ended:
+            return
         self.sock.close()
         try:
             end = time.monotonic() + REAP_GRACE
@@ -294,7 +323,7 @@ class _Zygote:
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(self.pid, 0)
         finally:
-            disown(self.pid)
+            self._ended()
 
 
 def _pickled(prepare: Prepare | None) -> bytes | None:
