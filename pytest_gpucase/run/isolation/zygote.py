@@ -169,8 +169,8 @@ class _Zygote:
 
     def __init__(self, pid: int, sock: socket.socket) -> None:
         self.pid, self.sock = pid, sock
-        # Seconds the zygote spent before its last fork backing its memory with huge pages
-        # (``hugepages.before_fork``): no part of that child's run.
+        # Seconds the zygote spent before its last fork, backing its memory with huge pages
+        # (``hugepages.before_fork``) and in the run's prepare: no part of that child's run.
         self.prepared = 0.0
         # The process context the zygote holds (environment, import path, folder), as last
         # sent: sent again only where it changed, and applied in the zygote itself, so that
