@@ -502,6 +502,20 @@ def test_the_forks_to_come_are_told_to_the_zygote() -> None:
 
 
 @needs_zygote
+def test_a_zygote_started_later_in_the_session_is_told_the_forks_to_come() -> None:
+    zygote.forkserver()
+    isolation.expect_forks(500)
+    try:
+        zygote.forkserver().kill()  # ended (it stopped answering): the next run starts another
+        result = run_in_child(targets.expected_forks, timeout=60, start_method="forkserver")
+    finally:
+        isolation.expect_forks(0)
+    assert result.returned and result.value is not None
+    expected, off = result.value
+    assert expected == (500 if off else 499)
+
+
+@needs_zygote
 def test_auto_picks_the_forkserver_once_cuda_is_initialized(
         monkeypatch: pytest.MonkeyPatch) -> None:
     assert isolation.default_start_method() == "fork"
