@@ -14,7 +14,7 @@ import sys
 import warnings
 from types import ModuleType
 
-__all__ = ["import_torch"]
+__all__ = ["cuda_initialized", "import_torch"]
 
 # torch's import-time warnings that say nothing about the user's code.
 IMPORT_WARNINGS = (r"Failed to initialize NumPy",)
@@ -30,3 +30,10 @@ def import_torch() -> ModuleType:
             warnings.filterwarnings("ignore", message=message, category=UserWarning)
         import torch
     return torch
+
+
+def cuda_initialized() -> bool:
+    """Whether this process made a CUDA (or ROCm) context: torch is loaded and says so.
+    Never imports torch; a process that did not is not one that initialized CUDA."""
+    torch = sys.modules.get("torch")
+    return torch is not None and bool(torch.cuda.is_initialized())

@@ -20,6 +20,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Literal
 
+from pytest_gpucase.base.torch_import import cuda_initialized
 from pytest_gpucase.case.keys import REPLAY_ENV
 
 if TYPE_CHECKING:
@@ -60,13 +61,9 @@ class RunContext:
         Outside a pytest session no zygote was started before CUDA could be, so a process
         that initialized CUDA (a training run's Recorder) starts each child as a new
         interpreter (spawn); any other forks."""
-        import sys
-
-        torch = sys.modules.get("torch")
-        cuda = torch is not None and bool(torch.cuda.is_initialized())
         fixed = dict(env or {})
-        return cls(start_method=start_method or ("spawn" if cuda else "fork"), backend=backend,
-                   localize=localize, memory_limit=memory_limit,
+        return cls(start_method=start_method or ("spawn" if cuda_initialized() else "fork"),
+                   backend=backend, localize=localize, memory_limit=memory_limit,
                    run_env=(lambda spec: fixed) if fixed else None)
 
     def env(self, spec: RunSpec) -> dict[str, str]:

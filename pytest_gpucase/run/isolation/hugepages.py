@@ -45,6 +45,7 @@ import sys
 import time
 from typing import Any
 
+from pytest_gpucase.base.torch_import import cuda_initialized
 from pytest_gpucase.run.isolation.proctree import _libc
 
 __all__ = ["HUGEPAGES_ENV", "before_fork", "collapsed", "expect_forks"]
@@ -153,8 +154,7 @@ def before_fork() -> float:
         return 0.0  # the last pass's chunks cost more than one would save now
     start = time.monotonic()
     try:
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
+        if cuda_initialized():
             state.off = True  # the driver's pinned memory is its own; nothing forks here anyway
             return 0.0
         _collapse(state, worth)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from pytest_gpucase.base.torch_import import cuda_initialized as _cuda_initialized
 from pytest_gpucase.run.isolation.child import (
     DUMP_SIGNAL,
     _flush_std_streams,
@@ -78,11 +79,6 @@ def default_start_method() -> StartMethod:
     if not _cuda_initialized():
         return "fork"
     return "forkserver" if forkserver_available() else "spawn"
-
-
-def _cuda_initialized() -> bool:
-    torch = sys.modules.get("torch")
-    return torch is not None and bool(torch.cuda.is_initialized())
 
 
 def forkserver_available() -> bool:
