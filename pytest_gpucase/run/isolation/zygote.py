@@ -168,9 +168,9 @@ class _Zygote:
         # Seconds the zygote spent before its last fork, backing its memory with huge pages
         # (``hugepages.before_fork``) and in the run's prepare: no part of that child's run.
         self.prepared = 0.0
-        # The process context the zygote holds (environment, import path, folder), as last
-        # sent: sent again only where it changed, and applied in the zygote itself, so that
-        # a child inherits it instead of setting a hundred variables again.
+        # The environment and import path the zygote holds, as last sent: sent again only
+        # where they changed (the folder, every run), and applied in the zygote itself, so
+        # that a child inherits them instead of setting a hundred variables again.
         self._context: dict[str, Any] = {}
         # Forks to come, for the next message (expect_forks): what the session expected when
         # this zygote started after another was ended.
@@ -252,12 +252,11 @@ class _Zygote:
         (``entered``); ``prepared`` is then set: the seconds the zygote spent before the
         fork, no part of the run. A zygote that has not forked ``within`` seconds is ended."""
         job, prepared = pickle.dumps((func, args)), _pickled(prepare)  # before any is sent
-        environ = dict(os.environ)
+        environ, path = dict(os.environ), list(sys.path)
         # The folder always: one the parent left and made again at the same path is a new one.
-        context: dict[str, Any] = {"environ": environ, "path": list(sys.path),
-                                   "cwd": os.getcwd()}
-        changed = {key: value for key, value in context.items()
-                   if key == "cwd" or (key != "environ" and self._context.get(key) != value)}
+        changed: dict[str, Any] = {"cwd": os.getcwd()}
+        if self._context.get("path") != path:
+            changed["path"] = path
         held = self._context.get("environ")
         if held is None:  # the first run: the whole environment, in place of the zygote's
             changed["environ"] = (environ, None)
@@ -274,7 +273,7 @@ class _Zygote:
         except BaseException:
             self._context = {}  # what the zygote holds is unknown: all of it next time
             raise
-        self._context, self.expected = context, None
+        self._context, self.expected = {"environ": environ, "path": path}, None
         self.prepared = int.from_bytes(reply[8:], "little") / 1e6
         return int.from_bytes(reply[:8], "little", signed=True)
 
@@ -306,20 +305,15 @@ class _Zygote:
         if self.ended:
             return
         self.sock.close()
-        try:
-            end = time.monotonic() + REAP_GRACE
-            while time.monotonic() < end:
-                with contextlib.suppress(ChildProcessError):
-                    if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
-                        time.sleep(0.005)
-                        continue
-                return
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(self.pid, signal.SIGKILL)
+        end = time.monotonic() + REAP_GRACE
+        while time.monotonic() < end:
             with contextlib.suppress(ChildProcessError):
-                os.waitpid(self.pid, 0)
-        finally:
-            self._ended()
+                if os.waitpid(self.pid, os.WNOHANG) == (0, 0):
+                    time.sleep(0.005)
+                    continue
+            self._ended()  # exited and reaped (or not this process's)
+            return
+        self.kill()  # past REAP_GRACE
 
 
 def _pickled(prepare: Prepare | None) -> bytes | None:
