@@ -22,10 +22,14 @@ process has), so every child is a fork of the same image:
 With ``--pytest``, per item inside pytest instead, in a project that has a pytest
 configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare fork floor
 (``bench_scale.BARE_FLOOR_TEST``), a lean fork (``LEAN_TEST``: what a case item needs,
-done plainly in a test), the same plain test of ``x + 1`` under pytest-forked
-(``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh child per item),
-``--gpu-isolation worker``, and the same plain test run in the pytest process (pytest's
-own cost of an item, which no mode avoids), the cases without huge pages
+done plainly in a test), the lean fork's work in gpucase's own child (``LAYER_TEST``:
+``run_in_child``, every guarantee of the isolation layer), a minimal case (``CASE_WORK``:
+its inputs and its code read from its files, the call, its float64 reference, the error
+figures; nothing of gpucase's verdict) in gpucase's own child, under pytest-forked, in the
+pytest process and in a lean reused worker, the same plain test of ``x + 1`` under
+pytest-forked (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh
+child per item), ``--gpu-isolation worker``, and the same plain test run in the pytest
+process (pytest's own cost of an item, which no mode avoids), the cases without huge pages
 (``GPUCASE_HUGEPAGES=0``) and with every dense chunk of the pytest process collapsed at its
 first pass (what a machine on which a collapse is cheap does); with ``--forkserver``, the
 cases forked by the zygote (``--gpu-start-method forkserver``: the zygote is stopped, and
@@ -267,6 +271,140 @@ def test_lean(i):
     assert lean_fork()["status"] == "passed"
 """
 
+# The lean fork's work in gpucase's own child (``run_in_child``): every guarantee of the
+# isolation layer (the child's containment, its pipes and deadline watched, faulthandler,
+# the descendants ended, a checked JSON result; huge pages for the forks, as a session of
+# case items has them) around the same call, reference and comparison, without the case's
+# machinery (its inputs, import paths, reference cache, binding, context, the verdict and
+# the report's fields). Between the lean fork and ``--gpu-cases``: what the guarantees cost,
+# and what the rest of an item does.
+LAYER_TEST = """
+import pytest
+import torch
+
+from pytest_gpucase.run.isolation import expect_forks, run_in_child
+
+X = torch.ones(4)
+expect_forks({count})
+
+
+def lean_work():
+    actual = X + 1
+    reference = X.double() + 1
+    passed = torch.allclose(actual.double(), reference)
+    return {{"status": "passed" if passed else "failed"}}
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_layer(i):
+    child = run_in_child(lean_work, timeout=60)
+    assert child.returned and child.value["status"] == "passed", child
+"""
+
+# What any case item does beyond the lean work, done plainly: its inputs read from the
+# case's payload file, its ``case.py`` imported from the file, the call, the float64
+# reference through the same function, the report's figures (largest absolute and relative
+# error) and a comparison. No reference cache, no binding or context checks, no phase notes,
+# no tolerance model: the least a case item costs. Run in gpucase's own child (``MINIMAL``:
+# with the isolation layer's guarantees), under pytest-forked (``MINIMAL_FORKED``: the same
+# work in pytest-forked's child) and in the pytest process (``MINIMAL_IN_PROCESS``: the work
+# itself, warm, as a reused worker would do it).
+CASE_WORK = """
+import importlib.util
+import os
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cases")
+
+
+def case_work(folder):
+    inputs = safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors"))
+    spec = importlib.util.spec_from_file_location("minimal_case", os.path.join(folder, "case.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    actual = module.run(**inputs)
+    reference = module.run(**{{name: value.double() for name, value in inputs.items()}})
+    error = (actual.double() - reference).abs()
+    relative = error / reference.abs().clamp_min(torch.finfo(actual.dtype).tiny)
+    passed = torch.allclose(actual.double(), reference, rtol=1.3e-6, atol=1e-5)
+    return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
+            "max_rel": relative.max().item()}}
+"""
+MINIMAL_TEST = CASE_WORK + """
+from pytest_gpucase.run.isolation import expect_forks, run_in_child
+
+expect_forks({count})
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_minimal(i):
+    child = run_in_child(case_work, os.path.join(CASES, f"c{{i}}"), timeout=60)
+    assert child.returned and child.value["status"] == "passed", child
+"""
+MINIMAL_DIRECT_TEST = CASE_WORK + """
+
+@pytest.mark.parametrize("i", range({count}))
+def test_minimal(i):
+    assert case_work(os.path.join(CASES, f"c{{i}}"))["status"] == "passed"
+"""
+
+# The same work in a lean reused worker: one child, forked at the first item, that runs each
+# item's case work and answers a line of JSON through a pipe; nothing checked between
+# items, no pipes of its own per item, no deadline. What a reused worker costs at the least.
+MINIMAL_WORKER_TEST = CASE_WORK + """
+import json
+
+_WORKER = []
+
+
+def _serve(requests, replies):
+    with os.fdopen(requests, "rb") as reader, os.fdopen(replies, "wb", buffering=0) as writer:
+        for line in reader:
+            try:
+                verdict = case_work(line.decode().strip())
+            except Exception as exc:
+                verdict = {{"status": "failed", "error": repr(exc)}}
+            writer.write(json.dumps(verdict).encode() + b"\\n")
+    os._exit(0)
+
+
+def worker():
+    if not _WORKER:
+        requests_r, requests_w = os.pipe()
+        replies_r, replies_w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            os.close(requests_w)
+            os.close(replies_r)
+            _serve(requests_r, replies_w)
+        os.close(requests_r)
+        os.close(replies_w)
+        _WORKER.append((pid, os.fdopen(requests_w, "wb", buffering=0), os.fdopen(replies_r, "rb")))
+    return _WORKER[0]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_worker():
+    yield
+    if _WORKER:  # reaped before the session ends: its CPU is counted
+        pid, requests, replies = _WORKER.pop()
+        requests.close()
+        os.waitpid(pid, 0)
+        replies.close()
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_minimal(i):
+    pid, requests, replies = worker()
+    requests.write(os.path.join(CASES, f"c{{i}}").encode() + b"\\n")
+    assert json.loads(replies.readline())["status"] == "passed"
+"""
+
 
 def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
               forkserver: bool = False) -> None:
@@ -280,6 +418,11 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
     rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
         ("bare fork floor", ("bare",), None),
         ("lean fork (the case's work)", ("lean",), None),
+        ("the lean work, run_in_child", ("layer",), None),
+        ("a minimal case, run_in_child", ("minimal",), None),
+        ("a minimal case, --forked", ("--forked", "direct"), None),
+        ("a minimal case, in-process", ("direct",), None),
+        ("a minimal case, lean worker", ("reused",), None),
         ("pytest-forked (--forked)", ("--forked", "plain"), None),
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
         ("--gpu-isolation worker", worker, None),
@@ -303,7 +446,9 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
         for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST),
-                             ("lean", LEAN_TEST)):
+                             ("lean", LEAN_TEST), ("layer", LAYER_TEST),
+                             ("minimal", MINIMAL_TEST), ("direct", MINIMAL_DIRECT_TEST),
+                             ("reused", MINIMAL_WORKER_TEST)):
             (root / folder).mkdir()
             (root / folder / "test_it.py").write_text(text.format(count=items,
                                                                   benchmarks=BENCHMARKS))
