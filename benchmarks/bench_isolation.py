@@ -11,7 +11,7 @@ process has), so every child is a fork of the same image:
   (``bench_scale.bare_floor``, the floor bench_scale.py times inside pytest; the floor the
   ratios are taken to)
 - run_in_child: gpucase's child with its pipes, fd capture, process group and
-  result pickling, calling ``os.getpid``
+  checked JSON result, calling ``os.getpid``
 - run_spec: a whole trivial case (load the case's payload in the child, call,
   reference in float64, compare) as each pytest item runs it
 - run_spec, forkserver: the same case forked by the zygote (what each run
@@ -23,10 +23,12 @@ With ``--pytest``, per item inside pytest instead, in a project that has a pytes
 configuration file (``pytest.ini``; ``--no-config`` leaves it out): the bare fork floor
 (``bench_scale.BARE_FLOOR_TEST``), a lean fork (``LEAN_TEST``: what a case item needs,
 done plainly in a test), the lean fork's work in gpucase's own child (``LAYER_TEST``:
-``run_in_child``, every guarantee of the isolation layer), a minimal case (``CASE_WORK``:
-its inputs and its code read from its files, the call, its float64 reference, the error
-figures; nothing of gpucase's verdict) in gpucase's own child, under pytest-forked, in the
-pytest process and in a lean reused worker, the same plain test of ``x + 1`` under
+``run_in_child``, every guarantee of the isolation layer), a case's least work prepared in
+the parent (``PREPARED_WORK``: its ``case.py`` compiled and its inputs loaded before the
+fork; the child runs the module, the call, its float64 reference, the error figures;
+nothing of gpucase's verdict) in a lean fork and in gpucase's own child, the same work
+unprepared (``CASE_WORK``) under pytest-forked, in the pytest process and in a lean reused
+worker, the same plain test of ``x + 1`` under
 pytest-forked (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh
 child per item), ``--gpu-isolation worker``, and the same plain test run in the pytest
 process (pytest's own cost of an item, which no mode avoids), the cases without huge pages
@@ -301,14 +303,13 @@ def test_layer(i):
     assert child.returned and child.value["status"] == "passed", child
 """
 
-# What any case item does beyond the lean work, done plainly: its inputs read from the
-# case's payload file, its ``case.py`` imported from the file, the call, the float64
-# reference through the same function, the report's figures (largest absolute and relative
-# error) and a comparison. No reference cache, no binding or context checks, no phase notes,
-# no tolerance model: the least a case item costs. Run in gpucase's own child (``MINIMAL``:
-# with the isolation layer's guarantees), under pytest-forked (``MINIMAL_FORKED``: the same
-# work in pytest-forked's child) and in the pytest process (``MINIMAL_IN_PROCESS``: the work
-# itself, warm, as a reused worker would do it).
+# What any case item does beyond the lean work, done plainly (``CASE_WORK``): its inputs
+# read from the case's payload file, its ``case.py`` imported from the file, the call, the
+# float64 reference through the same function, the report's figures (largest absolute and
+# relative error) and a comparison. No reference cache, no binding or context checks, no
+# phase notes, no tolerance model. Run whole in pytest-forked's child (``--forked`` on
+# ``MINIMAL_DIRECT_TEST``: a test's child, which nothing prepares), in the pytest process
+# (the work itself, warm) and in a lean reused worker (``MINIMAL_WORKER_TEST``).
 CASE_WORK = """
 import importlib.util
 import os
@@ -335,15 +336,102 @@ def case_work(folder):
     return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
             "max_rel": relative.max().item()}}
 """
-MINIMAL_TEST = CASE_WORK + """
+# The same least work with what does not depend on the child done before the fork, as
+# gpucase's item does it (``PREPARED_WORK``): the parent compiles ``case.py`` and loads the
+# payload's tensors; the child runs the module's body in a fresh namespace, makes the two
+# calls, the error figures and the comparison. In a lean fork (``PREPARED_LEAN_TEST``: the
+# lean fork's containment, ``gc.freeze`` before the fork) and in gpucase's own child
+# (``PREPARED_TEST``: the isolation layer's guarantees, huge pages as a session has them):
+# the least a case item costs, with and without those guarantees.
+PREPARED_WORK = CASE_WORK + """
+import gc
+import json
+
+
+def prepared(folder):
+    path = os.path.join(folder, "case.py")
+    with open(path, "rb") as handle:
+        code = compile(handle.read(), path, "exec")
+    return code, safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors")), path
+
+
+def prepared_work(code, inputs, path):
+    namespace = {{"__name__": "case", "__file__": path}}
+    exec(code, namespace)
+    run = namespace["run"]
+    actual = run(**inputs)
+    reference = run(**{{name: value.double() for name, value in inputs.items()}})
+    error = (actual.double() - reference).abs()
+    relative = error / reference.abs().clamp_min(torch.finfo(actual.dtype).tiny)
+    passed = torch.allclose(actual.double(), reference, rtol=1.3e-6, atol=1e-5)
+    return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
+            "max_rel": relative.max().item()}}
+"""
+PREPARED_LEAN_TEST = PREPARED_WORK + """
+import ctypes
+import select
+import signal
+import time
+
+PRCTL = ctypes.CDLL(None).prctl
+
+
+def lean_fork(func, *args):
+    out_r, out_w = os.pipe()
+    res_r, res_w = os.pipe()
+    gc.freeze()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            gc.disable()
+            PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+            os.setpgid(0, 0)
+            os.close(out_r)
+            os.close(res_r)
+            os.dup2(out_w, 1)
+            os.dup2(out_w, 2)
+            try:
+                verdict = func(*args)
+            except Exception as exc:
+                verdict = {{"status": "failed", "error": repr(exc)}}
+            os.write(res_w, json.dumps(verdict).encode())
+        finally:
+            os._exit(0)
+    os.close(out_w)
+    os.close(res_w)
+    poller = select.poll()
+    poller.register(res_r, select.POLLIN)
+    poller.register(out_r, select.POLLIN)
+    deadline, result, open_fds = time.monotonic() + 60, b"", 2
+    while open_fds and time.monotonic() < deadline:
+        for fd, _ in poller.poll(1000):
+            data = os.read(fd, 65536)
+            if not data:
+                poller.unregister(fd)
+                open_fds -= 1
+            elif fd == res_r:
+                result += data
+    os.close(out_r)
+    os.close(res_r)
+    os.waitpid(pid, 0)
+    return json.loads(result)
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_prepared(i):
+    work = prepared(os.path.join(CASES, f"c{{i}}"))
+    assert lean_fork(prepared_work, *work)["status"] == "passed"
+"""
+PREPARED_TEST = PREPARED_WORK + """
 from pytest_gpucase.run.isolation import expect_forks, run_in_child
 
 expect_forks({count})
 
 
 @pytest.mark.parametrize("i", range({count}))
-def test_minimal(i):
-    child = run_in_child(case_work, os.path.join(CASES, f"c{{i}}"), timeout=60)
+def test_prepared(i):
+    work = prepared(os.path.join(CASES, f"c{{i}}"))
+    child = run_in_child(prepared_work, *work, timeout=60)
     assert child.returned and child.value["status"] == "passed", child
 """
 MINIMAL_DIRECT_TEST = CASE_WORK + """
@@ -370,7 +458,6 @@ def _serve(requests, replies):
             except Exception as exc:
                 verdict = {{"status": "failed", "error": repr(exc)}}
             writer.write(json.dumps(verdict).encode() + b"\\n")
-    os._exit(0)
 
 
 def worker():
@@ -379,9 +466,12 @@ def worker():
         replies_r, replies_w = os.pipe()
         pid = os.fork()
         if pid == 0:
-            os.close(requests_w)
-            os.close(replies_r)
-            _serve(requests_r, replies_w)
+            try:
+                os.close(requests_w)
+                os.close(replies_r)
+                _serve(requests_r, replies_w)
+            finally:
+                os._exit(0)  # never back into pytest, whatever failed
         os.close(requests_r)
         os.close(replies_w)
         _WORKER.append((pid, os.fdopen(requests_w, "wb", buffering=0), os.fdopen(replies_r, "rb")))
@@ -419,7 +509,8 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
         ("bare fork floor", ("bare",), None),
         ("lean fork (the case's work)", ("lean",), None),
         ("the lean work, run_in_child", ("layer",), None),
-        ("a minimal case, run_in_child", ("minimal",), None),
+        ("a prepared case, lean fork", ("prepared_lean",), None),
+        ("a prepared case, run_in_child", ("prepared",), None),
         ("a minimal case, --forked", ("--forked", "direct"), None),
         ("a minimal case, in-process", ("direct",), None),
         ("a minimal case, lean worker", ("reused",), None),
@@ -447,7 +538,8 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
         for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST),
                              ("lean", LEAN_TEST), ("layer", LAYER_TEST),
-                             ("minimal", MINIMAL_TEST), ("direct", MINIMAL_DIRECT_TEST),
+                             ("prepared_lean", PREPARED_LEAN_TEST),
+                             ("prepared", PREPARED_TEST), ("direct", MINIMAL_DIRECT_TEST),
                              ("reused", MINIMAL_WORKER_TEST)):
             (root / folder).mkdir()
             (root / folder / "test_it.py").write_text(text.format(count=items,
