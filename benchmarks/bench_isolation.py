@@ -211,164 +211,14 @@ def test_plain(i):
 
 # The lean fork: what a case item needs, done plainly in a test: a fresh child per item
 # in its own process group that dies with its parent, its output piped, a deadline, and
-# the case's work (the call, its float64 reference, a comparison) sent back as a JSON
-# verdict; the parent reads it and waits for the child.
-LEAN_TEST = """
+# the work (``LEAN_TEST``: the call, its float64 reference, a comparison) sent back as a
+# JSON verdict; the parent reads it and waits for the child. ``lean_fork(func, *args)`` is
+# shared by the rows that use it; the module that takes it sets ``FREEZE`` (``gc.freeze``
+# before the fork, as gpucase does).
+LEAN_FORK = """
 import ctypes
-import json
-import os
-import select
-import signal
-import time
-
-import pytest
-import torch
-
-X = torch.ones(4)
-PRCTL = ctypes.CDLL(None).prctl
-
-
-def lean_fork():
-    out_r, out_w = os.pipe()
-    res_r, res_w = os.pipe()
-    pid = os.fork()
-    if pid == 0:
-        PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
-        os.setpgid(0, 0)
-        os.close(out_r)
-        os.close(res_r)
-        os.dup2(out_w, 1)
-        os.dup2(out_w, 2)
-        try:
-            actual = X + 1
-            reference = X.double() + 1
-            passed = torch.allclose(actual.double(), reference)
-            verdict = {{"status": "passed" if passed else "failed"}}
-        except Exception as exc:
-            verdict = {{"status": "failed", "error": repr(exc)}}
-        os.write(res_w, json.dumps(verdict).encode())
-        os._exit(0)
-    os.close(out_w)
-    os.close(res_w)
-    poller = select.poll()
-    poller.register(res_r, select.POLLIN)
-    poller.register(out_r, select.POLLIN)
-    deadline, result, open_fds = time.monotonic() + 60, b"", 2
-    while open_fds and time.monotonic() < deadline:
-        for fd, _ in poller.poll(1000):
-            data = os.read(fd, 65536)
-            if not data:
-                poller.unregister(fd)
-                open_fds -= 1
-            elif fd == res_r:
-                result += data
-    os.close(out_r)
-    os.close(res_r)
-    os.waitpid(pid, 0)
-    return json.loads(result)
-
-
-@pytest.mark.parametrize("i", range({count}))
-def test_lean(i):
-    assert lean_fork()["status"] == "passed"
-"""
-
-# The lean fork's work in gpucase's own child (``run_in_child``): every guarantee of the
-# isolation layer (the child's containment, its pipes and deadline watched, faulthandler,
-# the descendants ended, a checked JSON result; huge pages for the forks, as a session of
-# case items has them) around the same call, reference and comparison, without the case's
-# machinery (its inputs, import paths, reference cache, binding, context, the verdict and
-# the report's fields). Between the lean fork and ``--gpu-cases``: what the guarantees cost,
-# and what the rest of an item does.
-LAYER_TEST = """
-import pytest
-import torch
-
-from pytest_gpucase.run.isolation import expect_forks, run_in_child
-
-X = torch.ones(4)
-expect_forks({count})
-
-
-def lean_work():
-    actual = X + 1
-    reference = X.double() + 1
-    passed = torch.allclose(actual.double(), reference)
-    return {{"status": "passed" if passed else "failed"}}
-
-
-@pytest.mark.parametrize("i", range({count}))
-def test_layer(i):
-    child = run_in_child(lean_work, timeout=60)
-    assert child.returned and child.value["status"] == "passed", child
-"""
-
-# What any case item does beyond the lean work, done plainly (``CASE_WORK``): its inputs
-# read from the case's payload file, its ``case.py`` imported from the file, the call, the
-# float64 reference through the same function, the report's figures (largest absolute and
-# relative error) and a comparison. No reference cache, no binding or context checks, no
-# phase notes, no tolerance model. Run whole in pytest-forked's child (``--forked`` on
-# ``MINIMAL_DIRECT_TEST``: a test's child, which nothing prepares), in the pytest process
-# (the work itself, warm) and in a lean reused worker (``MINIMAL_WORKER_TEST``).
-CASE_WORK = """
-import importlib.util
-import os
-import sys
-
-import pytest
-import safetensors.torch
-import torch
-
-CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cases")
-
-
-def case_work(folder):
-    inputs = safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors"))
-    spec = importlib.util.spec_from_file_location("minimal_case", os.path.join(folder, "case.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    actual = module.run(**inputs)
-    reference = module.run(**{{name: value.double() for name, value in inputs.items()}})
-    error = (actual.double() - reference).abs()
-    relative = error / reference.abs().clamp_min(torch.finfo(actual.dtype).tiny)
-    passed = torch.allclose(actual.double(), reference, rtol=1.3e-6, atol=1e-5)
-    return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
-            "max_rel": relative.max().item()}}
-"""
-# The same least work with what does not depend on the child done before the fork, as
-# gpucase's item does it (``PREPARED_WORK``): the parent compiles ``case.py`` and loads the
-# payload's tensors; the child runs the module's body in a fresh namespace, makes the two
-# calls, the error figures and the comparison. In a lean fork (``PREPARED_LEAN_TEST``: the
-# lean fork's containment, ``gc.freeze`` before the fork) and in gpucase's own child
-# (``PREPARED_TEST``: the isolation layer's guarantees, huge pages as a session has them):
-# the least a case item costs, with and without those guarantees.
-PREPARED_WORK = CASE_WORK + """
 import gc
 import json
-
-
-def prepared(folder):
-    path = os.path.join(folder, "case.py")
-    with open(path, "rb") as handle:
-        code = compile(handle.read(), path, "exec")
-    return code, safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors")), path
-
-
-def prepared_work(code, inputs, path):
-    namespace = {{"__name__": "case", "__file__": path}}
-    exec(code, namespace)
-    run = namespace["run"]
-    actual = run(**inputs)
-    reference = run(**{{name: value.double() for name, value in inputs.items()}})
-    error = (actual.double() - reference).abs()
-    relative = error / reference.abs().clamp_min(torch.finfo(actual.dtype).tiny)
-    passed = torch.allclose(actual.double(), reference, rtol=1.3e-6, atol=1e-5)
-    return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
-            "max_rel": relative.max().item()}}
-"""
-PREPARED_LEAN_TEST = PREPARED_WORK + """
-import ctypes
 import select
 import signal
 import time
@@ -379,11 +229,13 @@ PRCTL = ctypes.CDLL(None).prctl
 def lean_fork(func, *args):
     out_r, out_w = os.pipe()
     res_r, res_w = os.pipe()
-    gc.freeze()
+    if FREEZE:
+        gc.freeze()
     pid = os.fork()
     if pid == 0:
         try:
-            gc.disable()
+            if FREEZE:
+                gc.disable()
             PRCTL(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
             os.setpgid(0, 0)
             os.close(out_r)
@@ -415,7 +267,111 @@ def lean_fork(func, *args):
     os.close(res_r)
     os.waitpid(pid, 0)
     return json.loads(result)
+"""
+LEAN_WORK = """
+import os
 
+import pytest
+import torch
+
+X = torch.ones(4)
+
+
+def lean_work():
+    actual = X + 1
+    reference = X.double() + 1
+    passed = torch.allclose(actual.double(), reference)
+    return {{"status": "passed" if passed else "failed"}}
+"""
+LEAN_TEST = LEAN_WORK + """
+FREEZE = False
+""" + LEAN_FORK + """
+
+@pytest.mark.parametrize("i", range({count}))
+def test_lean(i):
+    assert lean_fork(lean_work)["status"] == "passed"
+"""
+
+# The lean fork's work in gpucase's own child (``run_in_child``): every guarantee of the
+# isolation layer (the child's containment, its pipes and deadline watched, faulthandler,
+# the descendants ended, a checked JSON result; huge pages for the forks, as a session of
+# case items has them) around the same call, reference and comparison, without the case's
+# machinery (its inputs, import paths, reference cache, binding, context, the verdict and
+# the report's fields). Between the lean fork and ``--gpu-cases``: what the guarantees cost,
+# and what the rest of an item does.
+LAYER_TEST = LEAN_WORK + """
+from pytest_gpucase.run.isolation import expect_forks, run_in_child
+
+expect_forks({count})
+
+
+@pytest.mark.parametrize("i", range({count}))
+def test_layer(i):
+    child = run_in_child(lean_work, timeout=60)
+    assert child.returned and child.value["status"] == "passed", child
+"""
+
+# What any case item does beyond the lean work, done plainly (``CASE_WORK``): its inputs
+# read from the case's payload file, its ``case.py`` imported from the file, the call, the
+# float64 reference through the same function, the report's figures (largest absolute and
+# relative error) and a comparison. No reference cache, no binding or context checks, no
+# phase notes, no tolerance model. Run whole in pytest-forked's child (``--forked`` on
+# ``MINIMAL_DIRECT_TEST``: a test's child, which nothing prepares), in the pytest process
+# (the work itself, warm) and in a lean reused worker (``MINIMAL_WORKER_TEST``).
+CASE_WORK = """
+import importlib.util
+import os
+import sys
+
+import pytest
+import safetensors.torch
+import torch
+
+CASES = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "cases")
+
+
+def judged(run, inputs):
+    actual = run(**inputs)
+    reference = run(**{{name: value.double() for name, value in inputs.items()}})
+    error = (actual.double() - reference).abs()
+    relative = error / reference.abs().clamp_min(torch.finfo(actual.dtype).tiny)
+    passed = torch.allclose(actual.double(), reference, rtol=1.3e-6, atol=1e-5)
+    return {{"status": "passed" if passed else "failed", "max_abs": error.max().item(),
+            "max_rel": relative.max().item()}}
+
+
+def case_work(folder):
+    inputs = safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors"))
+    spec = importlib.util.spec_from_file_location("minimal_case", os.path.join(folder, "case.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return judged(module.run, inputs)
+"""
+# The same least work with what does not depend on the child done before the fork, as
+# gpucase's item does it (``PREPARED_WORK``): the parent compiles ``case.py`` and loads the
+# payload's tensors; the child runs the module's body in a fresh namespace, makes the two
+# calls, the error figures and the comparison. In a lean fork (``PREPARED_LEAN_TEST``: the
+# lean fork's containment, ``gc.freeze`` before the fork) and in gpucase's own child
+# (``PREPARED_TEST``: the isolation layer's guarantees, huge pages as a session has them):
+# the least a case item costs, with and without those guarantees.
+PREPARED_WORK = CASE_WORK + """
+
+def prepared(folder):
+    path = os.path.join(folder, "case.py")
+    with open(path, "rb") as handle:
+        code = compile(handle.read(), path, "exec")
+    return code, safetensors.torch.load_file(os.path.join(folder, "inputs.safetensors")), path
+
+
+def prepared_work(code, inputs, path):
+    namespace = {{"__name__": "case", "__file__": path}}
+    exec(code, namespace)
+    return judged(namespace["run"], inputs)
+"""
+PREPARED_LEAN_TEST = PREPARED_WORK + """
+FREEZE = True
+""" + LEAN_FORK + """
 
 @pytest.mark.parametrize("i", range({count}))
 def test_prepared(i):
