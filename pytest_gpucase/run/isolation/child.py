@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from pytest_gpucase.base.torch_import import cuda_initialized
 from pytest_gpucase.run.isolation.clipping import clip
 from pytest_gpucase.run.isolation.proctree import (
     _PR_SET_PDEATHSIG,
@@ -358,9 +359,8 @@ def _envelope(func: Callable[..., Any], args: tuple[Any, ...],
 def _device_started() -> bool:  # pragma: no cover - child side
     """Whether this child holds a CUDA (or ROCm) context, whose teardown at its exit takes
     far longer than a CPU child's: the parent does not wait for it (``exits_soon``)."""
-    torch = sys.modules.get("torch")
     try:
-        return torch is not None and bool(torch.cuda.is_initialized())
+        return cuda_initialized()
     except Exception:  # a broken torch: as if it had one (the parent waits less)
         return True
 
