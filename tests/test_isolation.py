@@ -277,6 +277,8 @@ def test_returned_children_are_reaped_bounded_and_all_at_the_end(
 
 needs_zygote = pytest.mark.skipif(not isolation.forkserver_available(),
                                   reason="the forkserver needs Linux pidfds and fd passing")
+# The two start methods whose process forks the child (this one, or the zygote).
+FORKING = ["fork", pytest.param("forkserver", marks=needs_zygote)]
 
 
 @needs_zygote
@@ -335,12 +337,10 @@ def test_a_variable_the_c_library_refuses_neither_ends_the_zygote_nor_its_runs()
     assert done.stdout.splitlines() == ["True None", "True None"], done.stderr
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_prepare_is_entered_in_the_process_that_forks(method: str) -> None:
     """What a run's ``prepare`` finds is found by the process that forks its child (this
     one, or the zygote), inherited by that child, and dropped there after the fork."""
-    if method == "forkserver" and not isolation.forkserver_available():
-        pytest.skip("no forkserver here")
     result = run_in_child(targets.prepared_here, timeout=60, start_method=method,
                           prepare=(targets.marking_prepare, ("found",), {}))
     assert result.returned
@@ -352,10 +352,8 @@ def test_prepare_is_entered_in_the_process_that_forks(method: str) -> None:
     assert later.value[:2] == (None, None)  # the zygote dropped it too
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_prepare_that_fails_is_left_to_the_child(method: str) -> None:
-    if method == "forkserver" and not isolation.forkserver_available():
-        pytest.skip("no forkserver here")
     result = run_in_child(targets.prepared_here, timeout=60, start_method=method,
                           prepare=(targets.marking_prepare, ("found",), {"fail": True}))
     assert result.returned and result.value[:2] == (None, None)
@@ -472,10 +470,8 @@ def test_an_ended_zygote_is_never_signalled_again(monkeypatch: pytest.MonkeyPatc
     assert result.returned and result.value == zygote.forkserver().pid != ended.pid
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_ctrl_c_in_a_prepare_leaks_no_pipe(method: str) -> None:
-    if method == "forkserver" and not isolation.forkserver_available():
-        pytest.skip("no forkserver here")
     before = len(os.listdir("/proc/self/fd"))
     for _ in range(3):
         try:
