@@ -28,10 +28,10 @@ the parent (``PREPARED_WORK``: its ``case.py`` compiled and its inputs loaded be
 fork; the child runs the module, the call, its float64 reference, the error figures;
 nothing of gpucase's verdict) in a lean fork and in gpucase's own child, the same work
 unprepared (``CASE_WORK``) under pytest-forked, in the pytest process and in a lean reused
-worker, the same plain test of ``x + 1`` under
-pytest-forked (``--forked``), ``pytest --gpu-cases`` on as many trivial cases (a fresh
-child per item), ``--gpu-isolation worker``, and the same plain test run in the pytest
-process (pytest's own cost of an item, which no mode avoids), the cases without huge pages
+worker, the same plain test of ``x + 1`` under pytest-forked (``--forked``), ``pytest
+--gpu-cases`` on as many trivial cases (a fresh child per item), ``--gpu-isolation
+worker``, and the same plain test run in the pytest process (pytest's own cost of an item,
+which no mode avoids), the cases without huge pages
 (``GPUCASE_HUGEPAGES=0``) and with every dense chunk of the pytest process collapsed at its
 first pass (what a machine on which a collapse is cheap does); with ``--forkserver``, the
 cases forked by the zygote (``--gpu-start-method forkserver``: the zygote is stopped, and
