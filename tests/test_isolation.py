@@ -407,9 +407,11 @@ def test_a_folder_made_again_at_the_same_path_is_the_childs_folder(
 @needs_zygote
 def test_the_zygotes_prepare_is_no_part_of_the_run() -> None:
     """As in the pytest process, what the zygote prepares before the fork is not the run's
-    time: a run with a 1 s timeout whose prepare takes 1.5 s does not time out."""
-    result = run_in_child(targets.nothing, timeout=1.0, start_method="forkserver",
-                          prepare=(targets.slow_prepare, (1.5,), {}))
+    time: a run with a 2 s timeout whose prepare takes 3 s does not time out. (The round
+    trip to the zygote and its fork are the run's time: on a loaded runner they took more
+    than a second, and a 1 s timeout failed the run for them.)"""
+    result = run_in_child(targets.nothing, timeout=2.0, start_method="forkserver",
+                          prepare=(targets.slow_prepare, (3.0,), {}))
     assert result.returned and not result.timed_out
 
 
