@@ -43,7 +43,8 @@ def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
                        tmp_path_factory: pytest.TempPathFactory) -> None:
     """pytest sessions started by a test run their items in order, whatever plugins are installed:
     their output is what the test reads (pytest-randomly would shuffle it), in an environment
-    without the runner's own settings (``RUNNER_ENVIRONMENT``) and 80 columns wide. The
+    without the runner's own settings (``RUNNER_ENVIRONMENT``) and 80 columns wide, forked from
+    a warm interpreter unless the test is marked ``fresh_interpreter`` (``tests/warm.py``). The
     reference cache's key lives in a folder of the test run, never the user's own."""
     for name in RUNNER_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
@@ -52,8 +53,18 @@ def _pytester_in_order(request: pytest.FixtureRequest, monkeypatch: pytest.Monke
     for name in ("XDG_CONFIG_HOME", "XDG_CACHE_HOME"):
         monkeypatch.setenv(name, str(tmp_path_factory.getbasetemp() / name.lower()))
     if "pytester" in request.fixturenames:
-        request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
+        pytester = request.getfixturevalue("pytester")  # it clears PYTEST_ADDOPTS when it starts
         monkeypatch.setenv("PYTEST_ADDOPTS", "-p no:randomly")
+        if request.node.get_closest_marker("fresh_interpreter") is None:
+            from tests import warm
+
+            warm.install(pytester, monkeypatch)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    from tests import warm
+
+    warm.stop()
 
 
 # The inner loop, `pytest -m "not slow"`, leaves out what starts other processes: pytest

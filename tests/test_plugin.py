@@ -255,6 +255,7 @@ def test_spawn_start_method_gives_the_same_results(pytester: pytest.Pytester, ca
     result.assert_outcomes(passed=1)
 
 
+@pytest.mark.fresh_interpreter  # it reads the first import of torch
 def test_plain_run_does_not_import_torch(pytester: pytest.Pytester) -> None:
     pytester.makepyfile(test_plain="""
         import sys
