@@ -279,6 +279,7 @@ sys.modules["numpy"] = None  # `import numpy` fails, as in a venv without it
 """
 
 
+@pytest.mark.fresh_interpreter  # the plugin's own first import of torch
 def test_no_numpy_and_warnings_as_errors_is_no_internal_error(pytester: pytest.Pytester) -> None:
     """torch warns "Failed to initialize NumPy" on import without numpy; a project with
     filterwarnings = error must not get that warning raised from inside the plugin."""

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import sys
 import textwrap
+import time
 
 import pytest
 
@@ -106,3 +109,84 @@ def test_a_warm_session_past_its_timeout_is_killed(pytester: pytest.Pytester) ->
     pytester.makepyfile(test_after="def test_after():\n    pass\n")
     pytester.runpytest_subprocess("test_after.py").assert_outcomes(passed=1)
 
+
+
+class Interrupted(Exception):
+    pass
+
+
+def test_a_warm_run_interrupted_leaves_the_next_session_its_own_answers(
+        pytester: pytest.Pytester) -> None:
+    """A signal handler (pytest-timeout's, say) that raises while a warm session runs: that
+    session ends, and the next one reads its own exit, not the interrupted one's."""
+    pid_file = pytester.path / "pid"
+    pytester.makepyfile(test_sleep=textwrap.dedent(f"""
+        import os, signal, time
+
+        def test_sleep():
+            with open({str(pid_file)!r}, "w") as handle:
+                handle.write(str(os.getpid()))
+            os.kill({os.getpid()}, signal.SIGUSR1)  # the test process is interrupted now
+            time.sleep(600)
+    """))
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise Interrupted
+
+    before = signal.signal(signal.SIGUSR1, interrupt)
+    try:
+        with pytest.raises(Interrupted):
+            pytester.runpytest_subprocess("test_sleep.py")
+    finally:
+        signal.signal(signal.SIGUSR1, before)
+    pid = int(pid_file.read_text())
+    for _ in range(200):  # killed, and reaped by its server, which ends too
+        if not os.path.exists(f"/proc/{pid}"):
+            break
+        time.sleep(0.05)
+    assert not os.path.exists(f"/proc/{pid}")
+    pytester.makepyfile(test_after="def test_after():\n    assert False\n")
+    result = pytester.runpytest_subprocess("test_after.py")
+    assert result.ret == pytest.ExitCode.TESTS_FAILED
+    result.assert_outcomes(failed=1)
+
+
+def test_a_warm_session_keeps_sigint_as_the_test_process_left_it(
+        pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    """A suite started with Ctrl-C ignored (``nohup``, a script's ``&``) starts its sessions
+    with it ignored: so does a warm one."""
+    pytester.makepyfile(test_sigint=textwrap.dedent("""
+        import signal
+
+        def test_sigint():
+            print("SIGINT:", signal.getsignal(signal.SIGINT) == signal.SIG_IGN)
+    """))
+    before = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        server = warm._Server()  # started as the suite's is: by this process
+        try:
+            ignored = warm._warm_run(pytester, server, [sys.executable, "-mpytest", "-s",
+                                                        "test_sigint.py"],
+                                     {**os.environ, "PYTHONPATH": str(pytester.path)}, 60)
+        finally:
+            server.close()
+    finally:
+        signal.signal(signal.SIGINT, before)
+    assert ignored.ret == 0 and "SIGINT: True" in ignored.stdout.str()
+    default = pytester.runpytest_subprocess("-s", "test_sigint.py")
+    assert "SIGINT: False" in default.stdout.str()
+    assert "running (warm):" in capsys.readouterr().out
+
+
+def test_a_session_with_a_sitecustomize_or_a_shadowing_module_runs_cold(
+        pytester: pytest.Pytester, capsys: pytest.CaptureFixture[str]) -> None:
+    pytester.makepyfile(test_unit="def test_unit():\n    pass\n")
+    for name in ("sitecustomize.py", "numpy"):
+        path = pytester.path / name
+        path.mkdir() if not name.endswith(".py") else path.write_text("")
+        pytester.runpytest_subprocess("test_unit.py").assert_outcomes(passed=1)
+        assert "running (warm):" not in capsys.readouterr().out, name
+        path.rmdir() if path.is_dir() else path.unlink()
+    pytester.makeini("[pytest]\n")  # pytest.ini is no module: warm
+    pytester.runpytest_subprocess("test_unit.py").assert_outcomes(passed=1)
+    assert "running (warm):" in capsys.readouterr().out

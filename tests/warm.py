@@ -5,17 +5,22 @@ spent about 1.2 s of its 2 s importing torch, and they were half of the suite's 
 one interpreter per test process (``warm_server.py``) imports torch and pytest once, and each
 session is a fork of it that runs ``python -m pytest`` as a fresh interpreter would: in the
 test's folder, with its environment and import path, its streams on pytester's files, its
-own exit. What the fork cannot give is a fresh interpreter's first import of torch, and its
-own hash seed; so a test that reads either, or that changes a variable an interpreter or
-torch reads when it starts (``STARTUP``), runs cold, as does a test marked
-``fresh_interpreter``. ``GPUCASE_TEST_COLD=1`` runs every session cold.
+own exit, its SIGINT as the test process left it, an unseeded CPU generator. What the fork
+cannot give is a fresh interpreter's first import of torch and its own hash seed: a test that
+reads either is marked ``fresh_interpreter`` and runs cold. So does a session whose
+environment changes a variable an interpreter or torch reads when it starts (``STARTUP``),
+or whose import path holds a ``sitecustomize`` or shadows a module the server loaded.
+``GPUCASE_TEST_COLD=1`` runs every session cold.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib.machinery
 import json
 import os
 import select
+import signal
 import socket
 import subprocess
 import sys
@@ -52,9 +57,36 @@ class _Server:
         self.sock = mine
         self.stream = mine.makefile("rwb", buffering=0)
         self.lock = threading.Lock()
+        self._modules: frozenset[str] | None = None
+        self.dead = False
 
     def alive(self) -> bool:
-        return self.process.poll() is None
+        return not self.dead and self.process.poll() is None
+
+    def modules(self) -> frozenset[str]:
+        """The top-level modules the server holds (its first answer, once it is up)."""
+        if self._modules is None:
+            try:
+                answer = self._answer(None)
+            except BaseException:  # interrupted half way through a line: unreadable after
+                self.close()
+                raise
+            assert answer is not None
+            self._modules = frozenset(answer["modules"])
+        return self._modules
+
+    def shadowed(self, env: dict[str, str]) -> bool:
+        """Whether a session's import path holds a ``sitecustomize``, a ``usercustomize`` or
+        a module the server loaded already: a fresh interpreter would run or import it."""
+        names = self.modules() | {"sitecustomize", "usercustomize"}
+        for folder in filter(None, [os.getcwd(), *env.get("PYTHONPATH", "").split(os.pathsep)]):
+            try:
+                entries = os.listdir(folder)
+            except OSError:
+                continue
+            if any(_module_name(folder, entry) in names for entry in entries):
+                return True
+        return False
 
     def _answer(self, timeout: float | None) -> dict[str, Any] | None:
         if timeout is not None and not select.select([self.sock], [], [], timeout)[0]:
@@ -70,21 +102,47 @@ class _Server:
         """The session's exit code as ``Popen.wait`` gives it; None when it timed out (killed)."""
         request = {"args": args, "cwd": os.getcwd(), "env": env, "out": str(out),
                    "err": str(err)}
-        self.stream.write(json.dumps(request).encode() + b"\n")
-        started = self._answer(None)
-        assert started is not None
-        answer = self._answer(timeout)
-        if answer is None:
-            os.kill(started["pid"], 9)
-            answer = self._answer(None)
-            assert answer is not None
-            return None
-        return os.waitstatus_to_exitcode(answer["status"])
+        self.modules()  # the server's first answer, read before any other
+        pid = None
+        try:
+            self.stream.write(json.dumps(request).encode() + b"\n")
+            started = self._answer(None)
+            assert started is not None
+            pid = started["pid"]
+            answer = self._answer(timeout)
+            if answer is None:
+                os.kill(pid, signal.SIGKILL)
+                answer = self._answer(None)
+                assert answer is not None
+                return None
+            return os.waitstatus_to_exitcode(answer["status"])
+        except BaseException:
+            # Interrupted (a signal handler, pytest-timeout): its answers would be read as
+            # the next session's. The session and this server end; the next gets a new one.
+            if pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(pid, signal.SIGKILL)
+            self.close()
+            raise
 
     def close(self) -> None:
+        if self.dead:
+            return
+        self.dead = True
         self.stream.close()
         self.sock.close()
-        self.process.wait()
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def _module_name(folder: str, entry: str) -> str | None:
+    """The top-level module ``entry`` of ``folder`` would be imported as, if it is one."""
+    if entry.endswith((".py", *importlib.machinery.EXTENSION_SUFFIXES)):
+        return entry.partition(".")[0]
+    return entry if os.path.isdir(os.path.join(folder, entry)) else None
 
 
 _server: _Server | None = None
@@ -124,7 +182,8 @@ def install(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
                                                          env.get("PYTHONPATH", "")]))
         server = _get_server()
         if (args[:2] != [sys.executable, "-mpytest"] or stdin is not pytester.CLOSE_STDIN
-                or _startup(env) != _startup(server.env) or not server.lock.acquire(False)):
+                or _startup(env) != _startup(server.env) or server.shadowed(env)
+                or not server.lock.acquire(False)):
             return cold_run(*cmdargs, timeout=timeout, stdin=stdin)
         try:
             return _warm_run(pytester, server, args, env, timeout)

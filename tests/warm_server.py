@@ -3,11 +3,13 @@
 It imports torch and pytest once, then forks one child per request read from the socket
 FD; the child becomes ``python -m pytest ARGS`` run in the request's folder, environment
 and import path, with its standard streams on the request's files, and ends as that
-interpreter would (its ``SystemExit``, atexit handlers and all). The server answers the
-child's pid, then its wait status. Nothing of pytest_gpucase or of the suite is imported
-here: each session imports them itself, as a fresh interpreter does.
+interpreter would (its ``SystemExit``, atexit handlers and all). The server first answers
+the top-level modules it holds, then for each request the child's pid and its wait status.
+Nothing of pytest_gpucase or of the suite is imported here: each session imports them
+itself, as a fresh interpreter does.
 """
 
+import contextlib
 import json
 import os
 import runpy
@@ -17,11 +19,14 @@ import sys
 from typing import Any
 
 import pytest  # noqa: F401 - preloaded for the children
-import torch  # noqa: F401 - preloaded for the children
+import torch
 
 # A fresh interpreter's own path after its first entry (the script's folder here, the
 # working folder for ``-m``): the standard library, site-packages and what .pth files add.
 BASE_PATH = sys.path[1:]
+# What a fresh interpreter started by the test process would have for SIGINT: Python's
+# handler, or SIG_IGN where the suite was started with Ctrl-C ignored (``nohup``, ``&``).
+INHERITED_SIGINT = signal.getsignal(signal.SIGINT)
 
 
 def session(request: dict[str, Any]) -> None:
@@ -38,13 +43,17 @@ def session(request: dict[str, Any]) -> None:
     extra = [entry for entry in request["env"].get("PYTHONPATH", "").split(os.pathsep) if entry]
     sys.path[:] = [request["cwd"], *extra, *BASE_PATH]
     sys.argv[:] = ["-m", *request["args"]]
-    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGINT, INHERITED_SIGINT)
+    torch.default_generator.seed()  # a fresh interpreter's CPU generator starts unseeded
     runpy.run_module("pytest", run_name="__main__", alter_sys=True)
     sys.exit(0)  # pytest's __main__ raises SystemExit; an exception ends us as it would
 
 
 def serve(sock: socket.socket) -> None:
     stream = sock.makefile("rwb", buffering=0)
+    # What is loaded already: a session that would shadow one of them runs cold.
+    loaded = sorted({name.partition(".")[0] for name in sys.modules})
+    stream.write(json.dumps({"modules": loaded}).encode() + b"\n")
     while True:
         line = stream.readline()
         if not line:
@@ -62,4 +71,5 @@ def serve(sock: socket.socket) -> None:
 
 if __name__ == "__main__":
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the test process's Ctrl-C is not ours
-    serve(socket.socket(fileno=int(sys.argv[1])))
+    with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # the test process went
+        serve(socket.socket(fileno=int(sys.argv[1])))
