@@ -46,7 +46,9 @@ CUDA_ERROR = "torch.zeros(3, device='cuda')[torch.tensor([5], device='cuda')].su
 def write_case(root: Path, name: str, body: str, devices: str = '["cpu"]') -> None:
     path = root / "cases" / name
     path.mkdir(parents=True)
-    (path / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\ntimeout = 3\n\n'
+    # 3 s for a case's run on a loaded runner; 1 s where the case hangs, as it must time out.
+    timeout = 1 if "sleep(600)" in body else 3
+    (path / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\ntimeout = {timeout}\n\n'
                                     f'[matrix]\ndevices = {devices}\n')
     (path / "case.py").write_text(textwrap.dedent(f"""\
         import os, signal, time
