@@ -155,12 +155,6 @@ def _get_server() -> _Server:
     return _server
 
 
-def start() -> None:
-    """Start this process's warm interpreter now, so that it imports torch while tests run."""
-    if not _COLD:
-        _get_server()
-
-
 def stop() -> None:
     global _server
     if _server is not None:
@@ -175,14 +169,13 @@ def install(pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
     def run(*cmdargs: str | os.PathLike[str], timeout: float | None = None,
             stdin: Any = pytester.CLOSE_STDIN) -> pytest.RunResult:
         args = [os.fspath(arg) for arg in cmdargs]
-        if _COLD:
+        if _COLD or args[:2] != [sys.executable, "-mpytest"] or stdin is not pytester.CLOSE_STDIN:
             return cold_run(*cmdargs, timeout=timeout, stdin=stdin)
         env = os.environ.copy()
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.getcwd(),
                                                          env.get("PYTHONPATH", "")]))
         server = _get_server()
-        if (args[:2] != [sys.executable, "-mpytest"] or stdin is not pytester.CLOSE_STDIN
-                or _startup(env) != _startup(server.env) or server.shadowed(env)
+        if (_startup(env) != _startup(server.env) or server.shadowed(env)
                 or not server.lock.acquire(False)):
             return cold_run(*cmdargs, timeout=timeout, stdin=stdin)
         try:
