@@ -24,12 +24,16 @@ from pytest_gpucase.case.load import load_case
 from pytest_gpucase.plan.environment import Device, Environment
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.report.file import new_report, write_report
-from pytest_gpucase.run.isolation import ChildResult, run_in_child
+from pytest_gpucase.run.isolation import ChildResult, forkserver_available, run_in_child
 from pytest_gpucase.run.parent import run_spec
 from pytest_gpucase.run.runcontext import RunContext
 
 from . import isolation_targets
 
+needs_zygote = pytest.mark.skipif(not forkserver_available(),
+                                  reason="the forkserver needs Linux pidfds and fd passing")
+# The two start methods whose process forks the child (this one, or the zygote).
+FORKING = ["fork", pytest.param("forkserver", marks=needs_zygote)]
 
 CE_CASE_PY = """
 import torch

@@ -29,7 +29,7 @@ from pytest_gpucase.run.isolation import (
 )
 
 from . import isolation_targets as targets
-from .helpers import run_reaching
+from .helpers import FORKING, run_reaching
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -404,7 +404,7 @@ def reap_now() -> None:
 
 
 @needs_proc
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_daemon_of_a_child_that_died_without_a_result_is_killed(tmp_path: Path,
                                                                 method: str) -> None:
     """The daemon left its session and its parent before the child died: no group, no
@@ -517,7 +517,7 @@ def run(x):
 
 
 @needs_proc
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_sigkilled_xdist_workers_processes_are_swept_at_session_end(
         tmp_path: Path, method: str) -> None:
     """The worker's helpers (its pooled worker, its zygote) die with it (PR_SET_PDEATHSIG);

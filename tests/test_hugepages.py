@@ -17,7 +17,7 @@ from pytest_gpucase.run.isolation import hugepages
 from pytest_gpucase.run.isolation.hugepages import DENSE, FIRST_PASS, HUGEPAGES_ENV
 from pytest_gpucase.run.isolation.result import StartMethod
 
-from .helpers import RAISES, ce_case
+from .helpers import FORKING, RAISES, ce_case
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's madvise")
 HUGE = 1 << 21
@@ -374,7 +374,7 @@ def test_ctrl_c_in_the_quiet_wait_ends_the_run_and_its_child(
 
 @linux
 @pytest.mark.slow
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_collapse_before_the_fork_is_no_part_of_the_runs_time(
         method: StartMethod, monkeypatch: pytest.MonkeyPatch) -> None:
     import time
@@ -392,8 +392,6 @@ def test_a_collapse_before_the_fork_is_no_part_of_the_runs_time(
     for module in (isolation, zygote):
         monkeypatch.setattr(module, "before_fork", dear_pass)
     if method == "forkserver":
-        if not isolation.forkserver_available():
-            pytest.skip("no forkserver here")
         zygote.stop_forkserver()  # the next zygote is a fork of this process, patched
     try:
         result = isolation.run_in_child(targets.echo, 3, timeout=1.5, start_method=method)

@@ -20,7 +20,7 @@ from pytest_gpucase.run.isolation import child, clipping, proctree, supervise, z
 from pytest_gpucase.run.isolation import CAPTURE_HEAD, CAPTURE_TAIL, run_in_child
 
 from . import isolation_targets as targets
-from .helpers import run_reaching
+from .helpers import FORKING, needs_zygote, run_reaching
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -122,7 +122,7 @@ def test_a_child_out_of_time_before_its_start_is_done_is_killed_not_signalled(
         assert "most recent call first" in result.stderr
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_worker_out_of_time_before_its_start_is_done_is_killed(method: str) -> None:
     pool = isolation.WorkerPool()
     try:
@@ -159,7 +159,7 @@ def test_the_parent_keeps_its_mask_and_the_case_has_the_signal_unblocked(method:
     assert result.value == {"child": False, "started": False}, result
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_worker_has_the_signal_unblocked_and_the_parent_its_mask(method: str) -> None:
     before = signal.pthread_sigmask(signal.SIG_BLOCK, ())
     pool = isolation.WorkerPool()
@@ -273,12 +273,6 @@ def test_returned_children_are_reaped_bounded_and_all_at_the_end(
     for pid in pids:
         with pytest.raises(ChildProcessError):  # reaped: no zombie is left
             os.waitpid(pid, os.WNOHANG)
-
-
-needs_zygote = pytest.mark.skipif(not isolation.forkserver_available(),
-                                  reason="the forkserver needs Linux pidfds and fd passing")
-# The two start methods whose process forks the child (this one, or the zygote).
-FORKING = ["fork", pytest.param("forkserver", marks=needs_zygote)]
 
 
 @needs_zygote
@@ -655,7 +649,7 @@ def test_the_last_note_says_what_a_timeout_interrupted(method: str) -> None:
     assert silent.timed_out and silent.phase is None
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_worker_tells_the_phase_of_each_call(method: str) -> None:
     pool = isolation.WorkerPool()
     try:
@@ -769,7 +763,7 @@ def test_a_crash_loses_no_more_of_the_output_than_a_file_of_the_childs_own(metho
     assert result.stdout.count("x") == expected
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_childs_std_streams_tell_their_name_and_mode(method: str) -> None:
     """``sys.stdout.name`` and ``.mode``, which a file ``open`` makes has and code reads (a
     logger, a progress bar), are there as they were: the fd's number and "w"."""
@@ -787,7 +781,7 @@ def test_a_spawned_child_writes_in_the_encoding_its_environment_names() -> None:
     assert codecs.lookup(result.value).name == "iso8859-1"
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_print_goes_out_while_the_case_has_os_write_replaced(method: str) -> None:
     """The child's streams write to their fd as a file ``open`` makes does, not through
     ``os.write`` as the case has it: a case's double of it sees none of the prints, and

@@ -17,6 +17,7 @@ from pytest_gpucase.case import payload
 from pytest_gpucase.run.isolation import WorkerPool, run_in_child, shutdown
 
 from . import isolation_targets as targets
+from .helpers import FORKING
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -128,7 +129,7 @@ def global_state() -> list[object]:
             os.environ.get("GPUCASE_POISON"), os.getpid()]
 
 
-@pytest.mark.parametrize("method", ["fork", "forkserver"])
+@pytest.mark.parametrize("method", FORKING)
 def test_a_worker_restores_global_state_between_calls(method: str) -> None:
     pool = WorkerPool()
     try:

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pytest_gpucase.run import isolation
-from tests.helpers import CE_CASE_PY, RAISES, ce_case, write_case
+from tests.helpers import CE_CASE_PY, RAISES, ce_case, needs_zygote, write_case
 
 
 @pytest.fixture
@@ -32,8 +31,7 @@ def test_collects_ids_like_device_type_tests(pytester: pytest.Pytester, cases: P
     assert quoted and all("/case.toml::" in node_id for node_id in quoted), quoted
 
 
-@pytest.mark.skipif(not isolation.forkserver_available(),
-                    reason="the forkserver needs Linux pidfds and fd passing")
+@needs_zygote
 def test_collect_only_starts_no_zygote(pytester: pytest.Pytester, cases: Path) -> None:
     # An editor's test view runs --collect-only at every change: it runs nothing, so the
     # forkserver's zygote (and the run-time modules it preloads) is not started for it.
