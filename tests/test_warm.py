@@ -14,7 +14,7 @@ import pytest
 
 from . import warm
 
-pytestmark = pytest.mark.skipif(os.environ.get("GPUCASE_TEST_COLD") == "1",
+pytestmark = pytest.mark.skipif(warm._COLD,
                                 reason="GPUCASE_TEST_COLD=1: no warm session to compare")
 
 SEEN = """
@@ -108,7 +108,6 @@ def test_a_warm_session_past_its_timeout_is_killed(pytester: pytest.Pytester) ->
     # The warm interpreter serves the next session.
     pytester.makepyfile(test_after="def test_after():\n    pass\n")
     pytester.runpytest_subprocess("test_after.py").assert_outcomes(passed=1)
-
 
 
 class Interrupted(Exception):
