@@ -1,0 +1,344 @@
+"""Which memory an item's two processes write: the copy-on-write faults, by where they land.
+
+    python benchmarks/bench_pages.py [--items 40] [--at 20] [--rounds 3]
+
+Each fork write-protects every writable page of the process that forks; after it, each page
+either process writes costs one fault, a copy while the other still maps it. The
+per-item rows of ``bench_isolation.py --pytest`` count those faults; this names where they
+land. One pytest session per row (the bare fork floor, the lean fork, ``--gpu-cases``) in
+a project with a ``pytest.ini``; at one item past the session's first ones (``--at``):
+
+- **the pytest process**: a holder child is forked as the item starts and kept until it
+  ends, so that every page the pytest process writes meanwhile is copied; the pages then
+  mapped by that process alone (``/proc/self/pagemap``, bit 56) are the ones it wrote (or
+  mapped anew) during the item;
+- **the item's child**: read at its ``os._exit``, while its parent still lives: the pages
+  it alone maps are the ones it wrote since its fork (or mapped anew).
+
+A last row runs the item again with its child read at each step as well (at its run's
+start, at gpucase's phase notes, at the run's end): the pages each step writes.
+
+Each by the kind of mapping (the interpreter's static data, the C heap, anonymous memory:
+Python's object arenas and torch's buffers, other libraries' data, the stack), with how
+many of them lie in runs of at least ``RUN`` neighbouring pages. Then, in this process,
+what a fault costs against breaking the same pages' sharing in one call
+(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+): whether batching could take a share of
+the faults' cost, which depends on how the written pages lie.
+
+The reading itself allocates a little (the lists of page numbers): a few pages of each
+count are its own. Linux only (``/proc``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import ctypes
+import mmap
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from pytest_gpucase.base.torch_import import import_torch
+
+torch = import_torch()
+
+from bench_isolation import LEAN_TEST  # noqa: E402  (this folder: the script's own)
+from bench_scale import (  # noqa: E402
+    BARE_FLOOR_TEST,
+    BENCHMARKS,
+    pytest_seconds,
+    write_cases,
+)
+
+RUN = 8  # neighbouring pages that count as a run a single call could break at once
+PAGE = mmap.PAGESIZE
+MADV_POPULATE_WRITE = 23
+
+# Read in both processes of the measured item; the same text is the conftest's.
+PAGES_CONFTEST = """
+import ctypes
+import os
+
+RUN = {run}
+AT = {at}
+ROOT = {root!r}
+_seen = {{"items": 0}}
+_exit = os._exit
+# The pagemap is read through this buffer, made before any fork: its own pages (written by
+# each read) are left out of the count, so that the reading adds no page of its own.
+_BUFFER = bytearray(1 << 16)
+_OWN = ctypes.addressof((ctypes.c_char * len(_BUFFER)).from_buffer(_BUFFER)) // {page}
+_OWN = range(_OWN, _OWN + len(_BUFFER) // {page} + 1)
+
+
+def written():
+    \"\"\"Per kind of mapping: [pages this process alone maps, of them in runs >= RUN].\"\"\"
+    found = {{}}
+    with open("/proc/self/maps") as maps:
+        lines = maps.read().splitlines()
+    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
+    view = memoryview(_BUFFER)
+    chunk = len(_BUFFER) // 8
+    try:
+        for line in lines:
+            parts = line.split()
+            if "w" not in parts[1]:
+                continue
+            low, high = (int(value, 16) // {page} for value in parts[0].split("-"))
+            name = parts[5] if len(parts) > 5 else ""
+            kind = ("anonymous" if not name else "C heap" if name == "[heap]"
+                    else "stack" if name.startswith("[stack") else "interpreter"
+                    if "libpython" in name else "other" if name.startswith("[")
+                    else "libraries")
+            counts = found.setdefault(kind, [0, 0])
+            last, run = -2, 0
+            for first in range(low, high, chunk):
+                size = min(chunk, high - first)
+                os.preadv(fd, [view[:size * 8]], first * 8)
+                for index, entry in enumerate(view[:size * 8].cast("Q"), first):
+                    if not (entry >> 63 & 1 and entry >> 56 & 1) or index in _OWN:
+                        continue
+                    counts[0] += 1
+                    if index != last + 1:
+                        counts[1] += run if run >= RUN else 0
+                        run = 0
+                    run += 1
+                    last = index
+            counts[1] += run if run >= RUN else 0
+    finally:
+        os.close(fd)
+    return found
+
+
+def total():
+    return sum(counts[0] for counts in written().values())
+
+
+# In a case item's child: the pages written by each of its steps, at gpucase's own phase
+# notes and around the run (its pages read at each point: the reading's own few count).
+_steps = []
+
+
+def step(label):
+    if _seen.get("measuring") and os.getpid() != _seen["parent"]:
+        _steps.append((label, total()))
+
+
+def _wrap_steps():
+    try:
+        from pytest_gpucase.run import child, judge, parent
+    except ImportError:
+        return
+    run, child_note, judge_note = parent.run, child.note, judge.note
+
+    def stepped_run(spec):
+        step("the child's start, up to the run")
+        try:
+            return run(spec)
+        finally:
+            step("the run, from there: the reference, the comparison, the verdict")
+
+    def noted(note):
+        def stepping(phase):
+            step("the run, up to: " + phase.split(" (")[0])
+            note(phase)
+        return stepping
+
+    parent.run = stepped_run
+    child.note, judge.note = noted(child_note), noted(judge_note)
+
+
+def pytest_configure(config):
+    if os.environ.get("{steps_env}"):  # a session of case items, read step by step
+        _wrap_steps()
+
+
+def save(name, found):
+    with open(os.path.join(ROOT, name), "w") as handle:
+        handle.write(repr(found))
+
+
+def measured_exit(code):
+    if _seen.get("measuring") and os.getpid() != _seen["parent"]:
+        _seen["measuring"] = False
+        try:
+            found = written()
+            if _steps:
+                found["steps"] = _steps + [("the result sent, up to the exit",
+                                            sum(counts[0] for counts in found.values()))]
+            save("pages_child", found)
+        except OSError:
+            pass
+    _exit(code)
+
+
+os._exit = measured_exit
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _seen["items"] += 1
+    if _seen["items"] != AT:
+        return
+    read, write = os.pipe()
+    holder = os.fork()
+    if holder == 0:  # keeps every page shared until the item ends
+        os.close(write)
+        os.read(read, 1)
+        _exit(0)
+    os.close(read)
+    _seen.update(holder=(holder, write), measuring=True, parent=os.getpid())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    if "holder" not in _seen:
+        return
+    found = written()
+    holder, write = _seen.pop("holder")
+    _seen["measuring"] = False
+    os.close(write)
+    os.waitpid(holder, 0)
+    save("pages_parent", found)
+"""
+KINDS = ("anonymous", "C heap", "interpreter", "libraries", "stack", "other")
+
+
+STEPS_ENV = "BENCH_PAGE_STEPS"  # read by the conftest: the item's child, step by step
+
+
+def in_pytest(items: int, at: int, rounds: int) -> None:
+    steps_env = {**os.environ, STEPS_ENV: "1"}
+    rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
+        ("bare fork floor", ("bare",), None), ("lean fork", ("lean",), None),
+        ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
+        ("item, step by step", ("--gpu-cases", "cases"), steps_env)]
+    found: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        for folder, text in (("bare", BARE_FLOOR_TEST), ("lean", LEAN_TEST)):
+            (root / folder).mkdir()
+            (root / folder / "test_it.py").write_text(text.format(count=items,
+                                                                  benchmarks=BENCHMARKS))
+        (root / "conftest.py").write_text(PAGES_CONFTEST.format(
+            run=RUN, at=at, page=PAGE, root=str(root), steps_env=STEPS_ENV))
+        (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+        for _ in range(rounds):
+            for name, args, env in rows:
+                for side in ("pages_parent", "pages_child"):
+                    (root / side).unlink(missing_ok=True)
+                pytest_seconds(root, *args, env=env)
+                parent, child = (ast.literal_eval((root / side).read_text())
+                                 if (root / side).exists() else {}
+                                 for side in ("pages_parent", "pages_child"))
+                found.setdefault(name, []).append((parent, child))
+    print(f"pages written during item {at} of {items} (medians of {rounds} sessions); "
+          f"in brackets, those in runs of >= {RUN} neighbouring pages; step by step: the "
+          "child's counts include the readings at each step")
+    print(f"{'what':<22}{'side':<8}{'all':>12}" + "".join(f"{kind:>16}" for kind in KINDS))
+    for name, sessions in found.items():
+        for index, side in enumerate(("pytest", "child")):
+            cells = [_cell([session[index] for session in sessions], kind)
+                     for kind in (None, *KINDS)]
+            print(f"{name:<22}{side:<8}{cells[0]:>12}" + "".join(f"{c:>16}" for c in cells[1:]))
+    steps: list[list[tuple[str, int]]] = [child["steps"] for _, child in found["item, step by step"]
+                                          if "steps" in child]
+    if steps:
+        print("\nthe item's child, step by step (pages written by each step, median; the "
+              "first step holds the first reading's own, a few hundred pages)")
+        before = [0] * len(steps)
+        for index, (label, _) in enumerate(steps[0]):
+            after = [found_steps[index][1] for found_steps in steps]
+            spent = statistics.median(a - b for a, b in zip(after, before, strict=True))
+            print(f"  {spent:6.0f}  {label}")
+            before = after
+
+
+def _cell(sides: list[dict[str, Any]], kind: str | None) -> str:
+    """"pages (of them in runs)" of ``kind`` (None: all), the median over the sessions."""
+    pages, in_runs = (statistics.median(sum(counts[part] for key, counts in found.items()
+                                            if key in (KINDS if kind is None else (kind,)))
+                                        for found in sides) for part in (0, 1))
+    return f"{pages:.0f} ({in_runs:.0f})"
+
+
+def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
+    """Per page written in a forked child: a copy-on-write fault each, against one
+    ``madvise(MADV_POPULATE_WRITE)`` over all of them (neighbours), one call a page (pages
+    apart, as the written pages mostly lie), a fault on memory the child mapped itself
+    (nothing to copy: what a fault costs without its copy), and the writing loop alone."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    stride = 3
+    area = mmap.mmap(-1, PAGE * pages * stride,
+                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for offset in range(0, len(area), PAGE):
+        area[offset] = 1  # present in this process before the forks
+    start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+
+    def child(step: int, how: str) -> float:
+        read, write = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            if how == "again":  # written once before the clock: the loop's own cost
+                for index in range(pages):
+                    area[index * step * PAGE] = 2
+            began = time.thread_time()
+            status = 0
+            if how == "one call":
+                status = libc.madvise(start, PAGE * pages, MADV_POPULATE_WRITE)
+            elif how == "a call a page":
+                for index in range(pages):
+                    status |= libc.madvise(start + index * step * PAGE, PAGE,
+                                           MADV_POPULATE_WRITE)
+            target = area
+            if how == "fresh":  # mapped in the child: a fault each, nothing to copy
+                target = mmap.mmap(-1, len(area),
+                                   flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            for index in range(pages):
+                target[index * step * PAGE] = 2
+            spent = -1.0 if status else time.thread_time() - began
+            os.write(write, repr(spent).encode())
+            os._exit(0)
+        os.close(write)
+        spent = float(os.read(read, 64))
+        os.close(read)
+        os.waitpid(pid, 0)
+        return spent
+
+    print(f"\na page written in a forked child ({pages} pages, {repeats} children each, "
+          "median; microseconds a page, the writing loop included)")
+    for label, step, how in (("a fault each, neighbours", 1, "faults"),
+                             ("a fault each, pages apart", stride, "faults"),
+                             ("one madvise, neighbours", 1, "one call"),
+                             ("a madvise a page, apart", stride, "a call a page"),
+                             ("a fault each, mapped anew", 1, "fresh"),
+                             ("no fault (written before)", 1, "again")):
+        spent = statistics.median(child(step, how) for _ in range(repeats))
+        print(f"  {label:<28}" + (f"{spent / pages * 1e6:8.2f}" if spent >= 0
+                                  else "     n/a (MADV_POPULATE_WRITE refused)"))
+    area.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--items", type=int, default=40)
+    parser.add_argument("--at", type=int, default=20, help="the item measured")
+    parser.add_argument("--rounds", type=int, default=3)
+    args = parser.parse_args()
+    if not 1 <= args.at <= args.items:
+        parser.error("--at must name one of the items (1 to --items)")
+    if os.environ.get("PYTHONPATH"):  # the sessions start in a temporary folder
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(entry) if entry else entry
+            for entry in os.environ["PYTHONPATH"].split(os.pathsep))
+    print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
+    in_pytest(args.items, args.at, args.rounds)
+    fault_cost()
+
+
+if __name__ == "__main__":
+    main()
