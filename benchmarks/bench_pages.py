@@ -58,32 +58,25 @@ RUN = 8  # neighbouring pages that count as a run a single call could break at o
 PAGE = mmap.PAGESIZE
 MADV_POPULATE_WRITE = 23
 
-# Read in both processes of the measured item; the same text is the conftest's.
+# The measured item's two processes are read by a process of their own (``_reader``).
 PAGES_CONFTEST = """
-import ctypes
+import ast
 import os
 
 RUN = {run}
 AT = {at}
 ROOT = {root!r}
+ASK, ANSWER = os.path.join(ROOT, "pages_ask"), os.path.join(ROOT, "pages_answer")
 _seen = {{"items": 0}}
 _exit = os._exit
-# The pagemap is read through this buffer, made before any fork: its own pages (written by
-# each read) are left out of the count, so that the reading adds no page of its own.
-_BUFFER = bytearray(1 << 16)
-_OWN = ctypes.addressof((ctypes.c_char * len(_BUFFER)).from_buffer(_BUFFER)) // {page}
-_OWN = range(_OWN, _OWN + len(_BUFFER) // {page} + 1)
 
 
-def written():
-    \"\"\"Per kind of mapping: [pages this process alone maps, of them in runs >= RUN].\"\"\"
+def _written(pid):
+    \"\"\"Per kind of mapping: [pages ``pid`` alone maps, of them in runs >= RUN].\"\"\"
     found = {{}}
-    with open("/proc/self/maps") as maps:
+    with open(f"/proc/{{pid}}/maps") as maps:
         lines = maps.read().splitlines()
-    fd = os.open("/proc/self/pagemap", os.O_RDONLY)
-    view = memoryview(_BUFFER)
-    chunk = len(_BUFFER) // 8
-    try:
+    with open(f"/proc/{{pid}}/pagemap", "rb", buffering=0) as pagemap:
         for line in lines:
             parts = line.split()
             if "w" not in parts[1]:
@@ -95,82 +88,95 @@ def written():
                     if "libpython" in name else "other" if name.startswith("[")
                     else "libraries")
             counts = found.setdefault(kind, [0, 0])
+            pagemap.seek(low * 8)
+            entries = memoryview(pagemap.read((high - low) * 8)).cast("Q")
             last, run = -2, 0
-            for first in range(low, high, chunk):
-                size = min(chunk, high - first)
-                os.preadv(fd, [view[:size * 8]], first * 8)
-                for index, entry in enumerate(view[:size * 8].cast("Q"), first):
-                    if not (entry >> 63 & 1 and entry >> 56 & 1) or index in _OWN:
-                        continue
-                    counts[0] += 1
-                    if index != last + 1:
-                        counts[1] += run if run >= RUN else 0
-                        run = 0
-                    run += 1
-                    last = index
+            for index, entry in enumerate(entries):
+                if not (entry >> 63 & 1 and entry >> 56 & 1):
+                    continue
+                counts[0] += 1
+                if index != last + 1:
+                    counts[1] += run if run >= RUN else 0
+                    run = 0
+                run += 1
+                last = index
             counts[1] += run if run >= RUN else 0
-    finally:
-        os.close(fd)
     return found
 
 
-def total():
-    return sum(counts[0] for counts in written().values())
+def _reader():
+    \"\"\"The reading process: reads the pagemap of whoever asks, so that no reading writes a
+    page of the process read. A request: "pid label"; "pid =name" saves that pid's readings
+    to ROOT/name.\"\"\"
+    ask = os.open(ASK, os.O_RDWR)
+    answer = os.open(ANSWER, os.O_RDWR)
+    readings = {{}}
+    pending = b""
+    while True:
+        data = os.read(ask, 4096)
+        if not data:
+            _exit(0)
+        pending += data
+        while b"\\n" in pending:
+            line, _, pending = pending.partition(b"\\n")
+            pid, _, label = line.decode().partition(" ")
+            if label == "=stop":
+                _exit(0)
+            if label.startswith("="):
+                with open(os.path.join(ROOT, label[1:]), "w") as handle:
+                    handle.write(repr(readings.pop(pid, [])))
+            else:
+                try:
+                    readings.setdefault(pid, []).append((label, _written(pid)))
+                except OSError:
+                    pass
+            os.write(answer, b"k")
 
 
-# In a case item's child: the pages written by each of its steps, at gpucase's own phase
-# notes and around the run (its pages read at each point: the reading's own few count).
-_steps = []
+def _start_reader():
+    for path in (ASK, ANSWER):
+        if not os.path.exists(path):
+            os.mkfifo(path)
+    if os.fork() == 0:
+        try:
+            _reader()
+        finally:
+            _exit(0)
+
+
+def tell(label):
+    ask = os.open(ASK, os.O_WRONLY)
+    try:
+        os.write(ask, f"{{os.getpid()}} {{label}}\\n".encode())
+    finally:
+        os.close(ask)
+
+
+def request(label):
+    \"\"\"Ask the reader to read this process now, and wait until it has (a few
+    syscalls and small objects here: the reading's own pages are not this process's).\"\"\"
+    tell(label)
+    answer = os.open(ANSWER, os.O_RDONLY)
+    try:
+        os.read(answer, 1)
+    finally:
+        os.close(answer)
+
+
+_start_reader()
 
 
 def step(label):
     if _seen.get("measuring") and os.getpid() != _seen["parent"]:
-        _steps.append((label, total()))
-
-
-def _wrap_steps():
-    try:
-        from pytest_gpucase.run import child, judge, parent
-    except ImportError:
-        return
-    run, child_note, judge_note = parent.run, child.note, judge.note
-
-    def stepped_run(spec):
-        step("the child's start, up to the run")
-        try:
-            return run(spec)
-        finally:
-            step("the run, from there: the reference, the comparison, the verdict")
-
-    def noted(note):
-        def stepping(phase):
-            step("the run, up to: " + phase.split(" (")[0])
-            note(phase)
-        return stepping
-
-    parent.run = stepped_run
-    child.note, judge.note = noted(child_note), noted(judge_note)
-
-
-def pytest_configure(config):
-    if os.environ.get("{steps_env}"):  # a session of case items, read step by step
-        _wrap_steps()
-
-
-def save(name, found):
-    with open(os.path.join(ROOT, name), "w") as handle:
-        handle.write(repr(found))
+        request(label)
 
 
 def measured_exit(code):
     if _seen.get("measuring") and os.getpid() != _seen["parent"]:
         _seen["measuring"] = False
         try:
-            found = written()
-            if _steps:
-                found["steps"] = _steps + [("the result sent, up to the exit",
-                                            sum(counts[0] for counts in found.values()))]
-            save("pages_child", found)
+            request("the result sent, up to the exit")
+            request("=pages_child")
         except OSError:
             pass
     _exit(code)
@@ -196,12 +202,55 @@ def pytest_runtest_logstart(nodeid, location):
 def pytest_runtest_logfinish(nodeid, location):
     if "holder" not in _seen:
         return
-    found = written()
+    request("the item's end")
+    request("=pages_parent")
     holder, write = _seen.pop("holder")
     _seen["measuring"] = False
     os.close(write)
     os.waitpid(holder, 0)
-    save("pages_parent", found)
+
+
+def pytest_unconfigure(config):
+    tell("=stop")
+
+
+# In a case item's child: the pages written by each of its steps, read at gpucase's own
+# phase notes and around the run.
+def _wrap_steps():
+    from pytest_gpucase.run import child, judge, parent, reference_cache
+    from pytest_gpucase.run.isolation import child as isolation
+
+    # The readings' waits fall inside the reference's clock, and a run caches a reference
+    # that took 5 ms or more: the plain item's reference, which takes less, is not cached.
+    reference_cache.MIN_SECONDS = float("inf")
+    run, child_note, judge_note = parent.run, child.note, judge.note
+    contain = isolation._contain_self
+
+    def first_line(*args, **kwargs):
+        step("the fork, up to the child's first line")
+        return contain(*args, **kwargs)
+
+    def stepped_run(spec):
+        step("the isolation layer's setup, up to the run")
+        try:
+            return run(spec)
+        finally:
+            step("the run, from its last note to its verdict")
+
+    def noted(note):
+        def stepping(phase):
+            step("the run, up to the note: " + phase.split(" (")[0])
+            note(phase)
+        return stepping
+
+    isolation._contain_self = first_line
+    parent.run = stepped_run
+    child.note, judge.note = noted(child_note), noted(judge_note)
+
+
+def pytest_configure(config):
+    if os.environ.get("{steps_env}"):  # a session of case items, read step by step
+        _wrap_steps()
 """
 KINDS = ("anonymous", "C heap", "interpreter", "libraries", "stack", "other")
 
@@ -216,6 +265,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
         ("item, step by step", ("--gpu-cases", "cases"), steps_env)]
     found: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
+    steps: list[list[tuple[str, int]]] = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
@@ -231,30 +281,33 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
                 for side in ("pages_parent", "pages_child"):
                     (root / side).unlink(missing_ok=True)
                 pytest_seconds(root, *args, env=env)
+                # Each side's readings, in order: (label, {kind: [pages, in runs]}).
                 parent, child = (ast.literal_eval((root / side).read_text())
-                                 if (root / side).exists() else {}
+                                 if (root / side).exists() else []
                                  for side in ("pages_parent", "pages_child"))
-                found.setdefault(name, []).append((parent, child))
+                if not parent or not child:
+                    raise RuntimeError(f"{name}: the item's pages were not read (is "
+                                       "/proc/PID/pagemap readable here?)")
+                found.setdefault(name, []).append((parent[-1][1], child[-1][1]))
+                if env is not None:
+                    steps.append([(label, sum(counts[0] for counts in kinds.values()))
+                                  for label, kinds in child])
     print(f"pages written during item {at} of {items} (medians of {rounds} sessions); "
-          f"in brackets, those in runs of >= {RUN} neighbouring pages; step by step: the "
-          "child's counts include the readings at each step")
+          f"in brackets, those in runs of >= {RUN} neighbouring pages")
     print(f"{'what':<22}{'side':<8}{'all':>12}" + "".join(f"{kind:>16}" for kind in KINDS))
     for name, sessions in found.items():
         for index, side in enumerate(("pytest", "child")):
             cells = [_cell([session[index] for session in sessions], kind)
                      for kind in (None, *KINDS)]
             print(f"{name:<22}{side:<8}{cells[0]:>12}" + "".join(f"{c:>16}" for c in cells[1:]))
-    steps: list[list[tuple[str, int]]] = [child["steps"] for _, child in found["item, step by step"]
-                                          if "steps" in child]
-    if steps:
-        print("\nthe item's child, step by step (pages written by each step, median; the "
-              "first step holds the first reading's own, a few hundred pages)")
-        before = [0] * len(steps)
-        for index, (label, _) in enumerate(steps[0]):
-            after = [found_steps[index][1] for found_steps in steps]
-            spent = statistics.median(a - b for a, b in zip(after, before, strict=True))
-            print(f"  {spent:6.0f}  {label}")
-            before = after
+    print("\nthe item's child, step by step (pages written by each step, median; each "
+          "named by where it ends)")
+    before = [0] * len(steps)
+    for index, (label, _) in enumerate(steps[0]):
+        after = [found_steps[index][1] for found_steps in steps]
+        spent = statistics.median(a - b for a, b in zip(after, before, strict=True))
+        print(f"  {spent:6.0f}  {label}")
+        before = after
 
 
 def _cell(sides: list[dict[str, Any]], kind: str | None) -> str:
