@@ -128,8 +128,8 @@ def _reader():
             else:
                 try:
                     readings.setdefault(pid, []).append((label, _written(pid)))
-                except OSError:
-                    pass
+                except OSError as exc:  # the session's error names it
+                    readings.setdefault(pid, []).append((label, {{"error": str(exc)}}))
             os.write(answer, b"k")
 
 
@@ -285,9 +285,13 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
                 parent, child = (ast.literal_eval((root / side).read_text())
                                  if (root / side).exists() else []
                                  for side in ("pages_parent", "pages_child"))
-                if not parent or not child:
-                    raise RuntimeError(f"{name}: the item's pages were not read (is "
-                                       "/proc/PID/pagemap readable here?)")
+                problems = [kinds["error"] for _, kinds in [*parent, *child] if "error" in kinds]
+                if not parent or not child or problems:
+                    raise RuntimeError(
+                        f"{name}: the item's pages were not read: "
+                        f"{problems[0] if problems else 'no reading came back'} (the "
+                        "reading process reads /proc/PID/pagemap of its parent and of "
+                        "its sibling: a kernel.yama.ptrace_scope of 1 or more refuses it)")
                 found.setdefault(name, []).append((parent[-1][1], child[-1][1]))
                 if env is not None:
                     steps.append([(label, sum(counts[0] for counts in kinds.values()))
