@@ -83,10 +83,11 @@ from pytest_gpucase.run.runcontext import RunContext  # noqa: E402
 
 from bench_scale import (  # noqa: E402  (this folder: the script's own)
     BARE_FLOOR_TEST,
-    BENCHMARKS,
+    absolute_pythonpath,
     bare_floor,
     pytest_seconds,
     write_cases,
+    write_tests,
 )
 
 
@@ -492,14 +493,11 @@ def in_pytest(items: int, rounds: int, baseline_src: str | None, config: bool,
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        for folder, text in (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST),
-                             ("lean", LEAN_TEST), ("layer", LAYER_TEST),
-                             ("prepared_lean", PREPARED_LEAN_TEST),
-                             ("prepared", PREPARED_TEST), ("direct", MINIMAL_DIRECT_TEST),
-                             ("reused", MINIMAL_WORKER_TEST)):
-            (root / folder).mkdir()
-            (root / folder / "test_it.py").write_text(text.format(count=items,
-                                                                  benchmarks=BENCHMARKS))
+        write_tests(root, (("bare", BARE_FLOOR_TEST), ("plain", FORKED_TEST),
+                           ("lean", LEAN_TEST), ("layer", LAYER_TEST),
+                           ("prepared_lean", PREPARED_LEAN_TEST),
+                           ("prepared", PREPARED_TEST), ("direct", MINIMAL_DIRECT_TEST),
+                           ("reused", MINIMAL_WORKER_TEST)), items)
         (root / "conftest.py").write_text(ITEM_CONFTEST)
         if config:
             (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
@@ -556,12 +554,7 @@ def main() -> None:
                              "method when CUDA was initialized in the pytest process)")
     args = parser.parse_args()
     if args.pytest:
-        # The pytest runs start in a temporary folder: a relative PYTHONPATH (``.``) would
-        # name another package there (or none), not this checkout's.
-        if os.environ.get("PYTHONPATH"):
-            os.environ["PYTHONPATH"] = os.pathsep.join(
-                os.path.abspath(entry) if entry else entry
-                for entry in os.environ["PYTHONPATH"].split(os.pathsep))
+        absolute_pythonpath()
         in_pytest(args.items, args.rounds, args.baseline_src, not args.no_config,
                   args.forkserver)
         return

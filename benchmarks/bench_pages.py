@@ -49,9 +49,10 @@ torch = import_torch()
 from bench_isolation import LEAN_TEST  # noqa: E402  (this folder: the script's own)
 from bench_scale import (  # noqa: E402
     BARE_FLOOR_TEST,
-    BENCHMARKS,
+    absolute_pythonpath,
     pytest_seconds,
     write_cases,
+    write_tests,
 )
 
 RUN = 8  # neighbouring pages that count as a run a single call could break at once
@@ -269,10 +270,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        for folder, text in (("bare", BARE_FLOOR_TEST), ("lean", LEAN_TEST)):
-            (root / folder).mkdir()
-            (root / folder / "test_it.py").write_text(text.format(count=items,
-                                                                  benchmarks=BENCHMARKS))
+        write_tests(root, (("bare", BARE_FLOOR_TEST), ("lean", LEAN_TEST)), items)
         (root / "conftest.py").write_text(PAGES_CONFTEST.format(
             run=RUN, at=at, page=PAGE, root=str(root), steps_env=STEPS_ENV))
         (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
@@ -388,10 +386,7 @@ def main() -> None:
     args = parser.parse_args()
     if not 1 <= args.at <= args.items:
         parser.error("--at must name one of the items (1 to --items)")
-    if os.environ.get("PYTHONPATH"):  # the sessions start in a temporary folder
-        os.environ["PYTHONPATH"] = os.pathsep.join(
-            os.path.abspath(entry) if entry else entry
-            for entry in os.environ["PYTHONPATH"].split(os.pathsep))
+    absolute_pythonpath()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
     in_pytest(args.items, args.at, args.rounds)
     fault_cost()

@@ -43,6 +43,7 @@ import sys
 import tempfile
 import textwrap
 import time
+from collections.abc import Iterable
 from pathlib import Path
 
 from pytest_gpucase.base.torch_import import import_torch
@@ -120,6 +121,25 @@ def write_cases(root: Path, count: int, matrix: str = "", tensor_numel: int = 4)
 
 
 BENCHMARKS = str(Path(__file__).resolve().parent)
+
+
+def write_tests(root: Path, tests: Iterable[tuple[str, str]], count: int,
+                name: str = "test_it.py") -> None:
+    """Each of ``tests`` (folder, module text) as ``name`` in its own folder of ``root``, the
+    text formatted with the item ``count`` and this folder (``benchmarks``)."""
+    for folder, text in tests:
+        (root / folder).mkdir()
+        (root / folder / name).write_text(text.format(count=count, benchmarks=BENCHMARKS))
+
+
+def absolute_pythonpath() -> None:
+    """Make ``PYTHONPATH``'s entries absolute: the pytest sessions start in a temporary
+    folder, where a relative entry (``.``) would name another package, or none, instead of
+    this checkout's."""
+    if os.environ.get("PYTHONPATH"):
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            os.path.abspath(entry) if entry else entry
+            for entry in os.environ["PYTHONPATH"].split(os.pathsep))
 X = torch.ones(4)
 
 
@@ -216,10 +236,8 @@ def isolation(items: int, baseline_src: str | None, repeat: int) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        for folder, text in (("bare", BARE_FLOOR_TEST), ("floor", REF_FLOOR_TEST)):
-            (root / folder).mkdir()
-            (root / folder / "test_floor.py").write_text(text.format(count=items,
-                                                                     benchmarks=BENCHMARKS))
+        write_tests(root, (("bare", BARE_FLOOR_TEST), ("floor", REF_FLOOR_TEST)), items,
+                    name="test_floor.py")
         from bench_isolation import ITEM_CONFTEST  # this folder: the item timer they share
 
         (root / "conftest.py").write_text(ITEM_CONFTEST)
