@@ -1,6 +1,6 @@
 """Which memory an item's two processes write: the copy-on-write faults, by where they land.
 
-    python benchmarks/bench_pages.py [--items 40] [--at 20] [--rounds 3]
+    python benchmarks/bench_pages.py [--items 40] [--at 20] [--rounds 3] [--populate]
 
 Each fork write-protects every writable page of the process that forks; after it, each page
 either process writes costs one fault, a copy while the other still maps it. The
@@ -10,23 +10,26 @@ a project with a ``pytest.ini``; at one item past the session's first ones (``--
 
 - **the pytest process**: a holder child is forked as the item starts and kept until it
   ends, so that every page the pytest process writes meanwhile is copied; the pages then
-  mapped by that process alone (``/proc/self/pagemap``, bit 56) are the ones it wrote (or
+  mapped by that process alone (``/proc/PID/pagemap``, bit 56) are the ones it wrote (or
   mapped anew) during the item;
 - **the item's child**: read at its ``os._exit``, while its parent still lives: the pages
-  it alone maps are the ones it wrote since its fork (or mapped anew).
+  it alone maps are the ones it wrote since its fork (or mapped anew); the next item's
+  child too, to count the pages the two have in common.
 
-A last row runs the item again with its child read at each step as well (at its run's
-start, at gpucase's phase notes, at the run's end): the pages each step writes.
+A process of the session's own reads them (``/proc/PID/pagemap`` of its parent and of its
+sibling: a ``kernel.yama.ptrace_scope`` of 1 or more refuses it), on request through two
+named pipes, so that no reading writes a page of the process read. A last row runs the
+item again with its child read at each step as well (its first line, its run's start,
+gpucase's phase notes, the run's end): the pages each step writes.
 
 Each by the kind of mapping (the interpreter's static data, the C heap, anonymous memory:
-Python's object arenas and torch's buffers, other libraries' data, the stack), with how
-many of them lie in runs of at least ``RUN`` neighbouring pages. Then, in this process,
-what a fault costs against breaking the same pages' sharing in one call
-(``madvise(MADV_POPULATE_WRITE)``, Linux 5.14+): whether batching could take a share of
-the faults' cost, which depends on how the written pages lie.
-
-The reading itself allocates a little (the lists of page numbers): a few pages of each
-count are its own. Linux only (``/proc``).
+Python's object arenas, torch's buffers, the libraries' ``.bss``; other libraries' data,
+the stack), with how many of them lie in runs of at least ``RUN`` neighbouring pages. Then,
+in this process, what a fault costs against breaking the same pages' sharing first, in one
+``madvise(MADV_POPULATE_WRITE)`` over neighbours or one ``process_madvise`` over scattered
+pages (Linux 6.13+), and what the fork call itself costs. With ``--populate``, paired
+sessions of 300 items in which each child breaks, at its first line, the sharing of the
+pages an earlier child wrote, against sessions that do not. Linux only (``/proc``).
 """
 
 from __future__ import annotations
@@ -61,20 +64,25 @@ MADV_POPULATE_WRITE = 23
 
 # The measured item's two processes are read by a process of their own (``_reader``).
 PAGES_CONFTEST = """
-import ast
+import ctypes
 import os
+import select
+import signal
 
 RUN = {run}
 AT = {at}
 ROOT = {root!r}
+WAIT = 120  # seconds a request waits for the reading process before it gives up
 ASK, ANSWER = os.path.join(ROOT, "pages_ask"), os.path.join(ROOT, "pages_answer")
 _seen = {{"items": 0}}
 _exit = os._exit
 
 
-def _written(pid):
-    \"\"\"Per kind of mapping: [pages ``pid`` alone maps, of them in runs >= RUN].\"\"\"
+def _written(pid, keep):
+    \"\"\"Per kind of mapping: [pages ``pid`` alone maps, of them in runs >= RUN]; with
+    ``keep``, the page numbers too (under "pages").\"\"\"
     found = {{}}
+    kept = []
     with open(f"/proc/{{pid}}/maps") as maps:
         lines = maps.read().splitlines()
     with open(f"/proc/{{pid}}/pagemap", "rb", buffering=0) as pagemap:
@@ -96,28 +104,30 @@ def _written(pid):
                 if not (entry >> 63 & 1 and entry >> 56 & 1):
                     continue
                 counts[0] += 1
+                if keep:
+                    kept.append(low + index)
                 if index != last + 1:
                     counts[1] += run if run >= RUN else 0
                     run = 0
                 run += 1
                 last = index
             counts[1] += run if run >= RUN else 0
+    if keep:
+        found["pages"] = kept
     return found
 
 
 def _reader():
     \"\"\"The reading process: reads the pagemap of whoever asks, so that no reading writes a
-    page of the process read. A request: "pid label"; "pid =name" saves that pid's readings
-    to ROOT/name.\"\"\"
+    page of the process read. A request: "pid label" ("+label": the page numbers kept too);
+    "pid =name" saves that pid's readings to ROOT/name. It dies with the pytest process.\"\"\"
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     ask = os.open(ASK, os.O_RDWR)
     answer = os.open(ANSWER, os.O_RDWR)
     readings = {{}}
     pending = b""
     while True:
-        data = os.read(ask, 4096)
-        if not data:
-            _exit(0)
-        pending += data
+        pending += os.read(ask, 4096)
         while b"\\n" in pending:
             line, _, pending = pending.partition(b"\\n")
             pid, _, label = line.decode().partition(" ")
@@ -127,10 +137,12 @@ def _reader():
                 with open(os.path.join(ROOT, label[1:]), "w") as handle:
                     handle.write(repr(readings.pop(pid, [])))
             else:
+                keep = label.startswith("+")
+                label = label.removeprefix("+")
                 try:
-                    readings.setdefault(pid, []).append((label, _written(pid)))
-                except OSError as exc:  # the session's error names it
-                    readings.setdefault(pid, []).append((label, {{"error": str(exc)}}))
+                    readings.setdefault(pid, []).append((label, _written(pid, keep)))
+                except Exception as exc:  # the session's error names it
+                    readings.setdefault(pid, []).append((label, {{"error": repr(exc)}}))
             os.write(answer, b"k")
 
 
@@ -146,7 +158,8 @@ def _start_reader():
 
 
 def tell(label):
-    ask = os.open(ASK, os.O_WRONLY)
+    # Non-blocking: with no reading process (it died), this raises instead of waiting.
+    ask = os.open(ASK, os.O_WRONLY | os.O_NONBLOCK)
     try:
         os.write(ask, f"{{os.getpid()}} {{label}}\\n".encode())
     finally:
@@ -156,10 +169,11 @@ def tell(label):
 def request(label):
     \"\"\"Ask the reader to read this process now, and wait until it has (a few
     syscalls and small objects here: the reading's own pages are not this process's).\"\"\"
-    tell(label)
-    answer = os.open(ANSWER, os.O_RDONLY)
+    answer = os.open(ANSWER, os.O_RDONLY | os.O_NONBLOCK)
     try:
-        os.read(answer, 1)
+        tell(label)
+        if not select.select([answer], [], [], WAIT)[0] or not os.read(answer, 1):
+            raise TimeoutError(f"no answer from the reading process in {{WAIT}} s")
     finally:
         os.close(answer)
 
@@ -176,8 +190,8 @@ def measured_exit(code):
     if _seen.get("measuring") and os.getpid() != _seen["parent"]:
         _seen["measuring"] = False
         try:
-            request("the result sent, up to the exit")
-            request("=pages_child")
+            request("+the result sent, up to the exit")
+            request("=pages_child" + _seen["suffix"])
         except OSError:
             pass
     _exit(code)
@@ -186,8 +200,22 @@ def measured_exit(code):
 os._exit = measured_exit
 
 
+def pytest_configure(config):
+    if config.getoption("gpu_cases", None):
+        # A run caches its reference when computing it took 5 ms or more: under load (or
+        # the step readings' waits) some would, and a later round's item would then read
+        # it from the cache. No session here caches one: the trivial reference takes less.
+        from pytest_gpucase.run import reference_cache
+
+        reference_cache.MIN_SECONDS = float("inf")
+    if os.environ.get("{steps_env}"):  # a session of case items, read step by step
+        _wrap_steps()
+
+
 def pytest_runtest_logstart(nodeid, location):
     _seen["items"] += 1
+    if _seen["items"] == AT + 1:  # the next item's child too: which pages are the same
+        _seen.update(measuring=True, parent=os.getpid(), suffix="_next")
     if _seen["items"] != AT:
         return
     read, write = os.pipe()
@@ -197,16 +225,16 @@ def pytest_runtest_logstart(nodeid, location):
         os.read(read, 1)
         _exit(0)
     os.close(read)
-    _seen.update(holder=(holder, write), measuring=True, parent=os.getpid())
+    _seen.update(holder=(holder, write), measuring=True, parent=os.getpid(), suffix="")
 
 
 def pytest_runtest_logfinish(nodeid, location):
+    _seen["measuring"] = False
     if "holder" not in _seen:
         return
     request("the item's end")
     request("=pages_parent")
     holder, write = _seen.pop("holder")
-    _seen["measuring"] = False
     os.close(write)
     os.waitpid(holder, 0)
 
@@ -218,12 +246,9 @@ def pytest_unconfigure(config):
 # In a case item's child: the pages written by each of its steps, read at gpucase's own
 # phase notes and around the run.
 def _wrap_steps():
-    from pytest_gpucase.run import child, judge, parent, reference_cache
+    from pytest_gpucase.run import child, judge, parent
     from pytest_gpucase.run.isolation import child as isolation
 
-    # The readings' waits fall inside the reference's clock, and a run caches a reference
-    # that took 5 ms or more: the plain item's reference, which takes less, is not cached.
-    reference_cache.MIN_SECONDS = float("inf")
     run, child_note, judge_note = parent.run, child.note, judge.note
     contain = isolation._contain_self
 
@@ -248,14 +273,94 @@ def _wrap_steps():
     parent.run = stepped_run
     child.note, judge.note = noted(child_note), noted(judge_note)
 
-
-def pytest_configure(config):
-    if os.environ.get("{steps_env}"):  # a session of case items, read step by step
-        _wrap_steps()
 """
 KINDS = ("anonymous", "C heap", "interpreter", "libraries", "stack", "other")
 
+# ``--populate``, appended to the conftest: from item AT + 2 on, each child first breaks the
+# sharing of the pages item AT's child wrote (read by the reading process, page numbers
+# kept) in one ``process_madvise(MADV_POPULATE_WRITE)`` call, at its first line; the CPU
+# and faults per item from there to the session's end, children reaped.
+POPULATE_CONFTEST = """
+import ast
+import resource
 
+POPULATE = {populate}
+_plan = {{}}
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.syscall.restype = ctypes.c_long
+
+
+def _populate():
+    ranges = _plan.get("ranges")
+    if not ranges:
+        return
+    pidfd = _libc.syscall({pidfd_open}, os.getpid(), 0)
+    for first in range(0, len(ranges), {iov_max}):
+        count = min({iov_max}, len(ranges) - first)
+        _libc.syscall({process_madvise}, pidfd,
+                      ctypes.byref(ranges, first * ctypes.sizeof(_Range)), count, {advice}, 0)
+    os.close(pidfd)
+
+
+def _wrap_populate():
+    from pytest_gpucase.run.isolation import child as isolation
+
+    contain = isolation._contain_self
+
+    def first_line(*args, **kwargs):
+        _populate()
+        return contain(*args, **kwargs)
+
+    isolation._contain_self = first_line
+
+
+def _usage():
+    both = (resource.getrusage(resource.RUSAGE_SELF),
+            resource.getrusage(resource.RUSAGE_CHILDREN))
+    return [value for usage in both for value in (usage.ru_utime + usage.ru_stime,
+                                                  usage.ru_minflt)]
+
+
+_logstart = pytest_runtest_logstart
+
+
+def pytest_runtest_logstart(nodeid, location):
+    _logstart(nodeid, location)
+    if _seen["items"] != AT + 2:
+        return
+    path = os.path.join(ROOT, "pages_child")
+    pages = sorted(ast.literal_eval(open(path).read())[-1][1]["pages"])
+    runs = []
+    for page in pages:
+        if runs and page == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([page, 1])
+    if POPULATE:
+        _plan["ranges"] = (_Range * len(runs))(*(_Range(page * {page}, count * {page})
+                                                 for page, count in runs))
+        _wrap_populate()
+    _plan.update(learned=(len(pages), len(runs)), start=_usage())
+
+
+def pytest_sessionfinish(session):
+    from pytest_gpucase.run import isolation
+
+    isolation.reap_pending()
+    items = _seen["items"] - AT - 1
+    spent = [(after - before) / items for after, before in zip(_usage(), _plan["start"])]
+    with open(os.path.join(ROOT, "populate_usage"), "w") as handle:
+        handle.write(repr((spent, _plan["learned"])))
+"""
+
+
+SESSION_LIMIT = 600  # seconds a measured session may take before the script gives up
 STEPS_ENV = "BENCH_PAGE_STEPS"  # read by the conftest: the item's child, step by step
 
 
@@ -267,6 +372,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
         ("item, step by step", ("--gpu-cases", "cases"), steps_env)]
     found: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     steps: list[list[tuple[str, int]]] = []
+    same: dict[str, list[int]] = {}  # the child's pages the next item's child wrote too
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
@@ -278,21 +384,24 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
             for name, args, env in rows:
                 for side in ("pages_parent", "pages_child"):
                     (root / side).unlink(missing_ok=True)
-                pytest_seconds(root, *args, env=env)
+                pytest_seconds(root, *args, env=env, timeout=SESSION_LIMIT)
                 # Each side's readings, in order: (label, {kind: [pages, in runs]}).
-                parent, child = (ast.literal_eval((root / side).read_text())
-                                 if (root / side).exists() else []
-                                 for side in ("pages_parent", "pages_child"))
-                problems = [kinds["error"] for _, kinds in [*parent, *child] if "error" in kinds]
-                if not parent or not child or problems:
+                parent, child, following = (
+                    ast.literal_eval((root / side).read_text()) if (root / side).exists()
+                    else [] for side in ("pages_parent", "pages_child", "pages_child_next"))
+                problems = [kinds["error"] for _, kinds in [*parent, *child, *following]
+                            if "error" in kinds]
+                if not parent or not child or not following or problems:
                     raise RuntimeError(
                         f"{name}: the item's pages were not read: "
                         f"{problems[0] if problems else 'no reading came back'} (the "
                         "reading process reads /proc/PID/pagemap of its parent and of "
                         "its sibling: a kernel.yama.ptrace_scope of 1 or more refuses it)")
                 found.setdefault(name, []).append((parent[-1][1], child[-1][1]))
+                same.setdefault(name, []).append(len(set(child[-1][1]["pages"])
+                                                     & set(following[-1][1]["pages"])))
                 if env is not None:
-                    steps.append([(label, sum(counts[0] for counts in kinds.values()))
+                    steps.append([(label, sum(kinds[kind][0] for kind in KINDS if kind in kinds))
                                   for label, kinds in child])
     print(f"pages written during item {at} of {items} (medians of {rounds} sessions); "
           f"in brackets, those in runs of >= {RUN} neighbouring pages")
@@ -302,6 +411,8 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
             cells = [_cell([session[index] for session in sessions], kind)
                      for kind in (None, *KINDS)]
             print(f"{name:<22}{side:<8}{cells[0]:>12}" + "".join(f"{c:>16}" for c in cells[1:]))
+    print("\nthe child's pages that the next item's child wrote too (median): "
+          + ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in same.items()))
     print("\nthe item's child, step by step (pages written by each step, median; each "
           "named by where it ends)")
     before = [0] * len(steps)
@@ -320,19 +431,78 @@ def _cell(sides: list[dict[str, Any]], kind: str | None) -> str:
     return f"{pages:.0f} ({in_runs:.0f})"
 
 
+def populate_trial(items: int, at: int, rounds: int) -> None:
+    """``--populate``: paired sessions of ``items`` case items, each child's learned pages
+    broken in one call at its first line or not; CPU and faults per item, medians."""
+    found: dict[bool, list[list[float]]] = {True: [], False: []}
+    learned = (0, 0)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+        for round_ in range(rounds):
+            for populate in (True, False) if round_ % 2 == 0 else (False, True):
+                (root / "conftest.py").write_text(PAGES_CONFTEST.format(
+                    run=RUN, at=at, page=PAGE, root=str(root), steps_env=STEPS_ENV)
+                    + POPULATE_CONFTEST.format(
+                        populate=populate, page=PAGE, pidfd_open=PIDFD_OPEN,
+                        process_madvise=PROCESS_MADVISE, iov_max=IOV_MAX,
+                        advice=MADV_POPULATE_WRITE))
+                pytest_seconds(root, "--gpu-cases", "cases", timeout=SESSION_LIMIT)
+                spent, learned = ast.literal_eval((root / "populate_usage").read_text())
+                found[populate].append(spent)
+    print(f"\n{items} case items; item {at}'s child's pages ({learned[0]} in {learned[1]} "
+          "ranges) broken in one call at each later child's first line, or not; per item "
+          f"from item {at + 2} on, medians of {rounds} paired sessions (each in brackets)")
+    for populate, label in ((False, "a fault each"), (True, "broken in one call")):
+        values = found[populate]
+        cpu, faults, child_cpu, child_faults = (statistics.median(v[i] for v in values)
+                                                for i in range(4))
+        each = " ".join(f"{v[2] * 1e3:.2f}" for v in values)
+        print(f"  {label:<20} pytest CPU {cpu * 1e3:.2f} ms, {faults:.0f} faults; children "
+              f"CPU {child_cpu * 1e3:.2f} ms ({each}), {child_faults:.0f} faults")
+
+
+class _Range(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]  # struct iovec
+
+
+PIDFD_OPEN, PROCESS_MADVISE = 434, 440  # syscall numbers, the same on every architecture
+IOV_MAX = 1024  # ranges one process_madvise call takes
+
+
 def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
-    """Per page written in a forked child: a copy-on-write fault each, against one
-    ``madvise(MADV_POPULATE_WRITE)`` over all of them (neighbours), one call a page (pages
-    apart, as the written pages mostly lie), a fault on memory the child mapped itself
-    (nothing to copy: what a fault costs without its copy), and the writing loop alone."""
+    """Per page written in a forked child: a copy-on-write fault each (neighbours, 3 and 64
+    pages apart), against breaking the same pages' sharing first: one
+    ``madvise(MADV_POPULATE_WRITE)`` over neighbours, one call a page, and
+    ``process_madvise`` (Linux 6.13+ takes ``MADV_POPULATE_WRITE``), which takes scattered
+    pages, up to ``IOV_MAX`` a call; then a fault on memory the child mapped itself
+    (nothing to copy) and the writing loop alone."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    stride = 3
-    area = mmap.mmap(-1, PAGE * pages * stride,
-                     flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for offset in range(0, len(area), PAGE):
-        area[offset] = 1  # present in this process before the forks
+    libc.syscall.restype = ctypes.c_long
+    widest = 64
+    area = mmap.mmap(-1, PAGE * pages * widest, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for step in (1, 3, widest):
+        for index in range(pages):
+            area[index * step * PAGE] = 1  # present in this process before the forks
     start = ctypes.addressof(ctypes.c_char.from_buffer(area))
+    ranges = {step: (_Range * pages)(*(_Range(start + index * step * PAGE, PAGE)
+                                       for index in range(pages))) for step in (3, widest)}
+
+    def populated(step: int) -> int:
+        """``process_madvise`` over the pages ``step`` apart: 0, or -1 when refused."""
+        pidfd = libc.syscall(PIDFD_OPEN, os.getpid(), 0)
+        if pidfd < 0:
+            return -1
+        for first in range(0, pages, IOV_MAX):
+            count = min(IOV_MAX, pages - first)
+            chunk = ctypes.byref(ranges[step], first * ctypes.sizeof(_Range))
+            if libc.syscall(PROCESS_MADVISE, pidfd, chunk, count, MADV_POPULATE_WRITE,
+                            0) != count * PAGE:
+                return -1
+        os.close(pidfd)
+        return 0
 
     def child(step: int, how: str) -> float:
         read, write = os.pipe()
@@ -349,6 +519,8 @@ def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
                 for index in range(pages):
                     status |= libc.madvise(start + index * step * PAGE, PAGE,
                                            MADV_POPULATE_WRITE)
+            elif how == "process_madvise":
+                status = populated(step)
             target = area
             if how == "fresh":  # mapped in the child: a fault each, nothing to copy
                 target = mmap.mmap(-1, len(area),
@@ -367,17 +539,21 @@ def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
     print(f"\na page written in a forked child ({pages} pages, {repeats} children each, "
           "median; microseconds a page, the writing loop included)")
     for label, step, how in (("a fault each, neighbours", 1, "faults"),
-                             ("a fault each, pages apart", stride, "faults"),
+                             ("a fault each, 3 apart", 3, "faults"),
+                             (f"a fault each, {widest} apart", widest, "faults"),
                              ("one madvise, neighbours", 1, "one call"),
-                             ("a madvise a page, apart", stride, "a call a page"),
+                             ("a madvise a page, 3 apart", 3, "a call a page"),
+                             ("process_madvise, 3 apart", 3, "process_madvise"),
+                             (f"process_madvise, {widest} apart", widest, "process_madvise"),
                              ("a fault each, mapped anew", 1, "fresh"),
                              ("no fault (written before)", 1, "again")):
         spent = statistics.median(child(step, how) for _ in range(repeats))
-        print(f"  {label:<28}" + (f"{spent / pages * 1e6:8.2f}" if spent >= 0
-                                  else "     n/a (MADV_POPULATE_WRITE refused)"))
+        print(f"  {label:<30}" + (f"{spent / pages * 1e6:8.2f}" if spent >= 0
+                                  else "     n/a (refused by this kernel)"))
     area.close()
-    print(f"\nthe fork itself, in the process that forks (this one: torch imported), "
-          f"{fork_cost(repeats) * 1e3:.2f} ms of its CPU (median of {repeats})")
+    print(f"\nthe fork itself, in the process that forks (this one: torch imported, none of "
+          f"its memory collapsed into huge pages), {fork_cost(repeats) * 1e3:.2f} ms of its "
+          f"CPU (median of {repeats})")
 
 
 def fork_cost(repeats: int) -> float:
@@ -399,13 +575,19 @@ def main() -> None:
     parser.add_argument("--items", type=int, default=40)
     parser.add_argument("--at", type=int, default=20, help="the item measured")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--populate", action="store_true",
+                        help="also pair sessions of 300 items whose children break their "
+                             "learned pages' sharing in one process_madvise call (about 2 "
+                             "minutes)")
     args = parser.parse_args()
-    if not 1 <= args.at <= args.items:
-        parser.error("--at must name one of the items (1 to --items)")
+    if not 1 <= args.at < args.items:
+        parser.error("--at must name an item that has a next one (1 to --items - 1)")
     absolute_pythonpath()
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, load {os.getloadavg()[0]:.2f}")
     in_pytest(args.items, args.at, args.rounds)
     fault_cost()
+    if args.populate:
+        populate_trial(300, args.at, 4)
 
 
 if __name__ == "__main__":

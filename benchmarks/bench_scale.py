@@ -93,11 +93,13 @@ RSS_CONFTEST = textwrap.dedent("""
 """)
 
 
-def pytest_seconds(root: Path, *args: str, env: dict[str, str] | None = None) -> float:
+def pytest_seconds(root: Path, *args: str, env: dict[str, str] | None = None,
+                   timeout: float | None = None) -> float:
     start = time.perf_counter()
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
                            "-p", "no:benchmark", "-p", "no:randomly", *args], cwd=root,
-                          capture_output=True, text=True, check=False, env=env)
+                          capture_output=True, text=True, check=False, env=env,
+                          timeout=timeout)
     elapsed = time.perf_counter() - start
     if done.returncode not in (0, 5):
         raise RuntimeError(f"pytest {' '.join(args)} failed:\n{done.stdout[-3000:]}")
