@@ -142,6 +142,8 @@ def absolute_pythonpath() -> None:
         os.environ["PYTHONPATH"] = os.pathsep.join(
             os.path.abspath(entry) if entry else entry
             for entry in os.environ["PYTHONPATH"].split(os.pathsep))
+
+
 X = torch.ones(4)
 
 
