@@ -5,8 +5,9 @@
 Each fork write-protects every writable page of the process that forks; after it, each page
 either process writes costs one fault, a copy while the other still maps it. The
 per-item rows of ``bench_isolation.py --pytest`` count those faults; this names where they
-land. One pytest session per row (the bare fork floor, the lean fork, ``--gpu-cases``) in
-a project with a ``pytest.ini``; at one item past the session's first ones (``--at``):
+land. One pytest session per row (the bare fork floor, the lean fork, ``--gpu-cases``, and
+``--gpu-cases`` with its children forked by the zygote, ``--gpu-start-method forkserver``)
+in a project with a ``pytest.ini``; at one item past the session's first ones (``--at``):
 
 - **the pytest process**: a holder child is forked as the item starts and kept until it
   ends, so that every page the pytest process writes meanwhile is copied; the pages then
@@ -14,7 +15,9 @@ a project with a ``pytest.ini``; at one item past the session's first ones (``--
   mapped anew) during the item;
 - **the item's child**: read at its ``os._exit``, while its parent still lives: the pages
   it alone maps are the ones it wrote since its fork (or mapped anew); the next item's
-  child too, to count the pages the two have in common.
+  child too, to count the pages the two have in common. A zygote's child, forked by a
+  process that was forked before the items, learns that it is measured from a flag file;
+  the zygote's own faults over the item come from its ``/proc/PID/stat``.
 
 A process of the session's own reads them (``/proc/PID/pagemap`` of its parent and of its
 sibling: a ``kernel.yama.ptrace_scope`` of 1 or more refuses it), on request through two
@@ -74,6 +77,8 @@ AT = {at}
 ROOT = {root!r}
 WAIT = 120  # seconds a request waits for the reading process before it gives up
 ASK, ANSWER = os.path.join(ROOT, "pages_ask"), os.path.join(ROOT, "pages_answer")
+# While a measured item runs: for a child forked before it (a zygote's), which one it is.
+FLAG = os.path.join(ROOT, "pages_measuring")
 _seen = {{"items": 0}}
 _exit = os._exit
 
@@ -187,14 +192,38 @@ def step(label):
 
 
 def measured_exit(code):
+    suffix = None
     if _seen.get("measuring") and os.getpid() != _seen["parent"]:
         _seen["measuring"] = False
+        suffix = _seen["suffix"]
+    elif "parent" not in _seen and os.path.exists(FLAG):
+        # Forked by the zygote, itself forked before the session's items: told by the flag.
+        with open(FLAG) as flag:
+            suffix = flag.read()
+    if suffix is not None:
         try:
             request("+the result sent, up to the exit")
-            request("=pages_child" + _seen["suffix"])
+            request("=pages_child" + suffix)
         except OSError:
             pass
     _exit(code)
+
+
+def _zygote_usage():
+    \"\"\"(minor faults, CPU ticks) of the session's zygote, if it has one.\"\"\"
+    for task in os.listdir("/proc/self/task"):
+        with open(f"/proc/self/task/{{task}}/children") as children:
+            for pid in children.read().split():
+                try:
+                    with open(f"/proc/{{pid}}/comm") as comm:
+                        if "zygote" not in comm.read():
+                            continue
+                    with open(f"/proc/{{pid}}/stat") as stat:
+                        fields = stat.read().rsplit(")", 1)[1].split()
+                except OSError:
+                    continue
+                return int(fields[7]), int(fields[11]) + int(fields[12])
+    return None
 
 
 os._exit = measured_exit
@@ -216,8 +245,13 @@ def pytest_runtest_logstart(nodeid, location):
     _seen["items"] += 1
     if _seen["items"] == AT + 1:  # the next item's child too: which pages are the same
         _seen.update(measuring=True, parent=os.getpid(), suffix="_next")
+        with open(FLAG, "w") as flag:
+            flag.write("_next")
     if _seen["items"] != AT:
         return
+    with open(FLAG, "w") as flag:
+        flag.write("")
+    _seen["zygote"] = _zygote_usage()
     read, write = os.pipe()
     holder = os.fork()
     if holder == 0:  # keeps every page shared until the item ends
@@ -230,13 +264,18 @@ def pytest_runtest_logstart(nodeid, location):
 
 def pytest_runtest_logfinish(nodeid, location):
     _seen["measuring"] = False
-    if "holder" not in _seen:
-        return
-    request("the item's end")
-    request("=pages_parent")
-    holder, write = _seen.pop("holder")
-    os.close(write)
-    os.waitpid(holder, 0)
+    if "holder" in _seen:
+        request("the item's end")  # first: what follows is the measuring's own
+        request("=pages_parent")
+        before, after = _seen.pop("zygote"), _zygote_usage()
+        if before is not None and after is not None:
+            with open(os.path.join(ROOT, "zygote_usage"), "w") as handle:
+                handle.write(repr([now - then for now, then in zip(after, before)]))
+        holder, write = _seen.pop("holder")
+        os.close(write)
+        os.waitpid(holder, 0)
+    if os.path.exists(FLAG):
+        os.unlink(FLAG)
 
 
 def pytest_unconfigure(config):
@@ -369,10 +408,13 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
     rows: list[tuple[str, tuple[str, ...], dict[str, str] | None]] = [
         ("bare fork floor", ("bare",), None), ("lean fork", ("lean",), None),
         ("--gpu-cases (item)", ("--gpu-cases", "cases"), None),
+        ("item, forkserver", ("--gpu-cases", "--gpu-start-method", "forkserver", "cases"),
+         None),
         ("item, step by step", ("--gpu-cases", "cases"), steps_env)]
     found: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     steps: list[list[tuple[str, int]]] = []
     same: dict[str, list[int]] = {}  # the child's pages the next item's child wrote too
+    zygote: list[list[int]] = []  # the zygote's own (faults, CPU ticks) over the item
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
@@ -382,7 +424,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
         (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
         for _ in range(rounds):
             for name, args, env in rows:
-                for side in ("pages_parent", "pages_child"):
+                for side in ("pages_parent", "pages_child", "pages_child_next", "zygote_usage"):
                     (root / side).unlink(missing_ok=True)
                 pytest_seconds(root, *args, env=env, timeout=SESSION_LIMIT)
                 # Each side's readings, in order: (label, {kind: [pages, in runs]}).
@@ -398,6 +440,8 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
                         "reading process reads /proc/PID/pagemap of its parent and of "
                         "its sibling: a kernel.yama.ptrace_scope of 1 or more refuses it)")
                 found.setdefault(name, []).append((parent[-1][1], child[-1][1]))
+                if "forkserver" in args:
+                    zygote.append(ast.literal_eval((root / "zygote_usage").read_text()))
                 same.setdefault(name, []).append(len(set(child[-1][1]["pages"])
                                                      & set(following[-1][1]["pages"])))
                 if env is not None:
@@ -413,6 +457,9 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
             print(f"{name:<22}{side:<8}{cells[0]:>12}" + "".join(f"{c:>16}" for c in cells[1:]))
     print("\nthe child's pages that the next item's child wrote too (median): "
           + ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in same.items()))
+    if zygote:
+        print("forkserver: the zygote's own faults over the item (it forks the child): "
+              + ", ".join(str(faults) for faults, _ in zygote))
     print("\nthe item's child, step by step (pages written by each step, median; each "
           "named by where it ends)")
     before = [0] * len(steps)
