@@ -140,11 +140,22 @@ def trivial_case(root: Path) -> RunSpec:
     return RunSpec(load_case(case_dir), "cpu", "float32", cast=False)
 
 
+# A conftest's reading of its process's usage: (CPU seconds, minor faults) of the pytest
+# process, then of its reaped children (ITEM_CONFTEST's, and bench_pages.py's --populate).
+USAGE_FUNCTION = """
+import resource
+
+
+def _usage():
+    # (CPU seconds, minor faults) of this process, then of its reaped children
+    both = [resource.getrusage(who) for who in (resource.RUSAGE_SELF,
+                                                resource.RUSAGE_CHILDREN)]
+    return [value for u in both for value in (u.ru_utime + u.ru_stime, u.ru_minflt)]
+"""
 # Times the items from inside the pytest process: wall, CPU and minor page faults of the
 # process and its reaped children, from the first item's start to the last one's end.
-ITEM_CONFTEST = """
+ITEM_CONFTEST = USAGE_FUNCTION + """
 import os
-import resource
 import sys
 import time
 
@@ -158,13 +169,6 @@ def pytest_configure(config):
         from pytest_gpucase.run.isolation import hugepages
 
         hugepages.SAVED_PER_FORK = 1.0
-
-
-def _usage():
-    # (CPU seconds, minor faults) of this process, then of its reaped children
-    both = [resource.getrusage(who) for who in (resource.RUSAGE_SELF,
-                                                resource.RUSAGE_CHILDREN)]
-    return [value for u in both for value in (u.ru_utime + u.ru_stime, u.ru_minflt)]
 
 
 def pytest_runtest_logstart(nodeid, location):

@@ -52,18 +52,23 @@ from pytest_gpucase.base.torch_import import import_torch
 
 torch = import_torch()
 
-from bench_isolation import LEAN_TEST  # noqa: E402  (this folder: the script's own)
+from bench_isolation import LEAN_TEST, USAGE_FUNCTION  # noqa: E402  (this folder's own)
 from bench_scale import (  # noqa: E402
     BARE_FLOOR_TEST,
+    BENCHMARKS,
     absolute_pythonpath,
     pytest_seconds,
     write_cases,
     write_tests,
 )
+from page_sharing import (  # noqa: E402
+    MADV_POPULATE_WRITE,
+    PAGE,
+    break_sharing,
+    page_ranges,
+)
 
 RUN = 8  # neighbouring pages that count as a run a single call could break at once
-PAGE = mmap.PAGESIZE
-MADV_POPULATE_WRITE = 23
 
 # The measured item's two processes are read by a process of their own (``_reader``).
 PAGES_CONFTEST = """
@@ -186,14 +191,19 @@ def request(label):
 _start_reader()
 
 
+def _measured_child():
+    \"\"\"Whether this process is the measured item's child, forked by the pytest process.\"\"\"
+    return _seen.get("measuring") and os.getpid() != _seen["parent"]
+
+
 def step(label):
-    if _seen.get("measuring") and os.getpid() != _seen["parent"]:
+    if _measured_child():
         request(label)
 
 
 def measured_exit(code):
     suffix = None
-    if _seen.get("measuring") and os.getpid() != _seen["parent"]:
+    if _measured_child():
         _seen["measuring"] = False
         suffix = _seen["suffix"]
     elif "parent" not in _seen and os.path.exists(FLAG):
@@ -209,8 +219,8 @@ def measured_exit(code):
     _exit(code)
 
 
-def _zygote_usage():
-    \"\"\"(minor faults, CPU ticks) of the session's zygote, if it has one.\"\"\"
+def _zygote_faults():
+    \"\"\"The minor faults of the session's zygote so far, if it has one.\"\"\"
     for task in os.listdir("/proc/self/task"):
         with open(f"/proc/self/task/{{task}}/children") as children:
             for pid in children.read().split():
@@ -222,7 +232,7 @@ def _zygote_usage():
                         fields = stat.read().rsplit(")", 1)[1].split()
                 except OSError:
                     continue
-                return int(fields[7]), int(fields[11]) + int(fields[12])
+                return int(fields[7])
     return None
 
 
@@ -251,7 +261,7 @@ def pytest_runtest_logstart(nodeid, location):
         return
     with open(FLAG, "w") as flag:
         flag.write("")
-    _seen["zygote"] = _zygote_usage()
+    _seen["zygote"] = _zygote_faults()
     read, write = os.pipe()
     holder = os.fork()
     if holder == 0:  # keeps every page shared until the item ends
@@ -267,10 +277,10 @@ def pytest_runtest_logfinish(nodeid, location):
     if "holder" in _seen:
         request("the item's end")  # first: what follows is the measuring's own
         request("=pages_parent")
-        before, after = _seen.pop("zygote"), _zygote_usage()
+        before, after = _seen.pop("zygote"), _zygote_faults()
         if before is not None and after is not None:
-            with open(os.path.join(ROOT, "zygote_usage"), "w") as handle:
-                handle.write(repr([now - then for now, then in zip(after, before)]))
+            with open(os.path.join(ROOT, "zygote_faults"), "w") as handle:
+                handle.write(repr(after - before))
         holder, write = _seen.pop("holder")
         os.close(write)
         os.waitpid(holder, 0)
@@ -282,18 +292,26 @@ def pytest_unconfigure(config):
     tell("=stop")
 
 
+def _before_first_line(action):
+    \"\"\"Have each case child forked from now on call ``action()`` at its first line.\"\"\"
+    from pytest_gpucase.run.isolation import child as isolation
+
+    contain = isolation._contain_self
+
+    def first_line(*args, **kwargs):
+        action()
+        return contain(*args, **kwargs)
+
+    isolation._contain_self = first_line
+
+
 # In a case item's child: the pages written by each of its steps, read at gpucase's own
 # phase notes and around the run.
 def _wrap_steps():
     from pytest_gpucase.run import child, judge, parent
-    from pytest_gpucase.run.isolation import child as isolation
 
     run, child_note, judge_note = parent.run, child.note, judge.note
-    contain = isolation._contain_self
-
-    def first_line(*args, **kwargs):
-        step("the fork, up to the child's first line")
-        return contain(*args, **kwargs)
+    _before_first_line(lambda: step("the fork, up to the child's first line"))
 
     def stepped_run(spec):
         step("the isolation layer's setup, up to the run")
@@ -308,64 +326,26 @@ def _wrap_steps():
             note(phase)
         return stepping
 
-    isolation._contain_self = first_line
     parent.run = stepped_run
     child.note, judge.note = noted(child_note), noted(judge_note)
 
 """
 KINDS = ("anonymous", "C heap", "interpreter", "libraries", "stack", "other")
 
-# ``--populate``, appended to the conftest: from item AT + 2 on, each child first breaks the
-# sharing of the pages item AT's child wrote (read by the reading process, page numbers
-# kept) in one ``process_madvise(MADV_POPULATE_WRITE)`` call, at its first line; the CPU
-# and faults per item from there to the session's end, children reaped.
+# ``--populate``, appended to the conftest with ``USAGE_FUNCTION``: from item AT + 2 on,
+# each child first breaks the sharing of the pages item AT's child wrote (read by the
+# reading process, page numbers kept) in one ``process_madvise(MADV_POPULATE_WRITE)`` call,
+# at its first line; the CPU and faults per item from there to the session's end,
+# children reaped.
 POPULATE_CONFTEST = """
 import ast
-import resource
+import sys
+
+sys.path.insert(0, {benchmarks!r})
+from page_sharing import break_sharing, page_ranges
 
 POPULATE = {populate}
 _plan = {{}}
-
-
-class _Range(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.syscall.restype = ctypes.c_long
-
-
-def _populate():
-    ranges = _plan.get("ranges")
-    if not ranges:
-        return
-    pidfd = _libc.syscall({pidfd_open}, os.getpid(), 0)
-    for first in range(0, len(ranges), {iov_max}):
-        count = min({iov_max}, len(ranges) - first)
-        _libc.syscall({process_madvise}, pidfd,
-                      ctypes.byref(ranges, first * ctypes.sizeof(_Range)), count, {advice}, 0)
-    os.close(pidfd)
-
-
-def _wrap_populate():
-    from pytest_gpucase.run.isolation import child as isolation
-
-    contain = isolation._contain_self
-
-    def first_line(*args, **kwargs):
-        _populate()
-        return contain(*args, **kwargs)
-
-    isolation._contain_self = first_line
-
-
-def _usage():
-    both = (resource.getrusage(resource.RUSAGE_SELF),
-            resource.getrusage(resource.RUSAGE_CHILDREN))
-    return [value for usage in both for value in (usage.ru_utime + usage.ru_stime,
-                                                  usage.ru_minflt)]
-
-
 _logstart = pytest_runtest_logstart
 
 
@@ -373,19 +353,12 @@ def pytest_runtest_logstart(nodeid, location):
     _logstart(nodeid, location)
     if _seen["items"] != AT + 2:
         return
-    path = os.path.join(ROOT, "pages_child")
-    pages = sorted(ast.literal_eval(open(path).read())[-1][1]["pages"])
-    runs = []
-    for page in pages:
-        if runs and page == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([page, 1])
+    with open(os.path.join(ROOT, "pages_child")) as found:
+        pages = ast.literal_eval(found.read())[-1][1]["pages"]
+    ranges = page_ranges(pages)
     if POPULATE:
-        _plan["ranges"] = (_Range * len(runs))(*(_Range(page * {page}, count * {page})
-                                                 for page, count in runs))
-        _wrap_populate()
-    _plan.update(learned=(len(pages), len(runs)), start=_usage())
+        _before_first_line(lambda: break_sharing(ranges))
+    _plan.update(learned=(len(pages), len(ranges)), start=_usage())
 
 
 def pytest_sessionfinish(session):
@@ -414,17 +387,15 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
     found: dict[str, list[tuple[dict[str, Any], dict[str, Any]]]] = {}
     steps: list[list[tuple[str, int]]] = []
     same: dict[str, list[int]] = {}  # the child's pages the next item's child wrote too
-    zygote: list[list[int]] = []  # the zygote's own (faults, CPU ticks) over the item
+    zygote: list[int] = []  # the zygote's own faults over the item
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+        _project(root, items)
         write_tests(root, (("bare", BARE_FLOOR_TEST), ("lean", LEAN_TEST)), items)
-        (root / "conftest.py").write_text(PAGES_CONFTEST.format(
-            run=RUN, at=at, page=PAGE, root=str(root), steps_env=STEPS_ENV))
-        (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+        (root / "conftest.py").write_text(_conftest(root, at))
         for _ in range(rounds):
             for name, args, env in rows:
-                for side in ("pages_parent", "pages_child", "pages_child_next", "zygote_usage"):
+                for side in ("pages_parent", "pages_child", "pages_child_next", "zygote_faults"):
                     (root / side).unlink(missing_ok=True)
                 pytest_seconds(root, *args, env=env, timeout=SESSION_LIMIT)
                 # Each side's readings, in order: (label, {kind: [pages, in runs]}).
@@ -441,7 +412,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
                         "its sibling: a kernel.yama.ptrace_scope of 1 or more refuses it)")
                 found.setdefault(name, []).append((parent[-1][1], child[-1][1]))
                 if "forkserver" in args:
-                    zygote.append(ast.literal_eval((root / "zygote_usage").read_text()))
+                    zygote.append(int((root / "zygote_faults").read_text()))
                 same.setdefault(name, []).append(len(set(child[-1][1]["pages"])
                                                      & set(following[-1][1]["pages"])))
                 if env is not None:
@@ -459,7 +430,7 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
           + ", ".join(f"{name} {statistics.median(counts):.0f}" for name, counts in same.items()))
     if zygote:
         print("forkserver: the zygote's own faults over the item (it forks the child): "
-              + ", ".join(str(faults) for faults, _ in zygote))
+              + ", ".join(map(str, zygote)))
     print("\nthe item's child, step by step (pages written by each step, median; each "
           "named by where it ends)")
     before = [0] * len(steps)
@@ -468,6 +439,18 @@ def in_pytest(items: int, at: int, rounds: int) -> None:
         spent = statistics.median(a - b for a, b in zip(after, before, strict=True))
         print(f"  {spent:6.0f}  {label}")
         before = after
+
+
+def _project(root: Path, items: int) -> None:
+    """``items`` trivial case items for the CPU, in a project with a ``pytest.ini``."""
+    write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
+    (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+
+
+def _conftest(root: Path, at: int) -> str:
+    """The measuring conftest for a project at ``root``, item ``at`` (and its next) read."""
+    return PAGES_CONFTEST.format(run=RUN, at=at, page=PAGE, root=str(root),
+                                 steps_env=STEPS_ENV)
 
 
 def _cell(sides: list[dict[str, Any]], kind: str | None) -> str:
@@ -485,16 +468,12 @@ def populate_trial(items: int, at: int, rounds: int) -> None:
     learned = (0, 0)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        write_cases(root, items, matrix='[matrix]\ndevices = ["cpu"]\n')
-        (root / "pytest.ini").write_text("[pytest]\nxfail_strict = false\n")
+        _project(root, items)
         for round_ in range(rounds):
             for populate in (True, False) if round_ % 2 == 0 else (False, True):
-                (root / "conftest.py").write_text(PAGES_CONFTEST.format(
-                    run=RUN, at=at, page=PAGE, root=str(root), steps_env=STEPS_ENV)
-                    + POPULATE_CONFTEST.format(
-                        populate=populate, page=PAGE, pidfd_open=PIDFD_OPEN,
-                        process_madvise=PROCESS_MADVISE, iov_max=IOV_MAX,
-                        advice=MADV_POPULATE_WRITE))
+                (root / "conftest.py").write_text(
+                    _conftest(root, at) + USAGE_FUNCTION
+                    + POPULATE_CONFTEST.format(populate=populate, benchmarks=BENCHMARKS))
                 pytest_seconds(root, "--gpu-cases", "cases", timeout=SESSION_LIMIT)
                 spent, learned = ast.literal_eval((root / "populate_usage").read_text())
                 found[populate].append(spent)
@@ -510,46 +489,22 @@ def populate_trial(items: int, at: int, rounds: int) -> None:
               f"CPU {child_cpu * 1e3:.2f} ms ({each}), {child_faults:.0f} faults")
 
 
-class _Range(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("length", ctypes.c_size_t)]  # struct iovec
-
-
-PIDFD_OPEN, PROCESS_MADVISE = 434, 440  # syscall numbers, the same on every architecture
-IOV_MAX = 1024  # ranges one process_madvise call takes
-
-
 def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
     """Per page written in a forked child: a copy-on-write fault each (neighbours, 3 and 64
     pages apart), against breaking the same pages' sharing first: one
     ``madvise(MADV_POPULATE_WRITE)`` over neighbours, one call a page, and
-    ``process_madvise`` (Linux 6.13+ takes ``MADV_POPULATE_WRITE``), which takes scattered
-    pages, up to ``IOV_MAX`` a call; then a fault on memory the child mapped itself
-    (nothing to copy) and the writing loop alone."""
+    ``process_madvise`` over scattered pages (``page_sharing.break_sharing``); then a fault
+    on memory the child mapped itself (nothing to copy) and the writing loop alone."""
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    libc.syscall.restype = ctypes.c_long
     widest = 64
     area = mmap.mmap(-1, PAGE * pages * widest, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for step in (1, 3, widest):
         for index in range(pages):
             area[index * step * PAGE] = 1  # present in this process before the forks
     start = ctypes.addressof(ctypes.c_char.from_buffer(area))
-    ranges = {step: (_Range * pages)(*(_Range(start + index * step * PAGE, PAGE)
-                                       for index in range(pages))) for step in (3, widest)}
-
-    def populated(step: int) -> int:
-        """``process_madvise`` over the pages ``step`` apart: 0, or -1 when refused."""
-        pidfd = libc.syscall(PIDFD_OPEN, os.getpid(), 0)
-        if pidfd < 0:
-            return -1
-        for first in range(0, pages, IOV_MAX):
-            count = min(IOV_MAX, pages - first)
-            chunk = ctypes.byref(ranges[step], first * ctypes.sizeof(_Range))
-            if libc.syscall(PROCESS_MADVISE, pidfd, chunk, count, MADV_POPULATE_WRITE,
-                            0) != count * PAGE:
-                return -1
-        os.close(pidfd)
-        return 0
+    ranges = {step: page_ranges(start // PAGE + index * step for index in range(pages))
+              for step in (3, widest)}
 
     def child(step: int, how: str) -> float:
         read, write = os.pipe()
@@ -567,7 +522,7 @@ def fault_cost(pages: int = 1500, repeats: int = 30) -> None:
                     status |= libc.madvise(start + index * step * PAGE, PAGE,
                                            MADV_POPULATE_WRITE)
             elif how == "process_madvise":
-                status = populated(step)
+                status = 0 if break_sharing(ranges[step]) else -1
             target = area
             if how == "fresh":  # mapped in the child: a fault each, nothing to copy
                 target = mmap.mmap(-1, len(area),
