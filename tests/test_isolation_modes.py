@@ -34,6 +34,8 @@ POISONS = {
     "p4_crash": "os.kill(os.getpid(), signal.SIGSEGV)",
     "p5_hang": "time.sleep(600)",
 }
+# A case's run timeout, 3 s on a loaded runner; 1 s for the case that must time out.
+TIMEOUTS = {"p5_hang": 1}
 VICTIM = """
     assert torch.get_default_dtype() == torch.float32, torch.get_default_dtype()
     assert torch.get_float32_matmul_precision() == "highest"
@@ -47,8 +49,7 @@ CUDA_ERROR = "torch.zeros(3, device='cuda')[torch.tensor([5], device='cuda')].su
 def write_case(root: Path, name: str, body: str, devices: str = '["cpu"]') -> None:
     path = root / "cases" / name
     path.mkdir(parents=True)
-    # 3 s for a case's run on a loaded runner; 1 s where the case hangs, as it must time out.
-    timeout = 1 if "sleep(600)" in body else 3
+    timeout = TIMEOUTS.get(name, 3)
     (path / "case.toml").write_text(f'format = 1\ncall = "case.py:run"\ntimeout = {timeout}\n\n'
                                     f'[matrix]\ndevices = {devices}\n')
     (path / "case.py").write_text(textwrap.dedent(f"""\
