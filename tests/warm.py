@@ -79,7 +79,9 @@ class _Server:
         """Whether a session's import path holds a ``sitecustomize``, a ``usercustomize`` or
         a module the server loaded already: a fresh interpreter would run or import it."""
         names = self.modules() | {"sitecustomize", "usercustomize"}
-        for folder in filter(None, [os.getcwd(), *env.get("PYTHONPATH", "").split(os.pathsep)]):
+        # The folder is on PYTHONPATH too (``install`` puts it first): each listed once.
+        folders = dict.fromkeys([os.getcwd(), *env.get("PYTHONPATH", "").split(os.pathsep)])
+        for folder in filter(None, folders):
             try:
                 entries = os.listdir(folder)
             except OSError:
