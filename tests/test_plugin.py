@@ -478,3 +478,54 @@ def test_golden_regen_workflow(pytester: pytest.Pytester, cases: Path) -> None:
     pytester.runpytest_subprocess("--gpu-cases", "--gpu-cases-regen", "cases").assert_outcomes(
         passed=1)
     pytester.runpytest_subprocess("--gpu-cases", "cases").assert_outcomes(passed=1)
+
+
+@pytest.mark.slow
+def test_a_pass_of_an_incomplete_case_fails_its_item_and_the_fixture(
+        pytester: pytest.Pytester, cases: Path) -> None:
+    """A case the Recorder marked incomplete (no xfail line) replays something other than
+    what failed: its item passed, and the CI gate read green while training still crashed.
+    Its pass is now the case's failure, naming what it lacks, in the item and in
+    ``gpu_case.run``, and in the JSON report."""
+    write_case(cases, "half", """
+        format = 1
+        call = "case.py:run"
+
+        [origin]
+        error = "IndexError: index out of range in self"
+        incomplete = ["temperature was set after construction, which the rebuild lacks"]
+        """, "def run(x):\n    return x + 1\n", {"x": torch.zeros(4)})
+    write_case(cases, "whole", """
+        format = 1
+        call = "case.py:run"
+
+        [origin]
+        error = "IndexError: index out of range in self"
+        incomplete = []
+        """, "def run(x):\n    return x + 1\n", {"x": torch.zeros(4)})
+    pytester.makepyfile(test_wrap="""
+        import pytest
+
+        @pytest.mark.gpu_case("cases/half")
+        def test_half(gpu_case):
+            verdict = gpu_case.run("cpu")
+            assert verdict.failed and verdict.outcome.error_type == "IncompleteCase"
+            assert "the run passed, but the case is incomplete" in verdict.outcome.summary
+            assert "temperature was set" in verdict.outcome.details
+    """)
+    result = pytester.runpytest_subprocess("--gpu-cases", "cases", "test_wrap.py",
+                                           "--gpu-devices", "cpu", "-p", "no:randomly",
+                                           "--gpu-cases-report", "report.json")
+    result.assert_outcomes(failed=1, passed=2)   # half's item; whole's item, test_half
+    out = result.stdout.str()
+    assert "the run passed, but the case is incomplete ([origin] incomplete)" in out
+    assert "temperature was set after construction" in out
+    assert "delete `incomplete` from [origin] in case.toml" in out
+    assert out.count("temperature was set after construction") == 1   # listed once
+    import json
+
+    records = {r["case"]: r for r in json.loads(
+        (pytester.path / "report.json").read_text())["results"]}
+    assert records["half"]["outcome"] == "failed"
+    assert records["half"]["error_type"] == "IncompleteCase"
+    assert records["whole"]["outcome"] == "passed"   # an emptied list: completed

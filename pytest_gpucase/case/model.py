@@ -252,6 +252,18 @@ class Case:
             return None
         return self.xfail
 
+    @property
+    def incomplete(self) -> tuple[str, ...]:
+        """What the Recorder could not save of the case (``[origin] incomplete``): while it
+        holds a reason, the case cannot replay its failure as captured, and a pass of it
+        says nothing of the code (``run.parent.incomplete_pass``)."""
+        reasons = self.origin.get("incomplete")
+        if isinstance(reasons, str):
+            reasons = [reasons]
+        if not isinstance(reasons, list):
+            return ()
+        return tuple(str(reason) for reason in reasons if str(reason).strip())
+
     # Each made once per case (a run asks for them several times, and a forked child that
     # builds a path runs pathlib's parsing, each of its objects a page copied from the parent):
     # the parent's first use leaves them in the instance's dict, inherited by its children.

@@ -97,14 +97,15 @@ class GpuCaseHandle:
         nothing run.
         """
         from pytest_gpucase.plan.runs import run_skip, single_run
-        from pytest_gpucase.run.parent import run_spec
+        from pytest_gpucase.run.parent import incomplete_pass, run_spec
 
         env = self._state.environment(tuple(self.case.matrix.packages))
         reason = run_skip(self.case.matrix, env, device.split(":")[0])
         if reason is not None:
             raise skip_here(reason)
         spec = single_run(self.case, env, device, dtype, launch_blocking=launch_blocking)
-        return run_spec(spec, replace(self._state.run_context(self._item), localize=False))
+        return incomplete_pass(run_spec(spec, replace(self._state.run_context(self._item),
+                                                      localize=False)))
 
 
 @pytest.fixture

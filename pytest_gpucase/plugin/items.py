@@ -382,7 +382,7 @@ class CaseItem(pytest.Item):
         self._spec_recorded = False  # a plugin that resets the list gets the spec again
 
     def runtest(self) -> None:
-        from pytest_gpucase.run.parent import run_spec
+        from pytest_gpucase.run.parent import incomplete_pass, run_spec
 
         state = self.config.stash[session_key]
         if (state.settings.gpu_cases_regen and self.spec.variant is None
@@ -391,8 +391,8 @@ class CaseItem(pytest.Item):
         ctx = state.run_context(self)
         # A pass is reported as a failure too (XPASS(strict)): a reused child's verdict is
         # confirmed in a fresh child, whatever it is.
-        verdict = run_spec(self.spec, ctx, expects_failure=(
-            xfail_reason(self.spec) is not None or self.get_closest_marker("xfail") is not None))
+        verdict = incomplete_pass(run_spec(self.spec, ctx, expects_failure=(
+            xfail_reason(self.spec) is not None or self.get_closest_marker("xfail") is not None)))
         if state.sigint_seen:  # Ctrl-C while it ran, its KeyboardInterrupt lost on the way
             raise SigintLost("SIGINT while the case ran")
         for note in verdict.outcome.notes:  # in the session's summary: named by its item
@@ -493,6 +493,7 @@ def failure_repr(text: str, item: pytest.Item) -> TerminalRepr:
 def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool = False) -> str:
     from pytest_gpucase.base.text import terminal_safe
     from pytest_gpucase.case.variants import describe_saved
+    from pytest_gpucase.run.parent import INCOMPLETE_CASE
 
     text = outcome.summary
     if outcome.details:
@@ -508,7 +509,7 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
         text += "\n\n" + _not_the_known_failure(spec.case, outcome)
     elif spec is not None and _missing_module(outcome) is not None:
         text += "\n\n" + _missing_text(spec.case, outcome)
-    if spec is not None:
+    if spec is not None and outcome.error_type != INCOMPLETE_CASE:  # else it lists them
         text += _incomplete_text(spec.case)
     return terminal_safe(text)   # the child's words must not drive the terminal
 
@@ -516,10 +517,10 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
 def _incomplete_text(case: Case) -> str:
     """What the Recorder could not save of the case (``[origin] incomplete``), said by its
     item: the failure above is the missing part's, not a verdict on the code."""
-    reasons = case.origin.get("incomplete")
-    if not isinstance(reasons, list) or not reasons:
+    reasons = case.incomplete
+    if not reasons:
         return ""
-    listed = "".join(f"\n  - {str(reason)[:2000]}" for reason in reasons[:10])
+    listed = "".join(f"\n  - {reason[:2000]}" for reason in reasons[:10])
     return ("\n\nThis case is INCOMPLETE ([origin] incomplete): it cannot replay its "
             f"failure as captured until what is missing is added:{listed}")
 

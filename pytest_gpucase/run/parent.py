@@ -35,8 +35,8 @@ if TYPE_CHECKING:
 # functions that meet a failure: a session whose runs pass never imports them.
 
 __all__ = [
-    "Verdict", "describe_rerun", "describe_warnings", "failure_of", "regenerate_golden",
-    "reissue_warnings", "run_spec", "stderr_section",
+    "INCOMPLETE_CASE", "Verdict", "describe_rerun", "describe_warnings", "failure_of",
+    "incomplete_pass", "regenerate_golden", "reissue_warnings", "run_spec", "stderr_section",
 ]
 
 STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
@@ -112,6 +112,38 @@ def run_spec(spec: RunSpec, ctx: RunContext, *, expects_failure: bool = False) -
         found = triage(outcome.error_type or "", outcome.error_message or outcome.summary,
                        child.stderr)
     return _localized(Verdict(spec, outcome, child, found), ctx)
+
+
+# The error type of a pass of an incomplete case, told as the case's failure.
+INCOMPLETE_CASE = "IncompleteCase"
+
+
+def incomplete_pass(verdict: Verdict) -> Verdict:
+    """``verdict``, or a failure of the case where it passed a case the Recorder marked
+    incomplete (``Case.incomplete``): such a case replays something other than what failed
+    (a model rebuilt without state the capture could not hold, a step without its trainer),
+    so its pass says nothing of whether the captured failure is fixed, and must not gate
+    green. What the entry points that judge a case report (the item, ``gpu_case.run``);
+    the tools that replay a case to learn how it behaves (narrowing, minimize) see the
+    run as it was."""
+    case = verdict.spec.case
+    reasons = case.incomplete
+    if verdict.outcome.status != "passed" or not reasons:
+        return verdict
+    error = case.origin.get("error")
+    failure = f" ({str(error)[:300]})" if isinstance(error, str) and error else ""
+    summary = (f"{display(case.case_file)}: the run passed, but the case is incomplete "
+               f"([origin] incomplete): it does not replay the captured failure{failure}, so "
+               "this pass cannot tell whether it is fixed")
+    listed = "".join(f"  - {reason[:2000]}\n" for reason in reasons[:10])
+    details = ("What the case lacks:\n" + listed
+               + "Complete the case (or record it again once the capture can hold it), then "
+                 "delete `incomplete` from [origin] in case.toml.")
+    outcome = Outcome("failed", summary, details=details, kind="broken case",
+                      error_type=INCOMPLETE_CASE, error_message=summary,
+                      max_abs=verdict.outcome.max_abs, max_rel=verdict.outcome.max_rel,
+                      notes=verdict.outcome.notes)
+    return replace(verdict, outcome=outcome)
 
 
 _TIMED_OUT_REUSED = (
