@@ -328,3 +328,35 @@ class RopeLM(torch.nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.rope(self.emb(tokens))
+
+
+class StepTable(torch.nn.Module):
+    """Looks up a position row at a counter kept in a non-persistent buffer that its forward
+    advances: the counter is not in the state dict, so a model rebuilt from the constructor
+    and the state dict starts it at 0 again (the bug: it never wraps around)."""
+
+    def __init__(self, positions: int = 2, dim: int = 3) -> None:
+        super().__init__()
+        self.positions, self.dim = positions, dim
+        self.table = torch.nn.Embedding(positions, dim)
+        self.register_buffer("step", torch.zeros((), dtype=torch.long), persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        row = self.table(self.step.view(1))
+        with torch.no_grad():
+            self.step += 1
+        return x + row
+
+
+class Annealed(torch.nn.Module):
+    """Divides by a temperature the training loop sets after construction (not in the
+    constructor's arguments, nor in the state dict)."""
+
+    def __init__(self, dim: int = 3) -> None:
+        super().__init__()
+        self.dim = dim
+        self.lin = torch.nn.Linear(dim, dim)
+        self.temperature = 1.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) / self.temperature

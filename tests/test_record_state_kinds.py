@@ -146,3 +146,47 @@ def test_the_item_of_an_incomplete_case_says_what_is_missing(
     out = result.stdout.str()
     assert "This case is INCOMPLETE ([origin] incomplete)" in out
     assert "_extra_state (a dict, not a tensor)" in out
+
+
+def test_a_model_case_whose_replay_passes_is_incomplete_never_a_false_fix(
+        tmp_path: Path) -> None:
+    """State outside the state dict (a non-persistent buffer training advanced, an attribute
+    set after construction) was rebuilt from the constructor: the case's replay passed with
+    no fix, and its strict xfail read XPASS, "fixed". The capture now replays the case once
+    in a fresh child: a replay that passes makes it incomplete, with no xfail line, and the
+    item fails saying so."""
+    from pytest_gpucase.run.parent import incomplete_pass
+
+    table = model_targets.StepTable()
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    rec.watch(table, name="table")
+    with pytest.raises(IndexError):
+        for step in range(4):
+            with rec.step(step):
+                table(torch.ones(1, 3))
+    annealed = model_targets.Annealed()
+    rec = Recorder(tmp_path / "cases", narrow=False, nonfinite=True)
+    rec.watch(annealed, name="annealed")
+    annealed.temperature = 0.0
+    with pytest.raises(FloatingPointError), rec.step(0):
+        annealed(torch.ones(1, 3))
+    for name in ("table", "annealed"):
+        case_dir = tmp_path / "cases" / name
+        doc = read_toml(case_dir)
+        assert "xfail" not in doc, doc
+        assert any("its replay in a fresh child, checked when it was captured, passes" in why
+                   for why in doc["origin"]["incomplete"])
+        verdict = incomplete_pass(replay_cpu(case_dir))
+        assert verdict.failed and verdict.outcome.error_type == "IncompleteCase"
+
+
+def test_a_model_case_that_reproduces_keeps_its_xfail_line(tmp_path: Path) -> None:
+    """The same check leaves a case whose replay fails as captured as it was."""
+    model = model_targets.TinyLM()
+    rec = Recorder(tmp_path / "cases", narrow=False)
+    rec.watch(model, name="lm")
+    with pytest.raises(IndexError), rec.step(0):
+        model(torch.tensor([[1, 9]]))
+    doc = read_toml(tmp_path / "cases" / "lm")
+    assert doc["xfail"].startswith("captured failure: IndexError")
+    assert "incomplete" not in doc["origin"]

@@ -211,23 +211,46 @@ class ModuleSaver:
             self.before if self.before is not None else watch.before, watch.rng,
             module=(tensors, {MODULE_KEY: recipe}), files=rebuild_files(rebuild, root),
             origin=origin, incomplete=incomplete, what=what, context=context)
-        recorded = self._eager_failure(exc, case_dir) if compiled(exc) else None
+        recorded = self._checked_replay(exc, case_dir)
         self._narrow(exc, case_dir, recorded)
 
-    def _eager_failure(self, exc: BaseException, case_dir: Path) -> Failure | None:
-        """The case of a compiled model's failure replays the eager module: its failure (an
-        IndexError where inductor's kernel said 'index out of bounds', the real error where
-        the trace said 'when making fake tensor call') is the captured one; a failure the
-        eager module does not have makes the case incomplete. None when left as captured."""
-
+    def _checked_replay(self, exc: BaseException, case_dir: Path) -> Failure | None:
+        """Replay the module's case once in a fresh child on the CPU, as its items will,
+        before its xfail line is trusted. A model case rebuilds the model from its code and
+        state dict: what the failure depended on beyond them (a non-persistent buffer that
+        training advanced, an attribute set after construction, a generator of the
+        model's own, a constructor argument that is not plain data, a trainer's state,
+        code that ran after the call returned) is not in it, and its replay passes. Such a
+        case, captured on the CPU, is marked incomplete (``_not_reproduced``): a pass of it
+        would read as "fixed". A case captured on an accelerator is not replayed here
+        unless its model was compiled (a CPU pass would be a hint, at the cost of the whole
+        model on the CPU). The failure the narrowed cases must keep: a compiled model's
+        eager one (``_eager_failure``), else None (``exc``'s)."""
         if not self.watch.rebuild.factory:
             return None
+        from pytest_gpucase.case.load import load_case
         from pytest_gpucase.run.runcontext import RunContext
 
+        is_compiled = compiled(exc)
+        on_cpu = _computed_on_cpu(self.watch.module, (self.args, self.kwargs))
         try:
+            if not (is_compiled or (on_cpu and load_case(case_dir).xfail is not None)):
+                return None  # incomplete already (it says why, and its pass fails)
             found = replayed_failure(case_dir, RunContext.here("cpu"))
         except Exception:
             return None
+        if is_compiled:
+            return self._eager_failure(exc, case_dir, found)
+        _not_reproduced(exc, case_dir, found)
+        return None
+
+    def _eager_failure(self, exc: BaseException, case_dir: Path,
+                       found: Failure | str) -> Failure | None:
+        """The case of a compiled model's failure replays the eager module: its failure (an
+        IndexError where inductor's kernel said 'index out of bounds', the real error where
+        the trace said 'when making fake tensor call') is the captured one; a failure the
+        eager module does not have makes the case incomplete. None when left as captured.
+        ``found``: how the case's replay failed (``replayed_failure``)."""
         if isinstance(found, str):
             if found == "it passes":
                 mark_incomplete(case_dir, (
@@ -339,6 +362,45 @@ class ModuleSaver:
                        unreplayable=unreplayable)
         with contextlib.suppress(Exception):
             note_narrowed_size(case_dir, rec.narrowed_new[written:])
+
+
+def _computed_on_cpu(module: Any, arguments: Any) -> bool:
+    """Whether the failing call computed on the CPU: every parameter, buffer and tensor
+    argument on it (and at least one tensor)."""
+    from pytest_gpucase.base.tensors import tensors_in
+
+    devices = {t.device.type for t in [*module.parameters(), *module.buffers()]}
+    devices |= {t.device.type for t in tensors_in(arguments)}
+    return devices == {"cpu"}
+
+
+# Why a model case whose replay passes does not hold its failure, and what to do.
+_NOT_HELD = (
+    "the failure depended on what the case does not hold: state outside the model's state "
+    "dict (a non-persistent buffer that training advanced, an attribute set after "
+    "construction, a generator of the model's own), a constructor argument that is not "
+    "plain data, a trainer's state, or code that ran after the call returned (an "
+    "optimizer's step, a metric); so a pass of the case would read as fixed. Record the "
+    "failure where the call holds everything it depends on (a persistent buffer, a "
+    "constructor argument), or complete the case by hand")
+
+
+def _not_reproduced(exc: BaseException, case_dir: Path, found: Failure | str) -> None:
+    """A model case captured on the CPU whose replay (``found``) does not raise the captured
+    failure: incomplete where it passes or cannot run; said where it fails otherwise (its
+    strict xfail then reports another failure, loudly)."""
+    if isinstance(found, Failure):
+        if not same_failure(Failure(type(exc).__name__, message_of(exc), "", "cpu"), found):
+            say(f"gpucase: note: {shown(case_dir)}: its replay in a fresh child fails "
+                f"otherwise ({found.message.partition(chr(10))[0][:200]}); left as captured")
+        return
+    what = ("passes" if found == "it passes"
+            else f"cannot run ({found.removeprefix('the case cannot run: ')[:300]})")
+    mark_incomplete(case_dir, f"its replay in a fresh child, checked when it was captured, "
+                              f"{what}: {_NOT_HELD}")
+    say(f"gpucase: warning: {shown(case_dir)} does not reproduce the failure: its replay in a "
+        f"fresh child {what}, so it is marked incomplete (no xfail line; a pass of it fails "
+        "until the case is completed): see [origin] incomplete")
 
 
 def with_numeric(inputs: Inputs, rng: Mapping[str, Any] | None,
