@@ -957,3 +957,38 @@ def test_the_noxfile_example_has_a_session_per_torch_and_extension_pair() -> Non
     assert sessions[-1]["name"] == "matrix"
     source = noxfile.read_text()
     assert '"--no-build-isolation"' in source and "--gpu-require" in source
+
+
+def test_a_killed_or_refused_session_leaves_no_earlier_green_report(
+        pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The report path held yesterday's complete, green report; today's session was killed
+    (an out-of-memory kill, a job's time limit: no sessionfinish) or stopped at its start
+    (--gpu-require unmet), and the file still read complete and passed, merged as today's
+    run. The report is now replaced at the start, and names each collected item "not run"
+    until it finishes."""
+    case = pytester.path / "cases" / "kills"
+    case.mkdir(parents=True)
+    (case / "case.toml").write_text('format = 1\ncall = "case.py:run"\n[matrix]\n'
+                                    'devices = ["cpu"]\n')
+    (case / "case.py").write_text("import os, signal\n\ndef run():\n"
+                                  "    if os.environ.get('KILL_PYTEST'):\n"
+                                  "        os.kill(os.getppid(), signal.SIGKILL)\n"
+                                  "    return 1.0\n")
+    path = pytester.path / "report.json"
+    args = ("--gpu-cases", "--gpu-cases-report", str(path), "cases")
+    assert pytester.runpytest_subprocess(*args).ret == pytest.ExitCode.OK
+    assert [r["outcome"] for r in load_report(path)["results"]] == ["passed"]
+
+    monkeypatch.setenv("KILL_PYTEST", "1")
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == -9, result.stdout.str()   # killed: nothing of its own ran after
+    report = load_report(path)
+    assert report["complete"] is False
+    assert [(r["outcome"], r["case"]) for r in report["results"]] == [("not run", "kills")]
+    assert "killed" in report["results"][0]["message"]
+
+    monkeypatch.delenv("KILL_PYTEST")
+    result = pytester.runpytest_subprocess(*args, "--gpu-require", "gpucase-absent-ext>=1")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR
+    report = load_report(path)
+    assert report["complete"] is False and report["results"] == []

@@ -70,6 +70,11 @@ def pytest_configure(config: pytest.Config) -> None:
     state = GpuCaseSession(config, Settings.read(config))
     config.stash[session_key] = state
     if unmet := unmet_requirement(state.settings.gpu_require):   # --gpu-require
+        if state.enabled and not hasattr(config, "workerinput"):
+            _report_folder(state.settings.gpu_cases_report)
+            writer = ReportWriter(state)
+            config.pluginmanager.register(writer, "gpucase-recorder")
+            writer.lock()   # the report says this run is incomplete, not the last one's pass
         raise pytest.UsageError(unmet)
     formats = config.hook.pytest_gpucase_report_formats()   # hookspecs.py
     if any(formats):   # report.py is imported only when a plugin adds a format

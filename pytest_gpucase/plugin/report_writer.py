@@ -67,6 +67,9 @@ class ReportWriter:
         self._unrecorded: set[str] = set()    # case items that ended without a record
         self._lock: int | None = None         # the report's lock, held for the session
         self.results: dict[str, dict[str, Any]] = {}   # nodeid -> JSON record
+        # The collected case items, as "not run" until their record comes: what the report
+        # says of them when the session dies where it cannot write (a SIGKILL).
+        self._pending: dict[str, dict[str, Any]] = {}
         self.created = _now()           # when the run started, said once
         self._written_at = 0.0
         self._unwritten = False         # a record arrived since the report file was last written
@@ -101,7 +104,8 @@ class ReportWriter:
         from pytest_gpucase.report.file import check_report, new_report, report_version
 
         report = new_report(self.state.environment().to_dict(), created=self.created)
-        report["results"] = list(self.results.values())
+        report["results"] = [*self.results.values(), *(
+            record for nodeid, record in self._pending.items() if nodeid not in self.results)]
         report["version"] = report_version(report["results"])
         report["complete"] = complete
         check_report(report)   # a record that breaks the schema is a bug here, not in the file
@@ -120,7 +124,9 @@ class ReportWriter:
         if path is not None:
             from pytest_gpucase.report.file import write_report
 
-            if self._written is not None and _signature(path) != self._written:
+            now = _signature(path)
+            # A report removed since (its folder cleaned) erases no one's results: written again.
+            if self._written is not None and now is not None and now != self._written:
                 self.state.note(f"another writer changed the JSON report {path} while this session "
                           "ran, so this session's results were not written over it: give "
                           "each run its own --gpu-cases-report path")
@@ -213,6 +219,24 @@ class ReportWriter:
             if (spec := fields(nodeid)) is not None and hasattr(item, "spec"):
                 self.results[nodeid] = item_record(nodeid, spec, "not run", stop)
 
+    def pytest_collection_finish(self, session: pytest.Session) -> None:
+        """The report rewritten once the items are known, each case item "not run" until it
+        finishes: a session killed where it cannot write its report (an out-of-memory kill,
+        a job's time limit) leaves one that names every item it did not finish, incomplete,
+        instead of no row for them."""
+        from pytest_gpucase.plugin.records import item_fields, item_record
+
+        if self.state.settings.gpu_cases_report is None or session.config.option.collectonly:
+            return
+        why = ("the session ended before this item finished, without writing its report "
+               "(killed: an out-of-memory kill, a job's time limit)")
+        for item in session.items:
+            fields = item_fields(item.nodeid) if hasattr(item, "spec") else None
+            if fields is not None:
+                self._pending[item.nodeid] = item_record(item.nodeid, fields, "not run", why)
+        if self._pending:
+            self.write_report(complete=False)
+
     def pytest_sessionstart(self, session: pytest.Session) -> None:
         import os
         import signal
@@ -267,7 +291,8 @@ class ReportWriter:
             from pytest_gpucase.report.summary import append_step_summary
 
             try:
-                append_step_summary(self.build_report(complete=complete))
+                append_step_summary(self.build_report(complete=complete),
+                                    exit_status=session.exitstatus, notes=self.state.notes)
             except OSError as exc:
                 # A side output: the run's verdict and its other reports (junit) stand.
                 self.state.notes.append(
@@ -314,6 +339,11 @@ class ReportWriter:
             self._lock = lock_report(path)
         except ReportLocked as exc:
             raise pytest.UsageError(str(exc)) from None
+        # At once, an incomplete report of nothing yet: a report an earlier session left at
+        # this path (complete, every item passed) must not outlive a session that is then
+        # killed (an out-of-memory kill, a job's time limit) or stops at its start, and be
+        # merged as this run's.
+        self.write_report(complete=False)
 
     def pytest_unconfigure(self, config: pytest.Config) -> None:
         import signal
