@@ -980,3 +980,57 @@ def test_html_gives_a_fixed_strict_xfail_its_own_look(tmp_path: Path) -> None:
     assert ".fixed { background:" in page
     markdown = render_markdown(build_matrix([load_report(path)], detail=False))
     assert "❌ cuda: fail" in markdown   # Markdown and JSON keep the status the run had
+
+
+def test_no_fixed_look_while_another_run_of_the_case_still_fails_as_expected(
+        tmp_path: Path) -> None:
+    """float64 passed (XPASS(strict)) while float32 still failed as expected: the page said
+    "fixed: delete the xfail line", which would turn float32 red."""
+    path = report_file(tmp_path / "r.json", A100, [
+        result("half_fixed", "cpu", "float64", "xpassed", message="[XPASS(strict)] x"),
+        result("half_fixed", "cpu", "float32", "xfailed", message="known failure"),
+        result("elsewhere", "cpu", "float32", "xpassed", message="[XPASS(strict)] x"),
+        result("elsewhere", "cuda", "float32", "xfailed", message="known failure"),
+    ])
+    page = render_html(build_matrix([load_report(path)], detail=False))
+    rows = [part.split("</tr>")[0] for part in page.split("<tr>")]
+    for name in ("half_fixed", "elsewhere"):
+        row = next(part for part in rows if f">{name}</th>" in part)
+        assert 'class="fixed"' not in row and "d-fixed" not in row, row
+        assert "✗ cpu: fail" in row, row
+
+
+def test_a_device_whose_runs_did_not_all_start_is_no_pass_and_the_pivot_says_so(
+        tmp_path: Path) -> None:
+    """-x (or a kill) stopped a run after one dtype passed: the device read "pass", whose
+    legend says every run on it ran and passed, and the pivot dropped "(incomplete run)"."""
+    from pytest_gpucase.report.pivot import pivot, render_pivot_html, render_pivot_markdown
+
+    path = report_file(tmp_path / "r.json", A100, [
+        result("a_ok", "cpu", "float32", "passed"),
+        result("a_ok", "cpu", "float64", "not run", message="the run stopped"),
+    ], complete=False)
+    data = json.loads(path.read_text())
+    path.write_text(json.dumps({**data, "version": report_version(data["results"])}))
+    matrix = build_matrix([load_report(path)], detail=False)
+    assert matrix.rows[0].cells[0].devices[0].status == "partial"
+    assert matrix.rows[0].cells[0].status == "partial"
+    assert "✅" not in render_markdown(matrix).split("\n\n")[0]   # the table, not the legend
+    view = pivot(matrix, "torch", "python")
+    markdown = render_pivot_markdown(view)
+    assert "(incomplete run)" in markdown.split("### a_ok")[0]   # the summary table
+    assert markdown.count("(incomplete run)") >= 3   # summary, the case's table, environments
+    assert "(incomplete run)" in render_pivot_html(view)
+
+
+def test_the_step_summary_of_a_run_that_failed_with_no_item_failing_is_red() -> None:
+    """--gpu-devices cpu,cuda on a machine without a GPU fails the job (exit 1), but the
+    summary's heading was a green mark."""
+    report = new_report(A100)
+    report.update(results=[result("a", "cpu", "float32", "passed")], complete=True)
+    assert step_summary(report).startswith("### pytest-gpucase: ✅")
+    note = "--gpu-devices asked for cuda, which this machine does not have"
+    failed = step_summary(report, exit_status=1, notes=[note])
+    assert failed.startswith("### pytest-gpucase: ❌ 1 passed")
+    assert "The run failed (pytest exit status 1), though no item failed:" in failed
+    assert f"- {markdown_text(note)}" in failed

@@ -55,7 +55,8 @@ STATUS_MEANINGS: Mapping[Status, str] = {
     "interrupted": "the run was cancelled while this ran: no verdict",
     "not run": ("no report holds a run of this case on this device type here, or its run "
                 "stopped before it started"),
-    "partial": "some device types passed; the others were skipped or not run",
+    "partial": ("some runs passed; the others (other device types, or runs the session "
+                "stopped before) were skipped or not run"),
 }
 DEVICE_WORDS: Mapping[Status, str] = {
     "pass": "pass", "fail": "fail", "flaky": "flaky", "xfail": "xfail", "skip": "skipped",
@@ -439,12 +440,19 @@ def _status(results: Sequence[Mapping[str, Any]]) -> Status:
     if "interrupted" in outcomes:
         return "interrupted"
     if "passed" in outcomes:
-        return "pass"
+        # Runs of it that never started (a run stopped by -x, a kill) are no pass: "pass"
+        # says every run on this device type ran.
+        return "partial" if "not run" in outcomes else "pass"
     return "skip" if "skipped" in outcomes else "not run"
 
 
-def _fixed(results: Sequence[Mapping[str, Any]]) -> bool:
-    """Whether the runs' only failures are strict xfails that passed: fixed, not broken."""
+def _fixed(results: Sequence[Mapping[str, Any]],
+           case_runs: Sequence[Mapping[str, Any]] = ()) -> bool:
+    """Whether the runs' only failures are strict xfails that passed: fixed, not broken;
+    never while another run of the case (``case_runs``: another dtype, another device)
+    still fails as expected, which deleting the xfail line would turn red."""
+    if any(result["outcome"] == "xfailed" for result in (*results, *case_runs)):
+        return False
     return {result["outcome"] for result in results} & set(FAILING) == {"xpassed"}
 
 
@@ -454,7 +462,7 @@ def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
     on_device: dict[str, list[Mapping[str, Any]]] = {}
     for result in results:
         on_device.setdefault(result["device"], []).append(result)
-    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs), _fixed(runs))
+    devices = tuple(DeviceCell(device, _status(runs), _reasons(runs), _fixed(runs, results))
                     for device in kinds for runs in (on_device.get(device, []),))
     statuses = {device.status for device in devices}
     status: Status
@@ -464,7 +472,7 @@ def _cell(results: Sequence[Mapping[str, Any]], kinds: Sequence[str]) -> Cell:
         status = next(s for s in ("fail", "flaky", "xfail", "interrupted") if s in statuses)
     elif statuses == {"pass"}:
         status = "pass"
-    elif "pass" in statuses:
+    elif statuses & {"pass", "partial"}:
         status = "partial"   # never "pass" for a device type whose runs did not happen
     elif statuses == {"not run"}:
         status = "not run"   # selected, but the run stopped before them

@@ -157,6 +157,18 @@ def _summary(cells: Sequence[Cell]) -> str:
                       for s in order if counts[s])
 
 
+def _worst(cells: Sequence[Cell]) -> Status:
+    """The status that colours a pivot cell holding ``cells``: the worst of them."""
+    return next((s for s in ("fail", "flaky", "xfail", "interrupted", "partial", "pass", "skip")
+                 if any(c.status == s for c in cells)), "not run")
+
+
+def _unfinished(matrix: Any, indexes: Sequence[int]) -> str:
+    """" (incomplete run)" where a column of a pivot cell comes from a run that did not
+    finish (killed, stopped by -x): its passes are not every run's."""
+    return " (incomplete run)" if any(not matrix.columns[i].complete for i in indexes) else ""
+
+
 def render_pivot_markdown(view: Pivot) -> str:
     """One table of all cases, then one per case; reasons as footnotes shared by all."""
     matrix = view.matrix
@@ -173,7 +185,7 @@ def render_pivot_markdown(view: Pivot) -> str:
         for column_value in view.column_values:
             indexes = view.columns_at(row_value, column_value)
             cells.append(_summary([row.cells[i] for row in matrix.rows for i in indexes])
-                         if indexes else _ABSENT)
+                         + _unfinished(matrix, indexes) if indexes else _ABSENT)
         lines.append(f"| **{markdown_text(f'{rows_axis} {row_value}')}** | "
                      + " | ".join(cells) + " |")
     for row in matrix.rows:
@@ -186,11 +198,13 @@ def render_pivot_markdown(view: Pivot) -> str:
                 if len(indexes) > 1:   # columns that differ on a third axis: each named
                     said = [f"{markdown_text(matrix.columns[i].label)}: {text}"
                             for i, text in zip(indexes, said, strict=True)]
-                cells.append("<br>".join(said) or _ABSENT)
+                cells.append("<br>".join(said) + _unfinished(matrix, indexes)
+                             if said else _ABSENT)
             lines.append(f"| **{markdown_text(f'{rows_axis} {row_value}')}** | "
                          + " | ".join(cells) + " |")
     lines += ["", "Environments: " + "; ".join(
-        f"**{markdown_text(c.label)}**: {markdown_text(c.description)}" for c in matrix.columns)]
+        f"**{markdown_text(c.label)}**{'' if c.complete else ' (incomplete run)'}: "
+        f"{markdown_text(c.description)}" for c in matrix.columns)]
     return "\n".join(lines + markdown_notes(matrix, numbers)) + "\n"
 
 
@@ -223,12 +237,12 @@ def render_pivot_html(view: Pivot) -> str:
         if not indexes:
             return f'<td class="not-run">{_ABSENT}</td>'
         cells = [row.cells[i] for row in matrix.rows for i in indexes]
-        worst = next((s for s in ("fail", "flaky", "xfail", "interrupted", "partial", "pass",
-                                  "skip") if any(c.status == s for c in cells)), "not run")
+        worst = _worst(cells)
         counts = Counter(cell.status for cell in cells)
         body = "".join(f'<span class="device d-{s.replace(" ", "-")}">{_HTML_SYMBOLS[s]} '
                        f"{counts[s]} {DEVICE_WORDS[s]}</span>" for s in counts)
-        return f'<td class="{worst.replace(" ", "-")}">{body}</td>'
+        return (f'<td class="{worst.replace(" ", "-")}">{body}'
+                f'{esc(_unfinished(matrix, indexes))}</td>')
 
     table(f"All {len(matrix.rows)} cases", summary_cell)
     for row in matrix.rows:
@@ -244,8 +258,9 @@ def render_pivot_html(view: Pivot) -> str:
                     f"{_HTML_SYMBOLS[d.status]} {esc(d.text)}"
                     + (f"<sup>{','.join(str(numbers[r]) for r in d.reasons)}</sup>"
                        if d.reasons else "") + "</span>" for d in cell.devices))
-            worst = row.cells[indexes[0]].status
-            return f'<td class="{worst.replace(" ", "-")}">{"".join(parts)}</td>'
+            worst = _worst([row.cells[i] for i in indexes])
+            return (f'<td class="{worst.replace(" ", "-")}">{"".join(parts)}'
+                    f'{esc(_unfinished(matrix, indexes))}</td>')
         table(row.label, case_cell)
     out += html_reasons(numbers)
     out += ["<h2>Environments</h2>", '<dl class="environments">']

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import re
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,18 +17,30 @@ from pytest_gpucase.report.matrix import reason_text
 __all__ = ["append_step_summary", "step_summary"]
 
 _MAX_FAILURES_LISTED = 20
+_MAX_NOTES = 5   # the session's last notes, under a failed run's heading
 
 
-def step_summary(report: Mapping[str, Any]) -> str:
-    """A short Markdown summary of one run, for GitHub's job summary page."""
+def step_summary(report: Mapping[str, Any], exit_status: int = 0,
+                 notes: Sequence[str] = ()) -> str:
+    """A short Markdown summary of one run, for GitHub's job summary page. ``exit_status``:
+    the session's (pytest's exit code); a session that failed with no item failing (a
+    device named by ``--gpu-devices`` missing, the report not written) is headed as failed,
+    with the session's ``notes``, never with a green mark."""
     results: list[Mapping[str, Any]] = report["results"]
     counts = Counter(result["outcome"] for result in results)
     order = ("failed", "error", "xpassed", "interrupted", "xfailed", "passed", "skipped",
              "not run")
     tally = ", ".join(f"{counts[outcome]} {outcome}" for outcome in order if counts[outcome])
     failures = [result for result in results if result["outcome"] in FAILING]
-    symbol = "❌" if failures else ("⚠️" if not report["complete"] else "✅")
+    session_failed = int(exit_status) not in (0, 5) and not failures
+    symbol = ("❌" if failures or session_failed
+              else ("⚠️" if not report["complete"] else "✅"))
     lines = [f"### pytest-gpucase: {symbol} {tally or 'no items ran'}", ""]
+    if session_failed:
+        lines += [f"❌ The run failed (pytest exit status {int(exit_status)}), though no item "
+                  "failed" + (":" if notes else "."), ""]
+        lines += [f"- {markdown_text(note[:500])}" for note in notes[-_MAX_NOTES:]]
+        lines += [""] if notes else []
     if not report["complete"]:
         lines += ["⚠️ The run did not finish: these are the items recorded before it stopped.", ""]
     lines += [markdown_text(describe_environment(report["environment"])), ""]
@@ -65,8 +77,10 @@ def _as_in_nodeid(result: Mapping[str, Any], text: str) -> str:
 
 
 def append_step_summary(report: Mapping[str, Any],
-                        env: Mapping[str, str] = os.environ) -> Path | None:
-    """Append ``step_summary(report)`` to the file GitHub names in GITHUB_STEP_SUMMARY, if any."""
+                        env: Mapping[str, str] = os.environ, exit_status: int = 0,
+                        notes: Sequence[str] = ()) -> Path | None:
+    """Append ``step_summary(report, exit_status, notes)`` to the file GitHub names in
+    GITHUB_STEP_SUMMARY, if any."""
     name = env.get("GITHUB_STEP_SUMMARY")
     if not name:
         return None
@@ -74,5 +88,5 @@ def append_step_summary(report: Mapping[str, Any],
     # Other steps write to the same file; a blank line keeps our heading out of their paragraph.
     separator = "\n" if path.exists() and path.stat().st_size else ""
     with path.open("a", encoding="utf-8") as stream:
-        stream.write(separator + step_summary(report))
+        stream.write(separator + step_summary(report, exit_status, notes))
     return path
