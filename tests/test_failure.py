@@ -51,6 +51,13 @@ def test_from_text_reads_the_type_as_a_traceback_ends() -> None:
     assert silent.error_type is None
     assert silent.describe() == "silent: NaN loss at iteration 880"
     assert CUDA_ASSERT.describe() == "RuntimeError: CUDA error: device-side assert triggered"
+    # torch.linalg's error is torch._C._LinAlgError; OpenCV raises cv2.error: types both,
+    # not a silent failure's words (whose known failure any wrong values would then meet).
+    linalg = Failure.from_text("_LinAlgError: linalg.cholesky: The factorization could not "
+                               "be completed because the input is not positive-definite")
+    assert linalg.error_type == "_LinAlgError" and linalg.message.startswith("linalg.cholesky")
+    assert Failure.from_text("cv2.error: OpenCV(4.8.0) bad").error_type == "cv2.error"
+    assert Failure.from_text("mismatch: out['loss']: values differ").error_type is None
 
 
 def test_a_cuda_assert_is_met_by_the_cpus_index_error_and_by_itself() -> None:

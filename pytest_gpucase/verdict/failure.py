@@ -190,10 +190,13 @@ def _short(error_type: str | None) -> str | None:
 
 
 def _looks_like_type(name: str) -> bool:
-    """``RuntimeError``, ``torch.OutOfMemoryError``, ``Crash``: a capitalized last part.
-    "silent: NaN loss at ..." (a recorded failure without an exception) is not one."""
+    """``RuntimeError``, ``torch.OutOfMemoryError``, ``Crash``: a capitalized last part,
+    after any leading underscores (torch's ``_LinAlgError``); or a module's lower-case one
+    named as an error (``cv2.error``). "silent: NaN loss at ..." (a recorded failure
+    without an exception) is not one."""
     last = name.rsplit(".", 1)[-1]
-    return last[:1].isupper()
+    return (last.lstrip("_")[:1].isupper()
+            or ("." in name and last.lower().endswith(("error", "exception"))))
 
 
 def _device_type(device: str | None) -> str | None:
