@@ -99,3 +99,19 @@ def test_the_modules_a_call_imported_are_found_whatever_left_or_moved() -> None:
     finally:
         for name in names:
             sys.modules.pop(name, None)
+
+
+def test_an_autocast_dtype_left_changed_retires_the_worker() -> None:
+    """``torch.set_autocast_dtype("cpu", torch.float16)`` in one case made a later case's
+    matmul run in float16 in the same worker, with no retirement."""
+    import torch
+
+    looked = state.WorkerState()
+    before = torch.get_autocast_dtype("cpu")
+    torch.set_autocast_dtype("cpu", torch.float16)
+    try:
+        reasons = looked.settle()
+    finally:
+        torch.set_autocast_dtype("cpu", before)
+    assert any("torch.get_autocast_dtype('cpu') changed" in why for why in reasons), reasons
+    assert looked.settle() == []

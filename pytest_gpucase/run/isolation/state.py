@@ -104,6 +104,26 @@ _TORCH_GETTERS = (
     "_len_torch_dispatch_stack",
 )
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: setattr on the class raises
+# The device types whose autocast dtype and switch a call may leave changed.
+_AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def _autocast_probes(torch: Any) -> list[tuple[str, Callable[[], Any]]]:
+    """Autocast's dtype and switch of each device type this build knows
+    (``torch.set_autocast_dtype("cpu", torch.float16)`` outlives the call that made it: a
+    later case's matmul would run in float16)."""
+    probes: list[tuple[str, Callable[[], Any]]] = []
+    for kind in _AUTOCAST_KINDS:
+        try:
+            torch.get_autocast_dtype(kind)
+            torch.is_autocast_enabled(kind)
+        except (AttributeError, RuntimeError, TypeError, ValueError):
+            continue   # a device type this build does not know, or an older torch
+        probes.append((f"torch.get_autocast_dtype({kind!r})",
+                       functools.partial(torch.get_autocast_dtype, kind)))
+        probes.append((f"torch.is_autocast_enabled({kind!r})",
+                       functools.partial(torch.is_autocast_enabled, kind)))
+    return probes
 _DEFAULT_CUDA_SEED = 67280421310721  # c10::default_rng_seed_val: a fresh CUDA generator's
 
 
@@ -371,6 +391,7 @@ class WorkerState:  # pragma: no cover - the worker
         getter = getattr(torch, "get_default_device", None)
         if getter is not None:
             probes.append(("torch.get_default_device()", getter))
+        probes.extend(_autocast_probes(torch))
         hooks = getattr(getattr(torch._C, "_autograd", None), "_top_saved_tensors_default_hooks",
                         None)
         if hooks is not None:
