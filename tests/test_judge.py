@@ -166,3 +166,39 @@ def test_the_comparison_runs_no_code_and_budgets_only_the_leaves_that_ask() -> N
                     check_dtype=False)
     assert again.pending == () and not again.ok  # 1e-3 relative: far past 16 x 1e-7
     assert "rounding budget" in again.report()
+
+
+@pytest.mark.slow   # a child
+def test_an_input_the_call_gives_no_gradient_is_named_not_passed_in_silence(
+        tmp_path: Path) -> None:
+    """[expect] gradients = true: a custom backward returning None for one input (or a
+    detach) passed with nothing said; the float64 run of the same code gives None too, and
+    finite differences cannot tell a stop-gradient meant from one forgotten."""
+    from tests.helpers import replay_cpu, write_case
+
+    case_dir = write_case(tmp_path, "forgets_dw", """
+        format = 1
+        call = "case.py:run"
+        [expect]
+        gradients = true
+        """, """
+        import torch
+
+        class FusedMul(torch.autograd.Function):
+            @staticmethod
+            def forward(ctx, x, w):
+                ctx.save_for_backward(x, w)
+                return x * w
+
+            @staticmethod
+            def backward(ctx, g):
+                x, w = ctx.saved_tensors
+                return g * w, None
+
+        def run(x, w):
+            return FusedMul.apply(x, w)
+        """, {"x": torch.linspace(-1, 1, 5), "w": torch.linspace(0.5, 2, 5)})
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.status == "passed", verdict.outcome.summary
+    assert any(note.startswith("the call gave no gradient to w ")
+               for note in verdict.outcome.notes), verdict.outcome.notes

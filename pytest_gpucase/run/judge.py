@@ -489,6 +489,7 @@ class Judged:
         them; a pass is kept beside the reference."""
         if not self.expect.gradients or self.case.reference:
             return None
+        _say_ungiven(actual, self.notes)
         unchecked = ("the gradients were compared with the call's own run on the CPU, whose "
                      "backward is the same code: nothing independent checked them")
         if self.autocast:
@@ -522,6 +523,19 @@ class Judged:
             reference_cache.store(passed, {"gradcheck": "passed"},
                                   max(time.perf_counter() - began, reference_cache.MIN_SECONDS))
         return problem
+
+
+def _say_ungiven(actual: Mapping[str, Any], notes: list[str]) -> None:
+    """Name the floating inputs the call gave no gradient (a custom backward returning None
+    for one, a ``detach``): a float64 run of the same code gives none either, and finite
+    differences cannot tell a stop-gradient meant from one forgotten, so nothing checked
+    them; said, never passed in silence."""
+    ungiven = [name for name, grad in actual.get("grad", {}).items() if grad is None]
+    if ungiven:
+        names = ", ".join(ungiven[:10]) + (", ..." if len(ungiven) > 10 else "")
+        notes.append(f"the call gave no gradient to {names} (a backward that returns None "
+                     "for it, or a detach): nothing checked whether it should have one; "
+                     "name an independent reference that differentiates it to check it")
 
 
 # The name of the rounding budget kept beside a reference (its format's version with it), under
