@@ -202,3 +202,21 @@ def test_an_input_the_call_gives_no_gradient_is_named_not_passed_in_silence(
     assert verdict.outcome.status == "passed", verdict.outcome.summary
     assert any(note.startswith("the call gave no gradient to w ")
                for note in verdict.outcome.notes), verdict.outcome.notes
+
+
+@pytest.mark.slow   # a child
+def test_a_call_that_returns_none_says_nothing_was_compared(tmp_path: Path) -> None:
+    """An in-place kernel returning None passed with nothing compared and nothing said."""
+    from tests.helpers import replay_cpu, write_case
+
+    case_dir = write_case(tmp_path, "sgd_step", """
+        format = 1
+        call = "case.py:run"
+        """, """
+        def run(p, g):
+            p.sub_(1000.0 * g)
+        """, {"p": torch.ones(3), "g": torch.full((3,), 0.1)})
+    verdict = replay_cpu(case_dir)
+    assert verdict.outcome.status == "passed", verdict.outcome.summary
+    assert any(note.startswith("the call returned None, as the reference did: nothing was "
+                               "compared") for note in verdict.outcome.notes)
