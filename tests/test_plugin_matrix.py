@@ -992,3 +992,20 @@ def test_a_killed_or_refused_session_leaves_no_earlier_green_report(
     assert result.ret == pytest.ExitCode.USAGE_ERROR
     report = load_report(path)
     assert report["complete"] is False and report["results"] == []
+
+
+def test_the_packages_a_job_requires_are_in_its_report(pytester: pytest.Pytester) -> None:
+    """An extension the cases reach only through the project's own package was never
+    recorded, even with --gpu-require naming it: two builds of it shared one column."""
+    ce_case(pytester.path, "ce", [0, 2, 3], "")
+    path = pytester.path / "report.json"
+    result = pytester.runpytest_subprocess("--gpu-cases", "--gpu-devices", "cpu",
+                                           "--gpu-require", "packaging",
+                                           "--gpu-require", "absent-ext; python_version < '3'",
+                                           "--gpu-cases-report", str(path), "cases")
+    assert result.ret == pytest.ExitCode.OK, result.stdout.str()
+    from importlib.metadata import version
+
+    packages = load_report(path)["environment"]["packages"]
+    assert packages["packaging"] == version("packaging")
+    assert "absent-ext" not in packages   # its marker is false here: not demanded

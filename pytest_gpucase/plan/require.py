@@ -14,7 +14,23 @@ from packaging.version import InvalidVersion, Version
 
 from pytest_gpucase.plan.environment import package_version
 
-__all__ = ["unmet_requirement"]
+__all__ = ["required_names", "unmet_requirement"]
+
+
+def required_names(demanded: Iterable[str]) -> tuple[str, ...]:
+    """The distributions ``demanded`` names here (those whose marker holds; an entry that is
+    no requirement is left to ``unmet_requirement`` to name): what a run's report records
+    the version and build of, whatever the cases import them through (the project's own
+    package), so that two builds of an extension never share a column."""
+    names: dict[str, None] = {}
+    for text in demanded:
+        try:
+            requirement = Requirement(text)
+        except InvalidRequirement:
+            continue
+        if requirement.marker is None or requirement.marker.evaluate():
+            names[requirement.name] = None
+    return tuple(names)
 
 
 def unmet_requirement(demanded: Iterable[str], source: str = "--gpu-require") -> str | None:

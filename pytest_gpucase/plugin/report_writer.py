@@ -103,7 +103,11 @@ class ReportWriter:
         """The JSON report of what has finished so far."""
         from pytest_gpucase.report.file import check_report, new_report, report_version
 
-        report = new_report(self.state.environment().to_dict(), created=self.created)
+        from pytest_gpucase.plan.require import required_names
+
+        # The extensions the job demands (--gpu-require) are recorded whatever imports them.
+        required = required_names(self.state.settings.gpu_require or ())
+        report = new_report(self.state.environment(required).to_dict(), created=self.created)
         report["results"] = [*self.results.values(), *(
             record for nodeid, record in self._pending.items() if nodeid not in self.results)]
         report["version"] = report_version(report["results"])
