@@ -104,15 +104,17 @@ def _buffer_case(root: Path, code: str, reference: bool = False) -> RunSpec:
 @pytest.mark.slow
 def test_a_call_whose_outputs_its_reference_run_writes_over_is_a_broken_case(
         tmp_path: Path) -> None:
-    """A wrong call that returns a buffer it keeps: the float64 reference run writes the right
-    values into it, and comparing them with themselves passed the wrong call."""
+    """A wrong call that returns a buffer it keeps: the float64 reference run wrote the right
+    values into it, and comparing them with themselves passed the wrong call. The reference
+    now runs from a copy of the case's module, with a buffer of its own; the budget's draws
+    of it write over its first outputs, and the case is broken, saying so."""
     wrong = "* (1.01 if a.dtype == torch.float32 else 1.0)"
     spec = _buffer_case(tmp_path / "call_kept", KEPT_BUFFER.format(
         name="run", dtype="torch.float32", change=wrong, returned="buffer"))
     outcome = run(spec)
     assert outcome.status == "failed" and outcome.kind == "broken case"
-    assert "the call's outputs (out) were written again while the float64 reference ran" in (
-        outcome.summary)
+    assert ("the reference's outputs (out) were written again while a draw of the rounding "
+            "budget ran") in outcome.summary
     assert "return a new tensor" in outcome.summary
     # The same code returning a copy of its buffer is judged, and fails as the bug it is.
     spec = _buffer_case(tmp_path / "call_copied", KEPT_BUFFER.format(
@@ -220,3 +222,67 @@ def test_a_call_that_returns_none_says_nothing_was_compared(tmp_path: Path) -> N
     assert verdict.outcome.status == "passed", verdict.outcome.summary
     assert any(note.startswith("the call returned None, as the reference did: nothing was "
                                "compared") for note in verdict.outcome.notes)
+
+
+@pytest.mark.slow   # children
+def test_the_reference_shares_no_module_state_with_the_call(tmp_path: Path) -> None:
+    """The float64 reference ran in the call's own module: a result the call memoized at
+    module level (in float16, inf) was the reference's too, and the run passed. The
+    reference now runs from a copy of the case's module; a named tuple the file defines is
+    still the same type on both sides, and a body that cannot run twice falls back to the
+    shared module, saying so."""
+    from tests.helpers import replay_cpu, write_case
+
+    x = {"x": torch.full((4,), 12.0)}
+    memo = write_case(tmp_path, "memo", """
+        format = 1
+        call = "case.py:run"
+        """, """
+        import torch
+
+        _SEEN = {}
+
+        def run(x):
+            if x.shape not in _SEEN:
+                _SEEN[x.shape] = torch.exp(x * 2)
+            return _SEEN[x.shape]
+        """, x)
+    named = write_case(tmp_path, "named", """
+        format = 1
+        call = "case.py:run"
+        """, """
+        from typing import NamedTuple
+
+        class Pair(NamedTuple):
+            low: object
+            high: object
+
+        def run(x):
+            return Pair(x - 1, x + 1)
+        """, x)
+    twice = write_case(tmp_path, "twice", """
+        format = 1
+        call = "case.py:run"
+        """, """
+        import sys
+
+        if "gpucase_twice_marker" in sys.modules:
+            raise RuntimeError("already registered")
+        sys.modules["gpucase_twice_marker"] = sys
+
+        def run(x):
+            return x * 2
+        """, x)
+    from pytest_gpucase.case.load import load_case as load
+    from pytest_gpucase.plan.runs import RunSpec as Spec
+    from pytest_gpucase.run.parent import run_spec
+    from pytest_gpucase.run.runcontext import RunContext
+
+    found = run_spec(Spec(load(memo), "cpu", "float16", cast=True),
+                     RunContext("fork", "cpu", localize=False))
+    assert found.outcome.status == "failed", found.outcome.summary
+    assert replay_cpu(named).outcome.status == "passed"
+    shared = replay_cpu(twice)
+    assert shared.outcome.status == "passed", shared.outcome.summary
+    assert any("the reference ran in the call's own module" in note and
+               "already registered" in note for note in shared.outcome.notes)

@@ -153,6 +153,7 @@ def _run(spec: RunSpec) -> Outcome:
     if case.reference:
         reference = resolve(case, case.reference, "reference")
         check_binding(case, case.reference, reference, run_inputs)
+    reference = _Apart(case, case.reference or case.call, reference)
     # The loaded inputs are not needed past here (the run's are in run_inputs, or loaded
     # again): let go of them, so that the reference's float64 copy is not a third copy.
     del inputs
@@ -275,6 +276,40 @@ def _tensor_dict(case: Case, name: str, members: Any,
 
 
 _MISSING = object()
+
+
+class _Apart:
+    """The reference's function, taken when it is first called from a copy of its module
+    apart from the call's (``prepared.apart``), where it lies in the case's own ``FILE.py``:
+    the call ran first, in its precision, and whatever it left at module level (a table
+    cached by length, a memo of results) would otherwise be the float64 reference's too,
+    which then agrees with the call by construction. A function of another module (a
+    package's) is called as it is. Where the module's body cannot run twice (a custom op
+    registered at import), the shared function is called, and ``shared_why`` says so."""
+
+    def __init__(self, case: Case, target: str, shared: Callable[..., Any]) -> None:
+        self.case, self.target, self.shared = case, target, shared
+        self.__wrapped__ = shared   # what inspect (signature, source) reads: the function
+        self.found: Callable[..., Any] | None = None
+        self.shared_why: str | None = None
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.found is None:
+            self.found = self._take()
+        return self.found(*args, **kwargs)
+
+    def _take(self) -> Callable[..., Any]:
+        where, _, qualname = self.target.partition(":")
+        if not where.endswith(".py"):
+            return self.shared
+        try:
+            obj: Any = prepared.apart(self.case, where)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+        except Exception as exc:  # the user's module body, run a second time
+            self.shared_why = f"{type(exc).__name__}: {str(exc)[:200]}"
+            return self.shared
+        return obj if callable(obj) else self.shared
 
 
 def resolve(case: Case, target: str, key: str) -> Callable[..., Any]:

@@ -406,6 +406,12 @@ class Judged:
         except BaseException as exc:  # SystemExit and the like too: see raised
             return reference_failed(self.case, exc)
         self.reference_seconds = time.perf_counter() - began
+        shared_why = getattr(self.reference, "shared_why", None)
+        if shared_why:
+            self.notes.append(
+                "the reference ran in the call's own module, since its body could not run a "
+                f"second time apart ({shared_why}): what the call left at module level (a "
+                "cache) was the reference's too")
         reference_cache.store(self.cached, expected, self.reference_seconds)
         return expected
 

@@ -29,8 +29,8 @@ from pytest_gpucase.case.model import CASE_MODULE_PREFIX, Case
 from pytest_gpucase.plan.runs import RunSpec
 from pytest_gpucase.run import reference_cache
 
-__all__ = ["COMPILE_LIMIT", "imported", "loaded", "module", "module_name", "prepare_in_parent",
-           "prepend_import_paths", "taken"]
+__all__ = ["COMPILE_LIMIT", "apart", "imported", "loaded", "module", "module_name",
+           "prepare_in_parent", "prepend_import_paths", "taken"]
 
 # What the parent found for the run it is about to fork (``prepare_in_parent``): the
 # child inherits it instead of finding it again, on pages that its own work would copy.
@@ -154,8 +154,38 @@ def module(case: Case, where: str) -> types.ModuleType | None:
     if already is not None:
         return already
     sys.modules[name] = made
+    _CODES[name] = code   # for a copy of it apart (``apart``)
     exec(code, made.__dict__)  # the module's body, as the loader's exec_module runs it
     return made  # type: ignore[no-any-return]
+
+
+# The code of each case module run here from the parent's compile, by module name.
+_CODES: dict[str, types.CodeType] = {}
+# What a module's copy takes of it before its body runs: where it was loaded from.
+_ORIGIN = ("__file__", "__spec__", "__loader__", "__package__", "__cached__", "__builtins__")
+
+
+def apart(case: Case, where: str) -> types.ModuleType:
+    """A second copy of the case's own ``where`` module (imported here already), its body
+    run afresh into a module object of its own: the reference computed from it shares no
+    module-level state with the call (a table cached by length, a memo of results, filled
+    by the call in its own precision). Not in ``sys.modules``: the call's module stays the
+    one imported. Raises what the body raises run a second time (a custom op registered
+    twice)."""
+    name = module_name(case, where)
+    shared = loaded(name, str(case.path / where))
+    if shared is None:
+        raise ImportError(f"{where} is not imported here")
+    code = _CODES.get(name)
+    if code is None:
+        loader = getattr(getattr(shared, "__spec__", None), "loader", None)
+        code = loader.get_code(name) if loader is not None else None
+        if code is None:
+            raise ImportError(f"no code for {where}")
+    copy = types.ModuleType(name, shared.__doc__)
+    copy.__dict__.update({key: shared.__dict__[key] for key in _ORIGIN if key in shared.__dict__})
+    exec(code, copy.__dict__)
+    return copy
 
 
 def imported(case: Case, where: str) -> types.ModuleType:

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pytest_gpucase.base.tensors import field_names, tuple_fields
+from pytest_gpucase.case.model import CASE_MODULE_PREFIX
 from pytest_gpucase.verdict import _kernel, structure
 from pytest_gpucase.verdict._small import clean_small
 from pytest_gpucase.verdict.messages import (Mismatch, num, scalar_message, values_mismatch,
@@ -370,9 +371,8 @@ class _Walk:
         # list and tuple are interchangeable (as in torch.testing); a named
         # tuple is a declared type, and its fields name the paths.
         fields = tuple_fields(expected)
-        if (fields is not None or tuple_fields(actual) is not None) and type(actual) is not type(
-            expected
-        ):
+        if (fields is not None or tuple_fields(actual) is not None) and not _same_type(
+                actual, expected):
             self.type_differs(actual, expected, path)
             return
         if len(actual) != len(expected):
@@ -387,7 +387,7 @@ class _Walk:
             self.value(a, e, sub)
 
     def other(self, actual: object, expected: object, path: str) -> None:
-        if type(actual) is not type(expected):
+        if not _same_type(actual, expected):
             self.type_differs(actual, expected, path)
             return
         if isinstance(actual, torch.device):
@@ -883,3 +883,13 @@ def _dtype_kind(dtype: torch.dtype) -> str:
     if dtype.is_floating_point:
         return "floating"
     return "integer"
+
+
+def _same_type(actual: object, expected: object) -> bool:
+    """Whether two values are of one type: the same class, or the same class of a case's own
+    module and of its copy, where the reference ran apart from the call (``run.child``):
+    a named tuple or dataclass the case's file defines is made once by each."""
+    one, other = type(actual), type(expected)
+    return one is other or (one.__qualname__ == other.__qualname__
+                            and one.__module__ == other.__module__
+                            and one.__module__.startswith(CASE_MODULE_PREFIX))
