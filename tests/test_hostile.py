@@ -708,6 +708,23 @@ def test_no_file_of_a_case_folder_runs_in_the_pytest_process(pytester: pytest.Py
                                 "from a file inside a case folder*"])
 
 
+def test_without_gpu_cases_no_case_folder_code_is_imported_by_other_collectors(
+        pytester: pytest.Pytester) -> None:
+    """A project whose ini adds --doctest-modules: its plain ``pytest`` run imported a case
+    folder's case.py, __init__.py and conftest.py in the pytest process (without
+    --gpu-cases nothing of gpucase collected, and the doctest collector imported them)."""
+    (pytester.path / "pytest.ini").write_text("[pytest]\naddopts = --doctest-modules\n")
+    (pytester.path / "test_unit.py").write_text("def test_ok():\n    pass\n")
+    path = write_case(pytester.path, "from_pr", CASE_TOML, RUN_X)
+    for file in ("case.py", "__init__.py", "conftest.py", "test_x.py"):
+        marker = str(pytester.path / f"ran_{file}")
+        (path / file).write_text(SIDE_EFFECT.format(path=marker) + RUN_X)
+    for args in ((), ("cases",), ("cases/from_pr/case.py",)):
+        result = pytester.runpytest_subprocess("-p", "no:cacheprovider", *args, timeout=300)
+        assert not list(pytester.path.glob("ran_*")), (args, result.stdout.str())
+    pytester.runpytest_subprocess("-p", "no:cacheprovider").assert_outcomes(passed=1)
+
+
 @pytest.mark.slow  # an interpreter of its own
 def test_validate_survives_a_case_too_deep_to_parse(tmp_path: Path) -> None:
     """A 600 KB `Y = 1+1+...` case.py (RecursionError, or MemoryError, in the parser) is one
@@ -866,3 +883,34 @@ def test_nothing_that_looks_like_a_case_is_passed_over_in_silence(
                                cwd=pytester.path, capture_output=True, text=True, timeout=120)
     assert [line.split(":")[0] for line in validated.stdout.splitlines()] == [
         "cases/lost/case.toml", "cases/outer/cases/inner/case.toml"], validated.stdout
+
+
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="a zygote")
+def test_what_a_plain_test_leaves_in_the_pytest_process_never_reaches_a_case(
+        pytester: pytest.Pytester) -> None:
+    """A unit test of the same session set torch's default dtype and stubbed a function; a
+    case forked after it from the pytest process inherited both, and its verdict flipped
+    with the order the tests ran in. Its child now comes from the zygote started before any
+    test ran, and the session says so."""
+    pytester.makepyfile(test_leak="""
+        import torch
+        import torch.nn.functional as F
+
+        def test_leaves_state():
+            torch.set_default_dtype(torch.float64)
+            F.gelu = lambda x, approximate="none": x
+    """)
+    write_case(pytester.path, "fresh", CASE_TOML, """
+        import torch
+        import torch.nn.functional as F
+
+        def run(x):
+            assert torch.get_default_dtype() == torch.float32, torch.get_default_dtype()
+            assert F.gelu(torch.tensor([-1.0])).item() != -1.0, "gelu stubbed"
+            return x + 1
+        """)
+    result = pytester.runpytest_subprocess("-p", "no:randomly", "--gpu-cases",
+                                           "--gpu-devices", "cpu", "test_leak.py", "cases")
+    result.assert_outcomes(passed=2)
+    assert "the cases' children are forked by the zygote started before any test" in (
+        result.stdout.str())

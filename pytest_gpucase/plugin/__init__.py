@@ -28,6 +28,7 @@ from pytest_gpucase.plugin.fixtures import (  # noqa: F401 - fixtures must be at
 from pytest_gpucase.plugin.items import (
     BrokenCaseItem,
     CaseDirectory,
+    CaseFile,
     CaseItem,
     _OwnIsolation,
     ignored_case,
@@ -236,12 +237,37 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Any:
     ignored = yield
     state = config.stash[session_key]
+    if not ignored and not state.enabled and _in_case_folder(collection_path):
+        # Without --gpu-cases nothing collects a case, and nothing else may import its code
+        # into this process (--doctest-modules, python_files = *.py): a case's code runs
+        # only in its child.
+        return True
     if (ignored and state.enabled
             and not collection_path.name.startswith(".")):
         ignored_case(collection_path, config)
     if not ignored and state.enabled and passed_over(collection_path, state):
         return True   # a case folder outside gpu_cases_paths, in a run given no path
     return ignored
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectReport | None:
+    """A file of a case folder given on the command line (``pytest cases/x/case.py``) is
+    collected even where ``pytest_ignore_collect`` says no: another plugin's collector of
+    it (the doctest one) would import the case's code into this process. It yields no
+    items, and nothing of it is imported; the case's own collector (``case.toml``) runs."""
+    if (isinstance(collector, pytest.File) and not isinstance(collector, CaseFile)
+            and _in_case_folder(collector.path)):
+        return pytest.CollectReport(collector.nodeid, "passed", None, [])
+    return None
+
+
+def _in_case_folder(path: Path) -> bool:
+    """Whether ``path`` is a case folder, or a file of one (a folder is asked before its
+    files: a file's own folder is the one left to look at, one ``lstat``)."""
+    from pytest_gpucase.case.model import is_case_dir, looks_like_case
+
+    return looks_like_case(path) if path.is_dir() else is_case_dir(path.parent)
 
 
 def _report_folder(path: Path | None) -> None:
@@ -306,6 +332,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
+    if not isinstance(item, (CaseItem, BrokenCaseItem)):
+        state = item.config.stash.get(session_key, None)
+        if state is not None and state.enabled:
+            state.others_ran = True   # what it leaves here must not reach a case's child
     problem = item.stash.get(bad_marker_key, None)
     if problem is not None:
         # As pytest does for a skipif condition it cannot evaluate: an error of this test.

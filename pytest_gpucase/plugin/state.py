@@ -52,6 +52,9 @@ class GpuCaseSession:
     outside_paths: list[str] = field(default_factory=list)  # case folders left out by them
     _context: RunContext | None = None
     _temporary: list[Path] = field(default_factory=list)  # removed at pytest_unconfigure
+    # A test that is no case item ran in this process: what it left here (a torch setting,
+    # a monkeypatch) a forked child would inherit (``run_context``).
+    others_ran: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -106,6 +109,8 @@ class GpuCaseSession:
                 localize=not settings.gpu_no_localize, memory_limit=settings.gpu_memory_limit,
                 pin=self._worker_pin(), reference_cache=self._reference_cache_here(),
                 isolation=settings.gpu_isolation, pool=self._pool_here())
+        if self.others_ran and self._context.start_method == "fork":
+            self._context = self._apart_from_other_tests(self._context)
         if item is None:
             return self._context
         hook = item.ihook.pytest_gpucase_run_env
@@ -119,6 +124,26 @@ class GpuCaseSession:
             return merged
 
         return replace(self._context, run_env=run_env)
+
+    def _apart_from_other_tests(self, context: RunContext) -> RunContext:
+        """The runs after the session's own tests ran in this process: forked by the zygote,
+        started at ``pytest_configure`` before any test, where one runs (``auto`` start
+        method), so that nothing a test left here (a torch setting such as the autocast
+        dtype, a monkeypatched function) reaches a case's child; else said once."""
+        from pytest_gpucase.run.isolation import zygote_running
+
+        if self.settings.gpu_start_method == "auto" and zygote_running():
+            self.note("tests that are no case items ran in this session before case items, "
+                      "so the cases' children are forked by the zygote started before any "
+                      "test (nothing a test left in the pytest process reaches them), at "
+                      "some cost per item: run --gpu-cases in a session of its own to avoid it")
+            return replace(context, start_method="forkserver")
+        self.note("tests that are no case items ran in this session before case items, and "
+                  "the cases' children are forked from the pytest process: what those tests "
+                  "left there (a torch setting, a monkeypatched function) reaches them; run "
+                  "--gpu-cases in a session of its own")
+        self.others_ran = False   # said once
+        return context
 
     def _worker_pin(self) -> dict[str, str]:
         """The device pin of this xdist worker's children (``--gpu-per-worker``), or {}."""

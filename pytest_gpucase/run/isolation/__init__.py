@@ -149,6 +149,7 @@ from pytest_gpucase.run.isolation.zygote import (
     forkserver,
     forkserver_available,
     stop_forkserver,
+    zygote_running,
 )
 
 __all__ = [
@@ -177,6 +178,7 @@ __all__ = [
     "run_in_child",
     "shutdown",
     "signal_name",
+    "zygote_running",
 ]
 
 

@@ -55,6 +55,7 @@ __all__ = [
     "forkserver_available",
     "stop_forkserver",
     "zygote_main",
+    "zygote_running",
 ]
 
 _ZYGOTE: _Zygote | None = None
@@ -85,6 +86,11 @@ def forkserver_available() -> bool:
     """Whether this system can serve runs from a zygote (Linux: pidfds, fd passing, /proc)."""
     return (sys.platform.startswith("linux") and hasattr(os, "pidfd_open")
             and hasattr(socket, "send_fds"))
+
+
+def zygote_running() -> bool:
+    """Whether the session's zygote is running already (never starts one)."""
+    return _ZYGOTE is not None and _ZYGOTE.alive()
 
 
 def forkserver() -> _Zygote:
