@@ -4,6 +4,7 @@ its attributes (a transformers cache), by its tensors and with the paths a user 
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 import torch
@@ -132,3 +133,22 @@ def test_a_transformers_cache_from_a_real_model() -> None:
     actual["cache"].layers[0].keys = actual["cache"].layers[0].keys + 1e-2
     result = compare(actual, expected, check_dtype=False)
     assert [m.path for m in result.mismatches] == ["out['cache'].layers[0].keys"]
+
+
+@pytest.mark.slow   # a child
+def test_a_sparse_output_that_differs_is_a_mismatch_not_a_crash_of_the_verdict(
+        tmp_path: Path) -> None:
+    """A sparse output off its reference crashed gpucase's own range check and budget
+    (NotImplementedError for the sparse backend): the item said "the run failed inside the
+    child". It is compared by its dense values, as the docs say, budget included."""
+    from tests.helpers import replay_cpu, write_case
+
+    toml = 'format = 1\ncall = "case.py:run"\nreference = "case.py:expected"\n'
+    code = ("def run(x):\n    return (x * 2).to_sparse()\n\n"
+            "def expected(x):\n    return (x * {factor}).to_sparse()\n")
+    same = write_case(tmp_path, "same", toml, code.format(factor=2), {"x": torch.ones(3)})
+    differs = write_case(tmp_path, "differs", toml, code.format(factor=3), {"x": torch.ones(3)})
+    assert replay_cpu(same).outcome.status == "passed"
+    outcome = replay_cpu(differs).outcome
+    assert outcome.status == "failed" and outcome.kind == "mismatch", outcome.summary
+    assert not any("could not be computed" in note for note in outcome.notes), outcome.notes

@@ -96,7 +96,9 @@ def leaves_of(results: Mapping[str, Any]) -> dict[str, object]:
     found: dict[str, object] = {}
     for key, value in results.items():
         found.update(named_leaves(value, key))
-    return found
+    # A sparse leaf is compared by its dense values: its spreads and baseline are too.
+    return {path: value.to_dense() if isinstance(value, torch.Tensor)
+            and value.layout != torch.strided else value for path, value in found.items()}
 
 
 def spreads_of(reference: Mapping[str, Any], draw: Callable[[int], Mapping[str, Any]],

@@ -48,6 +48,8 @@ def _tensor(value: object) -> torch.Tensor | None:
     if isinstance(value, torch.Tensor):
         if not (value.is_floating_point() or value.is_complex()):
             return None
+        if value.layout != torch.strided:   # compared by its dense values
+            value = value.to_dense()
         return wide64(value)
     if isinstance(value, float):
         return torch.tensor(value, dtype=torch.float64)
