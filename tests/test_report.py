@@ -825,6 +825,30 @@ def test_a_report_that_cannot_tell_two_columns_apart_gets_its_own(tmp_path: Path
             "otherwise share a column with: it has a column of its own.",)
 
 
+def test_a_shard_that_names_only_the_project_package_joins_no_extension_column(
+        tmp_path: Path) -> None:
+    """Two jobs (tinyext 1.0 and 2.0), each split in two shards, the second shard of each
+    naming only the project's package: placed greedily in the order the reports were made,
+    the 2.0 job's shard joined the 1.0 column, whose case then read failing under 1.0."""
+    first_one = _one(tmp_path / "a1.json", _env(tinyext="1.0"), "passed",
+                     "2026-12-02T16:00:00+00:00", case="ext")
+    second_one = _one(tmp_path / "a2.json", _env(mymodel="0.1"), "passed",
+                      "2026-12-02T16:00:01+00:00", case="model")
+    second_two = _one(tmp_path / "b2.json", _env(mymodel="0.1"), "failed",
+                      "2026-12-02T16:00:02+00:00", case="model")
+    first_two = _one(tmp_path / "b1.json", _env(tinyext="2.0"), "failed",
+                     "2026-12-02T16:00:03+00:00", case="ext")
+    names = ["a1.json", "a2.json", "b2.json", "b1.json"]
+    matrix = build_matrix([first_one, second_one, second_two, first_two], detail=False,
+                          names=names)
+    assert sorted(column.sources for column in matrix.columns) == [
+        ("a1.json",), ("a2.json",), ("b1.json",), ("b2.json",)]
+    assert matrix.notes == tuple(
+        f"{name} does not name tinyext, which tells apart the environments it would "
+        "otherwise share a column with: it has a column of its own."
+        for name in ("a2.json", "b2.json"))
+
+
 def test_a_key_a_newer_writer_adds_to_the_environment_does_not_split_it(tmp_path: Path) -> None:
     """The schema lets a writer add keys: one environment read as two columns, with equal
     descriptions and no word why. Only the identity keys compare; the writers are named."""

@@ -247,10 +247,24 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
     # same_environment's rule, with each report's identity and packages made once (not once
     # per column it is compared with).
     placed: list[tuple[str, dict[str, _Package], list[int]]] = []
+    identities = [_identity(environment) for environment in environments]
+    everyone = [_packages(environment) for environment in environments]
+    telling = _telling_packages(identities, everyone)
     for index in order:
-        identity, mine = _identity(environments[index]), _packages(environments[index])
+        identity, mine = identities[index], everyone[index]
         fits = [column for column in placed
                 if column[0] == identity and _packages_agree(column[1], mine)]
+        # A package the reports of this environment name in two versions (or builds) tells
+        # columns apart: a report that does not name it cannot be placed, whatever columns
+        # happen to exist when it is reached (a shard that names only the project's package).
+        blind = sorted(name for name, by_build in telling.get(identity, {}).items()
+                       if name not in mine or (by_build and mine[name][1] is None))
+        if fits and blind:
+            notes.append(f"{names[index]} does not name {', '.join(blind)}, which tells "
+                         "apart the environments it would otherwise share a column with: "
+                         "it has a column of its own.")
+            placed.append((_ALONE, dict(mine), [index]))   # joined by no other report
+            continue
         if len(fits) == 1:
             _learn(fits[0][1], mine)
             fits[0][2].append(index)
@@ -267,6 +281,27 @@ def _environment_groups(reports: Sequence[Mapping[str, Any]], names: Sequence[st
     groups = [members for _, _, members in placed]
     groups.sort(key=min)
     return groups, notes
+
+
+# The identity of a column a report has to itself (``_environment_groups``): no other matches.
+_ALONE = "\0alone"
+
+
+def _telling_packages(identities: Sequence[str], packages: Sequence[Mapping[str, _Package]],
+                      ) -> dict[str, dict[str, bool]]:
+    """By environment identity: the packages its reports name in more than one version
+    (False), or at one version in more than one recorded build (True)."""
+    seen: dict[str, dict[str, tuple[set[str | None], set[str]]]] = {}
+    for identity, found in zip(identities, packages, strict=True):
+        for name, (version, build) in found.items():
+            versions, builds = seen.setdefault(identity, {}).setdefault(name, (set(), set()))
+            versions.add(version)
+            if build is not None:
+                builds.add(build)
+    return {identity: {name: len(versions) == 1
+                       for name, (versions, builds) in names.items()
+                       if len(versions) > 1 or len(builds) > 1}
+            for identity, names in seen.items()}
 
 
 def _merged_environment(environments: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
