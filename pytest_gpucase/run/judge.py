@@ -220,11 +220,7 @@ class Judged:
         self.store(look)
         self.notes.extend(look.notes())
         against = found or expected or {}
-        if actual.get("out") is None and against.get("out") is None and not actual.get("grad"):
-            self.notes.append(
-                "the call returned None, as the reference did: nothing was compared (a kernel "
-                "that works in place leaves its results in its inputs: return them from the "
-                "case's call to have them checked)")
+        _say_nothing_compared(actual, against, self.notes)
         held = self.held(actual, against, comparison)
         held_paths = {failure.path for failure in held}
         self.notes.extend(note for note in comparison.notes
@@ -534,6 +530,16 @@ class Judged:
             reference_cache.store(passed, {"gradcheck": "passed"},
                                   max(time.perf_counter() - began, reference_cache.MIN_SECONDS))
         return problem
+
+
+def _say_nothing_compared(actual: Mapping[str, Any], against: Mapping[str, Any],
+                          notes: list[str]) -> None:
+    """Say so where the call and the reference both returned None and nothing else was
+    compared: a pass then checks nothing."""
+    if actual.get("out") is None and against.get("out") is None and not actual.get("grad"):
+        notes.append("the call returned None, as the reference did: nothing was compared (a "
+                     "kernel that works in place leaves its results in its inputs: return "
+                     "them from the case's call to have them checked)")
 
 
 def _say_ungiven(actual: Mapping[str, Any], notes: list[str]) -> None:
