@@ -154,6 +154,8 @@ def module(case: Case, where: str) -> types.ModuleType | None:
     if already is not None:
         return already
     sys.modules[name] = made
+    if len(_CODES) >= 8:   # a reused worker runs case after case: what a run needs, no more
+        _CODES.clear()
     _CODES[name] = code   # for a copy of it apart (``apart``)
     exec(code, made.__dict__)  # the module's body, as the loader's exec_module runs it
     return made  # type: ignore[no-any-return]
