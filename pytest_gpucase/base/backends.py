@@ -27,6 +27,7 @@ from types import ModuleType
 from typing import Any
 
 __all__ = [
+    "AUTOCAST_DEVICE_TYPES",
     "BACKENDS",
     "BACKEND_TABLE",
     "BY_NAME",
@@ -127,6 +128,10 @@ DEVICE_TYPE_TABLE: tuple[DeviceType, ...] = (
     DeviceType("mps", synchronize="mps", float64=False),
     DeviceType("xpu", synchronize="xpu", synchronize_takes_device=True),
 )
+
+# The device types torch's autocast keeps a state for (its switch and dtype), in the order a
+# region is looked for when several are on: an accelerator's before the CPU's.
+AUTOCAST_DEVICE_TYPES: tuple[str, ...] = ("cuda", "cpu", "xpu", "mps", "hpu")
 
 BY_NAME: Mapping[str, Backend] = {backend.name: backend for backend in BACKEND_TABLE}
 DEVICE_TYPES_BY_NAME: Mapping[str, DeviceType] = {kind.name: kind for kind in DEVICE_TYPE_TABLE}

@@ -65,6 +65,8 @@ import types
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from pytest_gpucase.base.backends import AUTOCAST_DEVICE_TYPES
+
 __all__ = ["WorkerState", "prime"]
 
 # Standard-library modules a replay's arithmetic or the process's behaviour depends on:
@@ -104,8 +106,7 @@ _TORCH_GETTERS = (
     "_len_torch_dispatch_stack",
 )
 _IMMUTABLE_TYPE = 1 << 8  # Py_TPFLAGS_IMMUTABLETYPE: setattr on the class raises
-# The device types whose autocast dtype and switch a call may leave changed.
-_AUTOCAST_KINDS = ("cpu", "cuda", "xpu", "mps", "hpu")
+_DEFAULT_CUDA_SEED = 67280421310721  # c10::default_rng_seed_val: a fresh CUDA generator's
 
 
 def _autocast_probes(torch: Any) -> list[tuple[str, Callable[[], Any]]]:
@@ -113,7 +114,7 @@ def _autocast_probes(torch: Any) -> list[tuple[str, Callable[[], Any]]]:
     (``torch.set_autocast_dtype("cpu", torch.float16)`` outlives the call that made it: a
     later case's matmul would run in float16)."""
     probes: list[tuple[str, Callable[[], Any]]] = []
-    for kind in _AUTOCAST_KINDS:
+    for kind in AUTOCAST_DEVICE_TYPES:
         try:
             torch.get_autocast_dtype(kind)
             torch.is_autocast_enabled(kind)
@@ -124,7 +125,6 @@ def _autocast_probes(torch: Any) -> list[tuple[str, Callable[[], Any]]]:
         probes.append((f"torch.is_autocast_enabled({kind!r})",
                        functools.partial(torch.is_autocast_enabled, kind)))
     return probes
-_DEFAULT_CUDA_SEED = 67280421310721  # c10::default_rng_seed_val: a fresh CUDA generator's
 
 
 @functools.cache

@@ -15,6 +15,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pytest_gpucase.base.backends import AUTOCAST_DEVICE_TYPES
 from pytest_gpucase.case import payload
 from pytest_gpucase.case.keys import (
     CODE_OWNED,
@@ -480,8 +481,7 @@ def outside_autocast() -> Iterator[None]:
     in the dtypes autocast gave them)."""
     import torch
 
-    kinds = [kind for kind in ("cpu", "cuda", "xpu", "mps", "hpu")
-             if _autocast_enabled(torch, kind)]
+    kinds = [kind for kind in AUTOCAST_DEVICE_TYPES if _autocast_enabled(torch, kind)]
     for kind in kinds:
         torch.set_autocast_enabled(kind, False)
     try:

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pytest_gpucase.base.backends import AUTOCAST_DEVICE_TYPES
 from pytest_gpucase.base.tensors import named_tensors, tensor_versions, tensors_in
 from pytest_gpucase.case.keys import REPLAY_MODULE
 from pytest_gpucase.tools.record.hooks import Hooks, install, invisible_to_dynamo
@@ -95,7 +96,7 @@ def loss_in(value: Any) -> Any:
 
 def autocast_state() -> tuple[str, str] | None:
     """(device type, dtype) of the autocast region the caller runs in, or None."""
-    for kind in ("cuda", "cpu", "xpu", "mps", "hpu"):
+    for kind in AUTOCAST_DEVICE_TYPES:
         dtype = autocast_dtype(kind)
         if dtype is not None:
             return kind, dtype
