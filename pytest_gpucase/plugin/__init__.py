@@ -235,12 +235,16 @@ def pytest_collect_directory(path: Path, parent: pytest.Collector) -> pytest.Col
 
 @pytest.hookimpl(wrapper=True)
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> Any:
+    from pytest_gpucase.case.model import looks_like_case
+
     ignored = yield
     state = config.stash[session_key]
-    if not ignored and not state.enabled and _in_case_folder(collection_path):
+    if (not ignored and not state.enabled and collection_path.is_dir()
+            and looks_like_case(collection_path)):
         # Without --gpu-cases nothing collects a case, and nothing else may import its code
         # into this process (--doctest-modules, python_files = *.py): a case's code runs
-        # only in its child.
+        # only in its child. Its files are then never reached; one given on the command
+        # line is stopped at its collector (pytest_make_collect_report).
         return True
     if (ignored and state.enabled
             and not collection_path.name.startswith(".")):
@@ -256,18 +260,12 @@ def pytest_make_collect_report(collector: pytest.Collector) -> pytest.CollectRep
     collected even where ``pytest_ignore_collect`` says no: another plugin's collector of
     it (the doctest one) would import the case's code into this process. It yields no
     items, and nothing of it is imported; the case's own collector (``case.toml``) runs."""
+    from pytest_gpucase.case.model import is_case_dir
+
     if (isinstance(collector, pytest.File) and not isinstance(collector, CaseFile)
-            and _in_case_folder(collector.path)):
+            and is_case_dir(collector.path.parent)):
         return pytest.CollectReport(collector.nodeid, "passed", None, [])
     return None
-
-
-def _in_case_folder(path: Path) -> bool:
-    """Whether ``path`` is a case folder, or a file of one (a folder is asked before its
-    files: a file's own folder is the one left to look at, one ``lstat``)."""
-    from pytest_gpucase.case.model import is_case_dir, looks_like_case
-
-    return looks_like_case(path) if path.is_dir() else is_case_dir(path.parent)
 
 
 def _report_folder(path: Path | None) -> None:
