@@ -4,11 +4,13 @@ under xdist): ``ReportWriter`` keeps the report current and writes it on every w
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from pytest_gpucase.plan.require import required_names
 from pytest_gpucase.plugin.state import GpuCaseSession, SigintLost
 
 __all__ = ["REPORT_EVERY", "ReportWriter", "SigintWatch"]
@@ -99,15 +101,17 @@ class ReportWriter:
         if time.monotonic() - self._written_at > REPORT_EVERY:
             self.write_report(complete=False)
 
+    @functools.cached_property
+    def _required(self) -> tuple[str, ...]:
+        """The extensions the job demands (--gpu-require): recorded whatever imports them."""
+        return required_names(self.state.settings.gpu_require or ())
+
     def build_report(self, *, complete: bool) -> dict[str, Any]:
         """The JSON report of what has finished so far."""
         from pytest_gpucase.report.file import check_report, new_report, report_version
 
-        from pytest_gpucase.plan.require import required_names
-
-        # The extensions the job demands (--gpu-require) are recorded whatever imports them.
-        required = required_names(self.state.settings.gpu_require or ())
-        report = new_report(self.state.environment(required).to_dict(), created=self.created)
+        report = new_report(self.state.environment(self._required).to_dict(),
+                            created=self.created)
         report["results"] = [*self.results.values(), *(
             record for nodeid, record in self._pending.items() if nodeid not in self.results)]
         report["version"] = report_version(report["results"])
