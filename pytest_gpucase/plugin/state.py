@@ -142,7 +142,6 @@ class GpuCaseSession:
                   "the cases' children are forked from the pytest process: what those tests "
                   "left there (a torch setting, a monkeypatched function) reaches them; run "
                   "--gpu-cases in a session of its own")
-        self.others_ran = False   # said once
         return context
 
     def _worker_pin(self) -> dict[str, str]:
