@@ -517,12 +517,12 @@ def _failure_text(outcome: Outcome, spec: RunSpec | None = None, *, known: bool 
 def _incomplete_text(case: Case) -> str:
     """What the Recorder could not save of the case (``[origin] incomplete``), said by its
     item: the failure above is the missing part's, not a verdict on the code."""
-    reasons = case.incomplete
-    if not reasons:
+    from pytest_gpucase.run.parent import listed_incomplete
+
+    if not case.incomplete:
         return ""
-    listed = "".join(f"\n  - {reason[:2000]}" for reason in reasons[:10])
     return ("\n\nThis case is INCOMPLETE ([origin] incomplete): it cannot replay its "
-            f"failure as captured until what is missing is added:{listed}")
+            f"failure as captured until what is missing is added:\n{listed_incomplete(case)}")
 
 
 _NO_MODULE = re.compile(r"No module named '([A-Za-z_][\w.]*)'")

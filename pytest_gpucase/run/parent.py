@@ -36,7 +36,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "INCOMPLETE_CASE", "Verdict", "describe_rerun", "describe_warnings", "failure_of",
-    "incomplete_pass", "regenerate_golden", "reissue_warnings", "run_spec", "stderr_section",
+    "incomplete_pass", "listed_incomplete", "regenerate_golden", "reissue_warnings",
+    "run_spec", "stderr_section",
 ]
 
 STDERR_SHORT_LINES = 30  # a crash's stderr up to this long is quoted in the failure text
@@ -114,6 +115,11 @@ def run_spec(spec: RunSpec, ctx: RunContext, *, expects_failure: bool = False) -
     return _localized(Verdict(spec, outcome, child, found), ctx)
 
 
+def listed_incomplete(case: Case) -> str:
+    """What the case lacks (``Case.incomplete``), a line each, as its reports list it."""
+    return "\n".join(f"  - {reason[:2000]}" for reason in case.incomplete[:10])
+
+
 # The error type of a pass of an incomplete case, told as the case's failure.
 INCOMPLETE_CASE = "IncompleteCase"
 
@@ -127,16 +133,14 @@ def incomplete_pass(verdict: Verdict) -> Verdict:
     the tools that replay a case to learn how it behaves (narrowing, minimize) see the
     run as it was."""
     case = verdict.spec.case
-    reasons = case.incomplete
-    if verdict.outcome.status != "passed" or not reasons:
+    if verdict.outcome.status != "passed" or not case.incomplete:
         return verdict
     error = case.origin.get("error")
     failure = f" ({str(error)[:300]})" if isinstance(error, str) and error else ""
     summary = (f"{display(case.case_file)}: the run passed, but the case is incomplete "
                f"([origin] incomplete): it does not replay the captured failure{failure}, so "
                "this pass cannot tell whether it is fixed")
-    listed = "".join(f"  - {reason[:2000]}\n" for reason in reasons[:10])
-    details = ("What the case lacks:\n" + listed
+    details = ("What the case lacks:\n" + listed_incomplete(case) + "\n"
                + "Complete the case (or record it again once the capture can hold it), then "
                  "delete `incomplete` from [origin] in case.toml.")
     outcome = Outcome("failed", summary, details=details, kind="broken case",
