@@ -22,7 +22,7 @@ import torch
 
 from pytest_gpucase.base.errors import printable
 from pytest_gpucase.case import payload
-from tests.helpers import H100, RAISES, ce_case, result, rich_case, write_case
+from tests.helpers import H100, RAISES, ce_case, needs_zygote, result, rich_case, write_case
 
 GOOD_CALL = 'format = 1\ncall = "case.py:run"\ntimeout = 20\n'
 RUN_X = "def run(x):\n    return x + 1\n"
@@ -885,7 +885,7 @@ def test_nothing_that_looks_like_a_case_is_passed_over_in_silence(
         "cases/lost/case.toml", "cases/outer/cases/inner/case.toml"], validated.stdout
 
 
-@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="a zygote")
+@needs_zygote
 def test_what_a_plain_test_leaves_in_the_pytest_process_never_reaches_a_case(
         pytester: pytest.Pytester) -> None:
     """A unit test of the same session set torch's default dtype and stubbed a function; a
